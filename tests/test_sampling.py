@@ -1,0 +1,139 @@
+"""SamplerRecorder on a tiny random model: it must reproduce HF's own sampler and record what it drew from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from bloggap_plugin.core.scoring import token_logprobs
+from bloggap_plugin.core.truncation import kept_reducer
+from bloggap_plugin.models import load_model
+from bloggap_plugin.sampling import SamplerRecorder, check_neutral_generation_config
+
+PROMPTS = ["Hello there", "A", "The quick brown fox", "x = 1 + 2"]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = load_model("tiny-random-llama", dtype="fp32")
+    batch = tok(PROMPTS, return_tensors="pt", padding=True)
+    return model, tok, batch
+
+
+def _generate(model, batch, seed, **kwargs):
+    torch.manual_seed(seed)
+    return model.generate(
+        **batch,
+        do_sample=True,
+        max_new_tokens=NEW_TOKENS,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+
+
+def _hf_logprobs(out, tokens):
+    """log_softmax of HF's processed scores (what multinomial drew from) at the emitted tokens. [B, C]."""
+    scores = torch.stack(out.scores, dim=1).float()
+    return torch.log_softmax(scores, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def test_untruncated_records_hf_sampler_logprobs(tiny):
+    model, tok, batch = tiny
+    width = batch["input_ids"].shape[1]
+    recorder = SamplerRecorder(temperature=0.7)
+    # repetition_penalty runs before the recorder, so it is part of what both runs sample from
+    ours = _generate(
+        model, batch, 11, logits_processor=[recorder], repetition_penalty=1.3, **recorder.neutral_generation_kwargs()
+    )
+    hf = _generate(model, batch, 11, temperature=0.7, top_k=0, top_p=1.0, repetition_penalty=1.3)
+    assert torch.equal(ours.sequences, hf.sequences)
+    completion = hf.sequences[:, width:]
+    record = recorder.finalize(ours.sequences, width, eos_token_id=model.generation_config.eos_token_id)
+    keep = record.completion_mask.bool()
+    expected = _hf_logprobs(hf, completion)
+    assert torch.allclose(record.logps[keep], expected[keep], atol=1e-6, rtol=0)
+    assert torch.equal(record.processed_logps, record.logps)
+    assert record.kept_ids is None and not record.kept_sizes.any() and not record.log_kept_mass.any()
+    assert (record.logps[~keep] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "truncation", [dict(top_p=0.8), dict(top_k=5), dict(min_p=0.3)], ids=["top_p0.8", "top_k5", "min_p0.3"]
+)
+def test_truncated_recorder_draws_exactly_what_hf_warpers_draw(tiny, truncation):
+    model, tok, batch = tiny
+    width = batch["input_ids"].shape[1]
+    temperature = 0.1  # the random model's logits are nearly flat; sharpen so sets are of mixed size
+    recorder = SamplerRecorder(temperature=temperature, truncate=True, store_ids_max=1000, **truncation)
+    ours = _generate(model, batch, 5, logits_processor=[recorder], **recorder.neutral_generation_kwargs())
+    hf_kwargs = dict(temperature=temperature, top_k=0, top_p=1.0) | truncation
+    hf = _generate(model, batch, 5, **hf_kwargs)
+    assert torch.equal(ours.sequences, hf.sequences)
+    completion = hf.sequences[:, width:]
+    record = recorder.finalize(ours.sequences, width, eos_token_id=model.generation_config.eos_token_id)
+    keep = record.completion_mask.bool()
+    hf_scores = torch.stack(hf.scores, dim=1)
+    hf_sets = torch.isfinite(hf_scores)
+    for b in range(completion.shape[0]):
+        for t in range(completion.shape[1]):
+            if not keep[b, t]:
+                continue
+            ids = record.kept_ids[b][t]
+            assert ids == torch.nonzero(hf_sets[b, t]).squeeze(-1).tolist()
+            assert int(completion[b, t]) in ids
+            assert record.kept_sizes[b, t] == len(ids)
+    # the draw's log-prob is HF's, and full - processed is the kept mass, token by token
+    assert torch.allclose(record.processed_logps[keep], _hf_logprobs(hf, completion)[keep], atol=1e-6, rtol=0)
+    mass_from_ratio = torch.exp(record.logps - record.processed_logps)
+    assert torch.allclose(mass_from_ratio[keep], torch.exp(record.log_kept_mass)[keep], atol=1e-6, rtol=0)
+    assert (record.log_kept_mass[keep] < 0).any()
+    if "top_k" in truncation:
+        assert (record.kept_sizes[keep] == truncation["top_k"]).all()
+
+
+def test_teacher_forced_rescoring_over_recorded_set_gives_ratio_one(tiny):
+    model, tok, batch = tiny
+    width = batch["input_ids"].shape[1]
+    temperature = 0.1  # kept sets of ~34-51 tokens: store_ids_max=40 sends some through ids, some through sizes
+    recorder = SamplerRecorder(temperature=temperature, top_p=0.8, truncate=True, store_ids_max=40)
+    out = _generate(model, batch, 3, logits_processor=[recorder], **recorder.neutral_generation_kwargs())
+    record = recorder.finalize(out.sequences, width, eos_token_id=model.generation_config.eos_token_id)
+    keep = record.completion_mask.bool()
+    stored = torch.tensor([[ids is not None for ids in row] for row in record.kept_ids])
+    assert stored[keep].any() and (~stored[keep]).any()  # both the ids and the size-only path are exercised
+    attention = torch.cat([batch["attention_mask"], torch.ones_like(out.sequences[:, width:])], dim=1)
+    with torch.no_grad():
+        full = token_logprobs(model, out.sequences, attention, NEW_TOKENS, temperature=temperature)
+        reduce = kept_reducer(kept_ids=record.kept_ids_tensor(), sizes=record.kept_sizes)
+        renorm = token_logprobs(model, out.sequences, attention, NEW_TOKENS, temperature=temperature, reduce=reduce)
+    ratio_before = torch.exp(full - record.processed_logps)[keep]
+    ratio_after = torch.exp(renorm - record.processed_logps)[keep]
+    # uncorrected: ratio = kept mass S per token; corrected: 1 within fp32 rounding (cache vs full forward)
+    assert torch.allclose(ratio_before, torch.exp(record.log_kept_mass)[keep], atol=1e-5, rtol=0)
+    assert ratio_before.max() < 0.999
+    assert torch.allclose(ratio_after, torch.ones_like(ratio_after), atol=1e-5, rtol=0)
+
+
+def test_misuse_gives_clear_errors(tiny):
+    model, tok, batch = tiny
+    width = batch["input_ids"].shape[1]
+    recorder = SamplerRecorder(top_k=3, truncate=True)
+    with pytest.raises(RuntimeError, match="recorded nothing"):
+        recorder.finalize(batch["input_ids"], width)
+    out = _generate(model, batch, 0, logits_processor=[recorder], **recorder.neutral_generation_kwargs())
+    with pytest.raises(ValueError, match="prompt_width"):
+        recorder.finalize(out.sequences, width - 1)
+    with pytest.raises(RuntimeError, match="reset"):
+        _generate(model, batch, 0, logits_processor=[recorder], **recorder.neutral_generation_kwargs())
+    recorder.reset()
+    _generate(model, batch, 0, logits_processor=[recorder], **recorder.neutral_generation_kwargs())
+    with pytest.raises(ValueError, match="temperature"):
+        SamplerRecorder(temperature=0.0)
+    config = transformers.GenerationConfig(do_sample=True, top_p=0.9, top_k=0)
+    with pytest.raises(ValueError, match="top_p=0.9"):
+        check_neutral_generation_config(config)
+    config.update(**SamplerRecorder.neutral_generation_kwargs())
+    check_neutral_generation_config(config)
