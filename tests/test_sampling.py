@@ -137,3 +137,33 @@ def test_misuse_gives_clear_errors(tiny):
         check_neutral_generation_config(config)
     config.update(**SamplerRecorder.neutral_generation_kwargs())
     check_neutral_generation_config(config)
+
+
+def test_trunc_bias_benchmark_quick_mode_on_tiny_fp32(tmp_path):
+    """The T11 script end to end (quick, tiny fp32 model): schema, and the maths it is meant to show."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "trunc_bias.py"
+    spec = importlib.util.spec_from_file_location("trunc_bias", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = ["--quick", "--device", "cpu", "--model", "tiny-random-llama", "--dtype", "fp32", "--out", str(tmp_path)]
+    assert module.main(argv) == 0
+    data = json.loads((tmp_path / "trunc_bias.json").read_text())
+    assert data["benchmark"] == "trunc_bias" and data["schema_version"] == 1 and "env" in data
+    t11 = next(t for t in data["tables"] if t["id"] == "T11")
+    assert t11["reference"] == "T11" and t11["random_init"] is True and len(t11["rows"]) == 4
+    assert all(len(row) == len(t11["columns"]) for row in t11["rows"])
+    for arm in data["results"]["arms"]:
+        assert arm["sampler_mass_identity_max_abs"] < 1e-5
+        if not arm["truncate"]:
+            assert arm["ratio_full_vocab"]["mean"] == pytest.approx(1.0, abs=1e-5)
+            continue
+        # fp32: the uncorrected mean ratio is the mean kept mass; renormalised, every token's ratio is 1
+        assert arm["ratio_full_vocab"]["mean"] == pytest.approx(arm["kept_mass_sampler_mean"], abs=1e-5)
+        if arm["arm"] in ("top_p=0.8", "top_k=20"):  # min_p 0.05 keeps everything of this flat random model
+            assert arm["kept_mass_sampler_mean"] < 0.99
+        assert arm["ratio_kept_set"]["abs_dlogp"]["max"] < 1e-5 and arm["ratio_kept_set"]["oob"] == 0
+        assert arm["sets_equal"] == arm["positions_with_ids"] == arm["tokens"]
