@@ -1,0 +1,112 @@
+"""bloggap's verl integration, loaded by verl itself through the ``verl.plugins`` entry point.
+
+verl 0.9.1's ``verl/__init__.py`` loads every entry point of the group ``verl.plugins`` (unless
+``VERL_USE_EXTERNAL_PLUGINS=none``), so importing verl in any process (driver, TaskRunner, Ray workers) imports
+this module, which calls :func:`register`. Set ``BLOGGAP_VERL_DISABLE=1`` to switch it off.
+
+:func:`register` installs, each as soon as its verl module is imported (nothing is imported eagerly, because
+this runs while ``verl/__init__`` is still executing):
+
+- ``verl.trainer.ppo.core_algos``: the policy loss ``gap_vanilla`` (:mod:`bloggap_plugin.verl.loss`);
+- ``verl.trainer.ppo.rollout_corr_helper`` and ``verl.trainer.ppo.v1.trainer_base``: the kept-mass lift and the
+  all-rejected guard around ``compute_rollout_correction_and_add_to_batch`` (:mod:`.correction`);
+- ``verl.trainer.ppo.ray_trainer``: the same for the legacy trainer;
+- ``verl.workers.engine.fsdp.transformer_impl``: the engine override (:mod:`.engine`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+
+__all__ = ["lift_rollout_log_probs", "register", "is_registered", "DISABLE_ENV"]
+
+DISABLE_ENV = "BLOGGAP_VERL_DISABLE"
+logger = logging.getLogger("bloggap.verl")
+_LOCK = threading.Lock()
+_REGISTERED = False
+
+
+def lift_rollout_log_probs(
+    rollout_log_probs: torch.Tensor, log_kept_mass: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """Rollout log-probs lifted to the full-vocabulary support: ``rollout + log_kept_mass`` on response tokens.
+
+    Shapes ``[B, T]``; ``log_kept_mass`` in nats, <= 0; positions where ``response_mask`` is 0 are unchanged.
+    See :func:`bloggap_plugin.verl.correction.lift_rollout_log_probs`.
+    """
+    from bloggap_plugin.verl.correction import lift_rollout_log_probs as _lift
+
+    return _lift(rollout_log_probs, log_kept_mass, response_mask)
+
+
+def is_registered() -> bool:
+    return _REGISTERED
+
+
+def _patch_core_algos(module) -> None:
+    from bloggap_plugin.verl.loss import register_loss
+
+    register_loss(module)
+
+
+def _patch_helper(module) -> None:
+    from bloggap_plugin.verl.correction import patch_helper_module
+
+    patch_helper_module(module)
+
+
+def _patch_v1(module) -> None:
+    from bloggap_plugin.verl.correction import patch_v1_trainer_module
+
+    patch_v1_trainer_module(module)
+
+
+def _patch_legacy(module) -> None:
+    from bloggap_plugin.verl.correction import patch_legacy_trainer_module
+
+    patch_legacy_trainer_module(module)
+
+
+def _patch_engine(module) -> None:
+    from bloggap_plugin.verl.engine import register_engine
+
+    register_engine(module)
+
+
+HOOKS = (
+    ("verl.trainer.ppo.core_algos", _patch_core_algos),
+    ("verl.trainer.ppo.rollout_corr_helper", _patch_helper),
+    ("verl.trainer.ppo.v1.trainer_base", _patch_v1),
+    ("verl.trainer.ppo.ray_trainer", _patch_legacy),
+    ("verl.workers.engine.fsdp.transformer_impl", _patch_engine),
+)
+
+
+def register(force: bool = False) -> bool:
+    """Install every hook (idempotent). Returns False when disabled by ``BLOGGAP_VERL_DISABLE=1``."""
+    global _REGISTERED
+    if not force and os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+        logger.info("bloggap verl plugin disabled by %s", DISABLE_ENV)
+        return False
+    from bloggap_plugin.verl._hooks import when_imported
+
+    with _LOCK:
+        first = not _REGISTERED
+        _REGISTERED = True
+    for name, callback in HOOKS:
+        when_imported(name, callback)
+    if first:
+        logger.warning(
+            "bloggap verl plugin registered (pid %d): policy loss gap_vanilla, kept-mass lift + all-rejected guard "
+            "on rollout correction, fp32-head/kept-mass engine; disable with %s=1",
+            os.getpid(),
+            DISABLE_ENV,
+        )
+    return True
+
+
+register()

@@ -1,0 +1,379 @@
+"""bloggap's verl integration against the real verl 0.9.1 on CPU (one verl import shared by the module)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+verl = pytest.importorskip("verl")
+
+from omegaconf import OmegaConf  # noqa: E402
+from verl.protocol import DataProto  # noqa: E402
+from verl.trainer.config.algorithm import RolloutCorrectionConfig  # noqa: E402
+from verl.trainer.ppo import rollout_corr_helper  # noqa: E402
+from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla, get_policy_loss_fn  # noqa: E402
+from verl.workers.config.actor import ActorConfig, PolicyLossConfig  # noqa: E402
+
+import bloggap_plugin.verl as bverl  # noqa: E402
+from bloggap_plugin.core.truncation import kept_mask, log_kept_mass, log_kept_mass_from_size  # noqa: E402
+from bloggap_plugin.verl.correction import AllRejectedError, infer_preset, trainer_step  # noqa: E402
+from bloggap_plugin.verl.engine import fp32_output_head, log_kept_mass_rows  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+B, T, V = 48, 96, 400
+NOISE = 0.004  # nats of trainer/rollout numerical mismatch per token
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+
+
+def _trainer_config(top_p=1.0, top_k=-1, **bloggap):
+    cfg = {"actor_rollout_ref": {"rollout": {"temperature": 1.0, "top_p": top_p, "top_k": top_k}}}
+    if bloggap:
+        cfg["bloggap"] = bloggap
+    return OmegaConf.create(cfg)
+
+
+@pytest.fixture(scope="module")
+def batches():
+    """Synthetic rollouts per sampling arm: full-vocab trainer log-probs (+ noise) vs kept-set rollout log-probs."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(B, T, V, generator=gen) * 3.0
+    noise = torch.randn(B, T, generator=gen) * NOISE
+    lengths = torch.randint(T // 2, T + 1, (B,), generator=gen)
+    mask = (torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)).float()
+    out = {}
+    for name, top_p, top_k in (("control", 1.0, 0), ("top_p0.8", 0.8, 0), ("top_p0.95", 0.95, 0), ("top_k20", 1.0, 20)):
+        kept = kept_mask(logits, top_p=top_p, top_k=top_k)
+        probs = torch.softmax(logits.masked_fill(~kept, float("-inf")), dim=-1)
+        tokens = torch.multinomial(probs.reshape(-1, V), 1, generator=gen).reshape(B, T)
+        full = torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        log_mass = log_kept_mass(logits, kept)
+        out[name] = {
+            "old": (full + noise) * mask,
+            "rollout": (full - log_mass) * mask,  # vLLM processed_logprobs: normalised over the kept set
+            "mask": mask,
+            "sizes": kept.sum(-1),
+            "log_mass": log_mass,
+            "logits": logits,
+            "tokens": tokens,
+            "top_p": top_p,
+            "top_k": top_k,
+        }
+    return out
+
+
+def _seq_rejected(preset: RolloutCorrectionConfig, old, rollout, mask) -> float:
+    _, new_mask, metrics = rollout_corr_helper.compute_rollout_correction_and_rejection_mask(
+        old_log_prob=old,
+        rollout_log_prob=rollout,
+        response_mask=mask,
+        rollout_is=preset.rollout_is,
+        rollout_is_threshold=preset.rollout_is_threshold,
+        rollout_rs=preset.rollout_rs,
+        rollout_rs_threshold=preset.rollout_rs_threshold,
+    )
+    return metrics["rollout_corr/rollout_rs_seq_masked_fraction"]
+
+
+PRESETS = {"geo_rs": RolloutCorrectionConfig.decoupled_geo_rs(), "seq_mis": RolloutCorrectionConfig.decoupled_seq_is_rs()}
+
+
+# ------------------------------------------------------------------------------------------------ entry point
+
+
+def test_entry_point_group_is_the_one_verl_loads():
+    eps = [ep for ep in importlib.metadata.entry_points(group="verl.plugins") if ep.name == "bloggap"]
+    assert len(eps) == 1 and eps[0].value == "bloggap_plugin.verl"
+    source = open(os.path.join(os.path.dirname(verl.__file__), "__init__.py")).read()
+    assert '_entry_points(group="verl.plugins")' in source
+    assert bverl.is_registered()  # importing verl above loaded the entry point
+
+
+def test_entry_point_registers_in_a_fresh_process_and_env_var_disables():
+    code = (
+        "import torch; torch.set_num_threads(1); import verl, sys;"
+        "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R;"
+        "print('REG', 'bloggap_plugin.verl' in sys.modules, 'gap_vanilla' in R)"
+    )
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "REG True True" in run.stdout, run.stderr[-2000:]
+    assert run.stderr.count("bloggap verl plugin registered") == 1
+    off = subprocess.run(
+        [sys.executable, "-c", "import bloggap_plugin.verl as b; print('REG', b.is_registered())"],
+        capture_output=True,
+        text=True,
+        env=dict(env, BLOGGAP_VERL_DISABLE="1"),
+        timeout=60,
+    )
+    assert "REG False" in off.stdout, off.stderr[-2000:]
+
+
+def test_register_twice_is_idempotent():
+    import verl.workers.engine.fsdp.transformer_impl  # noqa: F401
+    from verl.workers.engine.base import EngineRegistry
+
+    before = {k: dict(v) for k, v in EngineRegistry._engines["language_model"].items()}
+    assert bverl.register(force=True) and bverl.register(force=True)
+    assert {k: dict(v) for k, v in EngineRegistry._engines["language_model"].items()} == before
+    wrapped = rollout_corr_helper.compute_rollout_correction_and_add_to_batch
+    assert wrapped.__bloggap_wrapped__ and not getattr(wrapped.__bloggap_original__, "__bloggap_wrapped__", False)
+
+
+# ------------------------------------------------------------------------------------------------ lift maths
+
+
+def test_lift_adds_log_kept_mass_on_response_tokens_only():
+    rollout = torch.tensor([[-0.5, -1.0, -2.0], [-0.1, -0.2, 0.0]])
+    log_mass = torch.tensor([[-0.1, -0.2, -0.3], [-0.05, 0.0, -0.7]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    lifted = bverl.lift_rollout_log_probs(rollout, log_mass, mask)
+    assert torch.equal(lifted, torch.tensor([[-0.6, -1.2, -2.0], [-0.15, -0.2, 0.0]]))
+    with pytest.raises(ValueError, match="<= 0"):
+        bverl.lift_rollout_log_probs(rollout, -log_mass + 0.5, mask)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        bverl.lift_rollout_log_probs(rollout, log_mass[:, :2], mask)
+
+
+# ------------------------------------------------------------------------------------------------ presets vs truncation
+
+
+@pytest.mark.parametrize("arm", ["top_p0.8", "top_p0.95", "top_k20"])
+@pytest.mark.parametrize("preset", ["geo_rs", "seq_mis"])
+def test_truncation_rejects_everything_and_the_lift_restores_the_control(batches, arm, preset):
+    b, control = batches[arm], batches["control"]
+    cfg = PRESETS[preset]
+    assert _seq_rejected(cfg, control["old"], control["rollout"], control["mask"]) < 0.5
+    assert _seq_rejected(cfg, b["old"], b["rollout"], b["mask"]) == 1.0
+    # exact replay (kept-set sizes, as the patched verl ships them) and re-truncation from the actor's logits
+    flat = b["logits"].reshape(-1, V)
+    by_size = log_kept_mass_from_size(b["logits"], b["sizes"])
+    retrunc = log_kept_mass_rows(flat, b["tokens"].reshape(-1), top_p=b["top_p"], top_k=b["top_k"]).reshape(B, T)
+    control_rate = _seq_rejected(cfg, control["old"], control["rollout"], control["mask"])
+    for log_mass in (by_size, retrunc):
+        lifted = bverl.lift_rollout_log_probs(b["rollout"], log_mass, b["mask"])
+        # same noise as the control, so after the lift only float rounding can move a boundary sequence
+        assert _seq_rejected(cfg, b["old"], lifted, b["mask"]) <= control_rate + 1.0 / B
+
+
+def test_wrapper_lifts_from_batch_and_guard_fires_without(batches, caplog):
+    b = batches["top_p0.8"]
+    cfg = OmegaConf.structured(RolloutCorrectionConfig.decoupled_geo_rs())
+    fn = rollout_corr_helper.compute_rollout_correction_and_add_to_batch
+
+    def batch(with_mass):
+        tensors = {"old_log_probs": b["old"], "rollout_log_probs": b["rollout"].clone(), "response_mask": b["mask"]}
+        if with_mass:
+            tensors["log_kept_mass"] = log_kept_mass_from_size(b["logits"], b["sizes"]) * b["mask"]
+        return DataProto.from_dict(tensors=tensors)
+
+    with trainer_step(_trainer_config(top_p=0.8)):
+        with caplog.at_level(logging.WARNING, logger="bloggap.verl"):
+            out, metrics = fn(batch(False), cfg)
+    assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == 1.0
+    assert metrics["gap/verl/all_rejected"] == 1.0 and metrics["gap/verl/kept_source"] == 0.0
+    assert out.batch["response_mask"].sum() == 0
+    text = caplog.text
+    for needle in ("decoupled_geo_rs (Geo-RS)", "0.999_1.001", "top_p=0.8", "top_k=-1", "temperature=1.0", "Fix:"):
+        assert needle in text, needle
+
+    with trainer_step(_trainer_config(top_p=0.8)):
+        out, metrics = fn(batch(True), cfg)
+    assert metrics["gap/verl/all_rejected"] == 0.0
+    assert metrics["gap/verl/kept_source"] == 2.0  # auto without return_sampling_mask -> re-truncation source
+    assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] < 0.5
+    assert metrics["gap/verl/log_kept_mass_mean"] == pytest.approx(
+        float(b["log_mass"][b["mask"].bool()].double().mean()), abs=1e-6
+    )
+
+    with trainer_step(_trainer_config(top_p=0.8, guard="raise")):
+        with pytest.raises(AllRejectedError, match="Geo-RS"):
+            fn(batch(False), cfg)
+
+
+def test_guard_detects_sequence_is_weights_at_the_floor():
+    # 256-token responses at top_k=20: sum of log kept mass ~ -40 nats per sequence, below the -20 clamp
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(8, 256, V, generator=gen) * 3.0
+    kept = kept_mask(logits, top_k=20)
+    tokens = torch.multinomial(torch.softmax(logits.masked_fill(~kept, float("-inf")), -1).reshape(-1, V), 1, generator=gen)
+    full = torch.log_softmax(logits, -1).gather(-1, tokens.reshape(8, 256, 1)).squeeze(-1)
+    rollout = full - log_kept_mass(logits, kept)
+    cfg = OmegaConf.structured(RolloutCorrectionConfig.decoupled_seq_is())
+    data = DataProto.from_dict(
+        tensors={"old_log_probs": full, "rollout_log_probs": rollout, "response_mask": torch.ones(8, 256)}
+    )
+    with trainer_step(_trainer_config(top_k=20, fix_truncation=False)):
+        _, metrics = rollout_corr_helper.compute_rollout_correction_and_add_to_batch(data, cfg)
+    assert metrics["gap/verl/is_floor_frac"] == 1.0 and metrics["gap/verl/all_rejected"] == 1.0
+    assert metrics["rollout_corr/rollout_is_seq_max"] <= math.exp(-20) * 1.001
+
+
+def test_infer_preset_names_presets_and_custom_configs():
+    assert infer_preset(RolloutCorrectionConfig.decoupled_seq_is_rs()) == "decoupled_seq_is_rs (Seq-MIS)"
+    assert infer_preset(RolloutCorrectionConfig.decoupled_k3_rs()) == "decoupled_k3_rs (K3-RS)"
+    wider = RolloutCorrectionConfig.decoupled_geo_rs(rs_threshold="0.99_1.01")
+    assert infer_preset(wider) == "custom, like decoupled_geo_rs (Geo-RS) with another threshold"
+
+
+# ------------------------------------------------------------------------------------------------ policy loss
+
+
+def test_gap_vanilla_is_vanilla_plus_metrics():
+    config = ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio=0.2,
+        loss_agg_mode="token-mean",
+        policy_loss=PolicyLossConfig(loss_mode="gap_vanilla"),
+    )
+    old = torch.tensor([[-1.0, -1.0, -1.0, -1.0, -1.0]])
+    delta = torch.tensor([[0.0, 0.2, -0.3, 0.05, 0.9]])
+    new = (old + delta).requires_grad_(True)
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    loss_fn = get_policy_loss_fn(config.policy_loss.loss_mode)
+    loss, metrics = loss_fn(old, new, adv, mask, "token-mean", config, None)
+    ref_loss, ref_metrics = compute_policy_loss_vanilla(old, new, adv, mask, "token-mean", config, None)
+    assert torch.equal(loss, ref_loss)
+    for key, value in ref_metrics.items():
+        assert metrics[key] == value
+    # ratios on the 4 masked tokens: 1, e^0.2=1.221 (A>0: clipped), e^-0.3=0.741 (A<0: clipped), e^0.05=1.051
+    assert metrics["gap/ratio/oob_frac"] == 0.5
+    assert metrics["gap/clip/flip_frac"] == 0.5 and metrics["gap/clip/clipped_frac"] == 0.5
+    assert metrics["gap/ratio/abs_dlogp_mean"] == pytest.approx(0.55 / 4, abs=1e-7)
+    assert metrics["gap/ratio/abs_dlogp_max"] == pytest.approx(0.3, abs=1e-7)
+
+
+# ------------------------------------------------------------------------------------------------ engine
+
+
+def test_engine_registry_resolves_the_override(monkeypatch):
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    from bloggap_plugin.verl.engine import engine_class
+
+    monkeypatch.setenv("VERL_ENGINE_DEVICE", "cuda")
+    for vendor, expected in (("nvidia", engine_class()), ("bloggap", engine_class()), ("amd", FSDPEngineWithLMHead)):
+        monkeypatch.setenv("VERL_ENGINE_VENDOR", vendor)
+        for backend in ("fsdp", "fsdp2"):
+            assert EngineRegistry.get_engine_cls("language_model", backend) is expected, (vendor, backend)
+    assert issubclass(engine_class(), FSDPEngineWithLMHead)
+
+
+def test_fp32_head_on_a_tiny_bf16_model_leaves_weights_alone():
+    from bloggap_plugin.models import load_model
+
+    model, _ = load_model("tiny-random-llama", dtype="bf16")
+    head = model.get_output_embeddings()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    captured = {}
+    pre = head.register_forward_pre_hook(lambda m, a: captured.__setitem__("h", a[0].detach().clone()))
+    with torch.no_grad():
+        bf16_logits = model(input_ids=ids).logits
+        with fp32_output_head(model):
+            fp32_logits = model(input_ids=ids).logits
+        after_logits = model(input_ids=ids).logits
+    pre.remove()
+    assert bf16_logits.dtype == torch.bfloat16 and fp32_logits.dtype == torch.float32
+    assert after_logits.dtype == torch.bfloat16 and torch.equal(after_logits, bf16_logits)  # hook removed
+    reference = (captured["h"].double() @ head.weight.double().T).float()
+    ref_lp = torch.log_softmax(reference.double(), -1)
+    err_fp32 = (torch.log_softmax(fp32_logits, -1).double() - ref_lp).abs().max().item()
+    err_bf16 = (torch.log_softmax(bf16_logits.float(), -1).double() - ref_lp).abs().max().item()
+    assert err_fp32 < 1e-5 and err_bf16 > 10 * err_fp32
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, weights[key]), key
+
+
+def test_log_kept_mass_rows_against_an_independent_sort():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(40, 64, generator=gen) * 2
+    sizes = torch.randint(0, 9, (40,), generator=gen)
+    temperature = 0.7
+    got = log_kept_mass_rows(logits, torch.zeros(40, dtype=torch.long), sizes=sizes, temperature=temperature, chunk_rows=7)
+    probs = torch.softmax(logits.double() / temperature, -1).sort(-1, descending=True).values
+    expected = torch.stack([probs[i, : max(int(s), 0)].sum() if s > 0 else probs.new_tensor(1.0) for i, s in enumerate(sizes)])
+    assert torch.allclose(got.double(), expected.log(), atol=1e-5)
+    # top_k=1 re-truncation keeps the argmax plus the sampled label
+    labels = torch.randint(0, 64, (40,), generator=gen)
+    got = log_kept_mass_rows(logits, labels, top_k=1, chunk_rows=16)
+    p = torch.softmax(logits.double(), -1)
+    top = p.argmax(-1)
+    mass = p.max(-1).values + torch.where(labels != top, p.gather(-1, labels.unsqueeze(-1)).squeeze(-1), p.new_zeros(40))
+    assert torch.allclose(got.double(), mass.log(), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ V1 trainer + tracking
+
+
+def test_v1_trainer_name_and_methods_are_wrapped(monkeypatch):
+    stub = types.ModuleType("transfer_queue")
+
+    class KVBatchMeta:  # the names trainer_base imports at module level
+        pass
+
+    stub.KVBatchMeta = KVBatchMeta
+
+    def __getattr__(name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (), {})
+
+    stub.__getattr__ = __getattr__
+    if "transfer_queue" not in sys.modules:
+        monkeypatch.setitem(sys.modules, "transfer_queue", stub)
+    import verl.trainer.ppo.v1.trainer_base as tb
+
+    assert tb.compute_rollout_correction_and_add_to_batch.__bloggap_wrapped__
+    assert tb.PPOTrainer._compute_advantage.__bloggap_wrapped__
+    assert tb.PPOTrainer._compute_old_log_prob.__bloggap_wrapped__
+
+    # _compute_old_log_prob forwards the engine requests for this call only
+    seen = {}
+
+    def spy(self, batch, metrics):
+        seen.update(batch.extra_info)
+        return batch
+
+    wrapper = tb.PPOTrainer._compute_old_log_prob
+    monkeypatch.setattr(wrapper, "__bloggap_original__", spy)
+    fake_meta = types.SimpleNamespace(extra_info={})
+    trainer = types.SimpleNamespace(config=_trainer_config(top_p=0.9, fp32_head=True))
+    wrapper(trainer, fake_meta, {})
+    assert seen["bloggap_fp32_head"] is True and seen["bloggap_log_kept_mass"] == "retruncate"
+    assert seen["bloggap_top_p"] == 0.9 and fake_meta.extra_info == {}
+
+
+def test_metrics_reach_verl_tracking_file_backend(batches, tmp_path, monkeypatch):
+    from verl.utils.tracking import Tracking
+
+    path = tmp_path / "metrics.jsonl"
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(path))
+    b = batches["top_p0.95"]
+    data = DataProto.from_dict(
+        tensors={"old_log_probs": b["old"], "rollout_log_probs": b["rollout"].clone(), "response_mask": b["mask"]}
+    )
+    with trainer_step(_trainer_config(top_p=0.95)):
+        _, metrics = rollout_corr_helper.compute_rollout_correction_and_add_to_batch(
+            data, OmegaConf.structured(RolloutCorrectionConfig.decoupled_geo_rs())
+        )
+    tracker = Tracking(project_name="bloggap", experiment_name="cpu", default_backend=["file"])
+    tracker.log(data=metrics, step=1)
+    tracker.finish()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows[0]["step"] == 1 and rows[0]["data"]["gap/verl/all_rejected"] == 1.0
+    assert math.isclose(rows[0]["data"]["rollout_corr/rollout_rs_seq_masked_fraction"], 1.0)
