@@ -1,0 +1,308 @@
+"""Recipe files: TRL ``GRPOConfig`` fields plus a ``gap:`` section, loaded, validated and merged.
+
+A recipe is YAML in TRL's config style::
+
+    num_iterations: 2          # any GRPOConfig field
+    learning_rate: 1.0e-6
+    gap:                       # the plugin's section (GapConfig)
+      arm: F
+      band: 0.1
+
+``load_recipe(path) -> (grpo_kwargs, gap)`` rejects unknown keys (naming the key, suggesting the closest
+valid one and listing all of them), wrong types and bad values. Layer ids are checked against a model with
+:meth:`GapConfig.check_layers` when the plugin attaches to a trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "GapConfig",
+    "RecipeError",
+    "load_recipe",
+    "parse_recipe",
+    "gap_config_from_dict",
+    "merge_grpo_config",
+    "config_differences",
+    "ARMS",
+    "ARM_ALIASES",
+]
+
+ARMS = ("A", "B", "C", "D", "E", "F", "G", "H")
+# What each arm does in the old-logprob pass (DESIGN.md).
+ARM_DESCRIPTIONS = {
+    "A": "trainer default: TRL's own old log-probs (bf16 autocast, chunks of per_device_train_batch_size)",
+    "B": "fp32 shadow copy of the policy",
+    "C": "policy as is, chunk = micro-batch, through the plugin's scoring (gap.positions)",
+    "D": "bf16 + divergence-guided fp32 layers + fp32 norm/head",
+    "E": "bf16 + fp32 final norm and LM head",
+    "F": "fp16 shadow copy of the policy",
+    "G": "matched: each buffered training micro-batch scored as one chunk after TRL's shuffle",
+    "H": "fp16 everywhere: rollout, old log-probs and training in fp16 autocast with loss scaling",
+}
+# Arm -> precision-plan arm name (core.precision.make_plan); None: no plan, TRL's own forward.
+ARM_PLANS = {"A": None, "B": "fp32", "C": "bf16", "D": "guided", "E": "fp32_head", "F": "fp16", "G": None, "H": None}
+ARM_ALIASES = {"bf16": "C", "fp32": "B", "fp16": "F", "fp32_head": "E", "guided": "D", "matched": "G", "default": "A"}
+KEPT_MODES = ("renormalize", "measure", "off")
+POSITION_MODES = ("mask", "arange")
+REFERENCES = ("fp32_b1",)
+
+
+class RecipeError(ValueError):
+    """A recipe (or GapConfig) names an unknown key, has a wrong type, or an invalid value."""
+
+
+@dataclass
+class GapConfig:
+    """The plugin's settings: the ``gap:`` section of a recipe."""
+
+    arm: str = "A"
+    """Old-logprob arm, one of A-H (see DESIGN.md; aliases bf16=C, fp32=B, fp16=F, fp32_head=E, guided=D,
+    matched=G, default=A). A and H keep TRL's own old log-probs; B-F score them with a precision plan; G scores
+    each training micro-batch exactly as the training forward will see it."""
+
+    band: float = 0.1
+    """Half-width ``b`` of the ratio band: a token is out of band when ``exp(dlogp)`` is outside ``[1-b, 1+b]``."""
+
+    probe_rows: int = 4
+    """Rows per generation (per process) scored by the fp32 batch-1 reference (clip flips) and the live
+    batch-shape probe; chosen with a private generator, so the trainer's RNG is untouched. 0 disables both."""
+
+    layers: list[int] | None = None
+    """Arm D: decoder-layer ids to run in fp32; ``None`` lets the precision plan choose (guided, top ``k``)."""
+
+    k: int = 8
+    """Arm D: number of layers the guided plan upcasts when ``layers`` is not given."""
+
+    positions: str = "mask"
+    """Position ids of the plugin's scoring and, for arms B-G, of the training forward too: ``mask`` (as HF
+    ``generate`` uses: cumsum of the attention mask) or ``arange`` (0..L-1, TRL's own scoring). Arms A and H
+    keep TRL's forward untouched, so their scoring uses ``arange`` whatever this says."""
+
+    force_old_logprobs: bool = False
+    """When TRL would not compute old log-probs (ratio identically 1: num_iterations 1 and
+    steps_per_generation dividing gradient_accumulation_steps), still put the arm's old log-probs into the
+    loss. Default: measure only, training unchanged."""
+
+    kept: str = "measure"
+    """Truncated sampling (top_p/top_k/min_p): ``renormalize`` the trainer's log-probs over the sampler's
+    kept set in both the old and the training pass; ``measure`` only logs kept mass and ratios; ``off`` does
+    neither. ``renormalize`` needs the sampler recording (``sampler: true``) as kept-set source."""
+
+    sampler: bool = True
+    """Record the HF ``generate`` sampler's log-prob of every emitted token (and its kept set), so
+    ``gap/sampler/*`` and ``gap/kept/*`` exist without vLLM. Sampling then runs through the plugin's logits
+    processor (same temperature and truncation, vLLM's order)."""
+
+    store_ids_max: int = 64
+    """Kept sets up to this size are stored as ids (exact renormalisation); larger ones as sizes only (top-|S|)."""
+
+    is_correction: bool = False
+    """HF path: multiply the per-token loss by TRL's importance-sampling ratio between the old log-probs and
+    the recorded sampler log-probs, with the trainer's ``vllm_importance_sampling_mode`` and
+    ``vllm_importance_sampling_clip_min/clip_max`` semantics (TRL only does this with vLLM)."""
+
+    reference: str = "fp32_b1"
+    """Reference scoring for clip flips: ``fp32_b1`` = an fp32 copy of the policy, one row at a time."""
+
+    metrics_every: int = 1
+    """Compute the generation-time metrics (probe, reference, sampler) every N generations; 1 = always."""
+
+    strict_version: bool = True
+    """Refuse to attach to a TRL outside the supported range (1.16.x); ``False`` downgrades that to a warning
+    (missing private methods are always an error)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`RecipeError` naming the field, the bad value and what is accepted."""
+        arm = str(self.arm)
+        arm = ARM_ALIASES.get(arm.lower(), arm.upper())
+        if arm not in ARMS:
+            raise RecipeError(f"gap.arm: unknown arm {self.arm!r}; use one of {', '.join(ARMS)} "
+                              f"(or an alias: {', '.join(ARM_ALIASES)})")
+        self.arm = arm
+        if not 0.0 < float(self.band) < 1.0:
+            raise RecipeError(f"gap.band must be in (0, 1), got {self.band}")
+        for name in ("probe_rows", "k", "metrics_every", "store_ids_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise RecipeError(f"gap.{name} must be an integer, got {value!r}")
+        if self.probe_rows < 0:
+            raise RecipeError(f"gap.probe_rows must be >= 0, got {self.probe_rows}")
+        if self.k < 1:
+            raise RecipeError(f"gap.k must be >= 1, got {self.k}")
+        if self.metrics_every < 1:
+            raise RecipeError(f"gap.metrics_every must be >= 1, got {self.metrics_every}")
+        if self.store_ids_max < 0:
+            raise RecipeError(f"gap.store_ids_max must be >= 0, got {self.store_ids_max}")
+        if self.positions not in POSITION_MODES:
+            raise RecipeError(f"gap.positions must be one of {', '.join(POSITION_MODES)}, got {self.positions!r}")
+        if self.kept not in KEPT_MODES:
+            raise RecipeError(f"gap.kept must be one of {', '.join(KEPT_MODES)}, got {self.kept!r}")
+        if self.reference not in REFERENCES:
+            raise RecipeError(f"gap.reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}")
+        for name in ("force_old_logprobs", "sampler", "is_correction", "strict_version"):
+            if not isinstance(getattr(self, name), bool):
+                raise RecipeError(f"gap.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.layers is not None:
+            if not isinstance(self.layers, (list, tuple)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in self.layers
+            ):
+                raise RecipeError(f"gap.layers must be a list of integer layer ids, got {self.layers!r}")
+            if any(i < 0 for i in self.layers):
+                raise RecipeError(f"gap.layers ids must be >= 0, got {self.layers}")
+            self.layers = list(self.layers)
+            if self.arm != "D":
+                raise RecipeError(f"gap.layers only applies to arm D (guided); arm is {self.arm}")
+        if self.kept == "renormalize" and not self.sampler:
+            raise RecipeError(
+                "gap.kept: renormalize needs a kept-set source: set gap.sampler: true (the HF generate path "
+                "records the kept sets), or use gap.kept: measure / off"
+            )
+        if self.is_correction and not self.sampler:
+            raise RecipeError("gap.is_correction needs the sampler's log-probs: set gap.sampler: true")
+
+    def check_layers(self, num_layers: int) -> None:
+        """Raise :class:`RecipeError` if a ``layers`` id is not a decoder layer of a ``num_layers``-layer model."""
+        if self.layers is None:
+            return
+        bad = [i for i in self.layers if not 0 <= i < num_layers]
+        if bad:
+            raise RecipeError(
+                f"gap.layers: {bad} out of range; this model has {num_layers} decoder layers (valid ids 0..{num_layers - 1})"
+            )
+        if len(set(self.layers)) != len(self.layers):
+            raise RecipeError(f"gap.layers has duplicate ids: {self.layers}")
+
+    @property
+    def plan_arm(self) -> str | None:
+        """The precision plan's arm name for this arm (None: TRL's own forward)."""
+        return ARM_PLANS[self.arm]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _field_names(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _unknown_key_error(key: str, valid: list[str], where: str) -> RecipeError:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return RecipeError(f"{where}: unknown key {key!r}{hint}; valid keys: {', '.join(sorted(valid))}")
+
+
+_GAP_TYPES = {
+    "arm": (str,),
+    "band": (float, int),
+    "probe_rows": (int,),
+    "layers": (list, type(None)),
+    "k": (int,),
+    "positions": (str,),
+    "force_old_logprobs": (bool,),
+    "kept": (str,),
+    "sampler": (bool,),
+    "store_ids_max": (int,),
+    "is_correction": (bool,),
+    "reference": (str,),
+    "metrics_every": (int,),
+    "strict_version": (bool,),
+}
+
+
+def gap_config_from_dict(section: dict | None, where: str = "gap") -> GapConfig:
+    """Build a :class:`GapConfig` from a mapping, rejecting unknown keys and wrong types by name."""
+    section = dict(section or {})
+    valid = _field_names(GapConfig)
+    for key, value in section.items():
+        if key not in valid:
+            raise _unknown_key_error(key, valid, where)
+        types = _GAP_TYPES[key]
+        if isinstance(value, bool) and bool not in types:
+            raise RecipeError(f"{where}.{key} must be {' or '.join(t.__name__ for t in types)}, got {value!r}")
+        if not isinstance(value, types):
+            raise RecipeError(
+                f"{where}.{key} must be {' or '.join(t.__name__ for t in types if t is not type(None))}, "
+                f"got {type(value).__name__} {value!r}"
+            )
+    if "band" in section:
+        section["band"] = float(section["band"])
+    return GapConfig(**section)
+
+
+def _grpo_field_names() -> list[str] | None:
+    try:
+        from trl import GRPOConfig
+    except ImportError:  # pragma: no cover - TRL is a dependency; keep recipes loadable without it
+        return None
+    return _field_names(GRPOConfig)
+
+
+def parse_recipe(data: dict, where: str = "recipe") -> tuple[dict, GapConfig]:
+    """Split a recipe mapping into ``(grpo_kwargs, GapConfig)``, validating every key."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where}: a recipe must be a mapping of GRPOConfig fields plus a 'gap:' section")
+    data = dict(data)
+    gap_section = data.pop("gap", None)
+    if gap_section is not None and not isinstance(gap_section, dict):
+        raise RecipeError(f"{where}: 'gap' must be a mapping, got {type(gap_section).__name__}")
+    valid = _grpo_field_names()
+    if valid is not None:
+        for key in data:
+            if key not in valid:
+                raise _unknown_key_error(key, valid + ["gap"], where)
+    return data, gap_config_from_dict(gap_section, where=f"{where}: gap")
+
+
+def load_recipe(path: str | Path) -> tuple[dict, GapConfig]:
+    """Load a YAML recipe: ``(grpo_kwargs, gap)``. Errors name the file and the offending key."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe {path} does not exist (recipes ship in recipes/arm_A.yaml .. arm_H.yaml)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{path}: not valid YAML: {err}") from err
+    return parse_recipe(data, where=str(path))
+
+
+def merge_grpo_config(grpo_kwargs: dict, base: Any = None, **overrides: Any):
+    """A ``GRPOConfig`` from ``base`` (a GRPOConfig, a dict of fields, or None), then the recipe, then ``overrides``."""
+    from trl import GRPOConfig
+
+    if base is None:
+        merged: dict = {}
+    elif isinstance(base, dict):
+        merged = dict(base)
+    else:
+        defaults = GRPOConfig(output_dir=getattr(base, "output_dir", None) or "bloggap-out")
+        merged = {
+            f.name: getattr(base, f.name)
+            for f in dataclasses.fields(GRPOConfig)
+            if f.init and getattr(base, f.name) != getattr(defaults, f.name)
+        }
+    merged.update(grpo_kwargs)
+    merged.update(overrides)
+    return GRPOConfig(**merged)
+
+
+def config_differences(grpo_kwargs: dict, args: Any) -> dict[str, tuple[Any, Any]]:
+    """``{field: (recipe value, trainer value)}`` for recipe GRPOConfig fields that differ from ``args``."""
+    diffs = {}
+    for key, value in grpo_kwargs.items():
+        current = getattr(args, key, None)
+        if current != value:
+            diffs[key] = (value, current)
+    return diffs
