@@ -20,9 +20,12 @@ LogprobReducer = Callable[[torch.Tensor, torch.Tensor, slice], torch.Tensor]
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids as HF ``generate`` derives them: ``cumsum(mask) - 1``, padding set to 1. ``[B, L]`` long."""
+    """Position ids as HF ``generate`` derives them: ``cumsum(mask) - 1``, padding set to 0. ``[B, L]`` long.
+
+    (transformers 5 fills padding with 0, 4.x with 1; padded positions are masked out either way.)
+    """
     position_ids = attention_mask.long().cumsum(-1) - 1
-    position_ids.masked_fill_(attention_mask == 0, 1)
+    position_ids.masked_fill_(attention_mask == 0, 0)
     return position_ids
 
 
