@@ -1,0 +1,437 @@
+"""Scoring plans (core/precision.py): they really run in their precision, equal independent models, stay
+fresh after sync without re-allocating, and never touch the policy.
+
+"Bit for bit" here means: the plan's fp32 (fp16) log-probs are ``torch.equal`` to those of a separately
+loaded model of the same class in fp32 (fp16) holding the policy's weights cast to that dtype (for a bf16
+policy these are the bf16-rounded weights; no plan can recover precision the policy never had), scored by
+the same ``token_logprobs`` with the same rows and chunking.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from bloggap_plugin.core.precision import (
+    ARM_ALIASES,
+    ARMS,
+    decoder_layers,
+    make_plan,
+    output_head,
+    resolve_arm,
+)
+from bloggap_plugin.core.scoring import gather_logprobs, token_logprobs
+from bloggap_plugin.models import load_model
+
+TEXTS = [
+    "The capital of France is Paris, and the river is the Seine.",
+    "2 + 3 = 5",
+    "Once upon a time there was a small robot who liked to count stars at night.",
+    "def add(a, b): return a + b",
+]
+K = 6
+
+
+def _rows(tok, texts=TEXTS):
+    enc = tok(texts, padding=True, return_tensors="pt")
+    assert tok.padding_side == "left"
+    return enc.input_ids, enc.attention_mask
+
+
+def _independent(spec_model, dtype, weights_from):
+    """A separately constructed model of the same class with its parameters in ``dtype`` (buffers as loaded)
+    holding ``weights_from``'s weights."""
+    model = spec_model
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights_from.state_dict().items()}
+    model.load_state_dict(state)
+    return model
+
+
+def _snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _assert_same(model, snap):
+    for n, p in model.named_parameters(remove_duplicate=False):
+        assert torch.equal(p.detach(), snap[n]), f"{n} changed"
+
+
+# ----------------------------------------------------------------------------------------------- arms
+
+
+def test_resolve_arm_names_and_aliases():
+    assert ARMS == ("bf16", "fp32", "fp16", "fp32_head", "guided")
+    assert {resolve_arm(a) for a in "ABDEF"} == set(ARMS)
+    assert resolve_arm("B") == "fp32" and resolve_arm("F") == "fp16" and resolve_arm("E") == "fp32_head"
+    assert resolve_arm("D") == "guided" and resolve_arm("A") == "bf16" and resolve_arm("FP16") == "fp16"
+    assert ARM_ALIASES["B"] == "fp32"
+    with pytest.raises(ValueError, match=r"unknown scoring arm 'fp8'.*bf16, fp32, fp16, fp32_head, guided"):
+        resolve_arm("fp8")
+    model, _ = load_model("tiny-random-llama", dtype="bf16")
+    with pytest.raises(ValueError, match="unknown scoring arm 'Z'"):
+        make_plan(model, "Z")
+
+
+def test_bad_options_give_clear_errors():
+    model, tok = load_model("tiny-random-llama", dtype="bf16")
+    with pytest.raises(ValueError, match=r"bad layer id 2: the model has 2 decoder layers.*0\.\.1"):
+        make_plan(model, "guided", layers=[0, 2])
+    with pytest.raises(ValueError, match="bad layer id -1"):
+        make_plan(model, "D", layers=[-1])
+    with pytest.raises(ValueError, match="duplicate layer ids"):
+        make_plan(model, "guided", layers=[1, 1])
+    with pytest.raises(ValueError, match=r"needs layers=\[ids\]"):
+        make_plan(model, "guided")
+    with pytest.raises(ValueError, match="needs calibration="):
+        make_plan(model, "guided", layers="auto")
+    with pytest.raises(ValueError, match="list of decoder layer ids or 'auto'"):
+        make_plan(model, "guided", layers="top")
+    with pytest.raises(ValueError, match="for arm 'guided' only"):
+        make_plan(model, "fp32", layers=[0])
+    with pytest.raises(ValueError, match="k must be an integer in"):
+        make_plan(model, "guided", layers="auto", k=5, calibration=_rows(tok))
+    with pytest.raises(ValueError, match="device= places an fp32/fp16 shadow"):
+        make_plan(model, "fp32_head", device="cpu")
+    plan = make_plan(model, "fp32")
+    plan.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        plan.token_logprobs(*_rows(tok), K)
+
+
+# ------------------------------------------------------------------------------- bit-for-bit vs independent
+
+
+@pytest.mark.slow
+def test_fp32_plan_equals_independent_fp32_model_bitwise(smollm2_bf16):
+    policy, tok = smollm2_bf16
+    ids, mask = _rows(tok)
+    independent = _independent(load_model("smollm2", dtype="fp32")[0], torch.float32, policy)
+    expected = token_logprobs(independent, ids, mask, K, batch_size=2)
+    with make_plan(policy, "B") as plan:
+        got = plan.token_logprobs(ids, mask, K, batch_size=2)
+        assert plan.arm == "fp32"
+        # the shadow holds 4 bytes per parameter (tied weight once) plus the fp32 rotary buffers
+        n_params = sum(p.numel() for p in policy.parameters())
+        buffers = sum(b.numel() * b.element_size() for b in plan.shadow.buffers())
+        assert plan.stats()["bytes_added"] == 4 * n_params + buffers
+        assert plan.stats()["fp32_param_share"] == 1.0
+    assert got.dtype == torch.float32 and got.shape == (len(TEXTS), K)
+    assert torch.equal(got, expected)
+    # and the plan is not just the bf16 policy: bf16 scoring differs from it
+    assert not torch.equal(token_logprobs(policy, ids, mask, K, batch_size=2), got)
+
+
+def _save_tiny(tmp_path, spec):
+    model, tok = load_model(spec, dtype="fp32")
+    model.save_pretrained(tmp_path)
+    return type(model), tok
+
+
+def test_fp16_plan_equals_independent_fp16_model_bitwise(tmp_path):
+    # from_pretrained on both sides, as a user loads models (rotary buffers in fp32 in every dtype)
+    cls, tok = _save_tiny(tmp_path, "tiny-random-qwen2")
+    policy = cls.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    independent = _independent(
+        cls.from_pretrained(tmp_path, dtype=torch.float16).eval(), torch.float16, policy
+    )
+    ids, mask = _rows(tok)
+    expected = token_logprobs(independent, ids, mask, K, batch_size=3)
+    with make_plan(policy, "F") as plan:
+        got = plan.token_logprobs(ids, mask, K, batch_size=3)
+        assert plan.shadow.lm_head.weight is plan.shadow.model.embed_tokens.weight  # still tied
+        assert plan.shadow.lm_head.weight.dtype == torch.float16
+        assert plan.stats()["fp32_param_share"] == 0.0 and plan.fp16_fallbacks == 0
+    assert torch.equal(got, expected)
+    assert not torch.equal(token_logprobs(policy, ids, mask, K, batch_size=3), got)
+
+
+# ----------------------------------------------------------------------------- really runs in that precision
+
+
+class _Wrapper(nn.Module):
+    """Stands in for DDP / accelerate's prepared model: the policy under ``.module``."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.calls = 0
+
+    def forward(self, **kwargs):
+        self.calls += 1
+        return self.module(**kwargs)
+
+
+def _patch_like_accelerate(model):
+    """What accelerate's mixed precision does: an instance-level forward that re-enters bf16 autocast."""
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return original(*args, **kwargs)
+
+    model._original_forward = original
+    model.forward = forward
+    return model
+
+
+def _record_linear_dtypes(module):
+    seen = []
+
+    def hook(mod, args, out):
+        seen.append((args[0].dtype, out.dtype))
+
+    return seen, module.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("arm,dtype", [("fp32", torch.float32), ("fp16", torch.float16)])
+def test_shadow_runs_in_its_dtype_under_autocast_and_patched_forward(arm, dtype):
+    # TRL-like policy: fp32 weights, forward patched to run under bf16 autocast, wrapped like DDP
+    policy, tok = load_model("tiny-random-llama", dtype="fp32")
+    reference = token_logprobs(policy, *_rows(tok), K)
+    independent = _independent(load_model("tiny-random-llama", dtype="fp32")[0], dtype, policy)
+    expected = token_logprobs(independent, *_rows(tok), K)
+    wrapped = _Wrapper(_patch_like_accelerate(policy))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        baseline = make_plan(wrapped, "bf16").token_logprobs(*_rows(tok), K)
+        assert wrapped.calls == 1  # arm A calls exactly what it was given
+        plan = make_plan(wrapped, arm)
+        assert "forward" not in plan.shadow.__dict__ and "_original_forward" not in plan.shadow.__dict__
+        seen, handle = _record_linear_dtypes(plan.shadow.model.layers[0].mlp.down_proj)
+        got = plan.token_logprobs(*_rows(tok), K)
+        handle.remove()
+    assert wrapped.calls == 1  # the shadow never calls the wrapped policy
+    assert seen and all(s == (dtype, dtype) for s in seen)
+    assert torch.equal(got, expected)
+    assert not torch.equal(baseline, reference)  # the patched policy itself really runs in bf16
+    if dtype == torch.float32:
+        assert torch.equal(got, reference)
+
+
+def test_fp32_head_and_guided_run_fp32_inside_bf16_autocast():
+    policy, tok = load_model("tiny-random-llama", dtype="fp32")
+    _patch_like_accelerate(policy)
+    layers = decoder_layers(policy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = make_plan(policy, "guided", layers=[1])
+        seen0, h0 = _record_linear_dtypes(layers[0].mlp.down_proj)
+        seen1, h1 = _record_linear_dtypes(
+            layers[1].mlp.down_proj
+        )  # fp32 weights already: runs the live layer
+        plan.token_logprobs(*_rows(tok), K)
+        h0.remove(), h1.remove()
+    assert seen0 and all(s == (torch.bfloat16, torch.bfloat16) for s in seen0)  # autocast: bf16 matmul
+    assert seen1 and all(s == (torch.float32, torch.float32) for s in seen1)  # island: autocast off
+    assert plan.stats()["bytes_added"] == 0  # fp32 weights are used in place, nothing copied
+
+
+# ---------------------------------------------------------------------------------------- guided == fp32
+
+
+@pytest.mark.parametrize(
+    "spec", ["tiny-random-llama", "tiny-random-qwen2", "tiny-random-gpt_neox", "tiny-random-qwen2_moe"]
+)
+def test_guided_with_every_layer_equals_fp32_plan(spec):
+    policy, tok = load_model(spec, dtype="bf16")
+    ids, mask = _rows(tok)
+    n = len(decoder_layers(policy))
+    fp32 = make_plan(policy, "fp32").token_logprobs(ids, mask, K, batch_size=3)
+    guided = make_plan(policy, "guided", layers=list(range(n))).token_logprobs(ids, mask, K, batch_size=3)
+    assert (guided - fp32).abs().max().item() <= 1e-6
+    head_only = make_plan(policy, "fp32_head").token_logprobs(ids, mask, K, batch_size=3)
+    assert (head_only - fp32).abs().max().item() > 1e-6  # the layers matter: the comparison can fail
+
+
+@pytest.mark.slow
+def test_guided_every_layer_equals_fp32_on_smollm2(smollm2_bf16):
+    policy, tok = smollm2_bf16
+    ids, mask = _rows(tok)
+    fp32 = make_plan(policy, "fp32").token_logprobs(ids, mask, K, batch_size=2)
+    plan = make_plan(policy, "guided", layers=list(range(30)))
+    guided = plan.token_logprobs(ids, mask, K, batch_size=2)
+    assert (guided - fp32).abs().max().item() <= 1e-6
+    # every decoder parameter, the final norm and the (tied) head run in fp32; only the embedding lookup does not
+    total = sum(p.numel() for p in policy.parameters())
+    embed = policy.get_input_embeddings().weight.numel()
+    assert plan.stats()["fp32_param_share"] == pytest.approx((total - embed + embed) / (total + embed))
+
+
+@pytest.mark.slow
+def test_fp32_head_accounting_on_tied_smollm2(smollm2_bf16):
+    policy, _ = smollm2_bf16
+    plan = make_plan(policy, "E")
+    vocab, hidden = 49152, 576
+    stats = plan.stats()
+    assert stats["bytes_added"] == 4 * (vocab * hidden + hidden)  # fp32 head weight + fp32 final norm
+    assert stats["fp32_param_share"] == pytest.approx(
+        (vocab * hidden + hidden) / (134_515_008 + vocab * hidden)
+    )
+    assert stats["layers"] == []
+    plan.close()
+
+
+# ------------------------------------------------------------------------------------ sync after a step
+
+
+def _train_step(policy, tok, optimizer):
+    ids, mask = _rows(tok)
+    loss = -token_logprobs(policy, ids, mask, K).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("arm", ["fp32", "fp16"])
+def test_shadow_sync_after_optimizer_step_in_place(arm):
+    policy, tok = load_model("tiny-random-qwen2", dtype="fp32")  # tied embeddings
+    dtype = torch.float32 if arm == "fp32" else torch.float16
+    plan = make_plan(policy, arm)
+    ptrs = {n: p.data_ptr() for n, p in plan.shadow.named_parameters()}
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    _train_step(policy, tok, optimizer)
+    stale = dict(plan.shadow.named_parameters())["model.embed_tokens.weight"]
+    assert not torch.equal(stale, policy.model.embed_tokens.weight.to(dtype))  # the step changed the policy
+    seconds = plan.sync(policy)
+    assert seconds > 0 and plan.stats()["sync_seconds"] == seconds
+    for name, p in plan.shadow.named_parameters():
+        assert p.data_ptr() == ptrs[name], f"{name} was re-allocated"
+        assert torch.equal(p, policy.get_parameter(name).detach().to(dtype)), name
+    assert plan.shadow.lm_head.weight is plan.shadow.model.embed_tokens.weight
+    fresh = make_plan(policy, arm).token_logprobs(*_rows(tok), K)
+    assert torch.equal(plan.token_logprobs(*_rows(tok), K), fresh)
+
+
+@pytest.mark.parametrize("arm", ["fp32_head", "guided"])
+def test_upcast_sync_after_optimizer_step_in_place(arm):
+    policy, tok = load_model("tiny-random-qwen2", dtype="bf16")  # tied, low precision: copies are owned
+    plan = make_plan(policy, arm, layers=[1]) if arm == "guided" else make_plan(policy, arm)
+    owned = [p for clone, _ in plan._owned for p in clone.parameters()] + plan._head.owned_tensors()
+    ptrs = [t.data_ptr() for t in owned]
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
+    _train_step(policy, tok, optimizer)
+    assert not torch.equal(plan._head.weight32, policy.model.embed_tokens.weight.float())
+    plan.sync(policy)
+    assert [t.data_ptr() for t in owned] == ptrs
+    assert torch.equal(plan._head.weight32, policy.model.embed_tokens.weight.float())
+    for clone, live in plan._owned:
+        for a, b in zip(clone.parameters(), live.parameters()):
+            assert torch.equal(a, b.float())
+    fresh = make_plan(policy, arm, layers=[1]) if arm == "guided" else make_plan(policy, arm)
+    assert torch.equal(plan.token_logprobs(*_rows(tok), K), fresh.token_logprobs(*_rows(tok), K))
+
+
+# ---------------------------------------------------------------------------- the policy is never touched
+
+
+@pytest.mark.parametrize("arm", ["bf16", "fp32", "fp16", "fp32_head", "guided"])
+def test_scoring_leaves_policy_grads_optimizer_and_tied_embedding_unchanged(arm):
+    policy, tok = load_model("tiny-random-qwen2", dtype="bf16")
+    embed, head = policy.model.embed_tokens.weight, policy.lm_head.weight
+    assert embed is head
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    _train_step(policy, tok, optimizer)
+    loss = -token_logprobs(policy, *_rows(tok), K).mean()
+    loss.backward()  # grads present when scoring happens
+    params = _snapshot(policy)
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    opt_state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
+    structure = [(n, id(m)) for n, m in policy.named_modules()]
+    ptr = embed.data_ptr()
+    plan = make_plan(policy, arm, layers=[0] if arm == "guided" else None)
+    plan.token_logprobs(*_rows(tok), K, batch_size=2)
+    plan.sync(policy)
+    plan.token_logprobs(*_rows(tok), K)
+    plan.close()
+    _assert_same(policy, params)
+    for n, p in policy.named_parameters():
+        assert torch.equal(p.grad, grads[n]), f"grad of {n} changed"
+    for p, s in optimizer.state.items():
+        for key, value in s.items():
+            assert torch.equal(value, opt_state[id(p)][key])
+    assert policy.lm_head.weight is policy.model.embed_tokens.weight is embed and embed.data_ptr() == ptr
+    assert embed.dtype == torch.bfloat16
+    assert [(n, id(m)) for n, m in policy.named_modules()] == structure  # swaps undone
+    for m in policy.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks, f"hook left on {type(m).__name__}"
+    assert output_head(policy)[2] is policy.lm_head
+
+
+def test_upcast_swap_restored_when_scoring_raises():
+    policy, tok = load_model("tiny-random-llama", dtype="bf16")
+    structure = [(n, id(m)) for n, m in policy.named_modules()]
+    plan = make_plan(policy, "guided", layers=[0, 1])
+    ids, mask = _rows(tok)
+
+    def bad_reduce(logits, targets, rows):
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError, match="boom"):
+        plan.token_logprobs(ids, mask, K, reduce=bad_reduce)
+    assert [(n, id(m)) for n, m in policy.named_modules()] == structure
+    assert all(not m._forward_hooks for m in policy.modules())
+
+
+# -------------------------------------------------------------------------------------------- fp16 guard
+
+
+def _overflowing_policy():
+    """A bf16 tiny model whose fp16 forward overflows on rows containing one token: that token's embedding
+    row is scaled past fp16's max (65504), which bf16 (max ~3.4e38) holds; RMSNorm keeps bf16 finite."""
+    policy, tok = load_model("tiny-random-llama", dtype="bf16")
+    token = tok.convert_tokens_to_ids("Z")
+    with torch.no_grad():
+        policy.model.embed_tokens.weight[token] *= 1e8
+    assert policy.model.embed_tokens.weight[token].abs().max() > 65504
+    return policy, tok
+
+
+@pytest.mark.parametrize("custom_reduce", [False, True])
+def test_fp16_guard_rescores_overflowing_chunk_in_fp32(custom_reduce):
+    policy, tok = _overflowing_policy()
+    texts = ["abc def", "Zebra crossing", "plain words", "the Z row"]
+    ids, mask = _rows(tok, texts)
+    bf16 = token_logprobs(policy, ids, mask, K, batch_size=1)
+    assert torch.isfinite(bf16).all()
+    calls = []
+
+    def reduce(logits, targets, rows):
+        calls.append(rows)
+        return gather_logprobs(logits, targets)
+
+    kwargs = {"reduce": reduce} if custom_reduce else {}
+    unguarded = make_plan(policy, "fp16", fp16_guard=False).token_logprobs(
+        ids, mask, K, batch_size=1, **kwargs
+    )
+    overflow_rows = [i for i in range(4) if not torch.isfinite(unguarded[i]).all()]
+    assert overflow_rows == [1, 3]  # the rows with "Z" (the test's premise: fp16 really overflows there)
+    calls.clear()
+    plan = make_plan(policy, "fp16")
+    with pytest.warns(RuntimeWarning, match="re-scoring that chunk in fp32"):
+        got = plan.token_logprobs(ids, mask, K, batch_size=1, **kwargs)
+    assert plan.fp16_fallbacks == 2 and plan.stats()["fp16_fallbacks"] == 2
+    assert torch.isfinite(got).all()
+    fp32 = make_plan(policy, "fp32").token_logprobs(ids, mask, K, batch_size=1)
+    assert torch.equal(got[[1, 3]], fp32[[1, 3]])
+    assert torch.equal(got[[0, 2]], unguarded[[0, 2]])
+    if custom_reduce:  # the re-score passes the caller's reduce the rows of the full batch
+        assert [(r.start, r.stop) for r in calls] == [(0, 1), (1, 2), (2, 3), (3, 4), (1, 2), (3, 4)]
+    # the fallback copy is kept, counted and synced
+    assert plan.stats()["bytes_added"] > 2 * sum(p.numel() for p in policy.parameters())
+    plan.token_logprobs(ids, mask, K, batch_size=4)
+    assert plan.fp16_fallbacks == 3  # one chunk of four rows
+    plan.sync(policy)
+    plan.close()
+
+
+def test_bf16_plan_is_the_policy_itself():
+    policy, tok = load_model("tiny-random-gpt_neox", dtype="bf16")
+    ids, mask = _rows(tok)
+    plan = make_plan(policy, "A")
+    assert torch.equal(
+        plan.token_logprobs(ids, mask, K, batch_size=2), token_logprobs(policy, ids, mask, K, batch_size=2)
+    )
+    assert plan.sync(policy) >= 0 and plan.stats()["bytes_added"] == 0
+    assert plan.stats()["fp32_param_share"] == 0.0
+    plan.close()
