@@ -377,3 +377,27 @@ def test_metrics_reach_verl_tracking_file_backend(batches, tmp_path, monkeypatch
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert rows[0]["step"] == 1 and rows[0]["data"]["gap/verl/all_rejected"] == 1.0
     assert math.isclose(rows[0]["data"]["rollout_corr/rollout_rs_seq_masked_fraction"], 1.0)
+
+
+def test_recipes_compose_against_verls_hydra_config():
+    import glob
+
+    import yaml
+    from hydra import compose, initialize_config_dir
+
+    from bloggap_plugin.verl.config import load_settings
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    recipes = sorted(glob.glob(os.path.join(ROOT, "recipes", "verl", "*.yaml")))
+    assert {os.path.basename(r) for r in recipes} >= {"arm_A.yaml", "arm_B.yaml", "arm_E.yaml", "arm_F.yaml", "guard.yaml"}
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        for recipe in recipes:
+            cfg = compose(config_name="ppo_trainer", overrides=yaml.safe_load(open(recipe))["overrides"])
+            load_settings(cfg.get("bloggap"))  # the plugin accepts every node the recipes set
+            name = os.path.basename(recipe)
+            if name == "arm_B.yaml":
+                assert cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype == "fp32"
+            if name == "arm_E.yaml":
+                assert cfg.bloggap.fp32_head is True and cfg.actor_rollout_ref.model.use_fused_kernels is False
+    with pytest.raises(ValueError, match="unknown bloggap setting"):
+        load_settings({"fp32head": True})
