@@ -1,0 +1,248 @@
+"""``bloggap doctor``: how large is the batch-shape log-prob gap for this model on this machine, which arm
+removes it, and at what cost.
+
+Samples rollouts once from the model itself, rescores the same tokens teacher-forced under several batch
+shapes for every requested dtype and attention implementation (``bloggap_plugin.core.probe``), prints a
+table and a recommendation derived from the measured cells, and optionally writes JSON (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+HELP = "Measure the batch-shape log-prob gap of a model on this machine and recommend an arm."
+
+SCHEMA_VERSION = 1
+DTYPES = ("bf16", "fp16", "fp32")
+ATTNS = ("sdpa", "eager", "flex_attention")
+CPU_FP16_ROWS = 8
+CPU_FP16_COMPARISONS = ("rerun_b1", "b1_vs_b8_left_arange", "b1_vs_b8_left_mask", "sampler_vs_b1")
+
+
+def _csv(choices):
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if t not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(choices)}, got {text!r}")
+        return items
+
+    return parse
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", help="model spec (default: smollm2, offline); see models.py")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    parser.add_argument("--dtypes", type=_csv(DTYPES), default=list(DTYPES), help="comma list (default bf16,fp16,fp32)")
+    parser.add_argument("--attn", type=_csv(ATTNS), default=["sdpa", "eager"], help="comma list (default sdpa,eager)")
+    parser.add_argument("--num-seqs", type=int, default=None, help="rollouts (default 64 on GPU, 32 on CPU)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens per rollout (default 64 GPU, 24 CPU)")
+    parser.add_argument("--seed", type=int, default=1234, help="sampling seed (default 1234)")
+    parser.add_argument("--sample-dtype", choices=DTYPES, default="bf16", help="dtype of the sampling model (bf16)")
+    parser.add_argument("--gen-batch-size", type=int, default=8, help="prompts per generate call (default 8)")
+    parser.add_argument("--fp16-rows", type=int, default=None,
+                        help=f"rows scored in fp16 (default: all on GPU, {CPU_FP16_ROWS} on CPU, where fp16 is slow)")
+    parser.add_argument("--band", type=float, default=0.1, help="ratio band half-width (default 0.1)")
+    parser.add_argument("--json", dest="json_path", default=None, help="write the results as JSON to this path")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _passes(names: list[str]) -> int:
+    """Scoring passes probe_model makes for these comparisons (progress-bar total)."""
+    count = 1  # batch-1 reference
+    count += sum(1 for n in names if n not in ("sampler_vs_b1", "b1_vs_b8_equal_nopad", "two_groupings_b8"))
+    if "b1_vs_b8_equal_nopad" in names or "two_groupings_b8" in names:
+        count += 1  # equal-length batch 8
+    count += sum(1 for n in names if n in ("b1_vs_b8_equal_nopad", "two_groupings_b8"))
+    return count
+
+
+def format_table(cells: list[dict], dtypes: list[str], attns: list[str]) -> str:
+    """Comparisons as rows, dtype/attn as columns: out-of-band % and count (``-`` = skipped)."""
+    from bloggap_plugin.core.probe import COMPARISONS
+
+    columns = [(d, a) for d in dtypes for a in attns]
+    index = {(c["dtype"], c["attn"], c["comparison"]): c for c in cells}
+    header = ["comparison"] + [f"{d}/{a}" for d, a in columns]
+    body = []
+    for name in COMPARISONS:
+        line = [name]
+        present = False
+        for d, a in columns:
+            c = index.get((d, a, name))
+            if c is None or c.get("oob") is None:
+                line.append("-")
+            else:
+                present = True
+                line.append(f"{100 * c['oob']:.2f}% ({c['oob_count']}/{c['n']})")
+        if present:
+            body.append(line)
+    widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
+    out = [" | ".join(h.ljust(w) for h, w in zip(header, widths)), "-+-".join("-" * w for w in widths)]
+    out += [" | ".join(v.ljust(w) for v, w in zip(r, widths)) for r in body]
+    # a second block: mean / max |dlogp| for the headline comparisons
+    out.append("")
+    out.append("mean / max |dlogp| (nats), b1 vs b8 left (0..L-1) and sampler vs b1:")
+    for d, a in columns:
+        parts = []
+        for name in ("b1_vs_b8_left_arange", "sampler_vs_b1"):
+            c = index.get((d, a, name))
+            if c is not None and c.get("oob") is not None:
+                parts.append(f"{name} {c['abs_dlogp_mean']:.2e} / {c['abs_dlogp_max']:.2e}")
+        if parts:
+            out.append(f"  {d}/{a}: " + "; ".join(parts))
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm.auto import tqdm
+
+    from bloggap_plugin.core.probe import COMPARISONS, probe_model, recommend, sample_rollouts, skipped_cell
+    from bloggap_plugin.envinfo import environment_record
+    from bloggap_plugin.models import ModelSpecError, load_model
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"error: --device {device} but CUDA is not available here; use --device cpu", file=sys.stderr)
+        return 2
+    on_cpu = device.type == "cpu"
+    num_seqs = args.num_seqs or (32 if on_cpu else 64)
+    max_new = args.max_new_tokens or (24 if on_cpu else 64)
+    if num_seqs < 1 or max_new < 1:
+        print("error: --num-seqs and --max-new-tokens must be >= 1", file=sys.stderr)
+        return 2
+    fp16_rows = args.fp16_rows or (min(CPU_FP16_ROWS, num_seqs) if on_cpu else num_seqs)
+    started = time.perf_counter()
+    notes: list[str] = []
+
+    try:
+        sampler_model, tokenizer = load_model(args.model, dtype=args.sample_dtype, device=device)
+    except ModelSpecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    sampler_attn = getattr(sampler_model.config, "_attn_implementation", None)
+    with tqdm(total=num_seqs, desc="sampling", unit="row", file=sys.stderr, disable=args.no_progress) as bar:
+        rollouts = sample_rollouts(
+            sampler_model, tokenizer, num_seqs=num_seqs, max_new_tokens=max_new, seed=args.seed,
+            batch_size=args.gen_batch_size, progress=bar.update,
+        )
+    if not rollouts.sampler.get("scores_are_raw_logits", True):
+        notes.append("generate's scores differed from its raw logits (a logits processor was active)")
+
+    plan = []  # (dtype, comparisons, rollouts)
+    for dtype in args.dtypes:
+        names = list(COMPARISONS)
+        subset = rollouts
+        if dtype == "fp16" and fp16_rows < num_seqs:
+            subset = rollouts.subset(fp16_rows)
+            if on_cpu:
+                names = list(CPU_FP16_COMPARISONS)
+            notes.append(
+                f"fp16 scaled down: {fp16_rows} of {num_seqs} rows"
+                + (f", comparisons {', '.join(names)} only (this CPU has no native fp16 kernels)" if on_cpu else "")
+            )
+        plan.append((dtype, names, subset))
+    total = sum(_passes(names) for _, names, _ in plan) * len(args.attn)
+
+    cells: list[dict] = []
+    fp16_check: dict = {"skipped": "fp16 not among --dtypes"}
+    with tqdm(total=total, desc="scoring", unit="pass", file=sys.stderr, disable=args.no_progress) as bar:
+        for dtype, names, subset in plan:
+            if dtype == args.sample_dtype:
+                model = sampler_model
+            else:
+                model, _ = load_model(args.model, dtype=dtype, device=device)
+            for attn_index, attn in enumerate(args.attn):
+                bar.set_postfix_str(f"{dtype}/{attn}")
+                try:
+                    model.set_attn_implementation(attn)
+                except Exception as err:  # noqa: BLE001 - recorded per cell, the run continues
+                    reason = f"attn_implementation {attn!r} unavailable: {str(err).splitlines()[0][:160]}"
+                    cells += [skipped_cell(reason, dtype=dtype, attn=attn, comparison=n) for n in names]
+                    bar.update(_passes(names))
+                    continue
+                hidden = dtype == "fp16" and attn_index == 0
+                found, extras = probe_model(
+                    model, subset, names, band=args.band, hidden_check=hidden,
+                    progress=lambda label: bar.update(1),
+                )
+                for c in found:
+                    c.update(dtype=dtype, attn=attn)
+                cells += found
+                skipped = [n for n in COMPARISONS if n not in names]
+                cells += [
+                    skipped_cell("fp16 scaled down on CPU", dtype=dtype, attn=attn, comparison=n) for n in skipped
+                ]
+                if hidden:
+                    fp16_check = dict(extras["hidden_check"], attn=attn, fp16_max=65504.0)
+                    fp16_check["headroom"] = (
+                        65504.0 / fp16_check["max_abs_hidden"] if fp16_check["max_abs_hidden"] > 0 else None
+                    )
+                    fp16_check["ok"] = (
+                        fp16_check["nonfinite_logprobs"] == 0 and fp16_check["max_abs_hidden"] < 65504.0 / 2
+                    )
+            if model is not sampler_model:
+                del model
+            if dtype == args.sample_dtype and sampler_attn:
+                sampler_model.set_attn_implementation(sampler_attn)
+
+    recommendation = recommend(cells, fp16_check, device.type)
+    if notes:
+        recommendation["notes"] = notes
+    elapsed = time.perf_counter() - started
+    import transformers
+
+    from bloggap_plugin.envinfo import device_tag
+
+    result = {
+        "schema_version": SCHEMA_VERSION,
+        "model": args.model,
+        "device": device_tag(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokens": rollouts.tokens,
+        "rows": len(rollouts.rows),
+        "max_new_tokens": max_new,
+        "band": args.band,
+        "units": "oob, ci_low, ci_high are fractions of completion tokens; abs_dlogp_* in nats",
+        "sampler": rollouts.sampler,
+        "cells": cells,
+        "fp16_check": fp16_check,
+        "recommendation": recommendation,
+        "seconds": round(elapsed, 1),
+        "env": environment_record(device, model=args.model, seed=args.seed, tokens=rollouts.tokens),
+    }
+
+    print(
+        f"bloggap doctor: {args.model} on {device} ({'CPU' if on_cpu else result['env'].get('gpu', 'cuda')}), "
+        f"{len(rollouts.rows)} rollouts x {max_new} tokens = {rollouts.tokens} completion tokens, "
+        f"sampled in {args.sample_dtype} (seed {args.seed}); share of tokens with exp(dlogp) outside "
+        f"[{1 - args.band:.2f}, {1 + args.band:.2f}] (count/n):"
+    )
+    print()
+    print(format_table(cells, args.dtypes, args.attn))
+    print()
+    if fp16_check.get("skipped"):
+        print(f"fp16 check: skipped ({fp16_check['skipped']})")
+    else:
+        print(
+            f"fp16 check ({fp16_check['rows']} rows, {fp16_check['attn']}): {fp16_check['nonfinite_logprobs']} "
+            f"non-finite of {fp16_check['n']} log-probs; largest |hidden| {fp16_check['max_abs_hidden']:.1f} "
+            f"vs fp16 max 65,504 -> {'ok' if fp16_check['ok'] else 'NOT SAFE'}"
+        )
+    for note in notes:
+        print(f"note: {note}")
+    print()
+    print(f"recommendation: {recommendation['text']}")
+    print(f"({elapsed:.0f} s)")
+    if args.json_path:
+        path = Path(args.json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1, default=float) + "\n")
+        print(f"wrote {path}")
+    return 0

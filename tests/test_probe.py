@@ -1,0 +1,262 @@
+"""The batch-shape probe (bloggap_plugin.core.probe) and `bloggap doctor`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bloggap_plugin.core.probe import (
+    COMPARISONS,
+    Row,
+    build_rows,
+    builtin_prompts,
+    compare,
+    probe_model,
+    recommend,
+    sample_rollouts,
+    score_layout,
+)
+from bloggap_plugin.models import load_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-random-llama", dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def tiny_rollouts(tiny):
+    model, tokenizer = tiny
+    return sample_rollouts(model, tokenizer, num_seqs=10, max_new_tokens=6, seed=3, batch_size=4)
+
+
+# ---------------------------------------------------------------- rollouts and rows
+
+
+def test_builtin_prompts_grid():
+    prompts = builtin_prompts(66)
+    assert prompts[0] == "Explain in two sentences why the ocean."
+    assert prompts[8] == "List three facts about the ocean."
+    assert prompts[63] == "State the main idea of vaccination."
+    assert prompts[64] == prompts[0]  # cycles past the 8 x 8 grid
+    assert len(set(prompts[:64])) == 64
+
+
+def test_sample_rollouts_forced_length_seeded_and_rng_neutral(tiny, tiny_rollouts):
+    model, tokenizer = tiny
+    assert len(tiny_rollouts.rows) == 10 and tiny_rollouts.tokens == 60
+    assert all(len(r.completion) == 6 for r in tiny_rollouts.rows)
+    # chat template applied: the prompt ends with the assistant generation prompt
+    assert tokenizer.decode(list(tiny_rollouts.rows[0].prompt)).endswith("<|im_start|>assistant\n")
+    assert tiny_rollouts.sampler["scores_are_raw_logits"] is True
+    state = torch.random.get_rng_state()
+    again = sample_rollouts(model, tokenizer, num_seqs=10, max_new_tokens=6, seed=3, batch_size=4)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert again.rows == tiny_rollouts.rows
+    assert torch.equal(again.sampler_logprobs, tiny_rollouts.sampler_logprobs)
+    other = sample_rollouts(model, tokenizer, num_seqs=10, max_new_tokens=6, seed=4, batch_size=4)
+    assert other.rows != tiny_rollouts.rows
+
+
+def test_sampler_logprobs_match_teacher_forcing_in_fp32(tiny, tiny_rollouts):
+    model, _ = tiny
+    scored = score_layout(model, tiny_rollouts.rows, "left", 1, "mask", tiny_rollouts.pad_token_id)
+    torch.testing.assert_close(scored.logprobs, tiny_rollouts.sampler_logprobs, rtol=0, atol=1e-4)
+
+
+def test_build_rows_equal_length():
+    rows = [Row((1, 2, 3, 4), (9, 8, 7)), Row((5, 6), (4, 3, 2, 1)), Row((7, 8, 9), (6, 5, 4))]
+    equal = build_rows(rows, "equal_length")
+    assert equal == [Row((3, 4), (9, 8, 7)), Row((5, 6), (4, 3, 2)), Row((8, 9), (6, 5, 4))]
+    assert build_rows(rows) == rows
+    with pytest.raises(ValueError, match="kind"):
+        build_rows(rows, "packed")
+
+
+def test_layouts_and_order_score_the_same_tokens(tiny, tiny_rollouts):
+    """Left, right, chunked and permuted layouts score the same tokens: fp32 values agree closely and the
+    row order is restored."""
+    model, _ = tiny
+    rows, pad = tiny_rollouts.rows, tiny_rollouts.pad_token_id
+    alone = score_layout(model, rows, "left", 1, "mask", pad)
+    for layout, size, positions in [("left", 4, "mask"), ("left", 10, "arange"), ("right", 3, "mask")]:
+        other = score_layout(model, rows, layout, size, positions, pad)
+        assert torch.equal(other.mask, alone.mask)
+        torch.testing.assert_close(other.logprobs, alone.logprobs, rtol=0, atol=1e-4)
+    reversed_order = score_layout(model, rows, "left", 1, "mask", pad, order=list(range(len(rows)))[::-1])
+    assert torch.equal(reversed_order.logprobs, alone.logprobs)
+    with pytest.raises(ValueError, match="permutation"):
+        score_layout(model, rows, "left", 1, "mask", pad, order=[0, 0, 1])
+    with pytest.raises(ValueError, match="layout"):
+        score_layout(model, rows, "middle", 1, "mask", pad)
+
+
+# ---------------------------------------------------------------- cells and recommendation
+
+
+def test_compare_cell_hand_computed():
+    ref = torch.zeros(2, 3, dtype=torch.float64)
+    other = torch.tensor([[0.0, 0.2, -0.05], [float("nan"), 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    cell = compare(ref, other, mask, comparison="x", dtype="bf16")
+    # out of band: 0.2 (ratio 1.22) and nan -> 2 of 5
+    assert (cell["oob_count"], cell["n"], cell["oob"]) == (2, 5, 0.4)
+    assert cell["nonfinite"] == 1 and cell["bitwise_equal"] is False
+    assert cell["comparison"] == "x" and cell["dtype"] == "bf16"
+    assert cell["ci_low"] < 0.4 < cell["ci_high"]
+    same = compare(ref, ref.clone())
+    assert same["oob"] == 0.0 and same["abs_dlogp_max"] == 0.0 and same["bitwise_equal"] is True
+
+
+def _cell(dtype, comparison, oob, n=1000, attn="sdpa", **extra):
+    return {"dtype": dtype, "attn": attn, "comparison": comparison, "oob": oob, "oob_count": round(oob * n),
+            "n": n, "abs_dlogp_mean": 0.0, "abs_dlogp_max": 0.0, "bitwise_equal": oob == 0, **extra}
+
+
+def _timed(dtype, seconds):
+    return _cell(dtype, "b1_vs_b8_left_mask", 0.0, seconds=seconds, tokens_forwarded=1000)
+
+
+def test_recommend_arm_f_when_fp16_removes_the_gap():
+    cells = [
+        _cell("bf16", "b1_vs_b8_left_arange", 0.08), _timed("bf16", 1.0), _cell("bf16", "rerun_b1", 0.0),
+        _cell("fp16", "b1_vs_b8_left_arange", 0.002), _timed("fp16", 1.1),
+        _cell("fp32", "b1_vs_b8_left_arange", 0.0), _timed("fp32", 3.0),
+    ]
+    rec = recommend(cells, {"nonfinite_logprobs": 0, "max_abs_hidden": 100.0}, "cuda")
+    assert rec["arm"] == "F"
+    assert "fp16 removes 7.80 of 8.00 pp" in rec["text"]
+    assert "1.10x" in rec["text"]
+    assert rec["basis"]["fp32_cost_vs_bf16"] == pytest.approx(3.0)
+
+
+def test_recommend_arm_b_when_fp16_unsafe_and_a_when_no_gap():
+    cells = [
+        _cell("bf16", "b1_vs_b8_left_arange", 0.05), _timed("bf16", 1.0),
+        _cell("fp16", "b1_vs_b8_left_arange", 0.0), _timed("fp16", 1.0),
+        _cell("fp32", "b1_vs_b8_left_arange", 0.0), _timed("fp32", 2.5),
+    ]
+    rec = recommend(cells, {"nonfinite_logprobs": 3, "max_abs_hidden": 70000.0}, "cuda")
+    assert rec["arm"] == "B" and "not safe" in rec["text"] and "2.50x" in rec["text"]
+    quiet = [_cell(d, c, 0.0) for d in ("bf16", "fp32") for c in ("b1_vs_b8_left_arange", "b1_vs_b8_right")]
+    assert recommend(quiet, None, "cpu")["arm"] == "A"
+
+
+def test_recommend_reports_nondeterminism_positions_and_membership():
+    cells = [
+        _cell("bf16", "rerun_b1", 0.01), _cell("bf16", "b1_vs_b8_left_arange", 0.08),
+        _cell("bf16", "b1_vs_b8_left_mask", 0.02), _cell("bf16", "two_groupings_b8", 0.1),
+        _cell("fp32", "b1_vs_b8_left_arange", 0.0),
+    ]
+    text = recommend(cells, None, "cpu")["text"]
+    assert "nondeterministic" in text and "bf16/sdpa" in text
+    assert "from 8.00% to 2.00%" in text and "gap.positions: mask" in text
+    assert "arm G" in text
+
+
+# ---------------------------------------------------------------- the probe on models
+
+
+def test_rerun_control_is_exactly_zero(tiny, tiny_rollouts):
+    model, _ = tiny
+    cells, _ = probe_model(model, tiny_rollouts, ["rerun_b1"])
+    (cell,) = cells
+    assert cell["oob"] == 0.0 and cell["abs_dlogp_max"] == 0.0 and cell["bitwise_equal"] is True
+    assert cell["n"] == tiny_rollouts.tokens
+
+
+def test_probe_model_all_comparisons_on_tiny(tiny, tiny_rollouts):
+    model, _ = tiny
+    ticks = []
+    cells, extras = probe_model(model, tiny_rollouts, hidden_check=True, progress=ticks.append)
+    by_name = {c["comparison"]: c for c in cells}
+    assert set(by_name) == set(COMPARISONS)
+    n = tiny_rollouts.tokens
+    for name, cell in by_name.items():
+        expected_n = 6 if name == "copy8_vs_alone" else n
+        assert cell["n"] == expected_n, name
+        assert cell["oob"] == 0.0, name  # fp32 tiny random model: far inside the band
+    assert by_name["b1_vs_b32_left_mask"]["batch_size"] == 10  # only 10 rows
+    assert by_name["copy8_vs_alone"]["copies_identical"] in (True, False)
+    assert extras["hidden_check"]["nonfinite_logprobs"] == 0 and extras["hidden_check"]["max_abs_hidden"] > 0
+    # one tick per scoring pass: batch 1, the equal-length batch 8, and each comparison but the sampler's
+    assert ticks[0] == "b1" and "equal b8" in ticks and len(ticks) == 2 + len(COMPARISONS) - 1
+    from bloggap_plugin.commands.doctor import _passes
+
+    assert _passes(list(COMPARISONS)) == len(ticks)  # the doctor's progress-bar total
+    with pytest.raises(ValueError, match="unknown comparison"):
+        probe_model(model, tiny_rollouts, ["b1_vs_b64"])
+
+
+@pytest.fixture(scope="module")
+def real_rollouts(smollm2_bf16):
+    model, tokenizer = smollm2_bf16
+    return sample_rollouts(model, tokenizer, num_seqs=8, max_new_tokens=16, seed=1234, batch_size=8)
+
+
+def test_real_model_bf16_left_padding_shows_the_gap(smollm2_bf16, real_rollouts):
+    model, _ = smollm2_bf16
+    cells, _ = probe_model(model, real_rollouts, ["rerun_b1", "b1_vs_b8_left_arange"])
+    rerun, left = cells
+    assert rerun["oob"] == 0.0 and rerun["bitwise_equal"]
+    assert left["n"] == 128
+    assert left["oob_count"] > 0 and left["abs_dlogp_max"] > 0.0953  # at least one ratio above 1.1 or below 0.9
+
+
+def test_real_model_fp32_has_no_gap(smollm2_fp32, real_rollouts):
+    model, _ = smollm2_fp32
+    cells, _ = probe_model(model, real_rollouts, ["rerun_b1", "b1_vs_b8_left_arange"])
+    rerun, left = cells
+    assert rerun["bitwise_equal"]
+    assert left["n"] == 128 and left["oob"] == 0.0
+    assert left["abs_dlogp_max"] < 1e-3
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+def test_doctor_cli_end_to_end_json(tmp_path, capsys):
+    from bloggap_plugin.cli import main
+
+    path = tmp_path / "doctor.json"
+    code = main([
+        "doctor", "--model", "tiny-random-llama", "--num-seqs", "10", "--max-new-tokens", "4",
+        "--device", "cpu", "--json", str(path), "--no-progress",
+    ])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "recommendation:" in printed and "b1_vs_b8_left_arange" in printed
+    assert "fp16 scaled down: 8 of 10 rows" in printed
+    result = json.loads(path.read_text())
+    for key in ("schema_version", "model", "device", "torch", "transformers", "tokens", "cells", "fp16_check",
+                "recommendation", "env"):
+        assert key in result, key
+    assert result["schema_version"] == 1 and result["model"] == "tiny-random-llama" and result["device"] == "cpu"
+    assert result["tokens"] == 40
+    assert result["recommendation"]["text"] and "arm" in result["recommendation"]
+    assert result["env"]["torch"] == torch.__version__
+    cells = result["cells"]
+    assert {(c["dtype"], c["attn"]) for c in cells} == {(d, a) for d in ("bf16", "fp16", "fp32")
+                                                        for a in ("sdpa", "eager")}
+    for c in cells:
+        for key in ("dtype", "attn", "comparison", "oob", "ci_low", "ci_high", "abs_dlogp_mean", "abs_dlogp_max", "n"):
+            assert key in c, key
+        if c.get("skipped"):
+            assert c["dtype"] == "fp16" and c["oob"] is None
+        else:
+            assert 0.0 <= c["ci_low"] <= c["oob"] <= c["ci_high"] <= 1.0
+    measured_fp16 = {c["comparison"] for c in cells if c["dtype"] == "fp16" and not c.get("skipped")}
+    assert measured_fp16 == {"rerun_b1", "b1_vs_b8_left_arange", "b1_vs_b8_left_mask", "sampler_vs_b1"}
+    assert result["fp16_check"]["rows"] == 8 and result["fp16_check"]["ok"] is True
+
+
+def test_doctor_cli_bad_arguments(capsys):
+    from bloggap_plugin.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["doctor", "--dtypes", "bf8"])
+    assert "comma-separated subset" in capsys.readouterr().err
+    assert main(["doctor", "--model", "no-such-model", "--no-progress"]) == 2
+    assert "accepted" in capsys.readouterr().err
