@@ -287,12 +287,18 @@ def merge_grpo_config(grpo_kwargs: dict, base: Any = None, **overrides: Any):
     elif isinstance(base, dict):
         merged = dict(base)
     else:
-        defaults = GRPOConfig(output_dir=getattr(base, "output_dir", None) or "bloggap-out")
-        merged = {
-            f.name: getattr(base, f.name)
-            for f in dataclasses.fields(GRPOConfig)
-            if f.init and getattr(base, f.name) != getattr(defaults, f.name)
-        }
+        merged = {}
+        for f in dataclasses.fields(GRPOConfig):
+            if not f.init:
+                continue
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            value = getattr(base, f.name)
+            if value != default:
+                merged[f.name] = value
+        # derived in __post_init__ and mutually exclusive: keep the one the recipe or overrides do not set
+        if "generation_batch_size" in merged and "steps_per_generation" in merged:
+            keys = set(grpo_kwargs) | set(overrides)
+            merged.pop("steps_per_generation" if "generation_batch_size" in keys else "generation_batch_size")
     merged.update(grpo_kwargs)
     merged.update(overrides)
     return GRPOConfig(**merged)

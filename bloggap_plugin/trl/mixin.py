@@ -144,6 +144,12 @@ class GapMixin:
             gap.check_layers(int(num_layers))
         if gap.arm == "H" and not args.fp16:
             raise RecipeError("gap.arm H (fp16 everywhere) needs fp16: true in the GRPOConfig (see recipes/arm_H.yaml)")
+        if gap.arm == "H" and not getattr(self.accelerator, "native_amp", True):
+            warnings.warn(
+                "arm H: accelerate runs without fp16 autocast on this device (e.g. CPU), so rollout, old log-probs "
+                "and training stay in the model's dtype; arm H takes effect on CUDA",
+                stacklevel=3,
+            )
         if gap.arm != "H" and args.fp16 and gap.arm in ("B", "D", "E"):
             warnings.warn(f"arm {gap.arm} scores old log-probs above fp16 while training runs in fp16", stacklevel=3)
         if self.use_vllm:

@@ -1,0 +1,247 @@
+"""GapMixin / GapCallback / GapGRPOTrainer in real TRL 1.16 GRPO runs on tiny random models (CPU)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from datasets import Dataset  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from bloggap_plugin.core.scoring import token_logprobs  # noqa: E402
+from bloggap_plugin.models import load_model  # noqa: E402
+from bloggap_plugin.recipes import GapConfig, RecipeError  # noqa: E402
+from bloggap_plugin.trl import GapCallback, GapGRPOTrainer, UnsupportedTRLError, check_trl  # noqa: E402
+from bloggap_plugin.trl.mixin import is_ratio  # noqa: E402
+
+PROMPTS = ["1+1=", "2+3=", "4+4=", "9+1="]
+ALWAYS = [
+    "gap/ratio/oob_frac", "gap/ratio/abs_dlogp_mean", "gap/ratio/abs_dlogp_max", "gap/clip/flip_frac",
+    "gap/clip/clipped_frac", "gap/probe/oob_b1_vs_bN", "gap/sampler/oob_frac", "gap/sampler/abs_dlogp_mean",
+    "gap/fp16/fallbacks", "gap/time/scoring_s", "gap/time/overhead_frac",
+]
+KEPT = [
+    "gap/kept/mass_mean", "gap/kept/mass_min", "gap/kept/size_mean", "gap/kept/size_max",
+    "gap/kept/ratio_before_mean", "gap/kept/ratio_after_mean",
+]
+
+
+def reward(completions, **kwargs):
+    return [float(len(c) % 3) for c in completions]
+
+
+def grpo_args(tmp_path, **overrides) -> GRPOConfig:
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+        gradient_accumulation_steps=2, max_completion_length=8, max_steps=2, logging_steps=1, report_to="none",
+        use_cpu=True, bf16=False, save_strategy="no", num_iterations=2, seed=0, learning_rate=1e-3,
+    )
+    kwargs.update(overrides)
+    return GRPOConfig(**kwargs)
+
+
+def make(tmp_path, gap=None, mode="trainer", dtype="fp32", trainer_cls=None, **overrides):
+    model, tokenizer = load_model("tiny-random-llama", dtype=dtype)
+    dataset = Dataset.from_dict({"prompt": PROMPTS * 4})
+    common = dict(model=model, args=grpo_args(tmp_path, **overrides), train_dataset=dataset, reward_funcs=reward,
+                  processing_class=tokenizer)
+    if mode == "plain" or mode == "callback":
+        trainer = GRPOTrainer(**common)
+        if mode == "callback":
+            trainer.add_callback(GapCallback(trainer, gap=gap))
+        return trainer
+    return (trainer_cls or GapGRPOTrainer)(**common, gap=gap)
+
+
+def logs_of(trainer):
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def first_log(trainer) -> dict:
+    return logs_of(trainer)[0]
+
+
+@pytest.mark.parametrize("arm", ["A", "B", "C", "D", "E", "F", "G", "H"])
+def test_every_arm_trains_with_all_metrics(tmp_path, arm):
+    gap = GapConfig(arm=arm, probe_rows=8, layers=[1] if arm == "D" else None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = make(tmp_path, gap, dtype="bf16" if arm != "F" else "fp32", fp16=arm == "H")
+        trainer.train()
+    logs = logs_of(trainer)
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
+    first = logs[0]
+    for key in ALWAYS:
+        assert first.get(key) is not None, f"{key} missing for arm {arm}"
+    for key in ("gap/ratio/oob_frac", "gap/clip/flip_frac", "gap/clip/clipped_frac", "gap/probe/oob_b1_vs_bN",
+                "gap/sampler/oob_frac", "gap/time/overhead_frac"):
+        assert 0.0 <= first[key] <= 1.0, (key, first[key])
+    assert first["gap/ratio/abs_dlogp_max"] >= first["gap/ratio/abs_dlogp_mean"] >= 0.0
+    assert first["gap/fp16/fallbacks"] >= 0 and first["gap/time/scoring_s"] > 0
+    # second step: reused generation (num_iterations 2), only loss-time metrics
+    assert logs[1].get("gap/ratio/oob_frac") is not None
+
+
+def test_arm_A_with_metrics_is_bitwise_plain_trl(tmp_path):
+    """Metrics on (sampler, probe rows, fp32 reference) must not change training at all."""
+    runs = {}
+    for mode in ("plain", "trainer", "callback"):
+        torch.manual_seed(1234)
+        trainer = make(tmp_path / mode, GapConfig(arm="A", probe_rows=8) if mode != "plain" else None, mode=mode,
+                       dtype="bf16", max_steps=3)
+        trainer.train()
+        runs[mode] = (
+            [(h["loss"], h["grad_norm"]) for h in logs_of(trainer)],
+            [p.detach().clone() for p in trainer.model.parameters()],
+            torch.get_rng_state(),
+        )
+    assert "gap/sampler/oob_frac" in logs_of(trainer)[0]
+    for mode in ("trainer", "callback"):
+        assert runs[mode][0] == runs["plain"][0], mode
+        assert all(torch.equal(a, b) for a, b in zip(runs[mode][1], runs["plain"][1], strict=True)), mode
+        assert torch.equal(runs[mode][2], runs["plain"][2]), mode
+
+
+class _Spy(GapGRPOTrainer):
+    """Records the generation batches after the plugin (what the loss will read)."""
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        self.spied = getattr(self, "spied", []) + [{k: v for k, v in output.items() if torch.is_tensor(v)}]
+        return output
+
+
+@pytest.mark.parametrize(("arm", "dtype"), [("B", "fp32"), ("F", "fp16"), ("E", None)])
+def test_old_logprobs_equal_independent_recomputation(tmp_path, arm, dtype):
+    gap = GapConfig(arm=arm, probe_rows=0, sampler=False)
+    trainer = make(tmp_path, gap, dtype="bf16", trainer_cls=_Spy, max_steps=1)
+    trainer.train()
+    batch = trainer.spied[0]
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    width = batch["completion_ids"].shape[1]
+    # a separately loaded copy of the policy's (bf16) weights, converted to the arm's precision
+    independent, _ = load_model("tiny-random-llama", dtype="bf16")
+    if dtype is not None:
+        independent.to({"fp32": torch.float32, "fp16": torch.float16}[dtype])
+    else:  # E: bf16 body, fp32 final norm and LM head
+        independent.model.norm.float()
+        independent.lm_head.float()
+        independent.model.norm.register_forward_pre_hook(lambda module, args: (args[0].float(),))
+    with torch.no_grad():
+        expected = token_logprobs(independent, ids, attn, width, batch_size=4, positions="mask")
+    mask = batch["completion_mask"].bool()
+    got = batch["old_per_token_logps"]
+    trl_old = batch["gap_trl_old_logps"]
+    assert torch.equal(got[mask], expected[mask])
+    assert not torch.equal(got[mask], trl_old[mask])  # it really replaced TRL's bf16 values
+
+
+def test_arm_G_ratio_exactly_one_in_fp32(tmp_path):
+    trainer = make(tmp_path, GapConfig(arm="G", probe_rows=4), dtype="fp32", max_steps=1)
+    trainer.train()
+    first = first_log(trainer)
+    assert first["gap/ratio/exact_frac"] == 1.0
+    assert first["gap/ratio/abs_dlogp_max"] == 0.0 and first["gap/ratio/oob_frac"] == 0.0
+    # the same run scored pre-shuffle in TRL's chunks is not bit-exact against the training forward
+    other = make(tmp_path / "c", GapConfig(arm="C", probe_rows=4), dtype="fp32", max_steps=1)
+    other.train()
+    assert first_log(other)["gap/ratio/exact_frac"] < 1.0
+
+
+def test_measure_only_when_trl_computes_no_old_logprobs(tmp_path):
+    """num_iterations 1 (ratio identically 1 in TRL): arm B measures but the loss is plain TRL's."""
+    losses = []
+    for gap in (None, GapConfig(arm="B", probe_rows=4), GapConfig(arm="B", probe_rows=4, force_old_logprobs=True)):
+        trainer = make(tmp_path, gap, mode="plain" if gap is None else "trainer", dtype="bf16", num_iterations=1,
+                       max_steps=1)
+        trainer.train()
+        losses.append(first_log(trainer)["loss"])
+        if gap is not None:
+            assert first_log(trainer)["gap/ratio/oob_frac"] is not None
+    assert losses[1] == losses[0]
+    assert losses[2] != losses[0]  # forced: the fp32 old log-probs enter the ratio
+
+
+def test_kept_renormalize_at_top_p(tmp_path):
+    gap = GapConfig(arm="C", probe_rows=4, kept="renormalize")
+    trainer = make(tmp_path, gap, dtype="fp32", top_p=0.8)
+    trainer.train()
+    logs = logs_of(trainer)
+    assert all(math.isfinite(h["loss"]) for h in logs)
+    first = logs[0]
+    for key in KEPT:
+        assert first.get(key) is not None, key
+    assert 0.0 < first["gap/kept/mass_min"] <= first["gap/kept/mass_mean"] < 1.0
+    assert first["gap/kept/size_max"] >= first["gap/kept/size_mean"] >= 1.0
+    # fp32 trainer vs fp32 sampler: before = the kept mass, after = 1
+    assert abs(first["gap/kept/ratio_before_mean"] - first["gap/kept/mass_mean"]) < 1e-3
+    assert abs(first["gap/kept/ratio_after_mean"] - 1.0) < 1e-4
+    assert first["gap/sampler/oob_frac"] == 0.0  # old log-probs are renormalised, so they match the sampler
+    measured = make(tmp_path / "m", GapConfig(arm="C", probe_rows=4, kept="measure"), dtype="fp32", top_p=0.8,
+                    max_steps=1)
+    measured.train()
+    assert first_log(measured)["gap/sampler/oob_frac"] > 0.0  # without the fix: ratio = S, out of band
+
+
+def test_is_ratio_matches_trl_formula():
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -0.1, -3.0]])
+    sampler = torch.tensor([[-1.1, -1.0, -0.5], [-0.2, -0.6, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    diff = (old - sampler) * mask
+    seq = is_ratio(old, sampler, mask, "sequence_mask", None, 3.0)
+    expected = torch.exp(diff.sum(-1, keepdim=True))
+    assert torch.equal(seq, expected.masked_fill(expected > 3.0, 0.0))
+    tok = is_ratio(old, sampler, mask, "token_truncate", 0.5, 2.0)
+    assert torch.equal(tok, torch.exp(diff).clamp(0.5, 2.0))
+
+
+def test_is_correction_on_hf_path_trains(tmp_path):
+    gap = GapConfig(arm="A", probe_rows=0, is_correction=True)
+    trainer = make(tmp_path, gap, dtype="bf16", vllm_importance_sampling_mode="token_truncate", max_steps=1)
+    trainer.train()
+    assert math.isfinite(first_log(trainer)["loss"])
+
+
+def test_unsupported_trl_version_and_missing_method(tmp_path, monkeypatch):
+    import trl
+
+    monkeypatch.setattr(trl, "__version__", "1.9.0")
+    with pytest.raises(UnsupportedTRLError, match=r"supports trl 1\.16\.x.*found trl 1\.9\.0"):
+        check_trl()
+    trainer = make(tmp_path, None, mode="plain")
+    with pytest.raises(UnsupportedTRLError, match="1.16"):
+        GapCallback(trainer, gap=GapConfig())
+    assert "_gap_originals" not in trainer.__dict__  # nothing half-installed
+    with pytest.warns(UserWarning, match="found trl 1.9.0"):
+        check_trl(strict=False)
+    monkeypatch.setattr(trl, "__version__", "1.16.0")
+    monkeypatch.delattr(GRPOTrainer, "_generate_single_turn")
+    with pytest.raises(UnsupportedTRLError, match="GRPOTrainer._generate_single_turn is missing"):
+        check_trl()
+
+
+def test_bad_attach_errors(tmp_path):
+    trainer = make(tmp_path, None, mode="plain")
+    with pytest.raises(RecipeError, match="needs fp16: true"):
+        GapCallback(trainer, gap=GapConfig(arm="H"))
+    with pytest.raises(RecipeError, match=r"\[5\] out of range; this model has 2 decoder layers"):
+        GapCallback(trainer, gap=GapConfig(arm="D", layers=[5]))
+    GapCallback(trainer, gap=GapConfig(arm="A"))
+    with pytest.raises(RuntimeError, match="already attached"):
+        GapCallback(trainer, gap=GapConfig(arm="A"))
+
+
+def test_callback_recipe_warns_about_grpo_fields(tmp_path):
+    from pathlib import Path
+
+    trainer = make(tmp_path, None, mode="plain")
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "arm_G.yaml"
+    with pytest.warns(UserWarning, match=r"only the gap: section applies.*per_device_train_batch_size"):
+        callback = GapCallback(trainer, recipe=recipe)
+    assert callback.gap.arm == "G"
