@@ -1,0 +1,35 @@
+"""``bloggap train RECIPE``: GRPO with a recipe (GRPOConfig fields + gap: section), offline, live gap/* metrics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "Train GRPO with a recipe (recipes/arm_A.yaml .. arm_H.yaml) and live gap/* metrics."
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipe YAML: GRPOConfig fields plus a gap: section")
+    parser.add_argument("--model", default="smollm2", help="model spec (default smollm2, offline)")
+    parser.add_argument("--task", default="arith", help="task: arith (default) or gsm8k")
+    parser.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: the recipe's)")
+    parser.add_argument("--output-dir", default="bloggap-runs/train", help="trainer output folder")
+    parser.add_argument("--report-to", default="none", help="none, wandb, tensorboard, trackio ...")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--log-jsonl", default=None, help="also write one JSON line per logged step here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bloggap_plugin.recipes import RecipeError
+    from bloggap_plugin.trl.train import run_training
+
+    try:
+        summary = run_training(args.recipe, model=args.model, task=args.task, max_steps=args.max_steps,
+                               output_dir=args.output_dir, report_to=args.report_to, seed=args.seed,
+                               log_jsonl=args.log_jsonl, device=args.device)
+    except RecipeError as err:
+        print(f"bloggap train: {err}")
+        return 2
+    print(json.dumps(summary, indent=2))
+    return 0
