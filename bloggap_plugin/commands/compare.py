@@ -1,0 +1,79 @@
+"""``bloggap compare RECIPES... --seeds 0 1 --task arith --max-steps N``: the reward comparison across arms."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+HELP = "Run every recipe x seed (same prompts and sampling seeds), then the T10 reward table, a plot and the resolution."
+
+
+def _overrides(text: str | None) -> dict:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise SystemExit(f"--override must be a JSON object, e.g. '{{\"num_iterations\": 2}}' ({err.msg})") from err
+    if not isinstance(value, dict):
+        raise SystemExit("--override must be a JSON object of GRPOConfig fields, e.g. '{\"num_iterations\": 2}'")
+    return value
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipes", nargs="+", help="recipe files, one per arm (e.g. recipes/arm_*.yaml)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds (default: 0 1)")
+    parser.add_argument("--task", choices=("arith", "gsm8k"), default="arith", help="training task (default: arith)")
+    parser.add_argument("--difficulty", type=int, default=None, help="arith level 1-5 (default: the task's default)")
+    parser.add_argument("--n", type=int, default=None, help="number of training prompts (default: the task's default)")
+    parser.add_argument("--data", default=None, help="GSM8K in a local file/folder (.jsonl, .json, .parquet) when offline")
+    parser.add_argument("--max-steps", type=int, default=60, help="optimizer steps per run (default: 60)")
+    parser.add_argument("--model", default="smollm2", help="model spec (default: smollm2)")
+    parser.add_argument("--output-dir", default="compare_out", help="folder for logs, table, JSON, plot")
+    parser.add_argument("--parallel", type=int, default=1, help="runs in flight at once, each its own process (default: 1)")
+    parser.add_argument("--last-n", type=int, default=30, help="steps in the 'reward last-k' window (default: 30)")
+    parser.add_argument("--baseline", default=None, help="arm the deltas are taken against (default: A, else the first)")
+    parser.add_argument("--override", default=None, help="JSON object of GRPOConfig fields applied to every arm")
+    parser.add_argument("--smooth", type=int, default=5, help="rolling-mean window of the reward plot (default: 5)")
+    parser.add_argument("--run-fn", default=None, help="module:function that trains one run (default: run_training)")
+    parser.add_argument("--table-only", action="store_true", help="do not train: rebuild table, JSON and plot from the logs")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bloggap_plugin.compare import (
+        DEFAULT_RUN_FN,
+        CompareConfig,
+        build_results,
+        plan_runs,
+        print_table,
+        run_compare,
+        write_outputs,
+    )
+
+    config = CompareConfig(
+        recipes=list(args.recipes),
+        seeds=list(args.seeds),
+        task=args.task,
+        max_steps=args.max_steps,
+        model=args.model,
+        output_dir=args.output_dir,
+        parallel=args.parallel,
+        difficulty=args.difficulty,
+        n=args.n,
+        data=args.data,
+        last_n=args.last_n,
+        baseline=args.baseline,
+        extra_overrides=_overrides(args.override),
+        run_fn=args.run_fn or DEFAULT_RUN_FN,
+        smooth=args.smooth,
+    )
+    if args.table_only:
+        results = build_results(config, plan_runs(config))
+        write_outputs(config, results)
+        failed = {}
+    else:
+        results = run_compare(config)
+        failed = results.get("failed", {})
+    print_table(results)
+    print(f"\nwritten: {config.output_dir}/compare.json, compare.md, reward_curves.png")
+    return 1 if failed else 0

@@ -1,0 +1,839 @@
+"""The reward comparison across arms: run every recipe x seed, then the T10 table, a plot and the resolution.
+
+Every arm runs with the same seeds, so for one seed all arms see the same prompts in the same order and the
+same sampling seeds; they differ only in what the recipe changes (the old-logprob pass). Each run is a
+subprocess (``python -m bloggap_plugin.compare --worker SPEC``) that calls the training function
+(default :func:`bloggap_plugin.trl.train.run_training`), which writes one JSONL record per logged step. When
+the function returns, the worker appends a completion marker line ``{"_compare": "done", ...}`` to that log.
+
+Resume: a run whose log ends with the marker is skipped; a run whose log has no marker (killed, crashed) is
+started again from scratch (its partial log is moved to ``<run>.jsonl.partial``). A crashed run does not stop
+the sweep: the table is built from the runs that finished and the command exits non-zero naming the others.
+
+Outputs in ``output_dir``: ``runs/<arm>_s<seed>.jsonl`` (+ ``.out`` with the run's console output),
+``compare.json`` (benchmark schema: params, raw per-run results, tables), ``compare.md`` and
+``reward_curves.png``.
+
+Table definitions (as in the reference study's T10):
+
+- reward last-k: mean of the per-step ``reward`` over the final k logged steps (k = ``last_n``, default 30,
+  or all steps when a run logged fewer);
+- reward mean: mean over all logged steps;
+- vs A per seed: last-k of the arm minus last-k of the baseline arm with the same seed; mean delta with a
+  95% paired t interval over seeds (needs >= 2 seeds);
+- clip: mean over steps of TRL's ``clip_ratio/region_mean``; ``gap/*``: mean over steps of each plugin metric;
+- s/step: mean of TRL's ``step_time`` where logged, else wall time / steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import inspect
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "CompareConfig",
+    "RunSpec",
+    "DONE_KEY",
+    "plan_runs",
+    "read_log",
+    "run_is_done",
+    "run_compare",
+    "summarize_run",
+    "build_results",
+    "t_quantile",
+    "paired_interval",
+    "write_outputs",
+    "plot_reward_curves",
+]
+
+DONE_KEY = "_compare"
+DEFAULT_RUN_FN = "bloggap_plugin.trl.train:run_training"
+_HEADLINE_GAP_KEYS = ("gap/ratio/oob_frac", "gap/sampler/oob_frac", "gap/clip/flip_frac")
+
+
+@dataclass
+class CompareConfig:
+    """Settings of one comparison sweep."""
+
+    recipes: list[str]
+    """Recipe files, one per arm (e.g. ``recipes/arm_A.yaml``)."""
+    seeds: list[int] = field(default_factory=lambda: [0, 1])
+    """Seeds; every arm runs once per seed, arms with the same seed see the same prompts and sampling seeds."""
+    task: str = "arith"
+    """``"arith"`` or ``"gsm8k"`` (see :mod:`bloggap_plugin.tasks`)."""
+    max_steps: int = 60
+    """Optimizer steps per run."""
+    model: str = "smollm2"
+    """Model spec for :func:`bloggap_plugin.models.load_model`."""
+    output_dir: str = "compare_out"
+    """Folder for logs, table, JSON and plot."""
+    parallel: int = 1
+    """Runs in flight at once (separate processes)."""
+    difficulty: int | None = None
+    """Arithmetic task level (1-5); ``None``: the task's default."""
+    n: int | None = None
+    """Number of prompts in the training set; ``None``: the task's default."""
+    data: str | None = None
+    """GSM8K only: a local file or folder in GSM8K format."""
+    last_n: int = 30
+    """Steps in the "reward last-k" window."""
+    baseline: str | None = None
+    """Arm the deltas are taken against; default arm ``A`` if present, else the first recipe."""
+    extra_overrides: dict = field(default_factory=dict)
+    """GRPOConfig overrides applied to every arm (e.g. ``{"num_iterations": 2}``)."""
+    run_fn: str = DEFAULT_RUN_FN
+    """``module:function`` that trains one run (signature of ``run_training``)."""
+    pythonpath: list[str] = field(default_factory=list)
+    """Extra import paths for the run function's module (used by tests)."""
+    smooth: int = 5
+    """Rolling-mean window (steps) of the reward curves in the plot (1 = raw)."""
+    poll_s: float = 2.0
+    """Seconds between progress checks."""
+
+
+@dataclass
+class RunSpec:
+    """One arm x seed run."""
+
+    arm: str
+    """Arm label (the recipe's ``gap.arm``, else the file stem)."""
+    recipe: str
+    """Recipe file."""
+    seed: int
+    """Seed of this run."""
+    run_id: str
+    """``<arm>_s<seed>``: the log's file stem."""
+    log_jsonl: str
+    """Path of the run's JSONL log."""
+    output_dir: str
+    """Trainer output folder of this run."""
+
+
+# --------------------------------------------------------------------------------------------- planning
+
+
+def _arm_label(recipe: Path) -> str:
+    import yaml
+
+    if not recipe.is_file():
+        raise FileNotFoundError(f"recipe {recipe} does not exist")
+    try:
+        content = yaml.safe_load(recipe.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"recipe {recipe} is not valid YAML: {err}") from err
+    gap = content.get("gap") if isinstance(content, dict) else None
+    arm = gap.get("arm") if isinstance(gap, dict) else None
+    return str(arm) if arm else recipe.stem
+
+
+def plan_runs(config: CompareConfig) -> list[RunSpec]:
+    """Every arm x seed, in seed-major order (all arms of seed 0 first), with unique arm labels."""
+    if not config.recipes:
+        raise ValueError("compare needs at least one recipe")
+    if not config.seeds:
+        raise ValueError("compare needs at least one seed")
+    if len(set(config.seeds)) != len(config.seeds):
+        raise ValueError(f"seeds must be distinct, got {config.seeds}")
+    labels = [_arm_label(Path(r)) for r in config.recipes]
+    if len(set(labels)) != len(labels):  # two recipes with the same gap.arm: fall back to file stems
+        labels = [Path(r).stem for r in config.recipes]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"recipes must have distinct file names or gap.arm values: {config.recipes}")
+    out = Path(config.output_dir)
+    runs = []
+    for seed in config.seeds:
+        for label, recipe in zip(labels, config.recipes):
+            run_id = f"{label}_s{seed}"
+            runs.append(
+                RunSpec(
+                    arm=label,
+                    recipe=str(recipe),
+                    seed=int(seed),
+                    run_id=run_id,
+                    log_jsonl=str(out / "runs" / f"{run_id}.jsonl"),
+                    output_dir=str(out / "trainer" / run_id),
+                )
+            )
+    return runs
+
+
+# --------------------------------------------------------------------------------------------- logs
+
+
+def read_log(path: str | os.PathLike) -> tuple[list[dict], dict | None]:
+    """``(step records, completion marker or None)`` of a run's JSONL log.
+
+    A last line cut off mid-write (killed run) is ignored; a malformed line elsewhere raises ``ValueError``
+    naming the file and line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return [], None
+    lines = path.read_text().splitlines()
+    records, marker = [], None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                break  # truncated final line of a killed run
+            raise ValueError(f"{path}:{number}: not a JSON line ({err.msg})") from err
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+        if record.get(DONE_KEY) == "done":
+            marker = record
+        else:
+            records.append(record)
+    return records, marker
+
+
+def run_is_done(path: str | os.PathLike) -> bool:
+    """True when the run's log carries the completion marker."""
+    return read_log(path)[1] is not None
+
+
+def _steps_logged(path: str | os.PathLike) -> int:
+    try:
+        records, _ = read_log(path)
+    except ValueError:
+        return 0
+    return max([int(r["step"]) for r in records if isinstance(r.get("step"), (int, float))], default=len(records))
+
+
+# --------------------------------------------------------------------------------------------- worker
+
+
+def _resolve(run_fn: str):
+    module_name, _, attr = run_fn.partition(":")
+    if not attr:
+        raise ValueError(f"run function must be 'module:function', got {run_fn!r}")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def _jsonable(value):
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        if isinstance(value, dict):
+            return {str(k): _jsonable(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [_jsonable(v) for v in value]
+        return repr(value)
+
+
+def _worker(spec_path: str) -> int:
+    """Subprocess entry: run one arm x seed and append the completion marker to its log."""
+    spec = json.loads(Path(spec_path).read_text())
+    for extra in spec.get("pythonpath", []):
+        sys.path.insert(0, extra)
+    run_fn = _resolve(spec["run_fn"])
+    kwargs = dict(
+        model=spec["model"],
+        task=spec["task"],
+        max_steps=spec["max_steps"],
+        output_dir=spec["output_dir"],
+        report_to="none",
+        seed=spec["seed"],
+        log_jsonl=spec["log_jsonl"],
+        extra_overrides=spec["extra_overrides"],
+    )
+    task_kwargs = {k: v for k, v in spec["task_kwargs"].items() if v is not None}
+    if task_kwargs:
+        params = inspect.signature(run_fn).parameters
+        if "task_kwargs" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            kwargs["task_kwargs"] = task_kwargs
+        else:
+            raise TypeError(
+                f"{spec['run_fn']} takes no task_kwargs, so {sorted(task_kwargs)} cannot reach the task; "
+                "drop --difficulty/--n/--data or use a training function that accepts task_kwargs"
+            )
+    Path(spec["log_jsonl"]).parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    result = run_fn(spec["recipe"], **kwargs)
+    wall_s = time.perf_counter() - start
+    marker = {DONE_KEY: "done", "arm": spec["arm"], "seed": spec["seed"], "wall_s": wall_s, "result": _jsonable(result)}
+    with open(spec["log_jsonl"], "a") as handle:
+        handle.write(json.dumps(marker) + "\n")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- sweep
+
+
+def _spec_for(config: CompareConfig, run: RunSpec) -> dict:
+    return {
+        "run_fn": config.run_fn,
+        "pythonpath": list(config.pythonpath),
+        "arm": run.arm,
+        "recipe": run.recipe,
+        "model": config.model,
+        "task": config.task,
+        "task_kwargs": {"difficulty": config.difficulty, "n": config.n, "data": config.data},
+        "max_steps": config.max_steps,
+        "output_dir": run.output_dir,
+        "seed": run.seed,
+        "log_jsonl": run.log_jsonl,
+        "extra_overrides": dict(config.extra_overrides),
+    }
+
+
+def _launch(config: CompareConfig, run: RunSpec):
+    log = Path(run.log_jsonl)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    if log.exists():  # partial log of a killed or crashed run: keep it aside, start over
+        os.replace(log, log.with_name(log.name + ".partial"))
+    spec_path = log.with_suffix(".spec.json")
+    spec_path.write_text(json.dumps(_spec_for(config, run), indent=1))
+    out = open(log.with_suffix(".out"), "w")  # noqa: SIM115 - closed when the process ends
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bloggap_plugin.compare", "--worker", str(spec_path)],
+        stdout=out,
+        stderr=subprocess.STDOUT,  # same process group as the sweep: killing the sweep's group ends the runs too
+    )
+    return process, out, time.perf_counter()
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _lock(output_dir: Path):
+    """Hold ``output_dir/.compare.lock`` for the sweep: a second sweep on the same folder fails at once."""
+    import fcntl
+
+    handle = open(output_dir / ".compare.lock", "w")  # noqa: SIM115 - held until the sweep ends
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise RuntimeError(f"another bloggap compare is running on {output_dir}; wait for it or use another --output-dir") from None
+    return handle
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no output)"
+
+
+def run_compare(config: CompareConfig, echo=print) -> dict:
+    """Run (or resume) the sweep, then write the outputs; returns the results dict (see :func:`build_results`)."""
+    if config.parallel < 1:
+        raise ValueError(f"parallel must be >= 1, got {config.parallel}")
+    if config.max_steps < 1:
+        raise ValueError(f"max_steps must be >= 1, got {config.max_steps}")
+    runs = plan_runs(config)
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = _lock(out)
+    try:
+        return _sweep(config, runs, echo)
+    finally:
+        lock.close()
+
+
+def _sweep(config: CompareConfig, runs: list[RunSpec], echo) -> dict:
+    pending = []
+    for run in runs:
+        if run_is_done(run.log_jsonl):
+            echo(f"[compare] {run.run_id}: finished earlier, skipped")
+        else:
+            pending.append(run)
+    total, failed = len(runs), {}
+    running: dict[str, tuple] = {}  # run_id -> (run, process, console file, start time)
+    last_report, sweep_start = 0.0, time.perf_counter()
+    try:
+        while pending or running:
+            while pending and len(running) < config.parallel:
+                run = pending.pop(0)
+                process, console, started = _launch(config, run)
+                running[run.run_id] = (run, process, console, started)
+                echo(f"[compare] {run.run_id}: started ({run.recipe}, seed {run.seed})")
+            for run_id, (run, process, console, started) in list(running.items()):
+                code = process.poll()
+                if code is None:
+                    continue
+                console.close()
+                del running[run_id]
+                elapsed = time.perf_counter() - started
+                if code == 0 and run_is_done(run.log_jsonl):
+                    finished = total - len(pending) - len(running) - len(failed)
+                    echo(f"[compare] {run_id}: done in {elapsed:.0f} s ({finished}/{total} finished)")
+                else:
+                    failed[run_id] = code
+                    echo(f"[compare] {run_id}: FAILED (exit {code}); last output:\n{_tail(Path(run.log_jsonl).with_suffix('.out'))}")
+            now = time.perf_counter()
+            if running and now - last_report >= max(10.0, config.poll_s):
+                states = ", ".join(f"{rid} step {_steps_logged(r.log_jsonl)}/{config.max_steps}" for rid, (r, *_) in running.items())
+                echo(f"[compare] {now - sweep_start:.0f} s: running {states}; {len(pending)} waiting")
+                last_report = now
+            if running:
+                time.sleep(config.poll_s)
+    except BaseException:
+        for _, process, console, _ in running.values():
+            _stop(process)
+            console.close()
+        raise
+    results = build_results(config, runs)
+    write_outputs(config, results)
+    results["failed"] = failed
+    if failed:
+        echo(f"[compare] {len(failed)} run(s) failed: {', '.join(sorted(failed))}; see runs/<run>.out. "
+             "Re-run the same command to retry them (finished runs are kept).")
+    return results
+
+
+# --------------------------------------------------------------------------------------------- statistics
+
+
+def _mean(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(values) / len(values) if values else None
+
+
+def _sd(values: list[float]) -> float | None:
+    """Sample standard deviation (n - 1); ``None`` for fewer than two values."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if len(values) < 2:
+        return None
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def _t_pdf(x: float, df: float) -> float:
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    return math.exp(log_c - (df + 1) / 2 * math.log1p(x * x / df))
+
+
+def _t_cdf(x: float, df: float) -> float:
+    # Student t CDF: 0.5 + integral of the pdf over [0, x] (composite Simpson on the substitution x = tan u,
+    # which maps the heavy tail to a finite interval).
+    if x == 0:
+        return 0.5
+    upper = math.atan(abs(x))
+    steps = 2000
+    h = upper / steps
+    total = 0.0
+    for i in range(steps + 1):
+        u = i * h
+        weight = 1 if i in (0, steps) else (4 if i % 2 else 2)
+        total += weight * _t_pdf(math.tan(u), df) / math.cos(u) ** 2
+    area = total * h / 3
+    return 0.5 + area if x > 0 else 0.5 - area
+
+
+def t_quantile(p: float, df: float) -> float:
+    """Quantile of Student's t with ``df`` degrees of freedom (``0 < p < 1``), by bisection on the CDF."""
+    if not 0 < p < 1:
+        raise ValueError(f"p must be in (0, 1), got {p}")
+    if df <= 0:
+        raise ValueError(f"df must be > 0, got {df}")
+    if p < 0.5:
+        return -t_quantile(1 - p, df)
+    low, high = 0.0, 1.0
+    while _t_cdf(high, df) < p:
+        high *= 2
+    for _ in range(60):
+        mid = (low + high) / 2
+        if _t_cdf(mid, df) < p:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+def paired_interval(deltas: list[float], confidence: float = 0.95) -> dict:
+    """Mean of paired differences and its two-sided t interval: ``{n, mean, sd, low, high, half_width}``.
+
+    With fewer than two differences ``sd``/``low``/``high``/``half_width`` are ``None`` (n too small).
+    """
+    n = len(deltas)
+    mean = _mean(deltas)
+    sd = _sd(deltas)
+    if sd is None:
+        return {"n": n, "mean": mean, "sd": None, "low": None, "high": None, "half_width": None}
+    half = t_quantile(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n)
+    return {"n": n, "mean": mean, "sd": sd, "low": mean - half, "high": mean + half, "half_width": half}
+
+
+def _key_mean(records: list[dict], key: str) -> float | None:
+    return _mean([r[key] for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)])
+
+
+def summarize_run(records: list[dict], marker: dict | None, last_n: int = 30) -> dict:
+    """Per-run numbers from its log records: rewards, last-k and overall means, clip, gap/* means, s/step.
+
+    Rewards come from the records that carry ``reward`` (with ``num_iterations > 1`` TRL logs a reward only on
+    steps that generate); clip, ``gap/*`` and ``step_time`` are averaged over every record that carries them.
+    """
+    reward_steps = [r for r in records if isinstance(r.get("reward"), (int, float))]
+    rewards = [float(r["reward"]) for r in reward_steps]
+    k = min(last_n, len(rewards))
+    gap_keys = sorted({key for r in records for key in r if key.startswith("gap/")})
+    step_times = [r["step_time"] for r in records if isinstance(r.get("step_time"), (int, float))]
+    steps_logged = max([int(r["step"]) for r in records if isinstance(r.get("step"), (int, float))], default=len(records))
+    wall_s = marker.get("wall_s") if marker else None
+    if step_times:
+        s_per_step, s_source = _mean(step_times), "step_time"
+    elif wall_s is not None and steps_logged:
+        s_per_step, s_source = wall_s / steps_logged, "wall"
+    else:
+        s_per_step, s_source = None, None
+    return {
+        "steps": steps_logged,
+        "reward_steps": len(rewards),
+        "reward_step_ids": [r.get("step", i + 1) for i, r in enumerate(reward_steps)],
+        "rewards": rewards,
+        "last_k": k,
+        "reward_last": _mean(rewards[-k:]) if k else None,
+        "reward_mean": _mean(rewards),
+        "reward_sd_steps": _sd(rewards),
+        "reward_sd_last": _sd(rewards[-k:]) if k else None,
+        "clip": _key_mean(records, "clip_ratio/region_mean"),
+        "sampling_dlogp": _key_mean(records, "sampling/sampling_logp_difference/mean"),
+        "gap": {key: _key_mean(records, key) for key in gap_keys},
+        "s_per_step": s_per_step,
+        "s_per_step_source": s_source,
+        "wall_s": wall_s,
+        "done": marker is not None,
+    }
+
+
+def _baseline(config: CompareConfig, arms: list[str]) -> str:
+    if config.baseline is not None:
+        if config.baseline not in arms:
+            raise ValueError(f"baseline arm {config.baseline!r} is not among the arms {arms}")
+        return config.baseline
+    return "A" if "A" in arms else arms[0]
+
+
+def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
+    """Per-run summaries, per-arm aggregates, deltas vs the baseline, resolution and the tables (JSON-ready)."""
+    arms = list(dict.fromkeys(r.arm for r in runs))
+    base = _baseline(config, arms)
+    per_run = {}
+    for run in runs:
+        records, marker = read_log(run.log_jsonl)
+        if marker is None:
+            continue  # unfinished: left out of the table
+        summary = summarize_run(records, marker, config.last_n)
+        summary.update(arm=run.arm, seed=run.seed, recipe=run.recipe)
+        per_run[run.run_id] = summary
+    by_arm: dict[str, dict[int, dict]] = {arm: {} for arm in arms}
+    for summary in per_run.values():
+        by_arm[summary["arm"]][summary["seed"]] = summary
+    all_k = [s["last_k"] for s in per_run.values() if s["reward_steps"]]
+    k = min(all_k) if all_k else 0
+    if k:  # one window for every run, so last-k values compare like with like
+        for s in per_run.values():
+            s["last_k"] = k
+            s["reward_last"] = _mean(s["rewards"][-k:])
+            s["reward_sd_last"] = _sd(s["rewards"][-k:])
+    arm_rows = {}
+    for arm in arms:
+        seeds = by_arm[arm]
+        deltas = {}
+        for seed, s in seeds.items():
+            b = by_arm[base].get(seed)
+            if arm != base and b is not None and s["reward_last"] is not None and b["reward_last"] is not None:
+                deltas[seed] = s["reward_last"] - b["reward_last"]
+        gap_keys = sorted({key for s in seeds.values() for key in s["gap"]})
+        arm_rows[arm] = {
+            "seeds": sorted(seeds),
+            "reward_last": _mean([s["reward_last"] for s in seeds.values()]),
+            "reward_mean": _mean([s["reward_mean"] for s in seeds.values()]),
+            "reward_last_per_seed": {seed: seeds[seed]["reward_last"] for seed in sorted(seeds)},
+            "reward_mean_per_seed": {seed: seeds[seed]["reward_mean"] for seed in sorted(seeds)},
+            "seed_sd_last": _sd([s["reward_last"] for s in seeds.values()]),
+            "delta_vs_base": {seed: deltas[seed] for seed in sorted(deltas)},
+            "delta_interval": paired_interval([deltas[s] for s in sorted(deltas)]) if arm != base else None,
+            "clip": _mean([s["clip"] for s in seeds.values() if s["clip"] is not None]),
+            "sampling_dlogp": _mean([s["sampling_dlogp"] for s in seeds.values() if s["sampling_dlogp"] is not None]),
+            "gap": {key: _mean([s["gap"].get(key) for s in seeds.values()]) for key in gap_keys},
+            "s_per_step": _mean([s["s_per_step"] for s in seeds.values() if s["s_per_step"] is not None]),
+        }
+    resolution = _resolution(per_run, arm_rows, base, k, len(config.seeds))
+    results = {"baseline": base, "arms": arm_rows, "runs": per_run, "last_k": k, "resolution": resolution}
+    results["tables"] = _tables(config, results)
+    return results
+
+
+def _resolution(per_run: dict, arm_rows: dict, base: str, k: int, n_seeds: int) -> dict:
+    """Per-step reward noise and the smallest arm difference this sweep could detect."""
+    variances_last = [s["reward_sd_last"] ** 2 for s in per_run.values() if s["reward_sd_last"] is not None]
+    variances_all = [s["reward_sd_steps"] ** 2 for s in per_run.values() if s["reward_sd_steps"] is not None]
+    step_sd_last = math.sqrt(sum(variances_last) / len(variances_last)) if variances_last else None
+    step_sd_all = math.sqrt(sum(variances_all) / len(variances_all)) if variances_all else None
+    seed_sds = [row["seed_sd_last"] for row in arm_rows.values() if row["seed_sd_last"] is not None]
+    out = {
+        "n_seeds": n_seeds,
+        "last_k": k,
+        "step_sd_last": step_sd_last,
+        "step_sd_all": step_sd_all,
+        "seed_sd_last": _mean(seed_sds),
+        "se_last_mean": step_sd_last / math.sqrt(k) if step_sd_last is not None and k else None,
+        "mdd_step_noise": None,
+        "delta_sd_pooled": None,
+        "delta_df": 0,
+        "mdd_paired": None,
+    }
+    z = 1.959964 + 0.841621  # two-sided 5% test, 80% power
+    if step_sd_last is not None and k:
+        # Two arms, n seeds each, k steps per mean, steps independent: SE of the difference = sd * sqrt(2 / (k n)).
+        out["mdd_step_noise"] = z * step_sd_last * math.sqrt(2.0 / (k * n_seeds))
+    squares, df = 0.0, 0
+    for arm, row in arm_rows.items():
+        values = list(row["delta_vs_base"].values())
+        if arm == base or len(values) < 2:
+            continue
+        mean = sum(values) / len(values)
+        squares += sum((v - mean) ** 2 for v in values)
+        df += len(values) - 1
+    if df:
+        sd = math.sqrt(squares / df)
+        out["delta_sd_pooled"] = sd
+        out["delta_df"] = df
+        out["mdd_paired"] = (t_quantile(0.975, df) + t_quantile(0.80, df)) * sd / math.sqrt(n_seeds)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- tables
+
+
+def _r(value: float | None, digits: int = 4):
+    return None if value is None else round(float(value), digits)
+
+
+def _signed(value: float | None, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    return f"{value:+.{digits}f}"
+
+
+def _tables(config: CompareConfig, results: dict) -> list[dict]:
+    base, k = results["baseline"], results["last_k"]
+    arms = results["arms"]
+    headline = [key for key in _HEADLINE_GAP_KEYS if any(key in row["gap"] for row in arms.values())]
+    columns = ["arm", "seeds", f"reward last-{k}", "reward mean", f"vs {base} per seed", f"vs {base}: mean [95% CI]",
+               "clip", *[f"{key} %" for key in headline], "s/step"]
+    rows = []
+    for arm, row in arms.items():
+        per_seed = " / ".join(_signed(row["delta_vs_base"][s]) for s in row["delta_vs_base"]) if arm != base else "-"
+        interval = row["delta_interval"]
+        if arm == base:
+            ci = "baseline"
+        elif interval is None or interval["n"] == 0:
+            ci = "-"
+        elif interval["half_width"] is None:
+            ci = f"{_signed(interval['mean'])} (n={interval['n']}: too small for an interval)"
+        else:
+            ci = f"{_signed(interval['mean'])} [{_signed(interval['low'])}, {_signed(interval['high'])}]"
+        gap_cells = [_r(100 * row["gap"][key], 2) if row["gap"].get(key) is not None else None for key in headline]
+        rows.append([arm, len(row["seeds"]), _r(row["reward_last"]), _r(row["reward_mean"]), per_seed, ci,
+                     _r(row["clip"]), *gap_cells, _r(row["s_per_step"], 3)])
+    res = results["resolution"]
+    notes = (
+        f"{config.task}, {config.model}, {config.max_steps} steps, seeds {', '.join(map(str, config.seeds))}. "
+        f"reward last-{k}: mean of the logged reward over the final {k} steps that logged one (with num_iterations > 1 "
+        f"only generating steps do), averaged over seeds; reward mean: over all of them. vs {base}: per-seed difference of last-{k} against arm {base}; interval: paired t over seeds. "
+        "clip: mean clip_ratio/region_mean. gap/* columns: mean over steps, in percent. s/step: mean step_time."
+    )
+    main = {
+        "id": "T10",
+        "title": f"Reward by old-logprob arm ({config.task}, {config.model})",
+        "columns": columns,
+        "rows": rows,
+        "notes": notes,
+        "reference": "T10",
+        "random_init": config.model.startswith("tiny-random"),
+    }
+    tables = [main]
+    gap_keys = sorted({key for row in arms.values() for key in row["gap"]})
+    if gap_keys:
+        tables.append({
+            "id": "T10-gap",
+            "title": "gap/* metrics by arm (mean over steps and seeds)",
+            "columns": ["arm", *gap_keys],
+            "rows": [[arm, *[_r(row["gap"].get(key), 6) for key in gap_keys]] for arm, row in arms.items()],
+            "notes": "Plugin metrics as logged (fractions, not percent); definitions in DESIGN.md.",
+            "reference": None,
+            "random_init": config.model.startswith("tiny-random"),
+        })
+    tables.append({
+        "id": "T10-resolution",
+        "title": "Resolution of this comparison",
+        "columns": ["quantity", "value"],
+        "rows": [
+            ["per-step reward sd (last-k window, pooled over runs)", _r(res["step_sd_last"])],
+            ["per-step reward sd (all steps, pooled over runs)", _r(res["step_sd_all"])],
+            [f"SE of a last-{k} mean from step noise", _r(res["se_last_mean"])],
+            ["seed-to-seed sd of last-k (mean over arms)", _r(res["seed_sd_last"])],
+            ["smallest detectable difference, step noise only (5% two-sided, 80% power)", _r(res["mdd_step_noise"])],
+            ["sd of paired deltas vs baseline (pooled over arms)", _r(res["delta_sd_pooled"])],
+            ["smallest detectable difference from paired deltas (t, pooled df)", _r(res["mdd_paired"])],
+        ],
+        "notes": resolution_statement(results),
+        "reference": None,
+        "random_init": config.model.startswith("tiny-random"),
+    })
+    return tables
+
+
+def resolution_statement(results: dict) -> str:
+    """One paragraph: the per-step noise and the smallest difference this sweep could detect."""
+    res, k = results["resolution"], results["last_k"]
+    n = res["n_seeds"]
+    if res["step_sd_last"] is None:
+        return "Too few steps to estimate the per-step reward noise."
+    text = (
+        f"Per-step reward sd is {res['step_sd_last']:.3f} over the last-{k} window, so a {k}-step mean has a "
+        f"standard error of about {res['se_last_mean']:.3f} (if steps were independent). With {n} seed(s) per arm, "
+        f"a difference between two arms smaller than about {res['mdd_step_noise']:.3f} is below what step noise "
+        "alone lets this sweep detect (5% two-sided, 80% power); that is a lower bound, because runs also differ "
+        "seed to seed"
+    )
+    if res["seed_sd_last"] is not None:
+        text += f" (seed-to-seed sd of one arm's last-{k} reward: {res['seed_sd_last']:.3f})"
+    text += ". "
+    if res["mdd_paired"] is not None:
+        text += (
+            f"From the paired per-seed deltas themselves (sd {res['delta_sd_pooled']:.3f}, {res['delta_df']} df "
+            f"pooled over arms) the smallest detectable difference is about {res['mdd_paired']:.3f}."
+        )
+    else:
+        text += "With fewer than two seeds per arm there is no paired interval: n is too small."
+    return text
+
+
+# --------------------------------------------------------------------------------------------- outputs
+
+
+def _rolling(values: list[float], window: int) -> list[float]:
+    if window <= 1:
+        return list(values)
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_reward_curves(results: dict, path: str | os.PathLike, smooth: int = 5, title: str = "") -> str:
+    """PNG of reward per step: one line per arm (mean over seeds), band = min..max over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    by_arm: dict[str, list[dict]] = {}
+    for summary in results["runs"].values():
+        by_arm.setdefault(summary["arm"], []).append(summary)
+    for arm in results["arms"]:
+        runs = by_arm.get(arm, [])
+        if not runs:
+            continue
+        length = min(len(r["rewards"]) for r in runs)
+        if length == 0:
+            continue
+        curves = [_rolling(r["rewards"][:length], smooth) for r in runs]
+        steps = list(range(1, length + 1))
+        mean = [sum(c[i] for c in curves) / len(curves) for i in range(length)]
+        (line,) = ax.plot(steps, mean, label=f"{arm} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+        if len(curves) > 1:
+            low = [min(c[i] for c in curves) for i in range(length)]
+            high = [max(c[i] for c in curves) for i in range(length)]
+            ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward" + (f" (rolling mean, {smooth} steps)" if smooth > 1 else ""))
+    ax.set_title(title or "Reward by arm: mean over seeds, band = per-seed range")
+    ax.grid(alpha=0.3)
+    if ax.get_lines():
+        ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+def write_outputs(config: CompareConfig, results: dict) -> dict[str, str]:
+    """Write ``compare.json``, ``compare.md`` and ``reward_curves.png`` into ``config.output_dir``."""
+    from bloggap_plugin.envinfo import environment_record
+    from bloggap_plugin.report import render_table
+
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    params = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("poll_s", "pythonpath")}
+    document = {
+        "benchmark": "compare",
+        "schema_version": 1,
+        "env": environment_record("cpu" if not _cuda_available() else None, model=config.model),
+        "params": params,
+        "results": {k: v for k, v in results.items() if k != "tables"},
+        "tables": results["tables"],
+    }
+    paths = {"json": str(out / "compare.json"), "markdown": str(out / "compare.md"), "plot": str(out / "reward_curves.png")}
+    Path(paths["json"]).write_text(json.dumps(document, indent=1, default=str) + "\n")
+    plot_reward_curves(results, paths["plot"], smooth=config.smooth,
+                       title=f"{config.task}, {config.model}: reward by arm (mean over seeds, band = seed range)")
+    lines = [f"# Reward comparison: {config.task}, {config.model}", ""]
+    lines += [f"Recipes: {', '.join(config.recipes)}; seeds {', '.join(map(str, config.seeds))}; "
+              f"{config.max_steps} steps per run.", ""]
+    for table in results["tables"]:
+        lines += render_table(table) + [""]
+    lines += ["![reward curves](reward_curves.png)", ""]
+    Path(paths["markdown"]).write_text("\n".join(lines))
+    return paths
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def print_table(results: dict, echo=print) -> None:
+    """Print the T10 table as Markdown."""
+    from bloggap_plugin.report import render_table
+
+    for line in render_table(results["tables"][0]):
+        echo(line)
+    echo("")
+    echo(resolution_statement(results))
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="bloggap compare worker (internal)")
+    parser.add_argument("--worker", required=True, help="run spec JSON written by run_compare")
+    args = parser.parse_args(argv)
+    return _worker(args.worker)
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

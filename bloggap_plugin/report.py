@@ -1,0 +1,382 @@
+"""``bloggap report``: BENCHMARKS.md and PNG plots from the result JSON files alone.
+
+Input: ``<results>/<device>/*.json`` (default ``benchmarks/results``), each::
+
+    {"benchmark": str, "schema_version": 1, "env": {...}, "params": {...}, "results": {...},
+     "tables": [{"id", "title", "columns", "rows", "notes", "reference": "T1" | null, "random_init": bool,
+                 "plot": optional hint}]}
+
+Every table is rendered as Markdown; a table whose ``reference`` names a table of the reference study
+(``bloggap_plugin/data/reference_study.json``) is followed by that table. Numbers are printed exactly as they
+are written in the JSON (floats are parsed as ``Decimal``), so every number in BENCHMARKS.md is in a JSON file.
+
+Plot hint (optional, per table)::
+
+    "plot": {"kind": "bar" | "line", "x": "<column>", "y": ["<column>", ...], "title": "...", "ylabel": "..."}
+
+``bar``: one group of bars per row (labelled by column ``x``), one bar per ``y`` column. ``line``: ``x`` must be
+numeric; one line per ``y`` column, or, with ``"series": "<column>"``, one line per distinct value of that
+column. ``"plot": false`` turns plotting off for the table. Without a hint a table is plotted as bars when it
+has a text label column and at least one column that is numeric in every row; otherwise it is not plotted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from decimal import Decimal
+from pathlib import Path
+
+__all__ = [
+    "ReportError",
+    "REFERENCE_PATH",
+    "load_reference",
+    "load_result",
+    "load_results",
+    "validate_result",
+    "render_table",
+    "format_cell",
+    "build_report",
+    "table_plot_spec",
+]
+
+REFERENCE_PATH = Path(__file__).resolve().parent / "data" / "reference_study.json"
+_TABLE_KEYS = {"id": str, "title": str, "columns": list, "rows": list, "notes": str, "random_init": bool}
+_TOP_KEYS = {"benchmark": str, "schema_version": int, "env": dict, "params": dict, "results": dict, "tables": list}
+_ENV_FIELDS = (
+    ("gpu", "GPU"),
+    ("sm_count", "SMs"),
+    ("compute_capability", "compute capability"),
+    ("gpu_memory_gib", "memory GiB"),
+    ("driver", "driver"),
+    ("cuda", "CUDA"),
+    ("torch", "torch"),
+    ("transformers", "transformers"),
+    ("trl", "TRL"),
+    ("cpu", "CPU"),
+)
+
+
+class ReportError(ValueError):
+    """A result file is missing or malformed (the message names the file and the problem)."""
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float, Decimal)) and not isinstance(value, bool)
+
+
+def _load_json(path: Path):
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ReportError(f"{path}: cannot read ({err.strerror or err})") from err
+    try:
+        return json.loads(text, parse_float=Decimal)
+    except json.JSONDecodeError as err:
+        raise ReportError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from err
+
+
+# --------------------------------------------------------------------------------------------- reference
+
+
+def load_reference(path: str | os.PathLike | None = None) -> dict[str, dict]:
+    """The reference study's tables by id (``T1``, ``T1b``, ..., ``T11``)."""
+    path = Path(path) if path is not None else REFERENCE_PATH
+    if not path.is_file():
+        raise ReportError(f"{path}: reference data is missing (it ships with the package as data/reference_study.json)")
+    document = _load_json(path)
+    tables = document.get("tables") if isinstance(document, dict) else None
+    if not isinstance(tables, list):
+        raise ReportError(f"{path}: expected an object with a 'tables' list")
+    out = {}
+    for index, table in enumerate(tables):
+        _validate_table(table, f"{path}: tables[{index}]", reference_ids=None, reference=True)
+        out[table["id"]] = table
+    return out
+
+
+# --------------------------------------------------------------------------------------------- validation
+
+
+def _validate_table(table, where: str, reference_ids, reference: bool = False) -> None:
+    if not isinstance(table, dict):
+        raise ReportError(f"{where}: a table must be an object, got {type(table).__name__}")
+    keys = dict(_TABLE_KEYS)
+    if reference:
+        keys.pop("random_init")
+    for key, kind in keys.items():
+        if key not in table:
+            raise ReportError(f"{where}: table lacks the key {key!r} (needs {sorted(keys)})")
+        if not isinstance(table[key], kind):
+            raise ReportError(f"{where}: table key {key!r} must be {kind.__name__}, got {type(table[key]).__name__}")
+    where = f"{where} ({table['id']})"
+    if not reference:
+        if "reference" not in table:
+            raise ReportError(f"{where}: table lacks the key 'reference' (a reference-study id like 'T1', or null)")
+        ref = table["reference"]
+        if ref is not None and (not isinstance(ref, str) or (reference_ids is not None and ref not in reference_ids)):
+            raise ReportError(
+                f"{where}: reference {ref!r} is not a table of the reference study; use one of "
+                f"{', '.join(sorted(reference_ids or []))} or null"
+            )
+    columns = table["columns"]
+    if not columns or not all(isinstance(c, str) for c in columns):
+        raise ReportError(f"{where}: 'columns' must be a non-empty list of strings")
+    for number, row in enumerate(table["rows"]):
+        if not isinstance(row, list):
+            raise ReportError(f"{where}: rows[{number}] must be a list, got {type(row).__name__}")
+        if len(row) != len(columns):
+            raise ReportError(f"{where}: rows[{number}] has {len(row)} cells for {len(columns)} columns")
+        for cell in row:
+            if cell is not None and not isinstance(cell, (str, bool)) and not _is_number(cell):
+                raise ReportError(f"{where}: rows[{number}] holds a {type(cell).__name__}; cells must be text, numbers, booleans or null")
+    if "plot" in table and table["plot"] is not False:
+        _validate_plot(table, where)
+
+
+def _validate_plot(table: dict, where: str) -> None:
+    hint = table["plot"]
+    if not isinstance(hint, dict):
+        raise ReportError(f"{where}: 'plot' must be an object or false")
+    if hint.get("kind") not in ("bar", "line"):
+        raise ReportError(f"{where}: plot kind must be 'bar' or 'line', got {hint.get('kind')!r}")
+    columns = table["columns"]
+    if hint.get("x") not in columns:
+        raise ReportError(f"{where}: plot x {hint.get('x')!r} is not a column ({columns})")
+    ys = hint.get("y")
+    if not isinstance(ys, list) or not ys or any(y not in columns for y in ys):
+        raise ReportError(f"{where}: plot y must be a non-empty list of columns from {columns}, got {ys!r}")
+    if "series" in hint and hint["series"] not in columns:
+        raise ReportError(f"{where}: plot series {hint['series']!r} is not a column ({columns})")
+    for y in ys:
+        index = columns.index(y)
+        if any(row[index] is not None and not _is_number(row[index]) for row in table["rows"]):
+            raise ReportError(f"{where}: plot column {y!r} must hold numbers (or null) in every row")
+    if hint["kind"] == "line":
+        index = columns.index(hint["x"])
+        if any(not _is_number(row[index]) for row in table["rows"]):
+            raise ReportError(f"{where}: a line plot needs numbers in its x column {hint['x']!r}")
+
+
+def validate_result(document, path: str | os.PathLike, reference_ids=None) -> None:
+    """Raise :class:`ReportError` naming ``path`` and the problem unless ``document`` follows the result schema."""
+    if not isinstance(document, dict):
+        raise ReportError(f"{path}: expected a JSON object at the top, got {type(document).__name__}")
+    for key, kind in _TOP_KEYS.items():
+        if key not in document:
+            raise ReportError(f"{path}: missing key {key!r} (a result needs {', '.join(_TOP_KEYS)})")
+        if not isinstance(document[key], kind) or isinstance(document[key], bool):
+            raise ReportError(f"{path}: key {key!r} must be {kind.__name__}, got {type(document[key]).__name__}")
+    if document["schema_version"] != 1:
+        raise ReportError(f"{path}: schema_version {document['schema_version']} is not supported (expected 1)")
+    if not document["tables"]:
+        raise ReportError(f"{path}: 'tables' is empty; a result must carry at least one table")
+    ids = [t.get("id") if isinstance(t, dict) else None for t in document["tables"]]
+    for index, table in enumerate(document["tables"]):
+        _validate_table(table, f"{path}: tables[{index}]", reference_ids)
+    duplicates = sorted({i for i in ids if ids.count(i) > 1 and i is not None})
+    if duplicates:
+        raise ReportError(f"{path}: table ids must be unique within a file; repeated: {duplicates}")
+
+
+def load_result(path: str | os.PathLike, reference_ids=None) -> dict:
+    """Load and validate one result file."""
+    path = Path(path)
+    document = _load_json(path)
+    validate_result(document, path, reference_ids)
+    return document
+
+
+def load_results(results_dir: str | os.PathLike, reference_ids=None, require: list[str] | None = None) -> dict:
+    """``{device: [(path, document), ...]}`` for ``<results_dir>/<device>/*.json``, validated.
+
+    ``require``: benchmark names that must be present for every device (a missing one is an error).
+    """
+    root = Path(results_dir)
+    if not root.is_dir():
+        raise ReportError(f"{root}: results folder does not exist (benchmark scripts write <results>/<device>/<name>.json)")
+    out: dict[str, list] = {}
+    for device_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        files = sorted(device_dir.glob("*.json"))
+        if files:
+            out[device_dir.name] = [(path, load_result(path, reference_ids)) for path in files]
+    if not out:
+        raise ReportError(f"{root}: no result JSON files found under <device>/ folders")
+    for device, entries in out.items():
+        names = {doc["benchmark"] for _, doc in entries}
+        missing = [name for name in require or [] if name not in names]
+        if missing:
+            raise ReportError(f"{root / device}: missing result file(s) for {', '.join(missing)} (have {', '.join(sorted(names))})")
+    return out
+
+
+# --------------------------------------------------------------------------------------------- markdown
+
+
+def format_cell(value) -> str:
+    """A table cell as Markdown text; numbers exactly as written in the JSON."""
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, Decimal):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def render_table(table: dict) -> list[str]:
+    """Markdown lines of one table: bold title, the table, then its notes."""
+    title = f"**{table['id']}: {table['title']}**"
+    if table.get("random_init"):
+        title += " *(random-init weights: timing/shape only, not a measurement of a trained model)*"
+    lines = [title, ""]
+    lines.append("| " + " | ".join(format_cell(c) for c in table["columns"]) + " |")
+    lines.append("|" + "---|" * len(table["columns"]))
+    for row in table["rows"]:
+        lines.append("| " + " | ".join(format_cell(c) for c in row) + " |")
+    if table.get("notes"):
+        lines += ["", table["notes"].replace("\n", " ")]
+    return lines
+
+
+def _render_reference(table: dict) -> list[str]:
+    source = table.get("source", "")
+    lines = [f"<details><summary>Reference study, {table['id']} ({source})</summary>", ""]
+    body = render_table(table)
+    lines += body
+    lines += ["", "</details>"]
+    return lines
+
+
+def _env_lines(entries: list) -> list[str]:
+    parts = []
+    for key, label in _ENV_FIELDS:
+        values = []
+        for _, document in entries:
+            value = document["env"].get(key)
+            if value is not None and format_cell(value) not in values:
+                values.append(format_cell(value))
+        if values:
+            parts.append(f"{label}: {' / '.join(values)}")
+    return ["; ".join(parts) + "." if parts else "No environment recorded."]
+
+
+# --------------------------------------------------------------------------------------------- plots
+
+
+def _float(value) -> float | None:
+    return float(value) if _is_number(value) else None
+
+
+def table_plot_spec(table: dict) -> dict | None:
+    """The plot for ``table``: its hint, or an automatic bar chart when it has a recognisable shape, or None."""
+    if table.get("plot") is False:
+        return None
+    if isinstance(table.get("plot"), dict):
+        return table["plot"]
+    rows, columns = table["rows"], table["columns"]
+    if len(rows) < 1 or len(rows) > 40:
+        return None
+    numeric = [c for i, c in enumerate(columns) if all(_is_number(r[i]) for r in rows)]
+    labels = [c for i, c in enumerate(columns) if c not in numeric and all(isinstance(r[i], str) for r in rows)]
+    if not numeric or not labels:
+        return None
+    return {"kind": "bar", "x": labels, "y": numeric}
+
+
+def _plot_table(table: dict, spec: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns, rows = table["columns"], table["rows"]
+    ys = spec["y"]
+    fig, ax = plt.subplots(figsize=(max(6.0, min(14.0, 0.6 * len(rows) * max(1, len(ys)))), 4.2))
+    if spec["kind"] == "bar":
+        xs = spec["x"] if isinstance(spec["x"], list) else [spec["x"]]
+        labels = [" / ".join(str(r[columns.index(x)]) for x in xs) for r in rows]
+        width = 0.8 / len(ys)
+        for j, y in enumerate(ys):
+            values = [_float(r[columns.index(y)]) for r in rows]
+            positions = [i + (j - (len(ys) - 1) / 2) * width for i in range(len(rows))]
+            ax.bar(positions, [v if v is not None else 0.0 for v in values], width=width, label=y)
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(labels, rotation=30 if len(rows) > 3 else 0, ha="right" if len(rows) > 3 else "center", fontsize=8)
+    else:
+        x_index = columns.index(spec["x"])
+        series_col = spec.get("series")
+        if series_col is None:
+            groups = {None: rows}
+        else:
+            groups = {}
+            for r in rows:
+                groups.setdefault(r[columns.index(series_col)], []).append(r)
+        for name, group in groups.items():
+            group = sorted(group, key=lambda r: float(r[x_index]))
+            for y in ys:
+                points = [(float(r[x_index]), _float(r[columns.index(y)])) for r in group]
+                points = [(x, v) for x, v in points if v is not None]
+                label = y if name is None else (f"{name}" if len(ys) == 1 else f"{name}: {y}")
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        ax.set_xlabel(spec["x"])
+    ax.set_ylabel(spec.get("ylabel", ys[0] if len(ys) == 1 else "value"))
+    ax.set_title(spec.get("title", f"{table['id']}: {table['title']}"), fontsize=9)
+    ax.grid(alpha=0.3)
+    if len(ys) > 1 or spec.get("series"):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------- report
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-") or "table"
+
+
+def build_report(
+    results_dir: str | os.PathLike = "benchmarks/results",
+    output: str | os.PathLike = "BENCHMARKS.md",
+    plots_dir: str | os.PathLike | None = "benchmarks/plots",
+    reference_path: str | os.PathLike | None = None,
+    require: list[str] | None = None,
+) -> dict:
+    """Write ``output`` (Markdown) and PNGs under ``plots_dir`` (``None``: no plots); returns what was written."""
+    reference = load_reference(reference_path)
+    results = load_results(results_dir, set(reference), require)
+    output = Path(output)
+    plots_root = Path(plots_dir) if plots_dir is not None else None
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `bloggap report` from the result files under the results folder and the reference study's "
+        "tables (`bloggap_plugin/data/reference_study.json`); do not edit by hand. Each table is followed by the "
+        "reference study's table it reproduces, where there is one (folded).",
+        "",
+    ]
+    plots = []
+    for device, entries in results.items():
+        lines += [f"## {device}", "", *_env_lines(entries), ""]
+        for path, document in entries:
+            lines += [f"### {document['benchmark']}", "", f"Source: `{path.as_posix()}`.", ""]
+            for table in document["tables"]:
+                lines += render_table(table) + [""]
+                spec = table_plot_spec(table)
+                if spec is not None and plots_root is not None:
+                    plot_path = plots_root / device / f"{_slug(document['benchmark'])}_{_slug(table['id'])}.png"
+                    plot_path.parent.mkdir(parents=True, exist_ok=True)
+                    _plot_table(table, spec, plot_path)
+                    plots.append(str(plot_path))
+                    link = os.path.relpath(plot_path, output.parent if str(output.parent) else ".")
+                    lines += [f"![{_slug(table['id'])}]({Path(link).as_posix()})", ""]
+                if table.get("reference"):
+                    lines += _render_reference(reference[table["reference"]]) + [""]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text("\n".join(lines).rstrip() + "\n")
+    return {"markdown": str(output), "plots": plots, "devices": list(results), "files": [str(p) for e in results.values() for p, _ in e]}

@@ -1,0 +1,97 @@
+"""Training tasks for GRPO runs: a prompt dataset plus reward functions.
+
+``get_task(name, tokenizer, ...)`` returns ``(train_dataset, reward_funcs)`` ready for ``GRPOTrainer``:
+
+- ``train_dataset``: a ``datasets.Dataset`` with a ``prompt`` column of conversational prompts (lists of
+  ``{"role", "content"}`` messages, so TRL applies the tokenizer's chat template; plain strings when the
+  tokenizer has no chat template) and an ``answer`` column (the gold answer as a string);
+- ``reward_funcs``: a list of TRL reward functions ``f(completions, answer, **kwargs) -> list[float]``.
+
+Tasks: ``"gsm8k"`` (:mod:`bloggap_plugin.tasks.gsm8k`) and ``"arith"`` (:mod:`bloggap_plugin.tasks.arith`).
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["TASKS", "get_task", "prompt_fingerprint"]
+
+TASKS = ("gsm8k", "arith")
+
+
+def _as_text_prompt(messages: list[dict[str, str]]) -> str:
+    # For tokenizers without a chat template: the same content as plain text.
+    parts = []
+    for message in messages:
+        prefix = {"system": "", "user": "Q: ", "assistant": "A: "}.get(message["role"], "")
+        parts.append(prefix + message["content"])
+    return "\n".join(parts) + "\nA:"
+
+
+def get_task(
+    name: str,
+    tokenizer=None,
+    seed: int = 0,
+    difficulty: int | None = None,
+    n: int | None = None,
+    data: str | os.PathLike | None = None,
+    parser: str = "lenient",
+):
+    """``(train_dataset, reward_funcs)`` for task ``name``.
+
+    Args:
+        name: ``"gsm8k"`` or ``"arith"``.
+        tokenizer: the policy's tokenizer; prompts are conversational when it has a chat template, plain text
+            otherwise. ``None`` means conversational.
+        seed: GSM8K: shuffle seed of the training split; arith: generator seed. Same seed, same prompt order.
+        difficulty: arith level 1-5 (default :data:`~bloggap_plugin.tasks.arith.DEFAULT_DIFFICULTY`); must be
+            ``None`` for GSM8K.
+        n: number of prompts (GSM8K: the first ``n`` after shuffling, default all; arith: default 1024).
+        data: GSM8K only: a local file or folder in GSM8K format instead of ``openai/gsm8k`` from the hub.
+        parser: GSM8K reward parser, ``"lenient"`` (last number) or ``"strict"`` (``#### n``).
+    """
+    import datasets
+
+    conversational = tokenizer is None or getattr(tokenizer, "chat_template", None) is not None
+    if n is not None and n < 1:
+        raise ValueError(f"n must be >= 1 prompts, got {n}")
+    if name == "gsm8k":
+        from bloggap_plugin.tasks import gsm8k
+
+        if difficulty is not None:
+            raise ValueError("difficulty applies to the 'arith' task only; GSM8K has none (leave it unset)")
+        if parser not in ("lenient", "strict"):
+            raise ValueError(f"parser must be 'lenient' or 'strict', got {parser!r}")
+        raw = gsm8k.load_gsm8k(data, split="train").shuffle(seed=seed)
+        if n is not None:
+            raw = raw.select(range(min(n, len(raw))))
+        messages = [gsm8k.build_messages(q) for q in raw["question"]]
+        answers = [gsm8k.gold_answer(a) for a in raw["answer"]]
+        reward = gsm8k.accuracy_reward if parser == "lenient" else gsm8k.strict_accuracy_reward
+    elif name == "arith":
+        from bloggap_plugin.tasks import arith
+
+        if data is not None:
+            raise ValueError("the 'arith' task generates its problems; --data applies to 'gsm8k' only")
+        level = arith.DEFAULT_DIFFICULTY if difficulty is None else difficulty
+        problems = arith.make_problems(1024 if n is None else n, seed=seed, difficulty=level)
+        messages = [arith.build_messages(p, level) for p in problems]
+        answers = [str(p.answer) for p in problems]
+        reward = arith.accuracy_reward
+    else:
+        raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+    prompts = messages if conversational else [_as_text_prompt(m) for m in messages]
+    dataset = datasets.Dataset.from_dict({"prompt": prompts, "answer": answers})
+    return dataset, [reward]
+
+
+def prompt_fingerprint(dataset) -> str:
+    """Short hash of the prompts and answers in order: equal across arms iff they see the same prompt order."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256()
+    for prompt, answer in zip(dataset["prompt"], dataset["answer"]):
+        digest.update(json.dumps([prompt, answer], sort_keys=True).encode())
+    return digest.hexdigest()[:16]
+

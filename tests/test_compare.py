@@ -1,0 +1,339 @@
+"""bloggap compare: the sweep runner (resume, crash, kill), the T10 table maths, outputs, and a real tiny run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from bloggap_plugin.compare import (
+    DONE_KEY,
+    CompareConfig,
+    build_results,
+    paired_interval,
+    plan_runs,
+    read_log,
+    run_compare,
+    summarize_run,
+    t_quantile,
+)
+
+# A stand-in for run_training with the same signature: rewards are a closed form of (arm, seed, step), so the
+# expected table is known without running the code under test. FAKE_HANG=<run id> makes that run hang after
+# its first line (to be killed); FAKE_CRASH=<run id> makes it raise. Every call is recorded in FAKE_CALLS.
+FAKE_TRAIN = '''
+import json, os, time, yaml
+
+ARM_BASE = {"A": 0.25, "B": 0.5, "C": 0.0}
+
+def run_training(recipe_path, *, model, task, max_steps, output_dir, report_to="none", seed, log_jsonl,
+                 extra_overrides, task_kwargs=None):
+    arm = yaml.safe_load(open(recipe_path))["gap"]["arm"]
+    run_id = f"{arm}_s{seed}"
+    with open(os.environ["FAKE_CALLS"], "a") as f:
+        f.write(json.dumps({"run": run_id, "overrides": extra_overrides, "task": task, "model": model,
+                            "task_kwargs": task_kwargs}) + "\\n")
+    if os.environ.get("FAKE_CRASH") == run_id:
+        raise RuntimeError("fake crash")
+    with open(log_jsonl, "w") as log:
+        for step in range(1, max_steps + 1):
+            reward = ARM_BASE[arm] + 0.125 * seed + (0.25 if step % 2 else 0.0)
+            log.write(json.dumps({"step": step, "reward": reward, "clip_ratio/region_mean": 0.01 * step,
+                                  "gap/ratio/oob_frac": 0.5 if arm == "B" else 0.0, "step_time": 2.0}) + "\\n")
+            log.flush()
+            if os.environ.get("FAKE_HANG") == run_id:
+                time.sleep(600)
+    return {"arm": arm, "steps": max_steps}
+'''
+
+
+def _recipes(tmp_path: Path, arms=("A", "B")) -> list[str]:
+    paths = []
+    for arm in arms:
+        path = tmp_path / f"arm_{arm}.yaml"
+        path.write_text(f"learning_rate: 1.0e-6\ngap:\n  arm: {arm}\n")
+        paths.append(str(path))
+    return paths
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    module_dir = tmp_path / "fake_pkg"
+    module_dir.mkdir()
+    (module_dir / "fake_train.py").write_text(FAKE_TRAIN)
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("FAKE_CALLS", str(calls))
+    monkeypatch.delenv("FAKE_HANG", raising=False)
+    monkeypatch.delenv("FAKE_CRASH", raising=False)
+    return {"dir": str(module_dir), "calls": calls, "run_fn": "fake_train:run_training"}
+
+
+def _calls(fake) -> list[str]:
+    if not fake["calls"].exists():
+        return []
+    return [json.loads(line)["run"] for line in fake["calls"].read_text().splitlines()]
+
+
+def _config(tmp_path, fake, **kw) -> CompareConfig:
+    base = dict(
+        recipes=_recipes(tmp_path),
+        seeds=[0, 1],
+        task="arith",
+        max_steps=4,
+        model="tiny-random-llama",
+        output_dir=str(tmp_path / "out"),
+        parallel=2,
+        last_n=2,
+        run_fn=fake["run_fn"],
+        pythonpath=[fake["dir"]],
+        poll_s=0.1,
+        extra_overrides={"num_iterations": 2},
+    )
+    base.update(kw)
+    return CompareConfig(**base)
+
+
+# --------------------------------------------------------------------------------------------- statistics
+
+
+def test_t_quantile_matches_textbook_values():
+    # Two-sided 95% and one-sided 80% points of Student's t, from printed tables.
+    for df, expected in [(1, 12.706), (2, 4.303), (4, 2.776), (10, 2.228), (30, 2.042)]:
+        assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-3)
+    for df, expected in [(1, 1.376), (5, 0.920), (20, 0.860)]:
+        assert t_quantile(0.80, df) == pytest.approx(expected, abs=1e-3)
+    assert t_quantile(0.025, 3) == pytest.approx(-3.182, abs=1e-3)
+    assert t_quantile(0.975, 1e6) == pytest.approx(1.960, abs=1e-3)
+
+
+def test_paired_interval_by_hand():
+    out = paired_interval([0.1, 0.3])
+    # mean 0.2, sd = sqrt(((-.1)^2 + .1^2) / 1) = 0.141421..., half = 12.7062 * 0.141421 / sqrt(2) = 1.27062
+    assert out["mean"] == pytest.approx(0.2)
+    assert out["sd"] == pytest.approx(math.sqrt(0.02))
+    assert out["half_width"] == pytest.approx(1.27062, abs=1e-4)
+    assert out["low"] == pytest.approx(0.2 - 1.27062, abs=1e-4)
+    one = paired_interval([0.5])
+    assert one["n"] == 1 and one["mean"] == 0.5 and one["half_width"] is None
+
+
+def test_summarize_run_on_constructed_log():
+    # Reward only on generating steps (as TRL logs with num_iterations 2); clip and gap on every step.
+    records = [
+        {"step": 1, "reward": 0.0, "clip_ratio/region_mean": 0.0, "gap/ratio/oob_frac": 0.1, "step_time": 3.0},
+        {"step": 2, "clip_ratio/region_mean": 0.2, "gap/ratio/oob_frac": 0.3, "step_time": 1.0},
+        {"step": 3, "reward": 0.5, "clip_ratio/region_mean": 0.1, "step_time": 3.0},
+        {"step": 4, "clip_ratio/region_mean": 0.1, "step_time": 1.0},
+        {"step": 5, "reward": 1.0, "step_time": 2.0},
+    ]
+    s = summarize_run(records, {DONE_KEY: "done", "wall_s": 20.0}, last_n=2)
+    assert s["steps"] == 5 and s["reward_steps"] == 3
+    assert s["rewards"] == [0.0, 0.5, 1.0]
+    assert s["reward_last"] == pytest.approx(0.75)
+    assert s["reward_mean"] == pytest.approx(0.5)
+    assert s["reward_sd_steps"] == pytest.approx(0.5)  # sd of 0, .5, 1 with n-1
+    assert s["reward_sd_last"] == pytest.approx(math.sqrt(0.125))
+    assert s["clip"] == pytest.approx(0.1)  # (0 + .2 + .1 + .1) / 4
+    assert s["gap"] == {"gap/ratio/oob_frac": pytest.approx(0.2)}
+    assert s["s_per_step"] == pytest.approx(2.0) and s["s_per_step_source"] == "step_time"
+    no_time = summarize_run([{"step": 1, "reward": 1.0}, {"step": 2}], {DONE_KEY: "done", "wall_s": 8.0})
+    assert no_time["s_per_step"] == pytest.approx(4.0) and no_time["s_per_step_source"] == "wall"
+
+
+def _write_log(path: Path, rewards, extra=None, done=True):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for i, r in enumerate(rewards, 1):
+            f.write(json.dumps({"step": i, "reward": r, **(extra or {})}) + "\n")
+        if done:
+            f.write(json.dumps({DONE_KEY: "done", "wall_s": 10.0 * len(rewards)}) + "\n")
+
+
+def test_table_maths_on_constructed_logs(tmp_path):
+    config = CompareConfig(recipes=_recipes(tmp_path, ("A", "B", "C")), seeds=[0, 1], output_dir=str(tmp_path / "o"),
+                           last_n=2, max_steps=4)
+    runs = {r.run_id: r for r in plan_runs(config)}
+    assert list(runs) == ["A_s0", "B_s0", "C_s0", "A_s1", "B_s1", "C_s1"]
+    logs = {
+        "A_s0": [0.0, 0.5, 0.5, 0.5],   # last-2 0.5, mean 0.375
+        "A_s1": [0.5, 0.0, 1.0, 0.0],   # last-2 0.5, mean 0.375
+        "B_s0": [0.0, 0.0, 1.0, 1.0],   # last-2 1.0 -> delta +0.5
+        "B_s1": [0.0, 0.0, 0.5, 1.0],   # last-2 0.75 -> delta +0.25
+        "C_s0": [0.25, 0.25, 0.25, 0.25],  # delta -0.25
+    }
+    for run_id, rewards in logs.items():
+        _write_log(Path(runs[run_id].log_jsonl), rewards, {"clip_ratio/region_mean": 0.01})
+    _write_log(Path(runs["C_s1"].log_jsonl), [1.0, 1.0], done=False)  # unfinished: left out
+    res = build_results(config, list(runs.values()))
+    assert res["baseline"] == "A" and res["last_k"] == 2
+    a, b, c = res["arms"]["A"], res["arms"]["B"], res["arms"]["C"]
+    assert a["reward_last"] == pytest.approx(0.5) and a["reward_mean"] == pytest.approx(0.375)
+    assert b["delta_vs_base"] == {0: pytest.approx(0.5), 1: pytest.approx(0.25)}
+    assert b["reward_last"] == pytest.approx(0.875)
+    assert b["delta_interval"]["mean"] == pytest.approx(0.375)
+    # sd of (0.5, 0.25) = 0.176777; half width = 12.7062 * 0.176777 / sqrt(2) = 1.588275
+    assert b["delta_interval"]["half_width"] == pytest.approx(1.588275, abs=1e-4)
+    assert c["seeds"] == [0] and c["delta_vs_base"] == {0: pytest.approx(-0.25)}
+    assert c["delta_interval"]["half_width"] is None
+    assert a["clip"] == pytest.approx(0.01)
+    # Resolution: per-run sd over the last-2 window, pooled as the root mean variance.
+    sds_last = {"A_s0": 0.0, "A_s1": math.sqrt(0.5), "B_s0": 0.0, "B_s1": math.sqrt(0.125), "C_s0": 0.0}
+    pooled = math.sqrt(sum(v * v for v in sds_last.values()) / 5)
+    r = res["resolution"]
+    assert r["step_sd_last"] == pytest.approx(pooled)
+    assert r["se_last_mean"] == pytest.approx(pooled / math.sqrt(2))
+    assert r["mdd_step_noise"] == pytest.approx((1.959964 + 0.841621) * pooled * math.sqrt(2 / (2 * 2)), rel=1e-5)
+    # Only B has two paired deltas: pooled sd = 0.176777 with 1 df.
+    assert r["delta_df"] == 1 and r["delta_sd_pooled"] == pytest.approx(math.sqrt(0.03125))
+    assert r["mdd_paired"] == pytest.approx((12.7062 + 1.3764) * math.sqrt(0.03125) / math.sqrt(2), rel=1e-3)
+    table = res["tables"][0]
+    assert table["reference"] == "T10" and table["columns"][2] == "reward last-2"
+    rows = {row[0]: row for row in table["rows"]}
+    assert rows["B"][2] == 0.875 and rows["B"][4] == "+0.500 / +0.250"
+    assert rows["C"][5].startswith("-0.250 (n=1")
+
+
+def test_read_log_tolerates_a_cut_last_line_but_not_a_bad_middle_line(tmp_path):
+    log = tmp_path / "x.jsonl"
+    log.write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "rew')
+    records, marker = read_log(log)
+    assert records == [{"step": 1, "reward": 0.5}] and marker is None
+    log.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"x.jsonl:2: not a JSON line"):
+        read_log(log)
+
+
+def test_plan_rejects_bad_input(tmp_path):
+    recipes = _recipes(tmp_path)
+    with pytest.raises(ValueError, match="distinct"):
+        plan_runs(CompareConfig(recipes=recipes, seeds=[0, 0]))
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        plan_runs(CompareConfig(recipes=[str(tmp_path / "nope.yaml")]))
+    with pytest.raises(ValueError, match="baseline arm 'Z'"):
+        build_results(CompareConfig(recipes=recipes, baseline="Z", output_dir=str(tmp_path)), plan_runs(CompareConfig(recipes=recipes)))
+
+
+# --------------------------------------------------------------------------------------------- the sweep
+
+
+def test_sweep_with_fake_runs_writes_table_json_plot_and_resumes(tmp_path, fake):
+    pytest.importorskip("matplotlib")
+    config = _config(tmp_path, fake)
+    messages = []
+    res = run_compare(config, echo=messages.append)
+    assert res["failed"] == {}
+    assert sorted(_calls(fake)) == ["A_s0", "A_s1", "B_s0", "B_s1"]
+    calls = [json.loads(line) for line in fake["calls"].read_text().splitlines()]
+    assert all(c["overrides"] == {"num_iterations": 2} and c["task"] == "arith" and c["task_kwargs"] is None for c in calls)
+    out = Path(config.output_dir)
+    # Fake rewards: A = 0.25 + 0.125 seed + 0.25 on odd steps; B = A + 0.25. last-2 (steps 3, 4) = base + .125 s + .125
+    arms = res["arms"]
+    assert arms["A"]["reward_last_per_seed"] == {0: pytest.approx(0.375), 1: pytest.approx(0.5)}
+    assert arms["B"]["delta_vs_base"] == {0: pytest.approx(0.25), 1: pytest.approx(0.25)}
+    assert arms["B"]["delta_interval"]["half_width"] == pytest.approx(0.0)
+    assert arms["B"]["gap"]["gap/ratio/oob_frac"] == pytest.approx(0.5)
+    assert arms["A"]["s_per_step"] == pytest.approx(2.0)
+    document = json.loads((out / "compare.json").read_text())
+    assert document["schema_version"] == 1 and document["benchmark"] == "compare"
+    assert [t["id"] for t in document["tables"]] == ["T10", "T10-gap", "T10-resolution"]
+    from bloggap_plugin.report import validate_result
+
+    validate_result(json.loads((out / "compare.json").read_text(), parse_float=__import__("decimal").Decimal), "compare.json", {"T10"})
+    md = (out / "compare.md").read_text()
+    assert "| B | 2 | 0.6875 |" in md and "gap/ratio/oob_frac %" in md and "Per-step reward sd" in md
+    png = (out / "reward_curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    # Second call: everything finished, nothing runs again, same table.
+    again = run_compare(config, echo=messages.append)
+    assert sorted(_calls(fake)) == ["A_s0", "A_s1", "B_s0", "B_s1"]
+    assert again["tables"][0]["rows"] == res["tables"][0]["rows"]
+
+
+def test_a_crashed_run_does_not_stop_the_sweep(tmp_path, fake, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("FAKE_CRASH", "B_s0")
+    config = _config(tmp_path, fake, seeds=[0], parallel=1)
+    messages = []
+    res = run_compare(config, echo=messages.append)
+    assert res["failed"] and list(res["failed"]) == ["B_s0"]
+    assert any("B_s0: FAILED" in m and "fake crash" in m for m in messages)
+    assert list(res["runs"]) == ["A_s0"]
+    monkeypatch.delenv("FAKE_CRASH")
+    res = run_compare(config, echo=messages.append)  # retry: only the crashed run runs again
+    assert _calls(fake) == ["A_s0", "B_s0", "B_s0"] and res["failed"] == {}
+
+
+def test_a_killed_sweep_resumes(tmp_path, fake):
+    pytest.importorskip("matplotlib")
+    recipes = _recipes(tmp_path)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "bloggap_plugin.cli", "compare", *recipes, "--seeds", "0", "--max-steps", "3",
+               "--model", "tiny-random-llama", "--output-dir", str(out), "--parallel", "1", "--last-n", "2",
+               "--run-fn", fake["run_fn"]]
+    env = dict(os.environ, FAKE_HANG="B_s0", PYTHONPATH=os.pathsep.join([fake["dir"], os.environ.get("PYTHONPATH", "")]))
+    sweep = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    partial = out / "runs" / "B_s0.jsonl"
+    deadline = time.time() + 120
+    try:
+        while not (partial.exists() and partial.read_text().count("\n") >= 1):
+            assert sweep.poll() is None, "sweep ended before the hanging run started"
+            assert time.time() < deadline, "hanging run never wrote its first line"
+            time.sleep(0.2)
+    finally:
+        os.killpg(sweep.pid, signal.SIGKILL)  # the sweep and its runs share one process group
+        sweep.wait()
+    assert _calls(fake) == ["A_s0", "B_s0"]
+    assert read_log(out / "runs" / "A_s0.jsonl")[1] is not None and read_log(partial)[1] is None
+    env.pop("FAKE_HANG")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "A_s0: finished earlier, skipped" in done.stdout
+    assert _calls(fake) == ["A_s0", "B_s0", "B_s0"]  # A not re-run, B restarted once
+    records, marker = read_log(partial)
+    assert marker is not None and [r["step"] for r in records] == [1, 2, 3]  # no duplicated steps
+    assert (out / "runs" / "B_s0.jsonl.partial").exists()
+    assert (out / "compare.json").exists() and (out / "reward_curves.png").exists()
+
+
+def test_task_kwargs_need_a_run_function_that_takes_them(tmp_path, fake):
+    (Path(fake["dir"]) / "narrow_train.py").write_text(textwrap.dedent('''
+        def run_training(recipe_path, *, model, task, max_steps, output_dir, report_to, seed, log_jsonl, extra_overrides):
+            raise AssertionError("must not be called")
+    '''))
+    config = _config(tmp_path, fake, seeds=[0], recipes=_recipes(tmp_path, ("A",)), run_fn="narrow_train:run_training",
+                     difficulty=3)
+    res = run_compare(config, echo=lambda m: None)
+    assert list(res["failed"]) == ["A_s0"]
+    assert "takes no task_kwargs" in (Path(config.output_dir) / "runs" / "A_s0.out").read_text()
+
+
+# --------------------------------------------------------------------------------------------- real training
+
+
+def test_two_arms_one_seed_two_steps_on_a_tiny_model(tmp_path):
+    """The real run_training (TRL engineer's) end to end: table, JSON and plot."""
+    train = pytest.importorskip("bloggap_plugin.trl.train", reason="run_training (bloggap_plugin.trl.train) has not landed")
+    pytest.importorskip("matplotlib")
+    assert hasattr(train, "run_training")
+    root = Path(__file__).resolve().parent.parent
+    recipes = [str(root / "recipes" / "arm_A.yaml"), str(root / "recipes" / "arm_F.yaml")]
+    config = CompareConfig(recipes=recipes, seeds=[0], task="arith", max_steps=2, model="tiny-random-llama",
+                           output_dir=str(tmp_path / "out"), parallel=1, last_n=30, n=16, poll_s=0.5)
+    res = run_compare(config, echo=print)
+    assert res["failed"] == {}, res["failed"]
+    assert set(res["arms"]) == {"A", "F"}
+    for summary in res["runs"].values():
+        assert summary["steps"] == 2 and summary["reward_steps"] >= 1
+        assert all(0.0 <= r <= 1.0 for r in summary["rewards"])
+    out = Path(config.output_dir)
+    table = json.loads((out / "compare.json").read_text())["tables"][0]
+    assert [row[0] for row in table["rows"]] == ["A", "F"]
+    assert (out / "reward_curves.png").read_bytes()[:4] == b"\x89PNG"

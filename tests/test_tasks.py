@@ -1,0 +1,180 @@
+"""Tasks: GSM8K loading, gold extraction and parsers (hand-written cases), the arithmetic generator, get_task."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from bloggap_plugin.tasks import arith, get_task, gsm8k, prompt_fingerprint
+from bloggap_plugin.tasks.gsm8k import GSM8KDataError, gold_answer, parse_lenient, parse_strict
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("The answer is 42.", "42"),
+        ("3 + 4 = 7", "7"),
+        ("She pays $1,234 in total, so 1,234", "1234"),
+        ("It costs 18.00 dollars", "18"),
+        ("half is 7.5", "7.5"),
+        ("from 10 down to -3", "-3"),
+        ("10-3=7", "7"),
+        ("5-3", "3"),
+        ("list 1,2,3", "3"),
+        ("#### 72\nThanks!", "72"),
+        ("no digits here", None),
+        ("", None),
+        (None, None),
+        ("model h200 said 12", "12"),
+        ("x2 is not a number", None),
+    ],
+)
+def test_parse_lenient(text, expected):
+    assert parse_lenient(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("so 5 + 7 = 12\n#### 12", "12"),
+        ("#### 1,000", "1000"),
+        ("#### $45", "45"),
+        ("####-8", "-8"),
+        ("first #### 3 then #### 4", "4"),
+        ("The answer is 12", None),
+        ("#### twelve", None),
+        ("#### 12.50", "12.5"),
+        (None, None),
+    ],
+)
+def test_parse_strict(text, expected):
+    assert parse_strict(text) == expected
+
+
+def test_gold_answer():
+    assert gold_answer("He has 3 + 4 = <<3+4=7>>7 apples.\n#### 7") == "7"
+    assert gold_answer("Total <<a>>.\n#### 1,440") == "1440"
+    assert gold_answer("#### -7 ") == "-7"
+    with pytest.raises(GSM8KDataError, match="no '####'"):
+        gold_answer("The answer is 7")
+    with pytest.raises(GSM8KDataError, match="not a number"):
+        gold_answer("#### seven")
+
+
+def test_sample_fixture_loads_in_every_local_form(tmp_path):
+    rows = [json.loads(line) for line in gsm8k.SAMPLE_PATH.read_text().splitlines()]
+    golds = ["12", "30", "252", "6", "1440", "255", "26", "20", "195", "4", "-7", "3500"]
+    assert [gold_answer(r["answer"]) for r in rows] == golds
+    from_jsonl = gsm8k.load_gsm8k(gsm8k.SAMPLE_PATH)
+    assert from_jsonl["question"] == [r["question"] for r in rows]
+    parquet = tmp_path / "train-00000-of-00001.parquet"
+    from_jsonl.to_parquet(str(parquet))
+    assert gsm8k.load_gsm8k(parquet)["answer"] == from_jsonl["answer"]
+    assert gsm8k.load_gsm8k(tmp_path)["answer"] == from_jsonl["answer"]  # a folder of parquet files (hub layout)
+    saved = tmp_path / "saved"
+    from_jsonl.save_to_disk(str(saved))
+    assert gsm8k.load_gsm8k(saved)["question"] == from_jsonl["question"]
+
+
+def test_gsm8k_errors_say_how_to_provide_data(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty_hf_home"))  # no cached copy either
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "empty_hf_home" / "datasets"))
+    with pytest.raises(GSM8KDataError, match=r"openai/gsm8k.*--data PATH.*\.parquet"):
+        gsm8k.load_gsm8k(None)
+    with pytest.raises(GSM8KDataError, match="does not exist"):
+        gsm8k.load_gsm8k(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x", "solution": "#### 1"}) + "\n")
+    with pytest.raises(GSM8KDataError, match=r"lacks column\(s\) \['answer', 'question'\]"):
+        gsm8k.load_gsm8k(bad)
+    with pytest.raises(GSM8KDataError, match="must end in"):
+        gsm8k.load_gsm8k(tmp_path / "data.csv") if (tmp_path / "data.csv").write_text("a") else None
+
+
+def test_get_task_gsm8k_from_fixture():
+    dataset, rewards = get_task("gsm8k", None, seed=0, data=str(gsm8k.SAMPLE_PATH))
+    assert dataset.column_names == ["prompt", "answer"] and len(dataset) == 12
+    first = dataset[0]["prompt"]
+    assert first[0] == {"role": "system", "content": gsm8k.SYSTEM_PROMPT} and "#### <number>" in first[0]["content"]
+    assert first[1]["role"] == "user"
+    # Shuffled with the seed: same seed, same order; another seed, another order; same content.
+    again, _ = get_task("gsm8k", None, seed=0, data=str(gsm8k.SAMPLE_PATH))
+    other, _ = get_task("gsm8k", None, seed=1, data=str(gsm8k.SAMPLE_PATH))
+    assert prompt_fingerprint(dataset) == prompt_fingerprint(again) != prompt_fingerprint(other)
+    assert sorted(dataset["answer"]) == sorted(other["answer"])
+    three, _ = get_task("gsm8k", None, seed=0, n=3, data=str(gsm8k.SAMPLE_PATH))
+    assert three["answer"] == dataset["answer"][:3]
+    # Rewards take TRL's conversational completions; lenient vs strict.
+    gold = dataset["answer"][:2]
+    completions = [[{"role": "assistant", "content": f"so it is {gold[0]}"}], [{"role": "assistant", "content": f"#### {gold[1]}"}]]
+    assert rewards[0](completions, answer=gold) == [1.0, 1.0]
+    strict = get_task("gsm8k", None, data=str(gsm8k.SAMPLE_PATH), parser="strict")[1][0]
+    assert strict(completions, answer=gold) == [0.0, 1.0]
+    assert rewards[0](["wrong 0.5", "no number"], answer=["1", "2"]) == [0.0, 0.0]
+    with pytest.raises(ValueError, match="difficulty applies to the 'arith' task only"):
+        get_task("gsm8k", None, difficulty=2, data=str(gsm8k.SAMPLE_PATH))
+
+
+def _evaluate(expression: str) -> int:
+    tokens = expression.split()
+    total = int(tokens[0])
+    for op, value in zip(tokens[1::2], tokens[2::2]):
+        total = total + int(value) if op == "+" else total - int(value)
+    return total
+
+
+@pytest.mark.parametrize("level", sorted(arith.LEVELS))
+def test_arith_problems_are_right_and_in_range(level):
+    problems = arith.make_problems(200, seed=3, difficulty=level)
+    spec = arith.LEVELS[level]
+    for p in problems:
+        numbers = [int(x) for x in re.findall(r"\d+", p.question)]
+        assert numbers == [int(x) for x in re.findall(r"\d+", p.expression)]  # the story states the operands
+        assert p.answer == _evaluate(p.expression) and p.answer >= 0
+        assert spec.first[0] <= max(numbers[:2]) <= max(spec.first[1], spec.second[1])
+    if level == 1:
+        assert all(re.fullmatch(r"[1-9] \+ [1-9]", p.expression) for p in problems)
+    if level == 4:
+        assert {"+", "-"} <= {p.expression.split()[1] for p in problems}
+    if level == 5:
+        assert all(re.fullmatch(r"\d+ \+ \d+ - \d+", p.expression) for p in problems)
+    assert arith.make_problems(200, seed=3, difficulty=level) == problems
+    assert arith.make_problems(200, seed=4, difficulty=level) != problems
+
+
+def test_get_task_arith_and_reward():
+    dataset, rewards = get_task("arith", None, seed=5, difficulty=2, n=16)
+    assert len(dataset) == 16 and dataset.column_names == ["prompt", "answer"]
+    prompt = dataset[0]["prompt"]
+    assert [m["role"] for m in prompt] == ["system", "user", "assistant", "user", "assistant", "user", "assistant", "user"]
+    for shot, answer in zip(prompt[1:7:2], prompt[2:7:2]):  # the solved examples are right
+        expr, result = answer["content"].split(" = ")
+        assert _evaluate(expr) == int(result)
+        assert re.findall(r"\d+", shot["content"]) == re.findall(r"\d+", expr)
+    answers = dataset["answer"]
+    completions = [[{"role": "assistant", "content": f"{a} + 0 = {a}"}] for a in answers[:2]]
+    completions += [[{"role": "assistant", "content": f"{int(answers[2]) + 1}"}], [{"role": "assistant", "content": "I don't know"}]]
+    assert rewards[0](completions, answer=answers[:4]) == [1.0, 1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="arith difficulty must be one of"):
+        get_task("arith", None, difficulty=9)
+    with pytest.raises(ValueError, match="--data applies to 'gsm8k' only"):
+        get_task("arith", None, data="x.jsonl")
+    with pytest.raises(ValueError, match="unknown task 'mmlu'"):
+        get_task("mmlu", None)
+
+
+def test_prompts_follow_the_tokenizer():
+    from bloggap_plugin.models import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    dataset, _ = get_task("arith", tokenizer, n=2)
+    text = tokenizer.apply_chat_template(dataset[0]["prompt"], tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\n" + arith.SYSTEM_PROMPT) and text.endswith("<|im_start|>assistant\n")
+    tokenizer.chat_template = None
+    plain, _ = get_task("arith", tokenizer, n=2)
+    assert isinstance(plain[0]["prompt"], str) and plain[0]["prompt"].endswith("\nA:")
+    assert arith.SYSTEM_PROMPT in plain[0]["prompt"]
