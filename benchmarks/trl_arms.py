@@ -1,0 +1,133 @@
+"""GRPO arms A-H in TRL 1.16 with SmolLM2 on the arithmetic task: the live gap/* metrics per arm (issue 4 item 8).
+
+Per arm: ``num_iterations 2`` (old log-probs drive the PPO ratio), STEPS optimizer steps; reports
+gap/ratio/oob_frac, gap/sampler/oob_frac, clip flips, clipped share, s/step and plugin overhead.
+
+    python benchmarks/trl_arms.py --out benchmarks/results/h200            # GPU, ~3-5 min
+    python benchmarks/trl_arms.py --quick --out /tmp/trl_arms               # CPU, tiny model, < 60 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("CI", "true")
+
+NAME = "trl_arms"
+ARMS = ("A", "B", "C", "D", "E", "F", "G", "H")
+COLUMNS = [
+    "arm", "ratio OOB %", "sampler OOB %", "clip flips %", "clipped %", "probe b1 vs bN OOB %", "exact ratio %",
+    "s/step", "plugin s/step", "overhead %", "reward first", "reward last",
+]
+
+
+def _pct(value):
+    return None if value is None else round(100.0 * value, 2)
+
+
+def _num(value, digits=3):
+    return None if value is None or (isinstance(value, float) and not math.isfinite(value)) else round(value, digits)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/h200", help="output folder (writes trl_arms.json)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per arm")
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma list of arms")
+    parser.add_argument("--batch", type=int, default=8, help="per-device micro-batch rows (= num_generations)")
+    parser.add_argument("--completion", type=int, default=32, help="max_completion_length")
+    parser.add_argument("--quick", action="store_true", help="tiny random model, 2 steps, CPU-sized (< 60 s)")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(1) if args.quick else None
+    from bloggap_plugin.envinfo import environment_record
+    from bloggap_plugin.trl.train import run_training
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = "tiny-random-llama" if args.quick else args.model
+    steps = 2 if args.quick else args.steps
+    batch = 4 if args.quick else args.batch
+    completion = 8 if args.quick else args.completion
+    arms = [a.strip().upper() for a in args.arms.split(",") if a.strip()]
+    overrides = dict(per_device_train_batch_size=batch, num_generations=batch, max_completion_length=completion,
+                     gradient_accumulation_steps=2, num_iterations=2, learning_rate=2e-6)
+    results = {}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for arm in arms:
+            recipe = ROOT / "recipes" / f"arm_{arm}.yaml"
+            if arm == "D" and args.quick:
+                recipe = Path(tmp) / "arm_D.yaml"  # tiny model: 2 layers, so pick one layer explicitly
+                recipe.write_text((ROOT / "recipes" / "arm_D.yaml").read_text().replace("  k: 8\n", "  layers: [1]\n"))
+            print(f"[{NAME}] arm {arm}: {steps} steps of GRPO on {model} ({device})", flush=True)
+            start = time.perf_counter()
+            try:
+                summary = run_training(recipe, model=model, task="arith", max_steps=steps, output_dir=f"{tmp}/{arm}",
+                                       seed=0, log_jsonl=f"{tmp}/{arm}.jsonl", extra_overrides=overrides,
+                                       device=device)
+            except Exception as err:  # one arm failing must not lose the others
+                print(f"[{NAME}] arm {arm} failed: {err!r}", flush=True)
+                results[arm] = {"error": repr(err)}
+                rows.append([arm] + [None] * (len(COLUMNS) - 1))
+                continue
+            history = [json.loads(line) for line in Path(f"{tmp}/{arm}.jsonl").read_text().splitlines()]
+            summary["history"] = history
+            summary["bench_wall_s"] = time.perf_counter() - start
+            results[arm] = summary
+            m = lambda key: summary.get(f"mean/{key}")  # noqa: E731
+            rows.append([
+                arm, _pct(m("gap/ratio/oob_frac")), _pct(m("gap/sampler/oob_frac")), _pct(m("gap/clip/flip_frac")),
+                _pct(m("gap/clip/clipped_frac")), _pct(m("gap/probe/oob_b1_vs_bN")), _pct(m("gap/ratio/exact_frac")),
+                _num(m("step_time")), _num(m("gap/time/scoring_s")), _pct(m("gap/time/overhead_frac")),
+                _num(summary.get("reward_first")), _num(summary.get("reward_last")),
+            ])
+            print(f"[{NAME}] arm {arm} done in {summary['bench_wall_s']:.1f} s", flush=True)
+    table = {
+        "id": "T10",
+        "title": f"GRPO arms in TRL 1.16 ({model}, arithmetic, {steps} steps, num_iterations 2, batch {batch})",
+        "columns": COLUMNS,
+        "rows": rows,
+        "notes": (
+            "Means over logged steps. ratio OOB: arm's old log-probs vs the training forward outside [0.9, 1.1]; "
+            "sampler OOB: old log-probs vs HF generate's own (recorded) log-probs; clip flips: PPO clip status "
+            "under the arm vs an fp32 batch-1 reference on probe rows; overhead: plugin time / step time "
+            "(includes the fp32 reference and probe scorings)."
+        ),
+        "reference": None,
+        "random_init": model.startswith("tiny-random"),
+    }
+    payload = {
+        "benchmark": NAME,
+        "schema_version": 1,
+        "env": environment_record(device),
+        "params": {"model": model, "steps": steps, "arms": arms, "quick": args.quick, **overrides},
+        "results": results,
+        "tables": [table],
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{NAME}.json").write_text(json.dumps(payload, indent=1, default=str))
+    print(f"wrote {out / f'{NAME}.json'}")
+    widths = [max(len(str(c)), 6) for c in COLUMNS]
+    print(" | ".join(str(c).ljust(w) for c, w in zip(COLUMNS, widths)))
+    for row in rows:
+        print(" | ".join(str(v).ljust(w) for v, w in zip(row, widths)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,76 @@
+"""run_training / bloggap train / the benchmark in quick mode / wandb offline receiving gap/* keys."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=8)
+
+
+def test_run_training_writes_jsonl_with_gap_keys(tmp_path):
+    from bloggap_plugin.trl.train import run_training
+
+    log = tmp_path / "log.jsonl"
+    summary = run_training(ROOT / "recipes" / "arm_G.yaml", model="tiny-random-llama", max_steps=2,
+                           output_dir=tmp_path / "out", log_jsonl=log, extra_overrides=SMALL)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert "gap/ratio/oob_frac" in records[0] and "reward" in records[0] and "step_time" in records[0]
+    assert summary["arm"] == "G" and summary["steps"] == 2
+    assert summary["mean/gap/ratio/exact_frac"] == 1.0  # matched arm: old == training forward, bit for bit
+
+
+def test_train_command_reports_bad_recipe(tmp_path, capsys):
+    from bloggap_plugin.commands import train
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("gap:\n  arm: B\n  bnad: 0.1\n")
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    train.configure(parser)
+    assert train.run(parser.parse_args([str(bad), "--model", "tiny-random-llama"])) == 2
+    assert "unknown key 'bnad'" in capsys.readouterr().out
+
+
+def test_benchmark_quick(tmp_path):
+    spec = importlib.util.spec_from_file_location("trl_arms", ROOT / "benchmarks" / "trl_arms.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--quick", "--arms", "A,G", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "trl_arms.json").read_text())
+    assert payload["benchmark"] == "trl_arms" and payload["schema_version"] == 1
+    table = payload["tables"][0]
+    assert [row[0] for row in table["rows"]] == ["A", "G"] and table["random_init"] is True
+    assert all(len(row) == len(table["columns"]) for row in table["rows"])
+    assert table["rows"][1][table["columns"].index("exact ratio %")] == 100.0  # G: matched, bit-exact
+
+
+def test_wandb_offline_run_contains_gap_keys(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    from wandb.sdk import wandb_run
+
+    from bloggap_plugin.trl.train import run_training
+
+    logged: list[dict] = []
+    original = wandb_run.Run.log
+
+    def spy(self, data, *args, **kwargs):  # what the reporter (transformers' WandbCallback) hands to wandb
+        logged.append(dict(data))
+        return original(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(wandb_run.Run, "log", spy)
+    run_training(ROOT / "recipes" / "arm_A.yaml", model="tiny-random-llama", max_steps=1,
+                 output_dir=tmp_path / "out", report_to="wandb", extra_overrides=SMALL)
+    wandb.finish()
+    assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb")), "no offline wandb run written"
+    keys = {key for data in logged for key in data}
+    assert {"train/gap/ratio/oob_frac", "train/gap/sampler/oob_frac", "train/gap/time/overhead_frac"} <= keys
