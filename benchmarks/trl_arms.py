@@ -88,7 +88,7 @@ def main(argv=None) -> int:
             summary["history"] = history
             summary["bench_wall_s"] = time.perf_counter() - start
             results[arm] = summary
-            m = lambda key: summary.get(f"mean/{key}")  # noqa: E731
+            m = lambda key, s=summary: s.get(f"mean/{key}")  # noqa: E731
             rows.append([
                 arm, _pct(m("gap/ratio/oob_frac")), _pct(m("gap/sampler/oob_frac")), _pct(m("gap/clip/flip_frac")),
                 _pct(m("gap/clip/clipped_frac")), _pct(m("gap/probe/oob_b1_vs_bN")), _pct(m("gap/ratio/exact_frac")),
