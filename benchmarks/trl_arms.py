@@ -97,7 +97,7 @@ def main(argv=None) -> int:
             ])
             print(f"[{NAME}] arm {arm} done in {summary['bench_wall_s']:.1f} s", flush=True)
     table = {
-        "id": "T10",
+        "id": "T12",
         "title": f"GRPO arms in TRL 1.16 ({model}, arithmetic, {steps} steps, num_iterations 2, batch {batch})",
         "columns": COLUMNS,
         "rows": rows,
