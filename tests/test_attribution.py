@@ -141,3 +141,50 @@ def test_smollm2_bf16_left_padding_divergence(smollm2_bf16):
     assert len(profile.quartile_sums()) == 4
     assert sum(profile.quartile_sums()) == pytest.approx(profile.divergence[-1], rel=1e-9)
     assert len(set(profile.top_k(8))) == 8
+
+
+# ------------------------------------------------------------------------------------------ the commands
+
+
+def test_attribute_command_json(tmp_path):
+    import json
+
+    from bloggap_plugin.cli import main
+
+    out = tmp_path / "attr.json"
+    assert main(["attribute", "--model", "tiny-random-llama", "--rows", "4", "--new-tokens", "4", "--k", "1",
+                 "--device", "cpu", "--json", str(out)]) == 0  # fmt: skip
+    payload = json.loads(out.read_text())
+    profile = payload["results"]["profile"]
+    assert payload["command"] == "attribute" and payload["env"]["device_type"] == "cpu"
+    assert len(profile["divergence"]) == 3 and len(profile["increments"]) == 2
+    assert profile["n_tokens"] == 4 * 4 and profile["k"] == 1 and len(profile["top_k"]) == 1
+    assert payload["results"]["logprob_b1_vs_bn"]["n"] == 16
+
+
+def test_ladder_command_json_on_tiny_model(tmp_path):
+    import json
+
+    from bloggap_plugin.cli import main
+    from bloggap_plugin.commands.attribute import calibration_prompts, eval_prompts
+
+    assert not set(calibration_prompts()) & set(eval_prompts())
+    out = tmp_path / "ladder.json"
+    assert main(["ladder", "--model", "tiny-random-qwen2", "--rows", "4", "--calibration-rows", "4",
+                 "--new-tokens", "4", "--k", "1", "--fp16", "on", "--device", "cpu", "--json", str(out)]) == 0  # fmt: skip
+    payload = json.loads(out.read_text())
+    rungs = {r["name"]: r for r in payload["results"]["rungs"]}
+    assert list(rungs) == [
+        "bf16", "fp32 head", "first-1 + head", "last-1 + head", "guided-1 + head", "window-1 + head",
+        "fp16", "fp16 + guided-1 + head", "all fp32",
+    ]  # fmt: skip
+    assert rungs["first-1 + head"]["layers"] == [0] and rungs["last-1 + head"]["layers"] == [1]
+    assert rungs["all fp32"]["fp32_param_share"] == 1.0 and rungs["bf16"]["fp32_param_share"] == 0.0
+    assert rungs["fp16"]["fp32_param_share"] == 0.0 and rungs["fp16"]["base_dtype"] == "bfloat16"
+    assert rungs["fp16 + guided-1 + head"]["base_dtype"] == "fp16"
+    assert all(r["n"] == 16 for r in rungs.values())
+    share = [rungs[n]["fp32_param_share"] for n in ("fp32 head", "first-1 + head", "all fp32")]
+    assert 0 < share[0] < share[1] < share[2]
+    table = payload["tables"][0]
+    assert table["id"] == "T7" and table["reference"] == "T7" and table["random_init"] is False
+    assert len(table["rows"]) == 9 and all(len(r) == len(table["columns"]) for r in table["rows"])
