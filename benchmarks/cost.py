@@ -1,0 +1,398 @@
+"""T7b: what each scoring plan costs: tokens/s relative to bf16 in the same run, peak memory, sync time;
+plus whether TF32 still removes the batch-shape noise (arm B with TF32, SmolLM2 real weights).
+
+Shapes: SmolLM2-135M (real weights) and random-init real-size shapes (Qwen2.5-1.5B, Qwen2.5-7B, a
+Llama-3.1-8B-class shape) built directly on the device (random init is valid for timing only). Input: random
+token ids, batch ``--batch`` x ``--seq`` tokens, the last half scored (``logits_to_keep = seq // 2``) through
+``plan.token_logprobs``; ``--warmup`` untimed passes, then the median of ``--passes`` timed passes.
+
+Plans: bf16 (the policy), raw fp16 (the fp16 shadow module called directly, no plan: the plan's overhead
+baseline), fp16 plan, fp32 head, guided-8 + head (layers 0,1,2,3,4,8,9,L-1: the reference study's Qwen2.5-1.5B
+set), all fp32; and, on CUDA, fp32 head / guided-8 / all fp32 again with TF32 matmuls
+(``torch.backends.cuda.matmul.allow_tf32``). ``sync`` = ``plan.sync(policy)`` (in-place ``copy_``), median of
+3; its share of one scoring pass over a GRPO generation batch (``--gen-rows`` rows of ``--seq`` tokens,
+extrapolated linearly from the measured pass) is reported against the target of 1%.
+
+    python benchmarks/cost.py --out benchmarks/results/h200            # GPU, ~2-3 min on an H200
+    python benchmarks/cost.py --quick --device cpu --out /tmp/cost     # CPU smoke run, < 60 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bloggap_plugin.core.precision import make_plan  # noqa: E402
+from bloggap_plugin.core.scoring import token_logprobs  # noqa: E402
+
+NAME = "cost"
+SCHEMA_VERSION = 1
+
+# Real-size shapes (random init; timing only). Values from the public configs of these models.
+SHAPES = {
+    "qwen2.5-1.5b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                   num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                                   tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=32768)),
+    "qwen2.5-3b": ("qwen2", dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                                 num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
+                                 tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=32768)),
+    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                 tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=32768)),
+    "llama-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                               tie_word_embeddings=False, rms_norm_eps=1e-5, max_position_embeddings=8192)),
+    # CPU quick mode
+    "tiny-llama": ("llama", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=10,
+                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
+                                 tie_word_embeddings=False, max_position_embeddings=512)),
+    "tiny-qwen2-tied": ("qwen2", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=10,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
+                                      tie_word_embeddings=True, max_position_embeddings=512)),
+}  # fmt: skip
+
+
+def build_shape(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    """A random-init causal LM of shape ``name`` built directly on ``device`` in ``dtype`` (eval mode)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    kind, kwargs = SHAPES[name]
+    config = (Qwen2Config if kind == "qwen2" else LlamaConfig)(**kwargs)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def load_policy(name: str, device: torch.device):
+    """(model, random_init) for a shape name or ``smollm2`` (real weights)."""
+    if name in SHAPES:
+        return build_shape(name, device), True
+    from bloggap_plugin.models import load_model
+
+    return load_model(name, dtype="bf16", device=device)[0], False
+
+
+@contextlib.contextmanager
+def tf32(enabled: bool):
+    """TF32 matmuls (CUDA) on/off for the block; restores the previous setting."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_passes(fn, device, warmup: int, passes: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _guided_layers(n_layers: int) -> list[int]:
+    base = [0, 1, 2, 3, 4, 8, 9, n_layers - 1]
+    return sorted({i for i in base if i < n_layers})
+
+
+def bench_shape(name: str, device: torch.device, args, log) -> dict:
+    policy, random_init = load_policy(name, device)
+    n_layers = policy.config.num_hidden_layers
+    vocab = policy.config.vocab_size
+    n_params = sum(p.numel() for p in policy.parameters())
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(
+        min(100, vocab - 1), min(20000, vocab), (args.batch, args.seq), generator=generator
+    ).to(device)
+    mask = torch.ones_like(ids)
+    keep = args.seq // 2
+    cuda = device.type == "cuda"
+    fp16_ok = cuda or name.startswith("tiny")
+    guided = _guided_layers(n_layers)
+    arms = [("bf16", "bf16", {}, False)]
+    if fp16_ok:
+        arms += [("raw fp16", "raw_fp16", {}, False), ("fp16 plan", "fp16", {}, False)]
+    arms += [
+        ("fp32 head", "fp32_head", {}, False),
+        (f"guided-{len(guided)} + head", "guided", {"layers": guided}, False),
+        ("all fp32", "fp32", {}, False),
+    ]
+    if cuda:
+        arms += [
+            ("fp32 head (TF32)", "fp32_head", {}, True),
+            (f"guided-{len(guided)} + head (TF32)", "guided", {"layers": guided}, True),
+            ("all fp32 (TF32)", "fp32", {}, True),
+        ]
+    results = []
+    fp16_plan = None
+    for label, arm, options, use_tf32 in arms:
+        _free(device)
+        if arm == "raw_fp16":
+            fp16_plan = make_plan(policy, "fp16")
+            shadow = fp16_plan.shadow
+
+            def fn(shadow=shadow):
+                with torch.no_grad(), torch.autocast(device.type, enabled=False):
+                    return token_logprobs(shadow, ids, mask, keep, batch_size=args.batch)
+
+            plan = None
+        else:
+            if arm == "fp16" and fp16_plan is not None:
+                plan = fp16_plan  # the same shadow module the raw pass used
+            else:
+                plan = make_plan(policy, arm, **options)
+
+            def fn(plan=plan):
+                return plan.token_logprobs(ids, mask, keep, batch_size=args.batch)
+
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        slow = arm in ("fp32", "guided", "fp32_head") and not use_tf32 and cuda
+        with tf32(use_tf32) if cuda else contextlib.nullcontext():
+            times = time_passes(fn, device, args.warmup, max(2, args.passes - 2) if slow else args.passes)
+            sync_times = []
+            if plan is not None and arm != "bf16":
+                sync_times = [plan.sync(policy) for _ in range(3)]
+        seconds = statistics.median(times)
+        entry = {
+            "plan": label,
+            "arm": arm,
+            "tf32": use_tf32,
+            "pass_seconds": seconds,
+            "pass_seconds_all": times,
+            "tokens_per_s": args.batch * args.seq / seconds,
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+            "sync_seconds": statistics.median(sync_times) if sync_times else None,
+        }
+        if plan is not None:
+            stats = plan.stats()
+            entry.update(bytes_added=stats["bytes_added"], fp32_param_share=stats["fp32_param_share"])
+            entry["layers"] = stats["layers"]
+        elif fp16_plan is not None:
+            entry.update(bytes_added=fp16_plan.stats()["bytes_added"], fp32_param_share=0.0, layers=None)
+        results.append(entry)
+        log(f"{name:<14} {label:<26} {seconds * 1e3:9.1f} ms/pass  {entry['tokens_per_s']:10.0f} tok/s")
+        if plan is not None and plan is not fp16_plan:
+            plan.close()
+        if arm == "fp16" and fp16_plan is not None:
+            fp16_plan.close()
+            fp16_plan = None
+    base = results[0]["pass_seconds"]
+    for entry in results:
+        entry["rel_time"] = entry["pass_seconds"] / base
+        per_row = entry["pass_seconds"] / args.batch
+        if entry["sync_seconds"] is not None:
+            gen_pass = per_row * args.gen_rows
+            entry["sync_frac_of_pass"] = entry["sync_seconds"] / entry["pass_seconds"]
+            entry["sync_frac_of_gen_batch_pass"] = entry["sync_seconds"] / gen_pass
+    raw = next((e for e in results if e["arm"] == "raw_fp16"), None)
+    plan16 = next((e for e in results if e["arm"] == "fp16"), None)
+    out = {
+        "shape": name,
+        "random_init": random_init,
+        "n_params": n_params,
+        "n_layers": n_layers,
+        "vocab": vocab,
+        "tied": bool(getattr(policy.config, "tie_word_embeddings", False)),
+        "guided_layers": guided,
+        "arms": results,
+        "fp16_plan_over_raw_fp16": plan16["pass_seconds"] / raw["pass_seconds"] if raw and plan16 else None,
+    }
+    del policy
+    _free(device)
+    return out
+
+
+def tf32_noise(device: torch.device, args, log) -> dict | None:
+    """b1 vs b8 out-of-band rate on SmolLM2 (real weights) for fp32 / fp32 head / guided, TF32 off and on."""
+    if device.type != "cuda":
+        return None
+    from bloggap_plugin.commands.attribute import b1_vs_bn, eval_prompts, rollout_rows
+    from bloggap_plugin.core.probe import compare
+    from bloggap_plugin.models import load_model
+
+    model, tok = load_model("smollm2", dtype="bf16", device=device)
+    ids, mask, _ = rollout_rows(model, tok, eval_prompts(), args.tf32_rows, args.tf32_tokens, seed=1234)
+    ids, mask = ids.to(device), mask.to(device)
+    cells = []
+    for label, arm, options in [
+        ("bf16", "bf16", {}),
+        ("fp32 head", "fp32_head", {}),
+        ("guided-8 + head", "guided", {"layers": [0, 1, 2, 3, 4, 8, 9, 29]}),
+        ("all fp32", "fp32", {}),
+    ]:
+        for use_tf32 in (False,) if arm == "bf16" else (False, True):
+            plan = make_plan(model, arm, **options)
+            with tf32(use_tf32):
+                b1, b8 = b1_vs_bn(plan, ids, mask, args.tf32_tokens, 8, "mask")
+            cell = compare(b1, b8, plan=label, arm=arm, tf32=use_tf32)
+            plan.close()
+            cells.append(cell)
+            log(
+                f"smollm2 {label:<18} tf32={use_tf32!s:<5} {100 * cell['oob']:6.2f}% out of band (n={cell['n']})"
+            )
+    del model
+    _free(device)
+    return {"rows": args.tf32_rows, "new_tokens": args.tf32_tokens, "cells": cells}
+
+
+def tables(results: dict, args) -> list[dict]:
+    rows = []
+    for shape in results["shapes"]:
+        for e in shape["arms"]:
+            rows.append(
+                [
+                    shape["shape"] + (" (random init)" if shape["random_init"] else ""),
+                    e["plan"],
+                    round(e["rel_time"], 2),
+                    round(e["tokens_per_s"]),
+                    None if e["peak_gib"] is None else round(e["peak_gib"], 2),
+                    None if e["sync_seconds"] is None else round(1e3 * e["sync_seconds"], 2),
+                    None
+                    if e.get("sync_frac_of_gen_batch_pass") is None
+                    else round(100 * e["sync_frac_of_gen_batch_pass"], 2),
+                    None if e.get("fp32_param_share") is None else round(100 * e["fp32_param_share"], 2),
+                ]
+            )
+    ratio_notes = []
+    for shape in results["shapes"]:
+        if shape["fp16_plan_over_raw_fp16"] is not None:
+            ratio_notes.append(
+                f"{shape['shape']} fp16 plan / raw fp16 = {shape['fp16_plan_over_raw_fp16']:.3f}"
+            )
+    out = [
+        {
+            "id": "T7b",
+            "title": "Cost of each scoring plan: time relative to bf16 in the same run, peak memory, sync",
+            "columns": ["model", "plan", "time vs bf16", "tokens/s", "peak GiB", "sync ms", "sync % of gen-batch pass", "fp32 params %"],
+            "rows": rows,
+            "notes": (
+                f"batch {args.batch} x {args.seq} random token ids, last {args.seq // 2} scored; median of timed passes "
+                f"after {args.warmup} warm-up. 'raw fp16' = the fp16 shadow called directly (no plan). sync = in-place "
+                f"copy_ from the policy; its share is of one scoring pass over a {args.gen_rows}-row generation batch "
+                f"(extrapolated linearly). Targets: fp16 plan within 1% of raw fp16, fp32 head <= 1.15x, guided-8 + "
+                f"head <= 1.5x, sync <= 1%. " + "; ".join(ratio_notes)
+            ),
+            "reference": "T7b",
+            "random_init": any(s["random_init"] for s in results["shapes"]),
+        }
+    ]  # fmt: skip
+    noise = results.get("tf32_noise")
+    if noise:
+        out.append(
+            {
+                "id": "T7b-tf32",
+                "title": "Does TF32 still remove the batch-shape noise? SmolLM2-135M, b1 vs b8 left padded",
+                "columns": ["plan", "TF32", "OOB %", "CI low %", "CI high %", "mean |dlogp|", "tokens"],
+                "rows": [
+                    [c["plan"], "on" if c["tf32"] else "off", round(100 * c["oob"], 2), round(100 * c["ci_low"], 2),
+                     round(100 * c["ci_high"], 2), float(f"{c['abs_dlogp_mean']:.3g}"), c["n"]]
+                    for c in noise["cells"]
+                ],
+                "notes": f"{noise['rows']} rollouts x {noise['new_tokens']} sampled tokens, real weights.",
+                "reference": None,
+                "random_init": False,
+            }
+        )  # fmt: skip
+    return out
+
+
+def format_table(table: dict) -> str:
+    cols = table["columns"]
+    widths = [max(len(str(x)) for x in [c] + [r[i] for r in table["rows"]]) for i, c in enumerate(cols)]
+    lines = [f"{table['id']}: {table['title']}", "  ".join(str(c).ljust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(str(x).ljust(w) for x, w in zip(r, widths)) for r in table["rows"]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="output folder (default benchmarks/results/<device>)")
+    parser.add_argument("--device", default=None, help="default: cuda if available")
+    parser.add_argument("--model", default="smollm2", help="real-weights model added to the shapes (smollm2)")
+    parser.add_argument(
+        "--shapes", nargs="+", default=None, help="shape names (default 1.5B, 7B, 8B; quick: tiny)"
+    )
+    parser.add_argument("--batch", type=int, default=None, help="rows per pass (8)")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per row (1024; quick 32)")
+    parser.add_argument("--passes", type=int, default=5, help="timed passes (fp32 arms: 2 fewer)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--gen-rows", type=int, default=64, help="rows of a GRPO generation batch for the sync share"
+    )
+    parser.add_argument("--tf32-rows", type=int, default=64)
+    parser.add_argument("--tf32-tokens", type=int, default=48)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, few passes (CPU smoke run)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from bloggap_plugin.envinfo import device_tag, environment_record
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    if args.quick:
+        shapes = args.shapes or ["tiny-llama", "tiny-qwen2-tied"]
+        args.batch, args.seq = args.batch or 2, args.seq or 32
+        args.passes, args.warmup = min(args.passes, 3), 1
+        args.tf32_rows, args.tf32_tokens = 16, 16
+    else:
+        shapes = args.shapes or [args.model, "qwen2.5-1.5b", "qwen2.5-7b", "llama-8b"]
+        args.batch, args.seq = args.batch or 8, args.seq or 1024
+    out_dir = Path(args.out or ROOT / "benchmarks" / "results" / device_tag(device))
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def log(msg):
+        print(f"[cost] {msg}", flush=True)
+
+    started = time.time()
+    results = {"shapes": [bench_shape(name, device, args, log) for name in shapes]}
+    results["tf32_noise"] = None if args.quick else tf32_noise(device, args, log)
+    payload = {
+        "benchmark": NAME,
+        "schema_version": SCHEMA_VERSION,
+        "env": environment_record(device),
+        "params": {k: v for k, v in vars(args).items() if k != "out"} | {"shapes": shapes},
+        "results": results,
+        "tables": tables(results, args),
+    }
+    path = out_dir / f"{NAME}.json"
+    path.write_text(json.dumps(payload, indent=2))
+    log(f"wrote {path} in {time.time() - started:.0f} s")
+    for table in payload["tables"]:
+        print(format_table(table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
