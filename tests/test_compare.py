@@ -326,7 +326,7 @@ def test_two_arms_one_seed_two_steps_on_a_tiny_model(tmp_path):
     root = Path(__file__).resolve().parent.parent
     recipes = [str(root / "recipes" / "arm_A.yaml"), str(root / "recipes" / "arm_F.yaml")]
     config = CompareConfig(recipes=recipes, seeds=[0], task="arith", max_steps=2, model="tiny-random-llama",
-                           output_dir=str(tmp_path / "out"), parallel=1, last_n=30, n=16, poll_s=0.5)
+                           output_dir=str(tmp_path / "out"), parallel=2, last_n=30, n=16, poll_s=0.5)
     res = run_compare(config, echo=print)
     assert res["failed"] == {}, res["failed"]
     assert set(res["arms"]) == {"A", "F"}

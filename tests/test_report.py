@@ -1,0 +1,229 @@
+"""bloggap report: BENCHMARKS.md from result JSON alone; every number in it comes from a committed JSON file."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from bloggap_plugin.report import REFERENCE_PATH, ReportError, build_report, load_reference
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE_MD = Path("/work/shared/reference/reference_study.md")
+# A number as a reader sees it: not part of a word or path component (T1, h200, sm_89 are names, not numbers).
+_NUMBER = re.compile(r"(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?(?![\w])")
+
+
+def _numbers_in_text(text: str) -> set[Decimal]:
+    return {Decimal(m.replace(",", "")) for m in _NUMBER.findall(text)}
+
+
+def _numbers_in_json(value) -> set[Decimal]:
+    if isinstance(value, bool) or value is None:
+        return set()
+    if isinstance(value, (int, float, Decimal)):
+        return {Decimal(str(value))}
+    if isinstance(value, str):
+        return _numbers_in_text(value)
+    if isinstance(value, dict):
+        return set().union(*(_numbers_in_json(k) | _numbers_in_json(v) for k, v in value.items())) if value else set()
+    if isinstance(value, list):
+        return set().union(*(_numbers_in_json(v) for v in value)) if value else set()
+    return set()
+
+
+def _json_numbers(paths) -> set[Decimal]:
+    numbers: set[Decimal] = set()
+    for path in paths:
+        numbers |= _numbers_in_json(json.loads(Path(path).read_text(), parse_float=Decimal))
+        numbers |= _numbers_in_text(Path(path).as_posix())
+    return {n.normalize() for n in numbers}
+
+
+def _assert_numbers_sourced(markdown: str, json_paths) -> None:
+    sources = _json_numbers(json_paths)
+    missing = sorted({str(n) for n in _numbers_in_text(markdown) if n.normalize() not in sources})
+    assert not missing, f"numbers in the Markdown that no JSON source holds: {missing[:20]}"
+
+
+def _table(**kw):
+    table = {"id": "T1", "title": "dtype x batch OOB%", "columns": ["model", "bf16 b1v8", "fp16 b1v8", "tokens"],
+             "rows": [["SmolLM2-135M", 4.07, 0.01, 3512], ["tiny", 17.25, None, 96]], "notes": "n = 3512 tokens, band 0.1",
+             "reference": "T1", "random_init": False}
+    table.update(kw)
+    return table
+
+
+def _result(**kw):
+    document = {
+        "benchmark": "tables",
+        "schema_version": 1,
+        "env": {"gpu": "NVIDIA H200", "sm_count": 132, "compute_capability": "9.0", "torch": "2.11.0+cu130",
+                "transformers": "5.17.0", "trl": None},
+        "params": {"model": "smollm2", "seed": 1234},
+        "results": {"oob": {"bf16": 143}},
+        "tables": [
+            _table(),
+            {"id": "ladder", "title": "OOB vs fp32 share", "columns": ["fp32 share %", "OOB %", "arm"],
+             "rows": [[0, 8.5, "bf16"], [22.5, 2.72, "head"], [100, 0.0, "all"]], "notes": "", "reference": "T7",
+             "random_init": True, "plot": {"kind": "line", "x": "fp32 share %", "y": ["OOB %"]}},
+            {"id": "cost", "title": "cost", "columns": ["plan", "rel. time"], "rows": [["fp16", 1.03]], "notes": "x",
+             "reference": None, "random_init": False, "plot": False},
+        ],
+    }
+    document.update(kw)
+    return document
+
+
+def _write(root: Path, device: str, name: str, document) -> Path:
+    path = root / device / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(document if isinstance(document, str) else json.dumps(document, indent=1))
+    return path
+
+
+def test_report_from_constructed_results(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = tmp_path / "results"
+    source = _write(results, "h200", "tables", _result())
+    other = _write(results, "cpu", "tables", _result(env={"cpu": "x86_64", "torch": "2.13.0+cpu", "transformers": "5.10.4"}))
+    output = tmp_path / "BENCHMARKS.md"
+    written = build_report(results, output, tmp_path / "plots")
+    md = output.read_text()
+    assert written["devices"] == ["cpu", "h200"]
+    assert "## h200" in md and "GPU: NVIDIA H200; SMs: 132; compute capability: 9.0" in md
+    assert "torch: 2.11.0+cu130; transformers: 5.17.0" in md
+    assert "| SmolLM2-135M | 4.07 | 0.01 | 3512 |" in md and "| tiny | 17.25 | – | 96 |" in md
+    assert "random-init weights" in md
+    # The reference study's table beside ours, exactly as transcribed (trailing zeros kept).
+    assert "Reference study, T1 (RTX 4090)" in md
+    assert "| pythia-160m (3,883) | 60.03 | 22.02 | 0.00 | 0.00 | 59.70 |" in md
+    assert "Reference study, T7 (RTX 4090)" in md
+    # Plots: bar for T1 (automatic), line for the ladder (hint), none for cost (plot: false); per device.
+    pngs = sorted(Path(p).name for p in written["plots"])
+    assert pngs == ["tables_T1.png", "tables_T1.png", "tables_ladder.png", "tables_ladder.png"]
+    for p in written["plots"]:
+        assert Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "](plots/h200/tables_T1.png)" in md
+    _assert_numbers_sourced(md, [source, other, REFERENCE_PATH])
+
+
+def test_number_check_catches_an_unsourced_number(tmp_path):
+    results = tmp_path / "results"
+    source = _write(results, "h200", "tables", _result())
+    output = tmp_path / "B.md"
+    build_report(results, output, None)
+    doctored = output.read_text().replace("| 4.07 |", "| 4.08 |")
+    with pytest.raises(AssertionError, match=r"4\.08"):
+        _assert_numbers_sourced(doctored, [source, REFERENCE_PATH])
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        ("{not json", r"bad\.json: not valid JSON \(line 1"),
+        ([1, 2], r"bad\.json: expected a JSON object"),
+        (_result(tables=[]), r"bad\.json: 'tables' is empty"),
+        ({k: v for k, v in _result().items() if k != "env"}, r"bad\.json: missing key 'env'"),
+        (_result(schema_version=2), r"bad\.json: schema_version 2 is not supported"),
+        (_result(tables=[_table(rows=[["a", 1.0]])]), r"bad\.json: tables\[0\] \(T1\): rows\[0\] has 2 cells for 4 columns"),
+        (_result(tables=[_table(reference="T99")]), r"bad\.json: tables\[0\] \(T1\): reference 'T99' is not a table"),
+        (_result(tables=[{k: v for k, v in _table().items() if k != "notes"}]), r"tables\[0\]: table lacks the key 'notes'"),
+        (_result(tables=[_table(random_init="no")]), r"table key 'random_init' must be bool"),
+        (_result(tables=[_table(plot={"kind": "pie", "x": "model", "y": ["tokens"]})]), r"plot kind must be 'bar' or 'line'"),
+        (_result(tables=[_table(plot={"kind": "bar", "x": "model", "y": ["nope"]})]), r"plot y must be a non-empty list"),
+        (_result(tables=[_table(plot={"kind": "line", "x": "model", "y": ["tokens"]})]), r"line plot needs numbers in its x"),
+        (_result(tables=[_table(rows=[["a", {"x": 1}, 1, 2]])]), r"rows\[0\] holds a dict"),
+        (_result(tables=[_table(), _table()]), r"table ids must be unique"),
+    ],
+)
+def test_malformed_results_fail_naming_file_and_problem(tmp_path, content, problem):
+    results = tmp_path / "results"
+    _write(results, "h200", "good", _result())
+    _write(results, "h200", "bad", content)
+    with pytest.raises(ReportError, match=problem):
+        build_report(results, tmp_path / "B.md", None)
+    assert not (tmp_path / "B.md").exists()
+
+
+def test_missing_results_fail(tmp_path):
+    with pytest.raises(ReportError, match="results folder does not exist"):
+        build_report(tmp_path / "nowhere", tmp_path / "B.md", None)
+    (tmp_path / "empty" / "h200").mkdir(parents=True)
+    with pytest.raises(ReportError, match="no result JSON files"):
+        build_report(tmp_path / "empty", tmp_path / "B.md", None)
+    _write(tmp_path / "r", "h200", "tables", _result())
+    with pytest.raises(ReportError, match=r"h200: missing result file\(s\) for ladder"):
+        build_report(tmp_path / "r", tmp_path / "B.md", None, require=["tables", "ladder"])
+
+
+def test_cli_reports_errors_without_a_traceback(tmp_path):
+    import sys
+
+    _write(tmp_path / "r", "h200", "x", "{")
+    done = subprocess.run([sys.executable, "-m", "bloggap_plugin.cli", "report", "--results", str(tmp_path / "r"),
+                           "--output", str(tmp_path / "B.md"), "--no-plots"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "x.json: not valid JSON" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_reference_data_has_every_table():
+    reference = load_reference()
+    assert list(reference) == ["T1", "T1b", "T2", "T3", "T4", "T5", "T6", "T7", "T7b", "T8", "T9", "T10", "T11"]
+    assert all(t["source"] for t in reference.values())
+    assert reference["T10"]["rows"][0][2] == Decimal("0.657")
+    assert str(reference["T1"]["rows"][0][3]) == "0.00"  # literal text kept
+
+
+@pytest.mark.skipif(not REFERENCE_MD.is_file(), reason="the reference study's text is not on this machine")
+def test_reference_data_matches_the_study_cell_by_cell():
+    from bloggap_plugin.report import format_cell
+
+    text = REFERENCE_MD.read_text()
+    section = text[text.index("## 3. Tables"):text.index("## 4. ")]
+    parts = re.split(r"^### (T\d+b?) ", section, flags=re.M)
+    reference = load_reference()
+    seen = []
+    for tid, body in zip(parts[1::2], parts[2::2]):
+        lines = body.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+        block = []
+        for line in lines[start:]:
+            if not line.startswith("|"):
+                break
+            block.append(line)
+        rows = [[c.strip().replace("**", "") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]] for line in block]
+        table = reference[tid]
+        if tid == "T9":  # the study's own header has an unescaped '|' in "max |hidden|"
+            assert rows[0][:4] == table["columns"][:4] and table["columns"][4] == "max |hidden|"
+        else:
+            assert rows[0] == table["columns"], tid
+        assert rows[2:] == [[format_cell(c).replace("\\|", "|") for c in row] for row in table["rows"]], tid
+        seen.append(tid)
+    assert seen == list(reference)
+
+
+def _committed(paths) -> list[Path]:
+    try:
+        listed = subprocess.run(["git", "ls-files", "--", *map(str, paths)], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return [ROOT / p for p in listed]
+
+
+def test_repository_benchmarks_numbers_come_from_committed_json(tmp_path):
+    results_dir = ROOT / "benchmarks" / "results"
+    committed = [p for p in _committed([results_dir]) if p.suffix == ".json"]
+    if not committed:
+        pytest.skip("no committed benchmark results yet")
+    sources = committed + [REFERENCE_PATH]
+    output = tmp_path / "BENCHMARKS.md"
+    build_report(results_dir, output, None)
+    _assert_numbers_sourced(output.read_text(), sources)
+    shipped = ROOT / "BENCHMARKS.md"
+    if shipped.is_file():
+        _assert_numbers_sourced(shipped.read_text(), sources)
