@@ -188,3 +188,29 @@ def test_ladder_command_json_on_tiny_model(tmp_path):
     table = payload["tables"][0]
     assert table["id"] == "T7" and table["reference"] == "T7" and table["random_init"] is False
     assert len(table["rows"]) == 9 and all(len(r) == len(table["columns"]) for r in table["rows"])
+
+
+def test_ladder_benchmark_quick(tmp_path):
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("bloggap_ladder_benchmark", bench / "ladder.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        assert module.main(["--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    finally:
+        sys.path.remove(str(bench))
+    payload = json.loads((tmp_path / "ladder.json").read_text())
+    assert payload["benchmark"] == "ladder" and payload["schema_version"] == 1
+    assert [t["id"] for t in payload["tables"]] == ["T7", "T8", "T9"]
+    for table in payload["tables"]:
+        assert all(len(row) == len(table["columns"]) for row in table["rows"])
+    ladder = payload["results"]["ladder"]
+    assert ladder["calibration_disjoint"] and ladder["n_layers"] == 30
+    assert ladder["rungs"][-1]["name"] == "all fp32" and ladder["rungs"][-1]["fp32_param_share"] == 1.0
+    assert payload["tables"][2]["random_init"] is True

@@ -435,3 +435,36 @@ def test_bf16_plan_is_the_policy_itself():
     assert plan.sync(policy) >= 0 and plan.stats()["bytes_added"] == 0
     assert plan.stats()["fp32_param_share"] == 0.0
     plan.close()
+
+
+# ------------------------------------------------------------------------------------ the cost benchmark
+
+
+def _check_tables(payload, name):
+    assert payload["benchmark"] == name and payload["schema_version"] == 1
+    assert {"env", "params", "results", "tables"} <= set(payload)
+    for table in payload["tables"]:
+        assert {"id", "title", "columns", "rows", "notes", "reference", "random_init"} <= set(table)
+        assert all(len(row) == len(table["columns"]) for row in table["rows"])
+
+
+def test_cost_benchmark_quick(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "cost.py"
+    spec = importlib.util.spec_from_file_location("bloggap_cost_benchmark", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "cost.json").read_text())
+    _check_tables(payload, "cost")
+    for shape in payload["results"]["shapes"]:
+        arms = {a["plan"]: a for a in shape["arms"]}
+        assert arms["bf16"]["rel_time"] == 1.0 and arms["bf16"]["sync_seconds"] is None
+        assert arms["all fp32"]["fp32_param_share"] == 1.0 and arms["all fp32"]["sync_seconds"] > 0
+        # the fp32 shadow holds 4 bytes per (unique) parameter plus fp32 buffers
+        assert arms["all fp32"]["bytes_added"] >= 4 * shape["n_params"]
+        assert 0 < arms["fp32 head"]["fp32_param_share"] < arms["guided-7 + head"]["fp32_param_share"] < 1
+        assert shape["fp16_plan_over_raw_fp16"] > 0
