@@ -17,7 +17,9 @@ Plot hint (optional, per table)::
 ``bar``: one group of bars per row (labelled by column ``x``), one bar per ``y`` column. ``line``: ``x`` must be
 numeric; one line per ``y`` column, or, with ``"series": "<column>"``, one line per distinct value of that
 column. ``"plot": false`` turns plotting off for the table. Without a hint a table is plotted as bars when it
-has a text label column and at least one column that is numeric in every row; otherwise it is not plotted.
+has a text label column and at least one column that is numeric in every row: the columns whose name contains
+"oob", else those with "%" (not CI bounds), else all numeric columns if their scales are within 100x, else the
+first; otherwise it is not plotted.
 """
 
 from __future__ import annotations
@@ -64,6 +66,20 @@ class ReportError(ValueError):
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float, Decimal)) and not isinstance(value, bool)
+
+
+_PLACEHOLDERS = {"", "-", "–", "—", "n/a", "na", "nan", "skipped"}
+
+
+def _is_missing(value) -> bool:
+    """A cell that stands for "no value": null or a placeholder string such as ``"-"``."""
+    return value is None or (isinstance(value, str) and value.strip().lower() in _PLACEHOLDERS)
+
+
+def _numeric_column(rows: list, index: int) -> bool:
+    """Numbers in every row, except placeholders, and at least one number."""
+    cells = [r[index] for r in rows]
+    return any(_is_number(c) for c in cells) and all(_is_number(c) or _is_missing(c) for c in cells)
 
 
 def _load_json(path: Path):
@@ -151,8 +167,8 @@ def _validate_plot(table: dict, where: str) -> None:
         raise ReportError(f"{where}: plot series {hint['series']!r} is not a column ({columns})")
     for y in ys:
         index = columns.index(y)
-        if any(row[index] is not None and not _is_number(row[index]) for row in table["rows"]):
-            raise ReportError(f"{where}: plot column {y!r} must hold numbers (or null) in every row")
+        if not _numeric_column(table["rows"], index):
+            raise ReportError(f"{where}: plot column {y!r} must hold numbers (or null / '-') in every row")
     if hint["kind"] == "line":
         index = columns.index(hint["x"])
         if any(not _is_number(row[index]) for row in table["rows"]):
@@ -280,11 +296,25 @@ def table_plot_spec(table: dict) -> dict | None:
     rows, columns = table["rows"], table["columns"]
     if len(rows) < 1 or len(rows) > 40:
         return None
-    numeric = [c for i, c in enumerate(columns) if all(_is_number(r[i]) for r in rows)]
+    numeric = [c for i, c in enumerate(columns) if _numeric_column(rows, i)]
     labels = [c for i, c in enumerate(columns) if c not in numeric and all(isinstance(r[i], str) for r in rows)]
     if not numeric or not labels:
         return None
-    return {"kind": "bar", "x": labels, "y": numeric}
+    # One scale per plot: out-of-band columns if any, else percent columns (not CI bounds), else the numeric
+    # columns when their magnitudes are comparable, else the first numeric column alone.
+    oob = [c for c in numeric if "oob" in c.lower()]
+    percent = [c for c in numeric if "%" in c and not c.lower().startswith("ci")]
+    ys = oob or percent or numeric
+    if ys is numeric and len(numeric) > 1:
+        peaks = [max(abs(float(r[columns.index(c)])) for r in rows if _is_number(r[columns.index(c)])) for c in numeric]
+        if max(peaks) > 100 * max(min(peaks), 1e-12):
+            ys = numeric[:1]
+    return {"kind": "bar", "x": labels, "y": ys}
+
+
+def _short(value, width: int = 28) -> str:
+    text = str(value)
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _plot_table(table: dict, spec: dict, path: Path) -> None:
@@ -298,7 +328,7 @@ def _plot_table(table: dict, spec: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(6.0, min(14.0, 0.6 * len(rows) * max(1, len(ys)))), 4.2))
     if spec["kind"] == "bar":
         xs = spec["x"] if isinstance(spec["x"], list) else [spec["x"]]
-        labels = [" / ".join(str(r[columns.index(x)]) for x in xs) for r in rows]
+        labels = [" / ".join(_short(r[columns.index(x)]) for x in xs) for r in rows]
         width = 0.8 / len(ys)
         for j, y in enumerate(ys):
             values = [_float(r[columns.index(y)]) for r in rows]

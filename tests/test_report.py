@@ -227,3 +227,16 @@ def test_repository_benchmarks_numbers_come_from_committed_json(tmp_path):
     shipped = ROOT / "BENCHMARKS.md"
     if shipped.is_file():
         _assert_numbers_sourced(shipped.read_text(), sources)
+
+
+def test_automatic_plot_picks_one_scale():
+    from bloggap_plugin.report import table_plot_spec
+
+    ladder = {"id": "T7", "title": "t", "columns": ["plan", "fp32 params %", "OOB %", "CI low %", "tokens"],
+              "rows": [["bf16", 0.0, 4.5, 3.9, 3512], ["fp16", "-", "-", "-", 0], ["fp32", 100.0, 0.0, 0.0, 3512]],
+              "notes": "", "reference": None, "random_init": False}
+    assert table_plot_spec(ladder) == {"kind": "bar", "x": ["plan"], "y": ["OOB %"]}
+    mixed = dict(ladder, columns=["plan", "a", "b", "c", "d"])
+    assert table_plot_spec(mixed)["y"] == ["a"]  # 0-100 next to 3512: one column only
+    assert table_plot_spec(dict(ladder, plot=False)) is None
+    assert table_plot_spec(dict(ladder, rows=[[1, 2, 3, 4, 5]])) is None  # no text label column
