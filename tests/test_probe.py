@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -228,7 +229,7 @@ def test_doctor_cli_end_to_end_json(tmp_path, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     assert "recommendation:" in printed and "b1_vs_b8_left_arange" in printed
-    assert "fp16 scaled down: 8 of 10 rows" in printed
+    assert "fp16 scaled down on CPU: 8 of 10 rows" in printed
     result = json.loads(path.read_text())
     for key in ("schema_version", "model", "device", "torch", "transformers", "tokens", "cells", "fp16_check",
                 "recommendation", "env"):
@@ -260,3 +261,78 @@ def test_doctor_cli_bad_arguments(capsys):
     assert "comma-separated subset" in capsys.readouterr().err
     assert main(["doctor", "--model", "no-such-model", "--no-progress"]) == 2
     assert "accepted" in capsys.readouterr().err
+
+
+def test_recommend_compares_a_scaled_down_dtype_on_the_same_rows():
+    full = [
+        _cell("bf16", "b1_vs_b8_left_arange", 0.09, n=768, rows=32), _timed("bf16", 1.0),
+        _cell("fp16", "b1_vs_b8_left_arange", 0.0, n=192, rows=8), _timed("fp16", 1.0),
+        _cell("fp32", "b1_vs_b8_left_arange", 0.0, n=768, rows=32), _timed("fp32", 2.0),
+    ]
+    # bf16 on the same 8 rows shows the gap: fp16 is credited with removing it there
+    paired = [_cell("bf16", "b1_vs_b8_left_arange", 0.078, n=192, rows=8)]
+    rec = recommend(full, {"nonfinite_logprobs": 0, "max_abs_hidden": 1.0}, "cpu", paired)
+    assert rec["arm"] == "F" and "removes 7.80 of 7.80 pp on the 8 rows" in rec["text"]
+    assert "no native fp16 kernels" in rec["text"]
+    # bf16 shows nothing on those 8 rows: fp16 is not shown to help, fp32 (all rows) decides
+    quiet_pair = [_cell("bf16", "b1_vs_b8_left_arange", 0.0, n=192, rows=8)]
+    rec = recommend(full, {"nonfinite_logprobs": 0, "max_abs_hidden": 1.0}, "cpu", quiet_pair)
+    assert rec["arm"] == "B" and "not shown to help" in rec["text"]
+    # without any bf16 cell on the fp16 rows, fp16 cannot be credited either
+    assert recommend(full, None, "cpu")["arm"] == "B"
+
+
+def test_tables_benchmark_quick_on_tiny_model(tmp_path, capsys, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "tables.py"
+    spec = importlib.util.spec_from_file_location("bench_tables", script)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_tables", module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    assert module.main(["--out", str(tmp_path), "--quick", "--device", "cpu", "--model", "tiny-random-llama"]) == 0
+    result = json.loads((tmp_path / "tables.json").read_text())
+    assert result["benchmark"] == "tables" and result["schema_version"] == 1
+    assert result["env"]["torch"] == torch.__version__ and result["params"]["quick"] is True
+    ids = [t["id"] for t in result["tables"]]
+    assert ids == ["T1", "T2", "T3", "T4", "T5", "T6", "POS", "HW"]
+    refs = {t["id"]: t["reference"] for t in result["tables"]}
+    assert refs == {"T1": "T1", "T2": "T2", "T3": "T3", "T4": "T4", "T5": "T5", "T6": "T6", "POS": None,
+                    "HW": "T1b"}
+    for t in result["tables"]:
+        assert t["random_init"] is True and "RANDOM-INIT" in t["notes"]
+        assert all(len(row) == len(t["columns"]) for row in t["rows"]), t["id"]
+    t3 = result["results"]["T3"]
+    assert t3["sanity_ok"] is True  # padded-1 vs packed-1 in fp32
+    t4 = result["results"]["T4"]
+    assert t4["flex_attention"]["skipped"].startswith("--quick on CPU")
+    assert t4["sdpa"]["n"] == sum(v["n"] for v in t4["sdpa"]["per_seed"].values())
+    hw = next(t for t in result["tables"] if t["id"] == "HW")
+    assert any(row[0] == "RTX 4090" for row in hw["rows"])  # the reference cards beside this device
+    assert "HW:" in capsys.readouterr().out  # the short tables are printed last
+
+
+def test_stop_at_eos_gives_ragged_rows_ending_at_eos(tiny):
+    model, tokenizer = tiny
+    eos = tokenizer.eos_token_id
+    # make eos likely: scale up the eos row of the head of a copy (the fixture stays untouched)
+    import copy
+
+    biased = copy.deepcopy(model)
+    with torch.no_grad():
+        biased.lm_head.weight[eos] += 0.5 * biased.lm_head.weight.abs().max()
+    rollouts = sample_rollouts(biased, tokenizer, num_seqs=8, max_new_tokens=12, seed=0, batch_size=4,
+                               stop_at_eos=True)
+    lengths = [len(r.completion) for r in rollouts.rows]
+    assert any(n < 12 for n in lengths)  # some ended early
+    for row, n in zip(rollouts.rows, lengths):
+        assert eos not in row.completion[:-1]
+        assert row.completion[-1] == eos or n == 12
+    assert rollouts.sampler_mask.sum(1).tolist() == lengths and rollouts.tokens == sum(lengths)
+    # ragged rows score under the TRL layout (completions right-padded) like alone
+    alone = score_layout(biased, rollouts.rows, "left", 1, "mask", rollouts.pad_token_id)
+    batched = score_layout(biased, rollouts.rows, "left", 8, "mask", rollouts.pad_token_id)
+    assert torch.equal(alone.mask, batched.mask) and alone.mask.sum().item() == sum(lengths)
+    torch.testing.assert_close(batched.logprobs[alone.mask], alone.logprobs[alone.mask], rtol=0, atol=1e-4)
+    torch.testing.assert_close(rollouts.sampler_logprobs[alone.mask], alone.logprobs[alone.mask], rtol=0, atol=1e-4)

@@ -19,8 +19,12 @@ HELP = "Measure the batch-shape log-prob gap of a model on this machine and reco
 SCHEMA_VERSION = 1
 DTYPES = ("bf16", "fp16", "fp32")
 ATTNS = ("sdpa", "eager", "flex_attention")
-CPU_FP16_ROWS = 8
+# On CPU, fp16 has no fast kernels (~7-10x bf16's time here) and fp32 costs ~2x bf16: both are scored on
+# fewer rows there so the default run stays under 5 minutes on 2 cores. bf16 always gets every row.
+CPU_ROWS = {"fp16": 8, "fp32": 16}
 CPU_FP16_COMPARISONS = ("rerun_b1", "b1_vs_b8_left_arange", "b1_vs_b8_left_mask", "sampler_vs_b1")
+# comparisons whose batch-1 and batch-8 chunks are the same computation on the first k rows (k % 8 == 0)
+PAIRABLE = ("rerun_b1", "b1_vs_b8_left_arange", "b1_vs_b8_left_mask", "b1_vs_b8_right")
 
 
 def _csv(choices):
@@ -45,7 +49,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-dtype", choices=DTYPES, default="bf16", help="dtype of the sampling model (bf16)")
     parser.add_argument("--gen-batch-size", type=int, default=8, help="prompts per generate call (default 8)")
     parser.add_argument("--fp16-rows", type=int, default=None,
-                        help=f"rows scored in fp16 (default: all on GPU, {CPU_FP16_ROWS} on CPU, where fp16 is slow)")
+                        help=f"rows scored in fp16 (default: all on GPU, {CPU_ROWS['fp16']} on CPU, where fp16 is slow)")
+    parser.add_argument("--fp32-rows", type=int, default=None,
+                        help=f"rows scored in fp32 (default: all on GPU, {CPU_ROWS['fp32']} on CPU)")
     parser.add_argument("--band", type=float, default=0.1, help="ratio band half-width (default 0.1)")
     parser.add_argument("--json", dest="json_path", default=None, help="write the results as JSON to this path")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -59,6 +65,24 @@ def _passes(names: list[str]) -> int:
         count += 1  # equal-length batch 8
     count += sum(1 for n in names if n in ("b1_vs_b8_equal_nopad", "two_groupings_b8"))
     return count
+
+
+def paired_cells(extras: dict, rollouts, rows: int, band: float, attn: str) -> list[dict]:
+    """bf16 cells re-compared on the first ``rows`` rows, to set beside a dtype scored on only those rows."""
+    from bloggap_plugin.core.probe import compare
+
+    out = []
+    for name in PAIRABLE:
+        if name in extras["scored"] and (name == "rerun_b1" or rows % 8 == 0):
+            ref, other = extras["scored"][name]
+            out.append(compare(ref[:rows], other.logprobs[:rows], other.mask[:rows], band,
+                               comparison=name, dtype="bf16", attn=attn, rows=rows, paired=True))
+    base = extras["b1"]
+    width = min(base.logprobs.shape[1], rollouts.sampler_logprobs.shape[1])
+    mask = base.mask[:rows, :width] & rollouts.sampler_mask[:rows, :width]
+    out.append(compare(rollouts.sampler_logprobs[:rows, :width], base.logprobs[:rows, :width], mask, band,
+                       comparison="sampler_vs_b1", dtype="bf16", attn=attn, rows=rows, paired=True))
+    return out
 
 
 def format_table(cells: list[dict], dtypes: list[str], attns: list[str]) -> str:
@@ -116,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
     if num_seqs < 1 or max_new < 1:
         print("error: --num-seqs and --max-new-tokens must be >= 1", file=sys.stderr)
         return 2
-    fp16_rows = args.fp16_rows or (min(CPU_FP16_ROWS, num_seqs) if on_cpu else num_seqs)
+    rows_for = {"bf16": num_seqs}
+    for dtype, given in (("fp16", args.fp16_rows), ("fp32", args.fp32_rows)):
+        rows_for[dtype] = min(given or (CPU_ROWS[dtype] if on_cpu else num_seqs), num_seqs)
     started = time.perf_counter()
     notes: list[str] = []
 
@@ -138,18 +164,26 @@ def run(args: argparse.Namespace) -> int:
     for dtype in args.dtypes:
         names = list(COMPARISONS)
         subset = rollouts
-        if dtype == "fp16" and fp16_rows < num_seqs:
-            subset = rollouts.subset(fp16_rows)
-            if on_cpu:
+        rows = rows_for.get(dtype, num_seqs)
+        if rows < num_seqs:
+            subset = rollouts.subset(rows)
+            if dtype == "fp16" and on_cpu:
                 names = list(CPU_FP16_COMPARISONS)
+                why = "this CPU has no native fp16 kernels"
+            else:
+                names = [n for n in names if not (n.startswith("b1_vs_b32") and rows < 32)]
+                why = "batch 32 needs 32 rows"
+            dropped = [n for n in COMPARISONS if n not in names]
             notes.append(
-                f"fp16 scaled down: {fp16_rows} of {num_seqs} rows"
-                + (f", comparisons {', '.join(names)} only (this CPU has no native fp16 kernels)" if on_cpu else "")
+                f"{dtype} scaled down{' on CPU' if on_cpu else ''}: {rows} of {num_seqs} rows"
+                + (f"; skipped {', '.join(dropped)} ({why})" if dropped else "")
+                + "; the recommendation compares it with bf16 on the same rows"
             )
         plan.append((dtype, names, subset))
     total = sum(_passes(names) for _, names, _ in plan) * len(args.attn)
 
     cells: list[dict] = []
+    bf16_extras: dict = {}
     fp16_check: dict = {"skipped": "fp16 not among --dtypes"}
     with tqdm(total=total, desc="scoring", unit="pass", file=sys.stderr, disable=args.no_progress) as bar:
         for dtype, names, subset in plan:
@@ -174,9 +208,12 @@ def run(args: argparse.Namespace) -> int:
                 for c in found:
                     c.update(dtype=dtype, attn=attn)
                 cells += found
+                if dtype == "bf16":
+                    bf16_extras[attn] = extras
                 skipped = [n for n in COMPARISONS if n not in names]
                 cells += [
-                    skipped_cell("fp16 scaled down on CPU", dtype=dtype, attn=attn, comparison=n) for n in skipped
+                    skipped_cell(f"{dtype} scaled down (see notes)", dtype=dtype, attn=attn, comparison=n)
+                    for n in skipped
                 ]
                 if hidden:
                     fp16_check = dict(extras["hidden_check"], attn=attn, fp16_max=65504.0)
@@ -191,7 +228,12 @@ def run(args: argparse.Namespace) -> int:
             if dtype == args.sample_dtype and sampler_attn:
                 sampler_model.set_attn_implementation(sampler_attn)
 
-    recommendation = recommend(cells, fp16_check, device.type)
+    paired: list[dict] = []
+    if "bf16" in args.dtypes and rollouts.sampler_logprobs is not None:
+        for rows in sorted({rows_for[d] for d in args.dtypes if d != "bf16" and rows_for[d] < num_seqs}):
+            for attn, extras in bf16_extras.items():
+                paired += paired_cells(extras, rollouts, rows, args.band, attn)
+    recommendation = recommend(cells, fp16_check, device.type, paired)
     if notes:
         recommendation["notes"] = notes
     elapsed = time.perf_counter() - started
@@ -212,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
         "units": "oob, ci_low, ci_high are fractions of completion tokens; abs_dlogp_* in nats",
         "sampler": rollouts.sampler,
         "cells": cells,
+        "paired_cells": paired,
         "fp16_check": fp16_check,
         "recommendation": recommendation,
         "seconds": round(elapsed, 1),
@@ -237,6 +280,10 @@ def run(args: argparse.Namespace) -> int:
         )
     for note in notes:
         print(f"note: {note}")
+    for rows in sorted({c["rows"] for c in paired}):
+        parts = [f"{c['comparison']} {100 * c['oob']:.2f}% ({c['oob_count']}/{c['n']})"
+                 for c in paired if c["rows"] == rows and c["attn"] == args.attn[0]]
+        print(f"bf16/{args.attn[0]} on the first {rows} rows (to compare with the scaled-down dtypes): " + "; ".join(parts))
     print()
     print(f"recommendation: {recommendation['text']}")
     print(f"({elapsed:.0f} s)")

@@ -49,6 +49,8 @@ __all__ = [
     "HiddenTracker",
     "pp",
     "recommend",
+    "block_causal_mask",
+    "score_packed",
 ]
 
 # The reference study's prompts: 8 stems x 8 topics (stem-major order: the first 8 share one stem).
@@ -186,14 +188,16 @@ def sample_rollouts(
     batch_size: int = 8,
     chat_template: bool | None = None,
     progress: Callable[[int], object] | None = None,
+    stop_at_eos: bool = False,
 ) -> Rollouts:
-    """Sample ``num_seqs`` completions of exactly ``max_new_tokens`` tokens from ``model`` itself.
+    """Sample ``num_seqs`` completions of ``max_new_tokens`` tokens from ``model`` itself.
 
-    Plain sampling (temperature 1, no top-k/top-p, end-of-sequence disabled so every completion has the
-    same length: the reference study's protocol), prompts left-padded in generation batches of
-    ``batch_size`` (generate derives positions from the mask). The sampler's log-prob of each emitted token
-    is ``log_softmax`` (fp32) of generate's per-step scores (``output_scores``). The global RNG state is
-    restored afterwards; ``seed`` alone fixes the samples.
+    Plain sampling (temperature 1, no top-k/top-p), prompts left-padded in generation batches of
+    ``batch_size`` (generate derives positions from the mask). By default end-of-sequence is disabled so
+    every completion has exactly ``max_new_tokens`` tokens (the reference study's T2-T6 protocol);
+    ``stop_at_eos=True`` ends each completion at its first eos token, inclusive (ragged, as T1 and TRL).
+    The sampler's log-prob of each emitted token is ``log_softmax`` (fp32) of generate's per-step scores
+    (``output_scores``). The global RNG state is restored afterwards; ``seed`` alone fixes the samples.
     """
     if num_seqs < 1 or max_new_tokens < 1 or batch_size < 1:
         raise ValueError(
@@ -209,13 +213,16 @@ def sample_rollouts(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad_id is None:
         raise ValueError("the tokenizer has neither a pad nor an eos token; set tokenizer.pad_token")
+    eos_id = tokenizer.eos_token_id
+    if stop_at_eos and eos_id is None:
+        raise ValueError("stop_at_eos=True needs tokenizer.eos_token_id")
     config = GenerationConfig(
         do_sample=True,
         temperature=1.0,
         top_k=0,
         top_p=1.0,
         max_new_tokens=max_new_tokens,
-        eos_token_id=None,
+        eos_token_id=eos_id if stop_at_eos else None,
         pad_token_id=pad_id,
         bos_token_id=getattr(model.generation_config, "bos_token_id", None),
         output_scores=True,
@@ -236,7 +243,7 @@ def sample_rollouts(
                 input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
             )
             new = out.sequences[:, ids.shape[1] :].cpu()
-            if new.shape[1] != max_new_tokens:
+            if not stop_at_eos and new.shape[1] != max_new_tokens:
                 raise RuntimeError(
                     f"generate returned {new.shape[1]} new tokens instead of {max_new_tokens}: a stopping "
                     "criterion of this model's generation config ended sampling early"
@@ -244,16 +251,24 @@ def sample_rollouts(
             scores = torch.stack([s.float() for s in out.scores], dim=1).cpu()  # [b, C, V]
             logits = torch.stack([s.float() for s in out.logits], dim=1).cpu()
             scores_are_raw = scores_are_raw and bool(torch.equal(scores, logits))
-            sampler_rows.append(torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1))
-            for prompt_ids, completion in zip(chunk, new.tolist()):
+            sampled = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+            for prompt_ids, completion, values in zip(chunk, new.tolist(), sampled):
+                if stop_at_eos and eos_id in completion:
+                    completion = completion[: completion.index(eos_id) + 1]
                 rows.append(Row(tuple(prompt_ids), tuple(completion)))
+                sampler_rows.append(values[: len(completion)])
             if progress is not None:
                 progress(len(chunk))
-    sampler_logprobs = torch.cat(sampler_rows, dim=0)
+    width = max(len(v) for v in sampler_rows)
+    sampler_logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+    sampler_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, values in enumerate(sampler_rows):
+        sampler_logprobs[i, : len(values)] = values
+        sampler_mask[i, : len(values)] = True
     return Rollouts(
         rows=rows,
         sampler_logprobs=sampler_logprobs,
-        sampler_mask=torch.ones_like(sampler_logprobs, dtype=torch.bool),
+        sampler_mask=sampler_mask,
         pad_token_id=int(pad_id),
         prompts=prompts,
         sampler={
@@ -262,6 +277,7 @@ def sample_rollouts(
             "batch_size": batch_size,
             "seed": seed,
             "max_new_tokens": max_new_tokens,
+            "stop_at_eos": stop_at_eos,
             "temperature": 1.0,
             "scores_are_raw_logits": scores_are_raw,
         },
@@ -443,7 +459,8 @@ def probe_model(
 
     Returns ``(cells, extras)``: cells carry ``comparison``, ``batch_size`` (effective), ``layout``,
     ``positions``, ``seconds`` and ``tokens_forwarded`` of the non-reference side; ``extras`` holds the batch-1
-    scoring (``"b1"``), the fp16 check fields when ``hidden_check`` and the per-pass timings.
+    scoring (``"b1"``), ``"scored"``: ``{comparison: (reference log-probs [N, C], Scored)}`` so callers can
+    re-compare on a subset of rows, and the fp16 check fields (``"hidden_check"``) when ``hidden_check``.
     ``progress(label)`` is called after every scoring pass.
     """
     names = list(COMPARISONS) if comparisons is None else list(comparisons)
@@ -456,7 +473,10 @@ def probe_model(
     tick = progress or (lambda label: None)
     cells: list[dict] = []
 
+    scored: dict[str, tuple[torch.Tensor, Scored]] = {}
+
     def cell(name, ref: torch.Tensor, other: Scored, mask, batch_size, layout, positions, rows_used):
+        scored[name] = (ref, other)
         result = compare(ref, other.logprobs, mask, band, comparison=name)
         result.update(
             batch_size=batch_size,
@@ -471,7 +491,7 @@ def probe_model(
     tracker = HiddenTracker(model) if hidden_check else None
     base = score_layout(model, rows, "left", 1, "mask", pad, forward=tracker)
     tick("b1")
-    extras: dict = {"b1": base}
+    extras: dict = {"b1": base, "scored": scored}
     if tracker is not None:
         values = base.logprobs[base.mask]
         extras["hidden_check"] = {
@@ -573,15 +593,23 @@ def _seconds_per_token(cells: list[dict], dtype: str, attn: str | None) -> float
     return pool[0]["seconds"] / pool[0]["tokens_forwarded"] if pool else None
 
 
-def recommend(cells: Sequence[dict], fp16_check: dict | None = None, device_type: str = "cpu") -> dict:
-    """Pick an arm from measured cells (each with ``dtype``, ``attn``, ``comparison``, ``oob``...).
+def recommend(
+    cells: Sequence[dict],
+    fp16_check: dict | None = None,
+    device_type: str = "cpu",
+    paired: Sequence[dict] = (),
+) -> dict:
+    """Pick an arm from measured cells (each with ``dtype``, ``attn``, ``comparison``, ``oob``, ``rows``...).
 
-    Logic (all thresholds on the headline comparison, b1 vs b8 with TRL's left padding and 0..L-1 positions,
-    worst attention implementation): no bf16 gap -> arm A; fp16 safe and leaving <= 10% of the bf16 gap ->
-    arm F; else fp32 gap ~0 -> arm B (or a cheaper ladder rung). Costs are the measured seconds per token of
-    each dtype's batch-8 pass relative to bf16 on this device. Returns ``{"arm", "text", "basis"}``.
+    Logic, on the headline comparison (b1 vs b8 with TRL's left padding and 0..L-1 positions, worst attention
+    implementation): no bf16 gap anywhere -> arm A; fp16 safe and leaving <= 10% of bf16's gap on the same
+    rows -> arm F; else fp32 leaving <= 10% -> arm B (or a cheaper ladder rung). A dtype scored on fewer rows
+    is compared with bf16 on the same rows: ``paired`` holds such bf16 cells (same ``comparison``, ``attn``
+    and ``rows``). Costs are each dtype's measured seconds per token on its batch-8 pass relative to bf16 on
+    this device. Returns ``{"arm", "text", "basis"}``.
     """
     cells = _measured(cells)
+    paired = _measured(paired)
     lines: list[str] = []
     basis: dict = {}
     nondeterministic = [
@@ -596,13 +624,21 @@ def recommend(cells: Sequence[dict], fp16_check: dict | None = None, device_type
         )
     basis["nondeterministic"] = nondeterministic
 
-    def headline(dtype: str) -> dict | None:
-        return _worst(cells, dtype, [HEADLINE])
+    def pct(c: dict) -> str:
+        return f"{100 * c['oob']:.2f}%"
 
     def fmt(c: dict) -> str:
-        return f"{100 * c['oob']:.2f}% ({c['oob_count']}/{c['n']} tokens, {c['attn']})"
+        return f"{pct(c)} ({c['oob_count']}/{c['n']} tokens, {c['attn']})"
 
-    bf16 = headline("bf16")
+    def bf16_same_rows(c: dict) -> dict | None:
+        for pool in (cells, paired):
+            for other in pool:
+                if (other["dtype"] == "bf16" and other["comparison"] == c["comparison"]
+                        and other["attn"] == c["attn"] and other.get("rows") == c.get("rows")):
+                    return other
+        return None
+
+    bf16 = _worst(cells, "bf16", [HEADLINE])
     if bf16 is None:
         return {"arm": None, "text": "No bf16 cell was measured: nothing to recommend (bf16 is the trainer default).",
                 "basis": basis}
@@ -618,8 +654,6 @@ def recommend(cells: Sequence[dict], fp16_check: dict | None = None, device_type
     for dtype in ("fp16", "fp32"):
         basis[f"{dtype}_cost_vs_bf16"] = cost(dtype)
 
-    fp16 = headline("fp16")
-    fp32 = headline("fp32")
     fp16_safe = None
     if fp16_check and not fp16_check.get("skipped"):
         fp16_safe = fp16_check.get("nonfinite_logprobs", 1) == 0 and fp16_check.get("max_abs_hidden", FP16_MAX) < FP16_MAX / 2
@@ -634,71 +668,160 @@ def recommend(cells: Sequence[dict], fp16_check: dict | None = None, device_type
             text += " (this CPU has no native fp16 kernels; GPUs with fp16 tensor cores run it at about bf16 speed)"
         return text
 
-    arm = "A"
+    def removal(dtype: str) -> tuple[dict, dict, bool] | None:
+        """(cell, bf16 on the same rows, removes >= 90% of a non-zero bf16 gap) for the dtype's headline."""
+        c = _worst(cells, dtype, [HEADLINE])
+        if c is None:
+            return None
+        ref = bf16_same_rows(c)
+        if ref is None:
+            return None
+        return c, ref, ref["oob"] > 0 and c["oob"] <= 0.1 * ref["oob"]
+
+    def removal_text(dtype: str, c: dict, ref: dict) -> str:
+        rows = "" if c.get("rows") == bf16.get("rows") else f" on the {c.get('rows')} rows it was scored on"
+        return (f"{dtype} removes {100 * (ref['oob'] - c['oob']):.2f} of {100 * ref['oob']:.2f} pp{rows} "
+                f"(bf16 {fmt(ref)}, {dtype} {fmt(c)})")
+
+    arm: str | None = "A"
     if bf16["oob"] == 0 and bf16_worst["oob"] == 0:
         lines.append(
             f"bf16 shows no batch-shape gap here: {fmt(bf16)} on TRL's layout and 0 in every other comparison. "
             "Arm A (trainer default) is enough; keep the live probe (gap/probe/*) on, since the gap depends on shapes."
         )
     else:
-        y = 100 * bf16["oob"]
         lines.append(
             f"bf16 b1 vs b8 with TRL's layout: {fmt(bf16)}; worst bf16 comparison: "
-            f"{bf16_worst['comparison']} {100 * bf16_worst['oob']:.2f}%."
+            f"{bf16_worst['comparison']} {pct(bf16_worst)} ({bf16_worst['attn']})."
         )
-        if fp16 is not None and fp16_safe is not False and 100 * fp16["oob"] <= 0.1 * y:
+        fp16 = removal("fp16")
+        fp32 = removal("fp32")
+        if fp16 is not None:
+            basis["fp16_vs_bf16_same_rows"] = {"fp16": fp16[0]["oob"], "bf16": fp16[1]["oob"], "rows": fp16[0].get("rows")}
+        if fp32 is not None:
+            basis["fp32_vs_bf16_same_rows"] = {"fp32": fp32[0]["oob"], "bf16": fp32[1]["oob"], "rows": fp32[0].get("rows")}
+        if fp16 is not None and fp16[2] and fp16_safe is not False:
             arm = "F"
-            removed = y - 100 * fp16["oob"]
-            lines.append(
-                f"fp16 removes {removed:.2f} of {y:.2f} pp (fp16: {fmt(fp16)}): arm F (fp16 shadow copy), "
-                f"{cost_text('fp16')}."
-            )
-        elif fp32 is not None and 100 * fp32["oob"] <= 0.1 * y:
+            lines.append(f"{removal_text('fp16', fp16[0], fp16[1])}: arm F (fp16 shadow copy), {cost_text('fp16')}.")
+        elif fp32 is not None and fp32[2]:
             arm = "B"
-            why = (
-                "fp16 is not safe for this model (see the fp16 check)" if fp16_safe is False
-                else f"fp16 leaves {100 * fp16['oob']:.2f}% (more than a tenth of bf16's)" if fp16 is not None
-                else "fp16 was not measured"
-            )
+            if fp16_safe is False:
+                why = "fp16 is not safe for this model (see the fp16 check)"
+            elif fp16 is None:
+                why = "fp16 was not measured"
+            elif fp16[1]["oob"] == 0:
+                why = (f"fp16 was scored on {fp16[0].get('rows')} rows where bf16 showed no gap, so it is not shown "
+                       "to help (score more fp16 rows: --fp16-rows)")
+            else:
+                why = f"fp16 leaves {pct(fp16[0])} of bf16's {pct(fp16[1])} on the same rows (more than a tenth)"
             lines.append(
-                f"{why}; fp32 leaves {fmt(fp32)}: arm B (fp32 shadow copy), {cost_text('fp32')}. "
+                f"{why}; {removal_text('fp32', fp32[0], fp32[1])}: arm B (fp32 shadow copy), {cost_text('fp32')}. "
                 "`bloggap ladder` finds cheaper rungs (fp32 head, guided fp32 layers: arms E, D)."
             )
         else:
             arm = None
-            lines.append("Neither fp16 nor fp32 removed the gap in the measured cells: run `bloggap attribute` "
-                         "and `bloggap ladder` to see where it enters.")
+            lines.append("Neither fp16 nor fp32 was shown to remove the gap in the measured cells: run "
+                         "`bloggap attribute` and `bloggap ladder` to see where it enters.")
         mask_cell = _worst(cells, "bf16", ["b1_vs_b8_left_mask"])
         if mask_cell is not None and mask_cell["oob"] < bf16["oob"]:
             lines.append(
-                f"Positions from the attention mask alone bring bf16 from {y:.2f}% to {100 * mask_cell['oob']:.2f}% "
+                f"Positions from the attention mask alone bring bf16 from {pct(bf16)} to {pct(mask_cell)} "
                 "at no cost: set gap.positions: mask (TRL scores left-padded rows with positions 0..L-1)."
             )
+        basis["arm_reason_cells"] = HEADLINE
     membership = [c for c in cells if c["comparison"] == "two_groupings_b8" and c["oob"] > 0]
     if membership:
         worst = max(membership, key=lambda c: c["oob"])
         lines.append(
-            f"Batch membership changes results ({worst['dtype']}/{worst['attn']}: {100 * worst['oob']:.2f}% between "
+            f"Batch membership changes results ({worst['dtype']}/{worst['attn']}: {pct(worst)} between "
             "two groupings of the same rows, as with MoE routing): arm G (matched shapes) keeps the first-epoch "
             "ratio at 1."
         )
-    sampler = {c["dtype"]: c for c in sorted(cells, key=lambda c: -c["oob"]) if c["comparison"] == "sampler_vs_b1"}
+    sampler = {}
+    for c in sorted(cells, key=lambda c: c["oob"]):
+        if c["comparison"] == "sampler_vs_b1":
+            sampler[c["dtype"]] = c  # worst attention implementation per dtype
     if sampler:
-        parts = ", ".join(f"{d} scorer {100 * c['oob']:.2f}%" for d, c in sorted(sampler.items()))
+        parts = []
+        for dtype, c in sorted(sampler.items()):
+            text = f"{dtype} scorer {pct(c)}"
+            ref = bf16_same_rows(c) if dtype != "bf16" else None
+            if ref is not None and c.get("rows") != sampler.get("bf16", {}).get("rows"):
+                text += f" ({c.get('rows')} rows; bf16 scorer on them {pct(ref)})"
+            parts.append(text)
         basis["sampler"] = {d: c["oob"] for d, c in sampler.items()}
         best = min(sampler.values(), key=lambda c: c["oob"])
+        sampler_dtype = best.get("sampler", {}).get("dtype", "?")
         if best["oob"] > 0:
             lines.append(
-                f"Sampler (generate's own log-probs, {best.get('sampler', {}).get('dtype', '?')}) vs teacher-forced "
-                f"batch 1: {parts}. No scorer precision removes it (best {100 * best['oob']:.2f}%): the sampler "
-                "must change too (arm H, fp16 everywhere), or correct it with importance sampling."
+                f"Sampler (generate's own log-probs, {sampler_dtype}) vs teacher-forced batch 1: {', '.join(parts)}. "
+                f"No scorer precision removes it (best {pct(best)}): the sampler must change too (arm H, fp16 "
+                "everywhere), or correct it with importance sampling."
             )
         else:
-            lines.append(f"Sampler vs teacher-forced batch 1: {parts}.")
-    if fp16_check and fp16_check.get("skipped") is None and fp16_safe is False:
+            lines.append(f"Sampler vs teacher-forced batch 1: {', '.join(parts)}.")
+    if fp16_safe is False:
         lines.append(
             f"fp16 check failed: {fp16_check.get('nonfinite_logprobs')} non-finite log-probs, largest |hidden| "
             f"{fp16_check.get('max_abs_hidden'):.0f} vs fp16's 65,504: do not use fp16 for this model."
         )
-    basis["rows_note"] = "percentages are shares of completion tokens; see n per cell"
     return {"arm": arm, "text": " ".join(lines), "basis": basis}
+
+
+def block_causal_mask(segment_lengths: Sequence[int], dtype: torch.dtype, device=None) -> torch.Tensor:
+    """Additive ``[1, 1, T, T]`` mask (0 where allowed, ``finfo(dtype).min`` elsewhere) for sequences packed
+    into one row: position i may attend to j iff ``j <= i`` and both lie in the same segment."""
+    segment = torch.repeat_interleave(
+        torch.arange(len(segment_lengths), device=device), torch.tensor(list(segment_lengths), device=device)
+    )
+    total = int(segment.numel())
+    causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()
+    allowed = causal & (segment[:, None] == segment[None, :])
+    mask = torch.zeros(total, total, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+@torch.no_grad()
+def score_packed(model: torch.nn.Module, rows: Sequence[Row], pack_size: int = 8) -> Scored:
+    """Score rows packed ``pack_size`` to a row (concatenated, no padding) with an explicit block-diagonal
+    causal 4-D mask and position ids restarting at 0 in every segment; ``pack_size=1`` is one row per
+    sequence with an explicit 4-D causal mask. Goes through ``token_logprobs`` (its ``forward=`` hook
+    injects the mask and positions), so the log-softmax path is the same as every other scoring."""
+    if pack_size < 1:
+        raise ValueError(f"pack_size must be >= 1, got {pack_size}")
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    completion_width = max(len(r.completion) for r in rows)
+    logprobs = torch.zeros((len(rows), completion_width), dtype=torch.float32)
+    mask = torch.zeros((len(rows), completion_width), dtype=torch.bool)
+    forwarded = 0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for start in range(0, len(rows), pack_size):
+        chunk = list(rows[start : start + pack_size])
+        sequences = [r.prompt + r.completion for r in chunk]
+        lengths = [len(s) for s in sequences]
+        ids = torch.tensor([tok for s in sequences for tok in s], device=device)[None]
+        attn_4d = block_causal_mask(lengths, dtype, device)
+        positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+
+        def forward(_mask=attn_4d, _positions=positions, **kwargs):
+            kwargs.update(attention_mask=_mask, position_ids=_positions)
+            return model(**kwargs)
+
+        total = ids.shape[1]
+        forwarded += total
+        # score every position 1..total-1; token at absolute position t sits at column t-1
+        values = token_logprobs(
+            model, ids, torch.ones_like(ids), total - 1, positions="arange", forward=forward
+        ).cpu()[0]
+        offset = 0
+        for j, r in enumerate(chunk):
+            first = offset + len(r.prompt)
+            logprobs[start + j, : len(r.completion)] = values[first - 1 : first - 1 + len(r.completion)]
+            mask[start + j, : len(r.completion)] = True
+            offset += lengths[j]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return Scored(logprobs, mask, time.perf_counter() - started, forwarded)
