@@ -88,12 +88,17 @@ class Sizes:
     t5_tokens: int
     gen_batch: int
     fp16_rows: int  # rows scored in fp16 (all on GPU; few on CPU, where fp16 has no fast kernels)
+    chat_template: bool | None = None  # None: the tokenizer's template if it has one; quick: plain text
 
     @classmethod
     def make(cls, quick: bool, on_cpu: bool) -> Sizes:
         if quick:
-            return cls(8, 8, 8, 8, 8, 8, 1, 8, 8, 8, 8 if not on_cpu else 4)
+            return cls(8, 8, 8, 8, 8, 8, 1, 8, 8, 8, 8 if not on_cpu else 2, chat_template=False)
         return cls(64, 64, 32, 48, 32, 48, 8, 8, 64, 16, 64 if not on_cpu else 8)
+
+
+def template_text(sizes: Sizes) -> str:
+    return "plain text, --quick" if sizes.chat_template is False else "chat template"
 
 
 def table(table_id, title, columns, rows, notes, reference, random_init=False) -> dict:
@@ -157,7 +162,7 @@ def run_t1(models: Models, rollouts: Rollouts, sizes: Sizes) -> tuple[dict, dict
         ])
     fp16_n = cells["fp16|b1_vs_b8_left_arange"]["n"]
     notes = (
-        f"{len(rollouts.rows)} prompts (8 stems x 8 topics, chat template), one bf16 rollout each (<= "
+        f"{len(rollouts.rows)} prompts (8 stems x 8 topics, {template_text(sizes)}), one bf16 rollout each (<= "
         f"{rollouts.sampler['max_new_tokens']} new tokens, EOS allowed: {tokens} completion tokens), sampled in "
         f"generate batches of {rollouts.sampler['batch_size']}. Each dtype re-loads the model; default attention "
         "(sdpa); left-padded ragged batches (prompts left, completions right). OOB% = share of completion tokens "
@@ -399,7 +404,8 @@ def run_t5(models: Models, sizes: Sizes, seed: int) -> tuple[dict, dict]:
     model, tokenizer = models.get("bf16")
     prompts = [p for p, _ in T5_PROMPTS[: sizes.t5_prompts] for _ in range(sizes.t5_group)]
     rollouts = sample_rollouts(model, tokenizer, num_seqs=len(prompts), max_new_tokens=sizes.t5_tokens,
-                               seed=seed, prompts=prompts, batch_size=sizes.t5_group)
+                               seed=seed, prompts=prompts, batch_size=sizes.t5_group,
+                               chat_template=sizes.chat_template)
     pad = rollouts.pad_token_id
     b1 = score_layout(model, rollouts.rows, "left", 1, "mask", pad)
     b8 = score_layout(model, rollouts.rows, "left", sizes.t5_group, "mask", pad)
@@ -424,7 +430,7 @@ def run_t5(models: Models, sizes: Sizes, seed: int) -> tuple[dict, dict]:
         else "-",
     ] for name, s in stats.items()]
     notes = (
-        f"{sizes.t5_prompts} fixed prompts (chat template) x G = {sizes.t5_group} samples, each group generated in one "
+        f"{sizes.t5_prompts} fixed prompts ({template_text(sizes)}) x G = {sizes.t5_group} samples, each group generated in one "
         f"batch of {sizes.t5_group} identical prompts (no padding), {sizes.t5_tokens} forced tokens; rollout log-prob "
         "= log_softmax of generate's scores for the emitted token (no top-k/top-p: scores equal the raw logits: "
         f"{rollouts.sampler['scores_are_raw_logits']}; the reference's generation-config warpers are absent). Ratios "
@@ -471,7 +477,7 @@ def run_t6(models: Models, rollouts: Rollouts) -> tuple[dict, dict]:
 # ---------------------------------------------------------------- positions
 
 
-def run_pos(models: Models, rollouts: Rollouts, sizes: Sizes) -> tuple[dict, dict]:
+def run_pos(models: Models, rollouts: Rollouts, sizes: Sizes, batch_sizes=(8, 32)) -> tuple[dict, dict]:
     results, rows = {}, []
     pad = rollouts.pad_token_id
     for dtype in ("bf16", "fp16", "fp32"):
@@ -480,7 +486,7 @@ def run_pos(models: Models, rollouts: Rollouts, sizes: Sizes) -> tuple[dict, dic
         b1 = score_layout(model, use.rows, "left", 1, "mask", pad)
         sampler = use.sampler_logprobs
         cells = {"sampler_vs_b1": compare(sampler, b1.logprobs, b1.mask)}
-        for size in (8, 32):
+        for size in batch_sizes:
             for positions in ("arange", "mask"):
                 scored = score_layout(model, use.rows, "left", size, positions, pad)
                 cells[f"b1_vs_b{size}_{positions}"] = compare(b1.logprobs, scored.logprobs, b1.mask)
@@ -489,7 +495,7 @@ def run_pos(models: Models, rollouts: Rollouts, sizes: Sizes) -> tuple[dict, dic
         results[dtype] = cells
         rows.append([
             dtype, cells["b1_vs_b8_arange"]["n"],
-            *(cell_pct(cells[k]) for k in ("b1_vs_b8_arange", "b1_vs_b8_mask", "b1_vs_b32_arange", "b1_vs_b32_mask",
+            *(cell_pct(cells[k]) if k in cells else None for k in ("b1_vs_b8_arange", "b1_vs_b8_mask", "b1_vs_b32_arange", "b1_vs_b32_mask",
                                            "sampler_vs_b8_arange", "sampler_vs_b8_mask", "sampler_vs_b1")),
         ])
         log(f"POS {dtype} done")
@@ -552,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     main_rollouts = eos_rollouts = None
     if only & {"T1", "HW"}:
         eos_rollouts = timed("sample_t1", sample_rollouts, sampler, tokenizer, sizes.main_rows, sizes.main_tokens,
-                             args.seed, None, sizes.gen_batch, None, None, True)
+                             args.seed, None, sizes.gen_batch, sizes.chat_template, None, True)
         log(f"T1 rollouts: {eos_rollouts.tokens} tokens")
         t1, t1_cells = timed("T1", run_t1, models, eos_rollouts, sizes)
         tables.append(t1)
@@ -561,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
             tables.append(run_hw(t1_cells, eos_rollouts.tokens, env, models.label))
     if only & {"T2", "T3", "POS"}:
         main_rollouts = timed("sample_main", sample_rollouts, sampler, tokenizer, sizes.main_rows, sizes.main_tokens,
-                              args.seed, None, sizes.gen_batch)
+                              args.seed, None, sizes.gen_batch, sizes.chat_template)
         log(f"main rollouts: {main_rollouts.tokens} tokens")
     if "T2" in only:
         t2, results["T2"] = timed("T2", run_t2, models, main_rollouts)
@@ -571,7 +577,8 @@ def main(argv: list[str] | None = None) -> int:
         tables.append(t3)
     if only & {"T4", "T6"}:
         seeded = {
-            seed: sample_rollouts(sampler, tokenizer, sizes.t4_rows, sizes.t4_tokens, seed, None, sizes.gen_batch)
+            seed: sample_rollouts(sampler, tokenizer, sizes.t4_rows, sizes.t4_tokens, seed, None, sizes.gen_batch,
+                                  sizes.chat_template)
             for seed in T4_SEEDS
         }
         log("T4 rollouts sampled")
@@ -586,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         t5, results["T5"] = timed("T5", run_t5, models, sizes, args.seed)
         tables.append(t5)
     if "POS" in only:
-        pos, results["POS"] = timed("POS", run_pos, models, main_rollouts, sizes)
+        pos, results["POS"] = timed("POS", run_pos, models, main_rollouts, sizes, (8,) if args.quick else (8, 32))
         tables.append(pos)
     elapsed = time.perf_counter() - started
     order = ["T1", "T2", "T3", "T4", "T5", "T6", "POS", "HW"]

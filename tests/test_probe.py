@@ -251,6 +251,16 @@ def test_doctor_cli_end_to_end_json(tmp_path, capsys):
     measured_fp16 = {c["comparison"] for c in cells if c["dtype"] == "fp16" and not c.get("skipped")}
     assert measured_fp16 == {"rerun_b1", "b1_vs_b8_left_arange", "b1_vs_b8_left_mask", "sampler_vs_b1"}
     assert result["fp16_check"]["rows"] == 8 and result["fp16_check"]["ok"] is True
+    # the file is also a benchmark result `bloggap report` accepts (it lives in benchmarks/results/<device>/)
+    from bloggap_plugin.report import validate_result
+
+    validate_result(result, path)
+    (table,) = result["tables"]
+    assert table["id"] == "DOCTOR" and table["random_init"] is True
+    headline = next(row for row in table["rows"] if row[0] == "b1_vs_b8_left_arange")
+    index = table["columns"].index("bf16/sdpa")
+    cell = next(c for c in cells if (c["dtype"], c["attn"], c["comparison"]) == ("bf16", "sdpa", "b1_vs_b8_left_arange"))
+    assert headline[index] == round(100 * cell["oob"], 2)
 
 
 def test_doctor_cli_bad_arguments(capsys):
@@ -293,6 +303,9 @@ def test_tables_benchmark_quick_on_tiny_model(tmp_path, capsys, monkeypatch):
     spec.loader.exec_module(module)
     assert module.main(["--out", str(tmp_path), "--quick", "--device", "cpu", "--model", "tiny-random-llama"]) == 0
     result = json.loads((tmp_path / "tables.json").read_text())
+    from bloggap_plugin.report import validate_result
+
+    validate_result(result, tmp_path / "tables.json")  # what `bloggap report` will load
     assert result["benchmark"] == "tables" and result["schema_version"] == 1
     assert result["env"]["torch"] == torch.__version__ and result["params"]["quick"] is True
     ids = [t["id"] for t in result["tables"]]

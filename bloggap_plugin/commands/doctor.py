@@ -241,8 +241,32 @@ def run(args: argparse.Namespace) -> int:
 
     from bloggap_plugin.envinfo import device_tag
 
+    doctor_table = {
+        "id": "DOCTOR",
+        "title": f"bloggap doctor: OOB% per comparison, dtype and attention ({args.model})",
+        "columns": ["comparison"] + [f"{d}/{a}" for d in args.dtypes for a in args.attn],
+        "rows": [
+            [name] + [
+                None if (c := next((x for x in cells if x["dtype"] == d and x["attn"] == a
+                                    and x["comparison"] == name), None)) is None or c.get("oob") is None
+                else round(100 * c["oob"], 2)
+                for d in args.dtypes for a in args.attn
+            ]
+            for name in COMPARISONS
+        ],
+        "notes": (
+            f"{len(rollouts.rows)} rollouts x {max_new} tokens ({rollouts.tokens} completion tokens) sampled once in "
+            f"{args.sample_dtype}, seed {args.seed}; share of completion tokens with exp(dlogp) outside "
+            f"[{1 - args.band:.2f}, {1 + args.band:.2f}]; empty cells not measured. "
+            + " ".join(f"Note: {n}." for n in notes)
+            + f" Recommendation: {recommendation['text']}"
+        ),
+        "reference": None,
+        "random_init": args.model.startswith("tiny-random-"),
+    }
     result = {
         "schema_version": SCHEMA_VERSION,
+        "benchmark": "doctor",
         "model": args.model,
         "device": device_tag(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -259,6 +283,12 @@ def run(args: argparse.Namespace) -> int:
         "recommendation": recommendation,
         "seconds": round(elapsed, 1),
         "env": environment_record(device, model=args.model, seed=args.seed, tokens=rollouts.tokens),
+        # the benchmark-result keys, so `bloggap report` can render this file from benchmarks/results/<device>/
+        "params": {"model": args.model, "dtypes": args.dtypes, "attn": args.attn, "num_seqs": num_seqs,
+                   "max_new_tokens": max_new, "seed": args.seed, "sample_dtype": args.sample_dtype,
+                   "gen_batch_size": args.gen_batch_size, "band": args.band, "rows_per_dtype": rows_for},
+        "results": {"see": "cells, paired_cells, fp16_check, recommendation at the top level"},
+        "tables": [doctor_table],
     }
 
     print(
