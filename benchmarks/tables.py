@@ -49,6 +49,7 @@ from bloggap_plugin.core.probe import (  # noqa: E402
     Rollouts,
     build_rows,
     compare,
+    json_safe,
     pp,
     probe_model,
     sample_rollouts,
@@ -616,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{NAME}.json"
-    path.write_text(json.dumps(output, indent=1, default=float) + "\n")
+    path.write_text(json.dumps(json_safe(output), indent=1, default=float, allow_nan=False) + "\n")
     for t in tables:
         print_table(t)
     print(f"\nwrote {path} ({elapsed:.0f} s)")

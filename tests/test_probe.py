@@ -349,3 +349,28 @@ def test_stop_at_eos_gives_ragged_rows_ending_at_eos(tiny):
     assert torch.equal(alone.mask, batched.mask) and alone.mask.sum().item() == sum(lengths)
     torch.testing.assert_close(batched.logprobs[alone.mask], alone.logprobs[alone.mask], rtol=0, atol=1e-4)
     torch.testing.assert_close(rollouts.sampler_logprobs[alone.mask], alone.logprobs[alone.mask], rtol=0, atol=1e-4)
+
+
+def test_fp16_check_sees_overflow_and_json_stays_strict(tiny_rollouts):
+    from bloggap_plugin.core.probe import json_safe
+
+    model, _ = load_model("tiny-random-llama", dtype="fp16")
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(2e6)  # embeddings of order 4e4..2e5: beyond fp16s 65,504
+    cells, extras = probe_model(model, tiny_rollouts, ["rerun_b1"], hidden_check=True)
+    check = extras["hidden_check"]
+    assert check["max_abs_hidden"] > 30000 or check["nonfinite_hidden"] > 0
+    # NaN twice is still a deterministic rerun; the NaNs count out of band
+    (rerun,) = cells
+    assert rerun["bitwise_equal"] is True
+    assert rerun["nonfinite"] == check["nonfinite_logprobs"] and rerun["oob_count"] >= rerun["nonfinite"]
+    assert check["n"] == tiny_rollouts.tokens
+    verdict = recommend(
+        [_cell("bf16", "b1_vs_b8_left_arange", 0.05), _cell("fp16", "b1_vs_b8_left_arange", 0.0),
+         _cell("fp32", "b1_vs_b8_left_arange", 0.0)],
+        check,
+        "cuda",
+    )
+    assert verdict["arm"] == "B" and "fp16 check failed" in verdict["text"]
+    assert json_safe({"x": [float("nan"), float("inf"), 1.5], "y": "z"}) == {"x": [None, None, 1.5], "y": "z"}
+    json.dumps(json_safe(cells), allow_nan=False)

@@ -126,7 +126,14 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from bloggap_plugin.core.probe import COMPARISONS, probe_model, recommend, sample_rollouts, skipped_cell
+    from bloggap_plugin.core.probe import (
+        COMPARISONS,
+        json_safe,
+        probe_model,
+        recommend,
+        sample_rollouts,
+        skipped_cell,
+    )
     from bloggap_plugin.envinfo import environment_record
     from bloggap_plugin.models import ModelSpecError, load_model
 
@@ -201,10 +208,16 @@ def run(args: argparse.Namespace) -> int:
                     bar.update(_passes(names))
                     continue
                 hidden = dtype == "fp16" and attn_index == 0
-                found, extras = probe_model(
-                    model, subset, names, band=args.band, hidden_check=hidden,
-                    progress=lambda label: bar.update(1),
-                )
+                try:
+                    found, extras = probe_model(
+                        model, subset, names, band=args.band, hidden_check=hidden,
+                        progress=lambda label: bar.update(1),
+                    )
+                except Exception as err:  # noqa: BLE001 - e.g. a kernel missing for this dtype/device
+                    reason = f"{dtype}/{attn} failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+                    cells += [skipped_cell(reason, dtype=dtype, attn=attn, comparison=n) for n in COMPARISONS]
+                    notes.append(reason)
+                    continue
                 for c in found:
                     c.update(dtype=dtype, attn=attn)
                 cells += found
@@ -320,6 +333,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json_path:
         path = Path(args.json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1, default=float) + "\n")
+        path.write_text(json.dumps(json_safe(result), indent=1, default=float, allow_nan=False) + "\n")
         print(f"wrote {path}")
     return 0

@@ -48,6 +48,7 @@ __all__ = [
     "probe_model",
     "HiddenTracker",
     "pp",
+    "json_safe",
     "recommend",
     "block_causal_mask",
     "score_packed",
@@ -400,8 +401,15 @@ def compare(
         "n": n,
         "oob_count": out,
         "nonfinite": nonfinite,
-        "bitwise_equal": bool(torch.equal(logp_ref[selected], logp_other[selected])),
+        "bitwise_equal": _same_values(logp_ref[selected], logp_other[selected]),
     }
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Element-wise identical, NaN matching NaN (a rerun that yields NaN twice is deterministic)."""
+    if a.shape != b.shape:
+        return False
+    return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all().item())
 
 
 def skipped_cell(reason: str, **labels) -> dict:
@@ -552,6 +560,17 @@ def probe_model(
             continue
         tick(name)
     return cells, extras
+
+
+def json_safe(value):
+    """``value`` with every non-finite float replaced by ``None`` (strict JSON has no NaN/Infinity)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def pp(fraction: float | None) -> float | None:
