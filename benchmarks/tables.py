@@ -548,6 +548,32 @@ def main(argv: list[str] | None = None) -> int:
     sampler, tokenizer = models.get("bf16")
     log(f"model {args.model} on {device}; sizes {sizes}")
     results, tables = {}, []
+    env = environment_record(device, model=args.model, seed=args.seed)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{NAME}.json"
+    order = ["T1", "T2", "T3", "T4", "T5", "T6", "POS", "HW"]
+
+    def save(final: bool = False) -> None:
+        """Write what exists so far (a time limit that kills the run still leaves the finished tables)."""
+        tables.sort(key=lambda t: order.index(t["id"]))
+        for t in tables:
+            if t.get("random_init") != models.random_init:
+                t["random_init"] = models.random_init
+                if models.random_init:
+                    t["notes"] += " RANDOM-INIT model: rates are not meaningful (near-uniform logits)."
+        output = {
+            "benchmark": NAME,
+            "schema_version": 1,
+            "env": env,
+            "params": {"model": args.model, "device": str(device), "seed": args.seed, "quick": args.quick,
+                       "sizes": sizes.__dict__, "t4_seeds": list(T4_SEEDS), "clip_eps": CLIP_EPS, "band": 0.1,
+                       "tables": sorted(only), "complete": final},
+            "results": results,
+            "tables": tables,
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+        path.write_text(json.dumps(json_safe(output), indent=1, default=float, allow_nan=False) + "\n")
 
     def timed(name, fn, *a):
         t0 = time.perf_counter()
@@ -555,27 +581,34 @@ def main(argv: list[str] | None = None) -> int:
         results.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 2)
         return out
 
-    env = environment_record(device, model=args.model, seed=args.seed)
-    main_rollouts = eos_rollouts = None
+    def add(table_id: str, produced) -> None:
+        table_, raw = produced
+        tables.append(table_)
+        results[table_id] = raw
+        save()
+
+    main_rollouts = eos_rollouts = seeded = None
     if only & {"T1", "HW"}:
         eos_rollouts = timed("sample_t1", sample_rollouts, sampler, tokenizer, sizes.main_rows, sizes.main_tokens,
                              args.seed, None, sizes.gen_batch, sizes.chat_template, None, True)
         log(f"T1 rollouts: {eos_rollouts.tokens} tokens")
         t1, t1_cells = timed("T1", run_t1, models, eos_rollouts, sizes)
-        tables.append(t1)
-        results["T1"] = {"tokens": eos_rollouts.tokens, "cells": t1_cells, "sampler": eos_rollouts.sampler}
+        add("T1", (t1, {"tokens": eos_rollouts.tokens, "cells": t1_cells, "sampler": eos_rollouts.sampler}))
         if "HW" in only:
             tables.append(run_hw(t1_cells, eos_rollouts.tokens, env, models.label))
+            save()
     if only & {"T2", "T3", "POS"}:
         main_rollouts = timed("sample_main", sample_rollouts, sampler, tokenizer, sizes.main_rows, sizes.main_tokens,
                               args.seed, None, sizes.gen_batch, sizes.chat_template)
         log(f"main rollouts: {main_rollouts.tokens} tokens")
     if "T2" in only:
-        t2, results["T2"] = timed("T2", run_t2, models, main_rollouts)
-        tables.append(t2)
+        add("T2", timed("T2", run_t2, models, main_rollouts))
     if "T3" in only:
-        t3, results["T3"] = timed("T3", run_t3, models, main_rollouts, sizes)
-        tables.append(t3)
+        add("T3", timed("T3", run_t3, models, main_rollouts, sizes))
+    if "T5" in only:
+        add("T5", timed("T5", run_t5, models, sizes, args.seed))
+    if "POS" in only:
+        add("POS", timed("POS", run_pos, models, main_rollouts, sizes, (8,) if args.quick else (8, 32)))
     if only & {"T4", "T6"}:
         seeded = {
             seed: sample_rollouts(sampler, tokenizer, sizes.t4_rows, sizes.t4_tokens, seed, None, sizes.gen_batch,
@@ -583,41 +616,13 @@ def main(argv: list[str] | None = None) -> int:
             for seed in T4_SEEDS
         }
         log("T4 rollouts sampled")
-        if "T4" in only:
-            skip_flex = "--quick on CPU (flex_attention compiles for ~45 s)" if args.quick and on_cpu else None
-            t4, results["T4"] = timed("T4", run_t4, models, seeded, skip_flex)
-            tables.append(t4)
-        if "T6" in only:
-            t6, results["T6"] = timed("T6", run_t6, models, seeded[T4_SEEDS[0]])
-            tables.append(t6)
-    if "T5" in only:
-        t5, results["T5"] = timed("T5", run_t5, models, sizes, args.seed)
-        tables.append(t5)
-    if "POS" in only:
-        pos, results["POS"] = timed("POS", run_pos, models, main_rollouts, sizes, (8,) if args.quick else (8, 32))
-        tables.append(pos)
+    if "T6" in only:
+        add("T6", timed("T6", run_t6, models, seeded[T4_SEEDS[0]]))
+    if "T4" in only:  # last: flex_attention compiles (slow the first time) and may be unavailable
+        skip_flex = "--quick on CPU (flex_attention compiles for ~45 s)" if args.quick and on_cpu else None
+        add("T4", timed("T4", run_t4, models, seeded, skip_flex))
+    save(final=True)
     elapsed = time.perf_counter() - started
-    order = ["T1", "T2", "T3", "T4", "T5", "T6", "POS", "HW"]
-    tables.sort(key=lambda t: order.index(t["id"]))
-    for t in tables:
-        t["random_init"] = models.random_init
-        if models.random_init:
-            t["notes"] += " RANDOM-INIT model: rates are not meaningful (near-uniform logits)."
-    output = {
-        "benchmark": NAME,
-        "schema_version": 1,
-        "env": env,
-        "params": {"model": args.model, "device": str(device), "seed": args.seed, "quick": args.quick,
-                   "sizes": sizes.__dict__, "t4_seeds": list(T4_SEEDS), "clip_eps": CLIP_EPS, "band": 0.1,
-                   "tables": sorted(only)},
-        "results": results,
-        "tables": tables,
-        "seconds": round(elapsed, 1),
-    }
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{NAME}.json"
-    path.write_text(json.dumps(json_safe(output), indent=1, default=float, allow_nan=False) + "\n")
     for t in tables:
         print_table(t)
     print(f"\nwrote {path} ({elapsed:.0f} s)")

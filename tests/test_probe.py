@@ -308,6 +308,7 @@ def test_tables_benchmark_quick_on_tiny_model(tmp_path, capsys, monkeypatch):
     validate_result(result, tmp_path / "tables.json")  # what `bloggap report` will load
     assert result["benchmark"] == "tables" and result["schema_version"] == 1
     assert result["env"]["torch"] == torch.__version__ and result["params"]["quick"] is True
+    assert result["params"]["complete"] is True
     ids = [t["id"] for t in result["tables"]]
     assert ids == ["T1", "T2", "T3", "T4", "T5", "T6", "POS", "HW"]
     refs = {t["id"]: t["reference"] for t in result["tables"]}
