@@ -433,8 +433,8 @@ def run_t5(models: Models, sizes: Sizes, seed: int) -> tuple[dict, dict]:
     notes = (
         f"{sizes.t5_prompts} fixed prompts ({template_text(sizes)}) x G = {sizes.t5_group} samples, each group generated in one "
         f"batch of {sizes.t5_group} identical prompts (no padding), {sizes.t5_tokens} forced tokens; rollout log-prob "
-        "= log_softmax of generate's scores for the emitted token (no top-k/top-p: scores equal the raw logits: "
-        f"{rollouts.sampler['scores_are_raw_logits']}; the reference's generation-config warpers are absent). Ratios "
+        "= log_softmax of generate's raw logits for the emitted token (full vocabulary; no top-k/top-p; the "
+        "reference's generation-config warpers are absent). Ratios "
         "r1 = exp(logp_b1 - rollout), r8 = exp(logp_b8 - rollout), bf16 sdpa; batch 8 = one prompt's group. TRL's "
         "clip rule with eps 0.2; flip = clipped under one batch shape only. Real reward: 1 if the reply (up to the "
         f"first end-of-turn) names the topic keyword, minus 0.01 per reply token; {zero_sd_groups} of "

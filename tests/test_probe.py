@@ -51,7 +51,8 @@ def test_sample_rollouts_forced_length_seeded_and_rng_neutral(tiny, tiny_rollout
     assert all(len(r.completion) == 6 for r in tiny_rollouts.rows)
     # chat template applied: the prompt ends with the assistant generation prompt
     assert tokenizer.decode(list(tiny_rollouts.rows[0].prompt)).endswith("<|im_start|>assistant\n")
-    assert tiny_rollouts.sampler["scores_are_raw_logits"] is True
+    # forced length suppresses end-of-sequence (min_new_tokens), as in the reference protocol
+    assert all(tokenizer.eos_token_id not in r.completion for r in tiny_rollouts.rows)
     state = torch.random.get_rng_state()
     again = sample_rollouts(model, tokenizer, num_seqs=10, max_new_tokens=6, seed=3, batch_size=4)
     assert torch.equal(torch.random.get_rng_state(), state)

@@ -164,8 +164,6 @@ def run(args: argparse.Namespace) -> int:
             sampler_model, tokenizer, num_seqs=num_seqs, max_new_tokens=max_new, seed=args.seed,
             batch_size=args.gen_batch_size, progress=bar.update,
         )
-    if not rollouts.sampler.get("scores_are_raw_logits", True):
-        notes.append("generate's scores differed from its raw logits (a logits processor was active)")
 
     plan = []  # (dtype, comparisons, rollouts)
     for dtype in args.dtypes:

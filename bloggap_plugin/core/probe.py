@@ -105,8 +105,8 @@ class Rollouts:
     """Sampled rows plus the sampler's own log-prob of every emitted token.
 
     ``sampler_logprobs`` is ``[N, C]`` fp32 (``C`` = longest completion), ``sampler_mask`` ``[N, C]`` bool.
-    ``sampler`` records how they were made (dtype, attention, generation batch size, seed, whether the
-    processed scores equalled the raw logits, i.e. no logits processor changed the distribution).
+    ``sampler`` records how they were made (dtype, attention, generation batch size, seed, forced length or
+    stop at eos, and that the log-probs come from the raw logits).
     """
 
     rows: list[Row]
@@ -197,8 +197,8 @@ def sample_rollouts(
     ``batch_size`` (generate derives positions from the mask). By default end-of-sequence is disabled so
     every completion has exactly ``max_new_tokens`` tokens (the reference study's T2-T6 protocol);
     ``stop_at_eos=True`` ends each completion at its first eos token, inclusive (ragged, as T1 and TRL).
-    The sampler's log-prob of each emitted token is ``log_softmax`` (fp32) of generate's per-step scores
-    (``output_scores``). The global RNG state is restored afterwards; ``seed`` alone fixes the samples.
+    The sampler's log-prob of each emitted token is ``log_softmax`` (fp32) of generate's raw per-step logits
+    (``output_logits``): full-vocabulary, like the trainer's scoring. The global RNG state is restored afterwards; ``seed`` alone fixes the samples.
     """
     if num_seqs < 1 or max_new_tokens < 1 or batch_size < 1:
         raise ValueError(
@@ -223,17 +223,18 @@ def sample_rollouts(
         top_k=0,
         top_p=1.0,
         max_new_tokens=max_new_tokens,
+        # Forced length as in the reference protocol: min_new_tokens = max_new_tokens. eos_token_id=None alone is
+        # not enough: transformers >= 5.1x fills None fields from the model's generation config.
+        min_new_tokens=None if stop_at_eos else max_new_tokens,
         eos_token_id=eos_id if stop_at_eos else None,
         pad_token_id=pad_id,
         bos_token_id=getattr(model.generation_config, "bos_token_id", None),
-        output_scores=True,
         output_logits=True,
         return_dict_in_generate=True,
     )
     device = next(model.parameters()).device
     rows: list[Row] = []
     sampler_rows: list[torch.Tensor] = []
-    scores_are_raw = True
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
@@ -249,10 +250,10 @@ def sample_rollouts(
                     f"generate returned {new.shape[1]} new tokens instead of {max_new_tokens}: a stopping "
                     "criterion of this model's generation config ended sampling early"
                 )
-            scores = torch.stack([s.float() for s in out.scores], dim=1).cpu()  # [b, C, V]
-            logits = torch.stack([s.float() for s in out.logits], dim=1).cpu()
-            scores_are_raw = scores_are_raw and bool(torch.equal(scores, logits))
-            sampled = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+            logits = torch.stack([s.float() for s in out.logits], dim=1).cpu()  # [b, C, V] raw
+            # The sampler's full-vocabulary log-prob from the raw logits (what a trainer scores); the processed
+            # scores can differ only by the min-length processor's EOS mask when length is forced.
+            sampled = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
             for prompt_ids, completion, values in zip(chunk, new.tolist(), sampled):
                 if stop_at_eos and eos_id in completion:
                     completion = completion[: completion.index(eos_id) + 1]
@@ -280,7 +281,7 @@ def sample_rollouts(
             "max_new_tokens": max_new_tokens,
             "stop_at_eos": stop_at_eos,
             "temperature": 1.0,
-            "scores_are_raw_logits": scores_are_raw,
+            "sampler_logprobs_from": "raw logits (output_logits), full vocabulary",
         },
     )
 
