@@ -3,7 +3,8 @@
 #   measure : results that do not depend on wall time, run side by side on the one GPU
 #   timing  : cost and per-step overhead, each job alone so timings are not shared with other work
 # Usage on the GPU machine, from the repo root, with $BLOGGAP_GGUF set and trl/datasets/gguf on PYTHONPATH:
-#   bash benchmarks/gpu/run_h200.sh measure "$OUT"      bash benchmarks/gpu/run_h200.sh timing "$OUT"
+#   bash benchmarks/gpu/run_h200.sh measure "$OUT" [JOBS]      bash benchmarks/gpu/run_h200.sh timing "$OUT" [JOBS]
+# (JOBS: optional comma list, e.g. doctor,tables, to re-run only those jobs)
 # JSON and plots land in $OUT/r/ (copy into benchmarks/results/h200/); logs and the compare run folder in
 # $OUT/logs_<phase>.tgz. Each job has a time limit so the whole call ends inside the device's 10 minutes.
 set -uo pipefail
@@ -17,8 +18,10 @@ py=python3
 # One load first so the dense SmolLM2 copy is cached before parallel jobs start (the GGUF dequantises in ~30 s).
 $py -c "from bloggap_plugin.models import load_model; load_model('smollm2')" >/dev/null 2>&1
 
+only=${3:-}  # optional comma list of job names to run (default: all of the phase)
 job() {  # name, limit_s, command...: run in the background under a time limit; log and record exit code + wall time
   local name=$1 limit=$2; shift 2
+  if [ -n "$only" ] && [[ ",$only," != *",$name,"* ]]; then return; fi
   ( start=$(date +%s); timeout "$limit" "$@" > "$logs/$name.log" 2>&1; rc=$?
     echo "$name rc=$rc wall_s=$(( $(date +%s) - start ))" >> "$out/status.txt" ) &
 }
