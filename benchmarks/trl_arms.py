@@ -48,6 +48,10 @@ def main(argv=None) -> int:
     parser.add_argument("--arms", default=",".join(ARMS), help="comma list of arms")
     parser.add_argument("--batch", type=int, default=8, help="per-device micro-batch rows (= num_generations)")
     parser.add_argument("--completion", type=int, default=32, help="max_completion_length")
+    parser.add_argument("--probe-every", type=int, nargs="+", default=[None],
+                        help="gap.probe_every values to run per arm (default: the recipe's); several values give "
+                             "one row per arm and value, measured in the same run")
+    parser.add_argument("--name", default=NAME, help="result name: writes <out>/<name>.json")
     parser.add_argument("--quick", action="store_true", help="tiny random model, 2 steps, CPU-sized (< 60 s)")
     args = parser.parse_args(argv)
 
@@ -68,7 +72,10 @@ def main(argv=None) -> int:
     results = {}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for arm in arms:
+        for arm, probe_every in [(a, p) for a in arms for p in args.probe_every]:
+            label = arm if probe_every is None else f"{arm} (probe_every {probe_every})"
+            gap_overrides = None if probe_every is None else {"probe_every": probe_every}
+            slug = arm if probe_every is None else f"{arm}_p{probe_every}"
             recipe = ROOT / "recipes" / f"arm_{arm}.yaml"
             if arm == "D" and args.quick:
                 recipe = Path(tmp) / "arm_D.yaml"  # tiny model: 2 layers, so pick one layer explicitly
@@ -76,28 +83,29 @@ def main(argv=None) -> int:
             print(f"[{NAME}] arm {arm}: {steps} steps of GRPO on {model} ({device})", flush=True)
             start = time.perf_counter()
             try:
-                summary = run_training(recipe, model=model, task="arith", max_steps=steps, output_dir=f"{tmp}/{arm}",
-                                       seed=0, log_jsonl=f"{tmp}/{arm}.jsonl", extra_overrides=overrides,
-                                       device=device)
+                summary = run_training(recipe, model=model, task="arith", max_steps=steps, output_dir=f"{tmp}/{slug}",
+                                       seed=0, log_jsonl=f"{tmp}/{slug}.jsonl", extra_overrides=overrides,
+                                       gap_overrides=gap_overrides, device=device)
             except Exception as err:  # one arm failing must not lose the others
                 print(f"[{NAME}] arm {arm} failed: {err!r}", flush=True)
-                results[arm] = {"error": repr(err)}
-                rows.append([arm] + [None] * (len(COLUMNS) - 1))
+                results[label] = {"error": repr(err)}
+                rows.append([label] + [None] * (len(COLUMNS) - 1))
                 continue
-            history = [json.loads(line) for line in Path(f"{tmp}/{arm}.jsonl").read_text().splitlines()]
+            history = [json.loads(line) for line in Path(f"{tmp}/{slug}.jsonl").read_text().splitlines()]
             summary["history"] = history
             summary["bench_wall_s"] = time.perf_counter() - start
-            results[arm] = summary
+            summary["gap_probe_every"] = probe_every
+            results[label] = summary
             m = lambda key, s=summary: s.get(f"mean/{key}")  # noqa: E731
             rows.append([
-                arm, _pct(m("gap/ratio/oob_frac")), _pct(m("gap/sampler/oob_frac")), _pct(m("gap/clip/flip_frac")),
+                label, _pct(m("gap/ratio/oob_frac")), _pct(m("gap/sampler/oob_frac")), _pct(m("gap/clip/flip_frac")),
                 _pct(m("gap/clip/clipped_frac")), _pct(m("gap/probe/oob_b1_vs_bN")), _pct(m("gap/ratio/exact_frac")),
                 _num(m("step_time")), _num(m("gap/time/scoring_s")), _pct(m("gap/time/overhead_frac")),
                 _num(summary.get("reward_first")), _num(summary.get("reward_last")),
             ])
             print(f"[{NAME}] arm {arm} done in {summary['bench_wall_s']:.1f} s", flush=True)
     table = {
-        "id": "T12",
+        "id": "T12" if args.name == NAME else f"T12-{args.name}",
         "title": f"GRPO arms in TRL 1.16 ({model}, arithmetic, {steps} steps, num_iterations 2, batch {batch})",
         "columns": COLUMNS,
         "rows": rows,
@@ -114,14 +122,15 @@ def main(argv=None) -> int:
         "benchmark": NAME,
         "schema_version": 1,
         "env": environment_record(device),
-        "params": {"model": model, "steps": steps, "arms": arms, "quick": args.quick, **overrides},
+        "params": {"model": model, "steps": steps, "arms": arms, "quick": args.quick, "probe_every": args.probe_every,
+                   **overrides},
         "results": results,
         "tables": [table],
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{NAME}.json").write_text(json.dumps(payload, indent=1, default=str))
-    print(f"wrote {out / f'{NAME}.json'}")
+    (out / f"{args.name}.json").write_text(json.dumps(payload, indent=1, default=str))
+    print(f"wrote {out / f'{args.name}.json'}")
     widths = [max(len(str(c)), 6) for c in COLUMNS]
     print(" | ".join(str(c).ljust(w) for c, w in zip(COLUMNS, widths)))
     for row in rows:

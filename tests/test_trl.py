@@ -245,3 +245,30 @@ def test_callback_recipe_warns_about_grpo_fields(tmp_path):
     with pytest.warns(UserWarning, match=r"only the gap: section applies.*per_device_train_batch_size"):
         callback = GapCallback(trainer, recipe=recipe)
     assert callback.gap.arm == "G"
+
+
+@pytest.mark.parametrize("probe_every, expected", [(1, [True, True]), (2, [True, False])])
+def test_probe_every_gates_the_extra_forwards(tmp_path, probe_every, expected):
+    """The fp32 reference and live probe run on generations 1, 1 + N, ...; the cheap metrics on every one."""
+    gap = GapConfig(arm="A", probe_rows=4, probe_every=probe_every)
+    trainer = make(tmp_path, gap, max_steps=4)  # num_iterations 2, accumulation 2: a new generation every 2 steps
+    probed = []
+    original = trainer._gap_reference_plan
+
+    def spy():
+        probed[-1] = True
+        return original()
+
+    original_generate = trainer._gap_next
+
+    def next_impl(name, *args, **kwargs):
+        if name == "_generate_and_score_completions":
+            probed.append(False)
+        return original_generate(name, *args, **kwargs)
+
+    trainer._gap_reference_plan = spy
+    trainer._gap_next = next_impl
+    trainer.train()
+    assert probed == expected
+    sampler_logged = [h for h in logs_of(trainer) if h.get("gap/sampler/oob_frac") is not None]
+    assert len(sampler_logged) == 2  # both generations measured without the probe

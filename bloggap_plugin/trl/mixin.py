@@ -459,7 +459,8 @@ class GapMixin:
         self._gap_drives = trl_old is not None or gap.force_old_logprobs
         # probe rows (private generator: no draw from the trainer's RNG)
         probe = torch.zeros(n_rows, dtype=torch.bool, device=ids.device)
-        if measure and gap.probe_rows > 0:
+        probe_due = (self._gap_generations - 1) % (gap.metrics_every * gap.probe_every) == 0
+        if probe_due and gap.probe_rows > 0:
             chosen = torch.randperm(n_rows, generator=self._gap_generator)[: gap.probe_rows]
             probe[chosen.to(ids.device)] = True
             rows = probe.nonzero().squeeze(-1)

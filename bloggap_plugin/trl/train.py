@@ -55,6 +55,7 @@ def run_training(
     seed: int = 0,
     log_jsonl: str | Path | None = None,
     extra_overrides: dict | None = None,
+    gap_overrides: dict | None = None,
     task_kwargs: dict | None = None,
     device: str | None = None,
 ) -> dict:
@@ -64,7 +65,8 @@ def run_training(
     the data and rewards from :func:`bloggap_plugin.tasks.get_task`. On CPU the run uses ``use_cpu``, no
     autocast, and bf16 weights (fp32 for arm H, whose fp16 autocast accelerate enables on CUDA only); on
     CUDA, fp32 master weights with the recipe's ``bf16``/``fp16`` autocast. ``extra_overrides`` are GRPOConfig
-    fields applied last. Each logged step goes to ``log_jsonl`` as one JSON line.
+    fields applied last; ``gap_overrides`` replace fields of the recipe's ``gap:`` section (validated).
+    Each logged step goes to ``log_jsonl`` as one JSON line.
     """
     import torch
 
@@ -74,6 +76,10 @@ def run_training(
     from bloggap_plugin.trl.callback import GapGRPOTrainer
 
     grpo_kwargs, gap = load_recipe(recipe_path)
+    if gap_overrides:
+        import dataclasses
+
+        gap = dataclasses.replace(gap, **gap_overrides)  # __post_init__ validates the new values
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     on_cpu = str(device).startswith("cpu")
