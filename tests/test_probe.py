@@ -121,14 +121,16 @@ def _timed(dtype, seconds):
     return _cell(dtype, "b1_vs_b8_left_mask", 0.0, seconds=seconds, tokens_forwarded=1000)
 
 
-def test_recommend_arm_f_when_fp16_removes_the_gap():
+def test_recommend_arm_h_when_fp16_removes_the_gap():
     cells = [
         _cell("bf16", "b1_vs_b8_left_arange", 0.08), _timed("bf16", 1.0), _cell("bf16", "rerun_b1", 0.0),
         _cell("fp16", "b1_vs_b8_left_arange", 0.002), _timed("fp16", 1.1),
         _cell("fp32", "b1_vs_b8_left_arange", 0.0), _timed("fp32", 3.0),
     ]
     rec = recommend(cells, {"nonfinite_logprobs": 0, "max_abs_hidden": 100.0}, "cuda")
-    assert rec["arm"] == "F"
+    # fp16 at both ends of the ratio (H), not fp16 old log-probs against a bf16 training forward (F)
+    assert rec["arm"] == "H"
+    assert "Arm F (fp16 old log-probs only)" in rec["text"] and "gap/ratio/oob_frac" in rec["text"]
     assert "fp16 removes 7.80 of 8.00 pp" in rec["text"]
     assert "1.10x" in rec["text"]
     assert rec["basis"]["fp32_cost_vs_bf16"] == pytest.approx(3.0)
@@ -283,12 +285,12 @@ def test_recommend_compares_a_scaled_down_dtype_on_the_same_rows():
     # bf16 on the same 8 rows shows the gap: fp16 is credited with removing it there
     paired = [_cell("bf16", "b1_vs_b8_left_arange", 0.078, n=192, rows=8)]
     rec = recommend(full, {"nonfinite_logprobs": 0, "max_abs_hidden": 1.0}, "cpu", paired)
-    assert rec["arm"] == "F" and "removes 7.80 of 7.80 pp on the 8 rows" in rec["text"]
+    assert rec["arm"] == "H" and "removes 7.80 of 7.80 pp on the 8 rows" in rec["text"]
     assert "no native fp16 kernels" in rec["text"]
     # bf16 shows nothing on those 8 rows: fp16 is not shown to help, fp32 (all rows) decides
     quiet_pair = [_cell("bf16", "b1_vs_b8_left_arange", 0.0, n=192, rows=8)]
     rec = recommend(full, {"nonfinite_logprobs": 0, "max_abs_hidden": 1.0}, "cpu", quiet_pair)
-    assert rec["arm"] == "B" and "not shown to help" in rec["text"]
+    assert rec["arm"] == "B" and "not shown to help" in rec["text"] and "bf16: false" in rec["text"]
     # without any bf16 cell on the fp16 rows, fp16 cannot be credited either
     assert recommend(full, None, "cpu")["arm"] == "B"
 

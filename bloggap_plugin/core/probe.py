@@ -623,7 +623,9 @@ def recommend(
 
     Logic, on the headline comparison (b1 vs b8 with TRL's left padding and 0..L-1 positions, worst attention
     implementation): no bf16 gap anywhere -> arm A; fp16 safe and leaving <= 10% of bf16's gap on the same
-    rows -> arm F; else fp32 leaving <= 10% -> arm B (or a cheaper ladder rung). A dtype scored on fewer rows
+    rows -> arm H (fp16 at both ends of the PPO ratio; fp16 old log-probs alone, arm F, leave a bf16 training
+    forward in the ratio, which the H200 runs showed to cost more than the noise it removes); else fp32
+    leaving <= 10% -> arm B (or a cheaper ladder rung), with the same caveat. A dtype scored on fewer rows
     is compared with bf16 on the same rows: ``paired`` holds such bf16 cells (same ``comparison``, ``attn``
     and ``rows``). Costs are each dtype's measured seconds per token on its batch-8 pass relative to bf16 on
     this device. Returns ``{"arm", "text", "basis"}``.
@@ -721,8 +723,14 @@ def recommend(
         if fp32 is not None:
             basis["fp32_vs_bf16_same_rows"] = {"fp32": fp32[0]["oob"], "bf16": fp32[1]["oob"], "rows": fp32[0].get("rows")}
         if fp16 is not None and fp16[2] and fp16_safe is not False:
-            arm = "F"
-            lines.append(f"{removal_text('fp16', fp16[0], fp16[1])}: arm F (fp16 shadow copy), {cost_text('fp16')}.")
+            arm = "H"
+            lines.append(
+                f"{removal_text('fp16', fp16[0], fp16[1])}, {cost_text('fp16')}: arm H (fp16 everywhere: rollout, "
+                "old log-probs and training in fp16 with loss scaling). Arm F (fp16 old log-probs only) removes the "
+                "noise from the old-logprob pass, but while training stays in bf16 the PPO ratio new/old then "
+                "carries the bf16-vs-fp16 difference of every token: watch gap/ratio/oob_frac against arm A before "
+                "choosing it."
+            )
         elif fp32 is not None and fp32[2]:
             arm = "B"
             if fp16_safe is False:
@@ -736,7 +744,9 @@ def recommend(
                 why = f"fp16 leaves {pct(fp16[0])} of bf16's {pct(fp16[1])} on the same rows (more than a tenth)"
             lines.append(
                 f"{why}; {removal_text('fp32', fp32[0], fp32[1])}: arm B (fp32 shadow copy), {cost_text('fp32')}. "
-                "`bloggap ladder` finds cheaper rungs (fp32 head, guided fp32 layers: arms E, D)."
+                "It keeps the PPO ratio at 1 only if training also runs in fp32 (bf16: false); with bf16 training "
+                "the ratio carries the bf16-vs-fp32 difference (watch gap/ratio/oob_frac). `bloggap ladder` finds "
+                "cheaper rungs (fp32 head, guided fp32 layers: arms E, D)."
             )
         else:
             arm = None
