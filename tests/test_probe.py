@@ -378,3 +378,34 @@ def test_fp16_check_sees_overflow_and_json_stays_strict(tiny_rollouts):
     assert verdict["arm"] == "B" and "fp16 check failed" in verdict["text"]
     assert json_safe({"x": [float("nan"), float("inf"), 1.5], "y": "z"}) == {"x": [None, None, 1.5], "y": "z"}
     json.dumps(json_safe(cells), allow_nan=False)
+
+
+def test_doctor_from_json_recomputes_the_recommendation_without_measuring(tmp_path, capsys):
+    """--from-json re-derives the recommendation from stored cells (here: a constructed fp16-removes-it case)."""
+    from bloggap_plugin.cli import main
+
+    cells = [
+        _cell("bf16", "b1_vs_b8_left_arange", 0.08), _timed("bf16", 1.0), _cell("bf16", "rerun_b1", 0.0),
+        _cell("fp16", "b1_vs_b8_left_arange", 0.0), _timed("fp16", 1.0),
+    ]
+    stored = {
+        "model": "m", "device": "h200", "rows": 8, "max_new_tokens": 4, "tokens": 1000, "band": 0.1,
+        "params": {"dtypes": ["bf16", "fp16"], "attn": ["sdpa"], "sample_dtype": "bf16", "seed": 1},
+        "cells": cells, "paired_cells": [], "fp16_check": {"nonfinite_logprobs": 0, "max_abs_hidden": 1.0,
+                                                           "rows": 8, "attn": "sdpa", "n": 1000, "ok": True},
+        "recommendation": {"arm": "F", "text": "old text"},
+        "tables": [{"id": "DOCTOR", "notes": "cells... Recommendation: old text"}],
+    }
+    source, target = tmp_path / "old.json", tmp_path / "new.json"
+    source.write_text(json.dumps(stored))
+    assert main(["doctor", "--from-json", str(source), "--json", str(target)]) == 0
+    result = json.loads(target.read_text())
+    assert result["cells"] == json.loads(json.dumps(cells))  # measurements untouched
+    assert result["recommendation"]["arm"] == "H"
+    assert result["recommendation"]["recomputed"]["previous_arm"] == "F"
+    assert result["tables"][0]["notes"].endswith(result["recommendation"]["text"])
+    assert "arm H" in capsys.readouterr().out
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"cells": []}))
+    assert main(["doctor", "--from-json", str(broken)]) == 2
+    assert "missing key" in capsys.readouterr().err

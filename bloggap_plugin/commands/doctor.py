@@ -55,6 +55,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--band", type=float, default=0.1, help="ratio band half-width (default 0.1)")
     parser.add_argument("--json", dest="json_path", default=None, help="write the results as JSON to this path")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--from-json", default=None, metavar="PATH",
+                        help="measure nothing: re-read a doctor JSON (yours or a colleague's), recompute the "
+                             "recommendation from its cells with this version's logic, print it (and --json it)")
 
 
 def _passes(names: list[str]) -> int:
@@ -128,7 +131,6 @@ def run(args: argparse.Namespace) -> int:
 
     from bloggap_plugin.core.probe import (
         COMPARISONS,
-        json_safe,
         probe_model,
         recommend,
         sample_rollouts,
@@ -137,6 +139,15 @@ def run(args: argparse.Namespace) -> int:
     from bloggap_plugin.envinfo import environment_record
     from bloggap_plugin.models import ModelSpecError, load_model
 
+    if args.from_json:
+        try:
+            result = rerecommend(json.loads(Path(args.from_json).read_text()))
+        except (OSError, ValueError) as err:
+            print(f"error: cannot re-read {args.from_json}: {err}", file=sys.stderr)
+            return 2
+        _print_result(result)
+        _write_json(result, args.json_path)
+        return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         print(f"error: --device {device} but CUDA is not available here; use --device cpu", file=sys.stderr)
@@ -302,14 +313,38 @@ def run(args: argparse.Namespace) -> int:
         "tables": [doctor_table],
     }
 
+    _print_result(result)
+    print(f"({elapsed:.0f} s)")
+    _write_json(result, args.json_path)
+    return 0
+
+
+def _write_json(result: dict, json_path: str | None) -> None:
+    from bloggap_plugin.core.probe import json_safe
+
+    if json_path:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(json_safe(result), indent=1, default=float, allow_nan=False) + "\n")
+        print(f"wrote {path}")
+
+
+def _print_result(result: dict) -> None:
+    """The human-readable doctor report of one result dict (fresh or read back from JSON)."""
+    params = result["params"]
+    cells, paired, fp16_check = result["cells"], result.get("paired_cells", []), result["fp16_check"]
+    recommendation = result["recommendation"]
+    dtypes, attns = params["dtypes"], params["attn"]
+    env = result.get("env", {})
+    where = env.get("gpu") or ("CPU" if result.get("device") == "cpu" else result.get("device"))
     print(
-        f"bloggap doctor: {args.model} on {device} ({'CPU' if on_cpu else result['env'].get('gpu', 'cuda')}), "
-        f"{len(rollouts.rows)} rollouts x {max_new} tokens = {rollouts.tokens} completion tokens, "
-        f"sampled in {args.sample_dtype} (seed {args.seed}); share of tokens with exp(dlogp) outside "
-        f"[{1 - args.band:.2f}, {1 + args.band:.2f}] (count/n):"
+        f"bloggap doctor: {result['model']} on {result.get('device')} ({where}), "
+        f"{result['rows']} rollouts x {result['max_new_tokens']} tokens = {result['tokens']} completion tokens, "
+        f"sampled in {params['sample_dtype']} (seed {params['seed']}); share of tokens with exp(dlogp) outside "
+        f"[{1 - result['band']:.2f}, {1 + result['band']:.2f}] (count/n):"
     )
     print()
-    print(format_table(cells, args.dtypes, args.attn))
+    print(format_table(cells, dtypes, attns))
     print()
     if fp16_check.get("skipped"):
         print(f"fp16 check: skipped ({fp16_check['skipped']})")
@@ -319,18 +354,36 @@ def run(args: argparse.Namespace) -> int:
             f"non-finite of {fp16_check['n']} log-probs; largest |hidden| {fp16_check['max_abs_hidden']:.1f} "
             f"vs fp16 max 65,504 -> {'ok' if fp16_check['ok'] else 'NOT SAFE'}"
         )
-    for note in notes:
+    for note in recommendation.get("notes", []):
         print(f"note: {note}")
     for rows in sorted({c["rows"] for c in paired}):
         parts = [f"{c['comparison']} {100 * c['oob']:.2f}% ({c['oob_count']}/{c['n']})"
-                 for c in paired if c["rows"] == rows and c["attn"] == args.attn[0]]
-        print(f"bf16/{args.attn[0]} on the first {rows} rows (to compare with the scaled-down dtypes): " + "; ".join(parts))
+                 for c in paired if c["rows"] == rows and c["attn"] == attns[0]]
+        print(f"bf16/{attns[0]} on the first {rows} rows (to compare with the scaled-down dtypes): " + "; ".join(parts))
     print()
     print(f"recommendation: {recommendation['text']}")
-    print(f"({elapsed:.0f} s)")
-    if args.json_path:
-        path = Path(args.json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(json_safe(result), indent=1, default=float, allow_nan=False) + "\n")
-        print(f"wrote {path}")
-    return 0
+
+
+def rerecommend(result: dict) -> dict:
+    """Recompute ``result['recommendation']`` from its stored cells with this version's :func:`recommend`.
+
+    The measured cells are untouched; the new recommendation records that it was recomputed, and the DOCTOR
+    table's notes are updated to match.
+    """
+    from bloggap_plugin import __version__
+    from bloggap_plugin.core.probe import recommend
+
+    for key in ("cells", "fp16_check", "params", "recommendation"):
+        if key not in result:
+            raise ValueError(f"not a bloggap doctor JSON: missing key {key!r}")
+    device_type = "cpu" if result.get("device") == "cpu" else "cuda"
+    old = result["recommendation"]
+    new = recommend(result["cells"], result["fp16_check"], device_type, result.get("paired_cells", []))
+    if old.get("notes"):
+        new["notes"] = old["notes"]
+    new["recomputed"] = {"by": f"bloggap doctor --from-json (bloggap {__version__})", "previous_arm": old.get("arm")}
+    result["recommendation"] = new
+    for table in result.get("tables", []):
+        if table.get("id") == "DOCTOR" and " Recommendation: " in table.get("notes", ""):
+            table["notes"] = table["notes"].split(" Recommendation: ")[0] + f" Recommendation: {new['text']}"
+    return result
