@@ -24,26 +24,6 @@ from pathlib import Path
 
 import torch
 
-STEMS = [
-    "Explain in two sentences why",
-    "List three facts about",
-    "Write one sentence about",
-    "Give a short definition of",
-    "Name one consequence of",
-    "Describe briefly how",
-    "In one sentence, compare",
-    "State the main idea of",
-]
-TOPICS = [
-    "the ocean",
-    "photosynthesis",
-    "gravity",
-    "the printing press",
-    "antibiotics",
-    "monsoons",
-    "the transistor",
-    "vaccination",
-]
 ARMS = [
     ("top_p=0.8", dict(top_p=0.8), True),
     ("top_k=20", dict(top_k=20), True),
@@ -53,8 +33,10 @@ ARMS = [
 
 
 def prompts(n: int) -> list[str]:
-    """The reference study's prompt list: stems 0-3 x 8 topics (32), first ``n``."""
-    return [f"{stem} {topic}." for stem in STEMS[:4] for topic in TOPICS][:n]
+    """The reference study's prompt list (stems 0-3 x 8 topics for n <= 32): the probe's grid, first ``n``."""
+    from bloggap_plugin.core.probe import builtin_prompts
+
+    return builtin_prompts(n)
 
 
 def _quantile(values: torch.Tensor, q: float) -> float:
