@@ -1,0 +1,104 @@
+"""A tiny GapGRPOTrainer run for ``tests/test_trl_multiproc.py``; works alone or under ``accelerate launch``.
+
+``python tests/helpers_trl_multiproc.py OUT.json [--per-device-batch 4] [--grad-accum 2]`` trains
+tiny-random-llama (fp32 unless ``--dtype``, CPU) for 2 GRPO steps with ``num_iterations 2``, arm C and top_p 0.8, and writes
+``OUT.json`` from process 0: ``{"num_processes", "log_history", "reduces"}``. Every other process r writes
+``OUT.json.rank<r>`` with its own ``reduces``. ``reduces`` lists, in call order, every cross-process reduction
+the plugin made on that process: ``{"kind": "sum" | "max", "site": the calling method, "step": global step,
+"local": this process's values, "reduced": the values every process received}``, so a test can check the
+logged metrics against the per-process sums they were made from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(1)
+
+PROMPTS = ["1+1=", "2+3=", "4+4=", "9+1="]
+
+
+def reward(completions, **kwargs):
+    """Deterministic: completion length mod 3."""
+    return [float(len(c) % 3) for c in completions]
+
+
+def _nan_to_none(value):
+    return None if isinstance(value, float) and value != value else value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="JSON path written by process 0 (others add .rank<r>)")
+    parser.add_argument("--per-device-batch", type=int, default=4)
+    parser.add_argument("--grad-accum", type=int, default=2)
+    parser.add_argument("--arm", default="C")
+    parser.add_argument("--probe-rows", type=int, default=4)
+    parser.add_argument("--dtype", default="fp32", help="policy dtype for load_model")
+    parser.add_argument("--k", type=int, default=8, help="arm D: layers chosen by the guided plan")
+    parser.add_argument("--top-p", type=float, default=0.8, help="< 1 truncates sampling: gap/kept/* metrics")
+    args = parser.parse_args()
+
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    from bloggap_plugin.models import load_model
+    from bloggap_plugin.recipes import GapConfig
+    from bloggap_plugin.trl import GapGRPOTrainer
+
+    class RecordingTrainer(GapGRPOTrainer):
+        """Records the local and reduced values of every cross-process reduction of the plugin."""
+
+        def _gap_record(self, kind: str, local: list[float], reduced: list[float]) -> None:
+            site = sys._getframe(2).f_code.co_name
+            self.gap_reduces = getattr(self, "gap_reduces", [])
+            self.gap_reduces.append({"kind": kind, "site": site, "step": self.state.global_step,
+                                     "local": [float(v) for v in local], "reduced": reduced})
+
+        def _gap_reduce(self, values):
+            reduced = super()._gap_reduce(values)
+            self._gap_record("sum", values, reduced)
+            return reduced
+
+        def _gap_reduce_max(self, values):
+            reduced = super()._gap_reduce_max(values)
+            self._gap_record("max", values, reduced)
+            return reduced
+
+    model, tokenizer = load_model("tiny-random-llama", dtype=args.dtype)
+    config = GRPOConfig(
+        output_dir=os.path.join(os.path.dirname(os.path.abspath(args.out)), "trainer_out"),
+        per_device_train_batch_size=args.per_device_batch, num_generations=4,
+        gradient_accumulation_steps=args.grad_accum, max_completion_length=8, max_steps=2, logging_steps=1,
+        report_to="none", use_cpu=True, bf16=False, save_strategy="no", num_iterations=2, seed=0,
+        learning_rate=1e-3, top_p=args.top_p,
+    )
+    trainer = RecordingTrainer(
+        model=model, reward_funcs=reward, args=config, train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
+        processing_class=tokenizer, gap=GapConfig(arm=args.arm, probe_rows=args.probe_rows, k=args.k),
+    )
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    reduces = [{**r, "local": [_nan_to_none(v) for v in r["local"]], "reduced": [_nan_to_none(v) for v in r["reduced"]]}
+               for r in getattr(trainer, "gap_reduces", [])]
+    record = {"num_processes": trainer.accelerator.num_processes, "rank": rank, "reduces": reduces,
+              "distributed_type": str(trainer.accelerator.distributed_type),
+              "plan_layers": getattr(trainer._gap_plan, "layers", None)}
+    if rank == 0:
+        record["log_history"] = [{k: _nan_to_none(v) for k, v in h.items()} for h in trainer.state.log_history]
+        path = args.out
+    else:
+        path = f"{args.out}.rank{rank}"
+    with open(path, "w") as handle:
+        json.dump(record, handle, indent=1, allow_nan=True)
+    trainer.accelerator.wait_for_everyone()
+
+
+if __name__ == "__main__":
+    main()
