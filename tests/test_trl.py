@@ -272,3 +272,19 @@ def test_probe_every_gates_the_extra_forwards(tmp_path, probe_every, expected):
     assert probed == expected
     sampler_logged = [h for h in logs_of(trainer) if h.get("gap/sampler/oob_frac") is not None]
     assert len(sampler_logged) == 2  # both generations measured without the probe
+
+
+def test_arm_d_auto_layers_follow_process_zero(tmp_path):
+    """Arm D without layer ids: every process uses the layers process 0 chose (here: a forced disagreement)."""
+    gap = GapConfig(arm="D", probe_rows=0, k=1)
+    trainer = make(tmp_path, gap, dtype="bf16", max_steps=1)
+    seen = []
+
+    def agree(layers):
+        seen.append(list(layers))
+        return [1] if layers != [1] else [0]  # process 0 "chose" the other layer
+
+    trainer._gap_agree_layers = agree
+    trainer.train()
+    assert len(seen) == 1
+    assert trainer._gap_plan.stats()["layers"] == ([1] if seen[0] != [1] else [0])

@@ -339,13 +339,26 @@ class GapMixin:
                 reduce=reduce,
             ).float()
 
+    def _gap_agree_layers(self, layers: list[int]) -> list[int]:
+        """Process 0's automatically chosen fp32 layers, on every process (each chose from its own rows)."""
+        if self.accelerator.num_processes <= 1:
+            return layers
+        from accelerate.utils import broadcast_object_list
+
+        return list(broadcast_object_list([layers], from_process=0)[0])
+
     def _gap_arm_scores(self, input_ids, attention_mask, logits_to_keep, batch_size, kept=None):
         """The arm's old log-probs ``[B, K]`` for a pre-shuffle batch (arms A-F, H)."""
         if self._gap.arm == "D" and self._gap_plan is None:
             # guided without layer ids: choose the top-k layers on the first generation batch
             n_layers = int(getattr(self._gap_policy().config, "num_hidden_layers", self._gap.k))
-            self._gap_plan = self._gap_make_plan("guided", layers="auto", k=min(self._gap.k, n_layers),
-                                                 calibration=(input_ids[:8], attention_mask[:8]))
+            plan = self._gap_make_plan("guided", layers="auto", k=min(self._gap.k, n_layers),
+                                       calibration=(input_ids[:8], attention_mask[:8]))
+            chosen = self._gap_agree_layers(list(plan.stats()["layers"]))
+            if chosen != list(plan.stats()["layers"]):  # another process's rows chose differently
+                plan.close()
+                plan = self._gap_make_plan("guided", layers=chosen, k=len(chosen))
+            self._gap_plan = plan
             self._gap_plan_step = self.state.global_step
         if self._gap_plan is None:
             return self._gap_trl_scores(input_ids, attention_mask, logits_to_keep, batch_size, kept)
