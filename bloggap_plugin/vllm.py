@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from bloggap_plugin.core.truncation import kept_mask, pack_kept_ids, validate_sampling
+from bloggap_plugin.core.truncation import kept_mask, pack_kept_ids, renormalized_logprobs, validate_sampling
 
 __all__ = [
     "KeptSets",
@@ -334,10 +334,7 @@ def retruncation_reducer(
         if stats is not None:
             stats["positions"] = stats.get("positions", 0) + int(targets.numel())
             stats["forced"] = stats.get("forced", 0) + int(outside.sum())
-        full = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        lse_all = torch.logsumexp(logits, dim=-1)
-        lse_kept = torch.logsumexp(logits.masked_fill(~kept, float("-inf")), dim=-1)
-        return full - (lse_kept - lse_all)
+        return renormalized_logprobs(logits, targets, kept)  # logits arrive temperature-scaled
 
     reduce.approximate = True  # type: ignore[attr-defined]
     return reduce

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from bloggap_plugin.core.scoring import gather_logprobs
+
 __all__ = [
     "kept_mask",
     "log_kept_mass",
@@ -239,7 +241,7 @@ def kept_reducer(
         raise ValueError("kept_reducer needs a kept-set source: kept (mask), kept_ids or sizes")
 
     def reduce(logits: torch.Tensor, targets: torch.Tensor, rows: slice) -> torch.Tensor:
-        full = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        full = gather_logprobs(logits, targets)
         log_mass = torch.zeros_like(full)
         known = torch.zeros_like(full, dtype=torch.bool)
         if kept is not None:
