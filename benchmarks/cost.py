@@ -37,6 +37,7 @@ if str(ROOT) not in sys.path:
 
 from bloggap_plugin.core.precision import make_plan  # noqa: E402
 from bloggap_plugin.core.scoring import token_logprobs  # noqa: E402
+from bloggap_plugin.report import format_text_table  # noqa: E402
 
 NAME = "cost"
 SCHEMA_VERSION = 1
@@ -328,13 +329,6 @@ def tables(results: dict, args) -> list[dict]:
     return out
 
 
-def format_table(table: dict) -> str:
-    cols = table["columns"]
-    widths = [max(len(str(x)) for x in [c] + [r[i] for r in table["rows"]]) for i, c in enumerate(cols)]
-    lines = [f"{table['id']}: {table['title']}", "  ".join(str(c).ljust(w) for c, w in zip(cols, widths))]
-    lines += ["  ".join(str(x).ljust(w) for x, w in zip(r, widths)) for r in table["rows"]]
-    return "\n".join(lines)
-
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -390,7 +384,7 @@ def main(argv=None) -> int:
     path.write_text(json.dumps(payload, indent=2))
     log(f"wrote {path} in {time.time() - started:.0f} s")
     for table in payload["tables"]:
-        print(format_table(table))
+        print(format_text_table(table))
     return 0
 
 

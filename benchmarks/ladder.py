@@ -29,10 +29,11 @@ for path in (ROOT, ROOT / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from cost import _free, format_table, load_policy  # noqa: E402
+from cost import _free, load_policy  # noqa: E402
 
 from bloggap_plugin.commands.ladder import ladder_table, run_ladder  # noqa: E402
 from bloggap_plugin.core.precision import decoder_layers, make_plan  # noqa: E402
+from bloggap_plugin.report import format_text_table  # noqa: E402
 
 NAME = "ladder"
 SCHEMA_VERSION = 1
@@ -187,7 +188,7 @@ def main(argv=None) -> int:
     path.write_text(json.dumps(payload, indent=2))
     log(f"wrote {path} in {time.time() - started:.0f} s")
     for table in payload["tables"]:
-        print(format_table(table))
+        print(format_text_table(table))
     return 0
 
 

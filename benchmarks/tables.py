@@ -58,6 +58,7 @@ from bloggap_plugin.core.probe import (  # noqa: E402
 )
 from bloggap_plugin.envinfo import environment_record  # noqa: E402
 from bloggap_plugin.models import load_model  # noqa: E402
+from bloggap_plugin.report import format_text_table  # noqa: E402
 
 NAME = "tables"
 T4_SEEDS = (1234, 20260916, 7)
@@ -520,12 +521,8 @@ def run_pos(models: Models, rollouts: Rollouts, sizes: Sizes, batch_sizes=(8, 32
 
 
 def print_table(t: dict) -> None:
-    print(f"\n{t['id']}: {t['title']}")
-    widths = [max(len(str(x if x is not None else "-")) for x in [c] + [r[i] for r in t["rows"]])
-              for i, c in enumerate(t["columns"])]
-    print(" | ".join(str(c).ljust(w) for c, w in zip(t["columns"], widths)))
-    for r in t["rows"]:
-        print(" | ".join(str(x if x is not None else "-").ljust(w) for x, w in zip(r, widths)))
+    print()
+    print(format_text_table(t))
 
 
 def main(argv: list[str] | None = None) -> int:

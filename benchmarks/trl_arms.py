@@ -59,6 +59,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1) if args.quick else None
     from bloggap_plugin.envinfo import environment_record
+    from bloggap_plugin.report import format_text_table
     from bloggap_plugin.trl.train import run_training
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -131,10 +132,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(payload, indent=1, default=str))
     print(f"wrote {out / f'{args.name}.json'}")
-    widths = [max(len(str(c)), 6) for c in COLUMNS]
-    print(" | ".join(str(c).ljust(w) for c, w in zip(COLUMNS, widths)))
-    for row in rows:
-        print(" | ".join(str(v).ljust(w) for v, w in zip(row, widths)))
+    print(format_text_table(table))
     return 0
 
 

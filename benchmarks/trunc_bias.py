@@ -259,12 +259,11 @@ def tables(results: list[dict], params: dict, random_init: bool) -> list[dict]:
 
 
 def print_tables(tables_: list[dict]) -> None:
+    from bloggap_plugin.report import format_text_table
+
     for table in tables_:
-        print(f"\n{table['id']}: {table['title']}")
-        cells = [table["columns"]] + [["-" if c is None else str(c) for c in row] for row in table["rows"]]
-        widths = [max(len(str(row[i])) for row in cells) for i in range(len(table["columns"]))]
-        for row in cells:
-            print("  ".join(str(c).rjust(w) for c, w in zip(row, widths)))
+        print()
+        print(format_text_table(table))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 __all__ = [
     "ReportError",
+    "format_text_table",
     "REFERENCE_PATH",
     "load_reference",
     "load_result",
@@ -241,6 +242,14 @@ def format_cell(value) -> str:
     if isinstance(value, float):
         return repr(value)
     return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def format_text_table(table: dict) -> str:
+    """A result table (``id``, ``title``, ``columns``, ``rows``) as aligned plain text for a console; ``None`` -> ``-``."""
+    cells = [[str(c) for c in table["columns"]]] + [["-" if c is None else str(c) for c in row] for row in table["rows"]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    return f"{table['id']}: {table['title']}\n" + "\n".join(lines)
 
 
 def render_table(table: dict) -> list[str]:

@@ -229,16 +229,6 @@ def ladder_table(result: dict, table_id: str = "T7", random_init: bool = False) 
     }
 
 
-def format_table(table: dict) -> str:
-    widths = [
-        max(len(str(x)) for x in [c] + [r[i] for r in table["rows"]]) for i, c in enumerate(table["columns"])
-    ]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(table["columns"], widths))]
-    for row in table["rows"]:
-        lines.append("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
-    return f"{table['id']}: {table['title']}\n" + "\n".join(lines)
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", help="model spec (default: smollm2, offline)")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="policy dtype (bf16)")
@@ -276,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
     from bloggap_plugin.commands.attribute import resolve_device
     from bloggap_plugin.envinfo import environment_record
     from bloggap_plugin.models import load_model
+    from bloggap_plugin.report import format_text_table
 
     device = resolve_device(args.device)
     gpu = device.startswith("cuda")
@@ -308,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json == "-":
         print(json.dumps(payload, indent=2))
     else:
-        print(format_table(table))
+        print(format_text_table(table))
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(payload, fh, indent=2)
