@@ -57,6 +57,15 @@ class GapGRPOTrainer(GapMixin, GRPOTrainer):
     """
 
     def __init__(self, *args, gap: GapConfig | dict | None = None, recipe: str | Path | None = None, **kwargs):
+        import contextlib
+
         config, grpo_kwargs = resolve_gap(recipe, gap)
-        super().__init__(*args, **kwargs)
+        engine_dtype = contextlib.nullcontext()
+        trl_args = kwargs.get("args")
+        if config.arm == "H" and getattr(trl_args, "use_vllm", False) and getattr(trl_args, "vllm_mode", None) == "colocate":
+            from bloggap_plugin.trl.vllm_colocate import vllm_colocate_dtype
+
+            engine_dtype = vllm_colocate_dtype("float16")  # arm H: vLLM samples in fp16 too
+        with engine_dtype:
+            super().__init__(*args, **kwargs)
         self._gap_attach(config, grpo_kwargs, source=str(recipe) if recipe else "gap config")

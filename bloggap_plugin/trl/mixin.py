@@ -152,6 +152,8 @@ class GapMixin:
             )
         if gap.arm != "H" and args.fp16 and gap.arm in ("B", "D", "E"):
             warnings.warn(f"arm {gap.arm} scores old log-probs above fp16 while training runs in fp16", stacklevel=3)
+        if self.use_vllm and gap.arm == "H":
+            self._gap_check_vllm_fp16()
         if self.use_vllm:
             if gap.kept == "renormalize":
                 raise RecipeError(
@@ -222,6 +224,27 @@ class GapMixin:
         self._gap_pending_completion = None
         if gap.plan_arm is not None and not (gap.arm == "D" and gap.layers is None):
             self._gap_plan = self._gap_make_plan(gap.plan_arm, layers=gap.layers, k=gap.k)
+
+    def _gap_check_vllm_fp16(self) -> None:
+        """Arm H samples in fp16: refuse a colocate engine built in another dtype; warn where it cannot be read."""
+        from bloggap_plugin.trl.vllm_colocate import colocate_engine_dtype
+
+        if getattr(self, "vllm_mode", None) == "server":
+            warnings.warn(
+                "arm H with vLLM server mode: start the server in fp16 (`trl vllm-serve --dtype float16`); the trainer "
+                "cannot check the server's dtype (server mode is untested live)",
+                stacklevel=4,
+            )
+            return
+        dtype = colocate_engine_dtype(self)
+        if dtype is None:
+            warnings.warn("arm H: could not read the vLLM engine's dtype; make sure it samples in fp16", stacklevel=4)
+        elif dtype != torch.float16:
+            raise RecipeError(
+                f"arm H (fp16 everywhere) needs vLLM to sample in fp16, but TRL built the colocate engine in {dtype}: "
+                "use GapGRPOTrainer(..., gap=arm H), which builds it in fp16, or construct the GRPOTrainer inside "
+                "`with bloggap_plugin.trl.vllm_colocate_dtype('float16'):` before adding GapCallback"
+            )
 
     # ------------------------------------------------------------------ plans
     def _gap_policy(self):
@@ -536,6 +559,18 @@ class GapMixin:
             stats.add("sampler_oob", out)
             stats.add("sampler_n", n)
             stats.add("sampler_absd", float(diff.sum()))
+            stats.max("sampler_absd_max", float(diff.max()))
+        ratio = batch.get("importance_sampling_ratio")
+        if ratio is not None and self.use_vllm:
+            # TRL's own statistic (grpo_trainer l.2874): rows for sequence-level modes, masked tokens otherwise
+            token_mask = batch["completion_mask"] if batch.get("tool_mask") is None else batch["completion_mask"] * batch["tool_mask"]
+            sequence_level = self.vllm_importance_sampling_mode in ("sequence_mask", "sequence_truncate")
+            flat = ratio.flatten() if sequence_level else ratio[token_mask.bool()]
+            if flat.numel() > 0:
+                stats.add("is_sum", float(flat.double().sum()))
+                stats.add("is_n", int(flat.numel()))
+                stats.max("is_max", float(flat.max()))
+                stats.max("is_neg_min", -float(flat.min()))
         if self._gap_truncating and "gap_kept_sizes" in batch and mask.any():
             log_mass = batch["gap_sampler_log_kept_mass"]
             sizes = batch["gap_kept_sizes"]
@@ -638,13 +673,19 @@ class GapMixin:
         sum_keys = [
             "sampler_oob", "sampler_n", "sampler_absd", "probe_oob", "probe_n", "kept_mass_sum", "kept_size_sum",
             "kept_n", "kept_ratio_before_sum", "kept_ratio_after_sum", "kept_oob_before", "kept_oob_after",
+            "is_sum", "is_n",
         ]
-        max_keys = ["kept_mass_neg_min", "kept_size_max"]
+        max_keys = ["kept_mass_neg_min", "kept_size_max", "sampler_absd_max", "is_max", "is_neg_min"]
         sums = dict(zip(sum_keys, self._gap_reduce([stats.sums.get(k, 0.0) for k in sum_keys]), strict=True))
         maxes = dict(zip(max_keys, self._gap_reduce_max([stats.maxes.get(k, -math.inf) for k in max_keys]), strict=True))
         if sums["sampler_n"] > 0:
             metrics["gap/sampler/oob_frac"].append(sums["sampler_oob"] / sums["sampler_n"])
             metrics["gap/sampler/abs_dlogp_mean"].append(sums["sampler_absd"] / sums["sampler_n"])
+            metrics["gap/sampler/abs_dlogp_max"].append(maxes["sampler_absd_max"])
+        if sums["is_n"] > 0:
+            metrics["gap/sampler/is_ratio_mean"].append(sums["is_sum"] / sums["is_n"])
+            metrics["gap/sampler/is_ratio_min"].append(-maxes["is_neg_min"])
+            metrics["gap/sampler/is_ratio_max"].append(maxes["is_max"])
         if sums["probe_n"] > 0:
             metrics["gap/probe/oob_b1_vs_bN"].append(sums["probe_oob"] / sums["probe_n"])
         if sums["kept_n"] > 0:

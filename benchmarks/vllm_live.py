@@ -1,0 +1,573 @@
+"""The plugin against a live vLLM (issue 12): sampler-vs-trainer gap per scoring arm, truncated sampling, batch-
+invariant mode, and TRL GRPO colocate runs of every arm with the plugin attached. GPU machine only (vLLM 0.26).
+
+One orchestrating command runs everything and writes ``vllm_live.json`` under ``--out`` after every phase, so a time
+limit keeps what finished:
+
+    python benchmarks/vllm_live.py all --model /tmp/vx/smollm2 --out $OUT            # ~6-8 min on one H200
+
+Phases (each a subprocess where vLLM's process-wide settings differ; engine starts are serialised by a file lock
+because vLLM profiles free GPU memory while it starts):
+
+1. ``gen`` x 4 (vLLM bf16 / fp16, ``VLLM_BATCH_INVARIANT`` 0 / 1) and ``trl`` x 8 (arms A-H) side by side.
+   ``gen``: 64 raw prompts (the probe's grid) x 128 forced tokens, temperature 1, ``processed_logprobs``, top-20
+   log-probs per token (top-25 for top_k 20, so the rejected tokens' ``-inf`` shows), untruncated and with top_p 0.8,
+   top_k 20, min_p 0.05; :func:`bloggap_plugin.vllm.kept_sets_from_processed_logprobs` runs on the real
+   ``CompletionOutput`` objects. ``trl``: ``bloggap_plugin.trl.train.run_training`` with ``recipes/arm_X.yaml`` and
+   ``use_vllm=True, vllm_mode="colocate"``: the plugin's ``gap/*`` next to TRL's ``sampling/*`` on every step.
+2. ``score`` (in process, no vLLM): the trainer's old-logprob pass in each scoring arm (bf16 autocast over fp32 master
+   weights as TRL runs it, fp32 head, fp16 shadow, fp32 shadow; plans from :func:`bloggap_plugin.core.precision.make_plan`)
+   teacher-forces the sampled tokens, left-padded in chunks of 8 like TRL; the truncation table renormalises over the
+   trainer's re-truncated kept set and over vLLM's exact kept set where its top-K log-probs cover it.
+3. ``time`` x 4, one at a time: generation time with and without ``VLLM_BATCH_INVARIANT=1`` on SmolLM2 and on a
+   random-init ~1B Llama shape (``load_format="dummy"``), plus greedy batch-1 vs batch-64 log-prob identity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+TRUNCATIONS = {
+    "untruncated": {},
+    "top_p=0.8": {"top_p": 0.8},
+    "top_k=20": {"top_k": 20},
+    "min_p=0.05": {"min_p": 0.05},
+}
+TOPK_RETURNED = {"top_k=20": 25}  # more than the kept set: the rejected entries must come back as -inf
+DEFAULT_TOPK = 20
+ARMS = "ABCDEFGH"
+LOCK = "/tmp/bloggap_vllm_start.lock"
+
+
+@contextlib.contextmanager
+def engine_start_lock():
+    """One vLLM engine starts at a time (its memory profiling reads the GPU's free memory)."""
+    with open(LOCK, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    from bloggap_plugin._io import atomic_write_text
+
+    atomic_write_text(path, json.dumps(payload, indent=1, default=_default, allow_nan=False) + "\n")
+
+
+def _default(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _clean(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+# ----------------------------------------------------------------------------------------------------- gen
+def cmd_gen(args) -> None:
+    """vLLM rollouts with processed log-probs and top-K entries, saved as tensors for ``score``."""
+    import torch
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from bloggap_plugin.core.probe import builtin_prompts
+    from bloggap_plugin.vllm import kept_sets_from_processed_logprobs
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    prompts = builtin_prompts(args.num_prompts)
+    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    max_k = max([DEFAULT_TOPK, *TOPK_RETURNED.values()])
+    t0 = time.perf_counter()
+    with engine_start_lock():
+        llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, gpu_memory_utilization=args.gpu_mem,
+                  max_model_len=1024, seed=0, logprobs_mode="processed_logprobs", max_logprobs=max_k)
+    engine_s = time.perf_counter() - t0
+    model_config = getattr(llm.llm_engine, "model_config", None) or llm.llm_engine.vllm_config.model_config
+    result: dict = {"dtype": str(model_config.dtype), "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0"),
+                    "engine_start_s": round(engine_s, 2), "sets": {}}
+    saved: dict = {"prompt_ids": prompt_ids, "sets": {}}
+    for name, truncation in TRUNCATIONS.items():
+        k = TOPK_RETURNED.get(name, DEFAULT_TOPK)
+        params = [SamplingParams(temperature=1.0, max_tokens=args.new_tokens, min_tokens=args.new_tokens, logprobs=k,
+                                 seed=1000 + i, detokenize=False, **truncation) for i in range(len(prompt_ids))]
+        t0 = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        completions = [o.outputs[0] for o in outputs]
+        tokens = torch.tensor([list(c.token_ids) for c in completions], dtype=torch.long)
+        sampled = torch.tensor([[d[int(t)].logprob for t, d in zip(c.token_ids, c.logprobs)] for c in completions],
+                               dtype=torch.float64)
+        top_ids = torch.full((len(completions), tokens.shape[1], k + 1), -1, dtype=torch.long)
+        top_lp = torch.full((len(completions), tokens.shape[1], k + 1), float("nan"), dtype=torch.float64)
+        for row, c in enumerate(completions):
+            for t, entries in enumerate(c.logprobs):
+                for j, (tok, lp) in enumerate(entries.items()):
+                    top_ids[row, t, j] = int(tok)
+                    top_lp[row, t, j] = float(lp.logprob)
+        info: dict = {"seconds": round(seconds, 3), "tokens": int(tokens.numel()), "logprobs_k": k,
+                      "logprob_type": type(completions[0].logprobs).__name__,
+                      "entry_type": type(next(iter(completions[0].logprobs[0].values()))).__name__,
+                      "entries_per_token_max": int((top_ids >= 0).sum(-1).max())}
+        try:
+            kept = kept_sets_from_processed_logprobs(completions)
+            sizes = torch.tensor(kept.sizes, dtype=torch.long)
+            covered = torch.tensor([[ids is not None for ids in row] for row in kept.ids])
+            info["parser"] = {"ok": True, "approximate": kept.approximate, "stats": kept.stats,
+                              "size_mean": float(sizes.double().mean()), "size_max": int(sizes.max()),
+                              "covered_frac": float(covered.double().mean())}
+            saved_sizes, saved_covered = sizes, covered
+        except Exception as exc:  # the parser is what is under test: record its failure and go on
+            info["parser"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            saved_sizes, saved_covered = None, None
+        neg_inf = torch.isneginf(top_lp).sum().item()
+        info["neg_inf_entries"] = int(neg_inf)
+        result["sets"][name] = info
+        saved["sets"][name] = {"tokens": tokens, "sampled": sampled, "top_ids": top_ids, "top_lp": top_lp,
+                               "truncation": truncation, "parser_sizes": saved_sizes, "parser_covered": saved_covered}
+        print(f"[gen {args.dtype} bi={result['batch_invariant']}] {name}: {seconds:.2f}s {info['parser']}", flush=True)
+    torch.save(saved, args.out_pt)
+    Path(args.out_json).write_text(json.dumps(_clean(result), indent=1))
+
+
+# ----------------------------------------------------------------------------------------------------- trl
+def cmd_trl(args) -> None:
+    """One TRL GRPO colocate run of ``recipes/arm_{arm}.yaml`` with the plugin; every logged row to JSON."""
+    import bloggap_plugin.trl.callback as callback_module
+    from bloggap_plugin.trl.train import run_training
+    from bloggap_plugin.trl.vllm_colocate import colocate_engine_dtype
+
+    engine = {}
+    original_attach = callback_module.GapGRPOTrainer._gap_attach
+
+    def attach(self, *a, **kw):  # record what TRL built, then attach as usual
+        engine["dtype"] = str(colocate_engine_dtype(self))
+        return original_attach(self, *a, **kw)
+
+    callback_module.GapGRPOTrainer._gap_attach = attach
+    original_init = callback_module.GapGRPOTrainer.__init__
+
+    def init(self, *a, **kw):
+        with engine_start_lock():
+            original_init(self, *a, **kw)
+
+    callback_module.GapGRPOTrainer.__init__ = init
+    overrides = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": args.gpu_mem,
+                 "vllm_enable_sleep_mode": False} if not args.no_vllm else {}
+    overrides.update(json.loads(args.overrides or "{}"))
+    log = Path(args.out_json).with_suffix(".jsonl")
+    log.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    summary = run_training(ROOT / "recipes" / f"arm_{args.arm}.yaml", model=args.model, task="arith",
+                           max_steps=args.steps, output_dir=f"/tmp/bloggap_trl_{args.arm}", seed=0, log_jsonl=log,
+                           extra_overrides=overrides)
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    payload = {"arm": args.arm, "engine_dtype": engine.get("dtype"), "wall_s": round(time.perf_counter() - t0, 2),
+               "summary": summary, "rows": rows, "overrides": overrides}
+    Path(args.out_json).write_text(json.dumps(_clean(payload), indent=1, default=_default))
+    print(f"[trl {args.arm}] engine {engine.get('dtype')} steps {summary.get('steps')}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------- time
+def cmd_time(args) -> None:
+    """Generation time (64 x 128 tokens, ignore_eos, best of 3 after a warm-up) and greedy batch-1 vs batch-64."""
+    import torch
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(enforce_eager=True, gpu_memory_utilization=args.gpu_mem, max_model_len=1024, seed=0,
+                  logprobs_mode="processed_logprobs")
+    if args.shape == "llama-1b":
+        from transformers import LlamaConfig
+
+        folder = Path("/tmp/bloggap_llama1b")
+        folder.mkdir(exist_ok=True)
+        LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
+                    torch_dtype="bfloat16").save_pretrained(folder)
+        model, kwargs = str(folder), {**kwargs, "load_format": "dummy", "skip_tokenizer_init": True}
+    else:
+        model = args.model
+    with engine_start_lock():
+        llm = LLM(model=model, dtype="bfloat16", **kwargs)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(100, 20000, (32,), generator=generator).tolist()} for _ in range(64)]
+    params = SamplingParams(temperature=1.0, max_tokens=128, ignore_eos=True, logprobs=0, seed=0, detokenize=False)
+    llm.generate(prompts, params, use_tqdm=False)
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=0, detokenize=False)
+    batch = llm.generate(prompts, greedy, use_tqdm=False)
+    identical, same_tokens, max_diff = 0, 0, 0.0
+    for i in range(4):
+        alone = llm.generate([prompts[i]], greedy, use_tqdm=False)[0].outputs[0]
+        inbatch = batch[i].outputs[0]
+        a = [d[t].logprob for t, d in zip(alone.token_ids, alone.logprobs)]
+        b = [d[t].logprob for t, d in zip(inbatch.token_ids, inbatch.logprobs)]
+        if list(alone.token_ids) == list(inbatch.token_ids):
+            same_tokens += 1
+            identical += int(a == b)
+            max_diff = max(max_diff, max(abs(x - y) for x, y in zip(a, b)))
+    payload = {"shape": args.shape, "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0"),
+               "seconds": [round(t, 4) for t in times], "best_s": round(min(times), 4),
+               "median_s": round(sorted(times)[1], 4),
+               "greedy_b1_vs_b64": {"prompts": 4, "same_tokens": same_tokens, "bit_identical": identical,
+                                    "max_abs_dlogp_same_tokens": max_diff}}
+    Path(args.out_json).write_text(json.dumps(payload, indent=1))
+    print(f"[time {args.shape} bi={payload['batch_invariant']}] best {payload['best_s']}s", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------- score
+SCORERS = [
+    # name, plan arm, positions, what it stands for
+    ("bf16 (arm A, TRL's forward)", "bf16", "arange"),
+    ("bf16, mask positions (arm C)", "bf16", "mask"),
+    ("fp32 head (arm E)", "fp32_head", "mask"),
+    ("fp16 shadow (arm F)", "fp16", "mask"),
+    ("fp32 shadow (arm B)", "fp32", "mask"),
+]
+
+
+def _batch(prompt_ids, tokens, pad_id, device):
+    """TRL's layout: prompts left-padded, completions (all of equal forced length) appended."""
+    import torch
+
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for row, p in enumerate(prompt_ids):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    ids = torch.cat([ids, tokens], dim=1).to(device)
+    mask = torch.cat([mask, torch.ones_like(tokens)], dim=1).to(device)
+    return ids, mask
+
+
+def _gap(trainer, sampler, band=0.1) -> dict:
+    from bloggap_plugin.core.metrics import oob_count
+
+    diff = (trainer.double() - sampler.double()).abs()
+    out, n = oob_count(trainer, sampler, band=band)
+    return {"oob_pct": round(100.0 * out / n, 3), "abs_dlogp_mean": float(diff.mean()), "abs_dlogp_max": float(diff.max()),
+            "tokens": n}
+
+
+def cmd_score(gen_files: list[Path], model_path: str, band: float = 0.1) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bloggap_plugin.core.precision import make_plan
+    from bloggap_plugin.core.scoring import gather_logprobs
+    from bloggap_plugin.core.truncation import kept_mask, log_kept_mass, renormalized_logprobs
+    from bloggap_plugin.trl.mixin import is_ratio
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+    plans = {arm: make_plan(model, arm, **({"device": device} if arm in ("fp16", "fp32") else {}))
+             for arm in ("bf16", "fp32_head", "fp16", "fp32")}
+    table, truncation = [], []
+    for path in gen_files:
+        saved = torch.load(path, weights_only=False)
+        meta = json.loads(path.with_suffix(".json").read_text())
+        label = f"vLLM {meta['dtype'].replace('torch.', '')}, batch-invariant {meta['batch_invariant']}"
+        prompt_ids = saved["prompt_ids"]
+        for set_name, data in saved["sets"].items():
+            tokens = data["tokens"]
+            ids, mask = _batch(prompt_ids, tokens, pad_id, device)
+            width = tokens.shape[1]
+            sampler = data["sampled"]
+            if set_name == "untruncated":
+                for name, arm, positions in SCORERS:
+                    with torch.autocast(device.type, dtype=torch.bfloat16):
+                        logps = plans[arm].token_logprobs(ids, mask, width, batch_size=8, positions=positions)
+                    row = {"sampler": label, "scorer": name, **_gap(logps.cpu(), sampler, band)}
+                    table.append(row)
+                    print(f"[score] {label} | {name}: {row['oob_pct']}% mean {row['abs_dlogp_mean']:.4f}", flush=True)
+                continue
+            if meta["batch_invariant"] != "0":
+                continue  # the truncation table uses the default engine
+            trunc = data["truncation"]
+            store: dict = {"full": [], "retrunc": [], "log_mass": [], "forced": [], "exact": []}
+            top_ids = data["top_ids"]
+            top_lp = data["top_lp"]
+            covered = data["parser_covered"]
+
+            def reduce(logits, targets, rows, trunc=trunc, top_ids=top_ids, top_lp=top_lp, store=store):
+                full = gather_logprobs(logits, targets)
+                natural = kept_mask(logits, top_k=trunc.get("top_k", 0), top_p=trunc.get("top_p", 1.0),
+                                    min_p=trunc.get("min_p", 0.0))
+                forced = ~natural.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+                kept = natural.scatter(-1, targets.unsqueeze(-1), True)
+                store["full"].append(full.float().cpu())
+                store["retrunc"].append(renormalized_logprobs(logits, targets, kept).float().cpu())
+                store["log_mass"].append(log_kept_mass(logits, kept).float().cpu())
+                store["forced"].append(forced.cpu())
+                # vLLM's exact kept set where its top-K processed log-probs cover it (some returned entry is -inf)
+                chunk_ids = top_ids[rows].to(logits.device)
+                finite = torch.isfinite(top_lp[rows]).to(logits.device) & (chunk_ids >= 0)
+                # count finite entries per id (padding slots, id -1, add 0), so a padding slot never clears a kept id
+                hits = torch.zeros(kept.shape, dtype=torch.int32, device=logits.device)
+                hits.scatter_add_(-1, chunk_ids.clamp(min=0), finite.to(torch.int32))
+                exact = hits > 0
+                store["exact"].append(renormalized_logprobs(logits, targets, exact).float().cpu())
+                return full
+
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                plans["bf16"].token_logprobs(ids, mask, width, batch_size=8, positions="mask", reduce=reduce)
+            full = torch.cat(store["full"])
+            retrunc = torch.cat(store["retrunc"])
+            log_mass = torch.cat(store["log_mass"])
+            exact = torch.cat(store["exact"])
+            ones = torch.ones_like(full)
+            entry = {"sampler": label, "truncation": set_name, "scorer": "bf16 (mask positions)",
+                     "tokens": int(full.numel()),
+                     "kept_mass_trainer_mean": float(log_mass.double().exp().mean()),
+                     "kept_mass_trainer_min": float(log_mass.double().exp().min()),
+                     "sampled_outside_trainer_set_frac": float(torch.cat(store["forced"]).double().mean()),
+                     "ratio_mean_before": float((full.double() - sampler).exp().mean()),
+                     "ratio_mean_after_retruncation": float((retrunc.double() - sampler).exp().mean()),
+                     "before": _gap(full, sampler, band), "after_retruncation": _gap(retrunc, sampler, band)}
+            if covered is not None:
+                cov = covered.bool()
+                entry["exact_covered_frac"] = float(cov.double().mean())
+                if cov.any():
+                    entry["after_exact_on_covered"] = _gap(exact[cov], sampler[cov], band)
+                    entry["ratio_mean_after_exact_on_covered"] = float((exact.double() - sampler)[cov].exp().mean())
+                    entry["before_on_covered"] = _gap(full[cov], sampler[cov], band)
+            # TRL's default vllm_importance_sampling_mode="sequence_mask", clip_max 3.0, clip_min None
+            for key, old in (("before", full), ("after_retruncation", retrunc)):
+                seq = is_ratio(old.double(), sampler, ones.double(), "sequence_mask", None, 3.0).squeeze(-1)
+                raw = (old.double() - sampler).sum(-1).exp()
+                entry[f"sequence_mask_{key}"] = {
+                    "masked_frac": float((seq == 0).double().mean()),
+                    "weight_below_0.5_frac": float((raw < 0.5).double().mean()),
+                    "ratio_median": float(raw.median()),
+                }
+            truncation.append(entry)
+            print(f"[trunc] {set_name}: before {entry['before']['oob_pct']}% after {entry['after_retruncation']['oob_pct']}% "
+                  f"mass {entry['kept_mass_trainer_mean']:.4f}", flush=True)
+    for plan in plans.values():
+        plan.close()
+    return {"sampler_vs_trainer": table, "truncation": truncation}
+
+
+# ----------------------------------------------------------------------------------------------------- all
+def _cross_check(trl_runs: dict) -> list[dict]:
+    """Per arm and step: the plugin's gap/sampler metrics next to TRL's sampling/* on the same step."""
+    rows = []
+    for arm, run in sorted(trl_runs.items()):
+        for record in run.get("rows", []):
+            if "gap/sampler/abs_dlogp_mean" not in record or "sampling/sampling_logp_difference/mean" not in record:
+                continue
+            row = {"arm": arm, "step": record["step"]}
+            for ours, theirs in (("gap/sampler/abs_dlogp_mean", "sampling/sampling_logp_difference/mean"),
+                                 ("gap/sampler/abs_dlogp_max", "sampling/sampling_logp_difference/max"),
+                                 ("gap/sampler/is_ratio_mean", "sampling/importance_sampling_ratio/mean"),
+                                 ("gap/sampler/is_ratio_min", "sampling/importance_sampling_ratio/min"),
+                                 ("gap/sampler/is_ratio_max", "sampling/importance_sampling_ratio/max")):
+                a, b = record.get(ours), record.get(theirs)
+                row[ours] = a
+                row[theirs] = b
+                row[f"diff {ours.split('/')[-1]}"] = None if a is None or b is None else abs(a - b)
+            row["gap/sampler/oob_frac"] = record.get("gap/sampler/oob_frac")
+            rows.append(row)
+    return rows
+
+
+def _env() -> dict:
+    info: dict = {"python": sys.version.split()[0]}
+    for name in ("torch", "transformers", "trl", "vllm", "accelerate"):
+        try:
+            module = __import__(name)
+            info[name] = getattr(module, "__version__", "?")
+        except Exception as exc:  # noqa: BLE001 - recorded, not fatal
+            info[name] = f"missing ({type(exc).__name__})"
+    try:
+        import torch
+
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    except Exception:  # noqa: BLE001
+        pass
+    info["VLLM_USE_FLASHINFER_SAMPLER"] = os.environ.get("VLLM_USE_FLASHINFER_SAMPLER")
+    info["vllm_settings"] = {"enforce_eager": True, "logprobs_mode": "processed_logprobs", "attention": "vLLM default (FA3 on H200)"}
+    return info
+
+
+def _spawn(argv: list[str], log: Path, env_extra: dict | None = None) -> subprocess.Popen:
+    env = {**os.environ, **(env_extra or {})}
+    handle = open(log, "w")
+    return subprocess.Popen([sys.executable, __file__, *argv], stdout=handle, stderr=subprocess.STDOUT, env=env)
+
+
+def _wait(procs: dict, deadline: float) -> dict:
+    codes = {}
+    for name, proc in procs.items():
+        try:
+            codes[name] = proc.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes[name] = "timeout"
+    return codes
+
+
+def _tail(path: Path, n: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def cmd_all(args) -> None:
+    out = Path(args.out)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    result_path = out / "vllm_live.json"
+    result: dict = {"table": "T13", "env": _env(), "settings": {"num_prompts": args.num_prompts,
+                    "new_tokens": args.new_tokens, "band": 0.1, "trl_steps": args.steps, "model": "SmolLM2-135M-Instruct"},
+                    "commands": "python benchmarks/vllm_live.py all --model MODEL_DIR --out DIR", "errors": {}}
+    _write_json(result_path, result)
+    t_start = time.time()
+    procs: dict[str, subprocess.Popen] = {}
+    gens = []
+    for dtype in ("bfloat16", "float16"):
+        for bi in ("0", "1"):
+            name = f"gen_{dtype}_bi{bi}"
+            gens.append(name)
+            procs[name] = _spawn(["gen", "--model", args.model, "--dtype", dtype, "--out-pt", str(work / f"{name}.pt"),
+                                  "--out-json", str(work / f"{name}.json"), "--num-prompts", str(args.num_prompts),
+                                  "--new-tokens", str(args.new_tokens)], work / f"{name}.log",
+                                 {"VLLM_BATCH_INVARIANT": bi})
+    arms = [a for a in args.arms]
+    waves = [arms[:4], arms[4:]]
+    trl_codes: dict = {}
+    for wave in waves:
+        wave_procs = {}
+        for arm in wave:
+            wave_procs[f"trl_{arm}"] = _spawn(["trl", "--arm", arm, "--model", args.model, "--steps", str(args.steps),
+                                               "--out-json", str(work / f"trl_{arm}.json")], work / f"trl_{arm}.log")
+        trl_codes.update(_wait(wave_procs, t_start + args.phase1_s))
+    codes = {**_wait(procs, t_start + args.phase1_s), **trl_codes}
+    result["phase1_s"] = round(time.time() - t_start, 1)
+    result["exit_codes"] = codes
+    trl_runs = {}
+    for arm in arms:
+        path = work / f"trl_{arm}.json"
+        if path.exists():
+            trl_runs[arm] = json.loads(path.read_text())
+        else:
+            result["errors"][f"trl_{arm}"] = _tail(work / f"trl_{arm}.log")
+    result["trl_runs"] = {arm: {k: v for k, v in run.items() if k != "rows"} for arm, run in trl_runs.items()}
+    result["trl_rows"] = {arm: run.get("rows", []) for arm, run in trl_runs.items()}
+    result["cross_check"] = _cross_check(trl_runs)
+    result["gen"] = {}
+    for name in gens:
+        path = work / f"{name}.json"
+        if path.exists():
+            result["gen"][name] = json.loads(path.read_text())
+        else:
+            result["errors"][name] = _tail(work / f"{name}.log")
+    _write_json(result_path, _clean(result))
+    # phase 2: scoring
+    try:
+        files = [work / f"{g}.pt" for g in gens if (work / f"{g}.pt").exists()]
+        result.update(cmd_score(files, args.model))
+    except Exception:  # noqa: BLE001 - keep what finished
+        result["errors"]["score"] = traceback.format_exc()[-4000:]
+    _write_json(result_path, _clean(result))
+    # phase 3: timing, one process at a time
+    result["batch_invariant_timing"] = []
+    for shape in ("smollm2", "llama-1b"):
+        for bi in ("0", "1"):
+            if time.time() - t_start > args.total_s:
+                result["errors"][f"time_{shape}_bi{bi}"] = "skipped: out of time"
+                continue
+            name = f"time_{shape}_bi{bi}"
+            proc = _spawn(["time", "--shape", shape, "--model", args.model, "--out-json", str(work / f"{name}.json"),
+                           "--gpu-mem", "0.3"], work / f"{name}.log", {"VLLM_BATCH_INVARIANT": bi})
+            _wait({name: proc}, time.time() + 110)
+            path = work / f"{name}.json"
+            if path.exists():
+                result["batch_invariant_timing"].append(json.loads(path.read_text()))
+            else:
+                result["errors"][name] = _tail(work / f"{name}.log")
+            _write_json(result_path, _clean(result))
+    result["total_s"] = round(time.time() - t_start, 1)
+    _write_json(result_path, _clean(result))
+    for row in result.get("cross_check", []):
+        print("cross-check", row["arm"], row["step"], row.get("diff abs_dlogp_mean"), row.get("diff is_ratio_mean"))
+    print("errors:", {k: v[-300:] for k, v in result["errors"].items()})
+    print(f"done in {result['total_s']} s -> {result_path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("all")
+    p.add_argument("--model", required=True, help="HF folder of SmolLM2-135M-Instruct (vLLM and TRL load it by path)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", default="/tmp/bloggap_vllm_live")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--steps", type=int, default=8, help="TRL optimizer steps per arm (arm recipes generate every 4)")
+    p.add_argument("--arms", default=ARMS)
+    p.add_argument("--phase1-s", type=float, default=300.0)
+    p.add_argument("--total-s", type=float, default=460.0)
+    p = sub.add_parser("gen")
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", required=True)
+    p.add_argument("--out-pt", required=True)
+    p.add_argument("--out-json", required=True)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--gpu-mem", type=float, default=0.07)
+    p = sub.add_parser("trl")
+    p.add_argument("--arm", required=True, choices=list(ARMS))
+    p.add_argument("--model", required=True)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--out-json", required=True)
+    p.add_argument("--gpu-mem", type=float, default=0.07)
+    p.add_argument("--overrides", default=None, help="JSON of extra GRPOConfig fields")
+    p.add_argument("--no-vllm", action="store_true", help="HF generate instead (a CPU dry run of the plumbing)")
+    p = sub.add_parser("time")
+    p.add_argument("--shape", choices=["smollm2", "llama-1b"], required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--out-json", required=True)
+    p.add_argument("--gpu-mem", type=float, default=0.3)
+    args = parser.parse_args(argv)
+    {"all": cmd_all, "gen": cmd_gen, "trl": cmd_trl, "time": cmd_time}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""TRL's vLLM colocate engine: the sampler's dtype (arm H samples in fp16) and a check of what was built.
+
+TRL 1.16 builds the colocate engine as ``LLM(model=model.name_or_path, ...)`` inside
+``trl.generation.vllm_generation.VLLMGeneration._init_vllm`` and passes no ``dtype``: vLLM then runs in the
+checkpoint config's dtype (bf16 for most checkpoints), whatever the trainer's precision. :func:`vllm_colocate_dtype`
+adds ``dtype=`` to that one ``LLM(...)`` call while the trainer is constructed; :class:`~bloggap_plugin.trl.GapGRPOTrainer`
+uses it for arm H, and with :class:`~bloggap_plugin.trl.GapCallback` the user wraps the trainer's construction::
+
+    with vllm_colocate_dtype("float16"):
+        trainer = GRPOTrainer(..., args=GRPOConfig(use_vllm=True, vllm_mode="colocate", fp16=True, ...))
+    trainer.add_callback(GapCallback(trainer, recipe="recipes/arm_H.yaml"))
+
+TRL's weight sync (``load_weights``) copies the trainer's parameters into the engine's, which casts them to the
+engine's dtype, so an fp16 engine stays fp16 after every sync. Server mode (``trl vllm-serve``) takes
+``--dtype float16`` on the server's command line; the trainer cannot check it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["vllm_colocate_dtype", "colocate_engine_dtype"]
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@contextlib.contextmanager
+def vllm_colocate_dtype(dtype: str | torch.dtype) -> Iterator[None]:
+    """While active, TRL's colocate ``LLM(...)`` is built with ``dtype=dtype`` (unless the call already sets one).
+
+    ``dtype``: ``"float16" | "bfloat16" | "float32"`` or the torch dtype. Restores TRL's ``LLM`` on exit.
+    """
+    name = _dtype_name(dtype)
+    from trl.generation import vllm_generation
+
+    original = getattr(vllm_generation, "LLM", None)
+    if original is None:
+        raise RuntimeError(
+            "trl.generation.vllm_generation has no LLM: vLLM is not installed (TRL imports it only when available); "
+            "install vLLM (TRL 1.16 accepts 0.22-0.31) to use vllm_mode='colocate'"
+        )
+
+    def llm_with_dtype(*args: Any, **kwargs: Any):
+        kwargs.setdefault("dtype", name)
+        return original(*args, **kwargs)
+
+    llm_with_dtype.__wrapped__ = original  # type: ignore[attr-defined]
+    vllm_generation.LLM = llm_with_dtype
+    try:
+        yield
+    finally:
+        vllm_generation.LLM = original
+
+
+def _dtype_name(dtype: str | torch.dtype) -> str:
+    if isinstance(dtype, torch.dtype):
+        for name, value in _DTYPES.items():
+            if value == dtype:
+                return name
+    elif isinstance(dtype, str):
+        key = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32"}.get(dtype, dtype)
+        if key in _DTYPES:
+            return key
+    raise ValueError(f"unsupported vLLM dtype {dtype!r}: use one of {sorted(_DTYPES)}")
+
+
+def colocate_engine_dtype(trainer: Any) -> torch.dtype | None:
+    """The dtype of a GRPOTrainer's colocate vLLM engine, or ``None`` when it cannot be read (no engine, server
+    mode, another vLLM layout)."""
+    generation = getattr(trainer, "vllm_generation", None)
+    llm = getattr(generation, "llm", None)
+    engine = getattr(llm, "llm_engine", None)
+    for holder in (engine, getattr(engine, "vllm_config", None)):
+        config = getattr(holder, "model_config", None)
+        dtype = getattr(config, "dtype", None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+        if isinstance(dtype, str) and dtype in _DTYPES:
+            return _DTYPES[dtype]
+    return None

@@ -1,0 +1,99 @@
+"""Live vLLM tests (GPU machine only): run with
+
+    BLOGGAP_VLLM_MODEL=/tmp/vx/smollm2 python -m pytest -m gpu tests/test_gpu_vllm.py
+
+after installing vLLM 0.26 there (README, "GPU tests"). They skip cleanly without CUDA, vLLM or the model folder.
+Each live run is a subprocess of ``benchmarks/vllm_live.py`` (vLLM and TRL's colocate mode own process-wide state);
+the three runs start together in a module fixture.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not os.environ.get("BLOGGAP_VLLM_MODEL"), reason="set BLOGGAP_VLLM_MODEL to a HF model folder"),
+]
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_live.py"
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    pytest.importorskip("vllm")
+    model = os.environ["BLOGGAP_VLLM_MODEL"]
+    work = tmp_path_factory.mktemp("vllm_live")
+    runs = {
+        "gen": ["gen", "--model", model, "--dtype", "bfloat16", "--out-pt", str(work / "gen.pt"),
+                "--out-json", str(work / "gen.json"), "--num-prompts", "8", "--new-tokens", "32"],
+        "trl_A": ["trl", "--arm", "A", "--model", model, "--steps", "4", "--out-json", str(work / "trl_A.json")],
+        "trl_H": ["trl", "--arm", "H", "--model", model, "--steps", "4", "--out-json", str(work / "trl_H.json")],
+    }
+    procs = {name: subprocess.Popen([sys.executable, str(SCRIPT), *argv], stdout=open(work / f"{name}.log", "w"),
+                                    stderr=subprocess.STDOUT) for name, argv in runs.items()}
+    codes = {name: proc.wait(timeout=400) for name, proc in procs.items()}
+    return work, codes
+
+
+def _ok(live, name):
+    work, codes = live
+    if codes[name] != 0:
+        pytest.fail(f"{name} exited {codes[name]}:\n" + (work / f"{name}.log").read_text()[-3000:])
+    return work
+
+
+def test_processed_logprobs_give_the_exact_kept_set_under_top_k(live):
+    """top_k 20 with 25 returned entries: the 5 rejected come back as -inf, the 20 kept ones carry the whole
+    renormalised mass (logsumexp 0), and the parser marks every position exact with |S| = 20."""
+    work = _ok(live, "gen")
+    meta = json.loads((work / "gen.json").read_text())
+    saved = torch.load(work / "gen.pt", weights_only=False)
+    top_k = meta["sets"]["top_k=20"]
+    assert top_k["parser"]["ok"], top_k["parser"]
+    assert top_k["parser"]["approximate"] is False
+    assert top_k["parser"]["size_max"] == 20 and top_k["parser"]["size_mean"] == 20.0
+    lp = saved["sets"]["top_k=20"]["top_lp"]
+    finite = torch.isfinite(lp)
+    assert int(finite.sum(-1).min()) == 20 and int(finite.sum(-1).max()) == 20
+    assert int(torch.isneginf(lp).sum(-1).min()) >= 5
+    mass = torch.logsumexp(torch.where(finite, lp, torch.full_like(lp, -math.inf)), dim=-1)
+    assert float(mass.abs().max()) < 1e-3
+    untruncated = meta["sets"]["untruncated"]["parser"]
+    assert untruncated["ok"] and untruncated["approximate"] is True and untruncated["covered_frac"] == 0.0
+
+
+def test_trl_colocate_metrics_agree_with_trl_for_arm_a(live):
+    """Arm A keeps TRL's old log-probs: the plugin's sampler gap and IS-ratio statistics equal TRL's on each step."""
+    work = _ok(live, "trl_A")
+    run = json.loads((work / "trl_A.json").read_text())
+    pairs = [("gap/sampler/abs_dlogp_mean", "sampling/sampling_logp_difference/mean"),
+             ("gap/sampler/abs_dlogp_max", "sampling/sampling_logp_difference/max"),
+             ("gap/sampler/is_ratio_mean", "sampling/importance_sampling_ratio/mean"),
+             ("gap/sampler/is_ratio_min", "sampling/importance_sampling_ratio/min"),
+             ("gap/sampler/is_ratio_max", "sampling/importance_sampling_ratio/max")]
+    checked = 0
+    for row in run["rows"]:
+        if "gap/sampler/abs_dlogp_mean" not in row:
+            continue
+        for ours, theirs in pairs:
+            assert abs(row[ours] - row[theirs]) <= 1e-6 * max(1.0, abs(row[theirs])), (row["step"], ours, row[ours], row[theirs])
+            checked += 1
+    assert checked >= len(pairs)
+    assert run["summary"]["steps"] == 4
+
+
+def test_arm_h_samples_in_fp16_with_vllm(live):
+    work = _ok(live, "trl_H")
+    run = json.loads((work / "trl_H.json").read_text())
+    assert run["engine_dtype"] == "torch.float16"
+    assert any("gap/sampler/oob_frac" in row for row in run["rows"])

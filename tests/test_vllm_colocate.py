@@ -1,0 +1,101 @@
+"""Arm H on TRL's vLLM colocate path: the engine's dtype is set while the trainer is built and checked at attach."""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import pytest
+import torch
+
+from bloggap_plugin.recipes import RecipeError
+from bloggap_plugin.trl.mixin import GapMixin
+from bloggap_plugin.trl.vllm_colocate import colocate_engine_dtype, vllm_colocate_dtype
+
+
+@pytest.fixture
+def fake_llm(monkeypatch):
+    from trl.generation import vllm_generation
+
+    calls = []
+
+    def llm(*args, **kwargs):
+        calls.append(kwargs)
+        return types.SimpleNamespace(kwargs=kwargs)
+
+    monkeypatch.setattr(vllm_generation, "LLM", llm, raising=False)
+    return vllm_generation, llm, calls
+
+
+def test_dtype_is_added_inside_the_block_only(fake_llm):
+    module, original, calls = fake_llm
+    with vllm_colocate_dtype("fp16"):
+        module.LLM(model="m")
+        module.LLM(model="m", dtype="bfloat16")  # an explicit dtype wins
+    module.LLM(model="m")
+    assert [c.get("dtype") for c in calls] == ["float16", "bfloat16", None]
+    assert module.LLM is original
+
+
+def test_original_llm_restored_after_an_error(fake_llm):
+    module, original, _ = fake_llm
+    with pytest.raises(KeyError), vllm_colocate_dtype(torch.float16):
+        raise KeyError("boom")
+    assert module.LLM is original
+
+
+def test_bad_dtype_and_missing_vllm(monkeypatch):
+    with pytest.raises(ValueError, match="unsupported vLLM dtype 'int8'"):
+        with vllm_colocate_dtype("int8"):
+            pass
+    from trl.generation import vllm_generation
+
+    monkeypatch.delattr(vllm_generation, "LLM", raising=False)
+    with pytest.raises(RuntimeError, match="vLLM is not installed"):
+        with vllm_colocate_dtype("float16"):
+            pass
+
+
+def _trainer(dtype, mode="colocate", as_string=False):
+    config = types.SimpleNamespace(dtype=str(dtype).replace("torch.", "") if as_string else dtype)
+    engine = types.SimpleNamespace(model_config=config)
+    return types.SimpleNamespace(vllm_mode=mode, vllm_generation=types.SimpleNamespace(llm=types.SimpleNamespace(llm_engine=engine)))
+
+
+def test_engine_dtype_read_from_vllm_objects():
+    assert colocate_engine_dtype(_trainer(torch.float16)) == torch.float16
+    assert colocate_engine_dtype(_trainer(torch.bfloat16, as_string=True)) == torch.bfloat16
+    assert colocate_engine_dtype(types.SimpleNamespace()) is None
+
+
+def test_arm_h_refuses_a_bf16_engine_and_accepts_fp16():
+    with pytest.raises(RecipeError, match="arm H .* needs vLLM to sample in fp16.*bfloat16.*vllm_colocate_dtype"):
+        GapMixin._gap_check_vllm_fp16(_trainer(torch.bfloat16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GapMixin._gap_check_vllm_fp16(_trainer(torch.float16))
+    with pytest.warns(UserWarning, match="--dtype float16"):
+        GapMixin._gap_check_vllm_fp16(_trainer(None, mode="server"))
+    with pytest.warns(UserWarning, match="could not read"):
+        GapMixin._gap_check_vllm_fp16(types.SimpleNamespace(vllm_mode="colocate"))
+
+
+def test_gap_grpo_trainer_builds_the_colocate_engine_in_fp16_for_arm_h(fake_llm, monkeypatch):
+    """GapGRPOTrainer wraps TRL's construction (where TRL calls LLM(...)) for arm H with use_vllm colocate only."""
+    from trl import GRPOTrainer
+
+    from bloggap_plugin.recipes import GapConfig
+    from bloggap_plugin.trl.callback import GapGRPOTrainer
+
+    module, _, calls = fake_llm
+
+    def fake_init(self, *args, **kwargs):
+        module.LLM(model="m")
+
+    monkeypatch.setattr(GRPOTrainer, "__init__", fake_init)
+    monkeypatch.setattr(GapMixin, "_gap_attach", lambda self, *a, **k: None)
+    vllm_args = types.SimpleNamespace(use_vllm=True, vllm_mode="colocate")
+    GapGRPOTrainer(args=vllm_args, gap=GapConfig(arm="H"))
+    GapGRPOTrainer(args=vllm_args, gap=GapConfig(arm="A"))
+    GapGRPOTrainer(args=types.SimpleNamespace(use_vllm=True, vllm_mode="server"), gap=GapConfig(arm="H"))
+    assert [c.get("dtype") for c in calls] == ["float16", None, None]
