@@ -51,6 +51,9 @@ TOPK_RETURNED = {"top_k=20": 25}  # more than the kept set: the rejected entries
 DEFAULT_TOPK = 20
 ARMS = "ABCDEFGH"
 LOCK = "/tmp/bloggap_vllm_start.lock"
+KV_CACHE_BYTES = 2 << 30
+"""Fixed KV cache per engine. With it vLLM skips its free-memory profiling, which asserts when another process on the
+GPU frees memory while an engine starts (seen on the H200 with several runs side by side)."""
 
 
 @contextlib.contextmanager
@@ -106,7 +109,8 @@ def cmd_gen(args) -> None:
     t0 = time.perf_counter()
     with engine_start_lock():
         llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, gpu_memory_utilization=args.gpu_mem,
-                  max_model_len=1024, seed=0, logprobs_mode="processed_logprobs", max_logprobs=max_k)
+                  max_model_len=1024, seed=0, logprobs_mode="processed_logprobs", max_logprobs=max_k,
+                  kv_cache_memory_bytes=KV_CACHE_BYTES)
     engine_s = time.perf_counter() - t0
     model_config = getattr(llm.llm_engine, "model_config", None) or llm.llm_engine.vllm_config.model_config
     result: dict = {"dtype": str(model_config.dtype), "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0"),
@@ -177,6 +181,16 @@ def cmd_trl(args) -> None:
             original_init(self, *a, **kw)
 
     callback_module.GapGRPOTrainer.__init__ = init
+    if not args.no_vllm:  # harness only: a fixed KV cache for TRL's engine (see KV_CACHE_BYTES)
+        from trl.generation import vllm_generation
+
+        trl_llm = vllm_generation.LLM
+
+        def llm_fixed_kv(*a, **kw):
+            kw.setdefault("kv_cache_memory_bytes", KV_CACHE_BYTES)
+            return trl_llm(*a, **kw)
+
+        vllm_generation.LLM = llm_fixed_kv
     overrides = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": args.gpu_mem,
                  "vllm_enable_sleep_mode": False} if not args.no_vllm else {}
     overrides.update(json.loads(args.overrides or "{}"))
@@ -449,6 +463,60 @@ def _tail(path: Path, n: int = 25) -> str:
         return ""
 
 
+def assemble(work: Path, result: dict, arms: str = ARMS, gens: list[str] | None = None) -> dict:
+    """Fold the per-process JSON files of ``work`` into ``result`` (TRL runs, cross-check, vLLM generation records,
+    timing); a missing file becomes an entry of ``result["errors"]`` with its log's tail."""
+    trl_runs = {}
+    for arm in arms:
+        path = work / f"trl_{arm}.json"
+        if path.exists():
+            trl_runs[arm] = json.loads(path.read_text())
+        elif (work / f"trl_{arm}.log").exists():
+            result["errors"][f"trl_{arm}"] = _tail(work / f"trl_{arm}.log")
+    result.setdefault("trl_runs", {}).update({arm: {k: v for k, v in run.items() if k != "rows"} for arm, run in trl_runs.items()})
+    result.setdefault("trl_rows", {}).update({arm: run.get("rows", []) for arm, run in trl_runs.items()})
+    result["cross_check"] = _cross_check({arm: {"rows": rows} for arm, rows in result["trl_rows"].items()})
+    result.setdefault("gen", {})
+    for path in sorted(work.glob("gen_*.json")):
+        result["gen"][path.stem] = json.loads(path.read_text())
+    for name in gens or []:
+        if name not in result["gen"] and (work / f"{name}.log").exists():
+            result["errors"][name] = _tail(work / f"{name}.log")
+    timing = {(t["shape"], t["batch_invariant"]): t for t in result.get("batch_invariant_timing", [])}
+    for path in sorted(work.glob("time_*.json")):
+        t = json.loads(path.read_text())
+        timing[(t["shape"], t["batch_invariant"])] = t
+    result["batch_invariant_timing"] = [timing[k] for k in sorted(timing)]
+    done = {f"trl_{a}" for a in result["trl_runs"]} | set(result["gen"]) | {f"time_{s}_bi{b}" for s, b in timing}
+    result["errors"] = {k: v for k, v in result["errors"].items() if k not in done}
+    return result
+
+
+def cmd_merge(args) -> None:
+    """Combine runs made in several GPU calls: work folders (per-process JSON) and ``score`` outputs."""
+    result: dict = {"table": "T13", "errors": {}, "sampler_vs_trainer": [], "truncation": [], "sources": []}
+    for work in args.work:
+        assemble(Path(work), result)
+        result["sources"].append(str(work))
+    rows: dict = {}
+    trunc: dict = {}
+    for path in args.score:
+        score = json.loads(Path(path).read_text())
+        for row in score.get("sampler_vs_trainer", []):
+            rows[(row["sampler"], row["scorer"])] = row
+        for row in score.get("truncation", []):
+            trunc[(row["sampler"], row["truncation"])] = row
+        for key in ("env", "settings", "commands"):
+            if key in score:
+                result[key] = score[key]
+        result["sources"].append(str(path))
+    result["sampler_vs_trainer"] = [rows[k] for k in sorted(rows)]
+    result["truncation"] = [trunc[k] for k in sorted(trunc)]
+    _write_json(Path(args.out), _clean(result))
+    print(f"merged -> {args.out}: {len(result['trl_runs'])} TRL runs, {len(rows)} gap rows, {len(trunc)} truncation rows, "
+          f"errors {sorted(result['errors'])}")
+
+
 def cmd_all(args) -> None:
     out = Path(args.out)
     work = Path(args.work)
@@ -461,8 +529,9 @@ def cmd_all(args) -> None:
     t_start = time.time()
     procs: dict[str, subprocess.Popen] = {}
     gens = []
-    for dtype in ("bfloat16", "float16"):
-        for bi in ("0", "1"):
+    for spec in args.gens.split(","):
+        dtype, bi = spec.split(":")
+        if True:
             name = f"gen_{dtype}_bi{bi}"
             gens.append(name)
             procs[name] = _spawn(["gen", "--model", args.model, "--dtype", dtype, "--out-pt", str(work / f"{name}.pt"),
@@ -481,23 +550,7 @@ def cmd_all(args) -> None:
     codes = {**_wait(procs, t_start + args.phase1_s), **trl_codes}
     result["phase1_s"] = round(time.time() - t_start, 1)
     result["exit_codes"] = codes
-    trl_runs = {}
-    for arm in arms:
-        path = work / f"trl_{arm}.json"
-        if path.exists():
-            trl_runs[arm] = json.loads(path.read_text())
-        else:
-            result["errors"][f"trl_{arm}"] = _tail(work / f"trl_{arm}.log")
-    result["trl_runs"] = {arm: {k: v for k, v in run.items() if k != "rows"} for arm, run in trl_runs.items()}
-    result["trl_rows"] = {arm: run.get("rows", []) for arm, run in trl_runs.items()}
-    result["cross_check"] = _cross_check(trl_runs)
-    result["gen"] = {}
-    for name in gens:
-        path = work / f"{name}.json"
-        if path.exists():
-            result["gen"][name] = json.loads(path.read_text())
-        else:
-            result["errors"][name] = _tail(work / f"{name}.log")
+    assemble(work, result, "".join(arms), gens)
     _write_json(result_path, _clean(result))
     # phase 2: scoring
     try:
@@ -508,7 +561,7 @@ def cmd_all(args) -> None:
     _write_json(result_path, _clean(result))
     # phase 3: timing, one process at a time
     result["batch_invariant_timing"] = []
-    for shape in ("smollm2", "llama-1b"):
+    for shape in ("smollm2", "llama-1b") if not args.skip_time else ():
         for bi in ("0", "1"):
             if time.time() - t_start > args.total_s:
                 result["errors"][f"time_{shape}_bi{bi}"] = "skipped: out of time"
@@ -542,6 +595,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--steps", type=int, default=8, help="TRL optimizer steps per arm (arm recipes generate every 4)")
     p.add_argument("--arms", default=ARMS)
+    p.add_argument("--gens", default="bfloat16:0,bfloat16:1,float16:0,float16:1", help="vLLM dtype:batch_invariant list")
+    p.add_argument("--skip-time", action="store_true")
     p.add_argument("--phase1-s", type=float, default=300.0)
     p.add_argument("--total-s", type=float, default=460.0)
     p = sub.add_parser("gen")
@@ -565,8 +620,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--out-json", required=True)
     p.add_argument("--gpu-mem", type=float, default=0.3)
+    p = sub.add_parser("score", help="re-score the gen_*.pt files of a work folder (no vLLM needed)")
+    p.add_argument("--work", default="/tmp/bloggap_vllm_live")
+    p.add_argument("--model", required=True)
+    p.add_argument("--out-json", required=True)
+    p = sub.add_parser("merge", help="combine work folders and score outputs of several GPU calls into one JSON")
+    p.add_argument("--work", nargs="*", default=[])
+    p.add_argument("--score", nargs="*", default=[])
+    p.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    {"all": cmd_all, "gen": cmd_gen, "trl": cmd_trl, "time": cmd_time}[args.cmd](args)
+    {"all": cmd_all, "gen": cmd_gen, "trl": cmd_trl, "time": cmd_time, "merge": cmd_merge,
+     "score": lambda a: _write_json(Path(a.out_json), _clean({"env": _env(), **cmd_score(sorted(Path(a.work).glob("gen_*.pt")), a.model)}))}[args.cmd](args)
 
 
 if __name__ == "__main__":
