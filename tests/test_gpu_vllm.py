@@ -53,19 +53,21 @@ def _ok(live, name):
 
 
 def test_processed_logprobs_give_the_exact_kept_set_under_top_k(live):
-    """top_k 20 with 25 returned entries: the 5 rejected come back as -inf, the 20 kept ones carry the whole
-    renormalised mass (logsumexp 0), and the parser marks every position exact with |S| = 20."""
+    """top_k 20 with 25 returned entries: the rejected tokens come back as -inf, the kept ones carry the whole
+    renormalised mass (logsumexp 0), and the parser marks every position exact. vLLM keeps ties at the k-th logit
+    (bf16 logits tie often), so |S| >= 20: seen live, 23 at some positions."""
     work = _ok(live, "gen")
     meta = json.loads((work / "gen.json").read_text())
     saved = torch.load(work / "gen.pt", weights_only=False)
     top_k = meta["sets"]["top_k=20"]
     assert top_k["parser"]["ok"], top_k["parser"]
-    assert top_k["parser"]["approximate"] is False
-    assert top_k["parser"]["size_max"] == 20 and top_k["parser"]["size_mean"] == 20.0
+    assert top_k["parser"]["approximate"] is False and top_k["parser"]["covered_frac"] == 1.0
     lp = saved["sets"]["top_k=20"]["top_lp"]
     finite = torch.isfinite(lp)
-    assert int(finite.sum(-1).min()) == 20 and int(finite.sum(-1).max()) == 20
-    assert int(torch.isneginf(lp).sum(-1).min()) >= 5
+    returned = finite | torch.isneginf(lp)
+    assert torch.equal(finite.sum(-1), saved["sets"]["top_k=20"]["parser_sizes"])
+    assert int(finite.sum(-1).min()) >= 20 and bool((torch.isneginf(lp).sum(-1) == returned.sum(-1) - finite.sum(-1)).all())
+    assert int(torch.isneginf(lp).sum(-1).min()) >= 1
     mass = torch.logsumexp(torch.where(finite, lp, torch.full_like(lp, -math.inf)), dim=-1)
     assert float(mass.abs().max()) < 1e-3
     untruncated = meta["sets"]["untruncated"]["parser"]
