@@ -492,6 +492,94 @@ def assemble(work: Path, result: dict, arms: str = ARMS, gens: list[str] | None 
     return result
 
 
+def _r(value, digits=4):
+    return None if value is None else round(float(value), digits)
+
+
+def tables(result: dict) -> list[dict]:
+    """The T13 tables of BENCHMARKS.md, derived from the merged results (never typed)."""
+    out = []
+    rows = [[r["sampler"], r["scorer"], r["tokens"], _r(r["oob_pct"], 2), _r(r["abs_dlogp_mean"]), _r(r["abs_dlogp_max"])]
+            for r in result["sampler_vs_trainer"]]
+    out.append({"id": "T13", "title": "Sampler (vLLM 0.26) vs the trainer's old-logprob pass, per scoring arm",
+                "columns": ["vLLM sampler", "trainer pass", "tokens", "OOB %", "mean |dlogp|", "max |dlogp|"], "rows": rows,
+                "notes": "SmolLM2-135M-Instruct, 64 raw prompts x 128 forced tokens, T=1, untruncated, vLLM processed "
+                         "log-probs (enforce_eager, FA3). Trainer: fp32 master weights; bf16 = autocast as TRL runs it, "
+                         "left-padded chunks of 8; arms' plans from make_plan. OOB = exp(trainer - vLLM) outside [0.9, 1.1].",
+                "reference": None, "random_init": False})
+    rows = []
+    for t in result["truncation"]:
+        before, after = t["sequence_mask_before"], t["sequence_mask_after_retruncation"]
+        rows.append([t["sampler"].split(",")[0], t["truncation"], t["tokens"], _r(t["kept_mass_trainer_mean"]),
+                     _r(t["ratio_mean_before"]), _r(t["before"]["oob_pct"], 2), _r(t["ratio_mean_after_retruncation"]),
+                     _r(t["after_retruncation"]["oob_pct"], 2), _r(100 * t.get("exact_covered_frac", 0.0), 1),
+                     _r(t.get("after_exact_on_covered", {}).get("oob_pct"), 2),
+                     _r(100 * before["weight_below_0.5_frac"], 1), _r(100 * after["weight_below_0.5_frac"], 1),
+                     _r(100 * before["masked_frac"], 1), _r(100 * after["masked_frac"], 1)])
+    out.append({"id": "T13-trunc", "title": "Truncated sampling with vLLM processed log-probs: ratio before / after the "
+                "plugin's renormalisation, and TRL's sequence-level IS weight",
+                "columns": ["vLLM", "sampling", "tokens", "kept mass", "full vocab: mean ratio", "OOB %",
+                            "re-truncated: mean ratio", "OOB %", "exact set covered %", "exact set: OOB %",
+                            "seq weight < 0.5: before %", "after %", "seq masked: before %", "after %"],
+                "rows": rows,
+                "notes": "Same rollouts as T13 (64 x 128 tokens). Trainer = bf16 pass (mask positions). Kept mass = the "
+                         "trainer's mass of its re-truncated set (vLLM order, sampled token forced in). 'exact set' = "
+                         "vLLM's own kept set where its top-20/25 processed log-probs cover it (an entry is -inf), on "
+                         "those positions only. Sequence weight = exp(sum(old - vLLM)) as TRL's default "
+                         "vllm_importance_sampling_mode sequence_mask computes it; TRL masks only outside "
+                         "[clip_min None, clip_max 3], so truncated sequences are not masked but weighted by ~1e-11.",
+                "reference": "T11", "random_init": False})
+    rows = []
+    for arm, run in sorted(result["trl_runs"].items()):
+        summary = run["summary"]
+        rows.append([arm, run["engine_dtype"].replace("torch.", ""), summary["steps"],
+                     _r(100 * (summary.get("mean/gap/sampler/oob_frac") or 0.0), 2),
+                     _r(summary.get("mean/gap/sampler/abs_dlogp_mean")), _r(summary.get("mean/gap/sampler/is_ratio_min")),
+                     _r(summary.get("mean/gap/sampler/is_ratio_mean")), _r(summary.get("mean/gap/sampler/is_ratio_max")),
+                     _r(100 * (summary.get("mean/gap/ratio/oob_frac") or 0.0), 2), _r(run["wall_s"], 1)])
+    out.append({"id": "T13-trl", "title": "TRL 1.16 GRPO with use_vllm=True (colocate) and the plugin, every arm",
+                "columns": ["arm", "vLLM dtype", "steps", "sampler OOB %", "sampler mean |dlogp|", "IS ratio min",
+                            "IS ratio mean", "IS ratio max", "PPO ratio OOB %", "wall s"],
+                "rows": rows,
+                "notes": "recipes/arm_X.yaml (8 x 32-token completions, num_iterations 2, grad accumulation 2), 8 "
+                         "optimizer steps = 2 generations, SmolLM2 on the arithmetic task, vLLM colocate (kv cache 2 GiB, "
+                         "enforce_eager). Means over the logged steps of gap/sampler/* (old log-probs of the arm vs vLLM) "
+                         "and gap/ratio/oob_frac. Runs shared the GPU (wall s is not a timing). Arm H: "
+                         "GapGRPOTrainer built vLLM in fp16.",
+                "reference": None, "random_init": False})
+    worst: dict = {}
+    for row in result["cross_check"]:
+        entry = worst.setdefault(row["arm"], [0, 0.0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] = max(entry[1], row.get("diff abs_dlogp_mean") or 0.0)
+        entry[2] = max(entry[2], row.get("diff abs_dlogp_max") or 0.0)
+        entry[3] = max(entry[3], row.get("diff is_ratio_mean") or 0.0)
+    out.append({"id": "T13-check", "title": "Plugin vs TRL on the same step: gap/sampler/* minus TRL's sampling/* (max over steps)",
+                "columns": ["arm", "steps", "|d| abs_dlogp_mean", "|d| abs_dlogp_max", "|d| is_ratio_mean"],
+                "rows": [[arm, v[0], float(f"{v[1]:.3g}"), float(f"{v[2]:.3g}"), float(f"{v[3]:.3g}")] for arm, v in sorted(worst.items())],
+                "notes": "Arms A, H and G use TRL's own old log-probs at generation time, so both sides measure the same "
+                         "tokens the same way: differences are float32 rounding (< 1e-6). C's differ by positions only "
+                         "(mask vs 0..L-1: < 3e-6); B, D, E, F score old log-probs in another precision, so their "
+                         "difference is the arm's effect, not a disagreement.",
+                "reference": None, "random_init": False, "plot": False})
+    rows = []
+    base = {t["shape"]: t["best_s"] for t in result.get("batch_invariant_timing", []) if t["batch_invariant"] == "0"}
+    for t in result.get("batch_invariant_timing", []):
+        g = t["greedy_b1_vs_b64"]
+        rows.append([t["shape"], t["batch_invariant"], t["best_s"], t["median_s"],
+                     _r(t["best_s"] / base[t["shape"]], 2) if t["shape"] in base else None,
+                     f"{g['bit_identical']}/{g['prompts']}", _r(g["max_abs_dlogp_same_tokens"])])
+    out.append({"id": "T13-bi", "title": "VLLM_BATCH_INVARIANT=1: generation time and greedy batch-1 vs batch-64",
+                "columns": ["model", "batch-invariant", "best s", "median s", "x default", "greedy b1 = b64 bitwise",
+                            "max |dlogp| (same tokens)"],
+                "rows": rows,
+                "notes": "64 prompts x 128 tokens (ignore_eos), best of 3 after a warm-up, one engine alone on the GPU, "
+                         "bf16, enforce_eager. llama-1b = random-init Llama (hidden 2048, 16 layers, vocab 49152, "
+                         "load_format dummy): timing only. Greedy: 4 prompts alone vs in the 64-batch, 64 tokens.",
+                "reference": None, "random_init": False, "plot": False})
+    return out
+
+
 def cmd_merge(args) -> None:
     """Combine runs made in several GPU calls: work folders (per-process JSON) and ``score`` outputs."""
     result: dict = {"table": "T13", "errors": {}, "sampler_vs_trainer": [], "truncation": [], "sources": []}
@@ -512,7 +600,9 @@ def cmd_merge(args) -> None:
         result["sources"].append(str(path))
     result["sampler_vs_trainer"] = [rows[k] for k in sorted(rows)]
     result["truncation"] = [trunc[k] for k in sorted(trunc)]
-    _write_json(Path(args.out), _clean(result))
+    document = {"benchmark": "vllm_live", "schema_version": 1, "env": result.pop("env", {}),
+                "params": result.pop("settings", {}), "results": result, "tables": tables(result)}
+    _write_json(Path(args.out), _clean(document))
     print(f"merged -> {args.out}: {len(result['trl_runs'])} TRL runs, {len(rows)} gap rows, {len(trunc)} truncation rows, "
           f"errors {sorted(result['errors'])}")
 
