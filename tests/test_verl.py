@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import types
@@ -128,6 +129,145 @@ def test_register_twice_is_idempotent():
     assert {k: dict(v) for k, v in EngineRegistry._engines["language_model"].items()} == before
     wrapped = rollout_corr_helper.compute_rollout_correction_and_add_to_batch
     assert wrapped.__bloggap_wrapped__ and not getattr(wrapped.__bloggap_original__, "__bloggap_wrapped__", False)
+
+
+# ------------------------------------------------------------------------------------------------ environment
+
+
+def _clear_bloggap_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("BLOGGAP_VERL_"):
+            monkeypatch.delenv(name)
+
+
+BAD_ENV = [
+    ("BLOGGAP_VERL_BAND", "abc", "a number in (0, 1)"),
+    ("BLOGGAP_VERL_BAND", "1.5", "a number in (0, 1)"),
+    ("BLOGGAP_VERL_BAND", "0", "a number in (0, 1)"),
+    ("BLOGGAP_VERL_BAND", "nan", "a number in (0, 1)"),
+    ("BLOGGAP_VERL_GUARD", "loud", "warn, raise, off"),
+    ("BLOGGAP_VERL_DISABLE", "2", "1, 0, true, false, yes, no, on, off"),
+    ("BLOGGAP_VERL_FP32_HEAD", "maybe", "1, 0, true, false, yes, no, on, off"),
+    ("BLOGGAP_VERL_FIX_TRUNCATION", "2", "1, 0, true, false, yes, no, on, off"),
+    ("BLOGGAP_VERL_KEPT_SOURCE", "sizes", "auto, support_size, retruncate, off"),
+    ("BLOGGAP_VERL_TOP_P", "0", "a number in (0, 1]"),
+    ("BLOGGAP_VERL_TOP_P", "1.5", "a number in (0, 1]"),
+    ("BLOGGAP_VERL_TOP_K", "2.5", "an integer >= -1"),
+    ("BLOGGAP_VERL_TOP_K", "-2", "an integer >= -1"),
+    ("BLOGGAP_VERL_MIN_P", "1", "a number in [0, 1)"),
+    ("BLOGGAP_VERL_MIN_P", "x", "a number in [0, 1)"),
+]
+
+
+@pytest.mark.parametrize("name,value,allowed", BAD_ENV)
+def test_bad_environment_value_fails_at_registration_naming_the_variable(monkeypatch, name, value, allowed):
+    _clear_bloggap_env(monkeypatch)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as err:
+        bverl.register()
+    message = str(err.value.code)
+    assert f"{name}={value!r}" in message and allowed in message, message
+    assert "\n" not in message
+
+
+def test_unknown_bloggap_variable_fails_at_registration(monkeypatch):
+    _clear_bloggap_env(monkeypatch)
+    monkeypatch.setenv("BLOGGAP_VERL_BNAD", "0.05")
+    with pytest.raises(SystemExit) as err:
+        bverl.register()
+    message = str(err.value.code)
+    assert "BLOGGAP_VERL_BNAD" in message and "BLOGGAP_VERL_BAND" in message, message
+
+
+GOOD_ENV = [
+    ({}, {"band": 0.1, "guard": "warn", "fp32_head": False, "fix_truncation": True, "kept_source": "auto", "top_k": None}),
+    ({"BLOGGAP_VERL_BAND": "0.05"}, {"band": 0.05}),
+    ({"BLOGGAP_VERL_BAND": ""}, {"band": 0.1}),  # empty = unset
+    ({"BLOGGAP_VERL_GUARD": "raise"}, {"guard": "raise"}),
+    ({"BLOGGAP_VERL_GUARD": " Off "}, {"guard": "off"}),
+    ({"BLOGGAP_VERL_FP32_HEAD": "1", "BLOGGAP_VERL_FIX_TRUNCATION": "no"}, {"fp32_head": True, "fix_truncation": False}),
+    ({"BLOGGAP_VERL_KEPT_SOURCE": "retruncate"}, {"kept_source": "retruncate"}),
+    ({"BLOGGAP_VERL_TOP_P": "1", "BLOGGAP_VERL_TOP_K": "20", "BLOGGAP_VERL_MIN_P": "0"}, {"top_p": 1.0, "top_k": 20, "min_p": 0.0}),
+    ({"BLOGGAP_VERL_TOP_K": "none", "BLOGGAP_VERL_TOP_P": "null"}, {"top_k": None, "top_p": None}),
+    ({"BLOGGAP_VERL_DISABLE": "0"}, {}),
+    ({"BLOGGAP_VERL_DISABLE": "off"}, {}),
+]
+
+
+@pytest.mark.parametrize("env,expected", GOOD_ENV)
+def test_good_environment_values_register_and_are_read(monkeypatch, env, expected):
+    from bloggap_plugin.verl.config import load_settings
+
+    _clear_bloggap_env(monkeypatch)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert bverl.register() is True
+    settings = load_settings()
+    for field_name, value in expected.items():
+        assert getattr(settings, field_name) == value, field_name
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES", "on"])
+def test_disable_values_switch_registration_off(monkeypatch, value):
+    _clear_bloggap_env(monkeypatch)
+    monkeypatch.setenv("BLOGGAP_VERL_DISABLE", value)
+    assert bverl.register() is False
+
+
+def test_hydra_node_values_are_validated_too():
+    from bloggap_plugin.verl.config import load_settings
+
+    for node, needle in (
+        ({"guard": "loud"}, "bloggap.guard='loud'"),
+        ({"band": "abc"}, "bloggap.band='abc'"),
+        ({"top_k": 2.5}, "bloggap.top_k=2.5"),
+        ({"fp32_head": 2}, "bloggap.fp32_head=2"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            load_settings(node, environ={})
+    assert load_settings({"band": 0.3, "top_k": 5}, environ={"BLOGGAP_VERL_BAND": "0.2"}).band == 0.3  # node wins
+
+
+def test_loss_band_comes_from_the_environment(monkeypatch):
+    _clear_bloggap_env(monkeypatch)
+    config = ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio=0.2,
+        loss_agg_mode="token-mean",
+        policy_loss=PolicyLossConfig(loss_mode="gap_vanilla"),
+    )
+    old = torch.zeros(1, 4)
+    new = torch.tensor([[0.0, 0.03, -0.07, 0.2]])  # ratios 1, 1.030, 0.932, 1.221
+    adv, mask = torch.ones(1, 4), torch.ones(1, 4)
+    loss_fn = get_policy_loss_fn("gap_vanilla")
+    for band, expected in (("0.1", 0.25), ("0.05", 0.5), ("0.02", 0.75)):
+        monkeypatch.setenv("BLOGGAP_VERL_BAND", band)
+        _, metrics = loss_fn(old, new, adv, mask, "token-mean", config, None)
+        assert metrics["gap/ratio/oob_frac"] == expected, band
+
+
+def test_only_config_reads_bloggap_environment_variables():
+    package = os.path.join(ROOT, "bloggap_plugin", "verl")
+    for name in sorted(os.listdir(package)):
+        if name.endswith(".py") and name != "config.py":
+            source = open(os.path.join(package, name)).read()
+            assert "os.environ" not in source and "getenv" not in source, name
+
+
+def test_import_verl_with_a_bad_value_exits_with_one_line(tmp_path):
+    env = dict(os.environ, PYTHONWARNINGS="ignore", BLOGGAP_VERL_GUARD="loud")
+    run = subprocess.run(
+        [sys.executable, "-c", "import torch; torch.set_num_threads(1); import verl; print('TRAINED ANYWAY')"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert run.returncode != 0 and "TRAINED ANYWAY" not in run.stdout
+    assert "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert "BLOGGAP_VERL_GUARD='loud'" in run.stderr.strip().splitlines()[-1]
 
 
 # ------------------------------------------------------------------------------------------------ lift maths
@@ -356,6 +496,17 @@ def test_v1_trainer_name_and_methods_are_wrapped(monkeypatch):
     wrapper(trainer, fake_meta, {})
     assert seen["bloggap_fp32_head"] is True and seen["bloggap_log_kept_mass"] == "retruncate"
     assert seen["bloggap_top_p"] == 0.9 and fake_meta.extra_info == {}
+
+    # a bad +bloggap node stops the trainer's constructor, before init() loads any worker or model
+    init = tb.PPOTrainer.__init__
+    assert init.__bloggap_wrapped__
+    built = []
+    monkeypatch.setattr(init, "__bloggap_original__", lambda self, config: built.append(config))
+    with pytest.raises(ValueError, match=re.escape("bloggap.guard='loud' is not valid: expected one of warn, raise, off")):
+        init(types.SimpleNamespace(), _trainer_config(guard="loud"))
+    assert built == []
+    init(types.SimpleNamespace(), _trainer_config(guard="raise"))
+    assert len(built) == 1
 
 
 def test_metrics_reach_verl_tracking_file_backend(batches, tmp_path, monkeypatch):
