@@ -6,7 +6,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["atomic_write_text", "check_writable_file"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "check_writable_file"]
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
@@ -15,11 +15,20 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     On any failure (full disk, permission) the previous file at ``path`` is left unchanged and the temporary file
     is removed; the error propagates.
     """
+    return _atomic_write(path, text, "w")
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """:func:`atomic_write_text` for bytes (written exactly, no encoding or newline translation)."""
+    return _atomic_write(path, data, "wb")
+
+
+def _atomic_write(path: str | os.PathLike, content: str | bytes, mode: str) -> Path:
     path = Path(path)
     handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
     try:
-        with os.fdopen(handle, "w") as out:
-            out.write(text)
+        with os.fdopen(handle, mode) as out:
+            out.write(content)
             out.flush()
             os.fsync(out.fileno())
         if path.exists():

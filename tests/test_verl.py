@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import types
@@ -128,6 +129,145 @@ def test_register_twice_is_idempotent():
     assert {k: dict(v) for k, v in EngineRegistry._engines["language_model"].items()} == before
     wrapped = rollout_corr_helper.compute_rollout_correction_and_add_to_batch
     assert wrapped.__bloggap_wrapped__ and not getattr(wrapped.__bloggap_original__, "__bloggap_wrapped__", False)
+
+
+# ------------------------------------------------------------------------------------------------ environment
+
+
+def _clear_bloggap_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("BLOGGAP_VERL_"):
+            monkeypatch.delenv(name)
+
+
+BAD_ENV = [
+    ("BLOGGAP_VERL_BAND", "abc", "a number in (0, 1)"),
+    ("BLOGGAP_VERL_BAND", "1.5", "a number in (0, 1)"),
+    ("BLOGGAP_VERL_BAND", "0", "a number in (0, 1)"),
+    ("BLOGGAP_VERL_BAND", "nan", "a number in (0, 1)"),
+    ("BLOGGAP_VERL_GUARD", "loud", "warn, raise, off"),
+    ("BLOGGAP_VERL_DISABLE", "2", "1, 0, true, false, yes, no, on, off"),
+    ("BLOGGAP_VERL_FP32_HEAD", "maybe", "1, 0, true, false, yes, no, on, off"),
+    ("BLOGGAP_VERL_FIX_TRUNCATION", "2", "1, 0, true, false, yes, no, on, off"),
+    ("BLOGGAP_VERL_KEPT_SOURCE", "sizes", "auto, support_size, retruncate, off"),
+    ("BLOGGAP_VERL_TOP_P", "0", "a number in (0, 1]"),
+    ("BLOGGAP_VERL_TOP_P", "1.5", "a number in (0, 1]"),
+    ("BLOGGAP_VERL_TOP_K", "2.5", "an integer >= -1"),
+    ("BLOGGAP_VERL_TOP_K", "-2", "an integer >= -1"),
+    ("BLOGGAP_VERL_MIN_P", "1", "a number in [0, 1)"),
+    ("BLOGGAP_VERL_MIN_P", "x", "a number in [0, 1)"),
+]
+
+
+@pytest.mark.parametrize("name,value,allowed", BAD_ENV)
+def test_bad_environment_value_fails_at_registration_naming_the_variable(monkeypatch, name, value, allowed):
+    _clear_bloggap_env(monkeypatch)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as err:
+        bverl.register()
+    message = str(err.value.code)
+    assert f"{name}={value!r}" in message and allowed in message, message
+    assert "\n" not in message
+
+
+def test_unknown_bloggap_variable_fails_at_registration(monkeypatch):
+    _clear_bloggap_env(monkeypatch)
+    monkeypatch.setenv("BLOGGAP_VERL_BNAD", "0.05")
+    with pytest.raises(SystemExit) as err:
+        bverl.register()
+    message = str(err.value.code)
+    assert "BLOGGAP_VERL_BNAD" in message and "BLOGGAP_VERL_BAND" in message, message
+
+
+GOOD_ENV = [
+    ({}, {"band": 0.1, "guard": "warn", "fp32_head": False, "fix_truncation": True, "kept_source": "auto", "top_k": None}),
+    ({"BLOGGAP_VERL_BAND": "0.05"}, {"band": 0.05}),
+    ({"BLOGGAP_VERL_BAND": ""}, {"band": 0.1}),  # empty = unset
+    ({"BLOGGAP_VERL_GUARD": "raise"}, {"guard": "raise"}),
+    ({"BLOGGAP_VERL_GUARD": " Off "}, {"guard": "off"}),
+    ({"BLOGGAP_VERL_FP32_HEAD": "1", "BLOGGAP_VERL_FIX_TRUNCATION": "no"}, {"fp32_head": True, "fix_truncation": False}),
+    ({"BLOGGAP_VERL_KEPT_SOURCE": "retruncate"}, {"kept_source": "retruncate"}),
+    ({"BLOGGAP_VERL_TOP_P": "1", "BLOGGAP_VERL_TOP_K": "20", "BLOGGAP_VERL_MIN_P": "0"}, {"top_p": 1.0, "top_k": 20, "min_p": 0.0}),
+    ({"BLOGGAP_VERL_TOP_K": "none", "BLOGGAP_VERL_TOP_P": "null"}, {"top_k": None, "top_p": None}),
+    ({"BLOGGAP_VERL_DISABLE": "0"}, {}),
+    ({"BLOGGAP_VERL_DISABLE": "off"}, {}),
+]
+
+
+@pytest.mark.parametrize("env,expected", GOOD_ENV)
+def test_good_environment_values_register_and_are_read(monkeypatch, env, expected):
+    from bloggap_plugin.verl.config import load_settings
+
+    _clear_bloggap_env(monkeypatch)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert bverl.register() is True
+    settings = load_settings()
+    for field_name, value in expected.items():
+        assert getattr(settings, field_name) == value, field_name
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES", "on"])
+def test_disable_values_switch_registration_off(monkeypatch, value):
+    _clear_bloggap_env(monkeypatch)
+    monkeypatch.setenv("BLOGGAP_VERL_DISABLE", value)
+    assert bverl.register() is False
+
+
+def test_hydra_node_values_are_validated_too():
+    from bloggap_plugin.verl.config import load_settings
+
+    for node, needle in (
+        ({"guard": "loud"}, "bloggap.guard='loud'"),
+        ({"band": "abc"}, "bloggap.band='abc'"),
+        ({"top_k": 2.5}, "bloggap.top_k=2.5"),
+        ({"fp32_head": 2}, "bloggap.fp32_head=2"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            load_settings(node, environ={})
+    assert load_settings({"band": 0.3, "top_k": 5}, environ={"BLOGGAP_VERL_BAND": "0.2"}).band == 0.3  # node wins
+
+
+def test_loss_band_comes_from_the_environment(monkeypatch):
+    _clear_bloggap_env(monkeypatch)
+    config = ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio=0.2,
+        loss_agg_mode="token-mean",
+        policy_loss=PolicyLossConfig(loss_mode="gap_vanilla"),
+    )
+    old = torch.zeros(1, 4)
+    new = torch.tensor([[0.0, 0.03, -0.07, 0.2]])  # ratios 1, 1.030, 0.932, 1.221
+    adv, mask = torch.ones(1, 4), torch.ones(1, 4)
+    loss_fn = get_policy_loss_fn("gap_vanilla")
+    for band, expected in (("0.1", 0.25), ("0.05", 0.5), ("0.02", 0.75)):
+        monkeypatch.setenv("BLOGGAP_VERL_BAND", band)
+        _, metrics = loss_fn(old, new, adv, mask, "token-mean", config, None)
+        assert metrics["gap/ratio/oob_frac"] == expected, band
+
+
+def test_only_config_reads_bloggap_environment_variables():
+    package = os.path.join(ROOT, "bloggap_plugin", "verl")
+    for name in sorted(os.listdir(package)):
+        if name.endswith(".py") and name != "config.py":
+            source = open(os.path.join(package, name)).read()
+            assert "os.environ" not in source and "getenv" not in source, name
+
+
+def test_import_verl_with_a_bad_value_exits_with_one_line(tmp_path):
+    env = dict(os.environ, PYTHONWARNINGS="ignore", BLOGGAP_VERL_GUARD="loud")
+    run = subprocess.run(
+        [sys.executable, "-c", "import torch; torch.set_num_threads(1); import verl; print('TRAINED ANYWAY')"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert run.returncode != 0 and "TRAINED ANYWAY" not in run.stdout
+    assert "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert "BLOGGAP_VERL_GUARD='loud'" in run.stderr.strip().splitlines()[-1]
 
 
 # ------------------------------------------------------------------------------------------------ lift maths
@@ -357,6 +497,17 @@ def test_v1_trainer_name_and_methods_are_wrapped(monkeypatch):
     assert seen["bloggap_fp32_head"] is True and seen["bloggap_log_kept_mass"] == "retruncate"
     assert seen["bloggap_top_p"] == 0.9 and fake_meta.extra_info == {}
 
+    # a bad +bloggap node stops the trainer's constructor, before init() loads any worker or model
+    init = tb.PPOTrainer.__init__
+    assert init.__bloggap_wrapped__
+    built = []
+    monkeypatch.setattr(init, "__bloggap_original__", lambda self, config: built.append(config))
+    with pytest.raises(ValueError, match=re.escape("bloggap.guard='loud' is not valid: expected one of warn, raise, off")):
+        init(types.SimpleNamespace(), _trainer_config(guard="loud"))
+    assert built == []
+    init(types.SimpleNamespace(), _trainer_config(guard="raise"))
+    assert len(built) == 1
+
 
 def test_metrics_reach_verl_tracking_file_backend(batches, tmp_path, monkeypatch):
     from verl.utils.tracking import Tracking
@@ -401,3 +552,179 @@ def test_recipes_compose_against_verls_hydra_config():
                 assert cfg.bloggap.fp32_head is True and cfg.actor_rollout_ref.model.use_fused_kernels is False
     with pytest.raises(ValueError, match="unknown bloggap setting"):
         load_settings({"fp32head": True})
+
+
+# ------------------------------------------------------------------------------------------------ differential
+# With untruncated sampling the plugin lifts nothing, so its wrapped compute_rollout_correction_and_add_to_batch must
+# give bit-identical tensors and rollout_corr/* metrics to verl's own function, over every preset and option.
+
+
+@pytest.fixture(scope="module")
+def pristine_helper():
+    """verl's rollout_corr_helper executed afresh from its file under another name: never wrapped by the plugin."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pristine_rollout_corr_helper", rollout_corr_helper.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert not getattr(module.compute_rollout_correction_and_add_to_batch, "__bloggap_wrapped__", False)
+    assert rollout_corr_helper.compute_rollout_correction_and_add_to_batch.__bloggap_wrapped__
+    return module
+
+
+def _differential_batches():
+    """Untruncated rollouts, 16 x 24: ``mild`` (0.05-nat noise, two shifted sequences, one empty response) and
+    ``far`` (every token 1 nat off: sequence IS weights at the exp(-20) floor, RS rejects everything)."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(11)
+    rows, width = 16, 24
+    old = torch.randn(rows, width, generator=gen) - 1.0
+    lengths = torch.randint(1, width + 1, (rows,), generator=gen)
+    lengths[3] = 0
+    mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).float()
+    mild = old + torch.randn(rows, width, generator=gen) * 0.05
+    mild[5] += 0.5
+    mild[9] -= 0.5
+    far = old + 1.0
+    uid = np.array([f"p{i // 4}" for i in range(rows)], dtype=object)
+    return {
+        name: {"old_log_probs": old * mask, "rollout_log_probs": rollout * mask, "response_mask": mask, "uid": uid}
+        for name, rollout in (("mild", mild), ("far", far))
+    }
+
+
+def _fresh(data: dict) -> DataProto:
+    tensors = {k: v.clone() for k, v in data.items() if isinstance(v, torch.Tensor)}
+    return DataProto.from_dict(tensors=tensors, non_tensors={"uid": data["uid"].copy()}, meta_info={"global_steps": 3})
+
+
+def _bits(value):
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, tuple(value.shape), value.detach().cpu().contiguous().numpy().tobytes())
+    if isinstance(value, float):
+        return ("float", value.hex())
+    return (type(value).__name__, value)
+
+
+def _run(fn, data, cfg):
+    try:
+        return fn(_fresh(data), cfg)
+    except Exception as err:  # noqa: BLE001 - an invalid option must fail the same way in both
+        return err
+
+
+def _assert_identical(got, want, label):
+    if isinstance(want, Exception):
+        assert type(got) is type(want) and str(got) == str(want), (label, got, want)
+        return
+    assert not isinstance(got, Exception), (label, got)
+    (got_batch, got_metrics), (want_batch, want_metrics) = got, want
+    assert sorted(got_batch.batch.keys()) == sorted(want_batch.batch.keys()), label
+    for key in want_batch.batch.keys():
+        assert _bits(got_batch.batch[key]) == _bits(want_batch.batch[key]), (label, key)
+    assert got_batch.non_tensor_batch.keys() == want_batch.non_tensor_batch.keys(), label
+    for key, value in want_batch.non_tensor_batch.items():
+        assert list(got_batch.non_tensor_batch[key]) == list(value), (label, key)
+    assert got_batch.meta_info == want_batch.meta_info, label
+    extra = set(got_metrics) - set(want_metrics)
+    assert set(want_metrics) <= set(got_metrics) and all(k.startswith("gap/verl/") for k in extra), (label, extra)
+    for key, value in want_metrics.items():
+        assert _bits(got_metrics[key]) == _bits(value), (label, key, got_metrics[key], value)
+
+
+def _presets() -> dict:
+    presets = {"default": RolloutCorrectionConfig()}
+    for name in sorted(dir(RolloutCorrectionConfig)):
+        factory = getattr(RolloutCorrectionConfig, name)
+        if callable(factory) and (name.startswith(("decoupled_", "bypass_")) or name == "disabled"):
+            presets[name] = factory()
+    presets["yaml_default"] = OmegaConf.load(
+        os.path.join(os.path.dirname(verl.__file__), "trainer", "config", "algorithm", "rollout_correction.yaml")
+    )
+    return presets
+
+
+def test_differential_covers_every_preset_and_rs_option():
+    presets = _presets()
+    # every classmethod preset verl 0.9.1 ships (19 with disabled), plus the dataclass and the YAML defaults
+    assert len(presets) == 21, sorted(presets)
+    used = set()
+    for _, rs, _ in _option_grid_rs():
+        used.update((rs or "").split(","))
+    assert set(rollout_corr_helper.SUPPORTED_ROLLOUT_RS_OPTIONS) <= used
+
+
+@pytest.mark.parametrize("context", ["none", "guard_warn", "guard_off"])
+def test_wrapped_correction_is_bit_identical_to_verl_for_every_preset(pristine_helper, monkeypatch, caplog, context):
+    _clear_bloggap_env(monkeypatch)
+    wrapped = rollout_corr_helper.compute_rollout_correction_and_add_to_batch
+    batches = _differential_batches()
+    steps = {"none": None, "guard_warn": _trainer_config(), "guard_off": _trainer_config(guard="off")}
+    fired = 0
+    for name, preset in _presets().items():
+        for form, cfg in (("dataclass", preset), ("omegaconf", OmegaConf.structured(preset))):
+            for batch_name, data in batches.items():
+                label = (context, name, form, batch_name)
+                want = _run(pristine_helper.compute_rollout_correction_and_add_to_batch, data, cfg)
+                if steps[context] is None:
+                    got = _run(wrapped, data, cfg)
+                else:
+                    with trainer_step(steps[context]):
+                        got = _run(wrapped, data, cfg)
+                _assert_identical(got, want, label)
+                if not isinstance(got, Exception):
+                    fired += got[1].get("gap/verl/all_rejected", 0.0) == 1.0
+    # the guard path (warning, metrics) ran on the far batch and still changed nothing
+    assert (fired > 0) == (context != "guard_off")
+
+
+def _option_grid_rs():
+    """(label, rollout_rs, rollout_rs_threshold) over every RS option verl 0.9.1 supports, each threshold form."""
+    grid = [("no rs", None, None)]
+    for option in sorted(rollout_corr_helper.SUPPORTED_ROLLOUT_RS_OPTIONS):
+        if option.endswith("k1"):  # a band, or one float U meaning [1/U, U]
+            grid += [(option, option, "0.9_1.1"), (option, option, 1.1)]
+        else:
+            grid += [(option, option, 0.002 if option.startswith("seq_mean") else "0.05")]
+    grid += [
+        ("shared threshold", "seq_mean_k2,seq_max_k3", 0.01),
+        ("per-option thresholds", "token_k1,seq_sum_k2,seq_max_k3", "0.8_1.25,0.5,0.01"),
+        ("duplicate option", "seq_mean_k1,seq_mean_k1", "0.95_1.05"),
+        ("invalid: no threshold", "token_k2", None),
+        ("invalid: k2 with a band", "token_k2", "0.5_2.0"),
+        ("invalid: unknown option", "seq_k9", 0.1),
+    ]
+    return grid
+
+
+def test_wrapped_correction_is_bit_identical_to_verl_over_every_option(pristine_helper, monkeypatch):
+    _clear_bloggap_env(monkeypatch)
+    wrapped = rollout_corr_helper.compute_rollout_correction_and_add_to_batch
+    data = _differential_batches()["mild"]
+    is_grid = [(None, 2.0, False)] + [
+        (level, threshold, normalize)
+        for level in ("token", "sequence")
+        for threshold in (2.0, "1.05", "0.8_1.25")  # TIS as a float, TIS as a string, IcePop band
+        for normalize in (False, True)
+    ]
+    outcomes = set()
+    with trainer_step(_trainer_config()):
+        for rollout_is, is_threshold, normalize in is_grid:
+            for label, rollout_rs, rs_threshold in _option_grid_rs():
+                cfg = OmegaConf.create(
+                    {
+                        "rollout_is": rollout_is,
+                        "rollout_is_threshold": is_threshold,
+                        "rollout_is_batch_normalize": normalize,
+                        "rollout_rs": rollout_rs,
+                        "rollout_rs_threshold": rs_threshold,
+                        "bypass_mode": False,
+                        "loss_type": "ppo_clip",
+                    }
+                )
+                want = _run(pristine_helper.compute_rollout_correction_and_add_to_batch, data, cfg)
+                got = _run(wrapped, data, cfg)
+                _assert_identical(got, want, (rollout_is, is_threshold, normalize, label))
+                outcomes.add(type(got).__name__ if isinstance(got, Exception) else "ok")
+    assert outcomes == {"ok", "ValueError"}

@@ -4,6 +4,10 @@ verl 0.9.1's ``verl/__init__.py`` loads every entry point of the group ``verl.pl
 ``VERL_USE_EXTERNAL_PLUGINS=none``), so importing verl in any process (driver, TaskRunner, Ray workers) imports
 this module, which calls :func:`register`. Set ``BLOGGAP_VERL_DISABLE=1`` to switch it off.
 
+:func:`register` first validates every ``BLOGGAP_VERL_*`` variable (:func:`bloggap_plugin.verl.config.read_environment`);
+a bad value raises :class:`SystemExit` with a one-line message naming the variable, because verl's plugin loader
+swallows ``Exception`` subclasses at DEBUG level, which would silently run without the plugin.
+
 :func:`register` installs, each as soon as its verl module is imported (nothing is imported eagerly, because
 this runs while ``verl/__init__`` is still executing):
 
@@ -22,9 +26,9 @@ import threading
 
 import torch
 
-__all__ = ["lift_rollout_log_probs", "register", "is_registered", "DISABLE_ENV"]
+from bloggap_plugin.verl.config import DISABLE_ENV, SettingsError, read_environment
 
-DISABLE_ENV = "BLOGGAP_VERL_DISABLE"
+__all__ = ["lift_rollout_log_probs", "register", "is_registered", "DISABLE_ENV"]
 logger = logging.getLogger("bloggap.verl")
 _LOCK = threading.Lock()
 _REGISTERED = False
@@ -87,9 +91,15 @@ HOOKS = (
 
 
 def register(force: bool = False) -> bool:
-    """Install every hook (idempotent). Returns False when disabled by ``BLOGGAP_VERL_DISABLE=1``."""
+    """Install every hook (idempotent). Returns False when disabled by ``BLOGGAP_VERL_DISABLE=1`` (ignored with
+    ``force``). Raises :class:`SystemExit` (one line, naming the variable) when a ``BLOGGAP_VERL_*`` variable is
+    bad."""
     global _REGISTERED
-    if not force and os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+    try:
+        disabled, _ = read_environment()
+    except SettingsError as err:
+        raise SystemExit(f"bloggap verl plugin: {err}") from None
+    if disabled and not force:
         logger.info("bloggap verl plugin disabled by %s", DISABLE_ENV)
         return False
     from bloggap_plugin.verl._hooks import when_imported

@@ -8,6 +8,10 @@ fields, so the plugin keeps its settings in a node of its own, added with ``+``:
 Only the trainer process (TaskRunner) sees that node. Workers (engine, policy loss) read the environment
 (``BLOGGAP_VERL_<FIELD>``, e.g. ``BLOGGAP_VERL_BAND=0.05``), and the trainer forwards what the engine needs per
 call through the batch's ``extra_info`` (``bloggap_*`` keys), so the Hydra node is enough for a normal run.
+
+This module is the only place that reads ``BLOGGAP_VERL_*`` variables (:func:`read_environment`). Registration
+(the ``verl.plugins`` entry point) validates all of them at once, so a bad value stops the process with a one-line
+message naming the variable before verl builds anything. An empty value counts as unset.
 """
 
 from __future__ import annotations
@@ -19,6 +23,15 @@ from typing import Any
 
 KEPT_SOURCES = ("auto", "support_size", "retruncate", "off")
 GUARD_MODES = ("warn", "raise", "off")
+ENV_PREFIX = "BLOGGAP_VERL_"
+DISABLE_ENV = "BLOGGAP_VERL_DISABLE"
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+_NONE_WORDS = ("none", "null")
+
+
+class SettingsError(ValueError):
+    """A bad plugin setting; the message is one line naming the setting, its value and the allowed values."""
 
 
 @dataclass
@@ -56,49 +69,133 @@ class BloggapVerlConfig:
     """Override of the rollout's min_p (default: ``actor_rollout_ref.rollout.min_p`` if present, else 0)."""
 
     def __post_init__(self) -> None:
-        if self.kept_source not in KEPT_SOURCES:
-            raise ValueError(f"bloggap.kept_source must be one of {KEPT_SOURCES}, got {self.kept_source!r}")
-        if self.guard not in GUARD_MODES:
-            raise ValueError(f"bloggap.guard must be one of {GUARD_MODES}, got {self.guard!r}")
-        if not 0.0 < float(self.band) < 1.0:
-            raise ValueError(f"bloggap.band must be in (0, 1), got {self.band}")
+        for item in dataclasses.fields(self):
+            setattr(self, item.name, _parse_setting(item.name, getattr(self, item.name), f"bloggap.{item.name}"))
 
 
-def _coerce(field: dataclasses.Field, raw: Any) -> Any:
-    if raw is None:
-        return None
-    if field.type in ("bool", bool):
-        if isinstance(raw, bool):
-            return raw
-        text = str(raw).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"bloggap.{field.name} must be a boolean, got {raw!r}")
-    if "float" in str(field.type):
-        return None if str(raw).lower() in ("none", "null") else float(raw)
-    if "int" in str(field.type):
-        return None if str(raw).lower() in ("none", "null") else int(raw)
-    return str(raw)
+def _bool(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in TRUE_WORDS:
+        return True
+    if text in FALSE_WORDS:
+        return False
+    raise ValueError(raw)
+
+
+def _number(raw: Any, low: float, high: float, low_open: bool, high_open: bool) -> float:
+    if isinstance(raw, bool):
+        raise ValueError(raw)
+    value = float(raw.strip() if isinstance(raw, str) else raw)
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if not (above and below):  # also rejects nan
+        raise ValueError(raw)
+    return value
+
+
+def _integer(raw: Any, low: int) -> int:
+    if isinstance(raw, bool):
+        raise ValueError(raw)
+    if isinstance(raw, float):
+        if not raw.is_integer():
+            raise ValueError(raw)
+        raw = int(raw)
+    value = int(raw.strip() if isinstance(raw, str) else raw)
+    if value < low:
+        raise ValueError(raw)
+    return value
+
+
+def _choice(raw: Any, choices: tuple[str, ...]) -> str:
+    text = str(raw).strip().lower()
+    if text not in choices:
+        raise ValueError(raw)
+    return text
+
+
+def _optional(parse):
+    def parse_optional(raw: Any):
+        if raw is None or (isinstance(raw, str) and raw.strip().lower() in _NONE_WORDS):
+            return None
+        return parse(raw)
+
+    return parse_optional
+
+
+_BOOL_WORDS = ", ".join(w for pair in zip(TRUE_WORDS, FALSE_WORDS) for w in pair)
+# field -> (parser of a raw value from the environment or the Hydra node, allowed values in words)
+_PARSERS = {
+    "fix_truncation": (_bool, f"one of {_BOOL_WORDS}"),
+    "kept_source": (lambda raw: _choice(raw, KEPT_SOURCES), f"one of {', '.join(KEPT_SOURCES)}"),
+    "guard": (lambda raw: _choice(raw, GUARD_MODES), f"one of {', '.join(GUARD_MODES)}"),
+    "fp32_head": (_bool, f"one of {_BOOL_WORDS}"),
+    "band": (lambda raw: _number(raw, 0.0, 1.0, True, True), "a number in (0, 1), e.g. 0.1"),
+    "top_p": (_optional(lambda raw: _number(raw, 0.0, 1.0, True, False)), "a number in (0, 1], or none"),
+    "top_k": (_optional(lambda raw: _integer(raw, -1)), "an integer >= -1 (-1 or 0 = no top-k), or none"),
+    "min_p": (_optional(lambda raw: _number(raw, 0.0, 1.0, False, True)), "a number in [0, 1), or none"),
+}
+ALLOWED = {name: allowed for name, (_, allowed) in _PARSERS.items()}
+DISABLE_ALLOWED = f"one of {_BOOL_WORDS}"
+
+
+def _parse_setting(name: str, raw: Any, source: str) -> Any:
+    """The typed value of setting ``name`` from ``raw``; a one-line :class:`SettingsError` naming ``source``
+    (``BLOGGAP_VERL_BAND`` or ``bloggap.band``), the value and the allowed values when ``raw`` is not allowed."""
+    try:
+        return _PARSERS[name][0](raw)
+    except (TypeError, ValueError):
+        raise SettingsError(f"{source}={raw!r} is not valid: expected {ALLOWED[name]}") from None
+
+
+def env_name(field_name: str) -> str:
+    """The environment variable of a setting: ``band`` -> ``BLOGGAP_VERL_BAND``."""
+    return f"{ENV_PREFIX}{field_name.upper()}"
+
+
+def environment_variables() -> tuple[str, ...]:
+    """Every ``BLOGGAP_VERL_*`` variable the plugin reads."""
+    return (DISABLE_ENV, *(env_name(f.name) for f in dataclasses.fields(BloggapVerlConfig)))
+
+
+def read_environment(environ: dict | None = None) -> tuple[bool, dict[str, Any]]:
+    """``(disabled, {field: value})`` from the ``BLOGGAP_VERL_*`` variables of ``environ`` (default ``os.environ``).
+
+    The only reader of these variables. Empty values count as unset. Raises :class:`SettingsError` (one line,
+    naming the variable, its value and the allowed values) on a bad value or an unknown ``BLOGGAP_VERL_*`` name.
+    """
+    environ = os.environ if environ is None else environ
+    known = environment_variables()
+    for name in sorted(environ):
+        if name.startswith(ENV_PREFIX) and name not in known:
+            raise SettingsError(f"unknown environment variable {name}; unset it or use one of {', '.join(known)}")
+    disabled = False
+    raw = environ.get(DISABLE_ENV, "")
+    if raw.strip():
+        try:
+            disabled = _bool(raw)
+        except ValueError:
+            raise SettingsError(f"{DISABLE_ENV}={raw!r} is not valid: expected {DISABLE_ALLOWED}") from None
+    values: dict[str, Any] = {}
+    for item in dataclasses.fields(BloggapVerlConfig):
+        raw = environ.get(env_name(item.name), "")
+        if raw.strip():
+            values[item.name] = _parse_setting(item.name, raw, env_name(item.name))
+    return disabled, values
 
 
 def load_settings(node: Any = None, environ: dict | None = None) -> BloggapVerlConfig:
     """Settings from ``BLOGGAP_VERL_*`` environment variables, then the ``bloggap`` config node (wins)."""
-    environ = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
-    names = {f.name: f for f in dataclasses.fields(BloggapVerlConfig)}
-    for name, field in names.items():
-        raw = environ.get(f"BLOGGAP_VERL_{name.upper()}")
-        if raw is not None:
-            values[name] = _coerce(field, raw)
+    _, values = read_environment(environ)
     if node is not None:
         items = dict(node.items()) if hasattr(node, "items") else dict(node)
+        names = [f.name for f in dataclasses.fields(BloggapVerlConfig)]
         unknown = sorted(set(items) - set(names))
         if unknown:
-            raise ValueError(f"unknown bloggap setting(s) {unknown}; valid: {sorted(names)}")
+            raise SettingsError(f"unknown bloggap setting(s) {unknown}; valid: {sorted(names)}")
         for name, raw in items.items():
-            values[name] = _coerce(names[name], raw)
+            values[name] = _parse_setting(name, raw, f"bloggap.{name}")
     return BloggapVerlConfig(**values)
 
 

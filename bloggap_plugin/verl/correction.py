@@ -371,11 +371,31 @@ def engine_extra_info(context: StepContext) -> dict:
     return info
 
 
+def _validate_settings_at_construction(trainer_cls) -> None:
+    """Make ``trainer_cls.__init__`` check the ``bloggap`` config node first, so a bad ``+bloggap.*`` value fails
+    in the constructor, before the trainer starts workers or loads a model (``SettingsError``, one line)."""
+    init = trainer_cls.__init__
+    if getattr(init, "__bloggap_wrapped__", False):
+        return
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):  # noqa: N807 - replaces the constructor
+        config = kwargs.get("config", args[0] if args else None)
+        settings_from_trainer_config(config)
+        return __init__.__bloggap_original__(self, *args, **kwargs)
+
+    __init__.__bloggap_wrapped__ = True
+    __init__.__bloggap_original__ = init
+    trainer_cls.__init__ = __init__
+
+
 def patch_v1_trainer_module(module) -> None:
-    """Wrap ``trainer_base.compute_rollout_correction_and_add_to_batch`` (the name V1 calls) and make
-    ``PPOTrainer._compute_old_log_prob`` / ``_compute_advantage`` publish the step context."""
+    """Wrap ``trainer_base.compute_rollout_correction_and_add_to_batch`` (the name V1 calls), make
+    ``PPOTrainer._compute_old_log_prob`` / ``_compute_advantage`` publish the step context and its constructor
+    validate the ``bloggap`` node."""
     module.compute_rollout_correction_and_add_to_batch = make_wrapper(module.compute_rollout_correction_and_add_to_batch)
     trainer_cls = module.PPOTrainer
+    _validate_settings_at_construction(trainer_cls)
 
     old_log_prob = trainer_cls._compute_old_log_prob
     if not getattr(old_log_prob, "__bloggap_wrapped__", False):
@@ -414,8 +434,10 @@ def patch_v1_trainer_module(module) -> None:
 
 
 def patch_legacy_trainer_module(module) -> None:
-    """Legacy ``RayPPOTrainer.fit`` imports the helper inside the function; publish the context around fit."""
+    """Legacy ``RayPPOTrainer.fit`` imports the helper inside the function; publish the context around fit (and
+    validate the ``bloggap`` node in the constructor)."""
     trainer_cls = module.RayPPOTrainer
+    _validate_settings_at_construction(trainer_cls)
     fit = trainer_cls.fit
     if getattr(fit, "__bloggap_wrapped__", False):
         return

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
+
+from bloggap_plugin.verl.config import load_settings
 
 logger = logging.getLogger("bloggap.verl")
 
@@ -115,10 +116,6 @@ def _non_tensor(micro_batch, key: str, default):
     return tu.get_non_tensor_data(data=micro_batch, key=key, default=default)
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def make_engine_class(base):
     """The bloggap subclass of verl's ``FSDPEngineWithLMHead`` (``base``)."""
 
@@ -131,7 +128,7 @@ def make_engine_class(base):
             only = bool(forward_only and loss_function is None)
             self._bloggap_forward_only = only
             flag = _non_tensor(micro_batch, "bloggap_fp32_head", None)
-            fp32 = only and (bool(flag) if flag is not None else _env_flag("BLOGGAP_VERL_FP32_HEAD"))
+            fp32 = only and (bool(flag) if flag is not None else load_settings().fp32_head)
             try:
                 if not fp32:
                     return super().forward_step(micro_batch, loss_function, forward_only)

@@ -18,11 +18,10 @@ the same numbers measure the real update.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from bloggap_plugin.core.metrics import abs_dlogp_stats, clip_flip_fraction, clipped_fraction, oob_fraction
+from bloggap_plugin.verl.config import load_settings
 
 LOSS_NAME = "gap_vanilla"
 
@@ -77,7 +76,7 @@ def compute_policy_loss_gap_vanilla(
     clip_ratio = config.clip_ratio
     eps_low = config.clip_ratio_low if config.clip_ratio_low is not None else clip_ratio
     eps_high = config.clip_ratio_high if config.clip_ratio_high is not None else clip_ratio
-    band = float(os.environ.get("BLOGGAP_VERL_BAND", "0.1"))
+    band = load_settings().band  # BLOGGAP_VERL_BAND: the loss runs in workers, which see only the environment
     with torch.no_grad():
         metrics = dict(metrics)
         metrics.update(gap_ratio_metrics(old_log_prob, log_prob, advantages, response_mask, eps_low, eps_high, band))
