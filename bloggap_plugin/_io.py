@@ -6,20 +6,26 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["atomic_write_text", "check_writable_file"]
+__all__ = ["atomic_write_text", "atomic_write_bytes", "check_writable_file"]
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same folder, then ``os.replace`` it into place.
+    """Write ``text`` (UTF-8) to ``path`` through a temporary file in the same folder, then ``os.replace`` it into
+    place.
 
     On any failure (full disk, permission) the previous file at ``path`` is left unchanged and the temporary file
     is removed; the error propagates.
     """
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """:func:`atomic_write_text` for bytes (e.g. a PNG rendered into memory)."""
     path = Path(path)
     handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
     try:
-        with os.fdopen(handle, "w") as out:
-            out.write(text)
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
             out.flush()
             os.fsync(out.fileno())
         if path.exists():
