@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from bloggap_plugin.compare import (
     run_settings,
     summarize_run,
     t_quantile,
+    write_outputs,
 )
 
 # A stand-in for run_training with the same signature: rewards are a closed form of (arm, seed, step), so the
@@ -76,6 +78,7 @@ def fake(tmp_path, monkeypatch):
     (module_dir / "fake_train.py").write_text(FAKE_TRAIN)
     calls = tmp_path / "calls.jsonl"
     monkeypatch.setenv("FAKE_CALLS", str(calls))
+    monkeypatch.syspath_prepend(str(module_dir))  # for the sweep's own check of --run-fn
     monkeypatch.delenv("FAKE_HANG", raising=False)
     monkeypatch.delenv("FAKE_CRASH", raising=False)
     monkeypatch.delenv("FAKE_SLOW", raising=False)
@@ -355,6 +358,151 @@ def test_task_kwargs_need_a_run_function_that_takes_them(tmp_path, fake):
     with pytest.raises(CompareError, match=r"--run-fn narrow_train:run_training takes no task_kwargs, so \['difficulty'\]"):
         run_compare(config, echo=lambda m: None)
     assert not Path(config.output_dir).exists()  # refused before anything ran
+
+
+def test_resume_runs_again_when_its_settings_changed(tmp_path, fake):
+    """A finished run counts only for the settings it was trained with: other --max-steps, --model, --override or
+    recipe content train it again (the old log kept aside), and the table never labels old logs with new settings."""
+    pytest.importorskip("matplotlib")
+    config = _config(tmp_path, fake, seeds=[0], parallel=2)
+    run_compare(config, echo=lambda m: None)
+    assert sorted(_calls(fake)) == ["A_s0", "B_s0"]
+    messages = []
+    res = run_compare(_config(tmp_path, fake, seeds=[0], max_steps=6), echo=messages.append)
+    assert sorted(_calls(fake)[2:]) == ["A_s0", "B_s0"] and sorted(_calls(fake, "max_steps")[2:]) == [6, 6]
+    assert any("A_s0" in m and "other settings (max_steps 4 -> 6)" in m for m in messages), messages
+    assert {k: v["steps"] for k, v in res["runs"].items()} == {"A_s0": 6, "B_s0": 6}
+    assert (Path(config.output_dir) / "runs" / "A_s0.jsonl.stale").exists()
+    # Other overrides, then another model: both runs again each time.
+    run_compare(_config(tmp_path, fake, seeds=[0], max_steps=6, extra_overrides={}), echo=messages.append)
+    assert _calls(fake, "overrides")[4:] == [{}, {}]
+    assert any('extra_overrides {"num_iterations": 2} -> {}' in m for m in messages)
+    run_compare(_config(tmp_path, fake, seeds=[0], max_steps=6, extra_overrides={}, model="tiny-random-gpt2"),
+                echo=messages.append)
+    assert _calls(fake, "model")[6:] == ["tiny-random-gpt2", "tiny-random-gpt2"]
+    # The recipe file of B changes: B alone runs again.
+    final = _config(tmp_path, fake, seeds=[0], max_steps=6, extra_overrides={}, model="tiny-random-gpt2")
+    recipe_b = Path(final.recipes[1])
+    recipe_b.write_text(recipe_b.read_text().replace("1.0e-6", "2.0e-6"))
+    run_compare(final, echo=messages.append)
+    assert _calls(fake)[8:] == ["B_s0"]
+    assert any("B_s0" in m and "the recipe file's content" in m for m in messages)
+    # Same settings: nothing runs.
+    run_compare(final, echo=messages.append)
+    assert len(_calls(fake)) == 9
+    # --table-only with settings the logs were not trained with: those runs are set aside, not relabelled.
+    other = dataclasses.replace(final, max_steps=4)
+    res = build_results(other, plan_runs(other))
+    assert res["runs"] == {} and sorted(res["set_aside"]) == ["A_s0", "B_s0"]
+    assert "max_steps 6 -> 4" in res["set_aside"]["A_s0"]
+
+
+def test_a_failed_output_write_keeps_the_previous_files(tmp_path, fake, monkeypatch):
+    import errno
+
+    pytest.importorskip("matplotlib")
+    config = _config(tmp_path, fake, seeds=[0])
+    run_compare(config, echo=lambda m: None)
+    out = Path(config.output_dir)
+    before = {name: (out / name).read_bytes() for name in ("compare.json", "compare.md", "reward_curves.png")}
+    other = _config(tmp_path, fake, seeds=[0], last_n=3)  # a different table: the new files would differ
+    results = build_results(other, plan_runs(other))
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(CompareError, match=r"compare\.json: cannot write \(No space left on device\); the previous "
+                       r"file is unchanged .* --table-only"):
+        write_outputs(other, results)
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+    monkeypatch.undo()
+    write_outputs(other, results)  # the disk has room again: all three are replaced
+    assert (out / "compare.md").read_bytes() != before["compare.md"] and "reward last-3" in (out / "compare.md").read_text()
+
+
+def _cli(args, capsys) -> tuple[int, str, str]:
+    from bloggap_plugin.cli import main
+
+    code = main(["compare", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize(
+    "args, problem",
+    [
+        (["--parallel", "0"], "--parallel 0: must be a whole number >= 1"),
+        (["--max-steps", "0"], "--max-steps 0: must be a whole number >= 1"),
+        (["--max-steps", "-1"], "--max-steps -1: must be a whole number >= 1"),
+        (["--last-n", "0"], "--last-n 0: must be a whole number >= 1"),
+        (["--seeds", "0", "1", "0"], "--seeds 0 1 0: seed 0 is repeated; give each seed once"),
+        (["--baseline", "Z"], "--baseline Z names no arm; the arms are A, B"),
+        (["--difficulty", "9"], "--difficulty: arith difficulty must be one of [1, 2, 3, 4, 5]"),
+        (["--override", "[1]"], "--override must be a JSON object of GRPOConfig fields"),
+    ],
+)
+def test_bad_compare_input_fails_in_one_line_before_anything_runs(tmp_path, fake, capsys, args, problem):
+    out = tmp_path / "out"
+    code, stdout, stderr = _cli([*_recipes(tmp_path), "--seeds", "0", "--max-steps", "2", "--output-dir", str(out),
+                                 "--run-fn", "fake_train:run_training", *args], capsys)
+    assert code == 2 and stderr.startswith(f"bloggap compare: {problem}"), stderr
+    assert len(stderr.strip().splitlines()) == 1 and not out.exists() and _calls(fake) == []
+
+
+@pytest.mark.parametrize(
+    "override, problem",
+    [
+        ('{"num_iteration": 2}', "--override: unknown key 'num_iteration' (did you mean 'num_iterations'?)"),
+        ('{"num_generations": 3}', 'with --override {"num_generations": 3}: GRPOConfig rejects it: '),
+    ],
+)
+def test_overrides_are_checked_once_against_grpo_config_before_any_run(tmp_path, capsys, override, problem):
+    """With the real training function the recipes and --override make each arm's GRPOConfig up front (today this
+    failed inside every run, after its model loaded)."""
+    pytest.importorskip("trl")
+    out = tmp_path / "out"
+    code, _, stderr = _cli([*_recipes(tmp_path), "--seeds", "0", "--max-steps", "2", "--output-dir", str(out),
+                            "--model", "tiny-random-llama", "--override", override], capsys)
+    assert code == 2 and problem in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert not out.exists()
+
+
+def test_a_second_sweep_on_the_same_folder_is_refused_in_one_line(tmp_path, fake, capsys):
+    import fcntl
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / ".compare.lock", "w") as held:  # a sweep (or a run it started) holds the folder
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        code, _, stderr = _cli([*_recipes(tmp_path), "--seeds", "0", "--output-dir", str(out),
+                                "--run-fn", "fake_train:run_training"], capsys)
+    assert code == 2 and "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
+    assert stderr.startswith(f"bloggap compare: another bloggap compare (or a run it started) is using {out}")
+    assert _calls(fake) == []
+
+
+def test_a_corrupted_log_line_sets_that_run_aside_naming_file_and_line(tmp_path, fake, capsys):
+    pytest.importorskip("matplotlib")
+    config = _config(tmp_path, fake)
+    run_compare(config, echo=lambda m: None)
+    log = Path(config.output_dir) / "runs" / "A_s1.jsonl"
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join([lines[0], '{"step": 2, "rew', *lines[2:]]) + "\n")
+    code, stdout, stderr = _cli([*config.recipes, "--seeds", "0", "1", "--max-steps", "4", "--output-dir",
+                                 config.output_dir, "--last-n", "2", "--override", '{"num_iterations": 2}',
+                                 "--model", config.model, "--run-fn", config.run_fn, "--table-only"], capsys)
+    assert code == 1 and "Traceback" not in stderr, stderr
+    assert f"A_s1: set aside: {log}:2: not a JSON line" in stdout
+    document = json.loads((Path(config.output_dir) / "compare.json").read_text())
+    assert sorted(document["results"]["runs"]) == ["A_s0", "B_s0", "B_s1"]
+    assert document["results"]["arms"]["B"]["delta_vs_base"] == {"0": pytest.approx(0.25)}  # no A for seed 1
+    messages = []
+    res = run_compare(config, echo=messages.append)  # a sweep trains it again, keeping the corrupt log aside
+    assert _calls(fake)[4:] == ["A_s1"] and res["set_aside"] == {} and res["failed"] == {}
+    assert any(f"{log}:2: not a JSON line" in m and "kept as A_s1.jsonl.corrupt" in m for m in messages)
+    assert (log.parent / "A_s1.jsonl.corrupt").read_text().count("\n") == 5
 
 
 # --------------------------------------------------------------------------------------------- real training
