@@ -3,16 +3,26 @@
 Every arm runs with the same seeds, so for one seed all arms see the same prompts in the same order and the
 same sampling seeds; they differ only in what the recipe changes (the old-logprob pass). Each run is a
 subprocess (``python -m bloggap_plugin.compare --worker SPEC``) that calls the training function
-(default :func:`bloggap_plugin.trl.train.run_training`), which writes one JSONL record per logged step. When
-the function returns, the worker appends a completion marker line ``{"_compare": "done", ...}`` to that log.
+(default :func:`bloggap_plugin.trl.train.run_training`), which writes one JSONL record per logged step into a
+log of its own (``runs/<run>.<attempt>.part.jsonl``). When the function returns, the worker appends a
+completion marker ``{"_compare": "done", "attempt": ..., "settings": {...}, ...}`` and renames that log to
+``runs/<run>.jsonl``: the run's log exists only complete, and only one process ever writes a given file.
 
-Resume: a run whose log ends with the marker is skipped; a run whose log has no marker (killed, crashed) is
-started again from scratch (its partial log is moved to ``<run>.jsonl.partial``). A crashed run does not stop
-the sweep: the table is built from the runs that finished and the command exits non-zero naming the others.
+Every setting is checked before anything trains (:func:`validate_config`, :class:`CompareError`).
+
+Resume: a run whose log carries the marker and the same settings (:func:`run_settings`: training function,
+recipe content, model, task, steps, seed, overrides) is skipped; one trained with other settings, or whose log
+is corrupt, is trained again, its old log kept as ``<run>.jsonl.stale`` / ``.corrupt``; the log of an attempt
+that never completed is kept as ``<run>.jsonl.partial``. A crashed run does not stop the sweep: the table is
+built from the runs that finished and the command exits non-zero naming the others.
+
+Stopping: runs die with the sweep (``PR_SET_PDEATHSIG`` on Linux and a parent-watch thread, so also on SIGKILL
+or an OOM kill of the sweep); SIGTERM, SIGHUP and Ctrl-C stop every run before the sweep exits. The runs
+inherit the folder's lock, so no other sweep uses the folder while any of them lives.
 
 Outputs in ``output_dir``: ``runs/<arm>_s<seed>.jsonl`` (+ ``.out`` with the run's console output),
 ``compare.json`` (benchmark schema: params, raw per-run results, tables), ``compare.md`` and
-``reward_curves.png``.
+``reward_curves.png``, each written atomically.
 
 Table definitions (as in the reference study's T10):
 
