@@ -3,16 +3,26 @@
 Every arm runs with the same seeds, so for one seed all arms see the same prompts in the same order and the
 same sampling seeds; they differ only in what the recipe changes (the old-logprob pass). Each run is a
 subprocess (``python -m bloggap_plugin.compare --worker SPEC``) that calls the training function
-(default :func:`bloggap_plugin.trl.train.run_training`), which writes one JSONL record per logged step. When
-the function returns, the worker appends a completion marker line ``{"_compare": "done", ...}`` to that log.
+(default :func:`bloggap_plugin.trl.train.run_training`), which writes one JSONL record per logged step into a
+log of its own (``runs/<run>.<attempt>.part.jsonl``). When the function returns, the worker appends a
+completion marker ``{"_compare": "done", "attempt": ..., "settings": {...}, ...}`` and renames that log to
+``runs/<run>.jsonl``: the run's log exists only complete, and only one process ever writes a given file.
 
-Resume: a run whose log ends with the marker is skipped; a run whose log has no marker (killed, crashed) is
-started again from scratch (its partial log is moved to ``<run>.jsonl.partial``). A crashed run does not stop
-the sweep: the table is built from the runs that finished and the command exits non-zero naming the others.
+Every setting is checked before anything trains (:func:`validate_config`, :class:`CompareError`).
+
+Resume: a run whose log carries the marker and the same settings (:func:`run_settings`: training function,
+recipe content, model, task, steps, seed, overrides) is skipped; one trained with other settings, or whose log
+is corrupt, is trained again, its old log kept as ``<run>.jsonl.stale`` / ``.corrupt``; the log of an attempt
+that never completed is kept as ``<run>.jsonl.partial``. A crashed run does not stop the sweep: the table is
+built from the runs that finished and the command exits non-zero naming the others.
+
+Stopping: runs die with the sweep (``PR_SET_PDEATHSIG`` on Linux and a parent-watch thread, so also on SIGKILL
+or an OOM kill of the sweep); SIGTERM, SIGHUP and Ctrl-C stop every run before the sweep exits. The runs
+inherit the folder's lock, so no other sweep uses the folder while any of them lives.
 
 Outputs in ``output_dir``: ``runs/<arm>_s<seed>.jsonl`` (+ ``.out`` with the run's console output),
 ``compare.json`` (benchmark schema: params, raw per-run results, tables), ``compare.md`` and
-``reward_curves.png``.
+``reward_curves.png``, each written atomically.
 
 Table definitions (as in the reference study's T10):
 
@@ -29,22 +39,32 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
+import hashlib
 import importlib
 import inspect
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bloggap_plugin._io import atomic_write_text
+
 __all__ = [
     "CompareConfig",
+    "CompareError",
+    "SweepStopped",
     "RunSpec",
     "DONE_KEY",
     "plan_runs",
+    "validate_config",
+    "run_settings",
     "read_log",
     "run_is_done",
     "run_compare",
@@ -59,6 +79,10 @@ __all__ = [
 DONE_KEY = "_compare"
 DEFAULT_RUN_FN = "bloggap_plugin.trl.train:run_training"
 _HEADLINE_GAP_KEYS = ("gap/ratio/oob_frac", "gap/sampler/oob_frac", "gap/clip/flip_frac")
+
+
+class CompareError(ValueError):
+    """Settings or folder state that stop a sweep before it starts; the message names the problem and the fix."""
 
 
 @dataclass
@@ -99,6 +123,8 @@ class CompareConfig:
     """Rolling-mean window (steps) of the reward curves in the plot (1 = raw)."""
     poll_s: float = 2.0
     """Seconds between progress checks."""
+    lock_wait_s: float = 2.0
+    """Seconds to wait for the folder's lock (runs of a sweep that was just killed take a moment to end)."""
 
 
 @dataclass
@@ -167,6 +193,111 @@ def plan_runs(config: CompareConfig) -> list[RunSpec]:
     return runs
 
 
+def validate_config(config: CompareConfig, training: bool = True) -> list[RunSpec]:
+    """Check every setting before any model loads or any run trains; return the planned runs.
+
+    Raises :class:`CompareError` naming the option and the fix. ``training=False`` (``--table-only``) checks only
+    what the table needs. With the default training function the recipes and ``extra_overrides`` are checked by
+    building each arm's ``GRPOConfig`` (as :func:`bloggap_plugin.trl.train.run_training` does on CPU), and the task
+    settings by building one prompt of the task.
+    """
+    if not config.recipes:
+        raise CompareError("give at least one recipe file, e.g. recipes/arm_A.yaml recipes/arm_F.yaml")
+    if not config.seeds:
+        raise CompareError("--seeds: give at least one seed, e.g. --seeds 0 1")
+    repeated = sorted({seed for seed in config.seeds if config.seeds.count(seed) > 1})
+    if repeated:
+        raise CompareError(f"--seeds {' '.join(map(str, config.seeds))}: seed {', '.join(map(str, repeated))} is "
+                           "repeated; give each seed once")
+    for option, value in (("--parallel", config.parallel), ("--max-steps", config.max_steps),
+                          ("--last-n", config.last_n), ("--smooth", config.smooth)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CompareError(f"{option} {value}: must be a whole number >= 1")
+    if config.n is not None and config.n < 1:
+        raise CompareError(f"--n {config.n}: must be >= 1 prompts (or leave it out for the task's default)")
+    try:
+        runs = plan_runs(config)
+    except (OSError, ValueError) as err:
+        raise CompareError(str(err).splitlines()[0]) from None
+    arms = list(dict.fromkeys(run.arm for run in runs))
+    if config.baseline is not None and config.baseline not in arms:
+        raise CompareError(f"--baseline {config.baseline} names no arm; the arms are {', '.join(arms)} "
+                           "(each recipe's gap.arm, else its file name)")
+    if training:
+        _check_task(config)
+        if config.run_fn == DEFAULT_RUN_FN:
+            _check_grpo_settings(config, runs)
+        else:
+            _check_run_fn(config)
+    return runs
+
+
+def _check_task(config: CompareConfig) -> None:
+    """Build one prompt of the task with the sweep's settings (level, data), so a bad one fails here, once."""
+    from bloggap_plugin.tasks import TASKS, get_task
+
+    if config.task not in TASKS:
+        raise CompareError(f"--task {config.task}: unknown task; choose one of {', '.join(TASKS)}")
+    if config.difficulty is None and config.data is None and config.task != "gsm8k":
+        return
+    try:
+        get_task(config.task, None, seed=config.seeds[0], difficulty=config.difficulty, n=1, data=config.data)
+    except Exception as err:  # noqa: BLE001 - any failure here would fail every run: report it once
+        option = "--difficulty" if config.difficulty is not None and "difficulty" in str(err) else "--task"
+        raise CompareError(f"{option}: {str(err).splitlines()[0]}") from None
+
+
+def _check_grpo_settings(config: CompareConfig, runs: list[RunSpec]) -> None:
+    """Each recipe and ``--override`` must make a valid ``GRPOConfig`` (the fields run_training sets on CPU)."""
+    from bloggap_plugin.recipes import (
+        RecipeError,
+        _grpo_field_names,
+        _unknown_key_error,
+        load_recipe,
+        merge_grpo_config,
+    )
+
+    valid = _grpo_field_names()
+    if valid is not None:
+        for key in config.extra_overrides:
+            if key not in valid:
+                raise CompareError(str(_unknown_key_error(key, valid, "--override")))
+    overrides = json.dumps(config.extra_overrides)
+    for run in {run.recipe: run for run in runs}.values():
+        try:
+            grpo_kwargs, _ = load_recipe(run.recipe)
+        except RecipeError as err:
+            raise CompareError(str(err).splitlines()[0]) from None
+        fields = {"output_dir": run.output_dir, "report_to": "none", "seed": run.seed, "save_strategy": "no",
+                  "logging_steps": 1, "max_steps": config.max_steps, "use_cpu": True, "bf16": False,
+                  "fp16": bool(grpo_kwargs.get("fp16", False)), **config.extra_overrides}
+        try:
+            merge_grpo_config(grpo_kwargs, None, **fields)
+        except Exception as err:  # noqa: BLE001 - TRL/transformers raise ValueError, TypeError, ...
+            where = f"{run.recipe} with --override {overrides}" if config.extra_overrides else run.recipe
+            raise CompareError(f"{where}: GRPOConfig rejects it: {str(err).strip().splitlines()[0]}") from None
+
+
+def _check_run_fn(config: CompareConfig) -> None:
+    """A custom training function must import, and take ``task_kwargs`` when the task settings need them."""
+    added = [extra for extra in config.pythonpath if extra not in sys.path]
+    sys.path[:0] = added
+    try:
+        run_fn = _resolve(config.run_fn)
+    except Exception as err:  # noqa: BLE001
+        raise CompareError(f"--run-fn {config.run_fn}: cannot load it ({err}); give module:function") from None
+    finally:
+        for extra in added:
+            sys.path.remove(extra)
+    task_kwargs = sorted(k for k, v in {"difficulty": config.difficulty, "n": config.n, "data": config.data}.items()
+                         if v is not None)
+    if task_kwargs:
+        params = inspect.signature(run_fn).parameters
+        if "task_kwargs" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            raise CompareError(f"--run-fn {config.run_fn} takes no task_kwargs, so {task_kwargs} cannot reach the task; "
+                               "drop --difficulty/--n/--data or use a training function that accepts task_kwargs")
+
+
 # --------------------------------------------------------------------------------------------- logs
 
 
@@ -204,6 +335,40 @@ def run_is_done(path: str | os.PathLike) -> bool:
     return read_log(path)[1] is not None
 
 
+def _settings_changes(stored: dict, current: dict) -> str:
+    """``"max_steps 4 -> 6, model ..."``: the settings that differ, for a message."""
+    parts = []
+    for key in sorted(set(stored) | set(current)):
+        if stored.get(key) != current.get(key):
+            if key == "recipe_sha256":
+                parts.append("the recipe file's content")
+            else:
+                parts.append(f"{key} {json.dumps(stored.get(key))} -> {json.dumps(current.get(key))}")
+    return ", ".join(parts)
+
+
+def run_state(config: CompareConfig, run: RunSpec) -> tuple[str, str]:
+    """``(state, why)`` of ``run``'s log: ``done`` (complete, same settings), ``missing``, ``unfinished`` (no
+    completion marker), ``corrupt`` (a line that is not JSON; ``why`` names file and line) or ``changed`` (trained
+    with other settings; ``why`` lists them)."""
+    log = Path(run.log_jsonl)
+    if not log.exists():
+        return "missing", ""
+    try:
+        _, marker = read_log(log)
+    except ValueError as err:
+        return "corrupt", str(err)
+    if marker is None:
+        return "unfinished", f"{log} has no completion marker"
+    stored = marker.get("settings")
+    if not isinstance(stored, dict):
+        return "changed", f"{log} records no settings (written by an older bloggap)"
+    changes = _settings_changes(stored, run_settings(config, run))
+    if changes:
+        return "changed", f"{log} was trained with other settings ({changes})"
+    return "done", ""
+
+
 def _steps_logged(path: str | os.PathLike) -> int:
     try:
         records, _ = read_log(path)
@@ -234,12 +399,43 @@ def _jsonable(value):
         return repr(value)
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """End this process as soon as the sweep process ``parent_pid`` is gone, however it ended (SIGKILL, OOM kill).
+
+    Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``; everywhere: a daemon thread that checks the parent every second
+    (the fallback, and the cover for a parent that died before the request took effect).
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):  # pragma: no cover - no prctl: the watchdog below does the job
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+    def watchdog() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watchdog, name="bloggap-compare-parent-watchdog", daemon=True).start()
+
+
 def _worker(spec_path: str) -> int:
-    """Subprocess entry: run one arm x seed and append the completion marker to its log."""
+    """Subprocess entry: run one arm x seed into this attempt's own log, then append the completion marker and
+    rename that log to the run's log (so the run's log only ever exists complete)."""
     spec = json.loads(Path(spec_path).read_text())
+    _die_with_parent(int(spec["parent_pid"]))
     for extra in spec.get("pythonpath", []):
         sys.path.insert(0, extra)
     run_fn = _resolve(spec["run_fn"])
+    part = Path(spec["part_jsonl"])
     kwargs = dict(
         model=spec["model"],
         task=spec["task"],
@@ -247,33 +443,56 @@ def _worker(spec_path: str) -> int:
         output_dir=spec["output_dir"],
         report_to="none",
         seed=spec["seed"],
-        log_jsonl=spec["log_jsonl"],
+        log_jsonl=str(part),
         extra_overrides=spec["extra_overrides"],
     )
     task_kwargs = {k: v for k, v in spec["task_kwargs"].items() if v is not None}
-    if task_kwargs:
-        params = inspect.signature(run_fn).parameters
-        if "task_kwargs" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
-            kwargs["task_kwargs"] = task_kwargs
-        else:
-            raise TypeError(
-                f"{spec['run_fn']} takes no task_kwargs, so {sorted(task_kwargs)} cannot reach the task; "
-                "drop --difficulty/--n/--data or use a training function that accepts task_kwargs"
-            )
-    Path(spec["log_jsonl"]).parent.mkdir(parents=True, exist_ok=True)
+    if task_kwargs:  # the sweep checked that run_fn takes them
+        kwargs["task_kwargs"] = task_kwargs
+    part.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     result = run_fn(spec["recipe"], **kwargs)
     wall_s = time.perf_counter() - start
-    marker = {DONE_KEY: "done", "arm": spec["arm"], "seed": spec["seed"], "wall_s": wall_s, "result": _jsonable(result)}
-    with open(spec["log_jsonl"], "a") as handle:
+    marker = {DONE_KEY: "done", "arm": spec["arm"], "seed": spec["seed"], "attempt": spec["attempt"],
+              "settings": spec["settings"], "wall_s": wall_s, "result": _jsonable(result)}
+    with open(part, "a") as handle:
         handle.write(json.dumps(marker) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(part, spec["log_jsonl"])
     return 0
 
 
 # --------------------------------------------------------------------------------------------- sweep
 
 
-def _spec_for(config: CompareConfig, run: RunSpec) -> dict:
+class SweepStopped(Exception):
+    """The sweep process got SIGTERM or SIGHUP; its runs were stopped (``signum`` says which signal)."""
+
+    def __init__(self, signum: int, stopped: int = 0) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+        self.stopped = stopped
+
+
+def run_settings(config: CompareConfig, run: RunSpec) -> dict:
+    """What decides a run's result (JSON-ready): the training function, the recipe's content, model, task, steps,
+    seed and overrides; stored with its log so that a resume with other settings does not reuse it."""
+    settings = {
+        "run_fn": config.run_fn,
+        "arm": run.arm,
+        "recipe_sha256": hashlib.sha256(Path(run.recipe).read_bytes()).hexdigest(),
+        "model": config.model,
+        "task": config.task,
+        "task_kwargs": {"difficulty": config.difficulty, "n": config.n, "data": config.data},
+        "max_steps": config.max_steps,
+        "seed": run.seed,
+        "extra_overrides": dict(config.extra_overrides),
+    }
+    return json.loads(json.dumps(settings, sort_keys=True, default=str))
+
+
+def _spec_for(config: CompareConfig, run: RunSpec, attempt: str, part: Path) -> dict:
     return {
         "run_fn": config.run_fn,
         "pythonpath": list(config.pythonpath),
@@ -286,48 +505,75 @@ def _spec_for(config: CompareConfig, run: RunSpec) -> dict:
         "output_dir": run.output_dir,
         "seed": run.seed,
         "log_jsonl": run.log_jsonl,
+        "part_jsonl": str(part),
+        "attempt": attempt,
+        "parent_pid": os.getpid(),
+        "settings": run_settings(config, run),
         "extra_overrides": dict(config.extra_overrides),
     }
 
 
-def _launch(config: CompareConfig, run: RunSpec):
+def _part_logs(run: RunSpec) -> list[Path]:
+    """Logs of earlier attempts of ``run`` that never completed (``runs/<run>.<attempt>.part.jsonl``)."""
+    log = Path(run.log_jsonl)
+    return sorted(log.parent.glob(f"{glob.escape(run.run_id)}.*.part.jsonl"), key=lambda p: p.stat().st_mtime)
+
+
+def _launch(config: CompareConfig, run: RunSpec, lock_fd: int):
+    """Start one attempt of ``run``: a fresh log only it writes, its console output, and the lock inherited, so that
+    no other sweep can use the folder while the attempt lives (even if this process dies first)."""
     log = Path(run.log_jsonl)
     log.parent.mkdir(parents=True, exist_ok=True)
-    if log.exists():  # partial log of a killed or crashed run: keep it aside, start over
-        os.replace(log, log.with_name(log.name + ".partial"))
-    spec_path = log.with_suffix(".spec.json")
-    spec_path.write_text(json.dumps(_spec_for(config, run), indent=1))
-    out = open(log.with_suffix(".out"), "w")  # noqa: SIM115 - closed when the process ends
+    for old in _part_logs(run):  # attempts of a sweep that was killed: no process writes them (we hold the lock)
+        os.replace(old, log.with_name(log.name + ".partial"))
+    attempt = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6:06d}"
+    part = log.with_name(f"{run.run_id}.{attempt}.part.jsonl")
+    spec_path = log.with_name(f"{run.run_id}.spec.json")
+    atomic_write_text(spec_path, json.dumps(_spec_for(config, run, attempt, part), indent=1))
+    console_path = log.with_name(f"{run.run_id}.out")
+    fresh = console_path.with_name(f".{run.run_id}.{attempt}.out")
+    console = open(fresh, "w")  # noqa: SIM115 - closed when the process ends
+    os.replace(fresh, console_path)  # a new file: nothing else holds it open
     process = subprocess.Popen(
         [sys.executable, "-m", "bloggap_plugin.compare", "--worker", str(spec_path)],
-        stdout=out,
-        stderr=subprocess.STDOUT,  # same process group as the sweep: killing the sweep's group ends the runs too
+        stdout=console,
+        stderr=subprocess.STDOUT,
+        pass_fds=(lock_fd,),
     )
-    return process, out, time.perf_counter()
+    return process, console, time.perf_counter(), attempt, part
 
 
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is not None:
-        return
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+def _stop_all(processes: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    """SIGTERM every process, wait up to ``timeout_s`` in all, then SIGKILL what is left."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
-def _lock(output_dir: Path):
-    """Hold ``output_dir/.compare.lock`` for the sweep: a second sweep on the same folder fails at once."""
+def _lock(output_dir: Path, wait_s: float):
+    """Hold ``output_dir/.compare.lock`` for the sweep (its runs inherit it): a second sweep on the same folder is
+    refused while this one or any run it started lives. Waits up to ``wait_s`` for runs of a sweep that just died."""
     import fcntl
 
     handle = open(output_dir / ".compare.lock", "w")  # noqa: SIM115 - held until the sweep ends
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.close()
-        raise RuntimeError(f"another bloggap compare is running on {output_dir}; wait for it or use another --output-dir") from None
-    return handle
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return handle
+        except OSError:
+            if time.monotonic() >= deadline:
+                handle.close()
+                raise CompareError(f"another bloggap compare (or a run it started) is using {output_dir}; "
+                                   "wait for it to finish or use another --output-dir") from None
+            time.sleep(0.1)
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -337,47 +583,68 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "(no output)"
 
 
+def _raise_stopped(signum, frame):
+    raise SweepStopped(signum)
+
+
 def run_compare(config: CompareConfig, echo=print) -> dict:
-    """Run (or resume) the sweep, then write the outputs; returns the results dict (see :func:`build_results`)."""
-    if config.parallel < 1:
-        raise ValueError(f"parallel must be >= 1, got {config.parallel}")
-    if config.max_steps < 1:
-        raise ValueError(f"max_steps must be >= 1, got {config.max_steps}")
-    runs = plan_runs(config)
+    """Run (or resume) the sweep, then write the outputs; returns the results dict (see :func:`build_results`).
+
+    SIGTERM and SIGHUP (when called from the main thread) and Ctrl-C stop every run before this returns by raising
+    :class:`SweepStopped` or ``KeyboardInterrupt``; a SIGKILL of this process ends the runs too (see
+    :func:`_die_with_parent`).
+    """
+    runs = validate_config(config)
     out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    lock = _lock(out)
     try:
-        return _sweep(config, runs, echo)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CompareError(f"--output-dir {out}: cannot create it ({err.strerror or err}); choose another folder") from None
+    lock = _lock(out, config.lock_wait_s)
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers[signal.SIGINT] = signal.getsignal(signal.SIGINT)
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            handlers[signum] = signal.signal(signum, _raise_stopped)
+    try:
+        return _sweep(config, runs, echo, lock.fileno())
     finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
         lock.close()
 
 
-def _sweep(config: CompareConfig, runs: list[RunSpec], echo) -> dict:
+def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int) -> dict:
     pending = []
     for run in runs:
-        if run_is_done(run.log_jsonl):
+        log = Path(run.log_jsonl)
+        state, why = run_state(config, run)
+        if state == "done":
             echo(f"[compare] {run.run_id}: finished earlier, skipped")
-        else:
-            pending.append(run)
+            continue
+        suffix = {"unfinished": ".partial", "corrupt": ".corrupt", "changed": ".stale"}.get(state)
+        if suffix:  # keep the old log aside under a name no run reads, and train the run again
+            os.replace(log, log.with_name(log.name + suffix))
+            echo(f"[compare] {run.run_id}: {why}; kept as {log.name + suffix}, running it again")
+        pending.append(run)
     total, failed = len(runs), {}
-    running: dict[str, tuple] = {}  # run_id -> (run, process, console file, start time)
+    running: dict[str, tuple] = {}  # run_id -> (run, process, console file, start time, attempt, part log)
     last_report, sweep_start = 0.0, time.perf_counter()
     try:
         while pending or running:
             while pending and len(running) < config.parallel:
                 run = pending.pop(0)
-                process, console, started = _launch(config, run)
-                running[run.run_id] = (run, process, console, started)
+                running[run.run_id] = (run, *_launch(config, run, lock_fd))
                 echo(f"[compare] {run.run_id}: started ({run.recipe}, seed {run.seed})")
-            for run_id, (run, process, console, started) in list(running.items()):
+            for run_id, (run, process, console, started, attempt, _) in list(running.items()):
                 code = process.poll()
                 if code is None:
                     continue
                 console.close()
                 del running[run_id]
                 elapsed = time.perf_counter() - started
-                if code == 0 and run_is_done(run.log_jsonl):
+                marker = _marker_or_none(run.log_jsonl)
+                if code == 0 and marker is not None and marker.get("attempt") == attempt:
                     finished = total - len(pending) - len(running) - len(failed)
                     echo(f"[compare] {run_id}: done in {elapsed:.0f} s ({finished}/{total} finished)")
                 else:
@@ -385,23 +652,45 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo) -> dict:
                     echo(f"[compare] {run_id}: FAILED (exit {code}); last output:\n{_tail(Path(run.log_jsonl).with_suffix('.out'))}")
             now = time.perf_counter()
             if running and now - last_report >= max(10.0, config.poll_s):
-                states = ", ".join(f"{rid} step {_steps_logged(r.log_jsonl)}/{config.max_steps}" for rid, (r, *_) in running.items())
+                states = ", ".join(f"{rid} step {_steps_logged(part)}/{config.max_steps}"
+                                   for rid, (*_, part) in running.items())
                 echo(f"[compare] {now - sweep_start:.0f} s: running {states}; {len(pending)} waiting")
                 last_report = now
             if running:
                 time.sleep(config.poll_s)
-    except BaseException:
-        for _, process, console, _ in running.values():
-            _stop(process)
+    except BaseException as err:
+        _ignore_stop_signals()  # a second Ctrl-C or SIGTERM must not cut the clean-up short
+        in_flight = [process for _, process, *_ in running.values() if process.poll() is None]
+        _stop_all(in_flight)
+        for _, _, console, *_ in running.values():
             console.close()
+        if isinstance(err, SweepStopped):
+            err.stopped = len(in_flight)
+        elif isinstance(err, KeyboardInterrupt):
+            err.args = (len(in_flight),)
         raise
     results = build_results(config, runs)
     write_outputs(config, results)
+    for run_id, why in results["set_aside"].items():
+        echo(f"[compare] {run_id}: set aside: {why}")
     results["failed"] = failed
     if failed:
         echo(f"[compare] {len(failed)} run(s) failed: {', '.join(sorted(failed))}; see runs/<run>.out. "
              "Re-run the same command to retry them (finished runs are kept).")
     return results
+
+
+def _ignore_stop_signals() -> None:
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)
+
+
+def _marker_or_none(path: str | os.PathLike) -> dict | None:
+    try:
+        return read_log(path)[1]
+    except ValueError:
+        return None
 
 
 # --------------------------------------------------------------------------------------------- statistics
@@ -529,14 +818,22 @@ def _baseline(config: CompareConfig, arms: list[str]) -> str:
 
 
 def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
-    """Per-run summaries, per-arm aggregates, deltas vs the baseline, resolution and the tables (JSON-ready)."""
+    """Per-run summaries, per-arm aggregates, deltas vs the baseline, resolution and the tables (JSON-ready).
+
+    Runs whose log is unfinished are left out; runs whose log is corrupt or was trained with other settings are
+    left out and listed in ``set_aside`` (run id -> why, naming the file and line or the settings).
+    """
     arms = list(dict.fromkeys(r.arm for r in runs))
     base = _baseline(config, arms)
-    per_run = {}
+    per_run, set_aside = {}, {}
     for run in runs:
-        records, marker = read_log(run.log_jsonl)
-        if marker is None:
+        state, why = run_state(config, run)
+        if state in ("corrupt", "changed"):
+            set_aside[run.run_id] = why
+            continue
+        if state != "done":
             continue  # unfinished: left out of the table
+        records, marker = read_log(run.log_jsonl)
         summary = summarize_run(records, marker, config.last_n)
         summary.update(arm=run.arm, seed=run.seed, recipe=run.recipe)
         per_run[run.run_id] = summary
@@ -574,7 +871,8 @@ def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
             "s_per_step": _mean([s["s_per_step"] for s in seeds.values() if s["s_per_step"] is not None]),
         }
     resolution = _resolution(per_run, arm_rows, base, k, len(config.seeds))
-    results = {"baseline": base, "arms": arm_rows, "runs": per_run, "last_k": k, "resolution": resolution}
+    results = {"baseline": base, "arms": arm_rows, "runs": per_run, "set_aside": set_aside, "last_k": k,
+               "resolution": resolution}
     results["tables"] = _tables(config, results)
     return results
 
@@ -748,6 +1046,8 @@ def plot_reward_curves(results: dict, path: str | os.PathLike, smooth: int = 5, 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from bloggap_plugin.report import save_figure
+
     fig, ax = plt.subplots(figsize=(8, 4.5))
     by_arm: dict[str, list[dict]] = {}
     for summary in results["runs"].values():
@@ -774,19 +1074,23 @@ def plot_reward_curves(results: dict, path: str | os.PathLike, smooth: int = 5, 
     if ax.get_lines():
         ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return str(path)
 
 
 def write_outputs(config: CompareConfig, results: dict) -> dict[str, str]:
-    """Write ``compare.json``, ``compare.md`` and ``reward_curves.png`` into ``config.output_dir``."""
+    """Write ``compare.json``, ``compare.md`` and ``reward_curves.png`` into ``config.output_dir``, each atomically.
+
+    A failed write (full disk, permissions) raises :class:`CompareError` and leaves the previous file unchanged;
+    non-finite numbers are written as ``null``.
+    """
     from bloggap_plugin.envinfo import environment_record
     from bloggap_plugin.report import render_table
 
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    params = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("poll_s", "pythonpath")}
+    params = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("poll_s", "pythonpath", "lock_wait_s")}
     document = {
         "benchmark": "compare",
         "schema_version": 1,
@@ -796,17 +1100,35 @@ def write_outputs(config: CompareConfig, results: dict) -> dict[str, str]:
         "tables": results["tables"],
     }
     paths = {"json": str(out / "compare.json"), "markdown": str(out / "compare.md"), "plot": str(out / "reward_curves.png")}
-    Path(paths["json"]).write_text(json.dumps(document, indent=1, default=str) + "\n")
-    plot_reward_curves(results, paths["plot"], smooth=config.smooth,
-                       title=f"{config.task}, {config.model}: reward by arm (mean over seeds, band = seed range)")
     lines = [f"# Reward comparison: {config.task}, {config.model}", ""]
     lines += [f"Recipes: {', '.join(config.recipes)}; seeds {', '.join(map(str, config.seeds))}; "
               f"{config.max_steps} steps per run.", ""]
     for table in results["tables"]:
         lines += render_table(table) + [""]
     lines += ["![reward curves](reward_curves.png)", ""]
-    Path(paths["markdown"]).write_text("\n".join(lines))
+    current = paths["json"]
+    try:
+        atomic_write_text(current, json.dumps(_finite(document), indent=1, default=str, allow_nan=False) + "\n")
+        current = paths["plot"]
+        plot_reward_curves(results, current, smooth=config.smooth,
+                           title=f"{config.task}, {config.model}: reward by arm (mean over seeds, band = seed range)")
+        current = paths["markdown"]
+        atomic_write_text(current, "\n".join(lines))
+    except OSError as err:
+        raise CompareError(f"{current}: cannot write ({err.strerror or err}); the previous file is unchanged and the "
+                           "run logs are kept: fix that and re-run the command with --table-only") from None
     return paths
+
+
+def _finite(value):
+    """``value`` with every NaN/Inf float replaced by ``None`` (JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _cuda_available() -> bool:

@@ -8,7 +8,10 @@ Input: ``<results>/<device>/*.json`` (default ``benchmarks/results``), each::
 
 Every table is rendered as Markdown; a table whose ``reference`` names a table of the reference study
 (``bloggap_plugin/data/reference_study.json``) is followed by that table. Numbers are printed exactly as they
-are written in the JSON (floats are parsed as ``Decimal``), so every number in BENCHMARKS.md is in a JSON file.
+are written in the JSON (floats are parsed as ``Decimal``), so every number in BENCHMARKS.md is in a JSON file. ``NaN`` and
+``Infinity`` are not JSON (RFC 8259): a file holding one is refused, naming where it is; a value that does not
+exist is written ``null`` (rendered ``–``). The Markdown and every PNG are written atomically (a failed write
+leaves the previous file as it was).
 
 Plot hint (optional, per table)::
 
@@ -30,6 +33,8 @@ import re
 from decimal import Decimal
 from pathlib import Path
 
+from bloggap_plugin._io import atomic_write_bytes, atomic_write_text, check_writable_file
+
 __all__ = [
     "ReportError",
     "format_text_table",
@@ -42,6 +47,7 @@ __all__ = [
     "format_cell",
     "build_report",
     "table_plot_spec",
+    "save_figure",
 ]
 
 REFERENCE_PATH = Path(__file__).resolve().parent / "data" / "reference_study.json"
@@ -83,15 +89,41 @@ def _numeric_column(rows: list, index: int) -> bool:
     return any(_is_number(c) for c in cells) and all(_is_number(c) or _is_missing(c) for c in cells)
 
 
+class _NonFinite(str):
+    """What ``NaN``, ``Infinity`` or ``-Infinity`` parse to, so that :func:`_load_json` can say where it is."""
+
+
+def _find_non_finite(value, where: str = "") -> tuple[str, str] | None:
+    """``(JSON path, constant)`` of the first NaN/Infinity in ``value`` (as parsed by :func:`_load_json`)."""
+    if isinstance(value, _NonFinite):
+        return where or "the top level", str(value)
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _find_non_finite(item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else key)
+        if found:
+            return found
+    return None
+
+
 def _load_json(path: Path):
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as err:
         raise ReportError(f"{path}: cannot read ({err.strerror or err})") from err
     try:
-        return json.loads(text, parse_float=Decimal)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ReportError(f"{path}: not a text JSON file (bytes that are not UTF-8 at byte {err.start}); "
+                          "remove it from the results folder") from None
+    try:
+        document = json.loads(text, parse_float=Decimal, parse_constant=_NonFinite)
     except json.JSONDecodeError as err:
         raise ReportError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from err
+    found = _find_non_finite(document)
+    if found:
+        raise ReportError(f"{path}: {found[0]} is {found[1]}, which JSON does not allow; write null for a value that "
+                          "does not exist (rendered '–') or fix the benchmark that produced it")
+    return document
 
 
 # --------------------------------------------------------------------------------------------- reference
@@ -368,8 +400,17 @@ def _plot_table(table: dict, spec: dict, path: Path) -> None:
     if len(ys) > 1 or spec.get("series"):
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int) -> None:
+    """Render the matplotlib figure ``fig`` as PNG in memory, then write it to ``path`` atomically."""
+    import io
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 # --------------------------------------------------------------------------------------------- report
@@ -386,11 +427,15 @@ def build_report(
     reference_path: str | os.PathLike | None = None,
     require: list[str] | None = None,
 ) -> dict:
-    """Write ``output`` (Markdown) and PNGs under ``plots_dir`` (``None``: no plots); returns what was written."""
-    reference = load_reference(reference_path)
-    results = load_results(results_dir, set(reference), require)
+    """Write ``output`` (Markdown) and PNGs under ``plots_dir`` (``None``: no plots); returns what was written.
+
+    Where the output goes is checked before any result is read; every file is written atomically.
+    """
     output = Path(output)
     plots_root = Path(plots_dir) if plots_dir is not None else None
+    _check_destinations(output, plots_root)
+    reference = load_reference(reference_path)
+    results = load_results(results_dir, set(reference), require)
     lines = [
         "# Benchmarks",
         "",
@@ -409,13 +454,36 @@ def build_report(
                 spec = table_plot_spec(table)
                 if spec is not None and plots_root is not None:
                     plot_path = plots_root / device / f"{_slug(document['benchmark'])}_{_slug(table['id'])}.png"
-                    plot_path.parent.mkdir(parents=True, exist_ok=True)
-                    _plot_table(table, spec, plot_path)
+                    try:
+                        plot_path.parent.mkdir(parents=True, exist_ok=True)
+                        _plot_table(table, spec, plot_path)
+                    except OSError as err:
+                        raise ReportError(f"{plot_path}: cannot write ({err.strerror or err})") from None
                     plots.append(str(plot_path))
                     link = os.path.relpath(plot_path, output.parent if str(output.parent) else ".")
                     lines += [f"![{_slug(table['id'])}]({Path(link).as_posix()})", ""]
                 if table.get("reference"):
                     lines += _render_reference(reference[table["reference"]]) + [""]
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text("\n".join(lines).rstrip() + "\n")
+    try:
+        atomic_write_text(output, "\n".join(lines).rstrip() + "\n")
+    except OSError as err:
+        raise ReportError(f"{output}: cannot write ({err.strerror or err}); the previous file is unchanged") from None
     return {"markdown": str(output), "plots": plots, "devices": list(results), "files": [str(p) for e in results.values() for p, _ in e]}
+
+
+def _check_destinations(output: Path, plots_root: Path | None) -> None:
+    """Raise :class:`ReportError` unless ``output`` can be written as a file and ``plots_root`` is (or can be) a
+    folder; creates the output's missing folders as writing it would."""
+    problem = check_writable_file(output, "--output")
+    if problem and not output.parent.exists():
+        try:
+            output.parent.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass  # an ancestor is a file, or not writable: the check below says so
+        problem = check_writable_file(output, "--output")
+    if problem:
+        raise ReportError(problem)
+    if plots_root is not None:
+        existing = next((p for p in (plots_root, *plots_root.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            raise ReportError(f"--plots {plots_root}: {existing} is not a folder; give a folder path")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -17,18 +18,23 @@ import pytest
 from bloggap_plugin.compare import (
     DONE_KEY,
     CompareConfig,
+    CompareError,
     build_results,
     paired_interval,
     plan_runs,
     read_log,
     run_compare,
+    run_settings,
     summarize_run,
     t_quantile,
+    write_outputs,
 )
 
 # A stand-in for run_training with the same signature: rewards are a closed form of (arm, seed, step), so the
 # expected table is known without running the code under test. FAKE_HANG=<run id> makes that run hang after
-# its first line (to be killed); FAKE_CRASH=<run id> makes it raise. Every call is recorded in FAKE_CALLS.
+# its first line (to be killed); FAKE_SLOW=<run id> makes it sleep 0.5 s after each step; FAKE_CRASH=<run id>
+# makes it raise. Every call is recorded in FAKE_CALLS (with its pid). Like the real JsonlLogger it opens the log
+# by path for every line (so a process that outlives its sweep keeps appending to whatever file has that name).
 FAKE_TRAIN = '''
 import json, os, time, yaml
 
@@ -40,17 +46,18 @@ def run_training(recipe_path, *, model, task, max_steps, output_dir, report_to="
     run_id = f"{arm}_s{seed}"
     with open(os.environ["FAKE_CALLS"], "a") as f:
         f.write(json.dumps({"run": run_id, "overrides": extra_overrides, "task": task, "model": model,
-                            "task_kwargs": task_kwargs}) + "\\n")
+                            "task_kwargs": task_kwargs, "max_steps": max_steps, "pid": os.getpid()}) + "\\n")
     if os.environ.get("FAKE_CRASH") == run_id:
         raise RuntimeError("fake crash")
-    with open(log_jsonl, "w") as log:
-        for step in range(1, max_steps + 1):
-            reward = ARM_BASE[arm] + 0.125 * seed + (0.25 if step % 2 else 0.0)
+    for step in range(1, max_steps + 1):
+        reward = ARM_BASE[arm] + 0.125 * seed + (0.25 if step % 2 else 0.0)
+        with open(log_jsonl, "a") as log:
             log.write(json.dumps({"step": step, "reward": reward, "clip_ratio/region_mean": 0.01 * step,
                                   "gap/ratio/oob_frac": 0.5 if arm == "B" else 0.0, "step_time": 2.0}) + "\\n")
-            log.flush()
-            if os.environ.get("FAKE_HANG") == run_id:
-                time.sleep(600)
+        if os.environ.get("FAKE_HANG") == run_id:
+            time.sleep(600)
+        if os.environ.get("FAKE_SLOW") == run_id:
+            time.sleep(0.5)
     return {"arm": arm, "steps": max_steps}
 '''
 
@@ -71,15 +78,32 @@ def fake(tmp_path, monkeypatch):
     (module_dir / "fake_train.py").write_text(FAKE_TRAIN)
     calls = tmp_path / "calls.jsonl"
     monkeypatch.setenv("FAKE_CALLS", str(calls))
+    monkeypatch.syspath_prepend(str(module_dir))  # for the sweep's own check of --run-fn
     monkeypatch.delenv("FAKE_HANG", raising=False)
     monkeypatch.delenv("FAKE_CRASH", raising=False)
+    monkeypatch.delenv("FAKE_SLOW", raising=False)
     return {"dir": str(module_dir), "calls": calls, "run_fn": "fake_train:run_training"}
 
 
-def _calls(fake) -> list[str]:
+def _calls(fake, key="run") -> list:
     if not fake["calls"].exists():
         return []
-    return [json.loads(line)["run"] for line in fake["calls"].read_text().splitlines()]
+    return [json.loads(line)[key] for line in fake["calls"].read_text().splitlines()]
+
+
+def _alive(pid: int) -> bool:
+    """True while process ``pid`` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return state not in ("Z", "X")
 
 
 def _config(tmp_path, fake, **kw) -> CompareConfig:
@@ -148,13 +172,15 @@ def test_summarize_run_on_constructed_log():
     assert no_time["s_per_step"] == pytest.approx(4.0) and no_time["s_per_step_source"] == "wall"
 
 
-def _write_log(path: Path, rewards, extra=None, done=True):
+def _write_log(config, run, rewards, extra=None, done=True):
+    path = Path(run.log_jsonl)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for i, r in enumerate(rewards, 1):
             f.write(json.dumps({"step": i, "reward": r, **(extra or {})}) + "\n")
         if done:
-            f.write(json.dumps({DONE_KEY: "done", "wall_s": 10.0 * len(rewards)}) + "\n")
+            marker = {DONE_KEY: "done", "wall_s": 10.0 * len(rewards), "settings": run_settings(config, run)}
+            f.write(json.dumps(marker) + "\n")
 
 
 def test_table_maths_on_constructed_logs(tmp_path):
@@ -170,8 +196,8 @@ def test_table_maths_on_constructed_logs(tmp_path):
         "C_s0": [0.25, 0.25, 0.25, 0.25],  # delta -0.25
     }
     for run_id, rewards in logs.items():
-        _write_log(Path(runs[run_id].log_jsonl), rewards, {"clip_ratio/region_mean": 0.01})
-    _write_log(Path(runs["C_s1"].log_jsonl), [1.0, 1.0], done=False)  # unfinished: left out
+        _write_log(config, runs[run_id], rewards, {"clip_ratio/region_mean": 0.01})
+    _write_log(config, runs["C_s1"], [1.0, 1.0], done=False)  # unfinished: left out
     res = build_results(config, list(runs.values()))
     assert res["baseline"] == "A" and res["last_k"] == 2
     a, b, c = res["arms"]["A"], res["arms"]["B"], res["arms"]["C"]
@@ -271,36 +297,55 @@ def test_a_crashed_run_does_not_stop_the_sweep(tmp_path, fake, monkeypatch):
     assert _calls(fake) == ["A_s0", "B_s0", "B_s0"] and res["failed"] == {}
 
 
-def test_a_killed_sweep_resumes(tmp_path, fake):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=["SIGKILL", "SIGTERM", "SIGINT"])
+def test_a_killed_sweep_leaves_no_worker_and_resumes_counting_each_step_once(tmp_path, fake, sig):
+    """Kill only the sweep process (an OOM kill or ``kill PID``); its runs must not outlive it, and the resume must
+    count each step once: a run that outlived its sweep used to keep appending to the log a resumed run writes."""
     pytest.importorskip("matplotlib")
     recipes = _recipes(tmp_path)
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "bloggap_plugin.cli", "compare", *recipes, "--seeds", "0", "--max-steps", "3",
-               "--model", "tiny-random-llama", "--output-dir", str(out), "--parallel", "1", "--last-n", "2",
+    command = [sys.executable, "-m", "bloggap_plugin.cli", "compare", *recipes, "--seeds", "0", "--max-steps", "8",
+               "--model", "tiny-random-llama", "--output-dir", str(out), "--parallel", "2", "--last-n", "2",
                "--run-fn", fake["run_fn"]]
-    env = dict(os.environ, FAKE_HANG="B_s0", PYTHONPATH=os.pathsep.join([fake["dir"], os.environ.get("PYTHONPATH", "")]))
-    sweep = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    partial = out / "runs" / "B_s0.jsonl"
-    deadline = time.time() + 120
+    env = dict(os.environ, FAKE_SLOW="B_s0", PYTHONPATH=os.pathsep.join([fake["dir"], os.environ.get("PYTHONPATH", "")]))
+    sweep = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    deadline = time.time() + 60
     try:
-        while not (partial.exists() and partial.read_text().count("\n") >= 1):
-            assert sweep.poll() is None, "sweep ended before the hanging run started"
-            assert time.time() < deadline, "hanging run never wrote its first line"
-            time.sleep(0.2)
+        # A finishes at once; B logs a step every 0.5 s: kill the sweep after B's first step.
+        while not (out / "runs" / "A_s0.jsonl").exists() or len(_calls(fake)) < 2:
+            assert sweep.poll() is None, "sweep ended early: " + sweep.communicate()[1]
+            assert time.time() < deadline, "runs never started"
+            time.sleep(0.1)
+        time.sleep(0.3)
+        assert not (out / "runs" / "B_s0.jsonl").exists()  # a run writes only its own file until it is complete
+        os.kill(sweep.pid, sig)  # the sweep process alone, not its group
+        _, stderr = sweep.communicate(timeout=60)
     finally:
-        os.killpg(sweep.pid, signal.SIGKILL)  # the sweep and its runs share one process group
-        sweep.wait()
-    assert _calls(fake) == ["A_s0", "B_s0"]
-    assert read_log(out / "runs" / "A_s0.jsonl")[1] is not None and read_log(partial)[1] is None
-    env.pop("FAKE_HANG")
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+            sweep.wait()
+    worker = dict(zip(_calls(fake), _calls(fake, "pid")))["B_s0"]
+    deadline = time.time() + 1.5  # B alone would need about 3.5 s more
+    while _alive(worker) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker), "the run outlived its sweep"
+    if sig != signal.SIGKILL:  # stopped by a signal it can catch: one line, no traceback, 128 + signal
+        assert sweep.returncode == 128 + sig, stderr
+        assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
+        assert "stopped 1 run" in stderr and "re-run the same command to resume" in stderr
+    env.pop("FAKE_SLOW")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "A_s0: finished earlier, skipped" in done.stdout
-    assert _calls(fake) == ["A_s0", "B_s0", "B_s0"]  # A not re-run, B restarted once
-    records, marker = read_log(partial)
-    assert marker is not None and [r["step"] for r in records] == [1, 2, 3]  # no duplicated steps
-    assert (out / "runs" / "B_s0.jsonl.partial").exists()
-    assert (out / "compare.json").exists() and (out / "reward_curves.png").exists()
+    assert sorted(_calls(fake)) == ["A_s0", "B_s0", "B_s0"]  # A not run again, B started over once
+    time.sleep(1.0)  # a run that outlived the sweep would have appended more steps by now
+    for run in ("A_s0", "B_s0"):
+        records, marker = read_log(out / "runs" / f"{run}.jsonl")
+        assert marker is not None and [r["step"] for r in records] == list(range(1, 9)), run
+    runs = json.loads((out / "compare.json").read_text())["results"]["runs"]
+    assert {k: (v["steps"], v["reward_steps"]) for k, v in runs.items()} == {"A_s0": (8, 8), "B_s0": (8, 8)}
+    assert (out / "runs" / "B_s0.jsonl.partial").exists()  # the killed attempt's log, kept aside
 
 
 def test_task_kwargs_need_a_run_function_that_takes_them(tmp_path, fake):
@@ -310,9 +355,154 @@ def test_task_kwargs_need_a_run_function_that_takes_them(tmp_path, fake):
     '''))
     config = _config(tmp_path, fake, seeds=[0], recipes=_recipes(tmp_path, ("A",)), run_fn="narrow_train:run_training",
                      difficulty=3)
-    res = run_compare(config, echo=lambda m: None)
-    assert list(res["failed"]) == ["A_s0"]
-    assert "takes no task_kwargs" in (Path(config.output_dir) / "runs" / "A_s0.out").read_text()
+    with pytest.raises(CompareError, match=r"--run-fn narrow_train:run_training takes no task_kwargs, so \['difficulty'\]"):
+        run_compare(config, echo=lambda m: None)
+    assert not Path(config.output_dir).exists()  # refused before anything ran
+
+
+def test_resume_runs_again_when_its_settings_changed(tmp_path, fake):
+    """A finished run counts only for the settings it was trained with: other --max-steps, --model, --override or
+    recipe content train it again (the old log kept aside), and the table never labels old logs with new settings."""
+    pytest.importorskip("matplotlib")
+    config = _config(tmp_path, fake, seeds=[0], parallel=2)
+    run_compare(config, echo=lambda m: None)
+    assert sorted(_calls(fake)) == ["A_s0", "B_s0"]
+    messages = []
+    res = run_compare(_config(tmp_path, fake, seeds=[0], max_steps=6), echo=messages.append)
+    assert sorted(_calls(fake)[2:]) == ["A_s0", "B_s0"] and sorted(_calls(fake, "max_steps")[2:]) == [6, 6]
+    assert any("A_s0" in m and "other settings (max_steps 4 -> 6)" in m for m in messages), messages
+    assert {k: v["steps"] for k, v in res["runs"].items()} == {"A_s0": 6, "B_s0": 6}
+    assert (Path(config.output_dir) / "runs" / "A_s0.jsonl.stale").exists()
+    # Other overrides, then another model: both runs again each time.
+    run_compare(_config(tmp_path, fake, seeds=[0], max_steps=6, extra_overrides={}), echo=messages.append)
+    assert _calls(fake, "overrides")[4:] == [{}, {}]
+    assert any('extra_overrides {"num_iterations": 2} -> {}' in m for m in messages)
+    run_compare(_config(tmp_path, fake, seeds=[0], max_steps=6, extra_overrides={}, model="tiny-random-gpt2"),
+                echo=messages.append)
+    assert _calls(fake, "model")[6:] == ["tiny-random-gpt2", "tiny-random-gpt2"]
+    # The recipe file of B changes: B alone runs again.
+    final = _config(tmp_path, fake, seeds=[0], max_steps=6, extra_overrides={}, model="tiny-random-gpt2")
+    recipe_b = Path(final.recipes[1])
+    recipe_b.write_text(recipe_b.read_text().replace("1.0e-6", "2.0e-6"))
+    run_compare(final, echo=messages.append)
+    assert _calls(fake)[8:] == ["B_s0"]
+    assert any("B_s0" in m and "the recipe file's content" in m for m in messages)
+    # Same settings: nothing runs.
+    run_compare(final, echo=messages.append)
+    assert len(_calls(fake)) == 9
+    # --table-only with settings the logs were not trained with: those runs are set aside, not relabelled.
+    other = dataclasses.replace(final, max_steps=4)
+    res = build_results(other, plan_runs(other))
+    assert res["runs"] == {} and sorted(res["set_aside"]) == ["A_s0", "B_s0"]
+    assert "max_steps 6 -> 4" in res["set_aside"]["A_s0"]
+
+
+def test_a_failed_output_write_keeps_the_previous_files(tmp_path, fake, monkeypatch):
+    import errno
+
+    pytest.importorskip("matplotlib")
+    config = _config(tmp_path, fake, seeds=[0])
+    run_compare(config, echo=lambda m: None)
+    out = Path(config.output_dir)
+    before = {name: (out / name).read_bytes() for name in ("compare.json", "compare.md", "reward_curves.png")}
+    other = _config(tmp_path, fake, seeds=[0], last_n=3)  # a different table: the new files would differ
+    results = build_results(other, plan_runs(other))
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(CompareError, match=r"compare\.json: cannot write \(No space left on device\); the previous "
+                       r"file is unchanged .* --table-only"):
+        write_outputs(other, results)
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+    monkeypatch.undo()
+    write_outputs(other, results)  # the disk has room again: all three are replaced
+    assert (out / "compare.md").read_bytes() != before["compare.md"] and "reward last-3" in (out / "compare.md").read_text()
+
+
+def _cli(args, capsys) -> tuple[int, str, str]:
+    from bloggap_plugin.cli import main
+
+    code = main(["compare", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize(
+    "args, problem",
+    [
+        (["--parallel", "0"], "--parallel 0: must be a whole number >= 1"),
+        (["--max-steps", "0"], "--max-steps 0: must be a whole number >= 1"),
+        (["--max-steps", "-1"], "--max-steps -1: must be a whole number >= 1"),
+        (["--last-n", "0"], "--last-n 0: must be a whole number >= 1"),
+        (["--seeds", "0", "1", "0"], "--seeds 0 1 0: seed 0 is repeated; give each seed once"),
+        (["--baseline", "Z"], "--baseline Z names no arm; the arms are A, B"),
+        (["--difficulty", "9"], "--difficulty: arith difficulty must be one of [1, 2, 3, 4, 5]"),
+        (["--override", "[1]"], "--override must be a JSON object of GRPOConfig fields"),
+    ],
+)
+def test_bad_compare_input_fails_in_one_line_before_anything_runs(tmp_path, fake, capsys, args, problem):
+    out = tmp_path / "out"
+    code, stdout, stderr = _cli([*_recipes(tmp_path), "--seeds", "0", "--max-steps", "2", "--output-dir", str(out),
+                                 "--run-fn", "fake_train:run_training", *args], capsys)
+    assert code == 2 and stderr.startswith(f"bloggap compare: {problem}"), stderr
+    assert len(stderr.strip().splitlines()) == 1 and not out.exists() and _calls(fake) == []
+
+
+@pytest.mark.parametrize(
+    "override, problem",
+    [
+        ('{"num_iteration": 2}', "--override: unknown key 'num_iteration' (did you mean 'num_iterations'?)"),
+        ('{"num_generations": 3}', 'with --override {"num_generations": 3}: GRPOConfig rejects it: '),
+    ],
+)
+def test_overrides_are_checked_once_against_grpo_config_before_any_run(tmp_path, capsys, override, problem):
+    """With the real training function the recipes and --override make each arm's GRPOConfig up front (today this
+    failed inside every run, after its model loaded)."""
+    pytest.importorskip("trl")
+    out = tmp_path / "out"
+    code, _, stderr = _cli([*_recipes(tmp_path), "--seeds", "0", "--max-steps", "2", "--output-dir", str(out),
+                            "--model", "tiny-random-llama", "--override", override], capsys)
+    assert code == 2 and problem in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert not out.exists()
+
+
+def test_a_second_sweep_on_the_same_folder_is_refused_in_one_line(tmp_path, fake, capsys):
+    import fcntl
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / ".compare.lock", "w") as held:  # a sweep (or a run it started) holds the folder
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        code, _, stderr = _cli([*_recipes(tmp_path), "--seeds", "0", "--output-dir", str(out),
+                                "--run-fn", "fake_train:run_training"], capsys)
+    assert code == 2 and "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
+    assert stderr.startswith(f"bloggap compare: another bloggap compare (or a run it started) is using {out}")
+    assert _calls(fake) == []
+
+
+def test_a_corrupted_log_line_sets_that_run_aside_naming_file_and_line(tmp_path, fake, capsys):
+    pytest.importorskip("matplotlib")
+    config = _config(tmp_path, fake)
+    run_compare(config, echo=lambda m: None)
+    log = Path(config.output_dir) / "runs" / "A_s1.jsonl"
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join([lines[0], '{"step": 2, "rew', *lines[2:]]) + "\n")
+    code, stdout, stderr = _cli([*config.recipes, "--seeds", "0", "1", "--max-steps", "4", "--output-dir",
+                                 config.output_dir, "--last-n", "2", "--override", '{"num_iterations": 2}',
+                                 "--model", config.model, "--run-fn", config.run_fn, "--table-only"], capsys)
+    assert code == 1 and "Traceback" not in stderr, stderr
+    assert f"A_s1: set aside: {log}:2: not a JSON line" in stdout
+    document = json.loads((Path(config.output_dir) / "compare.json").read_text())
+    assert sorted(document["results"]["runs"]) == ["A_s0", "B_s0", "B_s1"]
+    assert document["results"]["arms"]["B"]["delta_vs_base"] == {"0": pytest.approx(0.25)}  # no A for seed 1
+    messages = []
+    res = run_compare(config, echo=messages.append)  # a sweep trains it again, keeping the corrupt log aside
+    assert _calls(fake)[4:] == ["A_s1"] and res["set_aside"] == {} and res["failed"] == {}
+    assert any(f"{log}:2: not a JSON line" in m and "kept as A_s1.jsonl.corrupt" in m for m in messages)
+    assert (log.parent / "A_s1.jsonl.corrupt").read_text().count("\n") == 5
 
 
 # --------------------------------------------------------------------------------------------- real training

@@ -240,3 +240,74 @@ def test_automatic_plot_picks_one_scale():
     assert table_plot_spec(mixed)["y"] == ["a"]  # 0-100 next to 3512: one column only
     assert table_plot_spec(dict(ladder, plot=False)) is None
     assert table_plot_spec(dict(ladder, rows=[[1, 2, 3, 4, 5]])) is None  # no text label column
+
+
+# --------------------------------------------------------------------------------------------- bad input, atomic writes
+
+
+def test_a_binary_result_file_fails_naming_it(tmp_path):
+    results = tmp_path / "results"
+    _write(results, "h200", "good", _result())
+    (results / "h200" / "blob.json").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe binary")
+    with pytest.raises(ReportError, match=r"blob\.json: not a text JSON file \(bytes that are not UTF-8 at byte 0\)"):
+        build_report(results, tmp_path / "B.md", None)
+    assert not (tmp_path / "B.md").exists()
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_nan_or_inf_in_a_result_is_refused_naming_where(tmp_path, constant):
+    # NaN/Infinity are not JSON (RFC 8259); a table cell without a value is null (rendered "–").
+    results = tmp_path / "results"
+    text = json.dumps(_result(), indent=1).replace("17.25", constant)
+    _write(results, "h200", "bad", text)
+    with pytest.raises(ReportError, match=rf"bad\.json: tables\[0\]\.rows\[1\]\[1\] is {constant}, .*null"):
+        build_report(results, tmp_path / "B.md", None)
+    params = json.dumps(_result(), indent=1).replace('"seed": 1234', f'"seed": {constant}')
+    _write(results, "h200", "bad", params)
+    with pytest.raises(ReportError, match=rf"bad\.json: params\.seed is {constant}"):
+        build_report(results, tmp_path / "B.md", None)
+
+
+def test_an_output_that_is_a_directory_or_in_no_folder_fails_before_reading_results(tmp_path):
+    (tmp_path / "out.md").mkdir()
+    with pytest.raises(ReportError, match=r"--output .*out\.md is a directory; give a file path"):
+        build_report(tmp_path / "nowhere", tmp_path / "out.md", None)  # results are not even looked at
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ReportError, match=r"--output .*afile/B\.md: .*afile"):
+        build_report(tmp_path / "nowhere", tmp_path / "afile" / "B.md", None)
+    with pytest.raises(ReportError, match=r"--plots .*afile is not a folder"):
+        build_report(tmp_path / "nowhere", tmp_path / "B.md", tmp_path / "afile")
+
+
+def test_a_failed_write_keeps_the_previous_report(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    results = tmp_path / "results"
+    _write(results, "h200", "tables", _result())
+    output = tmp_path / "B.md"
+    output.write_text("previous good report\n")
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(ReportError, match=r"B\.md: cannot write \(No space left on device\)"):
+        build_report(results, output, None)
+    assert output.read_text() == "previous good report\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["B.md", "results"]  # no temporary file left
+
+
+def test_cli_bad_output_and_binary_input_fail_in_one_line(tmp_path):
+    import sys
+
+    _write(tmp_path / "r", "h200", "tables", _result())
+    (tmp_path / "dir.md").mkdir()
+    done = subprocess.run([sys.executable, "-m", "bloggap_plugin.cli", "report", "--results", str(tmp_path / "r"),
+                           "--output", str(tmp_path / "dir.md"), "--no-plots"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().count("\n") == 0 and "is a directory" in done.stderr
+    (tmp_path / "r" / "h200" / "b.json").write_bytes(b"\xff\xfe\x00")
+    done = subprocess.run([sys.executable, "-m", "bloggap_plugin.cli", "report", "--results", str(tmp_path / "r"),
+                           "--output", str(tmp_path / "B.md"), "--no-plots"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "b.json: not a text JSON file" in done.stderr

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import sys
 
 HELP = "Run every recipe x seed (same prompts and sampling seeds), then the T10 reward table, a plot and the resolution."
 
 
 def _overrides(text: str | None) -> dict:
+    from bloggap_plugin.compare import CompareError
+
     if not text:
         return {}
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
-        raise SystemExit(f"--override must be a JSON object, e.g. '{{\"num_iterations\": 2}}' ({err.msg})") from err
+        raise CompareError(f"--override must be a JSON object, e.g. '{{\"num_iterations\": 2}}' ({err.msg})") from None
     if not isinstance(value, dict):
-        raise SystemExit("--override must be a JSON object of GRPOConfig fields, e.g. '{\"num_iterations\": 2}'")
+        raise CompareError("--override must be a JSON object of GRPOConfig fields, e.g. '{\"num_iterations\": 2}'")
     return value
 
 
@@ -43,37 +47,51 @@ def run(args: argparse.Namespace) -> int:
     from bloggap_plugin.compare import (
         DEFAULT_RUN_FN,
         CompareConfig,
+        CompareError,
+        SweepStopped,
         build_results,
-        plan_runs,
         print_table,
         run_compare,
+        validate_config,
         write_outputs,
     )
 
-    config = CompareConfig(
-        recipes=list(args.recipes),
-        seeds=list(args.seeds),
-        task=args.task,
-        max_steps=args.max_steps,
-        model=args.model,
-        output_dir=args.output_dir,
-        parallel=args.parallel,
-        difficulty=args.difficulty,
-        n=args.n,
-        data=args.data,
-        last_n=args.last_n,
-        baseline=args.baseline,
-        extra_overrides=_overrides(args.override),
-        run_fn=args.run_fn or DEFAULT_RUN_FN,
-        smooth=args.smooth,
-    )
-    if args.table_only:
-        results = build_results(config, plan_runs(config))
-        write_outputs(config, results)
-        failed = {}
-    else:
-        results = run_compare(config)
-        failed = results.get("failed", {})
+    try:
+        config = CompareConfig(
+            recipes=list(args.recipes),
+            seeds=list(args.seeds),
+            task=args.task,
+            max_steps=args.max_steps,
+            model=args.model,
+            output_dir=args.output_dir,
+            parallel=args.parallel,
+            difficulty=args.difficulty,
+            n=args.n,
+            data=args.data,
+            last_n=args.last_n,
+            baseline=args.baseline,
+            extra_overrides=_overrides(args.override),
+            run_fn=args.run_fn or DEFAULT_RUN_FN,
+            smooth=args.smooth,
+        )
+        if args.table_only:
+            results = build_results(config, validate_config(config, training=False))
+            write_outputs(config, results)
+            for run_id, why in results["set_aside"].items():
+                print(f"[compare] {run_id}: set aside: {why}")
+            failed = {}
+        else:
+            results = run_compare(config)
+            failed = results.get("failed", {})
+    except CompareError as err:
+        print(f"bloggap compare: {err}", file=sys.stderr)
+        return 2
+    except (SweepStopped, KeyboardInterrupt) as err:
+        signum = err.signum if isinstance(err, SweepStopped) else signal.SIGINT
+        stopped = err.stopped if isinstance(err, SweepStopped) else (err.args[0] if err.args else 0)
+        print(f"bloggap compare: stopped by {signal.Signals(signum).name}; stopped {stopped} run(s) in flight; "
+              "finished runs are kept: re-run the same command to resume", file=sys.stderr)
+        return 128 + int(signum)
     print_table(results)
     print(f"\nwritten: {config.output_dir}/compare.json, compare.md, reward_curves.png")
-    return 1 if failed else 0
+    return 1 if failed or results["set_aside"] else 0
