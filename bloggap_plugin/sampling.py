@@ -1,8 +1,9 @@
 """The sampler-recording logits processor for Hugging Face ``generate`` (the one mechanism on the HF path).
 
 :class:`SamplerRecorder` is a ``transformers.LogitsProcessor`` that *is* the sampler's last stage: it divides
-the scores by the temperature and, with ``truncate=True``, applies top_p / top_k / min_p itself in vLLM's
-order (:func:`bloggap_plugin.core.truncation.kept_mask`), setting the other tokens to ``-inf``. HF then draws
+the scores by the temperature and, with ``truncate=True``, applies top_k / top_p / min_p itself in HF
+``generate``'s order and arithmetic (:func:`bloggap_plugin.core.truncation.kept_mask` with ``order="hf"``: top_k,
+top_p, then min_p), setting the other tokens to ``-inf``, so it draws bit for bit what HF's own warpers draw. HF then draws
 from ``softmax`` of what it returns, so the recorder knows exactly the distribution each token came from.
 It must run LAST: HF applies processors passed in ``logits_processor=`` *before* its own warpers, so the
 caller's temperature / top_p / top_k / min_p must be neutralised (:meth:`SamplerRecorder.neutral_generation_kwargs`,
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from bloggap_plugin.core.truncation import kept_mask, pack_kept_ids, validate_sampling
+from bloggap_plugin.core.truncation import ORDERS, kept_mask, pack_kept_ids, validate_sampling
 
 __all__ = ["SamplerRecorder", "SamplerRecord", "check_neutral_generation_config"]
 
@@ -84,14 +85,16 @@ def check_neutral_generation_config(generation_config: transformers.GenerationCo
 
 
 class SamplerRecorder(transformers.LogitsProcessor):
-    """Applies temperature (and, if ``truncate``, the vLLM-order kept set) and records each emitted token.
+    """Applies temperature (and, if ``truncate``, the kept set in HF's order) and records each emitted token.
 
     Args:
         temperature: sampling temperature (> 0); the recorder divides the scores by it.
-        top_k, top_p, min_p: truncation (vLLM conventions: ``top_k <= 0`` off, ``top_p = 1`` off, ``min_p = 0`` off);
-            used only when ``truncate`` is true.
+        top_k, top_p, min_p: truncation (``top_k <= 0`` off, ``top_p = 1`` off, ``min_p = 0`` off); used only when
+            ``truncate`` is true.
         truncate: apply the truncation here (and record the kept set); ``False`` records temperature only.
         store_ids_max: keep the kept ids of a token when ``|S| <= store_ids_max`` (else only its size).
+        order: the truncation order and arithmetic, ``"hf"`` (what ``generate`` would apply; the default) or
+            ``"vllm"`` (see :func:`bloggap_plugin.core.truncation.kept_mask`).
 
     Use: ``model.generate(..., do_sample=True, logits_processor=[recorder], **recorder.neutral_generation_kwargs())``
     after :meth:`reset`, then :meth:`finalize` with the returned sequences.
@@ -105,8 +108,11 @@ class SamplerRecorder(transformers.LogitsProcessor):
         min_p: float = 0.0,
         truncate: bool = False,
         store_ids_max: int = 64,
+        order: str = "hf",
     ) -> None:
         validate_sampling(temperature, top_k, top_p, min_p)
+        if order not in ORDERS:
+            raise ValueError(f"order must be 'hf' or 'vllm', got {order!r}")
         if store_ids_max < 0:
             raise ValueError(f"store_ids_max must be >= 0, got {store_ids_max}")
         self.temperature = float(temperature)
@@ -115,6 +121,7 @@ class SamplerRecorder(transformers.LogitsProcessor):
         self.min_p = float(min_p)
         self.truncate = bool(truncate)
         self.store_ids_max = int(store_ids_max)
+        self.order = order
         self.reset()
 
     @staticmethod
@@ -160,7 +167,7 @@ class SamplerRecorder(transformers.LogitsProcessor):
             scaled = scaled / self.temperature
         self._prev_full = torch.log_softmax(scaled, dim=-1)
         if self.truncate:
-            kept = kept_mask(scaled, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+            kept = kept_mask(scaled, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, order=self.order)
             processed = scaled.masked_fill(~kept, float("-inf"))
             self._prev_processed = torch.log_softmax(processed, dim=-1)
             sizes = kept.sum(-1)
