@@ -7,7 +7,10 @@ top_p, then min_p), setting the other tokens to ``-inf``, so it draws bit for bi
 from ``softmax`` of what it returns, so the recorder knows exactly the distribution each token came from.
 It must run LAST: HF applies processors passed in ``logits_processor=`` *before* its own warpers, so the
 caller's temperature / top_p / top_k / min_p must be neutralised (:meth:`SamplerRecorder.neutral_generation_kwargs`,
-checked by :func:`check_neutral_generation_config`) and given to the recorder instead.
+checked by :func:`check_neutral_generation_config` on :func:`effective_generation_config`, since ``generate``
+fills ``None`` fields from the model's generation_config) and given to the recorder instead
+(:func:`sampler_settings`, which refuses the warpers the recorder does not model: typical_p, epsilon/eta
+cutoffs, top_h, watermarking). Only plain multinomial sampling can be recorded (:func:`unsupported_generation_mode`).
 
 What it sees: everything that runs before it is included in the recorded distribution, i.e. HF's default
 processors (repetition / presence penalties, ``no_repeat_ngram_size``, ``min_new_tokens`` EOS suppression,
@@ -22,6 +25,7 @@ host sync during generation).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +33,15 @@ import transformers
 
 from bloggap_plugin.core.truncation import ORDERS, kept_mask, pack_kept_ids, validate_sampling
 
-__all__ = ["SamplerRecorder", "SamplerRecord", "check_neutral_generation_config"]
+__all__ = [
+    "SamplerRecorder",
+    "SamplerRecord",
+    "check_neutral_generation_config",
+    "effective_generation_config",
+    "hf_warpers",
+    "sampler_settings",
+    "unsupported_generation_mode",
+]
 
 
 @dataclass
@@ -59,23 +71,87 @@ class SamplerRecord:
         return packed if pad == -1 else packed.masked_fill(packed < 0, pad)
 
 
+MODELLED_WARPERS = ("temperature", "top_k", "top_p", "min_p")
+"""The HF warpers the recorder applies itself (in HF's order); every other warper is refused."""
+
+
+def effective_generation_config(model, generation_config: transformers.GenerationConfig | None):
+    """The config ``model.generate(generation_config=...)`` really runs with (a copy; the inputs are untouched).
+
+    transformers fills every ``None`` field from ``model.generation_config`` and then from its global defaults
+    (``GenerationMixin._prepare_generation_config``), so e.g. TRL's ``min_p=None`` becomes the model's ``min_p``.
+    """
+    prepare = getattr(model, "_prepare_generation_config", None)
+    if prepare is None:  # not a transformers generation model: nothing is merged in
+        return copy.deepcopy(generation_config) if generation_config is not None else transformers.GenerationConfig()
+    return prepare(copy.deepcopy(generation_config))[0]
+
+
+def hf_warpers(config: transformers.GenerationConfig) -> dict:
+    """``{field: value}`` of the warpers HF ``generate`` applies after all logits processors (transformers 5.x
+    ``_get_logits_processor``, in its order), for an effective config; empty when not sampling. ``min_p = 0`` is
+    a no-op and not listed."""
+    if config.do_sample is not True:
+        return {}
+    found = {}
+    if config.temperature is not None and config.temperature != 1.0:
+        found["temperature"] = config.temperature
+    if getattr(config, "top_h", None) is not None:
+        found["top_h"] = config.top_h
+    if config.top_k is not None and config.top_k != 0:
+        found["top_k"] = config.top_k
+    if config.top_p is not None and config.top_p < 1.0:
+        found["top_p"] = config.top_p
+    if config.min_p is not None and config.min_p > 0.0:
+        found["min_p"] = config.min_p
+    if getattr(config, "typical_p", None) is not None and config.typical_p < 1.0:
+        found["typical_p"] = config.typical_p
+    for name in ("epsilon_cutoff", "eta_cutoff"):
+        value = getattr(config, name, None)
+        if value is not None and 0.0 < value < 1.0:
+            found[name] = value
+    if getattr(config, "watermarking_config", None) is not None:
+        found["watermarking_config"] = config.watermarking_config
+    return found
+
+
+def sampler_settings(config: transformers.GenerationConfig) -> dict:
+    """``{temperature, top_k, top_p, min_p}`` HF samples with under an effective config (off values when unset).
+
+    Raises ``ValueError`` naming every warper the recorder does not model (typical_p, epsilon_cutoff,
+    eta_cutoff, top_h, watermarking): it would run after the recorder and change the draw.
+    """
+    warpers = hf_warpers(config)
+    unmodelled = {k: v for k, v in warpers.items() if k not in MODELLED_WARPERS}
+    if unmodelled:
+        raise ValueError(
+            "the generation config (TRL's, with None fields filled from the model's generation_config) uses HF "
+            "warpers the sampler recorder does not model: " + ", ".join(f"{k}={v}" for k, v in unmodelled.items())
+        )
+    return {
+        "temperature": float(warpers.get("temperature", 1.0)),
+        "top_k": int(warpers.get("top_k", 0)),
+        "top_p": float(warpers.get("top_p", 1.0)),
+        "min_p": float(warpers.get("min_p", 0.0)),
+    }
+
+
+def unsupported_generation_mode(config: transformers.GenerationConfig) -> str | None:
+    """Why the recorder cannot model this config's generation mode (beam search, greedy, assisted, constrained,
+    contrastive, ...), or ``None`` for plain multinomial sampling, the only mode it records."""
+    mode = config.get_generation_mode()
+    if mode == transformers.generation.GenerationMode.SAMPLE:
+        return None
+    return f"generation mode {mode.value!r} (do_sample={config.do_sample}, num_beams={config.num_beams})"
+
+
 def check_neutral_generation_config(generation_config: transformers.GenerationConfig) -> None:
-    """Raise ``ValueError`` if HF's own warpers would run after the recorder (they would change the draw)."""
-    problems = []
-    if generation_config.temperature not in (None, 1.0):
-        problems.append(f"temperature={generation_config.temperature}")
-    if generation_config.top_k not in (None, 0):
-        problems.append(f"top_k={generation_config.top_k}")
-    if generation_config.top_p not in (None, 1.0):
-        problems.append(f"top_p={generation_config.top_p}")
-    if generation_config.min_p is not None:
-        problems.append(f"min_p={generation_config.min_p}")
-    for name in ("typical_p", "epsilon_cutoff", "eta_cutoff"):
-        value = getattr(generation_config, name, None)
-        if value is not None and value not in (0.0, 1.0):
-            problems.append(f"{name}={value}")
-    if getattr(generation_config, "top_h", None) is not None:
-        problems.append(f"top_h={generation_config.top_h}")
+    """Raise ``ValueError`` if HF's own warpers would run after the recorder (they would change the draw).
+
+    Pass the effective config (:func:`effective_generation_config`): fields left ``None`` are filled from the
+    model's generation_config by ``generate``.
+    """
+    problems = [f"{k}={v}" for k, v in hf_warpers(generation_config).items()]
     if problems:
         raise ValueError(
             "generation_config still has HF warpers that run after SamplerRecorder: "
@@ -126,8 +202,14 @@ class SamplerRecorder(transformers.LogitsProcessor):
 
     @staticmethod
     def neutral_generation_kwargs() -> dict:
-        """``generate`` kwargs that switch HF's own temperature/top-k/top-p/min-p warpers off."""
-        return {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None}
+        """``generate`` kwargs that switch every HF warper off explicitly (a ``None`` would be filled from the
+        model's generation_config). ``top_h`` has no off value but ``None``: check the effective config."""
+        return {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+                "eta_cutoff": 0.0}
+
+    def settings(self) -> dict:
+        """``{temperature, top_k, top_p, min_p}`` this recorder samples with (as :func:`sampler_settings`)."""
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p}
 
     def reset(self) -> None:
         """Forget everything recorded; call before each ``generate``."""

@@ -9,7 +9,13 @@ import transformers
 from bloggap_plugin.core.scoring import token_logprobs
 from bloggap_plugin.core.truncation import kept_reducer
 from bloggap_plugin.models import load_model
-from bloggap_plugin.sampling import SamplerRecorder, check_neutral_generation_config
+from bloggap_plugin.sampling import (
+    SamplerRecorder,
+    check_neutral_generation_config,
+    effective_generation_config,
+    sampler_settings,
+    unsupported_generation_mode,
+)
 
 PROMPTS = ["Hello there", "A", "The quick brown fox", "x = 1 + 2"]
 NEW_TOKENS = 12
@@ -139,6 +145,37 @@ def test_misuse_gives_clear_errors(tiny):
         check_neutral_generation_config(config)
     config.update(**SamplerRecorder.neutral_generation_kwargs())
     check_neutral_generation_config(config)
+
+
+def test_effective_config_takes_the_models_warpers_and_neutral_kwargs_switch_all_off():
+    """generate fills None fields from model.generation_config: min_p=None is NOT off when the model ships min_p."""
+    model, _ = load_model("tiny-random-llama", dtype="fp32")
+    model.generation_config.min_p = 0.3
+    model.generation_config.typical_p = 0.95
+    trl_like = transformers.GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9, top_k=0, min_p=None)
+    effective = effective_generation_config(model, trl_like)
+    assert trl_like.min_p is None and effective.min_p == 0.3 and effective.typical_p == 0.95
+    with pytest.raises(ValueError, match=r"typical_p=0\.95"):
+        sampler_settings(effective)
+    model.generation_config.typical_p = None
+    assert sampler_settings(effective_generation_config(model, trl_like)) == dict(
+        temperature=0.7, top_k=0, top_p=0.9, min_p=0.3
+    )
+    trl_like.update(min_p=None, temperature=1.0, top_p=1.0)  # the old neutral kwargs: min_p None
+    with pytest.raises(ValueError, match=r"min_p=0\.3"):
+        check_neutral_generation_config(effective_generation_config(model, trl_like))
+    trl_like.update(**SamplerRecorder.neutral_generation_kwargs())
+    check_neutral_generation_config(effective_generation_config(model, trl_like))
+    for name in ("typical_p", "epsilon_cutoff", "eta_cutoff"):  # the neutral values switch a model's value off
+        setattr(model.generation_config, name, 0.5 if name == "typical_p" else 3e-4)
+    check_neutral_generation_config(effective_generation_config(model, trl_like))
+    # only plain multinomial sampling is recordable
+    assert unsupported_generation_mode(trl_like) is None
+    assert "beam" in unsupported_generation_mode(transformers.GenerationConfig(do_sample=True, num_beams=2))
+    assert "greedy" in unsupported_generation_mode(transformers.GenerationConfig(do_sample=False))
+    assert "assisted" in unsupported_generation_mode(
+        transformers.GenerationConfig(do_sample=True, prompt_lookup_num_tokens=3)
+    )
 
 
 def test_trunc_bias_benchmark_quick_mode_on_tiny_fp32(tmp_path):

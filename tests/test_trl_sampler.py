@@ -44,3 +44,66 @@ def test_arm_A_is_bitwise_plain_trl_with_combined_truncation(tmp_path, truncatio
     assert ours[0] == plain[0]
     assert all(torch.equal(a, b) for a, b in zip(ours[1], plain[1], strict=True))
     assert torch.equal(ours[2], plain[2])
+
+
+def min_p_model(model) -> None:
+    """A model shipping ``min_p: 0.3`` in its generation_config (transformers fills TRL's ``min_p=None`` from it)."""
+    model.generation_config.min_p = 0.3
+
+
+def test_model_generation_config_min_p_is_recorded_as_sampled(tmp_path):
+    """TRL leaves min_p None, so generate samples with the model's min_p 0.3: the recorder must model exactly that."""
+    from transformers import MinPLogitsWarper
+
+    from bloggap_plugin.models import load_model
+    from tests.test_trl import _Spy
+
+    trainer = make(tmp_path, GapConfig(arm="A", probe_rows=0), dtype="fp32", trainer_cls=_Spy, prepare=min_p_model,
+                   max_steps=1)
+    trainer.train()
+    batch = trainer.spied[0]
+    assert "gap_kept_sizes" in batch, "min_p from the model's generation_config was not recorded as truncation"
+    # independent: the same (seeded) weights, teacher-forced, HF's own MinP warper on the fp32 logits
+    model, _ = load_model("tiny-random-llama", dtype="fp32")
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    width = batch["completion_ids"].shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, -width - 1:-1].float()
+    warped = MinPLogitsWarper(0.3)(None, logits.reshape(-1, logits.shape[-1])).reshape(logits.shape)
+    sizes = torch.isfinite(warped).sum(-1)
+    drawn = torch.log_softmax(warped, -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    mask = batch["completion_mask"].bool()
+    assert (sizes[mask] < VOCAB).all()  # min_p 0.3 really truncates this model
+    agree = batch["gap_kept_sizes"][mask] == sizes[mask]
+    assert agree.float().mean() >= 0.98  # KV-cache vs full-forward rounding may move a token across the edge
+    assert torch.allclose(batch["gap_sampler_logps"][mask][agree], drawn[mask][agree], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "field, value", [("typical_p", 0.9), ("epsilon_cutoff", 3e-4), ("eta_cutoff", 3e-4), ("top_h", 0.5)]
+)
+def test_unmodelled_warper_in_model_generation_config_is_refused(tmp_path, field, value):
+    from bloggap_plugin.recipes import RecipeError
+
+    def ship(model):
+        setattr(model.generation_config, field, value)
+
+    with pytest.raises(RecipeError, match=rf"{field}={value}.*generation_kwargs.*gap\.sampler: false"):
+        make(tmp_path, GapConfig(arm="A"), prepare=ship)
+
+
+def test_unmodelled_warper_in_generation_kwargs_is_refused(tmp_path):
+    from bloggap_plugin.recipes import RecipeError
+
+    with pytest.raises(RecipeError, match=r"typical_p=0\.8"):
+        make(tmp_path, GapConfig(arm="A"), generation_kwargs={"typical_p": 0.8})
+
+
+def test_warper_added_after_attach_fails_at_generate(tmp_path):
+    """The check runs on the config generate really uses (after transformers merges the model's)."""
+    trainer = make(tmp_path, GapConfig(arm="A", probe_rows=0), max_steps=1)
+    trainer.model.generation_config.typical_p = 0.9
+    with pytest.raises(ValueError, match=r"typical_p=0\.9"):
+        trainer.train()
+
