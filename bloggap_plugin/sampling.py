@@ -36,12 +36,18 @@ from bloggap_plugin.core.truncation import ORDERS, kept_mask, pack_kept_ids, val
 __all__ = [
     "SamplerRecorder",
     "SamplerRecord",
+    "SamplerRecordError",
     "check_neutral_generation_config",
     "effective_generation_config",
     "hf_warpers",
     "sampler_settings",
     "unsupported_generation_mode",
 ]
+
+
+class SamplerRecordError(RuntimeError):
+    """The recorder's steps do not describe the sequences ``generate`` returned (nothing recorded, because
+    ``generate`` was replaced or ran without the recorder, or a different number of rows/steps/tokens)."""
 
 
 @dataclass
@@ -282,11 +288,13 @@ class SamplerRecorder(transformers.LogitsProcessor):
         0. Without either, a padded token outside the kept set raises with this advice.
         """
         if self._prev_full is None:
-            raise RuntimeError("SamplerRecorder recorded nothing: pass it to generate(logits_processor=[...]) first")
+            raise SamplerRecordError(
+                "SamplerRecorder recorded nothing: pass it to generate(logits_processor=[...]) first"
+            )
         completion = sequences[:, prompt_width:]
         n_rows, width = completion.shape
         if width != self._steps or n_rows != self._batch:
-            raise ValueError(
+            raise SamplerRecordError(
                 f"sequences have {width} completion tokens x {n_rows} rows after prompt_width={prompt_width}, but the "
                 f"recorder saw {self._steps} steps x {self._batch} rows; prompt_width must be the padded prompt width "
                 "and reset() must be called before each generate()"
@@ -294,7 +302,9 @@ class SamplerRecorder(transformers.LogitsProcessor):
         if self._tokens:
             seen = torch.stack(self._tokens, dim=1)
             if not torch.equal(seen.to(completion.device), completion[:, : width - 1]):
-                raise ValueError("the tokens the recorder saw differ from sequences[:, prompt_width:]; wrong prompt_width?")
+                raise SamplerRecordError(
+                    "the tokens the recorder saw differ from sequences[:, prompt_width:]; wrong prompt_width?"
+                )
         # the last token was never fed back: read it from the sequences (without consuming the stored rows)
         last = completion[:, -1].to(self._prev_full.device).long().unsqueeze(-1)
         last_processed = self._prev_full if self._prev_processed is None else self._prev_processed

@@ -11,6 +11,7 @@ from bloggap_plugin.core.truncation import kept_reducer
 from bloggap_plugin.models import load_model
 from bloggap_plugin.sampling import (
     SamplerRecorder,
+    SamplerRecordError,
     check_neutral_generation_config,
     effective_generation_config,
     sampler_settings,
@@ -129,10 +130,10 @@ def test_misuse_gives_clear_errors(tiny):
     model, tok, batch = tiny
     width = batch["input_ids"].shape[1]
     recorder = SamplerRecorder(top_k=3, truncate=True)
-    with pytest.raises(RuntimeError, match="recorded nothing"):
+    with pytest.raises(SamplerRecordError, match="recorded nothing"):
         recorder.finalize(batch["input_ids"], width)
     out = _generate(model, batch, 0, logits_processor=[recorder], **recorder.neutral_generation_kwargs())
-    with pytest.raises(ValueError, match="prompt_width"):
+    with pytest.raises(SamplerRecordError, match="prompt_width"):
         recorder.finalize(out.sequences, width - 1)
     with pytest.raises(RuntimeError, match="reset"):
         _generate(model, batch, 0, logits_processor=[recorder], **recorder.neutral_generation_kwargs())

@@ -107,3 +107,54 @@ def test_warper_added_after_attach_fails_at_generate(tmp_path):
     with pytest.raises(ValueError, match=r"typical_p=0\.9"):
         trainer.train()
 
+
+@pytest.mark.parametrize("generation_kwargs", [{"num_beams": 2}, {"do_sample": False}], ids=["beams", "greedy"])
+def test_unrecordable_generation_mode_turns_sampler_off_and_trains_like_plain_trl(tmp_path, generation_kwargs):
+    import warnings
+
+    _, plain = run(tmp_path, None, "plain", max_steps=1, generation_kwargs=generation_kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, ours = run(tmp_path, GapConfig(arm="A", probe_rows=4), "trainer", max_steps=1,
+                            generation_kwargs=generation_kwargs)
+    off = [w for w in caught if "sampler recording is off" in str(w.message)]
+    assert len(off) == 1, [str(w.message) for w in caught]
+    assert ("beam" if "num_beams" in generation_kwargs else "greedy") in str(off[0].message)
+    first = logs_of(trainer)[0]
+    assert "gap/sampler/oob_frac" not in first and "gap/ratio/oob_frac" in first
+    assert ours[0] == plain[0]
+    assert all(torch.equal(a, b) for a, b in zip(ours[1], plain[1], strict=True))
+
+
+def test_unrecordable_mode_with_renormalize_is_refused(tmp_path):
+    from bloggap_plugin.recipes import RecipeError
+
+    with pytest.raises(RecipeError, match=r"need the sampler recording.*'beam_sample'"):
+        make(tmp_path, GapConfig(arm="C", kept="renormalize"), top_p=0.8, generation_kwargs={"num_beams": 2})
+
+
+def test_replaced_generate_drops_the_sampler_metrics_with_a_warning(tmp_path):
+    """A mocked generate never calls the recorder: that generation has no sampler metrics, training goes on."""
+    trainer = make(tmp_path, GapConfig(arm="C", probe_rows=4), max_steps=2)
+    calls = []
+
+    def fake_generate(input_ids, attention_mask=None, generation_config=None, **kwargs):
+        calls.append(kwargs.get("logits_processor"))
+        completion = torch.full((input_ids.shape[0], 3), 40 + len(calls), dtype=input_ids.dtype)
+        return torch.cat([input_ids, completion], dim=1)
+
+    trainer.model.generate = fake_generate
+    with pytest.warns(UserWarning, match="recorded nothing.*gap/sampler metrics dropped for this generation"):
+        trainer.train()
+    logs = logs_of(trainer)
+    assert len(calls) == 1 and len(logs) == 2 and all(h["loss"] == h["loss"] for h in logs)
+    assert "gap/sampler/oob_frac" not in logs[0]
+    assert logs[0]["gap/ratio/oob_frac"] is not None  # the other metrics are unaffected
+
+
+def test_mode_changed_after_attach_drops_the_sampler_metrics(tmp_path):
+    trainer = make(tmp_path, GapConfig(arm="A", probe_rows=0), max_steps=1)
+    trainer.model.generation_config.num_beams = 2  # generate fills TRL's num_beams=None from here
+    with pytest.warns(UserWarning, match="cannot record generation mode 'beam_sample'.*dropped for this generation"):
+        trainer.train()
+    assert "gap/sampler/oob_frac" not in logs_of(trainer)[0]

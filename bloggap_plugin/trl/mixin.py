@@ -417,9 +417,11 @@ class GapMixin:
         from transformers import LogitsProcessorList
 
         from bloggap_plugin.sampling import (
+            SamplerRecordError,
             check_neutral_generation_config,
             effective_generation_config,
             sampler_settings,
+            unsupported_generation_mode,
         )
 
         unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
@@ -434,7 +436,13 @@ class GapMixin:
             config = gen_kwargs.get("generation_config")
             config = copy.deepcopy(config if config is not None else unwrapped.generation_config)
             # what plain TRL would sample with now (the model's generation_config may have changed since attach)
-            settings = sampler_settings(effective_generation_config(unwrapped, config))
+            effective = effective_generation_config(unwrapped, config)
+            mode = unsupported_generation_mode(effective)
+            if mode is not None:
+                warnings.warn(f"bloggap: the sampler recorder cannot record {mode}; gap/sampler metrics dropped for "
+                              "this generation", stacklevel=2)
+                return original_generate(*gen_args, **gen_kwargs)
+            settings = sampler_settings(effective)
             if settings != recorder.settings():
                 raise ValueError(f"bloggap: generation settings {settings} differ from those at attach time "
                                  f"{recorder.settings()}; attach the plugin after the last change to them")
@@ -462,8 +470,12 @@ class GapMixin:
             start = time.perf_counter()
             completion = captured["sequences"][:, captured["prompt_width"]:]
             eos = list(self.eos_token_ids)
-            self._gap_pending_record = recorder.finalize(captured["sequences"], captured["prompt_width"], eos_token_id=eos)
-            self._gap_pending_completion = completion
+            try:
+                self._gap_pending_record = recorder.finalize(captured["sequences"], captured["prompt_width"],
+                                                             eos_token_id=eos)
+                self._gap_pending_completion = completion
+            except SamplerRecordError as err:  # generate replaced / mocked, or ran without the recorder
+                warnings.warn(f"bloggap: {err}; gap/sampler metrics dropped for this generation", stacklevel=2)
             self._gap_time += time.perf_counter() - start
         return result
 
