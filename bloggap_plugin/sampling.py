@@ -20,7 +20,7 @@ processors differs from the sampler by their effect too, exactly like vLLM's ``p
 Recording cost: per step it keeps one ``[B, V]`` fp32 full log-softmax row (two when truncating) until the
 next call reads the emitted token from ``input_ids[:, -1]``; per token it stores four scalars and, when
 truncating, up to ``store_ids_max`` int32 ids (``B * C * store_ids_max * 4`` bytes on the device; no
-host sync during generation).
+host sync during generation). The kept ids stay tensors to the end (sorted and trimmed on the device).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from bloggap_plugin.core.truncation import ORDERS, kept_mask, pack_kept_ids, validate_sampling
+from bloggap_plugin.core.truncation import ORDERS, kept_mask, validate_sampling
 
 __all__ = [
     "SamplerRecorder",
@@ -63,18 +63,18 @@ class SamplerRecord:
     """``[B, C]`` int32: kept-set size ``|S|``; 0 where untruncated (``truncate=False``) or masked out."""
     log_kept_mass: torch.Tensor
     """``[B, C]`` fp32: ``log S`` (<= 0) under the sampler's scores; 0 where untruncated or masked out."""
-    kept_ids: list | None
-    """Per row, per step: the sorted kept ids when ``|S| <= store_ids_max``, else ``None``; ``None`` overall
-    when not truncating."""
+    kept_ids: torch.Tensor | None
+    """``[B, C, S_max]`` int64: each token's kept ids in ascending order, ``-1`` padded; all ``-1`` where
+    ``|S| > store_ids_max`` or masked out (scorers then use the size). ``S_max`` = the largest stored set
+    (at least 1). ``None`` when not truncating. Built on the device without leaving tensors."""
     completion_mask: torch.Tensor | None = None
     """``[B, C]`` int: the mask applied (positions with 0 hold zeros), or ``None`` when none was given."""
 
     def kept_ids_tensor(self, pad: int = -1) -> torch.Tensor | None:
-        """The ids packed as ``[B, C, S_max]`` int64 with ``pad`` (see ``core.truncation.pack_kept_ids``)."""
-        if self.kept_ids is None:
-            return None
-        packed = pack_kept_ids(self.kept_ids, width=self.logps.shape[1], device=self.logps.device)
-        return packed if pad == -1 else packed.masked_fill(packed < 0, pad)
+        """:attr:`kept_ids` with ``pad`` in place of ``-1`` (the form ``core.truncation.kept_reducer`` takes)."""
+        if self.kept_ids is None or pad == -1:
+            return self.kept_ids
+        return self.kept_ids.masked_fill(self.kept_ids < 0, pad)
 
 
 MODELLED_WARPERS = ("temperature", "top_k", "top_p", "min_p")
@@ -264,9 +264,11 @@ class SamplerRecorder(transformers.LogitsProcessor):
                 torch.logsumexp(self._prev_full.masked_fill(~kept, float("-inf")), dim=-1).clamp(max=0.0)
             )
             if self.store_ids_max > 0:
-                width_ids = min(self.store_ids_max, scaled.shape[-1])
-                # the kept set is {scaled >= cutoff} & finite: its |S| largest processed values are exactly it
-                ids = torch.topk(processed, width_ids, dim=-1).indices.to(torch.int32)
+                vocab = scaled.shape[-1]
+                width_ids = min(self.store_ids_max, vocab)
+                # key V - id on kept tokens, 0 elsewhere: the top |S| keys are the kept ids in ascending order
+                key = torch.where(kept, vocab - torch.arange(vocab, device=kept.device, dtype=torch.int32), 0)
+                ids = torch.topk(key, width_ids, dim=-1).indices.to(torch.int32)
                 rank = torch.arange(width_ids, device=ids.device)
                 self._ids.append(torch.where(rank < sizes.unsqueeze(-1), ids, -1))
         else:
@@ -333,9 +335,7 @@ class SamplerRecorder(transformers.LogitsProcessor):
                 f"{int(bad.sum())} emitted tokens have probability 0 under the recorded sampler (padding after EOS): "
                 "pass completion_mask= or eos_token_id= to finalize()"
             )
-        kept_ids = None
-        if self.truncate:
-            kept_ids = _ids_lists(ids_tensor, sizes, self.store_ids_max, n_rows, width)
+        kept_ids = _sorted_kept_ids(ids_tensor, sizes, self.store_ids_max) if self.truncate else None
         return SamplerRecord(logps, processed, sizes, log_mass, kept_ids, completion_mask)
 
 
@@ -347,18 +347,13 @@ def _mask_after_eos(completion: torch.Tensor, eos_token_id: int | list[int]) -> 
     return (~after).long()
 
 
-def _ids_lists(ids: torch.Tensor | None, sizes: torch.Tensor, store_ids_max: int, n_rows: int, width: int) -> list:
-    """Per row, per step sorted id lists (``None`` when too large to store or masked out)."""
-    sizes_list = sizes.tolist()
-    ids_list = ids.cpu().tolist() if ids is not None else None
-    out = []
-    for b in range(n_rows):
-        row = []
-        for t in range(width):
-            size = sizes_list[b][t]
-            if ids_list is None or size == 0 or size > store_ids_max:
-                row.append(None)
-            else:
-                row.append(sorted(ids_list[b][t][:size]))
-        out.append(row)
-    return out
+def _sorted_kept_ids(ids: torch.Tensor | None, sizes: torch.Tensor, store_ids_max: int) -> torch.Tensor:
+    """``[B, C, S_max]`` int64 ascending kept ids, ``-1`` padded, from the recorded ``[B, C, W]`` ids (ascending
+    in the first ``|S|`` columns); all ``-1`` where ``|S| > store_ids_max`` or ``|S| = 0``. One host sync."""
+    n_rows, width = sizes.shape
+    stored = (sizes > 0) & (sizes <= store_ids_max)
+    s_max = max(int(sizes.masked_fill(~stored, 0).max()), 1) if sizes.numel() else 1
+    if ids is None:  # store_ids_max == 0: sizes only
+        return torch.full((n_rows, width, 1), -1, dtype=torch.long, device=sizes.device)
+    # W = min(store_ids_max, V) >= s_max; a token with |S| > store_ids_max has W valid ids: unknown, all -1
+    return ids[..., :s_max].masked_fill(~stored.unsqueeze(-1), -1).long()

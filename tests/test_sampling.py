@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from bloggap_plugin.core.scoring import token_logprobs
-from bloggap_plugin.core.truncation import kept_reducer
+from bloggap_plugin.core.truncation import kept_reducer, pack_kept_ids
 from bloggap_plugin.models import load_model
 from bloggap_plugin.sampling import (
     SamplerRecorder,
@@ -90,7 +90,7 @@ def test_truncated_recorder_draws_exactly_what_hf_warpers_draw(tiny, truncation)
         for t in range(completion.shape[1]):
             if not keep[b, t]:
                 continue
-            ids = record.kept_ids[b][t]
+            ids = [i for i in record.kept_ids[b, t].tolist() if i >= 0]
             assert ids == torch.nonzero(hf_sets[b, t]).squeeze(-1).tolist()
             assert int(completion[b, t]) in ids
             assert record.kept_sizes[b, t] == len(ids)
@@ -111,7 +111,7 @@ def test_teacher_forced_rescoring_over_recorded_set_gives_ratio_one(tiny):
     out = _generate(model, batch, 3, logits_processor=[recorder], **recorder.neutral_generation_kwargs())
     record = recorder.finalize(out.sequences, width, eos_token_id=model.generation_config.eos_token_id)
     keep = record.completion_mask.bool()
-    stored = torch.tensor([[ids is not None for ids in row] for row in record.kept_ids])
+    stored = (record.kept_ids >= 0).any(-1)
     assert stored[keep].any() and (~stored[keep]).any()  # both the ids and the size-only path are exercised
     attention = torch.cat([batch["attention_mask"], torch.ones_like(out.sequences[:, width:])], dim=1)
     with torch.no_grad():
@@ -124,6 +124,32 @@ def test_teacher_forced_rescoring_over_recorded_set_gives_ratio_one(tiny):
     assert torch.allclose(ratio_before, torch.exp(record.log_kept_mass)[keep], atol=1e-5, rtol=0)
     assert ratio_before.max() < 0.999
     assert torch.allclose(ratio_after, torch.ones_like(ratio_after), atol=1e-5, rtol=0)
+
+
+def test_kept_ids_are_a_tensor_equal_to_the_packed_id_lists(tiny):
+    """Kept ids stay tensors end to end: the same values as packing the per-token sorted id lists (the old form)."""
+    model, tok, batch = tiny
+    width = batch["input_ids"].shape[1]
+    recorder = SamplerRecorder(temperature=0.1, top_p=0.8, truncate=True, store_ids_max=40)
+    ours = _generate(model, batch, 3, logits_processor=[recorder], **recorder.neutral_generation_kwargs())
+    hf = _generate(model, batch, 3, temperature=0.1, top_k=0, top_p=0.8)
+    assert torch.equal(ours.sequences, hf.sequences)
+    record = recorder.finalize(ours.sequences, width, eos_token_id=model.generation_config.eos_token_id)
+    keep = record.completion_mask.bool()
+    hf_sets = torch.isfinite(torch.stack(hf.scores, dim=1))
+    lists = [
+        [
+            ids if keep[b, t] and len(ids) <= 40 else None
+            for t, ids in enumerate(torch.nonzero(hf_sets[b, t]).squeeze(-1).tolist() for t in range(NEW_TOKENS))
+        ]
+        for b in range(len(PROMPTS))
+    ]
+    assert any(ids is None for row in lists for ids in row) and any(ids is not None for row in lists for ids in row)
+    expected = pack_kept_ids(lists, width=NEW_TOKENS)
+    assert torch.is_tensor(record.kept_ids) and record.kept_ids.dtype == torch.long
+    assert torch.equal(record.kept_ids, expected)
+    assert torch.equal(record.kept_ids_tensor(), expected)
+    assert torch.equal(record.kept_ids_tensor(pad=0), expected.clamp(min=0))
 
 
 def test_misuse_gives_clear_errors(tiny):
