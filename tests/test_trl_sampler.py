@@ -158,3 +158,82 @@ def test_mode_changed_after_attach_drops_the_sampler_metrics(tmp_path):
     with pytest.warns(UserWarning, match="cannot record generation mode 'beam_sample'.*dropped for this generation"):
         trainer.train()
     assert "gap/sampler/oob_frac" not in logs_of(trainer)[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TRL's own GRPO test configurations (tests/test_grpo_trainer.py, TRL 1.16) with the plugin attached, on the local
+# tiny model: each trains one optimizer step. Overrides of tests.test_trl.grpo_args.
+SUITE = {
+    "default": {},
+    "loss_grpo": dict(loss_type="grpo"),
+    "loss_bnpo": dict(loss_type="bnpo"),
+    "loss_dr_grpo": dict(loss_type="dr_grpo"),
+    "loss_cispo": dict(loss_type="cispo"),
+    "loss_sapo": dict(loss_type="sapo"),
+    "gspo_sequence": dict(importance_sampling_level="sequence"),
+    "delta_two_sided": dict(delta=2.0),
+    "beta": dict(beta=0.1),
+    "num_iterations_1": dict(num_iterations=1),
+    "steps_per_generation": dict(steps_per_generation=4, gradient_accumulation_steps=2),
+    "scale_rewards_none": dict(scale_rewards="none"),
+    "scale_rewards_batch": dict(scale_rewards="batch"),
+    "mask_truncated": dict(mask_truncated_completions=True),
+    "entropy_mask": dict(top_entropy_quantile=0.2),
+    "truncation": dict(top_k=10, top_p=0.9, min_p=0.05, repetition_penalty=1.1),
+    "generation_kwargs_sampling": dict(generation_kwargs={"top_k": 20, "length_penalty": -0.1}),
+    "generation_kwargs_beams": dict(generation_kwargs={"num_beams": 2}),
+    "peft": {},
+}
+SUITE_ARMS = ("A", "C", "E", "G")
+
+
+@pytest.mark.parametrize("arm", SUITE_ARMS)
+@pytest.mark.parametrize("name", list(SUITE))
+def test_trl_suite_configuration_trains_with_the_plugin(tmp_path, name, arm):
+    import functools
+    import math
+    import warnings
+
+    from bloggap_plugin.trl import GapGRPOTrainer
+
+    trainer_cls = None
+    if name == "peft":
+        peft = pytest.importorskip("peft")
+        trainer_cls = functools.partial(
+            GapGRPOTrainer, peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        )
+    prepare = None
+    if SUITE[name].get("beta"):  # TRL loads the reference model from the policy's name_or_path: a local copy
+
+        def prepare(model):
+            model.save_pretrained(tmp_path / "policy")
+            model.config._name_or_path = str(tmp_path / "policy")
+
+    overrides = dict(per_device_train_batch_size=2, num_generations=2, gradient_accumulation_steps=1,
+                     max_completion_length=4, max_steps=1, num_iterations=2) | SUITE[name]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = make(tmp_path, GapConfig(arm=arm, probe_rows=2), dtype="bf16", trainer_cls=trainer_cls,
+                       prepare=prepare, **overrides)
+        trainer.train()
+    logs = logs_of(trainer)
+    assert len(logs) == 1 and math.isfinite(logs[0]["loss"]) and math.isfinite(logs[0]["grad_norm"])
+    if name == "beta":
+        assert trainer.ref_model is not None and math.isfinite(logs[0]["kl"])
+    if name == "peft":
+        assert isinstance(trainer.model, peft.PeftModel)
+    first = logs[0]
+    assert first["gap/time/scoring_s"] > 0
+    off = [str(w.message) for w in caught if "sampler recording is off" in str(w.message)]
+    assert len(off) == (1 if name == "generation_kwargs_beams" else 0), off
+    if first["completions/clipped_ratio"] == 1.0 and overrides.get("mask_truncated_completions"):
+        # every completion hit max_completion_length and is masked out: no token to measure
+        assert "gap/ratio/oob_frac" not in first and "gap/sampler/oob_frac" not in first
+        return
+    assert 0.0 <= first["gap/ratio/oob_frac"] <= 1.0
+    if name == "generation_kwargs_beams":
+        assert "gap/sampler/oob_frac" not in first
+    else:
+        assert 0.0 <= first["gap/sampler/oob_frac"] <= 1.0
+    if name in ("truncation", "generation_kwargs_sampling"):
+        assert 0.0 < first["gap/kept/mass_mean"] <= 1.0 and first["gap/kept/size_mean"] >= 1.0
