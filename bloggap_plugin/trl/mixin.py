@@ -431,8 +431,6 @@ class GapMixin:
         neutral = recorder.neutral_generation_kwargs()
 
         def generate(*gen_args, **gen_kwargs):
-            processors = LogitsProcessorList(gen_kwargs.pop("logits_processor", None) or [])
-            processors.append(recorder)  # last: after HF's default processors (penalties etc.)
             config = gen_kwargs.get("generation_config")
             config = copy.deepcopy(config if config is not None else unwrapped.generation_config)
             # what plain TRL would sample with now (the model's generation_config may have changed since attach)
@@ -450,6 +448,8 @@ class GapMixin:
                 setattr(config, key, value)
             check_neutral_generation_config(effective_generation_config(unwrapped, config))
             gen_kwargs["generation_config"] = config
+            processors = LogitsProcessorList(gen_kwargs.pop("logits_processor", None) or [])
+            processors.append(recorder)  # last: after HF's default processors (penalties etc.)
             recorder.reset()
             sequences = original_generate(*gen_args, logits_processor=processors, **gen_kwargs)
             captured["sequences"] = sequences
