@@ -1,12 +1,16 @@
 """The sampler-recording logits processor for Hugging Face ``generate`` (the one mechanism on the HF path).
 
 :class:`SamplerRecorder` is a ``transformers.LogitsProcessor`` that *is* the sampler's last stage: it divides
-the scores by the temperature and, with ``truncate=True``, applies top_p / top_k / min_p itself in vLLM's
-order (:func:`bloggap_plugin.core.truncation.kept_mask`), setting the other tokens to ``-inf``. HF then draws
+the scores by the temperature and, with ``truncate=True``, applies top_k / top_p / min_p itself in HF
+``generate``'s order and arithmetic (:func:`bloggap_plugin.core.truncation.kept_mask` with ``order="hf"``: top_k,
+top_p, then min_p), setting the other tokens to ``-inf``, so it draws bit for bit what HF's own warpers draw. HF then draws
 from ``softmax`` of what it returns, so the recorder knows exactly the distribution each token came from.
 It must run LAST: HF applies processors passed in ``logits_processor=`` *before* its own warpers, so the
 caller's temperature / top_p / top_k / min_p must be neutralised (:meth:`SamplerRecorder.neutral_generation_kwargs`,
-checked by :func:`check_neutral_generation_config`) and given to the recorder instead.
+checked by :func:`check_neutral_generation_config` on :func:`effective_generation_config`, since ``generate``
+fills ``None`` fields from the model's generation_config) and given to the recorder instead
+(:func:`sampler_settings`, which refuses the warpers the recorder does not model: typical_p, epsilon/eta
+cutoffs, top_h, watermarking). Only plain multinomial sampling can be recorded (:func:`unsupported_generation_mode`).
 
 What it sees: everything that runs before it is included in the recorded distribution, i.e. HF's default
 processors (repetition / presence penalties, ``no_repeat_ngram_size``, ``min_new_tokens`` EOS suppression,
@@ -16,19 +20,34 @@ processors differs from the sampler by their effect too, exactly like vLLM's ``p
 Recording cost: per step it keeps one ``[B, V]`` fp32 full log-softmax row (two when truncating) until the
 next call reads the emitted token from ``input_ids[:, -1]``; per token it stores four scalars and, when
 truncating, up to ``store_ids_max`` int32 ids (``B * C * store_ids_max * 4`` bytes on the device; no
-host sync during generation).
+host sync during generation). The kept ids stay tensors to the end (sorted and trimmed on the device).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 import transformers
 
-from bloggap_plugin.core.truncation import kept_mask, pack_kept_ids, validate_sampling
+from bloggap_plugin.core.truncation import ORDERS, kept_mask, validate_sampling
 
-__all__ = ["SamplerRecorder", "SamplerRecord", "check_neutral_generation_config"]
+__all__ = [
+    "SamplerRecorder",
+    "SamplerRecord",
+    "SamplerRecordError",
+    "check_neutral_generation_config",
+    "effective_generation_config",
+    "hf_warpers",
+    "sampler_settings",
+    "unsupported_generation_mode",
+]
+
+
+class SamplerRecordError(RuntimeError):
+    """The recorder's steps do not describe the sequences ``generate`` returned (nothing recorded, because
+    ``generate`` was replaced or ran without the recorder, or a different number of rows/steps/tokens)."""
 
 
 @dataclass
@@ -44,37 +63,101 @@ class SamplerRecord:
     """``[B, C]`` int32: kept-set size ``|S|``; 0 where untruncated (``truncate=False``) or masked out."""
     log_kept_mass: torch.Tensor
     """``[B, C]`` fp32: ``log S`` (<= 0) under the sampler's scores; 0 where untruncated or masked out."""
-    kept_ids: list | None
-    """Per row, per step: the sorted kept ids when ``|S| <= store_ids_max``, else ``None``; ``None`` overall
-    when not truncating."""
+    kept_ids: torch.Tensor | None
+    """``[B, C, S_max]`` int64: each token's kept ids in ascending order, ``-1`` padded; all ``-1`` where
+    ``|S| > store_ids_max`` or masked out (scorers then use the size). ``S_max`` = the largest stored set
+    (at least 1). ``None`` when not truncating. Built on the device without leaving tensors."""
     completion_mask: torch.Tensor | None = None
     """``[B, C]`` int: the mask applied (positions with 0 hold zeros), or ``None`` when none was given."""
 
     def kept_ids_tensor(self, pad: int = -1) -> torch.Tensor | None:
-        """The ids packed as ``[B, C, S_max]`` int64 with ``pad`` (see ``core.truncation.pack_kept_ids``)."""
-        if self.kept_ids is None:
-            return None
-        packed = pack_kept_ids(self.kept_ids, width=self.logps.shape[1], device=self.logps.device)
-        return packed if pad == -1 else packed.masked_fill(packed < 0, pad)
+        """:attr:`kept_ids` with ``pad`` in place of ``-1`` (the form ``core.truncation.kept_reducer`` takes)."""
+        if self.kept_ids is None or pad == -1:
+            return self.kept_ids
+        return self.kept_ids.masked_fill(self.kept_ids < 0, pad)
+
+
+MODELLED_WARPERS = ("temperature", "top_k", "top_p", "min_p")
+"""The HF warpers the recorder applies itself (in HF's order); every other warper is refused."""
+
+
+def effective_generation_config(model, generation_config: transformers.GenerationConfig | None):
+    """The config ``model.generate(generation_config=...)`` really runs with (a copy; the inputs are untouched).
+
+    transformers fills every ``None`` field from ``model.generation_config`` and then from its global defaults
+    (``GenerationMixin._prepare_generation_config``), so e.g. TRL's ``min_p=None`` becomes the model's ``min_p``.
+    """
+    prepare = getattr(model, "_prepare_generation_config", None)
+    if prepare is None:  # not a transformers generation model: nothing is merged in
+        return copy.deepcopy(generation_config) if generation_config is not None else transformers.GenerationConfig()
+    return prepare(copy.deepcopy(generation_config))[0]
+
+
+def hf_warpers(config: transformers.GenerationConfig) -> dict:
+    """``{field: value}`` of the warpers HF ``generate`` applies after all logits processors (transformers 5.x
+    ``_get_logits_processor``, in its order), for an effective config; empty when not sampling. ``min_p = 0`` is
+    a no-op and not listed."""
+    if config.do_sample is not True:
+        return {}
+    found = {}
+    if config.temperature is not None and config.temperature != 1.0:
+        found["temperature"] = config.temperature
+    if getattr(config, "top_h", None) is not None:
+        found["top_h"] = config.top_h
+    if config.top_k is not None and config.top_k != 0:
+        found["top_k"] = config.top_k
+    if config.top_p is not None and config.top_p < 1.0:
+        found["top_p"] = config.top_p
+    if config.min_p is not None and config.min_p > 0.0:
+        found["min_p"] = config.min_p
+    if getattr(config, "typical_p", None) is not None and config.typical_p < 1.0:
+        found["typical_p"] = config.typical_p
+    for name in ("epsilon_cutoff", "eta_cutoff"):
+        value = getattr(config, name, None)
+        if value is not None and 0.0 < value < 1.0:
+            found[name] = value
+    if getattr(config, "watermarking_config", None) is not None:
+        found["watermarking_config"] = config.watermarking_config
+    return found
+
+
+def sampler_settings(config: transformers.GenerationConfig) -> dict:
+    """``{temperature, top_k, top_p, min_p}`` HF samples with under an effective config (off values when unset).
+
+    Raises ``ValueError`` naming every warper the recorder does not model (typical_p, epsilon_cutoff,
+    eta_cutoff, top_h, watermarking): it would run after the recorder and change the draw.
+    """
+    warpers = hf_warpers(config)
+    unmodelled = {k: v for k, v in warpers.items() if k not in MODELLED_WARPERS}
+    if unmodelled:
+        raise ValueError(
+            "the generation config (TRL's, with None fields filled from the model's generation_config) uses HF "
+            "warpers the sampler recorder does not model: " + ", ".join(f"{k}={v}" for k, v in unmodelled.items())
+        )
+    return {
+        "temperature": float(warpers.get("temperature", 1.0)),
+        "top_k": int(warpers.get("top_k", 0)),
+        "top_p": float(warpers.get("top_p", 1.0)),
+        "min_p": float(warpers.get("min_p", 0.0)),
+    }
+
+
+def unsupported_generation_mode(config: transformers.GenerationConfig) -> str | None:
+    """Why the recorder cannot model this config's generation mode (beam search, greedy, assisted, constrained,
+    contrastive, ...), or ``None`` for plain multinomial sampling, the only mode it records."""
+    mode = config.get_generation_mode()
+    if mode == transformers.generation.GenerationMode.SAMPLE:
+        return None
+    return f"generation mode {mode.value!r} (do_sample={config.do_sample}, num_beams={config.num_beams})"
 
 
 def check_neutral_generation_config(generation_config: transformers.GenerationConfig) -> None:
-    """Raise ``ValueError`` if HF's own warpers would run after the recorder (they would change the draw)."""
-    problems = []
-    if generation_config.temperature not in (None, 1.0):
-        problems.append(f"temperature={generation_config.temperature}")
-    if generation_config.top_k not in (None, 0):
-        problems.append(f"top_k={generation_config.top_k}")
-    if generation_config.top_p not in (None, 1.0):
-        problems.append(f"top_p={generation_config.top_p}")
-    if generation_config.min_p is not None:
-        problems.append(f"min_p={generation_config.min_p}")
-    for name in ("typical_p", "epsilon_cutoff", "eta_cutoff"):
-        value = getattr(generation_config, name, None)
-        if value is not None and value not in (0.0, 1.0):
-            problems.append(f"{name}={value}")
-    if getattr(generation_config, "top_h", None) is not None:
-        problems.append(f"top_h={generation_config.top_h}")
+    """Raise ``ValueError`` if HF's own warpers would run after the recorder (they would change the draw).
+
+    Pass the effective config (:func:`effective_generation_config`): fields left ``None`` are filled from the
+    model's generation_config by ``generate``.
+    """
+    problems = [f"{k}={v}" for k, v in hf_warpers(generation_config).items()]
     if problems:
         raise ValueError(
             "generation_config still has HF warpers that run after SamplerRecorder: "
@@ -84,14 +167,16 @@ def check_neutral_generation_config(generation_config: transformers.GenerationCo
 
 
 class SamplerRecorder(transformers.LogitsProcessor):
-    """Applies temperature (and, if ``truncate``, the vLLM-order kept set) and records each emitted token.
+    """Applies temperature (and, if ``truncate``, the kept set in HF's order) and records each emitted token.
 
     Args:
         temperature: sampling temperature (> 0); the recorder divides the scores by it.
-        top_k, top_p, min_p: truncation (vLLM conventions: ``top_k <= 0`` off, ``top_p = 1`` off, ``min_p = 0`` off);
-            used only when ``truncate`` is true.
+        top_k, top_p, min_p: truncation (``top_k <= 0`` off, ``top_p = 1`` off, ``min_p = 0`` off); used only when
+            ``truncate`` is true.
         truncate: apply the truncation here (and record the kept set); ``False`` records temperature only.
         store_ids_max: keep the kept ids of a token when ``|S| <= store_ids_max`` (else only its size).
+        order: the truncation order and arithmetic, ``"hf"`` (what ``generate`` would apply; the default) or
+            ``"vllm"`` (see :func:`bloggap_plugin.core.truncation.kept_mask`).
 
     Use: ``model.generate(..., do_sample=True, logits_processor=[recorder], **recorder.neutral_generation_kwargs())``
     after :meth:`reset`, then :meth:`finalize` with the returned sequences.
@@ -105,8 +190,11 @@ class SamplerRecorder(transformers.LogitsProcessor):
         min_p: float = 0.0,
         truncate: bool = False,
         store_ids_max: int = 64,
+        order: str = "hf",
     ) -> None:
         validate_sampling(temperature, top_k, top_p, min_p)
+        if order not in ORDERS:
+            raise ValueError(f"order must be 'hf' or 'vllm', got {order!r}")
         if store_ids_max < 0:
             raise ValueError(f"store_ids_max must be >= 0, got {store_ids_max}")
         self.temperature = float(temperature)
@@ -115,12 +203,19 @@ class SamplerRecorder(transformers.LogitsProcessor):
         self.min_p = float(min_p)
         self.truncate = bool(truncate)
         self.store_ids_max = int(store_ids_max)
+        self.order = order
         self.reset()
 
     @staticmethod
     def neutral_generation_kwargs() -> dict:
-        """``generate`` kwargs that switch HF's own temperature/top-k/top-p/min-p warpers off."""
-        return {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None}
+        """``generate`` kwargs that switch every HF warper off explicitly (a ``None`` would be filled from the
+        model's generation_config). ``top_h`` has no off value but ``None``: check the effective config."""
+        return {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+                "eta_cutoff": 0.0}
+
+    def settings(self) -> dict:
+        """``{temperature, top_k, top_p, min_p}`` this recorder samples with (as :func:`sampler_settings`)."""
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p}
 
     def reset(self) -> None:
         """Forget everything recorded; call before each ``generate``."""
@@ -160,7 +255,7 @@ class SamplerRecorder(transformers.LogitsProcessor):
             scaled = scaled / self.temperature
         self._prev_full = torch.log_softmax(scaled, dim=-1)
         if self.truncate:
-            kept = kept_mask(scaled, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p)
+            kept = kept_mask(scaled, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, order=self.order)
             processed = scaled.masked_fill(~kept, float("-inf"))
             self._prev_processed = torch.log_softmax(processed, dim=-1)
             sizes = kept.sum(-1)
@@ -169,9 +264,11 @@ class SamplerRecorder(transformers.LogitsProcessor):
                 torch.logsumexp(self._prev_full.masked_fill(~kept, float("-inf")), dim=-1).clamp(max=0.0)
             )
             if self.store_ids_max > 0:
-                width_ids = min(self.store_ids_max, scaled.shape[-1])
-                # the kept set is {scaled >= cutoff} & finite: its |S| largest processed values are exactly it
-                ids = torch.topk(processed, width_ids, dim=-1).indices.to(torch.int32)
+                vocab = scaled.shape[-1]
+                width_ids = min(self.store_ids_max, vocab)
+                # key V - id on kept tokens, 0 elsewhere: the top |S| keys are the kept ids in ascending order
+                key = torch.where(kept, vocab - torch.arange(vocab, device=kept.device, dtype=torch.int32), 0)
+                ids = torch.topk(key, width_ids, dim=-1).indices.to(torch.int32)
                 rank = torch.arange(width_ids, device=ids.device)
                 self._ids.append(torch.where(rank < sizes.unsqueeze(-1), ids, -1))
         else:
@@ -193,11 +290,13 @@ class SamplerRecorder(transformers.LogitsProcessor):
         0. Without either, a padded token outside the kept set raises with this advice.
         """
         if self._prev_full is None:
-            raise RuntimeError("SamplerRecorder recorded nothing: pass it to generate(logits_processor=[...]) first")
+            raise SamplerRecordError(
+                "SamplerRecorder recorded nothing: pass it to generate(logits_processor=[...]) first"
+            )
         completion = sequences[:, prompt_width:]
         n_rows, width = completion.shape
         if width != self._steps or n_rows != self._batch:
-            raise ValueError(
+            raise SamplerRecordError(
                 f"sequences have {width} completion tokens x {n_rows} rows after prompt_width={prompt_width}, but the "
                 f"recorder saw {self._steps} steps x {self._batch} rows; prompt_width must be the padded prompt width "
                 "and reset() must be called before each generate()"
@@ -205,7 +304,9 @@ class SamplerRecorder(transformers.LogitsProcessor):
         if self._tokens:
             seen = torch.stack(self._tokens, dim=1)
             if not torch.equal(seen.to(completion.device), completion[:, : width - 1]):
-                raise ValueError("the tokens the recorder saw differ from sequences[:, prompt_width:]; wrong prompt_width?")
+                raise SamplerRecordError(
+                    "the tokens the recorder saw differ from sequences[:, prompt_width:]; wrong prompt_width?"
+                )
         # the last token was never fed back: read it from the sequences (without consuming the stored rows)
         last = completion[:, -1].to(self._prev_full.device).long().unsqueeze(-1)
         last_processed = self._prev_full if self._prev_processed is None else self._prev_processed
@@ -234,9 +335,7 @@ class SamplerRecorder(transformers.LogitsProcessor):
                 f"{int(bad.sum())} emitted tokens have probability 0 under the recorded sampler (padding after EOS): "
                 "pass completion_mask= or eos_token_id= to finalize()"
             )
-        kept_ids = None
-        if self.truncate:
-            kept_ids = _ids_lists(ids_tensor, sizes, self.store_ids_max, n_rows, width)
+        kept_ids = _sorted_kept_ids(ids_tensor, sizes, self.store_ids_max) if self.truncate else None
         return SamplerRecord(logps, processed, sizes, log_mass, kept_ids, completion_mask)
 
 
@@ -248,18 +347,13 @@ def _mask_after_eos(completion: torch.Tensor, eos_token_id: int | list[int]) -> 
     return (~after).long()
 
 
-def _ids_lists(ids: torch.Tensor | None, sizes: torch.Tensor, store_ids_max: int, n_rows: int, width: int) -> list:
-    """Per row, per step sorted id lists (``None`` when too large to store or masked out)."""
-    sizes_list = sizes.tolist()
-    ids_list = ids.cpu().tolist() if ids is not None else None
-    out = []
-    for b in range(n_rows):
-        row = []
-        for t in range(width):
-            size = sizes_list[b][t]
-            if ids_list is None or size == 0 or size > store_ids_max:
-                row.append(None)
-            else:
-                row.append(sorted(ids_list[b][t][:size]))
-        out.append(row)
-    return out
+def _sorted_kept_ids(ids: torch.Tensor | None, sizes: torch.Tensor, store_ids_max: int) -> torch.Tensor:
+    """``[B, C, S_max]`` int64 ascending kept ids, ``-1`` padded, from the recorded ``[B, C, W]`` ids (ascending
+    in the first ``|S|`` columns); all ``-1`` where ``|S| > store_ids_max`` or ``|S| = 0``. One host sync."""
+    n_rows, width = sizes.shape
+    stored = (sizes > 0) & (sizes <= store_ids_max)
+    s_max = max(int(sizes.masked_fill(~stored, 0).max()), 1) if sizes.numel() else 1
+    if ids is None:  # store_ids_max == 0: sizes only
+        return torch.full((n_rows, width, 1), -1, dtype=torch.long, device=sizes.device)
+    # W = min(store_ids_max, V) >= s_max; a token with |S| > store_ids_max has W valid ids: unknown, all -1
+    return ids[..., :s_max].masked_fill(~stored.unsqueeze(-1), -1).long()

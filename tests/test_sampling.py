@@ -7,9 +7,16 @@ import torch
 import transformers
 
 from bloggap_plugin.core.scoring import token_logprobs
-from bloggap_plugin.core.truncation import kept_reducer
+from bloggap_plugin.core.truncation import kept_reducer, pack_kept_ids
 from bloggap_plugin.models import load_model
-from bloggap_plugin.sampling import SamplerRecorder, check_neutral_generation_config
+from bloggap_plugin.sampling import (
+    SamplerRecorder,
+    SamplerRecordError,
+    check_neutral_generation_config,
+    effective_generation_config,
+    sampler_settings,
+    unsupported_generation_mode,
+)
 
 PROMPTS = ["Hello there", "A", "The quick brown fox", "x = 1 + 2"]
 NEW_TOKENS = 12
@@ -61,7 +68,9 @@ def test_untruncated_records_hf_sampler_logprobs(tiny):
 
 
 @pytest.mark.parametrize(
-    "truncation", [dict(top_p=0.8), dict(top_k=5), dict(min_p=0.3)], ids=["top_p0.8", "top_k5", "min_p0.3"]
+    "truncation",
+    [dict(top_p=0.8), dict(top_k=5), dict(min_p=0.3), dict(top_p=0.9, min_p=0.1), dict(top_k=5, top_p=0.8)],
+    ids=["top_p0.8", "top_k5", "min_p0.3", "top_p0.9+min_p0.1", "top_k5+top_p0.8"],
 )
 def test_truncated_recorder_draws_exactly_what_hf_warpers_draw(tiny, truncation):
     model, tok, batch = tiny
@@ -81,7 +90,7 @@ def test_truncated_recorder_draws_exactly_what_hf_warpers_draw(tiny, truncation)
         for t in range(completion.shape[1]):
             if not keep[b, t]:
                 continue
-            ids = record.kept_ids[b][t]
+            ids = [i for i in record.kept_ids[b, t].tolist() if i >= 0]
             assert ids == torch.nonzero(hf_sets[b, t]).squeeze(-1).tolist()
             assert int(completion[b, t]) in ids
             assert record.kept_sizes[b, t] == len(ids)
@@ -90,7 +99,7 @@ def test_truncated_recorder_draws_exactly_what_hf_warpers_draw(tiny, truncation)
     mass_from_ratio = torch.exp(record.logps - record.processed_logps)
     assert torch.allclose(mass_from_ratio[keep], torch.exp(record.log_kept_mass)[keep], atol=1e-6, rtol=0)
     assert (record.log_kept_mass[keep] < 0).any()
-    if "top_k" in truncation:
+    if set(truncation) == {"top_k"}:
         assert (record.kept_sizes[keep] == truncation["top_k"]).all()
 
 
@@ -102,7 +111,7 @@ def test_teacher_forced_rescoring_over_recorded_set_gives_ratio_one(tiny):
     out = _generate(model, batch, 3, logits_processor=[recorder], **recorder.neutral_generation_kwargs())
     record = recorder.finalize(out.sequences, width, eos_token_id=model.generation_config.eos_token_id)
     keep = record.completion_mask.bool()
-    stored = torch.tensor([[ids is not None for ids in row] for row in record.kept_ids])
+    stored = (record.kept_ids >= 0).any(-1)
     assert stored[keep].any() and (~stored[keep]).any()  # both the ids and the size-only path are exercised
     attention = torch.cat([batch["attention_mask"], torch.ones_like(out.sequences[:, width:])], dim=1)
     with torch.no_grad():
@@ -117,14 +126,40 @@ def test_teacher_forced_rescoring_over_recorded_set_gives_ratio_one(tiny):
     assert torch.allclose(ratio_after, torch.ones_like(ratio_after), atol=1e-5, rtol=0)
 
 
+def test_kept_ids_are_a_tensor_equal_to_the_packed_id_lists(tiny):
+    """Kept ids stay tensors end to end: the same values as packing the per-token sorted id lists (the old form)."""
+    model, tok, batch = tiny
+    width = batch["input_ids"].shape[1]
+    recorder = SamplerRecorder(temperature=0.1, top_p=0.8, truncate=True, store_ids_max=40)
+    ours = _generate(model, batch, 3, logits_processor=[recorder], **recorder.neutral_generation_kwargs())
+    hf = _generate(model, batch, 3, temperature=0.1, top_k=0, top_p=0.8)
+    assert torch.equal(ours.sequences, hf.sequences)
+    record = recorder.finalize(ours.sequences, width, eos_token_id=model.generation_config.eos_token_id)
+    keep = record.completion_mask.bool()
+    hf_sets = torch.isfinite(torch.stack(hf.scores, dim=1))
+    lists = [
+        [
+            ids if keep[b, t] and len(ids) <= 40 else None
+            for t, ids in enumerate(torch.nonzero(hf_sets[b, t]).squeeze(-1).tolist() for t in range(NEW_TOKENS))
+        ]
+        for b in range(len(PROMPTS))
+    ]
+    assert any(ids is None for row in lists for ids in row) and any(ids is not None for row in lists for ids in row)
+    expected = pack_kept_ids(lists, width=NEW_TOKENS)
+    assert torch.is_tensor(record.kept_ids) and record.kept_ids.dtype == torch.long
+    assert torch.equal(record.kept_ids, expected)
+    assert torch.equal(record.kept_ids_tensor(), expected)
+    assert torch.equal(record.kept_ids_tensor(pad=0), expected.clamp(min=0))
+
+
 def test_misuse_gives_clear_errors(tiny):
     model, tok, batch = tiny
     width = batch["input_ids"].shape[1]
     recorder = SamplerRecorder(top_k=3, truncate=True)
-    with pytest.raises(RuntimeError, match="recorded nothing"):
+    with pytest.raises(SamplerRecordError, match="recorded nothing"):
         recorder.finalize(batch["input_ids"], width)
     out = _generate(model, batch, 0, logits_processor=[recorder], **recorder.neutral_generation_kwargs())
-    with pytest.raises(ValueError, match="prompt_width"):
+    with pytest.raises(SamplerRecordError, match="prompt_width"):
         recorder.finalize(out.sequences, width - 1)
     with pytest.raises(RuntimeError, match="reset"):
         _generate(model, batch, 0, logits_processor=[recorder], **recorder.neutral_generation_kwargs())
@@ -137,6 +172,37 @@ def test_misuse_gives_clear_errors(tiny):
         check_neutral_generation_config(config)
     config.update(**SamplerRecorder.neutral_generation_kwargs())
     check_neutral_generation_config(config)
+
+
+def test_effective_config_takes_the_models_warpers_and_neutral_kwargs_switch_all_off():
+    """generate fills None fields from model.generation_config: min_p=None is NOT off when the model ships min_p."""
+    model, _ = load_model("tiny-random-llama", dtype="fp32")
+    model.generation_config.min_p = 0.3
+    model.generation_config.typical_p = 0.95
+    trl_like = transformers.GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9, top_k=0, min_p=None)
+    effective = effective_generation_config(model, trl_like)
+    assert trl_like.min_p is None and effective.min_p == 0.3 and effective.typical_p == 0.95
+    with pytest.raises(ValueError, match=r"typical_p=0\.95"):
+        sampler_settings(effective)
+    model.generation_config.typical_p = None
+    assert sampler_settings(effective_generation_config(model, trl_like)) == dict(
+        temperature=0.7, top_k=0, top_p=0.9, min_p=0.3
+    )
+    trl_like.update(min_p=None, temperature=1.0, top_p=1.0)  # the old neutral kwargs: min_p None
+    with pytest.raises(ValueError, match=r"min_p=0\.3"):
+        check_neutral_generation_config(effective_generation_config(model, trl_like))
+    trl_like.update(**SamplerRecorder.neutral_generation_kwargs())
+    check_neutral_generation_config(effective_generation_config(model, trl_like))
+    for name in ("typical_p", "epsilon_cutoff", "eta_cutoff"):  # the neutral values switch a model's value off
+        setattr(model.generation_config, name, 0.5 if name == "typical_p" else 3e-4)
+    check_neutral_generation_config(effective_generation_config(model, trl_like))
+    # only plain multinomial sampling is recordable
+    assert unsupported_generation_mode(trl_like) is None
+    assert "beam" in unsupported_generation_mode(transformers.GenerationConfig(do_sample=True, num_beams=2))
+    assert "greedy" in unsupported_generation_mode(transformers.GenerationConfig(do_sample=False))
+    assert "assisted" in unsupported_generation_mode(
+        transformers.GenerationConfig(do_sample=True, prompt_lookup_num_tokens=3)
+    )
 
 
 def test_trunc_bias_benchmark_quick_mode_on_tiny_fp32(tmp_path):

@@ -45,8 +45,11 @@ def grpo_args(tmp_path, **overrides) -> GRPOConfig:
     return GRPOConfig(**kwargs)
 
 
-def make(tmp_path, gap=None, mode="trainer", dtype="fp32", trainer_cls=None, **overrides):
+def make(tmp_path, gap=None, mode="trainer", dtype="fp32", trainer_cls=None, prepare=None, **overrides):
+    """A GRPO trainer on the tiny llama; ``prepare(model)`` edits the model first (e.g. sharpens its logits)."""
     model, tokenizer = load_model("tiny-random-llama", dtype=dtype)
+    if prepare is not None:
+        prepare(model)
     dataset = Dataset.from_dict({"prompt": PROMPTS * 4})
     common = dict(model=model, args=grpo_args(tmp_path, **overrides), train_dataset=dataset, reward_funcs=reward,
                   processing_class=tokenizer)

@@ -263,3 +263,38 @@ def test_reducer_gradient_is_the_renormalised_gradient():
     renormalized_logprobs(logits, targets, kept).sum().backward()
     assert torch.allclose(grad_reducer, logits.grad, atol=1e-6)
     assert (grad_reducer[~kept].abs() < 1e-7).all()
+
+
+HF_SETTINGS = [
+    dict(top_p=0.9, min_p=0.1),
+    dict(top_k=5, top_p=0.8),
+    dict(top_k=7, top_p=0.6, min_p=0.05, temperature=1.3),
+    dict(min_p=0.2, temperature=0.7),
+]
+
+
+@pytest.mark.parametrize("setting", HF_SETTINGS, ids=[str(s) for s in HF_SETTINGS])
+def test_kept_mask_hf_order_is_exactly_transformers_warpers(setting):
+    """order="hf": the set HF generate keeps (temperature, top_k, top_p, then min_p), checked against its warpers."""
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(64, 50, generator=gen) * 3
+    scores = TemperatureLogitsWarper(setting.get("temperature", 1.0))(None, logits.clone())
+    for warper in (
+        TopKLogitsWarper(setting["top_k"]) if "top_k" in setting else None,
+        TopPLogitsWarper(setting["top_p"]) if "top_p" in setting else None,
+        MinPLogitsWarper(setting["min_p"]) if "min_p" in setting else None,
+    ):
+        if warper is not None:
+            scores = warper(None, scores)
+    kept = kept_mask(logits, order="hf", **setting)
+    assert torch.equal(kept, torch.isfinite(scores))
+    if "min_p" in setting and "top_p" in setting:
+        # the orders really differ on these rows (vLLM applies min_p first, then top_p on the renormalised rest)
+        assert not torch.equal(kept, kept_mask(logits, order="vllm", **setting))
+
+
+def test_kept_mask_rejects_unknown_order():
+    with pytest.raises(ValueError, match="order must be 'hf' or 'vllm'"):
+        kept_mask(torch.zeros(1, 3), top_k=1, order="sglang")

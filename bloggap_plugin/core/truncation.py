@@ -1,4 +1,4 @@
-"""Truncated sampling: kept sets in vLLM's order, kept mass, renormalisation over the kept set (torch only).
+"""Truncated sampling: kept sets in the sampler's order (vLLM or HF), kept mass, renormalisation (torch only).
 
 With top_p / top_k / min_p the sampler draws from ``p_T(y) / S`` where ``S`` is the probability mass (at
 temperature ``T``) of the kept set; a trainer that scores over the full vocabulary gets ``p_T(y)``, so the
@@ -28,6 +28,7 @@ import torch
 from bloggap_plugin.core.scoring import gather_logprobs
 
 __all__ = [
+    "ORDERS",
     "kept_mask",
     "log_kept_mass",
     "log_kept_mass_from_size",
@@ -58,6 +59,9 @@ def _threshold_keep(values_desc: torch.Tensor, last_kept: torch.Tensor, scaled: 
     return scaled >= cutoff
 
 
+ORDERS = ("vllm", "hf")
+
+
 def kept_mask(
     logits: torch.Tensor,
     temperature: float = 1.0,
@@ -65,31 +69,53 @@ def kept_mask(
     top_p: float = 1.0,
     min_p: float = 0.0,
     sampled: torch.Tensor | None = None,
+    order: str = "vllm",
 ) -> torch.Tensor:
-    """The kept set ``[..., V]`` (bool) of truncated sampling, applied in vLLM's order.
+    """The kept set ``[..., V]`` (bool) of truncated sampling, in the order of the sampler that drew the tokens.
 
-    Order: temperature, then min_p (keep ``p >= min_p * max p``), then top_k (keep the ``k`` largest), then
-    top_p (keep the smallest prefix of the sorted, already-truncated distribution whose mass reaches ``top_p``:
-    a token is kept iff the renormalised mass strictly above it is ``< top_p``). Each step renormalises over
-    what the previous one kept. ``top_k <= 0`` or ``>= V``, ``top_p == 1`` and ``min_p == 0`` disable their
-    step. Ties at a boundary are all kept (vLLM's top-k rule; its top-p splits exact ties by sort order).
-    Tokens whose logit is ``-inf`` (masked by an earlier processor) are never kept; ``sampled`` ``[...]``
-    (token ids), when given, is always kept, as trainer-side re-truncation needs.
+    ``order="vllm"`` (vLLM, verl's rollouts): temperature, then min_p (keep ``p >= min_p * max p``), then top_k
+    (keep the ``k`` largest), then top_p (keep the smallest prefix of the sorted, already-truncated distribution
+    whose mass reaches ``top_p``: a token is kept iff the renormalised mass strictly above it is ``< top_p``).
+    Ties at a boundary are all kept (vLLM's top-k rule; its top-p splits exact ties by sort order).
+
+    ``order="hf"`` (Hugging Face ``generate``, transformers 5.x ``_get_logits_processor``): temperature, top_k,
+    top_p, then min_p, each with exactly the operations of transformers' warpers (``TopPLogitsWarper`` removes
+    the ascending-sorted tokens whose cumulative mass is ``<= 1 - top_p``; ``MinPLogitsWarper`` compares the
+    softmax of what top_k / top_p left), so the set is bit-for-bit the one ``generate`` samples from.
+
+    Each step renormalises over what the previous one kept. ``top_k <= 0`` or ``>= V``, ``top_p == 1`` and
+    ``min_p == 0`` disable their step. Tokens whose logit is ``-inf`` (masked by an earlier processor) are never
+    kept; ``sampled`` ``[...]`` (token ids), when given, is always kept, as trainer-side re-truncation needs.
     """
     validate_sampling(temperature, top_k, top_p, min_p)
+    if order not in ORDERS:
+        raise ValueError(f"order must be 'hf' or 'vllm' (the sampler that drew the tokens), got {order!r}")
     if torch.isnan(logits).any():
         raise ValueError("logits contain NaN; the kept set is undefined")
     scaled = logits.float() / temperature
-    vocab = scaled.shape[-1]
     kept = scaled > float("-inf")
     if not kept.any(-1).all():
         raise ValueError("a row of logits is entirely -inf: nothing can be sampled from it")
+    if order == "hf":
+        kept &= _hf_kept(scaled, top_k, top_p, min_p)
+    else:
+        kept &= _vllm_kept(scaled, top_k, top_p, min_p)
+    if sampled is not None:
+        if sampled.shape != kept.shape[:-1]:
+            raise ValueError(f"sampled {tuple(sampled.shape)} must match logits' leading shape {tuple(kept.shape[:-1])}")
+        kept.scatter_(-1, sampled.long().unsqueeze(-1), True)
+    return kept
+
+
+def _vllm_kept(scaled: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """vLLM's order on temperature-scaled fp32 logits: min_p, top_k, top_p (see :func:`kept_mask`)."""
+    kept = torch.ones_like(scaled, dtype=torch.bool)
     neg_inf = torch.tensor(float("-inf"), dtype=scaled.dtype, device=scaled.device)
     if min_p > 0.0:
         probs = torch.softmax(scaled, dim=-1)
         kept &= probs >= min_p * probs.amax(-1, keepdim=True)
         scaled = torch.where(kept, scaled, neg_inf)
-    if 0 < top_k < vocab:
+    if 0 < top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, int(top_k), dim=-1).values[..., -1:]
         kept &= scaled >= kth
         scaled = torch.where(kept, scaled, neg_inf)
@@ -100,11 +126,27 @@ def kept_mask(
         # number of sorted positions whose renormalised mass above is < top_p (always >= 1: position 0 has 0)
         n_keep = (mass_above < top_p).sum(-1).clamp(min=1)
         kept &= _threshold_keep(values_desc, n_keep - 1, scaled)
-    if sampled is not None:
-        if sampled.shape != kept.shape[:-1]:
-            raise ValueError(f"sampled {tuple(sampled.shape)} must match logits' leading shape {tuple(kept.shape[:-1])}")
-        kept.scatter_(-1, sampled.long().unsqueeze(-1), True)
     return kept
+
+
+def _hf_kept(scaled: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """transformers' warpers on temperature-scaled fp32 logits: top_k, top_p, min_p (``min_tokens_to_keep=1``)."""
+    scores = scaled
+    if top_k > 0:  # TopKLogitsWarper (k >= V keeps everything)
+        kth = torch.topk(scores, min(int(top_k), scores.shape[-1]), dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:  # TopPLogitsWarper
+        sorted_scores, sorted_ids = torch.sort(scores, descending=False)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= (1 - top_p)
+        remove_sorted[..., -1:] = False
+        scores = scores.masked_fill(remove_sorted.scatter(-1, sorted_ids, remove_sorted), float("-inf"))
+    if min_p > 0.0:  # MinPLogitsWarper
+        probs = torch.softmax(scores, dim=-1)
+        remove = probs < min_p * probs.amax(dim=-1, keepdim=True)
+        remove.scatter_(-1, torch.topk(probs, 1, dim=-1).indices, False)
+        scores = scores.masked_fill(remove, float("-inf"))
+    return scores > float("-inf")
 
 
 def _lse_all(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -166,38 +166,55 @@ class GapMixin:
                     "vllm_importance_sampling_correction"
                 )
         sampler = gap.sampler and not self.use_vllm
-        if sampler and (getattr(self, "use_transformers_continuous_batching", False) or getattr(self, "tools", None)):
-            if gap.kept == "renormalize" or gap.is_correction:
-                raise RecipeError(
-                    "gap.kept: renormalize / gap.is_correction need the sampler recording, which supports only "
-                    "plain HF generate without tools or continuous batching"
-                )
-            warnings.warn("sampler recording is off: it supports plain HF generate without tools only", stacklevel=3)
-            sampler = False
+        gen_cfg = getattr(self, "generation_config", None)
+        settings = None
+        if sampler:
+            from bloggap_plugin.sampling import (
+                effective_generation_config,
+                sampler_settings,
+                unsupported_generation_mode,
+            )
+
+            off_reason = None
+            if getattr(self, "use_transformers_continuous_batching", False) or getattr(self, "tools", None):
+                off_reason = "it supports plain HF generate without tools or continuous batching only"
+            else:
+                # what generate really runs with: TRL's config, None fields filled from the model's generation_config
+                effective = effective_generation_config(policy, gen_cfg)
+                mode = unsupported_generation_mode(effective)
+                if mode is not None:
+                    off_reason = f"it records plain multinomial sampling only, not {mode}"
+                else:
+                    try:
+                        settings = sampler_settings(effective)
+                    except ValueError as err:
+                        raise RecipeError(
+                            f"{err}; turn them off in GRPOConfig.generation_kwargs (typical_p: 1.0, epsilon_cutoff: "
+                            "0.0, eta_cutoff: 0.0) or in the model's generation_config (top_h: None, "
+                            "watermarking_config: None), or set gap.sampler: false"
+                        ) from None
+            if off_reason is not None:
+                if gap.kept == "renormalize" or gap.is_correction:
+                    raise RecipeError(
+                        f"gap.kept: renormalize / gap.is_correction need the sampler recording, and {off_reason}"
+                    )
+                warnings.warn(f"sampler recording is off ({off_reason}): no gap/sampler or gap/kept metrics; "
+                              "training is unchanged", stacklevel=3)
+                sampler = False
         if gap.is_correction and args.loss_type == "vespo":
             raise RecipeError("gap.is_correction does not apply to loss_type vespo (TRL feeds IS ratios into its gamma weights)")
         if gap.kept == "renormalize" and args.beta != 0.0:
             warnings.warn("gap.kept: renormalize applies to the policy only; the reference model stays full-vocabulary", stacklevel=3)
         self._gap = gap
         self._gap_sampler_on = sampler
-        gen_cfg = getattr(self, "generation_config", None)
         self._gap_recorder = None
         self._gap_truncating = False
         if sampler:
             from bloggap_plugin.sampling import SamplerRecorder
 
-            temperature = float(getattr(gen_cfg, "temperature", None) or 1.0)
-            top_k = int(getattr(gen_cfg, "top_k", None) or 0)
-            top_p = float(getattr(gen_cfg, "top_p", None) if getattr(gen_cfg, "top_p", None) is not None else 1.0)
-            min_p = float(getattr(gen_cfg, "min_p", None) or 0.0)
-            self._gap_truncating = top_k > 0 or top_p < 1.0 or min_p > 0.0
+            self._gap_truncating = settings["top_k"] > 0 or settings["top_p"] < 1.0 or settings["min_p"] > 0.0
             self._gap_recorder = SamplerRecorder(
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                min_p=min_p,
-                truncate=self._gap_truncating,
-                store_ids_max=gap.store_ids_max,
+                **settings, truncate=self._gap_truncating, store_ids_max=gap.store_ids_max, order="hf"
             )
         if gap.kept == "renormalize" and not self._gap_truncating:
             warnings.warn("gap.kept: renormalize with untruncated sampling (top_p 1, top_k 0, min_p 0) changes nothing", stacklevel=3)
@@ -395,7 +412,17 @@ class GapMixin:
             return self._gap_next(
                 "_generate_single_turn", prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
+        import copy
+
         from transformers import LogitsProcessorList
+
+        from bloggap_plugin.sampling import (
+            SamplerRecordError,
+            check_neutral_generation_config,
+            effective_generation_config,
+            sampler_settings,
+            unsupported_generation_mode,
+        )
 
         unwrapped = self.accelerator.unwrap_model(self.model_wrapped)
         had_own = "generate" in unwrapped.__dict__
@@ -404,16 +431,25 @@ class GapMixin:
         neutral = recorder.neutral_generation_kwargs()
 
         def generate(*gen_args, **gen_kwargs):
+            config = gen_kwargs.get("generation_config")
+            config = copy.deepcopy(config if config is not None else unwrapped.generation_config)
+            # what plain TRL would sample with now (the model's generation_config may have changed since attach)
+            effective = effective_generation_config(unwrapped, config)
+            mode = unsupported_generation_mode(effective)
+            if mode is not None:
+                warnings.warn(f"bloggap: the sampler recorder cannot record {mode}; gap/sampler metrics dropped for "
+                              "this generation", stacklevel=2)
+                return original_generate(*gen_args, **gen_kwargs)
+            settings = sampler_settings(effective)
+            if settings != recorder.settings():
+                raise ValueError(f"bloggap: generation settings {settings} differ from those at attach time "
+                                 f"{recorder.settings()}; attach the plugin after the last change to them")
+            for key, value in neutral.items():
+                setattr(config, key, value)
+            check_neutral_generation_config(effective_generation_config(unwrapped, config))
+            gen_kwargs["generation_config"] = config
             processors = LogitsProcessorList(gen_kwargs.pop("logits_processor", None) or [])
             processors.append(recorder)  # last: after HF's default processors (penalties etc.)
-            config = gen_kwargs.get("generation_config")
-            if config is not None:
-                import copy
-
-                config = copy.deepcopy(config)
-                for key, value in neutral.items():
-                    setattr(config, key, value)
-                gen_kwargs["generation_config"] = config
             recorder.reset()
             sequences = original_generate(*gen_args, logits_processor=processors, **gen_kwargs)
             captured["sequences"] = sequences
@@ -434,8 +470,12 @@ class GapMixin:
             start = time.perf_counter()
             completion = captured["sequences"][:, captured["prompt_width"]:]
             eos = list(self.eos_token_ids)
-            self._gap_pending_record = recorder.finalize(captured["sequences"], captured["prompt_width"], eos_token_id=eos)
-            self._gap_pending_completion = completion
+            try:
+                self._gap_pending_record = recorder.finalize(captured["sequences"], captured["prompt_width"],
+                                                             eos_token_id=eos)
+                self._gap_pending_completion = completion
+            except SamplerRecordError as err:  # generate replaced / mocked, or ran without the recorder
+                warnings.warn(f"bloggap: {err}; gap/sampler metrics dropped for this generation", stacklevel=2)
             self._gap_time += time.perf_counter() - start
         return result
 
