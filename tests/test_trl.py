@@ -45,11 +45,15 @@ def grpo_args(tmp_path, **overrides) -> GRPOConfig:
     return GRPOConfig(**kwargs)
 
 
-def make(tmp_path, gap=None, mode="trainer", dtype="fp32", trainer_cls=None, **overrides):
-    model, tokenizer = load_model("tiny-random-llama", dtype=dtype)
-    dataset = Dataset.from_dict({"prompt": PROMPTS * 4})
+def make(tmp_path, gap=None, mode="trainer", dtype="fp32", trainer_cls=None, model_name="tiny-random-llama",
+         prompts=PROMPTS, peft_config=None, **overrides):
+    """A GRPO trainer on a tiny model (``model_name``: a tiny spec or a saved folder): plain, GapCallback or class."""
+    model, tokenizer = load_model(model_name, dtype=dtype)
+    dataset = Dataset.from_dict({"prompt": list(prompts) * 4})
     common = dict(model=model, args=grpo_args(tmp_path, **overrides), train_dataset=dataset, reward_funcs=reward,
                   processing_class=tokenizer)
+    if peft_config is not None:
+        common["peft_config"] = peft_config
     if mode == "plain" or mode == "callback":
         trainer = GRPOTrainer(**common)
         if mode == "callback":

@@ -197,11 +197,13 @@ class GapMixin:
                 top_p=top_p,
                 min_p=min_p,
                 truncate=self._gap_truncating,
-                store_ids_max=gap.store_ids_max,
+                store_ids_max=gap.store_ids_max if gap.kept != "off" else 0,
             )
         if gap.kept == "renormalize" and not self._gap_truncating:
             warnings.warn("gap.kept: renormalize with untruncated sampling (top_p 1, top_k 0, min_p 0) changes nothing", stacklevel=3)
         self._gap_renormalize = gap.kept == "renormalize" and self._gap_truncating
+        # gap.kept: off records no kept sets and runs no kept-mass scoring (the recorder still truncates: it samples)
+        self._gap_kept_on = gap.kept != "off" and self._gap_truncating
         # Arms A and H keep TRL's forward (positions 0..L-1); the others use gap.positions everywhere.
         self._gap_positions = "arange" if gap.arm in ("A", "H") else gap.positions
         self._gap_plan = None
@@ -464,7 +466,7 @@ class GapMixin:
 
         output["gap_sampler_logps"] = fit(record.processed_logps) * mask
         output["gap_sampler_full_logps"] = fit(record.logps) * mask
-        if self._gap_truncating:
+        if self._gap_kept_on:
             output["gap_kept_sizes"] = fit(record.kept_sizes) * mask
             output["gap_sampler_log_kept_mass"] = fit(record.log_kept_mass) * mask
             ids = record.kept_ids_tensor()
@@ -571,7 +573,7 @@ class GapMixin:
                 stats.add("is_n", int(flat.numel()))
                 stats.max("is_max", float(flat.max()))
                 stats.max("is_neg_min", -float(flat.min()))
-        if self._gap_truncating and "gap_kept_sizes" in batch and mask.any():
+        if self._gap_kept_on and "gap_kept_sizes" in batch and mask.any():
             log_mass = batch["gap_sampler_log_kept_mass"]
             sizes = batch["gap_kept_sizes"]
             stats.add("kept_mass_sum", float(torch.exp(log_mass.double())[mask].sum()))

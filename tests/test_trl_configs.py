@@ -1,0 +1,48 @@
+"""The TRL adapter under the configurations users run (issue 11): kept modes, fp16 fallback, resume, reference
+model (beta > 0, PEFT), TRL's loss types and importance-sampling levels, left padding; tiny CPU models."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from test_trl import _Spy, first_log, logs_of, make  # noqa: E402
+
+from bloggap_plugin.recipes import GapConfig  # noqa: E402
+
+
+def count_scoring_forwards(model) -> list:
+    """Append the input shape of every teacher-forced forward of ``model`` (TRL's fused pass passes ``labels``,
+    the plugin's ``token_logprobs`` ``use_cache=False``; generation steps pass neither)."""
+    calls: list = []
+
+    def hook(module, args, kwargs):
+        if "labels" in kwargs or kwargs.get("use_cache") is False:
+            calls.append(tuple(kwargs["input_ids"].shape))
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return calls
+
+
+# ------------------------------------------------------------------ item 7: gap.kept: off costs nothing
+def test_kept_off_runs_no_extra_forward_and_logs_no_kept_metrics(tmp_path):
+    counts, logs, batches = {}, {}, {}
+    for kept in ("plain", "off", "measure"):
+        gap = None if kept == "plain" else GapConfig(arm="A", probe_rows=0, kept=kept)
+        trainer = make(tmp_path / kept, gap, mode="plain" if gap is None else "trainer",
+                       trainer_cls=_Spy, top_p=0.8, max_steps=1)
+        calls = count_scoring_forwards(trainer.model)
+        trainer.train()
+        counts[kept], logs[kept] = len(calls), first_log(trainer)
+        batches[kept] = getattr(trainer, "spied", [{}])[0]
+    assert counts["measure"] > counts["plain"]  # the premise: measuring the kept mass is one extra scoring
+    assert counts["off"] == counts["plain"]
+    assert logs["measure"]["gap/kept/mass_mean"] < 1.0
+    assert not [k for k in logs["off"] if k.startswith("gap/kept/")]
+    assert logs["off"]["gap/sampler/oob_frac"] is not None  # the sampler metrics stay on
+    assert not [k for k in batches["off"] if k.startswith("gap_kept")]  # no kept sets recorded or carried
