@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from test_trl import _Spy, first_log, logs_of, make  # noqa: E402
+from test_trl import _Spy, first_log, make  # noqa: E402
 
 from bloggap_plugin.recipes import GapConfig  # noqa: E402
 
@@ -46,3 +46,35 @@ def test_kept_off_runs_no_extra_forward_and_logs_no_kept_metrics(tmp_path):
     assert not [k for k in logs["off"] if k.startswith("gap/kept/")]
     assert logs["off"]["gap/sampler/oob_frac"] is not None  # the sampler metrics stay on
     assert not [k for k in batches["off"] if k.startswith("gap_kept")]  # no kept sets recorded or carried
+
+
+# ------------------------------------------------------------------ item 8: fp16 fallback with kept metrics
+def overflowing_model_dir(tmp_path, token: str = "Z"):
+    """tests/test_precision.py's overflowing policy, saved: a bf16 tiny llama whose embedding row of ``token``
+    exceeds fp16's max (65504), so an fp16 forward of a row containing it is non-finite (bf16 holds it)."""
+    from bloggap_plugin.models import load_model
+
+    policy, tokenizer = load_model("tiny-random-llama", dtype="bf16")
+    with torch.no_grad():
+        policy.model.embed_tokens.weight[tokenizer.convert_tokens_to_ids(token)] *= 1e8
+    folder = tmp_path / "overflowing"
+    policy.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("kept", ["measure", "renormalize"])
+def test_fp16_fallback_under_truncation_with_kept_metrics(tmp_path, kept):
+    gap = GapConfig(arm="F", probe_rows=0, kept=kept)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = make(tmp_path, gap, dtype="bf16", model_name=overflowing_model_dir(tmp_path),
+                       prompts=["Z+1=", "2+3=", "4+4=", "9+Z="], top_p=0.8, max_steps=1)
+        trainer.train()
+    first = first_log(trainer)
+    assert first["gap/fp16/fallbacks"] > 0  # the premise: fp16 overflowed and was re-scored in fp32
+    assert math.isfinite(first["loss"])
+    assert 0.0 < first["gap/kept/mass_mean"] < 1.0
+    # fp32 re-scored trainer vs bf16 sampler: the renormalised ratio is near 1, the full-vocabulary one near S
+    assert abs(first["gap/kept/ratio_before_mean"] - first["gap/kept/mass_mean"]) < 0.05
+    assert abs(first["gap/kept/ratio_after_mean"] - 1.0) < 0.05

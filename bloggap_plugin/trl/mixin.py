@@ -94,6 +94,14 @@ def is_ratio(old_logps, sampler_logps, mask, mode: str, clip_min, clip_max) -> t
     raise ValueError(f"unknown importance sampling mode {mode!r}")
 
 
+def _assemble_capture(capture: list, n_rows: int, width: int, device: torch.device) -> torch.Tensor:
+    """``[n_rows, width]`` from ``(rows slice, [b, width])`` chunks in call order; a re-scored chunk overwrites."""
+    out = torch.zeros(n_rows, width, device=device)
+    for rows, values in capture:
+        out[rows] = values.to(device)
+    return out
+
+
 class _Stats:
     """Per-process sums for one metric group; reduced across processes in a fixed key order."""
 
@@ -312,7 +320,11 @@ class GapMixin:
         return (fit(ids, -1) if ids is not None else None), fit(record.kept_sizes)
 
     def _gap_reducer(self, kept, capture: list | None = None):
-        """A ``token_logprobs`` reduce: renormalised (``gap.kept: renormalize``) or full; captures log kept mass."""
+        """A ``token_logprobs`` reduce: renormalised (``gap.kept: renormalize``) or full; captures log kept mass.
+
+        ``capture`` receives ``(rows, log kept mass [b, K])`` per scored chunk; a chunk scored again (the fp16
+        guard's fp32 re-score) appends the same rows again, and the later value wins (:func:`_assemble_capture`).
+        """
         from bloggap_plugin.core.truncation import kept_reducer
 
         if kept is None:
@@ -321,7 +333,7 @@ class GapMixin:
 
             def full(logits, targets, rows):
                 out = gather_logprobs(logits, targets)
-                capture.append(torch.zeros_like(out))
+                capture.append((rows, torch.zeros_like(out)))
                 return out
 
             return full
@@ -333,7 +345,7 @@ class GapMixin:
             renorm = inner(logits, targets, rows)
             full = gather_logprobs(logits, targets)
             if capture is not None:
-                capture.append((full - renorm).detach())
+                capture.append((rows, (full - renorm).detach()))
             return renorm if renormalize else full
 
         return reduce
@@ -620,7 +632,7 @@ class GapMixin:
         finally:
             self._gap_renormalize = saved
             self._gap_capture = None
-        return torch.cat(capture, dim=0).to(ids.device)
+        return _assemble_capture(capture, ids.shape[0], logits_to_keep, ids.device)
 
     def _gap_probe_b1(self, batch, ids, attn, logits_to_keep, rows) -> torch.Tensor:
         kept = self._gap_kept_from(batch, rows)
