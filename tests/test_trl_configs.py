@@ -78,3 +78,62 @@ def test_fp16_fallback_under_truncation_with_kept_metrics(tmp_path, kept):
     # fp32 re-scored trainer vs bf16 sampler: the renormalised ratio is near 1, the full-vocabulary one near S
     assert abs(first["gap/kept/ratio_before_mean"] - first["gap/kept/mass_mean"]) < 0.05
     assert abs(first["gap/kept/ratio_after_mean"] - 1.0) < 0.05
+
+
+# ------------------------------------------------------------------ item 1: shadows follow the weights
+def arm_model(model, arm: str):
+    """An independent copy of ``model``'s weights in arm ``arm``'s scoring precision (B: fp32; E: fp32 norm+head)."""
+    if arm == "B":
+        return model.float()
+    model.model.norm.float()
+    model.lm_head.float()
+    model.model.norm.register_forward_pre_hook(lambda module, args: (args[0].float(),))
+    return model
+
+
+def spied_old_vs_independent(batch, independent) -> tuple[torch.Tensor, torch.Tensor]:
+    from bloggap_plugin.core.scoring import token_logprobs
+
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    with torch.no_grad():
+        expected = token_logprobs(independent, ids, attn, batch["completion_ids"].shape[1], batch_size=4,
+                                  positions="mask")
+    mask = batch["completion_mask"].bool()
+    return batch["old_per_token_logps"][mask], expected[mask]
+
+
+@pytest.mark.parametrize("arm", ["B", "E"])
+def test_resume_scores_with_the_checkpoint_weights(tmp_path, arm):
+    from safetensors.torch import load_file
+
+    from bloggap_plugin.models import load_model
+
+    gap = GapConfig(arm=arm, probe_rows=0, sampler=False)
+    first = make(tmp_path, gap, dtype="bf16", max_steps=2, save_strategy="steps", save_steps=2)
+    first.train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    resumed = make(tmp_path, gap, dtype="bf16", trainer_cls=_Spy, max_steps=3, save_strategy="no")
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    independent, _ = load_model("tiny-random-llama", dtype="bf16")  # built as the policy was, then the checkpoint
+    independent.load_state_dict(load_file(checkpoint / "model.safetensors"))
+    independent = arm_model(independent, arm)
+    got, expected = spied_old_vs_independent(resumed.spied[0], independent)
+    assert torch.equal(got, expected)
+
+
+def test_weights_changed_after_construction_are_scored(tmp_path):
+    from bloggap_plugin.models import load_model
+
+    trainer = make(tmp_path, GapConfig(arm="B", probe_rows=0, sampler=False), dtype="bf16", trainer_cls=_Spy,
+                   max_steps=1)
+    with torch.no_grad():
+        for param in trainer.model.parameters():
+            param.mul_(1.5)
+    trainer.train()
+    independent, _ = load_model("tiny-random-llama", dtype="bf16")
+    with torch.no_grad():
+        for param in independent.parameters():
+            param.mul_(1.5)
+    got, expected = spied_old_vs_independent(trainer.spied[0], arm_model(independent, "B"))
+    assert torch.equal(got, expected)

@@ -271,12 +271,19 @@ class GapMixin:
             kwargs.pop("k", None)
         return make_plan(policy, arm, fp16_guard=True, **kwargs)
 
+    def _gap_weights_version(self) -> tuple:
+        """What identifies the policy's current weights: the optimizer step plus every parameter's identity and
+        in-place version counter (bumped by the optimizer, ``load_state_dict`` on resume, any ``copy_``/``mul_``)."""
+        return (self.state.global_step, tuple((id(p), p._version) for p in self._gap_policy().parameters()))
+
     def _gap_synced(self, plan, attr: str):
-        step = self.state.global_step
-        if plan is not None and getattr(self, attr) != step:
-            if getattr(self, attr) is not None:
+        """``plan``, refreshed from the policy unless it already holds the current weights version (``attr``
+        stores the version it was last synced at; ``None``, as after attach, always syncs)."""
+        if plan is not None:
+            version = self._gap_weights_version()
+            if getattr(self, attr) != version:
                 plan.sync(self._gap_policy())
-            setattr(self, attr, step)
+                setattr(self, attr, version)
         return plan
 
     def _gap_reference_plan(self):
@@ -286,7 +293,7 @@ class GapMixin:
                 self._gap_ref_step = self._gap_plan_step
             else:
                 self._gap_ref_plan = self._gap_make_plan("fp32")
-                self._gap_ref_step = self.state.global_step
+                self._gap_ref_step = self._gap_weights_version()
         if self._gap_ref_plan is self._gap_plan:
             return self._gap_synced(self._gap_plan, "_gap_plan_step")
         return self._gap_synced(self._gap_ref_plan, "_gap_ref_step")
@@ -396,7 +403,7 @@ class GapMixin:
                 plan.close()
                 plan = self._gap_make_plan("guided", layers=chosen, k=len(chosen))
             self._gap_plan = plan
-            self._gap_plan_step = self.state.global_step
+            self._gap_plan_step = self._gap_weights_version()
         if self._gap_plan is None:
             return self._gap_trl_scores(input_ids, attention_mask, logits_to_keep, batch_size, kept)
         plan = self._gap_synced(self._gap_plan, "_gap_plan_step")
