@@ -137,3 +137,48 @@ def test_weights_changed_after_construction_are_scored(tmp_path):
             param.mul_(1.5)
     got, expected = spied_old_vs_independent(trainer.spied[0], arm_model(independent, "B"))
     assert torch.equal(got, expected)
+
+
+# ------------------------------------------------------------------ item 5: the reference model's positions
+VARIABLE_PROMPTS = ["1+1=", "12+30=", "4+40=", "100+200="]  # 4, 6, 5 and 8 tokens: distinct prompts pad
+
+
+class _RefSpy(_Spy):
+    """Also records, per micro-batch, the training forward's log-probs next to TRL's reference log-probs."""
+
+    def _gap_loss_metrics(self, inputs):
+        if self._gap_new_logps is not None:
+            self.ref_pairs = getattr(self, "ref_pairs", []) + [
+                (self._gap_new_logps, inputs["ref_per_token_logps"], inputs["completion_mask"].bool())
+            ]
+        return super()._gap_loss_metrics(inputs)
+
+
+def saved_model_dir(tmp_path, name: str = "tiny-random-llama", dtype: str = "fp32") -> str:
+    """A tiny model saved to a folder: TRL builds its reference model from the policy's ``name_or_path``."""
+    from bloggap_plugin.models import load_model
+
+    model, tokenizer = load_model(name, dtype=dtype)
+    folder = tmp_path / f"saved-{name}"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def assert_reference_equals_policy_at_step_zero(trainer) -> None:
+    """Before the first optimizer step theta = theta_ref: the reference log-probs must be the training forward's."""
+    assert any((batch["prompt_mask"] == 0).any() for batch in trainer.spied)  # the premise: left padding
+    pairs = trainer.ref_pairs[: trainer.args.gradient_accumulation_steps]
+    for new, ref, mask in pairs:
+        assert torch.equal(new[mask], ref[mask])
+    assert first_log(trainer)["kl"] == 0.0
+
+
+@pytest.mark.parametrize("name", ["tiny-random-llama", "tiny-random-gpt_neox"])
+@pytest.mark.parametrize("arm", ["C", "G"])
+def test_kl_is_exactly_zero_at_step_zero_with_mask_positions(tmp_path, name, arm):
+    trainer = make(tmp_path, GapConfig(arm=arm, probe_rows=0), model_name=saved_model_dir(tmp_path, name),
+                   trainer_cls=_RefSpy, prompts=VARIABLE_PROMPTS, beta=0.04, max_steps=1)
+    assert trainer.ref_model is not None
+    trainer.train()
+    assert_reference_equals_policy_at_step_zero(trainer)

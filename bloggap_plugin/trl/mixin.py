@@ -732,16 +732,20 @@ class GapMixin:
                                            compute_entropy=False, compute_aux_loss=False, **kwargs):
         gap = getattr(self, "_gap", None)
         is_policy = model is self.model or model is getattr(self, "model_wrapped", None)
-        if gap is None or not is_policy:
+        # TRL's separate reference model (beta > 0 without PEFT) is scored like the policy's training forward
+        # (same positions), so that KL(theta || theta_ref) is exactly 0 at theta = theta_ref.
+        ref_model = getattr(self, "ref_model", None)
+        is_reference = ref_model is not None and model is ref_model
+        if gap is None or not (is_policy or is_reference):
             return self._gap_next("_get_per_token_logps_and_entropies", model, input_ids, attention_mask,
                                   logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **kwargs)
         multimodal = any(kwargs.get(k) is not None for k in _MULTIMODAL_KEYS)
-        kept = self._gap_current_kept
+        kept = self._gap_current_kept if is_policy else None
         record = self._gap_pending_record
-        if (kept is None and self._gap_renormalize and not self._gap_in_loss and record is not None
+        if (is_policy and kept is None and self._gap_renormalize and not self._gap_in_loss and record is not None
                 and record.logps.shape[0] == input_ids.shape[0]):
             kept = self._gap_kept_from_record(record, logits_to_keep)  # TRL's own old-logprob pass
-        capture = getattr(self, "_gap_capture", None)
+        capture = getattr(self, "_gap_capture", None) if is_policy else None
         if (self._gap_renormalize and kept is not None) or capture is not None:
             if multimodal:
                 raise RecipeError("gap.kept: renormalize supports text-only models")
@@ -757,7 +761,7 @@ class GapMixin:
             logps, entropies, aux = self._gap_next("_get_per_token_logps_and_entropies", model, input_ids,
                                                    attention_mask, logits_to_keep, batch_size, compute_entropy,
                                                    compute_aux_loss, **kwargs)
-        if self._gap_in_loss:
+        if self._gap_in_loss and is_policy:
             self._gap_new_logps = logps.detach()
         return logps, entropies, aux
 
