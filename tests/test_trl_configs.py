@@ -182,3 +182,24 @@ def test_kl_is_exactly_zero_at_step_zero_with_mask_positions(tmp_path, name, arm
     assert trainer.ref_model is not None
     trainer.train()
     assert_reference_equals_policy_at_step_zero(trainer)
+
+
+# ------------------------------------------------------------------ item 2: renormalize with beta > 0
+@pytest.mark.parametrize("peft", [False, True])
+def test_renormalized_reference_gives_zero_kl_at_step_zero(tmp_path, peft):
+    """The reference is renormalised over the sampler's kept sets like the policy: a separate reference model
+    (beta > 0 without PEFT) and TRL's adapter-disabled pass of the policy (PEFT) both."""
+    peft_config = None
+    if peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = make(tmp_path, GapConfig(arm="C", probe_rows=0, kept="renormalize"),
+                       model_name=saved_model_dir(tmp_path), trainer_cls=_RefSpy, prompts=VARIABLE_PROMPTS,
+                       peft_config=peft_config, beta=0.04, top_p=0.8, max_steps=1)
+    assert (trainer.ref_model is None) == peft
+    trainer.train()
+    assert_reference_equals_policy_at_step_zero(trainer)
+    assert first_log(trainer)["gap/kept/mass_mean"] < 1.0  # the premise: truncation bites

@@ -184,8 +184,6 @@ class GapMixin:
             sampler = False
         if gap.is_correction and args.loss_type == "vespo":
             raise RecipeError("gap.is_correction does not apply to loss_type vespo (TRL feeds IS ratios into its gamma weights)")
-        if gap.kept == "renormalize" and args.beta != 0.0:
-            warnings.warn("gap.kept: renormalize applies to the policy only; the reference model stays full-vocabulary", stacklevel=3)
         self._gap = gap
         self._gap_sampler_on = sampler
         gen_cfg = getattr(self, "generation_config", None)
@@ -742,9 +740,11 @@ class GapMixin:
         multimodal = any(kwargs.get(k) is not None for k in _MULTIMODAL_KEYS)
         kept = self._gap_current_kept if is_policy else None
         record = self._gap_pending_record
-        if (is_policy and kept is None and self._gap_renormalize and not self._gap_in_loss and record is not None
+        if (kept is None and self._gap_renormalize and not self._gap_in_loss and record is not None
                 and record.logps.shape[0] == input_ids.shape[0]):
-            kept = self._gap_kept_from_record(record, logits_to_keep)  # TRL's own old-logprob pass
+            # TRL's own old-logprob pass and its reference pass (separate model, or PEFT's adapter-disabled
+            # policy): renormalised over the same kept sets as the training forward, so KL is 0 at theta_ref
+            kept = self._gap_kept_from_record(record, logits_to_keep)
         capture = getattr(self, "_gap_capture", None) if is_policy else None
         if (self._gap_renormalize and kept is not None) or capture is not None:
             if multimodal:
