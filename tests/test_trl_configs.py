@@ -11,9 +11,10 @@ import torch
 
 pytest.importorskip("trl")
 
-from test_trl import _Spy, first_log, make  # noqa: E402
+from test_trl import _Spy, first_log, logs_of, make  # noqa: E402
 
 from bloggap_plugin.recipes import GapConfig  # noqa: E402
+from bloggap_plugin.trl import GapGRPOTrainer  # noqa: E402
 
 
 def count_scoring_forwards(model) -> list:
@@ -203,3 +204,81 @@ def test_renormalized_reference_gives_zero_kl_at_step_zero(tmp_path, peft):
     trainer.train()
     assert_reference_equals_policy_at_step_zero(trainer)
     assert first_log(trainer)["gap/kept/mass_mean"] < 1.0  # the premise: truncation bites
+
+
+# ------------------------------------------------------------------ item 6: TRL's clipping rule per loss type
+class _LossSpy(GapGRPOTrainer):
+    """Records, per micro-batch, what the clip metric is computed from: new and old log-probs, A, mask."""
+
+    def _gap_loss_metrics(self, inputs):
+        if self._gap_new_logps is not None:
+            self.loss_rows = getattr(self, "loss_rows", []) + [(
+                self._gap_new_logps.float(), inputs["old_per_token_logps"].float(), inputs["advantages"],
+                inputs["completion_mask"].bool(),
+            )]
+        return super()._gap_loss_metrics(inputs)
+
+
+def expected_clipped(new, old, advantages, mask, loss_type, level, eps_low, eps_high, delta) -> float:
+    """TRL 1.16 _compute_loss's clipping, written out independently: share of completion tokens clipped."""
+    log_ratio = (new - old) * mask
+    if level == "sequence":
+        log_ratio = (log_ratio.sum(-1) / mask.sum(-1).clamp(min=1)).unsqueeze(-1).expand_as(new)
+    w = torch.exp(log_ratio)
+    a = advantages.unsqueeze(-1).expand_as(new)
+    if loss_type == "cispo":
+        clipped = (w > eps_high) & (a > 0)
+    else:
+        clipped = ((w > 1 + eps_high) & (a > 0)) | ((w < 1 - eps_low) & (a < 0))
+        if delta is not None:  # -min(min(w, delta) A, clip(w) A) = -delta A, constant, for A < 0 and w > delta
+            clipped |= (w > delta) & (a < 0)
+    return float(clipped[mask].float().mean())
+
+
+CLIP_CONFIGS = {
+    "grpo_token": dict(loss_type="grpo"),
+    "grpo_sequence": dict(loss_type="grpo", importance_sampling_level="sequence"),
+    "dapo_delta": dict(loss_type="dapo", delta=1.0002),
+    "bnpo_sequence_delta": dict(loss_type="bnpo", importance_sampling_level="sequence", epsilon=1e-5,
+                                epsilon_high=1e-5, delta=1.00002),
+    "cispo": dict(loss_type="cispo", epsilon_high=1.0),
+}
+
+
+@pytest.mark.parametrize("config", list(CLIP_CONFIGS))
+def test_clipped_frac_follows_trls_rule(tmp_path, config):
+    # tiny epsilons and step: the ratios are the bf16-vs-fp32 noise (|dlogp| ~ 4e-4), on both sides of 1 for every A
+    overrides = {"epsilon": 1e-4, "epsilon_high": 1e-4, "learning_rate": 1e-7, **CLIP_CONFIGS[config]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # arm B on a bf16 policy: the fp32 old log-probs put ratios on both sides of 1 from the first step
+        trainer = make(tmp_path, GapConfig(arm="B", probe_rows=0, sampler=False), dtype="bf16",
+                       trainer_cls=_LossSpy, prompts=VARIABLE_PROMPTS, **overrides)
+        trainer.train()
+    args = trainer.args
+    rules = dict(loss_type=args.loss_type, level=args.importance_sampling_level, eps_low=args.epsilon,
+                 eps_high=args.epsilon_high, delta=args.delta)
+    per_micro = [expected_clipped(*row, **rules) for row in trainer.loss_rows]
+    steps = args.gradient_accumulation_steps
+    expected = [sum(per_micro[i:i + steps]) / steps for i in range(0, len(per_micro), steps)]
+    logged = [h["gap/clip/clipped_frac"] for h in logs_of(trainer)]
+    assert logged == pytest.approx(expected, abs=1e-12)
+    assert max(expected) > 0.0  # the premise: something was clipped
+    if args.delta is not None:  # the premise: two-sided clipping clipped tokens the one-sided rule keeps
+        one_sided = [expected_clipped(*row, **{**rules, "delta": None}) for row in trainer.loss_rows]
+        assert sum(per_micro) > sum(one_sided)
+    last = logs_of(trainer)[-1]
+    if config == "grpo_token":  # the same tokens and rule as TRL's own metric
+        assert last["gap/clip/clipped_frac"] == pytest.approx(last["clip_ratio/region_mean"], abs=1e-12)
+    if config == "cispo":
+        assert last["gap/clip/clipped_frac"] == pytest.approx(last["cispo_clip_ratio"], abs=1e-12)
+
+
+@pytest.mark.parametrize("loss_type", ["sapo", "vespo"])
+def test_clip_metrics_absent_where_the_loss_does_not_clip(tmp_path, loss_type):
+    with pytest.warns(UserWarning, match=f"not logged with loss_type '{loss_type}'"):
+        trainer = make(tmp_path, GapConfig(arm="A", probe_rows=4, probe_every=1), loss_type=loss_type)
+    trainer.train()
+    for log in logs_of(trainer):
+        assert "gap/clip/clipped_frac" not in log and "gap/clip/flip_frac" not in log
+        assert log["gap/ratio/oob_frac"] is not None

@@ -184,6 +184,13 @@ class GapMixin:
             sampler = False
         if gap.is_correction and args.loss_type == "vespo":
             raise RecipeError("gap.is_correction does not apply to loss_type vespo (TRL feeds IS ratios into its gamma weights)")
+        self._gap_clip_applies = args.loss_type in gap_metrics.CLIP_RULE_LOSSES
+        if not self._gap_clip_applies:
+            warnings.warn(
+                f"gap/clip/clipped_frac and gap/clip/flip_frac are not logged with loss_type {args.loss_type!r}: it "
+                "does not clip the importance weight (sapo: soft gate; vespo: gamma weights)",
+                stacklevel=3,
+            )
         self._gap = gap
         self._gap_sampler_on = sampler
         gen_cfg = getattr(self, "generation_config", None)
@@ -853,24 +860,24 @@ class GapMixin:
         band = self._gap.band
         advantages = inputs["advantages"]
         dlogp = (new.double() - old.double())
-        ratio = torch.exp(new - old)
         local = [0.0] * 9
         local_max = -math.inf
         if mask.any():
             absd = dlogp.abs()[mask]
             out, n = gap_metrics.oob_count(new, old, mask, band)
-            clipped = gap_metrics.clip_status(ratio, advantages, self.epsilon_low, self.epsilon_high)[mask]
-            local[0:5] = [out, n, float(absd.sum()), float((dlogp[mask] == 0).sum()), float(clipped.sum())]
+            clipped = self._gap_clip_status(new - old, advantages, mask)
+            clipped_sum = float(clipped[mask].sum()) if clipped is not None else 0.0
+            local[0:5] = [out, n, float(absd.sum()), float((dlogp[mask] == 0).sum()), clipped_sum]
             local_max = float(absd.max())
             probe = inputs.get("gap_probe_row")
             ref = inputs.get("gap_ref_logps")
-            if probe is not None and ref is not None and probe.any():
+            if clipped is not None and probe is not None and ref is not None and probe.any():
                 rows = probe.nonzero().squeeze(-1)
                 pmask = mask[rows]
                 if pmask.any():
-                    ratio_ref = torch.exp(new[rows] - ref[rows].to(new.device).float())
-                    flips = gap_metrics.clip_status(ratio[rows], advantages[rows], self.epsilon_low, self.epsilon_high) != \
-                        gap_metrics.clip_status(ratio_ref, advantages[rows], self.epsilon_low, self.epsilon_high)
+                    clipped_ref = self._gap_clip_status(new[rows] - ref[rows].to(new.device).float(),
+                                                        advantages[rows], pmask)
+                    flips = clipped[rows] != clipped_ref
                     local[5] = float(flips[pmask].sum())
                     local[6] = float(pmask.sum())
             trl_old = inputs.get("gap_trl_old_logps")
@@ -889,11 +896,19 @@ class GapMixin:
         metrics["gap/ratio/abs_dlogp_mean"].append(sums[2] / n)
         metrics["gap/ratio/abs_dlogp_max"].append(absd_max)
         metrics["gap/ratio/exact_frac"].append(sums[3] / n)
-        metrics["gap/clip/clipped_frac"].append(sums[4] / n)
-        metrics["gap/clip/flip_frac"].append(sums[5] / sums[6] if sums[6] > 0 else float("nan"))
+        if self._gap_clip_applies:
+            metrics["gap/clip/clipped_frac"].append(sums[4] / n)
+            metrics["gap/clip/flip_frac"].append(sums[5] / sums[6] if sums[6] > 0 else float("nan"))
         if sums[9] > 0:
             metrics["gap/old_vs_trl/oob_frac"].append(sums[7] / n)
             metrics["gap/old_vs_trl/abs_dlogp_mean"].append(sums[8] / n)
+
+    def _gap_clip_status(self, log_ratio, advantages, mask):
+        """TRL's clip status ``[B, T]`` under this trainer's loss type, IS level, epsilons and delta (or None)."""
+        return gap_metrics.trl_clip_status(
+            log_ratio, advantages, mask, loss_type=self.loss_type, level=self.importance_sampling_level,
+            eps_low=self.epsilon_low, eps_high=self.epsilon_high, delta=self.args.delta,
+        )
 
     # ------------------------------------------------------------------ timing
     def training_step(self, *args, **kwargs):
