@@ -141,7 +141,6 @@ def test_weights_changed_after_construction_are_scored(tmp_path):
 
 
 # ------------------------------------------------------------------ item 5: the reference model's positions
-VARIABLE_PROMPTS = ["1+1=", "12+30=", "4+40=", "100+200="]  # 4, 6, 5 and 8 tokens: distinct prompts pad
 
 
 class _RefSpy(_Spy):
@@ -179,7 +178,7 @@ def assert_reference_equals_policy_at_step_zero(trainer) -> None:
 @pytest.mark.parametrize("arm", ["C", "G"])
 def test_kl_is_exactly_zero_at_step_zero_with_mask_positions(tmp_path, name, arm):
     trainer = make(tmp_path, GapConfig(arm=arm, probe_rows=0), model_name=saved_model_dir(tmp_path, name),
-                   trainer_cls=_RefSpy, prompts=VARIABLE_PROMPTS, beta=0.04, max_steps=1)
+                   trainer_cls=_RefSpy, beta=0.04, max_steps=1)
     assert trainer.ref_model is not None
     trainer.train()
     assert_reference_equals_policy_at_step_zero(trainer)
@@ -198,7 +197,7 @@ def test_renormalized_reference_gives_zero_kl_at_step_zero(tmp_path, peft):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = make(tmp_path, GapConfig(arm="C", probe_rows=0, kept="renormalize"),
-                       model_name=saved_model_dir(tmp_path), trainer_cls=_RefSpy, prompts=VARIABLE_PROMPTS,
+                       model_name=saved_model_dir(tmp_path), trainer_cls=_RefSpy,
                        peft_config=peft_config, beta=0.04, top_p=0.8, max_steps=1)
     assert (trainer.ref_model is None) == peft
     trainer.train()
@@ -253,7 +252,7 @@ def test_clipped_frac_follows_trls_rule(tmp_path, config):
         warnings.simplefilter("ignore")
         # arm B on a bf16 policy: the fp32 old log-probs put ratios on both sides of 1 from the first step
         trainer = make(tmp_path, GapConfig(arm="B", probe_rows=0, sampler=False), dtype="bf16",
-                       trainer_cls=_LossSpy, prompts=VARIABLE_PROMPTS, **overrides)
+                       trainer_cls=_LossSpy, **overrides)
         trainer.train()
     args = trainer.args
     rules = dict(loss_type=args.loss_type, level=args.importance_sampling_level, eps_low=args.epsilon,
