@@ -241,6 +241,8 @@ CLIP_CONFIGS = {
     "bnpo_sequence_delta": dict(loss_type="bnpo", importance_sampling_level="sequence", epsilon=1e-5,
                                 epsilon_high=1e-5, delta=1.00002),
     "cispo": dict(loss_type="cispo", epsilon_high=1.0),
+    "dr_grpo": dict(loss_type="dr_grpo"),
+    "luspo_sequence": dict(loss_type="luspo", importance_sampling_level="sequence", epsilon=1e-5, epsilon_high=1e-5),
 }
 
 
@@ -281,3 +283,66 @@ def test_clip_metrics_absent_where_the_loss_does_not_clip(tmp_path, loss_type):
     for log in logs_of(trainer):
         assert "gap/clip/clipped_frac" not in log and "gap/clip/flip_frac" not in log
         assert log["gap/ratio/oob_frac"] is not None
+
+
+# ------------------------------------------------------------------ unsupported combinations: refused at attach
+def _tool(x: int) -> int:
+    """A tool.
+
+    Args:
+        x: a number.
+    """
+    return x
+
+
+REFUSALS = {
+    # (trainer attribute set before attaching, GRPOConfig overrides, gap settings) -> the error's words
+    "renormalize_vllm": ({"use_vllm": True}, {}, dict(kept="renormalize"), "no kept-set source on TRL's vLLM path"),
+    "is_correction_vllm": ({"use_vllm": True}, {}, dict(is_correction=True), "use TRL's own vllm_importance"),
+    "renormalize_tools": ({"tools": [_tool]}, {}, dict(kept="renormalize"), "plain HF generate without tools"),
+    "is_correction_vespo": ({}, {"loss_type": "vespo"}, dict(is_correction=True), "does not apply to loss_type vespo"),
+    "renormalize_multimodal": ({"_is_vlm": True}, {}, dict(kept="renormalize"), "supports text-only models"),
+    "unknown_loss_type": ({"loss_type": "ppo_kl"}, {}, {}, "loss_type 'ppo_kl' is not one bloggap supports"),
+    "unknown_is_level": ({"importance_sampling_level": "group"}, {}, {}, "importance_sampling_level 'group'"),
+    "renormalize_moe_aux_loss": ({"aux_loss_enabled": True}, {}, dict(kept="renormalize"),
+                                 "does not support the MoE aux loss"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_unsupported_combinations_are_refused_at_attach(tmp_path, case):
+    from bloggap_plugin.recipes import RecipeError
+    from bloggap_plugin.trl import GapCallback
+
+    attributes, overrides, settings, words = REFUSALS[case]
+    trainer = make(tmp_path, None, mode="plain", top_p=0.8, **overrides)
+    for name, value in attributes.items():
+        setattr(trainer, name, value)
+    with pytest.raises(RecipeError, match=words):
+        GapCallback(trainer, gap=GapConfig(**settings))
+    assert not [name for name in trainer.__dict__ if name.startswith("_gap")]  # nothing half-installed
+
+
+# ------------------------------------------------------------------ PEFT: shadows hold the adapter
+@pytest.mark.parametrize("arm", ["B", "F"])
+def test_peft_shadow_arms_score_with_the_trained_adapter(tmp_path, arm):
+    from peft import LoraConfig
+
+    from bloggap_plugin.core.scoring import token_logprobs
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = make(tmp_path, GapConfig(arm=arm, probe_rows=0, sampler=False), trainer_cls=_Spy, dtype="bf16",
+                       peft_config=lora, max_steps=3, learning_rate=0.05)
+        trainer.train()
+    batch = trainer.spied[-1]  # generated after two optimizer steps: the adapter is no longer zero
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    mask = batch["completion_mask"].bool()
+    with torch.no_grad(), trainer.model.disable_adapter():
+        base = token_logprobs(trainer.model, ids, attn, batch["completion_ids"].shape[1], batch_size=4)
+    adapter_effect = (base - batch["gap_trl_old_logps"])[mask].abs().max()
+    precision_gap = (batch["old_per_token_logps"] - batch["gap_trl_old_logps"])[mask].abs().max()
+    assert adapter_effect > 0.05  # the premise: the adapter moves the log-probs
+    assert precision_gap < 0.01  # bf16 vs the shadow's precision only: the shadow carries the adapter

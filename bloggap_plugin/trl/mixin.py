@@ -60,6 +60,8 @@ BATCH_KEYS = (
     "gap_ref_logps",
     "gap_is_ratio",
 )
+# TRL 1.16's loss types (grpo_trainer._compute_loss): the plugin's metrics are defined for exactly these
+KNOWN_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 _MULTIMODAL_KEYS = (
     "pixel_values",
     "image_grid_thw",
@@ -182,12 +184,31 @@ class GapMixin:
                 )
             warnings.warn("sampler recording is off: it supports plain HF generate without tools only", stacklevel=3)
             sampler = False
-        if gap.is_correction and args.loss_type == "vespo":
+        loss_type = getattr(self, "loss_type", args.loss_type)
+        if loss_type not in KNOWN_LOSS_TYPES:
+            raise RecipeError(
+                f"loss_type {loss_type!r} is not one bloggap supports (TRL 1.16: {', '.join(KNOWN_LOSS_TYPES)}); "
+                "its ratio and clip metrics would be undefined"
+            )
+        level = getattr(self, "importance_sampling_level", args.importance_sampling_level)
+        if level not in ("token", "sequence"):
+            raise RecipeError(f"importance_sampling_level {level!r} is not supported; use 'token' or 'sequence'")
+        if gap.kept == "renormalize" and getattr(self, "_is_vlm", False):
+            raise RecipeError(
+                "gap.kept: renormalize supports text-only models (its non-fused scoring passes no image inputs); "
+                "use gap.kept: measure with a vision-language model"
+            )
+        if gap.kept == "renormalize" and getattr(self, "aux_loss_enabled", False):
+            raise RecipeError(
+                "gap.kept: renormalize does not support the MoE aux loss (router_aux_loss_coef != 0); set "
+                "router_aux_loss_coef: 0.0 or use gap.kept: measure"
+            )
+        if gap.is_correction and loss_type == "vespo":
             raise RecipeError("gap.is_correction does not apply to loss_type vespo (TRL feeds IS ratios into its gamma weights)")
-        self._gap_clip_applies = args.loss_type in gap_metrics.CLIP_RULE_LOSSES
+        self._gap_clip_applies = loss_type in gap_metrics.CLIP_RULE_LOSSES
         if not self._gap_clip_applies:
             warnings.warn(
-                f"gap/clip/clipped_frac and gap/clip/flip_frac are not logged with loss_type {args.loss_type!r}: it "
+                f"gap/clip/clipped_frac and gap/clip/flip_frac are not logged with loss_type {loss_type!r}: it "
                 "does not clip the importance weight (sapo: soft gate; vespo: gamma weights)",
                 stacklevel=3,
             )
