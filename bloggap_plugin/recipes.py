@@ -91,8 +91,9 @@ class GapConfig:
 
     kept: str = "measure"
     """Truncated sampling (top_p/top_k/min_p): ``renormalize`` the trainer's log-probs over the sampler's
-    kept set in both the old and the training pass; ``measure`` only logs kept mass and ratios; ``off`` does
-    neither. ``renormalize`` needs the sampler recording (``sampler: true``) as kept-set source."""
+    kept set in the old, the training and (``beta > 0``) TRL's reference pass; ``measure`` only logs kept mass
+    and ratios (one extra scoring per generation); ``off`` records no kept sets and adds no forward.
+    ``renormalize`` needs the sampler recording (``sampler: true``) as kept-set source."""
 
     sampler: bool = True
     """Record the HF ``generate`` sampler's log-prob of every emitted token (and its kept set), so

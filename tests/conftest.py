@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -31,3 +32,7 @@ def smollm2_fp32():
     from bloggap_plugin.models import load_model
 
     return load_model("smollm2", dtype="fp32")
+
+
+# Test modules share helpers by plain import (e.g. ``from test_trl import make``) under --import-mode=importlib.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -216,3 +216,33 @@ def test_wilson_interval_bad_input():
         wilson_interval(5, 4)
     with pytest.raises(ValueError, match="k must be"):
         wilson_interval(-1, 4)
+
+
+def test_trl_clip_status_per_loss_type_and_level():
+    from bloggap_plugin.core.metrics import trl_clip_status
+
+    w = torch.tensor([[0.7, 0.95, 1.1, 1.3, 2.0]], dtype=torch.float64)
+    log_ratio = torch.log(w)
+    mask = torch.ones_like(w, dtype=torch.bool)
+    pos, neg = f64([1.0]), f64([-1.0])
+    kw = dict(eps_low=0.2, eps_high=0.2)
+    # PPO rule: A > 0 clips w > 1.2; A < 0 clips w < 0.8; delta 1.5 also clips A < 0 with w > 1.5
+    assert trl_clip_status(log_ratio, pos, mask, "grpo", **kw).tolist() == [[False, False, False, True, True]]
+    assert trl_clip_status(log_ratio, neg, mask, "dapo", **kw).tolist() == [[True, False, False, False, False]]
+    assert trl_clip_status(log_ratio, neg, mask, "bnpo", delta=1.5, **kw).tolist() == [[True, False, False, False, True]]
+    assert trl_clip_status(log_ratio, pos, mask, "luspo", delta=1.5, **kw).tolist() == [[False, False, False, True, True]]
+    # cispo: A > 0 and w > eps_high (the absolute cap)
+    assert trl_clip_status(log_ratio, pos, mask, "cispo", eps_high=1.2).tolist() == [[False, False, False, True, True]]
+    assert not trl_clip_status(log_ratio, neg, mask, "cispo", eps_high=1.2).any()
+    # sequence level: one weight per row, exp(mean log ratio over the mask), clip status shared by its tokens
+    row = torch.log(torch.tensor([[1.5, 1.5, 100.0], [0.5, 1.0, 1.0]], dtype=torch.float64))
+    row_mask = torch.tensor([[True, True, False], [True, True, True]])
+    got = trl_clip_status(row, f64([1.0, -1.0]), row_mask, "grpo", level="sequence", **kw)
+    # row 0: w = 1.5 > 1.2 with A > 0 (the masked 100 does not count); row 1: w = 0.5^(1/3) = 0.794 < 0.8, A < 0
+    assert got.tolist() == [[True, True, True], [True, True, True]]
+    got = trl_clip_status(row, f64([1.0, -1.0]), row_mask, "grpo", level="sequence", eps_low=0.25, eps_high=0.6)
+    assert got.tolist() == [[False, False, False], [False, False, False]]
+    for loss_type in ("sapo", "vespo"):
+        assert trl_clip_status(log_ratio, pos, mask, loss_type) is None
+    with pytest.raises(ValueError, match="'token' or 'sequence'"):
+        trl_clip_status(log_ratio, pos, mask, "grpo", level="tokens")

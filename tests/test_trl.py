@@ -19,7 +19,7 @@ from bloggap_plugin.recipes import GapConfig, RecipeError  # noqa: E402
 from bloggap_plugin.trl import GapCallback, GapGRPOTrainer, UnsupportedTRLError, check_trl  # noqa: E402
 from bloggap_plugin.trl.mixin import is_ratio  # noqa: E402
 
-PROMPTS = ["1+1=", "2+3=", "4+4=", "9+1="]
+PROMPTS = ["1+1=", "12+30=", "4+40=", "100+200="]  # 4, 6, 5 and 8 tokens: distinct prompts are left-padded
 ALWAYS = [
     "gap/ratio/oob_frac", "gap/ratio/abs_dlogp_mean", "gap/ratio/abs_dlogp_max", "gap/clip/flip_frac",
     "gap/clip/clipped_frac", "gap/probe/oob_b1_vs_bN", "gap/sampler/oob_frac", "gap/sampler/abs_dlogp_mean",
@@ -45,14 +45,18 @@ def grpo_args(tmp_path, **overrides) -> GRPOConfig:
     return GRPOConfig(**kwargs)
 
 
-def make(tmp_path, gap=None, mode="trainer", dtype="fp32", trainer_cls=None, prepare=None, **overrides):
-    """A GRPO trainer on the tiny llama; ``prepare(model)`` edits the model first (e.g. sharpens its logits)."""
-    model, tokenizer = load_model("tiny-random-llama", dtype=dtype)
+def make(tmp_path, gap=None, mode="trainer", dtype="fp32", trainer_cls=None, model_name="tiny-random-llama",
+         prompts=PROMPTS, peft_config=None, prepare=None, **overrides):
+    """A GRPO trainer on a tiny model (``model_name``: a tiny spec or a saved folder): plain, GapCallback or class;
+    ``prepare(model)`` edits the model first (e.g. sharpens its logits)."""
+    model, tokenizer = load_model(model_name, dtype=dtype)
     if prepare is not None:
         prepare(model)
-    dataset = Dataset.from_dict({"prompt": PROMPTS * 4})
+    dataset = Dataset.from_dict({"prompt": list(prompts) * 4})
     common = dict(model=model, args=grpo_args(tmp_path, **overrides), train_dataset=dataset, reward_funcs=reward,
                   processing_class=tokenizer)
+    if peft_config is not None:
+        common["peft_config"] = peft_config
     if mode == "plain" or mode == "callback":
         trainer = GRPOTrainer(**common)
         if mode == "callback":
@@ -69,13 +73,23 @@ def first_log(trainer) -> dict:
     return logs_of(trainer)[0]
 
 
+class _Spy(GapGRPOTrainer):
+    """Records the generation batches after the plugin (what the loss will read)."""
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        self.spied = getattr(self, "spied", []) + [{k: v for k, v in output.items() if torch.is_tensor(v)}]
+        return output
+
+
 @pytest.mark.parametrize("arm", ["A", "B", "C", "D", "E", "F", "G", "H"])
 def test_every_arm_trains_with_all_metrics(tmp_path, arm):
     gap = GapConfig(arm=arm, probe_rows=8, layers=[1] if arm == "D" else None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = make(tmp_path, gap, dtype="bf16" if arm != "F" else "fp32", fp16=arm == "H")
+        trainer = make(tmp_path, gap, dtype="bf16" if arm != "F" else "fp32", fp16=arm == "H", trainer_cls=_Spy)
         trainer.train()
+    assert any((batch["prompt_mask"] == 0).any() for batch in trainer.spied)  # left-padded prompts
     logs = logs_of(trainer)
     assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
     first = logs[0]
@@ -90,6 +104,18 @@ def test_every_arm_trains_with_all_metrics(tmp_path, arm):
     assert logs[1].get("gap/ratio/oob_frac") is not None
 
 
+def count_prompt_padding(trainer) -> list:
+    """Append, per teacher-forced forward of the policy, the number of padding tokens in its input."""
+    padding: list = []
+
+    def hook(module, args, kwargs):
+        if "labels" in kwargs or kwargs.get("use_cache") is False:
+            padding.append(int((kwargs["attention_mask"] == 0).sum()))
+
+    trainer.model.register_forward_pre_hook(hook, with_kwargs=True)
+    return padding
+
+
 def test_arm_A_with_metrics_is_bitwise_plain_trl(tmp_path):
     """Metrics on (sampler, probe rows, fp32 reference) must not change training at all."""
     runs = {}
@@ -97,7 +123,9 @@ def test_arm_A_with_metrics_is_bitwise_plain_trl(tmp_path):
         torch.manual_seed(1234)
         trainer = make(tmp_path / mode, GapConfig(arm="A", probe_rows=8) if mode != "plain" else None, mode=mode,
                        dtype="bf16", max_steps=3)
+        widths = count_prompt_padding(trainer)
         trainer.train()
+        assert any(widths), mode  # left-padded prompts in the run
         runs[mode] = (
             [(h["loss"], h["grad_norm"]) for h in logs_of(trainer)],
             [p.detach().clone() for p in trainer.model.parameters()],
@@ -108,15 +136,6 @@ def test_arm_A_with_metrics_is_bitwise_plain_trl(tmp_path):
         assert runs[mode][0] == runs["plain"][0], mode
         assert all(torch.equal(a, b) for a, b in zip(runs[mode][1], runs["plain"][1], strict=True)), mode
         assert torch.equal(runs[mode][2], runs["plain"][2]), mode
-
-
-class _Spy(GapGRPOTrainer):
-    """Records the generation batches after the plugin (what the loss will read)."""
-
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        self.spied = getattr(self, "spied", []) + [{k: v for k, v in output.items() if torch.is_tensor(v)}]
-        return output
 
 
 @pytest.mark.parametrize(("arm", "dtype"), [("B", "fp32"), ("F", "fp16"), ("E", None)])

@@ -152,11 +152,11 @@ def _expected_logs(record: dict) -> dict[int, dict[str, float]]:
     for i, red in enumerate(reduces):
         values = per_step.setdefault(red["step"] + 1, {})
         sums = red["reduced"]
-        if red["site"] == "_gap_flush_generation" and red["kind"] == "sum" and len(sums) == 12:
+        if red["site"] == "_gap_flush_generation" and red["kind"] == "sum" and len(sums) == 14:
             for key, num, den in GENERATION_SUMS:
                 if sums[den] > 0:
                     values.setdefault(key, []).append(sums[num] / sums[den])
-            neg_mass_min, size_max = reduces[i + 1]["reduced"]
+            neg_mass_min, size_max = reduces[i + 1]["reduced"][:2]
             values.setdefault("gap/kept/mass_min", []).append(-neg_mass_min)
             values.setdefault("gap/kept/size_max", []).append(size_max)
         elif red["site"] == "_gap_flush_generation" and red["kind"] == "sum" and len(sums) == 1:
@@ -200,8 +200,8 @@ def test_process_0_matches_the_single_process_run_on_the_same_rows(runs):
         assert (a["site"], a["kind"]) == (b["site"], b["kind"])
         assert a["local"] == b["local"], a["site"]
     # pooled generation metrics of step 1: (single-process sums + process 1's) / (its tokens + process 1's)
-    gen_single = next(r["local"] for r in single if r["site"] == "_gap_flush_generation" and len(r["local"]) == 12)
-    gen_other = next(r["local"] for r in first_step(two1) if r["site"] == "_gap_flush_generation" and len(r["local"]) == 12)
+    gen_single = next(r["local"] for r in single if r["site"] == "_gap_flush_generation" and len(r["local"]) == 14)
+    gen_other = next(r["local"] for r in first_step(two1) if r["site"] == "_gap_flush_generation" and len(r["local"]) == 14)
     logged = _loss_logs(runs["two"][0])[0]
     for key, num, den in GENERATION_SUMS:
         pooled = (gen_single[num] + gen_other[num]) / (gen_single[den] + gen_other[den])

@@ -17,6 +17,8 @@ __all__ = [
     "oob_count",
     "abs_dlogp_stats",
     "clip_status",
+    "trl_clip_status",
+    "importance_weights",
     "clip_flip_fraction",
     "clipped_fraction",
     "kl_k1",
@@ -104,6 +106,60 @@ def clip_status(
     upper = (advantages > 0) & (ratio > 1.0 + eps_high)
     lower = (advantages < 0) & (ratio < 1.0 - eps_low)
     return upper | lower
+
+
+# TRL 1.16 loss types whose objective clips the importance weight PPO-style (grpo_trainer._compute_loss)
+PPO_CLIP_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# Loss types with a clipping rule the plugin follows; sapo (soft gate) and vespo (gamma weights) clip nothing
+CLIP_RULE_LOSSES = PPO_CLIP_LOSSES + ("cispo",)
+
+
+def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str = "token") -> torch.Tensor:
+    """TRL's importance weight ``exp(log_ratio)``: ``[B, T]`` (``token``) or ``[B, 1]`` (``sequence``: the exponent
+    is the mean of ``log_ratio`` over the row's masked tokens, GSPO)."""
+    if level == "token":
+        return torch.exp(log_ratio)
+    if level == "sequence":
+        total = log_ratio.masked_fill(~mask.bool(), 0.0).sum(-1, keepdim=True)  # padding may hold non-finite values
+        return torch.exp(total / mask.to(log_ratio.dtype).sum(-1, keepdim=True).clamp(min=1.0))
+    raise ValueError(f"importance sampling level must be 'token' or 'sequence', got {level!r}")
+
+
+def trl_clip_status(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str = "dapo",
+    level: str = "token",
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    delta: float | None = None,
+) -> torch.Tensor | None:
+    """Per token ``[B, T]`` bool: is this token's importance weight clipped by TRL 1.16's loss ``loss_type``?
+
+    ``log_ratio`` = new - old ``[B, T]``; ``advantages`` ``[B]`` or ``[B, T]``; ``level`` token or sequence
+    (a sequence's weight, and so its clip status, applies to all its tokens). Rules (grpo_trainer._compute_loss):
+
+    - grpo, bnpo, dr_grpo, dapo, luspo: ``A > 0 and w > 1+eps_high`` or ``A < 0 and w < 1-eps_low``; with
+      two-sided clipping (``delta``) also ``A < 0 and w > delta`` (the loss is then ``delta * A``, constant);
+    - cispo: ``A > 0 and w > eps_high`` (TRL's ``cispo_clip_ratio``; eps_high is the absolute cap there).
+
+    Returns ``None`` for loss types that clip nothing (sapo: a soft gate; vespo: gamma weights): no number
+    describes them, so the caller reports no clip metric.
+    """
+    if loss_type not in CLIP_RULE_LOSSES:
+        return None
+    eps_high = eps_low if eps_high is None else eps_high
+    weights = importance_weights(log_ratio, mask, level).expand_as(log_ratio)
+    if advantages.dim() == log_ratio.dim() - 1:
+        advantages = advantages.unsqueeze(-1)
+    advantages = advantages.expand_as(log_ratio)
+    if loss_type == "cispo":
+        return (advantages > 0) & (weights > eps_high)
+    status = clip_status(weights, advantages, eps_low, eps_high)
+    if delta is not None:
+        status = status | ((advantages < 0) & (weights > delta))
+    return status
 
 
 def clipped_fraction(

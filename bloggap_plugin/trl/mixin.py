@@ -60,6 +60,8 @@ BATCH_KEYS = (
     "gap_ref_logps",
     "gap_is_ratio",
 )
+# TRL 1.16's loss types (grpo_trainer._compute_loss): the plugin's metrics are defined for exactly these
+KNOWN_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 _MULTIMODAL_KEYS = (
     "pixel_values",
     "image_grid_thw",
@@ -92,6 +94,14 @@ def is_ratio(old_logps, sampler_logps, mask, mode: str, clip_min, clip_max) -> t
         high = clip_max if clip_max is not None else math.inf
         return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
     raise ValueError(f"unknown importance sampling mode {mode!r}")
+
+
+def _assemble_capture(capture: list, n_rows: int, width: int, device: torch.device) -> torch.Tensor:
+    """``[n_rows, width]`` from ``(rows slice, [b, width])`` chunks in call order; a re-scored chunk overwrites."""
+    out = torch.zeros(n_rows, width, device=device)
+    for rows, values in capture:
+        out[rows] = values.to(device)
+    return out
 
 
 class _Stats:
@@ -201,10 +211,34 @@ class GapMixin:
                 warnings.warn(f"sampler recording is off ({off_reason}): no gap/sampler or gap/kept metrics; "
                               "training is unchanged", stacklevel=3)
                 sampler = False
-        if gap.is_correction and args.loss_type == "vespo":
+        loss_type = getattr(self, "loss_type", args.loss_type)
+        if loss_type not in KNOWN_LOSS_TYPES:
+            raise RecipeError(
+                f"loss_type {loss_type!r} is not one bloggap supports (TRL 1.16: {', '.join(KNOWN_LOSS_TYPES)}); "
+                "its ratio and clip metrics would be undefined"
+            )
+        level = getattr(self, "importance_sampling_level", args.importance_sampling_level)
+        if level not in ("token", "sequence"):
+            raise RecipeError(f"importance_sampling_level {level!r} is not supported; use 'token' or 'sequence'")
+        if gap.kept == "renormalize" and getattr(self, "_is_vlm", False):
+            raise RecipeError(
+                "gap.kept: renormalize supports text-only models (its non-fused scoring passes no image inputs); "
+                "use gap.kept: measure with a vision-language model"
+            )
+        if gap.kept == "renormalize" and getattr(self, "aux_loss_enabled", False):
+            raise RecipeError(
+                "gap.kept: renormalize does not support the MoE aux loss (router_aux_loss_coef != 0); set "
+                "router_aux_loss_coef: 0.0 or use gap.kept: measure"
+            )
+        if gap.is_correction and loss_type == "vespo":
             raise RecipeError("gap.is_correction does not apply to loss_type vespo (TRL feeds IS ratios into its gamma weights)")
-        if gap.kept == "renormalize" and args.beta != 0.0:
-            warnings.warn("gap.kept: renormalize applies to the policy only; the reference model stays full-vocabulary", stacklevel=3)
+        self._gap_clip_applies = loss_type in gap_metrics.CLIP_RULE_LOSSES
+        if not self._gap_clip_applies:
+            warnings.warn(
+                f"gap/clip/clipped_frac and gap/clip/flip_frac are not logged with loss_type {loss_type!r}: it "
+                "does not clip the importance weight (sapo: soft gate; vespo: gamma weights)",
+                stacklevel=3,
+            )
         self._gap = gap
         self._gap_sampler_on = sampler
         self._gap_recorder = None
@@ -214,11 +248,14 @@ class GapMixin:
 
             self._gap_truncating = settings["top_k"] > 0 or settings["top_p"] < 1.0 or settings["min_p"] > 0.0
             self._gap_recorder = SamplerRecorder(
-                **settings, truncate=self._gap_truncating, store_ids_max=gap.store_ids_max, order="hf"
+                **settings, truncate=self._gap_truncating, order="hf",
+                store_ids_max=gap.store_ids_max if gap.kept != "off" else 0,
             )
         if gap.kept == "renormalize" and not self._gap_truncating:
             warnings.warn("gap.kept: renormalize with untruncated sampling (top_p 1, top_k 0, min_p 0) changes nothing", stacklevel=3)
         self._gap_renormalize = gap.kept == "renormalize" and self._gap_truncating
+        # gap.kept: off records no kept sets and runs no kept-mass scoring (the recorder still truncates: it samples)
+        self._gap_kept_on = gap.kept != "off" and self._gap_truncating
         # Arms A and H keep TRL's forward (positions 0..L-1); the others use gap.positions everywhere.
         self._gap_positions = "arange" if gap.arm in ("A", "H") else gap.positions
         self._gap_plan = None
@@ -278,12 +315,19 @@ class GapMixin:
             kwargs.pop("k", None)
         return make_plan(policy, arm, fp16_guard=True, **kwargs)
 
+    def _gap_weights_version(self) -> tuple:
+        """What identifies the policy's current weights: the optimizer step plus every parameter's identity and
+        in-place version counter (bumped by the optimizer, ``load_state_dict`` on resume, any ``copy_``/``mul_``)."""
+        return (self.state.global_step, tuple((id(p), p._version) for p in self._gap_policy().parameters()))
+
     def _gap_synced(self, plan, attr: str):
-        step = self.state.global_step
-        if plan is not None and getattr(self, attr) != step:
-            if getattr(self, attr) is not None:
+        """``plan``, refreshed from the policy unless it already holds the current weights version (``attr``
+        stores the version it was last synced at; ``None``, as after attach, always syncs)."""
+        if plan is not None:
+            version = self._gap_weights_version()
+            if getattr(self, attr) != version:
                 plan.sync(self._gap_policy())
-            setattr(self, attr, step)
+                setattr(self, attr, version)
         return plan
 
     def _gap_reference_plan(self):
@@ -293,7 +337,7 @@ class GapMixin:
                 self._gap_ref_step = self._gap_plan_step
             else:
                 self._gap_ref_plan = self._gap_make_plan("fp32")
-                self._gap_ref_step = self.state.global_step
+                self._gap_ref_step = self._gap_weights_version()
         if self._gap_ref_plan is self._gap_plan:
             return self._gap_synced(self._gap_plan, "_gap_plan_step")
         return self._gap_synced(self._gap_ref_plan, "_gap_ref_step")
@@ -327,7 +371,11 @@ class GapMixin:
         return (fit(ids, -1) if ids is not None else None), fit(record.kept_sizes)
 
     def _gap_reducer(self, kept, capture: list | None = None):
-        """A ``token_logprobs`` reduce: renormalised (``gap.kept: renormalize``) or full; captures log kept mass."""
+        """A ``token_logprobs`` reduce: renormalised (``gap.kept: renormalize``) or full; captures log kept mass.
+
+        ``capture`` receives ``(rows, log kept mass [b, K])`` per scored chunk; a chunk scored again (the fp16
+        guard's fp32 re-score) appends the same rows again, and the later value wins (:func:`_assemble_capture`).
+        """
         from bloggap_plugin.core.truncation import kept_reducer
 
         if kept is None:
@@ -336,7 +384,7 @@ class GapMixin:
 
             def full(logits, targets, rows):
                 out = gather_logprobs(logits, targets)
-                capture.append(torch.zeros_like(out))
+                capture.append((rows, torch.zeros_like(out)))
                 return out
 
             return full
@@ -348,7 +396,7 @@ class GapMixin:
             renorm = inner(logits, targets, rows)
             full = gather_logprobs(logits, targets)
             if capture is not None:
-                capture.append((full - renorm).detach())
+                capture.append((rows, (full - renorm).detach()))
             return renorm if renormalize else full
 
         return reduce
@@ -399,7 +447,7 @@ class GapMixin:
                 plan.close()
                 plan = self._gap_make_plan("guided", layers=chosen, k=len(chosen))
             self._gap_plan = plan
-            self._gap_plan_step = self.state.global_step
+            self._gap_plan_step = self._gap_weights_version()
         if self._gap_plan is None:
             return self._gap_trl_scores(input_ids, attention_mask, logits_to_keep, batch_size, kept)
         plan = self._gap_synced(self._gap_plan, "_gap_plan_step")
@@ -504,7 +552,7 @@ class GapMixin:
 
         output["gap_sampler_logps"] = fit(record.processed_logps) * mask
         output["gap_sampler_full_logps"] = fit(record.logps) * mask
-        if self._gap_truncating:
+        if self._gap_kept_on:
             output["gap_kept_sizes"] = fit(record.kept_sizes) * mask
             output["gap_sampler_log_kept_mass"] = fit(record.log_kept_mass) * mask
             ids = record.kept_ids_tensor()
@@ -611,7 +659,7 @@ class GapMixin:
                 stats.add("is_n", int(flat.numel()))
                 stats.max("is_max", float(flat.max()))
                 stats.max("is_neg_min", -float(flat.min()))
-        if self._gap_truncating and "gap_kept_sizes" in batch and mask.any():
+        if self._gap_kept_on and "gap_kept_sizes" in batch and mask.any():
             log_mass = batch["gap_sampler_log_kept_mass"]
             sizes = batch["gap_kept_sizes"]
             stats.add("kept_mass_sum", float(torch.exp(log_mass.double())[mask].sum()))
@@ -658,7 +706,7 @@ class GapMixin:
         finally:
             self._gap_renormalize = saved
             self._gap_capture = None
-        return torch.cat(capture, dim=0).to(ids.device)
+        return _assemble_capture(capture, ids.shape[0], logits_to_keep, ids.device)
 
     def _gap_probe_b1(self, batch, ids, attn, logits_to_keep, rows) -> torch.Tensor:
         kept = self._gap_kept_from(batch, rows)
@@ -751,16 +799,22 @@ class GapMixin:
                                            compute_entropy=False, compute_aux_loss=False, **kwargs):
         gap = getattr(self, "_gap", None)
         is_policy = model is self.model or model is getattr(self, "model_wrapped", None)
-        if gap is None or not is_policy:
+        # TRL's separate reference model (beta > 0 without PEFT) is scored like the policy's training forward
+        # (same positions), so that KL(theta || theta_ref) is exactly 0 at theta = theta_ref.
+        ref_model = getattr(self, "ref_model", None)
+        is_reference = ref_model is not None and model is ref_model
+        if gap is None or not (is_policy or is_reference):
             return self._gap_next("_get_per_token_logps_and_entropies", model, input_ids, attention_mask,
                                   logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **kwargs)
         multimodal = any(kwargs.get(k) is not None for k in _MULTIMODAL_KEYS)
-        kept = self._gap_current_kept
+        kept = self._gap_current_kept if is_policy else None
         record = self._gap_pending_record
         if (kept is None and self._gap_renormalize and not self._gap_in_loss and record is not None
                 and record.logps.shape[0] == input_ids.shape[0]):
-            kept = self._gap_kept_from_record(record, logits_to_keep)  # TRL's own old-logprob pass
-        capture = getattr(self, "_gap_capture", None)
+            # TRL's own old-logprob pass and its reference pass (separate model, or PEFT's adapter-disabled
+            # policy): renormalised over the same kept sets as the training forward, so KL is 0 at theta_ref
+            kept = self._gap_kept_from_record(record, logits_to_keep)
+        capture = getattr(self, "_gap_capture", None) if is_policy else None
         if (self._gap_renormalize and kept is not None) or capture is not None:
             if multimodal:
                 raise RecipeError("gap.kept: renormalize supports text-only models")
@@ -776,7 +830,7 @@ class GapMixin:
             logps, entropies, aux = self._gap_next("_get_per_token_logps_and_entropies", model, input_ids,
                                                    attention_mask, logits_to_keep, batch_size, compute_entropy,
                                                    compute_aux_loss, **kwargs)
-        if self._gap_in_loss:
+        if self._gap_in_loss and is_policy:
             self._gap_new_logps = logps.detach()
         return logps, entropies, aux
 
@@ -868,24 +922,24 @@ class GapMixin:
         band = self._gap.band
         advantages = inputs["advantages"]
         dlogp = (new.double() - old.double())
-        ratio = torch.exp(new - old)
         local = [0.0] * 9
         local_max = -math.inf
         if mask.any():
             absd = dlogp.abs()[mask]
             out, n = gap_metrics.oob_count(new, old, mask, band)
-            clipped = gap_metrics.clip_status(ratio, advantages, self.epsilon_low, self.epsilon_high)[mask]
-            local[0:5] = [out, n, float(absd.sum()), float((dlogp[mask] == 0).sum()), float(clipped.sum())]
+            clipped = self._gap_clip_status(new - old, advantages, mask)
+            clipped_sum = float(clipped[mask].sum()) if clipped is not None else 0.0
+            local[0:5] = [out, n, float(absd.sum()), float((dlogp[mask] == 0).sum()), clipped_sum]
             local_max = float(absd.max())
             probe = inputs.get("gap_probe_row")
             ref = inputs.get("gap_ref_logps")
-            if probe is not None and ref is not None and probe.any():
+            if clipped is not None and probe is not None and ref is not None and probe.any():
                 rows = probe.nonzero().squeeze(-1)
                 pmask = mask[rows]
                 if pmask.any():
-                    ratio_ref = torch.exp(new[rows] - ref[rows].to(new.device).float())
-                    flips = gap_metrics.clip_status(ratio[rows], advantages[rows], self.epsilon_low, self.epsilon_high) != \
-                        gap_metrics.clip_status(ratio_ref, advantages[rows], self.epsilon_low, self.epsilon_high)
+                    clipped_ref = self._gap_clip_status(new[rows] - ref[rows].to(new.device).float(),
+                                                        advantages[rows], pmask)
+                    flips = clipped[rows] != clipped_ref
                     local[5] = float(flips[pmask].sum())
                     local[6] = float(pmask.sum())
             trl_old = inputs.get("gap_trl_old_logps")
@@ -904,11 +958,19 @@ class GapMixin:
         metrics["gap/ratio/abs_dlogp_mean"].append(sums[2] / n)
         metrics["gap/ratio/abs_dlogp_max"].append(absd_max)
         metrics["gap/ratio/exact_frac"].append(sums[3] / n)
-        metrics["gap/clip/clipped_frac"].append(sums[4] / n)
-        metrics["gap/clip/flip_frac"].append(sums[5] / sums[6] if sums[6] > 0 else float("nan"))
+        if self._gap_clip_applies:
+            metrics["gap/clip/clipped_frac"].append(sums[4] / n)
+            metrics["gap/clip/flip_frac"].append(sums[5] / sums[6] if sums[6] > 0 else float("nan"))
         if sums[9] > 0:
             metrics["gap/old_vs_trl/oob_frac"].append(sums[7] / n)
             metrics["gap/old_vs_trl/abs_dlogp_mean"].append(sums[8] / n)
+
+    def _gap_clip_status(self, log_ratio, advantages, mask):
+        """TRL's clip status ``[B, T]`` under this trainer's loss type, IS level, epsilons and delta (or None)."""
+        return gap_metrics.trl_clip_status(
+            log_ratio, advantages, mask, loss_type=self.loss_type, level=self.importance_sampling_level,
+            eps_low=self.epsilon_low, eps_high=self.epsilon_high, delta=self.args.delta,
+        )
 
     # ------------------------------------------------------------------ timing
     def training_step(self, *args, **kwargs):
