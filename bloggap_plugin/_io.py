@@ -6,7 +6,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "check_writable_file"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "check_writable_dir", "check_writable_file"]
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
@@ -47,17 +47,60 @@ def _atomic_write(path: str | os.PathLike, content: str | bytes, mode: str) -> P
     return path
 
 
-def check_writable_file(path: str | os.PathLike, what: str) -> str | None:
+def _can_create_in(folder: Path) -> bool:
+    """True if a file can be created in ``folder``: tried for real (``os.access`` says yes to root even on a
+    read-only mount)."""
+    try:
+        handle, tmp = tempfile.mkstemp(prefix=".bloggap-probe-", dir=folder)
+    except OSError:
+        return False
+    os.close(handle)
+    os.unlink(tmp)
+    return True
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable_dir(path: str | os.PathLike, what: str) -> str | None:
+    """Return a one-line problem if ``path`` cannot be used as an output folder (it is a file, or it cannot be
+    created or written), else ``None``. A missing folder is fine when its nearest existing parent is writable."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        return f"{what} {path} is a file, not a folder; give a folder path"
+    base = path if path.is_dir() else _existing_ancestor(path)
+    if not base.is_dir():
+        return f"{what} {path}: {base} is a file, so the folder cannot be created; choose another path"
+    if not _can_create_in(base):
+        return f"{what} {path}: folder {base} is not writable; choose another path"
+    return None
+
+
+def check_writable_file(path: str | os.PathLike, what: str, create_parents: bool = False) -> str | None:
     """Return a one-line problem if ``path`` cannot be written as a file (a directory, a missing or read-only
-    folder), else ``None``. ``what`` names the option in the message (e.g. ``"--json"``)."""
+    folder), else ``None``. ``what`` names the option in the message (e.g. ``"--json"``). With
+    ``create_parents`` a missing folder is fine when it can be created."""
     path = Path(path)
     if path.is_dir():
         return f"{what} {path} is a directory; give a file path"
     parent = path.parent if str(path.parent) else Path(".")
+    if not parent.exists() and create_parents:
+        problem = check_writable_dir(parent, what)
+        return problem.replace(f"{what} {parent}", f"{what} {path}", 1) if problem else None
+    if parent.exists() and not parent.is_dir():
+        return f"{what} {path}: {parent} is a file, not a folder; choose another path"
     if not parent.is_dir():
         return f"{what} {path}: folder {parent} does not exist; create it or choose another path"
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if not _can_create_in(parent):
         return f"{what} {path}: folder {parent} is not writable; choose another path"
-    if path.exists() and not os.access(path, os.W_OK):
-        return f"{what} {path} is not writable; choose another path"
+    if path.exists():
+        try:
+            with open(path, "a"):
+                pass
+        except OSError:
+            return f"{what} {path} is not writable; choose another path"
     return None

@@ -1,7 +1,9 @@
 """The ``bloggap`` command line: ``bloggap doctor | attribute | ladder | train | compare | report | patch``.
 
 Each subcommand lives in ``bloggap_plugin/commands/<name>.py`` with ``HELP``, ``configure(parser)`` and
-``run(args) -> int``; heavy imports happen inside ``run`` so ``bloggap --help`` stays fast.
+``run(args) -> int``; heavy imports happen inside ``run`` so ``bloggap --help`` stays fast. Bad input raises
+:class:`bloggap_plugin.errors.UsageError` (checked before any model loads), printed here as one line on stderr,
+``bloggap: error: <problem and fix>``, with exit code 2 and no traceback.
 """
 
 from __future__ import annotations
@@ -50,7 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    from bloggap_plugin.errors import UsageError, one_line
+
+    try:
+        return int(args._run(args) or 0)
+    except UsageError as err:
+        print(f"bloggap: error: {one_line(err)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

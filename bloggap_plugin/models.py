@@ -15,6 +15,7 @@ and tiny random models for tests.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import string
@@ -23,7 +24,18 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["load_model", "DEFAULT_MODEL", "TINY_MODELS", "ModelSpecError", "smollm2_gguf_path", "resolve_dtype"]
+from bloggap_plugin.errors import UsageError
+
+__all__ = [
+    "load_model",
+    "check_model_spec",
+    "resolve_device",
+    "DEFAULT_MODEL",
+    "TINY_MODELS",
+    "ModelSpecError",
+    "smollm2_gguf_path",
+    "resolve_dtype",
+]
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,8 +56,29 @@ _ACCEPTED = (
 )
 
 
-class ModelSpecError(ValueError):
-    """The model spec names nothing that can be loaded."""
+class ModelSpecError(UsageError):
+    """The model spec names nothing that can be loaded, or what it names cannot be read (a corrupt GGUF file, an
+    invalid config.json, a hub id missing from the local cache while offline)."""
+
+
+def resolve_device(device: str | None) -> str:
+    """The device to load on: ``device`` checked (``cpu``, ``cuda``, ``cuda:N``, ...), or for ``None``
+    ``"cuda"`` when CUDA is available, else ``"cpu"``. Raises :class:`UsageError` for a device that is not one or
+    is not here."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise UsageError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {device} but CUDA is not available here (torch {torch.__version__}); "
+                             "use --device cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {device} but this machine has {torch.cuda.device_count()} CUDA device(s) "
+                             f"(cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
+    return str(device)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -117,13 +150,11 @@ def _set_eos(model, tokenizer) -> None:
 
 
 def _load_smollm2(dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     dense = _cache_root() / "smollm2-135m-instruct"
     if not (dense / "config.json").is_file():
         gguf = smollm2_gguf_path()
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model, tokenizer = _from_pretrained(f"GGUF file {gguf}", gguf.parent, gguf_file=gguf.name,
+                                            dtype=torch.float32)
         _clear_quantizer(model)
         _fix_smollm2_tokenizer(tokenizer)
         _set_eos(model, tokenizer)
@@ -135,8 +166,8 @@ def _load_smollm2(dtype: torch.dtype):
             os.replace(tmp, dense)  # atomic: concurrent loaders never see a half-written copy
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
-    model = AutoModelForCausalLM.from_pretrained(dense, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(dense)
+    model, tokenizer = _from_pretrained(f"the cached default model {dense} (delete that folder to rebuild it)",
+                                        dense, dtype=dtype)
     _clear_quantizer(model)
     _fix_smollm2_tokenizer(tokenizer)
     _set_eos(model, tokenizer)
@@ -221,6 +252,77 @@ def _load_tiny(spec: str, dtype: torch.dtype, seed: int = 0):
     return model, tokenizer
 
 
+def _check_gguf_file(path: Path) -> None:
+    if not path.is_file():
+        raise ModelSpecError(f"GGUF file {path} does not exist; {_ACCEPTED}")
+    with open(path, "rb") as handle:
+        magic = handle.read(4)
+    if magic != b"GGUF":
+        raise ModelSpecError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes); "
+                             "give a valid .gguf file or a model folder")
+
+
+def _check_model_folder(path: Path) -> None:
+    config = path / "config.json"
+    if not config.is_file():
+        raise ModelSpecError(f"{path} has no config.json; {_ACCEPTED}")
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ModelSpecError(f"{config} is not valid JSON ({' '.join(str(err).split())}); fix or replace the "
+                             "model folder") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ModelSpecError(f"{config} is not a transformers model config (no 'model_type' key); fix or replace "
+                             "the model folder")
+
+
+def _is_hub_id(spec: str) -> bool:
+    return spec.count("/") == 1 and not spec.startswith((".", "/"))
+
+
+def check_model_spec(spec: str) -> None:
+    """Cheap checks of a model spec, without loading weights: raise :class:`ModelSpecError` naming the problem
+    for an unknown name, a missing or non-GGUF ``.gguf`` file, a folder without a valid ``config.json``, or a
+    hub id absent from the local cache while ``HF_HUB_OFFLINE=1``."""
+    spec = str(spec)
+    if spec == DEFAULT_MODEL:
+        if not (_cache_root() / "smollm2-135m-instruct" / "config.json").is_file():
+            _check_gguf_file(smollm2_gguf_path())
+    elif spec in TINY_MODELS:
+        return
+    elif spec.startswith("tiny-random-"):
+        raise ModelSpecError(f"unknown tiny model {spec!r}; {_ACCEPTED}")
+    elif spec.endswith(".gguf"):
+        _check_gguf_file(Path(spec))
+    elif Path(spec).exists():
+        _check_model_folder(Path(spec))
+    elif _is_hub_id(spec):
+        if os.environ.get("HF_HUB_OFFLINE") == "1":
+            from huggingface_hub import try_to_load_from_cache
+
+            if not isinstance(try_to_load_from_cache(spec, "config.json"), str):
+                raise ModelSpecError(
+                    f"{spec!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE=1; unset HF_HUB_OFFLINE to "
+                    "download it, or pass a local model folder"
+                )
+    else:
+        raise ModelSpecError(f"cannot load {spec!r}: no such file or folder; {_ACCEPTED}")
+
+
+def _from_pretrained(what: str, source, **kwargs):
+    """``(model, tokenizer)`` via ``from_pretrained``; any failure to read them becomes one :class:`ModelSpecError`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        kwargs.pop("dtype", None)
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    except Exception as err:  # noqa: BLE001 - corrupt files raise anything from OSError to struct.error
+        first = " ".join(str(err).split())[:300]
+        raise ModelSpecError(f"cannot load {what}: {type(err).__name__}: {first}") from err
+    return model, tokenizer
+
+
 def load_model(
     spec: str = DEFAULT_MODEL,
     dtype: str | torch.dtype = "fp32",
@@ -229,47 +331,25 @@ def load_model(
 ):
     """Load ``(model, tokenizer)`` for ``spec`` in ``dtype`` on ``device``, in eval mode.
 
-    Raises :class:`ModelSpecError` naming what is accepted when ``spec`` matches nothing.
+    Raises :class:`ModelSpecError` naming what is accepted when ``spec`` matches nothing, and naming the file
+    when what it names cannot be read (corrupt GGUF, invalid config.json, missing from the offline cache).
     """
     torch_dtype = resolve_dtype(dtype)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     spec = str(spec)
+    check_model_spec(spec)
     if spec == DEFAULT_MODEL:
         model, tokenizer = _load_smollm2(torch_dtype)
     elif spec in TINY_MODELS:
         model, tokenizer = _load_tiny(spec, torch_dtype)
-    elif spec.startswith("tiny-random-"):
-        raise ModelSpecError(f"unknown tiny model {spec!r}; {_ACCEPTED}")
     elif spec.endswith(".gguf"):
         path = Path(spec)
-        if not path.is_file():
-            raise ModelSpecError(f"GGUF file {path} does not exist; {_ACCEPTED}")
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model, tokenizer = _from_pretrained(f"GGUF file {path}", path.parent, gguf_file=path.name, dtype=torch_dtype)
         _clear_quantizer(model)
     elif Path(spec).exists():
-        path = Path(spec)
-        if not (path / "config.json").is_file():
-            raise ModelSpecError(f"{path} has no config.json; {_ACCEPTED}")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    elif spec.count("/") == 1 and not spec.startswith((".", "/")):
-        if os.environ.get("HF_HUB_OFFLINE") == "1":
-            # Still try the local hub cache; a clear error if it is not there.
-            try:
-                model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
-                tokenizer = AutoTokenizer.from_pretrained(spec)
-            except OSError as err:
-                raise ModelSpecError(
-                    f"{spec!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE=1; unset it to download, "
-                    f"or pass a local folder ({err.__class__.__name__})"
-                ) from err
-        else:
-            model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
-            tokenizer = AutoTokenizer.from_pretrained(spec)
-    else:
-        raise ModelSpecError(f"cannot load {spec!r}: no such file or folder; {_ACCEPTED}")
+        model, tokenizer = _from_pretrained(f"model folder {spec}", Path(spec), dtype=torch_dtype)
+    else:  # a hub id (check_model_spec refused everything else)
+        hint = " (HF_HUB_OFFLINE=1: only the local cache is read)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
+        model, tokenizer = _from_pretrained(f"hub model {spec!r}{hint}", spec, dtype=torch_dtype)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"

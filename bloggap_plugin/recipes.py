@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from bloggap_plugin.errors import UsageError
 
 __all__ = [
     "GapConfig",
@@ -28,6 +32,7 @@ __all__ = [
     "parse_recipe",
     "gap_config_from_dict",
     "merge_grpo_config",
+    "check_grpo_values",
     "config_differences",
     "ARMS",
     "ARM_ALIASES",
@@ -53,7 +58,7 @@ POSITION_MODES = ("mask", "arange")
 REFERENCES = ("fp32_b1",)
 
 
-class RecipeError(ValueError):
+class RecipeError(UsageError):
     """A recipe (or GapConfig) names an unknown key, has a wrong type, or an invalid value."""
 
 
@@ -256,6 +261,48 @@ def _grpo_field_names() -> list[str] | None:
     return _field_names(GRPOConfig)
 
 
+def _grpo_scalar_types() -> dict[str, tuple[type, bool]]:
+    """``{field: (int | float | bool | str, None allowed)}`` for the GRPOConfig fields of one scalar type."""
+    import types
+    import typing
+
+    from trl import GRPOConfig
+
+    out = {}
+    for name, hint in typing.get_type_hints(GRPOConfig).items():
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else (hint,)
+        scalars = [a for a in args if a is not type(None)]
+        if len(scalars) == 1 and scalars[0] in (int, float, bool, str):
+            out[name] = (scalars[0], type(None) in args)
+    return out
+
+
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _check_grpo_types(data: dict, where: str) -> dict:
+    """Reject recipe values of the wrong type for GRPOConfig's scalar fields (naming the key); a float field given
+    as a numeric string (YAML reads ``1e-6`` without a dot as a string) is converted."""
+    expected = _grpo_scalar_types()
+    out = dict(data)
+    for key, value in data.items():
+        if key not in expected or (value is None and expected[key][1]):
+            continue
+        kind = expected[key][0]
+        if kind is float and isinstance(value, str):
+            try:
+                out[key] = float(value)
+                continue
+            except ValueError:
+                pass
+        ok = (isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))) or (
+            kind is float and isinstance(value, int) and not isinstance(value, bool)
+        )
+        if not ok:
+            raise RecipeError(f"{where}: {key} must be {_TYPE_WORDS[kind]}, got {type(value).__name__} {value!r}")
+    return out
+
+
 def parse_recipe(data: dict, where: str = "recipe") -> tuple[dict, GapConfig]:
     """Split a recipe mapping into ``(grpo_kwargs, GapConfig)``, validating every key."""
     if data is None:
@@ -271,20 +318,67 @@ def parse_recipe(data: dict, where: str = "recipe") -> tuple[dict, GapConfig]:
         for key in data:
             if key not in valid:
                 raise _unknown_key_error(key, valid + ["gap"], where)
+        data = _check_grpo_types(data, where)
     return data, gap_config_from_dict(gap_section, where=f"{where}: gap")
 
 
+def _unique_key_loader():
+    """A ``yaml.SafeLoader`` that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark.line + 1)
+                except TypeError:  # an unhashable key: let PyYAML report it
+                    continue
+                if first != key_node.start_mark.line + 1:
+                    raise RecipeError(
+                        f"key {key!r} appears twice (lines {first} and {key_node.start_mark.line + 1}); "
+                        "YAML would keep only the last: merge them into one"
+                    )
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
 def load_recipe(path: str | Path) -> tuple[dict, GapConfig]:
-    """Load a YAML recipe: ``(grpo_kwargs, gap)``. Errors name the file and the offending key."""
+    """Load a YAML recipe: ``(grpo_kwargs, gap)``. Errors name the file and the offending key.
+
+    Refused: a missing, binary or empty file, invalid YAML, a key given twice in one mapping (e.g. two ``gap:``
+    sections), unknown keys and wrong types. A recipe without a ``gap:`` section runs arm A (TRL's own old
+    log-probs, metrics only) and says so with a warning.
+    """
     import yaml
 
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe {path} does not exist (recipes ship in recipes/arm_A.yaml .. arm_H.yaml)")
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise RecipeError(
+            f"recipe {path} is not a text file (not UTF-8 at byte {err.start}); give a YAML recipe such as "
+            "recipes/arm_A.yaml"
+        ) from None
+    if "\x00" in text:
+        raise RecipeError(f"recipe {path} is not a text file (it holds NUL bytes); give a YAML recipe")
+    try:
+        data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
+    except RecipeError as err:
+        raise RecipeError(f"{path}: {err}") from None
     except yaml.YAMLError as err:
         raise RecipeError(f"{path}: not valid YAML: {err}") from err
+    if data is None or data == {}:
+        raise RecipeError(
+            f"recipe {path} is empty; give GRPOConfig fields and a 'gap:' section (start from recipes/arm_A.yaml)"
+        )
+    if isinstance(data, dict) and "gap" not in data:
+        warnings.warn(f"recipe {path} has no 'gap:' section: running arm A (TRL's own old log-probs, metrics "
+                      "only); add 'gap: {arm: A}' to say so", UserWarning, stacklevel=2)
     return parse_recipe(data, where=str(path))
 
 
@@ -311,7 +405,53 @@ def merge_grpo_config(grpo_kwargs: dict, base: Any = None, **overrides: Any):
             merged.pop("steps_per_generation" if "generation_batch_size" in keys else "generation_batch_size")
     merged.update(grpo_kwargs)
     merged.update(overrides)
-    return GRPOConfig(**merged)
+    check_grpo_values(merged)
+    try:
+        return GRPOConfig(**merged)
+    except (ValueError, TypeError) as err:
+        message = " ".join(str(err).split())
+        match = re.search(r"generation_batch_size \((\d+)\) must be divisible by num_generations \((\d+)\)", message)
+        if match:
+            batch = int(match.group(1))
+            divisors = [d for d in range(2, batch + 1) if batch % d == 0]
+            message += (f" Set num_generations to one of {', '.join(map(str, divisors))}, or change "
+                        "per_device_train_batch_size / steps_per_generation so that it divides the generation batch.")
+        raise RecipeError(f"GRPOConfig rejects these settings: {message}") from err
+
+
+# (field, lower bound, lower inclusive, upper bound, upper inclusive, what it is): values TRL, transformers or torch
+# reject only later (the optimizer at the first step, generate at the first generation) or silently misuse.
+_GRPO_RANGES = (
+    ("learning_rate", 0, True, None, False, "the optimizer's step size"),
+    ("weight_decay", 0, True, None, False, "AdamW's weight decay"),
+    ("adam_epsilon", 0, True, None, False, "AdamW's epsilon"),
+    ("adam_beta1", 0, True, 1, False, "AdamW's beta1"),
+    ("adam_beta2", 0, True, 1, False, "AdamW's beta2"),
+    ("temperature", 0, False, None, False, "the sampling temperature"),
+    ("top_p", 0, False, 1, True, "nucleus sampling's kept mass"),
+    ("min_p", 0, True, 1, True, "min-p sampling's threshold"),
+    ("num_iterations", 1, True, None, False, "PPO epochs per generation"),
+    ("max_completion_length", 1, True, None, False, "tokens per completion"),
+    ("per_device_train_batch_size", 1, True, None, False, "rows per micro-batch"),
+    ("gradient_accumulation_steps", 1, True, None, False, "micro-batches per optimizer step"),
+)
+
+
+def check_grpo_values(fields: dict) -> None:
+    """Raise :class:`RecipeError` for GRPOConfig values out of their valid range (a negative learning rate, a
+    temperature of 0, ...), which TRL accepts at construction and fails on, or silently misuses, during training."""
+    for name, low, low_inclusive, high, high_inclusive, what in _GRPO_RANGES:
+        value = fields.get(name)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        too_low = value < low if low_inclusive else value <= low
+        too_high = high is not None and (value > high if high_inclusive else value >= high)
+        if too_low or too_high:
+            if high is None:
+                valid = f"{'>=' if low_inclusive else '>'} {low}"
+            else:
+                valid = f"in {'[' if low_inclusive else '('}{low}, {high}{']' if high_inclusive else ')'}"
+            raise RecipeError(f"{name} ({what}) must be {valid}, got {value}; fix it in the recipe")
 
 
 def config_differences(grpo_kwargs: dict, args: Any) -> dict[str, tuple[Any, Any]]:

@@ -12,7 +12,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML: GRPOConfig fields plus a gap: section")
     parser.add_argument("--model", default="smollm2", help="model spec (default smollm2, offline)")
     parser.add_argument("--task", default="arith", help="task: arith (default) or gsm8k")
-    parser.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: the recipe's)")
+    parser.add_argument("--data", default=None, metavar="PATH",
+                        help="gsm8k: the data as a local .jsonl/.json/.parquet file or folder (default: openai/gsm8k "
+                             "from the Hugging Face hub or its cache)")
+    parser.add_argument("--max-steps", type=int, default=None, help="optimizer steps, >= 1 (default: the recipe's)")
     parser.add_argument("--output-dir", default="bloggap-runs/train", help="trainer output folder")
     parser.add_argument("--report-to", default="none", help="none, wandb, tensorboard, trackio ...")
     parser.add_argument("--seed", type=int, default=0)
@@ -21,15 +24,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bloggap_plugin.recipes import RecipeError
+    """Train; bad input raises ``UsageError`` before the model loads (``bloggap: error: ...``, exit 2)."""
     from bloggap_plugin.trl.train import run_training
 
-    try:
-        summary = run_training(args.recipe, model=args.model, task=args.task, max_steps=args.max_steps,
-                               output_dir=args.output_dir, report_to=args.report_to, seed=args.seed,
-                               log_jsonl=args.log_jsonl, device=args.device)
-    except RecipeError as err:
-        print(f"bloggap train: {err}")
-        return 2
+    summary = run_training(args.recipe, model=args.model, task=args.task, max_steps=args.max_steps,
+                           output_dir=args.output_dir, report_to=args.report_to, seed=args.seed,
+                           log_jsonl=args.log_jsonl, device=args.device,
+                           task_kwargs={"data": args.data} if args.data is not None else None)
     print(json.dumps(summary, indent=2))
     return 0

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 
+from bloggap_plugin.errors import UsageError
+
 __all__ = ["TASKS", "get_task", "prompt_fingerprint"]
 
 TASKS = ("gsm8k", "arith")
@@ -54,14 +56,14 @@ def get_task(
 
     conversational = tokenizer is None or getattr(tokenizer, "chat_template", None) is not None
     if n is not None and n < 1:
-        raise ValueError(f"n must be >= 1 prompts, got {n}")
+        raise UsageError(f"n must be >= 1 prompts, got {n}")
     if name == "gsm8k":
         from bloggap_plugin.tasks import gsm8k
 
         if difficulty is not None:
-            raise ValueError("difficulty applies to the 'arith' task only; GSM8K has none (leave it unset)")
+            raise UsageError("difficulty applies to the 'arith' task only; GSM8K has none (leave it unset)")
         if parser not in ("lenient", "strict"):
-            raise ValueError(f"parser must be 'lenient' or 'strict', got {parser!r}")
+            raise UsageError(f"parser must be 'lenient' or 'strict', got {parser!r}")
         raw = gsm8k.load_gsm8k(data, split="train").shuffle(seed=seed)
         if n is not None:
             raw = raw.select(range(min(n, len(raw))))
@@ -72,14 +74,14 @@ def get_task(
         from bloggap_plugin.tasks import arith
 
         if data is not None:
-            raise ValueError("the 'arith' task generates its problems; --data applies to 'gsm8k' only")
+            raise UsageError("the 'arith' task generates its problems; --data applies to 'gsm8k' only")
         level = arith.DEFAULT_DIFFICULTY if difficulty is None else difficulty
         problems = arith.make_problems(1024 if n is None else n, seed=seed, difficulty=level)
         messages = [arith.build_messages(p, level) for p in problems]
         answers = [str(p.answer) for p in problems]
         reward = arith.accuracy_reward
     else:
-        raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+        raise UsageError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
     prompts = messages if conversational else [_as_text_prompt(m) for m in messages]
     dataset = datasets.Dataset.from_dict({"prompt": prompts, "answer": answers})
     return dataset, [reward]

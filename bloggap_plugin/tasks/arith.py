@@ -24,6 +24,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from bloggap_plugin.errors import UsageError
 from bloggap_plugin.tasks.gsm8k import completion_text, parse_lenient
 
 __all__ = [
@@ -108,7 +109,7 @@ def make_problem(rng: random.Random, difficulty: int = DEFAULT_DIFFICULTY) -> Ar
 def make_problems(n: int, seed: int = 0, difficulty: int = DEFAULT_DIFFICULTY) -> list[ArithProblem]:
     """``n`` problems drawn with ``random.Random(seed)``: the same list for the same arguments."""
     if n < 1:
-        raise ValueError(f"n must be >= 1 problems, got {n}")
+        raise UsageError(f"n must be >= 1 problems, got {n}")
     rng = random.Random(seed)
     return [make_problem(rng, difficulty) for _ in range(n)]
 
@@ -117,7 +118,7 @@ def _level(difficulty: int) -> _Level:
     try:
         return LEVELS[int(difficulty)]
     except (KeyError, TypeError, ValueError):
-        raise ValueError(
+        raise UsageError(
             f"arith difficulty must be one of {sorted(LEVELS)} (1 = single-digit sums ... 5 = two steps), got {difficulty!r}"
         ) from None
 

@@ -21,6 +21,8 @@ import os
 import re
 from pathlib import Path
 
+from bloggap_plugin.errors import UsageError
+
 __all__ = [
     "SYSTEM_PROMPT",
     "SAMPLE_PATH",
@@ -48,8 +50,9 @@ _NUMBER_RE = re.compile(rf"(?<![\w.]){_NUMBER}")  # not inside a word or after a
 _STRICT_RE = re.compile(rf"####\s*\$?\s*({_NUMBER})")
 
 
-class GSM8KDataError(RuntimeError):
-    """The GSM8K data could not be loaded or is not in GSM8K format."""
+class GSM8KDataError(UsageError, RuntimeError):
+    """The GSM8K data could not be loaded or is not in GSM8K format (a :class:`UsageError`: the CLI prints it as one
+    line; still a ``RuntimeError`` for callers that catch that)."""
 
 
 def _normalise(number: str) -> str:

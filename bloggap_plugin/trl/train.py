@@ -7,9 +7,9 @@ import math
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["run_training", "JsonlLogger"]
+__all__ = ["run_training", "prepare_run", "RunPlan", "JsonlLogger"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -44,6 +44,80 @@ def JsonlLogger(path: str | Path):  # noqa: N802 - a factory that returns a Trai
     return _JsonlLogger()
 
 
+class RunPlan(NamedTuple):
+    """What :func:`prepare_run` checked: the trainer arguments, the plugin's settings, device and weight dtype."""
+
+    args: Any
+    gap: Any
+    device: str
+    dtype: str
+
+
+def prepare_run(
+    recipe_path: str | Path,
+    *,
+    model: str = "smollm2",
+    task: str = "arith",
+    max_steps: int | None = None,
+    output_dir: str | Path = "bloggap-runs/train",
+    report_to: str = "none",
+    seed: int = 0,
+    log_jsonl: str | Path | None = None,
+    extra_overrides: dict | None = None,
+    gap_overrides: dict | None = None,
+    task_kwargs: dict | None = None,
+    device: str | None = None,
+) -> RunPlan:
+    """Check every input of :func:`run_training` without loading a model; raise
+    :class:`~bloggap_plugin.errors.UsageError` (or a subclass) naming the problem and the fix.
+
+    Checked: ``max_steps`` (>= 1 or None), the recipe (text, YAML, no duplicate keys, known keys and types), the
+    ``gap`` overrides, the device, the output folder and JSONL path (writable), the ``GRPOConfig`` the recipe and
+    overrides build (TRL's own checks, e.g. num_generations dividing the generation batch, plus value ranges
+    the optimizer or ``generate`` would reject later), the task and its data, and the model spec.
+    """
+    import dataclasses
+
+    from bloggap_plugin._io import check_writable_dir, check_writable_file
+    from bloggap_plugin.errors import UsageError
+    from bloggap_plugin.models import check_model_spec, resolve_device
+    from bloggap_plugin.recipes import RecipeError, load_recipe, merge_grpo_config
+    from bloggap_plugin.tasks import get_task
+
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
+        raise UsageError(f"--max-steps must be an integer >= 1, got {max_steps!r}; leave it out to use the "
+                         "recipe's max_steps")
+    grpo_kwargs, gap = load_recipe(recipe_path)
+    if gap_overrides:
+        try:
+            gap = dataclasses.replace(gap, **gap_overrides)  # __post_init__ validates the new values
+        except TypeError as err:
+            raise RecipeError(f"gap overrides {sorted(gap_overrides)}: {err}") from None
+    device = resolve_device(device)
+    for problem in (check_writable_dir(output_dir, "--output-dir"),
+                    None if log_jsonl is None else check_writable_file(log_jsonl, "--log-jsonl", create_parents=True)):
+        if problem:
+            raise UsageError(problem)
+    on_cpu = device.startswith("cpu")
+    overrides: dict = {"output_dir": str(output_dir), "report_to": report_to, "seed": int(seed),
+                       "save_strategy": "no", "logging_steps": 1}
+    if max_steps is not None:
+        overrides["max_steps"] = int(max_steps)
+    if on_cpu:
+        overrides.update(use_cpu=True, bf16=False, fp16=bool(grpo_kwargs.get("fp16", False)))
+        dtype = "fp32" if gap.arm == "H" else "bf16"
+    else:
+        dtype = "fp32"
+    overrides.update(extra_overrides or {})
+    try:
+        args = merge_grpo_config(grpo_kwargs, None, **overrides)
+    except RecipeError as err:
+        raise RecipeError(f"{recipe_path}: {err}") from None
+    get_task(task, None, seed=seed, **(task_kwargs or {}))  # the name, its options and its data, before the model
+    check_model_spec(model)
+    return RunPlan(args=args, gap=gap, device=device, dtype=dtype)
+
+
 def run_training(
     recipe_path: str | Path,
     *,
@@ -66,35 +140,18 @@ def run_training(
     autocast, and bf16 weights (fp32 for arm H, whose fp16 autocast accelerate enables on CUDA only); on
     CUDA, fp32 master weights with the recipe's ``bf16``/``fp16`` autocast. ``extra_overrides`` are GRPOConfig
     fields applied last; ``gap_overrides`` replace fields of the recipe's ``gap:`` section (validated).
-    Each logged step goes to ``log_jsonl`` as one JSON line.
+    Each logged step goes to ``log_jsonl`` as one JSON line. Every input is checked by :func:`prepare_run`
+    before the model loads.
     """
-    import torch
-
     from bloggap_plugin.models import load_model
-    from bloggap_plugin.recipes import load_recipe, merge_grpo_config
     from bloggap_plugin.tasks import get_task
     from bloggap_plugin.trl.callback import GapGRPOTrainer
 
-    grpo_kwargs, gap = load_recipe(recipe_path)
-    if gap_overrides:
-        import dataclasses
-
-        gap = dataclasses.replace(gap, **gap_overrides)  # __post_init__ validates the new values
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    on_cpu = str(device).startswith("cpu")
-    overrides: dict = {"output_dir": str(output_dir), "report_to": report_to, "seed": int(seed),
-                       "save_strategy": "no", "logging_steps": 1}
-    if max_steps is not None:
-        overrides["max_steps"] = int(max_steps)
-    if on_cpu:
-        overrides.update(use_cpu=True, bf16=False, fp16=bool(grpo_kwargs.get("fp16", False)))
-        dtype = "fp32" if gap.arm == "H" else "bf16"
-    else:
-        dtype = "fp32"
-    overrides.update(extra_overrides or {})
-    args = merge_grpo_config(grpo_kwargs, None, **overrides)
-    policy, tokenizer = load_model(model, dtype=dtype, device=device)
+    plan = prepare_run(recipe_path, model=model, task=task, max_steps=max_steps, output_dir=output_dir,
+                       report_to=report_to, seed=seed, log_jsonl=log_jsonl, extra_overrides=extra_overrides,
+                       gap_overrides=gap_overrides, task_kwargs=task_kwargs, device=device)
+    args, gap, device = plan.args, plan.gap, plan.device
+    policy, tokenizer = load_model(model, dtype=plan.dtype, device=device)
     policy.train()
     train_dataset, reward_funcs = get_task(task, tokenizer, seed=seed, **(task_kwargs or {}))
     callbacks = []

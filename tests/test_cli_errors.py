@@ -1,0 +1,227 @@
+"""Bad input to the ``bloggap`` commands: one line on stderr naming the problem and the fix, exit code 2, no
+traceback, and no model loaded (every check runs before the model loads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bloggap_plugin import cli
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+ARM_A = (RECIPES / "arm_A.yaml").read_text()
+
+
+def _no_model(*args, **kwargs):
+    raise AssertionError("a model was loaded before the bad input was reported")
+
+
+def _unwritable_folder() -> Path | None:
+    """A folder this process cannot create files in (root writes anywhere else), or None."""
+    for candidate in (Path("/sys"), Path("/proc")):
+        if candidate.is_dir():
+            try:
+                (candidate / ".bloggap-write-test").touch()
+            except OSError:
+                return candidate
+            (candidate / ".bloggap-write-test").unlink()
+    return None
+
+
+@pytest.fixture
+def bloggap(monkeypatch, capsys):
+    """Run ``bloggap ARGS``; fail if a model loads; return ``(exit code, stdout, stderr)``."""
+    import bloggap_plugin.models as models
+
+    monkeypatch.setattr(models, "load_model", _no_model)
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = cli.main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def _assert_one_line_error(result, *needles: str) -> str:
+    code, out, err = result
+    assert code == 2, (code, out, err)
+    assert "Traceback" not in err and "Traceback" not in out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("bloggap: error: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def _recipe(tmp_path, text: str, name: str = "recipe.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _train(bloggap, tmp_path, recipe, *extra):
+    return bloggap("train", recipe, "--model", "tiny-random-llama", "--device", "cpu",
+                   "--output-dir", tmp_path / "out", *extra)
+
+
+# --- bloggap train: recipes -------------------------------------------------------------------------------------
+
+
+def test_train_num_generations_not_an_integer(bloggap, tmp_path):
+    recipe = _recipe(tmp_path, ARM_A.replace("num_generations: 8", 'num_generations: "eight"'))
+    _assert_one_line_error(_train(bloggap, tmp_path, recipe), "num_generations must be an integer", "'eight'")
+
+
+def test_train_num_generations_not_dividing_the_batch(bloggap, tmp_path):
+    recipe = _recipe(tmp_path, ARM_A.replace("num_generations: 8", "num_generations: 3"))
+    line = _assert_one_line_error(_train(bloggap, tmp_path, recipe), "generation_batch_size (16)",
+                                  "num_generations (3)")
+    assert "one of 2, 4, 8, 16" in line  # 8 rows x 2 accumulation steps: the divisors of 16
+
+
+def test_train_negative_learning_rate(bloggap, tmp_path):
+    recipe = _recipe(tmp_path, ARM_A.replace("learning_rate: 2.0e-6", "learning_rate: -1"))
+    _assert_one_line_error(_train(bloggap, tmp_path, recipe), "learning_rate", "must be >= 0", "got -1")
+
+
+def test_train_zero_temperature(bloggap, tmp_path):
+    recipe = _recipe(tmp_path, ARM_A.replace("temperature: 1.0", "temperature: 0"))
+    _assert_one_line_error(_train(bloggap, tmp_path, recipe), "temperature", "must be > 0")
+
+
+def test_recipe_float_written_without_a_dot_is_a_number(tmp_path):
+    from bloggap_plugin.recipes import load_recipe
+
+    grpo_kwargs, _ = load_recipe(_recipe(tmp_path, ARM_A.replace("learning_rate: 2.0e-6", "learning_rate: 2e-6")))
+    assert grpo_kwargs["learning_rate"] == 2e-6  # PyYAML reads 2e-6 as the string '2e-6'
+
+
+def test_train_binary_recipe(bloggap, tmp_path):
+    recipe = tmp_path / "binary.yaml"
+    recipe.write_bytes(bytes(range(256)) * 4)
+    _assert_one_line_error(_train(bloggap, tmp_path, recipe), "not a text file")
+
+
+def test_train_empty_recipe_is_refused(bloggap, tmp_path):
+    for text in ("", "# only a comment\n", "{}\n"):
+        recipe = _recipe(tmp_path, text)
+        _assert_one_line_error(_train(bloggap, tmp_path, recipe), "is empty", "recipes/arm_A.yaml")
+
+
+def test_recipe_without_gap_section_warns_arm_a(tmp_path):
+    from bloggap_plugin.recipes import load_recipe
+
+    with pytest.warns(UserWarning, match="no 'gap:' section: running arm A"):
+        _, gap = load_recipe(_recipe(tmp_path, "learning_rate: 1.0e-6\n"))
+    assert gap.arm == "A"
+
+
+def test_train_duplicate_gap_sections(bloggap, tmp_path):
+    recipe = _recipe(tmp_path, ARM_A + "gap:\n  arm: B\n")
+    line = _assert_one_line_error(_train(bloggap, tmp_path, recipe), "'gap' appears twice")
+    assert "lines 16 and 24" in line
+
+
+def test_duplicate_key_inside_gap_section(tmp_path):
+    from bloggap_plugin.recipes import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match=r"key 'arm' appears twice \(lines 2 and 3\)"):
+        load_recipe(_recipe(tmp_path, "gap:\n  arm: B\n  arm: C\n"))
+
+
+# --- bloggap train: options -------------------------------------------------------------------------------------
+
+
+def test_train_missing_model_path(bloggap, tmp_path):
+    result = bloggap("train", RECIPES / "arm_A.yaml", "--model", tmp_path / "no-such-model", "--device", "cpu",
+                     "--output-dir", tmp_path / "out")
+    _assert_one_line_error(result, "no-such-model", "no such file or folder")
+
+
+def test_train_hub_id_offline(bloggap, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = bloggap("train", RECIPES / "arm_A.yaml", "--model", "bloggap-nobody/no-such-model", "--device", "cpu",
+                     "--output-dir", tmp_path / "out")
+    _assert_one_line_error(result, "'bloggap-nobody/no-such-model' is not in the local Hugging Face cache",
+                           "HF_HUB_OFFLINE")
+
+
+def test_train_unknown_task(bloggap, tmp_path):
+    _assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--task", "foo"),
+                           "unknown task 'foo'", "gsm8k, arith")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_train_cuda_without_cuda(bloggap, tmp_path):
+    result = bloggap("train", RECIPES / "arm_A.yaml", "--model", "tiny-random-llama", "--device", "cuda",
+                     "--output-dir", tmp_path / "out")
+    _assert_one_line_error(result, "--device cuda but CUDA is not available", "--device cpu")
+
+
+def test_train_bad_device_name(bloggap, tmp_path):
+    result = bloggap("train", RECIPES / "arm_A.yaml", "--model", "tiny-random-llama", "--device", "gpu0",
+                     "--output-dir", tmp_path / "out")
+    _assert_one_line_error(result, "--device 'gpu0' is not a device")
+
+
+def test_train_log_jsonl_is_a_directory(bloggap, tmp_path):
+    _assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--log-jsonl", tmp_path),
+                           "--log-jsonl", "is a directory")
+
+
+def test_train_output_dir_is_a_file(bloggap, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    result = bloggap("train", RECIPES / "arm_A.yaml", "--model", "tiny-random-llama", "--device", "cpu",
+                     "--output-dir", a_file)
+    _assert_one_line_error(result, "--output-dir", "is a file, not a folder")
+
+
+def test_train_outputs_not_writable(bloggap, tmp_path):
+    folder = _unwritable_folder()
+    if folder is None:
+        pytest.skip("no unwritable folder on this machine")
+    result = bloggap("train", RECIPES / "arm_A.yaml", "--model", "tiny-random-llama", "--device", "cpu",
+                     "--output-dir", folder / "runs")
+    _assert_one_line_error(result, "--output-dir", "is not writable")
+    _assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--log-jsonl", folder / "log.jsonl"),
+                           "--log-jsonl", "is not writable")
+
+
+@pytest.mark.parametrize("steps", ["0", "-1"])
+def test_train_max_steps_not_positive(bloggap, tmp_path, steps):
+    _assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--max-steps", steps),
+                           "--max-steps must be an integer >= 1", f"got {steps}")
+
+
+def test_train_gsm8k_offline_names_the_data_option(bloggap, tmp_path, monkeypatch):
+    import datasets
+
+    real_load = datasets.load_dataset
+
+    def offline_load(path, *args, **kwargs):  # as offline without openai/gsm8k in the cache, whatever this machine has
+        if path == "openai/gsm8k":
+            raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)")
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", offline_load)
+    _assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--task", "gsm8k"),
+                           "openai/gsm8k", "--data PATH")
+    _assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--task", "gsm8k", "--data",
+                                  tmp_path / "absent.jsonl"), "absent.jsonl does not exist")
+
+
+def test_prepare_run_accepts_local_gsm8k_data(tmp_path, monkeypatch):
+    import bloggap_plugin.models as models
+    from bloggap_plugin.tasks.gsm8k import SAMPLE_PATH
+    from bloggap_plugin.trl.train import prepare_run
+
+    monkeypatch.setattr(models, "load_model", _no_model)
+    plan = prepare_run(RECIPES / "arm_A.yaml", model="tiny-random-llama", task="gsm8k", max_steps=3,
+                       output_dir=tmp_path / "out", device="cpu", task_kwargs={"data": str(SAMPLE_PATH)})
+    assert plan.args.max_steps == 3 and plan.args.num_generations == 8
+    assert plan.device == "cpu" and plan.dtype == "bf16" and plan.gap.arm == "A"
