@@ -6,7 +6,7 @@ with a message that names the problem and the fix, before any model loads or any
 
 from __future__ import annotations
 
-__all__ = ["UsageError", "one_line"]
+__all__ = ["UsageError", "one_line", "check_positive"]
 
 
 class UsageError(ValueError):
@@ -16,3 +16,9 @@ class UsageError(ValueError):
 def one_line(err: BaseException) -> str:
     """``str(err)`` on one line (runs of whitespace, newlines included, collapsed to one space)."""
     return " ".join(str(err).split()) or type(err).__name__
+
+
+def check_positive(option: str, value: int | None) -> None:
+    """Raise :class:`UsageError` if ``value`` (an integer option; ``None`` = its default) is below 1."""
+    if value is not None and value < 1:
+        raise UsageError(f"{option} must be >= 1, got {value}; leave it out for the default")

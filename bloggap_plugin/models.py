@@ -318,8 +318,9 @@ def _from_pretrained(what: str, source, **kwargs):
         kwargs.pop("dtype", None)
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     except Exception as err:  # noqa: BLE001 - corrupt files raise anything from OSError to struct.error
-        first = " ".join(str(err).split())[:300]
-        raise ModelSpecError(f"cannot load {what}: {type(err).__name__}: {first}") from err
+        first = " ".join(str(err).split())[:240]
+        raise ModelSpecError(f"cannot load {what}: {type(err).__name__}: {first}; the files are corrupt, incomplete "
+                             "or not a causal LM: re-download them or choose another --model") from err
     return model, tokenizer
 
 

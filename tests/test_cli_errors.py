@@ -3,6 +3,8 @@ traceback, and no model loaded (every check runs before the model loads)."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -225,3 +227,159 @@ def test_prepare_run_accepts_local_gsm8k_data(tmp_path, monkeypatch):
                        output_dir=tmp_path / "out", device="cpu", task_kwargs={"data": str(SAMPLE_PATH)})
     assert plan.args.max_steps == 3 and plan.args.num_generations == 8
     assert plan.device == "cpu" and plan.dtype == "bf16" and plan.gap.arm == "A"
+
+
+# --- corrupt model files (doctor, train, ladder, attribute) --------------------------------------------------------
+
+
+def _bad_models(tmp_path) -> dict[str, tuple[Path, str]]:
+    """Model specs whose files are broken, each with the phrase its error must contain."""
+    not_gguf = tmp_path / "not_really.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04" + bytes(60))
+    bad_json = tmp_path / "bad_json_model"
+    bad_json.mkdir()
+    (bad_json / "config.json").write_text('{"model_type": "llama", ')
+    no_type = tmp_path / "no_type_model"
+    no_type.mkdir()
+    (no_type / "config.json").write_text('["not", "a", "config"]')
+    return {
+        "gguf": (not_gguf, "is not a GGUF file"),
+        "json": (bad_json, "config.json is not valid JSON"),
+        "type": (no_type, "is not a transformers model config"),
+    }
+
+
+@pytest.mark.parametrize("command", ["train", "doctor", "ladder", "attribute"])
+def test_corrupt_model_files_are_one_line_errors(bloggap, tmp_path, command):
+    for spec, phrase in _bad_models(tmp_path).values():
+        if command == "train":
+            argv = ("train", RECIPES / "arm_A.yaml", "--output-dir", tmp_path / "out")
+        else:
+            argv = (command,)
+        _assert_one_line_error(bloggap(*argv, "--model", spec, "--device", "cpu"), str(spec), phrase)
+
+
+@pytest.fixture
+def bloggap_measuring_fails(monkeypatch, capsys):
+    """Run ``bloggap ARGS`` with real model loading; fail if any rollout is sampled (measuring started)."""
+    import bloggap_plugin.commands.attribute as attribute
+    import bloggap_plugin.core.probe as probe
+
+    def no_sampling(*args, **kwargs):
+        raise AssertionError("measuring started before the bad input was reported")
+
+    monkeypatch.setattr(probe, "sample_rollouts", no_sampling)
+    monkeypatch.setattr(attribute, "rollout_rows", no_sampling)
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = cli.main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def test_unreadable_model_files_fail_at_load_as_one_line(bloggap_measuring_fails, tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(b"GGUF\x03\x00\x00\x00\x01\x02")  # right magic, then nothing readable
+    unknown = tmp_path / "unknown_arch"
+    unknown.mkdir()
+    (unknown / "config.json").write_text('{"model_type": "no_such_architecture"}')
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "vocab_size": 100,
+    }))
+    for spec, what in ((truncated, "cannot load GGUF file"), (unknown, "cannot load model folder"),
+                       (no_weights, "cannot load model folder")):
+        line = _assert_one_line_error(bloggap_measuring_fails("attribute", "--model", spec, "--device", "cpu"),
+                                      f"{what} {spec}", "re-download them or choose another --model")
+        assert len(line) < 500
+
+
+# --- bloggap doctor ---------------------------------------------------------------------------------------------
+
+
+def _doctor(bloggap, *extra):
+    return bloggap("doctor", "--model", "tiny-random-llama", "--device", "cpu", "--no-progress", *extra)
+
+
+def test_doctor_json_to_a_directory_is_refused_before_measuring(bloggap, tmp_path):
+    _assert_one_line_error(_doctor(bloggap, "--json", tmp_path), "--json", "is a directory")
+
+
+def test_doctor_json_to_an_unwritable_folder_is_refused_before_measuring(bloggap, tmp_path):
+    folder = _unwritable_folder()
+    if folder is None:
+        pytest.skip("no unwritable folder on this machine")
+    _assert_one_line_error(_doctor(bloggap, "--json", folder / "doctor.json"), "--json", "is not writable")
+
+
+@pytest.mark.parametrize("band", ["2", "1", "0", "-0.1", "nan"])
+def test_doctor_band_outside_0_1(bloggap, band):
+    _assert_one_line_error(_doctor(bloggap, "--band", band), "--band must be in (0, 1)", f"got {band}")
+
+
+@pytest.mark.parametrize("option", ["--num-seqs", "--max-new-tokens", "--gen-batch-size", "--fp16-rows"])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_doctor_non_positive_counts(bloggap, option, value):
+    _assert_one_line_error(_doctor(bloggap, option, value), f"{option} must be >= 1", f"got {value}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_doctor_cuda_without_cuda(bloggap):
+    result = bloggap("doctor", "--model", "tiny-random-llama", "--device", "cuda", "--no-progress")
+    _assert_one_line_error(result, "--device cuda but CUDA is not available")
+
+
+def test_doctor_json_write_failure_keeps_the_previous_file(tmp_path, monkeypatch):
+    from bloggap_plugin.commands.doctor import _write_json
+
+    path = tmp_path / "doctor.json"
+    path.write_text('{"previous": "good"}\n')
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        _write_json({"new": list(range(1000))}, str(path))
+    assert path.read_text() == '{"previous": "good"}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doctor.json"]  # no temporary file left behind
+
+
+# --- bloggap ladder / attribute ---------------------------------------------------------------------------------
+
+
+def test_ladder_non_positive_k_is_refused_before_loading(bloggap):
+    _assert_one_line_error(bloggap("ladder", "--model", "tiny-random-llama", "--device", "cpu", "--k", "0", "99"),
+                           "--k 0", ">= 1")
+
+
+def test_ladder_k_beyond_the_layers_is_refused_before_measuring(bloggap_measuring_fails):
+    result = bloggap_measuring_fails("ladder", "--model", "tiny-random-llama", "--device", "cpu", "--k", "1", "99")
+    _assert_one_line_error(result, "--k 99 out of range", "2 decoder layers", "1..2")
+
+
+def test_ladder_default_k_is_capped_at_the_layers():
+    from bloggap_plugin.commands.ladder import default_ks
+    from bloggap_plugin.models import load_model
+
+    model, _ = load_model("tiny-random-llama")
+    assert default_ks(model, gpu=False) == [2] and default_ks(model, gpu=True) == [2]
+
+
+def test_attribute_k_beyond_the_layers_is_refused_before_measuring(bloggap_measuring_fails):
+    result = bloggap_measuring_fails("attribute", "--model", "tiny-random-llama", "--device", "cpu", "--k", "3")
+    _assert_one_line_error(result, "--k 3 is out of range", "2 decoder layers", "1..2")
+
+
+@pytest.mark.parametrize("command", ["ladder", "attribute"])
+def test_ladder_attribute_bad_options_before_loading(bloggap, tmp_path, command):
+    base = (command, "--model", "tiny-random-llama", "--device", "cpu")
+    _assert_one_line_error(bloggap(*base, "--json", tmp_path), "--json", "is a directory")
+    _assert_one_line_error(bloggap(*base, "--rows", "0"), "--rows must be >= 1")
+    _assert_one_line_error(bloggap(*base, "--new-tokens", "-1"), "--new-tokens must be >= 1")
+    _assert_one_line_error(bloggap(*base, "--device", "cuda:99" if torch.cuda.is_available() else "cuda"),
+                           "--device cuda")

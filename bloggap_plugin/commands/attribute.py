@@ -85,12 +85,6 @@ def b1_vs_bn(
     return torch.cat(singles, dim=0), batched.cpu()
 
 
-def resolve_device(device: str | None) -> str:
-    import torch
-
-    return device or ("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def run_attribution(
     model,
     tokenizer,
@@ -106,9 +100,13 @@ def run_attribution(
 ) -> dict:
     """The attribution profile (JSON-ready) of ``model`` on calibration-prompt rollouts."""
     from bloggap_plugin.core.attribution import divergence_profile
-    from bloggap_plugin.core.precision import make_plan
+    from bloggap_plugin.core.precision import decoder_layers, make_plan
     from bloggap_plugin.core.probe import compare
+    from bloggap_plugin.errors import UsageError
 
+    n_layers = len(decoder_layers(model))
+    if not 1 <= k <= n_layers:
+        raise UsageError(f"--k {k} is out of range: this model has {n_layers} decoder layers; give k in 1..{n_layers}")
     say = progress or (lambda _msg: None)
     say(f"sampling {rows} calibration rollouts x {new_tokens} tokens")
     device = next(model.parameters()).device
@@ -121,7 +119,7 @@ def run_attribution(
     b1, bn = b1_vs_bn(make_plan(model, "bf16"), ids, mask, new_tokens, batch_size, positions)
     cell = compare(b1, bn, band=band)
     return {
-        "profile": profile.to_dict(k=min(k, profile.n_layers)),
+        "profile": profile.to_dict(k=k),
         "logprob_b1_vs_bn": cell,
         "rows": rows,
         "new_tokens": new_tokens,
@@ -162,7 +160,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=int, default=32, help="calibration rollouts (default 32)")
     parser.add_argument("--new-tokens", type=int, default=48, help="tokens per rollout (default 48)")
     parser.add_argument("--batch-size", type=int, default=8, help="rows per chunk on the batched side (8)")
-    parser.add_argument("--k", type=int, default=8, help="layers for top-k and the window (default 8)")
+    parser.add_argument("--k", type=int, default=None,
+                        help="layers for top-k and the window, in 1..layers of the model (default 8, capped at the layers)")
     parser.add_argument("--positions", default="mask", choices=("mask", "arange"), help="position ids (mask)")
     parser.add_argument("--seed", type=int, default=4321, help="sampling seed (default 4321)")
     parser.add_argument(
@@ -175,11 +174,37 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    from bloggap_plugin.envinfo import environment_record
-    from bloggap_plugin.models import load_model
+def check_json_option(path: str | None) -> None:
+    """Raise ``UsageError`` before measuring if ``--json PATH`` cannot be written (``-`` is stdout)."""
+    from bloggap_plugin._io import check_writable_file
+    from bloggap_plugin.errors import UsageError
 
+    if path and path != "-":
+        problem = check_writable_file(path, "--json")
+        if problem:
+            raise UsageError(problem)
+
+
+def write_json_option(path: str, payload: dict) -> None:
+    """Write ``payload`` to ``--json PATH`` atomically (a failed write leaves the previous file whole)."""
+    from bloggap_plugin._io import atomic_write_text
+
+    atomic_write_text(path, json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bloggap_plugin.core.precision import decoder_layers
+    from bloggap_plugin.envinfo import environment_record
+    from bloggap_plugin.errors import check_positive
+    from bloggap_plugin.models import check_model_spec, load_model, resolve_device
+
+    for option, value in (("--rows", args.rows), ("--new-tokens", args.new_tokens),
+                          ("--batch-size", args.batch_size), ("--k", args.k)):
+        check_positive(option, value)
+    check_json_option(args.json)
     device = resolve_device(args.device)
+    check_model_spec(args.model)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=device, attn_implementation=args.attn)
 
     def progress(msg):
@@ -191,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         rows=args.rows,
         new_tokens=args.new_tokens,
         batch_size=args.batch_size,
-        k=args.k,
+        k=args.k if args.k is not None else min(8, len(decoder_layers(model))),
         positions=args.positions,
         seed=args.seed,
         progress=progress,
@@ -212,7 +237,5 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_profile(result))
         if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(payload, fh, indent=2)
-            print(f"wrote {args.json}")
+            write_json_option(args.json, payload)
     return 0

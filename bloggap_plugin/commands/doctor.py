@@ -129,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm.auto import tqdm
 
+    from bloggap_plugin._io import check_writable_file
     from bloggap_plugin.core.probe import (
         COMPARISONS,
         probe_model,
@@ -137,38 +138,39 @@ def run(args: argparse.Namespace) -> int:
         skipped_cell,
     )
     from bloggap_plugin.envinfo import environment_record
-    from bloggap_plugin.models import ModelSpecError, load_model
+    from bloggap_plugin.errors import UsageError, check_positive
+    from bloggap_plugin.models import check_model_spec, load_model, resolve_device
 
+    if args.json_path:  # before measuring: a bad path must not cost a run
+        problem = check_writable_file(args.json_path, "--json", create_parents=True)
+        if problem:
+            raise UsageError(problem)
     if args.from_json:
         try:
             result = rerecommend(json.loads(Path(args.from_json).read_text()))
         except (OSError, ValueError) as err:
-            print(f"error: cannot re-read {args.from_json}: {err}", file=sys.stderr)
-            return 2
+            raise UsageError(f"cannot re-read --from-json {args.from_json}: {err}; give a bloggap doctor JSON") from None
         _print_result(result)
         _write_json(result, args.json_path)
         return 0
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print(f"error: --device {device} but CUDA is not available here; use --device cpu", file=sys.stderr)
-        return 2
+    for option, value in (("--num-seqs", args.num_seqs), ("--max-new-tokens", args.max_new_tokens),
+                          ("--gen-batch-size", args.gen_batch_size), ("--fp16-rows", args.fp16_rows),
+                          ("--fp32-rows", args.fp32_rows)):
+        check_positive(option, value)
+    if not 0.0 < args.band < 1.0:
+        raise UsageError(f"--band must be in (0, 1) (half-width b of the ratio band [1-b, 1+b]), got {args.band}")
+    device = torch.device(resolve_device(args.device))
+    check_model_spec(args.model)
     on_cpu = device.type == "cpu"
-    num_seqs = args.num_seqs or (32 if on_cpu else 64)
-    max_new = args.max_new_tokens or (24 if on_cpu else 64)
-    if num_seqs < 1 or max_new < 1:
-        print("error: --num-seqs and --max-new-tokens must be >= 1", file=sys.stderr)
-        return 2
+    num_seqs = args.num_seqs if args.num_seqs is not None else (32 if on_cpu else 64)
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else (24 if on_cpu else 64)
     rows_for = {"bf16": num_seqs}
     for dtype, given in (("fp16", args.fp16_rows), ("fp32", args.fp32_rows)):
-        rows_for[dtype] = min(given or (CPU_ROWS[dtype] if on_cpu else num_seqs), num_seqs)
+        rows_for[dtype] = min(given if given is not None else (CPU_ROWS[dtype] if on_cpu else num_seqs), num_seqs)
     started = time.perf_counter()
     notes: list[str] = []
 
-    try:
-        sampler_model, tokenizer = load_model(args.model, dtype=args.sample_dtype, device=device)
-    except ModelSpecError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    sampler_model, tokenizer = load_model(args.model, dtype=args.sample_dtype, device=device)
     sampler_attn = getattr(sampler_model.config, "_attn_implementation", None)
     with tqdm(total=num_seqs, desc="sampling", unit="row", file=sys.stderr, disable=args.no_progress) as bar:
         rollouts = sample_rollouts(
@@ -320,12 +322,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write_json(result: dict, json_path: str | None) -> None:
+    from bloggap_plugin._io import atomic_write_text
     from bloggap_plugin.core.probe import json_safe
 
     if json_path:
         path = Path(json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(json_safe(result), indent=1, default=float, allow_nan=False) + "\n")
+        # atomic: a failed write (full disk) leaves the previous file whole
+        atomic_write_text(path, json.dumps(json_safe(result), indent=1, default=float, allow_nan=False) + "\n")
         print(f"wrote {path}")
 
 

@@ -82,12 +82,15 @@ def run_ladder(
     from bloggap_plugin.core.attribution import divergence_profile
     from bloggap_plugin.core.precision import decoder_layers, make_plan
     from bloggap_plugin.core.probe import compare, skipped_cell
+    from bloggap_plugin.errors import UsageError
 
     say = progress or (lambda _msg: None)
     n_layers = len(decoder_layers(model))
-    ks = sorted({min(int(k), n_layers) for k in ks if int(k) > 0})
-    if not ks:
-        raise ValueError(f"ks must contain at least one k in 1..{n_layers}")
+    bad = [k for k in ks if not 1 <= int(k) <= n_layers]
+    if bad or not ks:
+        raise UsageError(f"--k {' '.join(map(str, bad or ks))} out of range: this model has {n_layers} decoder "
+                         f"layers; give layer counts in 1..{n_layers}")
+    ks = sorted({int(k) for k in ks})
     device = next(model.parameters()).device
     if set(eval_prompts()) & set(calibration_prompts()):
         raise RuntimeError("calibration and evaluation prompts overlap")
@@ -242,7 +245,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens per rollout (48 GPU, 24 CPU)")
     parser.add_argument(
-        "--k", type=int, nargs="+", default=None, help="layer counts (default 4 8 12 GPU, 8 CPU)"
+        "--k", type=int, nargs="+", default=None,
+        help="layer counts, each in 1..layers of the model (default 4 8 12 GPU, 8 CPU, capped at the layers)"
     )
     parser.add_argument("--positions", default="mask", choices=("mask", "arange"), help="position ids (mask)")
     parser.add_argument(
@@ -262,22 +266,38 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def default_ks(model, gpu: bool) -> list[int]:
+    """The default layer counts (4 8 12 on GPU, 8 on CPU), capped at the model's decoder layers."""
+    from bloggap_plugin.core.precision import decoder_layers
+
+    n_layers = len(decoder_layers(model))
+    return sorted({min(k, n_layers) for k in ((4, 8, 12) if gpu else (8,))})
+
+
 def run(args: argparse.Namespace) -> int:
-    from bloggap_plugin.commands.attribute import resolve_device
+    from bloggap_plugin.commands.attribute import check_json_option, write_json_option
     from bloggap_plugin.envinfo import environment_record
-    from bloggap_plugin.models import load_model
+    from bloggap_plugin.errors import UsageError, check_positive
+    from bloggap_plugin.models import check_model_spec, load_model, resolve_device
     from bloggap_plugin.report import format_text_table
 
+    for option, value in (("--rows", args.rows), ("--calibration-rows", args.calibration_rows),
+                          ("--new-tokens", args.new_tokens)):
+        check_positive(option, value)
+    if args.k is not None and any(k < 1 for k in args.k):
+        raise UsageError(f"--k {' '.join(str(k) for k in args.k if k < 1)}: layer counts must be >= 1")
+    check_json_option(args.json)
     device = resolve_device(args.device)
     gpu = device.startswith("cuda")
+    check_model_spec(args.model)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=device, attn_implementation=args.attn)
-    result = run_ladder(
+    result = run_ladder(  # checks --k against the model's layer count before sampling anything
         model,
         tokenizer,
-        rows=args.rows or (128 if gpu else 16),
-        calibration_rows=args.calibration_rows or (32 if gpu else 8),
-        new_tokens=args.new_tokens or (48 if gpu else 24),
-        ks=args.k or ((4, 8, 12) if gpu else (8,)),
+        rows=args.rows if args.rows is not None else (128 if gpu else 16),
+        calibration_rows=args.calibration_rows if args.calibration_rows is not None else (32 if gpu else 8),
+        new_tokens=args.new_tokens if args.new_tokens is not None else (48 if gpu else 24),
+        ks=args.k or default_ks(model, gpu),
         positions=args.positions,
         fp16={"on": True, "off": False}.get(args.fp16, gpu),
         seed=args.seed,
@@ -301,7 +321,5 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_text_table(table))
         if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(payload, fh, indent=2)
-            print(f"wrote {args.json}")
+            write_json_option(args.json, payload)
     return 0
