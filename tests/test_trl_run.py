@@ -26,16 +26,13 @@ def test_run_training_writes_jsonl_with_gap_keys(tmp_path):
 
 
 def test_train_command_reports_bad_recipe(tmp_path, capsys):
-    from bloggap_plugin.commands import train
+    from bloggap_plugin.cli import main
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("gap:\n  arm: B\n  bnad: 0.1\n")
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    train.configure(parser)
-    assert train.run(parser.parse_args([str(bad), "--model", "tiny-random-llama"])) == 2
-    assert "unknown key 'bnad'" in capsys.readouterr().out
+    assert main(["train", str(bad), "--model", "tiny-random-llama", "--output-dir", str(tmp_path / "out")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("bloggap: error: ") and "unknown key 'bnad'" in err  # on stderr
 
 
 def test_benchmark_quick(tmp_path):
