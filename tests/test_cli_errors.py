@@ -383,3 +383,13 @@ def test_ladder_attribute_bad_options_before_loading(bloggap, tmp_path, command)
     _assert_one_line_error(bloggap(*base, "--new-tokens", "-1"), "--new-tokens must be >= 1")
     _assert_one_line_error(bloggap(*base, "--device", "cuda:99" if torch.cuda.is_available() else "cuda"),
                            "--device cuda")
+
+
+def test_train_report_to_unknown_or_missing(bloggap, tmp_path, monkeypatch):
+    import transformers.integrations as integrations
+
+    _assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--report-to", "wandbb"),
+                           "--report-to wandbb: unknown", "tensorboard")
+    monkeypatch.setattr(integrations, "get_available_reporting_integrations", lambda: [])  # as if not installed
+    _assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--report-to", "tensorboard"),
+                           "--report-to tensorboard: the tensorboard package is not installed")

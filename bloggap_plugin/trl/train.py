@@ -113,9 +113,28 @@ def prepare_run(
         args = merge_grpo_config(grpo_kwargs, None, **overrides)
     except RecipeError as err:
         raise RecipeError(f"{recipe_path}: {err}") from None
+    _check_report_to(args.report_to)
     get_task(task, None, seed=seed, **(task_kwargs or {}))  # the name, its options and its data, before the model
     check_model_spec(model)
     return RunPlan(args=args, gap=gap, device=device, dtype=dtype)
+
+
+def _check_report_to(report_to: list[str] | None) -> None:
+    """Raise ``UsageError`` for a ``--report-to`` integration transformers does not know or cannot import here
+    (the Trainer would fail on it only after the model loaded)."""
+    from transformers.integrations import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
+
+    from bloggap_plugin.errors import UsageError
+
+    available = set(get_available_reporting_integrations())
+    for name in report_to or []:
+        if name in ("none", "all"):
+            continue
+        if name not in INTEGRATION_TO_CALLBACK:
+            raise UsageError(f"--report-to {name}: unknown; use none or one of {', '.join(INTEGRATION_TO_CALLBACK)}")
+        if name not in available:
+            raise UsageError(f"--report-to {name}: the {name} package is not installed here; install it or use "
+                             "--report-to none")
 
 
 def run_training(
