@@ -125,7 +125,8 @@ def test_recipe_without_gap_section_warns_arm_a(tmp_path):
 def test_train_duplicate_gap_sections(bloggap, tmp_path):
     recipe = _recipe(tmp_path, ARM_A + "gap:\n  arm: B\n")
     line = _assert_one_line_error(_train(bloggap, tmp_path, recipe), "'gap' appears twice")
-    assert "lines 16 and 24" in line
+    lines = ARM_A.splitlines()
+    assert f"lines {lines.index('gap:') + 1} and {len(lines) + 1}" in line  # both places named
 
 
 def test_duplicate_key_inside_gap_section(tmp_path):
