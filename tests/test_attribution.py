@@ -66,19 +66,25 @@ def test_bad_inputs():
         divergence_profile(model, ids[:1], mask[:1])
 
 
-def test_batch_invariant_model_gives_exact_zero():
-    # this tiny bf16 model is bit-identical across these batch shapes on CPU: any misalignment of compared
-    # positions between the unpadded single rows and the left-padded batch would show as a non-zero value
+NOISE = 1e-5
+"""Kernel noise of the tiny bf16 model between batch shapes on CPU: 0 on some CPUs, 3.1e-6 on an AMD EPYC (CI's
+machine); a misalignment of compared positions compares different tokens' states, which differ by order 1."""
+
+
+def test_batch_invariant_model_gives_only_kernel_noise():
+    # the embedding lookup is exact; deeper layers carry at most the CPU kernels' batch-shape noise. Any
+    # misalignment of compared positions between the unpadded single rows and the left-padded batch would show
+    # as a value of order 1
     model, tok = load_model("tiny-random-llama", dtype="bf16")
     ids, mask = _rows(tok)
     assert (mask == 0).any()  # left padding present
     profile = divergence_profile(model, ids, mask, batch_size=4)
-    assert profile.divergence == [0.0, 0.0, 0.0] and profile.final_norm_divergence == 0.0
+    assert profile.divergence[0] == 0.0 and max(profile.divergence) < NOISE and profile.final_norm_divergence < NOISE
     assert profile.n_tokens == int(mask.sum()) and profile.n_rows == len(TEXTS)
-    assert profile.increments == [0.0, 0.0]
+    assert all(abs(x) < NOISE for x in profile.increments)
     k2 = divergence_profile(model, ids, mask, batch_size=4, logits_to_keep=2)
     # the 2 positions scoring the last 2 tokens; "Zz" has only one real position among them
-    assert k2.n_tokens == 2 * (len(TEXTS) - 1) + 1 and k2.divergence == [0.0, 0.0, 0.0]
+    assert k2.n_tokens == 2 * (len(TEXTS) - 1) + 1 and k2.divergence[0] == 0.0 and max(k2.divergence) < NOISE
 
 
 def _batch_dependent(layer, scale=1e-2):
@@ -99,7 +105,7 @@ def test_divergence_enters_at_the_perturbed_layer_and_auto_picks_it():
     handle = _batch_dependent(decoder_layers(model)[1])
     try:
         profile = divergence_profile(model, ids, mask, batch_size=3)
-        assert profile.divergence[0] == 0.0 and profile.divergence[1] == 0.0
+        assert profile.divergence[0] == 0.0 and profile.divergence[1] < NOISE
         assert profile.divergence[2] > 1e-3 and profile.final_norm_divergence > 0
         assert profile.top_k(1) == [1] and profile.best_window(1) == [1]
         calibration = _rows(tok, ["a calibration row", "another one here", "xy z", "more text 123"])
