@@ -237,6 +237,7 @@ _GAP_TYPES = {
     "kept": (str,),
     "sampler": (bool,),
     "store_ids_max": (int,),
+    "score_chunk_tokens": (int,),
     "is_correction": (bool,),
     "reference": (str,),
     "metrics_every": (int,),
