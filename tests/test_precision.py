@@ -21,7 +21,7 @@ from bloggap_plugin.core.precision import (
     output_head,
     resolve_arm,
 )
-from bloggap_plugin.core.scoring import gather_logprobs, token_logprobs
+from bloggap_plugin.core.scoring import DEFAULT_CHUNK_TOKENS, gather_logprobs, token_logprobs
 from bloggap_plugin.core.truncation import kept_reducer
 from bloggap_plugin.models import load_model
 
@@ -530,3 +530,10 @@ def test_cost_benchmark_quick(tmp_path):
         assert arms["all fp32"]["bytes_added"] >= 4 * shape["n_params"]
         assert 0 < arms["fp32 head"]["fp32_param_share"] < arms["guided-7 + head"]["fp32_param_share"] < 1
         assert shape["fp16_plan_over_raw_fp16"] > 0
+        # memory columns: TRL's own pass is the baseline; on CPU there are no allocator statistics
+        trl = arms["TRL fused head (baseline)"]
+        assert trl["arm"] == "trl" and trl["chunk_tokens"] is None and trl["tokens_per_s"] > 0
+        assert arms["fp32 head"]["chunk_tokens"] == DEFAULT_CHUNK_TOKENS
+        assert arms["fp32 head (untiled)"]["chunk_tokens"] == 0
+        assert all(a["pass_peak_gib"] is None and a["pass_peak_vs_trl"] is None for a in shape["arms"])
+    assert {"pass peak GiB", "pass peak vs TRL"} <= set(payload["tables"][0]["columns"])
