@@ -35,10 +35,11 @@ __all__ = [
 
 POSITION_MODES = ("mask", "arange")
 
-DEFAULT_CHUNK_TOKENS = 1024
-"""Scored tokens (rows x completion positions) per tile of the LM head + log-softmax. The largest tensor of a
-tile is ``tile x V`` fp32 (1024 x 152k: 0.6 GB; about 2-3 such tensors are alive at once), the same order as
-TRL 1.16's fused head (4,096 tokens x 32,768 vocabulary columns per tile)."""
+DEFAULT_CHUNK_TOKENS = 512
+"""Scored tokens (rows x completion positions) per tile of the LM head + log-softmax. A tile's logits are
+``tile x V`` fp32 (512 x 152k: 0.31 GB); with the low-precision head output and the log-softmax (or a kept-set
+reduce) about 2-4 such tensors are alive at once, which is the size of one tile of TRL 1.16's fused head
+(4,096 tokens x 32,768 vocabulary columns) rather than ``rows x K x V`` (8 x 4096 x 152k fp32: 20 GB)."""
 
 # A tile of the [B, K] grid of scored tokens: (rows, positions) slices of the full batch; ``tensor[index]``
 # selects the tile's part of any tensor whose leading shape is [B, K] (kept sets, sizes, ...).

@@ -854,7 +854,7 @@ class GapMixin:
 
     def _gap_unfused(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, kept,
                      capture):
-        """Non-fused forward (full ``[b, K, V]`` logits) through ``token_logprobs`` with the kept-set reducer."""
+        """Non-fused forward through ``token_logprobs`` with the kept-set reducer (logits in tiles of positions)."""
         entropy_parts: list = []
         reducer = self._gap_reducer(kept, capture)
 
