@@ -383,6 +383,33 @@ def test_model_changing_logits_after_head_is_scored_untiled(tiny, kind):
         assert not torch.allclose(untiled, plain)  # the change really applies
 
 
+class _NoHeadFound(nn.Module):
+    """A causal LM wrapper exposing no ``get_output_embeddings`` / ``lm_head``."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **kwargs):
+        return self.inner(**kwargs)
+
+
+def test_model_without_findable_head_is_scored_untiled_with_one_warning(tiny, largest_vocab_tensor):
+    model = _NoHeadFound(tiny[0])
+    vocab = tiny[0].config.vocab_size
+    ids, mask, keep, _, _ = random_rows(vocab)
+    with torch.no_grad():
+        expected = token_logprobs(tiny[0], ids, mask, keep, chunk_tokens=None)
+        with pytest.warns(RuntimeWarning, match="no LM head found on _NoHeadFound"), \
+                largest_vocab_tensor(vocab) as probe:
+            got = token_logprobs(model, ids, mask, keep, chunk_tokens=4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = token_logprobs(model, ids, mask, keep, chunk_tokens=4)
+    assert probe.largest == 3 * (keep + 1) * vocab  # untiled
+    assert torch.equal(got, expected) and torch.equal(again, expected)
+
+
 def test_join_tiles():
     a = torch.arange(6.0).view(2, 3)
     parts = [

@@ -179,16 +179,21 @@ _UNTILED_CLASSES: set[type] = set()
 
 
 def _head_site(model: nn.Module) -> tuple[nn.Module, str, nn.Module] | None:
+    """``(parent, key, head)`` to tile, or ``None`` (untiled) for a model class known not to allow it."""
+    if not isinstance(model, nn.Module):
+        return None  # a bare callable: nothing to tile
+    base = unwrap_model(model)
+    if type(base) in _UNTILED_CLASSES:
+        return None
     try:
-        base = unwrap_model(model)
-        site = output_head(base)
-    except (ValueError, TypeError):
+        return output_head(base)
+    except ValueError:
+        _UNTILED_CLASSES.add(type(base))
         warnings.warn(
-            f"no LM head found on {type(model).__name__} (get_output_embeddings()); scoring it untiled: full "
+            f"no LM head found on {type(base).__name__} (get_output_embeddings()); scoring it untiled: full "
             "[rows, K, V] logits per chunk of rows", RuntimeWarning, stacklevel=3,
         )
         return None
-    return None if type(base) in _UNTILED_CLASSES else site
 
 
 def _score_tiled(call: Callable[..., Any], kwargs: dict, site: tuple[nn.Module, str, nn.Module], tile: int,
