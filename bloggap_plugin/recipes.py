@@ -108,11 +108,11 @@ class GapConfig:
     store_ids_max: int = 64
     """Kept sets up to this size are stored as ids (exact renormalisation); larger ones as sizes only (top-|S|)."""
 
-    score_chunk_tokens: int = 512
+    score_chunk_tokens: int = 256
     """Memory bound of the plugin's scoring (old log-probs, kept mass, probes, renormalised forwards): the LM
     head, fp32 cast and log-softmax run in tiles of about this many scored tokens (rows x completion
     positions; at least one position per tile), so the largest vocabulary-wide tensor is ``tile x V`` fp32
-    instead of ``rows x completion_length x V`` (512 x 152k: 0.31 GB; 8 x 4096 x 152k untiled: 20 GB). 0
+    instead of ``rows x completion_length x V`` (256 x 152k: 156 MB; 8 x 4096 x 152k untiled: 20 GB). 0
     scores each chunk of rows untiled. Default: ``core.scoring.DEFAULT_CHUNK_TOKENS``."""
 
     is_correction: bool = False

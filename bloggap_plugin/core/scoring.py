@@ -35,11 +35,13 @@ __all__ = [
 
 POSITION_MODES = ("mask", "arange")
 
-DEFAULT_CHUNK_TOKENS = 512
+DEFAULT_CHUNK_TOKENS = 256
 """Scored tokens (rows x completion positions) per tile of the LM head + log-softmax. A tile's logits are
-``tile x V`` fp32 (512 x 152k: 0.31 GB); with the low-precision head output and the log-softmax (or a kept-set
-reduce) about 2-4 such tensors are alive at once, which is the size of one tile of TRL 1.16's fused head
-(4,096 tokens x 32,768 vocabulary columns) rather than ``rows x K x V`` (8 x 4096 x 152k fp32: 20 GB)."""
+``tile x V`` fp32 (256 x 152k: 156 MB), and two such tensors are alive at once (the logits and their
+log-softmax; three briefly with a temperature or a kept-set reduce): about one tile of TRL 1.16's fused head
+(4,096 tokens x 32,768 vocabulary columns in bf16: 268 MB), instead of ``rows x K x V`` (8 x 4096 x 152k
+fp32: 20 GB). Small enough that models with a small body and a large vocabulary (Qwen2.5-1.5B) stay within
+1.25x of TRL's old-logprob pass; large enough that each tile's matmul keeps the GPU busy."""
 
 # A tile of the [B, K] grid of scored tokens: (rows, positions) slices of the full batch; ``tensor[index]``
 # selects the tile's part of any tensor whose leading shape is [B, K] (kept sets, sizes, ...).
