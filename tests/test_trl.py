@@ -334,12 +334,19 @@ def test_score_chunk_tokens_tiles_change_nothing(tmp_path, row_invariant_linear,
     untiled_logs, tiled_logs = runs[0][0], runs[12][0]
     assert len(untiled_logs) == len(tiled_logs) == 2
     assert "gap/kept/mass_mean" in untiled_logs[0]
-    for untiled, tiled in zip(untiled_logs, tiled_logs):
+    for step, (untiled, tiled) in enumerate(zip(untiled_logs, tiled_logs)):
         keys = {k for k in untiled if "time" not in k and "runtime" not in k and "per_second" not in k}
         assert keys == {k for k in tiled if "time" not in k and "runtime" not in k and "per_second" not in k}
         for key in keys:
             a, b = untiled[key], tiled[key]
-            assert a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b)), (key, a, b)
+            if isinstance(a, float) and math.isnan(a):
+                assert math.isnan(b), key
+            elif kept == "renormalize" and (step > 0 or key == "grad_norm"):
+                # the tiled training forward sums the head's weight gradient tile by tile (see below): the
+                # gradient norm and everything after the first update agree to rounding only
+                assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-8), (key, a, b)
+            else:
+                assert a == b, (key, a, b)
     if kept == "measure":  # only grad-free passes are tiled: training is bit for bit the same
         assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[12][1], strict=True))
     else:  # the training forward is tiled too: the head's weight gradient is summed tile by tile (same values,
