@@ -1,6 +1,13 @@
 """T7b: what each scoring plan costs: tokens/s relative to bf16 in the same run, peak memory, sync time;
 plus whether TF32 still removes the batch-shape noise (arm B with TF32, SmolLM2 real weights).
 
+Memory (CUDA): ``pass_peak_gib`` is the peak allocated during one scoring pass above what was allocated just
+before it (the pass's own activations and logits tiles; a plan's resident copies are ``bytes_added``), for
+every plan and for TRL 1.16's own old-logprob pass (its fused LM head, the baseline);
+``pass_peak_vs_trl`` is the ratio (target: <= 1.25 for every arm). Plans score in tiles of
+``--score-chunk-tokens`` scored tokens (``gap.score_chunk_tokens``); "fp32 head (untiled)" is the same plan
+with the whole ``[rows, K, V]`` logits at once, as before tiling.
+
 Shapes: SmolLM2-135M (real weights) and random-init real-size shapes (Qwen2.5-1.5B, Qwen2.5-7B, a
 Llama-3.1-8B-class shape) built directly on the device (random init is valid for timing only). Input: random
 token ids, batch ``--batch`` x ``--seq`` tokens, the last half scored (``logits_to_keep = seq // 2``) through
@@ -36,7 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bloggap_plugin.core.precision import make_plan  # noqa: E402
-from bloggap_plugin.core.scoring import token_logprobs  # noqa: E402
+from bloggap_plugin.core.scoring import DEFAULT_CHUNK_TOKENS, token_logprobs  # noqa: E402
 from bloggap_plugin.report import format_text_table  # noqa: E402
 
 NAME = "cost"
@@ -122,6 +129,49 @@ def _free(device):
         torch.cuda.empty_cache()
 
 
+def pass_peak(fn, device) -> tuple[float | None, float | None]:
+    """``(extra, absolute)`` GiB of one call of ``fn`` on CUDA: the peak allocated during it minus what was
+    allocated just before, and the peak itself; ``(None, None)`` on other devices (no allocator statistics)."""
+    if device.type != "cuda":
+        return None, None
+    _free(device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return (peak - before) / 2**30, peak / 2**30
+
+
+def trl_old_logprob_pass(policy, ids, mask, keep: int, batch_size: int):
+    """TRL 1.16's own old-logprob pass, the memory baseline: its fused LM head patched on ``policy`` as
+    ``GRPOTrainer`` does (``add_fused_lm_head``, log-probs and entropy), then the text-only loop of
+    ``_get_per_token_logps_and_entropies`` (labels on the last ``keep`` tokens, chunks of ``batch_size`` rows,
+    ``fused_lm_head=True``), grad-free. Returns ``(fn, remove)``: ``remove()`` takes the patch off again."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    had_own = "forward" in policy.__dict__
+    add_fused_lm_head(policy, temperature=1.0, outputs=("log_probs", "entropy"))
+
+    def fn():
+        with torch.no_grad():
+            out = []
+            for start in range(0, ids.shape[0], batch_size):
+                chunk_ids, chunk_mask = ids[start : start + batch_size], mask[start : start + batch_size]
+                labels = chunk_ids.masked_fill(chunk_mask == 0, -100)
+                labels[:, :-keep] = -100
+                outputs = policy(input_ids=chunk_ids, attention_mask=chunk_mask, labels=labels, fused_lm_head=True)
+                out.append(outputs.log_probs[:, -keep:])
+            return torch.cat(out)
+
+    def remove():
+        if not had_own:
+            del policy.forward
+
+    return fn, remove
+
+
 def _guided_layers(n_layers: int) -> list[int]:
     base = [0, 1, 2, 3, 4, 8, 9, n_layers - 1]
     return sorted({i for i in base if i < n_layers})
@@ -141,11 +191,12 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
     cuda = device.type == "cuda"
     fp16_ok = cuda or name.startswith("tiny")
     guided = _guided_layers(n_layers)
-    arms = [("bf16", "bf16", {}, False)]
+    arms = [("bf16", "bf16", {}, False), ("TRL fused head (baseline)", "trl", {}, False)]
     if fp16_ok:
         arms += [("raw fp16", "raw_fp16", {}, False), ("fp16 plan", "fp16", {}, False)]
     arms += [
         ("fp32 head", "fp32_head", {}, False),
+        ("fp32 head (untiled)", "fp32_head", {"chunk_tokens": 0}, False),
         (f"guided-{len(guided)} + head", "guided", {"layers": guided}, False),
         ("all fp32", "fp32", {}, False),
     ]
@@ -159,13 +210,19 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
     fp16_plan = None
     for label, arm, options, use_tf32 in arms:
         _free(device)
-        if arm == "raw_fp16":
+        options = dict(options)
+        chunk_tokens = options.pop("chunk_tokens", args.score_chunk_tokens)
+        remove = None
+        if arm == "trl":
+            fn, remove = trl_old_logprob_pass(policy, ids, mask, keep, args.batch)
+            plan = None
+        elif arm == "raw_fp16":
             fp16_plan = make_plan(policy, "fp16")
             shadow = fp16_plan.shadow
 
-            def fn(shadow=shadow):
+            def fn(shadow=shadow, chunk_tokens=chunk_tokens):
                 with torch.no_grad(), torch.autocast(device.type, enabled=False):
-                    return token_logprobs(shadow, ids, mask, keep, batch_size=args.batch)
+                    return token_logprobs(shadow, ids, mask, keep, batch_size=args.batch, chunk_tokens=chunk_tokens)
 
             plan = None
         else:
@@ -174,13 +231,14 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
             else:
                 plan = make_plan(policy, arm, **options)
 
-            def fn(plan=plan):
-                return plan.token_logprobs(ids, mask, keep, batch_size=args.batch)
+            def fn(plan=plan, chunk_tokens=chunk_tokens):
+                return plan.token_logprobs(ids, mask, keep, batch_size=args.batch, chunk_tokens=chunk_tokens)
 
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
         slow = arm in ("fp32", "guided", "fp32_head") and not use_tf32 and cuda
         with tf32(use_tf32) if cuda else contextlib.nullcontext():
+            extra_gib, pass_abs_gib = pass_peak(fn, device)  # one pass alone: its own peak
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
             times = time_passes(fn, device, args.warmup, max(2, args.passes - 2) if slow else args.passes)
             sync_times = []
             if plan is not None and arm != "bf16":
@@ -194,6 +252,9 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
             "pass_seconds_all": times,
             "tokens_per_s": args.batch * args.seq / seconds,
             "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+            "pass_peak_gib": extra_gib,
+            "pass_peak_abs_gib": pass_abs_gib,
+            "chunk_tokens": None if arm == "trl" else chunk_tokens,
             "sync_seconds": statistics.median(sync_times) if sync_times else None,
         }
         if plan is not None:
@@ -203,15 +264,22 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
         elif fp16_plan is not None:
             entry.update(bytes_added=fp16_plan.stats()["bytes_added"], fp32_param_share=0.0, layers=None)
         results.append(entry)
-        log(f"{name:<14} {label:<26} {seconds * 1e3:9.1f} ms/pass  {entry['tokens_per_s']:10.0f} tok/s")
+        peak_note = "" if extra_gib is None else f"  pass peak {extra_gib:7.3f} GiB"
+        log(f"{name:<14} {label:<26} {seconds * 1e3:9.1f} ms/pass  {entry['tokens_per_s']:10.0f} tok/s{peak_note}")
+        if remove is not None:
+            remove()
         if plan is not None and plan is not fp16_plan:
             plan.close()
         if arm == "fp16" and fp16_plan is not None:
             fp16_plan.close()
             fp16_plan = None
     base = results[0]["pass_seconds"]
+    trl = next(e for e in results if e["arm"] == "trl")
     for entry in results:
         entry["rel_time"] = entry["pass_seconds"] / base
+        entry["pass_peak_vs_trl"] = (
+            entry["pass_peak_gib"] / trl["pass_peak_gib"] if trl["pass_peak_gib"] else None
+        )
         per_row = entry["pass_seconds"] / args.batch
         if entry["sync_seconds"] is not None:
             gen_pass = per_row * args.gen_rows
@@ -279,6 +347,8 @@ def tables(results: dict, args) -> list[dict]:
                     round(e["rel_time"], 2),
                     round(e["tokens_per_s"]),
                     None if e["peak_gib"] is None else round(e["peak_gib"], 2),
+                    None if e["pass_peak_gib"] is None else round(e["pass_peak_gib"], 3),
+                    None if e["pass_peak_vs_trl"] is None else round(e["pass_peak_vs_trl"], 2),
                     None if e["sync_seconds"] is None else round(1e3 * e["sync_seconds"], 2),
                     None
                     if e.get("sync_frac_of_gen_batch_pass") is None
@@ -296,14 +366,18 @@ def tables(results: dict, args) -> list[dict]:
         {
             "id": "T7b",
             "title": "Cost of each scoring plan: time relative to bf16 in the same run, peak memory, sync",
-            "columns": ["model", "plan", "time vs bf16", "tokens/s", "peak GiB", "sync ms", "sync % of gen-batch pass", "fp32 params %"],
+            "columns": ["model", "plan", "time vs bf16", "tokens/s", "peak GiB", "pass peak GiB", "pass peak vs TRL", "sync ms", "sync % of gen-batch pass", "fp32 params %"],
             "rows": rows,
             "notes": (
                 f"batch {args.batch} x {args.seq} random token ids, last {args.seq // 2} scored; median of timed passes "
                 f"after {args.warmup} warm-up. 'raw fp16' = the fp16 shadow called directly (no plan). sync = in-place "
                 f"copy_ from the policy; its share is of one scoring pass over a {args.gen_rows}-row generation batch "
                 f"(extrapolated linearly). Targets: fp16 plan within 1% of raw fp16, fp32 head <= 1.15x, guided-8 + "
-                f"head <= 1.5x, sync <= 1%. " + "; ".join(ratio_notes)
+                f"head <= 1.5x, sync <= 1%. 'pass peak' = peak allocated during one pass minus what was allocated "
+                f"before it (activations and logits; shadows and fp32 copies are resident, see bytes_added); "
+                f"'TRL fused head' = TRL 1.16's own old-logprob pass, the baseline; plans score in tiles of "
+                f"{args.score_chunk_tokens} tokens (gap.score_chunk_tokens), 'untiled' = all [rows, K, V] logits "
+                f"at once. Target: every plan's pass peak <= 1.25x TRL's. " + "; ".join(ratio_notes)
             ),
             "reference": "T7b",
             "random_init": any(s["random_init"] for s in results["shapes"]),
@@ -347,6 +421,10 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--tf32-rows", type=int, default=64)
     parser.add_argument("--tf32-tokens", type=int, default=48)
+    parser.add_argument(
+        "--score-chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS,
+        help=f"scored tokens per tile of the LM head (gap.score_chunk_tokens; {DEFAULT_CHUNK_TOKENS})",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny shapes, few passes (CPU smoke run)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -61,7 +61,7 @@ def ratio_stats(logp_trainer: torch.Tensor, logp_sampler: torch.Tensor) -> dict:
 
 
 def run_arm(model, batch, name, truncation, truncate, args, device) -> dict:
-    from bloggap_plugin.core.scoring import gather_logprobs, token_logprobs
+    from bloggap_plugin.core.scoring import gather_logprobs, join_tiles, token_logprobs
     from bloggap_plugin.core.truncation import kept_reducer, log_kept_mass_from_ids, log_kept_mass_from_size
     from bloggap_plugin.sampling import SamplerRecorder
 
@@ -84,25 +84,27 @@ def run_arm(model, batch, name, truncation, truncate, args, device) -> dict:
     t_gen = time.perf_counter() - t0
     attention = torch.cat([batch["attention_mask"], torch.ones_like(sequences[:, width:])], dim=1)
     ids_tensor = record.kept_ids_tensor()
-    extras: dict[str, list[torch.Tensor]] = {"full": [], "size_only": [], "log_mass_ids": [], "log_mass_size": [], "same_set": []}
+    # per tile of scored tokens: (index, value) pairs, joined into [B, K] with join_tiles
+    extras: dict[str, list] = {"full": [], "size_only": [], "log_mass_ids": [], "log_mass_size": [], "same_set": []}
     product = kept_reducer(kept_ids=ids_tensor, sizes=record.kept_sizes) if truncate else None
     size_only = kept_reducer(sizes=record.kept_sizes) if truncate else None
 
-    def reduce(logits, targets, rows):
+    def reduce(logits, targets, index):
         full = gather_logprobs(logits, targets)
-        extras["full"].append(full)
+        extras["full"].append((index, full))
         if product is None:
             return full
-        extras["size_only"].append(size_only(logits, targets, rows))
-        chunk_ids, chunk_sizes = ids_tensor[rows], record.kept_sizes[rows]
-        extras["log_mass_ids"].append(log_kept_mass_from_ids(logits, chunk_ids))
-        extras["log_mass_size"].append(log_kept_mass_from_size(logits, chunk_sizes))
+        extras["size_only"].append((index, size_only(logits, targets, index)))
+        chunk_ids, chunk_sizes = ids_tensor[index], record.kept_sizes[index]
+        extras["log_mass_ids"].append((index, log_kept_mass_from_ids(logits, chunk_ids)))
+        extras["log_mass_size"].append((index, log_kept_mass_from_size(logits, chunk_sizes)))
         s_max = chunk_ids.shape[-1]
         top = torch.topk(logits, s_max, dim=-1).indices
         rank = torch.arange(s_max, device=top.device)
         top = torch.where(rank < chunk_sizes.unsqueeze(-1), top, -1)
-        extras["same_set"].append((torch.sort(top, dim=-1).values == torch.sort(chunk_ids, dim=-1).values).all(-1))
-        return product(logits, targets, rows)
+        same_set = (torch.sort(top, dim=-1).values == torch.sort(chunk_ids, dim=-1).values).all(-1)
+        extras["same_set"].append((index, same_set))
+        return product(logits, targets, index)
 
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -110,7 +112,7 @@ def run_arm(model, batch, name, truncation, truncate, args, device) -> dict:
             model, sequences, attention, args.new_tokens, batch_size=args.score_batch, temperature=1.0, reduce=reduce
         )
     t_score = time.perf_counter() - t0
-    full = torch.cat(extras["full"]).cpu()
+    full = join_tiles(extras["full"]).cpu()
     renorm = renorm.cpu()
     sampler = record.processed_logps.cpu()
     result = {
@@ -129,9 +131,9 @@ def run_arm(model, batch, name, truncation, truncate, args, device) -> dict:
     if truncate:
         sizes = record.kept_sizes.cpu()
         has_ids = (ids_tensor >= 0).any(-1).cpu()
-        log_ids = torch.cat(extras["log_mass_ids"]).cpu()
-        log_size = torch.cat(extras["log_mass_size"]).cpu()
-        same = torch.cat(extras["same_set"]).cpu() & has_ids
+        log_ids = join_tiles(extras["log_mass_ids"]).cpu()
+        log_size = join_tiles(extras["log_mass_size"]).cpu()
+        same = join_tiles(extras["same_set"]).cpu() & has_ids
         gap = (log_ids - log_size).abs()[has_ids]
         trainer_log_mass = torch.where(has_ids, log_ids, log_size)
         result.update(
@@ -149,7 +151,7 @@ def run_arm(model, batch, name, truncation, truncate, args, device) -> dict:
                     "p99": _quantile(gap, 0.99) if gap.numel() else None,
                     "max": float(gap.max()) if gap.numel() else None,
                 },
-                "ratio_size_only": ratio_stats(torch.cat(extras["size_only"]).cpu(), sampler),
+                "ratio_size_only": ratio_stats(join_tiles(extras["size_only"]).cpu(), sampler),
             }
         )
     else:

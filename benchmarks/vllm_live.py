@@ -300,7 +300,7 @@ def cmd_score(gen_files: list[Path], model_path: str, band: float = 0.1) -> dict
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bloggap_plugin.core.precision import make_plan
-    from bloggap_plugin.core.scoring import gather_logprobs
+    from bloggap_plugin.core.scoring import gather_logprobs, join_tiles
     from bloggap_plugin.core.truncation import kept_mask, log_kept_mass, renormalized_logprobs
     from bloggap_plugin.trl.mixin import is_ratio
 
@@ -337,38 +337,39 @@ def cmd_score(gen_files: list[Path], model_path: str, band: float = 0.1) -> dict
             top_lp = data["top_lp"]
             covered = data["parser_covered"]
 
-            def reduce(logits, targets, rows, trunc=trunc, top_ids=top_ids, top_lp=top_lp, store=store):
+            # per tile of scored tokens (index = its rows and positions): (index, value), joined with join_tiles
+            def reduce(logits, targets, index, trunc=trunc, top_ids=top_ids, top_lp=top_lp, store=store):
                 full = gather_logprobs(logits, targets)
                 natural = kept_mask(logits, top_k=trunc.get("top_k", 0), top_p=trunc.get("top_p", 1.0),
                                     min_p=trunc.get("min_p", 0.0))
                 forced = ~natural.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
                 kept = natural.scatter(-1, targets.unsqueeze(-1), True)
-                store["full"].append(full.float().cpu())
-                store["retrunc"].append(renormalized_logprobs(logits, targets, kept).float().cpu())
-                store["log_mass"].append(log_kept_mass(logits, kept).float().cpu())
-                store["forced"].append(forced.cpu())
+                store["full"].append((index, full.float().cpu()))
+                store["retrunc"].append((index, renormalized_logprobs(logits, targets, kept).float().cpu()))
+                store["log_mass"].append((index, log_kept_mass(logits, kept).float().cpu()))
+                store["forced"].append((index, forced.cpu()))
                 # vLLM's exact kept set where its top-K processed log-probs cover it (some returned entry is -inf)
-                chunk_ids = top_ids[rows].to(logits.device)
-                finite = torch.isfinite(top_lp[rows]).to(logits.device) & (chunk_ids >= 0)
+                chunk_ids = top_ids[index].to(logits.device)
+                finite = torch.isfinite(top_lp[index]).to(logits.device) & (chunk_ids >= 0)
                 # count finite entries per id (padding slots, id -1, add 0), so a padding slot never clears a kept id
                 hits = torch.zeros(kept.shape, dtype=torch.int32, device=logits.device)
                 hits.scatter_add_(-1, chunk_ids.clamp(min=0), finite.to(torch.int32))
                 exact = hits > 0
-                store["exact"].append(renormalized_logprobs(logits, targets, exact).float().cpu())
+                store["exact"].append((index, renormalized_logprobs(logits, targets, exact).float().cpu()))
                 return full
 
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 plans["bf16"].token_logprobs(ids, mask, width, batch_size=8, positions="mask", reduce=reduce)
-            full = torch.cat(store["full"])
-            retrunc = torch.cat(store["retrunc"])
-            log_mass = torch.cat(store["log_mass"])
-            exact = torch.cat(store["exact"])
+            full = join_tiles(store["full"])
+            retrunc = join_tiles(store["retrunc"])
+            log_mass = join_tiles(store["log_mass"])
+            exact = join_tiles(store["exact"])
             ones = torch.ones_like(full)
             entry = {"sampler": label, "truncation": set_name, "scorer": "bf16 (mask positions)",
                      "tokens": int(full.numel()),
                      "kept_mass_trainer_mean": float(log_mass.double().exp().mean()),
                      "kept_mass_trainer_min": float(log_mass.double().exp().min()),
-                     "sampled_outside_trainer_set_frac": float(torch.cat(store["forced"]).double().mean()),
+                     "sampled_outside_trainer_set_frac": float(join_tiles(store["forced"]).double().mean()),
                      "ratio_mean_before": float((full.double() - sampler).exp().mean()),
                      "ratio_mean_after_retruncation": float((retrunc.double() - sampler).exp().mean()),
                      "before": _gap(full, sampler, band), "after_retruncation": _gap(retrunc, sampler, band)}

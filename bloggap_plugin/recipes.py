@@ -108,6 +108,13 @@ class GapConfig:
     store_ids_max: int = 64
     """Kept sets up to this size are stored as ids (exact renormalisation); larger ones as sizes only (top-|S|)."""
 
+    score_chunk_tokens: int = 256
+    """Memory bound of the plugin's scoring (old log-probs, kept mass, probes, renormalised forwards): the LM
+    head, fp32 cast and log-softmax run in tiles of about this many scored tokens (rows x completion
+    positions; at least one position per tile), so the largest vocabulary-wide tensor is ``tile x V`` fp32
+    instead of ``rows x completion_length x V`` (256 x 152k: 156 MB; 8 x 4096 x 152k untiled: 20 GB). 0
+    scores each chunk of rows untiled. Default: ``core.scoring.DEFAULT_CHUNK_TOKENS``."""
+
     is_correction: bool = False
     """HF path: multiply the per-token loss by TRL's importance-sampling ratio between the old log-probs and
     the recorded sampler log-probs, with the trainer's ``vllm_importance_sampling_mode`` and
@@ -142,7 +149,7 @@ class GapConfig:
         self.arm = arm
         if not 0.0 < float(self.band) < 1.0:
             raise RecipeError(f"gap.band must be in (0, 1), got {self.band}")
-        for name in ("probe_rows", "k", "metrics_every", "probe_every", "store_ids_max"):
+        for name in ("probe_rows", "k", "metrics_every", "probe_every", "store_ids_max", "score_chunk_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise RecipeError(f"gap.{name} must be an integer, got {value!r}")
@@ -156,6 +163,11 @@ class GapConfig:
             raise RecipeError(f"gap.probe_every must be >= 1, got {self.probe_every}")
         if self.store_ids_max < 0:
             raise RecipeError(f"gap.store_ids_max must be >= 0, got {self.store_ids_max}")
+        if self.score_chunk_tokens < 0:
+            raise RecipeError(
+                f"gap.score_chunk_tokens must be >= 0 (scored tokens per tile of the LM head; 0 = untiled), "
+                f"got {self.score_chunk_tokens}"
+            )
         if self.positions not in POSITION_MODES:
             raise RecipeError(f"gap.positions must be one of {', '.join(POSITION_MODES)}, got {self.positions!r}")
         if self.kept not in KEPT_MODES:
@@ -225,6 +237,7 @@ _GAP_TYPES = {
     "kept": (str,),
     "sampler": (bool,),
     "store_ids_max": (int,),
+    "score_chunk_tokens": (int,),
     "is_correction": (bool,),
     "reference": (str,),
     "metrics_every": (int,),

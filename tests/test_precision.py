@@ -21,7 +21,8 @@ from bloggap_plugin.core.precision import (
     output_head,
     resolve_arm,
 )
-from bloggap_plugin.core.scoring import gather_logprobs, token_logprobs
+from bloggap_plugin.core.scoring import DEFAULT_CHUNK_TOKENS, gather_logprobs, token_logprobs
+from bloggap_plugin.core.truncation import kept_reducer
 from bloggap_plugin.models import load_model
 
 TEXTS = [
@@ -364,7 +365,7 @@ def test_upcast_swap_restored_when_scoring_raises():
     plan = make_plan(policy, "guided", layers=[0, 1])
     ids, mask = _rows(tok)
 
-    def bad_reduce(logits, targets, rows):
+    def bad_reduce(logits, targets, index):
         raise KeyError("boom")
 
     with pytest.raises(KeyError, match="boom"):
@@ -387,8 +388,10 @@ def _overflowing_policy():
     return policy, tok
 
 
+@pytest.mark.parametrize("chunk_tokens", [None, 2])
 @pytest.mark.parametrize("custom_reduce", [False, True])
-def test_fp16_guard_rescores_overflowing_chunk_in_fp32(custom_reduce):
+def test_fp16_guard_rescores_overflowing_chunk_in_fp32(custom_reduce, chunk_tokens):
+    """One re-score per overflowing chunk of rows, also when the chunk is scored in several tiles."""
     policy, tok = _overflowing_policy()
     texts = ["abc def", "Zebra crossing", "plain words", "the Z row"]
     ids, mask = _rows(tok, texts)
@@ -396,11 +399,12 @@ def test_fp16_guard_rescores_overflowing_chunk_in_fp32(custom_reduce):
     assert torch.isfinite(bf16).all()
     calls = []
 
-    def reduce(logits, targets, rows):
-        calls.append(rows)
+    def reduce(logits, targets, index):
+        calls.append(index)
         return gather_logprobs(logits, targets)
 
     kwargs = {"reduce": reduce} if custom_reduce else {}
+    kwargs["chunk_tokens"] = chunk_tokens
     unguarded = make_plan(policy, "fp16", fp16_guard=False).token_logprobs(
         ids, mask, K, batch_size=1, **kwargs
     )
@@ -412,16 +416,74 @@ def test_fp16_guard_rescores_overflowing_chunk_in_fp32(custom_reduce):
         got = plan.token_logprobs(ids, mask, K, batch_size=1, **kwargs)
     assert plan.fp16_fallbacks == 2 and plan.stats()["fp16_fallbacks"] == 2
     assert torch.isfinite(got).all()
-    fp32 = make_plan(policy, "fp32").token_logprobs(ids, mask, K, batch_size=1)
+    fp32 = make_plan(policy, "fp32").token_logprobs(ids, mask, K, batch_size=1, chunk_tokens=chunk_tokens)
     assert torch.equal(got[[1, 3]], fp32[[1, 3]])
     assert torch.equal(got[[0, 2]], unguarded[[0, 2]])
-    if custom_reduce:  # the re-score passes the caller's reduce the rows of the full batch
-        assert [(r.start, r.stop) for r in calls] == [(0, 1), (1, 2), (2, 3), (3, 4), (1, 2), (3, 4)]
+    if custom_reduce:  # the re-score passes the caller's reduce the rows of the full batch, tile by tile
+        tiles = [(0, K)] if chunk_tokens is None else [(0, 2), (2, 4), (4, 6)]
+        expected = [(r, r + 1, c0, c1) for r in (0, 1, 2, 3, 1, 3) for c0, c1 in tiles]
+        assert [(r.start, r.stop, c.start, c.stop) for r, c in calls] == expected
     # the fallback copy is kept, counted and synced
     assert plan.stats()["bytes_added"] > 2 * sum(p.numel() for p in policy.parameters())
     plan.token_logprobs(ids, mask, K, batch_size=4)
     assert plan.fp16_fallbacks == 3  # one chunk of four rows
     plan.sync(policy)
+    plan.close()
+
+
+# --------------------------------------------------------------------- tiles of completion positions
+
+PLAN_OPTIONS = {"bf16": {}, "fp32": {}, "fp16": {}, "fp32_head": {}, "guided": {"layers": [1]}}
+
+
+def _kept_reducer(ids, keep, vocab):
+    """A kept-set reducer over the last ``keep`` tokens: the target plus two other ids (some positions as
+    sizes only)."""
+    g = torch.Generator().manual_seed(0)
+    targets = ids[:, -keep:]
+    others = (targets.unsqueeze(-1) + torch.tensor([1, 2])) % vocab  # distinct from the target
+    kept_ids = torch.cat([targets.unsqueeze(-1), others], dim=-1)
+    kept_ids[:, 1::3] = -1
+    return kept_reducer(kept_ids=kept_ids, sizes=torch.randint(1, 5, targets.shape, generator=g))
+
+
+@pytest.mark.parametrize("kept", [False, True])
+@pytest.mark.parametrize("arm", list(PLAN_OPTIONS))
+def test_every_plan_tiled_equals_untiled_bit_for_bit(row_invariant_linear, arm, kept):
+    """With a row-count-invariant matmul (conftest), tiles change nothing at all, for every plan, with and
+    without kept-set renormalisation, for tiles of 1 .. K positions (K = 6; 4 and 5 do not divide it)."""
+    policy, tok = load_model("tiny-random-llama", dtype="bf16")
+    ids, mask = _rows(tok)
+    reduce = _kept_reducer(ids, K, policy.config.vocab_size) if kept else None
+    plan = make_plan(policy, arm, **PLAN_OPTIONS[arm])
+    untiled = plan.token_logprobs(ids, mask, K, batch_size=2, temperature=0.8, reduce=reduce, chunk_tokens=None)
+    assert torch.isfinite(untiled).all()
+    for chunk_tokens in (2, 8, 10, 12):  # 2 rows per chunk: tiles of 1, 4, 5 and 6 positions
+        tiled = plan.token_logprobs(ids, mask, K, batch_size=2, temperature=0.8, reduce=reduce,
+                                    chunk_tokens=chunk_tokens)
+        assert torch.equal(tiled, untiled), chunk_tokens
+    plan.close()
+
+
+@pytest.mark.parametrize("arm", list(PLAN_OPTIONS))
+def test_every_plan_bounds_its_largest_logits_tensor(largest_vocab_tensor, arm):
+    """Real kernels: the largest vocabulary-wide tensor of a plan's pass is rows x tile x V, and the values
+    equal the untiled pass (bit for bit for bf16 logits; fp32 matmuls may differ in the last bit when the
+    row count changes, as between any two batch shapes)."""
+    policy, tok = load_model("tiny-random-llama", dtype="bf16")
+    vocab = policy.config.vocab_size
+    ids, mask = _rows(tok)
+    plan = make_plan(policy, arm, **PLAN_OPTIONS[arm])
+    reduce = _kept_reducer(ids, K, vocab)
+    with largest_vocab_tensor(vocab) as untiled_probe:
+        untiled = plan.token_logprobs(ids, mask, K, batch_size=2, reduce=reduce, chunk_tokens=None)
+    with largest_vocab_tensor(vocab) as tiled_probe:
+        tiled = plan.token_logprobs(ids, mask, K, batch_size=2, reduce=reduce, chunk_tokens=8)
+    assert untiled_probe.largest == 2 * (K + 1) * vocab  # the full [rows, K + 1, V] logits
+    assert tiled_probe.largest == 2 * 4 * vocab  # 8 tokens: 2 rows x 4 positions (tiles of 4 and 2)
+    if arm == "bf16":
+        assert torch.equal(tiled, untiled)
+    torch.testing.assert_close(tiled, untiled, rtol=0, atol=1e-6)
     plan.close()
 
 
@@ -468,3 +530,10 @@ def test_cost_benchmark_quick(tmp_path):
         assert arms["all fp32"]["bytes_added"] >= 4 * shape["n_params"]
         assert 0 < arms["fp32 head"]["fp32_param_share"] < arms["guided-7 + head"]["fp32_param_share"] < 1
         assert shape["fp16_plan_over_raw_fp16"] > 0
+        # memory columns: TRL's own pass is the baseline; on CPU there are no allocator statistics
+        trl = arms["TRL fused head (baseline)"]
+        assert trl["arm"] == "trl" and trl["chunk_tokens"] is None and trl["tokens_per_s"] > 0
+        assert arms["fp32 head"]["chunk_tokens"] == DEFAULT_CHUNK_TOKENS
+        assert arms["fp32 head (untiled)"]["chunk_tokens"] == 0
+        assert all(a["pass_peak_gib"] is None and a["pass_peak_vs_trl"] is None for a in shape["arms"])
+    assert {"pass peak GiB", "pass peak vs TRL"} <= set(payload["tables"][0]["columns"])

@@ -64,6 +64,8 @@ def test_unknown_grpo_key_names_it_and_suggests():
         ({"arm": "B", "layers": [1]}, r"gap\.layers only applies to arm D"),
         ({"arm": "D", "layers": [1, "x"]}, r"gap\.layers must be a list of integer layer ids"),
         ({"kept": "renormalize", "sampler": False}, r"renormalize needs a kept-set source"),
+        ({"score_chunk_tokens": -1}, r"gap\.score_chunk_tokens must be >= 0 .*0 = untiled"),
+        ({"score_chunk_tokens": 512.0}, r"gap\.score_chunk_tokens must be int"),
     ],
 )
 def test_bad_values_name_the_field(section, pattern):
@@ -95,3 +97,10 @@ def test_merge_and_differences():
     assert (merged.learning_rate, merged.num_iterations, merged.max_steps) == (3e-6, 2, 5)
     diffs = config_differences({"num_iterations": 2, "learning_rate": 3e-6}, base)
     assert diffs == {"num_iterations": (2, 1)}
+
+
+def test_score_chunk_tokens_default_is_the_scorings():
+    from bloggap_plugin.core.scoring import DEFAULT_CHUNK_TOKENS
+
+    assert GapConfig().score_chunk_tokens == DEFAULT_CHUNK_TOKENS
+    assert parse_recipe({"gap": {"score_chunk_tokens": 0}})[1].score_chunk_tokens == 0  # untiled

@@ -310,3 +310,46 @@ def test_arm_d_auto_layers_follow_process_zero(tmp_path):
     trainer.train()
     assert len(seen) == 1
     assert trainer._gap_plan.stats()["layers"] == ([1] if seen[0] != [1] else [0])
+
+
+@pytest.mark.parametrize(("arm", "kept"), [("A", "measure"), ("B", "measure"), ("C", "renormalize")])
+def test_score_chunk_tokens_tiles_change_nothing(tmp_path, row_invariant_linear, arm, kept):
+    """gap.score_chunk_tokens tiles the plugin's scoring (A: the kept-mass pass through TRL's model; B: the
+    plan's old log-probs and kept mass; C + renormalize: the old and the training forward, entropy included):
+    with a row-count-invariant matmul (conftest) the run is identical to the untiled one, step for step."""
+    runs = {}
+    for chunk in (0, 12):  # 12 tokens over 4 rows: tiles of 3 positions (3, 3, 2 for 8 completion tokens)
+        torch.manual_seed(0)
+        trainer = make(tmp_path / str(chunk), GapConfig(arm=arm, probe_rows=4, kept=kept, score_chunk_tokens=chunk),
+                       dtype="fp32", top_p=0.8)
+        widths = []
+        shadow = getattr(trainer._gap_plan, "shadow", None)  # arm B scores with its fp32 copy's head
+        head = (shadow if shadow is not None else trainer.model).lm_head
+        hook = head.register_forward_pre_hook(lambda mod, args, widths=widths: widths.append(args[0].shape[1]))
+        trainer.train()
+        hook.remove()
+        runs[chunk] = (logs_of(trainer), [p.detach().clone() for p in trainer.model.parameters()], widths)
+    assert not any(w in (2, 3) for w in runs[0][2])  # generation calls the head on 1 position at a time
+    assert any(w == 3 for w in runs[12][2]) and any(w == 2 for w in runs[12][2])  # tiles of 3, 3, 2
+    untiled_logs, tiled_logs = runs[0][0], runs[12][0]
+    assert len(untiled_logs) == len(tiled_logs) == 2
+    assert "gap/kept/mass_mean" in untiled_logs[0]
+    for step, (untiled, tiled) in enumerate(zip(untiled_logs, tiled_logs)):
+        keys = {k for k in untiled if "time" not in k and "runtime" not in k and "per_second" not in k}
+        assert keys == {k for k in tiled if "time" not in k and "runtime" not in k and "per_second" not in k}
+        for key in keys:
+            a, b = untiled[key], tiled[key]
+            if isinstance(a, float) and math.isnan(a):
+                assert math.isnan(b), key
+            elif kept == "renormalize" and (step > 0 or key == "grad_norm"):
+                # the tiled training forward sums the head's weight gradient tile by tile (see below): the
+                # gradient norm and everything after the first update agree to rounding only
+                assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-8), (key, a, b)
+            else:
+                assert a == b, (key, a, b)
+    if kept == "measure":  # only grad-free passes are tiled: training is bit for bit the same
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[12][1], strict=True))
+    else:  # the training forward is tiled too: the head's weight gradient is summed tile by tile (same values,
+        # another order of the sum over positions), so the weights agree to the last bits only
+        diff = max((a - b).abs().max().item() for a, b in zip(runs[0][1], runs[12][1], strict=True))
+        assert diff <= 1e-6, diff  # measured: 7.5e-9

@@ -42,7 +42,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .scoring import LogprobReducer, gather_logprobs, token_logprobs
+from .scoring import (
+    DEFAULT_CHUNK_TOKENS,
+    LogprobReducer,
+    TileIndex,
+    gather_logprobs,
+    output_head,
+    token_logprobs,
+    unwrap_model,
+)
 
 __all__ = [
     "ARMS",
@@ -84,27 +92,6 @@ def resolve_arm(name: str) -> str:
 # Model structure
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The bare model inside DDP / DataParallel / DeepSpeed / FSDP (``.module``) and ``torch.compile``
-    (``._orig_mod``) wrappers, as ``accelerator.unwrap_model`` does. Instance-level ``forward`` patches
-    (TRL's fused head, accelerate's autocast wrapper) stay on the returned module; shadows never copy them."""
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        inner = getattr(model, "_orig_mod", None)
-        if isinstance(inner, nn.Module):
-            model = inner
-            continue
-        inner = model._modules.get("module") if isinstance(model, nn.Module) else None
-        if isinstance(inner, nn.Module) and getattr(model, "config", None) is None:
-            model = inner
-            continue
-        break
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"expected a torch.nn.Module policy, got {type(model).__name__}")
-    return model
-
-
 def _layer_list_path(model: nn.Module) -> tuple[str, nn.ModuleList]:
     n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     candidates = []
@@ -144,23 +131,6 @@ def final_norm(model: nn.Module) -> tuple[nn.Module, str, nn.Module] | None:
         if isinstance(module, nn.Module):
             return base, name, module
     return None
-
-
-def output_head(model: nn.Module) -> tuple[nn.Module, str, nn.Module]:
-    """``(parent, attribute, module)`` of the LM head (``get_output_embeddings()``)."""
-    model = unwrap_model(model)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None:
-        head = model._modules.get("lm_head")
-    if head is not None:
-        for module in model.modules():
-            for name, child in module._modules.items():
-                if child is head:
-                    return module, name, head
-    raise ValueError(
-        f"cannot find the LM head of {type(model).__name__} (get_output_embeddings() / lm_head); "
-        "arms fp32_head/guided need one"
-    )
 
 
 def _is_tied(model: nn.Module) -> bool:
@@ -436,25 +406,28 @@ class ScoringPlan:
         positions: str = "mask",
         temperature: float = 1.0,
         reduce: LogprobReducer | None = None,
+        chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
     ) -> torch.Tensor:
-        """``[B, logits_to_keep]`` fp32 log-probs through :func:`core.scoring.token_logprobs` in this arm."""
+        """``[B, logits_to_keep]`` fp32 log-probs through :func:`core.scoring.token_logprobs` in this arm
+        (``chunk_tokens``: scored tokens per tile of the LM head and log-softmax, as there)."""
         self._check_open()
         out_device = input_ids.device
         device = self._device()
         input_ids = input_ids.to(device)
         attention_mask = attention_mask.to(device)
         guard = self._fp16_guard and self._computes_fp16()
-        flags: list[tuple[slice, torch.Tensor]] = []
+        finite: dict[tuple[int, int], list[torch.Tensor]] = {}  # per chunk of rows: one flag per tile
         call_reduce = reduce
         if guard:
             base_reduce = reduce or gather_logprobs
 
-            def call_reduce(logits: torch.Tensor, targets: torch.Tensor, rows: slice) -> torch.Tensor:
-                out = base_reduce(logits, targets, rows)
+            def call_reduce(logits: torch.Tensor, targets: torch.Tensor, index: TileIndex) -> torch.Tensor:
+                out = base_reduce(logits, targets, index)
                 # default gather: a non-finite log-prob <=> a non-finite logit; a custom reduce may
                 # legitimately return -inf (token outside a kept set), so check the logits there.
                 probe = out if reduce is None else logits.sum(dim=(-1, -2))
-                flags.append((rows, torch.isfinite(probe).all()))
+                rows = index[0]
+                finite.setdefault((rows.start, rows.stop), []).append(torch.isfinite(probe).all())
                 return out
 
         with torch.no_grad(), self._scoring_context():
@@ -467,13 +440,15 @@ class ScoringPlan:
                 positions=positions,
                 temperature=temperature,
                 reduce=call_reduce,
+                chunk_tokens=chunk_tokens,
             )
-        if guard and flags:
-            finite = torch.stack([flag for _, flag in flags]).cpu()
-            for (rows, _), ok in zip(flags, finite.tolist()):
+        if guard and finite:
+            chunk_ok = torch.stack([torch.stack(flags).all() for flags in finite.values()]).cpu().tolist()
+            for (start, stop), ok in zip(finite, chunk_ok):
                 if ok:
                     continue
-                sub_reduce = _shifted_reduce(reduce, rows.start) if reduce is not None else None
+                rows = slice(start, stop)
+                sub_reduce = _shifted_reduce(reduce, start) if reduce is not None else None
                 result[rows] = (
                     self._fp32_fallback()
                     .token_logprobs(
@@ -484,6 +459,7 @@ class ScoringPlan:
                         positions=positions,
                         temperature=temperature,
                         reduce=sub_reduce,
+                        chunk_tokens=chunk_tokens,
                     )
                     .to(result.device)
                 )
@@ -555,8 +531,11 @@ class ScoringPlan:
 
 
 def _shifted_reduce(reduce: LogprobReducer, offset: int) -> LogprobReducer:
-    def shifted(logits: torch.Tensor, targets: torch.Tensor, rows: slice) -> torch.Tensor:
-        return reduce(logits, targets, slice(rows.start + offset, rows.stop + offset))
+    """``reduce`` for a re-score of rows ``offset...``: the index it sees stays in the full batch's rows."""
+
+    def shifted(logits: torch.Tensor, targets: torch.Tensor, index: TileIndex) -> torch.Tensor:
+        rows, cols = index
+        return reduce(logits, targets, (slice(rows.start + offset, rows.stop + offset), cols))
 
     return shifted
 

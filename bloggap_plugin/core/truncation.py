@@ -21,11 +21,11 @@ Kept-set representations and their memory cost per scored token (``V`` = vocabul
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from bloggap_plugin.core.scoring import gather_logprobs
+from bloggap_plugin.core.scoring import LogprobReducer, TileIndex, gather_logprobs
 
 __all__ = [
     "ORDERS",
@@ -261,9 +261,6 @@ def pack_kept_ids(
     return packed.to(device) if device is not None else packed
 
 
-LogprobReducer = Callable[[torch.Tensor, torch.Tensor, slice], torch.Tensor]
-
-
 def kept_reducer(
     kept: torch.Tensor | None = None,
     kept_ids: torch.Tensor | None = None,
@@ -275,14 +272,15 @@ def kept_reducer(
     ``kept`` ``[B, K, V]`` bool (exact, ``V`` bytes per token), and/or ``kept_ids`` ``[B, K, S_max]`` int
     (``-1`` padding; exact, see :func:`pack_kept_ids`), and/or ``sizes`` ``[B, K]`` int (top-``|S|``, 0 =
     untruncated). Precedence per token: mask, then ids (where the row has any id), then size; a token with
-    none is scored over the full vocabulary. The reducer receives temperature-scaled fp32 logits ``[b, K, V]``,
-    targets ``[b, K]`` and the batch ``rows`` slice, and returns ``log p(y) - log M`` ``[b, K]`` fp32; the
+    none is scored over the full vocabulary. The reducer receives temperature-scaled fp32 logits ``[b, t, V]``
+    of one tile, targets ``[b, t]`` and the tile's ``index`` (``(rows, cols)`` slices of the full ``[B, K]``
+    grid: ``kept[index]`` is the tile's part), and returns ``log p(y) - log M`` ``[b, t]`` fp32; the
     gradient flows through both terms, so it is the gradient of the renormalised log-prob.
     """
     if kept is None and kept_ids is None and sizes is None:
         raise ValueError("kept_reducer needs a kept-set source: kept (mask), kept_ids or sizes")
 
-    def reduce(logits: torch.Tensor, targets: torch.Tensor, rows: slice) -> torch.Tensor:
+    def reduce(logits: torch.Tensor, targets: torch.Tensor, rows: TileIndex) -> torch.Tensor:
         full = gather_logprobs(logits, targets)
         log_mass = torch.zeros_like(full)
         known = torch.zeros_like(full, dtype=torch.bool)

@@ -32,7 +32,7 @@ import warnings
 import torch
 
 from bloggap_plugin.core import metrics as gap_metrics
-from bloggap_plugin.core.scoring import gather_logprobs, position_ids_from_mask, token_logprobs
+from bloggap_plugin.core.scoring import gather_logprobs, join_tiles, position_ids_from_mask, token_logprobs
 from bloggap_plugin.recipes import GapConfig, RecipeError, config_differences
 
 logger = logging.getLogger(__name__)
@@ -94,14 +94,6 @@ def is_ratio(old_logps, sampler_logps, mask, mode: str, clip_min, clip_max) -> t
         high = clip_max if clip_max is not None else math.inf
         return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
     raise ValueError(f"unknown importance sampling mode {mode!r}")
-
-
-def _assemble_capture(capture: list, n_rows: int, width: int, device: torch.device) -> torch.Tensor:
-    """``[n_rows, width]`` from ``(rows slice, [b, width])`` chunks in call order; a re-scored chunk overwrites."""
-    out = torch.zeros(n_rows, width, device=device)
-    for rows, values in capture:
-        out[rows] = values.to(device)
-    return out
 
 
 class _Stats:
@@ -373,8 +365,8 @@ class GapMixin:
     def _gap_reducer(self, kept, capture: list | None = None):
         """A ``token_logprobs`` reduce: renormalised (``gap.kept: renormalize``) or full; captures log kept mass.
 
-        ``capture`` receives ``(rows, log kept mass [b, K])`` per scored chunk; a chunk scored again (the fp16
-        guard's fp32 re-score) appends the same rows again, and the later value wins (:func:`_assemble_capture`).
+        ``capture`` receives ``(index, log kept mass [b, t])`` per scored tile; a tile scored again (the fp16
+        guard's fp32 re-score) appends the same index again, and the later value wins (``join_tiles``).
         """
         from bloggap_plugin.core.truncation import kept_reducer
 
@@ -382,9 +374,9 @@ class GapMixin:
             if capture is None:
                 return None
 
-            def full(logits, targets, rows):
+            def full(logits, targets, index):
                 out = gather_logprobs(logits, targets)
-                capture.append((rows, torch.zeros_like(out)))
+                capture.append((index, torch.zeros_like(out)))
                 return out
 
             return full
@@ -392,11 +384,11 @@ class GapMixin:
         inner = kept_reducer(kept_ids=ids, sizes=sizes.long())
         renormalize = self._gap_renormalize
 
-        def reduce(logits, targets, rows):
-            renorm = inner(logits, targets, rows)
+        def reduce(logits, targets, index):
+            renorm = inner(logits, targets, index)
             full = gather_logprobs(logits, targets)
             if capture is not None:
-                capture.append((rows, (full - renorm).detach()))
+                capture.append((index, (full - renorm).detach()))  # per tile: join_tiles assembles [B, K]
             return renorm if renormalize else full
 
         return reduce
@@ -425,6 +417,7 @@ class GapMixin:
                 positions=self._gap_positions,
                 temperature=self.temperature,
                 reduce=reduce,
+                chunk_tokens=self._gap.score_chunk_tokens,
             ).float()
 
     def _gap_agree_layers(self, layers: list[int]) -> list[int]:
@@ -706,7 +699,7 @@ class GapMixin:
         finally:
             self._gap_renormalize = saved
             self._gap_capture = None
-        return _assemble_capture(capture, ids.shape[0], logits_to_keep, ids.device)
+        return join_tiles(capture).to(ids.device)
 
     def _gap_probe_b1(self, batch, ids, attn, logits_to_keep, rows) -> torch.Tensor:
         kept = self._gap_kept_from(batch, rows)
@@ -861,15 +854,15 @@ class GapMixin:
 
     def _gap_unfused(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, kept,
                      capture):
-        """Non-fused forward (full ``[b, K, V]`` logits) through ``token_logprobs`` with the kept-set reducer."""
+        """Non-fused forward through ``token_logprobs`` with the kept-set reducer (logits in tiles of positions)."""
         entropy_parts: list = []
         reducer = self._gap_reducer(kept, capture)
 
-        def reduce(logits, targets, rows):
+        def reduce(logits, targets, index):
             if compute_entropy:
                 logp_all = torch.log_softmax(logits, dim=-1)
-                entropy_parts.append(-(logp_all.exp() * logp_all).sum(-1))
-            return reducer(logits, targets, rows)
+                entropy_parts.append((index, -(logp_all.exp() * logp_all).sum(-1)))
+            return reducer(logits, targets, index)
 
         def forward(**model_kwargs):
             with self.accelerator.autocast():
@@ -877,8 +870,8 @@ class GapMixin:
 
         logps = token_logprobs(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                                positions=self._gap_positions, temperature=self.temperature, reduce=reduce,
-                               forward=forward)
-        entropies = torch.cat(entropy_parts, dim=0) if compute_entropy else None
+                               forward=forward, chunk_tokens=self._gap.score_chunk_tokens)
+        entropies = join_tiles(entropy_parts) if compute_entropy else None
         return logps, entropies
 
     def _compute_loss(self, model, inputs):
