@@ -194,15 +194,16 @@ def cmd_trl(args) -> None:
     overrides = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": args.gpu_mem,
                  "vllm_enable_sleep_mode": False} if not args.no_vllm else {}
     overrides.update(json.loads(args.overrides or "{}"))
+    gap_overrides = json.loads(args.gap_overrides or "{}")
     log = Path(args.out_json).with_suffix(".jsonl")
     log.unlink(missing_ok=True)
     t0 = time.perf_counter()
     summary = run_training(ROOT / "recipes" / f"arm_{args.arm}.yaml", model=args.model, task="arith",
-                           max_steps=args.steps, output_dir=f"/tmp/bloggap_trl_{args.arm}", seed=0, log_jsonl=log,
-                           extra_overrides=overrides)
+                           max_steps=args.steps, output_dir=f"/tmp/bloggap_trl_{Path(args.out_json).stem}", seed=0,
+                           log_jsonl=log, extra_overrides=overrides, gap_overrides=gap_overrides or None)
     rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     payload = {"arm": args.arm, "engine_dtype": engine.get("dtype"), "wall_s": round(time.perf_counter() - t0, 2),
-               "summary": summary, "rows": rows, "overrides": overrides}
+               "summary": summary, "rows": rows, "overrides": overrides, "gap_overrides": gap_overrides}
     Path(args.out_json).write_text(json.dumps(_clean(payload), indent=1, default=_default))
     print(f"[trl {args.arm}] engine {engine.get('dtype')} steps {summary.get('steps')}", flush=True)
 
@@ -581,6 +582,58 @@ def tables(result: dict) -> list[dict]:
     return out
 
 
+TRUNC_TRL = {
+    "untruncated": ({}, {"kept": "measure"}),
+    "top_p=0.8, kept measure": ({"top_p": 0.8}, {"kept": "measure"}),
+    "top_p=0.8, kept renormalize": ({"top_p": 0.8}, {"kept": "renormalize"}),
+}
+
+
+def cmd_trunc_trl(args) -> None:
+    """Truncated sampling in TRL GRPO with vLLM, live: three arm-A runs side by side (``trunc_*.json`` in ``--work``)."""
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    procs = {}
+    for i, (name, (overrides, gap_overrides)) in enumerate(TRUNC_TRL.items()):
+        procs[name] = _spawn(["trl", "--arm", "A", "--model", args.model, "--steps", str(args.steps),
+                              "--out-json", str(work / f"trunc_{i}.json"), "--overrides", json.dumps(overrides),
+                              "--gap-overrides", json.dumps(gap_overrides)], work / f"trunc_{i}.log")
+    print(_wait(procs, time.time() + 300))
+
+
+def trunc_trl_table(work: Path) -> dict | None:
+    rows, found = [], False
+    for i, name in enumerate(TRUNC_TRL):
+        path = work / f"trunc_{i}.json"
+        if not path.exists():
+            continue
+        found = True
+        logged = [r for r in json.loads(path.read_text())["rows"] if "sampling/importance_sampling_ratio/mean" in r]
+        def mean(key, logged=logged):
+            values = [r[key] for r in logged if isinstance(r.get(key), (int, float))]
+            return _r(sum(values) / len(values)) if values else None
+
+        rows.append([name, len(logged), mean("sampling/importance_sampling_ratio/mean"),
+                     mean("sampling/importance_sampling_ratio/min"), mean("gap/sampler/is_ratio_mean"),
+                     mean("gap/sampler/is_ratio_min"), mean("gap/kept/mass_mean"), mean("gap/kept/ratio_before_mean"),
+                     mean("gap/kept/ratio_after_mean"), mean("gap/sampler/oob_frac"), mean("reward")])
+    if not found:
+        return None
+    return {"id": "T13-trl-trunc", "title": "Truncated sampling in TRL GRPO with vLLM (colocate), arm A: TRL's IS weight "
+            "before and after the plugin's kept-set renormalisation",
+            "columns": ["sampling / gap.kept", "generations", "TRL IS ratio mean", "TRL IS ratio min",
+                        "IS ratio applied: mean", "min", "kept mass", "ratio before", "ratio after", "sampler OOB",
+                        "reward"],
+            "rows": rows,
+            "notes": "recipes/arm_A.yaml with use_vllm colocate (vLLM bf16), 8 steps = 2 generations of 16 x 32 tokens, "
+                     "TRL's default vllm_importance_sampling_mode sequence_mask (clip_max 3). 'TRL IS ratio' = TRL's "
+                     "sampling/importance_sampling_ratio/* (computed with its full-vocabulary old log-probs); 'IS ratio "
+                     "applied' = gap/sampler/is_ratio_* (the ratio in the loss after the plugin). Kept mass = the "
+                     "trainer's mass of its re-truncated set; ratio before / after = mean per-token exp(old - vLLM) over the "
+                     "full vocabulary / renormalised. Means over generation steps.",
+            "reference": None, "random_init": False, "plot": False}
+
+
 def cmd_merge(args) -> None:
     """Combine runs made in several GPU calls: work folders (per-process JSON) and ``score`` outputs."""
     result: dict = {"table": "T13", "errors": {}, "sampler_vs_trainer": [], "truncation": [], "sources": []}
@@ -601,8 +654,15 @@ def cmd_merge(args) -> None:
         result["sources"].append(str(path))
     result["sampler_vs_trainer"] = [rows[k] for k in sorted(rows)]
     result["truncation"] = [trunc[k] for k in sorted(trunc)]
+    extra = []
+    for work in args.trunc_trl:
+        table = trunc_trl_table(Path(work))
+        if table is not None:
+            extra.append(table)
+            result["trunc_trl_rows"] = {f"trunc_{i}": json.loads((Path(work) / f"trunc_{i}.json").read_text())["rows"]
+                                        for i in range(len(TRUNC_TRL)) if (Path(work) / f"trunc_{i}.json").exists()}
     document = {"benchmark": "vllm_live", "schema_version": 1, "env": result.pop("env", {}),
-                "params": result.pop("settings", {}), "results": result, "tables": tables(result)}
+                "params": result.pop("settings", {}), "results": result, "tables": tables(result) + extra}
     _write_json(Path(args.out), _clean(document))
     print(f"merged -> {args.out}: {len(result['trl_runs'])} TRL runs, {len(rows)} gap rows, {len(trunc)} truncation rows, "
           f"errors {sorted(result['errors'])}")
@@ -706,6 +766,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gpu-mem", type=float, default=0.07)
     p.add_argument("--overrides", default=None, help="JSON of extra GRPOConfig fields")
     p.add_argument("--no-vllm", action="store_true", help="HF generate instead (a CPU dry run of the plumbing)")
+    p.add_argument("--gap-overrides", default=None, help="JSON of gap: fields replacing the recipe's (e.g. kept)")
+    p = sub.add_parser("trunc-trl", help="TRL colocate, arm A, top_p 0.8: kept measure vs renormalize vs untruncated")
+    p.add_argument("--model", required=True)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--work", default="/tmp/bloggap_trunc_trl")
     p = sub.add_parser("time")
     p.add_argument("--shape", choices=["smollm2", "llama-1b"], required=True)
     p.add_argument("--model", required=True)
@@ -718,9 +783,10 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("merge", help="combine work folders and score outputs of several GPU calls into one JSON")
     p.add_argument("--work", nargs="*", default=[])
     p.add_argument("--score", nargs="*", default=[])
+    p.add_argument("--trunc-trl", nargs="*", default=[], help="work folders of trunc-trl runs")
     p.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    {"all": cmd_all, "gen": cmd_gen, "trl": cmd_trl, "time": cmd_time, "merge": cmd_merge,
+    {"all": cmd_all, "gen": cmd_gen, "trl": cmd_trl, "time": cmd_time, "merge": cmd_merge, "trunc-trl": cmd_trunc_trl,
      "score": lambda a: _write_json(Path(a.out_json), _clean({"env": _env(), **cmd_score(sorted(Path(a.work).glob("gen_*.pt")), a.model)}))}[args.cmd](args)
 
 

@@ -297,7 +297,6 @@ def _tool(x: int) -> int:
 
 REFUSALS = {
     # (trainer attribute set before attaching, GRPOConfig overrides, gap settings) -> the error's words
-    "renormalize_vllm": ({"use_vllm": True}, {}, dict(kept="renormalize"), "no kept-set source on TRL's vLLM path"),
     "is_correction_vllm": ({"use_vllm": True}, {}, dict(is_correction=True), "use TRL's own vllm_importance"),
     "renormalize_tools": ({"tools": [_tool]}, {}, dict(kept="renormalize"), "plain HF generate without tools"),
     "is_correction_vespo": ({}, {"loss_type": "vespo"}, dict(is_correction=True), "does not apply to loss_type vespo"),

@@ -157,10 +157,11 @@ class GapMixin:
         if self.use_vllm and gap.arm == "H":
             self._gap_check_vllm_fp16()
         if self.use_vllm:
-            if gap.kept == "renormalize":
+            if gap.kept == "renormalize" and args.beta != 0.0:
                 raise RecipeError(
-                    "gap.kept: renormalize has no kept-set source on TRL's vLLM path in this integration "
-                    "(vLLM's sampling masks are parsed by bloggap_plugin.vllm); use gap.kept: measure, or HF generate"
+                    "gap.kept: renormalize with beta > 0 is not supported on TRL's vLLM path: TRL scores the reference "
+                    "model before the plugin re-derives the kept sets, so the KL term would compare a renormalised "
+                    "policy with a full-vocabulary reference; use beta: 0, gap.kept: measure, or HF generate"
                 )
             if gap.is_correction:
                 raise RecipeError(
@@ -243,6 +244,12 @@ class GapMixin:
                 **settings, truncate=self._gap_truncating, order="hf",
                 store_ids_max=gap.store_ids_max if gap.kept != "off" else 0,
             )
+        self._gap_vllm_truncation = None
+        if self.use_vllm:
+            # what TRL sends to vLLM: VLLMGeneration's settings, generation_kwargs last (vllm_generation.py l.662-672)
+            self._gap_vllm_truncation = self._gap_vllm_sampling()
+            self._gap_truncating = any((self._gap_vllm_truncation["top_k"] > 0, self._gap_vllm_truncation["top_p"] < 1.0,
+                                        self._gap_vllm_truncation["min_p"] > 0.0))
         if gap.kept == "renormalize" and not self._gap_truncating:
             warnings.warn("gap.kept: renormalize with untruncated sampling (top_p 1, top_k 0, min_p 0) changes nothing", stacklevel=3)
         self._gap_renormalize = gap.kept == "renormalize" and self._gap_truncating
@@ -270,6 +277,57 @@ class GapMixin:
         self._gap_pending_completion = None
         if gap.plan_arm is not None and not (gap.arm == "D" and gap.layers is None):
             self._gap_plan = self._gap_make_plan(gap.plan_arm, layers=gap.layers, k=gap.k)
+
+    def _gap_vllm_sampling(self) -> dict:
+        """``{top_k, top_p, min_p}`` that TRL's vLLM generation samples with (``generation_kwargs`` override last)."""
+        from bloggap_plugin.core.truncation import validate_sampling
+
+        source = getattr(self, "vllm_generation", None) or self
+        settings = {"top_k": getattr(source, "top_k", None), "top_p": getattr(source, "top_p", None),
+                    "min_p": getattr(source, "min_p", None)}
+        settings.update({k: v for k, v in (getattr(source, "generation_kwargs", None) or {}).items() if k in settings})
+        top_k = int(settings["top_k"] or 0)
+        clean = {"top_k": top_k if top_k > 0 else 0,
+                 "top_p": 1.0 if settings["top_p"] is None else float(settings["top_p"]),
+                 "min_p": float(settings["min_p"] or 0.0)}
+        validate_sampling(1.0, **clean)
+        return clean
+
+    def _gap_vllm_kept_sets(self, output: dict, ids, attn, logits_to_keep) -> None:
+        """Kept sets of vLLM's draws, re-derived from the trainer's logits: ``gap_kept_sizes`` ``[B, K]`` and the trainer's
+        log kept mass ``gap_sampler_log_kept_mass`` ``[B, K]`` (vLLM's own mass is not returned by TRL 1.16).
+
+        One grad-free scoring pass in the arm's plan (TRL's forward for arms without one): the kept set follows vLLM's
+        order (temperature, min_p, top_k, top_p) on the temperature-scaled logits with the sampled token forced in.
+        Only sizes are kept, so old and new passes renormalise over their own top-``|S|`` (approximate at the boundary,
+        exactly consistent between the two passes at equal weights).
+        """
+        from bloggap_plugin.core.precision import make_plan
+        from bloggap_plugin.core.truncation import kept_mask, log_kept_mass
+
+        truncation = self._gap_vllm_truncation
+        sizes_parts: list = []
+        mass_parts: list = []
+
+        def reduce(logits, targets, index):
+            kept = kept_mask(logits, sampled=targets, order="vllm", **truncation)
+            sizes_parts.append((index, kept.sum(-1).to(torch.float32)))
+            mass_parts.append((index, log_kept_mass(logits, kept)))
+            return gather_logprobs(logits, targets)
+
+        if self._gap_plan is not None:
+            plan = self._gap_synced(self._gap_plan, "_gap_plan_step")
+        else:
+            if getattr(self, "_gap_vllm_plan", None) is None:
+                self._gap_vllm_plan = make_plan(self.model, "bf16", fp16_guard=False)  # TRL's own forward, as called
+            plan = self._gap_vllm_plan
+        with torch.no_grad(), _fork_rng(self.accelerator.device):
+            plan.token_logprobs(ids, attn, logits_to_keep, batch_size=self.args.per_device_train_batch_size,
+                                positions=self._gap_positions, temperature=self.temperature, reduce=reduce,
+                                chunk_tokens=self._gap.score_chunk_tokens)
+        mask = output["completion_mask"]
+        output["gap_kept_sizes"] = join_tiles(sizes_parts).round().to(torch.int32).to(mask.device) * mask.int()
+        output["gap_sampler_log_kept_mass"] = join_tiles(mass_parts).to(mask.device) * mask
 
     def _gap_check_vllm_fp16(self) -> None:
         """Arm H samples in fp16: refuse a colocate engine built in another dtype; warn where it cannot be read."""
@@ -335,7 +393,8 @@ class GapMixin:
         return self._gap_synced(self._gap_ref_plan, "_gap_ref_step")
 
     def _gap_close(self) -> None:
-        for plan in {id(p): p for p in (self._gap_plan, self._gap_ref_plan) if p is not None}.values():
+        plans = (self._gap_plan, self._gap_ref_plan, getattr(self, "_gap_vllm_plan", None))
+        for plan in {id(p): p for p in plans if p is not None}.values():
             plan.close()
 
     # ------------------------------------------------------------------ kept sets
@@ -571,6 +630,8 @@ class GapMixin:
         logits_to_keep = output["completion_ids"].shape[1]
         n_rows = ids.shape[0]
         batch_size = self.args.per_device_train_batch_size
+        if self.use_vllm and self._gap_kept_on and output.get("sampling_per_token_logps") is not None:
+            self._gap_vllm_kept_sets(output, ids, attn, logits_to_keep)
         kept = self._gap_kept_from(output)
         trl_old = output.get("old_per_token_logps")
         self._gap_drives = trl_old is not None or gap.force_old_logprobs
@@ -589,7 +650,8 @@ class GapMixin:
             output["gap_ref_logps"] = ref
         output["gap_probe_row"] = probe
         if gap.arm != "G":
-            if gap.arm in ("A", "H") and trl_old is not None:
+            # TRL's own old pass ran before the vLLM kept sets existed: renormalising re-scores it
+            if gap.arm in ("A", "H") and trl_old is not None and not (self.use_vllm and self._gap_renormalize):
                 old = trl_old.float()
             else:
                 old = self._gap_arm_scores(ids, attn, logits_to_keep, batch_size, kept).to(ids.device)

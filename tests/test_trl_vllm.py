@@ -1,0 +1,126 @@
+"""The plugin on TRL's vLLM path (``use_vllm=True``), on CPU with a stand-in engine (``fake_vllm.py``).
+
+The stand-in samples with the trainer's own model and returns processed log-probs as vLLM does, so the only
+sampler-vs-trainer difference is the truncation term: exactly what the kept-set metrics and renormalisation must
+find and remove. The live-engine counterparts are in ``test_gpu_vllm.py`` (GPU machine).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from fake_vllm import use_fake_vllm  # noqa: E402
+from test_trl import logs_of, make  # noqa: E402
+from test_trl_configs import saved_model_dir  # noqa: E402
+
+from bloggap_plugin.recipes import GapConfig, RecipeError  # noqa: E402
+from bloggap_plugin.trl import GapCallback  # noqa: E402
+
+EQUAL = ["1+1=", "2+2=", "3+5=", "7+1="]
+"""Equal-length prompts: no left padding, so TRL's positions 0..L-1 are the sampler's (arm A compares like with like)."""
+PAIRS = [
+    ("gap/sampler/abs_dlogp_mean", "sampling/sampling_logp_difference/mean"),
+    ("gap/sampler/abs_dlogp_max", "sampling/sampling_logp_difference/max"),
+    ("gap/sampler/is_ratio_mean", "sampling/importance_sampling_ratio/mean"),
+    ("gap/sampler/is_ratio_min", "sampling/importance_sampling_ratio/min"),
+    ("gap/sampler/is_ratio_max", "sampling/importance_sampling_ratio/max"),
+]
+
+
+def sharpen(model, scale: float = 30.0) -> None:
+    """Peak the random model's next-token distribution so that truncation removes some tokens, not most."""
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+
+
+def vllm_run(tmp_path, gap, sampling, train=True, **overrides):
+    torch.manual_seed(4321)
+    trainer = make(tmp_path, mode="plain", prepare=sharpen, **overrides)
+    fake = use_fake_vllm(trainer, **sampling)
+    if gap is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.add_callback(GapCallback(trainer, gap=gap))
+    if train:
+        trainer.train()
+    return trainer, fake
+
+
+@pytest.mark.parametrize("arm", ["A", "G"])
+def test_sampler_metrics_equal_trls_on_the_same_step(tmp_path, arm):
+    """A and G keep TRL's old log-probs at generation time: gap/sampler/* and TRL's sampling/* measure the same."""
+    trainer, fake = vllm_run(tmp_path, GapConfig(arm=arm, kept="off"), {"top_p": 0.8})
+    checked = 0
+    for row in logs_of(trainer):
+        if "sampling/sampling_logp_difference/mean" not in row:
+            continue
+        for ours, theirs in PAIRS:
+            assert abs(row[ours] - row[theirs]) <= 1e-6 * max(1.0, abs(row[theirs])), (ours, row[ours], row[theirs])
+            checked += 1
+    assert checked == len(PAIRS) and fake.calls == 1
+
+
+def test_kept_measure_finds_the_kept_mass_and_leaves_training_alone(tmp_path):
+    """Sampler = the trainer's own model: full-vocabulary old / processed sampler = the kept mass S per token, so the
+    mean ratio before equals the mean kept mass and the ratio after renormalising is 1; training is plain TRL's."""
+    plain, _ = vllm_run(tmp_path / "plain", None, {"top_p": 0.8}, prompts=EQUAL)
+    trainer, fake = vllm_run(tmp_path / "gap", GapConfig(arm="A", kept="measure"), {"top_p": 0.8}, prompts=EQUAL)
+    first = logs_of(trainer)[0]
+    assert 0.5 < first["gap/kept/mass_mean"] < 0.999 and first["gap/kept/size_max"] < 104
+    assert first["gap/kept/ratio_before_mean"] == pytest.approx(first["gap/kept/mass_mean"], abs=1e-5)
+    assert first["gap/kept/ratio_after_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert first["gap/kept/oob_after"] == 0.0 and first["gap/kept/oob_before"] > 0.2
+    # the sampler's own kept sizes are the trainer's re-truncated ones (same logits on CPU)
+    record = fake.last_record
+    sizes = record.kept_sizes[record.kept_sizes > 0].double()
+    assert first["gap/kept/size_max"] == float(sizes.max())
+    assert [(h["loss"], h["grad_norm"]) for h in logs_of(trainer)] == [(h["loss"], h["grad_norm"]) for h in logs_of(plain)]
+
+
+def test_kept_renormalize_brings_the_is_ratio_to_one(tmp_path):
+    """renormalize: the arm's old log-probs are renormalised over the re-truncated kept set, so the IS ratio TRL then
+    applies is 1 per sequence (TRL's default sequence_mask), where TRL alone weights every sequence by S^T."""
+    trainer, _ = vllm_run(tmp_path, GapConfig(arm="A", kept="renormalize"), {"top_p": 0.8}, prompts=EQUAL)
+    first = logs_of(trainer)[0]
+    assert first["sampling/importance_sampling_ratio/mean"] < 0.5  # TRL's own, computed before the plugin
+    assert first["gap/sampler/is_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert first["gap/sampler/is_ratio_min"] == pytest.approx(1.0, abs=1e-4)
+    assert first["gap/sampler/oob_frac"] == 0.0
+    # the training forward is renormalised over the same kept sets: new / old is 1 at the first inner step
+    assert first["gap/ratio/abs_dlogp_max"] < 1e-5
+    assert all(math.isfinite(h["loss"]) for h in logs_of(trainer))
+
+
+@pytest.mark.parametrize("arm, sampling", [("C", {"top_k": 5}), ("C", {"min_p": 0.05}),
+                                           ("C", {"top_p": 0.9, "min_p": 0.05}), ("G", {"top_p": 0.8}),
+                                           ("E", {"top_p": 0.8})])
+def test_kept_renormalize_other_truncations_and_arms(tmp_path, arm, sampling):
+    trainer, _ = vllm_run(tmp_path, GapConfig(arm=arm, kept="renormalize"), sampling, max_steps=1)
+    first = logs_of(trainer)[0]
+    assert first["gap/sampler/is_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert first["gap/kept/ratio_after_mean"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_kept_off_on_vllm_path_logs_no_kept_metrics(tmp_path):
+    trainer, _ = vllm_run(tmp_path, GapConfig(arm="A", kept="off"), {"top_p": 0.8}, max_steps=1)
+    assert not any(k.startswith("gap/kept/") for h in logs_of(trainer) for k in h)
+
+
+def test_untruncated_vllm_path_logs_no_kept_metrics(tmp_path):
+    trainer, _ = vllm_run(tmp_path, GapConfig(arm="C", kept="measure"), {}, max_steps=1)
+    first = logs_of(trainer)[0]
+    assert not any(k.startswith("gap/kept/") for k in first)
+    # same model, untruncated, the sampler's positions (arm C): the sampler's log-probs are the trainer's
+    assert first["gap/sampler/oob_frac"] == 0.0 and first["gap/sampler/abs_dlogp_max"] < 1e-4
+
+
+def test_renormalize_with_beta_on_vllm_path_is_refused(tmp_path):
+    with pytest.raises(RecipeError, match="renormalize.*beta.*vLLM"):
+        vllm_run(tmp_path, GapConfig(arm="A", kept="renormalize"), {"top_p": 0.8}, train=False, beta=0.04,
+                 model_name=saved_model_dir(tmp_path))
