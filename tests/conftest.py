@@ -11,6 +11,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("CI", "true")  # TRL sends no telemetry under CI
+# Tests never inherit the user's GSM8K path (it would change what get_task("gsm8k") loads); a folder it names is
+# still used to find the real data when ../shared is not beside the repository (see gsm8k_dir below).
+_GSM8K_ENV_AT_START = os.environ.pop("BLOGGAP_GSM8K_DATA", None)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -32,6 +35,30 @@ def smollm2_fp32():
     from bloggap_plugin.models import load_model
 
     return load_model("smollm2", dtype="fp32")
+
+
+def real_gsm8k_dir():
+    """The real GSM8K folder (train.jsonl, test.jsonl): ``../shared/data/gsm8k`` beside the repository (as in CI),
+    else the folder ``$BLOGGAP_GSM8K_DATA`` named when the tests started; ``None`` when neither has the files."""
+    from pathlib import Path
+
+    candidates = [Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"]
+    if _GSM8K_ENV_AT_START:
+        candidates.append(Path(_GSM8K_ENV_AT_START))
+    for folder in candidates:
+        if (folder / "train.jsonl").is_file() and (folder / "test.jsonl").is_file():
+            return folder
+    return None
+
+
+@pytest.fixture
+def gsm8k_dir():
+    """The real GSM8K folder, or skip: the data lives outside the package (../shared/data/gsm8k)."""
+    folder = real_gsm8k_dir()
+    if folder is None:
+        pytest.skip("real GSM8K data not found: expected ../shared/data/gsm8k beside the repository (train.jsonl, "
+                    "test.jsonl), or set BLOGGAP_GSM8K_DATA to that folder")
+    return folder
 
 
 # Test modules share helpers by plain import (e.g. ``from test_trl import make``) under --import-mode=importlib.

@@ -204,6 +204,8 @@ def test_train_max_steps_not_positive(bloggap, tmp_path, steps):
 def test_train_gsm8k_offline_names_the_data_option(bloggap, tmp_path, monkeypatch):
     import datasets
 
+    monkeypatch.delenv("BLOGGAP_GSM8K_DATA", raising=False)
+
     real_load = datasets.load_dataset
 
     def offline_load(path, *args, **kwargs):  # as offline without openai/gsm8k in the cache, whatever this machine has
@@ -228,6 +230,27 @@ def test_prepare_run_accepts_local_gsm8k_data(tmp_path, monkeypatch):
                        output_dir=tmp_path / "out", device="cpu", task_kwargs={"data": str(SAMPLE_PATH)})
     assert plan.args.max_steps == 3 and plan.args.num_generations == 8
     assert plan.device == "cpu" and plan.dtype == "bf16" and plan.gap.arm == "A"
+
+
+def test_train_gsm8k_data_from_the_environment_variable(bloggap, gsm8k_dir, tmp_path, monkeypatch):
+    """$BLOGGAP_GSM8K_DATA stands in for --data: a cut copy is refused in one line naming the variable, before the
+    model loads; the real folder is accepted (with --calc-steps) by the same checks."""
+    import bloggap_plugin.models as models
+    from bloggap_plugin.trl.train import prepare_run
+
+    short = tmp_path / "short"
+    short.mkdir()
+    (short / "train.jsonl").write_text("".join((gsm8k_dir / "train.jsonl").read_text().splitlines(keepends=True)[:-2]))
+    monkeypatch.setenv("BLOGGAP_GSM8K_DATA", str(short))
+    _assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--task", "gsm8k"),
+                           f"{short / 'train.jsonl'} has 7,471 rows", "point $BLOGGAP_GSM8K_DATA at another copy")
+    _assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--task", "gsm8k", "--data", gsm8k_dir,
+                                  "--calc-steps", "2-1"), "calc_steps '2-1'")
+    monkeypatch.setenv("BLOGGAP_GSM8K_DATA", str(gsm8k_dir))
+    monkeypatch.setattr(models, "load_model", _no_model)
+    plan = prepare_run(RECIPES / "arm_A.yaml", model="tiny-random-llama", task="gsm8k", max_steps=2,
+                       output_dir=tmp_path / "out", device="cpu", task_kwargs={"calc_steps": "1"})
+    assert plan.args.max_steps == 2
 
 
 # --- corrupt model files (doctor, train, ladder, attribute) --------------------------------------------------------

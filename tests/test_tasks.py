@@ -178,3 +178,100 @@ def test_prompts_follow_the_tokenizer():
     plain, _ = get_task("arith", tokenizer, n=2)
     assert isinstance(plain[0]["prompt"], str) and plain[0]["prompt"].endswith("\nA:")
     assert arith.SYSTEM_PROMPT in plain[0]["prompt"]
+
+
+# --------------------------------------------------------------------------------------------- the real GSM8K files
+
+
+def _rows(path) -> list[dict]:
+    return [json.loads(line) for line in open(path) if line.strip()]
+
+
+def test_real_gsm8k_loads_from_a_folder_or_a_file_and_is_checked(gsm8k_dir):
+    train, test = _rows(gsm8k_dir / "train.jsonl"), _rows(gsm8k_dir / "test.jsonl")
+    assert (len(train), len(test)) == (7473, 1319)  # the README's counts, read without the loader
+    from_folder = gsm8k.load_gsm8k(gsm8k_dir, split="train")
+    assert len(from_folder) == 7473 and from_folder["question"][:3] == [r["question"] for r in train[:3]]
+    from_file = gsm8k.load_gsm8k(gsm8k_dir / "test.jsonl", split="test")
+    assert from_file["answer"] == [r["answer"] for r in test]
+    assert len(gsm8k.load_gsm8k(gsm8k_dir, split="test")) == 1319
+
+
+def test_the_environment_variable_names_the_data_and_data_wins(gsm8k_dir, monkeypatch):
+    monkeypatch.setenv(gsm8k.DATA_ENV, str(gsm8k_dir))
+    assert len(gsm8k.load_gsm8k(None, split="test")) == 1319
+    dataset, _ = get_task("gsm8k", None, seed=0, n=5)
+    golds = {gold_answer(r["answer"]) for r in _rows(gsm8k_dir / "train.jsonl")}
+    assert len(dataset) == 5 and set(dataset["answer"]) <= golds
+    assert len(gsm8k.load_gsm8k(gsm8k.SAMPLE_PATH)) == 12  # an explicit path beats the variable
+    monkeypatch.setenv(gsm8k.DATA_ENV, "")
+    assert gsm8k.resolve_data(None) is None  # empty: the hub id
+
+
+def _altered_copies(gsm8k_dir, tmp_path) -> dict:
+    lines = (gsm8k_dir / "test.jsonl").read_text().splitlines(keepends=True)
+    short = tmp_path / "short"
+    short.mkdir()
+    (short / "test.jsonl").write_text("".join(lines[:-1]))  # one row removed
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    first = json.loads(lines[0])
+    first["answer"] = first["answer"].replace("#### ", "#### 1", 1)  # a gold answer changed, rows unchanged
+    (edited / "test.jsonl").write_text(json.dumps(first) + "\n" + "".join(lines[1:]))
+    return {"short": short, "edited": edited}
+
+
+def test_a_cut_or_edited_copy_of_a_published_file_is_refused_in_one_line(gsm8k_dir, tmp_path, monkeypatch):
+    copies = _altered_copies(gsm8k_dir, tmp_path)
+    with pytest.raises(GSM8KDataError) as cut:
+        gsm8k.load_gsm8k(copies["short"] / "test.jsonl", split="test")
+    message = str(cut.value)
+    assert "\n" not in message and f"{copies['short'] / 'test.jsonl'} has 1,318 rows" in message
+    assert "the published test.jsonl has 1,319" in message and "restore the unchanged file" in message
+    assert "point --data at another copy" in message
+    with pytest.raises(GSM8KDataError, match=r"test\.jsonl has the right row count \(1,319\) but other bytes") as edit:
+        gsm8k.load_gsm8k(copies["edited"], split="test")  # the folder form resolves to test.jsonl
+    assert "\n" not in str(edit.value)
+    monkeypatch.setenv(gsm8k.DATA_ENV, str(copies["short"]))
+    with pytest.raises(GSM8KDataError, match=r"point \$BLOGGAP_GSM8K_DATA at another copy"):
+        gsm8k.load_gsm8k(None, split="test")
+    monkeypatch.setenv(gsm8k.DATA_ENV, str(tmp_path / "nowhere"))
+    with pytest.raises(GSM8KDataError, match=r"nowhere \(given by \$BLOGGAP_GSM8K_DATA\) does not exist"):
+        gsm8k.load_gsm8k(None)
+    # The same rows under a name of one's own are a subset, not the published file: loaded as they are.
+    own = tmp_path / "my_subset.jsonl"
+    own.write_text((copies["short"] / "test.jsonl").read_text())
+    assert len(gsm8k.load_gsm8k(own)) == 1318
+
+
+# --------------------------------------------------------------------------------------------- difficulty
+
+
+def test_calc_steps_filter_matches_an_independent_count_on_real_data(gsm8k_dir):
+    test = _rows(gsm8k_dir / "test.jsonl")
+    loaded = gsm8k.load_gsm8k(gsm8k_dir, split="test")
+    for steps, wanted in ((1, {1}), (2, {2}), ("1-2", {1, 2}), ((0, 1), {0, 1})):
+        expected = [r["question"] for r in test if r["answer"].count("<<") in wanted]
+        assert gsm8k.filter_by_calc_steps(loaded, steps)["question"] == expected, steps
+    assert len(gsm8k.filter_by_calc_steps(loaded, None)) == 1319
+    train = _rows(gsm8k_dir / "train.jsonl")
+    one_step = sorted(gold_answer(r["answer"]) for r in train if r["answer"].count("<<") == 1)
+    dataset, _ = get_task("gsm8k", None, seed=3, data=str(gsm8k_dir), calc_steps=1)
+    assert sorted(dataset["answer"]) == one_step and len(one_step) > 100
+
+
+def test_calc_steps_on_the_fixture_and_bad_values():
+    rows = _rows(gsm8k.SAMPLE_PATH)
+    assert [gsm8k.calc_steps(r["answer"]) for r in rows] == [r["answer"].count("<<") for r in rows]
+    two = [gold_answer(r["answer"]) for r in rows if r["answer"].count("<<") == 2]
+    dataset, _ = get_task("gsm8k", None, data=str(gsm8k.SAMPLE_PATH), calc_steps="2")
+    assert sorted(dataset["answer"]) == sorted(two) and len(two) > 0
+    assert gsm8k.parse_calc_steps(2) == (2, 2) and gsm8k.parse_calc_steps(" 1-3 ") == (1, 3)
+    assert gsm8k.parse_calc_steps([0, 2]) == (0, 2) and gsm8k.parse_calc_steps(None) is None
+    for bad in ("x", "-1", "3-1", True, "1-2-3", -2):
+        with pytest.raises(ValueError, match="calc_steps"):
+            gsm8k.parse_calc_steps(bad)
+    with pytest.raises(GSM8KDataError, match="no GSM8K row has 40 calculation step"):
+        get_task("gsm8k", None, data=str(gsm8k.SAMPLE_PATH), calc_steps=40)
+    with pytest.raises(ValueError, match="calc_steps .* applies to 'gsm8k' only"):
+        get_task("arith", None, calc_steps=1)

@@ -16,7 +16,7 @@ import os
 
 from bloggap_plugin.errors import UsageError
 
-__all__ = ["TASKS", "get_task", "prompt_fingerprint"]
+__all__ = ["TASKS", "get_task", "prompt_fingerprint", "prompt_token_ids"]
 
 TASKS = ("gsm8k", "arith")
 
@@ -38,6 +38,7 @@ def get_task(
     n: int | None = None,
     data: str | os.PathLike | None = None,
     parser: str = "lenient",
+    calc_steps: int | str | tuple[int, int] | None = None,
 ):
     """``(train_dataset, reward_funcs)`` for task ``name``.
 
@@ -48,9 +49,13 @@ def get_task(
         seed: GSM8K: shuffle seed of the training split; arith: generator seed. Same seed, same prompt order.
         difficulty: arith level 1-5 (default :data:`~bloggap_plugin.tasks.arith.DEFAULT_DIFFICULTY`); must be
             ``None`` for GSM8K.
-        n: number of prompts (GSM8K: the first ``n`` after shuffling, default all; arith: default 1024).
-        data: GSM8K only: a local file or folder in GSM8K format instead of ``openai/gsm8k`` from the hub.
+        n: number of prompts (GSM8K: the first ``n`` after filtering and shuffling, default all; arith: default
+            1024).
+        data: GSM8K only: a local file or folder in GSM8K format; ``None``: ``$BLOGGAP_GSM8K_DATA``, else
+            ``openai/gsm8k`` from the hub (see :func:`bloggap_plugin.tasks.gsm8k.load_gsm8k`).
         parser: GSM8K reward parser, ``"lenient"`` (last number) or ``"strict"`` (``#### n``).
+        calc_steps: GSM8K only: keep the problems whose reference solution has this many ``<<...>>`` calculation
+            steps: a number (``1``: exactly one) or a range (``"1-2"``); ``None`` keeps all.
     """
     import datasets
 
@@ -61,10 +66,12 @@ def get_task(
         from bloggap_plugin.tasks import gsm8k
 
         if difficulty is not None:
-            raise UsageError("difficulty applies to the 'arith' task only; GSM8K has none (leave it unset)")
+            raise UsageError("difficulty applies to the 'arith' task only; for GSM8K choose problems by their number "
+                             "of calculation steps with calc_steps (--calc-steps)")
         if parser not in ("lenient", "strict"):
             raise UsageError(f"parser must be 'lenient' or 'strict', got {parser!r}")
-        raw = gsm8k.load_gsm8k(data, split="train").shuffle(seed=seed)
+        gsm8k.parse_calc_steps(calc_steps)  # a bad value fails before the data loads
+        raw = gsm8k.filter_by_calc_steps(gsm8k.load_gsm8k(data, split="train"), calc_steps).shuffle(seed=seed)
         if n is not None:
             raw = raw.select(range(min(n, len(raw))))
         messages = [gsm8k.build_messages(q) for q in raw["question"]]
@@ -75,6 +82,9 @@ def get_task(
 
         if data is not None:
             raise UsageError("the 'arith' task generates its problems; --data applies to 'gsm8k' only")
+        if calc_steps is not None:
+            raise UsageError("calc_steps (<<...>> calculation steps) applies to 'gsm8k' only; the 'arith' task has "
+                             "--difficulty")
         level = arith.DEFAULT_DIFFICULTY if difficulty is None else difficulty
         problems = arith.make_problems(1024 if n is None else n, seed=seed, difficulty=level)
         messages = [arith.build_messages(p, level) for p in problems]
@@ -85,6 +95,16 @@ def get_task(
     prompts = messages if conversational else [_as_text_prompt(m) for m in messages]
     dataset = datasets.Dataset.from_dict({"prompt": prompts, "answer": answers})
     return dataset, [reward]
+
+
+def prompt_token_ids(prompt: list[dict[str, str]] | str, tokenizer) -> list[int]:
+    """Token ids of one ``prompt`` column entry as TRL's GRPOTrainer (1.16) builds them for generation: the chat
+    template with the generation prompt for conversational prompts, the plain text without special tokens else."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    encoded = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+    ids = encoded["input_ids"]
+    return list(ids[0] if ids and isinstance(ids[0], list) else ids)
 
 
 def prompt_fingerprint(dataset) -> str:

@@ -1,9 +1,19 @@
 """GSM8K: loader, prompts, gold extraction, answer parsers and the accuracy reward.
 
-Data: ``datasets.load_dataset("openai/gsm8k", "main")`` (the hub or the local Hugging Face cache), or a local
-file / folder in GSM8K format (``question`` and ``answer`` columns, the answer ending in ``#### <number>``):
-``.jsonl``, ``.json``, ``.parquet``, a folder holding such files, or a folder written by
-``Dataset.save_to_disk``. :data:`SAMPLE_PATH` is a small fixture in that format, written for the tests.
+Data: a local file / folder in GSM8K format (``question`` and ``answer`` columns, the answer ending in
+``#### <number>``): ``.jsonl``, ``.json``, ``.parquet``, a folder holding such files (``train*`` / ``test*`` picked
+by split), or a folder written by ``Dataset.save_to_disk``; given as ``data=`` (``--data PATH``) or, when that is
+``None``, by the environment variable ``BLOGGAP_GSM8K_DATA`` (:data:`DATA_ENV`). With neither,
+``datasets.load_dataset("openai/gsm8k", "main")`` (the hub or the local Hugging Face cache).
+
+The two files of the published data set, ``train.jsonl`` and ``test.jsonl`` (openai/grade-school-math), are
+checked when a path resolves to a file of that name: its row count (7,473 / 1,319) and its sha256
+(:data:`KNOWN_FILES`), so a cut or edited copy is refused with one line naming the file. The data is read where
+it lies, never copied into the package. :data:`SAMPLE_PATH` is a small fixture in GSM8K format, written for the
+tests (not GSM8K data).
+
+Difficulty: :func:`calc_steps` counts the ``<<...>>`` calculator marks of a reference solution (the number of
+calculation steps); :func:`filter_by_calc_steps` keeps the rows with a given number or range of them.
 
 Parsers (both return the answer as a string, or ``None``):
 
@@ -26,7 +36,15 @@ from bloggap_plugin.errors import UsageError
 __all__ = [
     "SYSTEM_PROMPT",
     "SAMPLE_PATH",
+    "DATA_ENV",
+    "HUB_ID",
+    "KNOWN_FILES",
     "GSM8KDataError",
+    "resolve_data",
+    "verify_known_file",
+    "calc_steps",
+    "parse_calc_steps",
+    "filter_by_calc_steps",
     "parse_lenient",
     "parse_strict",
     "gold_answer",
@@ -43,6 +61,20 @@ SYSTEM_PROMPT = (
 )
 
 SAMPLE_PATH = Path(__file__).resolve().parent.parent / "data" / "gsm8k_sample.jsonl"
+
+DATA_ENV = "BLOGGAP_GSM8K_DATA"
+"""Environment variable naming the local GSM8K data (a file or a folder) when ``data`` is not given."""
+
+HUB_ID = "openai/gsm8k"
+"""The hub data set used when neither ``data`` nor :data:`DATA_ENV` names a local path (config ``main``)."""
+
+KNOWN_FILES: dict[str, tuple[int, str]] = {
+    "train.jsonl": (7473, "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465"),
+    "test.jsonl": (1319, "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14"),
+}
+"""File name -> (rows, sha256) of the published GSM8K files (openai/grade-school-math at commit 3101c7d)."""
+
+_CALC_RE = re.compile(r"<<.*?>>")
 
 # A number: optional minus, either digits with well-formed thousands commas or plain digits, optional decimals.
 _NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
@@ -108,7 +140,7 @@ def completion_text(completion) -> str:
 
 def _offline_hint(split: str) -> str:
     return (
-        "Provide the data as a local file or folder with --data PATH (GSM8K format: 'question' and 'answer' "
+        f"Provide the data as a local file or folder with --data PATH or ${DATA_ENV}=PATH (GSM8K format: 'question' and 'answer' "
         "columns, answers ending in '#### <number>'): a .jsonl, .json or .parquet file, a folder holding them, or "
         "a folder from Dataset.save_to_disk. To make one on a machine with network: python -c \"import datasets; "
         f"datasets.load_dataset('openai/gsm8k', 'main', split='{split}').to_parquet('gsm8k_{split}.parquet')\". "
@@ -116,11 +148,50 @@ def _offline_hint(split: str) -> str:
     )
 
 
-def _load_local(path: Path, split: str):
+def resolve_data(data: str | os.PathLike | None) -> str | None:
+    """The local GSM8K path to use: ``data`` if given, else ``$BLOGGAP_GSM8K_DATA`` if set and not empty, else
+    ``None`` (the hub id :data:`HUB_ID`)."""
+    if data is not None and str(data) != "":
+        return str(data)
+    return os.environ.get(DATA_ENV) or None
+
+
+def verify_known_file(path: str | os.PathLike, option: str = "--data") -> None:
+    """Check a published GSM8K file (named ``train.jsonl`` or ``test.jsonl``): row count, then sha256.
+
+    Raises :class:`GSM8KDataError`, one line naming the file, what differs and the fix. Files of other names are
+    not checked (a subset or a fixture of your own: name it otherwise). ``option`` says how the path was given
+    (``--data`` or ``$BLOGGAP_GSM8K_DATA``), for the message. Reads the file once (5 MB for train.jsonl).
+    """
+    import hashlib
+
+    path = Path(path)
+    known = KNOWN_FILES.get(path.name)
+    if known is None:
+        return
+    rows_expected, sha_expected = known
+    content = path.read_bytes()
+    rows = sum(1 for line in content.splitlines() if line.strip())
+    fix = (f"restore the unchanged file (openai/grade-school-math, see the README beside it) or point "
+           f"{option} at another copy; a subset of your own must not be named "
+           f"{path.name}")
+    if rows != rows_expected:
+        raise GSM8KDataError(f"GSM8K file {path} has {rows:,} rows, the published {path.name} has "
+                             f"{rows_expected:,}: {fix}")
+    sha = hashlib.sha256(content).hexdigest()
+    if sha != sha_expected:
+        raise GSM8KDataError(f"GSM8K file {path} has the right row count ({rows:,}) but other bytes (sha256 "
+                             f"{sha[:12]}..., the published {path.name} has {sha_expected[:12]}...): {fix}")
+
+
+def _load_local(path: Path, split: str, option: str = "--data"):
     import datasets
 
     if not path.exists():
-        raise GSM8KDataError(f"GSM8K data path {path} does not exist. " + _offline_hint(split))
+        given = f" (given by {option})" if option != "--data" else ""
+        raise GSM8KDataError(f"GSM8K data path {path}{given} does not exist. " + _offline_hint(split))
+    if path.is_dir() and (path / f"{split}.jsonl").is_file():  # the published layout: train.jsonl, test.jsonl
+        path = path / f"{split}.jsonl"
     if path.is_dir():
         if (path / "dataset_info.json").is_file() or (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
             loaded = datasets.load_from_disk(str(path))
@@ -142,6 +213,7 @@ def _load_local(path: Path, split: str):
     if suffix == ".parquet":
         return datasets.load_dataset("parquet", data_files=str(path), split="train")
     if suffix in (".jsonl", ".json"):
+        verify_known_file(path, option)
         return datasets.load_dataset("json", data_files=str(path), split="train")
     raise GSM8KDataError(f"GSM8K data file {path} must end in .jsonl, .json or .parquet (got {suffix!r})")
 
@@ -149,12 +221,15 @@ def _load_local(path: Path, split: str):
 def load_gsm8k(data: str | os.PathLike | None = None, split: str = "train"):
     """GSM8K as a ``datasets.Dataset`` with ``question`` and ``answer`` columns.
 
-    ``data=None`` uses ``datasets.load_dataset("openai/gsm8k", "main", split=split)``; otherwise ``data`` is a
-    local path (see the module docstring). Raises :class:`GSM8KDataError` with instructions when the data is
-    unavailable or not in GSM8K format.
+    ``data`` is a local path (see the module docstring); ``None`` means ``$BLOGGAP_GSM8K_DATA``, and without that
+    ``datasets.load_dataset("openai/gsm8k", "main", split=split)``. A folder holding ``<split>.jsonl`` reads that
+    file; ``train.jsonl`` / ``test.jsonl`` are checked against the published row counts and sha256. Raises
+    :class:`GSM8KDataError` with instructions when the data is unavailable, altered or not in GSM8K format.
     """
     import datasets
 
+    option = "--data" if data is not None and str(data) != "" else f"${DATA_ENV}"
+    data = resolve_data(data)
     if data is None:
         try:
             dataset = datasets.load_dataset("openai/gsm8k", "main", split=split)
@@ -164,7 +239,7 @@ def load_gsm8k(data: str | os.PathLike | None = None, split: str = "train"):
                 f"({type(err).__name__}: {str(err)[:200]}). " + _offline_hint(split)
             ) from err
     else:
-        dataset = _load_local(Path(data), split)
+        dataset = _load_local(Path(data), split, option)
     missing = {"question", "answer"} - set(dataset.column_names)
     if missing:
         raise GSM8KDataError(
@@ -174,6 +249,53 @@ def load_gsm8k(data: str | os.PathLike | None = None, split: str = "train"):
     if len(dataset) == 0:
         raise GSM8KDataError(f"GSM8K data {data or 'openai/gsm8k'} is empty")
     return dataset
+
+
+def calc_steps(answer: str) -> int:
+    """Number of calculation steps of a GSM8K reference solution: its ``<<...>>`` calculator marks."""
+    return len(_CALC_RE.findall(answer))
+
+
+def parse_calc_steps(value: int | str | tuple[int, int] | list[int] | None) -> tuple[int, int] | None:
+    """``(low, high)`` inclusive from ``2`` / ``"2"`` (exactly two steps), ``"1-3"`` or ``(1, 3)``; ``None`` stays.
+
+    Raises :class:`~bloggap_plugin.errors.UsageError` for anything else (negative, reversed, not a number).
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise UsageError(f"calc_steps must be a whole number of steps or a range like 1-2, got {value!r}")
+    try:
+        if isinstance(value, int):
+            low = high = value
+        elif isinstance(value, (tuple, list)) and len(value) == 2:
+            low, high = (int(v) for v in value)
+        else:
+            parts = str(value).strip().split("-")
+            if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+                raise ValueError
+            low, high = int(parts[0]), int(parts[-1])
+    except (TypeError, ValueError):
+        raise UsageError(f"calc_steps must be a whole number of <<...>> calculation steps (e.g. 1) or a range like "
+                         f"1-2, got {value!r}") from None
+    if low < 0 or high < low:
+        raise UsageError(f"calc_steps {value!r}: give a number >= 0 or a range low-high with low <= high")
+    return low, high
+
+
+def filter_by_calc_steps(dataset, steps: int | str | tuple[int, int] | None):
+    """Rows of ``dataset`` whose reference solution has ``steps`` calculation steps (a number or a range, see
+    :func:`parse_calc_steps`); ``None`` keeps every row. No row left raises :class:`GSM8KDataError`."""
+    bounds = parse_calc_steps(steps)
+    if bounds is None:
+        return dataset
+    low, high = bounds
+    keep = [i for i, answer in enumerate(dataset["answer"]) if low <= calc_steps(answer) <= high]
+    if not keep:
+        wanted = str(low) if low == high else f"{low}-{high}"
+        raise GSM8KDataError(f"no GSM8K row has {wanted} calculation step(s) (<<...>> marks) among {len(dataset)}; "
+                             "choose another calc_steps")
+    return dataset.select(keep)
 
 
 def build_messages(question: str) -> list[dict[str, str]]:
