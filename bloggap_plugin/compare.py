@@ -11,7 +11,8 @@ completion marker ``{"_compare": "done", "attempt": ..., "settings": {...}, ...}
 Every setting is checked before anything trains (:func:`validate_config`, :class:`CompareError`).
 
 Resume: a run whose log carries the marker and the same settings (:func:`run_settings`: training function,
-recipe content, model, task, steps, seed, overrides) is skipped; one trained with other settings, or whose log
+recipe content, model, task and its options (GSM8K: the data path in effect, ``--data`` or ``$BLOGGAP_GSM8K_DATA``),
+steps, seed, overrides, ``--use-vllm``) is skipped; one trained with other settings, or whose log
 is corrupt, is trained again, its old log kept as ``<run>.jsonl.stale`` / ``.corrupt``; the log of an attempt
 that never completed is kept as ``<run>.jsonl.partial``. A crashed run does not stop the sweep: the table is
 built from the runs that finished and the command exits non-zero naming the others.
@@ -33,6 +34,11 @@ Table definitions (as in the reference study's T10):
   95% paired t interval over seeds (needs >= 2 seeds);
 - clip: mean over steps of TRL's ``clip_ratio/region_mean``; ``gap/*``: mean over steps of each plugin metric;
 - s/step: mean of TRL's ``step_time`` where logged, else wall time / steps.
+
+Generation: HF ``generate`` by default; ``use_vllm`` (``--use-vllm``) gives every run TRL's colocated vLLM engine
+(``use_vllm=True, vllm_mode="colocate"``) with ``vllm_gpu_memory_utilization`` = :data:`VLLM_GPU_SHARE` / ``parallel``
+(the GPU divided among the runs in flight; an ``--override`` of it wins). With the default training function the
+sweep refuses it up front on a machine without vLLM or CUDA.
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ __all__ = [
     "CompareConfig",
     "CompareError",
     "SweepStopped",
+    "VLLM_GPU_SHARE",
+    "vllm_unavailable_reason",
+    "effective_overrides",
     "RunSpec",
     "DONE_KEY",
     "plan_runs",
@@ -79,6 +88,9 @@ __all__ = [
 DONE_KEY = "_compare"
 DEFAULT_RUN_FN = "bloggap_plugin.trl.train:run_training"
 _HEADLINE_GAP_KEYS = ("gap/ratio/oob_frac", "gap/sampler/oob_frac", "gap/clip/flip_frac")
+VLLM_GPU_SHARE = 0.75
+"""Fraction of the GPU's memory the vLLM engines of a ``--use-vllm`` sweep take together (each run's engine gets
+``VLLM_GPU_SHARE / parallel``); the rest is for the runs' training (weights, optimizer, activations)."""
 
 
 class CompareError(ValueError):
@@ -108,7 +120,11 @@ class CompareConfig:
     n: int | None = None
     """Number of prompts in the training set; ``None``: the task's default."""
     data: str | None = None
-    """GSM8K only: a local file or folder in GSM8K format."""
+    """GSM8K only: a local file or folder in GSM8K format (``None``: ``$BLOGGAP_GSM8K_DATA``, else the hub)."""
+    calc_steps: str | None = None
+    """GSM8K only: problems with this many ``<<...>>`` calculation steps, ``"1"`` or a range ``"1-2"``."""
+    use_vllm: bool = False
+    """Generate with TRL's colocated vLLM engine (``use_vllm=True, vllm_mode="colocate"``) instead of HF generate."""
     last_n: int = 30
     """Steps in the "reward last-k" window."""
     baseline: str | None = None
@@ -224,6 +240,7 @@ def validate_config(config: CompareConfig, training: bool = True) -> list[RunSpe
         raise CompareError(f"--baseline {config.baseline} names no arm; the arms are {', '.join(arms)} "
                            "(each recipe's gap.arm, else its file name)")
     if training:
+        _check_vllm(config)
         _check_task(config)
         if config.run_fn == DEFAULT_RUN_FN:
             _check_grpo_settings(config, runs)
@@ -238,13 +255,83 @@ def _check_task(config: CompareConfig) -> None:
 
     if config.task not in TASKS:
         raise CompareError(f"--task {config.task}: unknown task; choose one of {', '.join(TASKS)}")
-    if config.difficulty is None and config.data is None and config.task != "gsm8k":
+    kwargs = _task_kwargs(config)
+    if config.task != "gsm8k" and all(kwargs.get(key) is None for key in ("difficulty", "data", "calc_steps")):
         return
     try:
-        get_task(config.task, None, seed=config.seeds[0], difficulty=config.difficulty, n=1, data=config.data)
+        get_task(config.task, None, seed=config.seeds[0], **{**kwargs, "n": 1})
     except Exception as err:  # noqa: BLE001 - any failure here would fail every run: report it once
-        option = "--difficulty" if config.difficulty is not None and "difficulty" in str(err) else "--task"
-        raise CompareError(f"{option}: {str(err).splitlines()[0]}") from None
+        message = str(err).splitlines()[0]
+        if config.difficulty is not None and "difficulty" in message:
+            option = "--difficulty"
+        elif config.calc_steps is not None and "calc_steps" in message:
+            option = "--calc-steps"
+        elif config.data is not None and "--data" in message:
+            option = "--data"
+        else:
+            option = "--task"
+        raise CompareError(f"{option}: {message}") from None
+
+
+def _task_kwargs(config: CompareConfig) -> dict:
+    """The task options every run gets: ``difficulty``, ``n``, ``data`` (GSM8K: the local path in effect, absolute,
+    from ``--data`` or ``$BLOGGAP_GSM8K_DATA``; ``None`` = the hub) and, when set, ``calc_steps``."""
+    data = config.data
+    if config.task == "gsm8k":
+        from bloggap_plugin.tasks.gsm8k import resolve_data
+
+        data = resolve_data(data)
+        data = None if data is None else str(Path(data).absolute())
+    kwargs: dict = {"difficulty": config.difficulty, "n": config.n, "data": data}
+    if config.calc_steps is not None:  # only when set: logs of sweeps from before the option keep their settings
+        kwargs["calc_steps"] = str(config.calc_steps)
+    return kwargs
+
+
+def vllm_unavailable_reason() -> str | None:
+    """Why TRL's colocated vLLM engine cannot run here (``"vLLM is not installed here"``, ``"CUDA is not
+    available here ..."``), or ``None`` when it can."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed here"
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"CUDA is not available here (torch {torch.__version__})"
+    return None
+
+
+def effective_overrides(config: CompareConfig) -> dict:
+    """The GRPOConfig overrides each run gets: ``--override``, plus for ``--use-vllm`` ``use_vllm=True``,
+    ``vllm_mode="colocate"`` and ``vllm_gpu_memory_utilization = VLLM_GPU_SHARE / parallel`` (an ``--override``
+    of a field wins)."""
+    if not config.use_vllm:
+        return dict(config.extra_overrides)
+    vllm = {"use_vllm": True, "vllm_mode": "colocate",
+            "vllm_gpu_memory_utilization": round(VLLM_GPU_SHARE / max(1, int(config.parallel)), 4)}
+    return {**vllm, **config.extra_overrides}
+
+
+def _check_vllm(config: CompareConfig) -> None:
+    """``--use-vllm``: no ``--override`` contradicting it and, with the default training function, vLLM and CUDA
+    here (a custom ``--run-fn`` gets the overrides and decides)."""
+    if not config.use_vllm:
+        return
+    overrides = config.extra_overrides
+    if "use_vllm" in overrides and overrides["use_vllm"] is not True:
+        raise CompareError(f"--use-vllm with --override use_vllm={json.dumps(overrides['use_vllm'])}: drop one of them")
+    if overrides.get("vllm_mode", "colocate") != "colocate":
+        raise CompareError(f"--use-vllm runs TRL's colocated engine, but --override sets vllm_mode="
+                           f"{json.dumps(overrides['vllm_mode'])}: drop --use-vllm and pass the vLLM fields in --override")
+    share = effective_overrides(config)["vllm_gpu_memory_utilization"]
+    if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 < share <= 1:
+        raise CompareError(f"--override vllm_gpu_memory_utilization={json.dumps(share)}: must be a fraction in (0, 1]")
+    if config.run_fn == DEFAULT_RUN_FN:
+        problem = vllm_unavailable_reason()
+        if problem:
+            raise CompareError(f"--use-vllm: {problem}; run the sweep on a machine with a CUDA GPU and vLLM "
+                               "(TRL 1.16 takes vLLM 0.22-0.31), or drop --use-vllm to generate with HF generate")
 
 
 def _check_grpo_settings(config: CompareConfig, runs: list[RunSpec]) -> None:
@@ -263,6 +350,7 @@ def _check_grpo_settings(config: CompareConfig, runs: list[RunSpec]) -> None:
             if key not in valid:
                 raise CompareError(str(_unknown_key_error(key, valid, "--override")))
     overrides = json.dumps(config.extra_overrides)
+    effective = effective_overrides(config)
     for run in {run.recipe: run for run in runs}.values():
         try:
             grpo_kwargs, _ = load_recipe(run.recipe)
@@ -270,7 +358,7 @@ def _check_grpo_settings(config: CompareConfig, runs: list[RunSpec]) -> None:
             raise CompareError(str(err).splitlines()[0]) from None
         fields = {"output_dir": run.output_dir, "report_to": "none", "seed": run.seed, "save_strategy": "no",
                   "logging_steps": 1, "max_steps": config.max_steps, "use_cpu": True, "bf16": False,
-                  "fp16": bool(grpo_kwargs.get("fp16", False)), **config.extra_overrides}
+                  "fp16": bool(grpo_kwargs.get("fp16", False)), **effective}
         try:
             merge_grpo_config(grpo_kwargs, None, **fields)
         except Exception as err:  # noqa: BLE001 - TRL/transformers raise ValueError, TypeError, ...
@@ -289,13 +377,13 @@ def _check_run_fn(config: CompareConfig) -> None:
     finally:
         for extra in added:
             sys.path.remove(extra)
-    task_kwargs = sorted(k for k, v in {"difficulty": config.difficulty, "n": config.n, "data": config.data}.items()
-                         if v is not None)
+    task_kwargs = sorted(k for k, v in _task_kwargs(config).items() if v is not None)
     if task_kwargs:
         params = inspect.signature(run_fn).parameters
         if "task_kwargs" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
             raise CompareError(f"--run-fn {config.run_fn} takes no task_kwargs, so {task_kwargs} cannot reach the task; "
-                               "drop --difficulty/--n/--data or use a training function that accepts task_kwargs")
+                               "drop --difficulty/--n/--data/--calc-steps or use a training function that accepts "
+                               "task_kwargs")
 
 
 # --------------------------------------------------------------------------------------------- logs
@@ -476,19 +564,23 @@ class SweepStopped(Exception):
 
 
 def run_settings(config: CompareConfig, run: RunSpec) -> dict:
-    """What decides a run's result (JSON-ready): the training function, the recipe's content, model, task, steps,
-    seed and overrides; stored with its log so that a resume with other settings does not reuse it."""
+    """What decides a run's result (JSON-ready): the training function, the recipe's content, model, task and its
+    options (GSM8K: the data path in effect), steps, seed, overrides and ``use_vllm``; stored with its log so that a
+    resume with other settings does not reuse it. ``use_vllm`` appears only when set (and the vLLM fields it
+    derives, which depend on ``--parallel``, not at all), so logs of sweeps from before the option stay valid."""
     settings = {
         "run_fn": config.run_fn,
         "arm": run.arm,
         "recipe_sha256": hashlib.sha256(Path(run.recipe).read_bytes()).hexdigest(),
         "model": config.model,
         "task": config.task,
-        "task_kwargs": {"difficulty": config.difficulty, "n": config.n, "data": config.data},
+        "task_kwargs": _task_kwargs(config),
         "max_steps": config.max_steps,
         "seed": run.seed,
         "extra_overrides": dict(config.extra_overrides),
     }
+    if config.use_vllm:
+        settings["use_vllm"] = True
     return json.loads(json.dumps(settings, sort_keys=True, default=str))
 
 
@@ -500,7 +592,7 @@ def _spec_for(config: CompareConfig, run: RunSpec, attempt: str, part: Path) -> 
         "recipe": run.recipe,
         "model": config.model,
         "task": config.task,
-        "task_kwargs": {"difficulty": config.difficulty, "n": config.n, "data": config.data},
+        "task_kwargs": _task_kwargs(config),
         "max_steps": config.max_steps,
         "output_dir": run.output_dir,
         "seed": run.seed,
@@ -509,7 +601,7 @@ def _spec_for(config: CompareConfig, run: RunSpec, attempt: str, part: Path) -> 
         "attempt": attempt,
         "parent_pid": os.getpid(),
         "settings": run_settings(config, run),
-        "extra_overrides": dict(config.extra_overrides),
+        "extra_overrides": effective_overrides(config),
     }
 
 
@@ -951,8 +1043,11 @@ def _tables(config: CompareConfig, results: dict) -> list[dict]:
         rows.append([arm, len(row["seeds"]), _r(row["reward_last"]), _r(row["reward_mean"]), per_seed, ci,
                      _r(row["clip"]), *gap_cells, _r(row["s_per_step"], 3)])
     res = results["resolution"]
+    generation = "vLLM colocate (TRL)" if config.use_vllm else "HF generate"
+    task = config.task + (f" ({config.calc_steps} calculation steps)" if config.calc_steps is not None else "")
     notes = (
-        f"{config.task}, {config.model}, {config.max_steps} steps, seeds {', '.join(map(str, config.seeds))}. "
+        f"{task}, {config.model}, {config.max_steps} steps, seeds {', '.join(map(str, config.seeds))}, "
+        f"generation: {generation}. "
         f"reward last-{k}: mean of the logged reward over the final {k} steps that logged one (with num_iterations > 1 "
         f"only generating steps do), averaged over seeds; reward mean: over all of them. vs {base}: per-seed difference of last-{k} against arm {base}; interval: paired t over seeds. "
         "clip: mean clip_ratio/region_mean. gap/* columns: mean over steps, in percent. s/step: mean step_time."

@@ -527,3 +527,116 @@ def test_two_arms_one_seed_two_steps_on_a_tiny_model(tmp_path):
     table = json.loads((out / "compare.json").read_text())["tables"][0]
     assert [row[0] for row in table["rows"]] == ["A", "F"]
     assert (out / "reward_curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# --------------------------------------------------------------------------------------------- GSM8K and --use-vllm
+
+
+def test_use_vllm_reaches_every_run_and_is_part_of_the_run_settings(tmp_path, fake):
+    """--use-vllm adds TRL's colocate fields to each run's overrides, with the GPU's memory divided among the runs
+    in flight; a resume with the other value trains again, a resume with another --parallel does not."""
+    pytest.importorskip("matplotlib")
+    config = _config(tmp_path, fake, seeds=[0], parallel=2, use_vllm=True)
+    run_compare(config, echo=lambda m: None)
+    # 0.75 of the GPU for the engines together, 2 runs in flight: 0.375 each
+    expected = {"num_iterations": 2, "use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.375}
+    assert _calls(fake, "overrides") == [expected, expected]
+    document = json.loads((Path(config.output_dir) / "compare.json").read_text())
+    assert document["params"]["use_vllm"] is True and "generation: vLLM colocate" in document["tables"][0]["notes"]
+    run_compare(_config(tmp_path, fake, seeds=[0], parallel=1, use_vllm=True), echo=lambda m: None)
+    assert len(_calls(fake)) == 2  # another --parallel changes the memory share, not the result: nothing reruns
+    messages = []
+    run_compare(_config(tmp_path, fake, seeds=[0], parallel=2), echo=messages.append)
+    assert _calls(fake, "overrides")[2:] == [{"num_iterations": 2}] * 2
+    assert any("A_s0" in m and "use_vllm true -> null" in m for m in messages), messages
+    mine = {"num_iterations": 2, "vllm_gpu_memory_utilization": 0.2}
+    run_compare(_config(tmp_path, fake, seeds=[0], parallel=2, use_vllm=True, extra_overrides=mine), echo=lambda m: None)
+    assert _calls(fake, "overrides")[4:] == [{**expected, "vllm_gpu_memory_utilization": 0.2}] * 2  # --override wins
+
+
+@pytest.mark.parametrize(
+    "override, problem",
+    [
+        ('{"use_vllm": false}', "--use-vllm with --override use_vllm=false: drop one of them"),
+        ('{"vllm_mode": "server"}', "--use-vllm runs TRL's colocated engine, but --override sets vllm_mode=\"server\""),
+        ('{"vllm_gpu_memory_utilization": 1.5}', "--override vllm_gpu_memory_utilization=1.5: must be a fraction"),
+    ],
+)
+def test_use_vllm_with_a_contradicting_override_is_refused(tmp_path, fake, capsys, override, problem):
+    out = tmp_path / "out"
+    code, _, stderr = _cli([*_recipes(tmp_path), "--seeds", "0", "--output-dir", str(out), "--use-vllm",
+                            "--run-fn", "fake_train:run_training", "--override", override], capsys)
+    assert code == 2 and stderr.startswith(f"bloggap compare: {problem}"), stderr
+    assert len(stderr.strip().splitlines()) == 1 and not out.exists() and _calls(fake) == []
+
+
+def test_use_vllm_is_refused_without_vllm_or_cuda_before_anything_loads(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    import torch
+
+    import bloggap_plugin.compare as compare
+    import bloggap_plugin.models as models
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before --use-vllm was refused")
+
+    monkeypatch.setattr(models, "load_model", no_model)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
+    out = tmp_path / "out"
+    args = [*_recipes(tmp_path), "--seeds", "0", "--output-dir", str(out), "--model", "tiny-random-llama", "--use-vllm"]
+    code, _, stderr = _cli(args, capsys)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1 and not out.exists(), stderr
+    assert stderr.startswith("bloggap compare: --use-vllm: vLLM is not installed here; run the sweep on a machine "
+                             "with a CUDA GPU and vLLM"), stderr
+    # vLLM present (pretended), no CUDA: the other reason; both present: nothing to refuse.
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real_find_spec(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert compare.vllm_unavailable_reason() == f"CUDA is not available here (torch {torch.__version__})"
+    code, _, stderr = _cli(args, capsys)
+    assert code == 2 and "--use-vllm: CUDA is not available here" in stderr and not out.exists()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert compare.vllm_unavailable_reason() is None
+
+
+def test_gsm8k_options_reach_the_runs_and_the_data_in_effect_is_a_setting(tmp_path, fake, monkeypatch):
+    """--task gsm8k: --data (or $BLOGGAP_GSM8K_DATA) and --calc-steps reach each run; the absolute data path in
+    effect is recorded, so a resume on other data trains again."""
+    from bloggap_plugin.tasks.gsm8k import DATA_ENV, SAMPLE_PATH
+
+    pytest.importorskip("matplotlib")
+    copy = tmp_path / "my_gsm8k.jsonl"
+    copy.write_bytes(SAMPLE_PATH.read_bytes())
+    monkeypatch.chdir(tmp_path)
+    config = _config(tmp_path, fake, seeds=[0], task="gsm8k", data="my_gsm8k.jsonl", calc_steps="2")
+    run_compare(config, echo=lambda m: None)
+    expected = {"data": str(copy), "calc_steps": "2"}  # the worker passes the options that are set
+    assert _calls(fake, "task_kwargs") == [expected, expected] and _calls(fake, "task") == ["gsm8k", "gsm8k"]
+    monkeypatch.setenv(DATA_ENV, str(copy))  # the same file through the variable: nothing reruns
+    run_compare(dataclasses.replace(config, data=None), echo=lambda m: None)
+    assert len(_calls(fake)) == 2
+    other = tmp_path / "other.jsonl"
+    other.write_bytes(SAMPLE_PATH.read_bytes())
+    monkeypatch.setenv(DATA_ENV, str(other))
+    messages = []
+    run_compare(dataclasses.replace(config, data=None), echo=messages.append)
+    assert [kw["data"] for kw in _calls(fake, "task_kwargs")[2:]] == [str(other)] * 2
+    assert any("other settings (task_kwargs" in m for m in messages), messages
+
+
+def test_gsm8k_data_and_calc_steps_are_checked_before_anything_runs(tmp_path, fake, capsys, gsm8k_dir):
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "train.jsonl").write_text("".join((gsm8k_dir / "train.jsonl").read_text().splitlines(keepends=True)[1:]))
+    out = tmp_path / "out"
+    base = [*_recipes(tmp_path), "--seeds", "0", "--output-dir", str(out), "--run-fn", "fake_train:run_training",
+            "--task", "gsm8k"]
+    for extra, problem in (
+        (["--data", str(cut)], f"--data: GSM8K file {cut / 'train.jsonl'} has 7,472 rows, the published train.jsonl has 7,473"),
+        (["--data", str(gsm8k_dir), "--calc-steps", "3-1"], "--calc-steps: calc_steps '3-1': give a number >= 0"),
+        (["--data", str(gsm8k_dir), "--calc-steps", "99"], "--calc-steps: no GSM8K row has 99 calculation step(s)"),
+    ):
+        code, _, stderr = _cli([*base, *extra], capsys)
+        assert code == 2 and stderr.startswith(f"bloggap compare: {problem}"), stderr
+        assert len(stderr.strip().splitlines()) == 1 and not out.exists() and _calls(fake) == []

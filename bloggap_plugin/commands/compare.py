@@ -30,7 +30,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", choices=("arith", "gsm8k"), default="arith", help="training task (default: arith)")
     parser.add_argument("--difficulty", type=int, default=None, help="arith level 1-5 (default: the task's default)")
     parser.add_argument("--n", type=int, default=None, help="number of training prompts (default: the task's default)")
-    parser.add_argument("--data", default=None, help="GSM8K in a local file/folder (.jsonl, .json, .parquet) when offline")
+    parser.add_argument("--data", default=None, metavar="PATH",
+                        help="gsm8k: a local file/folder (.jsonl, .json, .parquet), e.g. ../shared/data/gsm8k "
+                             "(default: $BLOGGAP_GSM8K_DATA, else openai/gsm8k from the hub or its cache)")
+    parser.add_argument("--calc-steps", default=None, metavar="N|LOW-HIGH",
+                        help="gsm8k: only problems with N (or LOW-HIGH) <<...>> calculation steps")
+    parser.add_argument("--use-vllm", action="store_true",
+                        help="generate with TRL's colocated vLLM engine (needs CUDA and vLLM; the GPU's memory is "
+                             "divided among the --parallel runs)")
     parser.add_argument("--max-steps", type=int, default=60, help="optimizer steps per run (default: 60)")
     parser.add_argument("--model", default="smollm2", help="model spec (default: smollm2)")
     parser.add_argument("--output-dir", default="compare_out", help="folder for logs, table, JSON, plot")
@@ -68,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
             difficulty=args.difficulty,
             n=args.n,
             data=args.data,
+            calc_steps=args.calc_steps,
+            use_vllm=args.use_vllm,
             last_n=args.last_n,
             baseline=args.baseline,
             extra_overrides=_overrides(args.override),
