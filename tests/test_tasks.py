@@ -275,3 +275,97 @@ def test_calc_steps_on_the_fixture_and_bad_values():
         get_task("gsm8k", None, data=str(gsm8k.SAMPLE_PATH), calc_steps=40)
     with pytest.raises(ValueError, match="calc_steps .* applies to 'gsm8k' only"):
         get_task("arith", None, calc_steps=1)
+
+
+# --------------------------------------------------------------------------------------------- T15 baseline script
+
+
+def _baseline_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gsm8k_baseline.py"
+    spec = importlib.util.spec_from_file_location("bloggap_gsm8k_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gsm8k_baseline_scoring_by_hand():
+    module = _baseline_module()
+    rows = [{"index": i, "question": "q", "gold": gold, "calc_steps": steps}
+            for i, (gold, steps) in enumerate([("5", 1), ("7", 2), ("1,000", 2), ("3", 3)])]
+    rows[2]["gold"] = "1000"
+    completions = {"greedy": ["so #### 5", "it is 7 apples", "#### 1,000", "3 or 4"],
+                   "sampled": ["5 then 6", "#### 7", "1000.00", "three"]}
+    scored = module.score(rows, completions)
+    subsets = scored["subsets"]
+    assert [subsets[s]["rows"] for s in ("all", "1-step", "2-step")] == [4, 1, 2]
+    assert [subsets[s]["greedy"]["correct"] for s in ("all", "1-step", "2-step")] == [3, 1, 2]
+    assert [subsets[s]["sampled"]["correct"] for s in ("all", "1-step", "2-step")] == [2, 0, 2]
+    assert subsets["all"]["greedy"]["strict_correct"] == 2 and subsets["all"]["sampled"]["strict_correct"] == 1
+    assert scored["correct_rows"] == {"greedy": [0, 1, 2], "sampled": [1, 2]}
+    # Wilson 95% for 2 of 4, by hand: centre 0.5, half-width 1.96 * sqrt(1/16 + 1.96^2/64) / (1 + 1.96^2/4)
+    low, high = subsets["all"]["sampled"]["ci95"]
+    assert low == pytest.approx(0.150035, abs=1e-5) and high == pytest.approx(0.849965, abs=1e-5)
+
+
+def test_gsm8k_baseline_quick_on_a_tiny_model(tmp_path):
+    """The T15 script end to end with HF generate on CPU: the schema, the prompt TRL would build, and counts that
+    equal an independent count of the fixture's rows and of the written completions."""
+    from bloggap_plugin.models import load_model
+
+    module = _baseline_module()
+    completions_path = tmp_path / "completions.jsonl"
+    argv = ["--hf", "--model", "tiny-random-llama", "--device", "cpu", "--data", str(gsm8k.SAMPLE_PATH), "--limit", "4",
+            "--max-tokens", "8", "--batch-size", "3", "--out", str(tmp_path), "--completions", str(completions_path)]
+    assert module.main(argv) == 0
+    payload = json.loads((tmp_path / "gsm8k_baseline.json").read_text())
+    assert payload["benchmark"] == "gsm8k_baseline" and payload["schema_version"] == 1
+    assert set(payload) == {"benchmark", "schema_version", "env", "params", "results", "tables"}
+    (table,) = payload["tables"]
+    assert table["id"] == "T15-baseline" and table["random_init"] is True
+    assert table["columns"] == ["subset", "decoding", "rows", "correct", "accuracy %", "CI low %", "CI high %"]
+    assert [row[:2] for row in table["rows"]] == [[s, d] for s in ("all", "1-step", "2-step")
+                                                  for d in ("greedy", "sampled T=1.0")]
+    fixture = _rows(gsm8k.SAMPLE_PATH)[:4]
+    steps = [r["answer"].count("<<") for r in fixture]
+    expected_rows = {"all": 4, "1-step": steps.count(1), "2-step": steps.count(2)}
+    written = [json.loads(line) for line in completions_path.read_text().splitlines()]
+    assert [w["gold"] for w in written] == [r["answer"].split("####")[-1].strip() for r in fixture]
+
+    def last_number_is_gold(text: str, gold: str) -> bool:
+        numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+        return bool(numbers) and numbers[-1].replace(",", "").rstrip(".") == gold
+
+    for row in table["rows"]:
+        subset, decoding, n, correct = row[:4]
+        name = "greedy" if decoding == "greedy" else "sampled"
+        members = [w for w, s in zip(written, steps) if subset == "all" or s == int(subset[0])]
+        assert n == expected_rows[subset] == len(members)
+        assert correct == sum(last_number_is_gold(w[name], w["gold"]) for w in members)
+        assert (row[4] is None) == (n == 0)
+    assert payload["params"]["rows"] == 4 and payload["params"]["engine"] == "HF generate"
+    # The prompt is the gsm8k task's, through the chat template with the generation prompt (as TRL tokenizes it).
+    _, tokenizer = load_model("tiny-random-llama")
+    ids = module.build_prompt_ids(module.load_rows(str(gsm8k.SAMPLE_PATH), "test", 1), tokenizer)[0]
+    text = ("<|im_start|>system\n" + gsm8k.SYSTEM_PROMPT + "<|im_end|>\n<|im_start|>user\n" + fixture[0]["question"]
+            + "<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer.decode(ids) == text
+
+
+def test_gsm8k_baseline_refuses_bad_input_in_one_line(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    module = _baseline_module()
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
+    for argv, problem in (
+        (["--model", "tiny-random-llama", "--data", str(gsm8k.SAMPLE_PATH)], "vLLM is not installed here"),
+        (["--hf", "--model", "tiny-random-llama", "--limit", "0"], "--limit 0: must be >= 1"),
+        (["--hf", "--model", "tiny-random-llama", "--data", str(tmp_path / "none.jsonl")], "does not exist"),
+    ):
+        assert module.main([*argv, "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("gsm8k_baseline: ") and problem in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()

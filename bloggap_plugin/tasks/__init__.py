@@ -16,7 +16,7 @@ import os
 
 from bloggap_plugin.errors import UsageError
 
-__all__ = ["TASKS", "get_task", "prompt_fingerprint", "prompt_token_ids"]
+__all__ = ["TASKS", "get_task", "task_prompt", "prompt_fingerprint", "prompt_token_ids"]
 
 TASKS = ("gsm8k", "arith")
 
@@ -28,6 +28,14 @@ def _as_text_prompt(messages: list[dict[str, str]]) -> str:
         prefix = {"system": "", "user": "Q: ", "assistant": "A: "}.get(message["role"], "")
         parts.append(prefix + message["content"])
     return "\n".join(parts) + "\nA:"
+
+
+def task_prompt(messages: list[dict[str, str]], tokenizer=None) -> list[dict[str, str]] | str:
+    """The ``prompt`` entry :func:`get_task` makes of ``messages`` for ``tokenizer``: the messages themselves when it
+    has a chat template (or is ``None``), else the same content as plain text."""
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is not None:
+        return messages
+    return _as_text_prompt(messages)
 
 
 def get_task(
@@ -59,7 +67,6 @@ def get_task(
     """
     import datasets
 
-    conversational = tokenizer is None or getattr(tokenizer, "chat_template", None) is not None
     if n is not None and n < 1:
         raise UsageError(f"n must be >= 1 prompts, got {n}")
     if name == "gsm8k":
@@ -92,7 +99,7 @@ def get_task(
         reward = arith.accuracy_reward
     else:
         raise UsageError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
-    prompts = messages if conversational else [_as_text_prompt(m) for m in messages]
+    prompts = [task_prompt(m, tokenizer) for m in messages]
     dataset = datasets.Dataset.from_dict({"prompt": prompts, "answer": answers})
     return dataset, [reward]
 

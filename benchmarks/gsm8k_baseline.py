@@ -1,0 +1,318 @@
+"""T15-baseline: a model's starting accuracy on GSM8K test, greedy and sampled at the training temperature.
+
+Issue 15 item 2. Every row of the test split (1,319, or the first ``--limit``), prompted exactly as the gsm8k task
+prompts for training (:func:`bloggap_plugin.tasks.task_prompt` of :func:`~bloggap_plugin.tasks.gsm8k.build_messages`,
+then the chat template with the generation prompt, as TRL tokenizes it: :func:`~bloggap_plugin.tasks.prompt_token_ids`).
+Two decodings, one completion per row and decoding, at most ``--max-tokens`` (256) new tokens:
+
+- greedy (temperature 0);
+- sampled at the training temperature (``--temperature`` 1.0, top_p 1, top_k off, min_p 0, as TRL's colocate
+  engine samples), seed ``--seed + row index`` per row (vLLM), or ``torch.manual_seed(--seed)`` before each batch
+  (``--hf``).
+
+Correct = the training reward (:func:`bloggap_plugin.tasks.gsm8k.accuracy_reward`, the last number equals the gold
+answer); the strict count (``#### n``) is kept in ``results``. Subsets: all rows, and the rows whose reference solution
+has exactly 1 and exactly 2 ``<<...>>`` calculation steps. Interval: Wilson 95% (``core.metrics.wilson_interval``).
+
+Engines: vLLM (default; ``--model`` is an HF model folder, or a spec of :func:`bloggap_plugin.models.load_model` whose
+loaded copy lives in a folder, e.g. ``smollm2``, the folder TRL's colocate engine would load) in the checkpoint's dtype
+unless ``--dtype``; ``--hf`` uses HF ``generate`` (any ``load_model`` spec, e.g. a tiny random model for a CPU smoke run).
+
+    python benchmarks/gsm8k_baseline.py --model smollm2 --data ../shared/data/gsm8k --out benchmarks/results/h200
+    python benchmarks/gsm8k_baseline.py --hf --model tiny-random-llama --data bloggap_plugin/data/gsm8k_sample.jsonl \\
+        --limit 4 --max-tokens 16 --device cpu --out /tmp/gb                                   # CPU smoke run, seconds
+
+Output: ``<out>/gsm8k_baseline.json`` (benchmark result schema, table ``T15-baseline``), written atomically;
+``--completions PATH`` also writes every completion as JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SUBSETS = (("all", None), ("1-step", 1), ("2-step", 2))
+"""Subset name and its exact number of calculation steps (``None``: every row)."""
+DECODINGS = ("greedy", "sampled")
+
+
+class BaselineError(ValueError):
+    """Bad input, reported as one line before any model loads."""
+
+
+def default_data() -> str | None:
+    """``$BLOGGAP_GSM8K_DATA``, else ``../shared/data/gsm8k`` beside the repository if it exists, else ``None``."""
+    from bloggap_plugin.tasks.gsm8k import resolve_data
+
+    env = resolve_data(None)
+    if env is not None:
+        return env
+    beside = ROOT.parent / "shared" / "data" / "gsm8k"
+    return str(beside) if beside.is_dir() else None
+
+
+def load_rows(data: str | None, split: str, limit: int | None) -> list[dict]:
+    """``[{index, question, gold, calc_steps}]`` for the first ``limit`` rows of ``split`` (file order)."""
+    from bloggap_plugin.tasks import gsm8k
+
+    dataset = gsm8k.load_gsm8k(data, split=split)
+    count = len(dataset) if limit is None else min(limit, len(dataset))
+    dataset = dataset.select(range(count))
+    return [{"index": i, "question": q, "gold": gsm8k.gold_answer(a), "calc_steps": gsm8k.calc_steps(a)}
+            for i, (q, a) in enumerate(zip(dataset["question"], dataset["answer"]))]
+
+
+def build_prompt_ids(rows: list[dict], tokenizer) -> list[list[int]]:
+    """Prompt token ids per row, as the gsm8k task and TRL's trainer build them for generation."""
+    from bloggap_plugin.tasks import gsm8k, prompt_token_ids, task_prompt
+
+    return [prompt_token_ids(task_prompt(gsm8k.build_messages(row["question"]), tokenizer), tokenizer) for row in rows]
+
+
+def score(rows: list[dict], completions: dict[str, list[str]]) -> dict:
+    """Per subset and decoding: ``rows``, ``correct`` (training reward), ``strict_correct``, ``accuracy`` and the
+    Wilson 95% interval (fractions); plus the indices of the rows each decoding got right."""
+    from bloggap_plugin.core.metrics import wilson_interval
+    from bloggap_plugin.tasks import gsm8k
+
+    golds = [row["gold"] for row in rows]
+    rewards = {name: gsm8k.accuracy_reward(texts, answer=golds) for name, texts in completions.items()}
+    strict = {name: gsm8k.strict_accuracy_reward(texts, answer=golds) for name, texts in completions.items()}
+    subsets = {}
+    for subset, steps in SUBSETS:
+        members = [i for i, row in enumerate(rows) if steps is None or row["calc_steps"] == steps]
+        entry: dict = {"rows": len(members), "calc_steps": steps}
+        for name in completions:
+            correct = int(sum(rewards[name][i] for i in members))
+            low, high = wilson_interval(correct, len(members)) if members else (None, None)
+            entry[name] = {"correct": correct, "strict_correct": int(sum(strict[name][i] for i in members)),
+                           "accuracy": correct / len(members) if members else None, "ci95": [low, high]}
+        subsets[subset] = entry
+    right = {name: [rows[i]["index"] for i, r in enumerate(rewards[name]) if r == 1.0] for name in completions}
+    return {"subsets": subsets, "correct_rows": right}
+
+
+def _pct(value: float | None) -> float | None:
+    return None if value is None else round(100.0 * value, 2)
+
+
+def baseline_table(scored: dict, params: dict, random_init: bool) -> dict:
+    """Table ``T15-baseline``: one row per subset x decoding."""
+    rows = []
+    for subset, _ in SUBSETS:
+        entry = scored["subsets"][subset]
+        for name in DECODINGS:
+            cell = entry[name]
+            rows.append([subset, name if name == "greedy" else f"sampled T={params['temperature']}", entry["rows"],
+                         cell["correct"], _pct(cell["accuracy"]), _pct(cell["ci95"][0]), _pct(cell["ci95"][1])])
+    notes = (
+        f"{params['model']} on GSM8K {params['split']} ({params['rows']} rows{', --limit' if params['limit'] else ''}), "
+        f"{params['engine']}, at most {params['max_tokens']} new tokens, the gsm8k task's training prompt (system "
+        "prompt asking for '#### <number>', chat template). correct = the training reward (last number equals the "
+        "gold answer). sampled: one completion per row, temperature "
+        f"{params['temperature']}, top_p 1, no top_k/min_p, seed {params['seed']}. 1-step / 2-step: rows whose "
+        "reference solution has exactly 1 / 2 <<...>> calculation steps. CI: Wilson 95%."
+    )
+    return {"id": "T15-baseline", "title": f"GSM8K starting accuracy ({params['model']})",
+            "columns": ["subset", "decoding", "rows", "correct", "accuracy %", "CI low %", "CI high %"],
+            "rows": rows, "notes": notes, "reference": None, "random_init": random_init, "plot": False}
+
+
+# ----------------------------------------------------------------------------------------------------- engines
+
+
+def _vllm_folder(model, spec: str) -> str:
+    folder = Path(spec) if Path(spec).is_dir() else Path(getattr(model, "name_or_path", "") or "")
+    if not str(folder) or not (folder / "config.json").is_file():
+        raise BaselineError(f"--model {spec}: vLLM needs a model folder (config.json inside); give the folder, or use "
+                            "--hf for a model that exists only in memory")
+    return str(folder)
+
+
+def generate_vllm(folder: str, prompt_ids: list[list[int]], args) -> tuple[dict[str, list[str]], dict]:
+    """Completions per decoding with ``vllm.LLM`` (``prompt_token_ids`` in, text out)."""
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    kwargs = {"gpu_memory_utilization": args.gpu_mem, "seed": args.seed}
+    if args.dtype != "auto":
+        kwargs["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(args.dtype, args.dtype)
+    llm = LLM(model=folder, **kwargs)
+    timing = {"engine_start_s": round(time.perf_counter() - t0, 2)}
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+    settings = {
+        "greedy": [SamplingParams(temperature=0.0, max_tokens=args.max_tokens) for _ in prompts],
+        "sampled": [SamplingParams(temperature=args.temperature, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                                   max_tokens=args.max_tokens, seed=args.seed + i) for i in range(len(prompts))],
+    }
+    completions = {}
+    for name in DECODINGS:
+        t1 = time.perf_counter()
+        outputs = llm.generate(prompts, settings[name], use_tqdm=False)
+        completions[name] = [output.outputs[0].text for output in outputs]
+        timing[f"{name}_s"] = round(time.perf_counter() - t1, 2)
+    return completions, timing
+
+
+def generate_hf(model, tokenizer, prompt_ids: list[list[int]], args, device) -> tuple[dict[str, list[str]], dict]:
+    """Completions per decoding with HF ``generate`` (left-padded batches of ``--batch-size``)."""
+    import torch
+
+    from bloggap_plugin.sampling import SamplerRecorder
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    completions: dict[str, list[str]] = {}
+    timing = {}
+    for name in DECODINGS:
+        t1 = time.perf_counter()
+        texts = []
+        for start in range(0, len(prompt_ids), args.batch_size):
+            batch = prompt_ids[start:start + args.batch_size]
+            width = max(len(ids) for ids in batch)
+            input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=device)
+            if name == "greedy":
+                kwargs = {"do_sample": False}
+            else:
+                kwargs = {"do_sample": True, **SamplerRecorder.neutral_generation_kwargs(),
+                          "temperature": args.temperature}
+                torch.manual_seed(args.seed)
+            with torch.no_grad():
+                out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=args.max_tokens,
+                                     pad_token_id=pad, **kwargs)
+            texts += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+        completions[name] = texts
+        timing[f"{name}_s"] = round(time.perf_counter() - t1, 2)
+    return completions, timing
+
+
+# ----------------------------------------------------------------------------------------------------- main
+
+
+def _check_args(args) -> Path:
+    from bloggap_plugin._io import check_writable_dir, check_writable_file
+    from bloggap_plugin.models import check_model_spec
+
+    for option, value, low in (("--max-tokens", args.max_tokens, 1), ("--batch-size", args.batch_size, 1),
+                               ("--limit", args.limit, 1)):
+        if value is not None and value < low:
+            raise BaselineError(f"{option} {value}: must be >= {low}")
+    if not args.temperature > 0:
+        raise BaselineError(f"--temperature {args.temperature}: must be > 0 (greedy is measured anyway)")
+    if not 0 < args.gpu_mem <= 1:
+        raise BaselineError(f"--gpu-mem {args.gpu_mem}: must be a fraction in (0, 1]")
+    out_dir = Path(args.out) if args.out else None
+    if out_dir is not None:
+        problem = check_writable_dir(out_dir, "--out")
+        if problem:
+            raise BaselineError(problem)
+    if args.completions:
+        problem = check_writable_file(args.completions, "--completions", create_parents=True)
+        if problem:
+            raise BaselineError(problem)
+    check_model_spec(args.model)
+    if not args.hf:
+        from bloggap_plugin.compare import vllm_unavailable_reason
+
+        problem = vllm_unavailable_reason()
+        if problem:
+            raise BaselineError(f"{problem}: run on a CUDA machine with vLLM, or add --hf to generate with HF generate")
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2", help="HF model folder or load_model spec (default smollm2)")
+    parser.add_argument("--data", default=None, help="GSM8K folder or file (default: $BLOGGAP_GSM8K_DATA, else "
+                                                     "../shared/data/gsm8k beside the repository)")
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--limit", type=int, default=None, help="only the first N rows (default: all)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per completion (default 256)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="the training temperature (default 1.0)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf", action="store_true", help="HF generate instead of vLLM (e.g. a CPU smoke run)")
+    parser.add_argument("--device", default=None, help="--hf: cpu or cuda (default: cuda if available)")
+    parser.add_argument("--dtype", default="auto", help="vLLM: the checkpoint's (auto); --hf: auto means bf16")
+    parser.add_argument("--batch-size", type=int, default=64, help="--hf: prompts per generate call")
+    parser.add_argument("--gpu-mem", type=float, default=0.5, help="vLLM gpu_memory_utilization (default 0.5)")
+    parser.add_argument("--out", default=None, help="output folder (default benchmarks/results/<device>)")
+    parser.add_argument("--completions", default=None, help="also write every completion here (JSON lines)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from bloggap_plugin._io import atomic_write_text
+    from bloggap_plugin.envinfo import device_tag, environment_record
+    from bloggap_plugin.errors import UsageError
+    from bloggap_plugin.models import TINY_MODELS, load_model, resolve_device
+    from bloggap_plugin.report import format_text_table
+
+    t_start = time.perf_counter()
+    try:
+        out_dir = _check_args(args)
+        device = resolve_device(args.device) if args.hf else "cuda"
+        data = args.data if args.data is not None else default_data()
+        rows = load_rows(data, args.split, args.limit)
+        hf_dtype = "bf16" if args.dtype == "auto" else args.dtype
+        model, tokenizer = load_model(args.model, dtype=hf_dtype, device=device if args.hf else "cpu")
+        folder = None if args.hf else _vllm_folder(model, args.model)
+    except (UsageError, BaselineError) as err:
+        print(f"gsm8k_baseline: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    out_dir = out_dir or ROOT / "benchmarks" / "results" / device_tag(device)
+    prompt_ids = build_prompt_ids(rows, tokenizer)
+    if args.hf:
+        completions, timing = generate_hf(model, tokenizer, prompt_ids, args, device)
+    else:
+        del model
+        completions, timing = generate_vllm(folder, prompt_ids, args)
+    scored = score(rows, completions)
+    params = {"model": args.model, "model_folder": folder, "data": data or "openai/gsm8k", "split": args.split,
+              "limit": args.limit, "rows": len(rows), "engine": "HF generate" if args.hf else "vLLM",
+              "dtype": args.dtype if not args.hf else hf_dtype, "max_tokens": args.max_tokens,
+              "temperature": args.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": args.seed,
+              "batch_size": args.batch_size if args.hf else None, "gpu_mem": None if args.hf else args.gpu_mem,
+              "reward": "lenient (last number), the gsm8k task's training reward",
+              "prompt_tokens_mean": round(sum(map(len, prompt_ids)) / max(1, len(prompt_ids)), 1)}
+    easiest = scored["subsets"]["1-step"]
+    verdict = None
+    if easiest["rows"]:
+        best = max(easiest[name]["accuracy"] for name in DECODINGS)
+        verdict = {"easiest_subset": "1-step", "best_accuracy": best, "below_5pct": best < 0.05}
+    payload = {
+        "benchmark": "gsm8k_baseline",
+        "schema_version": 1,
+        "env": environment_record(device, model=args.model, engine=params["engine"]),
+        "params": params,
+        "results": {**scored, "verdict": verdict, "calc_steps_counts": _histogram(rows), "timing": timing,
+                    "wall_s": round(time.perf_counter() - t_start, 2)},
+        "tables": [baseline_table(scored, params, random_init=args.model in TINY_MODELS)],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = atomic_write_text(out_dir / "gsm8k_baseline.json", json.dumps(payload, indent=1, allow_nan=False) + "\n")
+    if args.completions:
+        Path(args.completions).parent.mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps({"index": row["index"], "gold": row["gold"], "calc_steps": row["calc_steps"],
+                             **{name: completions[name][i] for name in DECODINGS}}) for i, row in enumerate(rows)]
+        atomic_write_text(args.completions, "\n".join(lines) + "\n")
+    print(format_text_table(payload["tables"][0]))
+    if verdict and verdict["below_5pct"]:
+        print(f"[gsm8k_baseline] even the 1-step subset starts below 5% ({100 * verdict['best_accuracy']:.1f}% at best): "
+              "the model is too small for GSM8K")
+    print(f"[gsm8k_baseline] wrote {path}")
+    return 0
+
+
+def _histogram(rows: list[dict]) -> dict[str, int]:
+    counts: dict[int, int] = {}
+    for row in rows:
+        counts[row["calc_steps"]] = counts.get(row["calc_steps"], 0) + 1
+    return {str(k): counts[k] for k in sorted(counts)}
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
