@@ -136,6 +136,9 @@ def _vllm_folder(model, spec: str) -> str:
 
 def generate_vllm(folder: str, prompt_ids: list[list[int]], args) -> tuple[dict[str, list[str]], dict]:
     """Completions per decoding with ``vllm.LLM`` (``prompt_token_ids`` in, text out)."""
+    # CUDA may already be initialised in this process (model loading, device checks): vLLM's engine core must then be
+    # spawned, not forked (seen on the H200: "Cannot re-initialize CUDA in forked subprocess")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()

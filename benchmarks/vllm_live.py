@@ -544,7 +544,7 @@ def tables(result: dict) -> list[dict]:
                             "IS ratio mean", "IS ratio max", "PPO ratio OOB %", "wall s"],
                 "rows": rows,
                 "notes": "recipes/arm_X.yaml (8 x 32-token completions, num_iterations 2, grad accumulation 2), 8 "
-                         "optimizer steps = 2 generations, SmolLM2 on the arithmetic task, vLLM colocate (kv cache 2 GiB, "
+                         "optimizer steps (TRL generated on steps 1, 3, 5, 7), SmolLM2 on the arithmetic task, vLLM colocate (kv cache 2 GiB, "
                          "enforce_eager). Means over the logged steps of gap/sampler/* (old log-probs of the arm vs vLLM) "
                          "and gap/ratio/oob_frac. Runs shared the GPU (wall s is not a timing). Arm H: "
                          "GapGRPOTrainer built vLLM in fp16.",
@@ -625,7 +625,7 @@ def trunc_trl_table(work: Path) -> dict | None:
                         "IS ratio applied: mean", "min", "kept mass", "ratio before", "ratio after", "sampler OOB",
                         "reward"],
             "rows": rows,
-            "notes": "recipes/arm_A.yaml with use_vllm colocate (vLLM bf16), 8 steps = 2 generations of 16 x 32 tokens, "
+            "notes": "recipes/arm_A.yaml with use_vllm colocate (vLLM bf16), 8 optimizer steps (TRL generated on 4), "
                      "TRL's default vllm_importance_sampling_mode sequence_mask (clip_max 3). 'TRL IS ratio' = TRL's "
                      "sampling/importance_sampling_ratio/* (computed with its full-vocabulary old log-probs); 'IS ratio "
                      "applied' = gap/sampler/is_ratio_* (the ratio in the loss after the plugin). Kept mass = the "
