@@ -228,9 +228,10 @@ def test_hydra_node_values_are_validated_too():
     assert load_settings({"band": 0.3, "top_k": 5}, environ={"BLOGGAP_VERL_BAND": "0.2"}).band == 0.3  # node wins
 
 
-def test_loss_band_comes_from_the_environment(monkeypatch):
-    _clear_bloggap_env(monkeypatch)
-    config = ActorConfig(
+
+def _gap_vanilla_actor_config() -> ActorConfig:
+    """verl's actor config with the plugin's ``gap_vanilla`` policy loss (one micro-batch, clip 0.2, token-mean)."""
+    return ActorConfig(
         strategy="fsdp",
         rollout_n=1,
         ppo_micro_batch_size_per_gpu=1,
@@ -238,6 +239,10 @@ def test_loss_band_comes_from_the_environment(monkeypatch):
         loss_agg_mode="token-mean",
         policy_loss=PolicyLossConfig(loss_mode="gap_vanilla"),
     )
+
+def test_loss_band_comes_from_the_environment(monkeypatch):
+    _clear_bloggap_env(monkeypatch)
+    config = _gap_vanilla_actor_config()
     old = torch.zeros(1, 4)
     new = torch.tensor([[0.0, 0.03, -0.07, 0.2]])  # ratios 1, 1.030, 0.932, 1.221
     adv, mask = torch.ones(1, 4), torch.ones(1, 4)
@@ -370,14 +375,7 @@ def test_infer_preset_names_presets_and_custom_configs():
 
 
 def test_gap_vanilla_is_vanilla_plus_metrics():
-    config = ActorConfig(
-        strategy="fsdp",
-        rollout_n=1,
-        ppo_micro_batch_size_per_gpu=1,
-        clip_ratio=0.2,
-        loss_agg_mode="token-mean",
-        policy_loss=PolicyLossConfig(loss_mode="gap_vanilla"),
-    )
+    config = _gap_vanilla_actor_config()
     old = torch.tensor([[-1.0, -1.0, -1.0, -1.0, -1.0]])
     delta = torch.tensor([[0.0, 0.2, -0.3, 0.05, 0.9]])
     new = (old + delta).requires_grad_(True)
