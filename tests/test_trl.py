@@ -176,6 +176,68 @@ def test_arm_G_ratio_exactly_one_in_fp32(tmp_path):
     assert first_log(other)["gap/ratio/exact_frac"] < 1.0
 
 
+def count_no_grad_scoring_rows(trainer) -> list:
+    """Append, per grad-free teacher-forced forward of the policy (TRL's old pass, the plugin's scoring), its rows."""
+    rows: list = []
+
+    def hook(module, args, kwargs):
+        if not torch.is_grad_enabled() and ("labels" in kwargs or kwargs.get("use_cache") is False):
+            rows.append(int(kwargs["input_ids"].shape[0]))
+
+    trainer.model.register_forward_pre_hook(hook, with_kwargs=True)
+    return rows
+
+
+def run_G(tmp_path, skip: bool, monkeypatch, mode="trainer", **overrides):
+    """Arm G (probe_rows 0: no probe pass) with TRL's old pass skipped (the default) or kept (``skip=False``: the
+    behaviour before G replaced it, where G's scores were installed over TRL's)."""
+    from bloggap_plugin.trl.mixin import GapMixin
+
+    with monkeypatch.context() as patch:
+        if not skip:
+            patch.setattr(GapMixin, "_gap_trl_computes_old", lambda self: False)
+        torch.manual_seed(1234)
+        gap = GapConfig(arm="G", probe_rows=0) if mode != "plain" else None
+        trainer = make(tmp_path, gap, mode=mode, dtype="fp32", max_steps=4, **overrides)
+        rows = count_no_grad_scoring_rows(trainer)
+        trainer.train()
+    return trainer, rows
+
+
+def test_arm_G_replaces_trls_old_pass(tmp_path, monkeypatch):
+    """G scores each micro-batch in place of TRL's old-logprob pass: as many grad-free rows as plain TRL (no probe
+    rows), where keeping TRL's pass doubled them; losses, grad norms and weights bitwise those of the double-pass run."""
+    plain, plain_rows = run_G(tmp_path / "plain", True, monkeypatch, mode="plain")
+    after, after_rows = run_G(tmp_path / "after", True, monkeypatch)
+    before, before_rows = run_G(tmp_path / "before", False, monkeypatch)
+    assert sum(plain_rows) == 2 * 8  # two generations of 8 rows (num_iterations 2, accumulation 2)
+    assert sum(after_rows) == sum(plain_rows) and len(after_rows) == len(plain_rows)
+    assert sum(before_rows) == 2 * sum(plain_rows)
+    losses = [[(h["loss"], h["grad_norm"]) for h in logs_of(t)] for t in (before, after)]
+    assert len(losses[0]) == 4 and losses[1] == losses[0]
+    for a, b in zip(after.model.parameters(), before.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    logs = logs_of(after)
+    assert logs[0]["gap/ratio/exact_frac"] == 1.0  # G's ratio at the first inner epoch
+    assert "gap/old_vs_trl/oob_frac" not in logs[0] and "gap/old_vs_trl/oob_frac" in logs_of(before)[0]
+    assert logs[0]["gap/time/old_pass_s"] > 0 and logs[1]["gap/time/old_pass_s"] == 0.0  # step 2 reuses the batch
+
+
+def test_arm_G_measure_only_pass_follows_metrics_every(tmp_path, monkeypatch):
+    """TRL computes no old log-probs (num_iterations 1): G's scoring is a metrics pass, run on measured generations
+    only (metrics_every 2: generations 1 and 3 of 4), and the loss is plain TRL's."""
+    plain, plain_rows = run_G(tmp_path / "plain", True, monkeypatch, mode="plain", num_iterations=1)
+    torch.manual_seed(1234)
+    trainer = make(tmp_path / "g", GapConfig(arm="G", probe_rows=0, metrics_every=2), dtype="fp32", max_steps=4,
+                   num_iterations=1)
+    rows = count_no_grad_scoring_rows(trainer)
+    trainer.train()
+    # one generation per optimizer step (8 rows, scored in micro-batches of 4); two of the four measured
+    assert sum(plain_rows) == 0 and rows == [4] * 4
+    assert [h["loss"] for h in logs_of(trainer)] == [h["loss"] for h in logs_of(plain)]
+    assert [h.get("gap/ratio/exact_frac") for h in logs_of(trainer)] == [1.0, None, 1.0, None]
+
+
 def test_measure_only_when_trl_computes_no_old_logprobs(tmp_path):
     """num_iterations 1 (ratio identically 1 in TRL): arm B measures but the loss is plain TRL's."""
     losses = []

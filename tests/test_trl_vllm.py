@@ -16,11 +16,12 @@ import torch
 pytest.importorskip("trl")
 
 from fake_vllm import use_fake_vllm  # noqa: E402
-from test_trl import logs_of, make  # noqa: E402
+from test_trl import count_no_grad_scoring_rows, logs_of, make  # noqa: E402
 from test_trl_configs import saved_model_dir  # noqa: E402
 
 from bloggap_plugin.recipes import GapConfig, RecipeError  # noqa: E402
 from bloggap_plugin.trl import GapCallback  # noqa: E402
+from bloggap_plugin.trl.mixin import GapMixin, is_ratio  # noqa: E402
 
 EQUAL = ["1+1=", "2+2=", "3+5=", "7+1="]
 """Equal-length prompts: no left padding, so TRL's positions 0..L-1 are the sampler's (arm A compares like with like)."""
@@ -64,6 +65,52 @@ def test_sampler_metrics_equal_trls_on_the_same_step(tmp_path, arm):
             assert abs(row[ours] - row[theirs]) <= 1e-6 * max(1.0, abs(row[theirs])), (ours, row[ours], row[theirs])
             checked += 1
     assert checked == len(PAIRS) and fake.calls == 1
+
+
+def test_arm_G_replaces_trls_old_pass_on_vllm_path(tmp_path, monkeypatch):
+    """TRL's vLLM path always runs its old pass (IS correction): under G it is skipped and G's per-micro-batch scores
+    take its place: as many grad-free rows as plain TRL, the IS ratio recomputed per micro-batch from G's scores,
+    losses bitwise those of the run that kept TRL's pass, and TRL's sampling/* statistics recomputed from G's scores."""
+    runs = {}
+    for name in ("plain", "before", "after"):
+        with monkeypatch.context() as patch:
+            if name == "before":
+                patch.setattr(GapMixin, "_gap_trl_computes_old", lambda self: False)
+            gap = None if name == "plain" else GapConfig(arm="G", kept="off", probe_rows=0)
+            trainer, _ = vllm_run(tmp_path / name, gap, {"top_p": 0.8}, train=False, max_steps=4)
+            rows = count_no_grad_scoring_rows(trainer)
+            batches: list = []
+            prepare = trainer._prepare_inputs
+
+            def spy(generation_batch, prepare=prepare, batches=batches):
+                inputs = prepare(generation_batch)
+                batches.append({k: v.clone() for k, v in inputs.items() if torch.is_tensor(v)})
+                return inputs
+
+            trainer._prepare_inputs = spy
+            trainer.train()
+        runs[name] = (trainer, rows, batches)
+    plain, before, after = (runs[n] for n in ("plain", "before", "after"))
+    assert sum(plain[1]) == 2 * 8 and after[1] == plain[1] and sum(before[1]) == 2 * sum(plain[1])
+    assert [(h["loss"], h["grad_norm"]) for h in logs_of(after[0])] == [
+        (h["loss"], h["grad_norm"]) for h in logs_of(before[0])]
+    trainer = after[0]
+    for batch, ref in zip(after[2], before[2], strict=True):
+        assert torch.equal(batch["old_per_token_logps"], ref["old_per_token_logps"])  # G's scores, never NaN
+        assert not torch.isnan(batch["old_per_token_logps"]).any()
+        expected = is_ratio(batch["old_per_token_logps"], batch["sampling_per_token_logps"], batch["completion_mask"],
+                            trainer.vllm_importance_sampling_mode, trainer.vllm_importance_sampling_clip_min,
+                            trainer.vllm_importance_sampling_clip_max)
+        assert torch.equal(batch["importance_sampling_ratio"], expected)
+        assert torch.equal(batch["importance_sampling_ratio"], ref["importance_sampling_ratio"])
+    # TRL's sampling/* of the generation: from G's scores (before: TRL's own pass, pre-shuffle chunks, same maths)
+    for got, ref in zip(logs_of(after[0]), logs_of(before[0]), strict=True):
+        if "sampling/sampling_logp_difference/mean" not in ref:
+            continue
+        for _, key in PAIRS:
+            assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
+        assert got["sampling/sampling_logp_difference/mean"] > 0.01  # not the placeholder's 0
+        assert got["sampling/importance_sampling_ratio/mean"] < 0.99  # nor its ratio 1 (top_p truncation)
 
 
 def test_kept_measure_finds_the_kept_mass_and_leaves_training_alone(tmp_path):

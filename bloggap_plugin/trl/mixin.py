@@ -9,8 +9,10 @@ Hooks (see ``shared/reference/trl_notes.md``):
   reference of those rows, and the arm's old log-probs (replacing TRL's where TRL computes them, or with
   ``gap.force_old_logprobs``) to the batch under ``gap_*`` keys that TRL's shuffle/split carry along and its
   loss never reads;
-- ``_prepare_inputs``: arm G scores every buffered micro-batch after TRL's shuffle; generation-time metrics
-  are reduced and logged;
+- ``_prepare_inputs``: arm G scores every buffered micro-batch after TRL's shuffle, in place of TRL's own
+  old-logprob pass (skipped: a NaN placeholder stands in until G's scores are installed; on the vLLM path the IS
+  ratio is recomputed per micro-batch and TRL's ``sampling/*`` statistics from G's scores); generation-time
+  metrics are reduced and logged;
 - ``_get_per_token_logps_and_entropies``: position ids from the mask (``gap.positions: mask``, arms B-G),
   kept-set renormalisation (``gap.kept: renormalize``, a non-fused forward), and a stash of the training
   forward's log-probs;
@@ -273,6 +275,9 @@ class GapMixin:
         self._gap_pending_record = None
         self._gap_measure_now = False
         self._gap_drives = False
+        self._gap_skip_old = False
+        self._gap_old_skipped = False
+        self._gap_replaced_time = 0.0
         self._gap_capture = None
         self._gap_pending_completion = None
         if gap.plan_arm is not None and not (gap.arm == "D" and gap.layers is None):
@@ -615,7 +620,13 @@ class GapMixin:
         if not hasattr(self, "_gap"):
             return self._gap_next("_generate_and_score_completions", inputs)
         training = self.model.training
-        output = self._gap_next("_generate_and_score_completions", inputs)
+        # arm G: G's per-micro-batch scores (``_prepare_inputs``) take the place of TRL's old-logprob pass
+        self._gap_skip_old = training and self._gap.arm == "G" and self._gap_trl_computes_old()
+        self._gap_old_skipped = False
+        try:
+            output = self._gap_next("_generate_and_score_completions", inputs)
+        finally:
+            self._gap_skip_old = False
         if not training:
             return output
         start = time.perf_counter()
@@ -779,21 +790,78 @@ class GapMixin:
         if not will_generate:
             return inputs
         start = time.perf_counter()
-        if self._gap.arm == "G":
+        replaced = 0.0
+        if self._gap.arm == "G" and (self._gap_drives or self._gap_measure_now):
+            # driving: G's scores are the old log-probs (replacing TRL's skipped pass, or forced); measure-only (TRL
+            # computes none): a metrics pass, gated by gap.metrics_every like the other generation-time metrics
             for batch in self._buffered_inputs:
                 ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
                 attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
                 logits_to_keep = batch["completion_ids"].shape[1]
-                if "old_per_token_logps" in batch:
+                if "old_per_token_logps" in batch and not self._gap_old_skipped:
                     batch["gap_trl_old_logps"] = batch["old_per_token_logps"]
                 # exactly the training forward's rows, order and shape (one chunk)
+                scored = time.perf_counter()
                 old = self._gap_trl_scores(ids, attn, logits_to_keep, None, self._gap_kept_from(batch))
+                if self._gap_old_skipped:
+                    replaced += time.perf_counter() - scored
                 self._gap_install_old(batch, old)
                 if self._gap_measure_now:
                     self._gap_generation_metrics(batch, ids, attn, logits_to_keep)
-        self._gap_time += time.perf_counter() - start
+            if self._gap_old_skipped:
+                self._gap_trl_sampling_metrics(self._buffered_inputs)
+        # the pass that replaces TRL's own is TRL's cost, not the plugin's: logged apart (gap/time/old_pass_s)
+        self._gap_time += time.perf_counter() - start - replaced
+        self._gap_replaced_time = getattr(self, "_gap_replaced_time", 0.0) + replaced
         self._gap_flush_generation()
         return inputs
+
+    def _gap_trl_computes_old(self) -> bool:
+        """Whether TRL 1.16 runs its own old-logprob pass this generation (grpo_trainer l.2642-2645)."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return bool(self.args.gradient_accumulation_steps % generate_every != 0
+                    or (self.use_vllm and self.vllm_importance_sampling_correction))
+
+    def _gap_trl_sampling_metrics(self, batches: list) -> None:
+        """Arm G on TRL's vLLM path: TRL's own ``sampling/*`` statistics of this generation, recomputed by TRL's
+        definitions (grpo_trainer l.2860-2896) from G's old log-probs over the whole generation batch of this process,
+        in place of the values TRL logged from the skipped pass's placeholder (difference 0, ratio 1)."""
+        if not (self.use_vllm and self.vllm_importance_sampling_correction):
+            return
+        from trl.trainer.utils import nanmax, nanmin
+
+        def joined(key):
+            return torch.cat([b[key] for b in batches], dim=0)
+
+        old, sampling = joined("old_per_token_logps"), joined("sampling_per_token_logps")
+        ratio = joined("importance_sampling_ratio")
+        tool = [b.get("tool_mask") for b in batches]
+        mask = joined("completion_mask")
+        if all(t is not None for t in tool):
+            mask = mask * torch.cat(tool, dim=0)
+        mask = mask.bool()
+        device = self.accelerator.device
+        zero = torch.tensor(0.0, device=device)
+        delta = torch.abs(old - sampling)
+        delta = delta[mask & ~torch.isnan(delta)]
+        sequence_level = self.vllm_importance_sampling_mode in ("sequence_mask", "sequence_truncate")
+        flat = ratio.flatten() if sequence_level else ratio[mask]
+        values = {
+            "sampling/sampling_logp_difference/mean": self.accelerator.gather(
+                torch.mean(delta) if delta.numel() > 0 else zero).mean().item(),
+            "sampling/sampling_logp_difference/max": self.accelerator.gather(
+                torch.max(delta) if delta.numel() > 0 else zero).max().item(),
+            "sampling/importance_sampling_ratio/min": nanmin(self.accelerator.gather(
+                torch.min(flat) if flat.numel() > 0 else zero)).item(),
+            "sampling/importance_sampling_ratio/mean": self.accelerator.gather(
+                torch.mean(flat) if flat.numel() > 0 else zero).nanmean().item(),
+            "sampling/importance_sampling_ratio/max": nanmax(self.accelerator.gather(
+                torch.max(flat) if flat.numel() > 0 else zero)).item(),
+        }
+        metrics = self._metrics["train"]
+        for key, value in values.items():
+            if metrics.get(key):
+                metrics[key][-1] = value
 
     def _gap_reduce(self, values: list[float]) -> list[float]:
         tensor = torch.tensor(values, dtype=torch.float64, device=self.accelerator.device)
@@ -861,6 +929,16 @@ class GapMixin:
         if gap is None or not (is_policy or is_reference):
             return self._gap_next("_get_per_token_logps_and_entropies", model, input_ids, attention_mask,
                                   logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **kwargs)
+        if is_policy and getattr(self, "_gap_skip_old", False) and not torch.is_grad_enabled() and not self._gap_in_loss:
+            # TRL's old-logprob pass under arm G: the first grad-free policy call inside TRL's
+            # _generate_and_score_completions. A NaN placeholder of the same shape stands in (TRL's IS ratio from it
+            # is 1, its sampling/* statistics are recomputed from G's scores in _prepare_inputs); every micro-batch
+            # gets G's scores before any loss reads them.
+            self._gap_skip_old = False
+            self._gap_old_skipped = True
+            placeholder = torch.full((input_ids.shape[0], logits_to_keep), float("nan"), dtype=torch.float32,
+                                     device=input_ids.device)
+            return placeholder, None, None
         multimodal = any(kwargs.get(k) is not None for k in _MULTIMODAL_KEYS)
         kept = self._gap_current_kept if is_policy else None
         record = self._gap_pending_record
@@ -1037,12 +1115,17 @@ class GapMixin:
         self._gap_step_wall = getattr(self, "_gap_step_wall", 0.0) + time.perf_counter() - start
         self._gap_step_plugin = getattr(self, "_gap_step_plugin", 0.0) + self._gap_time - before
         if self._step % self.current_gradient_accumulation_steps == 0:
-            plugin, wall = self._gap_reduce([self._gap_step_plugin, self._gap_step_wall])
+            replaced = getattr(self, "_gap_replaced_time", 0.0)
+            plugin, wall, replaced = self._gap_reduce([self._gap_step_plugin, self._gap_step_wall, replaced])
             procs = self.accelerator.num_processes
             self._metrics["train"]["gap/time/scoring_s"].append(plugin / procs)
             self._metrics["train"]["gap/time/overhead_frac"].append(plugin / wall if wall > 0 else 0.0)
+            if self._gap.arm == "G":
+                # G's old-logprob pass in place of TRL's (0 on steps that reuse a generation)
+                self._metrics["train"]["gap/time/old_pass_s"].append(replaced / procs)
             self._gap_step_wall = 0.0
             self._gap_step_plugin = 0.0
+            self._gap_replaced_time = 0.0
         return output
 
 
