@@ -304,6 +304,68 @@ def test_shadow_sync_after_optimizer_step_in_place(arm):
     assert torch.equal(plan.token_logprobs(*_rows(tok), K), fresh)
 
 
+def _copy_ops_during(fn):
+    """The aten ops whose name contains ``copy`` that ``fn()`` dispatches, with how many tensors each touched."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: list = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "copy" in str(func):
+                ops.append((str(func), len(args[0]) if isinstance(args[0], (list, tuple)) else 1))
+            return func(*args, **(kwargs or {}))
+
+    with Log():
+        fn()
+    return ops
+
+
+@pytest.mark.parametrize(("arm", "policy_dtype"), [("fp32", "fp32"), ("fp16", "fp32"), ("fp32", "bf16"),
+                                                   ("fp16", "bf16")])
+def test_shadow_sync_is_one_fused_copy_per_dtype(arm, policy_dtype):
+    """sync copies every shadow tensor in one ``_foreach_copy_`` per (dtype, device) group, not a per-tensor loop;
+    the result is bitwise an independent cast of the policy, in the same storage (tied embeddings once)."""
+    policy, tok = load_model("tiny-random-qwen2", dtype=policy_dtype)  # tied embeddings
+    dtype = torch.float32 if arm == "fp32" else torch.float16
+    plan = make_plan(policy, arm)
+    ptrs = {n: p.data_ptr() for n, p in plan.shadow.named_parameters()}
+    _train_step(policy, tok, torch.optim.AdamW(policy.parameters(), lr=1e-2))
+    ops = _copy_ops_during(lambda: plan.sync(policy))
+    n_tensors = len(list(plan.shadow.parameters())) + len(list(plan.shadow.buffers()))
+    # parameters in the policy's dtype, buffers (rotary inv_freq) in fp32: at most two groups
+    assert {name for name, _ in ops} == {"aten._foreach_copy_.default"} and len(ops) <= 2, ops
+    assert sum(count for _, count in ops) == n_tensors
+    for name, p in plan.shadow.named_parameters():
+        assert p.data_ptr() == ptrs[name], f"{name} was re-allocated"
+        assert torch.equal(p, policy.get_parameter(name).detach().to(dtype)), name
+    assert plan.shadow.lm_head.weight is plan.shadow.model.embed_tokens.weight
+
+
+def test_shadow_sync_follows_replaced_parameters_and_refuses_other_shapes():
+    """The copy list is cached per policy; a replaced parameter object (or another model) is picked up, and a
+    policy of another shape still gets the one-line error."""
+    policy, _ = load_model("tiny-random-llama", dtype="fp32")
+    plan = make_plan(policy, "fp16")
+    plan.sync(policy)
+    layer = decoder_layers(policy)[0].mlp.up_proj
+    layer.weight = nn.Parameter(torch.randn_like(layer.weight))
+    plan.sync(policy)
+    assert torch.equal(decoder_layers(plan.shadow)[0].mlp.up_proj.weight, layer.weight.detach().half())
+    other, _ = load_model("tiny-random-llama", dtype="fp32")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    plan.sync(other)
+    for name, p in plan.shadow.named_parameters():
+        assert torch.equal(p, other.get_parameter(name).detach().half()), name
+    wrong, _ = load_model("tiny-random-llama", dtype="fp32")
+    up = decoder_layers(wrong)[1].mlp.up_proj
+    up.weight = nn.Parameter(torch.zeros(up.weight.shape[0] + 1, up.weight.shape[1]))
+    with pytest.raises(ValueError, match="up_proj.weight' is missing or has shape"):
+        plan.sync(wrong)
+
+
 @pytest.mark.parametrize("arm", ["fp32_head", "guided"])
 def test_upcast_sync_after_optimizer_step_in_place(arm):
     policy, tok = load_model("tiny-random-qwen2", dtype="bf16")  # tied, low precision: copies are owned
