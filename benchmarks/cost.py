@@ -15,10 +15,12 @@ token ids, batch ``--batch`` x ``--seq`` tokens, the last half scored (``logits_
 
 Plans: bf16 (the policy), raw fp16 (the fp16 shadow module called directly, no plan: the plan's overhead
 baseline), fp16 plan, fp32 head, guided-8 + head (layers 0,1,2,3,4,8,9,L-1: the reference study's Qwen2.5-1.5B
-set), all fp32; and, on CUDA, fp32 head / guided-8 / all fp32 again with TF32 matmuls
-(``torch.backends.cuda.matmul.allow_tf32``). ``sync`` = ``plan.sync(policy)`` (in-place ``copy_``), median of
-3; its share of one scoring pass over a GRPO generation batch (``--gen-rows`` rows of ``--seq`` tokens,
-extrapolated linearly from the measured pass) is reported against the target of 1%.
+set), all fp32, each fp32 plan twice: ``tf32=False`` (IEEE fp32) and ``tf32=True`` (TF32 matmuls), the plan option
+``gap.tf32`` that sets the matmul precision around the plan's own forward only (on a CPU both rows compute the
+same). ``sync`` = ``plan.sync(policy)`` (one fused ``torch._foreach_copy_`` per dtype group), median of 3, next to
+``sync loop`` (the per-tensor ``copy_`` loop it replaced, same tensors, median of 3); its share of one scoring pass
+over a GRPO generation batch (``--gen-rows`` rows of ``--seq`` tokens, extrapolated linearly from the measured
+pass) is reported against the target of 1%.
 
     python benchmarks/cost.py --out benchmarks/results/h200            # GPU, ~2-3 min on an H200
     python benchmarks/cost.py --quick --device cpu --out /tmp/cost     # CPU smoke run, < 60 s
@@ -27,7 +29,6 @@ extrapolated linearly from the measured pass) is reported against the target of 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -42,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bloggap_plugin.core.precision import make_plan  # noqa: E402
+from bloggap_plugin.core.precision import _param_pairs, make_plan, unwrap_model  # noqa: E402
 from bloggap_plugin.core.scoring import DEFAULT_CHUNK_TOKENS, token_logprobs  # noqa: E402
 from bloggap_plugin.report import format_text_table  # noqa: E402
 
@@ -94,15 +95,23 @@ def load_policy(name: str, device: torch.device):
     return load_model(name, dtype="bf16", device=device)[0], False
 
 
-@contextlib.contextmanager
-def tf32(enabled: bool):
-    """TF32 matmuls (CUDA) on/off for the block; restores the previous setting."""
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
+def loop_sync_seconds(plan, policy, device, repeats: int = 3) -> float | None:
+    """Median seconds of the per-tensor ``copy_`` loop that ``plan.sync`` replaced (fp32/fp16 shadows only): the same
+    (shadow, policy) tensor pairs, one ``copy_`` each, as the comparison baseline for the fused sync."""
+    shadow = getattr(plan, "shadow", None)
+    if shadow is None:
+        return None
+    pairs = _param_pairs(shadow, unwrap_model(policy))
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            for dst, src in pairs:
+                dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _sync(device):
@@ -199,13 +208,11 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
         ("fp32 head (untiled)", "fp32_head", {"chunk_tokens": 0}, False),
         (f"guided-{len(guided)} + head", "guided", {"layers": guided}, False),
         ("all fp32", "fp32", {}, False),
+        # the same fp32 plans with gap.tf32: true (the plan sets TF32 around its own forward)
+        ("fp32 head (TF32)", "fp32_head", {}, True),
+        (f"guided-{len(guided)} + head (TF32)", "guided", {"layers": guided}, True),
+        ("all fp32 (TF32)", "fp32", {}, True),
     ]
-    if cuda:
-        arms += [
-            ("fp32 head (TF32)", "fp32_head", {}, True),
-            (f"guided-{len(guided)} + head (TF32)", "guided", {"layers": guided}, True),
-            ("all fp32 (TF32)", "fp32", {}, True),
-        ]
     results = []
     fp16_plan = None
     for label, arm, options, use_tf32 in arms:
@@ -229,20 +236,24 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
             if arm == "fp16" and fp16_plan is not None:
                 plan = fp16_plan  # the same shadow module the raw pass used
             else:
+                if arm in ("fp32", "fp32_head", "guided"):
+                    options["tf32"] = use_tf32
                 plan = make_plan(policy, arm, **options)
 
             def fn(plan=plan, chunk_tokens=chunk_tokens):
                 return plan.token_logprobs(ids, mask, keep, batch_size=args.batch, chunk_tokens=chunk_tokens)
 
         slow = arm in ("fp32", "guided", "fp32_head") and not use_tf32 and cuda
-        with tf32(use_tf32) if cuda else contextlib.nullcontext():
-            extra_gib, pass_abs_gib = pass_peak(fn, device)  # one pass alone: its own peak
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            times = time_passes(fn, device, args.warmup, max(2, args.passes - 2) if slow else args.passes)
-            sync_times = []
-            if plan is not None and arm != "bf16":
-                sync_times = [plan.sync(policy) for _ in range(3)]
+        extra_gib, pass_abs_gib = pass_peak(fn, device)  # one pass alone: its own peak
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        times = time_passes(fn, device, args.warmup, max(2, args.passes - 2) if slow else args.passes)
+        sync_times = []
+        loop_seconds = None
+        if plan is not None and arm != "bf16":
+            plan.sync(policy)  # first call builds the fused copy lists
+            sync_times = [plan.sync(policy) for _ in range(3)]
+            loop_seconds = loop_sync_seconds(plan, policy, device)
         seconds = statistics.median(times)
         entry = {
             "plan": label,
@@ -256,6 +267,7 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
             "pass_peak_abs_gib": pass_abs_gib,
             "chunk_tokens": None if arm == "trl" else chunk_tokens,
             "sync_seconds": statistics.median(sync_times) if sync_times else None,
+            "sync_loop_seconds": loop_seconds,
         }
         if plan is not None:
             stats = plan.stats()
@@ -285,6 +297,8 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
             gen_pass = per_row * args.gen_rows
             entry["sync_frac_of_pass"] = entry["sync_seconds"] / entry["pass_seconds"]
             entry["sync_frac_of_gen_batch_pass"] = entry["sync_seconds"] / gen_pass
+            if entry["sync_loop_seconds"] is not None:
+                entry["sync_loop_frac_of_gen_batch_pass"] = entry["sync_loop_seconds"] / gen_pass
     raw = next((e for e in results if e["arm"] == "raw_fp16"), None)
     plan16 = next((e for e in results if e["arm"] == "fp16"), None)
     out = {
@@ -322,9 +336,10 @@ def tf32_noise(device: torch.device, args, log) -> dict | None:
         ("all fp32", "fp32", {}),
     ]:
         for use_tf32 in (False,) if arm == "bf16" else (False, True):
+            if arm != "bf16":
+                options = dict(options, tf32=use_tf32)
             plan = make_plan(model, arm, **options)
-            with tf32(use_tf32):
-                b1, b8 = b1_vs_bn(plan, ids, mask, args.tf32_tokens, 8, "mask")
+            b1, b8 = b1_vs_bn(plan, ids, mask, args.tf32_tokens, 8, "mask")
             cell = compare(b1, b8, plan=label, arm=arm, tf32=use_tf32)
             plan.close()
             cells.append(cell)
@@ -349,10 +364,12 @@ def tables(results: dict, args) -> list[dict]:
                     None if e["peak_gib"] is None else round(e["peak_gib"], 2),
                     None if e["pass_peak_gib"] is None else round(e["pass_peak_gib"], 3),
                     None if e["pass_peak_vs_trl"] is None else round(e["pass_peak_vs_trl"], 2),
+                    "on" if e["tf32"] else "off",
                     None if e["sync_seconds"] is None else round(1e3 * e["sync_seconds"], 2),
                     None
                     if e.get("sync_frac_of_gen_batch_pass") is None
                     else round(100 * e["sync_frac_of_gen_batch_pass"], 2),
+                    None if e.get("sync_loop_seconds") is None else round(1e3 * e["sync_loop_seconds"], 2),
                     None if e.get("fp32_param_share") is None else round(100 * e["fp32_param_share"], 2),
                 ]
             )
@@ -366,12 +383,13 @@ def tables(results: dict, args) -> list[dict]:
         {
             "id": "T7b",
             "title": "Cost of each scoring plan: time relative to bf16 in the same run, peak memory, sync",
-            "columns": ["model", "plan", "time vs bf16", "tokens/s", "peak GiB", "pass peak GiB", "pass peak vs TRL", "sync ms", "sync % of gen-batch pass", "fp32 params %"],
+            "columns": ["model", "plan", "time vs bf16", "tokens/s", "peak GiB", "pass peak GiB", "pass peak vs TRL", "TF32", "sync ms", "sync % of gen-batch pass", "sync loop ms", "fp32 params %"],
             "rows": rows,
             "notes": (
                 f"batch {args.batch} x {args.seq} random token ids, last {args.seq // 2} scored; median of timed passes "
                 f"after {args.warmup} warm-up. 'raw fp16' = the fp16 shadow called directly (no plan). sync = in-place "
-                f"copy_ from the policy; its share is of one scoring pass over a {args.gen_rows}-row generation batch "
+                f"fused copy from the policy (one torch._foreach_copy_ per dtype group), 'sync loop' = the per-tensor "
+                f"copy_ loop it replaced; TF32 = the fp32 plan's gap.tf32 (set around its own forward only). The sync's share is of one scoring pass over a {args.gen_rows}-row generation batch "
                 f"(extrapolated linearly). Targets: fp16 plan within 1% of raw fp16, fp32 head <= 1.15x, guided-8 + "
                 f"head <= 1.5x, sync <= 1%. 'pass peak' = peak allocated during one pass minus what was allocated "
                 f"before it (activations and logits; shadows and fp32 copies are resident, see bytes_added); "

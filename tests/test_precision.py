@@ -588,6 +588,13 @@ def test_cost_benchmark_quick(tmp_path):
         arms = {a["plan"]: a for a in shape["arms"]}
         assert arms["bf16"]["rel_time"] == 1.0 and arms["bf16"]["sync_seconds"] is None
         assert arms["all fp32"]["fp32_param_share"] == 1.0 and arms["all fp32"]["sync_seconds"] > 0
+        # the fused sync next to the per-tensor loop it replaced, as shares of a generation-batch pass
+        for label in ("all fp32", "fp16 plan"):
+            assert arms[label]["sync_loop_seconds"] > 0 and 0 < arms[label]["sync_frac_of_gen_batch_pass"]
+        assert arms["fp32 head"]["sync_loop_seconds"] is None  # no shadow: nothing to compare
+        # every fp32 plan with the plan option tf32 off and on
+        for label in ("all fp32", "fp32 head", f"guided-{len(shape['guided_layers'])} + head"):
+            assert arms[label]["tf32"] is False and arms[f"{label} (TF32)"]["tf32"] is True
         # the fp32 shadow holds 4 bytes per (unique) parameter plus fp32 buffers
         assert arms["all fp32"]["bytes_added"] >= 4 * shape["n_params"]
         assert 0 < arms["fp32 head"]["fp32_param_share"] < arms["guided-7 + head"]["fp32_param_share"] < 1
@@ -598,4 +605,114 @@ def test_cost_benchmark_quick(tmp_path):
         assert arms["fp32 head"]["chunk_tokens"] == DEFAULT_CHUNK_TOKENS
         assert arms["fp32 head (untiled)"]["chunk_tokens"] == 0
         assert all(a["pass_peak_gib"] is None and a["pass_peak_vs_trl"] is None for a in shape["arms"])
-    assert {"pass peak GiB", "pass peak vs TRL"} <= set(payload["tables"][0]["columns"])
+    assert {"pass peak GiB", "pass peak vs TRL", "TF32", "sync loop ms"} <= set(payload["tables"][0]["columns"])
+
+
+# ------------------------------------------------------------------------------------------------------- TF32
+
+
+def _matmul_settings() -> dict:
+    """Every TF32-related torch setting as readable now (``"unreadable"`` where torch refuses a mixed state)."""
+    getters = {
+        "legacy_precision": torch._C._get_float32_matmul_precision,
+        "cuda.matmul.allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
+        "cudnn.allow_tf32": lambda: torch.backends.cudnn.allow_tf32,
+    }
+    for path in ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul", "mkldnn.conv"):
+        owner = torch.backends
+        for part in filter(None, path.split(".")):
+            owner = getattr(owner, part)
+        getters[f"{path or 'backends'}.fp32_precision"] = lambda owner=owner: owner.fp32_precision
+    out = {}
+    for name, get in getters.items():
+        try:
+            out[name] = get()
+        except RuntimeError:
+            out[name] = "unreadable"
+    return out
+
+
+CALLER_SETTINGS = {
+    "default": lambda: None,
+    "legacy on": lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True),
+    "new api cuda on": lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"),
+    "transformers tf32": lambda: setattr(torch.backends, "fp32_precision", "tf32"),  # enable_tf32(True), torch>=2.9
+    "medium": lambda: torch.set_float32_matmul_precision("medium"),
+}
+
+
+@pytest.fixture
+def caller_tf32():
+    """Yields a setter of the caller's TF32 state; the process's state is put back afterwards (in a fresh order)."""
+    saved_legacy = torch._C._get_float32_matmul_precision()
+    saved = {path: _owner_precision(path) for path in ("", "cuda.matmul", "cudnn", "mkldnn")}
+    yield lambda name: CALLER_SETTINGS[name]()
+    torch.set_float32_matmul_precision(saved_legacy)
+    for path, value in saved.items():
+        _set_owner_precision(path, value)
+
+
+def _owner_precision(path):
+    owner = torch.backends
+    for part in filter(None, path.split(".")):
+        owner = getattr(owner, part)
+    return owner.fp32_precision
+
+
+def _set_owner_precision(path, value):
+    owner = torch.backends
+    for part in filter(None, path.split(".")):
+        owner = getattr(owner, part)
+    owner.fp32_precision = value
+
+
+@pytest.mark.parametrize("caller", list(CALLER_SETTINGS))
+@pytest.mark.parametrize(("arm", "tf32"), [("fp32", True), ("fp32", False), ("fp32_head", True), ("guided", False),
+                                           ("fp32", "auto")])
+def test_tf32_set_inside_the_plans_forward_only(caller_tf32, caller, arm, tf32):
+    """A forward hook sees the plan's TF32 choice (legacy flag and new API agree, as cuBLAS requires); after the
+    call, and after a call whose forward raises, every setting is the caller's again."""
+    policy, tok = load_model("tiny-random-llama", dtype="bf16")
+    plan = make_plan(policy, arm, tf32=tf32, **({"layers": [0]} if arm == "guided" else {}))
+    expected = False if tf32 == "auto" else tf32  # auto on a CPU: no TF32 units
+    assert plan.tf32 is expected and plan.stats()["tf32"] is expected
+    caller_tf32(caller)
+    before = _matmul_settings()
+    seen = []
+    model = plan.shadow if arm == "fp32" else policy
+
+    def look(module, args, output):
+        seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cuda.matmul.fp32_precision))
+
+    handle = model.register_forward_hook(look)
+    plan.token_logprobs(*_rows(tok), K)
+    assert seen and all(s == (expected, "tf32" if expected else "ieee") for s in seen), seen
+    assert _matmul_settings() == before
+    handle.remove()
+
+    def fail(module, args, output):
+        raise RuntimeError("forward failed")
+
+    model.register_forward_hook(fail)
+    with pytest.raises(RuntimeError, match="forward failed"):
+        plan.token_logprobs(*_rows(tok), K)
+    assert _matmul_settings() == before
+
+
+def test_tf32_left_alone_by_bf16_and_fp16_plans_and_checked(caller_tf32):
+    policy, tok = load_model("tiny-random-llama", dtype="fp32")
+    caller_tf32("legacy on")
+    for arm in ("bf16", "fp16"):
+        plan = make_plan(policy, arm, tf32=False)
+        assert plan.tf32 is None
+        seen: list = []
+        handle = (plan.shadow if arm == "fp16" else policy).register_forward_hook(
+            lambda m, a, o, seen=seen: seen.append(torch.backends.cuda.matmul.allow_tf32))
+        plan.token_logprobs(*_rows(tok), K)
+        handle.remove()
+        assert seen and all(seen), arm  # the caller's TF32 stays on inside
+    # the fp16 guard's fp32 re-score takes the plan's choice
+    with pytest.warns(RuntimeWarning, match="re-scoring that chunk in fp32"):
+        assert make_plan(policy, "fp16", tf32=True)._fp32_fallback().tf32 is True
+    with pytest.raises(ValueError, match="tf32 must be True, False or 'auto'"):
+        make_plan(policy, "fp32", tf32="yes")

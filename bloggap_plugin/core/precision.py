@@ -27,6 +27,14 @@ Arms (recipes may use the letters):
   chunk with a non-finite value is re-scored in fp32 through the same ``token_logprobs`` and counted
   (``plan.fp16_fallbacks``). The fp32 model for this is built on the first overflow and kept (and synced).
 
+TF32 (``make_plan(..., tf32=)``, ``gap.tf32``): plans that compute in fp32 (``fp32``, ``fp32_head``, ``guided``
+and the fp16 guard's fp32 re-score) set CUDA's fp32 matmul precision for their own forward only
+(:func:`cuda_matmul_tf32`: TF32 on or IEEE fp32) and restore the caller's setting afterwards, also when the
+forward raises; the process-wide setting outside a call is never changed. ``True``: TF32; ``False`` (default):
+IEEE fp32 whatever the process-wide flag says; ``"auto"``: TF32 when the plan runs on a GPU with TF32 units
+(compute capability >= 8.0, Ampere and later), IEEE fp32 otherwise. Arm ``bf16`` runs the policy as called,
+under the caller's setting, and the fp16 shadow has no fp32 matmuls: neither touches the setting.
+
 Scoring always runs under ``torch.no_grad()`` (old log-probs are constants), and never changes the policy's
 parameters, gradients, optimizer state or tied embeddings.
 """
@@ -56,7 +64,10 @@ from .scoring import (
 __all__ = [
     "ARMS",
     "ARM_ALIASES",
+    "TF32_MODES",
     "resolve_arm",
+    "resolve_tf32",
+    "cuda_matmul_tf32",
     "make_plan",
     "ScoringPlan",
     "unwrap_model",
@@ -69,6 +80,78 @@ ARMS = ("bf16", "fp32", "fp16", "fp32_head", "guided")
 ARM_ALIASES = {"A": "bf16", "B": "fp32", "D": "guided", "E": "fp32_head", "F": "fp16"}
 _NORM_NAMES = ("norm", "final_layer_norm", "ln_f", "norm_f", "final_norm")
 _LAYER_LIST_NAMES = ("layers", "h", "blocks", "layer")
+
+
+TF32_MODES = (True, False, "auto")
+# torch >= 2.9's per-backend precision settings (``torch.backends.<path>.fp32_precision``), restored after a plan call
+_FP32_PRECISION_PATHS = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul",
+                         "mkldnn.conv", "mkldnn.rnn")
+
+
+def resolve_tf32(tf32: bool | str, device: torch.device | str) -> bool:
+    """Whether a plan on ``device`` scores with TF32: ``tf32`` itself, or for ``"auto"`` whether ``device`` is a
+    CUDA GPU with TF32 units (compute capability >= 8.0: Ampere, Hopper, Blackwell)."""
+    if tf32 is True or tf32 is False:
+        return tf32
+    if tf32 != "auto":
+        raise ValueError(f"tf32 must be True, False or 'auto', got {tf32!r}")
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def _precision_owner(path: str) -> Any:
+    owner: Any = torch.backends
+    for part in filter(None, path.split(".")):
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return None
+    return owner
+
+
+def _read_fp32_precisions() -> dict[str, str]:
+    values = {}
+    for path in _FP32_PRECISION_PATHS:
+        owner = _precision_owner(path)
+        if owner is None:
+            continue
+        try:
+            values[path] = owner.fp32_precision
+        except (AttributeError, RuntimeError):
+            continue
+    return values
+
+
+@contextlib.contextmanager
+def cuda_matmul_tf32(enabled: bool) -> Iterator[None]:
+    """CUDA fp32 matmuls in TF32 (``enabled``) or IEEE fp32 for the block; the caller's settings come back after it,
+    also when it raises.
+
+    Set with the setter behind ``torch.backends.cuda.matmul.allow_tf32``, which keeps the legacy precision and
+    torch >= 2.9's ``cuda.matmul.fp32_precision`` consistent (cuBLAS refuses a mix of the two); restored: the legacy
+    ``float32_matmul_precision`` (or, where the caller's state mixes both APIs and cannot be read, the value cuBLAS
+    saw), then every ``torch.backends.*.fp32_precision`` as it was."""
+    saved = _read_fp32_precisions()
+    try:
+        legacy = torch._C._get_float32_matmul_precision()
+    except RuntimeError:  # the caller mixed the legacy and the new API
+        legacy = None
+        try:
+            cublas = bool(torch._C._get_cublas_allow_tf32())
+        except RuntimeError:  # inconsistent for cuBLAS too: the legacy flag is the opposite of the new one
+            cublas = saved.get("cuda.matmul") != "tf32"
+    torch._C._set_cublas_allow_tf32(bool(enabled))
+    try:
+        yield
+    finally:
+        if legacy is not None:
+            torch.set_float32_matmul_precision(legacy)
+        else:
+            torch._C._set_cublas_allow_tf32(cublas)
+        for path, value in saved.items():
+            with contextlib.suppress(RuntimeError):
+                _precision_owner(path).fp32_precision = value
 
 
 def resolve_arm(name: str) -> str:
@@ -357,36 +440,43 @@ def _param_pairs(dst_model: nn.Module, src_model: nn.Module) -> list[tuple[torch
 class _FusedCopy:
     """``dst.copy_(src)`` for many pairs as one ``torch._foreach_copy_`` per (device, dtype) group.
 
-    Bitwise the per-tensor ``copy_`` (same element-wise cast), into the same storage (nothing re-allocated); the
-    grouping is built once per source: ``key`` holds the identity and shape of every source tensor, so a replaced
-    parameter object or another model rebuilds it through ``pairs`` (which validates names and shapes)."""
+    Bitwise the per-tensor ``copy_`` (same element-wise cast), into the same storage (nothing re-allocated). The
+    grouping is built once per source model and kept while every source tensor is still the one its module holds
+    (one dict lookup per tensor, no module traversal): a replaced parameter object (``module.weight = ...``) or
+    another source model rebuilds it through ``pairs`` (which validates names and shapes). Replacing whole
+    submodules of the policy after the plan was made needs a new plan."""
 
     def __init__(self) -> None:
-        self._key: tuple | None = None
+        self._source: nn.Module | None = None
+        self._slots: list[tuple[dict, str, torch.Tensor]] = []  # (module._parameters/_buffers, key, tensor)
         self._groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
 
-    @staticmethod
-    def _source_key(source: nn.Module) -> tuple:
-        tensors = list(source.parameters()) + list(source.buffers())
-        return (id(source), tuple((id(t), t.shape) for t in tensors))
+    def _valid_for(self, source: nn.Module) -> bool:
+        return source is self._source and all(slots.get(key) is tensor for slots, key, tensor in self._slots)
 
     def __call__(self, source: nn.Module, pairs: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        key = self._source_key(source)
-        if key != self._key:
+        if not self._valid_for(source):
             groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+            sources = set()
             for dst, src in pairs():
                 group = groups.setdefault((dst.device, dst.dtype, src.device, src.dtype), ([], []))
                 group[0].append(dst)
                 group[1].append(src)
-            # hold the keyed tensors so that their ids cannot be reused by new objects while cached
-            self._sources = list(source.parameters()) + list(source.buffers())
+                sources.add(id(src))
+            self._slots = [
+                (slots, key, tensor)
+                for module in source.modules()
+                for slots in (module._parameters, module._buffers)
+                for key, tensor in slots.items()
+                if tensor is not None and id(tensor) in sources
+            ]
             self._groups = list(groups.values())
-            self._key = key
+            self._source = source
         for dsts, srcs in self._groups:
             torch._foreach_copy_(dsts, srcs)
 
     def clear(self) -> None:
-        self._key, self._groups, self._sources = None, [], []
+        self._source, self._slots, self._groups = None, [], []
 
 
 # --------------------------------------------------------------------------------------------------
@@ -398,8 +488,9 @@ class ScoringPlan:
 
     arm: str = ""
 
-    def __init__(self, policy: nn.Module, arm: str, fp16_guard: bool = True) -> None:
+    def __init__(self, policy: nn.Module, arm: str, fp16_guard: bool = True, tf32: bool | str = False) -> None:
         self.arm = arm
+        self._tf32_option = tf32
         self._policy_call = policy  # what the caller passed (wrapped or not): arm A calls exactly this
         self._source = unwrap_model(policy)
         self._fp16_guard = bool(fp16_guard)
@@ -422,6 +513,20 @@ class ScoringPlan:
 
     def _computes_fp16(self) -> bool:
         return False
+
+    def _computes_fp32(self) -> bool:
+        """Whether the forward has fp32 matmuls that the TF32 option governs."""
+        return False
+
+    @property
+    def tf32(self) -> bool | None:
+        """TF32 for this plan's fp32 matmuls (``gap.tf32`` resolved on the plan's device); ``None``: the plan has
+        none and leaves the caller's setting alone."""
+        return resolve_tf32(self._tf32_option, self._device()) if self._computes_fp32() else None
+
+    def _precision_context(self) -> contextlib.AbstractContextManager:
+        tf32 = self.tf32
+        return contextlib.nullcontext() if tf32 is None else cuda_matmul_tf32(tf32)
 
     def _sync(self, source: nn.Module) -> None:
         pass
@@ -466,7 +571,7 @@ class ScoringPlan:
                 finite.setdefault((rows.start, rows.stop), []).append(torch.isfinite(probe).all())
                 return out
 
-        with torch.no_grad(), self._scoring_context():
+        with torch.no_grad(), self._precision_context(), self._scoring_context():
             result = token_logprobs(
                 self._score_model(),
                 input_ids,
@@ -525,7 +630,7 @@ class ScoringPlan:
         self._closed = True
 
     def stats(self) -> dict:
-        """``bytes_added``, ``sync_seconds`` (last), ``fp32_param_share``, ``fp16_fallbacks``, ``layers``."""
+        """``bytes_added``, ``sync_seconds`` (last), ``fp32_param_share``, ``fp16_fallbacks``, ``layers``, ``tf32``."""
         extra = self._fallback._bytes() if self._fallback is not None else 0
         return {
             "arm": self.arm,
@@ -534,6 +639,7 @@ class ScoringPlan:
             "fp32_param_share": float(self._fp32_share()),
             "fp16_fallbacks": int(self.fp16_fallbacks),
             "layers": None if self.layers is None else list(self.layers),
+            "tf32": self.tf32,
         }
 
     def __enter__(self) -> ScoringPlan:
@@ -561,7 +667,7 @@ class ScoringPlan:
                 stacklevel=3,
             )
             self._fallback = _ShadowPlan(
-                self._source, "fp32", torch.float32, self._device(), fp16_guard=False
+                self._source, "fp32", torch.float32, self._device(), fp16_guard=False, tf32=self._tf32_option
             )
         return self._fallback
 
@@ -594,9 +700,10 @@ class _ShadowPlan(ScoringPlan):
     """Arms B/F: a clean copy in ``dtype`` run with autocast disabled, refreshed in place."""
 
     def __init__(
-        self, policy: nn.Module, arm: str, dtype: torch.dtype, device: torch.device | None, fp16_guard: bool
+        self, policy: nn.Module, arm: str, dtype: torch.dtype, device: torch.device | None, fp16_guard: bool,
+        tf32: bool | str = False,
     ):
-        super().__init__(policy, arm, fp16_guard)
+        super().__init__(policy, arm, fp16_guard, tf32)
         self.dtype = dtype
         self._shadow_device = torch.device(device) if device is not None else _model_device(self._source)
         self.shadow: nn.Module | None = _build_shadow(self._source, dtype, self._shadow_device)
@@ -618,6 +725,9 @@ class _ShadowPlan(ScoringPlan):
 
     def _computes_fp16(self) -> bool:
         return self.dtype == torch.float16
+
+    def _computes_fp32(self) -> bool:
+        return self.dtype == torch.float32
 
     def _sync(self, source: nn.Module) -> None:
         self._copy(source, lambda: _param_pairs(self.shadow, source))
@@ -717,8 +827,10 @@ class _Fp32Head(nn.Module):
 class _UpcastPlan(ScoringPlan):
     """Arms E/D on the live policy: fp32 islands swapped in for one call (see the module docstring)."""
 
-    def __init__(self, policy: nn.Module, arm: str, layers: Sequence[int], fp16_guard: bool) -> None:
-        super().__init__(policy, arm, fp16_guard)
+    def __init__(
+        self, policy: nn.Module, arm: str, layers: Sequence[int], fp16_guard: bool, tf32: bool | str = False
+    ) -> None:
+        super().__init__(policy, arm, fp16_guard, tf32)
         source = self._source
         layer_path, layer_list = _layer_list_path(source)
         self._layer_list = layer_list
@@ -780,6 +892,9 @@ class _UpcastPlan(ScoringPlan):
 
     def _computes_fp16(self) -> bool:
         return self._low_dtype == torch.float16
+
+    def _computes_fp32(self) -> bool:
+        return True  # the fp32 islands and head
 
     @contextlib.contextmanager
     def _scoring_context(self) -> Iterator[None]:
@@ -860,6 +975,7 @@ def make_plan(
     k: int = 8,
     calibration: tuple[torch.Tensor, torch.Tensor] | None = None,
     fp16_guard: bool = True,
+    tf32: bool | str = False,
 ) -> ScoringPlan:
     """A :class:`ScoringPlan` scoring with ``policy`` in ``arm``.
 
@@ -874,8 +990,13 @@ def make_plan(
         calibration: ``(input_ids, attention_mask)`` ``[N, L]`` rows for ``layers="auto"``: use rows
             disjoint from the ones you evaluate on.
         fp16_guard: re-score in fp32 any chunk whose fp16 scoring gives a non-finite value.
+        tf32: the fp32 matmuls of the plan's forward (``fp32``, ``fp32_head``, ``guided``, the fp16 guard's
+            re-score) in TF32 (``True``), IEEE fp32 (``False``), or TF32 on Ampere+ GPUs only (``"auto"``); set
+            and restored around each call (see the module docstring). Ignored by arm ``bf16``.
     """
     arm = resolve_arm(arm)
+    if not (tf32 is True or tf32 is False or tf32 == "auto"):
+        raise ValueError(f"tf32 must be True, False or 'auto', got {tf32!r}")
     if not isinstance(policy, nn.Module):
         raise TypeError(f"policy must be a torch.nn.Module, got {type(policy).__name__}")
     if arm != "guided" and (layers is not None or calibration is not None):
@@ -886,9 +1007,9 @@ def make_plan(
         return _PolicyPlan(policy, arm, fp16_guard)
     if arm in ("fp32", "fp16"):
         dtype = torch.float32 if arm == "fp32" else torch.float16
-        return _ShadowPlan(policy, arm, dtype, device, fp16_guard)
+        return _ShadowPlan(policy, arm, dtype, device, fp16_guard, tf32)
     if arm == "fp32_head":
-        return _UpcastPlan(policy, arm, [], fp16_guard)
+        return _UpcastPlan(policy, arm, [], fp16_guard, tf32)
     # guided
     source = unwrap_model(policy)
     n_layers = len(_layer_list_path(source)[1])
@@ -923,6 +1044,6 @@ def make_plan(
             )
     if len(set(ids)) != len(ids):
         raise ValueError(f"duplicate layer ids in {ids}")
-    plan = _UpcastPlan(policy, "guided", ids, fp16_guard)
+    plan = _UpcastPlan(policy, "guided", ids, fp16_guard, tf32)
     plan.profile = profile
     return plan
