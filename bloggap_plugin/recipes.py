@@ -132,6 +132,15 @@ class GapConfig:
     the plugin's cost (measured on the H200: about 0.1 s of a 1.3 s step when run every generation), so the
     default amortises them; the probe-free metrics (ratio, sampler, kept mass) are still computed every time."""
 
+    tf32: bool | str = False
+    """Matmul precision of the fp32 scoring plans (arms B, D, E and the fp16 guard's fp32 re-score): ``true``
+    TF32, ``false`` IEEE fp32, ``auto`` TF32 on GPUs with TF32 units (Ampere and later, compute capability >= 8.0)
+    and IEEE fp32 elsewhere. Set around the plan's own forward only and restored after it; the process-wide flag
+    (``GRPOConfig.tf32``) is not read or changed, so the plans compute the same whatever it says. TF32 rounds
+    matmul inputs to 10 mantissa bits; on the H200 it cuts all-fp32 scoring from 9-11x to about 2x bf16 and still
+    removed the batch-shape noise on SmolLM2 (T7b-tf32). Arms A, C, G and H have no fp32 plan; the fp32 batch-1
+    reference of the probe rows always computes in IEEE fp32."""
+
     strict_version: bool = True
     """Refuse to attach to a TRL outside the supported range (1.16.x); ``False`` downgrades that to a warning
     (missing private methods are always an error)."""
@@ -177,6 +186,8 @@ class GapConfig:
         for name in ("force_old_logprobs", "sampler", "is_correction", "strict_version"):
             if not isinstance(getattr(self, name), bool):
                 raise RecipeError(f"gap.{name} must be true or false, got {getattr(self, name)!r}")
+        if not (self.tf32 is True or self.tf32 is False or self.tf32 == "auto"):
+            raise RecipeError(f"gap.tf32 must be true, false or auto, got {self.tf32!r}")
         if self.layers is not None:
             if not isinstance(self.layers, (list, tuple)) or not all(
                 isinstance(i, int) and not isinstance(i, bool) for i in self.layers
@@ -243,6 +254,7 @@ _GAP_TYPES = {
     "metrics_every": (int,),
     "probe_every": (int,),
     "strict_version": (bool,),
+    "tf32": (bool, str),
 }
 
 

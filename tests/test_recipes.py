@@ -66,6 +66,8 @@ def test_unknown_grpo_key_names_it_and_suggests():
         ({"kept": "renormalize", "sampler": False}, r"renormalize needs a kept-set source"),
         ({"score_chunk_tokens": -1}, r"gap\.score_chunk_tokens must be >= 0 .*0 = untiled"),
         ({"score_chunk_tokens": 512.0}, r"gap\.score_chunk_tokens must be int"),
+        ({"tf32": "on"}, r"gap\.tf32 must be true, false or auto, got 'on'"),
+        ({"tf32": 1}, r"gap\.tf32 must be bool or str"),
     ],
 )
 def test_bad_values_name_the_field(section, pattern):
@@ -104,3 +106,9 @@ def test_score_chunk_tokens_default_is_the_scorings():
 
     assert GapConfig().score_chunk_tokens == DEFAULT_CHUNK_TOKENS
     assert parse_recipe({"gap": {"score_chunk_tokens": 0}})[1].score_chunk_tokens == 0  # untiled
+
+
+def test_tf32_values():
+    assert GapConfig().tf32 is False  # IEEE fp32 whatever the process-wide flag says
+    for value in (True, False, "auto"):
+        assert parse_recipe({"gap": {"tf32": value}})[1].tf32 == value

@@ -238,6 +238,15 @@ def test_arm_G_measure_only_pass_follows_metrics_every(tmp_path, monkeypatch):
     assert [h.get("gap/ratio/exact_frac") for h in logs_of(trainer)] == [1.0, None, 1.0, None]
 
 
+@pytest.mark.parametrize("tf32", [True, False, "auto"])
+def test_gap_tf32_reaches_the_arm_plan_not_the_reference(tmp_path, tf32):
+    trainer = make(tmp_path, GapConfig(arm="B", tf32=tf32), dtype="bf16", max_steps=1)
+    expected = tf32 is True  # auto on a CPU: IEEE fp32
+    assert trainer._gap_plan.tf32 is expected
+    reference = trainer._gap_reference_plan()
+    assert reference.tf32 is False and (reference is trainer._gap_plan) == (not expected)
+
+
 def test_measure_only_when_trl_computes_no_old_logprobs(tmp_path):
     """num_iterations 1 (ratio identically 1 in TRL): arm B measures but the loss is plain TRL's."""
     losses = []

@@ -368,6 +368,7 @@ class GapMixin:
         if arm != "guided":
             kwargs.pop("layers", None)
             kwargs.pop("k", None)
+        kwargs.setdefault("tf32", self._gap.tf32)
         return make_plan(policy, arm, fp16_guard=True, **kwargs)
 
     def _gap_weights_version(self) -> tuple:
@@ -387,11 +388,11 @@ class GapMixin:
 
     def _gap_reference_plan(self):
         if self._gap_ref_plan is None:
-            if self._gap.arm == "B" and self._gap_plan is not None:
+            if self._gap.arm == "B" and self._gap_plan is not None and not self._gap_plan.tf32:
                 self._gap_ref_plan = self._gap_plan
                 self._gap_ref_step = self._gap_plan_step
-            else:
-                self._gap_ref_plan = self._gap_make_plan("fp32")
+            else:  # the reference is IEEE fp32 whatever gap.tf32 says
+                self._gap_ref_plan = self._gap_make_plan("fp32", tf32=False)
                 self._gap_ref_step = self._gap_weights_version()
         if self._gap_ref_plan is self._gap_plan:
             return self._gap_synced(self._gap_plan, "_gap_plan_step")
