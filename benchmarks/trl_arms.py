@@ -27,7 +27,7 @@ NAME = "trl_arms"
 ARMS = ("A", "B", "C", "D", "E", "F", "G", "H")
 COLUMNS = [
     "arm", "ratio OOB %", "sampler OOB %", "clip flips %", "clipped %", "probe b1 vs bN OOB %", "exact ratio %",
-    "s/step", "plugin s/step", "overhead %", "reward first", "reward last",
+    "s/step", "plugin s/step", "overhead %", "G old pass s/step", "reward first", "reward last",
 ]
 
 
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
                 label, _pct(m("gap/ratio/oob_frac")), _pct(m("gap/sampler/oob_frac")), _pct(m("gap/clip/flip_frac")),
                 _pct(m("gap/clip/clipped_frac")), _pct(m("gap/probe/oob_b1_vs_bN")), _pct(m("gap/ratio/exact_frac")),
                 _num(m("step_time")), _num(m("gap/time/scoring_s")), _pct(m("gap/time/overhead_frac")),
-                _num(summary.get("reward_first")), _num(summary.get("reward_last")),
+                _num(m("gap/time/old_pass_s"), 4), _num(summary.get("reward_first")), _num(summary.get("reward_last")),
             ])
             print(f"[{NAME}] arm {arm} done in {summary['bench_wall_s']:.1f} s", flush=True)
     table = {
@@ -114,7 +114,8 @@ def main(argv=None) -> int:
             "Means over logged steps. ratio OOB: arm's old log-probs vs the training forward outside [0.9, 1.1]; "
             "sampler OOB: old log-probs vs HF generate's own (recorded) log-probs; clip flips: PPO clip status "
             "under the arm vs an fp32 batch-1 reference on probe rows; overhead: plugin time / step time "
-            "(includes the fp32 reference and probe scorings)."
+            "(includes the fp32 reference and probe scorings; arm G's matched old-logprob pass replaces TRL's own "
+            "and is not counted: it is 'G old pass s/step', averaged over steps, 0 on steps reusing a generation)."
         ),
         "reference": None,
         "random_init": model.startswith("tiny-random"),

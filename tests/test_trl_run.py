@@ -46,6 +46,8 @@ def test_benchmark_quick(tmp_path):
     assert [row[0] for row in table["rows"]] == ["A", "G"] and table["random_init"] is True
     assert all(len(row) == len(table["columns"]) for row in table["rows"])
     assert table["rows"][1][table["columns"].index("exact ratio %")] == 100.0  # G: matched, bit-exact
+    old_pass = table["columns"].index("G old pass s/step")
+    assert table["rows"][0][old_pass] is None and table["rows"][1][old_pass] > 0  # G's pass in place of TRL's
 
 
 def test_wandb_offline_run_contains_gap_keys(tmp_path, monkeypatch):
