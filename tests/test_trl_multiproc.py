@@ -168,7 +168,7 @@ def _expected_logs(record: dict) -> dict[int, dict[str, float]]:
                 values.setdefault(key, []).append(sums[num] / sums[den] if sums[den] > 0 else math.nan)
             values.setdefault("gap/ratio/abs_dlogp_max", []).append(reduces[i + 1]["reduced"][0])
         elif red["site"] == "training_step":
-            plugin, wall = sums
+            plugin, wall, _g_old_pass = sums  # the third: arm G's pass in place of TRL's
             values.setdefault("gap/time/scoring_s", []).append(plugin / procs)
             values.setdefault("gap/time/overhead_frac", []).append(plugin / wall)
     return {step: {key: _mean(vals) for key, vals in values.items()} for step, values in per_step.items()}
