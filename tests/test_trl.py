@@ -223,6 +223,22 @@ def test_arm_G_replaces_trls_old_pass(tmp_path, monkeypatch):
     assert logs[0]["gap/time/old_pass_s"] > 0 and logs[1]["gap/time/old_pass_s"] == 0.0  # step 2 reuses the batch
 
 
+def test_arm_G_extra_passes_are_the_gated_probes(tmp_path, monkeypatch):
+    """With probe rows, G's grad-free rows beyond plain TRL's are exactly the probe passes of probed generations:
+    probe_every 2 probes generation 1 of 2: 4 rows of the live batch-1 probe on the policy, 4 rows of the fp32
+    batch-1 reference on its own shadow."""
+    _, plain_rows = run_G(tmp_path / "plain", True, monkeypatch, mode="plain")
+    torch.manual_seed(1234)
+    trainer = make(tmp_path / "g", GapConfig(arm="G", probe_rows=4, probe_every=2), dtype="fp32", max_steps=4)
+    rows = count_no_grad_scoring_rows(trainer)
+    reference_rows: list = []
+    trainer._gap_reference_plan().shadow.register_forward_pre_hook(
+        lambda module, args, kwargs: reference_rows.append(int(kwargs["input_ids"].shape[0])), with_kwargs=True)
+    trainer.train()
+    assert sum(rows) == sum(plain_rows) + 4 and rows.count(1) == 4  # policy: TRL's rows + the live probe
+    assert reference_rows == [1, 1, 1, 1]
+
+
 def test_arm_G_measure_only_pass_follows_metrics_every(tmp_path, monkeypatch):
     """TRL computes no old log-probs (num_iterations 1): G's scoring is a metrics pass, run on measured generations
     only (metrics_every 2: generations 1 and 3 of 4), and the loss is plain TRL's."""
