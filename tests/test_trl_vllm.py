@@ -171,3 +171,16 @@ def test_renormalize_with_beta_on_vllm_path_is_refused(tmp_path):
     with pytest.raises(RecipeError, match="renormalize.*beta.*vLLM"):
         vllm_run(tmp_path, GapConfig(arm="A", kept="renormalize"), {"top_p": 0.8}, train=False, beta=0.04,
                  model_name=saved_model_dir(tmp_path))
+
+
+def test_kept_measure_on_vllm_path_follows_metrics_every(tmp_path):
+    """measure-only kept sets cost a pass on measured generations only (metrics_every 2: generations 1, 3, ...)."""
+    trainer, fake = vllm_run(tmp_path, GapConfig(arm="A", kept="measure", metrics_every=2), {"top_p": 0.8},
+                             train=False, max_steps=4, num_iterations=1, gradient_accumulation_steps=1)
+    passes = []
+    derive = trainer._gap_vllm_kept_sets
+    trainer._gap_vllm_kept_sets = lambda *a, **k: (passes.append(1), derive(*a, **k))[1]
+    trainer.train()
+    generated = [h for h in logs_of(trainer) if "sampling/importance_sampling_ratio/mean" in h]
+    with_kept = [h for h in generated if "gap/kept/mass_mean" in h]
+    assert fake.calls == len(generated) == 4 and len(with_kept) == 2 and len(passes) == 2

@@ -642,7 +642,9 @@ class GapMixin:
         logits_to_keep = output["completion_ids"].shape[1]
         n_rows = ids.shape[0]
         batch_size = self.args.per_device_train_batch_size
-        if self.use_vllm and self._gap_kept_on and output.get("sampling_per_token_logps") is not None:
+        # vLLM kept sets: every generation when they renormalise, on measured generations when they only measure
+        if (self.use_vllm and self._gap_kept_on and output.get("sampling_per_token_logps") is not None
+                and (self._gap_renormalize or measure)):
             self._gap_vllm_kept_sets(output, ids, attn, logits_to_keep)
         kept = self._gap_kept_from(output)
         trl_old = output.get("old_per_token_logps")
