@@ -1,0 +1,79 @@
+"""Device-independent peak memory of one call: the peak of live tensor bytes created during it.
+
+``torch.cuda.max_memory_allocated`` exists only on CUDA. :class:`TensorPeak` measures the same quantity on any
+device from the tensors themselves: a ``TorchDispatchMode`` sees every aten op called inside the block and adds
+the bytes of each new storage an op returns (``untyped_storage().nbytes()``, counted once per storage: views
+and in-place results share their input's storage and add nothing); a ``weakref.finalize`` on the storage
+subtracts them when it is freed. ``peak_bytes`` is the largest live total during the block, above what was
+live before it (storages created before the block are never counted, and freeing them does not lower it).
+
+What it does not see (so, on CUDA, ``max_memory_allocated`` can read higher): scratch memory a kernel allocates
+and frees inside one op (for example a fused attention kernel's workspace or a BLAS packing buffer), allocator
+rounding and caching, and tensors made outside the dispatcher (``torch.from_numpy``).
+
+    with TensorPeak() as peak:
+        fn()
+    peak.peak_bytes      # int, bytes
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["TensorPeak", "call_peak_bytes"]
+
+
+def _storages(tree) -> dict[int, torch.UntypedStorage]:
+    """The distinct storages of the dense tensors in a pytree, keyed by their C++ storage address."""
+    out = {}
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and leaf.device.type != "meta":
+            storage = leaf.untyped_storage()
+            out[storage._cdata] = storage
+    return out
+
+
+class TensorPeak(TorchDispatchMode):
+    """Live and peak bytes of the tensor storages created inside the ``with`` block (see the module docstring).
+
+    ``live_bytes``: bytes of the storages created in the block that are still alive; ``peak_bytes``: the
+    largest ``live_bytes`` seen (both 0 at entry). A storage an op resizes is re-measured the next time an op
+    returns it. Not thread-safe; the mode applies to the thread that entered it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._tracked: dict[int, int] = {}  # storage address -> bytes counted for it
+
+    def _release(self, key: int) -> None:
+        self.live_bytes -= self._tracked.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # lift_fresh returns the (fresh) tensor torch.tensor() built outside the dispatcher: a new allocation
+        inputs = {} if func is torch.ops.aten.lift_fresh.default else _storages((args, kwargs))
+        for key, storage in _storages(out).items():
+            nbytes = storage.nbytes()
+            if key in self._tracked:
+                self.live_bytes += nbytes - self._tracked[key]
+                self._tracked[key] = nbytes
+            elif key not in inputs:
+                self._tracked[key] = nbytes
+                self.live_bytes += nbytes
+                weakref.finalize(storage, self._release, key)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return out
+
+
+def call_peak_bytes(fn, *args, **kwargs) -> tuple[int, object]:
+    """``(peak_bytes, result)`` of ``fn(*args, **kwargs)`` under :class:`TensorPeak`."""
+    with TensorPeak() as peak:
+        result = fn(*args, **kwargs)
+    return peak.peak_bytes, result
