@@ -8,6 +8,16 @@ every plan and for TRL 1.16's own old-logprob pass (its fused LM head, the basel
 ``--score-chunk-tokens`` scored tokens (``gap.score_chunk_tokens``); "fp32 head (untiled)" is the same plan
 with the whole ``[rows, K, V]`` logits at once, as before tiling.
 
+Memory off CUDA: the same ``pass_peak_gib`` from the tensors themselves (``benchmarks/memtrack.py``
+``TensorPeak``: the peak of live tensor storages created during the pass; kernel-internal scratch is not seen).
+There TRL's fused head runs its torch fallback, which projects every position and makes fp32 copies of each
+``[4096, 32768]`` tile; the extra baseline row "TRL fused head, CUDA memory model" (``pass_peak_vs_trl_cuda_like``)
+is the same pass with only the labelled positions projected and an allocation-free fold, as on CUDA with
+Triton. ``--memory-only`` runs one pass per arm (no timing) and writes ``cost_memory.json`` (table
+T7c-memory); ``--skip-matmul-arithmetic`` (CPU, with ``--memory-only``) makes matmuls and attention return zeros
+of their real size instead of computing (the same tensors, so the same peaks: tested equal on tiny models),
+for CPUs whose bf16/fp16 matmuls run at ~1 GFLOP/s.
+
 Shapes: SmolLM2-135M (real weights) and random-init real-size shapes (Qwen2.5-1.5B, Qwen2.5-7B, a
 Llama-3.1-8B-class shape) built directly on the device (random init is valid for timing only). Input: random
 token ids, batch ``--batch`` x ``--seq`` tokens, the last half scored (``logits_to_keep = seq // 2``) through
@@ -24,11 +34,14 @@ pass) is reported against the target of 1%.
 
     python benchmarks/cost.py --out benchmarks/results/h200            # GPU, ~2-3 min on an H200
     python benchmarks/cost.py --quick --device cpu --out /tmp/cost     # CPU smoke run, < 60 s
+    python benchmarks/cost.py --memory-only --skip-matmul-arithmetic --device cpu --shapes smollm2 \
+        qwen2.5-1.5b --layers 2 --out benchmarks/results/cpu          # T7c-memory on CPU, ~5 min
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -43,11 +56,22 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.memtrack import SkipMatmulArithmetic, TensorPeak  # noqa: E402
+from bloggap_plugin._io import atomic_write_text  # noqa: E402
 from bloggap_plugin.core.precision import _param_pairs, make_plan, unwrap_model  # noqa: E402
 from bloggap_plugin.core.scoring import DEFAULT_CHUNK_TOKENS, token_logprobs  # noqa: E402
 from bloggap_plugin.report import format_text_table  # noqa: E402
 
 NAME = "cost"
+MEMORY_NAME = "cost_memory"
+MEMORY_METHOD = {
+    "cuda": "torch.cuda.max_memory_allocated during the pass minus memory_allocated before it",
+    "other": "peak of live tensor storages created during the pass (benchmarks/memtrack.py TensorPeak: "
+    "every aten op's new output storages, freed by finalizers; kernel-internal scratch not seen)",
+}
+# The issue's arm letters for each plan of this benchmark (trl = TRL's own old-logprob pass, arm A).
+ARM_LETTERS = {"trl": "A", "trl_cuda_like": "A", "fp32": "B", "bf16": "C", "guided": "D", "fp32_head": "E",
+               "fp16": "F", "raw_fp16": "F"}
 SCHEMA_VERSION = 1
 
 # Real-size shapes (random init; timing only). Values from the public configs of these models.
@@ -74,11 +98,16 @@ SHAPES = {
 }  # fmt: skip
 
 
-def build_shape(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
-    """A random-init causal LM of shape ``name`` built directly on ``device`` in ``dtype`` (eval mode)."""
+def build_shape(
+    name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0, layers: int | None = None
+):
+    """A random-init causal LM of shape ``name`` built directly on ``device`` in ``dtype`` (eval mode);
+    ``layers`` overrides its number of decoder layers (same widths and vocabulary)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     kind, kwargs = SHAPES[name]
+    if layers is not None:
+        kwargs = kwargs | {"num_hidden_layers": layers}
     config = (Qwen2Config if kind == "qwen2" else LlamaConfig)(**kwargs)
     torch.manual_seed(seed)
     with torch.device(device):
@@ -86,10 +115,10 @@ def build_shape(name: str, device: torch.device, dtype: torch.dtype = torch.bflo
     return model.eval()
 
 
-def load_policy(name: str, device: torch.device):
-    """(model, random_init) for a shape name or ``smollm2`` (real weights)."""
+def load_policy(name: str, device: torch.device, layers: int | None = None):
+    """(model, random_init) for a shape name (``layers``: see :func:`build_shape`) or ``smollm2`` (real weights)."""
     if name in SHAPES:
-        return build_shape(name, device), True
+        return build_shape(name, device, layers=layers), True
     from bloggap_plugin.models import load_model
 
     return load_model(name, dtype="bf16", device=device)[0], False
@@ -138,12 +167,17 @@ def _free(device):
         torch.cuda.empty_cache()
 
 
-def pass_peak(fn, device) -> tuple[float | None, float | None]:
-    """``(extra, absolute)`` GiB of one call of ``fn`` on CUDA: the peak allocated during it minus what was
-    allocated just before, and the peak itself; ``(None, None)`` on other devices (no allocator statistics)."""
-    if device.type != "cuda":
-        return None, None
+def pass_peak(fn, device, skip_arithmetic: bool = False) -> tuple[float, float | None]:
+    """``(extra, absolute)`` GiB of one call of ``fn``. CUDA: the peak allocated during it minus what was
+    allocated just before (allocator statistics), and the peak itself. Other devices: the peak of live tensor
+    bytes created during the call (``benchmarks.memtrack.TensorPeak``: tensors only, no kernel scratch, see
+    ``MEMORY_METHOD``) and ``None`` (no absolute figure); ``skip_arithmetic``: matmuls and attention return
+    zeros of their real size (``SkipMatmulArithmetic``; same tensors, meaningless values)."""
     _free(device)
+    if device.type != "cuda":
+        with SkipMatmulArithmetic() if skip_arithmetic else contextlib.nullcontext(), TensorPeak() as peak:
+            fn()
+        return peak.peak_bytes / 2**30, None
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
@@ -153,18 +187,46 @@ def pass_peak(fn, device) -> tuple[float | None, float | None]:
     return (peak - before) / 2**30, peak / 2**30
 
 
-def trl_old_logprob_pass(policy, ids, mask, keep: int, batch_size: int):
+@contextlib.contextmanager
+def trl_cuda_memory_model(enabled: bool):
+    """TRL's fused head off CUDA as it allocates on CUDA (a memory model for the CPU baseline): only the
+    labelled positions are projected (TRL's ``compact`` path, taken where Triton runs) and the per-tile fold
+    allocates nothing (on CUDA it is a Triton kernel updating its running statistics in place; off CUDA
+    ``_forward_tile`` computes fp32 copies of each ``[4096, 32768]`` tile, which the block runs untracked by
+    ``TensorPeak``). The values are unchanged; only what the memory tracker sees differs."""
+    if not enabled:
+        yield
+        return
+    import trl.kernels.chunked_logprob as kernels
+    import trl.trainer.utils as trl_utils
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    original_fold, original_use_triton = kernels._forward_tile, trl_utils._use_triton
+
+    def untracked_fold(*args, **kwargs):
+        with _disable_current_modes():
+            return original_fold(*args, **kwargs)
+
+    kernels._forward_tile, trl_utils._use_triton = untracked_fold, lambda device: True
+    try:
+        yield
+    finally:
+        kernels._forward_tile, trl_utils._use_triton = original_fold, original_use_triton
+
+
+def trl_old_logprob_pass(policy, ids, mask, keep: int, batch_size: int, cuda_like: bool = False):
     """TRL 1.16's own old-logprob pass, the memory baseline: its fused LM head patched on ``policy`` as
     ``GRPOTrainer`` does (``add_fused_lm_head``, log-probs and entropy), then the text-only loop of
     ``_get_per_token_logps_and_entropies`` (labels on the last ``keep`` tokens, chunks of ``batch_size`` rows,
-    ``fused_lm_head=True``), grad-free. Returns ``(fn, remove)``: ``remove()`` takes the patch off again."""
+    ``fused_lm_head=True``), grad-free. ``cuda_like``: under :func:`trl_cuda_memory_model` (off CUDA only).
+    Returns ``(fn, remove)``: ``remove()`` takes the patch off again."""
     from trl.trainer.utils import add_fused_lm_head
 
     had_own = "forward" in policy.__dict__
     add_fused_lm_head(policy, temperature=1.0, outputs=("log_probs", "entropy"))
 
     def fn():
-        with torch.no_grad():
+        with torch.no_grad(), trl_cuda_memory_model(cuda_like):
             out = []
             for start in range(0, ids.shape[0], batch_size):
                 chunk_ids, chunk_mask = ids[start : start + batch_size], mask[start : start + batch_size]
@@ -187,7 +249,7 @@ def _guided_layers(n_layers: int) -> list[int]:
 
 
 def bench_shape(name: str, device: torch.device, args, log) -> dict:
-    policy, random_init = load_policy(name, device)
+    policy, random_init = load_policy(name, device, args.layers)
     n_layers = policy.config.num_hidden_layers
     vocab = policy.config.vocab_size
     n_params = sum(p.numel() for p in policy.parameters())
@@ -198,9 +260,11 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
     mask = torch.ones_like(ids)
     keep = args.seq // 2
     cuda = device.type == "cuda"
-    fp16_ok = cuda or name.startswith("tiny")
+    fp16_ok = (cuda or name.startswith("tiny") or args.skip_matmul_arithmetic) and not args.skip_fp16
     guided = _guided_layers(n_layers)
     arms = [("bf16", "bf16", {}, False), ("TRL fused head (baseline)", "trl", {}, False)]
+    if not cuda:
+        arms.append(("TRL fused head, CUDA memory model", "trl_cuda_like", {}, False))
     if fp16_ok:
         arms += [("raw fp16", "raw_fp16", {}, False), ("fp16 plan", "fp16", {}, False)]
     arms += [
@@ -208,11 +272,14 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
         ("fp32 head (untiled)", "fp32_head", {"chunk_tokens": 0}, False),
         (f"guided-{len(guided)} + head", "guided", {"layers": guided}, False),
         ("all fp32", "fp32", {}, False),
-        # the same fp32 plans with gap.tf32: true (the plan sets TF32 around its own forward)
-        ("fp32 head (TF32)", "fp32_head", {}, True),
-        (f"guided-{len(guided)} + head (TF32)", "guided", {"layers": guided}, True),
-        ("all fp32 (TF32)", "fp32", {}, True),
     ]
+    if not args.memory_only:  # TF32 changes no tensor's size: same memory as the rows above
+        # the same fp32 plans with gap.tf32: true (the plan sets TF32 around its own forward)
+        arms += [
+            ("fp32 head (TF32)", "fp32_head", {}, True),
+            (f"guided-{len(guided)} + head (TF32)", "guided", {"layers": guided}, True),
+            ("all fp32 (TF32)", "fp32", {}, True),
+        ]
     results = []
     fp16_plan = None
     for label, arm, options, use_tf32 in arms:
@@ -220,8 +287,8 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
         options = dict(options)
         chunk_tokens = options.pop("chunk_tokens", args.score_chunk_tokens)
         remove = None
-        if arm == "trl":
-            fn, remove = trl_old_logprob_pass(policy, ids, mask, keep, args.batch)
+        if arm in ("trl", "trl_cuda_like"):
+            fn, remove = trl_old_logprob_pass(policy, ids, mask, keep, args.batch, cuda_like=arm == "trl_cuda_like")
             plan = None
         elif arm == "raw_fp16":
             fp16_plan = make_plan(policy, "fp16")
@@ -244,28 +311,34 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
                 return plan.token_logprobs(ids, mask, keep, batch_size=args.batch, chunk_tokens=chunk_tokens)
 
         slow = arm in ("fp32", "guided", "fp32_head") and not use_tf32 and cuda
-        extra_gib, pass_abs_gib = pass_peak(fn, device)  # one pass alone: its own peak
+        started = time.perf_counter()
+        extra_gib, pass_abs_gib = pass_peak(fn, device, args.skip_matmul_arithmetic)  # one pass: its own peak
+        memory_pass_seconds = time.perf_counter() - started
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        times = time_passes(fn, device, args.warmup, max(2, args.passes - 2) if slow else args.passes)
-        sync_times = []
+        times, sync_times = [], []
         loop_seconds = None
-        if plan is not None and arm != "bf16":
-            plan.sync(policy)  # first call builds the fused copy lists
-            sync_times = [plan.sync(policy) for _ in range(3)]
-            loop_seconds = loop_sync_seconds(plan, policy, device)
-        seconds = statistics.median(times)
+        if not args.memory_only:
+            times = time_passes(fn, device, args.warmup, max(2, args.passes - 2) if slow else args.passes)
+            if plan is not None and arm != "bf16":
+                plan.sync(policy)  # first call builds the fused copy lists
+                sync_times = [plan.sync(policy) for _ in range(3)]
+                loop_seconds = loop_sync_seconds(plan, policy, device)
+        seconds = statistics.median(times) if times else None
         entry = {
             "plan": label,
             "arm": arm,
+            "arm_letter": ARM_LETTERS.get(arm),
             "tf32": use_tf32,
             "pass_seconds": seconds,
             "pass_seconds_all": times,
-            "tokens_per_s": args.batch * args.seq / seconds,
+            "memory_pass_seconds": memory_pass_seconds,
+            "tokens_per_s": args.batch * args.seq / seconds if seconds else None,
             "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
             "pass_peak_gib": extra_gib,
             "pass_peak_abs_gib": pass_abs_gib,
-            "chunk_tokens": None if arm == "trl" else chunk_tokens,
+            "memory_method": MEMORY_METHOD["cuda" if cuda else "other"],
+            "chunk_tokens": None if arm.startswith("trl") else chunk_tokens,
             "sync_seconds": statistics.median(sync_times) if sync_times else None,
             "sync_loop_seconds": loop_seconds,
         }
@@ -276,8 +349,8 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
         elif fp16_plan is not None:
             entry.update(bytes_added=fp16_plan.stats()["bytes_added"], fp32_param_share=0.0, layers=None)
         results.append(entry)
-        peak_note = "" if extra_gib is None else f"  pass peak {extra_gib:7.3f} GiB"
-        log(f"{name:<14} {label:<26} {seconds * 1e3:9.1f} ms/pass  {entry['tokens_per_s']:10.0f} tok/s{peak_note}")
+        timing = "" if seconds is None else f"{seconds * 1e3:9.1f} ms/pass  {entry['tokens_per_s']:10.0f} tok/s  "
+        log(f"{name:<14} {label:<34} {timing}pass peak {extra_gib * 1024:9.1f} MiB ({memory_pass_seconds:.0f} s)")
         if remove is not None:
             remove()
         if plan is not None and plan is not fp16_plan:
@@ -287,13 +360,16 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
             fp16_plan = None
     base = results[0]["pass_seconds"]
     trl = next(e for e in results if e["arm"] == "trl")
+    trl_cuda_like = next((e for e in results if e["arm"] == "trl_cuda_like"), None)
     for entry in results:
-        entry["rel_time"] = entry["pass_seconds"] / base
-        entry["pass_peak_vs_trl"] = (
-            entry["pass_peak_gib"] / trl["pass_peak_gib"] if trl["pass_peak_gib"] else None
+        entry["rel_time"] = None if base is None else entry["pass_seconds"] / base
+        entry["pass_peak_vs_trl"] = entry["pass_peak_gib"] / trl["pass_peak_gib"] if trl["pass_peak_gib"] else None
+        entry["pass_peak_vs_trl_cuda_like"] = (
+            entry["pass_peak_gib"] / trl_cuda_like["pass_peak_gib"]
+            if trl_cuda_like and trl_cuda_like["pass_peak_gib"] else None
         )
-        per_row = entry["pass_seconds"] / args.batch
         if entry["sync_seconds"] is not None:
+            per_row = entry["pass_seconds"] / args.batch
             gen_pass = per_row * args.gen_rows
             entry["sync_frac_of_pass"] = entry["sync_seconds"] / entry["pass_seconds"]
             entry["sync_frac_of_gen_batch_pass"] = entry["sync_seconds"] / gen_pass
@@ -310,7 +386,9 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
         "tied": bool(getattr(policy.config, "tie_word_embeddings", False)),
         "guided_layers": guided,
         "arms": results,
-        "fp16_plan_over_raw_fp16": plan16["pass_seconds"] / raw["pass_seconds"] if raw and plan16 else None,
+        "fp16_plan_over_raw_fp16": (
+            plan16["pass_seconds"] / raw["pass_seconds"] if raw and plan16 and raw["pass_seconds"] else None
+        ),
     }
     del policy
     _free(device)
@@ -349,6 +427,59 @@ def tf32_noise(device: torch.device, args, log) -> dict | None:
     del model
     _free(device)
     return {"rows": args.tf32_rows, "new_tokens": args.tf32_tokens, "cells": cells}
+
+
+def _tile_setting(entry: dict, rows: int) -> str:
+    if entry["arm"].startswith("trl"):
+        return "TRL's own: 4096 tokens x 32768 vocab columns"
+    if not entry["chunk_tokens"]:
+        return "untiled (all [rows, K, V] logits)"
+    return f"{entry['chunk_tokens']} scored tokens ({rows} rows x {max(1, entry['chunk_tokens'] // rows)} positions)"
+
+
+def memory_table(results: dict, args, device: torch.device) -> dict:
+    """T7c-memory: each arm's old-logprob pass peak against TRL's own pass (target <= 1.25x)."""
+    rows = []
+    for shape in results["shapes"]:
+        for e in shape["arms"]:
+            rows.append([
+                shape["shape"] + (f" (random init, {shape['n_layers']} layers)" if shape["random_init"] else ""),
+                e["arm_letter"],
+                e["plan"],
+                round(e["pass_peak_gib"] * 1024, 1),
+                None if e["pass_peak_vs_trl"] is None else round(e["pass_peak_vs_trl"], 3),
+                None if e["pass_peak_vs_trl_cuda_like"] is None else round(e["pass_peak_vs_trl_cuda_like"], 3),
+                _tile_setting(e, args.batch),
+            ])
+    cuda = device.type == "cuda"
+    skipped = [] if cuda or not args.skip_fp16 else [
+        "arm F (fp16) not run: fp16 matmuls on this CPU are 30-80x slower than bf16"
+    ]
+    return {
+        "id": "T7c-memory",
+        "title": f"Peak memory of one old-logprob pass per arm vs TRL 1.16's own pass ({device.type.upper()})",
+        "columns": ["model", "arm", "plan", "pass peak MiB", "x TRL's pass", "x TRL's pass (CUDA memory model)",
+                    "tile setting"],
+        "rows": rows,
+        "notes": (
+            f"Measured on {device.type.upper()}"
+            + ("" if cuda else " (no GPU): " + MEMORY_METHOD["other"])
+            + ("; matmul and attention arithmetic skipped (zeros of the real shape and dtype, SkipMatmulArithmetic: "
+               "the same tensors as the real pass, checked equal on tiny models; values meaningless)"
+               if args.skip_matmul_arithmetic else "")
+            + f". One grad-free pass over {args.batch} rows x {args.seq} random token ids, the last {args.seq // 2} "
+            f"scored, all rows in one forward; peak above what was live before the pass (weights, fp32 shadows "
+            f"and heads are resident and not counted). Arm A = TRL 1.16's own pass (add_fused_lm_head, log-probs "
+            f"+ entropy), the baseline. Off CUDA TRL projects every position and folds each 4096 x 32768 tile "
+            f"with torch ops that make fp32 copies of it; 'CUDA memory model' = the same pass with only the "
+            f"labelled positions projected and an allocation-free fold, as TRL runs with Triton on CUDA (the "
+            f"stricter baseline). Target: every arm <= 1.25x. D with 2 layers puts every layer in fp32 (= B plus "
+            f"nothing). " + "; ".join(skipped)
+        ),
+        "reference": None,
+        "random_init": any(s["random_init"] for s in results["shapes"]),
+        "plot": False,
+    }  # fmt: skip
 
 
 def tables(results: dict, args) -> list[dict]:
@@ -444,11 +575,30 @@ def main(argv=None) -> int:
         help=f"scored tokens per tile of the LM head (gap.score_chunk_tokens; {DEFAULT_CHUNK_TOKENS})",
     )
     parser.add_argument("--quick", action="store_true", help="tiny shapes, few passes (CPU smoke run)")
+    parser.add_argument(
+        "--memory-only", action="store_true",
+        help=f"one pass per arm for its peak memory, no timing; writes {MEMORY_NAME}.json (table T7c-memory)",
+    )
+    parser.add_argument("--skip-fp16", action="store_true", help="leave out the fp16 plans (arm F)")
+    parser.add_argument(
+        "--skip-matmul-arithmetic", action="store_true",
+        help="with --memory-only off CUDA: matmuls and attention return zeros of their real size instead of "
+        "computing (same tensors, so the same memory; for CPUs where bf16 matmuls crawl)",
+    )
+    parser.add_argument(
+        "--layers", type=int, default=None, help="override the number of layers of the random-init shapes"
+    )
     args = parser.parse_args(argv)
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers {args.layers}: needs at least 1 layer")
+    if args.skip_matmul_arithmetic and not args.memory_only:
+        parser.error("--skip-matmul-arithmetic needs --memory-only (the values and timings would be meaningless)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from bloggap_plugin.envinfo import device_tag, environment_record
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and args.skip_matmul_arithmetic:
+        parser.error("--skip-matmul-arithmetic is for CPU memory runs; on CUDA the allocator measures the real pass")
     if device.type == "cpu":
         torch.set_num_threads(1)
     if args.quick:
@@ -467,17 +617,17 @@ def main(argv=None) -> int:
 
     started = time.time()
     results = {"shapes": [bench_shape(name, device, args, log) for name in shapes]}
-    results["tf32_noise"] = None if args.quick else tf32_noise(device, args, log)
+    results["tf32_noise"] = None if args.quick or args.memory_only else tf32_noise(device, args, log)
+    name = MEMORY_NAME if args.memory_only else NAME
     payload = {
-        "benchmark": NAME,
+        "benchmark": name,
         "schema_version": SCHEMA_VERSION,
         "env": environment_record(device),
         "params": {k: v for k, v in vars(args).items() if k != "out"} | {"shapes": shapes},
         "results": results,
-        "tables": tables(results, args),
+        "tables": [memory_table(results, args, device)] if args.memory_only else tables(results, args),
     }
-    path = out_dir / f"{NAME}.json"
-    path.write_text(json.dumps(payload, indent=2))
+    path = atomic_write_text(out_dir / f"{name}.json", json.dumps(payload, indent=2))
     log(f"wrote {path} in {time.time() - started:.0f} s")
     for table in payload["tables"]:
         print(format_text_table(table))

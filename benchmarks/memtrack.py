@@ -77,3 +77,47 @@ def call_peak_bytes(fn, *args, **kwargs) -> tuple[int, object]:
     with TensorPeak() as peak:
         result = fn(*args, **kwargs)
     return peak.peak_bytes, result
+
+
+_ARITHMETIC_OPS = {
+    torch.ops.aten.mm,
+    torch.ops.aten.addmm,
+    torch.ops.aten.bmm,
+    torch.ops.aten.baddbmm,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+}
+
+
+def _to_meta(tree):
+    return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), tree)
+
+
+class SkipMatmulArithmetic(TorchDispatchMode):
+    """Matmuls and CPU attention return zeros of the real shape, dtype and strides instead of computing.
+
+    For measuring memory where the arithmetic is too slow to run (bf16 matmuls on a CPU without bf16 units
+    run at ~1 GFLOP/s): every op still returns tensors of exactly the real op's size (its meta kernel gives
+    the shape and strides), so :class:`TensorPeak` entered *inside* this mode (``with SkipMatmulArithmetic(),
+    TensorPeak():``) measures what the real pass allocates, while the values are meaningless. ``out=``
+    variants zero their output in place. Ops: ``mm``, ``addmm``, ``bmm``, ``baddbmm`` and
+    ``_scaled_dot_product_flash_attention_for_cpu``; everything else runs for real.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket not in _ARITHMETIC_OPS:
+            return func(*args, **kwargs)
+        if "out" in kwargs:
+            out = kwargs["out"]
+            expected = func.overloadpacket.default(*_to_meta(args), **_to_meta({k: v for k, v in kwargs.items()
+                                                                               if k != "out"}))
+            if out.shape != expected.shape:
+                out.resize_(expected.shape)
+            return out.zero_()
+        device = next(t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        meta = func(*_to_meta(args), **_to_meta(kwargs))
+        return torch.utils._pytree.tree_map_only(
+            torch.Tensor,
+            lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).zero_(),
+            meta,
+        )

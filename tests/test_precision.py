@@ -599,12 +599,20 @@ def test_cost_benchmark_quick(tmp_path):
         assert arms["all fp32"]["bytes_added"] >= 4 * shape["n_params"]
         assert 0 < arms["fp32 head"]["fp32_param_share"] < arms["guided-7 + head"]["fp32_param_share"] < 1
         assert shape["fp16_plan_over_raw_fp16"] > 0
-        # memory columns: TRL's own pass is the baseline; on CPU there are no allocator statistics
+        # memory columns: TRL's own pass is the baseline; on CPU the peak of live tensor bytes (TensorPeak)
         trl = arms["TRL fused head (baseline)"]
         assert trl["arm"] == "trl" and trl["chunk_tokens"] is None and trl["tokens_per_s"] > 0
+        assert trl["pass_peak_vs_trl"] == 1.0 and "TensorPeak" in trl["memory_method"]
         assert arms["fp32 head"]["chunk_tokens"] == DEFAULT_CHUNK_TOKENS
         assert arms["fp32 head (untiled)"]["chunk_tokens"] == 0
-        assert all(a["pass_peak_gib"] is None and a["pass_peak_vs_trl"] is None for a in shape["arms"])
+        assert all(a["pass_peak_abs_gib"] is None and a["pass_peak_gib"] > 0 for a in shape["arms"])
+        # TRL's [min(N, 4096), 32768] bf16 tile buffer is live during its pass (N = 2 rows x 31 positions)
+        assert trl["pass_peak_gib"] * 2**30 >= 2 * 31 * 32768 * 2
+        # the untiled fp32-head pass holds the fp32 [2, K + 1, V] logits (K = 16 scored of 32) at least
+        untiled_bytes = arms["fp32 head (untiled)"]["pass_peak_gib"] * 2**30
+        assert untiled_bytes >= 2 * 17 * shape["vocab"] * 4
+        # the CUDA memory model drops TRL's fp32 fold copies, never adds
+        assert 0 < arms["TRL fused head, CUDA memory model"]["pass_peak_gib"] < trl["pass_peak_gib"]
     assert {"pass peak GiB", "pass peak vs TRL", "TF32", "sync loop ms"} <= set(payload["tables"][0]["columns"])
 
 
@@ -716,3 +724,51 @@ def test_tf32_left_alone_by_bf16_and_fp16_plans_and_checked(caller_tf32):
         assert make_plan(policy, "fp16", tf32=True)._fp32_fallback().tf32 is True
     with pytest.raises(ValueError, match="tf32 must be True, False or 'auto'"):
         make_plan(policy, "fp32", tf32="yes")
+
+
+def test_cost_benchmark_memory_only(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "cost.py"
+    spec = importlib.util.spec_from_file_location("bloggap_cost_benchmark", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = ["--quick", "--memory-only", "--skip-fp16", "--shapes", "tiny-llama", "--layers", "2"]
+    assert module.main([*argv, "--device", "cpu", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "cost_memory.json").read_text())
+    _check_tables(payload, "cost_memory")
+    assert not (tmp_path / "cost.json").exists()
+    (table,) = payload["tables"]
+    assert table["id"] == "T7c-memory" and "CPU" in table["notes"] and "30-80x" in table["notes"]
+    (shape,) = payload["results"]["shapes"]
+    assert shape["n_layers"] == 2
+    letters = [a["arm_letter"] for a in shape["arms"]]
+    assert letters == ["C", "A", "A", "E", "E", "D", "B"]  # no F: --skip-fp16
+    assert all(a["pass_seconds"] is None and a["sync_seconds"] is None for a in shape["arms"])
+    by_plan = {row[2]: row for row in table["rows"]}
+    assert by_plan["TRL fused head (baseline)"][4] == 1.0
+    assert by_plan["TRL fused head, CUDA memory model"][5] == 1.0
+
+
+def test_cost_memory_without_matmul_arithmetic_measures_the_same_tensors(tmp_path):
+    """--skip-matmul-arithmetic (zeros of the real size instead of computing) gives every arm exactly the
+    pass peak of the real computation, fp16 included."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "cost.py"
+    spec = importlib.util.spec_from_file_location("bloggap_cost_benchmark", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = ["--quick", "--memory-only", "--shapes", "tiny-qwen2-tied", "--layers", "2", "--device", "cpu"]
+    peaks = {}
+    for extra in ([], ["--skip-matmul-arithmetic"]):
+        out = tmp_path / ("skip" if extra else "real")
+        assert module.main([*argv, *extra, "--out", str(out)]) == 0
+        (shape,) = json.loads((out / "cost_memory.json").read_text())["results"]["shapes"]
+        peaks[bool(extra)] = {a["plan"]: a["pass_peak_gib"] for a in shape["arms"]}
+    assert "fp16 plan" in peaks[False] and len(peaks[False]) == 9
+    assert peaks[True] == peaks[False]
