@@ -273,6 +273,14 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
         (f"guided-{len(guided)} + head", "guided", {"layers": guided}, False),
         ("all fp32", "fp32", {}, False),
     ]
+    if args.memory_only and args.batch > 1:
+        # fp32 bodies hold activations twice the size of the bf16 body's: the same pass with half the rows per
+        # forward shows what splitting their row chunks would bring
+        half = args.batch // 2
+        arms += [
+            (f"guided-{len(guided)} + head, {half} rows per forward", "guided", {"layers": guided, "rows": half}, False),
+            (f"all fp32, {half} rows per forward", "fp32", {"rows": half}, False),
+        ]
     if not args.memory_only:  # TF32 changes no tensor's size: same memory as the rows above
         # the same fp32 plans with gap.tf32: true (the plan sets TF32 around its own forward)
         arms += [
@@ -286,6 +294,7 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
         _free(device)
         options = dict(options)
         chunk_tokens = options.pop("chunk_tokens", args.score_chunk_tokens)
+        rows = options.pop("rows", args.batch)  # rows per forward
         remove = None
         if arm in ("trl", "trl_cuda_like"):
             fn, remove = trl_old_logprob_pass(policy, ids, mask, keep, args.batch, cuda_like=arm == "trl_cuda_like")
@@ -307,8 +316,8 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
                     options["tf32"] = use_tf32
                 plan = make_plan(policy, arm, **options)
 
-            def fn(plan=plan, chunk_tokens=chunk_tokens):
-                return plan.token_logprobs(ids, mask, keep, batch_size=args.batch, chunk_tokens=chunk_tokens)
+            def fn(plan=plan, chunk_tokens=chunk_tokens, rows=rows):
+                return plan.token_logprobs(ids, mask, keep, batch_size=rows, chunk_tokens=chunk_tokens)
 
         slow = arm in ("fp32", "guided", "fp32_head") and not use_tf32 and cuda
         started = time.perf_counter()
@@ -339,6 +348,7 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
             "pass_peak_abs_gib": pass_abs_gib,
             "memory_method": MEMORY_METHOD["cuda" if cuda else "other"],
             "chunk_tokens": None if arm.startswith("trl") else chunk_tokens,
+            "rows_per_forward": rows,
             "sync_seconds": statistics.median(sync_times) if sync_times else None,
             "sync_loop_seconds": loop_seconds,
         }
@@ -429,7 +439,8 @@ def tf32_noise(device: torch.device, args, log) -> dict | None:
     return {"rows": args.tf32_rows, "new_tokens": args.tf32_tokens, "cells": cells}
 
 
-def _tile_setting(entry: dict, rows: int) -> str:
+def _tile_setting(entry: dict) -> str:
+    rows = entry["rows_per_forward"]
     if entry["arm"].startswith("trl"):
         return "TRL's own: 4096 tokens x 32768 vocab columns"
     if not entry["chunk_tokens"]:
@@ -449,7 +460,7 @@ def memory_table(results: dict, args, device: torch.device) -> dict:
                 round(e["pass_peak_gib"] * 1024, 1),
                 None if e["pass_peak_vs_trl"] is None else round(e["pass_peak_vs_trl"], 3),
                 None if e["pass_peak_vs_trl_cuda_like"] is None else round(e["pass_peak_vs_trl_cuda_like"], 3),
-                _tile_setting(e, args.batch),
+                _tile_setting(e),
             ])
     cuda = device.type == "cuda"
     skipped = [] if cuda or not args.skip_fp16 else [
@@ -468,13 +479,14 @@ def memory_table(results: dict, args, device: torch.device) -> dict:
                "the same tensors as the real pass, checked equal on tiny models; values meaningless)"
                if args.skip_matmul_arithmetic else "")
             + f". One grad-free pass over {args.batch} rows x {args.seq} random token ids, the last {args.seq // 2} "
-            f"scored, all rows in one forward; peak above what was live before the pass (weights, fp32 shadows "
+            f"scored, all rows in one forward unless the plan says otherwise; peak above what was live before the pass (weights, fp32 shadows "
             f"and heads are resident and not counted). Arm A = TRL 1.16's own pass (add_fused_lm_head, log-probs "
             f"+ entropy), the baseline. Off CUDA TRL projects every position and folds each 4096 x 32768 tile "
             f"with torch ops that make fp32 copies of it; 'CUDA memory model' = the same pass with only the "
             f"labelled positions projected and an allocation-free fold, as TRL runs with Triton on CUDA (the "
-            f"stricter baseline). Target: every arm <= 1.25x. D with 2 layers puts every layer in fp32 (= B plus "
-            f"nothing). " + "; ".join(skipped)
+            f"stricter baseline). Target: every arm <= 1.25x. D with 2 layers puts every layer in fp32 (as B). "
+            f"'N rows per forward' = the plan scoring its rows in chunks of N (a setting the product does not "
+            f"have yet: it scores per_device_train_batch_size rows per forward, as TRL). " + "; ".join(skipped)
         ),
         "reference": None,
         "random_init": any(s["random_init"] for s in results["shapes"]),

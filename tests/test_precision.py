@@ -745,8 +745,9 @@ def test_cost_benchmark_memory_only(tmp_path):
     (shape,) = payload["results"]["shapes"]
     assert shape["n_layers"] == 2
     letters = [a["arm_letter"] for a in shape["arms"]]
-    assert letters == ["C", "A", "A", "E", "E", "D", "B"]  # no F: --skip-fp16
+    assert letters == ["C", "A", "A", "E", "E", "D", "B", "D", "B"]  # no F: --skip-fp16
     assert all(a["pass_seconds"] is None and a["sync_seconds"] is None for a in shape["arms"])
+    assert [a["rows_per_forward"] for a in shape["arms"]] == [2] * 7 + [1, 1]  # --batch 2, then half
     by_plan = {row[2]: row for row in table["rows"]}
     assert by_plan["TRL fused head (baseline)"][4] == 1.0
     assert by_plan["TRL fused head, CUDA memory model"][5] == 1.0
@@ -770,5 +771,5 @@ def test_cost_memory_without_matmul_arithmetic_measures_the_same_tensors(tmp_pat
         assert module.main([*argv, *extra, "--out", str(out)]) == 0
         (shape,) = json.loads((out / "cost_memory.json").read_text())["results"]["shapes"]
         peaks[bool(extra)] = {a["plan"]: a["pass_peak_gib"] for a in shape["arms"]}
-    assert "fp16 plan" in peaks[False] and len(peaks[False]) == 9
+    assert "fp16 plan" in peaks[False] and len(peaks[False]) == 11
     assert peaks[True] == peaks[False]
