@@ -773,3 +773,31 @@ def test_cost_memory_without_matmul_arithmetic_measures_the_same_tensors(tmp_pat
         peaks[bool(extra)] = {a["plan"]: a["pass_peak_gib"] for a in shape["arms"]}
     assert "fp16 plan" in peaks[False] and len(peaks[False]) == 11
     assert peaks[True] == peaks[False]
+
+
+def test_cost_trl_cuda_memory_model_keeps_trl_values_and_drops_only_the_fold_copies():
+    """The CUDA memory model of TRL's pass (labelled positions only, fold untracked) scores the same log-probs
+    as TRL's CPU pass, and is restored afterwards."""
+    import importlib.util
+    from pathlib import Path
+
+    import trl.kernels.chunked_logprob as kernels
+    import trl.trainer.utils as trl_utils
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "cost.py"
+    spec = importlib.util.spec_from_file_location("bloggap_cost_benchmark", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    policy = module.build_shape("tiny-llama", torch.device("cpu"), layers=2)
+    ids = torch.randint(100, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    fold, use_triton = kernels._forward_tile, trl_utils._use_triton
+    values = {}
+    for cuda_like in (False, True):
+        fn, remove = module.trl_old_logprob_pass(policy, ids, mask, 16, 2, cuda_like=cuda_like)
+        values[cuda_like] = fn()
+        remove()
+    assert values[True].shape == (2, 16)
+    assert torch.equal(values[True], values[False])  # bf16 head tiles: same values whatever the row count here
+    assert kernels._forward_tile is fold and trl_utils._use_triton is use_triton
+    assert "forward" not in policy.__dict__
