@@ -611,6 +611,18 @@ def _part_logs(run: RunSpec) -> list[Path]:
     return sorted(log.parent.glob(f"{glob.escape(run.run_id)}.*.part.jsonl"), key=lambda p: p.stat().st_mtime)
 
 
+def _worker_environment(config: CompareConfig, environ: dict | None = None) -> dict:
+    """A run's environment: the sweep's, plus a fixed vLLM KV cache (``BLOGGAP_VLLM_KV_CACHE_GIB`` = 2, unless set)
+    when several runs each start a colocated vLLM engine on one GPU: vLLM's free-memory profiling fails when a
+    neighbour frees memory while an engine starts (seen on the H200)."""
+    from bloggap_plugin.trl.vllm_colocate import KV_CACHE_ENV
+
+    env = dict(os.environ if environ is None else environ)
+    if config.use_vllm and int(config.parallel) > 1:
+        env.setdefault(KV_CACHE_ENV, "2")
+    return env
+
+
 def _launch(config: CompareConfig, run: RunSpec, lock_fd: int):
     """Start one attempt of ``run``: a fresh log only it writes, its console output, and the lock inherited, so that
     no other sweep can use the folder while the attempt lives (even if this process dies first)."""
@@ -631,6 +643,7 @@ def _launch(config: CompareConfig, run: RunSpec, lock_fd: int):
         stdout=console,
         stderr=subprocess.STDOUT,
         pass_fds=(lock_fd,),
+        env=_worker_environment(config),
     )
     return process, console, time.perf_counter(), attempt, part
 

@@ -99,3 +99,48 @@ def test_gap_grpo_trainer_builds_the_colocate_engine_in_fp16_for_arm_h(fake_llm,
     GapGRPOTrainer(args=vllm_args, gap=GapConfig(arm="A"))
     GapGRPOTrainer(args=types.SimpleNamespace(use_vllm=True, vllm_mode="server"), gap=GapConfig(arm="H"))
     assert [c.get("dtype") for c in calls] == ["float16", None, None]
+
+
+def test_engine_kwargs_from_the_environment():
+    from bloggap_plugin.errors import UsageError
+    from bloggap_plugin.trl.vllm_colocate import KV_CACHE_ENV, engine_kwargs_from_env
+
+    assert engine_kwargs_from_env({}) == {} and engine_kwargs_from_env({KV_CACHE_ENV: " "}) == {}
+    assert engine_kwargs_from_env({KV_CACHE_ENV: "2"}) == {"kv_cache_memory_bytes": 2 * 1024**3}
+    assert engine_kwargs_from_env({KV_CACHE_ENV: "0.5"}) == {"kv_cache_memory_bytes": 512 * 1024**2}
+    for bad in ("abc", "0", "-1", "inf", "nan"):
+        with pytest.raises(UsageError, match=f"{KV_CACHE_ENV}='{bad}' is not valid"):
+            engine_kwargs_from_env({KV_CACHE_ENV: bad})
+
+
+def test_gap_grpo_trainer_passes_the_kv_cache_setting_to_the_colocate_engine(fake_llm, monkeypatch):
+    from trl import GRPOTrainer
+
+    from bloggap_plugin.recipes import GapConfig
+    from bloggap_plugin.trl.callback import GapGRPOTrainer
+    from bloggap_plugin.trl.vllm_colocate import KV_CACHE_ENV
+
+    module, _, calls = fake_llm
+    monkeypatch.setattr(GRPOTrainer, "__init__", lambda self, *a, **k: module.LLM(model="m"))
+    monkeypatch.setattr(GapMixin, "_gap_attach", lambda self, *a, **k: None)
+    monkeypatch.setenv(KV_CACHE_ENV, "1")
+    vllm_args = types.SimpleNamespace(use_vllm=True, vllm_mode="colocate")
+    GapGRPOTrainer(args=vllm_args, gap=GapConfig(arm="A"))
+    GapGRPOTrainer(args=vllm_args, gap=GapConfig(arm="H"))
+    GapGRPOTrainer(args=types.SimpleNamespace(use_vllm=False, vllm_mode="colocate"), gap=GapConfig(arm="H"))
+    assert calls == [{"model": "m", "kv_cache_memory_bytes": 1 << 30},
+                     {"model": "m", "kv_cache_memory_bytes": 1 << 30, "dtype": "float16"}, {"model": "m"}]
+
+
+def test_compare_runs_get_a_fixed_kv_cache_when_several_share_the_gpu():
+    from bloggap_plugin.compare import CompareConfig, _worker_environment
+    from bloggap_plugin.trl.vllm_colocate import KV_CACHE_ENV
+
+    def config(**kw):
+        return types.SimpleNamespace(**{"use_vllm": True, "parallel": 2, **kw})
+
+    assert _worker_environment(config(), {})[KV_CACHE_ENV] == "2"
+    assert _worker_environment(config(), {KV_CACHE_ENV: "3"})[KV_CACHE_ENV] == "3"
+    assert KV_CACHE_ENV not in _worker_environment(config(parallel=1), {})
+    assert KV_CACHE_ENV not in _worker_environment(config(use_vllm=False), {})
+    assert {f.name for f in __import__("dataclasses").fields(CompareConfig)} >= {"use_vllm", "parallel"}

@@ -60,12 +60,16 @@ class GapGRPOTrainer(GapMixin, GRPOTrainer):
         import contextlib
 
         config, grpo_kwargs = resolve_gap(recipe, gap)
-        engine_dtype = contextlib.nullcontext()
+        engine = contextlib.nullcontext()
         trl_args = kwargs.get("args")
-        if config.arm == "H" and getattr(trl_args, "use_vllm", False) and getattr(trl_args, "vllm_mode", None) == "colocate":
-            from bloggap_plugin.trl.vllm_colocate import vllm_colocate_dtype
+        if getattr(trl_args, "use_vllm", False) and getattr(trl_args, "vllm_mode", None) == "colocate":
+            from bloggap_plugin.trl.vllm_colocate import engine_kwargs_from_env, vllm_colocate_engine
 
-            engine_dtype = vllm_colocate_dtype("float16")  # arm H: vLLM samples in fp16 too
-        with engine_dtype:
+            engine_kwargs = engine_kwargs_from_env()  # BLOGGAP_VLLM_KV_CACHE_GIB: several engines on one GPU
+            if config.arm == "H":
+                engine_kwargs["dtype"] = "float16"  # arm H: vLLM samples in fp16 too
+            if engine_kwargs:
+                engine = vllm_colocate_engine(**engine_kwargs)
+        with engine:
             super().__init__(*args, **kwargs)
         self._gap_attach(config, grpo_kwargs, source=str(recipe) if recipe else "gap config")

@@ -18,23 +18,25 @@ engine's dtype, so an fp16 engine stays fp16 after every sync. Server mode (``tr
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["vllm_colocate_dtype", "colocate_engine_dtype"]
+__all__ = ["vllm_colocate_dtype", "vllm_colocate_engine", "colocate_engine_dtype", "engine_kwargs_from_env", "KV_CACHE_ENV"]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @contextlib.contextmanager
-def vllm_colocate_dtype(dtype: str | torch.dtype) -> Iterator[None]:
-    """While active, TRL's colocate ``LLM(...)`` is built with ``dtype=dtype`` (unless the call already sets one).
+def vllm_colocate_engine(**engine_kwargs: Any) -> Iterator[None]:
+    """While active, TRL's colocate ``LLM(...)`` gets ``engine_kwargs`` (each unless the call already sets it).
 
-    ``dtype``: ``"float16" | "bfloat16" | "float32"`` or the torch dtype. Restores TRL's ``LLM`` on exit.
+    E.g. ``dtype="float16"`` (arm H) or ``kv_cache_memory_bytes=2 << 30`` (several engines on one GPU: a fixed KV
+    cache skips vLLM's free-memory profiling, which fails when a neighbour frees memory while an engine starts).
+    Restores TRL's ``LLM`` on exit.
     """
-    name = _dtype_name(dtype)
     from trl.generation import vllm_generation
 
     original = getattr(vllm_generation, "LLM", None)
@@ -44,16 +46,47 @@ def vllm_colocate_dtype(dtype: str | torch.dtype) -> Iterator[None]:
             "install vLLM (TRL 1.16 accepts 0.22-0.31) to use vllm_mode='colocate'"
         )
 
-    def llm_with_dtype(*args: Any, **kwargs: Any):
-        kwargs.setdefault("dtype", name)
+    def llm_with_kwargs(*args: Any, **kwargs: Any):
+        for key, value in engine_kwargs.items():
+            kwargs.setdefault(key, value)
         return original(*args, **kwargs)
 
-    llm_with_dtype.__wrapped__ = original  # type: ignore[attr-defined]
-    vllm_generation.LLM = llm_with_dtype
+    llm_with_kwargs.__wrapped__ = original  # type: ignore[attr-defined]
+    vllm_generation.LLM = llm_with_kwargs
     try:
         yield
     finally:
         vllm_generation.LLM = original
+
+
+def vllm_colocate_dtype(dtype: str | torch.dtype) -> contextlib.AbstractContextManager:
+    """While active, TRL's colocate ``LLM(...)`` is built with ``dtype=dtype`` (unless the call already sets one).
+
+    ``dtype``: ``"float16" | "bfloat16" | "float32"`` or the torch dtype. Restores TRL's ``LLM`` on exit.
+    """
+    return vllm_colocate_engine(dtype=_dtype_name(dtype))
+
+
+KV_CACHE_ENV = "BLOGGAP_VLLM_KV_CACHE_GIB"
+"""Environment variable: a fixed KV cache (GiB) for the colocate engine that GapGRPOTrainer builds; set it when
+several runs share one GPU (``bloggap compare --use-vllm --parallel K`` sets 2 for K > 1)."""
+
+
+def engine_kwargs_from_env(environ: dict | None = None) -> dict:
+    """``{"kv_cache_memory_bytes": ...}`` from :data:`KV_CACHE_ENV`, or ``{}`` when unset; a bad value is an error
+    naming the variable."""
+    from bloggap_plugin.errors import UsageError
+
+    raw = (os.environ if environ is None else environ).get(KV_CACHE_ENV, "").strip()
+    if not raw:
+        return {}
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = float("nan")
+    if not gib > 0 or gib != gib or gib == float("inf"):
+        raise UsageError(f"{KV_CACHE_ENV}={raw!r} is not valid: expected a positive number of GiB, e.g. 2")
+    return {"kv_cache_memory_bytes": int(gib * (1 << 30))}
 
 
 def _dtype_name(dtype: str | torch.dtype) -> str:
