@@ -115,6 +115,12 @@ class GapConfig:
     instead of ``rows x completion_length x V`` (256 x 152k: 156 MB; 8 x 4096 x 152k untiled: 20 GB). 0
     scores each chunk of rows untiled. Default: ``core.scoring.DEFAULT_CHUNK_TOKENS``."""
 
+    score_rows: int = 0
+    """Rows per forward of the arm's own old-logprob scoring (arms B-F); 0 = the micro-batch, as TRL scores. An fp32
+    body (arms B, D) holds fp32 activations, twice TRL's bf16 ones: on models whose MLP activations dominate the
+    pass (e.g. Qwen2.5-1.5B's shape) half the micro-batch keeps the pass within TRL's peak (T7c-memory: 2.0x -> 1.0x).
+    Not for arm G, which scores each training micro-batch whole."""
+
     is_correction: bool = False
     """HF path: multiply the per-token loss by TRL's importance-sampling ratio between the old log-probs and
     the recorded sampler log-probs, with the trainer's ``vllm_importance_sampling_mode`` and
@@ -158,7 +164,8 @@ class GapConfig:
         self.arm = arm
         if not 0.0 < float(self.band) < 1.0:
             raise RecipeError(f"gap.band must be in (0, 1), got {self.band}")
-        for name in ("probe_rows", "k", "metrics_every", "probe_every", "store_ids_max", "score_chunk_tokens"):
+        for name in ("probe_rows", "k", "metrics_every", "probe_every", "store_ids_max", "score_chunk_tokens",
+                     "score_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise RecipeError(f"gap.{name} must be an integer, got {value!r}")
@@ -177,6 +184,10 @@ class GapConfig:
                 f"gap.score_chunk_tokens must be >= 0 (scored tokens per tile of the LM head; 0 = untiled), "
                 f"got {self.score_chunk_tokens}"
             )
+        if self.score_rows < 0:
+            raise RecipeError(f"gap.score_rows must be >= 0 (rows per scoring forward; 0 = the micro-batch), got {self.score_rows}")
+        if self.score_rows and self.arm == "G":
+            raise RecipeError("gap.score_rows does not apply to arm G, which scores each training micro-batch whole; drop it")
         if self.positions not in POSITION_MODES:
             raise RecipeError(f"gap.positions must be one of {', '.join(POSITION_MODES)}, got {self.positions!r}")
         if self.kept not in KEPT_MODES:
@@ -249,6 +260,7 @@ _GAP_TYPES = {
     "sampler": (bool,),
     "store_ids_max": (int,),
     "score_chunk_tokens": (int,),
+    "score_rows": (int,),
     "is_correction": (bool,),
     "reference": (str,),
     "metrics_every": (int,),

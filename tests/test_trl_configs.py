@@ -345,3 +345,42 @@ def test_peft_shadow_arms_score_with_the_trained_adapter(tmp_path, arm):
     precision_gap = (batch["old_per_token_logps"] - batch["gap_trl_old_logps"])[mask].abs().max()
     assert adapter_effect > 0.05  # the premise: the adapter moves the log-probs
     assert precision_gap < 0.01  # bf16 vs the shadow's precision only: the shadow carries the adapter
+
+
+# ------------------------------------------------------------------ gap.score_rows: rows per scoring forward
+def test_score_rows_bounds_the_rows_per_forward_of_the_arms_plan(tmp_path):
+    """Arm B with gap.score_rows 2: the fp32 shadow scores 2 rows per forward (4 is the micro-batch) and the old
+    log-probs equal the micro-batch-sized scoring to fp32 rounding."""
+    from bloggap_plugin.core.precision import ScoringPlan
+
+    seen: list = []
+    original = ScoringPlan.token_logprobs
+
+    def spy(self, *args, **kwargs):
+        seen.append(kwargs.get("batch_size"))
+        return original(self, *args, **kwargs)
+
+    olds = {}
+    for rows in (0, 2):
+        seen.clear()
+        ScoringPlan.token_logprobs = spy
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trainer = make(tmp_path / str(rows), GapConfig(arm="B", probe_rows=0, score_rows=rows), trainer_cls=_Spy,
+                               max_steps=1)
+                trainer.train()
+        finally:
+            ScoringPlan.token_logprobs = original
+        olds[rows] = trainer.spied[0]["old_per_token_logps"]
+        assert set(seen) == ({4} if rows == 0 else {2}), seen
+    torch.testing.assert_close(olds[2], olds[0], rtol=0, atol=1e-5)
+
+
+def test_score_rows_is_refused_for_arm_g_and_negative():
+    from bloggap_plugin.recipes import RecipeError
+
+    with pytest.raises(RecipeError, match="does not apply to arm G"):
+        GapConfig(arm="G", score_rows=2)
+    with pytest.raises(RecipeError, match="gap.score_rows must be >= 0"):
+        GapConfig(arm="B", score_rows=-1)

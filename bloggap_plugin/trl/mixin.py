@@ -473,6 +473,8 @@ class GapMixin:
 
     def _gap_plan_scores(self, plan, input_ids, attention_mask, logits_to_keep, batch_size, kept=None, capture=None):
         reduce = self._gap_reducer(kept, capture) if (kept is not None and (self._gap_renormalize or capture is not None)) else None
+        if self._gap.score_rows:  # fewer rows per forward bounds an fp32 body's activations (gap.score_rows)
+            batch_size = min(batch_size, self._gap.score_rows) if batch_size else self._gap.score_rows
         with torch.no_grad(), _fork_rng(self.accelerator.device):
             return plan.token_logprobs(
                 input_ids,
