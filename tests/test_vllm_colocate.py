@@ -24,6 +24,7 @@ def fake_llm(monkeypatch):
         return types.SimpleNamespace(kwargs=kwargs)
 
     monkeypatch.setattr(vllm_generation, "LLM", llm, raising=False)
+    monkeypatch.delenv("BLOGGAP_VLLM_KV_CACHE_GIB", raising=False)  # a user's setting must not change these tests
     return vllm_generation, llm, calls
 
 
