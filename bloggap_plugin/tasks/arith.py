@@ -36,6 +36,7 @@ __all__ = [
     "make_problems",
     "build_messages",
     "accuracy_reward",
+    "score_text",
 ]
 
 SYSTEM_PROMPT = "Solve the problem. Write the calculation and its result, like '7 + 5 = 12', and nothing else."
@@ -138,6 +139,11 @@ def build_messages(problem: ArithProblem, difficulty: int = DEFAULT_DIFFICULTY) 
     return messages
 
 
+def score_text(text: str | None, gold: str | int) -> float:
+    """1.0 when the last number of ``text`` equals ``gold``, else 0.0 (the one scoring rule of this task)."""
+    return 1.0 if parse_lenient(text) == str(gold) else 0.0
+
+
 def accuracy_reward(completions: list, answer: list[str], **kwargs) -> list[float]:
     """TRL reward function: 1.0 where the last number of the completion equals ``answer``, else 0.0."""
-    return [1.0 if parse_lenient(completion_text(c)) == str(gold) else 0.0 for c, gold in zip(completions, answer)]
+    return [score_text(completion_text(c), gold) for c, gold in zip(completions, answer)]
