@@ -1,0 +1,392 @@
+"""verl 0.9.1 end to end with the bloggap plugin (issue 13, items 1-3). GPU machine only; NOT YET RUN there.
+
+Each run is one ``python -m verl.trainer.main_ppo`` (single GPU, FSDP actor, vLLM rollout in the hybrid engine, Ray
+local without dashboard, GRPO on the arithmetic task, SmolLM2-135M-Instruct) of ``--steps`` steps. After each run
+``verl_live.json`` under ``--out`` is rewritten (a time limit keeps what finished), beside ``<run>.log`` (the
+driver's console: Ray forwards every worker's output there) and ``<run>.metrics.jsonl`` (verl's ``file`` logger).
+
+    python benchmarks/verl_live.py probe                              # imports a run needs; names what is missing
+    python benchmarks/verl_live.py prepare --out $OUT                 # parquet + bloggap entry point (CPU, seconds)
+    python benchmarks/verl_live.py run --model /tmp/vx/smollm2 --out $OUT --runs geo_rs/control,geo_rs/nofix,geo_rs/fix
+    python benchmarks/verl_live.py run ... --dry-run                  # print the commands, run nothing
+
+Runs (``RUNS``): ``<preset>/control`` (untruncated, plugin on, arm A's ``gap_vanilla``: item 1 and item 3 arm A),
+``<preset>/nofix`` (rollout top_p 0.8, ``BLOGGAP_VERL_DISABLE=1``), ``<preset>/fix`` (top_p 0.8 with
+``recipes/verl/truncation_fix.yaml``) for the presets Geo-RS (``seq_mean_k1`` 0.999_1.001) and Seq-MIS (sequence IS
+2.0 + ``seq_sum_k1`` 0.5_2.0); ``arm_E``, ``arm_B``, ``arm_F`` (untruncated Geo-RS with ``recipes/verl/arm_X.yaml``).
+
+bloggap is not pip-installed on the GPU machine: ``prepare`` writes a ``bloggap-0.1.0.dist-info`` with the
+``verl.plugins`` entry point under ``$OUT/site`` and every run puts that folder and the repo on ``PYTHONPATH``, so
+verl loads the plugin in the driver, the TaskRunner and every Ray worker (checked: the "registered" line per process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+TOP_P_TRUNCATED = 0.8
+PRESETS: dict[str, list[str]] = {
+    # RolloutCorrectionConfig.decoupled_geo_rs()
+    "geo_rs": ["algorithm.rollout_correction.rollout_is=null", "algorithm.rollout_correction.rollout_rs=seq_mean_k1",
+               "algorithm.rollout_correction.rollout_rs_threshold='0.999_1.001'"],
+    # RolloutCorrectionConfig.decoupled_seq_is_rs() ("Seq-MIS")
+    "seq_mis": ["algorithm.rollout_correction.rollout_is=sequence", "algorithm.rollout_correction.rollout_is_threshold=2.0",
+                "algorithm.rollout_correction.rollout_rs=seq_sum_k1",
+                "algorithm.rollout_correction.rollout_rs_threshold='0.5_2.0'"],
+}
+RS_OPTION = {"geo_rs": "seq_mean_k1", "seq_mis": "seq_sum_k1"}
+REGISTERED = "bloggap verl plugin registered (pid"
+GUARD = "bloggap: rollout correction preset"
+_RAY_PREFIX = re.compile(r"^\((?P<actor>[A-Za-z_][\w.:-]*)\s+pid=(?P<pid>\d+)")
+
+
+def _run_spec(name: str) -> dict:
+    """``{"preset", "truncated", "disable", "recipes"}`` of run ``name`` (``RUNS``)."""
+    if name.startswith("arm_") and name[4:] in ("A", "B", "E", "F"):
+        return {"preset": "geo_rs", "truncated": False, "disable": False, "recipes": [f"arm_{name[4:]}.yaml"]}
+    preset, _, kind = name.partition("/")
+    if preset not in PRESETS or kind not in ("control", "nofix", "fix"):
+        raise ValueError(f"unknown run {name!r}; choose from {', '.join(RUNS)}")
+    recipes = ["arm_A.yaml"] + (["truncation_fix.yaml"] if kind == "fix" else [])
+    return {"preset": preset, "truncated": kind != "control", "disable": kind == "nofix", "recipes": recipes}
+
+
+RUNS = tuple(f"{p}/{k}" for p in PRESETS for k in ("control", "nofix", "fix")) + ("arm_E", "arm_B", "arm_F")
+
+
+def recipe_overrides(name: str) -> list[str]:
+    """The ``overrides`` list of ``recipes/verl/<name>``."""
+    import yaml
+
+    with open(ROOT / "recipes" / "verl" / name) as handle:
+        return list(yaml.safe_load(handle)["overrides"])
+
+
+def overrides(run: str, model: str, data_dir: str | Path, out: str | Path, steps: int = 20) -> list[str]:
+    """Hydra overrides of ``run`` for ``verl.trainer.main_ppo`` (sized for SmolLM2-135M: 16 prompts x 8 samples x
+    <= 64 tokens per step, one optimizer step per step, ~10 s per step expected; not yet measured)."""
+    spec = _run_spec(run)
+    data_dir, out = Path(data_dir), Path(out)
+    tag = run.replace("/", "_")
+    base = [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=false",
+        f"data.train_files={data_dir / 'train.parquet'}",
+        f"data.val_files={data_dir / 'val.parquet'}",
+        "data.train_batch_size=16",
+        "data.max_prompt_length=512",
+        "data.max_response_length=64",
+        "data.dataloader_num_workers=2",
+        "data.seed=0",
+        f"actor_rollout_ref.model.path={model}",
+        "actor_rollout_ref.actor.strategy=fsdp",
+        "actor_rollout_ref.actor.optim.lr=1e-6",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32",
+        "actor_rollout_ref.actor.use_kl_loss=false",
+        "actor_rollout_ref.actor.use_torch_compile=false",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.mode=async",
+        "actor_rollout_ref.rollout.n=8",
+        "actor_rollout_ref.rollout.temperature=1.0",
+        f"actor_rollout_ref.rollout.top_p={TOP_P_TRUNCATED if spec['truncated'] else 1.0}",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
+        "actor_rollout_ref.rollout.enforce_eager=true",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "actor_rollout_ref.rollout.agent.num_workers=2",
+        "reward.num_workers=2",
+        "reward.custom_reward_function.path=pkg://bloggap_plugin.tasks.verl_data",
+        "reward.custom_reward_function.name=compute_score",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        "trainer.logger=[console,file]",
+        "trainer.project_name=bloggap",
+        f"trainer.experiment_name={tag}",
+        f"trainer.total_training_steps={steps}",
+        "trainer.total_epochs=100",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        f"trainer.default_local_dir={out / 'ckpt' / tag}",
+        "+ray_kwargs.ray_init.include_dashboard=false",
+    ]
+    extra = [o for recipe in spec["recipes"] for o in recipe_overrides(recipe)]
+    return base + PRESETS[spec["preset"]] + extra
+
+
+def command(run: str, model: str, data_dir: str | Path, out: str | Path, steps: int = 20,
+            python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+    """``(argv, environment additions)`` of one run."""
+    out = Path(out)
+    tag = run.replace("/", "_")
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(out / "site"), str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+        "VERL_FILE_LOGGER_PATH": str(out / f"{tag}.metrics.jsonl"),
+        "RAY_DEDUP_LOGS": "0",  # every worker's "registered" line reaches the driver's console
+        "RAY_AUTH_MODE": "disabled",
+        "VLLM_USE_FLASHINFER_SAMPLER": "0",  # FlashInfer is not carried (VLLM.md)
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        "BLOGGAP_VERL_DISABLE": "1" if _run_spec(run)["disable"] else "0",
+    }
+    return [python, "-m", "verl.trainer.main_ppo", *overrides(run, model, data_dir, out, steps)], env
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+
+
+def _number(text: str) -> float | None:
+    """A value as verl's console logger prints it (``pprint.pformat`` of a number: ``0.5``, ``nan``, ``True``,
+    ``np.float64(0.5)``, ``np.int64(3)``)."""
+    text = text.strip()
+    wrapped = re.fullmatch(r"(?:np|numpy)\.\w+\((.*)\)", text)
+    if wrapped:
+        text = wrapped.group(1)
+    if text in ("True", "False"):
+        return float(text == "True")
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def parse_console(text: str) -> list[dict]:
+    """Per-step metrics from verl's console logger lines ``step:N - key:value - key:value ...``
+    (``verl.utils.logger.aggregate_logger.concat_dict_to_str``), in order; non-numeric values dropped."""
+    rows = []
+    for line in text.splitlines():
+        start = line.find("step:")
+        if start < 0:
+            continue
+        parts = line[start:].split(" - ")
+        head = _number(parts[0][len("step:"):])
+        if head is None or not float(head).is_integer():
+            continue
+        row: dict = {"step": int(head)}
+        for part in parts[1:]:
+            key, sep, value = part.rpartition(":")
+            number = _number(value)
+            if sep and key and number is not None:
+                row[key] = number
+        rows.append(row)
+    return rows
+
+
+def parse_metrics_file(path: str | Path) -> list[dict]:
+    """Per-step metrics from verl's ``file`` logger (JSON lines ``{"step": N, "data": {...}}``)."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            rows.append({"step": int(record["step"]), **record["data"]})
+    return rows
+
+
+def registered_processes(text: str) -> dict[str, list[int]]:
+    """Processes whose "registered" line is in the console text: ``{"driver": [pid], "TaskRunner": [...],
+    "<Ray actor>": [...]}`` (Ray prefixes a worker's lines with ``(Actor pid=N)``)."""
+    found: dict[str, list[int]] = {}
+    for line in text.splitlines():
+        at = line.find(REGISTERED)
+        if at < 0:
+            continue
+        match = _RAY_PREFIX.match(line)
+        actor = match.group("actor") if match else "driver"
+        pid = int(re.match(r"\s*(\d+)", line[at + len(REGISTERED):]).group(1))
+        if pid not in found.setdefault(actor, []):
+            found[actor].append(pid)
+    return found
+
+
+def step_table(rows: list[dict], preset: str) -> list[dict]:
+    """The per-step quantities issue 13 asks for, from the metric rows of one run."""
+    option = RS_OPTION[preset]
+    keys = {
+        "rejected_seq_frac": f"rollout_corr/rollout_rs_{option}_seq_masked_fraction",
+        "all_rejected": "gap/verl/all_rejected",
+        "log_kept_mass_mean": "gap/verl/log_kept_mass_mean",
+        "kept_source": "gap/verl/kept_source",
+        "is_floor_frac": "gap/verl/is_floor_frac",
+        "reward": "critic/score/mean",
+        "response_length": "response_length/mean",
+        "oob_frac": "gap/ratio/oob_frac",
+        "clip_flip_frac": "gap/clip/flip_frac",
+        "clip_clipped_frac": "gap/clip/clipped_frac",
+        "step_s": "timing_s/step",
+    }
+    table = []
+    for row in rows:
+        entry = {"step": row["step"]}
+        for name, key in keys.items():
+            value = row.get(key)
+            entry[name] = None if value is None or not math.isfinite(value) else value
+        if entry["log_kept_mass_mean"] is not None:
+            entry["kept_mass_mean_geo"] = math.exp(entry["log_kept_mass_mean"])
+        table.append(entry)
+    return table
+
+
+# ------------------------------------------------------------------------------------------------ commands
+
+PROBE_MODULES = (
+    "ray", "vllm", "verl", "verl.trainer.main_ppo", "transfer_queue", "verl.trainer.ppo.v1.trainer_base",
+    "verl.trainer.ppo.ray_trainer", "verl.workers.engine_workers", "verl.workers.engine.fsdp.transformer_impl",
+    "verl.experimental.agent_loop", "verl.experimental.reward_loop", "verl.workers.rollout.vllm_rollout",
+    "bloggap_plugin.verl", "bloggap_plugin.tasks.verl_data",
+)
+"""What a run imports (the first GPU check after the install: one call names every missing wheel)."""
+
+
+def probe(modules: tuple[str, ...] = PROBE_MODULES) -> dict[str, str]:
+    """``{module: "ok" | "<ExceptionType>: <message>"}`` importing each of ``modules``, each in this process."""
+    import importlib
+
+    found = {}
+    for name in modules:
+        try:
+            importlib.import_module(name)
+            found[name] = "ok"
+        except BaseException as exc:  # noqa: BLE001 - SystemExit from a bad plugin setting is a finding too
+            found[name] = f"{type(exc).__name__}: {exc}"
+    return found
+
+
+def cmd_probe(args) -> None:
+    import importlib.metadata
+
+    found = probe()
+    versions = {}
+    for dist in ("ray", "verl", "vllm", "torch", "transformers", "tensordict", "transferqueue", "peft", "hydra-core"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    eps = [e.value for e in importlib.metadata.entry_points(group="verl.plugins")]
+    for name, status in found.items():
+        print(f"{'ok  ' if status == 'ok' else 'FAIL'} {name}" + ("" if status == "ok" else f": {status}"))
+    print("versions", json.dumps(versions), "verl.plugins entry points", eps, flush=True)
+    if args.out:
+        _write_json(Path(args.out) / "verl_probe.json", {"imports": found, "versions": versions, "entry_points": eps})
+    if any(status != "ok" for status in found.values()):
+        sys.exit(1)
+
+
+def write_entry_point(site: str | Path) -> Path:
+    """A ``bloggap-0.1.0.dist-info`` under ``site`` declaring ``verl.plugins: bloggap = bloggap_plugin.verl`` (the
+    repo itself goes on ``PYTHONPATH``); returns the dist-info folder."""
+    info = Path(site) / "bloggap-0.1.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: bloggap\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("[verl.plugins]\nbloggap = bloggap_plugin.verl\n")
+    return info
+
+
+def cmd_prepare(args) -> None:
+    from bloggap_plugin.tasks.verl_data import write_verl_parquet
+
+    out = Path(args.out)
+    train, val = write_verl_parquet(out / "data", n_train=args.n_train, n_val=64, seed=0)
+    info = write_entry_point(out / "site")
+    print(f"wrote {train}, {val}, {info}")
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    from bloggap_plugin._io import atomic_write_text
+
+    atomic_write_text(path, json.dumps(payload, indent=1, allow_nan=False) + "\n")
+
+
+def summarise(run: str, log_text: str, metrics_path: Path, rc: int | None, wall_s: float) -> dict:
+    """One run's record: exit code, wall time, registered processes, guard warnings, per-step table."""
+    spec = _run_spec(run)
+    rows = parse_metrics_file(metrics_path) if metrics_path.exists() else parse_console(log_text)
+    registered = registered_processes(log_text)
+    return {
+        "run": run, "rc": rc, "wall_s": round(wall_s, 1), "preset": spec["preset"],
+        "top_p": TOP_P_TRUNCATED if spec["truncated"] else 1.0, "plugin_disabled": spec["disable"],
+        "recipes": spec["recipes"], "metrics_source": "file" if metrics_path.exists() else "console",
+        "registered": registered,
+        "registered_in_driver_and_workers": ("driver" in registered) and len(registered) >= 2,
+        "guard_warnings": sum(GUARD in line for line in log_text.splitlines()),
+        "steps": step_table(rows, spec["preset"]),
+    }
+
+
+def cmd_run(args) -> None:
+    out = Path(args.out)
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    for run in runs:
+        _run_spec(run)  # every name checked before anything starts
+    if not args.dry_run:
+        missing = [p for p in (out / "data" / "train.parquet", out / "site") if not p.exists()]
+        if missing:
+            sys.exit(f"error: {missing[0]} is missing: run `python benchmarks/verl_live.py prepare --out {out}` first")
+        if not Path(args.model, "config.json").exists():
+            sys.exit(f"error: {args.model}/config.json not found: --model must be a HF folder (VLLM.md: mk_smollm2.py)")
+    result_path = out / "verl_live.json"
+    result = json.loads(result_path.read_text()) if result_path.exists() and not args.dry_run else {"runs": {}}
+    for run in runs:
+        argv, env = command(run, args.model, out / "data", out, args.steps, args.python)
+        if args.dry_run:
+            print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(argv))
+            continue
+        tag = run.replace("/", "_")
+        log, metrics = out / f"{tag}.log", out / f"{tag}.metrics.jsonl"
+        metrics.unlink(missing_ok=True)
+        start = time.time()
+        with open(log, "w") as handle:
+            try:
+                rc = subprocess.run(argv, env={**os.environ, **env}, stdout=handle, stderr=subprocess.STDOUT,
+                                    cwd=out, timeout=args.run_timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = None
+        subprocess.run(["ray", "stop", "--force"], capture_output=True, check=False)
+        record = summarise(run, log.read_text(errors="replace"), metrics, rc, time.time() - start)
+        result["runs"][run] = record
+        _write_json(result_path, result)
+        last = record["steps"][-1] if record["steps"] else {}
+        print(f"{run}: rc={rc} {record['wall_s']} s, {len(record['steps'])} steps, registered {record['registered']}, "
+              f"guard warnings {record['guard_warnings']}, last step {last}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    prep = sub.add_parser("prepare", help="write the parquet files and the bloggap entry point under --out")
+    prep.add_argument("--out", required=True)
+    prep.add_argument("--n-train", type=int, default=1024)
+    pro = sub.add_parser("probe", help="import every module a run needs; name the missing ones (exit 1 if any)")
+    pro.add_argument("--out", default=None, help="also write verl_probe.json here")
+    run = sub.add_parser("run", help="run verl main_ppo for each of --runs")
+    run.add_argument("--out", required=True)
+    run.add_argument("--model", required=True, help="SmolLM2 HF folder, e.g. /tmp/vx/smollm2")
+    run.add_argument("--runs", default="geo_rs/control,geo_rs/nofix,geo_rs/fix", help=f"comma list of {', '.join(RUNS)}")
+    run.add_argument("--steps", type=int, default=20)
+    run.add_argument("--run-timeout", type=float, default=280.0, help="seconds per run before it is killed")
+    run.add_argument("--python", default=sys.executable)
+    run.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = ap.parse_args(argv)
+    try:
+        {"prepare": cmd_prepare, "probe": cmd_probe, "run": cmd_run}[args.cmd](args)
+    except ValueError as exc:
+        sys.exit(f"error: {exc}")
+
+
+if __name__ == "__main__":
+    main()

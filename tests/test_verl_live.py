@@ -1,0 +1,147 @@
+"""benchmarks/verl_live.py on CPU: every Hydra command it builds composes against verl 0.9.1's own config, and its
+parsers read verl's logger output (the GPU run itself is issue 13)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("verl_live", ROOT / "benchmarks" / "verl_live.py")
+verl_live = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(verl_live)
+
+
+def test_every_run_composes_against_verls_config(tmp_path):
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    from bloggap_plugin.verl.config import load_settings
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        for run in verl_live.RUNS:
+            argv, env = verl_live.command(run, "/m/smollm2", tmp_path / "data", tmp_path, steps=25)
+            assert argv[1:3] == ["-m", "verl.trainer.main_ppo"]
+            cfg = compose(config_name="ppo_trainer", overrides=argv[3:])
+            load_settings(cfg.get("bloggap"))
+            rollout, corr = cfg.actor_rollout_ref.rollout, cfg.algorithm.rollout_correction
+            assert cfg.actor_rollout_ref.model.path == "/m/smollm2" and rollout.name == "vllm"
+            assert cfg.trainer.total_training_steps == 25 and cfg.trainer.n_gpus_per_node == 1
+            assert list(cfg.trainer.logger) == ["console", "file"] and cfg.ray_kwargs.ray_init.include_dashboard is False
+            assert cfg.reward.custom_reward_function.path == "pkg://bloggap_plugin.tasks.verl_data"
+            assert cfg.data.train_files == str(tmp_path / "data" / "train.parquet")
+            assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "gap_vanilla"
+            truncated = run.endswith(("/nofix", "/fix"))
+            assert rollout.top_p == (0.8 if truncated else 1.0)
+            assert env["BLOGGAP_VERL_DISABLE"] == ("1" if run.endswith("/nofix") else "0")
+            if run.startswith("seq_mis/"):
+                assert (corr.rollout_is, corr.rollout_is_threshold, corr.rollout_rs, corr.rollout_rs_threshold) == (
+                    "sequence", 2.0, "seq_sum_k1", "0.5_2.0")
+            else:
+                assert (corr.rollout_is, corr.rollout_rs, corr.rollout_rs_threshold) == (None, "seq_mean_k1", "0.999_1.001")
+            if run.endswith("/fix"):
+                assert cfg.bloggap.kept_source == "retruncate" and cfg.actor_rollout_ref.model.use_fused_kernels is False
+            else:
+                assert "bloggap" not in cfg or "kept_source" not in cfg.bloggap
+            if run == "arm_E":
+                assert cfg.bloggap.fp32_head is True
+            if run in ("arm_B", "arm_F"):
+                assert cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype == {"arm_B": "fp32", "arm_F": "fp16"}[run]
+
+
+def test_geo_rs_preset_matches_verls_dataclass(tmp_path):
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+
+    for preset, ref in (("geo_rs", RolloutCorrectionConfig.decoupled_geo_rs()),
+                        ("seq_mis", RolloutCorrectionConfig.decoupled_seq_is_rs())):
+        got = dict(o.split("=", 1) for o in verl_live.PRESETS[preset])
+        got = {k.rsplit(".", 1)[1]: v.strip("'") for k, v in got.items()}
+        assert got["rollout_rs"] == ref.rollout_rs and got["rollout_rs_threshold"] == ref.rollout_rs_threshold
+        assert got["rollout_is"] == (ref.rollout_is or "null")
+        assert verl_live.RS_OPTION[preset] == ref.rollout_rs
+
+
+def test_parse_console_reads_verls_local_logger(capsys):
+    from verl.utils.logger import LocalLogger
+
+    LocalLogger().log({"critic/score/mean": np.float64(0.25), "gap/verl/all_rejected": 1.0, "n": np.int64(3),
+                       "flag": True, "text": "skip", "timing_s/step": 2.5}, step=7)
+    LocalLogger().log({"critic/score/mean": 0.5}, step=8)
+    out = "(TaskRunner pid=12) " + capsys.readouterr().out
+    assert verl_live.parse_console(out) == [
+        {"step": 7, "critic/score/mean": 0.25, "gap/verl/all_rejected": 1.0, "n": 3.0, "flag": 1.0, "timing_s/step": 2.5},
+        {"step": 8, "critic/score/mean": 0.5},
+    ]
+
+
+def test_parse_metrics_file_and_step_table(tmp_path, monkeypatch):
+    from verl.utils.tracking import Tracking
+
+    path = tmp_path / "m.jsonl"
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(path))
+    tracker = Tracking(project_name="bloggap", experiment_name="t", default_backend=["file"])
+    tracker.log(data={"rollout_corr/rollout_rs_seq_mean_k1_seq_masked_fraction": 1.0, "gap/verl/all_rejected": 1.0,
+                      "gap/verl/log_kept_mass_mean": -0.5, "critic/score/mean": 0.125}, step=1)
+    tracker.finish()
+    rows = verl_live.parse_metrics_file(path)
+    assert rows == [{"step": 1, "rollout_corr/rollout_rs_seq_mean_k1_seq_masked_fraction": 1.0,
+                     "gap/verl/all_rejected": 1.0, "gap/verl/log_kept_mass_mean": -0.5, "critic/score/mean": 0.125}]
+    table = verl_live.step_table(rows, "geo_rs")
+    assert table[0]["rejected_seq_frac"] == 1.0 and table[0]["reward"] == 0.125 and table[0]["oob_frac"] is None
+    assert table[0]["kept_mass_mean_geo"] == pytest.approx(np.exp(-0.5), abs=1e-12)
+
+
+def test_registered_processes_from_ray_prefixed_lines():
+    text = "\n".join([
+        "bloggap verl plugin registered (pid 100): policy loss gap_vanilla, ...",
+        "(TaskRunner pid=200) bloggap verl plugin registered (pid 200): policy loss ...",
+        "(WorkerDict pid=300) bloggap verl plugin registered (pid 300): policy loss ...",
+        "(WorkerDict pid=300) bloggap verl plugin registered (pid 300): policy loss ...",
+        "(pid=400, ip=1.2.3.4) something else",
+    ])
+    assert verl_live.registered_processes(text) == {"driver": [100], "TaskRunner": [200], "WorkerDict": [300]}
+    record = verl_live.summarise("geo_rs/nofix", text + "\nbloggap: rollout correction preset decoupled_geo_rs (...)",
+                                 Path("/nonexistent"), 0, 1.0)
+    assert record["registered_in_driver_and_workers"] and record["guard_warnings"] == 1
+    assert record["plugin_disabled"] and record["top_p"] == 0.8 and record["steps"] == []
+
+
+def test_entry_point_is_found_by_importlib(tmp_path):
+    import importlib.metadata
+
+    verl_live.write_entry_point(tmp_path)
+    dists = list(importlib.metadata.distributions(path=[str(tmp_path)]))
+    assert [d.metadata["Name"] for d in dists] == ["bloggap"]
+    eps = [(e.group, e.name, e.value) for e in dists[0].entry_points]
+    assert eps == [("verl.plugins", "bloggap", "bloggap_plugin.verl")]
+
+
+def test_dry_run_prints_commands_and_bad_run_name_is_one_line(tmp_path):
+    script = str(ROOT / "benchmarks" / "verl_live.py")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, script, "run", "--model", "/m", "--out", str(tmp_path), "--dry-run",
+                           "--runs", "geo_rs/nofix,arm_E"], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2 and "BLOGGAP_VERL_DISABLE=1" in lines[0] and "+bloggap.fp32_head=true" in lines[1]
+    assert "-m verl.trainer.main_ppo" in lines[0] and "actor_rollout_ref.rollout.top_p=0.8" in lines[0]
+    bad = subprocess.run([sys.executable, script, "run", "--model", "/m", "--out", str(tmp_path), "--runs", "geo/fix"],
+                         capture_output=True, text=True, env=env)
+    assert bad.returncode == 1 and bad.stderr.strip().startswith("error: unknown run 'geo/fix'")
+    assert "Traceback" not in bad.stderr
+    missing = subprocess.run([sys.executable, script, "run", "--model", "/m", "--out", str(tmp_path)],
+                             capture_output=True, text=True, env=env)
+    assert missing.returncode == 1 and "run `python benchmarks/verl_live.py prepare" in missing.stderr
+
+
+def test_probe_reports_missing_and_present_modules():
+    found = verl_live.probe(("json", "bloggap_no_such_module_xyz", "bloggap_plugin.tasks.verl_data"))
+    assert found["json"] == "ok" and found["bloggap_plugin.tasks.verl_data"] == "ok"
+    assert found["bloggap_no_such_module_xyz"] == "ModuleNotFoundError: No module named 'bloggap_no_such_module_xyz'"
