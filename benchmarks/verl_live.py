@@ -87,7 +87,7 @@ def overrides(run: str, model: str, data_dir: str | Path, out: str | Path, steps
         f"data.train_files={data_dir / 'train.parquet'}",
         f"data.val_files={data_dir / 'val.parquet'}",
         "data.train_batch_size=16",
-        "data.max_prompt_length=512",
+        "data.max_prompt_length=256",  # SmolLM2 chat template + 3 solved examples: 193-195 tokens
         "data.max_response_length=64",
         "data.dataloader_num_workers=2",
         "data.seed=0",

@@ -145,3 +145,27 @@ def test_probe_reports_missing_and_present_modules():
     found = verl_live.probe(("json", "bloggap_no_such_module_xyz", "bloggap_plugin.tasks.verl_data"))
     assert found["json"] == "ok" and found["bloggap_plugin.tasks.verl_data"] == "ok"
     assert found["bloggap_no_such_module_xyz"] == "ModuleNotFoundError: No module named 'bloggap_no_such_module_xyz'"
+
+
+def test_verls_rl_dataset_reads_the_prepared_parquet(tmp_path):
+    """verl's own RLHFDataset, with the data config the harness composes, reads what `prepare` writes."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    from bloggap_plugin.models import tiny_tokenizer
+    from bloggap_plugin.tasks import arith
+
+    verl_live.cmd_prepare(type("A", (), {"out": str(tmp_path), "n_train": 6})())
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        argv, _ = verl_live.command("geo_rs/fix", "/m", tmp_path / "data", tmp_path)
+        cfg = compose(config_name="ppo_trainer", overrides=argv[3:])
+    cfg.data.dataloader_num_workers = 0
+    tokenizer = tiny_tokenizer()
+    dataset = RLHFDataset(cfg.data.train_files, tokenizer, cfg.data)
+    assert len(dataset) == 6
+    item = dataset[0]
+    first = arith.make_problems(6, seed=0)[0]
+    assert item["data_source"] == "bloggap/arith" and item["reward_model"]["ground_truth"] == str(first.answer)
+    assert item["raw_prompt"][-1] == {"role": "user", "content": first.question}
