@@ -50,7 +50,8 @@ PRESETS: dict[str, list[str]] = {
 RS_OPTION = {"geo_rs": "seq_mean_k1", "seq_mis": "seq_sum_k1"}
 REGISTERED = "bloggap verl plugin registered (pid"
 GUARD = "bloggap: rollout correction preset"
-_RAY_PREFIX = re.compile(r"^\((?P<actor>[A-Za-z_][\w.:-]*)\s+pid=(?P<pid>\d+)")
+_RAY_PREFIX = re.compile(r"^\((?:(?P<actor>[A-Za-z_][\w.:-]*)\s+)?pid=(?P<pid>\d+)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _run_spec(name: str) -> dict:
@@ -200,14 +201,16 @@ def parse_metrics_file(path: str | Path) -> list[dict]:
 
 def registered_processes(text: str) -> dict[str, list[int]]:
     """Processes whose "registered" line is in the console text: ``{"driver": [pid], "TaskRunner": [...],
-    "<Ray actor>": [...]}`` (Ray prefixes a worker's lines with ``(Actor pid=N)``)."""
+    "<Ray actor>": [...], "ray_worker": [...]}`` (Ray prefixes a worker's lines with ``(Actor pid=N)``, or
+    ``(pid=N)`` for a task, in colour on a terminal)."""
     found: dict[str, list[int]] = {}
     for line in text.splitlines():
+        line = _ANSI.sub("", line)
         at = line.find(REGISTERED)
         if at < 0:
             continue
         match = _RAY_PREFIX.match(line)
-        actor = match.group("actor") if match else "driver"
+        actor = (match.group("actor") or "ray_worker") if match else "driver"
         pid = int(re.match(r"\s*(\d+)", line[at + len(REGISTERED):]).group(1))
         if pid not in found.setdefault(actor, []):
             found[actor].append(pid)
@@ -300,7 +303,7 @@ def write_entry_point(site: str | Path) -> Path:
 def cmd_prepare(args) -> None:
     from bloggap_plugin.tasks.verl_data import write_verl_parquet
 
-    out = Path(args.out)
+    out = Path(args.out).resolve()
     train, val = write_verl_parquet(out / "data", n_train=args.n_train, n_val=64, seed=0)
     info = write_entry_point(out / "site")
     print(f"wrote {train}, {val}, {info}")
@@ -322,14 +325,15 @@ def summarise(run: str, log_text: str, metrics_path: Path, rc: int | None, wall_
         "top_p": TOP_P_TRUNCATED if spec["truncated"] else 1.0, "plugin_disabled": spec["disable"],
         "recipes": spec["recipes"], "metrics_source": "file" if metrics_path.exists() else "console",
         "registered": registered,
-        "registered_in_driver_and_workers": ("driver" in registered) and len(registered) >= 2,
+        # the driver, the TaskRunner and at least one more Ray process (worker group, vLLM server, agent loop)
+        "registered_in_driver_and_workers": {"driver", "TaskRunner"} <= registered.keys() and len(registered) >= 3,
         "guard_warnings": sum(GUARD in line for line in log_text.splitlines()),
         "steps": step_table(rows, spec["preset"]),
     }
 
 
 def cmd_run(args) -> None:
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the runs' cwd is out: every path in the commands is absolute
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     for run in runs:
         _run_spec(run)  # every name checked before anything starts
@@ -341,10 +345,18 @@ def cmd_run(args) -> None:
             sys.exit(f"error: {args.model}/config.json not found: --model must be a HF folder (VLLM.md: mk_smollm2.py)")
     result_path = out / "verl_live.json"
     result = json.loads(result_path.read_text()) if result_path.exists() and not args.dry_run else {"runs": {}}
+    deadline = time.time() + args.budget
     for run in runs:
         argv, env = command(run, args.model, out / "data", out, args.steps, args.python)
         if args.dry_run:
             print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(argv))
+            continue
+        left = deadline - time.time()
+        if left < 60:
+            print(f"{run}: skipped, {left:.0f} s of --budget left", flush=True)
+            if "rc" not in result["runs"].get(run, {}):  # keep a finished run's record from an earlier call
+                result["runs"][run] = {"run": run, "skipped": f"{left:.0f} s of --budget {args.budget} s left"}
+                _write_json(result_path, result)
             continue
         tag = run.replace("/", "_")
         log, metrics = out / f"{tag}.log", out / f"{tag}.metrics.jsonl"
@@ -353,10 +365,11 @@ def cmd_run(args) -> None:
         with open(log, "w") as handle:
             try:
                 rc = subprocess.run(argv, env={**os.environ, **env}, stdout=handle, stderr=subprocess.STDOUT,
-                                    cwd=out, timeout=args.run_timeout).returncode
+                                    cwd=out, timeout=min(args.run_timeout, left)).returncode
             except subprocess.TimeoutExpired:
                 rc = None
-        subprocess.run(["ray", "stop", "--force"], capture_output=True, check=False)
+        # a run killed by the timeout leaves its local Ray cluster up; the next run must start its own
+        subprocess.run([args.python, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True, check=False)
         record = summarise(run, log.read_text(errors="replace"), metrics, rc, time.time() - start)
         result["runs"][run] = record
         _write_json(result_path, result)
@@ -379,6 +392,8 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--runs", default="geo_rs/control,geo_rs/nofix,geo_rs/fix", help=f"comma list of {', '.join(RUNS)}")
     run.add_argument("--steps", type=int, default=20)
     run.add_argument("--run-timeout", type=float, default=280.0, help="seconds per run before it is killed")
+    run.add_argument("--budget", type=float, default=540.0,
+                     help="seconds for all --runs together (a device call has 600 s); a run not started with < 60 s left is skipped")
     run.add_argument("--python", default=sys.executable)
     run.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = ap.parse_args(argv)

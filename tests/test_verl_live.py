@@ -4,6 +4,7 @@ parsers read verl's logger output (the GPU run itself is issue 13)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -169,3 +170,53 @@ def test_verls_rl_dataset_reads_the_prepared_parquet(tmp_path):
     first = arith.make_problems(6, seed=0)[0]
     assert item["data_source"] == "bloggap/arith" and item["reward_model"]["ground_truth"] == str(first.answer)
     assert item["raw_prompt"][-1] == {"role": "user", "content": first.question}
+
+
+def test_registered_processes_ansi_coloured_and_nameless_prefixes():
+    text = "\n".join([
+        "\x1b[36m(TaskRunner pid=200)\x1b[0m bloggap verl plugin registered (pid 200): ...",
+        "\x1b[33m(pid=500)\x1b[0m bloggap verl plugin registered (pid 500): ...",
+        "(pid=600, ip=10.0.0.1) bloggap verl plugin registered (pid 600): ...",
+    ])
+    assert verl_live.registered_processes(text) == {"TaskRunner": [200], "ray_worker": [500, 600]}
+    record = verl_live.summarise("geo_rs/fix", text, Path("/nonexistent"), 0, 1.0)
+    assert not record["registered_in_driver_and_workers"]  # no driver line
+
+
+FAKE_MAIN_PPO = """#!/bin/sh
+# stands in for `python -m verl.trainer.main_ppo` (and `python -m ray.scripts.scripts stop`)
+[ "$2" = "ray.scripts.scripts" ] && exit 0
+echo "bloggap verl plugin registered (pid 11): ..."
+echo "(TaskRunner pid=12) bloggap verl plugin registered (pid 12): ..."
+echo "(WorkerDict pid=13) bloggap verl plugin registered (pid 13): ..."
+echo "(TaskRunner pid=12) bloggap: rollout correction preset decoupled_geo_rs (...)"
+echo "(TaskRunner pid=12) step:1 - critic/score/mean:0.25 - gap/verl/all_rejected:np.float64(1.0)"
+printf '{"step": 1, "data": {"critic/score/mean": 0.25, "rollout_corr/rollout_rs_seq_mean_k1_seq_masked_fraction": 1.0}}\\n' > "$VERL_FILE_LOGGER_PATH"
+echo "BLOGGAP_VERL_DISABLE=$BLOGGAP_VERL_DISABLE cwd=$(pwd)"
+"""
+
+
+def test_run_loop_writes_json_per_run_and_skips_past_budget(tmp_path):
+    fake = tmp_path / "fakepy"
+    fake.write_text(FAKE_MAIN_PPO)
+    fake.chmod(0o755)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    out = tmp_path / "out"
+    verl_live.cmd_prepare(type("A", (), {"out": str(out), "n_train": 4})())
+    argv = ["run", "--model", str(tmp_path / "model"), "--out", str(out), "--python", str(fake),
+            "--runs", "geo_rs/nofix,geo_rs/fix", "--budget", "100"]
+    verl_live.main(argv)
+    result = json.loads((out / "verl_live.json").read_text())
+    nofix = result["runs"]["geo_rs/nofix"]
+    assert nofix["rc"] == 0 and nofix["metrics_source"] == "file" and nofix["guard_warnings"] == 1
+    assert nofix["registered"] == {"driver": [11], "TaskRunner": [12], "WorkerDict": [13]}
+    assert nofix["registered_in_driver_and_workers"] and nofix["plugin_disabled"]
+    assert [(s["step"], s["reward"], s["rejected_seq_frac"]) for s in nofix["steps"]] == [(1, 0.25, 1.0)]
+    log = (out / "geo_rs_nofix.log").read_text()
+    assert f"BLOGGAP_VERL_DISABLE=1 cwd={out}" in log
+    assert "BLOGGAP_VERL_DISABLE=0" in (out / "geo_rs_fix.log").read_text()
+    verl_live.main(argv[:-1] + ["30"] + ["--runs", "geo_rs/nofix,seq_mis/fix"])  # < 60 s left: both skipped
+    result = json.loads((out / "verl_live.json").read_text())
+    assert set(result["runs"]["seq_mis/fix"]) == {"run", "skipped"}
+    assert result["runs"]["geo_rs/nofix"] == nofix  # a finished run's record is not replaced by a skip
