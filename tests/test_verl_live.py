@@ -22,6 +22,8 @@ spec.loader.exec_module(verl_live)
 def test_every_run_composes_against_verls_config(tmp_path):
     import verl
     from hydra import compose, initialize_config_dir
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
 
     from bloggap_plugin.verl.config import load_settings
 
@@ -32,6 +34,9 @@ def test_every_run_composes_against_verls_config(tmp_path):
             assert argv[1:3] == ["-m", "verl.trainer.main_ppo"]
             cfg = compose(config_name="ppo_trainer", overrides=argv[3:])
             load_settings(cfg.get("bloggap"))
+            # main_ppo's own checks before Ray starts (batch sizes against GPUs, micro-batch settings, ...)
+            validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+            assert not need_reference_policy(cfg) and not need_critic(cfg) and cfg.trainer.use_v1
             rollout, corr = cfg.actor_rollout_ref.rollout, cfg.algorithm.rollout_correction
             assert cfg.actor_rollout_ref.model.path == "/m/smollm2" and rollout.name == "vllm"
             assert cfg.trainer.total_training_steps == 25 and cfg.trainer.n_gpus_per_node == 1
