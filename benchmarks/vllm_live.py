@@ -634,6 +634,18 @@ def trunc_trl_table(work: Path) -> dict | None:
             "reference": None, "random_init": False, "plot": False}
 
 
+def _machine_paths_to_names(obj):
+    """Absolute paths of the machines that ran (``/tmp/...``, ``/root/...``) become their last component: the
+    committed result names what ran, not where a temporary file lay (work folders are archived in vllm_live_parts/)."""
+    if isinstance(obj, str) and obj.startswith(("/tmp/", "/root/", "/work/", "/home/")):
+        return Path(obj).name
+    if isinstance(obj, dict):
+        return {k: _machine_paths_to_names(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_machine_paths_to_names(v) for v in obj]
+    return obj
+
+
 def cmd_merge(args) -> None:
     """Combine runs made in several GPU calls: work folders (per-process JSON) and ``score`` outputs."""
     result: dict = {"table": "T13", "errors": {}, "sampler_vs_trainer": [], "truncation": [], "sources": []}
@@ -663,7 +675,7 @@ def cmd_merge(args) -> None:
                                         for i in range(len(TRUNC_TRL)) if (Path(work) / f"trunc_{i}.json").exists()}
     document = {"benchmark": "vllm_live", "schema_version": 1, "env": result.pop("env", {}),
                 "params": result.pop("settings", {}), "results": result, "tables": tables(result) + extra}
-    _write_json(Path(args.out), _clean(document))
+    _write_json(Path(args.out), _clean(_machine_paths_to_names(document)))
     print(f"merged -> {args.out}: {len(result['trl_runs'])} TRL runs, {len(rows)} gap rows, {len(trunc)} truncation rows, "
           f"errors {sorted(result['errors'])}")
 
