@@ -166,6 +166,7 @@ def generate_hf(model, tokenizer, prompt_ids: list[list[int]], args, device) -> 
     """Completions per decoding with HF ``generate`` (left-padded batches of ``--batch-size``)."""
     import torch
 
+    from bloggap_plugin.core.probe import left_pad
     from bloggap_plugin.sampling import SamplerRecorder
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -176,9 +177,7 @@ def generate_hf(model, tokenizer, prompt_ids: list[list[int]], args, device) -> 
         texts = []
         for start in range(0, len(prompt_ids), args.batch_size):
             batch = prompt_ids[start:start + args.batch_size]
-            width = max(len(ids) for ids in batch)
-            input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch], device=device)
-            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=device)
+            input_ids, mask = (t.to(device) for t in left_pad(batch, pad))
             if name == "greedy":
                 kwargs = {"do_sample": False}
             else:
@@ -188,7 +187,7 @@ def generate_hf(model, tokenizer, prompt_ids: list[list[int]], args, device) -> 
             with torch.no_grad():
                 out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=args.max_tokens,
                                      pad_token_id=pad, **kwargs)
-            texts += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+            texts += tokenizer.batch_decode(out[:, input_ids.shape[1]:], skip_special_tokens=True)
         completions[name] = texts
         timing[f"{name}_s"] = round(time.perf_counter() - t1, 2)
     return completions, timing

@@ -276,23 +276,20 @@ def _batch(prompt_ids, tokens, pad_id, device):
     """TRL's layout: prompts left-padded, completions (all of equal forced length) appended."""
     import torch
 
-    width = max(len(p) for p in prompt_ids)
-    ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-    for row, p in enumerate(prompt_ids):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
+    from bloggap_plugin.core.probe import left_pad
+
+    ids, mask = left_pad(prompt_ids, pad_id)
     ids = torch.cat([ids, tokens], dim=1).to(device)
     mask = torch.cat([mask, torch.ones_like(tokens)], dim=1).to(device)
     return ids, mask
 
 
 def _gap(trainer, sampler, band=0.1) -> dict:
-    from bloggap_plugin.core.metrics import oob_count
+    from bloggap_plugin.core.metrics import abs_dlogp_stats, oob_count
 
-    diff = (trainer.double() - sampler.double()).abs()
+    stats = abs_dlogp_stats(trainer, sampler)
     out, n = oob_count(trainer, sampler, band=band)
-    return {"oob_pct": round(100.0 * out / n, 3), "abs_dlogp_mean": float(diff.mean()), "abs_dlogp_max": float(diff.max()),
+    return {"oob_pct": round(100.0 * out / n, 3), "abs_dlogp_mean": stats["mean"], "abs_dlogp_max": stats["max"],
             "tokens": n}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from bloggap_plugin.core.probe import left_pad
 from bloggap_plugin.sampling import SamplerRecorder
 
 
@@ -30,12 +31,8 @@ class FakeVLLMGeneration:
         tokenizer = trainer.processing_class
         pad = tokenizer.pad_token_id
         eos = tokenizer.eos_token_id
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, p in enumerate(prompts):
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
+        ids, mask = left_pad(prompts, pad)
+        width = ids.shape[1]
         top_k = int(self.top_k or 0)
         top_p = float(self.top_p if self.top_p is not None else 1.0)
         min_p = float(self.min_p or 0.0)

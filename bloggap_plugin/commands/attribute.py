@@ -40,9 +40,8 @@ def rollout_rows(
 ):
     """Sample ``rows`` completions of exactly ``new_tokens`` tokens (prompts cycled) and lay them out
     left-padded as TRL does. Returns ``(input_ids [N, L], attention_mask [N, L], prompt texts)`` on CPU."""
-    import torch
 
-    from bloggap_plugin.core.probe import sample_rollouts
+    from bloggap_plugin.core.probe import left_pad, sample_rollouts
 
     cycled = [prompts[i % len(prompts)] for i in range(rows)]
     rollouts = sample_rollouts(
@@ -55,12 +54,7 @@ def rollout_rows(
         batch_size=gen_batch,
     )
     seqs = [list(r.prompt) + list(r.completion) for r in rollouts.rows]
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), rollouts.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, seq in enumerate(seqs):
-        ids[i, width - len(seq) :] = torch.tensor(seq)
-        mask[i, width - len(seq) :] = 1
+    ids, mask = left_pad(seqs, rollouts.pad_token_id)
     return ids, mask, cycled
 
 

@@ -168,7 +168,9 @@ def encode_prompts(tokenizer, prompts: Sequence[str], chat_template: bool | None
     return encoded
 
 
-def _left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` ``[N, max len]`` int64: token-id lists left-padded with ``pad_id``, as TRL and
+    ``generate`` lay out prompts."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -240,7 +242,7 @@ def sample_rollouts(
         torch.manual_seed(seed)
         for start in range(0, num_seqs, batch_size):
             chunk = encoded[start : start + batch_size]
-            ids, mask = _left_pad(chunk, pad_id)
+            ids, mask = left_pad(chunk, pad_id)
             out = model.generate(
                 input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
             )
