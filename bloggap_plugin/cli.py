@@ -1,7 +1,9 @@
 """The ``bloggap`` command line: ``bloggap doctor | attribute | ladder | train | compare | report | patch``.
 
 Each subcommand lives in ``bloggap_plugin/commands/<name>.py`` with ``HELP``, ``configure(parser)`` and
-``run(args) -> int``; heavy imports happen inside ``run`` so ``bloggap --help`` stays fast. Bad input raises
+``run(args) -> int``; heavy imports happen inside ``run`` so ``bloggap --help`` stays fast. A command's settings are a
+dataclass with per-field help (``bloggap_plugin.commands._config``): every field is a flag, and ``--config FILE.yaml``
+sets any of them (the command line wins). Bad input raises
 :class:`bloggap_plugin.errors.UsageError` (checked before any model loads), printed here as one line on stderr,
 ``bloggap: error: <problem and fix>``, with exit code 2 and no traceback.
 """
@@ -22,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Measure and remove the spurious PPO/IS ratio from bf16 batch-shape noise and truncated sampling.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.set_defaults(_subparsers={})
     for name in COMMANDS:
         try:
             module = importlib.import_module(f"bloggap_plugin.commands.{name}")
@@ -32,7 +35,25 @@ def build_parser() -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.configure(command)
         command.set_defaults(_run=module.run)
+        parser.get_default("_subparsers")[name] = command
     return parser
+
+
+def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """``bloggap COMMAND --config FILE.yaml ...``: the file's fields become the command's defaults."""
+    from bloggap_plugin.commands._config import apply_config_file, config_file_path
+
+    name = next((token for token in argv if token in COMMANDS), None)
+    command = parser.get_default("_subparsers").get(name)
+    path = config_file_path(argv[argv.index(name) + 1:]) if command is not None else None
+    if path is None:
+        return
+    config_types = command.get_default("_config_types")
+    if not config_types:
+        from bloggap_plugin.errors import UsageError
+
+        raise UsageError(f"bloggap {name} takes no --config file; give its settings as flags (bloggap {name} --help)")
+    apply_config_file(command, config_types, path)
 
 
 def _names_hub_model(args: argparse.Namespace) -> bool:
@@ -42,7 +63,15 @@ def _names_hub_model(args: argparse.Namespace) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bloggap_plugin.errors import UsageError, one_line
+
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        _apply_config_file(parser, argv)
+    except UsageError as err:
+        print(f"bloggap: error: {one_line(err)}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     # Offline by default: the hub is reached only when the user names a hub model.
     if not _names_hub_model(args):
@@ -52,8 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2
-    from bloggap_plugin.errors import UsageError, one_line
-
     try:
         return int(args._run(args) or 0)
     except UsageError as err:

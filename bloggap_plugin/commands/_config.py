@@ -1,0 +1,146 @@
+"""Command settings as dataclasses: every field is a flag with its help, a YAML file can set any of them.
+
+Each command declares its settings once, as a dataclass whose fields carry ``metadata={"help": ...}`` (as TRL's
+``GRPOConfig`` does), and ``configure(parser)`` calls :func:`add_config_arguments`. The flags are made by
+``transformers.HfArgumentParser``'s field parser (``--num_seqs`` and ``--num-seqs``; ``bool`` fields take
+``--flag`` / ``--flag false``; ``list[X]`` fields take several values). Extra ``metadata`` keys understood here:
+
+- ``"aliases"``: more flag names, e.g. ``["--json"]`` (HfArgumentParser's own key);
+- ``"parse"``: a function ``str -> value`` used instead of the annotated type (e.g. a comma list checker);
+- ``"positional"``: the field is a positional argument; its value is ``"?"``, ``"*"``, ``"+"`` or ``None``
+  (argparse's ``nargs``);
+- ``"metavar"``, ``"choices"``: passed to argparse.
+
+``--config FILE.yaml`` (added to every such command) sets fields by name; the command line wins over the file,
+the file over the dataclass default; an unknown name is an error naming the valid ones. Positional fields come
+from the command line only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from bloggap_plugin.errors import UsageError
+
+_OWN_KEYS = ("parse", "positional")
+CONFIG_FLAG = "--config"
+
+
+def _fields(config_type: type) -> list[dataclasses.Field]:
+    """The ``init`` fields of ``config_type`` with their annotations resolved (``field.type`` is a type)."""
+    hints = typing.get_type_hints(config_type)
+    resolved = []
+    for field in dataclasses.fields(config_type):
+        if field.init:
+            field = _copy_field(field, type=hints[field.name])
+            resolved.append(field)
+    return resolved
+
+
+def _copy_field(field: dataclasses.Field, **changes) -> dataclasses.Field:
+    import copy
+
+    clone = copy.copy(field)
+    for key, value in changes.items():
+        setattr(clone, key, value)
+    return clone
+
+
+def _default(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return dataclasses.MISSING
+
+
+def _add_positional(parser: argparse.ArgumentParser, field: dataclasses.Field) -> None:
+    nargs = field.metadata["positional"]
+    kwargs: dict[str, Any] = {"help": field.metadata.get("help")}
+    if nargs is not None:
+        kwargs["nargs"] = nargs
+    default = _default(field)
+    if default is not dataclasses.MISSING and nargs in ("?", "*"):
+        kwargs["default"] = default
+    for key in ("metavar", "choices"):
+        if key in field.metadata:
+            kwargs[key] = field.metadata[key]
+    element = typing.get_args(field.type)[0] if typing.get_origin(field.type) is list else field.type
+    parse = field.metadata.get("parse")
+    if parse is not None or element in (int, float):
+        kwargs["type"] = parse or element
+    parser.add_argument(field.name, **kwargs)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, *config_types: type) -> None:
+    """One argument per field of each of ``config_types`` on ``parser``, plus ``--config FILE.yaml``."""
+    from transformers import HfArgumentParser
+
+    for config_type in config_types:
+        for field in _fields(config_type):
+            if "positional" in field.metadata:
+                _add_positional(parser, field)
+                continue
+            metadata = {k: v for k, v in field.metadata.items() if k not in _OWN_KEYS}
+            origin = typing.get_origin(field.type)
+            if origin is typing.Union or isinstance(field.type, types.UnionType):
+                if type(None) in typing.get_args(field.type) and _default(field) is None:
+                    metadata.setdefault("metavar", field.name.upper())
+            HfArgumentParser._parse_dataclass_field(parser, _copy_field(field, metadata=metadata))
+            parse = field.metadata.get("parse")
+            if parse is not None:
+                for action in parser._actions:
+                    if action.dest == field.name and action.option_strings and not action.option_strings[0].startswith("--no"):
+                        action.type = parse
+    if not any(CONFIG_FLAG in action.option_strings for action in parser._actions):
+        parser.add_argument(CONFIG_FLAG, dest="_config_file", default=None, metavar="FILE.yaml",
+                            help="YAML file setting any of these fields by name (the command line wins)")
+    parser.set_defaults(_config_types=config_types)
+
+
+def config_from_args(config_type: type, args: argparse.Namespace):
+    """An instance of ``config_type`` from the parsed ``args`` (fields the namespace lacks keep their default)."""
+    values = {f.name: getattr(args, f.name) for f in _fields(config_type) if hasattr(args, f.name)}
+    return config_type(**values)
+
+
+def config_file_path(argv: list[str]) -> str | None:
+    """The value of ``--config PATH`` / ``--config=PATH`` in ``argv``, or None."""
+    for index, token in enumerate(argv):
+        if token == CONFIG_FLAG:
+            if index + 1 >= len(argv):
+                raise UsageError(f"{CONFIG_FLAG} needs a YAML file path, e.g. {CONFIG_FLAG} doctor.yaml")
+            return argv[index + 1]
+        if token.startswith(CONFIG_FLAG + "="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def apply_config_file(parser: argparse.ArgumentParser, config_types: tuple[type, ...], path: str) -> dict:
+    """Read ``path`` (YAML mapping of field names) and make its values ``parser``'s defaults; returns them."""
+    import yaml
+
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"{CONFIG_FLAG} {path}: no such file; give a YAML file of field: value lines")
+    try:
+        values = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise UsageError(f"{CONFIG_FLAG} {path}: not valid YAML ({err}); fix the file") from None
+    if not isinstance(values, dict):
+        raise UsageError(f"{CONFIG_FLAG} {path}: expected a mapping of field: value lines, got {type(values).__name__}")
+    fields = {f.name: f for config_type in config_types for f in _fields(config_type)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise UsageError(f"{CONFIG_FLAG} {path}: unknown field(s) {', '.join(map(str, unknown))}; valid: "
+                         f"{', '.join(sorted(n for n, f in fields.items() if 'positional' not in f.metadata))}")
+    positional = sorted(n for n in values if "positional" in fields[n].metadata)
+    if positional:
+        raise UsageError(f"{CONFIG_FLAG} {path}: {', '.join(positional)} is given on the command line, not in the file")
+    parser.set_defaults(**values)
+    return values
