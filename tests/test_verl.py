@@ -253,6 +253,44 @@ def test_loss_band_comes_from_the_environment(monkeypatch):
         assert metrics["gap/ratio/oob_frac"] == expected, band
 
 
+def test_bad_band_read_by_the_loss_gives_the_same_one_line_error(monkeypatch):
+    """The loss runs in workers, which read BLOGGAP_VERL_BAND themselves: a bad value stops it with the message
+    registration gives, not a float() traceback or a silent default."""
+    from bloggap_plugin.verl.config import SettingsError, read_environment
+
+    _clear_bloggap_env(monkeypatch)
+    monkeypatch.setenv("BLOGGAP_VERL_BAND", "1.5")
+    with pytest.raises(SettingsError) as at_registration:
+        read_environment()
+    expected = "BLOGGAP_VERL_BAND='1.5' is not valid: expected a number in (0, 1), e.g. 0.1"
+    assert str(at_registration.value) == expected
+    old, new = torch.zeros(1, 4), torch.tensor([[0.0, 0.03, -0.07, 0.2]])
+    with pytest.raises(SettingsError) as in_loss:
+        get_policy_loss_fn("gap_vanilla")(old, new, torch.ones(1, 4), torch.ones(1, 4), "token-mean",
+                                          _gap_vanilla_actor_config(), None)
+    assert str(in_loss.value) == expected
+
+
+def test_settings_dataclass_carries_help_and_types_from_annotations():
+    """One table: every setting is a dataclass field with help metadata, parsed by the type of its annotation
+    (no second name -> parser table to keep in step with the fields)."""
+    import dataclasses
+    import typing
+
+    from bloggap_plugin.verl import config as vconfig
+
+    hints = typing.get_type_hints(vconfig.BloggapVerlConfig)
+    for item in dataclasses.fields(vconfig.BloggapVerlConfig):
+        assert len(item.metadata.get("help", "")) > 20, item.name
+        assert vconfig.setting_parser(item.name) is not None, item.name
+    assert hints["band"] is float and hints["top_k"] == (int | None)
+    assert not hasattr(vconfig, "_PARSERS")
+    # the parsed value has the annotation's type, whatever the source's type
+    settings = vconfig.load_settings({"band": "0.25", "top_k": "7", "fp32_head": "yes", "guard": "RAISE"}, environ={})
+    assert (settings.band, settings.top_k, settings.fp32_head, settings.guard) == (0.25, 7, True, "raise")
+    assert type(settings.band) is float and type(settings.top_k) is int
+
+
 def test_only_config_reads_bloggap_environment_variables():
     package = os.path.join(ROOT, "bloggap_plugin", "verl")
     for name in sorted(os.listdir(package)):

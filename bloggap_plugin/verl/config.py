@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 KEPT_SOURCES = ("auto", "support_size", "retruncate", "off")
@@ -34,39 +36,44 @@ class SettingsError(ValueError):
     """A bad plugin setting; the message is one line naming the setting, its value and the allowed values."""
 
 
+def setting(default: Any, help: str, *, choices: tuple[str, ...] = (), low: float | None = None,
+            high: float | None = None, open_low: bool = False, open_high: bool = False, note: str = "") -> Any:
+    """A settings field: ``default``, its ``help`` text and the constraints its annotation's parser checks
+    (``choices`` for ``str``; ``low``/``high`` bounds, open or closed, for ``float`` and ``int``; ``note``: words
+    appended to the allowed values in error messages)."""
+    bounds = {"low": low, "high": high, "open_low": open_low, "open_high": open_high}
+    return field(default=default, metadata={"help": help, "choices": choices, "note": note, **bounds})
+
+
 @dataclass
 class BloggapVerlConfig:
-    """Settings of the verl integration (``+bloggap.<field>=...`` or ``BLOGGAP_VERL_<FIELD>``)."""
+    """Settings of the verl integration (``+bloggap.<field>=...`` or ``BLOGGAP_VERL_<FIELD>``).
 
-    fix_truncation: bool = True
-    """Lift the rollout log-probs by the log kept mass before verl's IS/RS (only acts when the batch carries
-    ``log_kept_mass``, which the engine override computes when the rollout samples with top_p/top_k/min_p)."""
+    Each field's type is its annotation: :func:`setting_parser` turns a raw value (a string from the environment,
+    anything from the Hydra node) into that type within the field's metadata constraints.
+    """
 
-    kept_source: str = "auto"
-    """Where the kept mass comes from: ``support_size`` (the rollout's per-token kept-set sizes, needs
-    ``patches/verl``; exact up to boundary ties), ``retruncate`` (the actor re-applies top_p/top_k/min_p to its
-    own logits; approximate at the boundary), ``auto`` (support_size when
-    ``actor_rollout_ref.rollout.engine_kwargs.vllm.return_sampling_mask`` is set, else retruncate), ``off``."""
-
-    guard: str = "warn"
-    """What to do when a step's rejection sampling removes every sequence or every sequence IS weight sits at
-    the safety floor: ``warn`` (log ``gap/verl/all_rejected = 1`` and a warning), ``raise`` (stop the run),
-    ``off``."""
-
-    fp32_head: bool = False
-    """Arm E: compute the LM head and log-softmax in fp32 in the old-log-prob pass only (engine override)."""
-
-    band: float = 0.1
-    """Half-width b of the ratio band ``[1-b, 1+b]`` used by ``gap/ratio/oob_frac``."""
-
-    top_p: float | None = None
-    """Override of the rollout's top_p used for re-truncation (default: ``actor_rollout_ref.rollout.top_p``)."""
-
-    top_k: int | None = None
-    """Override of the rollout's top_k (default: ``actor_rollout_ref.rollout.top_k``; -1/0 = off)."""
-
-    min_p: float | None = None
-    """Override of the rollout's min_p (default: ``actor_rollout_ref.rollout.min_p`` if present, else 0)."""
+    fix_truncation: bool = setting(True, help=(
+        "Lift the rollout log-probs by the log kept mass before verl's IS/RS (only acts when the batch carries "
+        "log_kept_mass, which the engine override computes when the rollout samples with top_p/top_k/min_p)."))
+    kept_source: str = setting("auto", choices=KEPT_SOURCES, help=(
+        "Where the kept mass comes from: support_size (the rollout's per-token kept-set sizes, needs "
+        "patches/verl; exact up to boundary ties), retruncate (the actor re-applies top_p/top_k/min_p to its own "
+        "logits; approximate at the boundary), auto (support_size when "
+        "actor_rollout_ref.rollout.engine_kwargs.vllm.return_sampling_mask is set, else retruncate), off."))
+    guard: str = setting("warn", choices=GUARD_MODES, help=(
+        "What to do when a step's rejection sampling removes every sequence or every sequence IS weight sits at "
+        "the safety floor: warn (log gap/verl/all_rejected = 1 and a warning), raise (stop the run), off."))
+    fp32_head: bool = setting(False, help=(
+        "Arm E: compute the LM head and log-softmax in fp32 in the old-log-prob pass only (engine override)."))
+    band: float = setting(0.1, low=0.0, high=1.0, open_low=True, open_high=True, help=(
+        "Half-width b of the ratio band [1-b, 1+b] used by gap/ratio/oob_frac."))
+    top_p: float | None = setting(None, low=0.0, high=1.0, open_low=True, help=(
+        "Override of the rollout's top_p used for re-truncation (default: actor_rollout_ref.rollout.top_p)."))
+    top_k: int | None = setting(None, low=-1, note="(-1 or 0 = no top-k)", help=(
+        "Override of the rollout's top_k (default: actor_rollout_ref.rollout.top_k; -1/0 = off)."))
+    min_p: float | None = setting(None, low=0.0, high=1.0, open_high=True, help=(
+        "Override of the rollout's min_p (default: actor_rollout_ref.rollout.min_p if present, else 0)."))
 
     def __post_init__(self) -> None:
         for item in dataclasses.fields(self):
@@ -84,59 +91,88 @@ def _bool(raw: Any) -> bool:
     raise ValueError(raw)
 
 
-def _number(raw: Any, low: float, high: float, low_open: bool, high_open: bool) -> float:
+def _in_bounds(value: float, raw: Any, meta: Mapping[str, Any]) -> None:
+    low, high = meta["low"], meta["high"]
+    above = low is None or (value > low if meta["open_low"] else value >= low)
+    below = high is None or (value < high if meta["open_high"] else value <= high)
+    if not (above and below):  # also rejects nan
+        raise ValueError(raw)
+
+
+def _number(raw: Any, meta: Mapping[str, Any]) -> float:
     if isinstance(raw, bool):
         raise ValueError(raw)
     value = float(raw.strip() if isinstance(raw, str) else raw)
-    above = value > low if low_open else value >= low
-    below = value < high if high_open else value <= high
-    if not (above and below):  # also rejects nan
-        raise ValueError(raw)
+    _in_bounds(value, raw, meta)
     return value
 
 
-def _integer(raw: Any, low: int) -> int:
-    if isinstance(raw, bool):
+def _integer(raw: Any, meta: Mapping[str, Any]) -> int:
+    if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
         raise ValueError(raw)
-    if isinstance(raw, float):
-        if not raw.is_integer():
-            raise ValueError(raw)
-        raw = int(raw)
     value = int(raw.strip() if isinstance(raw, str) else raw)
-    if value < low:
-        raise ValueError(raw)
+    _in_bounds(value, raw, meta)
     return value
 
 
-def _choice(raw: Any, choices: tuple[str, ...]) -> str:
+def _choice(raw: Any, meta: Mapping[str, Any]) -> str:
     text = str(raw).strip().lower()
-    if text not in choices:
+    if text not in meta["choices"]:
         raise ValueError(raw)
     return text
 
 
-def _optional(parse):
-    def parse_optional(raw: Any):
-        if raw is None or (isinstance(raw, str) and raw.strip().lower() in _NONE_WORDS):
-            return None
-        return parse(raw)
-
-    return parse_optional
-
-
 _BOOL_WORDS = ", ".join(w for pair in zip(TRUE_WORDS, FALSE_WORDS) for w in pair)
-# field -> (parser of a raw value from the environment or the Hydra node, allowed values in words)
-_PARSERS = {
-    "fix_truncation": (_bool, f"one of {_BOOL_WORDS}"),
-    "kept_source": (lambda raw: _choice(raw, KEPT_SOURCES), f"one of {', '.join(KEPT_SOURCES)}"),
-    "guard": (lambda raw: _choice(raw, GUARD_MODES), f"one of {', '.join(GUARD_MODES)}"),
-    "fp32_head": (_bool, f"one of {_BOOL_WORDS}"),
-    "band": (lambda raw: _number(raw, 0.0, 1.0, True, True), "a number in (0, 1), e.g. 0.1"),
-    "top_p": (_optional(lambda raw: _number(raw, 0.0, 1.0, True, False)), "a number in (0, 1], or none"),
-    "top_k": (_optional(lambda raw: _integer(raw, -1)), "an integer >= -1 (-1 or 0 = no top-k), or none"),
-    "min_p": (_optional(lambda raw: _number(raw, 0.0, 1.0, False, True)), "a number in [0, 1), or none"),
+# annotation's base type -> parser of a raw value (environment string or Hydra node value) under the field's metadata
+_TYPE_PARSERS: dict[type, Callable[[Any, Mapping[str, Any]], Any]] = {
+    bool: lambda raw, meta: _bool(raw), str: _choice, float: _number, int: _integer,
 }
-ALLOWED = {name: allowed for name, (_, allowed) in _PARSERS.items()}
+
+
+def _field_type(name: str) -> tuple[type, bool]:
+    """``(base type, optional)`` of the field ``name`` from its annotation (``float | None`` -> ``(float, True)``)."""
+    hint = typing.get_type_hints(BloggapVerlConfig)[name]
+    args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    return (args[0], True) if args else (hint, False)
+
+
+def _allowed(item: dataclasses.Field) -> str:
+    """The allowed values of a field, in words, from its annotation and metadata."""
+    base, optional = _field_type(item.name)
+    meta = item.metadata
+    if base is bool:
+        words = f"one of {_BOOL_WORDS}"
+    elif base is str:
+        words = f"one of {', '.join(meta['choices'])}"
+    elif base is int and meta["high"] is None:
+        words = f"an integer >= {meta['low']}"
+    else:
+        words = (f"a number in {'(' if meta['open_low'] else '['}{meta['low']:g}, {meta['high']:g}"
+                 f"{')' if meta['open_high'] else ']'}")
+        if item.default is not None:
+            words += f", e.g. {item.default}"
+    if meta["note"]:
+        words += f" {meta['note']}"
+    return f"{words}, or none" if optional else words
+
+
+def setting_parser(name: str) -> Callable[[Any], Any]:
+    """The parser of setting ``name``: raw value -> value of the field's annotated type (``None`` for none/null
+    when the annotation allows it); raises ``ValueError`` or ``TypeError`` when the value is not allowed."""
+    base, optional = _field_type(name)
+    meta = _FIELDS[name].metadata
+    parse = _TYPE_PARSERS[base]
+
+    def parse_setting(raw: Any) -> Any:
+        if optional and (raw is None or (isinstance(raw, str) and raw.strip().lower() in _NONE_WORDS)):
+            return None
+        return parse(raw, meta)
+
+    return parse_setting
+
+
+_FIELDS = {item.name: item for item in dataclasses.fields(BloggapVerlConfig)}
+ALLOWED = {name: _allowed(item) for name, item in _FIELDS.items()}
 DISABLE_ALLOWED = f"one of {_BOOL_WORDS}"
 
 
@@ -144,7 +180,7 @@ def _parse_setting(name: str, raw: Any, source: str) -> Any:
     """The typed value of setting ``name`` from ``raw``; a one-line :class:`SettingsError` naming ``source``
     (``BLOGGAP_VERL_BAND`` or ``bloggap.band``), the value and the allowed values when ``raw`` is not allowed."""
     try:
-        return _PARSERS[name][0](raw)
+        return setting_parser(name)(raw)
     except (TypeError, ValueError):
         raise SettingsError(f"{source}={raw!r} is not valid: expected {ALLOWED[name]}") from None
 
