@@ -1,46 +1,54 @@
 """bloggap: find and remove the importance ratio that should be 1 and is not.
 
-Public API (imported lazily, so ``import bloggap_plugin`` stays cheap and never imports TRL or verl):
+Public API, imported lazily so that ``import bloggap_plugin`` stays cheap and imports neither torch, TRL, verl
+nor transformers (``tests/test_package.py`` checks it):
 
-- metrics: :func:`oob_fraction`, :func:`abs_dlogp_stats`, :func:`clip_status`, :func:`clip_flip_fraction`,
-  :func:`kl_k1`, :func:`kl_k3`, :func:`wilson_interval`
-- scoring: :func:`token_logprobs`; models: :func:`load_model`
-- precision: :func:`make_plan`, :class:`ScoringPlan`
-- truncation: :func:`kept_mask`, :func:`log_kept_mass`, :func:`log_kept_mass_from_size`,
-  :func:`renormalized_logprobs`
-- TRL: :class:`GapCallback`, :class:`GapGRPOTrainer`, :class:`GapMixin`, :class:`GapConfig`, :func:`load_recipe`
+- TRL: :class:`GapCallback`, :class:`GapGRPOTrainer`, :class:`GapMixin`; recipes: :class:`GapConfig`,
+  :func:`load_recipe`
+- scoring: :func:`token_logprobs`; precision: :func:`make_plan`; models: :func:`load_model`
+
+Everything else lives in its module: the metric helpers (``oob_fraction``, ``abs_dlogp_stats``, ``clip_status``,
+``clip_flip_fraction``, ``kl_k1``, ``kl_k3``, ``wilson_interval``) in :mod:`bloggap_plugin.core.metrics`, the
+truncation maths in :mod:`bloggap_plugin.core.truncation`, :class:`ScoringPlan` in
+:mod:`bloggap_plugin.core.precision`, the verl plugin in :mod:`bloggap_plugin.verl`.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:  # what IDEs and type checkers see; at run time __getattr__ imports on first use
+    from bloggap_plugin.core.precision import make_plan
+    from bloggap_plugin.core.scoring import token_logprobs
+    from bloggap_plugin.models import load_model
+    from bloggap_plugin.recipes import GapConfig, load_recipe
+    from bloggap_plugin.trl import GapCallback, GapGRPOTrainer, GapMixin
+
 _LAZY = {
-    "oob_fraction": "bloggap_plugin.core.metrics",
-    "abs_dlogp_stats": "bloggap_plugin.core.metrics",
-    "clip_status": "bloggap_plugin.core.metrics",
-    "clip_flip_fraction": "bloggap_plugin.core.metrics",
-    "kl_k1": "bloggap_plugin.core.metrics",
-    "kl_k3": "bloggap_plugin.core.metrics",
-    "wilson_interval": "bloggap_plugin.core.metrics",
+    "make_plan": "bloggap_plugin.core.precision",
     "token_logprobs": "bloggap_plugin.core.scoring",
     "load_model": "bloggap_plugin.models",
-    "make_plan": "bloggap_plugin.core.precision",
-    "ScoringPlan": "bloggap_plugin.core.precision",
-    "kept_mask": "bloggap_plugin.core.truncation",
-    "log_kept_mass": "bloggap_plugin.core.truncation",
-    "log_kept_mass_from_size": "bloggap_plugin.core.truncation",
-    "renormalized_logprobs": "bloggap_plugin.core.truncation",
+    "GapConfig": "bloggap_plugin.recipes",
+    "load_recipe": "bloggap_plugin.recipes",
     "GapCallback": "bloggap_plugin.trl",
     "GapGRPOTrainer": "bloggap_plugin.trl",
     "GapMixin": "bloggap_plugin.trl",
-    "GapConfig": "bloggap_plugin.recipes",
-    "load_recipe": "bloggap_plugin.recipes",
 }
 
-__all__ = sorted(_LAZY) + ["__version__"]
+__all__ = [  # written out (not sorted(_LAZY)) so that linters and type checkers read it
+    "GapCallback",
+    "GapConfig",
+    "GapGRPOTrainer",
+    "GapMixin",
+    "load_model",
+    "load_recipe",
+    "make_plan",
+    "token_logprobs",
+    "__version__",
+]
 
 
 def __getattr__(name: str):
@@ -50,3 +58,7 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -37,6 +37,29 @@ def smollm2_fp32():
     return load_model("smollm2", dtype="fp32")
 
 
+@pytest.fixture(scope="session")
+def tiny_model():
+    """``tiny_model(spec="tiny-random-llama", dtype="fp32")`` -> ``(model, tokenizer)`` on CPU, in eval mode: the
+    one tiny random model of that spec and dtype for the whole session (seeded, so identical to a fresh
+    ``load_model(spec)``). Shared: a test that changes a model's weights or configs loads its own copy."""
+    from bloggap_plugin.models import load_model
+
+    cache: dict[tuple[str, str], tuple] = {}
+
+    def load(spec: str = "tiny-random-llama", dtype: str = "fp32"):
+        if (spec, dtype) not in cache:
+            cache[(spec, dtype)] = load_model(spec, dtype=dtype)
+        return cache[(spec, dtype)]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_model):
+    """The default tiny model: ``(model, tokenizer)`` of tiny-random-llama in fp32 (2 layers, hidden 32)."""
+    return tiny_model()
+
+
 def real_gsm8k_dir():
     """The real GSM8K folder (train.jsonl, test.jsonl): ``../shared/data/gsm8k`` beside the repository (as in CI),
     else the folder ``$BLOGGAP_GSM8K_DATA`` named when the tests started; ``None`` when neither has the files."""

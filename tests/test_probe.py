@@ -23,11 +23,6 @@ from bloggap_plugin.models import load_model
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-random-llama", dtype="fp32")
-
-
-@pytest.fixture(scope="module")
 def tiny_rollouts(tiny):
     model, tokenizer = tiny
     return sample_rollouts(model, tokenizer, num_seqs=10, max_new_tokens=6, seed=3, batch_size=4)

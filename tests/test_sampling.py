@@ -23,10 +23,10 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    model, tok = load_model("tiny-random-llama", dtype="fp32")
-    batch = tok(PROMPTS, return_tensors="pt", padding=True)
-    return model, tok, batch
+def prompts(tiny):
+    """:data:`PROMPTS` tokenised for the shared tiny model, left-padded: ``input_ids`` / ``attention_mask`` ``[4, L]``."""
+    _, tok = tiny
+    return tok(PROMPTS, return_tensors="pt", padding=True)
 
 
 def _generate(model, batch, seed, **kwargs):
@@ -47,8 +47,8 @@ def _hf_logprobs(out, tokens):
     return torch.log_softmax(scores, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def test_untruncated_records_hf_sampler_logprobs(tiny):
-    model, tok, batch = tiny
+def test_untruncated_records_hf_sampler_logprobs(tiny, prompts):
+    model, batch = tiny[0], prompts
     width = batch["input_ids"].shape[1]
     recorder = SamplerRecorder(temperature=0.7)
     # repetition_penalty runs before the recorder, so it is part of what both runs sample from
@@ -72,8 +72,8 @@ def test_untruncated_records_hf_sampler_logprobs(tiny):
     [dict(top_p=0.8), dict(top_k=5), dict(min_p=0.3), dict(top_p=0.9, min_p=0.1), dict(top_k=5, top_p=0.8)],
     ids=["top_p0.8", "top_k5", "min_p0.3", "top_p0.9+min_p0.1", "top_k5+top_p0.8"],
 )
-def test_truncated_recorder_draws_exactly_what_hf_warpers_draw(tiny, truncation):
-    model, tok, batch = tiny
+def test_truncated_recorder_draws_exactly_what_hf_warpers_draw(tiny, prompts, truncation):
+    model, batch = tiny[0], prompts
     width = batch["input_ids"].shape[1]
     temperature = 0.1  # the random model's logits are nearly flat; sharpen so sets are of mixed size
     recorder = SamplerRecorder(temperature=temperature, truncate=True, store_ids_max=1000, **truncation)
@@ -103,8 +103,8 @@ def test_truncated_recorder_draws_exactly_what_hf_warpers_draw(tiny, truncation)
         assert (record.kept_sizes[keep] == truncation["top_k"]).all()
 
 
-def test_teacher_forced_rescoring_over_recorded_set_gives_ratio_one(tiny):
-    model, tok, batch = tiny
+def test_teacher_forced_rescoring_over_recorded_set_gives_ratio_one(tiny, prompts):
+    model, batch = tiny[0], prompts
     width = batch["input_ids"].shape[1]
     temperature = 0.1  # kept sets of ~34-51 tokens: store_ids_max=40 sends some through ids, some through sizes
     recorder = SamplerRecorder(temperature=temperature, top_p=0.8, truncate=True, store_ids_max=40)
@@ -126,9 +126,9 @@ def test_teacher_forced_rescoring_over_recorded_set_gives_ratio_one(tiny):
     assert torch.allclose(ratio_after, torch.ones_like(ratio_after), atol=1e-5, rtol=0)
 
 
-def test_kept_ids_are_a_tensor_equal_to_the_packed_id_lists(tiny):
+def test_kept_ids_are_a_tensor_equal_to_the_packed_id_lists(tiny, prompts):
     """Kept ids stay tensors end to end: the same values as packing the per-token sorted id lists (the old form)."""
-    model, tok, batch = tiny
+    model, batch = tiny[0], prompts
     width = batch["input_ids"].shape[1]
     recorder = SamplerRecorder(temperature=0.1, top_p=0.8, truncate=True, store_ids_max=40)
     ours = _generate(model, batch, 3, logits_processor=[recorder], **recorder.neutral_generation_kwargs())
@@ -152,8 +152,8 @@ def test_kept_ids_are_a_tensor_equal_to_the_packed_id_lists(tiny):
     assert torch.equal(record.kept_ids_tensor(pad=0), expected.clamp(min=0))
 
 
-def test_misuse_gives_clear_errors(tiny):
-    model, tok, batch = tiny
+def test_misuse_gives_clear_errors(tiny, prompts):
+    model, batch = tiny[0], prompts
     width = batch["input_ids"].shape[1]
     recorder = SamplerRecorder(top_k=3, truncate=True)
     with pytest.raises(SamplerRecordError, match="recorded nothing"):

@@ -16,13 +16,6 @@ from bloggap_plugin.core.scoring import (
     token_logprobs,
 )
 from bloggap_plugin.core.truncation import kept_reducer
-from bloggap_plugin.models import load_model
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    model, tokenizer = load_model("tiny-random-llama", dtype="fp32")
-    return model, tokenizer
 
 
 def left_padded_batch(tokenizer, completion_len: int = 5):
@@ -198,8 +191,8 @@ def test_temperature_reduce_and_forward_hooks(tiny):
     assert torch.equal(via_forward, direct)
 
 
-def test_scoring_leaves_weights_and_grads_untouched():
-    model, tokenizer = load_model("tiny-random-qwen2", dtype="fp32")  # tied embeddings
+def test_scoring_leaves_weights_and_grads_untouched(tiny_model):
+    model, tokenizer = tiny_model("tiny-random-qwen2")  # tied embeddings
     ids, mask, keep = left_padded_batch(tokenizer)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     with torch.no_grad():
@@ -294,9 +287,9 @@ def test_tiled_equals_untiled_bit_for_bit(tiny, row_invariant_linear, positions,
     assert torch.isfinite(untiled).all()
 
 
-def test_tiled_equals_untiled_bit_for_bit_bf16_real_kernels():
+def test_tiled_equals_untiled_bit_for_bit_bf16_real_kernels(tiny_model):
     """bf16 logits: equal bit for bit with the real matmul kernels too (the rounding to bf16 absorbs them)."""
-    model, _ = load_model("tiny-random-llama", dtype="bf16")
+    model, _ = tiny_model("tiny-random-llama", "bf16")
     ids, mask, keep, kept_ids, sizes = random_rows(model.config.vocab_size)
     with torch.no_grad():
         untiled = token_logprobs(model, ids, mask, keep, batch_size=2, chunk_tokens=None)
