@@ -39,7 +39,19 @@ __all__ = [
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY_MODELS = ("tiny-random-llama", "tiny-random-qwen2", "tiny-random-gpt_neox", "tiny-random-qwen2_moe")
+# Tiny random models for tests: 2 layers, hidden 32, 4 heads, sized for the tiny character tokenizer.
+_TINY_SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   max_position_embeddings=512)
+# kind -> (transformers config class, fields beyond the shape); tiny-random-qwen2 alone ties its embeddings
+_TINY_KINDS = {
+    "llama": ("LlamaConfig", {"num_key_value_heads": 2, "tie_word_embeddings": False}),
+    "qwen2": ("Qwen2Config", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
+    "gpt_neox": ("GPTNeoXConfig", {"tie_word_embeddings": False}),
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                                     "decoder_sparse_step": 1, "tie_word_embeddings": False}),
+}
+TINY_MODELS = tuple(f"tiny-random-{kind}" for kind in _TINY_KINDS)
 _DTYPES = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
@@ -202,37 +214,15 @@ def tiny_tokenizer():
 
 
 def _tiny_config(kind: str, vocab_size: int, pad_id: int, eos_id: int):
-    from transformers import GPTNeoXConfig, LlamaConfig, Qwen2Config, Qwen2MoeConfig
+    """The transformers config of tiny model ``kind`` (a key of :data:`_TINY_KINDS`) for the tiny tokenizer."""
+    import transformers
 
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=512,
-        pad_token_id=pad_id,
-        eos_token_id=eos_id,
-        bos_token_id=1,
-    )
-    if kind == "llama":
-        return LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common)
-    if kind == "qwen2":
-        return Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common)
-    if kind == "gpt_neox":
-        return GPTNeoXConfig(tie_word_embeddings=False, **common)
-    if kind == "qwen2_moe":
-        return Qwen2MoeConfig(
-            num_key_value_heads=2,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            decoder_sparse_step=1,
-            tie_word_embeddings=False,
-            **common,
-        )
-    raise ModelSpecError(f"unknown tiny model kind {kind!r}")
+    if kind not in _TINY_KINDS:
+        raise ModelSpecError(f"unknown tiny model kind {kind!r}")
+    class_name, extra = _TINY_KINDS[kind]
+    config_class = getattr(transformers, class_name)
+    return config_class(vocab_size=vocab_size, pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=1,
+                        **_TINY_SHAPE, **extra)
 
 
 def _load_tiny(spec: str, dtype: torch.dtype, seed: int = 0):

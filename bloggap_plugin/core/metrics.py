@@ -163,10 +163,7 @@ def trl_clip_status(
 
 
 def clipped_fraction(
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor | None = None,
-    eps_low: float = 0.2,
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor | None = None, eps_low: float = 0.2,
     eps_high: float | None = None,
 ) -> float:
     """Share of masked tokens that TRL's clip rule excludes (see :func:`clip_status`)."""
@@ -175,12 +172,8 @@ def clipped_fraction(
 
 
 def clip_flip_fraction(
-    ratio_a: torch.Tensor,
-    ratio_b: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor | None = None,
-    eps_low: float = 0.2,
-    eps_high: float | None = None,
+    ratio_a: torch.Tensor, ratio_b: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor | None = None,
+    eps_low: float = 0.2, eps_high: float | None = None,
 ) -> float:
     """Share of masked tokens whose clip status differs between ratios ``ratio_a`` and ``ratio_b``."""
     if ratio_a.shape != ratio_b.shape:

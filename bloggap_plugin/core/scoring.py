@@ -226,6 +226,34 @@ def _score_tiled(call: Callable[..., Any], kwargs: dict, site: tuple[nn.Module, 
     return torch.cat(parts, dim=1), None
 
 
+def _checked_batch_size(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    batch_size: int | None,
+    positions: str,
+    temperature: float,
+    chunk_tokens: int | None,
+) -> int:
+    """Check :func:`token_logprobs`'s arguments (``ValueError`` naming the bad one); the rows per forward pass."""
+    if positions not in POSITION_MODES:
+        raise ValueError(f"positions must be one of {POSITION_MODES}, got {positions!r}")
+    if input_ids.shape != attention_mask.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} differ")
+    n_rows, width = input_ids.shape
+    if not 0 < logits_to_keep < width:
+        raise ValueError(f"logits_to_keep must be in [1, {width - 1}], got {logits_to_keep}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    batch_size = n_rows if batch_size is None else int(batch_size)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
+                                     or chunk_tokens < 0):
+        raise ValueError(f"chunk_tokens must be an integer >= 0 (0 or None: untiled), got {chunk_tokens!r}")
+    return batch_size
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -262,21 +290,9 @@ def token_logprobs(
 
     Gradients flow if the caller has grad enabled; scoring under ``torch.no_grad`` is the caller's choice.
     """
-    if positions not in POSITION_MODES:
-        raise ValueError(f"positions must be one of {POSITION_MODES}, got {positions!r}")
-    if input_ids.shape != attention_mask.shape:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} differ")
-    n_rows, width = input_ids.shape
-    if not 0 < logits_to_keep < width:
-        raise ValueError(f"logits_to_keep must be in [1, {width - 1}], got {logits_to_keep}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    batch_size = n_rows if batch_size is None else int(batch_size)
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
-                                     or chunk_tokens < 0):
-        raise ValueError(f"chunk_tokens must be an integer >= 0 (0 or None: untiled), got {chunk_tokens!r}")
+    batch_size = _checked_batch_size(input_ids, attention_mask, logits_to_keep, batch_size, positions, temperature,
+                                     chunk_tokens)
+    n_rows = input_ids.shape[0]
     call = forward if forward is not None else model
     reduce = reduce or gather_logprobs
     site = _head_site(model) if chunk_tokens else None
