@@ -310,11 +310,9 @@ def test_gsm8k_baseline_scoring_by_hand():
     assert low == pytest.approx(0.150035, abs=1e-5) and high == pytest.approx(0.849965, abs=1e-5)
 
 
-def test_gsm8k_baseline_quick_on_a_tiny_model(tmp_path):
+def test_gsm8k_baseline_quick_on_a_tiny_model(tmp_path, tiny):
     """The T15 script end to end with HF generate on CPU: the schema, the prompt TRL would build, and counts that
     equal an independent count of the fixture's rows and of the written completions."""
-    from bloggap_plugin.models import load_model
-
     module = _baseline_module()
     completions_path = tmp_path / "completions.jsonl"
     argv = ["--hf", "--model", "tiny-random-llama", "--device", "cpu", "--data", str(gsm8k.SAMPLE_PATH), "--limit", "4",
@@ -347,7 +345,7 @@ def test_gsm8k_baseline_quick_on_a_tiny_model(tmp_path):
         assert (row[4] is None) == (n == 0)
     assert payload["params"]["rows"] == 4 and payload["params"]["engine"] == "HF generate"
     # The prompt is the gsm8k task's, through the chat template with the generation prompt (as TRL tokenizes it).
-    _, tokenizer = load_model("tiny-random-llama")
+    _, tokenizer = tiny
     ids = module.build_prompt_ids(module.load_rows(str(gsm8k.SAMPLE_PATH), "test", 1), tokenizer)[0]
     text = ("<|im_start|>system\n" + gsm8k.SYSTEM_PROMPT + "<|im_end|>\n<|im_start|>user\n" + fixture[0]["question"]
             + "<|im_end|>\n<|im_start|>assistant\n")

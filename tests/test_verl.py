@@ -449,10 +449,8 @@ def test_engine_registry_resolves_the_override(monkeypatch):
     assert issubclass(engine_class(), FSDPEngineWithLMHead)
 
 
-def test_fp32_head_on_a_tiny_bf16_model_leaves_weights_alone():
-    from bloggap_plugin.models import load_model
-
-    model, _ = load_model("tiny-random-llama", dtype="bf16")
+def test_fp32_head_on_a_tiny_bf16_model_leaves_weights_alone(tiny_model):
+    model, _ = tiny_model("tiny-random-llama", "bf16")
     head = model.get_output_embeddings()
     weights = {k: v.clone() for k, v in model.state_dict().items()}
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
