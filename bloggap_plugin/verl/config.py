@@ -12,6 +12,11 @@ call through the batch's ``extra_info`` (``bloggap_*`` keys), so the Hydra node 
 This module is the only place that reads ``BLOGGAP_VERL_*`` variables (:func:`read_environment`). Registration
 (the ``verl.plugins`` entry point) validates all of them at once, so a bad value stops the process with a one-line
 message naming the variable before verl builds anything. An empty value counts as unset.
+
+Every setting is one field of :class:`BloggapVerlConfig`: its annotation is its type, its ``metadata`` its help text
+and allowed values. The environment, the Hydra node (recipes' ``+bloggap.*`` overrides) and direct construction all
+parse a value with that field's :func:`setting_parser`, so each source accepts the same values and rejects a bad one
+with the same one-line message.
 """
 
 from __future__ import annotations
