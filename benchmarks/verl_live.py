@@ -32,6 +32,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -49,6 +53,7 @@ PRESETS: dict[str, list[str]] = {
 }
 RS_OPTION = {"geo_rs": "seq_mean_k1", "seq_mis": "seq_sum_k1"}
 REGISTERED = "bloggap verl plugin registered (pid"
+DUMP_ENV = "BLOGGAP_VERL_DUMP_LOGPROBS"  # bloggap_plugin.verl.engine.DUMP_ENV (not imported: torch-free here)
 GUARD = "bloggap: rollout correction preset"
 _RAY_PREFIX = re.compile(r"^\((?:(?P<actor>[A-Za-z_][\w.:-]*)\s+)?pid=(?P<pid>\d+)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -93,6 +98,10 @@ def overrides(run: str, model: str, data_dir: str | Path, out: str | Path, steps
         "data.dataloader_num_workers=2",
         "data.seed=0",
         f"actor_rollout_ref.model.path={model}",
+        # the GPU image has no flash-attn package (verl's default flash_attention_2 needs it); sdpa cannot run
+        # verl's packed (remove-padding) layout, so rows are padded instead
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "actor_rollout_ref.model.use_remove_padding=false",
         "actor_rollout_ref.actor.strategy=fsdp",
         "actor_rollout_ref.actor.optim.lr=1e-6",
         "actor_rollout_ref.actor.ppo_mini_batch_size=16",
@@ -146,6 +155,8 @@ def command(run: str, model: str, data_dir: str | Path, out: str | Path, steps: 
         "PYTHONUNBUFFERED": "1",
         "BLOGGAP_VERL_DISABLE": "1" if _run_spec(run)["disable"] else "0",
     }
+    if run in ("geo_rs/control", "arm_E"):  # step 1's old log-probs of the first micro-batch, for check-head
+        env[DUMP_ENV] = str(out / f"{tag}.dump")
     return [python, "-m", "verl.trainer.main_ppo", *overrides(run, model, data_dir, out, steps)], env
 
 
@@ -200,18 +211,28 @@ def parse_metrics_file(path: str | Path) -> list[dict]:
 
 
 def registered_processes(text: str) -> dict[str, list[int]]:
-    """Processes whose "registered" line is in the console text: ``{"driver": [pid], "TaskRunner": [...],
-    "<Ray actor>": [...], "ray_worker": [...]}`` (Ray prefixes a worker's lines with ``(Actor pid=N)``, or
-    ``(pid=N)`` for a task, in colour on a terminal)."""
+    """Processes whose "registered" line is in the console text: ``{"driver": [pid], "TaskRunnerV1": [...],
+    "WorkerDict": [...], ...}``. Ray prefixes a worker's lines with ``(Actor pid=N)``, or ``(pid=N)`` for lines
+    printed before the process became an actor (the plugin registers at import, so most are of that kind): the
+    actor's name is then taken from any other line of that pid; a line printed by an actor for a child process
+    (``(vLLMHttpServer pid=N) ... registered (pid M)``) counts under that actor; never named: ``ray_worker``."""
+    lines = [_ANSI.sub("", line) for line in text.splitlines()]
+    names: dict[int, str] = {}
+    for line in lines:
+        match = _RAY_PREFIX.match(line)
+        if match and match.group("actor"):
+            names.setdefault(int(match.group("pid")), match.group("actor"))
     found: dict[str, list[int]] = {}
-    for line in text.splitlines():
-        line = _ANSI.sub("", line)
+    for line in lines:
         at = line.find(REGISTERED)
         if at < 0:
             continue
-        match = _RAY_PREFIX.match(line)
-        actor = (match.group("actor") or "ray_worker") if match else "driver"
         pid = int(re.match(r"\s*(\d+)", line[at + len(REGISTERED):]).group(1))
+        match = _RAY_PREFIX.match(line)
+        if match is None:
+            actor = "driver"
+        else:
+            actor = names.get(pid) or match.group("actor") or names.get(int(match.group("pid"))) or "ray_worker"
         if pid not in found.setdefault(actor, []):
             found[actor].append(pid)
     return found
@@ -228,10 +249,16 @@ def step_table(rows: list[dict], preset: str) -> list[dict]:
         "is_floor_frac": "gap/verl/is_floor_frac",
         "reward": "critic/score/mean",
         "response_length": "response_length/mean",
-        "oob_frac": "gap/ratio/oob_frac",
-        "clip_flip_frac": "gap/clip/flip_frac",
-        "clip_clipped_frac": "gap/clip/clipped_frac",
+        # gap_vanilla's metrics go through verl's actor, which prefixes them with "actor/"
+        "oob_frac": "actor/gap/ratio/oob_frac",
+        "abs_dlogp_max": "actor/gap/ratio/abs_dlogp_max",
+        "clip_flip_frac": "actor/gap/clip/flip_frac",
+        "clip_clipped_frac": "actor/gap/clip/clipped_frac",
+        "pg_clipfrac": "actor/pg_clipfrac",
+        "rollout_probs_diff_mean": "training/rollout_probs_diff_mean",
         "step_s": "timing_s/step",
+        "old_log_prob_s": "timing_s/old_log_prob",
+        "update_actor_s": "timing_s/update_actor",
     }
     table = []
     for row in rows:
@@ -326,7 +353,8 @@ def summarise(run: str, log_text: str, metrics_path: Path, rc: int | None, wall_
         "recipes": spec["recipes"], "metrics_source": "file" if metrics_path.exists() else "console",
         "registered": registered,
         # the driver, the TaskRunner and at least one more Ray process (worker group, vLLM server, agent loop)
-        "registered_in_driver_and_workers": {"driver", "TaskRunner"} <= registered.keys() and len(registered) >= 3,
+        "registered_in_driver_and_workers": "driver" in registered and len(registered) >= 3
+        and any(name.startswith("TaskRunner") for name in registered),
         "guard_warnings": sum(GUARD in line for line in log_text.splitlines()),
         "steps": step_table(rows, spec["preset"]),
     }
@@ -378,12 +406,79 @@ def cmd_run(args) -> None:
               f"guard warnings {record['guard_warnings']}, last step {last}", flush=True)
 
 
+def score_rows_independently(model, input_ids: torch.Tensor, offsets: torch.Tensor) -> dict:
+    """Each row of a dump scored alone (batch 1, no padding) by ``model`` (bf16 HF causal LM, sdpa): per-token
+    log-probs of ``input_ids[t+1]`` at ``t`` with the bf16 head and with an fp32 head (``hidden.float() @
+    W.float().T``, written out here, not bloggap's), flat ``[total]`` in the dump's layout (last token of a row: NaN)."""
+    import torch
+
+    head = model.get_output_embeddings().weight
+    bf16 = torch.full(input_ids.shape, float("nan"))
+    fp32 = torch.full(input_ids.shape, float("nan"))
+    with torch.no_grad():
+        for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+            ids = input_ids[start:end].unsqueeze(0).to(head.device)
+            out = model(input_ids=ids, output_hidden_states=True)
+            targets = ids[0, 1:]
+            for logits, into in ((out.logits[0, :-1].float(), bf16),
+                                 (out.hidden_states[-1][0, :-1].float() @ head.float().T, fp32)):
+                into[start:end - 1] = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0].cpu()
+    return {"bf16_head": bf16, "fp32_head": fp32}
+
+
+def check_head(dump_paths: list[Path], model_dir: str, device: str = "cuda") -> dict:
+    """Arm E's old log-probs (dumped by the engine override at step 1, before any update) against an independent
+    scoring of the same tokens with the fp32 head and with the bf16 head: mean and max |dlogp| over every
+    position of every row. The fp32-head difference must be the smaller: what is left of it is the bf16 body
+    (verl's padded FSDP batch vs batch 1 here)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
+    model.eval()
+    report = {"files": [p.name for p in dump_paths]}
+    diffs: dict[str, list] = {"fp32_head": [], "bf16_head": []}
+    flags = []
+    for path in dump_paths:
+        dump = torch.load(path)
+        flags.append(bool(dump["fp32_head"]))
+        scored = score_rows_independently(model, dump["input_ids"], dump["offsets"])
+        for name, values in scored.items():
+            keep = torch.isfinite(values)
+            diffs[name].append((dump["log_probs"][keep] - values[keep]).abs())
+    for name, parts in diffs.items():
+        d = torch.cat(parts).double()
+        report[f"vs_{name}"] = {"tokens": int(d.numel()), "mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()),
+                                "p99_abs_dlogp": float(d.quantile(0.99))}
+    report["dump_fp32_head"] = flags
+    report["fp32_head_closer"] = report["vs_fp32_head"]["mean_abs_dlogp"] < report["vs_bf16_head"]["mean_abs_dlogp"]
+    return report
+
+
+def cmd_check_head(args) -> None:
+    out = Path(args.out).resolve()
+    dumps = sorted(out.glob(f"{args.run.replace('/', '_')}.dump.*.pt"))
+    if not dumps:
+        sys.exit(f"error: no {args.run} dump under {out}: run it with verl_live.py run (it sets {DUMP_ENV})")
+    report = check_head(dumps, args.model, args.device)
+    result_path = out / "verl_live.json"
+    result = json.loads(result_path.read_text()) if result_path.exists() else {"runs": {}}
+    result.setdefault("head_check", {})[args.run] = report
+    _write_json(result_path, result)
+    print("check-head", json.dumps(report), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     prep = sub.add_parser("prepare", help="write the parquet files and the bloggap entry point under --out")
     prep.add_argument("--out", required=True)
     prep.add_argument("--n-train", type=int, default=1024)
+    chk = sub.add_parser("check-head", help="arm E's dumped step-1 old log-probs vs an independent fp32-head scoring")
+    chk.add_argument("--out", required=True)
+    chk.add_argument("--model", required=True)
+    chk.add_argument("--run", default="arm_E")
+    chk.add_argument("--device", default="cuda")
     pro = sub.add_parser("probe", help="import every module a run needs; name the missing ones (exit 1 if any)")
     pro.add_argument("--out", default=None, help="also write verl_probe.json here")
     run = sub.add_parser("run", help="run verl main_ppo for each of --runs")
@@ -398,7 +493,7 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = ap.parse_args(argv)
     try:
-        {"prepare": cmd_prepare, "probe": cmd_probe, "run": cmd_run}[args.cmd](args)
+        {"prepare": cmd_prepare, "probe": cmd_probe, "run": cmd_run, "check-head": cmd_check_head}[args.cmd](args)
     except ValueError as exc:
         sys.exit(f"error: {exc}")
 

@@ -762,3 +762,22 @@ def test_wrapped_correction_is_bit_identical_to_verl_over_every_option(pristine_
                 _assert_identical(got, want, (rollout_is, is_threshold, normalize, label))
                 outcomes.add(type(got).__name__ if isinstance(got, Exception) else "ok")
     assert outcomes == {"ok", "ValueError"}
+
+
+def test_dump_forward_only_batch_saves_flat_rows_once_per_process(tmp_path, monkeypatch):
+    from bloggap_plugin.verl import engine
+
+    monkeypatch.setattr(engine, "_DUMPED", set())
+    offsets = torch.tensor([0, 3, 8])
+    ids = torch.arange(8) + 10
+    log_probs = -torch.arange(8, dtype=torch.bfloat16) / 4
+    batch = {"input_ids": torch.nested.nested_tensor_from_jagged(ids, offsets)}
+    output = {"log_probs": torch.nested.nested_tensor_from_jagged(log_probs, offsets)}
+    path = engine.dump_forward_only_batch(str(tmp_path / "d"), batch, output, fp32_head=True)
+    saved = torch.load(path)
+    assert path.endswith(f".{os.getpid()}.pt")
+    assert saved["input_ids"].tolist() == list(range(10, 18)) and saved["offsets"].tolist() == [0, 3, 8]
+    assert saved["log_probs"].dtype == torch.float32 and saved["log_probs"].tolist() == [-i / 4 for i in range(8)]
+    assert saved["fp32_head"] is True
+    assert engine.dump_forward_only_batch(str(tmp_path / "d"), batch, output, fp32_head=True) is None  # once
+    assert engine.dump_forward_only_batch(str(tmp_path / "e"), batch, {}, fp32_head=False) is None  # no log-probs

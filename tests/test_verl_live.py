@@ -225,3 +225,56 @@ def test_run_loop_writes_json_per_run_and_skips_past_budget(tmp_path):
     result = json.loads((out / "verl_live.json").read_text())
     assert set(result["runs"]["seq_mis/fix"]) == {"run", "skipped"}
     assert result["runs"]["geo_rs/nofix"] == nofix  # a finished run's record is not replaced by a skip
+
+
+@pytest.mark.parametrize("dump_head", ["fp32", "bf16"])
+def test_check_head_tells_the_fp32_head_from_the_bf16_head(tmp_path, tiny_model, dump_head):
+    """A dump made through the engine's own fp32-head hook (or the plain bf16 head) of rows scored one by one:
+    check-head's independent scoring agrees with the matching head (|d| ~ 0) and names it the closer one."""
+    import torch
+
+    from bloggap_plugin.verl.engine import fp32_output_head
+
+    model, _ = tiny_model("tiny-random-llama", "bf16")
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    generator = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, model.config.vocab_size, (n,), generator=generator) for n in (7, 12, 5)]
+    offsets = torch.tensor([0, 7, 19, 24])
+    log_probs = []
+    with torch.no_grad():
+        for row in rows:
+            context = fp32_output_head(model) if dump_head == "fp32" else torch.autocast("cpu", enabled=False)
+            with context:
+                logits = model(input_ids=row[None]).logits[0].float()
+            lp = logits.log_softmax(-1)[:-1].gather(-1, row[1:, None])[:, 0]
+            log_probs.append(torch.cat([lp, torch.tensor([-5.0])]))  # verl's rolled label at a row's end: ignored
+    torch.save({"input_ids": torch.cat(rows), "offsets": offsets, "log_probs": torch.cat(log_probs),
+                "fp32_head": dump_head == "fp32"}, tmp_path / "arm_E.dump.1.pt")
+    report = verl_live.check_head([tmp_path / "arm_E.dump.1.pt"], str(model_dir), device="cpu")
+    same, other = (report["vs_fp32_head"], report["vs_bf16_head"])[:: 1 if dump_head == "fp32" else -1]
+    assert same["tokens"] == other["tokens"] == 24 - 3
+    assert same["max_abs_dlogp"] < 1e-4 and other["mean_abs_dlogp"] > 10 * same["mean_abs_dlogp"], report
+    assert report["fp32_head_closer"] is (dump_head == "fp32")
+    assert report["dump_fp32_head"] == [dump_head == "fp32"]
+
+
+def test_registered_processes_named_from_other_lines_of_the_same_pid():
+    """The shape of the H200 log (2026-11-30): workers register at import, under ``(pid=N)``, before Ray names
+    them; the name comes from their later lines; a line an actor prints for its child counts under that actor."""
+    text = "\n".join([
+        "WARNING:2026-11-30 21:21:32,713:bloggap verl plugin registered (pid 8323): policy loss gap_vanilla, ...",
+        "\x1b[36m(pid=9376)\x1b[0m WARNING:...:bloggap verl plugin registered (pid 9376): policy loss ...",
+        "\x1b[36m(pid=10031)\x1b[0m WARNING:...:bloggap verl plugin registered (pid 10031): policy loss ...",
+        "\x1b[36m(pid=10115)\x1b[0m WARNING:...:bloggap verl plugin registered (pid 10115): policy loss ...",
+        "\x1b[36m(vLLMHttpServer pid=10206)\x1b[0m WARNING:...:bloggap verl plugin registered (pid 10309): ...",
+        "\x1b[36m(pid=10777)\x1b[0m WARNING:...:bloggap verl plugin registered (pid 10777): never named",
+        "\x1b[36m(TaskRunnerV1 pid=9376)\x1b[0m step:1 - critic/score/mean:0.25",
+        "\x1b[36m(WorkerDict pid=10031)\x1b[0m loading model",
+        "\x1b[36m(RewardLoopWorker pid=10115)\x1b[0m ready",
+    ])
+    assert verl_live.registered_processes(text) == {
+        "driver": [8323], "TaskRunnerV1": [9376], "WorkerDict": [10031], "RewardLoopWorker": [10115],
+        "vLLMHttpServer": [10309], "ray_worker": [10777]}
+    record = verl_live.summarise("geo_rs/fix", text, Path("/nonexistent"), 0, 1.0)
+    assert record["registered_in_driver_and_workers"]

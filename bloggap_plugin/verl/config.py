@@ -32,6 +32,7 @@ KEPT_SOURCES = ("auto", "support_size", "retruncate", "off")
 GUARD_MODES = ("warn", "raise", "off")
 ENV_PREFIX = "BLOGGAP_VERL_"
 DISABLE_ENV = "BLOGGAP_VERL_DISABLE"
+DUMP_ENV = "BLOGGAP_VERL_DUMP_LOGPROBS"  # evidence hook of verl/engine.py (a path prefix), not a setting
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 _NONE_WORDS = ("none", "null")
@@ -195,9 +196,14 @@ def env_name(field_name: str) -> str:
     return f"{ENV_PREFIX}{field_name.upper()}"
 
 
+def dump_path() -> str | None:
+    """The path prefix in ``BLOGGAP_VERL_DUMP_LOGPROBS`` (the engine's evidence hook), or None when unset/empty."""
+    return os.environ.get(DUMP_ENV) or None
+
+
 def environment_variables() -> tuple[str, ...]:
     """Every ``BLOGGAP_VERL_*`` variable the plugin reads."""
-    return (DISABLE_ENV, *(env_name(f.name) for f in dataclasses.fields(BloggapVerlConfig)))
+    return (DISABLE_ENV, DUMP_ENV, *(env_name(f.name) for f in dataclasses.fields(BloggapVerlConfig)))
 
 
 def read_environment(environ: dict | None = None) -> tuple[bool, dict[str, Any]]:

@@ -6,6 +6,11 @@ is verl's unchanged. The trainer asks for them per call through ``extra_info`` k
 ``bloggap_log_kept_mass`` = ``support_size`` | ``retruncate``, ``bloggap_top_p/top_k/min_p``); the environment
 variable ``BLOGGAP_VERL_FP32_HEAD=1`` turns the fp32 head on without the trainer.
 
+Evidence hook: with ``BLOGGAP_VERL_DUMP_LOGPROBS=PATH`` the first forward-only micro-batch of each process is saved
+to ``PATH.<pid>.pt`` (``input_ids`` and ``log_probs`` as flat ``[total]`` tensors with their ``offsets``, whether the
+fp32 head was on), so that its old log-probs can be checked against an independent scoring of the same tokens
+(``benchmarks/verl_live.py check-head``).
+
 Registration: the subclass is registered in verl's ``EngineRegistry`` for ``language_model`` /
 ``fsdp``,``fsdp2`` under the keys ``("cuda", "nvidia")`` (verl looks that key up before the vendor-less
 built-in, so NVIDIA machines get it with no config change) and ``("cuda", "bloggap")`` (select explicitly with
@@ -16,11 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
 
-from bloggap_plugin.verl.config import load_settings
+from bloggap_plugin.verl.config import dump_path, load_settings
 
 logger = logging.getLogger("bloggap.verl")
 
@@ -123,12 +129,14 @@ def make_engine_class(base):
         """verl's FSDP LM engine + fp32 LM head (arm E) and log kept mass, in the forward-only pass only."""
 
         _bloggap_forward_only = False
+        _bloggap_fp32 = False
 
         def forward_step(self, micro_batch, loss_function, forward_only):
             only = bool(forward_only and loss_function is None)
             self._bloggap_forward_only = only
             flag = _non_tensor(micro_batch, "bloggap_fp32_head", None)
             fp32 = only and (bool(flag) if flag is not None else load_settings().fp32_head)
+            self._bloggap_fp32 = fp32
             try:
                 if not fp32:
                     return super().forward_step(micro_batch, loss_function, forward_only)
@@ -147,6 +155,9 @@ def make_engine_class(base):
             model_output = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
             if log_kept is not None:
                 model_output["log_kept_mass"] = log_kept
+            path = dump_path() if self._bloggap_forward_only else None
+            if path:
+                dump_forward_only_batch(path, micro_batch, model_output, self._bloggap_fp32)
             return model_output
 
         def _bloggap_log_kept_mass(self, output, output_args, micro_batch, mode):
@@ -191,6 +202,26 @@ def make_engine_class(base):
 
     BloggapFSDPEngineWithLMHead.__qualname__ = "BloggapFSDPEngineWithLMHead"
     return BloggapFSDPEngineWithLMHead
+
+
+_DUMPED: set[str] = set()
+
+
+def dump_forward_only_batch(path: str, micro_batch, model_output: dict, fp32_head: bool) -> str | None:
+    """Save the first forward-only micro-batch of this process to ``path.<pid>.pt``: ``input_ids`` and ``log_probs``
+    flat ``[total]`` (int64 / fp32), ``offsets`` ``[n+1]`` (row ``i`` is ``offsets[i]:offsets[i+1]``; ``log_probs[t]``
+    is the log-prob of ``input_ids[t+1]`` of the same row, verl's rolled labels), ``fp32_head``. Once per process;
+    returns the file written, or None."""
+    target = f"{path}.{os.getpid()}.pt"
+    log_probs = model_output.get("log_probs")
+    if target in _DUMPED or log_probs is None:
+        return None
+    _DUMPED.add(target)
+    input_ids = micro_batch["input_ids"]
+    torch.save({"input_ids": input_ids.values().detach().cpu(), "offsets": input_ids.offsets().detach().cpu(),
+                "log_probs": log_probs.values().detach().float().cpu(), "fp32_head": bool(fp32_head)}, target)
+    logger.warning("bloggap: saved the first forward-only micro-batch to %s", target)
+    return target
 
 
 _ENGINE_CLASS = None

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One device call of issue 13 on the GPU machine (nvidia-h200), from the project root, after the chunk calls of
+# vllm.sh (VLLM_VERSION=0.24.0 + verl_requirements.txt, DEST=.dev/vllm24). Installs the bundle if this machine has
+# not yet (the last chunk call), writes SmolLM2 as a HF folder, checks the imports (verl_live.py probe), writes the
+# parquet files and the entry point, then runs verl_live.py run. Whatever ends the call, the runs' logs, metrics and
+# verl_live.json come back in $OUT (verl_runs.tgz + verl_live.json + verl_probe.json).
+#
+#   bash benchmarks/gpu/verl_call.sh RUNS STEPS BUDGET_S [RUN_TIMEOUT_S]
+#   e.g. bash benchmarks/gpu/verl_call.sh geo_rs/control,geo_rs/nofix,geo_rs/fix 20 500 200
+set -uo pipefail
+runs=${1:?runs}; steps=${2:?steps}; budget=${3:?budget seconds}; run_timeout=${4:-280}
+T=${BLOGGAP_VLLM_DEST:-.dev/vllm24}/t
+OUT=${OUT:?set by the device tool}
+work=/tmp/vl
+t0=$(date +%s)
+collect() {
+  mkdir -p "$OUT"
+  [ -d "$work" ] && tar -czf "$OUT/verl_runs.tgz" -C "$work" --exclude=./data --exclude=./site --exclude=./ckpt . 2>/dev/null
+  cp "$work/verl_live.json" "$work/verl_probe.json" "$OUT/" 2>/dev/null
+  echo "verl_call: $(( $(date +%s) - t0 )) s in this call"
+}
+trap collect EXIT
+mkdir -p "$work"
+if [ ! -d /tmp/site/vllm ]; then
+  last=$(ls -d "${T%/t}"/p* 2>/dev/null | sort -V | tail -1)
+  [ -n "$last" ] && mkdir -p /tmp/vx && mv "$last"/part_* /tmp/vx/ 2>/dev/null
+  bash "$T/install.sh" || exit 3
+fi
+# verl 0.9.1's FSDP engine imports AutoModelForCausalLMWithValueHead from trl.experimental.ppo or trl whenever TRL
+# is importable (verl/models/transformers/monkey_patch.py, apply_monkey_patch); TRL 1.16 has neither, so the actor's
+# init_model fails with ImportError. The bundle carries TRL for the TRL runs: hide it from the verl runs.
+[ -d /tmp/site/trl ] && mv /tmp/site/trl /tmp/trl_hidden_from_verl
+# shellcheck disable=SC1091
+. "$T/env.sh"
+export RAY_AUTH_MODE=disabled
+[ -f /tmp/vx/smollm2/config.json ] || python3 "$T/mk_smollm2.py" || exit 4
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0))"
+python3 benchmarks/verl_live.py probe --out "$work" || exit 5
+[ -f "$work/data/train.parquet" ] || python3 benchmarks/verl_live.py prepare --out "$work" || exit 6
+left=$(( budget - ($(date +%s) - t0) ))
+python3 benchmarks/verl_live.py run --model /tmp/vx/smollm2 --out "$work" --runs "$runs" --steps "$steps" \
+  --budget "$left" --run-timeout "$run_timeout"
+rc=$?
+for f in "$work"/*.log; do echo "== tail $f"; grep -v "^\s*$" "$f" | tail -25; done
+exit $rc
