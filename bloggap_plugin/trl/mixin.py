@@ -146,17 +146,19 @@ class GapMixin:
         num_layers = getattr(getattr(policy, "config", None), "num_hidden_layers", None)
         if num_layers is not None:
             gap.check_layers(int(num_layers))
-        if gap.arm == "H" and not args.fp16:
-            raise RecipeError("gap.arm H (fp16 everywhere) needs fp16: true in the GRPOConfig (see recipes/arm_H.yaml)")
-        if gap.arm == "H" and not getattr(self.accelerator, "native_amp", True):
+        arm = gap.arm_spec
+        if arm.needs_fp16_training and not args.fp16:
+            raise RecipeError(f"gap.arm {arm.letter} (fp16 everywhere) needs fp16: true in the GRPOConfig (see "
+                              f"recipes/arm_{arm.letter}.yaml)")
+        if arm.needs_fp16_training and not getattr(self.accelerator, "native_amp", True):
             warnings.warn(
-                "arm H: accelerate runs without fp16 autocast on this device (e.g. CPU), so rollout, old log-probs "
-                "and training stay in the model's dtype; arm H takes effect on CUDA",
+                f"arm {arm.letter}: accelerate runs without fp16 autocast on this device (e.g. CPU), so rollout, old log-probs "
+                f"and training stay in the model's dtype; arm {arm.letter} takes effect on CUDA",
                 stacklevel=3,
             )
-        if gap.arm != "H" and args.fp16 and gap.arm in ("B", "D", "E"):
-            warnings.warn(f"arm {gap.arm} scores old log-probs above fp16 while training runs in fp16", stacklevel=3)
-        if self.use_vllm and gap.arm == "H":
+        if args.fp16 and arm.scores_above_fp16:
+            warnings.warn(f"arm {arm.letter} scores old log-probs above fp16 while training runs in fp16", stacklevel=3)
+        if self.use_vllm and arm.needs_fp16_training:
             self._gap_check_vllm_fp16()
         if self.use_vllm:
             if gap.kept == "renormalize" and args.beta != 0.0:
@@ -258,7 +260,7 @@ class GapMixin:
         # gap.kept: off records no kept sets and runs no kept-mass scoring (the recorder still truncates: it samples)
         self._gap_kept_on = gap.kept != "off" and self._gap_truncating
         # Arms A and H keep TRL's forward (positions 0..L-1); the others use gap.positions everywhere.
-        self._gap_positions = "arange" if gap.arm in ("A", "H") else gap.positions
+        self._gap_positions = "arange" if arm.keeps_trl_forward else gap.positions
         self._gap_plan = None
         self._gap_ref_plan = None
         self._gap_plan_step = None
@@ -280,8 +282,8 @@ class GapMixin:
         self._gap_replaced_time = 0.0
         self._gap_capture = None
         self._gap_pending_completion = None
-        if gap.plan_arm is not None and not (gap.arm == "D" and gap.layers is None):
-            self._gap_plan = self._gap_make_plan(gap.plan_arm, layers=gap.layers, k=gap.k)
+        if arm.plan is not None and not (arm.takes_layers and gap.layers is None):
+            self._gap_plan = self._gap_make_plan(arm.plan, layers=gap.layers, k=gap.k)
 
     def _gap_vllm_sampling(self) -> dict:
         """``{top_k, top_p, min_p}`` that TRL's vLLM generation samples with (``generation_kwargs`` override last)."""
@@ -359,17 +361,18 @@ class GapMixin:
     def _gap_policy(self):
         return self.accelerator.unwrap_model(self.model)
 
-    def _gap_make_plan(self, arm: str, **kwargs):
+    def _gap_make_plan(self, plan: str, **kwargs):
+        """A precision plan (``core.precision`` name) on the unwrapped policy, fp16 guard on, ``gap.tf32``."""
         from bloggap_plugin.core.precision import make_plan
 
         policy = self._gap_policy()
-        if arm in ("fp32", "fp16"):
+        if plan in ("fp32", "fp16"):  # a shadow: on the trainer's device
             kwargs["device"] = self.accelerator.device
-        if arm != "guided":
+        if plan != "guided":
             kwargs.pop("layers", None)
             kwargs.pop("k", None)
         kwargs.setdefault("tf32", self._gap.tf32)
-        return make_plan(policy, arm, fp16_guard=True, **kwargs)
+        return make_plan(policy, plan, fp16_guard=True, **kwargs)
 
     def _gap_weights_version(self) -> tuple:
         """What identifies the policy's current weights: the optimizer step plus every parameter's identity and
@@ -388,7 +391,7 @@ class GapMixin:
 
     def _gap_reference_plan(self):
         if self._gap_ref_plan is None:
-            if self._gap.arm == "B" and self._gap_plan is not None and not self._gap_plan.tf32:
+            if self._gap.arm_spec.plan == "fp32" and self._gap_plan is not None and not self._gap_plan.tf32:
                 self._gap_ref_plan = self._gap_plan
                 self._gap_ref_step = self._gap_plan_step
             else:  # the reference is IEEE fp32 whatever gap.tf32 says
@@ -497,7 +500,7 @@ class GapMixin:
 
     def _gap_arm_scores(self, input_ids, attention_mask, logits_to_keep, batch_size, kept=None):
         """The arm's old log-probs ``[B, K]`` for a pre-shuffle batch (arms A-F, H)."""
-        if self._gap.arm == "D" and self._gap_plan is None:
+        if self._gap.arm_spec.takes_layers and self._gap_plan is None:
             # guided without layer ids: choose the top-k layers on the first generation batch
             n_layers = int(getattr(self._gap_policy().config, "num_hidden_layers", self._gap.k))
             plan = self._gap_make_plan("guided", layers="auto", k=min(self._gap.k, n_layers),
@@ -624,7 +627,7 @@ class GapMixin:
             return self._gap_next("_generate_and_score_completions", inputs)
         training = self.model.training
         # arm G: G's per-micro-batch scores (``_prepare_inputs``) take the place of TRL's old-logprob pass
-        self._gap_skip_old = training and self._gap.arm == "G" and self._gap_trl_computes_old()
+        self._gap_skip_old = training and self._gap.arm_spec.scores_after_shuffle and self._gap_trl_computes_old()
         self._gap_old_skipped = False
         try:
             output = self._gap_next("_generate_and_score_completions", inputs)
@@ -665,9 +668,9 @@ class GapMixin:
             ).to(ref.device)
             output["gap_ref_logps"] = ref
         output["gap_probe_row"] = probe
-        if gap.arm != "G":
+        if not gap.arm_spec.scores_after_shuffle:
             # TRL's own old pass ran before the vLLM kept sets existed: renormalising re-scores it
-            if gap.arm in ("A", "H") and trl_old is not None and not (self.use_vllm and self._gap_renormalize):
+            if gap.arm_spec.keeps_trl_forward and trl_old is not None and not (self.use_vllm and self._gap_renormalize):
                 old = trl_old.float()
             else:
                 old = self._gap_arm_scores(ids, attn, logits_to_keep, batch_size, kept).to(ids.device)
@@ -796,7 +799,7 @@ class GapMixin:
             return inputs
         start = time.perf_counter()
         replaced = 0.0
-        if self._gap.arm == "G" and (self._gap_drives or self._gap_measure_now):
+        if self._gap.arm_spec.scores_after_shuffle and (self._gap_drives or self._gap_measure_now):
             # driving: G's scores are the old log-probs (replacing TRL's skipped pass, or forced); measure-only (TRL
             # computes none): a metrics pass, gated by gap.metrics_every like the other generation-time metrics
             for batch in self._buffered_inputs:
@@ -1125,7 +1128,7 @@ class GapMixin:
             procs = self.accelerator.num_processes
             self._metrics["train"]["gap/time/scoring_s"].append(plugin / procs)
             self._metrics["train"]["gap/time/overhead_frac"].append(plugin / wall if wall > 0 else 0.0)
-            if self._gap.arm == "G":
+            if self._gap.arm_spec.scores_after_shuffle:
                 # G's old-logprob pass in place of TRL's (0 on steps that reuse a generation)
                 self._metrics["train"]["gap/time/old_pass_s"].append(replaced / procs)
             self._gap_step_wall = 0.0

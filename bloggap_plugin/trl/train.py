@@ -105,7 +105,7 @@ def prepare_run(
         overrides["max_steps"] = int(max_steps)
     if on_cpu:
         overrides.update(use_cpu=True, bf16=False, fp16=bool(grpo_kwargs.get("fp16", False)))
-        dtype = "fp32" if gap.arm == "H" else "bf16"
+        dtype = "fp32" if gap.arm_spec.needs_fp16_training else "bf16"
     else:
         dtype = "fp32"
     overrides.update(extra_overrides or {})
