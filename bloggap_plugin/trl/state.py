@@ -40,76 +40,38 @@ class Statistics:
     def __len__(self) -> int:
         return len(dataclasses.fields(self))
 
-
-@dataclass
-class LossSums(Statistics):
-    """One training micro-batch's loss-time sums (tokens, out-of-band counts, |dlogp| sums)."""
-
-    oob: float = 0.0
-    tokens: float = 0.0
-    abs_dlogp: float = 0.0
-    exact: float = 0.0
-    clipped: float = 0.0
-    flips: float = 0.0
-    probe_tokens: float = 0.0
-    oob_vs_trl: float = 0.0
-    abs_dlogp_vs_trl: float = 0.0
-    has_trl: float = 0.0
-
-
-@dataclass
-class LossMaxima(Statistics):
-    abs_dlogp_max: float = -math.inf
-
-
-@dataclass
-class GenerationSums(Statistics):
-    """One generation's sums over its measured batches (sampler, probe, kept sets, vLLM IS ratio)."""
-
-    sampler_oob: float = 0.0
-    sampler_n: float = 0.0
-    sampler_absd: float = 0.0
-    probe_oob: float = 0.0
-    probe_n: float = 0.0
-    kept_mass_sum: float = 0.0
-    kept_size_sum: float = 0.0
-    kept_n: float = 0.0
-    kept_ratio_before_sum: float = 0.0
-    kept_ratio_after_sum: float = 0.0
-    kept_oob_before: float = 0.0
-    kept_oob_after: float = 0.0
-    is_sum: float = 0.0
-    is_n: float = 0.0
-
-
-@dataclass
-class GenerationMaxima(Statistics):
-    """One generation's maxima (minima stored negated)."""
-
-    kept_mass_neg_min: float = -math.inf
-    kept_size_max: float = -math.inf
-    sampler_absd_max: float = -math.inf
-    is_max: float = -math.inf
-    is_neg_min: float = -math.inf
-
-    def update(self, **values: float) -> None:
-        """Raise each named maximum to ``value`` where larger."""
+    def raise_to(self, **values: float) -> None:
+        """Raise each named field to ``value`` where that is larger (maxima)."""
         for name, value in values.items():
             setattr(self, name, max(getattr(self, name), float(value)))
 
 
-@dataclass
-class StepTimes(Statistics):
-    """Seconds of one optimizer step: the plugin's, the whole step's, arm G's pass in place of TRL's."""
+def _statistics(name: str, fields: str, default: float, doc: str) -> type[Statistics]:
+    """A :class:`Statistics` dataclass named ``name`` with float ``fields`` (space-separated, in reduction order),
+    each starting at ``default`` (0 for sums, -inf for maxima)."""
+    cls = dataclasses.make_dataclass(name, [(f, float, dataclasses.field(default=default)) for f in fields.split()],
+                                     bases=(Statistics,))
+    cls.__doc__ = doc
+    cls.__module__ = __name__
+    return cls
 
-    plugin: float = 0.0
-    wall: float = 0.0
-    replaced: float = 0.0
 
-
-@dataclass
-class FallbackCount(Statistics):
-    new: float = 0.0
+LossSums = _statistics(
+    "LossSums", "oob tokens abs_dlogp exact clipped flips probe_tokens oob_vs_trl abs_dlogp_vs_trl has_trl", 0.0,
+    "One training micro-batch's loss-time sums: tokens, out-of-band and exact counts, |dlogp|, clipped tokens, "
+    "clip flips against the reference on probe tokens, the arm vs TRL's own old log-probs (where TRL had them).")
+LossMaxima = _statistics("LossMaxima", "abs_dlogp_max", -math.inf, "One training micro-batch's largest |dlogp|.")
+GenerationSums = _statistics(
+    "GenerationSums",
+    "sampler_oob sampler_n sampler_absd probe_oob probe_n kept_mass_sum kept_size_sum kept_n kept_ratio_before_sum "
+    "kept_ratio_after_sum kept_oob_before kept_oob_after is_sum is_n", 0.0,
+    "One generation's sums over its measured batches (sampler, probe, kept sets, vLLM IS ratio).")
+GenerationMaxima = _statistics(
+    "GenerationMaxima", "kept_mass_neg_min kept_size_max sampler_absd_max is_max is_neg_min", -math.inf,
+    "One generation's maxima (minima stored negated).")
+StepTimes = _statistics("StepTimes", "plugin wall replaced", 0.0,
+                        "Seconds of one optimizer step: the plugin's, the whole step's, arm G's pass in place of TRL's.")
+FallbackCount = _statistics("FallbackCount", "new", 0.0, "fp16 chunks re-scored in fp32 since the last flush.")
 
 
 @dataclass

@@ -85,7 +85,7 @@ class StatsMixin:
             sums.sampler_oob += out
             sums.sampler_n += n
             sums.sampler_absd += float(diff.sum())
-            maxima.update(sampler_absd_max=float(diff.max()))
+            maxima.raise_to(sampler_absd_max=float(diff.max()))
         self._gap_is_ratio_metrics(batch)
         if state.kept_on and "gap_kept_sizes" in batch and mask.any():
             self._gap_kept_metrics(batch, ids, attn, logits_to_keep, old, sampler, mask)
@@ -110,7 +110,7 @@ class StatsMixin:
             sums, maxima = self._gap_state.gen_sums, self._gap_state.gen_maxima
             sums.is_sum += float(flat.double().sum())
             sums.is_n += int(flat.numel())
-            maxima.update(is_max=float(flat.max()), is_neg_min=-float(flat.min()))
+            maxima.raise_to(is_max=float(flat.max()), is_neg_min=-float(flat.min()))
 
     def _gap_kept_metrics(self, batch: dict, ids, attn, logits_to_keep, old, sampler, mask) -> None:
         """Kept mass and size, and the ratio to the sampler before (full vocabulary) and after renormalisation."""
@@ -121,7 +121,7 @@ class StatsMixin:
         sums.kept_mass_sum += float(torch.exp(log_mass.double())[mask].sum())
         sums.kept_size_sum += float(sizes.double()[mask].sum())
         sums.kept_n += int(mask.sum())
-        maxima.update(kept_mass_neg_min=-float(torch.exp(log_mass.double())[mask].min()),
+        maxima.raise_to(kept_mass_neg_min=-float(torch.exp(log_mass.double())[mask].min()),
                       kept_size_max=float(sizes[mask].max()))
         # before: trainer full-vocabulary vs sampler; after: renormalised over the kept set
         capture: list = []
