@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bloggap_plugin.arms import ARM_LETTERS, ArmSpec, get_arm
+from bloggap_plugin.arms import ARMS as ARM_RECORDS
 from bloggap_plugin.errors import UsageError
 
 __all__ = [
@@ -35,24 +38,9 @@ __all__ = [
     "check_grpo_values",
     "config_differences",
     "ARMS",
-    "ARM_ALIASES",
 ]
 
-ARMS = ("A", "B", "C", "D", "E", "F", "G", "H")
-# What each arm does in the old-logprob pass (DESIGN.md).
-ARM_DESCRIPTIONS = {
-    "A": "trainer default: TRL's own old log-probs (bf16 autocast, chunks of per_device_train_batch_size)",
-    "B": "fp32 shadow copy of the policy",
-    "C": "policy as is, chunk = micro-batch, through the plugin's scoring (gap.positions)",
-    "D": "bf16 + divergence-guided fp32 layers + fp32 norm/head",
-    "E": "bf16 + fp32 final norm and LM head",
-    "F": "fp16 shadow copy of the policy",
-    "G": "matched: each buffered training micro-batch scored as one chunk after TRL's shuffle",
-    "H": "fp16 everywhere: rollout, old log-probs and training in fp16 autocast with loss scaling",
-}
-# Arm -> precision-plan arm name (core.precision.make_plan); None: no plan, TRL's own forward.
-ARM_PLANS = {"A": None, "B": "fp32", "C": "bf16", "D": "guided", "E": "fp32_head", "F": "fp16", "G": None, "H": None}
-ARM_ALIASES = {"bf16": "C", "fp32": "B", "fp16": "F", "fp32_head": "E", "guided": "D", "matched": "G", "default": "A"}
+ARMS = ARM_LETTERS  # the letters A..H, in order (records: bloggap_plugin.arms.ARMS)
 KEPT_MODES = ("renormalize", "measure", "off")
 POSITION_MODES = ("mask", "arange")
 REFERENCES = ("fp32_b1",)
@@ -62,153 +50,117 @@ class RecipeError(UsageError):
     """A recipe (or GapConfig) names an unknown key, has a wrong type, or an invalid value."""
 
 
+def _help(text: str) -> dict:
+    return {"help": " ".join(text.split())}
+
+
 @dataclass
 class GapConfig:
-    """The plugin's settings: the ``gap:`` section of a recipe."""
+    """The plugin's settings: the ``gap:`` section of a recipe. Each field's ``metadata["help"]`` says what it
+    does; its annotation is the type a recipe must give (checked by :func:`gap_config_from_dict`)."""
 
-    arm: str = "A"
-    """Old-logprob arm, one of A-H (see DESIGN.md; aliases bf16=C, fp32=B, fp16=F, fp32_head=E, guided=D,
-    matched=G, default=A). A and H keep TRL's own old log-probs; B-F score them with a precision plan; G scores
-    each training micro-batch exactly as the training forward will see it."""
-
-    band: float = 0.1
-    """Half-width ``b`` of the ratio band: a token is out of band when ``exp(dlogp)`` is outside ``[1-b, 1+b]``."""
-
-    probe_rows: int = 4
-    """Rows per generation (per process) scored by the fp32 batch-1 reference (clip flips) and the live
-    batch-shape probe; chosen with a private generator, so the trainer's RNG is untouched. 0 disables both."""
-
-    layers: list[int] | None = None
-    """Arm D: decoder-layer ids to run in fp32; ``None`` lets the precision plan choose (guided, top ``k``)."""
-
-    k: int = 8
-    """Arm D: number of layers the guided plan upcasts when ``layers`` is not given."""
-
-    positions: str = "mask"
-    """Position ids of the plugin's scoring and, for arms B-G, of the training forward too: ``mask`` (as HF
-    ``generate`` uses: cumsum of the attention mask) or ``arange`` (0..L-1, TRL's own scoring). Arms A and H
-    keep TRL's forward untouched, so their scoring uses ``arange`` whatever this says."""
-
-    force_old_logprobs: bool = False
-    """When TRL would not compute old log-probs (ratio identically 1: num_iterations 1 and
-    steps_per_generation dividing gradient_accumulation_steps), still put the arm's old log-probs into the
-    loss. Default: measure only, training unchanged."""
-
-    kept: str = "measure"
-    """Truncated sampling (top_p/top_k/min_p): ``renormalize`` the trainer's log-probs over the sampler's
-    kept set in the old, the training and (``beta > 0``) TRL's reference pass; ``measure`` only logs kept mass
-    and ratios (one extra scoring per generation); ``off`` records no kept sets and adds no forward.
-    ``renormalize`` needs the sampler recording (``sampler: true``) as kept-set source."""
-
-    sampler: bool = True
-    """Record the HF ``generate`` sampler's log-prob of every emitted token (and its kept set), so
-    ``gap/sampler/*`` and ``gap/kept/*`` exist without vLLM. Sampling then runs through the plugin's logits
-    processor (same temperature and truncation, vLLM's order)."""
-
-    store_ids_max: int = 64
-    """Kept sets up to this size are stored as ids (exact renormalisation); larger ones as sizes only (top-|S|)."""
-
-    score_chunk_tokens: int = 256
-    """Memory bound of the plugin's scoring (old log-probs, kept mass, probes, renormalised forwards): the LM
-    head, fp32 cast and log-softmax run in tiles of about this many scored tokens (rows x completion
-    positions; at least one position per tile), so the largest vocabulary-wide tensor is ``tile x V`` fp32
-    instead of ``rows x completion_length x V`` (256 x 152k: 156 MB; 8 x 4096 x 152k untiled: 20 GB). 0
-    scores each chunk of rows untiled. Default: ``core.scoring.DEFAULT_CHUNK_TOKENS``."""
-
-    score_rows: int = 0
-    """Rows per forward of the arm's own old-logprob scoring (arms B-F); 0 = the micro-batch, as TRL scores. An fp32
-    body (arms B, D) holds fp32 activations, twice TRL's bf16 ones: on models whose MLP activations dominate the
-    pass (e.g. Qwen2.5-1.5B's shape) half the micro-batch keeps the pass within TRL's peak (T7c-memory: 2.0x -> 1.0x).
-    Not for arm G, which scores each training micro-batch whole."""
-
-    is_correction: bool = False
-    """HF path: multiply the per-token loss by TRL's importance-sampling ratio between the old log-probs and
-    the recorded sampler log-probs, with the trainer's ``vllm_importance_sampling_mode`` and
-    ``vllm_importance_sampling_clip_min/clip_max`` semantics (TRL only does this with vLLM)."""
-
-    reference: str = "fp32_b1"
-    """Reference scoring for clip flips: ``fp32_b1`` = an fp32 copy of the policy, one row at a time."""
-
-    metrics_every: int = 1
-    """Compute the generation-time metrics (probe, reference, sampler) every N generations; 1 = always."""
-
-    probe_every: int = 8
-    """Run the extra forwards (the fp32 batch-1 reference of ``probe_rows`` rows for clip flips, and the live
-    batch-1 probe) on every N-th measured generation; 1 = every generation. These extra forwards are most of
-    the plugin's cost (measured on the H200: about 0.1 s of a 1.3 s step when run every generation), so the
-    default amortises them; the probe-free metrics (ratio, sampler, kept mass) are still computed every time."""
-
-    tf32: bool | str = False
-    """Matmul precision of the fp32 scoring plans (arms B, D, E and the fp16 guard's fp32 re-score): ``true``
-    TF32, ``false`` IEEE fp32, ``auto`` TF32 on GPUs with TF32 units (Ampere and later, compute capability >= 8.0)
-    and IEEE fp32 elsewhere. Set around the plan's own forward only and restored after it; the process-wide flag
-    (``GRPOConfig.tf32``) is not read or changed, so the plans compute the same whatever it says. TF32 rounds
-    matmul inputs to 10 mantissa bits; on the H200 it cuts all-fp32 scoring from 9-11x to about 2x bf16 and still
-    removed the batch-shape noise on SmolLM2 (T7b-tf32). Arms A, C, G and H have no fp32 plan; the fp32 batch-1
-    reference of the probe rows always computes in IEEE fp32."""
-
-    strict_version: bool = True
-    """Refuse to attach to a TRL outside the supported range (1.16.x); ``False`` downgrades that to a warning
-    (missing private methods are always an error)."""
+    arm: str = field(default="A", metadata=_help(
+        """Old-logprob arm, one of A-H (bloggap_plugin.arms; aliases bf16=C, fp32=B, fp16=F, fp32_head=E, guided=D,
+        matched=G, default=A). A and H keep TRL's own old log-probs; B-F score them with a precision plan; G scores
+        each training micro-batch exactly as the training forward will see it."""))
+    band: float = field(default=0.1, metadata=_help(
+        """Half-width ``b`` of the ratio band: a token is out of band when ``exp(dlogp)`` is outside
+        ``[1-b, 1+b]``."""))
+    probe_rows: int = field(default=4, metadata=_help(
+        """Rows per generation (per process) scored by the fp32 batch-1 reference (clip flips) and the live
+        batch-shape probe; chosen with a private generator, so the trainer's RNG is untouched. 0 disables both."""))
+    layers: list[int] | None = field(default=None, metadata=_help(
+        """Arm D: decoder-layer ids to run in fp32; ``None`` lets the precision plan choose (guided, top ``k``)."""))
+    k: int = field(default=8, metadata=_help(
+        """Arm D: number of layers the guided plan upcasts when ``layers`` is not given."""))
+    positions: str = field(default="mask", metadata=_help(
+        """Position ids of the plugin's scoring and, for arms B-G, of the training forward too: ``mask`` (as HF
+        ``generate`` uses: cumsum of the attention mask) or ``arange`` (0..L-1, TRL's own scoring). Arms A and H
+        keep TRL's forward untouched, so their scoring uses ``arange`` whatever this says."""))
+    force_old_logprobs: bool = field(default=False, metadata=_help(
+        """When TRL would not compute old log-probs (ratio identically 1: num_iterations 1 and
+        steps_per_generation dividing gradient_accumulation_steps), still put the arm's old log-probs into the
+        loss. Default: measure only, training unchanged."""))
+    kept: str = field(default="measure", metadata=_help(
+        """Truncated sampling (top_p/top_k/min_p): ``renormalize`` the trainer's log-probs over the sampler's
+        kept set in the old, the training and (``beta > 0``) TRL's reference pass; ``measure`` only logs kept
+        mass and ratios (one extra scoring per generation); ``off`` records no kept sets and adds no forward.
+        ``renormalize`` needs the sampler recording (``sampler: true``) as kept-set source."""))
+    sampler: bool = field(default=True, metadata=_help(
+        """Record the HF ``generate`` sampler's log-prob of every emitted token (and its kept set), so
+        ``gap/sampler/*`` and ``gap/kept/*`` exist without vLLM. Sampling then runs through the plugin's logits
+        processor (same temperature and truncation, vLLM's order)."""))
+    store_ids_max: int = field(default=64, metadata=_help(
+        """Kept sets up to this size are stored as ids (exact renormalisation); larger ones as sizes only
+        (top-|S|)."""))
+    score_chunk_tokens: int = field(default=256, metadata=_help(
+        """Memory bound of the plugin's scoring (old log-probs, kept mass, probes, renormalised forwards): the LM
+        head, fp32 cast and log-softmax run in tiles of about this many scored tokens (rows x completion
+        positions; at least one position per tile), so the largest vocabulary-wide tensor is ``tile x V`` fp32
+        instead of ``rows x completion_length x V`` (256 x 152k: 156 MB; 8 x 4096 x 152k untiled: 20 GB). 0
+        scores each chunk of rows untiled. Default: ``core.scoring.DEFAULT_CHUNK_TOKENS``."""))
+    score_rows: int = field(default=0, metadata=_help(
+        """Rows per forward of the arm's own old-logprob scoring (arms B-F); 0 = the micro-batch, as TRL scores.
+        An fp32 body (arms B, D) holds fp32 activations, twice TRL's bf16 ones: on models whose MLP activations
+        dominate the pass (e.g. Qwen2.5-1.5B's shape) half the micro-batch keeps the pass within TRL's peak
+        (T7c-memory: 2.0x -> 1.0x). Not for arm G, which scores each training micro-batch whole."""))
+    is_correction: bool = field(default=False, metadata=_help(
+        """HF path: multiply the per-token loss by TRL's importance-sampling ratio between the old log-probs and
+        the recorded sampler log-probs, with the trainer's ``vllm_importance_sampling_mode`` and
+        ``vllm_importance_sampling_clip_min/clip_max`` semantics (TRL only does this with vLLM)."""))
+    reference: str = field(default="fp32_b1", metadata=_help(
+        """Reference scoring for clip flips: ``fp32_b1`` = an fp32 copy of the policy, one row at a time."""))
+    metrics_every: int = field(default=1, metadata=_help(
+        """Compute the generation-time metrics (probe, reference, sampler) every N generations; 1 = always."""))
+    probe_every: int = field(default=8, metadata=_help(
+        """Run the extra forwards (the fp32 batch-1 reference of ``probe_rows`` rows for clip flips, and the live
+        batch-1 probe) on every N-th measured generation; 1 = every generation. These extra forwards are most of
+        the plugin's cost (measured on the H200: about 0.1 s of a 1.3 s step when run every generation), so the
+        default amortises them; the probe-free metrics (ratio, sampler, kept mass) are still computed every
+        time."""))
+    tf32: bool | str = field(default=False, metadata=_help(
+        """Matmul precision of the fp32 scoring plans (arms B, D, E and the fp16 guard's fp32 re-score): ``true``
+        TF32, ``false`` IEEE fp32, ``auto`` TF32 on GPUs with TF32 units (Ampere and later, compute capability >=
+        8.0) and IEEE fp32 elsewhere. Set around the plan's own forward only and restored after it; the
+        process-wide flag (``GRPOConfig.tf32``) is not read or changed, so the plans compute the same whatever it
+        says. TF32 rounds matmul inputs to 10 mantissa bits; on the H200 it cuts all-fp32 scoring from 9-11x to
+        about 2x bf16 and still removed the batch-shape noise on SmolLM2 (T7b-tf32). Arms A, C, G and H have no
+        fp32 plan; the fp32 batch-1 reference of the probe rows always computes in IEEE fp32."""))
+    strict_version: bool = field(default=True, metadata=_help(
+        """Refuse to attach to a TRL outside the supported range (1.16.x); ``False`` downgrades that to a warning
+        (missing private methods are always an error)."""))
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         """Raise :class:`RecipeError` naming the field, the bad value and what is accepted."""
-        arm = str(self.arm)
-        arm = ARM_ALIASES.get(arm.lower(), arm.upper())
-        if arm not in ARMS:
-            raise RecipeError(f"gap.arm: unknown arm {self.arm!r}; use one of {', '.join(ARMS)} "
-                              f"(or an alias: {', '.join(ARM_ALIASES)})")
-        self.arm = arm
+        try:
+            spec = get_arm(str(self.arm))
+        except ValueError as err:
+            raise RecipeError(f"gap.arm: {err}") from None
+        self.arm = spec.letter
         if not 0.0 < float(self.band) < 1.0:
             raise RecipeError(f"gap.band must be in (0, 1), got {self.band}")
-        for name in ("probe_rows", "k", "metrics_every", "probe_every", "store_ids_max", "score_chunk_tokens",
-                     "score_rows"):
+        for name, types in _gap_field_types().items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if types == (int,) and (isinstance(value, bool) or not isinstance(value, int)):
                 raise RecipeError(f"gap.{name} must be an integer, got {value!r}")
-        if self.probe_rows < 0:
-            raise RecipeError(f"gap.probe_rows must be >= 0, got {self.probe_rows}")
-        if self.k < 1:
-            raise RecipeError(f"gap.k must be >= 1, got {self.k}")
-        if self.metrics_every < 1:
-            raise RecipeError(f"gap.metrics_every must be >= 1, got {self.metrics_every}")
-        if self.probe_every < 1:
-            raise RecipeError(f"gap.probe_every must be >= 1, got {self.probe_every}")
-        if self.store_ids_max < 0:
-            raise RecipeError(f"gap.store_ids_max must be >= 0, got {self.store_ids_max}")
-        if self.score_chunk_tokens < 0:
-            raise RecipeError(
-                f"gap.score_chunk_tokens must be >= 0 (scored tokens per tile of the LM head; 0 = untiled), "
-                f"got {self.score_chunk_tokens}"
-            )
-        if self.score_rows < 0:
-            raise RecipeError(f"gap.score_rows must be >= 0 (rows per scoring forward; 0 = the micro-batch), got {self.score_rows}")
-        if self.score_rows and self.arm == "G":
-            raise RecipeError("gap.score_rows does not apply to arm G, which scores each training micro-batch whole; drop it")
-        if self.positions not in POSITION_MODES:
-            raise RecipeError(f"gap.positions must be one of {', '.join(POSITION_MODES)}, got {self.positions!r}")
-        if self.kept not in KEPT_MODES:
-            raise RecipeError(f"gap.kept must be one of {', '.join(KEPT_MODES)}, got {self.kept!r}")
-        if self.reference not in REFERENCES:
-            raise RecipeError(f"gap.reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}")
-        for name in ("force_old_logprobs", "sampler", "is_correction", "strict_version"):
-            if not isinstance(getattr(self, name), bool):
-                raise RecipeError(f"gap.{name} must be true or false, got {getattr(self, name)!r}")
+            if types == (bool,) and not isinstance(value, bool):
+                raise RecipeError(f"gap.{name} must be true or false, got {value!r}")
+        for name, low, what in _GAP_LOWER_BOUNDS:
+            if getattr(self, name) < low:
+                raise RecipeError(f"gap.{name} must be >= {low}{what}, got {getattr(self, name)}")
+        if self.score_rows and spec.scores_after_shuffle:
+            raise RecipeError(f"gap.score_rows does not apply to arm {spec.letter}, which scores each training "
+                              "micro-batch whole; drop it")
+        for name, accepted in (("positions", POSITION_MODES), ("kept", KEPT_MODES), ("reference", REFERENCES)):
+            if getattr(self, name) not in accepted:
+                raise RecipeError(f"gap.{name} must be one of {', '.join(accepted)}, got {getattr(self, name)!r}")
         if not (self.tf32 is True or self.tf32 is False or self.tf32 == "auto"):
             raise RecipeError(f"gap.tf32 must be true, false or auto, got {self.tf32!r}")
         if self.layers is not None:
-            if not isinstance(self.layers, (list, tuple)) or not all(
-                isinstance(i, int) and not isinstance(i, bool) for i in self.layers
-            ):
-                raise RecipeError(f"gap.layers must be a list of integer layer ids, got {self.layers!r}")
-            if any(i < 0 for i in self.layers):
-                raise RecipeError(f"gap.layers ids must be >= 0, got {self.layers}")
-            self.layers = list(self.layers)
-            if self.arm != "D":
-                raise RecipeError(f"gap.layers only applies to arm D (guided); arm is {self.arm}")
+            self._validate_layers(spec)
         if self.kept == "renormalize" and not self.sampler:
             raise RecipeError(
                 "gap.kept: renormalize needs a kept-set source: set gap.sampler: true (the HF generate path "
@@ -216,6 +168,17 @@ class GapConfig:
             )
         if self.is_correction and not self.sampler:
             raise RecipeError("gap.is_correction needs the sampler's log-probs: set gap.sampler: true")
+
+    def _validate_layers(self, spec: ArmSpec) -> None:
+        if not isinstance(self.layers, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in self.layers
+        ):
+            raise RecipeError(f"gap.layers must be a list of integer layer ids, got {self.layers!r}")
+        if any(i < 0 for i in self.layers):
+            raise RecipeError(f"gap.layers ids must be >= 0, got {self.layers}")
+        self.layers = list(self.layers)
+        if not spec.takes_layers:
+            raise RecipeError(f"gap.layers only applies to arm D (guided); arm is {self.arm}")
 
     def check_layers(self, num_layers: int) -> None:
         """Raise :class:`RecipeError` if a ``layers`` id is not a decoder layer of a ``num_layers``-layer model."""
@@ -230,12 +193,50 @@ class GapConfig:
             raise RecipeError(f"gap.layers has duplicate ids: {self.layers}")
 
     @property
+    def arm_spec(self) -> ArmSpec:
+        """The arm's record (:mod:`bloggap_plugin.arms`)."""
+        return ARM_RECORDS[self.arm]
+
+    @property
     def plan_arm(self) -> str | None:
-        """The precision plan's arm name for this arm (None: TRL's own forward)."""
-        return ARM_PLANS[self.arm]
+        """The precision plan's name for this arm (None: TRL's own forward)."""
+        return self.arm_spec.plan
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# (field, lowest valid value, what it means): checked after the types
+_GAP_LOWER_BOUNDS = (
+    ("probe_rows", 0, ""),
+    ("k", 1, ""),
+    ("metrics_every", 1, ""),
+    ("probe_every", 1, ""),
+    ("store_ids_max", 0, ""),
+    ("score_chunk_tokens", 0, " (scored tokens per tile of the LM head; 0 = untiled)"),
+    ("score_rows", 0, " (rows per scoring forward; 0 = the micro-batch)"),
+)
+
+
+def _runtime_types(hint: Any) -> tuple[type, ...]:
+    """The runtime types a recipe value of annotation ``hint`` may have (a ``float`` also takes an ``int``)."""
+    import types
+    import typing
+
+    union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+    out: list[type] = []
+    for arg in typing.get_args(hint) if union else (hint,):
+        kind = typing.get_origin(arg) or arg
+        out += [float, int] if kind is float else [kind]
+    return tuple(out)
+
+
+@functools.cache
+def _gap_field_types() -> dict[str, tuple[type, ...]]:
+    """``{field: accepted runtime types}`` of :class:`GapConfig`, from its annotations (the one type table)."""
+    import typing
+
+    return {name: _runtime_types(hint) for name, hint in typing.get_type_hints(GapConfig).items()}
 
 
 def _field_names(cls) -> list[str]:
@@ -248,28 +249,6 @@ def _unknown_key_error(key: str, valid: list[str], where: str) -> RecipeError:
     return RecipeError(f"{where}: unknown key {key!r}{hint}; valid keys: {', '.join(sorted(valid))}")
 
 
-_GAP_TYPES = {
-    "arm": (str,),
-    "band": (float, int),
-    "probe_rows": (int,),
-    "layers": (list, type(None)),
-    "k": (int,),
-    "positions": (str,),
-    "force_old_logprobs": (bool,),
-    "kept": (str,),
-    "sampler": (bool,),
-    "store_ids_max": (int,),
-    "score_chunk_tokens": (int,),
-    "score_rows": (int,),
-    "is_correction": (bool,),
-    "reference": (str,),
-    "metrics_every": (int,),
-    "probe_every": (int,),
-    "strict_version": (bool,),
-    "tf32": (bool, str),
-}
-
-
 def gap_config_from_dict(section: dict | None, where: str = "gap") -> GapConfig:
     """Build a :class:`GapConfig` from a mapping, rejecting unknown keys and wrong types by name."""
     section = dict(section or {})
@@ -277,7 +256,7 @@ def gap_config_from_dict(section: dict | None, where: str = "gap") -> GapConfig:
     for key, value in section.items():
         if key not in valid:
             raise _unknown_key_error(key, valid, where)
-        types = _GAP_TYPES[key]
+        types = _gap_field_types()[key]
         if isinstance(value, bool) and bool not in types:
             raise RecipeError(f"{where}.{key} must be {' or '.join(t.__name__ for t in types)}, got {value!r}")
         if not isinstance(value, types):

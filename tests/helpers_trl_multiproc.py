@@ -89,7 +89,7 @@ def main() -> None:
                for r in getattr(trainer, "gap_reduces", [])]
     record = {"num_processes": trainer.accelerator.num_processes, "rank": rank, "reduces": reduces,
               "distributed_type": str(trainer.accelerator.distributed_type),
-              "plan_layers": getattr(trainer._gap_plan, "layers", None)}
+              "plan_layers": getattr(trainer._gap_state.plan, "layers", None)}
     if rank == 0:
         record["log_history"] = [{k: _nan_to_none(v) for k, v in h.items()} for h in trainer.state.log_history]
         path = args.out

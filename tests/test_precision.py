@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from bloggap_plugin.core.precision import (
-    ARM_ALIASES,
     ARMS,
+    PLAN_ALIASES,
     decoder_layers,
     make_plan,
     output_head,
@@ -68,7 +68,7 @@ def test_resolve_arm_names_and_aliases():
     assert {resolve_arm(a) for a in "ABDEF"} == set(ARMS)
     assert resolve_arm("B") == "fp32" and resolve_arm("F") == "fp16" and resolve_arm("E") == "fp32_head"
     assert resolve_arm("D") == "guided" and resolve_arm("A") == "bf16" and resolve_arm("FP16") == "fp16"
-    assert ARM_ALIASES["B"] == "fp32"
+    assert PLAN_ALIASES["B"] == "fp32"
     with pytest.raises(ValueError, match=r"unknown scoring arm 'fp8'.*bf16, fp32, fp16, fp32_head, guided"):
         resolve_arm("fp8")
     model, _ = load_model("tiny-random-llama", dtype="bf16")

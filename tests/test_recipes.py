@@ -112,3 +112,29 @@ def test_tf32_values():
     assert GapConfig().tf32 is False  # IEEE fp32 whatever the process-wide flag says
     for value in (True, False, "auto"):
         assert parse_recipe({"gap": {"tf32": value}})[1].tf32 == value
+
+
+def test_arm_registry_is_the_one_vocabulary():
+    """One record per arm: recipes (GapConfig), make_plan and the adapters read the same fields."""
+    from bloggap_plugin.arms import ARMS as RECORDS
+    from bloggap_plugin.arms import PLAN_NAMES, get_arm, plan_name
+
+    assert tuple(RECORDS) == ARMS == ("A", "B", "C", "D", "E", "F", "G", "H")
+    plans = {"A": None, "B": "fp32", "C": "bf16", "D": "guided", "E": "fp32_head", "F": "fp16", "G": None, "H": None}
+    assert {letter: arm.plan for letter, arm in RECORDS.items()} == plans
+    assert {letter for letter, arm in RECORDS.items() if arm.keeps_trl_forward} == {"A", "H"}
+    assert {letter for letter, arm in RECORDS.items() if arm.scores_after_shuffle} == {"G"}
+    assert {letter for letter, arm in RECORDS.items() if arm.needs_fp16_training} == {"H"}
+    assert {letter for letter, arm in RECORDS.items() if arm.takes_layers} == {"D"}
+    for alias, letter in (("bf16", "C"), ("FP32", "B"), ("fp16", "F"), ("fp32_head", "E"), ("guided", "D"),
+                          ("matched", "G"), ("default", "A"), ("h", "H")):
+        assert get_arm(alias).letter == letter == GapConfig(arm=alias).arm
+        assert GapConfig(arm=alias).plan_arm == plans[letter]
+    # make_plan's vocabulary: plan names, planned letters, and A for the policy as called
+    assert [plan_name(p) for p in PLAN_NAMES] == list(PLAN_NAMES)
+    assert {letter: plan_name(letter) for letter in "ABCDEF"} == {"A": "bf16", **{k: plans[k] for k in "BCDEF"}}
+    with pytest.raises(ValueError, match=r"unknown arm 'Q'; use one of A, B, C, D, E, F, G, H \(or an alias: "):
+        get_arm("Q")
+    for letter in "GH":
+        with pytest.raises(ValueError, match="unknown scoring arm"):
+            plan_name(letter)

@@ -258,9 +258,9 @@ def test_arm_G_measure_only_pass_follows_metrics_every(tmp_path, monkeypatch):
 def test_gap_tf32_reaches_the_arm_plan_not_the_reference(tmp_path, tf32):
     trainer = make(tmp_path, GapConfig(arm="B", tf32=tf32), dtype="bf16", max_steps=1)
     expected = tf32 is True  # auto on a CPU: IEEE fp32
-    assert trainer._gap_plan.tf32 is expected
+    assert trainer._gap_state.plan.tf32 is expected
     reference = trainer._gap_reference_plan()
-    assert reference.tf32 is False and (reference is trainer._gap_plan) == (not expected)
+    assert reference.tf32 is False and (reference is trainer._gap_state.plan) == (not expected)
 
 
 def test_measure_only_when_trl_computes_no_old_logprobs(tmp_path):
@@ -396,7 +396,7 @@ def test_arm_d_auto_layers_follow_process_zero(tmp_path):
     trainer._gap_agree_layers = agree
     trainer.train()
     assert len(seen) == 1
-    assert trainer._gap_plan.stats()["layers"] == ([1] if seen[0] != [1] else [0])
+    assert trainer._gap_state.plan.stats()["layers"] == ([1] if seen[0] != [1] else [0])
 
 
 @pytest.mark.parametrize(("arm", "kept"), [("A", "measure"), ("B", "measure"), ("C", "renormalize")])
@@ -410,7 +410,7 @@ def test_score_chunk_tokens_tiles_change_nothing(tmp_path, row_invariant_linear,
         trainer = make(tmp_path / str(chunk), GapConfig(arm=arm, probe_rows=4, kept=kept, score_chunk_tokens=chunk),
                        dtype="fp32", top_p=0.8)
         widths = []
-        shadow = getattr(trainer._gap_plan, "shadow", None)  # arm B scores with its fp32 copy's head
+        shadow = getattr(trainer._gap_state.plan, "shadow", None)  # arm B scores with its fp32 copy's head
         head = (shadow if shadow is not None else trainer.model).lm_head
         hook = head.register_forward_pre_hook(lambda mod, args, widths=widths: widths.append(args[0].shape[1]))
         trainer.train()
@@ -440,3 +440,24 @@ def test_score_chunk_tokens_tiles_change_nothing(tmp_path, row_invariant_linear,
         # another order of the sum over positions), so the weights agree to the last bits only
         diff = max((a - b).abs().max().item() for a, b in zip(runs[0][1], runs[12][1], strict=True))
         assert diff <= 1e-6, diff  # measured: 7.5e-9
+
+
+def test_named_statistics_round_trip_and_the_shared_masks():
+    """GapState's statistics keep their reduction order through to_tensor/from_tensor (the multi-process test reads
+    them by position); completion_mask applies tool_mask where present; fit_width pads and cuts the width."""
+    from bloggap_plugin.trl.state import GenerationMaxima, LossSums, completion_mask, fit_width
+
+    sums = LossSums(oob=2.0, tokens=8.0, has_trl=1.0)
+    assert list(sums) == [2.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0] and len(sums) == 10
+    assert LossSums.from_tensor(sums.to_tensor("cpu") * 2) == LossSums(oob=4.0, tokens=16.0, has_trl=2.0)
+    maxima = GenerationMaxima()
+    maxima.raise_to(is_max=3.0)
+    maxima.raise_to(is_max=1.0, kept_size_max=5.0)
+    assert list(maxima) == [-math.inf, 5.0, -math.inf, 3.0, -math.inf]
+    batch = {"completion_mask": torch.tensor([[1, 1, 0]]), "tool_mask": None}
+    assert torch.equal(completion_mask(batch), torch.tensor([[1, 1, 0]]))
+    batch["tool_mask"] = torch.tensor([[1, 0, 1]])
+    assert torch.equal(completion_mask(batch), torch.tensor([[1, 0, 0]]))
+    x = torch.tensor([[1, 2], [3, 4]])
+    assert torch.equal(fit_width(x, 3, fill=-1), torch.tensor([[1, 2, -1], [3, 4, -1]]))
+    assert torch.equal(fit_width(x, 1), torch.tensor([[1], [3]]))

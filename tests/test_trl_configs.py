@@ -147,9 +147,9 @@ class _RefSpy(_Spy):
     """Also records, per micro-batch, the training forward's log-probs next to TRL's reference log-probs."""
 
     def _gap_loss_metrics(self, inputs):
-        if self._gap_new_logps is not None:
+        if self._gap_state.new_logps is not None:
             self.ref_pairs = getattr(self, "ref_pairs", []) + [
-                (self._gap_new_logps, inputs["ref_per_token_logps"], inputs["completion_mask"].bool())
+                (self._gap_state.new_logps, inputs["ref_per_token_logps"], inputs["completion_mask"].bool())
             ]
         return super()._gap_loss_metrics(inputs)
 
@@ -210,9 +210,9 @@ class _LossSpy(GapGRPOTrainer):
     """Records, per micro-batch, what the clip metric is computed from: new and old log-probs, A, mask."""
 
     def _gap_loss_metrics(self, inputs):
-        if self._gap_new_logps is not None:
+        if self._gap_state.new_logps is not None:
             self.loss_rows = getattr(self, "loss_rows", []) + [(
-                self._gap_new_logps.float(), inputs["old_per_token_logps"].float(), inputs["advantages"],
+                self._gap_state.new_logps.float(), inputs["old_per_token_logps"].float(), inputs["advantages"],
                 inputs["completion_mask"].bool(),
             )]
         return super()._gap_loss_metrics(inputs)

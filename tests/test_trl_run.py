@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -73,3 +74,36 @@ def test_wandb_offline_run_contains_gap_keys(tmp_path, monkeypatch):
     assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb")), "no offline wandb run written"
     keys = {key for data in logged for key in data}
     assert {"train/gap/ratio/oob_frac", "train/gap/sampler/oob_frac", "train/gap/time/overhead_frac"} <= keys
+
+
+def test_train_flags_are_train_config_fields_plus_grpo_config_overrides(tmp_path):
+    """``bloggap train``: TrainConfig's fields and every GRPOConfig field are flags (help included); a GRPOConfig
+    flag overrides the recipe, one left out keeps the recipe's value; run_training's keyword call still works."""
+    from bloggap_plugin.cli import build_parser
+    from bloggap_plugin.commands.train import train_config_from_args
+    from bloggap_plugin.trl.train import TrainConfig, prepare_run, train_config
+
+    parser = build_parser()
+    command = parser.get_default("_subparsers")["train"]
+    text = command.format_help()
+    for flag, help_text in (("--max_steps", "optimizer steps"), ("--log_jsonl", "one JSON line per logged step"),
+                            ("--gap_overrides", "gap: section"), ("--learning_rate", "learning rate"),
+                            ("--beta", "KL coefficient"), ("--num_iterations", "iterations")):
+        assert flag in text and help_text in text, flag
+    recipe = ROOT / "recipes" / "arm_B.yaml"
+    args = parser.parse_args(["train", str(recipe), "--model", "tiny-random-llama", "--device", "cpu", "--max-steps",
+                              "3", "--output-dir", str(tmp_path / "out"), "--beta", "0.04", "--gap_overrides",
+                              "{band: 0.2}", "--calc-steps", "2"])
+    config = train_config_from_args(args)
+    assert config == TrainConfig(recipe=str(recipe), model="tiny-random-llama", device="cpu", max_steps=3,
+                                 output_dir=str(tmp_path / "out"), extra_overrides={"beta": 0.04},
+                                 gap_overrides={"band": 0.2}, calc_steps="2")
+    assert config.task_options() == {"calc_steps": "2"}
+    plan = prepare_run(dataclasses.replace(config, calc_steps=None))
+    recipe_only = prepare_run(recipe, model="tiny-random-llama", device="cpu", output_dir=str(tmp_path / "out"))
+    assert (plan.args.beta, plan.args.max_steps, plan.gap.band, plan.gap.arm) == (0.04, 3, 0.2, "B")
+    assert plan.args.learning_rate == recipe_only.args.learning_rate  # not given: the recipe's
+    assert recipe_only.args.beta != 0.04
+    assert train_config(config, seed=5).seed == 5
+    with pytest.raises(TypeError, match="max_step"):
+        prepare_run(recipe, max_step=3)

@@ -1,4 +1,10 @@
-"""``bloggap train RECIPE``: GRPO with a recipe (GRPOConfig fields + gap: section), offline, live gap/* metrics."""
+"""``bloggap train RECIPE``: GRPO with a recipe (GRPOConfig fields + gap: section), offline, live gap/* metrics.
+
+The flags are the fields of :class:`bloggap_plugin.trl.train.TrainConfig` (``--config FILE.yaml`` sets any of them)
+plus, as ``trl grpo`` does, every ``GRPOConfig`` field (``--learning_rate 1e-6``, ``--beta 0.04``, ...), applied
+after the recipe. Both need TRL imported, so they are added to the parser on its first use (parsing or ``--help``):
+``bloggap --help`` and the other commands stay fast.
+"""
 
 from __future__ import annotations
 
@@ -6,37 +12,87 @@ import argparse
 import json
 
 HELP = "Train GRPO with a recipe (recipes/arm_A.yaml .. arm_H.yaml) and live gap/* metrics."
+GRPO_GROUP = "GRPOConfig overrides"
+
+
+class _TrainParser(argparse.ArgumentParser):
+    """``bloggap train``'s parser: TrainConfig's and GRPOConfig's flags are added on first use."""
+
+    _flags_added = False
+
+    def _add_flags(self) -> None:
+        if self._flags_added:
+            return
+        self._flags_added = True
+        from bloggap_plugin.commands._config import add_config_arguments
+        from bloggap_plugin.trl.train import TrainConfig
+
+        add_config_arguments(self, TrainConfig)
+        self.set_defaults(_grpo_fields=_add_grpo_flags(self, taken={f.dest for f in self._actions}))
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: D102 - argparse's
+        self._add_flags()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:  # noqa: D102 - argparse's
+        self._add_flags()
+        return super().format_help()
+
+    def get_default(self, dest: str):  # noqa: D102 - argparse's (cli reads _config_types before parsing)
+        self._add_flags()
+        return super().get_default(dest)
+
+
+def _add_grpo_flags(parser: argparse.ArgumentParser, taken: set[str]) -> tuple[str, ...]:
+    """One flag per ``GRPOConfig`` field not already a TrainConfig field, in an argument group; a flag left out
+    leaves the recipe's value (its default is suppressed). Returns the field names."""
+    import copy
+    import dataclasses
+    import typing
+
+    from transformers import HfArgumentParser
+    from trl import GRPOConfig
+
+    group = parser.add_argument_group(GRPO_GROUP, "any GRPOConfig field, applied after the recipe (as trl grpo takes "
+                                                  "them)")
+    hints = typing.get_type_hints(GRPOConfig)
+    names = []
+    for spec in dataclasses.fields(GRPOConfig):
+        if not spec.init or spec.name in taken:
+            continue
+        spec = copy.copy(spec)
+        spec.type = hints[spec.name]
+        HfArgumentParser._parse_dataclass_field(group, spec)
+        names.append(spec.name)
+    for action in parser._actions:
+        if action.dest in names:
+            action.default = argparse.SUPPRESS
+    return tuple(names)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipe", help="recipe YAML: GRPOConfig fields plus a gap: section")
-    parser.add_argument("--model", default="smollm2", help="model spec (default smollm2, offline)")
-    parser.add_argument("--task", default="arith", help="task: arith (default) or gsm8k")
-    parser.add_argument("--data", default=None, metavar="PATH",
-                        help="gsm8k: the data as a local .jsonl/.json/.parquet file or folder, e.g. ../shared/data/gsm8k "
-                             "(default: $BLOGGAP_GSM8K_DATA, else openai/gsm8k from the Hugging Face hub or its cache)")
-    parser.add_argument("--calc-steps", default=None, metavar="N|LOW-HIGH",
-                        help="gsm8k: train on the problems with N (or LOW-HIGH) <<...>> calculation steps")
-    parser.add_argument("--max-steps", type=int, default=None, help="optimizer steps, >= 1 (default: the recipe's)")
-    parser.add_argument("--output-dir", default="bloggap-runs/train", help="trainer output folder")
-    parser.add_argument("--report-to", default="none", help="none, wandb, tensorboard, trackio ...")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    parser.add_argument("--log-jsonl", default=None, help="also write one JSON line per logged step here")
+    parser.__class__ = _TrainParser  # flags on first use: see _TrainParser
 
 
-def _task_kwargs(args: argparse.Namespace) -> dict | None:
-    kwargs = {key: value for key, value in (("data", args.data), ("calc_steps", args.calc_steps)) if value is not None}
-    return kwargs or None
+def train_config_from_args(args: argparse.Namespace):
+    """The :class:`~bloggap_plugin.trl.train.TrainConfig` of parsed ``args``: the GRPOConfig flags given join
+    ``extra_overrides`` (a flag wins over the same key there)."""
+    import dataclasses
+
+    from bloggap_plugin.commands._config import config_from_args
+    from bloggap_plugin.trl.train import TrainConfig
+
+    config = config_from_args(TrainConfig, args)
+    given = {name: getattr(args, name) for name in getattr(args, "_grpo_fields", ()) if hasattr(args, name)}
+    if given:
+        config = dataclasses.replace(config, extra_overrides={**(config.extra_overrides or {}), **given})
+    return config
 
 
 def run(args: argparse.Namespace) -> int:
     """Train; bad input raises ``UsageError`` before the model loads (``bloggap: error: ...``, exit 2)."""
     from bloggap_plugin.trl.train import run_training
 
-    summary = run_training(args.recipe, model=args.model, task=args.task, max_steps=args.max_steps,
-                           output_dir=args.output_dir, report_to=args.report_to, seed=args.seed,
-                           log_jsonl=args.log_jsonl, device=args.device,
-                           task_kwargs=_task_kwargs(args))
+    summary = run_training(train_config_from_args(args))
     print(json.dumps(summary, indent=2))
     return 0

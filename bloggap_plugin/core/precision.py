@@ -42,18 +42,33 @@ parameters, gradients, optimizer state or tied embeddings.
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 from torch import nn
 
+from bloggap_plugin.arms import PLAN_ALIASES, PLAN_NAMES, plan_name
+
+from .model_parts import (
+    _build_shadow,
+    _device_sync,
+    _executed_numel,
+    _FusedCopy,
+    _is_tied_safe,
+    _layer_list_path,
+    _model_device,
+    _param_pairs,
+    _tensor_bytes,
+    _unique_numel,
+    decoder_layers,
+    final_norm,
+)
 from .scoring import (
-    DEFAULT_CHUNK_TOKENS,
     LogprobReducer,
+    ScoringOptions,
     TileIndex,
     gather_logprobs,
     output_head,
@@ -63,7 +78,7 @@ from .scoring import (
 
 __all__ = [
     "ARMS",
-    "ARM_ALIASES",
+    "PLAN_ALIASES",
     "TF32_MODES",
     "resolve_arm",
     "resolve_tf32",
@@ -76,10 +91,7 @@ __all__ = [
     "output_head",
 ]
 
-ARMS = ("bf16", "fp32", "fp16", "fp32_head", "guided")
-ARM_ALIASES = {"A": "bf16", "B": "fp32", "D": "guided", "E": "fp32_head", "F": "fp16"}
-_NORM_NAMES = ("norm", "final_layer_norm", "ln_f", "norm_f", "final_norm")
-_LAYER_LIST_NAMES = ("layers", "h", "blocks", "layer")
+ARMS = PLAN_NAMES  # the plan names make_plan builds (arm letters: bloggap_plugin.arms)
 
 
 TF32_MODES = (True, False, "auto")
@@ -155,328 +167,9 @@ def cuda_matmul_tf32(enabled: bool) -> Iterator[None]:
 
 
 def resolve_arm(name: str) -> str:
-    """Canonical arm name for ``name`` (``bf16 fp32 fp16 fp32_head guided`` or ``A B D E F``)."""
-    if isinstance(name, str):
-        if name in ARMS:
-            return name
-        if name in ARM_ALIASES:
-            return ARM_ALIASES[name]
-        if name.lower() in ARMS:
-            return name.lower()
-        if name.upper() in ARM_ALIASES:
-            return ARM_ALIASES[name.upper()]
-    accepted = ", ".join(ARMS) + " (or " + ", ".join(f"{k}={v}" for k, v in ARM_ALIASES.items()) + ")"
-    raise ValueError(
-        f"unknown scoring arm {name!r}; accepted: {accepted}. Arms C, G and H are trainer-level "
-        "(chunking, matched batches, fp16 everywhere) and use the bf16 plan"
-    )
-
-
-# --------------------------------------------------------------------------------------------------
-# Model structure
-
-
-def _layer_list_path(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
-    candidates = []
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            leaf = name.rsplit(".", 1)[-1]
-            if n_layers is not None and len(module) == n_layers:
-                candidates.append((0 if leaf in _LAYER_LIST_NAMES else 1, name.count("."), name, module))
-            elif n_layers is None and leaf in _LAYER_LIST_NAMES:
-                candidates.append((2, name.count("."), name, module))
-    if not candidates:
-        raise ValueError(
-            f"cannot find the decoder layers of {type(model).__name__}: expected an nn.ModuleList named one of "
-            f"{_LAYER_LIST_NAMES} with config.num_hidden_layers={n_layers} entries; arms fp32_head/guided and "
-            "attribution need a standard decoder-only causal LM (use arm fp32 or fp16 otherwise)"
-        )
-    candidates.sort(key=lambda c: (c[0], c[1]))
-    return candidates[0][2], candidates[0][3]
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers (``nn.ModuleList``) of a causal LM, e.g. ``model.model.layers``."""
-    return _layer_list_path(unwrap_model(model))[1]
-
-
-def _parent_of(model: nn.Module, path: str) -> nn.Module:
-    return model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
-
-
-def final_norm(model: nn.Module) -> tuple[nn.Module, str, nn.Module] | None:
-    """``(parent, attribute, module)`` of the final norm after the last decoder layer, or ``None``."""
-    model = unwrap_model(model)
-    path, _ = _layer_list_path(model)
-    base = _parent_of(model, path)
-    for name in _NORM_NAMES:
-        module = base._modules.get(name)
-        if isinstance(module, nn.Module):
-            return base, name, module
-    return None
-
-
-def _is_tied(model: nn.Module) -> bool:
-    head = output_head(model)[2]
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    return embed is not None and getattr(head, "weight", None) is getattr(embed, "weight", None)
-
-
-def _unique_numel(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-def _executed_numel(model: nn.Module) -> int:
-    """Parameters as executed: a tied head counts twice (embedding lookup and projection)."""
-    total = _unique_numel(model)
-    if _is_tied_safe(model):
-        total += output_head(model)[2].weight.numel()
-    return total
-
-
-def _is_tied_safe(model: nn.Module) -> bool:
-    try:
-        return _is_tied(model)
-    except ValueError:
-        return False
-
-
-def _tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        key = (t.untyped_storage().data_ptr(), t.device)
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
-def _device_sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
-def _floating_dtype(model: nn.Module) -> torch.dtype:
-    """Most common floating dtype of the parameters (the dtype the policy stores its weights in)."""
-    counts: dict[torch.dtype, int] = {}
-    for p in model.parameters():
-        if p.is_floating_point():
-            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
-    return max(counts, key=counts.get) if counts else torch.float32
-
-
-def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating tensor in (nested tuples/lists/dicts of) ``obj`` to ``dtype``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
-    if isinstance(obj, tuple):
-        cast = [_cast_floating(x, dtype) for x in obj]
-        return type(obj)(*cast) if hasattr(obj, "_fields") else tuple(cast)
-    if isinstance(obj, list):
-        return [_cast_floating(x, dtype) for x in obj]
-    if isinstance(obj, dict) and type(obj) is dict:
-        return {k: _cast_floating(v, dtype) for k, v in obj.items()}
-    if hasattr(obj, "to_tuple") and hasattr(obj, "keys"):  # transformers ModelOutput
-        for key in list(obj.keys()):
-            obj[key] = _cast_floating(obj[key], dtype)
-        return obj
-    return obj
-
-
-def _first_floating(obj: Any) -> torch.Tensor | None:
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.is_floating_point() else None
-    if isinstance(obj, (tuple, list)):
-        for x in obj:
-            found = _first_floating(x)
-            if found is not None:
-                return found
-    if isinstance(obj, dict):
-        for x in obj.values():
-            found = _first_floating(x)
-            if found is not None:
-                return found
-    return None
-
-
-def _strip_instance_patches(module: nn.Module) -> None:
-    """Remove instance-level forward patches and hooks copied along with a module (clean forward)."""
-    for sub in module.modules():
-        for attr in ("forward", "_original_forward", "_old_forward", "_hf_hook"):
-            sub.__dict__.pop(attr, None)
-        for hooks in (
-            "_forward_hooks",
-            "_forward_hooks_with_kwargs",
-            "_forward_hooks_always_called",
-            "_forward_pre_hooks",
-            "_forward_pre_hooks_with_kwargs",
-            "_backward_hooks",
-            "_backward_pre_hooks",
-            "_state_dict_hooks",
-            "_load_state_dict_pre_hooks",
-        ):
-            if isinstance(getattr(sub, hooks, None), dict):
-                setattr(sub, hooks, type(getattr(sub, hooks))())
-
-
-def _module_copy(module: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """A hook-free copy of a (small) submodule with floating parameters in ``dtype`` on ``device``.
-
-    Parameters are re-materialised from the meta device (no temporary copy in the source dtype) and filled
-    by ``copy_``; buffers are copied (fp32 buffers stay fp32)."""
-    memo: dict[int, Any] = {}
-    for p in module.parameters():
-        target = dtype if p.is_floating_point() else p.dtype
-        memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=target, device="meta"), requires_grad=False)
-    for b in module.buffers():
-        memo[id(b)] = torch.empty(b.shape, dtype=_buffer_dtype(b, dtype), device="meta")
-    clone = copy.deepcopy(module, memo)
-    _strip_instance_patches(clone)
-    clone.to_empty(device=device)
-    with torch.no_grad():
-        for (_, dst), (_, src) in zip(
-            clone.named_parameters(remove_duplicate=False), module.named_parameters(remove_duplicate=False)
-        ):
-            dst.copy_(src)
-        for (_, dst), (_, src) in zip(
-            clone.named_buffers(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
-        ):
-            dst.copy_(src)
-    clone.requires_grad_(False)
-    return clone
-
-
-def _buffer_dtype(buffer: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
-    """Buffers (e.g. rotary ``inv_freq``) keep fp32 when the policy holds them in fp32, as ``from_pretrained``
-    does for any weight dtype; other floating buffers take the shadow's dtype; integer buffers are kept."""
-    if not buffer.is_floating_point() or buffer.dtype == torch.float32:
-        return buffer.dtype
-    return dtype
-
-
-def _tie_groups(model: nn.Module) -> list[tuple[str, ...]]:
-    groups: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-    return sorted(tuple(sorted(v)) for v in groups.values() if len(v) > 1)
-
-
-def _build_shadow(source: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """A clean module of ``source``'s class in ``dtype`` on ``device`` holding ``source``'s weights.
-
-    Built on the meta device (no random init, no temporary copy), materialised once, filled by ``copy_``.
-    """
-    config = getattr(source, "config", None)
-    if config is not None and hasattr(type(source), "_from_config"):
-        with torch.device("meta"):
-            shadow = type(source)._from_config(copy.deepcopy(config), dtype=dtype)
-        _strip_instance_patches(shadow)
-    else:
-        memo: dict[int, Any] = {}
-        for p in source.parameters():
-            target = dtype if p.is_floating_point() else p.dtype
-            memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=target, device="meta"), requires_grad=False)
-        for b in source.buffers():
-            memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
-        shadow = copy.deepcopy(source, memo)
-        _strip_instance_patches(shadow)
-    # Parameters keep the dtype the class gives them under ``dtype`` (as ``from_pretrained(dtype=...)`` would,
-    # including any ``_keep_in_fp32_modules``); to_empty materialises them once on ``device``.
-    shadow.to_empty(device=device)
-    if hasattr(shadow, "tie_weights"):
-        shadow.tie_weights()
-    # Buffers: same dtype rule as from_pretrained, values from the policy.
-    source_buffers = dict(source.named_buffers(remove_duplicate=False))
-    for module_name, module in shadow.named_modules(remove_duplicate=False):
-        for name, b in list(module._buffers.items()):
-            if b is None:
-                continue
-            full = f"{module_name}.{name}" if module_name else name
-            src = source_buffers.get(full)
-            if src is None:
-                raise ValueError(
-                    f"shadow buffer {full} has no counterpart in the policy; cannot build the shadow"
-                )
-            module._buffers[name] = src.detach().to(device=device, dtype=_buffer_dtype(src, dtype)).clone()
-    if _tie_groups(shadow) != _tie_groups(source):
-        raise ValueError(
-            f"the shadow's tied parameters {_tie_groups(shadow)} differ from the policy's {_tie_groups(source)}; "
-            "check config.tie_word_embeddings matches the policy"
-        )
-    shadow.requires_grad_(False)
-    shadow.eval()
-    return shadow
-
-
-def _param_pairs(dst_model: nn.Module, src_model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(shadow tensor, policy tensor) by name, for parameters (unique) and buffers; errors name the mismatch."""
-    src_params = dict(src_model.named_parameters(remove_duplicate=False))
-    src_buffers = dict(src_model.named_buffers(remove_duplicate=False))
-    pairs = []
-    for name, dst in dst_model.named_parameters():
-        src = src_params.get(name)
-        if src is None or src.shape != dst.shape:
-            raise ValueError(
-                f"policy parameter {name!r} is missing or has shape {None if src is None else tuple(src.shape)} "
-                f"(shadow {tuple(dst.shape)}): sync needs the same architecture the plan was made from"
-            )
-        pairs.append((dst, src))
-    for name, dst in dst_model.named_buffers():
-        src = src_buffers.get(name)
-        if src is not None and src.shape == dst.shape:
-            pairs.append((dst, src))
-    return pairs
-
-
-class _FusedCopy:
-    """``dst.copy_(src)`` for many pairs as one ``torch._foreach_copy_`` per (device, dtype) group.
-
-    Bitwise the per-tensor ``copy_`` (same element-wise cast), into the same storage (nothing re-allocated). The
-    grouping is built once per source model and kept while every source tensor is still the one its module holds
-    (one dict lookup per tensor, no module traversal): a replaced parameter object (``module.weight = ...``) or
-    another source model rebuilds it through ``pairs`` (which validates names and shapes). Replacing whole
-    submodules of the policy after the plan was made needs a new plan."""
-
-    def __init__(self) -> None:
-        self._source: nn.Module | None = None
-        self._slots: list[tuple[dict, str, torch.Tensor]] = []  # (module._parameters/_buffers, key, tensor)
-        self._groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-
-    def _valid_for(self, source: nn.Module) -> bool:
-        return source is self._source and all(slots.get(key) is tensor for slots, key, tensor in self._slots)
-
-    def __call__(self, source: nn.Module, pairs: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-        if not self._valid_for(source):
-            groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-            sources = set()
-            for dst, src in pairs():
-                group = groups.setdefault((dst.device, dst.dtype, src.device, src.dtype), ([], []))
-                group[0].append(dst)
-                group[1].append(src)
-                sources.add(id(src))
-            self._slots = [
-                (slots, key, tensor)
-                for module in source.modules()
-                for slots in (module._parameters, module._buffers)
-                for key, tensor in slots.items()
-                if tensor is not None and id(tensor) in sources
-            ]
-            self._groups = list(groups.values())
-            self._source = source
-        for dsts, srcs in self._groups:
-            torch._foreach_copy_(dsts, srcs)
-
-    def clear(self) -> None:
-        self._source, self._slots, self._groups = None, [], []
+    """Canonical plan name for ``name`` (``bf16 fp32 fp16 fp32_head guided`` or a letter: ``A`` = ``bf16``, and
+    each planned arm's letter ``B C D E F``); see :func:`bloggap_plugin.arms.plan_name`."""
+    return plan_name(name)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -544,14 +237,12 @@ class ScoringPlan:
         attention_mask: torch.Tensor,
         logits_to_keep: int,
         batch_size: int | None = None,
-        positions: str = "mask",
-        temperature: float = 1.0,
-        reduce: LogprobReducer | None = None,
-        chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS,
+        **options: Unpack[ScoringOptions],
     ) -> torch.Tensor:
-        """``[B, logits_to_keep]`` fp32 log-probs through :func:`core.scoring.token_logprobs` in this arm
-        (``chunk_tokens``: scored tokens per tile of the LM head and log-softmax, as there)."""
+        """``[B, logits_to_keep]`` fp32 log-probs through :func:`core.scoring.token_logprobs` in this arm;
+        ``options`` (``positions``, ``temperature``, ``reduce``, ``chunk_tokens``) as there."""
         self._check_open()
+        reduce = options.pop("reduce", None)
         out_device = input_ids.device
         device = self._device()
         input_ids = input_ids.to(device)
@@ -578,10 +269,8 @@ class ScoringPlan:
                 attention_mask,
                 logits_to_keep,
                 batch_size=batch_size,
-                positions=positions,
-                temperature=temperature,
                 reduce=call_reduce,
-                chunk_tokens=chunk_tokens,
+                **options,
             )
         if guard and finite:
             chunk_ok = torch.stack([torch.stack(flags).all() for flags in finite.values()]).cpu().tolist()
@@ -597,10 +286,8 @@ class ScoringPlan:
                         attention_mask[rows],
                         logits_to_keep,
                         batch_size=None,
-                        positions=positions,
-                        temperature=temperature,
                         reduce=sub_reduce,
-                        chunk_tokens=chunk_tokens,
+                        **options,
                     )
                     .to(result.device)
                 )
@@ -746,223 +433,6 @@ class _ShadowPlan(ScoringPlan):
         self.shadow = None
 
 
-class _Fp32Island(nn.Module):
-    """Runs ``inner`` in fp32 (inputs cast, autocast off); casts the output back to the residual dtype when
-    ``cast_back``. ``state`` is shared by the plan's islands during one call."""
-
-    def __init__(self, inner: nn.Module, state: dict, starts_chain: bool, cast_back: bool) -> None:
-        super().__init__()
-        self.inner = inner
-        self._state = state
-        self._starts_chain = starts_chain
-        self._cast_back = cast_back
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["inner"], name)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        first = _first_floating((args, kwargs))
-        if self._starts_chain and first is not None:
-            self._state["residual_dtype"] = first.dtype
-        rope = self._state.get("rope")
-        if rope is not None and kwargs.get("position_embeddings") is rope[0]:
-            kwargs["position_embeddings"] = rope[1]
-        args = _cast_floating(args, torch.float32)
-        kwargs = _cast_floating(kwargs, torch.float32)
-        device_type = first.device.type if first is not None else "cpu"
-        with contextlib.ExitStack() as stack:
-            for dt in {device_type, "cpu"}:
-                stack.enter_context(torch.autocast(device_type=dt, enabled=False))
-            out = self.inner(*args, **kwargs)
-        if self._cast_back:
-            out = _cast_floating(out, self._state.get("residual_dtype", torch.bfloat16))
-        return out
-
-
-class _Fp32Head(nn.Module):
-    """fp32 projection with a detached fp32 copy of the head weight (never the shared tensor itself)."""
-
-    def __init__(self, head: nn.Module) -> None:
-        super().__init__()
-        self.in_features = head.weight.shape[1]
-        self.out_features = head.weight.shape[0]
-        self.owns_weight = head.weight.dtype != torch.float32
-        weight = head.weight.detach()
-        self.register_buffer(
-            "weight32", weight.float().clone() if self.owns_weight else weight, persistent=False
-        )
-        bias = getattr(head, "bias", None)
-        self.owns_bias = bias is not None and bias.dtype != torch.float32
-        if bias is None:
-            self.bias32 = None
-        else:
-            self.register_buffer(
-                "bias32", bias.detach().float().clone() if self.owns_bias else bias.detach(), persistent=False
-            )
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.weight32
-
-    def refresh(self, head: nn.Module) -> None:
-        if self.owns_weight:
-            self.weight32.copy_(head.weight)
-        if self.owns_bias:
-            self.bias32.copy_(head.bias)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        with contextlib.ExitStack() as stack:
-            for dt in {hidden.device.type, "cpu"}:
-                stack.enter_context(torch.autocast(device_type=dt, enabled=False))
-            return nn.functional.linear(hidden.float(), self.weight32, self.bias32)
-
-    def owned_tensors(self) -> list[torch.Tensor]:
-        out = [self.weight32] if self.owns_weight else []
-        return out + ([self.bias32] if self.owns_bias else [])
-
-
-class _UpcastPlan(ScoringPlan):
-    """Arms E/D on the live policy: fp32 islands swapped in for one call (see the module docstring)."""
-
-    def __init__(
-        self, policy: nn.Module, arm: str, layers: Sequence[int], fp16_guard: bool, tf32: bool | str = False
-    ) -> None:
-        super().__init__(policy, arm, fp16_guard, tf32)
-        source = self._source
-        layer_path, layer_list = _layer_list_path(source)
-        self._layer_list = layer_list
-        n_layers = len(layer_list)
-        self.layers = sorted(int(i) for i in layers)
-        self._low_dtype = _floating_dtype(source)
-        self._state: dict = {}
-        self._owned: list[tuple[nn.Module, nn.Module]] = []  # (fp32 copy, live module) refreshed on sync
-        self._copy = _FusedCopy()
-        self._swaps: list[tuple[nn.Module, str, nn.Module, nn.Module]] = []  # (parent, key, live, island)
-        chosen = set(self.layers)
-        device = _model_device(source)
-        for i in self.layers:
-            live = layer_list[i]
-            inner = self._fp32_version(live, device)
-            island = _Fp32Island(
-                inner,
-                self._state,
-                starts_chain=(i - 1) not in chosen,
-                cast_back=(i + 1) in range(n_layers) and (i + 1) not in chosen,
-            )
-            self._swaps.append((layer_list, str(i), live, island))
-        norm = final_norm(source)
-        self._norm_numel = 0
-        if norm is not None:
-            parent, key, live = norm
-            island = _Fp32Island(
-                self._fp32_version(live, device), self._state, starts_chain=False, cast_back=False
-            )
-            self._swaps.append((parent, key, live, island))
-            self._norm_numel = sum(p.numel() for p in live.parameters())
-        parent, key, head = output_head(source)
-        if getattr(head, "weight", None) is None or head.weight.dim() != 2:
-            raise ValueError(
-                f"the LM head {type(head).__name__} has no 2-D weight; fp32_head/guided cannot project it"
-            )
-        self._head = _Fp32Head(head)
-        self._head_live = head
-        self._swaps.append((parent, key, head, self._head))
-        self._rope = self._find_rope(source, layer_path)
-        self._layer_numel = sum(sum(p.numel() for p in layer_list[i].parameters()) for i in self.layers)
-
-    @staticmethod
-    def _find_rope(source: nn.Module, layer_path: str) -> nn.Module | None:
-        base = _parent_of(source, layer_path)
-        rope = base._modules.get("rotary_emb")
-        return rope if isinstance(rope, nn.Module) else None
-
-    def _fp32_version(self, live: nn.Module, device: torch.device) -> nn.Module:
-        params = list(live.parameters())
-        if params and all(p.dtype == torch.float32 for p in params if p.is_floating_point()):
-            return live  # already fp32 (fp32 weights under autocast): run it as is, autocast off
-        clone = _module_copy(live, torch.float32, device)
-        self._owned.append((clone, live))
-        return clone
-
-    def _score_model(self) -> Callable[..., Any]:
-        return self._policy_call
-
-    def _computes_fp16(self) -> bool:
-        return self._low_dtype == torch.float16
-
-    def _computes_fp32(self) -> bool:
-        return True  # the fp32 islands and head
-
-    @contextlib.contextmanager
-    def _scoring_context(self) -> Iterator[None]:
-        handle = None
-        if self._rope is not None and self.layers:
-            handle = self._rope.register_forward_hook(self._rope_hook, with_kwargs=True)
-        for clone, live in self._owned:
-            clone.train(live.training)
-        installed = []
-        try:
-            for parent, key, live, island in self._swaps:
-                if parent._modules.get(key) is not live:
-                    raise RuntimeError(
-                        f"the policy's module {key!r} changed since the plan was made; make a new plan after "
-                        "replacing modules (e.g. after PEFT wrapping or torch.compile)"
-                    )
-                parent._modules[key] = island
-                installed.append((parent, key, live))
-            yield
-        finally:
-            for parent, key, live in reversed(installed):
-                parent._modules[key] = live
-            if handle is not None:
-                handle.remove()
-            self._state.clear()
-
-    def _rope_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        x = args[0] if args else kwargs.get("x")
-        if not isinstance(x, torch.Tensor) or x.dtype == torch.float32:
-            return
-        rest_args = args[1:]
-        rest_kwargs = {k: v for k, v in kwargs.items() if k != "x"}
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            fp32_output = type(module).forward(module, x.float(), *rest_args, **rest_kwargs)
-        self._state["rope"] = (output, fp32_output)
-
-    def _sync(self, source: nn.Module) -> None:
-        if source is not self._source:
-            raise ValueError(
-                "arms fp32_head/guided run on the live policy they were made from; sync got a different model "
-                f"({type(source).__name__} at {id(source):#x}); make a new plan for it"
-            )
-        self._copy(source, lambda: [pair for clone, live in self._owned
-                                    for pair in zip(clone.parameters(), live.parameters())])
-        self._head.refresh(self._head_live)
-
-    def _bytes(self) -> int:
-        tensors: list[torch.Tensor] = []
-        for clone, _ in self._owned:
-            tensors += list(clone.parameters()) + list(clone.buffers())
-        return _tensor_bytes(tensors + self._head.owned_tensors())
-
-    def _fp32_share(self) -> float:
-        numerator = self._layer_numel + self._norm_numel + self._head_live.weight.numel()
-        bias = getattr(self._head_live, "bias", None)
-        if bias is not None:
-            numerator += bias.numel()
-        return numerator / max(_executed_numel(self._source), 1)
-
-    def close(self) -> None:
-        super().close()
-        self._copy.clear()
-        self._owned = []
-        self._swaps = []
-        self._head = None
-        self._state.clear()
-
-
 # --------------------------------------------------------------------------------------------------
 
 
@@ -981,7 +451,8 @@ def make_plan(
 
     Args:
         policy: the causal LM (wrapped by DDP/accelerate or not); arm ``bf16`` calls it exactly as passed.
-        arm: ``bf16 | fp32 | fp16 | fp32_head | guided`` or ``A | B | F | E | D``.
+        arm: a plan name ``bf16 | fp32 | fp16 | fp32_head | guided``, or an arm letter with a plan (``B C D E F``,
+            :mod:`bloggap_plugin.arms`), or ``A`` for ``bf16`` (:data:`PLAN_ALIASES`).
         device: where an fp32/fp16 shadow lives (default: the policy's device). Not used by other arms.
         layers: ``guided`` only: decoder layer ids to run in fp32, or ``"auto"`` (top-``k`` per-layer
             divergence increments between batch 1 and batch 8 on ``calibration`` rows; see
@@ -994,25 +465,39 @@ def make_plan(
             re-score) in TF32 (``True``), IEEE fp32 (``False``), or TF32 on Ampere+ GPUs only (``"auto"``); set
             and restored around each call (see the module docstring). Ignored by arm ``bf16``.
     """
-    arm = resolve_arm(arm)
+    name = resolve_arm(arm)
     if not (tf32 is True or tf32 is False or tf32 == "auto"):
         raise ValueError(f"tf32 must be True, False or 'auto', got {tf32!r}")
     if not isinstance(policy, nn.Module):
         raise TypeError(f"policy must be a torch.nn.Module, got {type(policy).__name__}")
-    if arm != "guided" and (layers is not None or calibration is not None):
-        raise ValueError(f"layers=/calibration= choose fp32 layers for arm 'guided' only, not {arm!r}")
-    if device is not None and arm not in ("fp32", "fp16"):
-        raise ValueError(f"device= places an fp32/fp16 shadow; arm {arm!r} runs on the policy's own device")
-    if arm == "bf16":
-        return _PolicyPlan(policy, arm, fp16_guard)
-    if arm in ("fp32", "fp16"):
-        dtype = torch.float32 if arm == "fp32" else torch.float16
-        return _ShadowPlan(policy, arm, dtype, device, fp16_guard, tf32)
-    if arm == "fp32_head":
-        return _UpcastPlan(policy, arm, [], fp16_guard, tf32)
-    # guided
-    source = unwrap_model(policy)
-    n_layers = len(_layer_list_path(source)[1])
+    if name != "guided" and (layers is not None or calibration is not None):
+        raise ValueError(f"layers=/calibration= choose fp32 layers for arm 'guided' only, not {name!r}")
+    if device is not None and name not in _SHADOW_DTYPES:
+        raise ValueError(f"device= places an fp32/fp16 shadow; arm {name!r} runs on the policy's own device")
+    if name == "bf16":
+        return _PolicyPlan(policy, name, fp16_guard)
+    if name in _SHADOW_DTYPES:
+        return _ShadowPlan(policy, name, _SHADOW_DTYPES[name], device, fp16_guard, tf32)
+    from .upcast import UpcastPlan
+
+    if name == "fp32_head":
+        return UpcastPlan(policy, name, [], fp16_guard, tf32)
+    ids, profile = _guided_layers(policy, layers, k, calibration)
+    plan = UpcastPlan(policy, "guided", ids, fp16_guard, tf32)
+    plan.profile = profile
+    return plan
+
+
+_SHADOW_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def _guided_layers(
+    policy: nn.Module, layers: Sequence[int] | str | None, k: int,
+    calibration: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[list[int], Any]:
+    """``(layer ids, attribution profile or None)`` of a ``guided`` plan: the given ids (checked against the
+    model), or the top-``k`` of a divergence profile on ``calibration`` rows for ``layers="auto"``."""
+    n_layers = len(_layer_list_path(unwrap_model(policy))[1])
     profile = None
     if isinstance(layers, str):
         if layers != "auto":
@@ -1044,6 +529,4 @@ def make_plan(
             )
     if len(set(ids)) != len(ids):
         raise ValueError(f"duplicate layer ids in {ids}")
-    plan = _UpcastPlan(policy, "guided", ids, fp16_guard, tf32)
-    plan.profile = profile
-    return plan
+    return ids, profile

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ __all__ = [
     "output_head",
     "POSITION_MODES",
     "DEFAULT_CHUNK_TOKENS",
+    "ScoringOptions",
 ]
 
 POSITION_MODES = ("mask", "arange")
@@ -48,6 +49,16 @@ fp32: 20 GB). Small enough that models with a small body and a large vocabulary 
 TileIndex = tuple[slice, slice]
 # reduce(logits [b, t, V] fp32 after temperature scaling, targets [b, t], index) -> [b, t] fp32
 LogprobReducer = Callable[[torch.Tensor, torch.Tensor, TileIndex], torch.Tensor]
+
+
+class ScoringOptions(TypedDict, total=False):
+    """Keyword options of a scoring call, as :func:`token_logprobs` takes them (and passes on unchanged from
+    :meth:`bloggap_plugin.core.precision.ScoringPlan.token_logprobs`); defaults are :func:`token_logprobs`'s."""
+
+    positions: str
+    temperature: float
+    reduce: LogprobReducer | None
+    chunk_tokens: int | None
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

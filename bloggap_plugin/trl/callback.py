@@ -66,7 +66,7 @@ class GapGRPOTrainer(GapMixin, GRPOTrainer):
             from bloggap_plugin.trl.vllm_colocate import engine_kwargs_from_env, vllm_colocate_engine
 
             engine_kwargs = engine_kwargs_from_env()  # BLOGGAP_VLLM_KV_CACHE_GIB: several engines on one GPU
-            if config.arm == "H":
+            if config.arm_spec.needs_fp16_training:
                 engine_kwargs["dtype"] = "float16"  # arm H: vLLM samples in fp16 too
             if engine_kwargs:
                 engine = vllm_colocate_engine(**engine_kwargs)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-__all__ = ["run_training", "prepare_run", "RunPlan", "JsonlLogger"]
+__all__ = ["run_training", "prepare_run", "TrainConfig", "train_config", "RunPlan", "JsonlLogger"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -44,6 +46,68 @@ def JsonlLogger(path: str | Path):  # noqa: N802 - a factory that returns a Trai
     return _JsonlLogger()
 
 
+def _mapping(text: str) -> dict:
+    """A YAML/JSON mapping given on the command line, e.g. ``'{beta: 0.04}'``."""
+    import argparse
+
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise argparse.ArgumentTypeError(f"not a YAML mapping: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a YAML mapping such as '{{key: value}}', got {text!r}")
+    return value
+
+
+def _help(text: str, **more: Any) -> dict:
+    return {"help": text, **more}
+
+
+@dataclass
+class TrainConfig:
+    """One GRPO run from a recipe: what :func:`prepare_run` checks and :func:`run_training` trains (the flags of
+    ``bloggap train``; each field's ``metadata["help"]`` says what it does)."""
+
+    recipe: str = field(metadata=_help("recipe YAML: GRPOConfig fields plus a gap: section", positional=None))
+    model: str = field(default="smollm2", metadata=_help("model spec (default smollm2, offline)"))
+    task: str = field(default="arith", metadata=_help("task: arith (default) or gsm8k"))
+    data: str | None = field(default=None, metadata=_help(
+        "gsm8k: the data as a local .jsonl/.json/.parquet file or folder, e.g. ../shared/data/gsm8k (default: "
+        "$BLOGGAP_GSM8K_DATA, else openai/gsm8k from the Hugging Face hub or its cache)", metavar="PATH"))
+    calc_steps: str | None = field(default=None, metadata=_help(
+        "gsm8k: train on the problems with N (or LOW-HIGH) <<...>> calculation steps", metavar="N|LOW-HIGH"))
+    max_steps: int | None = field(default=None, metadata=_help("optimizer steps, >= 1 (default: the recipe's)"))
+    output_dir: str = field(default="bloggap-runs/train", metadata=_help("trainer output folder"))
+    report_to: str = field(default="none", metadata=_help("none, wandb, tensorboard, trackio ..."))
+    seed: int = field(default=0, metadata=_help("seed of the run (GRPOConfig.seed and the task's data)"))
+    log_jsonl: str | None = field(default=None, metadata=_help("also write one JSON line per logged step here"))
+    device: str | None = field(default=None, metadata=_help("cpu or cuda (default: cuda if available)"))
+    extra_overrides: dict | None = field(default=None, metadata=_help(
+        "GRPOConfig fields applied after the recipe, as a YAML mapping, e.g. '{beta: 0.04}'", parse=_mapping))
+    gap_overrides: dict | None = field(default=None, metadata=_help(
+        "fields of the recipe's gap: section replaced (validated), as a YAML mapping, e.g. '{band: 0.2}'",
+        parse=_mapping))
+    task_kwargs: dict | None = field(default=None, metadata=_help(
+        "more options of the task, as a YAML mapping (data and calc_steps are added to them)", parse=_mapping))
+
+    def task_options(self) -> dict | None:
+        """``task_kwargs`` plus ``data`` / ``calc_steps`` where given; ``None`` when there are none."""
+        options = dict(self.task_kwargs or {})
+        options.update({key: value for key, value in (("data", self.data), ("calc_steps", self.calc_steps))
+                        if value is not None})
+        return options or None
+
+
+def train_config(recipe: str | Path | TrainConfig, **settings: Any) -> TrainConfig:
+    """A :class:`TrainConfig` from a recipe path and keyword settings (its field names), or from a TrainConfig with
+    ``settings`` replacing some of its fields; an unknown setting is a ``TypeError`` naming it."""
+    if isinstance(recipe, TrainConfig):
+        return dataclasses.replace(recipe, **settings)
+    return TrainConfig(recipe=recipe, **settings)
+
+
 class RunPlan(NamedTuple):
     """What :func:`prepare_run` checked: the trainer arguments, the plugin's settings, device and weight dtype."""
 
@@ -53,69 +117,56 @@ class RunPlan(NamedTuple):
     dtype: str
 
 
-def prepare_run(
-    recipe_path: str | Path,
-    *,
-    model: str = "smollm2",
-    task: str = "arith",
-    max_steps: int | None = None,
-    output_dir: str | Path = "bloggap-runs/train",
-    report_to: str = "none",
-    seed: int = 0,
-    log_jsonl: str | Path | None = None,
-    extra_overrides: dict | None = None,
-    gap_overrides: dict | None = None,
-    task_kwargs: dict | None = None,
-    device: str | None = None,
-) -> RunPlan:
+def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
     """Check every input of :func:`run_training` without loading a model; raise
     :class:`~bloggap_plugin.errors.UsageError` (or a subclass) naming the problem and the fix.
 
+    ``recipe``: a recipe path (then ``settings`` are :class:`TrainConfig` fields) or a :class:`TrainConfig`.
     Checked: ``max_steps`` (>= 1 or None), the recipe (text, YAML, no duplicate keys, known keys and types), the
     ``gap`` overrides, the device, the output folder and JSONL path (writable), the ``GRPOConfig`` the recipe and
     overrides build (TRL's own checks, e.g. num_generations dividing the generation batch, plus value ranges
     the optimizer or ``generate`` would reject later), the task and its data, and the model spec.
     """
-    import dataclasses
-
     from bloggap_plugin._io import check_writable_dir, check_writable_file
     from bloggap_plugin.errors import UsageError
     from bloggap_plugin.models import check_model_spec, resolve_device
     from bloggap_plugin.recipes import RecipeError, load_recipe, merge_grpo_config
     from bloggap_plugin.tasks import get_task
 
+    config = train_config(recipe, **settings)
+    max_steps, log_jsonl = config.max_steps, config.log_jsonl
     if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
         raise UsageError(f"--max-steps must be an integer >= 1, got {max_steps!r}; leave it out to use the "
                          "recipe's max_steps")
-    grpo_kwargs, gap = load_recipe(recipe_path)
-    if gap_overrides:
+    grpo_kwargs, gap = load_recipe(config.recipe)
+    if config.gap_overrides:
         try:
-            gap = dataclasses.replace(gap, **gap_overrides)  # __post_init__ validates the new values
+            gap = dataclasses.replace(gap, **config.gap_overrides)  # __post_init__ validates the new values
         except TypeError as err:
-            raise RecipeError(f"gap overrides {sorted(gap_overrides)}: {err}") from None
-    device = resolve_device(device)
-    for problem in (check_writable_dir(output_dir, "--output-dir"),
+            raise RecipeError(f"gap overrides {sorted(config.gap_overrides)}: {err}") from None
+    device = resolve_device(config.device)
+    for problem in (check_writable_dir(config.output_dir, "--output-dir"),
                     None if log_jsonl is None else check_writable_file(log_jsonl, "--log-jsonl", create_parents=True)):
         if problem:
             raise UsageError(problem)
     on_cpu = device.startswith("cpu")
-    overrides: dict = {"output_dir": str(output_dir), "report_to": report_to, "seed": int(seed),
+    overrides: dict = {"output_dir": str(config.output_dir), "report_to": config.report_to, "seed": int(config.seed),
                        "save_strategy": "no", "logging_steps": 1}
     if max_steps is not None:
         overrides["max_steps"] = int(max_steps)
     if on_cpu:
         overrides.update(use_cpu=True, bf16=False, fp16=bool(grpo_kwargs.get("fp16", False)))
-        dtype = "fp32" if gap.arm == "H" else "bf16"
+        dtype = "fp32" if gap.arm_spec.needs_fp16_training else "bf16"
     else:
         dtype = "fp32"
-    overrides.update(extra_overrides or {})
+    overrides.update(config.extra_overrides or {})
     try:
         args = merge_grpo_config(grpo_kwargs, None, **overrides)
     except RecipeError as err:
-        raise RecipeError(f"{recipe_path}: {err}") from None
+        raise RecipeError(f"{config.recipe}: {err}") from None
     _check_report_to(args.report_to)
-    get_task(task, None, seed=seed, **(task_kwargs or {}))  # the name, its options and its data, before the model
-    check_model_spec(model)
+    get_task(config.task, None, seed=config.seed, **(config.task_options() or {}))  # name, options, data: before the model
+    check_model_spec(config.model)
     return RunPlan(args=args, gap=gap, device=device, dtype=dtype)
 
 
@@ -137,28 +188,15 @@ def _check_report_to(report_to: list[str] | None) -> None:
                              "--report-to none")
 
 
-def run_training(
-    recipe_path: str | Path,
-    *,
-    model: str = "smollm2",
-    task: str = "arith",
-    max_steps: int | None = None,
-    output_dir: str | Path = "bloggap-runs/train",
-    report_to: str = "none",
-    seed: int = 0,
-    log_jsonl: str | Path | None = None,
-    extra_overrides: dict | None = None,
-    gap_overrides: dict | None = None,
-    task_kwargs: dict | None = None,
-    device: str | None = None,
-) -> dict:
+def run_training(recipe: str | Path | TrainConfig, **settings: Any) -> dict:
     """Train GRPO with the recipe's GRPOConfig fields and ``gap:`` section; return a summary dict.
 
-    Offline: the model comes from :func:`bloggap_plugin.models.load_model` (default SmolLM2-135M-Instruct),
-    the data and rewards from :func:`bloggap_plugin.tasks.get_task`. On CPU the run uses ``use_cpu``, no
-    autocast, and bf16 weights (fp32 for arm H, whose fp16 autocast accelerate enables on CUDA only); on
-    CUDA, fp32 master weights with the recipe's ``bf16``/``fp16`` autocast. ``extra_overrides`` are GRPOConfig
-    fields applied last; ``gap_overrides`` replace fields of the recipe's ``gap:`` section (validated).
+    ``recipe``: a recipe path (then ``settings`` are :class:`TrainConfig` fields, e.g. ``model=``, ``max_steps=``)
+    or a :class:`TrainConfig`. Offline: the model comes from :func:`bloggap_plugin.models.load_model` (default
+    SmolLM2-135M-Instruct), the data and rewards from :func:`bloggap_plugin.tasks.get_task`. On CPU the run uses
+    ``use_cpu``, no autocast, and bf16 weights (fp32 for arm H, whose fp16 autocast accelerate enables on CUDA
+    only); on CUDA, fp32 master weights with the recipe's ``bf16``/``fp16`` autocast. ``extra_overrides`` are
+    GRPOConfig fields applied last; ``gap_overrides`` replace fields of the recipe's ``gap:`` section (validated).
     Each logged step goes to ``log_jsonl`` as one JSON line. Every input is checked by :func:`prepare_run`
     before the model loads.
     """
@@ -166,13 +204,13 @@ def run_training(
     from bloggap_plugin.tasks import get_task
     from bloggap_plugin.trl.callback import GapGRPOTrainer
 
-    plan = prepare_run(recipe_path, model=model, task=task, max_steps=max_steps, output_dir=output_dir,
-                       report_to=report_to, seed=seed, log_jsonl=log_jsonl, extra_overrides=extra_overrides,
-                       gap_overrides=gap_overrides, task_kwargs=task_kwargs, device=device)
+    config = train_config(recipe, **settings)
+    plan = prepare_run(config)
     args, gap, device = plan.args, plan.gap, plan.device
+    model, seed, log_jsonl = config.model, config.seed, config.log_jsonl
     policy, tokenizer = load_model(model, dtype=plan.dtype, device=device)
     policy.train()
-    train_dataset, reward_funcs = get_task(task, tokenizer, seed=seed, **(task_kwargs or {}))
+    train_dataset, reward_funcs = get_task(config.task, tokenizer, seed=seed, **(config.task_options() or {}))
     callbacks = []
     logger = None
     if log_jsonl is not None:
@@ -188,10 +226,10 @@ def run_training(
     trainer._gap_close()
     history = [h for h in trainer.state.log_history if "loss" in h]
     summary: dict = {
-        "recipe": str(recipe_path),
+        "recipe": str(config.recipe),
         "arm": gap.arm,
         "model": model,
-        "task": task,
+        "task": config.task,
         "seed": seed,
         "device": str(device),
         "steps": trainer.state.global_step,

@@ -1,0 +1,252 @@
+"""Arms ``fp32_head`` (E) and ``guided`` (D): fp32 islands swapped into the live policy for one scoring call.
+
+See :mod:`bloggap_plugin.core.precision` (module docstring) for what they compute; build them with
+:func:`~bloggap_plugin.core.precision.make_plan`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .model_parts import (
+    _cast_floating,
+    _executed_numel,
+    _first_floating,
+    _floating_dtype,
+    _FusedCopy,
+    _layer_list_path,
+    _model_device,
+    _module_copy,
+    _parent_of,
+    _tensor_bytes,
+    final_norm,
+)
+from .precision import ScoringPlan
+from .scoring import output_head
+
+__all__ = ["UpcastPlan"]
+
+
+class _Fp32Island(nn.Module):
+    """Runs ``inner`` in fp32 (inputs cast, autocast off); casts the output back to the residual dtype when
+    ``cast_back``. ``state`` is shared by the plan's islands during one call."""
+
+    def __init__(self, inner: nn.Module, state: dict, starts_chain: bool, cast_back: bool) -> None:
+        super().__init__()
+        self.inner = inner
+        self._state = state
+        self._starts_chain = starts_chain
+        self._cast_back = cast_back
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["inner"], name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        first = _first_floating((args, kwargs))
+        if self._starts_chain and first is not None:
+            self._state["residual_dtype"] = first.dtype
+        rope = self._state.get("rope")
+        if rope is not None and kwargs.get("position_embeddings") is rope[0]:
+            kwargs["position_embeddings"] = rope[1]
+        args = _cast_floating(args, torch.float32)
+        kwargs = _cast_floating(kwargs, torch.float32)
+        device_type = first.device.type if first is not None else "cpu"
+        with contextlib.ExitStack() as stack:
+            for dt in {device_type, "cpu"}:
+                stack.enter_context(torch.autocast(device_type=dt, enabled=False))
+            out = self.inner(*args, **kwargs)
+        if self._cast_back:
+            out = _cast_floating(out, self._state.get("residual_dtype", torch.bfloat16))
+        return out
+
+
+class _Fp32Head(nn.Module):
+    """fp32 projection with a detached fp32 copy of the head weight (never the shared tensor itself)."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.in_features = head.weight.shape[1]
+        self.out_features = head.weight.shape[0]
+        self.owns_weight = head.weight.dtype != torch.float32
+        weight = head.weight.detach()
+        self.register_buffer(
+            "weight32", weight.float().clone() if self.owns_weight else weight, persistent=False
+        )
+        bias = getattr(head, "bias", None)
+        self.owns_bias = bias is not None and bias.dtype != torch.float32
+        if bias is None:
+            self.bias32 = None
+        else:
+            self.register_buffer(
+                "bias32", bias.detach().float().clone() if self.owns_bias else bias.detach(), persistent=False
+            )
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.weight32
+
+    def refresh(self, head: nn.Module) -> None:
+        if self.owns_weight:
+            self.weight32.copy_(head.weight)
+        if self.owns_bias:
+            self.bias32.copy_(head.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        with contextlib.ExitStack() as stack:
+            for dt in {hidden.device.type, "cpu"}:
+                stack.enter_context(torch.autocast(device_type=dt, enabled=False))
+            return nn.functional.linear(hidden.float(), self.weight32, self.bias32)
+
+    def owned_tensors(self) -> list[torch.Tensor]:
+        out = [self.weight32] if self.owns_weight else []
+        return out + ([self.bias32] if self.owns_bias else [])
+
+
+class _UpcastPlan(ScoringPlan):
+    """Arms E/D on the live policy: fp32 islands swapped in for one call (see the module docstring)."""
+
+    def __init__(
+        self, policy: nn.Module, arm: str, layers: Sequence[int], fp16_guard: bool, tf32: bool | str = False
+    ) -> None:
+        super().__init__(policy, arm, fp16_guard, tf32)
+        source = self._source
+        layer_path, layer_list = _layer_list_path(source)
+        self._layer_list = layer_list
+        n_layers = len(layer_list)
+        self.layers = sorted(int(i) for i in layers)
+        self._low_dtype = _floating_dtype(source)
+        self._state: dict = {}
+        self._owned: list[tuple[nn.Module, nn.Module]] = []  # (fp32 copy, live module) refreshed on sync
+        self._copy = _FusedCopy()
+        self._swaps: list[tuple[nn.Module, str, nn.Module, nn.Module]] = []  # (parent, key, live, island)
+        chosen = set(self.layers)
+        device = _model_device(source)
+        for i in self.layers:
+            live = layer_list[i]
+            inner = self._fp32_version(live, device)
+            island = _Fp32Island(
+                inner,
+                self._state,
+                starts_chain=(i - 1) not in chosen,
+                cast_back=(i + 1) in range(n_layers) and (i + 1) not in chosen,
+            )
+            self._swaps.append((layer_list, str(i), live, island))
+        norm = final_norm(source)
+        self._norm_numel = 0
+        if norm is not None:
+            parent, key, live = norm
+            island = _Fp32Island(
+                self._fp32_version(live, device), self._state, starts_chain=False, cast_back=False
+            )
+            self._swaps.append((parent, key, live, island))
+            self._norm_numel = sum(p.numel() for p in live.parameters())
+        parent, key, head = output_head(source)
+        if getattr(head, "weight", None) is None or head.weight.dim() != 2:
+            raise ValueError(
+                f"the LM head {type(head).__name__} has no 2-D weight; fp32_head/guided cannot project it"
+            )
+        self._head = _Fp32Head(head)
+        self._head_live = head
+        self._swaps.append((parent, key, head, self._head))
+        self._rope = self._find_rope(source, layer_path)
+        self._layer_numel = sum(sum(p.numel() for p in layer_list[i].parameters()) for i in self.layers)
+
+    @staticmethod
+    def _find_rope(source: nn.Module, layer_path: str) -> nn.Module | None:
+        base = _parent_of(source, layer_path)
+        rope = base._modules.get("rotary_emb")
+        return rope if isinstance(rope, nn.Module) else None
+
+    def _fp32_version(self, live: nn.Module, device: torch.device) -> nn.Module:
+        params = list(live.parameters())
+        if params and all(p.dtype == torch.float32 for p in params if p.is_floating_point()):
+            return live  # already fp32 (fp32 weights under autocast): run it as is, autocast off
+        clone = _module_copy(live, torch.float32, device)
+        self._owned.append((clone, live))
+        return clone
+
+    def _score_model(self) -> Callable[..., Any]:
+        return self._policy_call
+
+    def _computes_fp16(self) -> bool:
+        return self._low_dtype == torch.float16
+
+    def _computes_fp32(self) -> bool:
+        return True  # the fp32 islands and head
+
+    @contextlib.contextmanager
+    def _scoring_context(self) -> Iterator[None]:
+        handle = None
+        if self._rope is not None and self.layers:
+            handle = self._rope.register_forward_hook(self._rope_hook, with_kwargs=True)
+        for clone, live in self._owned:
+            clone.train(live.training)
+        installed = []
+        try:
+            for parent, key, live, island in self._swaps:
+                if parent._modules.get(key) is not live:
+                    raise RuntimeError(
+                        f"the policy's module {key!r} changed since the plan was made; make a new plan after "
+                        "replacing modules (e.g. after PEFT wrapping or torch.compile)"
+                    )
+                parent._modules[key] = island
+                installed.append((parent, key, live))
+            yield
+        finally:
+            for parent, key, live in reversed(installed):
+                parent._modules[key] = live
+            if handle is not None:
+                handle.remove()
+            self._state.clear()
+
+    def _rope_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        x = args[0] if args else kwargs.get("x")
+        if not isinstance(x, torch.Tensor) or x.dtype == torch.float32:
+            return
+        rest_args = args[1:]
+        rest_kwargs = {k: v for k, v in kwargs.items() if k != "x"}
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            fp32_output = type(module).forward(module, x.float(), *rest_args, **rest_kwargs)
+        self._state["rope"] = (output, fp32_output)
+
+    def _sync(self, source: nn.Module) -> None:
+        if source is not self._source:
+            raise ValueError(
+                "arms fp32_head/guided run on the live policy they were made from; sync got a different model "
+                f"({type(source).__name__} at {id(source):#x}); make a new plan for it"
+            )
+        self._copy(source, lambda: [pair for clone, live in self._owned
+                                    for pair in zip(clone.parameters(), live.parameters())])
+        self._head.refresh(self._head_live)
+
+    def _bytes(self) -> int:
+        tensors: list[torch.Tensor] = []
+        for clone, _ in self._owned:
+            tensors += list(clone.parameters()) + list(clone.buffers())
+        return _tensor_bytes(tensors + self._head.owned_tensors())
+
+    def _fp32_share(self) -> float:
+        numerator = self._layer_numel + self._norm_numel + self._head_live.weight.numel()
+        bias = getattr(self._head_live, "bias", None)
+        if bias is not None:
+            numerator += bias.numel()
+        return numerator / max(_executed_numel(self._source), 1)
+
+    def close(self) -> None:
+        super().close()
+        self._copy.clear()
+        self._owned = []
+        self._swaps = []
+        self._head = None
+        self._state.clear()
+
+
+UpcastPlan = _UpcastPlan

@@ -1,0 +1,191 @@
+"""Attaching the plugin to a GRPOTrainer: every check of ``gap`` against the trainer, then a fresh :class:`GapState`.
+
+Errors are :class:`~bloggap_plugin.recipes.RecipeError` naming the setting and the fix; they are raised before
+anything is installed. ``_STACK`` is the number of frames between these helpers and the user's call (the
+trainer's ``__init__`` or :class:`~bloggap_plugin.trl.GapCallback`), so warnings point at the user's line.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from bloggap_plugin.core import metrics as gap_metrics
+from bloggap_plugin.recipes import GapConfig, RecipeError, config_differences
+from bloggap_plugin.trl.state import GapState
+
+__all__ = ["attach_state", "KNOWN_LOSS_TYPES"]
+
+# TRL 1.16's loss types (grpo_trainer._compute_loss): the plugin's metrics are defined for exactly these
+KNOWN_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+_STACK = 5  # warn() in a helper here <- attach_state <- GapMixin._gap_attach <- trainer __init__/install <- user
+
+
+def attach_state(trainer: Any, gap: GapConfig, grpo_kwargs: dict | None, source: str) -> GapState:
+    """Validate ``gap`` against ``trainer`` (a GRPOTrainer with GapMixin's methods) and return its state."""
+    from trl import GRPOTrainer
+
+    from bloggap_plugin.trl.compat import check_trl
+
+    if not isinstance(gap, GapConfig):
+        raise TypeError(f"gap must be a GapConfig, got {type(gap).__name__}")
+    trl_version = check_trl(GRPOTrainer, strict=gap.strict_version)
+    _warn_recipe_differences(trainer, grpo_kwargs, source)
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    num_layers = getattr(getattr(policy, "config", None), "num_hidden_layers", None)
+    if num_layers is not None:
+        gap.check_layers(int(num_layers))
+    _check_precision(trainer, gap)
+    _check_vllm(trainer, gap)
+    settings = _sampler_settings(trainer, gap, policy)
+    clip_applies = _check_loss(trainer, gap)
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(int(trainer.args.seed) + 7919 * trainer.accelerator.process_index)
+    state = GapState(config=gap, arm=gap.arm_spec, generator=generator, trl_version=trl_version,
+                     clip_applies=clip_applies, sampler_on=settings is not None)
+    _set_truncation(trainer, state, settings)
+    # Arms that keep TRL's forward score with positions 0..L-1; the others use gap.positions everywhere.
+    state.positions = "arange" if state.arm.keeps_trl_forward else gap.positions
+    return state
+
+
+def _warn_recipe_differences(trainer: Any, grpo_kwargs: dict | None, source: str) -> None:
+    diffs = config_differences(grpo_kwargs, trainer.args) if grpo_kwargs else {}
+    if diffs:
+        listed = ", ".join(f"{k}: recipe {r!r} vs trainer {t!r}" for k, (r, t) in sorted(diffs.items()))
+        warnings.warn(
+            f"{source}: attached to an existing trainer, only the gap: section applies; these GRPOConfig "
+            f"fields differ and are NOT applied: {listed}",
+            stacklevel=_STACK,
+        )
+
+
+def _check_precision(trainer: Any, gap: GapConfig) -> None:
+    """The arm's precision against the trainer's: fp16 training where the arm needs it, a warning where it
+    scores above the fp16 it trains in."""
+    arm, args = gap.arm_spec, trainer.args
+    if arm.needs_fp16_training and not args.fp16:
+        raise RecipeError(f"gap.arm {arm.letter} (fp16 everywhere) needs fp16: true in the GRPOConfig (see "
+                          f"recipes/arm_{arm.letter}.yaml)")
+    if arm.needs_fp16_training and not getattr(trainer.accelerator, "native_amp", True):
+        warnings.warn(
+            f"arm {arm.letter}: accelerate runs without fp16 autocast on this device (e.g. CPU), so rollout, old "
+            f"log-probs and training stay in the model's dtype; arm {arm.letter} takes effect on CUDA",
+            stacklevel=_STACK,
+        )
+    if args.fp16 and arm.scores_above_fp16:
+        warnings.warn(f"arm {arm.letter} scores old log-probs above fp16 while training runs in fp16",
+                      stacklevel=_STACK)
+
+
+def _check_vllm(trainer: Any, gap: GapConfig) -> None:
+    if not trainer.use_vllm:
+        return
+    if gap.arm_spec.needs_fp16_training:
+        trainer._gap_check_vllm_fp16()
+    if gap.kept == "renormalize" and trainer.args.beta != 0.0:
+        raise RecipeError(
+            "gap.kept: renormalize with beta > 0 is not supported on TRL's vLLM path: TRL scores the reference "
+            "model before the plugin re-derives the kept sets, so the KL term would compare a renormalised "
+            "policy with a full-vocabulary reference; use beta: 0, gap.kept: measure, or HF generate"
+        )
+    if gap.is_correction:
+        raise RecipeError(
+            "gap.is_correction is the HF-path correction; with vLLM use TRL's own "
+            "vllm_importance_sampling_correction"
+        )
+
+
+def _sampler_settings(trainer: Any, gap: GapConfig, policy: Any) -> dict | None:
+    """The sampler recorder's settings (what HF ``generate`` really samples with), or ``None`` when it is off."""
+    if not gap.sampler or trainer.use_vllm:
+        return None
+    from bloggap_plugin.sampling import (
+        effective_generation_config,
+        sampler_settings,
+        unsupported_generation_mode,
+    )
+
+    off_reason = None
+    settings = None
+    if getattr(trainer, "use_transformers_continuous_batching", False) or getattr(trainer, "tools", None):
+        off_reason = "it supports plain HF generate without tools or continuous batching only"
+    else:
+        # what generate really runs with: TRL's config, None fields filled from the model's generation_config
+        effective = effective_generation_config(policy, getattr(trainer, "generation_config", None))
+        mode = unsupported_generation_mode(effective)
+        if mode is not None:
+            off_reason = f"it records plain multinomial sampling only, not {mode}"
+        else:
+            try:
+                settings = sampler_settings(effective)
+            except ValueError as err:
+                raise RecipeError(
+                    f"{err}; turn them off in GRPOConfig.generation_kwargs (typical_p: 1.0, epsilon_cutoff: "
+                    "0.0, eta_cutoff: 0.0) or in the model's generation_config (top_h: None, "
+                    "watermarking_config: None), or set gap.sampler: false"
+                ) from None
+    if off_reason is not None:
+        if gap.kept == "renormalize" or gap.is_correction:
+            raise RecipeError(f"gap.kept: renormalize / gap.is_correction need the sampler recording, and {off_reason}")
+        warnings.warn(f"sampler recording is off ({off_reason}): no gap/sampler or gap/kept metrics; "
+                      "training is unchanged", stacklevel=_STACK)
+    return settings
+
+
+def _check_loss(trainer: Any, gap: GapConfig) -> bool:
+    """Refuse loss settings the metrics are undefined for; return whether TRL's loss clips the importance weight."""
+    args = trainer.args
+    loss_type = getattr(trainer, "loss_type", args.loss_type)
+    if loss_type not in KNOWN_LOSS_TYPES:
+        raise RecipeError(
+            f"loss_type {loss_type!r} is not one bloggap supports (TRL 1.16: {', '.join(KNOWN_LOSS_TYPES)}); "
+            "its ratio and clip metrics would be undefined"
+        )
+    level = getattr(trainer, "importance_sampling_level", args.importance_sampling_level)
+    if level not in ("token", "sequence"):
+        raise RecipeError(f"importance_sampling_level {level!r} is not supported; use 'token' or 'sequence'")
+    if gap.kept == "renormalize" and getattr(trainer, "_is_vlm", False):
+        raise RecipeError(
+            "gap.kept: renormalize supports text-only models (its non-fused scoring passes no image inputs); "
+            "use gap.kept: measure with a vision-language model"
+        )
+    if gap.kept == "renormalize" and getattr(trainer, "aux_loss_enabled", False):
+        raise RecipeError(
+            "gap.kept: renormalize does not support the MoE aux loss (router_aux_loss_coef != 0); set "
+            "router_aux_loss_coef: 0.0 or use gap.kept: measure"
+        )
+    if gap.is_correction and loss_type == "vespo":
+        raise RecipeError("gap.is_correction does not apply to loss_type vespo (TRL feeds IS ratios into its gamma weights)")
+    clip_applies = loss_type in gap_metrics.CLIP_RULE_LOSSES
+    if not clip_applies:
+        warnings.warn(
+            f"gap/clip/clipped_frac and gap/clip/flip_frac are not logged with loss_type {loss_type!r}: it "
+            "does not clip the importance weight (sapo: soft gate; vespo: gamma weights)",
+            stacklevel=_STACK,
+        )
+    return clip_applies
+
+
+def _set_truncation(trainer: Any, state: GapState, settings: dict | None) -> None:
+    """The sampler recorder (HF path) or vLLM's truncation, and the kept-set modes that follow from them."""
+    gap = state.config
+    if settings is not None:
+        from bloggap_plugin.sampling import SamplerRecorder
+
+        state.truncating = settings["top_k"] > 0 or settings["top_p"] < 1.0 or settings["min_p"] > 0.0
+        state.recorder = SamplerRecorder(**settings, truncate=state.truncating, order="hf",
+                                         store_ids_max=gap.store_ids_max if gap.kept != "off" else 0)
+    if trainer.use_vllm:
+        # what TRL sends to vLLM: VLLMGeneration's settings, generation_kwargs last
+        state.vllm_truncation = trainer._gap_vllm_sampling()
+        truncation = state.vllm_truncation
+        state.truncating = truncation["top_k"] > 0 or truncation["top_p"] < 1.0 or truncation["min_p"] > 0.0
+    if gap.kept == "renormalize" and not state.truncating:
+        warnings.warn("gap.kept: renormalize with untruncated sampling (top_p 1, top_k 0, min_p 0) changes nothing",
+                      stacklevel=_STACK)
+    state.renormalize = gap.kept == "renormalize" and state.truncating
+    # gap.kept: off records no kept sets and runs no kept-mass scoring (the recorder still truncates: it samples)
+    state.kept_on = gap.kept != "off" and state.truncating

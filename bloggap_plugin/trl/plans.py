@@ -1,0 +1,354 @@
+"""The adapter's scoring: precision plans, kept sets, and every forward the plugin runs itself.
+
+:class:`PlanMixin` is part of :class:`~bloggap_plugin.trl.mixin.GapMixin`. Modes (kept sets, renormalisation,
+the kept-mass capture) are arguments of these methods; nothing is flipped on the trainer around a call. Every
+extra forward runs under ``torch.no_grad`` inside ``torch.random.fork_rng``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from bloggap_plugin.core.scoring import gather_logprobs, join_tiles, position_ids_from_mask, token_logprobs
+from bloggap_plugin.recipes import RecipeError
+from bloggap_plugin.trl.state import fit_width
+
+__all__ = ["PlanMixin", "fork_rng", "MULTIMODAL_KEYS"]
+
+MULTIMODAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+def fork_rng(device: torch.device):
+    """``torch.random.fork_rng`` over the CPU and, on CUDA, ``device``: the trainer's RNG streams are untouched."""
+    devices = [device] if device.type == "cuda" else []
+    return torch.random.fork_rng(devices=devices)
+
+
+class PlanMixin:
+    """Plans, kept sets and the plugin's own scoring (methods of the trainer; state in ``self._gap_state``)."""
+
+    def _gap_vllm_sampling(self) -> dict:
+        """``{top_k, top_p, min_p}`` that TRL's vLLM generation samples with (``generation_kwargs`` override last)."""
+        from bloggap_plugin.core.truncation import validate_sampling
+
+        source = getattr(self, "vllm_generation", None) or self
+        settings = {"top_k": getattr(source, "top_k", None), "top_p": getattr(source, "top_p", None),
+                    "min_p": getattr(source, "min_p", None)}
+        settings.update({k: v for k, v in (getattr(source, "generation_kwargs", None) or {}).items() if k in settings})
+        top_k = int(settings["top_k"] or 0)
+        clean = {"top_k": top_k if top_k > 0 else 0,
+                 "top_p": 1.0 if settings["top_p"] is None else float(settings["top_p"]),
+                 "min_p": float(settings["min_p"] or 0.0)}
+        validate_sampling(1.0, **clean)
+        return clean
+
+    def _gap_vllm_kept_sets(self, output: dict, ids, attn, logits_to_keep) -> None:
+        """Kept sets of vLLM's draws, re-derived from the trainer's logits: ``gap_kept_sizes`` ``[B, K]`` and the trainer's
+        log kept mass ``gap_sampler_log_kept_mass`` ``[B, K]`` (vLLM's own mass is not returned by TRL 1.16).
+
+        One grad-free scoring pass in the arm's plan (TRL's forward for arms without one): the kept set follows vLLM's
+        order (temperature, min_p, top_k, top_p) on the temperature-scaled logits with the sampled token forced in.
+        Only sizes are kept, so old and new passes renormalise over their own top-``|S|`` (approximate at the boundary,
+        exactly consistent between the two passes at equal weights).
+        """
+        from bloggap_plugin.core.precision import make_plan
+        from bloggap_plugin.core.truncation import kept_mask, log_kept_mass
+
+        truncation = self._gap_state.vllm_truncation
+        sizes_parts: list = []
+        mass_parts: list = []
+
+        def reduce(logits, targets, index):
+            kept = kept_mask(logits, sampled=targets, order="vllm", **truncation)
+            sizes_parts.append((index, kept.sum(-1).to(torch.float32)))
+            mass_parts.append((index, log_kept_mass(logits, kept)))
+            return gather_logprobs(logits, targets)
+
+        if self._gap_state.plan is not None:
+            plan = self._gap_synced(self._gap_state.plan, "plan_step")
+        else:
+            if self._gap_state.vllm_plan is None:  # TRL's own forward, as called
+                self._gap_state.vllm_plan = make_plan(self.model, "bf16", fp16_guard=False)
+            plan = self._gap_state.vllm_plan
+        with torch.no_grad(), fork_rng(self.accelerator.device):
+            plan.token_logprobs(ids, attn, logits_to_keep, batch_size=self.args.per_device_train_batch_size,
+                                positions=self._gap_state.positions, temperature=self.temperature, reduce=reduce,
+                                chunk_tokens=self._gap_state.config.score_chunk_tokens)
+        mask = output["completion_mask"]
+        output["gap_kept_sizes"] = join_tiles(sizes_parts).round().to(torch.int32).to(mask.device) * mask.int()
+        output["gap_sampler_log_kept_mass"] = join_tiles(mass_parts).to(mask.device) * mask
+
+    def _gap_check_vllm_fp16(self) -> None:
+        """Arm H samples in fp16: refuse a colocate engine built in another dtype; warn where it cannot be read."""
+        from bloggap_plugin.trl.vllm_colocate import colocate_engine_dtype
+
+        if getattr(self, "vllm_mode", None) == "server":
+            warnings.warn(
+                "arm H with vLLM server mode: start the server in fp16 (`trl vllm-serve --dtype float16`); the trainer "
+                "cannot check the server's dtype (server mode is untested live)",
+                stacklevel=6,
+            )
+            return
+        dtype = colocate_engine_dtype(self)
+        if dtype is None:
+            warnings.warn("arm H: could not read the vLLM engine's dtype; make sure it samples in fp16", stacklevel=6)
+        elif dtype != torch.float16:
+            raise RecipeError(
+                f"arm H (fp16 everywhere) needs vLLM to sample in fp16, but TRL built the colocate engine in {dtype}: "
+                "use GapGRPOTrainer(..., gap=arm H), which builds it in fp16, or construct the GRPOTrainer inside "
+                "`with bloggap_plugin.trl.vllm_colocate_dtype('float16'):` before adding GapCallback"
+            )
+
+    def _gap_policy(self):
+        return self.accelerator.unwrap_model(self.model)
+
+    def _gap_make_plan(self, plan: str, **kwargs):
+        """A precision plan (``core.precision`` name) on the unwrapped policy, fp16 guard on, ``gap.tf32``."""
+        from bloggap_plugin.core.precision import make_plan
+
+        policy = self._gap_policy()
+        if plan in ("fp32", "fp16"):  # a shadow: on the trainer's device
+            kwargs["device"] = self.accelerator.device
+        if plan != "guided":
+            kwargs.pop("layers", None)
+            kwargs.pop("k", None)
+        kwargs.setdefault("tf32", self._gap_state.config.tf32)
+        return make_plan(policy, plan, fp16_guard=True, **kwargs)
+
+    def _gap_weights_version(self) -> tuple:
+        """What identifies the policy's current weights: the optimizer step plus every parameter's identity and
+        in-place version counter (bumped by the optimizer, ``load_state_dict`` on resume, any ``copy_``/``mul_``)."""
+        return (self.state.global_step, tuple((id(p), p._version) for p in self._gap_policy().parameters()))
+
+    def _gap_synced(self, plan, attr: str):
+        """``plan``, refreshed from the policy unless it already holds the current weights version (the state's
+        ``attr``, ``"plan_step"`` or ``"ref_step"``, stores the version it was last synced at; ``None``, as after
+        attach, always syncs)."""
+        if plan is not None:
+            version = self._gap_weights_version()
+            if getattr(self._gap_state, attr) != version:
+                plan.sync(self._gap_policy())
+                setattr(self._gap_state, attr, version)
+        return plan
+
+    def _gap_reference_plan(self):
+        """The fp32 batch-1 reference's plan (IEEE fp32), synced: the arm's own fp32 shadow where it is one."""
+        state = self._gap_state
+        if state.ref_plan is None:
+            if state.arm.plan == "fp32" and state.plan is not None and not state.plan.tf32:
+                state.ref_plan = state.plan
+                state.ref_step = state.plan_step
+            else:  # the reference is IEEE fp32 whatever gap.tf32 says
+                state.ref_plan = self._gap_make_plan("fp32", tf32=False)
+                state.ref_step = self._gap_weights_version()
+        if state.ref_plan is state.plan:
+            return self._gap_synced(state.plan, "plan_step")
+        return self._gap_synced(state.ref_plan, "ref_step")
+
+    def _gap_close(self) -> None:
+        state = self._gap_state
+        plans = (state.plan, state.ref_plan, state.vllm_plan)
+        for plan in {id(p): p for p in plans if p is not None}.values():
+            plan.close()
+
+    def _gap_agree_layers(self, layers: list[int]) -> list[int]:
+        """Process 0's automatically chosen fp32 layers, on every process (each chose from its own rows)."""
+        if self.accelerator.num_processes <= 1:
+            return layers
+        from accelerate.utils import broadcast_object_list
+
+        return list(broadcast_object_list([layers], from_process=0)[0])
+
+    def _gap_kept_from(self, batch: dict, rows=None):
+        """``(kept_ids [B,K,S] | None, sizes [B,K])`` of a batch dict (optionally only ``rows``)."""
+        sizes = batch.get("gap_kept_sizes")
+        if sizes is None:
+            return None
+        ids = batch.get("gap_kept_ids")
+        if rows is not None:
+            sizes = sizes[rows]
+            ids = ids[rows] if ids is not None else None
+        return ids, sizes
+
+    def _gap_kept_from_record(self, record, width: int):
+        """Kept sets of the pending (pre-shuffle) sampler record, fitted to completion width ``width``."""
+        ids = record.kept_ids_tensor()
+        return (fit_width(ids, width, -1) if ids is not None else None), fit_width(record.kept_sizes, width)
+
+    def _gap_reducer(self, kept, capture: list | None = None, renormalize: bool = False):
+        """A ``token_logprobs`` reduce: renormalised over ``kept`` (``renormalize``) or full; captures log kept mass.
+
+        ``capture`` receives ``(index, log kept mass [b, t])`` per scored tile; a tile scored again (the fp16
+        guard's fp32 re-score) appends the same index again, and the later value wins (``join_tiles``).
+        """
+        from bloggap_plugin.core.truncation import kept_reducer
+
+        if kept is None:
+            if capture is None:
+                return None
+
+            def full(logits, targets, index):
+                out = gather_logprobs(logits, targets)
+                capture.append((index, torch.zeros_like(out)))
+                return out
+
+            return full
+        ids, sizes = kept
+        inner = kept_reducer(kept_ids=ids, sizes=sizes.long())
+
+        def reduce(logits, targets, index):
+            renorm = inner(logits, targets, index)
+            full = gather_logprobs(logits, targets)
+            if capture is not None:
+                capture.append((index, (full - renorm).detach()))  # per tile: join_tiles assembles [B, K]
+            return renorm if renormalize else full
+
+        return reduce
+
+    def _gap_trl_scores(self, input_ids, attention_mask, logits_to_keep, batch_size, kept=None, *,
+                        renormalize: bool | None = None, capture: list | None = None):
+        """TRL's own old-logprob computation (the training forward's path), grad-free, ``[B, K]`` fp32.
+
+        ``kept``: kept sets to renormalise over when ``renormalize`` (default: the state's mode); ``capture``
+        receives the log kept mass per tile (see :meth:`_gap_reducer`)."""
+        if renormalize is None:
+            renormalize = self._gap_state.renormalize
+        with torch.no_grad(), fork_rng(self.accelerator.device):
+            logps, _, _ = self._gap_policy_logps(self.model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                                 kept=kept, renormalize=renormalize, capture=capture)
+        return logps.float()
+
+    def _gap_policy_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                          compute_entropy=False, compute_aux_loss=False, *, kept=None, renormalize=False,
+                          capture=None, **kwargs):
+        """``(logps, entropies, aux)`` of TRL's forward as the plugin runs it: renormalised over ``kept`` or
+        capturing kept mass (a non-fused forward), else TRL's fused head with ``gap.positions`` (or TRL's own)."""
+        multimodal = any(kwargs.get(k) is not None for k in MULTIMODAL_KEYS)
+        if (renormalize and kept is not None) or capture is not None:
+            if multimodal:
+                raise RecipeError("gap.kept: renormalize supports text-only models")
+            if compute_aux_loss:
+                raise RecipeError("gap.kept: renormalize does not support MoE aux loss (router_aux_loss_coef)")
+            logps, entropies = self._gap_unfused(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                                 compute_entropy, kept, capture, renormalize)
+            return logps, entropies, None
+        if self._gap_state.positions == "mask" and not multimodal:
+            return self._gap_fused_with_positions(model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                                  compute_entropy, compute_aux_loss)
+        return self._gap_next("_get_per_token_logps_and_entropies", model, input_ids, attention_mask,
+                              logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **kwargs)
+
+    def _gap_plan_scores(self, plan, input_ids, attention_mask, logits_to_keep, batch_size, kept=None, capture=None):
+        """The old log-probs ``[B, K]`` fp32 of ``plan`` (renormalised per the state's mode; ``capture`` as above)."""
+        state = self._gap_state
+        renormalize = state.renormalize
+        reduce = self._gap_reducer(kept, capture, renormalize) if kept is not None and (renormalize or capture is not None) else None
+        if state.config.score_rows:  # fewer rows per forward bounds an fp32 body's activations (gap.score_rows)
+            batch_size = min(batch_size, state.config.score_rows) if batch_size else state.config.score_rows
+        with torch.no_grad(), fork_rng(self.accelerator.device):
+            return plan.token_logprobs(
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size=batch_size,
+                positions=self._gap_state.positions,
+                temperature=self.temperature,
+                reduce=reduce,
+                chunk_tokens=self._gap_state.config.score_chunk_tokens,
+            ).float()
+
+    def _gap_arm_scores(self, input_ids, attention_mask, logits_to_keep, batch_size, kept=None):
+        """The arm's old log-probs ``[B, K]`` for a pre-shuffle batch (arms A-F, H)."""
+        if self._gap_state.arm.takes_layers and self._gap_state.plan is None:
+            # guided without layer ids: choose the top-k layers on the first generation batch
+            n_layers = int(getattr(self._gap_policy().config, "num_hidden_layers", self._gap_state.config.k))
+            plan = self._gap_make_plan("guided", layers="auto", k=min(self._gap_state.config.k, n_layers),
+                                       calibration=(input_ids[:8], attention_mask[:8]))
+            chosen = self._gap_agree_layers(list(plan.stats()["layers"]))
+            if chosen != list(plan.stats()["layers"]):  # another process's rows chose differently
+                plan.close()
+                plan = self._gap_make_plan("guided", layers=chosen, k=len(chosen))
+            self._gap_state.plan = plan
+            self._gap_state.plan_step = self._gap_weights_version()
+        if self._gap_state.plan is None:
+            return self._gap_trl_scores(input_ids, attention_mask, logits_to_keep, batch_size, kept)
+        plan = self._gap_synced(self._gap_state.plan, "plan_step")
+        return self._gap_plan_scores(plan, input_ids, attention_mask, logits_to_keep, batch_size, kept)
+
+    def _gap_fused_with_positions(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                                  compute_entropy, compute_aux_loss):
+        """TRL 1.16's text-only loop, plus ``position_ids`` from the attention mask (as ``generate`` uses)."""
+        batch_size = batch_size or input_ids.size(0)
+        all_logps, all_entropies, all_aux = [], [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids = input_ids[start:start + batch_size]
+            mask = attention_mask[start:start + batch_size]
+            model_inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
+            if compute_aux_loss:
+                model_inputs["output_router_logits"] = True
+            labels = ids.masked_fill(mask == 0, -100)
+            labels[:, :-logits_to_keep] = -100
+            with self.accelerator.autocast():
+                outputs = model(**model_inputs, labels=labels, fused_lm_head=True)
+            all_logps.append(outputs.log_probs[:, -logits_to_keep:])
+            if compute_entropy:
+                all_entropies.append(outputs.entropy[:, -logits_to_keep:])
+            if compute_aux_loss:
+                all_aux.append(outputs.aux_loss)
+        logps = torch.cat(all_logps, dim=0)
+        entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
+        aux = torch.stack(all_aux).mean() if compute_aux_loss else None
+        return logps, entropies, aux
+
+    def _gap_unfused(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, kept,
+                     capture, renormalize):
+        """Non-fused forward through ``token_logprobs`` with the kept-set reducer (logits in tiles of positions)."""
+        entropy_parts: list = []
+        reducer = self._gap_reducer(kept, capture, renormalize)
+
+        def reduce(logits, targets, index):
+            if compute_entropy:
+                logp_all = torch.log_softmax(logits, dim=-1)
+                entropy_parts.append((index, -(logp_all.exp() * logp_all).sum(-1)))
+            return reducer(logits, targets, index)
+
+        def forward(**model_kwargs):
+            with self.accelerator.autocast():
+                return model(**model_kwargs)  # the fused head's non-fused path: the model's own forward
+
+        logps = token_logprobs(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                               positions=self._gap_state.positions, temperature=self.temperature, reduce=reduce,
+                               forward=forward, chunk_tokens=self._gap_state.config.score_chunk_tokens)
+        entropies = join_tiles(entropy_parts) if compute_entropy else None
+        return logps, entropies
+
+    def _gap_trainer_log_mass(self, batch, ids, attn, logits_to_keep, capture) -> torch.Tensor:
+        """The trainer's own log kept mass of the batch's kept sets ``[B, K]`` (one extra scoring, under the arm)."""
+        kept = self._gap_kept_from(batch)
+        batch_size = self.args.per_device_train_batch_size
+        if self._gap_state.plan is not None:
+            plan = self._gap_synced(self._gap_state.plan, "plan_step")
+            self._gap_plan_scores(plan, ids, attn, logits_to_keep, batch_size, kept, capture)
+        else:  # TRL's forward, full vocabulary: the capture holds its log kept mass
+            self._gap_trl_scores(ids, attn, logits_to_keep, batch_size, kept, renormalize=False, capture=capture)
+        return join_tiles(capture).to(ids.device)
+
+    def _gap_probe_b1(self, batch, ids, attn, logits_to_keep, rows) -> torch.Tensor:
+        kept = self._gap_kept_from(batch, rows)
+        if self._gap_state.plan is None:
+            return self._gap_trl_scores(ids, attn, logits_to_keep, 1, kept)
+        plan = self._gap_synced(self._gap_state.plan, "plan_step")
+        return self._gap_plan_scores(plan, ids, attn, logits_to_keep, 1, kept)

@@ -1,0 +1,136 @@
+"""The TRL adapter's state (:class:`GapState`, one attribute ``trainer._gap_state``) and its named statistics.
+
+Statistics that are reduced across processes are small dataclasses (:class:`Statistics`): their fields, in
+declaration order, are the values a process contributes; :meth:`Statistics.to_tensor` /
+:meth:`Statistics.from_tensor` carry them through one ``accelerator.reduce`` (sums) or ``gather`` + max.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bloggap_plugin.arms import ArmSpec
+from bloggap_plugin.recipes import GapConfig
+
+__all__ = ["GapState", "Statistics", "LossSums", "LossMaxima", "GenerationSums", "GenerationMaxima", "StepTimes",
+           "FallbackCount", "completion_mask", "fit_width"]
+
+
+@dataclass
+class Statistics:
+    """Named per-process values, reduced across processes field by field (iterable in field order)."""
+
+    def to_tensor(self, device: torch.device | str) -> torch.Tensor:
+        """``[n_fields]`` float64 on ``device``."""
+        return torch.tensor([float(v) for v in self], dtype=torch.float64, device=device)
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor):
+        """The statistics of a ``[n_fields]`` tensor (as :meth:`to_tensor` lays them out)."""
+        return cls(*tensor.tolist())
+
+    def __iter__(self):
+        return iter(dataclasses.astuple(self))
+
+    def __len__(self) -> int:
+        return len(dataclasses.fields(self))
+
+    def raise_to(self, **values: float) -> None:
+        """Raise each named field to ``value`` where that is larger (maxima)."""
+        for name, value in values.items():
+            setattr(self, name, max(getattr(self, name), float(value)))
+
+
+def _statistics(name: str, fields: str, default: float, doc: str) -> type[Statistics]:
+    """A :class:`Statistics` dataclass named ``name`` with float ``fields`` (space-separated, in reduction order),
+    each starting at ``default`` (0 for sums, -inf for maxima)."""
+    cls = dataclasses.make_dataclass(name, [(f, float, dataclasses.field(default=default)) for f in fields.split()],
+                                     bases=(Statistics,))
+    cls.__doc__ = doc
+    cls.__module__ = __name__
+    return cls
+
+
+LossSums = _statistics(
+    "LossSums", "oob tokens abs_dlogp exact clipped flips probe_tokens oob_vs_trl abs_dlogp_vs_trl has_trl", 0.0,
+    "One training micro-batch's loss-time sums: tokens, out-of-band and exact counts, |dlogp|, clipped tokens, "
+    "clip flips against the reference on probe tokens, the arm vs TRL's own old log-probs (where TRL had them).")
+LossMaxima = _statistics("LossMaxima", "abs_dlogp_max", -math.inf, "One training micro-batch's largest |dlogp|.")
+GenerationSums = _statistics(
+    "GenerationSums",
+    "sampler_oob sampler_n sampler_absd probe_oob probe_n kept_mass_sum kept_size_sum kept_n kept_ratio_before_sum "
+    "kept_ratio_after_sum kept_oob_before kept_oob_after is_sum is_n", 0.0,
+    "One generation's sums over its measured batches (sampler, probe, kept sets, vLLM IS ratio).")
+GenerationMaxima = _statistics(
+    "GenerationMaxima", "kept_mass_neg_min kept_size_max sampler_absd_max is_max is_neg_min", -math.inf,
+    "One generation's maxima (minima stored negated).")
+StepTimes = _statistics("StepTimes", "plugin wall replaced", 0.0,
+                        "Seconds of one optimizer step: the plugin's, the whole step's, arm G's pass in place of TRL's.")
+FallbackCount = _statistics("FallbackCount", "new", 0.0, "fp16 chunks re-scored in fp32 since the last flush.")
+
+
+@dataclass
+class GapState:
+    """Everything the adapter keeps on a trainer between hook calls (``trainer._gap_state``)."""
+
+    config: GapConfig
+    arm: ArmSpec
+    generator: torch.Generator
+    """Private generator of the probe rows (the trainer's RNG is never drawn from)."""
+    trl_version: str = ""
+    clip_applies: bool = True
+    sampler_on: bool = False
+    recorder: Any = None
+    truncating: bool = False
+    vllm_truncation: dict | None = None
+    renormalize: bool = False
+    """``gap.kept: renormalize`` with truncated sampling: the trainer's forwards renormalise over kept sets."""
+    kept_on: bool = False
+    positions: str = "arange"
+    # plans and the weights version they were last synced at
+    plan: Any = None
+    ref_plan: Any = None
+    vllm_plan: Any = None
+    plan_step: tuple | None = None
+    ref_step: tuple | None = None
+    fallbacks_seen: int = 0
+    # one generation
+    generations: int = 0
+    gen_sums: GenerationSums | None = None
+    gen_maxima: GenerationMaxima | None = None
+    pending_record: Any = None
+    pending_completion: torch.Tensor | None = None
+    measure_now: bool = False
+    drives: bool = False
+    """The arm's old log-probs go into the loss (else they are measured only)."""
+    skip_old: bool = False
+    old_skipped: bool = False
+    # one training micro-batch (TRL's _compute_loss calls back into the training forward)
+    in_loss: bool = False
+    loss_kept: Any = None
+    new_logps: torch.Tensor | None = None
+    # timing
+    time: float = 0.0
+    replaced_time: float = 0.0
+    step_wall: float = 0.0
+    step_plugin: float = 0.0
+
+
+def completion_mask(batch: dict) -> torch.Tensor:
+    """The tokens TRL's loss counts: ``completion_mask``, times ``tool_mask`` where the batch has one. ``[B, K]``."""
+    mask = batch["completion_mask"]
+    return mask if batch.get("tool_mask") is None else mask * batch["tool_mask"]
+
+
+def fit_width(tensor: torch.Tensor, width: int, fill: int | float = 0, device: torch.device | None = None) -> torch.Tensor:
+    """``tensor`` ``[B, T, ...]`` cut or padded with ``fill`` to ``[B, width, ...]`` (on ``device``, default its own)."""
+    out = torch.full((tensor.shape[0], width, *tensor.shape[2:]), fill, dtype=tensor.dtype,
+                     device=tensor.device if device is None else device)
+    common = min(width, tensor.shape[1])
+    out[:, :common] = tensor[:, :common].to(out.device)
+    return out

@@ -1,0 +1,287 @@
+"""The adapter's metrics: the arm's old log-probs installed into TRL's batch, generation-time and loss-time
+statistics, and their reduction across processes (named :class:`~bloggap_plugin.trl.state.Statistics`).
+
+:class:`StatsMixin` is part of :class:`~bloggap_plugin.trl.mixin.GapMixin`. Every logged ``gap/*`` value is a
+global ratio: per-process sums are reduced (summed, or maxed) before dividing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from bloggap_plugin.core import metrics as gap_metrics
+from bloggap_plugin.trl.state import (
+    FallbackCount,
+    LossMaxima,
+    LossSums,
+    Statistics,
+    completion_mask,
+)
+
+__all__ = ["StatsMixin", "is_ratio"]
+
+
+def is_ratio(old_logps, sampler_logps, mask, mode: str, clip_min, clip_max) -> torch.Tensor:
+    """TRL 1.16's importance-sampling ratio (``GRPOTrainer._generate_and_score_completions``): ``[B, T]``
+    (token_* modes) or ``[B, 1]`` (sequence_* modes)."""
+    diff = torch.nan_to_num((old_logps - sampler_logps) * mask, nan=0.0)
+    if mode in ("sequence_mask", "sequence_truncate"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode in ("sequence_truncate", "token_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    if mode in ("sequence_mask", "token_mask"):
+        low = clip_min if clip_min is not None else -math.inf
+        high = clip_max if clip_max is not None else math.inf
+        return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    raise ValueError(f"unknown importance sampling mode {mode!r}")
+
+
+class StatsMixin:
+    """Old log-probs into the batch, and the gap/* metrics (methods of the trainer; state in ``self._gap_state``)."""
+
+    # ------------------------------------------------------------------ the arm's old log-probs
+    def _gap_install_old(self, batch: dict, old: torch.Tensor) -> None:
+        """Put the arm's old log-probs where the loss reads them (or aside, measure-only) and redo IS ratios."""
+        if self._gap_state.drives:
+            batch["old_per_token_logps"] = old
+        else:
+            batch["gap_old_logps"] = old
+        mask = completion_mask(batch)
+        settings = (self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
+                    self.vllm_importance_sampling_clip_max)
+        if self.use_vllm and self.vllm_importance_sampling_correction and "sampling_per_token_logps" in batch:
+            batch["importance_sampling_ratio"] = is_ratio(old, batch["sampling_per_token_logps"], mask, *settings)
+        if self._gap_state.config.is_correction and "gap_sampler_logps" in batch:
+            batch["gap_is_ratio"] = is_ratio(old, batch["gap_sampler_logps"], mask, *settings)
+
+    def _gap_old_of(self, batch: dict):
+        """The arm's old log-probs in ``batch`` (where the loss reads them, or the measure-only key)."""
+        return batch.get("old_per_token_logps") if self._gap_state.drives else batch.get("gap_old_logps")
+
+    def _gap_trl_computes_old(self) -> bool:
+        """Whether TRL 1.16 runs its own old-logprob pass this generation (``_generate_and_score_completions``)."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return bool(self.args.gradient_accumulation_steps % generate_every != 0
+                    or (self.use_vllm and self.vllm_importance_sampling_correction))
+
+    # ------------------------------------------------------------------ generation-time metrics
+    def _gap_generation_metrics(self, batch: dict, ids, attn, logits_to_keep) -> None:
+        """Sampler, kept-set and probe statistics of one (pre- or post-shuffle) batch into the generation sums."""
+        state = self._gap_state
+        sums, maxima = state.gen_sums, state.gen_maxima
+        old = self._gap_old_of(batch)
+        mask = completion_mask(batch).bool()
+        band = state.config.band
+        sampler = batch.get("gap_sampler_logps")
+        if sampler is None and "sampling_per_token_logps" in batch:
+            sampler = batch["sampling_per_token_logps"]
+            mask = mask & ~torch.isnan(sampler)
+        if sampler is not None and mask.any():
+            out, n = gap_metrics.oob_count(old, sampler, mask, band)
+            diff = (old.double() - sampler.double())[mask].abs()
+            sums.sampler_oob += out
+            sums.sampler_n += n
+            sums.sampler_absd += float(diff.sum())
+            maxima.raise_to(sampler_absd_max=float(diff.max()))
+        self._gap_is_ratio_metrics(batch)
+        if state.kept_on and "gap_kept_sizes" in batch and mask.any():
+            self._gap_kept_metrics(batch, ids, attn, logits_to_keep, old, sampler, mask)
+        probe = batch.get("gap_probe_row")
+        if probe is not None and probe.any():
+            rows = probe.nonzero().squeeze(-1)
+            b1 = self._gap_probe_b1(batch, ids[rows], attn[rows], logits_to_keep, rows)
+            pmask = mask[rows]
+            if pmask.any():
+                out, n = gap_metrics.oob_count(b1, old[rows].to(b1.device), pmask, band)
+                sums.probe_oob += out
+                sums.probe_n += n
+
+    def _gap_is_ratio_metrics(self, batch: dict) -> None:
+        """vLLM path: TRL's own IS-ratio statistic (rows for sequence-level modes, masked tokens otherwise)."""
+        ratio = batch.get("importance_sampling_ratio")
+        if ratio is None or not self.use_vllm:
+            return
+        sequence_level = self.vllm_importance_sampling_mode in ("sequence_mask", "sequence_truncate")
+        flat = ratio.flatten() if sequence_level else ratio[completion_mask(batch).bool()]
+        if flat.numel() > 0:
+            sums, maxima = self._gap_state.gen_sums, self._gap_state.gen_maxima
+            sums.is_sum += float(flat.double().sum())
+            sums.is_n += int(flat.numel())
+            maxima.raise_to(is_max=float(flat.max()), is_neg_min=-float(flat.min()))
+
+    def _gap_kept_metrics(self, batch: dict, ids, attn, logits_to_keep, old, sampler, mask) -> None:
+        """Kept mass and size, and the ratio to the sampler before (full vocabulary) and after renormalisation."""
+        state = self._gap_state
+        sums, maxima, band = state.gen_sums, state.gen_maxima, state.config.band
+        log_mass = batch["gap_sampler_log_kept_mass"]
+        sizes = batch["gap_kept_sizes"]
+        sums.kept_mass_sum += float(torch.exp(log_mass.double())[mask].sum())
+        sums.kept_size_sum += float(sizes.double()[mask].sum())
+        sums.kept_n += int(mask.sum())
+        maxima.raise_to(kept_mass_neg_min=-float(torch.exp(log_mass.double())[mask].min()),
+                      kept_size_max=float(sizes[mask].max()))
+        # before: trainer full-vocabulary vs sampler; after: renormalised over the kept set
+        capture: list = []
+        if state.renormalize:
+            after = old
+            before = old + self._gap_trainer_log_mass(batch, ids, attn, logits_to_keep, capture)
+        else:
+            before = old
+            after = old - self._gap_trainer_log_mass(batch, ids, attn, logits_to_keep, capture)
+        sums.kept_ratio_before_sum += float(torch.exp(before.double() - sampler.double())[mask].sum())
+        sums.kept_ratio_after_sum += float(torch.exp(after.double() - sampler.double())[mask].sum())
+        sums.kept_oob_before += gap_metrics.oob_count(before, sampler, mask, band)[0]
+        sums.kept_oob_after += gap_metrics.oob_count(after, sampler, mask, band)[0]
+
+    def _gap_trl_sampling_metrics(self, batches: list) -> None:
+        """Arm G on TRL's vLLM path: TRL's own ``sampling/*`` statistics of this generation, recomputed by TRL's
+        definitions (``_generate_and_score_completions``) from G's old log-probs over the whole generation batch of
+        this process, in place of the values TRL logged from the skipped pass's placeholder (difference 0,
+        ratio 1)."""
+        if not (self.use_vllm and self.vllm_importance_sampling_correction):
+            return
+        from trl.trainer.utils import nanmax, nanmin
+
+        def joined(key):
+            return torch.cat([b[key] for b in batches], dim=0)
+
+        old, sampling = joined("old_per_token_logps"), joined("sampling_per_token_logps")
+        ratio = joined("importance_sampling_ratio")
+        mask = torch.cat([completion_mask(b) for b in batches], dim=0).bool()
+        zero = torch.tensor(0.0, device=self.accelerator.device)
+        gather = self.accelerator.gather
+        delta = torch.abs(old - sampling)
+        delta = delta[mask & ~torch.isnan(delta)]
+        sequence_level = self.vllm_importance_sampling_mode in ("sequence_mask", "sequence_truncate")
+        flat = ratio.flatten() if sequence_level else ratio[mask]
+        values = {
+            "sampling/sampling_logp_difference/mean": gather(torch.mean(delta) if delta.numel() > 0 else zero).mean().item(),
+            "sampling/sampling_logp_difference/max": gather(torch.max(delta) if delta.numel() > 0 else zero).max().item(),
+            "sampling/importance_sampling_ratio/min": nanmin(gather(torch.min(flat) if flat.numel() > 0 else zero)).item(),
+            "sampling/importance_sampling_ratio/mean": gather(torch.mean(flat) if flat.numel() > 0 else zero).nanmean().item(),
+            "sampling/importance_sampling_ratio/max": nanmax(gather(torch.max(flat) if flat.numel() > 0 else zero)).item(),
+        }
+        metrics = self._metrics["train"]
+        for key, value in values.items():
+            if metrics.get(key):
+                metrics[key][-1] = value
+
+    # ------------------------------------------------------------------ reduction across processes
+    def _gap_reduce(self, values: Statistics) -> Statistics:
+        """``values`` summed field by field over the processes."""
+        tensor = values.to_tensor(self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            tensor = self.accelerator.reduce(tensor, reduction="sum")
+        return type(values).from_tensor(tensor)
+
+    def _gap_reduce_max(self, values: Statistics) -> Statistics:
+        """``values``' field-by-field maximum over the processes."""
+        tensor = values.to_tensor(self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            tensor = self.accelerator.gather(tensor.unsqueeze(0)).max(dim=0).values
+        return type(values).from_tensor(tensor)
+
+    def _gap_flush_generation(self) -> None:
+        """Reduce one generation's statistics and log them (measured generations only), plus the fp16 fallbacks."""
+        state = self._gap_state
+        local_sums, local_maxima = state.gen_sums, state.gen_maxima
+        state.gen_sums = state.gen_maxima = None
+        if local_sums is None or not state.measure_now:
+            return
+        metrics = self._metrics["train"]
+        sums = self._gap_reduce(local_sums)
+        maxima = self._gap_reduce_max(local_maxima)
+        if sums.sampler_n > 0:
+            metrics["gap/sampler/oob_frac"].append(sums.sampler_oob / sums.sampler_n)
+            metrics["gap/sampler/abs_dlogp_mean"].append(sums.sampler_absd / sums.sampler_n)
+            metrics["gap/sampler/abs_dlogp_max"].append(maxima.sampler_absd_max)
+        if sums.is_n > 0:
+            metrics["gap/sampler/is_ratio_mean"].append(sums.is_sum / sums.is_n)
+            metrics["gap/sampler/is_ratio_min"].append(-maxima.is_neg_min)
+            metrics["gap/sampler/is_ratio_max"].append(maxima.is_max)
+        if sums.probe_n > 0:
+            metrics["gap/probe/oob_b1_vs_bN"].append(sums.probe_oob / sums.probe_n)
+        if sums.kept_n > 0:
+            n = sums.kept_n
+            metrics["gap/kept/mass_mean"].append(sums.kept_mass_sum / n)
+            metrics["gap/kept/mass_min"].append(-maxima.kept_mass_neg_min)
+            metrics["gap/kept/size_mean"].append(sums.kept_size_sum / n)
+            metrics["gap/kept/size_max"].append(maxima.kept_size_max)
+            metrics["gap/kept/ratio_before_mean"].append(sums.kept_ratio_before_sum / n)
+            metrics["gap/kept/ratio_after_mean"].append(sums.kept_ratio_after_sum / n)
+            metrics["gap/kept/oob_before"].append(sums.kept_oob_before / n)
+            metrics["gap/kept/oob_after"].append(sums.kept_oob_after / n)
+        fallbacks = max([int(getattr(plan, "fp16_fallbacks", 0) or 0) for plan in (state.plan, state.ref_plan)
+                         if plan is not None], default=0)
+        new = fallbacks - state.fallbacks_seen
+        state.fallbacks_seen = fallbacks
+        metrics["gap/fp16/fallbacks"].append(self._gap_reduce(FallbackCount(float(new))).new)
+
+    # ------------------------------------------------------------------ loss-time metrics
+    def _gap_loss_metrics(self, inputs) -> None:
+        """Ratio, clip and old-vs-TRL statistics of one training micro-batch (new: the training forward's)."""
+        state = self._gap_state
+        new = state.new_logps
+        state.new_logps = None
+        old = self._gap_old_of(inputs)
+        if new is None or old is None:
+            return
+        local, local_max = self._gap_loss_sums(inputs, new.float(), old.to(new.device).float())
+        sums = self._gap_reduce(local)
+        maxima = self._gap_reduce_max(local_max)
+        metrics = self._metrics["train"]
+        n = sums.tokens
+        if n <= 0:
+            return
+        metrics["gap/ratio/oob_frac"].append(sums.oob / n)
+        metrics["gap/ratio/abs_dlogp_mean"].append(sums.abs_dlogp / n)
+        metrics["gap/ratio/abs_dlogp_max"].append(maxima.abs_dlogp_max)
+        metrics["gap/ratio/exact_frac"].append(sums.exact / n)
+        if state.clip_applies:
+            metrics["gap/clip/clipped_frac"].append(sums.clipped / n)
+            metrics["gap/clip/flip_frac"].append(sums.flips / sums.probe_tokens if sums.probe_tokens > 0 else float("nan"))
+        if sums.has_trl > 0:
+            metrics["gap/old_vs_trl/oob_frac"].append(sums.oob_vs_trl / n)
+            metrics["gap/old_vs_trl/abs_dlogp_mean"].append(sums.abs_dlogp_vs_trl / n)
+
+    def _gap_loss_sums(self, inputs: dict, new: torch.Tensor, old: torch.Tensor) -> tuple[LossSums, LossMaxima]:
+        """This process's :class:`LossSums` and :class:`LossMaxima` of one micro-batch (fp32 ``[B, K]`` inputs)."""
+        mask = completion_mask(inputs).bool()
+        band = self._gap_state.config.band
+        advantages = inputs["advantages"]
+        trl_old = inputs.get("gap_trl_old_logps")
+        local = LossSums(has_trl=float(trl_old is not None))
+        local_max = LossMaxima()
+        if not mask.any():
+            return local, local_max
+        dlogp = new.double() - old.double()
+        absd = dlogp.abs()[mask]
+        local.oob, local.tokens = gap_metrics.oob_count(new, old, mask, band)
+        clipped = self._gap_clip_status(new - old, advantages, mask)
+        local.abs_dlogp = float(absd.sum())
+        local.exact = float((dlogp[mask] == 0).sum())
+        local.clipped = float(clipped[mask].sum()) if clipped is not None else 0.0
+        local_max.abs_dlogp_max = float(absd.max())
+        probe = inputs.get("gap_probe_row")
+        ref = inputs.get("gap_ref_logps")
+        if clipped is not None and probe is not None and ref is not None and probe.any():
+            rows = probe.nonzero().squeeze(-1)
+            pmask = mask[rows]
+            if pmask.any():
+                clipped_ref = self._gap_clip_status(new[rows] - ref[rows].to(new.device).float(), advantages[rows], pmask)
+                local.flips = float((clipped[rows] != clipped_ref)[pmask].sum())
+                local.probe_tokens = float(pmask.sum())
+        if trl_old is not None:
+            local.oob_vs_trl = gap_metrics.oob_count(old, trl_old.to(new.device).float(), mask, band)[0]
+            local.abs_dlogp_vs_trl = float((old.double() - trl_old.double()).abs()[mask].sum())
+        return local, local_max
+
+    def _gap_clip_status(self, log_ratio, advantages, mask):
+        """TRL's clip status ``[B, T]`` under this trainer's loss type, IS level, epsilons and delta (or None)."""
+        return gap_metrics.trl_clip_status(
+            log_ratio, advantages, mask, loss_type=self.loss_type, level=self.importance_sampling_level,
+            eps_low=self.epsilon_low, eps_high=self.epsilon_high, delta=self.args.delta,
+        )
