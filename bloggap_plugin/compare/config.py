@@ -45,7 +45,8 @@ class CompareError(UsageError):
 class CompareConfig:
     """Settings of one comparison sweep (each field is a ``bloggap compare`` flag with the help text below)."""
 
-    recipes: list[str] = field(metadata={"help": "Recipe files, one per arm (e.g. recipes/arm_A.yaml)."})
+    recipes: list[str] = field(metadata={"help": "Recipe files, one per arm (e.g. recipes/arm_*.yaml).",
+                                         "positional": "+"})
     seeds: list[int] = field(default_factory=lambda: [0, 1], metadata={
         "help": "Seeds; every arm runs once per seed, and arms with the same seed see the same prompts and sampling "
                 "seeds."})
@@ -73,7 +74,8 @@ class CompareConfig:
     baseline: str | None = field(default=None, metadata={
         "help": "Arm the deltas are taken against (default: arm A if present, else the first recipe)."})
     extra_overrides: dict = field(default_factory=dict, metadata={
-        "help": "GRPOConfig overrides applied to every arm, e.g. {\"num_iterations\": 2}."})
+        "help": "GRPOConfig overrides applied to every arm: a JSON object, e.g. '{\"num_iterations\": 2}' (in a "
+                "--config file: a mapping).", "aliases": ["--override"], "parse": str, "metavar": "JSON"})
     run_fn: str = field(default=DEFAULT_RUN_FN, metadata={
         "help": "module:function that trains one run (signature of bloggap_plugin.trl.train.run_training)."})
     pythonpath: list[str] = field(default_factory=list, metadata={
@@ -104,17 +106,21 @@ class RunSpec:
 
 
 def _arm_label(recipe: Path) -> str:
+    """The arm label of ``recipe``: its ``gap.arm``, else its file stem (the full recipe check comes later)."""
     import yaml
 
     if not recipe.is_file():
         raise FileNotFoundError(f"recipe {recipe} does not exist")
     try:
-        content = yaml.safe_load(recipe.read_text()) or {}
+        gap = _mapping(yaml.safe_load(recipe.read_text())).get("gap")
     except yaml.YAMLError as err:
         raise ValueError(f"recipe {recipe} is not valid YAML: {err}") from err
-    gap = content.get("gap") if isinstance(content, dict) else None
-    arm = gap.get("arm") if isinstance(gap, dict) else None
+    arm = _mapping(gap).get("arm")
     return str(arm) if arm else recipe.stem
+
+
+def _mapping(value) -> dict:
+    return value if isinstance(value, dict) else {}
 
 
 def plan_runs(config: CompareConfig) -> list[RunSpec]:
