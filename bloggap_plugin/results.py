@@ -16,7 +16,7 @@ previous file whole) and read it back with :meth:`ResultDocument.read` (strict J
 
 Sanitiser (:func:`jsonable`): a non-finite float (NaN, +-Infinity) becomes ``null``, because RFC 8259 JSON has no
 such values and ``null`` is what a table renders as "no value" (``–``); tuples become lists; numpy and torch
-scalars become Python numbers (ints stay ints); paths become strings; any other object becomes ``str(object)``.
+scalars become Python numbers (ints stay ints) and arrays or tensors nested lists; paths become strings; any other object becomes ``str(object)``.
 
 Table printer (:func:`text_table`, :func:`format_text_table`): columns padded to their widest cell, ``" | "``
 between cells, ``None`` printed as ``-``, trailing spaces stripped; for consoles and logs (BENCHMARKS.md uses the
@@ -77,7 +77,8 @@ def _key(key):
 
 def jsonable(value: Any) -> Any:
     """``value`` as strict JSON data: non-finite floats -> ``None``, tuples -> lists, numpy/torch scalars ->
-    Python numbers, paths -> strings, other objects -> ``str(value)``; dicts and lists are converted throughout."""
+    Python numbers (arrays and tensors -> nested lists), paths -> strings, other objects -> ``str(value)``; dicts
+    and lists are converted throughout."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -90,8 +91,8 @@ def jsonable(value: Any) -> Any:
         return [jsonable(v) for v in value]
     if isinstance(value, os.PathLike):
         return os.fspath(value)
-    if hasattr(value, "item") and tuple(getattr(value, "shape", (None,))) == ():
-        return jsonable(value.item())  # numpy scalar, 0-d array or tensor
+    if callable(getattr(value, "tolist", None)):
+        return jsonable(value.tolist())  # numpy scalar or array, torch tensor: Python numbers, nested lists
     return str(value)
 
 

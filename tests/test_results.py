@@ -41,8 +41,9 @@ def test_jsonable_nonfinite_to_null_and_containers():
 
 def test_jsonable_numpy_and_torch_scalars_become_python_numbers():
     torch = pytest.importorskip("torch")
-    out = jsonable({"i": torch.tensor(7), "f": torch.tensor(0.5), "nan": torch.tensor(float("nan"))})
-    assert out == {"i": 7, "f": 0.5, "nan": None}
+    out = jsonable({"i": torch.tensor(7), "f": torch.tensor(0.5), "nan": torch.tensor(float("nan")),
+                     "v": torch.tensor([[1.5, float("inf")]])})
+    assert out == {"i": 7, "f": 0.5, "nan": None, "v": [[1.5, None]]}
     assert type(out["i"]) is int and type(out["f"]) is float
     np = pytest.importorskip("numpy")
     out = jsonable([np.int64(3), np.float32(0.25), np.float64("inf"), np.bool_(True)])
