@@ -485,6 +485,16 @@ def test_every_compare_config_field_is_a_flag_with_its_help(capsys):
         assert flag in text
 
 
+def test_compare_switches_take_no_value_so_recipes_may_follow_them():
+    """--use-vllm and --table-only are switches, as before the config dataclass: a recipe after one is a recipe."""
+    from bloggap_plugin.cli import build_parser
+
+    args = build_parser().parse_args(["compare", "--table-only", "--use-vllm", "a.yaml", "b.yaml", "--seeds", "3"])
+    assert (args.use_vllm, args.table_only, args.recipes, args.seeds) == (True, True, ["a.yaml", "b.yaml"], [3])
+    args = build_parser().parse_args(["compare", "a.yaml"])
+    assert (args.use_vllm, args.table_only, args.recipes) == (False, False, ["a.yaml"])
+
+
 @pytest.mark.parametrize(
     "yaml_text, args, problem",
     [
