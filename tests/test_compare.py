@@ -308,8 +308,10 @@ def test_a_killed_sweep_leaves_no_worker_and_resumes_counting_each_step_once(tmp
                "--model", "tiny-random-llama", "--output-dir", str(out), "--parallel", "2", "--last-n", "2",
                "--run-fn", fake["run_fn"]]
     env = dict(os.environ, FAKE_SLOW="B_s0", PYTHONPATH=os.pathsep.join([fake["dir"], os.environ.get("PYTHONPATH", "")]))
+    # Ctrl-C's default action in the sweep, as in a terminal: pytest started as a background job inherits SIGINT
+    # ignored (POSIX shells ignore it for asynchronous commands), and so would the sweep.
     sweep = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60
     try:
         # A finishes at once; B logs a step every 0.5 s: kill the sweep after B's first step.
