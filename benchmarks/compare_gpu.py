@@ -14,7 +14,6 @@ gap/* means, the resolution, per-run reward curves in ``results``); logs, compar
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -86,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bloggap_plugin.compare import CompareConfig, print_table, run_compare
     from bloggap_plugin.envinfo import environment_record
+    from bloggap_plugin.results import ResultDocument
 
     start = time.perf_counter()
     print(f"[{NAME}] starting accuracy: {args.accuracy_prompts} prompts, difficulty {args.difficulty}, {device}", flush=True)
@@ -132,23 +132,21 @@ def main(argv: list[str] | None = None) -> int:
         elif table["id"] != "T10":
             table["plot"] = False
         tables.append(table)
-    document = {
-        "benchmark": NAME,
-        "schema_version": 1,
-        "env": environment_record(device, model=args.model),
-        "params": {**vars(args), "device": device, "overrides": overrides, "recipes": config.recipes,
-                   "runs_dir": str(runs_dir)},
-        "results": {
+    document = ResultDocument(
+        benchmark=NAME,
+        env=environment_record(device, model=args.model),
+        params={**vars(args), "device": device, "overrides": overrides, "recipes": config.recipes,
+                "runs_dir": str(runs_dir)},
+        results={
             "starting_accuracy": accuracy,
             "compare_wall_s": compare_s,
             "total_wall_s": time.perf_counter() - start,
             "failed_runs": results.get("failed", {}),
             **{k: v for k, v in results.items() if k not in ("tables", "failed")},
         },
-        "tables": tables,
-    }
-    path = out / f"{NAME}.json"
-    path.write_text(json.dumps(document, indent=1, default=str) + "\n")
+        tables=tables,
+    )
+    path = document.write(out / f"{NAME}.json")
     shutil.copyfile(runs_dir / "reward_curves.png", out / f"{NAME}_reward_curves.png")
     print(f"[{NAME}] wrote {path} and {out / (NAME + '_reward_curves.png')}; sweep {compare_s:.0f} s, "
           f"total {time.perf_counter() - start:.0f} s\n")

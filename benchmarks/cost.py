@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import statistics
 import sys
@@ -57,10 +56,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.memtrack import SkipMatmulArithmetic, TensorPeak  # noqa: E402
-from bloggap_plugin._io import atomic_write_text  # noqa: E402
 from bloggap_plugin.core.precision import _param_pairs, make_plan, unwrap_model  # noqa: E402
 from bloggap_plugin.core.scoring import DEFAULT_CHUNK_TOKENS, token_logprobs  # noqa: E402
-from bloggap_plugin.report import format_text_table  # noqa: E402
+from bloggap_plugin.results import ResultDocument, format_text_table  # noqa: E402
 
 NAME = "cost"
 MEMORY_NAME = "cost_memory"
@@ -72,7 +70,6 @@ MEMORY_METHOD = {
 # The arm letters for each plan of this benchmark (trl = TRL's own old-logprob pass, arm A).
 ARM_LETTERS = {"trl": "A", "trl_cuda_like": "A", "fp32": "B", "bf16": "C", "guided": "D", "fp32_head": "E",
                "fp16": "F", "raw_fp16": "F"}
-SCHEMA_VERSION = 1
 
 # Real-size shapes (random init; timing only). Values from the public configs of these models.
 SHAPES = {
@@ -631,17 +628,16 @@ def main(argv=None) -> int:
     results = {"shapes": [bench_shape(name, device, args, log) for name in shapes]}
     results["tf32_noise"] = None if args.quick or args.memory_only else tf32_noise(device, args, log)
     name = MEMORY_NAME if args.memory_only else NAME
-    payload = {
-        "benchmark": name,
-        "schema_version": SCHEMA_VERSION,
-        "env": environment_record(device),
-        "params": {k: v for k, v in vars(args).items() if k != "out"} | {"shapes": shapes},
-        "results": results,
-        "tables": [memory_table(results, args, device)] if args.memory_only else tables(results, args),
-    }
-    path = atomic_write_text(out_dir / f"{name}.json", json.dumps(payload, indent=2))
+    document = ResultDocument(
+        benchmark=name,
+        env=environment_record(device),
+        params={k: v for k, v in vars(args).items() if k != "out"} | {"shapes": shapes},
+        results=results,
+        tables=[memory_table(results, args, device)] if args.memory_only else tables(results, args),
+    )
+    path = document.write(out_dir / f"{name}.json")
     log(f"wrote {path} in {time.time() - started:.0f} s")
-    for table in payload["tables"]:
+    for table in document.tables:
         print(format_text_table(table))
     return 0
 

@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     from bloggap_plugin.envinfo import device_tag, environment_record
     from bloggap_plugin.errors import UsageError
     from bloggap_plugin.models import TINY_MODELS, load_model, resolve_device
-    from bloggap_plugin.report import format_text_table
+    from bloggap_plugin.results import ResultDocument, format_text_table
 
     t_start = time.perf_counter()
     try:
@@ -284,23 +284,21 @@ def main(argv: list[str] | None = None) -> int:
     if easiest["rows"]:
         best = max(easiest[name]["accuracy"] for name in DECODINGS)
         verdict = {"easiest_subset": "1-step", "best_accuracy": best, "below_5pct": best < 0.05}
-    payload = {
-        "benchmark": "gsm8k_baseline",
-        "schema_version": 1,
-        "env": environment_record(device, model=args.model, engine=params["engine"]),
-        "params": params,
-        "results": {**scored, "verdict": verdict, "calc_steps_counts": _histogram(rows), "timing": timing,
-                    "wall_s": round(time.perf_counter() - t_start, 2)},
-        "tables": [baseline_table(scored, params, random_init=args.model in TINY_MODELS)],
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = atomic_write_text(out_dir / "gsm8k_baseline.json", json.dumps(payload, indent=1, allow_nan=False) + "\n")
+    document = ResultDocument(
+        benchmark="gsm8k_baseline",
+        env=environment_record(device, model=args.model, engine=params["engine"]),
+        params=params,
+        results={**scored, "verdict": verdict, "calc_steps_counts": _histogram(rows), "timing": timing,
+                 "wall_s": round(time.perf_counter() - t_start, 2)},
+        tables=[baseline_table(scored, params, random_init=args.model in TINY_MODELS)],
+    )
+    path = document.write(out_dir / "gsm8k_baseline.json")
     if args.completions:
         Path(args.completions).parent.mkdir(parents=True, exist_ok=True)
         lines = [json.dumps({"index": row["index"], "gold": row["gold"], "calc_steps": row["calc_steps"],
                              **{name: completions[name][i] for name in DECODINGS}}) for i, row in enumerate(rows)]
         atomic_write_text(args.completions, "\n".join(lines) + "\n")
-    print(format_text_table(payload["tables"][0]))
+    print(format_text_table(document.tables[0]))
     if verdict and verdict["below_5pct"]:
         print(f"[gsm8k_baseline] even the 1-step subset starts below 5% ({100 * verdict['best_accuracy']:.1f}% at best): "
               "the model is too small for GSM8K")

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -33,10 +32,9 @@ from cost import _free, load_policy  # noqa: E402
 
 from bloggap_plugin.commands.ladder import ladder_table, run_ladder  # noqa: E402
 from bloggap_plugin.core.precision import decoder_layers, make_plan  # noqa: E402
-from bloggap_plugin.report import format_text_table  # noqa: E402
+from bloggap_plugin.results import ResultDocument, format_text_table  # noqa: E402
 
 NAME = "ladder"
-SCHEMA_VERSION = 1
 FP16_MAX = 65504.0
 
 
@@ -176,18 +174,16 @@ def main(argv=None) -> int:
         if cuda or name.startswith("tiny")
     ]
     results = {"ladder": ladder, "fp16_check": checks}
-    payload = {
-        "benchmark": NAME,
-        "schema_version": SCHEMA_VERSION,
-        "env": environment_record(device),
-        "params": {k: v for k, v in vars(args).items() if k != "out"} | {"t9_shapes": t9},
-        "results": results,
-        "tables": [ladder_table(ladder), t8_table(ladder["attribution"], args.model), t9_table(checks)],
-    }
-    path = out_dir / f"{NAME}.json"
-    path.write_text(json.dumps(payload, indent=2))
+    document = ResultDocument(
+        benchmark=NAME,
+        env=environment_record(device),
+        params={k: v for k, v in vars(args).items() if k != "out"} | {"t9_shapes": t9},
+        results=results,
+        tables=[ladder_table(ladder), t8_table(ladder["attribution"], args.model), t9_table(checks)],
+    )
+    path = document.write(out_dir / f"{NAME}.json")
     log(f"wrote {path} in {time.time() - started:.0f} s")
-    for table in payload["tables"]:
+    for table in document.tables:
         print(format_text_table(table))
     return 0
 

@@ -49,7 +49,6 @@ from bloggap_plugin.core.probe import (  # noqa: E402
     Rollouts,
     build_rows,
     compare,
-    json_safe,
     pp,
     probe_model,
     sample_rollouts,
@@ -58,7 +57,7 @@ from bloggap_plugin.core.probe import (  # noqa: E402
 )
 from bloggap_plugin.envinfo import environment_record  # noqa: E402
 from bloggap_plugin.models import load_model  # noqa: E402
-from bloggap_plugin.report import format_text_table  # noqa: E402
+from bloggap_plugin.results import ResultDocument, format_text_table  # noqa: E402
 
 NAME = "tables"
 T4_SEEDS = (1234, 20260916, 7)
@@ -559,18 +558,16 @@ def main(argv: list[str] | None = None) -> int:
                 t["random_init"] = models.random_init
                 if models.random_init:
                     t["notes"] += " RANDOM-INIT model: rates are not meaningful (near-uniform logits)."
-        output = {
-            "benchmark": NAME,
-            "schema_version": 1,
-            "env": env,
-            "params": {"model": args.model, "device": str(device), "seed": args.seed, "quick": args.quick,
-                       "sizes": sizes.__dict__, "t4_seeds": list(T4_SEEDS), "clip_eps": CLIP_EPS, "band": 0.1,
-                       "tables": sorted(only), "complete": final},
-            "results": results,
-            "tables": tables,
-            "seconds": round(time.perf_counter() - started, 1),
-        }
-        path.write_text(json.dumps(json_safe(output), indent=1, default=float, allow_nan=False) + "\n")
+        ResultDocument(
+            benchmark=NAME,
+            env=env,
+            params={"model": args.model, "device": str(device), "seed": args.seed, "quick": args.quick,
+                    "sizes": sizes.__dict__, "t4_seeds": list(T4_SEEDS), "clip_eps": CLIP_EPS, "band": 0.1,
+                    "tables": sorted(only), "complete": final},
+            results=results,
+            tables=tables,
+            extra={"seconds": round(time.perf_counter() - started, 1)},
+        ).write(path)
 
     def timed(name, fn, *a):
         t0 = time.perf_counter()

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1) if args.quick else None
     from bloggap_plugin.envinfo import environment_record
-    from bloggap_plugin.report import format_text_table
+    from bloggap_plugin.results import ResultDocument, format_text_table
     from bloggap_plugin.trl.train import run_training
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -120,19 +120,16 @@ def main(argv=None) -> int:
         "reference": None,
         "random_init": model.startswith("tiny-random"),
     }
-    payload = {
-        "benchmark": NAME,
-        "schema_version": 1,
-        "env": environment_record(device),
-        "params": {"model": model, "steps": steps, "arms": arms, "quick": args.quick, "probe_every": args.probe_every,
-                   **overrides},
-        "results": results,
-        "tables": [table],
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(payload, indent=1, default=str))
-    print(f"wrote {out / f'{args.name}.json'}")
+    document = ResultDocument(
+        benchmark=NAME,
+        env=environment_record(device),
+        params={"model": model, "steps": steps, "arms": arms, "quick": args.quick, "probe_every": args.probe_every,
+                **overrides},
+        results=results,
+        tables=[table],
+    )
+    path = document.write(Path(args.out) / f"{args.name}.json")
+    print(f"wrote {path}")
     print(format_text_table(table))
     return 0
 

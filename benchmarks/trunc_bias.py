@@ -16,7 +16,6 @@ and renormalised over the recorded kept set (ids where ``|S| <= store_ids_max``,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -261,7 +260,7 @@ def tables(results: list[dict], params: dict, random_init: bool) -> list[dict]:
 
 
 def print_tables(tables_: list[dict]) -> None:
-    from bloggap_plugin.report import format_text_table
+    from bloggap_plugin.results import format_text_table
 
     for table in tables_:
         print()
@@ -288,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         args.prompts, args.new_tokens, args.score_batch = 4, 16, 2
     from bloggap_plugin.envinfo import device_tag, environment_record
     from bloggap_plugin.models import TINY_MODELS, load_model
+    from bloggap_plugin.results import ResultDocument
 
     device = torch.device(args.device)
     out_dir = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / device_tag(device)
@@ -319,19 +319,16 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     random_init = args.model in TINY_MODELS
-    payload = {
-        "benchmark": "trunc_bias",
-        "schema_version": 1,
-        "env": environment_record(device, model=args.model, dtype=args.dtype),
-        "params": params,
-        "results": {"arms": results, "wall_s": round(time.perf_counter() - t_start, 2)},
-        "tables": tables(results, params, random_init),
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "trunc_bias.json"
-    path.write_text(json.dumps(payload, indent=2))
+    document = ResultDocument(
+        benchmark="trunc_bias",
+        env=environment_record(device, model=args.model, dtype=args.dtype),
+        params=params,
+        results={"arms": results, "wall_s": round(time.perf_counter() - t_start, 2)},
+        tables=tables(results, params, random_init),
+    )
+    path = document.write(out_dir / "trunc_bias.json")
     print(f"[trunc_bias] wrote {path}")
-    print_tables(payload["tables"])
+    print_tables(document.tables)
     return 0
 
 

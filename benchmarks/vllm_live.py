@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import fcntl
 import json
-import math
 import os
 import subprocess
 import sys
@@ -68,28 +67,11 @@ def engine_start_lock():
 
 
 def _write_json(path: Path, payload: dict) -> None:
+    """A work file (per-process JSON), atomically, through the results module's sanitiser (NaN/Infinity -> null)."""
     from bloggap_plugin._io import atomic_write_text
+    from bloggap_plugin.results import dumps
 
-    atomic_write_text(path, json.dumps(payload, indent=1, default=_default, allow_nan=False) + "\n")
-
-
-def _default(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return str(value)
-
-
-def _clean(obj):
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    return obj
+    atomic_write_text(path, dumps(payload) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------------- gen
@@ -156,7 +138,7 @@ def cmd_gen(args) -> None:
                                "truncation": truncation, "parser_sizes": saved_sizes, "parser_covered": saved_covered}
         print(f"[gen {args.dtype} bi={result['batch_invariant']}] {name}: {seconds:.2f}s {info['parser']}", flush=True)
     torch.save(saved, args.out_pt)
-    Path(args.out_json).write_text(json.dumps(_clean(result), indent=1))
+    _write_json(Path(args.out_json), result)
 
 
 # ----------------------------------------------------------------------------------------------------- trl
@@ -204,7 +186,7 @@ def cmd_trl(args) -> None:
     rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     payload = {"arm": args.arm, "engine_dtype": engine.get("dtype"), "wall_s": round(time.perf_counter() - t0, 2),
                "summary": summary, "rows": rows, "overrides": overrides, "gap_overrides": gap_overrides}
-    Path(args.out_json).write_text(json.dumps(_clean(payload), indent=1, default=_default))
+    _write_json(Path(args.out_json), payload)
     print(f"[trl {args.arm}] engine {engine.get('dtype')} steps {summary.get('steps')}", flush=True)
 
 
@@ -257,7 +239,7 @@ def cmd_time(args) -> None:
                "median_s": round(sorted(times)[1], 4),
                "greedy_b1_vs_b64": {"prompts": 4, "same_tokens": same_tokens, "bit_identical": identical,
                                     "max_abs_dlogp_same_tokens": max_diff}}
-    Path(args.out_json).write_text(json.dumps(payload, indent=1))
+    _write_json(Path(args.out_json), payload)
     print(f"[time {args.shape} bi={payload['batch_invariant']}] best {payload['best_s']}s", flush=True)
 
 
@@ -670,9 +652,11 @@ def cmd_merge(args) -> None:
             extra.append(table)
             result["trunc_trl_rows"] = {f"trunc_{i}": json.loads((Path(work) / f"trunc_{i}.json").read_text())["rows"]
                                         for i in range(len(TRUNC_TRL)) if (Path(work) / f"trunc_{i}.json").exists()}
-    document = {"benchmark": "vllm_live", "schema_version": 1, "env": result.pop("env", {}),
-                "params": result.pop("settings", {}), "results": result, "tables": tables(result) + extra}
-    _write_json(Path(args.out), _clean(_machine_paths_to_names(document)))
+    from bloggap_plugin.results import ResultDocument
+
+    document = {"benchmark": "vllm_live", "env": result.pop("env", {}), "params": result.pop("settings", {}),
+                "results": result, "tables": tables(result) + extra}
+    ResultDocument(**_machine_paths_to_names(document)).write(Path(args.out))
     print(f"merged -> {args.out}: {len(result['trl_runs'])} TRL runs, {len(rows)} gap rows, {len(trunc)} truncation rows, "
           f"errors {sorted(result['errors'])}")
 
@@ -711,14 +695,14 @@ def cmd_all(args) -> None:
     result["phase1_s"] = round(time.time() - t_start, 1)
     result["exit_codes"] = codes
     assemble(work, result, "".join(arms), gens)
-    _write_json(result_path, _clean(result))
+    _write_json(result_path, result)
     # phase 2: scoring
     try:
         files = [work / f"{g}.pt" for g in gens if (work / f"{g}.pt").exists()]
         result.update(cmd_score(files, args.model))
     except Exception:  # noqa: BLE001 - keep what finished
         result["errors"]["score"] = traceback.format_exc()[-4000:]
-    _write_json(result_path, _clean(result))
+    _write_json(result_path, result)
     # phase 3: timing, one process at a time
     result["batch_invariant_timing"] = []
     for shape in ("smollm2", "llama-1b") if not args.skip_time else ():
@@ -735,9 +719,9 @@ def cmd_all(args) -> None:
                 result["batch_invariant_timing"].append(json.loads(path.read_text()))
             else:
                 result["errors"][name] = _tail(work / f"{name}.log")
-            _write_json(result_path, _clean(result))
+            _write_json(result_path, result)
     result["total_s"] = round(time.time() - t_start, 1)
-    _write_json(result_path, _clean(result))
+    _write_json(result_path, result)
     for row in result.get("cross_check", []):
         print("cross-check", row["arm"], row["step"], row.get("diff abs_dlogp_mean"), row.get("diff is_ratio_mean"))
     print("errors:", {k: v[-300:] for k, v in result["errors"].items()})
@@ -796,7 +780,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     {"all": cmd_all, "gen": cmd_gen, "trl": cmd_trl, "time": cmd_time, "merge": cmd_merge, "trunc-trl": cmd_trunc_trl,
-     "score": lambda a: _write_json(Path(a.out_json), _clean({"env": _env(), **cmd_score(sorted(Path(a.work).glob("gen_*.pt")), a.model)}))}[args.cmd](args)
+     "score": lambda a: _write_json(Path(a.out_json), {"env": _env(), **cmd_score(sorted(Path(a.work).glob("gen_*.pt")), a.model)})}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,8 @@
 """``bloggap report``: BENCHMARKS.md and PNG plots from the result JSON files alone.
 
-Input: ``<results>/<device>/*.json`` (default ``benchmarks/results``), each::
-
-    {"benchmark": str, "schema_version": 1, "env": {...}, "params": {...}, "results": {...},
-     "tables": [{"id", "title", "columns", "rows", "notes", "reference": "T1" | null, "random_init": bool,
-                 "plot": optional hint}]}
+Input: ``<results>/<device>/*.json`` (default ``benchmarks/results``), each a result document
+(:class:`bloggap_plugin.results.ResultDocument`: benchmark, schema_version, env, params, results, tables; read and
+validated by :meth:`ResultDocument.read`).
 
 Every table is rendered as Markdown; a table whose ``reference`` names a table of the reference study
 (``bloggap_plugin/data/reference_study.json``) is followed by that table. Numbers are printed exactly as they
@@ -27,13 +25,22 @@ first; otherwise it is not plotted.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from decimal import Decimal
 from pathlib import Path
 
 from bloggap_plugin._io import atomic_write_bytes, atomic_write_text, check_writable_file
+from bloggap_plugin.results import (
+    ResultDocument,
+    ResultError,
+    format_text_table,
+    is_number,
+    load_json,
+    numeric_column,
+    validate_result,
+    validate_table,
+)
 
 __all__ = [
     "ReportError",
@@ -51,8 +58,6 @@ __all__ = [
 ]
 
 REFERENCE_PATH = Path(__file__).resolve().parent / "data" / "reference_study.json"
-_TABLE_KEYS = {"id": str, "title": str, "columns": list, "rows": list, "notes": str, "random_init": bool}
-_TOP_KEYS = {"benchmark": str, "schema_version": int, "env": dict, "params": dict, "results": dict, "tables": list}
 _ENV_FIELDS = (
     ("gpu", "GPU"),
     ("sm_count", "SMs"),
@@ -66,64 +71,9 @@ _ENV_FIELDS = (
     ("cpu", "CPU"),
 )
 
-
-class ReportError(ValueError):
-    """A result file is missing or malformed (the message names the file and the problem)."""
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float, Decimal)) and not isinstance(value, bool)
-
-
-_PLACEHOLDERS = {"", "-", "–", "—", "n/a", "na", "nan", "skipped"}
-
-
-def _is_missing(value) -> bool:
-    """A cell that stands for "no value": null or a placeholder string such as ``"-"``."""
-    return value is None or (isinstance(value, str) and value.strip().lower() in _PLACEHOLDERS)
-
-
-def _numeric_column(rows: list, index: int) -> bool:
-    """Numbers in every row, except placeholders, and at least one number."""
-    cells = [r[index] for r in rows]
-    return any(_is_number(c) for c in cells) and all(_is_number(c) or _is_missing(c) for c in cells)
-
-
-class _NonFinite(str):
-    """What ``NaN``, ``Infinity`` or ``-Infinity`` parse to, so that :func:`_load_json` can say where it is."""
-
-
-def _find_non_finite(value, where: str = "") -> tuple[str, str] | None:
-    """``(JSON path, constant)`` of the first NaN/Infinity in ``value`` (as parsed by :func:`_load_json`)."""
-    if isinstance(value, _NonFinite):
-        return where or "the top level", str(value)
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        found = _find_non_finite(item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else key)
-        if found:
-            return found
-    return None
-
-
-def _load_json(path: Path):
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise ReportError(f"{path}: cannot read ({err.strerror or err})") from err
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ReportError(f"{path}: not a text JSON file (bytes that are not UTF-8 at byte {err.start}); "
-                          "remove it from the results folder") from None
-    try:
-        document = json.loads(text, parse_float=Decimal, parse_constant=_NonFinite)
-    except json.JSONDecodeError as err:
-        raise ReportError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from err
-    found = _find_non_finite(document)
-    if found:
-        raise ReportError(f"{path}: {found[0]} is {found[1]}, which JSON does not allow; write null for a value that "
-                          "does not exist (rendered '–') or fix the benchmark that produced it")
-    return document
+ReportError = ResultError
+"""A result file is missing or malformed, or an output cannot be written (the message names the file and the
+problem); the same class as :class:`bloggap_plugin.results.ResultError`."""
 
 
 # --------------------------------------------------------------------------------------------- reference
@@ -134,107 +84,23 @@ def load_reference(path: str | os.PathLike | None = None) -> dict[str, dict]:
     path = Path(path) if path is not None else REFERENCE_PATH
     if not path.is_file():
         raise ReportError(f"{path}: reference data is missing (it ships with the package as data/reference_study.json)")
-    document = _load_json(path)
+    document = load_json(path)
     tables = document.get("tables") if isinstance(document, dict) else None
     if not isinstance(tables, list):
         raise ReportError(f"{path}: expected an object with a 'tables' list")
     out = {}
     for index, table in enumerate(tables):
-        _validate_table(table, f"{path}: tables[{index}]", reference_ids=None, reference=True)
+        validate_table(table, f"{path}: tables[{index}]", reference_ids=None, reference=True)
         out[table["id"]] = table
     return out
 
 
-# --------------------------------------------------------------------------------------------- validation
-
-
-def _validate_table(table, where: str, reference_ids, reference: bool = False) -> None:
-    if not isinstance(table, dict):
-        raise ReportError(f"{where}: a table must be an object, got {type(table).__name__}")
-    keys = dict(_TABLE_KEYS)
-    if reference:
-        keys.pop("random_init")
-    for key, kind in keys.items():
-        if key not in table:
-            raise ReportError(f"{where}: table lacks the key {key!r} (needs {sorted(keys)})")
-        if not isinstance(table[key], kind):
-            raise ReportError(f"{where}: table key {key!r} must be {kind.__name__}, got {type(table[key]).__name__}")
-    where = f"{where} ({table['id']})"
-    if not reference:
-        if "reference" not in table:
-            raise ReportError(f"{where}: table lacks the key 'reference' (a reference-study id like 'T1', or null)")
-        ref = table["reference"]
-        if ref is not None and (not isinstance(ref, str) or (reference_ids is not None and ref not in reference_ids)):
-            raise ReportError(
-                f"{where}: reference {ref!r} is not a table of the reference study; use one of "
-                f"{', '.join(sorted(reference_ids or []))} or null"
-            )
-    columns = table["columns"]
-    if not columns or not all(isinstance(c, str) for c in columns):
-        raise ReportError(f"{where}: 'columns' must be a non-empty list of strings")
-    for number, row in enumerate(table["rows"]):
-        if not isinstance(row, list):
-            raise ReportError(f"{where}: rows[{number}] must be a list, got {type(row).__name__}")
-        if len(row) != len(columns):
-            raise ReportError(f"{where}: rows[{number}] has {len(row)} cells for {len(columns)} columns")
-        for cell in row:
-            if cell is not None and not isinstance(cell, (str, bool)) and not _is_number(cell):
-                raise ReportError(f"{where}: rows[{number}] holds a {type(cell).__name__}; cells must be text, numbers, booleans or null")
-    if "plot" in table and table["plot"] is not False:
-        _validate_plot(table, where)
-
-
-def _validate_plot(table: dict, where: str) -> None:
-    hint = table["plot"]
-    if not isinstance(hint, dict):
-        raise ReportError(f"{where}: 'plot' must be an object or false")
-    if hint.get("kind") not in ("bar", "line"):
-        raise ReportError(f"{where}: plot kind must be 'bar' or 'line', got {hint.get('kind')!r}")
-    columns = table["columns"]
-    if hint.get("x") not in columns:
-        raise ReportError(f"{where}: plot x {hint.get('x')!r} is not a column ({columns})")
-    ys = hint.get("y")
-    if not isinstance(ys, list) or not ys or any(y not in columns for y in ys):
-        raise ReportError(f"{where}: plot y must be a non-empty list of columns from {columns}, got {ys!r}")
-    if "series" in hint and hint["series"] not in columns:
-        raise ReportError(f"{where}: plot series {hint['series']!r} is not a column ({columns})")
-    for y in ys:
-        index = columns.index(y)
-        if not _numeric_column(table["rows"], index):
-            raise ReportError(f"{where}: plot column {y!r} must hold numbers (or null / '-') in every row")
-    if hint["kind"] == "line":
-        index = columns.index(hint["x"])
-        if any(not _is_number(row[index]) for row in table["rows"]):
-            raise ReportError(f"{where}: a line plot needs numbers in its x column {hint['x']!r}")
-
-
-def validate_result(document, path: str | os.PathLike, reference_ids=None) -> None:
-    """Raise :class:`ReportError` naming ``path`` and the problem unless ``document`` follows the result schema."""
-    if not isinstance(document, dict):
-        raise ReportError(f"{path}: expected a JSON object at the top, got {type(document).__name__}")
-    for key, kind in _TOP_KEYS.items():
-        if key not in document:
-            raise ReportError(f"{path}: missing key {key!r} (a result needs {', '.join(_TOP_KEYS)})")
-        if not isinstance(document[key], kind) or isinstance(document[key], bool):
-            raise ReportError(f"{path}: key {key!r} must be {kind.__name__}, got {type(document[key]).__name__}")
-    if document["schema_version"] != 1:
-        raise ReportError(f"{path}: schema_version {document['schema_version']} is not supported (expected 1)")
-    if not document["tables"]:
-        raise ReportError(f"{path}: 'tables' is empty; a result must carry at least one table")
-    ids = [t.get("id") if isinstance(t, dict) else None for t in document["tables"]]
-    for index, table in enumerate(document["tables"]):
-        _validate_table(table, f"{path}: tables[{index}]", reference_ids)
-    duplicates = sorted({i for i in ids if ids.count(i) > 1 and i is not None})
-    if duplicates:
-        raise ReportError(f"{path}: table ids must be unique within a file; repeated: {duplicates}")
+# --------------------------------------------------------------------------------------------- loading
 
 
 def load_result(path: str | os.PathLike, reference_ids=None) -> dict:
     """Load and validate one result file."""
-    path = Path(path)
-    document = _load_json(path)
-    validate_result(document, path, reference_ids)
-    return document
+    return ResultDocument.read(path, reference_ids).to_dict()
 
 
 def load_results(results_dir: str | os.PathLike, reference_ids=None, require: list[str] | None = None) -> dict:
@@ -274,14 +140,6 @@ def format_cell(value) -> str:
     if isinstance(value, float):
         return repr(value)
     return str(value).replace("|", "\\|").replace("\n", " ")
-
-
-def format_text_table(table: dict) -> str:
-    """A result table (``id``, ``title``, ``columns``, ``rows``) as aligned plain text for a console; ``None`` -> ``-``."""
-    cells = [[str(c) for c in table["columns"]]] + [["-" if c is None else str(c) for c in row] for row in table["rows"]]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-    lines = [" | ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
-    return f"{table['id']}: {table['title']}\n" + "\n".join(lines)
 
 
 def render_table(table: dict) -> list[str]:
@@ -325,7 +183,7 @@ def _env_lines(entries: list) -> list[str]:
 
 
 def _float(value) -> float | None:
-    return float(value) if _is_number(value) else None
+    return float(value) if is_number(value) else None
 
 
 def table_plot_spec(table: dict) -> dict | None:
@@ -337,7 +195,7 @@ def table_plot_spec(table: dict) -> dict | None:
     rows, columns = table["rows"], table["columns"]
     if len(rows) < 1 or len(rows) > 40:
         return None
-    numeric = [c for i, c in enumerate(columns) if _numeric_column(rows, i)]
+    numeric = [c for i, c in enumerate(columns) if numeric_column(rows, i)]
     labels = [c for i, c in enumerate(columns) if c not in numeric and all(isinstance(r[i], str) for r in rows)]
     if not numeric or not labels:
         return None
@@ -347,7 +205,7 @@ def table_plot_spec(table: dict) -> dict | None:
     percent = [c for c in numeric if "%" in c and not c.lower().startswith("ci")]
     ys = oob or percent or numeric
     if ys is numeric and len(numeric) > 1:
-        peaks = [max(abs(float(r[columns.index(c)])) for r in rows if _is_number(r[columns.index(c)])) for c in numeric]
+        peaks = [max(abs(float(r[columns.index(c)])) for r in rows if is_number(r[columns.index(c)])) for c in numeric]
         if max(peaks) > 100 * max(min(peaks), 1e-12):
             ys = numeric[:1]
     return {"kind": "bar", "x": labels, "y": ys}

@@ -308,8 +308,10 @@ def test_a_killed_sweep_leaves_no_worker_and_resumes_counting_each_step_once(tmp
                "--model", "tiny-random-llama", "--output-dir", str(out), "--parallel", "2", "--last-n", "2",
                "--run-fn", fake["run_fn"]]
     env = dict(os.environ, FAKE_SLOW="B_s0", PYTHONPATH=os.pathsep.join([fake["dir"], os.environ.get("PYTHONPATH", "")]))
+    # Ctrl-C's default action in the sweep, as in a terminal: pytest started as a background job inherits SIGINT
+    # ignored (POSIX shells ignore it for asynchronous commands), and so would the sweep.
     sweep = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 60
     try:
         # A finishes at once; B logs a step every 0.5 s: kill the sweep after B's first step.
@@ -467,6 +469,66 @@ def test_overrides_are_checked_once_against_grpo_config_before_any_run(tmp_path,
                             "--model", "tiny-random-llama", "--override", override], capsys)
     assert code == 2 and problem in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert not out.exists()
+
+
+def test_every_compare_config_field_is_a_flag_with_its_help(capsys):
+    from bloggap_plugin.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["compare", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for item in dataclasses.fields(CompareConfig):
+        help_text = " ".join(item.metadata["help"].split())
+        assert help_text in text, item.name
+        if item.name != "recipes":
+            assert f"--{item.name}" in text, item.name
+    for flag in ("--max-steps", "--output-dir", "--last-n", "--calc-steps", "--use-vllm", "--override", "--run-fn",
+                 "--table-only", "--config"):
+        assert flag in text
+
+
+def test_compare_switches_take_no_value_so_recipes_may_follow_them():
+    """--use-vllm and --table-only are switches, as before the config dataclass: a recipe after one is a recipe."""
+    from bloggap_plugin.cli import build_parser
+
+    args = build_parser().parse_args(["compare", "--table-only", "--use-vllm", "a.yaml", "b.yaml", "--seeds", "3"])
+    assert (args.use_vllm, args.table_only, args.recipes, args.seeds) == (True, True, ["a.yaml", "b.yaml"], [3])
+    args = build_parser().parse_args(["compare", "a.yaml"])
+    assert (args.use_vllm, args.table_only, args.recipes) == (False, False, ["a.yaml"])
+
+
+@pytest.mark.parametrize(
+    "yaml_text, args, problem",
+    [
+        ("parallel: 0\n", [], "--parallel 0: must be a whole number >= 1"),
+        ("parallel: 0\nbaseline: Z\n", ["--parallel", "1"], "--baseline Z names no arm; the arms are A, B"),
+        ("extra_overrides: [1]\n", [], "--override must be a JSON object of GRPOConfig fields"),
+        ("seeds: [3, 3]\n", [], "--seeds 3 3: seed 3 is repeated"),
+    ],
+)
+def test_compare_config_file_sets_fields_and_the_command_line_wins(tmp_path, fake, capsys, yaml_text, args, problem):
+    config = tmp_path / "compare.yaml"
+    config.write_text(yaml_text)
+    out = tmp_path / "out"
+    code, _, stderr = _cli([*_recipes(tmp_path), "--max-steps", "2", "--output-dir", str(out),
+                            "--run-fn", "fake_train:run_training", "--config", str(config), *args], capsys)
+    assert code == 2 and stderr.startswith(f"bloggap compare: {problem}"), stderr
+    assert not out.exists() and _calls(fake) == []
+
+
+def test_compare_config_file_mapping_override_reaches_the_runs(tmp_path, fake, capsys):
+    pytest.importorskip("matplotlib")
+    config = tmp_path / "compare.yaml"
+    config.write_text("seeds: [0]\nmax_steps: 2\nlast_n: 1\nextra_overrides:\n  num_iterations: 2\n")
+    out = tmp_path / "out"
+    code, stdout, stderr = _cli([*_recipes(tmp_path), "--output-dir", str(out), "--run-fn", "fake_train:run_training",
+                                 "--pythonpath", fake["dir"], "--config", str(config)], capsys)
+    assert code == 0, stdout + stderr
+    document = json.loads((out / "compare.json").read_text())
+    assert document["params"]["extra_overrides"] == {"num_iterations": 2} and document["params"]["seeds"] == [0]
+    assert sorted(document["results"]["runs"]) == ["A_s0", "B_s0"]
+    assert sorted(_calls(fake)) == ["A_s0", "B_s0"] and _calls(fake, "max_steps") == [2, 2]
+    assert _calls(fake, "overrides") == [{"num_iterations": 2}] * 2
 
 
 def test_a_second_sweep_on_the_same_folder_is_refused_in_one_line(tmp_path, fake, capsys):

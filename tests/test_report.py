@@ -311,3 +311,31 @@ def test_cli_bad_output_and_binary_input_fail_in_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "bloggap_plugin.cli", "report", "--results", str(tmp_path / "r"),
                            "--output", str(tmp_path / "B.md"), "--no-plots"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr and "b.json: not a text JSON file" in done.stderr
+
+
+def test_cli_config_file_sets_report_fields_and_the_command_line_wins(tmp_path, capsys):
+    from bloggap_plugin.cli import main
+
+    _write(tmp_path / "r", "h200", "tables", _result())
+    config = tmp_path / "report.yaml"
+    config.write_text(f"results: {tmp_path / 'r'}\noutput: {tmp_path / 'from_file.md'}\nno_plots: true\n"
+                      "require: [tables, ladder]\n")
+    assert main(["report", "--config", str(config)]) == 2
+    assert "h200: missing result file(s) for ladder" in capsys.readouterr().err
+    assert main(["report", "--config", str(config), "--require", "tables", "--output", str(tmp_path / "cli.md")]) == 0
+    assert (tmp_path / "cli.md").is_file() and not (tmp_path / "from_file.md").exists()
+    assert "; 0 plot(s)" in capsys.readouterr().out  # no_plots from the file
+    assert main(["report", "--config", str(config), "--require"]) == 0 and (tmp_path / "from_file.md").is_file()
+
+
+def test_cli_report_help_lists_every_field(capsys):
+    import dataclasses
+
+    from bloggap_plugin.cli import build_parser
+    from bloggap_plugin.commands.report import ReportConfig
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["report", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for item in dataclasses.fields(ReportConfig):
+        assert f"--{item.name}" in text and " ".join(item.metadata["help"].split()) in text

@@ -10,49 +10,44 @@ import sys
 HELP = "Run every recipe x seed (same prompts and sampling seeds), then the T10 reward table, a plot and the resolution."
 
 
-def _overrides(text: str | None) -> dict:
+def _overrides(text: str | dict | list | None) -> dict:
+    """``--override`` (JSON text) or ``extra_overrides`` from a ``--config`` file (a mapping) as a dict."""
     from bloggap_plugin.compare import CompareError
 
-    if not text:
+    if text is None or text == "":
         return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise CompareError(f"--override must be a JSON object, e.g. '{{\"num_iterations\": 2}}' ({err.msg})") from None
+    value = text
+    if isinstance(text, str):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise CompareError(f"--override must be a JSON object, e.g. '{{\"num_iterations\": 2}}' ({err.msg})") from None
     if not isinstance(value, dict):
         raise CompareError("--override must be a JSON object of GRPOConfig fields, e.g. '{\"num_iterations\": 2}'")
     return value
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("recipes", nargs="+", help="recipe files, one per arm (e.g. recipes/arm_*.yaml)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="seeds (default: 0 1)")
-    parser.add_argument("--task", choices=("arith", "gsm8k"), default="arith", help="training task (default: arith)")
-    parser.add_argument("--difficulty", type=int, default=None, help="arith level 1-5 (default: the task's default)")
-    parser.add_argument("--n", type=int, default=None, help="number of training prompts (default: the task's default)")
-    parser.add_argument("--data", default=None, metavar="PATH",
-                        help="gsm8k: a local file/folder (.jsonl, .json, .parquet), e.g. ../shared/data/gsm8k "
-                             "(default: $BLOGGAP_GSM8K_DATA, else openai/gsm8k from the hub or its cache)")
-    parser.add_argument("--calc-steps", default=None, metavar="N|LOW-HIGH",
-                        help="gsm8k: only problems with N (or LOW-HIGH) <<...>> calculation steps")
-    parser.add_argument("--use-vllm", action="store_true",
-                        help="generate with TRL's colocated vLLM engine (needs CUDA and vLLM; the GPU's memory is "
-                             "divided among the --parallel runs)")
-    parser.add_argument("--max-steps", type=int, default=60, help="optimizer steps per run (default: 60)")
-    parser.add_argument("--model", default="smollm2", help="model spec (default: smollm2)")
-    parser.add_argument("--output-dir", default="compare_out", help="folder for logs, table, JSON, plot")
-    parser.add_argument("--parallel", type=int, default=1, help="runs in flight at once, each its own process (default: 1)")
-    parser.add_argument("--last-n", type=int, default=30, help="steps in the 'reward last-k' window (default: 30)")
-    parser.add_argument("--baseline", default=None, help="arm the deltas are taken against (default: A, else the first)")
-    parser.add_argument("--override", default=None, help="JSON object of GRPOConfig fields applied to every arm")
-    parser.add_argument("--smooth", type=int, default=5, help="rolling-mean window of the reward plot (default: 5)")
-    parser.add_argument("--run-fn", default=None, help="module:function that trains one run (default: run_training)")
-    parser.add_argument("--table-only", action="store_true", help="do not train: rebuild table, JSON and plot from the logs")
+    from bloggap_plugin.commands._config import add_config_arguments
+    from bloggap_plugin.compare import CompareConfig
+
+    add_config_arguments(parser, CompareConfig)
+    _as_switch(parser, "use_vllm")
+    parser.add_argument("--table-only", "--table_only", action="store_true", help="do not train: rebuild table, JSON and plot from the logs")
+
+
+def _as_switch(parser: argparse.ArgumentParser, dest: str) -> None:
+    """Make the bool field ``dest``'s flag a switch that takes no value (as it was before the config dataclass), so
+    that a recipe may follow it on the command line; a ``--config`` file still sets the field."""
+    for action in parser._actions:
+        if action.dest == dest and action.option_strings:
+            action.__class__ = argparse._StoreConstAction
+            action.nargs, action.const, action.type, action.metavar = 0, True, None, None
 
 
 def run(args: argparse.Namespace) -> int:
+    from bloggap_plugin.commands._config import config_from_args
     from bloggap_plugin.compare import (
-        DEFAULT_RUN_FN,
         CompareConfig,
         CompareError,
         SweepStopped,
@@ -64,25 +59,8 @@ def run(args: argparse.Namespace) -> int:
     )
 
     try:
-        config = CompareConfig(
-            recipes=list(args.recipes),
-            seeds=list(args.seeds),
-            task=args.task,
-            max_steps=args.max_steps,
-            model=args.model,
-            output_dir=args.output_dir,
-            parallel=args.parallel,
-            difficulty=args.difficulty,
-            n=args.n,
-            data=args.data,
-            calc_steps=args.calc_steps,
-            use_vllm=args.use_vllm,
-            last_n=args.last_n,
-            baseline=args.baseline,
-            extra_overrides=_overrides(args.override),
-            run_fn=args.run_fn or DEFAULT_RUN_FN,
-            smooth=args.smooth,
-        )
+        config = config_from_args(CompareConfig, args)
+        config.extra_overrides = _overrides(config.extra_overrides)
         if args.table_only:
             results = build_results(config, validate_config(config, training=False))
             write_outputs(config, results)

@@ -1,0 +1,338 @@
+"""Settings of a comparison sweep (:class:`CompareConfig`), its planned runs (:class:`RunSpec`) and every check made
+before anything trains (:func:`validate_config`, :class:`CompareError`)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bloggap_plugin.errors import UsageError
+
+__all__ = [
+    "CompareConfig",
+    "CompareError",
+    "RunSpec",
+    "DONE_KEY",
+    "DEFAULT_RUN_FN",
+    "VLLM_GPU_SHARE",
+    "plan_runs",
+    "validate_config",
+    "vllm_unavailable_reason",
+    "effective_overrides",
+]
+
+
+DONE_KEY = "_compare"
+
+
+DEFAULT_RUN_FN = "bloggap_plugin.trl.train:run_training"
+
+
+VLLM_GPU_SHARE = 0.75
+"""Fraction of the GPU's memory the vLLM engines of a ``--use-vllm`` sweep take together (each run's engine gets
+``VLLM_GPU_SHARE / parallel``); the rest is for the runs' training (weights, optimizer, activations)."""
+
+
+class CompareError(UsageError):
+    """Settings or folder state that stop a sweep before it starts; the message names the problem and the fix."""
+
+
+@dataclass
+class CompareConfig:
+    """Settings of one comparison sweep (each field is a ``bloggap compare`` flag with the help text below)."""
+
+    recipes: list[str] = field(metadata={"help": "Recipe files, one per arm (e.g. recipes/arm_*.yaml).",
+                                         "positional": "+"})
+    seeds: list[int] = field(default_factory=lambda: [0, 1], metadata={
+        "help": "Seeds; every arm runs once per seed, and arms with the same seed see the same prompts and sampling "
+                "seeds."})
+    task: str = field(default="arith", metadata={"help": "Training task: 'arith' or 'gsm8k'.",
+                                                 "choices": ["arith", "gsm8k"]})
+    max_steps: int = field(default=60, metadata={"help": "Optimizer steps per run."})
+    model: str = field(default="smollm2", metadata={"help": "Model spec for bloggap_plugin.models.load_model."})
+    output_dir: str = field(default="compare_out", metadata={"help": "Folder for logs, table, JSON and plot."})
+    parallel: int = field(default=1, metadata={"help": "Runs in flight at once, each its own process."})
+    difficulty: int | None = field(default=None, metadata={
+        "help": "Arithmetic task level 1-5 (default: the task's default)."})
+    n: int | None = field(default=None, metadata={
+        "help": "Number of prompts in the training set (default: the task's default)."})
+    data: str | None = field(default=None, metadata={
+        "help": "GSM8K only: a local file or folder in GSM8K format (.jsonl, .json, .parquet), e.g. "
+                "../shared/data/gsm8k (default: $BLOGGAP_GSM8K_DATA, else openai/gsm8k from the hub or its cache).",
+        "metavar": "PATH"})
+    calc_steps: str | None = field(default=None, metadata={
+        "help": "GSM8K only: only problems with N (or LOW-HIGH) <<...>> calculation steps, e.g. 1 or 1-2.",
+        "metavar": "N|LOW-HIGH"})
+    use_vllm: bool = field(default=False, metadata={
+        "help": "Generate with TRL's colocated vLLM engine (use_vllm=True, vllm_mode='colocate') instead of HF "
+                "generate; needs CUDA and vLLM, and the GPU's memory is divided among the parallel runs."})
+    last_n: int = field(default=30, metadata={"help": "Steps in the 'reward last-k' window."})
+    baseline: str | None = field(default=None, metadata={
+        "help": "Arm the deltas are taken against (default: arm A if present, else the first recipe)."})
+    extra_overrides: dict = field(default_factory=dict, metadata={
+        "help": "GRPOConfig overrides applied to every arm: a JSON object, e.g. '{\"num_iterations\": 2}' (in a "
+                "--config file: a mapping).", "aliases": ["--override"], "parse": str, "metavar": "JSON"})
+    run_fn: str = field(default=DEFAULT_RUN_FN, metadata={
+        "help": "module:function that trains one run (signature of bloggap_plugin.trl.train.run_training)."})
+    pythonpath: list[str] = field(default_factory=list, metadata={
+        "help": "Extra import paths for the run function's module (used by tests)."})
+    smooth: int = field(default=5, metadata={
+        "help": "Rolling-mean window (steps) of the reward curves in the plot (1 = raw)."})
+    poll_s: float = field(default=2.0, metadata={"help": "Seconds between progress checks."})
+    lock_wait_s: float = field(default=2.0, metadata={
+        "help": "Seconds to wait for the folder's lock (runs of a sweep that was just killed take a moment to end)."})
+
+
+@dataclass
+class RunSpec:
+    """One arm x seed run."""
+
+    arm: str
+    """Arm label (the recipe's ``gap.arm``, else the file stem)."""
+    recipe: str
+    """Recipe file."""
+    seed: int
+    """Seed of this run."""
+    run_id: str
+    """``<arm>_s<seed>``: the log's file stem."""
+    log_jsonl: str
+    """Path of the run's JSONL log."""
+    output_dir: str
+    """Trainer output folder of this run."""
+
+
+def _arm_label(recipe: Path) -> str:
+    """The arm label of ``recipe``: its ``gap.arm``, else its file stem (the full recipe check comes later)."""
+    import yaml
+
+    if not recipe.is_file():
+        raise FileNotFoundError(f"recipe {recipe} does not exist")
+    try:
+        gap = _mapping(yaml.safe_load(recipe.read_text())).get("gap")
+    except yaml.YAMLError as err:
+        raise ValueError(f"recipe {recipe} is not valid YAML: {err}") from err
+    arm = _mapping(gap).get("arm")
+    return str(arm) if arm else recipe.stem
+
+
+def _mapping(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def plan_runs(config: CompareConfig) -> list[RunSpec]:
+    """Every arm x seed, in seed-major order (all arms of seed 0 first), with unique arm labels."""
+    if not config.recipes:
+        raise ValueError("compare needs at least one recipe")
+    if not config.seeds:
+        raise ValueError("compare needs at least one seed")
+    if len(set(config.seeds)) != len(config.seeds):
+        raise ValueError(f"seeds must be distinct, got {config.seeds}")
+    labels = [_arm_label(Path(r)) for r in config.recipes]
+    if len(set(labels)) != len(labels):  # two recipes with the same gap.arm: fall back to file stems
+        labels = [Path(r).stem for r in config.recipes]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"recipes must have distinct file names or gap.arm values: {config.recipes}")
+    out = Path(config.output_dir)
+    runs = []
+    for seed in config.seeds:
+        for label, recipe in zip(labels, config.recipes):
+            run_id = f"{label}_s{seed}"
+            runs.append(
+                RunSpec(
+                    arm=label,
+                    recipe=str(recipe),
+                    seed=int(seed),
+                    run_id=run_id,
+                    log_jsonl=str(out / "runs" / f"{run_id}.jsonl"),
+                    output_dir=str(out / "trainer" / run_id),
+                )
+            )
+    return runs
+
+
+def validate_config(config: CompareConfig, training: bool = True) -> list[RunSpec]:
+    """Check every setting before any model loads or any run trains; return the planned runs.
+
+    Raises :class:`CompareError` naming the option and the fix. ``training=False`` (``--table-only``) checks only
+    what the table needs. With the default training function the recipes and ``extra_overrides`` are checked by
+    building each arm's ``GRPOConfig`` (as :func:`bloggap_plugin.trl.train.run_training` does on CPU), and the task
+    settings by building one prompt of the task.
+    """
+    if not config.recipes:
+        raise CompareError("give at least one recipe file, e.g. recipes/arm_A.yaml recipes/arm_F.yaml")
+    if not config.seeds:
+        raise CompareError("--seeds: give at least one seed, e.g. --seeds 0 1")
+    repeated = sorted({seed for seed in config.seeds if config.seeds.count(seed) > 1})
+    if repeated:
+        raise CompareError(f"--seeds {' '.join(map(str, config.seeds))}: seed {', '.join(map(str, repeated))} is "
+                           "repeated; give each seed once")
+    for option, value in (("--parallel", config.parallel), ("--max-steps", config.max_steps),
+                          ("--last-n", config.last_n), ("--smooth", config.smooth)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CompareError(f"{option} {value}: must be a whole number >= 1")
+    if config.n is not None and config.n < 1:
+        raise CompareError(f"--n {config.n}: must be >= 1 prompts (or leave it out for the task's default)")
+    try:
+        runs = plan_runs(config)
+    except (OSError, ValueError) as err:
+        raise CompareError(str(err).splitlines()[0]) from None
+    arms = list(dict.fromkeys(run.arm for run in runs))
+    if config.baseline is not None and config.baseline not in arms:
+        raise CompareError(f"--baseline {config.baseline} names no arm; the arms are {', '.join(arms)} "
+                           "(each recipe's gap.arm, else its file name)")
+    if training:
+        _check_vllm(config)
+        _check_task(config)
+        if config.run_fn == DEFAULT_RUN_FN:
+            _check_grpo_settings(config, runs)
+        else:
+            _check_run_fn(config)
+    return runs
+
+
+def _check_task(config: CompareConfig) -> None:
+    """Build one prompt of the task with the sweep's settings (level, data), so a bad one fails here, once."""
+    from bloggap_plugin.tasks import TASKS, get_task
+
+    if config.task not in TASKS:
+        raise CompareError(f"--task {config.task}: unknown task; choose one of {', '.join(TASKS)}")
+    kwargs = _task_kwargs(config)
+    if config.task != "gsm8k" and all(kwargs.get(key) is None for key in ("difficulty", "data", "calc_steps")):
+        return
+    try:
+        get_task(config.task, None, seed=config.seeds[0], **{**kwargs, "n": 1})
+    except Exception as err:  # noqa: BLE001 - any failure here would fail every run: report it once
+        message = str(err).splitlines()[0]
+        if config.difficulty is not None and "difficulty" in message:
+            option = "--difficulty"
+        elif config.calc_steps is not None and "calc_steps" in message:
+            option = "--calc-steps"
+        elif config.data is not None and "--data" in message:
+            option = "--data"
+        else:
+            option = "--task"
+        raise CompareError(f"{option}: {message}") from None
+
+
+def _task_kwargs(config: CompareConfig) -> dict:
+    """The task options every run gets: ``difficulty``, ``n``, ``data`` (GSM8K: the local path in effect, absolute,
+    from ``--data`` or ``$BLOGGAP_GSM8K_DATA``; ``None`` = the hub) and, when set, ``calc_steps``."""
+    data = config.data
+    if config.task == "gsm8k":
+        from bloggap_plugin.tasks.gsm8k import resolve_data
+
+        data = resolve_data(data)
+        data = None if data is None else str(Path(data).absolute())
+    kwargs: dict = {"difficulty": config.difficulty, "n": config.n, "data": data}
+    if config.calc_steps is not None:  # only when set: logs of sweeps from before the option keep their settings
+        kwargs["calc_steps"] = str(config.calc_steps)
+    return kwargs
+
+
+def vllm_unavailable_reason() -> str | None:
+    """Why TRL's colocated vLLM engine cannot run here (``"vLLM is not installed here"``, ``"CUDA is not
+    available here ..."``), or ``None`` when it can."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed here"
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"CUDA is not available here (torch {torch.__version__})"
+    return None
+
+
+def effective_overrides(config: CompareConfig) -> dict:
+    """The GRPOConfig overrides each run gets: ``--override``, plus for ``--use-vllm`` ``use_vllm=True``,
+    ``vllm_mode="colocate"`` and ``vllm_gpu_memory_utilization = VLLM_GPU_SHARE / parallel`` (an ``--override``
+    of a field wins)."""
+    if not config.use_vllm:
+        return dict(config.extra_overrides)
+    vllm = {"use_vllm": True, "vllm_mode": "colocate",
+            "vllm_gpu_memory_utilization": round(VLLM_GPU_SHARE / max(1, int(config.parallel)), 4)}
+    return {**vllm, **config.extra_overrides}
+
+
+def _check_vllm(config: CompareConfig) -> None:
+    """``--use-vllm``: no ``--override`` contradicting it and, with the default training function, vLLM and CUDA
+    here (a custom ``--run-fn`` gets the overrides and decides)."""
+    if not config.use_vllm:
+        return
+    overrides = config.extra_overrides
+    if "use_vllm" in overrides and overrides["use_vllm"] is not True:
+        raise CompareError(f"--use-vllm with --override use_vllm={json.dumps(overrides['use_vllm'])}: drop one of them")
+    if overrides.get("vllm_mode", "colocate") != "colocate":
+        raise CompareError(f"--use-vllm runs TRL's colocated engine, but --override sets vllm_mode="
+                           f"{json.dumps(overrides['vllm_mode'])}: drop --use-vllm and pass the vLLM fields in --override")
+    share = effective_overrides(config)["vllm_gpu_memory_utilization"]
+    if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 < share <= 1:
+        raise CompareError(f"--override vllm_gpu_memory_utilization={json.dumps(share)}: must be a fraction in (0, 1]")
+    if config.run_fn == DEFAULT_RUN_FN:
+        problem = vllm_unavailable_reason()
+        if problem:
+            raise CompareError(f"--use-vllm: {problem}; run the sweep on a machine with a CUDA GPU and vLLM "
+                               "(TRL 1.16 takes vLLM 0.22-0.31), or drop --use-vllm to generate with HF generate")
+
+
+def _check_grpo_settings(config: CompareConfig, runs: list[RunSpec]) -> None:
+    """Each recipe and ``--override`` must make a valid ``GRPOConfig`` (the fields run_training sets on CPU)."""
+    from bloggap_plugin.recipes import (
+        RecipeError,
+        _grpo_field_names,
+        _unknown_key_error,
+        load_recipe,
+        merge_grpo_config,
+    )
+
+    valid = _grpo_field_names()
+    if valid is not None:
+        for key in config.extra_overrides:
+            if key not in valid:
+                raise CompareError(str(_unknown_key_error(key, valid, "--override")))
+    overrides = json.dumps(config.extra_overrides)
+    effective = effective_overrides(config)
+    for run in {run.recipe: run for run in runs}.values():
+        try:
+            grpo_kwargs, _ = load_recipe(run.recipe)
+        except RecipeError as err:
+            raise CompareError(str(err).splitlines()[0]) from None
+        fields = {"output_dir": run.output_dir, "report_to": "none", "seed": run.seed, "save_strategy": "no",
+                  "logging_steps": 1, "max_steps": config.max_steps, "use_cpu": True, "bf16": False,
+                  "fp16": bool(grpo_kwargs.get("fp16", False)), **effective}
+        try:
+            merge_grpo_config(grpo_kwargs, None, **fields)
+        except Exception as err:  # noqa: BLE001 - TRL/transformers raise ValueError, TypeError, ...
+            where = f"{run.recipe} with --override {overrides}" if config.extra_overrides else run.recipe
+            raise CompareError(f"{where}: GRPOConfig rejects it: {str(err).strip().splitlines()[0]}") from None
+
+
+def _resolve(run_fn: str):
+    module_name, _, attr = run_fn.partition(":")
+    if not attr:
+        raise ValueError(f"run function must be 'module:function', got {run_fn!r}")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def _check_run_fn(config: CompareConfig) -> None:
+    """A custom training function must import, and take ``task_kwargs`` when the task settings need them."""
+    added = [extra for extra in config.pythonpath if extra not in sys.path]
+    sys.path[:0] = added
+    try:
+        run_fn = _resolve(config.run_fn)
+    except Exception as err:  # noqa: BLE001
+        raise CompareError(f"--run-fn {config.run_fn}: cannot load it ({err}); give module:function") from None
+    finally:
+        for extra in added:
+            sys.path.remove(extra)
+    task_kwargs = sorted(k for k, v in _task_kwargs(config).items() if v is not None)
+    if task_kwargs:
+        params = inspect.signature(run_fn).parameters
+        if "task_kwargs" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            raise CompareError(f"--run-fn {config.run_fn} takes no task_kwargs, so {task_kwargs} cannot reach the task; "
+                               "drop --difficulty/--n/--data/--calc-steps or use a training function that accepts "
+                               "task_kwargs")

@@ -1,0 +1,121 @@
+"""A run's JSONL log: its step records, its completion marker, the settings it was trained with (resume decisions)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from bloggap_plugin.compare.config import DONE_KEY, CompareConfig, RunSpec, _task_kwargs
+
+__all__ = [
+    "read_log",
+    "run_is_done",
+    "run_state",
+    "run_settings",
+]
+
+
+def read_log(path: str | os.PathLike) -> tuple[list[dict], dict | None]:
+    """``(step records, completion marker or None)`` of a run's JSONL log.
+
+    A last line cut off mid-write (killed run) is ignored; a malformed line elsewhere raises ``ValueError``
+    naming the file and line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return [], None
+    lines = path.read_text().splitlines()
+    records, marker = [], None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                break  # truncated final line of a killed run
+            raise ValueError(f"{path}:{number}: not a JSON line ({err.msg})") from err
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+        if record.get(DONE_KEY) == "done":
+            marker = record
+        else:
+            records.append(record)
+    return records, marker
+
+
+def run_is_done(path: str | os.PathLike) -> bool:
+    """True when the run's log carries the completion marker."""
+    return read_log(path)[1] is not None
+
+
+def _settings_changes(stored: dict, current: dict) -> str:
+    """``"max_steps 4 -> 6, model ..."``: the settings that differ, for a message."""
+    parts = []
+    for key in sorted(set(stored) | set(current)):
+        if stored.get(key) != current.get(key):
+            if key == "recipe_sha256":
+                parts.append("the recipe file's content")
+            else:
+                parts.append(f"{key} {json.dumps(stored.get(key))} -> {json.dumps(current.get(key))}")
+    return ", ".join(parts)
+
+
+def run_state(config: CompareConfig, run: RunSpec) -> tuple[str, str]:
+    """``(state, why)`` of ``run``'s log: ``done`` (complete, same settings), ``missing``, ``unfinished`` (no
+    completion marker), ``corrupt`` (a line that is not JSON; ``why`` names file and line) or ``changed`` (trained
+    with other settings; ``why`` lists them)."""
+    log = Path(run.log_jsonl)
+    if not log.exists():
+        return "missing", ""
+    try:
+        _, marker = read_log(log)
+    except ValueError as err:
+        return "corrupt", str(err)
+    if marker is None:
+        return "unfinished", f"{log} has no completion marker"
+    stored = marker.get("settings")
+    if not isinstance(stored, dict):
+        return "changed", f"{log} records no settings (written by an older bloggap)"
+    changes = _settings_changes(stored, run_settings(config, run))
+    if changes:
+        return "changed", f"{log} was trained with other settings ({changes})"
+    return "done", ""
+
+
+def _steps_logged(path: str | os.PathLike) -> int:
+    try:
+        records, _ = read_log(path)
+    except ValueError:
+        return 0
+    return max([int(r["step"]) for r in records if isinstance(r.get("step"), (int, float))], default=len(records))
+
+
+def run_settings(config: CompareConfig, run: RunSpec) -> dict:
+    """What decides a run's result (JSON-ready): the training function, the recipe's content, model, task and its
+    options (GSM8K: the data path in effect), steps, seed, overrides and ``use_vllm``; stored with its log so that a
+    resume with other settings does not reuse it. ``use_vllm`` appears only when set (and the vLLM fields it
+    derives, which depend on ``--parallel``, not at all), so logs of sweeps from before the option stay valid."""
+    settings = {
+        "run_fn": config.run_fn,
+        "arm": run.arm,
+        "recipe_sha256": hashlib.sha256(Path(run.recipe).read_bytes()).hexdigest(),
+        "model": config.model,
+        "task": config.task,
+        "task_kwargs": _task_kwargs(config),
+        "max_steps": config.max_steps,
+        "seed": run.seed,
+        "extra_overrides": dict(config.extra_overrides),
+    }
+    if config.use_vllm:
+        settings["use_vllm"] = True
+    return json.loads(json.dumps(settings, sort_keys=True, default=str))
+
+
+def _marker_or_none(path: str | os.PathLike) -> dict | None:
+    try:
+        return read_log(path)[1]
+    except ValueError:
+        return None

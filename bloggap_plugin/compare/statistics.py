@@ -1,0 +1,236 @@
+"""Per-run summaries, per-arm aggregates, paired deltas with t intervals, and the sweep's resolution (pure Python)."""
+
+from __future__ import annotations
+
+import math
+
+from bloggap_plugin.compare.config import CompareConfig, RunSpec
+from bloggap_plugin.compare.logs import read_log, run_state
+from bloggap_plugin.compare.outputs import _tables
+
+__all__ = [
+    "summarize_run",
+    "build_results",
+    "t_quantile",
+    "paired_interval",
+]
+
+
+def _mean(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(values) / len(values) if values else None
+
+
+def _sd(values: list[float]) -> float | None:
+    """Sample standard deviation (n - 1); ``None`` for fewer than two values."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if len(values) < 2:
+        return None
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def _t_pdf(x: float, df: float) -> float:
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    return math.exp(log_c - (df + 1) / 2 * math.log1p(x * x / df))
+
+
+def _t_cdf(x: float, df: float) -> float:
+    # Student t CDF: 0.5 + integral of the pdf over [0, x] (composite Simpson on the substitution x = tan u,
+    # which maps the heavy tail to a finite interval).
+    if x == 0:
+        return 0.5
+    upper = math.atan(abs(x))
+    steps = 2000
+    h = upper / steps
+    total = 0.0
+    for i in range(steps + 1):
+        u = i * h
+        weight = 1 if i in (0, steps) else (4 if i % 2 else 2)
+        total += weight * _t_pdf(math.tan(u), df) / math.cos(u) ** 2
+    area = total * h / 3
+    return 0.5 + area if x > 0 else 0.5 - area
+
+
+def t_quantile(p: float, df: float) -> float:
+    """Quantile of Student's t with ``df`` degrees of freedom (``0 < p < 1``), by bisection on the CDF."""
+    if not 0 < p < 1:
+        raise ValueError(f"p must be in (0, 1), got {p}")
+    if df <= 0:
+        raise ValueError(f"df must be > 0, got {df}")
+    if p < 0.5:
+        return -t_quantile(1 - p, df)
+    low, high = 0.0, 1.0
+    while _t_cdf(high, df) < p:
+        high *= 2
+    for _ in range(60):
+        mid = (low + high) / 2
+        if _t_cdf(mid, df) < p:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+def paired_interval(deltas: list[float], confidence: float = 0.95) -> dict:
+    """Mean of paired differences and its two-sided t interval: ``{n, mean, sd, low, high, half_width}``.
+
+    With fewer than two differences ``sd``/``low``/``high``/``half_width`` are ``None`` (n too small).
+    """
+    n = len(deltas)
+    mean = _mean(deltas)
+    sd = _sd(deltas)
+    if sd is None:
+        return {"n": n, "mean": mean, "sd": None, "low": None, "high": None, "half_width": None}
+    half = t_quantile(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n)
+    return {"n": n, "mean": mean, "sd": sd, "low": mean - half, "high": mean + half, "half_width": half}
+
+
+def _key_mean(records: list[dict], key: str) -> float | None:
+    return _mean([r[key] for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)])
+
+
+def summarize_run(records: list[dict], marker: dict | None, last_n: int = 30) -> dict:
+    """Per-run numbers from its log records: rewards, last-k and overall means, clip, gap/* means, s/step.
+
+    Rewards come from the records that carry ``reward`` (with ``num_iterations > 1`` TRL logs a reward only on
+    steps that generate); clip, ``gap/*`` and ``step_time`` are averaged over every record that carries them.
+    """
+    reward_steps = [r for r in records if isinstance(r.get("reward"), (int, float))]
+    rewards = [float(r["reward"]) for r in reward_steps]
+    k = min(last_n, len(rewards))
+    gap_keys = sorted({key for r in records for key in r if key.startswith("gap/")})
+    step_times = [r["step_time"] for r in records if isinstance(r.get("step_time"), (int, float))]
+    steps_logged = max([int(r["step"]) for r in records if isinstance(r.get("step"), (int, float))], default=len(records))
+    wall_s = marker.get("wall_s") if marker else None
+    if step_times:
+        s_per_step, s_source = _mean(step_times), "step_time"
+    elif wall_s is not None and steps_logged:
+        s_per_step, s_source = wall_s / steps_logged, "wall"
+    else:
+        s_per_step, s_source = None, None
+    return {
+        "steps": steps_logged,
+        "reward_steps": len(rewards),
+        "reward_step_ids": [r.get("step", i + 1) for i, r in enumerate(reward_steps)],
+        "rewards": rewards,
+        "last_k": k,
+        "reward_last": _mean(rewards[-k:]) if k else None,
+        "reward_mean": _mean(rewards),
+        "reward_sd_steps": _sd(rewards),
+        "reward_sd_last": _sd(rewards[-k:]) if k else None,
+        "clip": _key_mean(records, "clip_ratio/region_mean"),
+        "sampling_dlogp": _key_mean(records, "sampling/sampling_logp_difference/mean"),
+        "gap": {key: _key_mean(records, key) for key in gap_keys},
+        "s_per_step": s_per_step,
+        "s_per_step_source": s_source,
+        "wall_s": wall_s,
+        "done": marker is not None,
+    }
+
+
+def _baseline(config: CompareConfig, arms: list[str]) -> str:
+    if config.baseline is not None:
+        if config.baseline not in arms:
+            raise ValueError(f"baseline arm {config.baseline!r} is not among the arms {arms}")
+        return config.baseline
+    return "A" if "A" in arms else arms[0]
+
+
+def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
+    """Per-run summaries, per-arm aggregates, deltas vs the baseline, resolution and the tables (JSON-ready).
+
+    Runs whose log is unfinished are left out; runs whose log is corrupt or was trained with other settings are
+    left out and listed in ``set_aside`` (run id -> why, naming the file and line or the settings).
+    """
+    arms = list(dict.fromkeys(r.arm for r in runs))
+    base = _baseline(config, arms)
+    per_run, set_aside = {}, {}
+    for run in runs:
+        state, why = run_state(config, run)
+        if state in ("corrupt", "changed"):
+            set_aside[run.run_id] = why
+            continue
+        if state != "done":
+            continue  # unfinished: left out of the table
+        records, marker = read_log(run.log_jsonl)
+        summary = summarize_run(records, marker, config.last_n)
+        summary.update(arm=run.arm, seed=run.seed, recipe=run.recipe)
+        per_run[run.run_id] = summary
+    by_arm: dict[str, dict[int, dict]] = {arm: {} for arm in arms}
+    for summary in per_run.values():
+        by_arm[summary["arm"]][summary["seed"]] = summary
+    all_k = [s["last_k"] for s in per_run.values() if s["reward_steps"]]
+    k = min(all_k) if all_k else 0
+    if k:  # one window for every run, so last-k values compare like with like
+        for s in per_run.values():
+            s["last_k"] = k
+            s["reward_last"] = _mean(s["rewards"][-k:])
+            s["reward_sd_last"] = _sd(s["rewards"][-k:])
+    arm_rows = {}
+    for arm in arms:
+        seeds = by_arm[arm]
+        deltas = {}
+        for seed, s in seeds.items():
+            b = by_arm[base].get(seed)
+            if arm != base and b is not None and s["reward_last"] is not None and b["reward_last"] is not None:
+                deltas[seed] = s["reward_last"] - b["reward_last"]
+        gap_keys = sorted({key for s in seeds.values() for key in s["gap"]})
+        arm_rows[arm] = {
+            "seeds": sorted(seeds),
+            "reward_last": _mean([s["reward_last"] for s in seeds.values()]),
+            "reward_mean": _mean([s["reward_mean"] for s in seeds.values()]),
+            "reward_last_per_seed": {seed: seeds[seed]["reward_last"] for seed in sorted(seeds)},
+            "reward_mean_per_seed": {seed: seeds[seed]["reward_mean"] for seed in sorted(seeds)},
+            "seed_sd_last": _sd([s["reward_last"] for s in seeds.values()]),
+            "delta_vs_base": {seed: deltas[seed] for seed in sorted(deltas)},
+            "delta_interval": paired_interval([deltas[s] for s in sorted(deltas)]) if arm != base else None,
+            "clip": _mean([s["clip"] for s in seeds.values() if s["clip"] is not None]),
+            "sampling_dlogp": _mean([s["sampling_dlogp"] for s in seeds.values() if s["sampling_dlogp"] is not None]),
+            "gap": {key: _mean([s["gap"].get(key) for s in seeds.values()]) for key in gap_keys},
+            "s_per_step": _mean([s["s_per_step"] for s in seeds.values() if s["s_per_step"] is not None]),
+        }
+    resolution = _resolution(per_run, arm_rows, base, k, len(config.seeds))
+    results = {"baseline": base, "arms": arm_rows, "runs": per_run, "set_aside": set_aside, "last_k": k,
+               "resolution": resolution}
+    results["tables"] = _tables(config, results)
+    return results
+
+
+def _resolution(per_run: dict, arm_rows: dict, base: str, k: int, n_seeds: int) -> dict:
+    """Per-step reward noise and the smallest arm difference this sweep could detect."""
+    variances_last = [s["reward_sd_last"] ** 2 for s in per_run.values() if s["reward_sd_last"] is not None]
+    variances_all = [s["reward_sd_steps"] ** 2 for s in per_run.values() if s["reward_sd_steps"] is not None]
+    step_sd_last = math.sqrt(sum(variances_last) / len(variances_last)) if variances_last else None
+    step_sd_all = math.sqrt(sum(variances_all) / len(variances_all)) if variances_all else None
+    seed_sds = [row["seed_sd_last"] for row in arm_rows.values() if row["seed_sd_last"] is not None]
+    out = {
+        "n_seeds": n_seeds,
+        "last_k": k,
+        "step_sd_last": step_sd_last,
+        "step_sd_all": step_sd_all,
+        "seed_sd_last": _mean(seed_sds),
+        "se_last_mean": step_sd_last / math.sqrt(k) if step_sd_last is not None and k else None,
+        "mdd_step_noise": None,
+        "delta_sd_pooled": None,
+        "delta_df": 0,
+        "mdd_paired": None,
+    }
+    z = 1.959964 + 0.841621  # two-sided 5% test, 80% power
+    if step_sd_last is not None and k:
+        # Two arms, n seeds each, k steps per mean, steps independent: SE of the difference = sd * sqrt(2 / (k n)).
+        out["mdd_step_noise"] = z * step_sd_last * math.sqrt(2.0 / (k * n_seeds))
+    squares, df = 0.0, 0
+    for arm, row in arm_rows.items():
+        values = list(row["delta_vs_base"].values())
+        if arm == base or len(values) < 2:
+            continue
+        mean = sum(values) / len(values)
+        squares += sum((v - mean) ** 2 for v in values)
+        df += len(values) - 1
+    if df:
+        sd = math.sqrt(squares / df)
+        out["delta_sd_pooled"] = sd
+        out["delta_df"] = df
+        out["mdd_paired"] = (t_quantile(0.975, df) + t_quantile(0.80, df)) * sd / math.sqrt(n_seeds)
+    return out

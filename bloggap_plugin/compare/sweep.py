@@ -1,0 +1,248 @@
+"""Running the sweep: one subprocess per run, at most ``parallel`` at once, under the output folder's lock; resume,
+stop signals and the clean-up of runs in flight."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from bloggap_plugin._io import atomic_write_text
+from bloggap_plugin.compare.config import (
+    CompareConfig,
+    CompareError,
+    RunSpec,
+    _task_kwargs,
+    effective_overrides,
+    validate_config,
+)
+from bloggap_plugin.compare.logs import _marker_or_none, _steps_logged, run_settings, run_state
+from bloggap_plugin.compare.outputs import write_outputs
+from bloggap_plugin.compare.statistics import build_results
+
+__all__ = [
+    "SweepStopped",
+    "run_compare",
+]
+
+
+class SweepStopped(Exception):
+    """The sweep process got SIGTERM or SIGHUP; its runs were stopped (``signum`` says which signal)."""
+
+    def __init__(self, signum: int, stopped: int = 0) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+        self.stopped = stopped
+
+
+def _spec_for(config: CompareConfig, run: RunSpec, attempt: str, part: Path) -> dict:
+    return {
+        "run_fn": config.run_fn,
+        "pythonpath": list(config.pythonpath),
+        "arm": run.arm,
+        "recipe": run.recipe,
+        "model": config.model,
+        "task": config.task,
+        "task_kwargs": _task_kwargs(config),
+        "max_steps": config.max_steps,
+        "output_dir": run.output_dir,
+        "seed": run.seed,
+        "log_jsonl": run.log_jsonl,
+        "part_jsonl": str(part),
+        "attempt": attempt,
+        "parent_pid": os.getpid(),
+        "settings": run_settings(config, run),
+        "extra_overrides": effective_overrides(config),
+    }
+
+
+def _part_logs(run: RunSpec) -> list[Path]:
+    """Logs of earlier attempts of ``run`` that never completed (``runs/<run>.<attempt>.part.jsonl``)."""
+    log = Path(run.log_jsonl)
+    return sorted(log.parent.glob(f"{glob.escape(run.run_id)}.*.part.jsonl"), key=lambda p: p.stat().st_mtime)
+
+
+def _worker_environment(config: CompareConfig, environ: dict | None = None) -> dict:
+    """A run's environment: the sweep's, plus a fixed vLLM KV cache (``BLOGGAP_VLLM_KV_CACHE_GIB`` = 2, unless set)
+    when several runs each start a colocated vLLM engine on one GPU: vLLM's free-memory profiling fails when a
+    neighbour frees memory while an engine starts (seen on the H200)."""
+    from bloggap_plugin.trl.vllm_colocate import KV_CACHE_ENV
+
+    env = dict(os.environ if environ is None else environ)
+    if config.use_vllm and int(config.parallel) > 1:
+        env.setdefault(KV_CACHE_ENV, "2")
+    return env
+
+
+def _launch(config: CompareConfig, run: RunSpec, lock_fd: int):
+    """Start one attempt of ``run``: a fresh log only it writes, its console output, and the lock inherited, so that
+    no other sweep can use the folder while the attempt lives (even if this process dies first)."""
+    log = Path(run.log_jsonl)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    for old in _part_logs(run):  # attempts of a sweep that was killed: no process writes them (we hold the lock)
+        os.replace(old, log.with_name(log.name + ".partial"))
+    attempt = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6:06d}"
+    part = log.with_name(f"{run.run_id}.{attempt}.part.jsonl")
+    spec_path = log.with_name(f"{run.run_id}.spec.json")
+    atomic_write_text(spec_path, json.dumps(_spec_for(config, run, attempt, part), indent=1))
+    console_path = log.with_name(f"{run.run_id}.out")
+    fresh = console_path.with_name(f".{run.run_id}.{attempt}.out")
+    console = open(fresh, "w")  # noqa: SIM115 - closed when the process ends
+    os.replace(fresh, console_path)  # a new file: nothing else holds it open
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bloggap_plugin.compare", "--worker", str(spec_path)],
+        stdout=console,
+        stderr=subprocess.STDOUT,
+        pass_fds=(lock_fd,),
+        env=_worker_environment(config),
+    )
+    return process, console, time.perf_counter(), attempt, part
+
+
+def _stop_all(processes: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    """SIGTERM every process, wait up to ``timeout_s`` in all, then SIGKILL what is left."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _lock(output_dir: Path, wait_s: float):
+    """Hold ``output_dir/.compare.lock`` for the sweep (its runs inherit it): a second sweep on the same folder is
+    refused while this one or any run it started lives. Waits up to ``wait_s`` for runs of a sweep that just died."""
+    import fcntl
+
+    handle = open(output_dir / ".compare.lock", "w")  # noqa: SIM115 - held until the sweep ends
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return handle
+        except OSError:
+            if time.monotonic() >= deadline:
+                handle.close()
+                raise CompareError(f"another bloggap compare (or a run it started) is using {output_dir}; "
+                                   "wait for it to finish or use another --output-dir") from None
+            time.sleep(0.1)
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no output)"
+
+
+def _raise_stopped(signum, frame):
+    raise SweepStopped(signum)
+
+
+def run_compare(config: CompareConfig, echo=print) -> dict:
+    """Run (or resume) the sweep, then write the outputs; returns the results dict (see :func:`build_results`).
+
+    SIGTERM and SIGHUP (when called from the main thread) and Ctrl-C stop every run before this returns by raising
+    :class:`SweepStopped` or ``KeyboardInterrupt``; a SIGKILL of this process ends the runs too (see
+    :func:`_die_with_parent`).
+    """
+    runs = validate_config(config)
+    out = Path(config.output_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CompareError(f"--output-dir {out}: cannot create it ({err.strerror or err}); choose another folder") from None
+    lock = _lock(out, config.lock_wait_s)
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        handlers[signal.SIGINT] = signal.getsignal(signal.SIGINT)
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            handlers[signum] = signal.signal(signum, _raise_stopped)
+    try:
+        return _sweep(config, runs, echo, lock.fileno())
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        lock.close()
+
+
+def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int) -> dict:
+    pending = []
+    for run in runs:
+        log = Path(run.log_jsonl)
+        state, why = run_state(config, run)
+        if state == "done":
+            echo(f"[compare] {run.run_id}: finished earlier, skipped")
+            continue
+        suffix = {"unfinished": ".partial", "corrupt": ".corrupt", "changed": ".stale"}.get(state)
+        if suffix:  # keep the old log aside under a name no run reads, and train the run again
+            os.replace(log, log.with_name(log.name + suffix))
+            echo(f"[compare] {run.run_id}: {why}; kept as {log.name + suffix}, running it again")
+        pending.append(run)
+    total, failed = len(runs), {}
+    running: dict[str, tuple] = {}  # run_id -> (run, process, console file, start time, attempt, part log)
+    last_report, sweep_start = 0.0, time.perf_counter()
+    try:
+        while pending or running:
+            while pending and len(running) < config.parallel:
+                run = pending.pop(0)
+                running[run.run_id] = (run, *_launch(config, run, lock_fd))
+                echo(f"[compare] {run.run_id}: started ({run.recipe}, seed {run.seed})")
+            for run_id, (run, process, console, started, attempt, _) in list(running.items()):
+                code = process.poll()
+                if code is None:
+                    continue
+                console.close()
+                del running[run_id]
+                elapsed = time.perf_counter() - started
+                marker = _marker_or_none(run.log_jsonl)
+                if code == 0 and marker is not None and marker.get("attempt") == attempt:
+                    finished = total - len(pending) - len(running) - len(failed)
+                    echo(f"[compare] {run_id}: done in {elapsed:.0f} s ({finished}/{total} finished)")
+                else:
+                    failed[run_id] = code
+                    echo(f"[compare] {run_id}: FAILED (exit {code}); last output:\n{_tail(Path(run.log_jsonl).with_suffix('.out'))}")
+            now = time.perf_counter()
+            if running and now - last_report >= max(10.0, config.poll_s):
+                states = ", ".join(f"{rid} step {_steps_logged(part)}/{config.max_steps}"
+                                   for rid, (*_, part) in running.items())
+                echo(f"[compare] {now - sweep_start:.0f} s: running {states}; {len(pending)} waiting")
+                last_report = now
+            if running:
+                time.sleep(config.poll_s)
+    except BaseException as err:
+        _ignore_stop_signals()  # a second Ctrl-C or SIGTERM must not cut the clean-up short
+        in_flight = [process for _, process, *_ in running.values() if process.poll() is None]
+        _stop_all(in_flight)
+        for _, _, console, *_ in running.values():
+            console.close()
+        if isinstance(err, SweepStopped):
+            err.stopped = len(in_flight)
+        elif isinstance(err, KeyboardInterrupt):
+            err.args = (len(in_flight),)
+        raise
+    results = build_results(config, runs)
+    write_outputs(config, results)
+    for run_id, why in results["set_aside"].items():
+        echo(f"[compare] {run_id}: set aside: {why}")
+    results["failed"] = failed
+    if failed:
+        echo(f"[compare] {len(failed)} run(s) failed: {', '.join(sorted(failed))}; see runs/<run>.out. "
+             "Re-run the same command to retry them (finished runs are kept).")
+    return results
+
+
+def _ignore_stop_signals() -> None:
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)

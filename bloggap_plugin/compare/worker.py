@@ -1,0 +1,85 @@
+"""The run subprocess: ``python -m bloggap_plugin.compare --worker SPEC`` trains one arm x seed into its own log."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from bloggap_plugin.compare.config import DONE_KEY, _resolve
+from bloggap_plugin.results import jsonable
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """End this process as soon as the sweep process ``parent_pid`` is gone, however it ended (SIGKILL, OOM kill).
+
+    Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``; everywhere: a daemon thread that checks the parent every second
+    (the fallback, and the cover for a parent that died before the request took effect).
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):  # pragma: no cover - no prctl: the watchdog below does the job
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+    def watchdog() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watchdog, name="bloggap-compare-parent-watchdog", daemon=True).start()
+
+
+def _worker(spec_path: str) -> int:
+    """Subprocess entry: run one arm x seed into this attempt's own log, then append the completion marker and
+    rename that log to the run's log (so the run's log only ever exists complete)."""
+    spec = json.loads(Path(spec_path).read_text())
+    _die_with_parent(int(spec["parent_pid"]))
+    for extra in spec.get("pythonpath", []):
+        sys.path.insert(0, extra)
+    run_fn = _resolve(spec["run_fn"])
+    part = Path(spec["part_jsonl"])
+    kwargs = dict(
+        model=spec["model"],
+        task=spec["task"],
+        max_steps=spec["max_steps"],
+        output_dir=spec["output_dir"],
+        report_to="none",
+        seed=spec["seed"],
+        log_jsonl=str(part),
+        extra_overrides=spec["extra_overrides"],
+    )
+    task_kwargs = {k: v for k, v in spec["task_kwargs"].items() if v is not None}
+    if task_kwargs:  # the sweep checked that run_fn takes them
+        kwargs["task_kwargs"] = task_kwargs
+    part.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    result = run_fn(spec["recipe"], **kwargs)
+    wall_s = time.perf_counter() - start
+    marker = {DONE_KEY: "done", "arm": spec["arm"], "seed": spec["seed"], "attempt": spec["attempt"],
+              "settings": spec["settings"], "wall_s": wall_s, "result": jsonable(result)}
+    with open(part, "a") as handle:
+        handle.write(json.dumps(marker) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(part, spec["log_jsonl"])
+    return 0
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="bloggap compare worker (internal)")
+    parser.add_argument("--worker", required=True, help="run spec JSON written by run_compare")
+    args = parser.parse_args(argv)
+    return _worker(args.worker)
