@@ -1,8 +1,8 @@
-"""verl 0.9.1 end to end with the bloggap plugin (issue 13, items 1-3). GPU machine only; NOT YET RUN there.
+"""verl 0.9.1 end to end with the bloggap plugin (issue 13, items 1-3). GPU machine only; ran on the H200 2026-11-30.
 
 Each run is one ``python -m verl.trainer.main_ppo`` (single GPU, FSDP actor, vLLM rollout in the hybrid engine, Ray
 local without dashboard, GRPO on the arithmetic task, SmolLM2-135M-Instruct) of ``--steps`` steps. After each run
-``verl_live.json`` under ``--out`` is rewritten (a time limit keeps what finished), beside ``<run>.log`` (the
+``verl_live_runs.json`` under ``--out`` is rewritten (a time limit keeps what finished), beside ``<run>.log`` (the
 driver's console: Ray forwards every worker's output there) and ``<run>.metrics.jsonl`` (verl's ``file`` logger).
 
     python benchmarks/verl_live.py probe                              # imports a run needs; names what is missing
@@ -28,6 +28,7 @@ import math
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -53,6 +54,7 @@ PRESETS: dict[str, list[str]] = {
 }
 RS_OPTION = {"geo_rs": "seq_mean_k1", "seq_mis": "seq_sum_k1"}
 REGISTERED = "bloggap verl plugin registered (pid"
+RUNS_JSON = "verl_live_runs.json"  # the run records under --out (document turns them into the result document)
 DUMP_ENV = "BLOGGAP_VERL_DUMP_LOGPROBS"  # bloggap_plugin.verl.engine.DUMP_ENV (not imported: torch-free here)
 GUARD = "bloggap: rollout correction preset"
 _RAY_PREFIX = re.compile(r"^\((?:(?P<actor>[A-Za-z_][\w.:-]*)\s+)?pid=(?P<pid>\d+)")
@@ -371,7 +373,7 @@ def cmd_run(args) -> None:
             sys.exit(f"error: {missing[0]} is missing: run `python benchmarks/verl_live.py prepare --out {out}` first")
         if not Path(args.model, "config.json").exists():
             sys.exit(f"error: {args.model}/config.json not found: --model must be a HF folder (VLLM.md: mk_smollm2.py)")
-    result_path = out / "verl_live.json"
+    result_path = out / RUNS_JSON
     result = json.loads(result_path.read_text()) if result_path.exists() and not args.dry_run else {"runs": {}}
     deadline = time.time() + args.budget
     for run in runs:
@@ -407,23 +409,30 @@ def cmd_run(args) -> None:
 
 
 def score_rows_independently(model, input_ids: torch.Tensor, offsets: torch.Tensor) -> dict:
-    """Each row of a dump scored alone (batch 1, no padding) by ``model`` (bf16 HF causal LM, sdpa): per-token
-    log-probs of ``input_ids[t+1]`` at ``t`` with the bf16 head and with an fp32 head (``hidden.float() @
+    """The rows of a dump scored by ``model`` (bf16 HF causal LM, sdpa) in the layout verl's engine used with
+    ``use_remove_padding=false``: one batch, rows right-padded to the longest, attention mask, positions 0..n-1.
+    Per-token log-probs of ``input_ids[t+1]`` at ``t`` with the bf16 head and with an fp32 head (``hidden.float() @
     W.float().T``, written out here, not bloggap's), flat ``[total]`` in the dump's layout (last token of a row: NaN)."""
     import torch
 
     head = model.get_output_embeddings().weight
-    bf16 = torch.full(input_ids.shape, float("nan"))
-    fp32 = torch.full(input_ids.shape, float("nan"))
+    lengths = offsets.diff().tolist()
+    batch = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(batch)
+    for row, (start, length) in enumerate(zip(offsets[:-1].tolist(), lengths)):
+        batch[row, :length] = input_ids[start:start + length]
+        mask[row, :length] = 1
     with torch.no_grad():
-        for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
-            ids = input_ids[start:end].unsqueeze(0).to(head.device)
-            out = model(input_ids=ids, output_hidden_states=True)
-            targets = ids[0, 1:]
-            for logits, into in ((out.logits[0, :-1].float(), bf16),
-                                 (out.hidden_states[-1][0, :-1].float() @ head.float().T, fp32)):
-                into[start:end - 1] = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0].cpu()
-    return {"bf16_head": bf16, "fp32_head": fp32}
+        out = model(input_ids=batch.to(head.device), attention_mask=mask.to(head.device), output_hidden_states=True)
+        hidden = out.hidden_states[-1]
+        scored = {}
+        for name, logits in (("bf16_head", out.logits.float()), ("fp32_head", hidden.float() @ head.float().T)):
+            values = torch.full(input_ids.shape, float("nan"))
+            logp = logits.log_softmax(-1)[:, :-1].gather(-1, batch[:, 1:, None].to(head.device))[..., 0].cpu()
+            for row, (start, length) in enumerate(zip(offsets[:-1].tolist(), lengths)):
+                values[start:start + length - 1] = logp[row, :length - 1]
+            scored[name] = values
+    return scored
 
 
 def check_head(dump_paths: list[Path], model_dir: str, device: str = "cuda") -> dict:
@@ -452,6 +461,7 @@ def check_head(dump_paths: list[Path], model_dir: str, device: str = "cuda") -> 
                                 "p99_abs_dlogp": float(d.quantile(0.99))}
     report["dump_fp32_head"] = flags
     report["fp32_head_closer"] = report["vs_fp32_head"]["mean_abs_dlogp"] < report["vs_bf16_head"]["mean_abs_dlogp"]
+    report["scored_on"] = str(next(model.parameters()).device)
     return report
 
 
@@ -461,11 +471,123 @@ def cmd_check_head(args) -> None:
     if not dumps:
         sys.exit(f"error: no {args.run} dump under {out}: run it with verl_live.py run (it sets {DUMP_ENV})")
     report = check_head(dumps, args.model, args.device)
-    result_path = out / "verl_live.json"
+    result_path = out / RUNS_JSON
     result = json.loads(result_path.read_text()) if result_path.exists() else {"runs": {}}
     result.setdefault("head_check", {})[args.run] = report
     _write_json(result_path, result)
     print("check-head", json.dumps(report), flush=True)
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _r(value, digits: int = 3):
+    return None if value is None else round(float(value), digits)
+
+
+def resummarise(folder: Path, runs_json: dict) -> dict:
+    """Every run of ``runs_json`` rebuilt from its ``<tag>.log`` and ``<tag>.metrics.jsonl`` under ``folder``
+    with this version's parsers (keeping the exit code and wall time it recorded)."""
+    records = {}
+    for run, old in runs_json.get("runs", {}).items():
+        tag = run.replace("/", "_")
+        log = folder / f"{tag}.log"
+        if "rc" not in old or not log.exists():
+            records[run] = old
+            continue
+        records[run] = summarise(run, log.read_text(errors="replace"), folder / f"{tag}.metrics.jsonl", old["rc"],
+                                 old["wall_s"])
+    return records
+
+
+def result_tables(records: dict) -> list[dict]:
+    """The issue-13 tables (``bloggap report`` renders them): one row per run, then the per-step truncation view."""
+    run_rows = []
+    for run, rec in records.items():
+        steps = rec.get("steps", [])
+        if not steps:
+            run_rows.append([run, rec.get("top_p"), "off" if rec.get("plugin_disabled") else "on", 0, rec.get("rc"),
+                             None, None, None, None, None, None, None, rec.get("skipped") or "no step logged"])
+            continue
+        col = {k: [s.get(k) for s in steps] for k in steps[0]}
+        registered = rec.get("registered", {})
+        run_rows.append([
+            run, rec["top_p"], "off" if rec["plugin_disabled"] else "on", len(steps), rec["rc"],
+            _r(_mean(col["rejected_seq_frac"])), int(sum(1 for v in col["all_rejected"] if v)),
+            _r(_mean(col.get("kept_mass_mean_geo", [])), 4), _r(col["reward"][0]), _r(col["reward"][-1]),
+            _r(_mean(col["oob_frac"]), 4), _r(statistics.median([v for v in col["step_s"][1:] or col["step_s"] if v is not None]), 2),
+            f"{sum(len(p) for p in registered.values())} processes: {', '.join(sorted(registered))}",
+        ])
+    tables = [{
+        "id": "T13v", "title": "verl 0.9.1 GRPO on the H200 with the bloggap plugin (vLLM 0.24 rollouts, FSDP actor, "
+        "SmolLM2-135M, arithmetic task, Geo-RS seq_mean_k1 0.999_1.001)",
+        "columns": ["run", "rollout top_p", "plugin", "steps", "rc", "rejected seq share (mean)",
+                    "steps all rejected", "kept mass (geo mean)", "reward step 1", "reward last", "gap oob_frac",
+                    "s/step (median)", "plugin registered in"],
+        "rows": run_rows,
+        "notes": "rejected seq share: verl's rollout_corr/rollout_rs_seq_mean_k1_seq_masked_fraction per step, "
+                 "mean over steps; kept mass: exp of gap/verl/log_kept_mass_mean (the fix's re-truncation); gap "
+                 "oob_frac: gap_vanilla's actor/gap/ratio/oob_frac (ppo_mini_batch = train batch, one epoch: the "
+                 "ratio is exactly 1, so 0 is the expected value); s/step: timing_s/step without step 1.",
+        "reference": None, "random_init": False, "plot": False}]
+    control, fix = records.get("geo_rs/control", {}).get("steps", []), records.get("geo_rs/fix", {}).get("steps", [])
+    if control and fix:
+        rows = []
+        for number in range(max(len(control), len(fix))):
+            c = control[number] if number < len(control) else {}
+            f = fix[number] if number < len(fix) else {}
+            rows.append([number + 1, _r(c.get("rejected_seq_frac")), _r(f.get("rejected_seq_frac")),
+                         _r(f.get("kept_mass_mean_geo"), 4), _r(c.get("reward")), _r(f.get("reward"))])
+        tables.append({
+            "id": "T13v-steps", "title": "Per step: untruncated control vs top_p 0.8 with the truncation fix (verl, H200)",
+            "columns": ["step", "control rejected", "fix rejected", "fix kept mass (geo)", "control reward",
+                        "fix reward"],
+            "rows": rows,
+            "notes": "The truncated run without the plugin (geo_rs/nofix) did not finish inside the session's GPU "
+                     "time and is not in this table.",
+            "reference": None, "random_init": False,
+            "plot": {"kind": "line", "x": "step", "y": ["control rejected", "fix rejected", "control reward", "fix reward"]}})
+    return tables
+
+
+def head_table(head_check: dict) -> dict:
+    """check-head's comparisons, one row per run."""
+    rows = []
+    for run, rep in head_check.items():
+        rows.append([run, "fp32" if all(rep["dump_fp32_head"]) else "bf16", rep.get("scored_on"),
+                     rep["vs_fp32_head"]["tokens"], _r(rep["vs_fp32_head"]["mean_abs_dlogp"], 4),
+                     _r(rep["vs_bf16_head"]["mean_abs_dlogp"], 4), _r(rep["vs_fp32_head"]["p99_abs_dlogp"], 4),
+                     _r(rep["vs_bf16_head"]["p99_abs_dlogp"], 4)])
+    return {"id": "T13v-head", "title": "Step 1's old log-probs from verl's engine vs an independent scoring of the "
+            "same tokens (same padded layout), fp32 head and bf16 head",
+            "columns": ["run", "engine head", "scored on", "tokens", "mean |d| vs fp32 head", "mean |d| vs bf16 head",
+                        "p99 |d| vs fp32 head", "p99 |d| vs bf16 head"],
+            "rows": rows,
+            "notes": "Scored on another device than the dump (the H200), the bf16 body's kernel differences dominate "
+                     "(mean |d| ~0.02-0.03 either way) and the comparison cannot tell the heads apart; it is "
+                     "conclusive only when check-head runs on the GPU that made the dump.",
+            "reference": None, "random_init": False, "plot": False}
+
+
+def cmd_document(args) -> None:
+    from bloggap_plugin.results import ResultDocument
+
+    folder = Path(args.folder).resolve()
+    runs_json = json.loads((folder / RUNS_JSON).read_text())
+    records = resummarise(folder, runs_json)
+    probe = json.loads((folder / "verl_probe.json").read_text()) if (folder / "verl_probe.json").exists() else {}
+    document = ResultDocument(
+        benchmark="verl_live",
+        env={"gpu": args.gpu, **probe.get("versions", {})},
+        params={"model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantised, fp32)", "task": "arith",
+                "overrides": {run: overrides(run, "MODEL", "DATA", "OUT", len(r.get("steps", [])) or 20)
+                              for run, r in records.items()},
+                "command": "bash benchmarks/gpu/verl_call.sh RUNS STEPS BUDGET RUN_TIMEOUT (one device call)"},
+        results={"runs": records, "head_check": runs_json.get("head_check", {}), "probe": probe},
+        tables=result_tables(records) + ([head_table(runs_json["head_check"])] if runs_json.get("head_check") else []))
+    print(f"wrote {document.write(args.json)}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -474,6 +596,10 @@ def main(argv: list[str] | None = None) -> None:
     prep = sub.add_parser("prepare", help="write the parquet files and the bloggap entry point under --out")
     prep.add_argument("--out", required=True)
     prep.add_argument("--n-train", type=int, default=1024)
+    doc = sub.add_parser("document", help="the result document for bloggap report, from a folder of run files")
+    doc.add_argument("folder", help="folder with verl_live_runs.json, <run>.log, <run>.metrics.jsonl, verl_probe.json")
+    doc.add_argument("--json", required=True, help="where to write it, e.g. benchmarks/results/h200/verl_live.json")
+    doc.add_argument("--gpu", default="NVIDIA H200")
     chk = sub.add_parser("check-head", help="arm E's dumped step-1 old log-probs vs an independent fp32-head scoring")
     chk.add_argument("--out", required=True)
     chk.add_argument("--model", required=True)
@@ -493,7 +619,8 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = ap.parse_args(argv)
     try:
-        {"prepare": cmd_prepare, "probe": cmd_probe, "run": cmd_run, "check-head": cmd_check_head}[args.cmd](args)
+        {"prepare": cmd_prepare, "probe": cmd_probe, "run": cmd_run, "check-head": cmd_check_head,
+         "document": cmd_document}[args.cmd](args)
     except ValueError as exc:
         sys.exit(f"error: {exc}")
 

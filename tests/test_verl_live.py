@@ -212,7 +212,7 @@ def test_run_loop_writes_json_per_run_and_skips_past_budget(tmp_path):
     argv = ["run", "--model", str(tmp_path / "model"), "--out", str(out), "--python", str(fake),
             "--runs", "geo_rs/nofix,geo_rs/fix", "--budget", "100"]
     verl_live.main(argv)
-    result = json.loads((out / "verl_live.json").read_text())
+    result = json.loads((out / "verl_live_runs.json").read_text())
     nofix = result["runs"]["geo_rs/nofix"]
     assert nofix["rc"] == 0 and nofix["metrics_source"] == "file" and nofix["guard_warnings"] == 1
     assert nofix["registered"] == {"driver": [11], "TaskRunner": [12], "WorkerDict": [13]}
@@ -222,15 +222,16 @@ def test_run_loop_writes_json_per_run_and_skips_past_budget(tmp_path):
     assert f"BLOGGAP_VERL_DISABLE=1 cwd={out}" in log
     assert "BLOGGAP_VERL_DISABLE=0" in (out / "geo_rs_fix.log").read_text()
     verl_live.main(argv[:-1] + ["30"] + ["--runs", "geo_rs/nofix,seq_mis/fix"])  # < 60 s left: both skipped
-    result = json.loads((out / "verl_live.json").read_text())
+    result = json.loads((out / "verl_live_runs.json").read_text())
     assert set(result["runs"]["seq_mis/fix"]) == {"run", "skipped"}
     assert result["runs"]["geo_rs/nofix"] == nofix  # a finished run's record is not replaced by a skip
 
 
 @pytest.mark.parametrize("dump_head", ["fp32", "bf16"])
 def test_check_head_tells_the_fp32_head_from_the_bf16_head(tmp_path, tiny_model, dump_head):
-    """A dump made through the engine's own fp32-head hook (or the plain bf16 head) of rows scored one by one:
-    check-head's independent scoring agrees with the matching head (|d| ~ 0) and names it the closer one."""
+    """A dump made through the engine's own fp32-head hook (or the plain bf16 head) from verl's padded layout
+    (rows right-padded in one batch): check-head's independent scoring agrees with the matching head (|d| ~ 0)
+    and names it the closer one."""
     import torch
 
     from bloggap_plugin.verl.engine import fp32_output_head
@@ -239,18 +240,19 @@ def test_check_head_tells_the_fp32_head_from_the_bf16_head(tmp_path, tiny_model,
     model_dir = tmp_path / "model"
     model.save_pretrained(model_dir)
     generator = torch.Generator().manual_seed(0)
-    rows = [torch.randint(3, model.config.vocab_size, (n,), generator=generator) for n in (7, 12, 5)]
-    offsets = torch.tensor([0, 7, 19, 24])
-    log_probs = []
+    lengths = (7, 12, 5)
+    batch = torch.randint(3, model.config.vocab_size, (3, 12), generator=generator)
+    mask = (torch.arange(12)[None] < torch.tensor(lengths)[:, None]).long()
     with torch.no_grad():
-        for row in rows:
-            context = fp32_output_head(model) if dump_head == "fp32" else torch.autocast("cpu", enabled=False)
-            with context:
-                logits = model(input_ids=row[None]).logits[0].float()
-            lp = logits.log_softmax(-1)[:-1].gather(-1, row[1:, None])[:, 0]
-            log_probs.append(torch.cat([lp, torch.tensor([-5.0])]))  # verl's rolled label at a row's end: ignored
-    torch.save({"input_ids": torch.cat(rows), "offsets": offsets, "log_probs": torch.cat(log_probs),
-                "fp32_head": dump_head == "fp32"}, tmp_path / "arm_E.dump.1.pt")
+        context = fp32_output_head(model) if dump_head == "fp32" else torch.autocast("cpu", enabled=False)
+        with context:
+            logits = model(input_ids=batch, attention_mask=mask).logits.float()
+    logp = logits.log_softmax(-1)[:, :-1].gather(-1, batch[:, 1:, None])[..., 0]
+    rows = [batch[r, :n] for r, n in enumerate(lengths)]
+    # verl's rolled label at a row's end is the next row's first token: a value the check must ignore
+    log_probs = [torch.cat([logp[r, :n - 1], torch.tensor([-5.0])]) for r, n in enumerate(lengths)]
+    torch.save({"input_ids": torch.cat(rows), "offsets": torch.tensor([0, 7, 19, 24]),
+                "log_probs": torch.cat(log_probs), "fp32_head": dump_head == "fp32"}, tmp_path / "arm_E.dump.1.pt")
     report = verl_live.check_head([tmp_path / "arm_E.dump.1.pt"], str(model_dir), device="cpu")
     same, other = (report["vs_fp32_head"], report["vs_bf16_head"])[:: 1 if dump_head == "fp32" else -1]
     assert same["tokens"] == other["tokens"] == 24 - 3
@@ -278,3 +280,31 @@ def test_registered_processes_named_from_other_lines_of_the_same_pid():
         "vLLMHttpServer": [10309], "ray_worker": [10777]}
     record = verl_live.summarise("geo_rs/fix", text, Path("/nonexistent"), 0, 1.0)
     assert record["registered_in_driver_and_workers"]
+
+
+def test_document_tables_from_run_records(tmp_path):
+    """result_tables/head_table on two small runs: the means and counts are the step values' own."""
+    from bloggap_plugin.results import ResultDocument
+
+    def step(n, rejected, reward, kept=None, all_rejected=0.0):
+        return {"step": n, "rejected_seq_frac": rejected, "all_rejected": all_rejected, "reward": reward,
+                "oob_frac": 0.0, "step_s": 10.0 + n, "kept_mass_mean_geo": kept}
+
+    records = {
+        "geo_rs/control": {"rc": 0, "top_p": 1.0, "plugin_disabled": False, "registered": {"driver": [1], "TaskRunnerV1": [2]},
+                           "steps": [step(1, 0.5, 0.2), step(2, 0.25, 0.4), step(3, 0.0, 0.6)]},
+        "geo_rs/fix": {"rc": 0, "top_p": 0.8, "plugin_disabled": False, "registered": {"driver": [5]},
+                       "steps": [step(1, 1.0, 0.1, 0.9, all_rejected=1.0), step(2, 0.5, 0.3, 0.95)]},
+        "geo_rs/nofix": {"run": "geo_rs/nofix", "skipped": "40 s of --budget 500 s left"},
+    }
+    tables = verl_live.result_tables(records)
+    runs = {row[0]: row for row in tables[0]["rows"]}
+    assert runs["geo_rs/control"][3:12] == [3, 0, 0.25, 0, None, 0.2, 0.6, 0.0, 12.5]
+    assert runs["geo_rs/fix"][5:8] == [0.75, 1, 0.925]
+    assert runs["geo_rs/nofix"][3] == 0 and runs["geo_rs/nofix"][-1] == "40 s of --budget 500 s left"
+    assert tables[1]["rows"] == [[1, 0.5, 1.0, 0.9, 0.2, 0.1], [2, 0.25, 0.5, 0.95, 0.4, 0.3], [3, 0.0, None, None, 0.6, None]]
+    head = verl_live.head_table({"arm_E": {"dump_fp32_head": [True], "scored_on": "cuda:0",
+                                           "vs_fp32_head": {"tokens": 9, "mean_abs_dlogp": 1e-6, "p99_abs_dlogp": 2e-6},
+                                           "vs_bf16_head": {"tokens": 9, "mean_abs_dlogp": 0.01, "p99_abs_dlogp": 0.02}}})
+    assert head["rows"] == [["arm_E", "fp32", "cuda:0", 9, 0.0, 0.01, 0.0, 0.02]]
+    ResultDocument(benchmark="verl_live", env={}, params={}, results={}, tables=tables + [head]).validate()

@@ -3,7 +3,7 @@
 # vllm.sh (VLLM_VERSION=0.24.0 + verl_requirements.txt, DEST=.dev/vllm24). Installs the bundle if this machine has
 # not yet (the last chunk call), writes SmolLM2 as a HF folder, checks the imports (verl_live.py probe), writes the
 # parquet files and the entry point, then runs verl_live.py run. Whatever ends the call, the runs' logs, metrics and
-# verl_live.json come back in $OUT (verl_runs.tgz + verl_live.json + verl_probe.json).
+# verl_live_runs.json come back in $OUT (verl_runs.tgz + verl_live_runs.json + verl_probe.json).
 #
 #   bash benchmarks/gpu/verl_call.sh RUNS STEPS BUDGET_S [RUN_TIMEOUT_S]
 #   e.g. bash benchmarks/gpu/verl_call.sh geo_rs/control,geo_rs/nofix,geo_rs/fix 20 500 200
@@ -16,7 +16,7 @@ t0=$(date +%s)
 collect() {
   mkdir -p "$OUT"
   [ -d "$work" ] && tar -czf "$OUT/verl_runs.tgz" -C "$work" --exclude=./data --exclude=./site --exclude=./ckpt . 2>/dev/null
-  cp "$work/verl_live.json" "$work/verl_probe.json" "$OUT/" 2>/dev/null
+  cp "$work/verl_live_runs.json" "$work/verl_probe.json" "$OUT/" 2>/dev/null
   echo "verl_call: $(( $(date +%s) - t0 )) s in this call"
 }
 trap collect EXIT
