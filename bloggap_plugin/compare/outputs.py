@@ -39,10 +39,11 @@ def _tables(config: CompareConfig, results: dict) -> list[dict]:
     columns = ["arm", "seeds", f"reward last-{k}", "reward mean", f"vs {base} per seed", f"vs {base}: mean [95% CI]",
                "clip", *[f"{key} %" for key in headline], "s/step"]
     rows = []
-    for arm, row in arms.items():
-        per_seed = " / ".join(_signed(row["delta_vs_base"][s]) for s in row["delta_vs_base"]) if arm != base else "-"
+    for label, row in arms.items():
+        is_base = label == base
+        per_seed = " / ".join(_signed(row["delta_vs_base"][s]) for s in row["delta_vs_base"]) if not is_base else "-"
         interval = row["delta_interval"]
-        if arm == base:
+        if is_base:
             ci = "baseline"
         elif interval is None or interval["n"] == 0:
             ci = "-"
@@ -51,7 +52,7 @@ def _tables(config: CompareConfig, results: dict) -> list[dict]:
         else:
             ci = f"{_signed(interval['mean'])} [{_signed(interval['low'])}, {_signed(interval['high'])}]"
         gap_cells = [_r(100 * row["gap"][key], 2) if row["gap"].get(key) is not None else None for key in headline]
-        rows.append([arm, len(row["seeds"]), _r(row["reward_last"]), _r(row["reward_mean"]), per_seed, ci,
+        rows.append([label, len(row["seeds"]), _r(row["reward_last"]), _r(row["reward_mean"]), per_seed, ci,
                      _r(row["clip"]), *gap_cells, _r(row["s_per_step"], 3)])
     res = results["resolution"]
     generation = "vLLM colocate (TRL)" if config.use_vllm else "HF generate"
@@ -155,8 +156,8 @@ def plot_reward_curves(results: dict, path: str | os.PathLike, smooth: int = 5, 
     by_arm: dict[str, list[dict]] = {}
     for summary in results["runs"].values():
         by_arm.setdefault(summary["arm"], []).append(summary)
-    for arm in results["arms"]:
-        runs = by_arm.get(arm, [])
+    for label in results["arms"]:
+        runs = by_arm.get(label, [])
         if not runs:
             continue
         length = min(len(r["rewards"]) for r in runs)
@@ -165,7 +166,7 @@ def plot_reward_curves(results: dict, path: str | os.PathLike, smooth: int = 5, 
         curves = [_rolling(r["rewards"][:length], smooth) for r in runs]
         steps = list(range(1, length + 1))
         mean = [sum(c[i] for c in curves) / len(curves) for i in range(length)]
-        (line,) = ax.plot(steps, mean, label=f"{arm} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+        (line,) = ax.plot(steps, mean, label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
         if len(curves) > 1:
             low = [min(c[i] for c in curves) for i in range(length)]
             high = [max(c[i] for c in curves) for i in range(length)]

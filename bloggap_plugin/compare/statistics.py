@@ -157,7 +157,7 @@ def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
         summary = summarize_run(records, marker, config.last_n)
         summary.update(arm=run.arm, seed=run.seed, recipe=run.recipe)
         per_run[run.run_id] = summary
-    by_arm: dict[str, dict[int, dict]] = {arm: {} for arm in arms}
+    by_arm: dict[str, dict[int, dict]] = {label: {} for label in arms}
     for summary in per_run.values():
         by_arm[summary["arm"]][summary["seed"]] = summary
     all_k = [s["last_k"] for s in per_run.values() if s["reward_steps"]]
@@ -168,15 +168,15 @@ def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
             s["reward_last"] = _mean(s["rewards"][-k:])
             s["reward_sd_last"] = _sd(s["rewards"][-k:])
     arm_rows = {}
-    for arm in arms:
-        seeds = by_arm[arm]
+    for label in arms:
+        seeds = by_arm[label]
         deltas = {}
         for seed, s in seeds.items():
             b = by_arm[base].get(seed)
-            if arm != base and b is not None and s["reward_last"] is not None and b["reward_last"] is not None:
+            if label != base and b is not None and s["reward_last"] is not None and b["reward_last"] is not None:
                 deltas[seed] = s["reward_last"] - b["reward_last"]
         gap_keys = sorted({key for s in seeds.values() for key in s["gap"]})
-        arm_rows[arm] = {
+        arm_rows[label] = {
             "seeds": sorted(seeds),
             "reward_last": _mean([s["reward_last"] for s in seeds.values()]),
             "reward_mean": _mean([s["reward_mean"] for s in seeds.values()]),
@@ -184,7 +184,7 @@ def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
             "reward_mean_per_seed": {seed: seeds[seed]["reward_mean"] for seed in sorted(seeds)},
             "seed_sd_last": _sd([s["reward_last"] for s in seeds.values()]),
             "delta_vs_base": {seed: deltas[seed] for seed in sorted(deltas)},
-            "delta_interval": paired_interval([deltas[s] for s in sorted(deltas)]) if arm != base else None,
+            "delta_interval": paired_interval([deltas[s] for s in sorted(deltas)]) if label != base else None,
             "clip": _mean([s["clip"] for s in seeds.values() if s["clip"] is not None]),
             "sampling_dlogp": _mean([s["sampling_dlogp"] for s in seeds.values() if s["sampling_dlogp"] is not None]),
             "gap": {key: _mean([s["gap"].get(key) for s in seeds.values()]) for key in gap_keys},
@@ -221,9 +221,9 @@ def _resolution(per_run: dict, arm_rows: dict, base: str, k: int, n_seeds: int) 
         # Two arms, n seeds each, k steps per mean, steps independent: SE of the difference = sd * sqrt(2 / (k n)).
         out["mdd_step_noise"] = z * step_sd_last * math.sqrt(2.0 / (k * n_seeds))
     squares, df = 0.0, 0
-    for arm, row in arm_rows.items():
+    for label, row in arm_rows.items():
         values = list(row["delta_vs_base"].values())
-        if arm == base or len(values) < 2:
+        if label == base or len(values) < 2:
             continue
         mean = sum(values) / len(values)
         squares += sum((v - mean) ** 2 for v in values)
