@@ -8,17 +8,17 @@ import sys
 import pytest
 import torch
 
+from bloggap_plugin.core.comparisons import COMPARISONS
 from bloggap_plugin.core.probe import (
-    COMPARISONS,
     Row,
     build_rows,
     builtin_prompts,
     compare,
     probe_model,
-    recommend,
-    sample_rollouts,
     score_layout,
 )
+from bloggap_plugin.core.recommend import recommend
+from bloggap_plugin.measure.rollouts import sample_rollouts
 from bloggap_plugin.models import load_model
 
 
@@ -182,7 +182,7 @@ def test_probe_model_all_comparisons_on_tiny(tiny, tiny_rollouts):
     assert extras["hidden_check"]["nonfinite_logprobs"] == 0 and extras["hidden_check"]["max_abs_hidden"] > 0
     # one tick per scoring pass: batch 1, the equal-length batch 8, and each comparison but the sampler's
     assert ticks[0] == "b1" and "equal b8" in ticks and len(ticks) == 2 + len(COMPARISONS) - 1
-    from bloggap_plugin.commands.doctor import _passes
+    from bloggap_plugin.core.comparisons import scoring_passes as _passes
 
     assert _passes(list(COMPARISONS)) == len(ticks)  # the doctor's progress-bar total
     with pytest.raises(ValueError, match="unknown comparison"):
