@@ -11,8 +11,11 @@ measurement is :func:`bloggap_plugin.measure.attribution.run_attribution`; this 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+from bloggap_plugin.commands._measured import ModelOutputConfig
 
 HELP = "Per-layer hidden-state divergence between batch 1 and batch 8 (where to put fp32 layers)."
 
@@ -40,93 +43,52 @@ def format_profile(result: dict) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class AttributeConfig(ModelOutputConfig):
+    """``bloggap attribute``'s settings (each field is a flag; ``--config FILE.yaml`` sets any of them)."""
+
+    dtype: Literal["bf16", "fp16", "fp32"] = field(default="bf16", metadata={"help": "model dtype (bf16)"})
+    rows: int = field(default=32, metadata={"help": "calibration rollouts (default 32)"})
+    new_tokens: int = field(default=48, metadata={"help": "tokens per rollout (default 48)"})
+    batch_size: int = field(default=8, metadata={"help": "rows per chunk on the batched side (8)"})
+    k: int | None = field(default=None, metadata={
+        "help": "layers for top-k and the window, in 1..layers of the model (default 8, capped at the layers)"})
+    seed: int = field(default=4321, metadata={"help": "sampling seed (default 4321)"})
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2", help="model spec (default: smollm2, offline)")
-    parser.add_argument(
-        "--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="model dtype (bf16)"
-    )
-    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    parser.add_argument("--attn", default=None, help="attention implementation (default: the model's)")
-    parser.add_argument("--rows", type=int, default=32, help="calibration rollouts (default 32)")
-    parser.add_argument("--new-tokens", type=int, default=48, help="tokens per rollout (default 48)")
-    parser.add_argument("--batch-size", type=int, default=8, help="rows per chunk on the batched side (8)")
-    parser.add_argument("--k", type=int, default=None,
-                        help="layers for top-k and the window, in 1..layers of the model (default 8, capped at the layers)")
-    parser.add_argument("--positions", default="mask", choices=("mask", "arange"), help="position ids (mask)")
-    parser.add_argument("--seed", type=int, default=4321, help="sampling seed (default 4321)")
-    parser.add_argument(
-        "--json",
-        nargs="?",
-        const="-",
-        default=None,
-        metavar="PATH",
-        help="write JSON to PATH (stdout if no PATH)",
-    )
+    from bloggap_plugin.commands._config import add_config_arguments
 
-
-def check_json_option(path: str | None) -> None:
-    """Raise ``UsageError`` before measuring if ``--json PATH`` cannot be written (``-`` is stdout)."""
-    from bloggap_plugin._io import check_writable_file
-    from bloggap_plugin.errors import UsageError
-
-    if path and path != "-":
-        problem = check_writable_file(path, "--json")
-        if problem:
-            raise UsageError(problem)
-
-
-def write_json_option(path: str, payload: dict) -> None:
-    """Write ``payload`` to ``--json PATH`` atomically (a failed write leaves the previous file whole)."""
-    from bloggap_plugin._io import atomic_write_text
-
-    atomic_write_text(path, json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {path}")
+    add_config_arguments(parser, AttributeConfig)
 
 
 def run(args: argparse.Namespace) -> int:
+    from bloggap_plugin.commands._config import config_from_args
+    from bloggap_plugin.commands._measured import check_json_option, command_payload, emit
     from bloggap_plugin.core.precision import decoder_layers
-    from bloggap_plugin.envinfo import environment_record
     from bloggap_plugin.errors import check_positive
     from bloggap_plugin.measure.attribution import run_attribution
     from bloggap_plugin.models import check_model_spec, load_model, resolve_device
 
-    for option, value in (("--rows", args.rows), ("--new-tokens", args.new_tokens),
-                          ("--batch-size", args.batch_size), ("--k", args.k)):
+    config = config_from_args(AttributeConfig, args)
+    for option, value in (("--rows", config.rows), ("--new-tokens", config.new_tokens),
+                          ("--batch-size", config.batch_size), ("--k", config.k)):
         check_positive(option, value)
-    check_json_option(args.json)
-    device = resolve_device(args.device)
-    check_model_spec(args.model)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=device, attn_implementation=args.attn)
-
-    def progress(msg):
-        print(f"[attribute] {msg}", file=sys.stderr)
-
+    check_json_option(config.json)
+    device = resolve_device(config.device)
+    check_model_spec(config.model)
+    model, tokenizer = load_model(config.model, dtype=config.dtype, device=device, attn_implementation=config.attn)
     result = run_attribution(
         model,
         tokenizer,
-        rows=args.rows,
-        new_tokens=args.new_tokens,
-        batch_size=args.batch_size,
-        k=args.k if args.k is not None else min(8, len(decoder_layers(model))),
-        positions=args.positions,
-        seed=args.seed,
-        progress=progress,
+        rows=config.rows,
+        new_tokens=config.new_tokens,
+        batch_size=config.batch_size,
+        k=config.k if config.k is not None else min(8, len(decoder_layers(model))),
+        positions=config.positions,
+        seed=config.seed,
+        progress=lambda msg: print(f"[attribute] {msg}", file=sys.stderr),
     )
-    payload = {
-        "command": "attribute",
-        "schema_version": SCHEMA_VERSION,
-        "env": environment_record(device),
-        "params": {
-            "model": args.model,
-            "dtype": args.dtype,
-            "attn": getattr(model.config, "_attn_implementation", None),
-        },
-        "results": result,
-    }
-    if args.json == "-":
-        print(json.dumps(payload, indent=2))
-    else:
-        print(format_profile(result))
-        if args.json:
-            write_json_option(args.json, payload)
+    payload = command_payload("attribute", SCHEMA_VERSION, device, config, model, result)
+    emit(payload, format_profile(result), config.json)
     return 0

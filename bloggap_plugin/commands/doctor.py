@@ -12,13 +12,16 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from bloggap_plugin.core.comparisons import CPU_ROWS  # torch-free: `bloggap --help` stays fast
 
 HELP = "Measure the batch-shape log-prob gap of a model on this machine and recommend an arm."
 DTYPES = ("bf16", "fp16", "fp32")
 ATTNS = ("sdpa", "eager", "flex_attention")
+
 
 def _csv(choices):
     def parse(text: str) -> list[str]:
@@ -31,26 +34,41 @@ def _csv(choices):
     return parse
 
 
+@dataclass
+class DoctorConfig:
+    """``bloggap doctor``'s settings (each field is a flag; ``--config FILE.yaml`` sets any of them).
+
+    ``dtypes`` and ``attn`` are written as comma lists and parsed into lists of names."""
+
+    model: str = field(default="smollm2", metadata={"help": "model spec (default: smollm2, offline); see models.py"})
+    device: str | None = field(default=None, metadata={"help": "cpu, cuda, cuda:1 ... (default: cuda if available)"})
+    dtypes: str = field(default=",".join(DTYPES), metadata={"help": "comma list (default bf16,fp16,fp32)",
+                                                           "parse": _csv(DTYPES)})
+    attn: str = field(default="sdpa,eager", metadata={
+        "help": f"comma list of {', '.join(ATTNS)} (default sdpa,eager)", "parse": _csv(ATTNS)})
+    num_seqs: int | None = field(default=None, metadata={"help": "rollouts (default 64 on GPU, 32 on CPU)"})
+    max_new_tokens: int | None = field(default=None, metadata={"help": "tokens per rollout (default 64 GPU, 24 CPU)"})
+    seed: int = field(default=1234, metadata={"help": "sampling seed (default 1234)"})
+    sample_dtype: Literal["bf16", "fp16", "fp32"] = field(default="bf16", metadata={
+        "help": "dtype of the sampling model (bf16)"})
+    gen_batch_size: int = field(default=8, metadata={"help": "prompts per generate call (default 8)"})
+    fp16_rows: int | None = field(default=None, metadata={
+        "help": f"rows scored in fp16 (default: all on GPU, {CPU_ROWS['fp16']} on CPU, where fp16 is slow)"})
+    fp32_rows: int | None = field(default=None, metadata={
+        "help": f"rows scored in fp32 (default: all on GPU, {CPU_ROWS['fp32']} on CPU)"})
+    band: float = field(default=0.1, metadata={"help": "ratio band half-width (default 0.1)"})
+    json_path: str | None = field(default=None, metadata={"help": "write the results as JSON to this path",
+                                                          "aliases": ["--json"], "metavar": "PATH"})
+    no_progress: bool = field(default=False, metadata={"help": "no progress bars"})
+    from_json: str | None = field(default=None, metadata={
+        "help": "measure nothing: re-read a doctor JSON (yours or a colleague's), recompute the recommendation "
+                "from its cells with this version's logic, print it (and --json it)", "metavar": "PATH"})
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2", help="model spec (default: smollm2, offline); see models.py")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    parser.add_argument("--dtypes", type=_csv(DTYPES), default=list(DTYPES), help="comma list (default bf16,fp16,fp32)")
-    parser.add_argument("--attn", type=_csv(ATTNS), default=["sdpa", "eager"], help="comma list (default sdpa,eager)")
-    parser.add_argument("--num-seqs", type=int, default=None, help="rollouts (default 64 on GPU, 32 on CPU)")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens per rollout (default 64 GPU, 24 CPU)")
-    parser.add_argument("--seed", type=int, default=1234, help="sampling seed (default 1234)")
-    parser.add_argument("--sample-dtype", choices=DTYPES, default="bf16", help="dtype of the sampling model (bf16)")
-    parser.add_argument("--gen-batch-size", type=int, default=8, help="prompts per generate call (default 8)")
-    parser.add_argument("--fp16-rows", type=int, default=None,
-                        help=f"rows scored in fp16 (default: all on GPU, {CPU_ROWS['fp16']} on CPU, where fp16 is slow)")
-    parser.add_argument("--fp32-rows", type=int, default=None,
-                        help=f"rows scored in fp32 (default: all on GPU, {CPU_ROWS['fp32']} on CPU)")
-    parser.add_argument("--band", type=float, default=0.1, help="ratio band half-width (default 0.1)")
-    parser.add_argument("--json", dest="json_path", default=None, help="write the results as JSON to this path")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument("--from-json", default=None, metavar="PATH",
-                        help="measure nothing: re-read a doctor JSON (yours or a colleague's), recompute the "
-                             "recommendation from its cells with this version's logic, print it (and --json it)")
+    from bloggap_plugin.commands._config import add_config_arguments
+
+    add_config_arguments(parser, DoctorConfig)
 
 
 def format_table(cells: list[dict], dtypes: list[str], attns: list[str]) -> str:
@@ -90,7 +108,7 @@ def format_table(cells: list[dict], dtypes: list[str], attns: list[str]) -> str:
     return "\n".join(out)
 
 
-def _check(args: argparse.Namespace) -> None:
+def _check(args: DoctorConfig) -> None:
     """Every check on the options that needs no model (``UsageError``: one line, before anything loads)."""
     from bloggap_plugin._io import check_writable_file
     from bloggap_plugin.errors import UsageError, check_positive
@@ -109,7 +127,7 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--band must be in (0, 1) (half-width b of the ratio band [1-b, 1+b]), got {args.band}")
 
 
-def _from_json(args: argparse.Namespace) -> int:
+def _from_json(args: DoctorConfig) -> int:
     """Measure nothing: re-derive the recommendation of a stored doctor JSON, print it (and write it)."""
     from bloggap_plugin.errors import UsageError
     from bloggap_plugin.measure.doctor import rerecommend
@@ -128,11 +146,13 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm.auto import tqdm
 
+    from bloggap_plugin.commands._config import config_from_args
     from bloggap_plugin.core.recommend import recommend
     from bloggap_plugin.measure import doctor
     from bloggap_plugin.measure import rollouts as sampling
     from bloggap_plugin.models import check_model_spec, load_model, resolve_device
 
+    args = config_from_args(DoctorConfig, args)
     _check(args)
     if args.from_json:
         return _from_json(args)

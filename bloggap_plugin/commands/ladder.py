@@ -13,95 +13,70 @@ fp32 norm and head), fp16, fp16 + guided top-k, all fp32. The measurement is
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from dataclasses import dataclass, field
+from typing import Literal
+
+from bloggap_plugin.commands._measured import ModelOutputConfig
 
 HELP = "Precision ladder: out-of-band rate b1 vs b8 for each scoring plan (bf16 ... all fp32)."
 
 SCHEMA_VERSION = 1
 
 
+@dataclass
+class LadderConfig(ModelOutputConfig):
+    """``bloggap ladder``'s settings (each field is a flag; ``--config FILE.yaml`` sets any of them)."""
+
+    dtype: Literal["bf16", "fp32"] = field(default="bf16", metadata={"help": "policy dtype (bf16)"})
+    rows: int | None = field(default=None, metadata={"help": "evaluation rollouts (default 128 GPU, 16 CPU)"})
+    calibration_rows: int | None = field(default=None, metadata={"help": "calibration rollouts (32 GPU, 8 CPU)"})
+    new_tokens: int | None = field(default=None, metadata={"help": "tokens per rollout (48 GPU, 24 CPU)"})
+    k: list[int] | None = field(default=None, metadata={
+        "help": "layer counts, each in 1..layers of the model (default 4 8 12 GPU, 8 CPU, capped at the layers)"})
+    fp16: Literal["auto", "on", "off"] = field(default="auto", metadata={
+        "help": "fp16 rungs (auto: off on CPU, where fp16 is slow)"})
+    seed: int = field(default=1234, metadata={"help": "sampling seed (default 1234)"})
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2", help="model spec (default: smollm2, offline)")
-    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="policy dtype (bf16)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    parser.add_argument("--attn", default=None, help="attention implementation (default: the model's)")
-    parser.add_argument(
-        "--rows", type=int, default=None, help="evaluation rollouts (default 128 GPU, 16 CPU)"
-    )
-    parser.add_argument(
-        "--calibration-rows", type=int, default=None, help="calibration rollouts (32 GPU, 8 CPU)"
-    )
-    parser.add_argument("--new-tokens", type=int, default=None, help="tokens per rollout (48 GPU, 24 CPU)")
-    parser.add_argument(
-        "--k", type=int, nargs="+", default=None,
-        help="layer counts, each in 1..layers of the model (default 4 8 12 GPU, 8 CPU, capped at the layers)"
-    )
-    parser.add_argument("--positions", default="mask", choices=("mask", "arange"), help="position ids (mask)")
-    parser.add_argument(
-        "--fp16",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="fp16 rungs (auto: off on CPU, where fp16 is slow)",
-    )
-    parser.add_argument("--seed", type=int, default=1234, help="sampling seed (default 1234)")
-    parser.add_argument(
-        "--json",
-        nargs="?",
-        const="-",
-        default=None,
-        metavar="PATH",
-        help="write JSON to PATH (stdout if no PATH)",
-    )
+    from bloggap_plugin.commands._config import add_config_arguments
+
+    add_config_arguments(parser, LadderConfig)
 
 
 def run(args: argparse.Namespace) -> int:
-    from bloggap_plugin.commands.attribute import check_json_option, write_json_option
-    from bloggap_plugin.envinfo import environment_record
+    from bloggap_plugin.commands._config import config_from_args
+    from bloggap_plugin.commands._measured import check_json_option, command_payload, emit
     from bloggap_plugin.errors import UsageError, check_positive
     from bloggap_plugin.measure.ladder import default_ks, ladder_table, run_ladder
     from bloggap_plugin.models import check_model_spec, load_model, resolve_device
     from bloggap_plugin.report import format_text_table
 
-    for option, value in (("--rows", args.rows), ("--calibration-rows", args.calibration_rows),
-                          ("--new-tokens", args.new_tokens)):
+    config = config_from_args(LadderConfig, args)
+    for option, value in (("--rows", config.rows), ("--calibration-rows", config.calibration_rows),
+                          ("--new-tokens", config.new_tokens)):
         check_positive(option, value)
-    if args.k is not None and any(k < 1 for k in args.k):
-        raise UsageError(f"--k {' '.join(str(k) for k in args.k if k < 1)}: layer counts must be >= 1")
-    check_json_option(args.json)
-    device = resolve_device(args.device)
+    if config.k is not None and any(k < 1 for k in config.k):
+        raise UsageError(f"--k {' '.join(str(k) for k in config.k if k < 1)}: layer counts must be >= 1")
+    check_json_option(config.json)
+    device = resolve_device(config.device)
     gpu = device.startswith("cuda")
-    check_model_spec(args.model)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=device, attn_implementation=args.attn)
+    check_model_spec(config.model)
+    model, tokenizer = load_model(config.model, dtype=config.dtype, device=device, attn_implementation=config.attn)
     result = run_ladder(  # checks --k against the model's layer count before sampling anything
         model,
         tokenizer,
-        rows=args.rows if args.rows is not None else (128 if gpu else 16),
-        calibration_rows=args.calibration_rows if args.calibration_rows is not None else (32 if gpu else 8),
-        new_tokens=args.new_tokens if args.new_tokens is not None else (48 if gpu else 24),
-        ks=args.k or default_ks(model, gpu),
-        positions=args.positions,
-        fp16={"on": True, "off": False}.get(args.fp16, gpu),
-        seed=args.seed,
+        rows=config.rows if config.rows is not None else (128 if gpu else 16),
+        calibration_rows=config.calibration_rows if config.calibration_rows is not None else (32 if gpu else 8),
+        new_tokens=config.new_tokens if config.new_tokens is not None else (48 if gpu else 24),
+        ks=config.k or default_ks(model, gpu),
+        positions=config.positions,
+        fp16={"on": True, "off": False}.get(config.fp16, gpu),
+        seed=config.seed,
         progress=lambda msg: print(f"[ladder] {msg}", file=sys.stderr),
     )
     table = ladder_table(result)
-    payload = {
-        "command": "ladder",
-        "schema_version": SCHEMA_VERSION,
-        "env": environment_record(device),
-        "params": {
-            "model": args.model,
-            "dtype": args.dtype,
-            "attn": getattr(model.config, "_attn_implementation", None),
-        },
-        "results": result,
-        "tables": [table],
-    }
-    if args.json == "-":
-        print(json.dumps(payload, indent=2))
-    else:
-        print(format_text_table(table))
-        if args.json:
-            write_json_option(args.json, payload)
+    payload = command_payload("ladder", SCHEMA_VERSION, device, config, model, result, [table])
+    emit(payload, format_text_table(table), config.json)
     return 0

@@ -1,0 +1,72 @@
+"""What ``bloggap attribute`` and ``bloggap ladder`` share: the model/output settings and the JSON payload
+(``{command, schema_version, env, params, results[, tables]}``), printed as text or written with ``--json``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["ModelOutputConfig", "check_json_option", "write_json_option", "command_payload", "emit"]
+
+
+@dataclass
+class ModelOutputConfig:
+    """The model to load and where the result goes (fields shared by the measuring commands)."""
+
+    model: str = field(default="smollm2", metadata={"help": "model spec (default: smollm2, offline)"})
+    device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: cuda if available)"})
+    attn: str | None = field(default=None, metadata={"help": "attention implementation (default: the model's)"})
+    positions: Literal["mask", "arange"] = field(default="mask", metadata={"help": "position ids (mask)"})
+    json: str | None = field(default=None, metadata={
+        "help": "write JSON to PATH (stdout if no PATH)", "nargs": "?", "const": "-", "metavar": "PATH"})
+
+
+def check_json_option(path: str | None) -> None:
+    """Raise ``UsageError`` before measuring if ``--json PATH`` cannot be written (``-`` is stdout)."""
+    from bloggap_plugin._io import check_writable_file
+    from bloggap_plugin.errors import UsageError
+
+    if path and path != "-":
+        problem = check_writable_file(path, "--json")
+        if problem:
+            raise UsageError(problem)
+
+
+def write_json_option(path: str, payload: dict) -> None:
+    """Write ``payload`` to ``--json PATH`` atomically (a failed write leaves the previous file whole)."""
+    from bloggap_plugin._io import atomic_write_text
+
+    atomic_write_text(path, json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def command_payload(command: str, schema_version: int, device: str, config, model, results: dict,
+                    tables: list[dict] | None = None) -> dict:
+    """The JSON document of one measuring command run on the loaded ``model``."""
+    from bloggap_plugin.envinfo import environment_record
+
+    payload = {
+        "command": command,
+        "schema_version": schema_version,
+        "env": environment_record(device),
+        "params": {
+            "model": config.model,
+            "dtype": config.dtype,
+            "attn": getattr(model.config, "_attn_implementation", None),
+        },
+        "results": results,
+    }
+    if tables is not None:
+        payload["tables"] = tables
+    return payload
+
+
+def emit(payload: dict, text: str, json_option: str | None) -> None:
+    """``--json`` alone (``-``): the payload on stdout; otherwise ``text``, and the payload to ``--json PATH``."""
+    if json_option == "-":
+        print(json.dumps(payload, indent=2))
+    else:
+        print(text)
+        if json_option:
+            write_json_option(json_option, payload)
