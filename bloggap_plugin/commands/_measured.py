@@ -1,4 +1,5 @@
-"""What ``bloggap attribute`` and ``bloggap ladder`` share: the model/output settings and the JSON payload
+"""What the measuring commands share: ``configure`` from a config dataclass; for ``bloggap attribute`` and
+``bloggap ladder`` also the model/output settings, loading after the checks, and the JSON payload
 (``{command, schema_version, env, params, results[, tables]}``), printed as text or written with ``--json``."""
 
 from __future__ import annotations
@@ -7,7 +8,30 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["ModelOutputConfig", "check_json_option", "write_json_option", "command_payload", "emit"]
+__all__ = ["configure_with", "checked_config", "ModelOutputConfig", "check_json_option", "write_json_option", "load_for", "command_payload", "emit"]
+
+
+def configure_with(config_type: type):
+    """A command's ``configure(parser)``: one flag per field of ``config_type`` (and ``--config FILE.yaml``)."""
+
+    def configure(parser) -> None:
+        from bloggap_plugin.commands._config import add_config_arguments
+
+        add_config_arguments(parser, config_type)
+
+    return configure
+
+
+def checked_config(config_type: type, args, counts: tuple[str, ...] = ()):
+    """``config_type`` from the parsed ``args``, each field named in ``counts`` checked to be >= 1 (or unset):
+    a one-line ``UsageError`` naming its flag otherwise."""
+    from bloggap_plugin.commands._config import config_from_args
+    from bloggap_plugin.errors import check_positive
+
+    config = config_from_args(config_type, args)
+    for name in counts:
+        check_positive("--" + name.replace("_", "-"), getattr(config, name))
+    return config
 
 
 @dataclass
@@ -39,6 +63,18 @@ def write_json_option(path: str, payload: dict) -> None:
 
     atomic_write_text(path, json.dumps(payload, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def load_for(config: ModelOutputConfig) -> tuple[str, object, object]:
+    """``(device, model, tokenizer)`` for ``config`` once ``--json``, ``--device`` and the model files passed their
+    checks (each a one-line ``UsageError`` before anything loads)."""
+    from bloggap_plugin.models import check_model_spec, load_model, resolve_device
+
+    check_json_option(config.json)
+    device = resolve_device(config.device)
+    check_model_spec(config.model)
+    model, tokenizer = load_model(config.model, dtype=config.dtype, device=device, attn_implementation=config.attn)
+    return device, model, tokenizer
 
 
 def command_payload(command: str, schema_version: int, device: str, config, model, results: dict,

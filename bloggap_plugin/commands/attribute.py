@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
-from bloggap_plugin.commands._measured import ModelOutputConfig
+from bloggap_plugin.commands._measured import ModelOutputConfig, configure_with
 
 HELP = "Per-layer hidden-state divergence between batch 1 and batch 8 (where to put fp32 layers)."
 
@@ -56,28 +56,16 @@ class AttributeConfig(ModelOutputConfig):
     seed: int = field(default=4321, metadata={"help": "sampling seed (default 4321)"})
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
-    from bloggap_plugin.commands._config import add_config_arguments
-
-    add_config_arguments(parser, AttributeConfig)
+configure = configure_with(AttributeConfig)
 
 
 def run(args: argparse.Namespace) -> int:
-    from bloggap_plugin.commands._config import config_from_args
-    from bloggap_plugin.commands._measured import check_json_option, command_payload, emit
+    from bloggap_plugin.commands._measured import checked_config, command_payload, emit, load_for
     from bloggap_plugin.core.precision import decoder_layers
-    from bloggap_plugin.errors import check_positive
     from bloggap_plugin.measure.attribution import run_attribution
-    from bloggap_plugin.models import check_model_spec, load_model, resolve_device
 
-    config = config_from_args(AttributeConfig, args)
-    for option, value in (("--rows", config.rows), ("--new-tokens", config.new_tokens),
-                          ("--batch-size", config.batch_size), ("--k", config.k)):
-        check_positive(option, value)
-    check_json_option(config.json)
-    device = resolve_device(config.device)
-    check_model_spec(config.model)
-    model, tokenizer = load_model(config.model, dtype=config.dtype, device=device, attn_implementation=config.attn)
+    config = checked_config(AttributeConfig, args, ("rows", "new_tokens", "batch_size", "k"))
+    device, model, tokenizer = load_for(config)
     result = run_attribution(
         model,
         tokenizer,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from bloggap_plugin.commands._measured import configure_with
 from bloggap_plugin.core.comparisons import CPU_ROWS  # torch-free: `bloggap --help` stays fast
 
 HELP = "Measure the batch-shape log-prob gap of a model on this machine and recommend an arm."
@@ -65,10 +66,7 @@ class DoctorConfig:
                 "from its cells with this version's logic, print it (and --json it)", "metavar": "PATH"})
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
-    from bloggap_plugin.commands._config import add_config_arguments
-
-    add_config_arguments(parser, DoctorConfig)
+configure = configure_with(DoctorConfig)
 
 
 def format_table(cells: list[dict], dtypes: list[str], attns: list[str]) -> str:

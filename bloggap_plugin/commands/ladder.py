@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
-from bloggap_plugin.commands._measured import ModelOutputConfig
+from bloggap_plugin.commands._measured import ModelOutputConfig, configure_with
 
 HELP = "Precision ladder: out-of-band rate b1 vs b8 for each scoring plan (bf16 ... all fp32)."
 
@@ -39,31 +39,20 @@ class LadderConfig(ModelOutputConfig):
     seed: int = field(default=1234, metadata={"help": "sampling seed (default 1234)"})
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
-    from bloggap_plugin.commands._config import add_config_arguments
-
-    add_config_arguments(parser, LadderConfig)
+configure = configure_with(LadderConfig)
 
 
 def run(args: argparse.Namespace) -> int:
-    from bloggap_plugin.commands._config import config_from_args
-    from bloggap_plugin.commands._measured import check_json_option, command_payload, emit
-    from bloggap_plugin.errors import UsageError, check_positive
+    from bloggap_plugin.commands._measured import checked_config, command_payload, emit, load_for
+    from bloggap_plugin.errors import UsageError
     from bloggap_plugin.measure.ladder import default_ks, ladder_table, run_ladder
-    from bloggap_plugin.models import check_model_spec, load_model, resolve_device
     from bloggap_plugin.report import format_text_table
 
-    config = config_from_args(LadderConfig, args)
-    for option, value in (("--rows", config.rows), ("--calibration-rows", config.calibration_rows),
-                          ("--new-tokens", config.new_tokens)):
-        check_positive(option, value)
+    config = checked_config(LadderConfig, args, ("rows", "calibration_rows", "new_tokens"))
     if config.k is not None and any(k < 1 for k in config.k):
         raise UsageError(f"--k {' '.join(str(k) for k in config.k if k < 1)}: layer counts must be >= 1")
-    check_json_option(config.json)
-    device = resolve_device(config.device)
+    device, model, tokenizer = load_for(config)
     gpu = device.startswith("cuda")
-    check_model_spec(config.model)
-    model, tokenizer = load_model(config.model, dtype=config.dtype, device=device, attn_implementation=config.attn)
     result = run_ladder(  # checks --k against the model's layer count before sampling anything
         model,
         tokenizer,

@@ -41,17 +41,8 @@ def b1_vs_bn(
 
 
 def run_attribution(
-    model,
-    tokenizer,
-    *,
-    rows: int = 32,
-    new_tokens: int = 48,
-    batch_size: int = 8,
-    k: int = 8,
-    positions: str = "mask",
-    seed: int = 4321,
-    band: float = 0.1,
-    progress: Callable[[str], object] | None = None,
+    model, tokenizer, *, rows: int = 32, new_tokens: int = 48, batch_size: int = 8, k: int = 8,
+    positions: str = "mask", seed: int = 4321, band: float = 0.1, progress: Callable[[str], object] | None = None,
 ) -> dict:
     """The attribution profile (JSON-ready) of ``model`` on calibration-prompt rollouts."""
     n_layers = len(decoder_layers(model))

@@ -91,20 +91,9 @@ def _score_rung(model, spec: dict, ids, mask, new_tokens, batch_size, positions,
 
 
 def run_ladder(
-    model,
-    tokenizer,
-    *,
-    rows: int = 128,
-    calibration_rows: int = 32,
-    new_tokens: int = 48,
-    ks: Sequence[int] = (4, 8, 12),
-    batch_size: int = 8,
-    positions: str = "mask",
-    band: float = 0.1,
-    fp16: bool = True,
-    seed: int = 1234,
-    calibration_seed: int = 4321,
-    progress: Callable[[str], object] | None = None,
+    model, tokenizer, *, rows: int = 128, calibration_rows: int = 32, new_tokens: int = 48,
+    ks: Sequence[int] = (4, 8, 12), batch_size: int = 8, positions: str = "mask", band: float = 0.1,
+    fp16: bool = True, seed: int = 1234, calibration_seed: int = 4321, progress: Callable[[str], object] | None = None,
 ) -> dict:
     """Run the ladder on ``model`` (the policy, usually bf16). JSON-ready dict with one entry per rung."""
     say = progress or (lambda _msg: None)
