@@ -3,6 +3,7 @@ CLI: tests/test_cli.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -316,3 +317,78 @@ def test_fp16_check_sees_overflow_and_json_stays_strict(tiny_rollouts):
     assert verdict["arm"] == "B" and "fp16 check failed" in verdict["text"]
     assert json_safe({"x": [float("nan"), float("inf"), 1.5], "y": "z"}) == {"x": [None, None, 1.5], "y": "z"}
     json.dumps(json_safe(cells), allow_nan=False)
+
+
+# ---------------------------------------------------------------- the comparisons table and the recommendation record
+
+
+def test_comparisons_table_fields_and_derived_sets():
+    from bloggap_plugin.core.comparisons import (
+        BATCH_SHAPE_COMPARISONS,
+        CPU_FP16_COMPARISONS,
+        PAIRABLE,
+        comparison,
+        scoring_passes,
+    )
+
+    assert list(COMPARISONS) == [
+        "rerun_b1", "b1_vs_b8_left_arange", "b1_vs_b8_left_mask", "b1_vs_b32_left_arange", "b1_vs_b32_left_mask",
+        "b1_vs_b8_right", "b1_vs_b8_equal_nopad", "copy8_vs_alone", "two_groupings_b8", "sampler_vs_b1",
+    ]  # the doctor's table order
+    assert CPU_FP16_COMPARISONS == ("rerun_b1", "b1_vs_b8_left_arange", "b1_vs_b8_left_mask", "sampler_vs_b1")
+    assert PAIRABLE == ("rerun_b1", "b1_vs_b8_left_arange", "b1_vs_b8_left_mask", "b1_vs_b8_right")
+    assert BATCH_SHAPE_COMPARISONS == tuple(list(COMPARISONS)[1:-1])
+    spec = comparison("b1_vs_b32_left_arange")
+    assert (spec.layout, spec.batch_size, spec.positions, spec.min_rows) == ("left", 32, "arange", 32)
+    assert comparison("b1_vs_b8_right").scoring_layout == "right"
+    assert comparison("copy8_vs_alone").scoring_layout == "left"  # rows without padding are laid out left
+    with pytest.raises(ValueError, match="unknown comparison 'b1_vs_b64'"):
+        comparison("b1_vs_b64")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.batch_size = 16
+    # batch 1, one pass per comparison but the sampler's, the shared equal-length batch 8 once
+    assert scoring_passes(["sampler_vs_b1"]) == 1
+    assert scoring_passes(["b1_vs_b8_equal_nopad", "two_groupings_b8"]) == 4
+    assert scoring_passes(list(COMPARISONS)) == 11
+
+
+def test_probe_cells_record_the_tables_layout_positions_and_batch(tiny, tiny_rollouts):
+    model, _ = tiny
+    cells, _ = probe_model(model, tiny_rollouts)  # 10 rows sampled in generate batches of 4
+    recorded = {c["comparison"]: (c["layout"], c["positions"], c["batch_size"], c["rows"]) for c in cells}
+    assert recorded == {
+        "rerun_b1": ("left", "mask", 1, 10),
+        "b1_vs_b8_left_arange": ("left", "arange", 8, 10),
+        "b1_vs_b8_left_mask": ("left", "mask", 8, 10),
+        "b1_vs_b32_left_arange": ("left", "arange", 10, 10),
+        "b1_vs_b32_left_mask": ("left", "mask", 10, 10),
+        "b1_vs_b8_right": ("right", "mask", 8, 10),
+        "b1_vs_b8_equal_nopad": ("none", "mask", 8, 10),
+        "copy8_vs_alone": ("none", "mask", 8, 1),
+        "two_groupings_b8": ("none", "mask", 8, 10),
+        "sampler_vs_b1": ("generate", "mask", 4, 10),
+    }
+
+
+def test_recommendation_is_a_record_that_one_renderer_turns_into_the_text():
+    from bloggap_plugin.core.recommend import Recommendation, decide, render
+
+    cells = [
+        _cell("bf16", "b1_vs_b8_left_arange", 0.08), _timed("bf16", 1.0), _cell("bf16", "rerun_b1", 0.01),
+        _cell("fp16", "b1_vs_b8_left_arange", 0.002), _timed("fp16", 1.1),
+        _cell("bf16", "two_groupings_b8", 0.1),
+    ]
+    decision = decide(cells, {"nonfinite_logprobs": 0, "max_abs_hidden": 100.0}, "cuda")
+    assert isinstance(decision, Recommendation) and decision.arm == "H"
+    assert [r.kind for r in decision.reasons] == ["nondeterministic", "gap", "arm_h", "positions_mask", "membership"]
+    arm_h = decision.reasons[2]
+    assert (arm_h.cells["cell"].oob, arm_h.cells["ref"].oob, arm_h.numbers["dtype"]) == (0.002, 0.08, "fp16")
+    assert arm_h.numbers["cost"] == pytest.approx(1.1)
+    assert decision.basis["bf16_headline"] == 0.08 and decision.basis["fp16_safe"] is True
+    text = render(decision)
+    assert text == recommend(cells, {"nonfinite_logprobs": 0, "max_abs_hidden": 100.0}, "cuda")["text"]
+    assert text.startswith("The forward is nondeterministic on this device (batch-1 rerun differs for bf16/sdpa)")
+    assert "fp16 removes 7.80 of 8.00 pp (bf16 8.00% (80/1000 tokens, sdpa), fp16 0.20% (2/1000 tokens, sdpa))" in text
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        decision.arm = "A"
+    assert decide([], None).reasons[0].kind == "no_bf16" and decide([], None).arm is None

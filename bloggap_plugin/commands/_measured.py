@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["configure_with", "checked_config", "ModelOutputConfig", "check_json_option", "write_json_option", "load_for", "command_payload", "emit"]
+__all__ = ["configure_with", "checked_config", "check_counts", "ModelOutputConfig", "check_json_option", "write_json_option", "load_for", "command_payload", "emit"]
 
 
 def configure_with(config_type: type):
@@ -26,12 +26,18 @@ def checked_config(config_type: type, args, counts: tuple[str, ...] = ()):
     """``config_type`` from the parsed ``args``, each field named in ``counts`` checked to be >= 1 (or unset):
     a one-line ``UsageError`` naming its flag otherwise."""
     from bloggap_plugin.commands._config import config_from_args
-    from bloggap_plugin.errors import check_positive
 
     config = config_from_args(config_type, args)
+    check_counts(config, counts)
+    return config
+
+
+def check_counts(config, counts: tuple[str, ...]) -> None:
+    """Each field of ``config`` named in ``counts`` is >= 1 or unset, else a one-line ``UsageError`` naming its flag."""
+    from bloggap_plugin.errors import check_positive
+
     for name in counts:
         check_positive("--" + name.replace("_", "-"), getattr(config, name))
-    return config
 
 
 @dataclass

@@ -106,36 +106,34 @@ def format_table(cells: list[dict], dtypes: list[str], attns: list[str]) -> str:
     return "\n".join(out)
 
 
-def _check(args: DoctorConfig) -> None:
-    """Every check on the options that needs no model (``UsageError``: one line, before anything loads)."""
+def _check(config: DoctorConfig) -> None:
+    """Every check on the settings that needs no model (``UsageError``: one line, before anything loads)."""
     from bloggap_plugin._io import check_writable_file
-    from bloggap_plugin.errors import UsageError, check_positive
+    from bloggap_plugin.commands._measured import check_counts
+    from bloggap_plugin.errors import UsageError
 
-    if args.json_path:  # before measuring: a bad path must not cost a run
-        problem = check_writable_file(args.json_path, "--json", create_parents=True)
+    if config.json_path:  # before measuring: a bad path must not cost a run
+        problem = check_writable_file(config.json_path, "--json", create_parents=True)
         if problem:
             raise UsageError(problem)
-    if args.from_json:
+    if config.from_json:
         return
-    for option, value in (("--num-seqs", args.num_seqs), ("--max-new-tokens", args.max_new_tokens),
-                          ("--gen-batch-size", args.gen_batch_size), ("--fp16-rows", args.fp16_rows),
-                          ("--fp32-rows", args.fp32_rows)):
-        check_positive(option, value)
-    if not 0.0 < args.band < 1.0:
-        raise UsageError(f"--band must be in (0, 1) (half-width b of the ratio band [1-b, 1+b]), got {args.band}")
+    check_counts(config, ("num_seqs", "max_new_tokens", "gen_batch_size", "fp16_rows", "fp32_rows"))
+    if not 0.0 < config.band < 1.0:
+        raise UsageError(f"--band must be in (0, 1) (half-width b of the ratio band [1-b, 1+b]), got {config.band}")
 
 
-def _from_json(args: DoctorConfig) -> int:
+def _from_json(config: DoctorConfig) -> int:
     """Measure nothing: re-derive the recommendation of a stored doctor JSON, print it (and write it)."""
     from bloggap_plugin.errors import UsageError
     from bloggap_plugin.measure.doctor import rerecommend
 
     try:
-        result = rerecommend(json.loads(Path(args.from_json).read_text()))
+        result = rerecommend(json.loads(Path(config.from_json).read_text()))
     except (OSError, ValueError) as err:
-        raise UsageError(f"cannot re-read --from-json {args.from_json}: {err}; give a bloggap doctor JSON") from None
+        raise UsageError(f"cannot re-read --from-json {config.from_json}: {err}; give a bloggap doctor JSON") from None
     _print_result(result)
-    _write_json(result, args.json_path)
+    _write_json(result, config.json_path)
     return 0
 
 
@@ -150,43 +148,43 @@ def run(args: argparse.Namespace) -> int:
     from bloggap_plugin.measure import rollouts as sampling
     from bloggap_plugin.models import check_model_spec, load_model, resolve_device
 
-    args = config_from_args(DoctorConfig, args)
-    _check(args)
-    if args.from_json:
-        return _from_json(args)
-    device = torch.device(resolve_device(args.device))
-    check_model_spec(args.model)
+    config = config_from_args(DoctorConfig, args)
+    _check(config)
+    if config.from_json:
+        return _from_json(config)
+    device = torch.device(resolve_device(config.device))
+    check_model_spec(config.model)
     on_cpu = device.type == "cpu"
-    num_seqs = args.num_seqs if args.num_seqs is not None else (32 if on_cpu else 64)
-    max_new = args.max_new_tokens if args.max_new_tokens is not None else (24 if on_cpu else 64)
-    rows_for = doctor.rows_per_dtype(num_seqs, args.fp16_rows, args.fp32_rows, on_cpu)
+    num_seqs = config.num_seqs if config.num_seqs is not None else (32 if on_cpu else 64)
+    max_new = config.max_new_tokens if config.max_new_tokens is not None else (24 if on_cpu else 64)
+    rows_for = doctor.rows_per_dtype(num_seqs, config.fp16_rows, config.fp32_rows, on_cpu)
     started = time.perf_counter()
 
-    sampler_model, tokenizer = load_model(args.model, dtype=args.sample_dtype, device=device)
-    with tqdm(total=num_seqs, desc="sampling", unit="row", file=sys.stderr, disable=args.no_progress) as bar:
+    sampler_model, tokenizer = load_model(config.model, dtype=config.sample_dtype, device=device)
+    with tqdm(total=num_seqs, desc="sampling", unit="row", file=sys.stderr, disable=config.no_progress) as bar:
         rollouts = sampling.sample_rollouts(
-            sampler_model, tokenizer, num_seqs=num_seqs, max_new_tokens=max_new, seed=args.seed,
-            batch_size=args.gen_batch_size, progress=bar.update,
+            sampler_model, tokenizer, num_seqs=num_seqs, max_new_tokens=max_new, seed=config.seed,
+            batch_size=config.gen_batch_size, progress=bar.update,
         )
-    plan, notes = doctor.scoring_plan(args.dtypes, rollouts, rows_for, on_cpu)
-    total = doctor.total_passes(plan, args.attn)
-    with tqdm(total=total, desc="scoring", unit="pass", file=sys.stderr, disable=args.no_progress) as bar:
-        matrix = doctor.score_matrix(lambda dtype: load_model(args.model, dtype=dtype, device=device)[0],
-                                     plan, args.attn, sampler_model, args.sample_dtype, args.band, bar)
+    plan, notes = doctor.scoring_plan(config.dtypes, rollouts, rows_for, on_cpu)
+    total = doctor.total_passes(plan, config.attn)
+    with tqdm(total=total, desc="scoring", unit="pass", file=sys.stderr, disable=config.no_progress) as bar:
+        matrix = doctor.score_matrix(lambda dtype: load_model(config.model, dtype=dtype, device=device)[0],
+                                     plan, config.attn, sampler_model, config.sample_dtype, config.band, bar)
     matrix.notes[:0] = notes
-    paired = doctor.all_paired_cells(matrix, rollouts, rows_for, args.dtypes, args.band)
+    paired = doctor.all_paired_cells(matrix, rollouts, rows_for, config.dtypes, config.band)
     recommendation = recommend(matrix.cells, matrix.fp16_check, device.type, paired)
     if matrix.notes:
         recommendation["notes"] = matrix.notes
     elapsed = time.perf_counter() - started
-    params = {"model": args.model, "dtypes": args.dtypes, "attn": args.attn, "num_seqs": num_seqs,
-              "max_new_tokens": max_new, "seed": args.seed, "sample_dtype": args.sample_dtype,
-              "gen_batch_size": args.gen_batch_size, "band": args.band, "rows_per_dtype": rows_for}
-    result = doctor.doctor_result(model=args.model, device=device, params=params, rollouts=rollouts, matrix=matrix,
-                                  paired=paired, recommendation=recommendation, seconds=elapsed)
+    params = {"model": config.model, "dtypes": config.dtypes, "attn": config.attn, "num_seqs": num_seqs,
+              "max_new_tokens": max_new, "seed": config.seed, "sample_dtype": config.sample_dtype,
+              "gen_batch_size": config.gen_batch_size, "band": config.band, "rows_per_dtype": rows_for}
+    result = doctor.doctor_result(model=config.model, device=device, params=params, rollouts=rollouts,
+                                  matrix=matrix, paired=paired, recommendation=recommendation, seconds=elapsed)
     _print_result(result)
     print(f"({elapsed:.0f} s)")
-    _write_json(result, args.json_path)
+    _write_json(result, config.json_path)
     return 0
 
 

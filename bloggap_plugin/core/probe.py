@@ -45,6 +45,7 @@ __all__ = [
     "build_rows",
     "score_layout",
     "compare",
+    "compare_sampler",
     "skipped_cell",
     "probe_model",
     "HiddenTracker",
