@@ -230,3 +230,18 @@ def test_doctor_from_json_recomputes_the_recommendation_without_measuring(tmp_pa
     broken.write_text(json.dumps({"cells": []}))
     assert main(["doctor", "--from-json", str(broken)]) == 2
     assert "missing key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("command", "text", "needles"), [
+    ("doctor", "sample_dtype: fp8\n", ("--sample-dtype", "'fp8'", "bf16, fp16, fp32")),
+    ("doctor", "dtypes: [bf16, bf8]\n", ("--dtypes", "bf8", "comma-separated subset")),
+    ("doctor", "attn: [sdpa, flash]\n", ("--attn", "flash", "comma-separated subset")),
+    ("attribute", "dtype: int8\n", ("--dtype", "'int8'", "bf16, fp16, fp32")),
+    ("ladder", "fp16: maybe\n", ("--fp16", "'maybe'", "auto, on, off")),
+    ("ladder", "positions: random\n", ("--positions", "'random'", "mask, arange")),
+])
+def test_config_file_values_are_checked_like_flags(bloggap, tmp_path, command, text, needles):
+    """A value from --config FILE.yaml gets the same choice check as the flag: one line, before any model loads."""
+    config = tmp_path / "settings.yaml"
+    config.write_text(text)
+    _one_line_error(bloggap(command, "--config", config, "--model", "tiny-random-llama", "--device", "cpu"), *needles)
