@@ -295,7 +295,7 @@ def test_stop_at_eos_gives_ragged_rows_ending_at_eos(tiny):
 
 
 def test_fp16_check_sees_overflow_and_json_stays_strict(tiny_rollouts):
-    from bloggap_plugin.core.probe import json_safe
+    from bloggap_plugin.results import jsonable as json_safe
 
     model, _ = load_model("tiny-random-llama", dtype="fp16")
     with torch.no_grad():

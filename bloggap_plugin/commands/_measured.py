@@ -1,12 +1,12 @@
 """What the measuring commands share: ``configure`` from a config dataclass; for ``bloggap attribute`` and
 ``bloggap ladder`` also the model/output settings, loading after the checks, and the JSON payload
-(``{command, schema_version, env, params, results[, tables]}``), printed as text or written with ``--json``."""
+(``{command, schema_version, env, params, results[, tables]}``, not a benchmark result document), printed as
+text or written with ``--json`` as strict JSON (``bloggap_plugin.results.dumps``: non-finite numbers -> null)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import typing
 from dataclasses import dataclass, field
 from typing import Literal
@@ -90,8 +90,9 @@ def check_json_option(path: str | None) -> None:
 def write_json_option(path: str, payload: dict) -> None:
     """Write ``payload`` to ``--json PATH`` atomically (a failed write leaves the previous file whole)."""
     from bloggap_plugin._io import atomic_write_text
+    from bloggap_plugin.results import dumps
 
-    atomic_write_text(path, json.dumps(payload, indent=2) + "\n")
+    atomic_write_text(path, dumps(payload, indent=2) + "\n")
     print(f"wrote {path}")
 
 
@@ -130,8 +131,10 @@ def command_payload(command: str, schema_version: int, device: str, config, mode
 
 def emit(payload: dict, text: str, json_option: str | None) -> None:
     """``--json`` alone (``-``): the payload on stdout; otherwise ``text``, and the payload to ``--json PATH``."""
+    from bloggap_plugin.results import dumps
+
     if json_option == "-":
-        print(json.dumps(payload, indent=2))
+        print(dumps(payload, indent=2))
     else:
         print(text)
         if json_option:

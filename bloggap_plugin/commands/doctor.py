@@ -72,6 +72,7 @@ configure = configure_with(DoctorConfig)
 def format_table(cells: list[dict], dtypes: list[str], attns: list[str]) -> str:
     """Comparisons as rows, dtype/attn as columns: out-of-band % and count (``-`` = skipped)."""
     from bloggap_plugin.core.comparisons import COMPARISONS, HEADLINE, SAMPLER
+    from bloggap_plugin.results import text_table
 
     columns = [(d, a) for d in dtypes for a in attns]
     index = {(c["dtype"], c["attn"], c["comparison"]): c for c in cells}
@@ -89,9 +90,7 @@ def format_table(cells: list[dict], dtypes: list[str], attns: list[str]) -> str:
                 line.append(f"{100 * c['oob']:.2f}% ({c['oob_count']}/{c['n']})")
         if present:
             body.append(line)
-    widths = [max(len(r[i]) for r in [header] + body) for i in range(len(header))]
-    out = [" | ".join(h.ljust(w) for h, w in zip(header, widths)), "-+-".join("-" * w for w in widths)]
-    out += [" | ".join(v.ljust(w) for v, w in zip(r, widths)) for r in body]
+    out = text_table(header, body, rule=True)
     # a second block: mean / max |dlogp| for the headline comparisons
     out.append("")
     out.append("mean / max |dlogp| (nats), b1 vs b8 left (0..L-1) and sampler vs b1:")
@@ -190,14 +189,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write_json(result: dict, json_path: str | None) -> None:
+    """``result`` as strict JSON (``bloggap_plugin.results.dumps``: non-finite -> null) to ``json_path``, if given."""
     from bloggap_plugin._io import atomic_write_text
-    from bloggap_plugin.core.probe import json_safe
+    from bloggap_plugin.results import dumps
 
     if json_path:
         path = Path(json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         # atomic: a failed write (full disk) leaves the previous file whole
-        atomic_write_text(path, json.dumps(json_safe(result), indent=1, default=float, allow_nan=False) + "\n")
+        atomic_write_text(path, dumps(result, indent=1) + "\n")
         print(f"wrote {path}")
 
 

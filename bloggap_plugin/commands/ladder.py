@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from bloggap_plugin.commands._measured import checked_config, command_payload, emit, load_for
     from bloggap_plugin.errors import UsageError
     from bloggap_plugin.measure.ladder import default_ks, ladder_table, run_ladder
-    from bloggap_plugin.report import format_text_table
+    from bloggap_plugin.results import format_text_table
 
     config = checked_config(LadderConfig, args, ("rows", "calibration_rows", "new_tokens"))
     if config.k is not None and any(k < 1 for k in config.k):

@@ -50,7 +50,6 @@ __all__ = [
     "probe_model",
     "HiddenTracker",
     "pp",
-    "json_safe",
     "block_causal_mask",
     "score_packed",
 ]
@@ -457,17 +456,6 @@ def probe_model(
     for name in names:
         probe.run(comparison(name))
     return probe.cells, extras
-
-
-def json_safe(value):
-    """``value`` with every non-finite float replaced by ``None`` (strict JSON has no NaN/Infinity)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 def pp(fraction: float | None) -> float | None:

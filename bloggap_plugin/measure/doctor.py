@@ -20,9 +20,9 @@ from bloggap_plugin.core.comparisons import (
 )
 from bloggap_plugin.core.probe import FP16_MAX, Rollouts, compare, compare_sampler, probe_model, skipped_cell
 from bloggap_plugin.core.recommend import recommend
+from bloggap_plugin.results import ResultDocument
 
 __all__ = [
-    "SCHEMA_VERSION",
     "DoctorPlan",
     "Matrix",
     "rows_per_dtype",
@@ -35,9 +35,6 @@ __all__ = [
     "doctor_result",
     "rerecommend",
 ]
-
-SCHEMA_VERSION = 1
-
 
 @dataclass(frozen=True)
 class DoctorPlan:
@@ -226,7 +223,8 @@ def doctor_result(
     recommendation: dict,
     seconds: float,
 ) -> dict:
-    """The doctor's JSON record (also a benchmark result ``bloggap report`` renders). ``params`` holds the
+    """The doctor's JSON record, a :class:`~bloggap_plugin.results.ResultDocument` (the six schema keys, then the
+    doctor's own: cells, paired_cells, fp16_check, recommendation...) as a dict. ``params`` holds the
     run's settings (``dtypes``, ``attn``, ``max_new_tokens``, ``seed``, ``sample_dtype``, ``band``...)."""
     import transformers
 
@@ -240,9 +238,7 @@ def doctor_result(
         + " ".join(f"Note: {n}." for n in matrix.notes)
         + f" Recommendation: {recommendation['text']}"
     )
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "benchmark": "doctor",
+    extra = {
         "model": model,
         "device": device_tag(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -258,12 +254,16 @@ def doctor_result(
         "fp16_check": matrix.fp16_check,
         "recommendation": recommendation,
         "seconds": round(seconds, 1),
-        "env": environment_record(device, model=model, seed=params["seed"], tokens=rollouts.tokens),
-        # the benchmark-result keys, so `bloggap report` can render this file from benchmarks/results/<device>/
-        "params": params,
-        "results": {"see": "cells, paired_cells, fp16_check, recommendation at the top level"},
-        "tables": [doctor_table(model, matrix.cells, params["dtypes"], params["attn"], notes)],
     }
+    # a benchmark result document, so `bloggap report` can render this file from benchmarks/results/<device>/
+    return ResultDocument(
+        benchmark="doctor",
+        env=environment_record(device, model=model, seed=params["seed"], tokens=rollouts.tokens),
+        params=params,
+        results={"see": "cells, paired_cells, fp16_check, recommendation at the top level"},
+        tables=[doctor_table(model, matrix.cells, params["dtypes"], params["attn"], notes)],
+        extra=extra,
+    ).to_dict()
 
 
 def rerecommend(result: dict) -> dict:
