@@ -406,8 +406,9 @@ def tf32_noise(device: torch.device, args, log) -> dict | None:
     """b1 vs b8 out-of-band rate on SmolLM2 (real weights) for fp32 / fp32 head / guided, TF32 off and on."""
     if device.type != "cuda":
         return None
-    from bloggap_plugin.commands.attribute import b1_vs_bn, eval_prompts, rollout_rows
     from bloggap_plugin.core.probe import compare
+    from bloggap_plugin.measure.attribution import b1_vs_bn
+    from bloggap_plugin.measure.rollouts import eval_prompts, rollout_rows
     from bloggap_plugin.models import load_model
 
     model, tok = load_model("smollm2", dtype="bf16", device=device)

@@ -51,11 +51,11 @@ from bloggap_plugin.core.probe import (  # noqa: E402
     compare,
     pp,
     probe_model,
-    sample_rollouts,
     score_layout,
     score_packed,
 )
 from bloggap_plugin.envinfo import environment_record  # noqa: E402
+from bloggap_plugin.measure.rollouts import sample_rollouts  # noqa: E402
 from bloggap_plugin.models import load_model  # noqa: E402
 from bloggap_plugin.results import ResultDocument, format_text_table  # noqa: E402
 

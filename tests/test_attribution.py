@@ -172,7 +172,7 @@ def test_ladder_command_json_on_tiny_model(tmp_path):
     import json
 
     from bloggap_plugin.cli import main
-    from bloggap_plugin.commands.attribute import calibration_prompts, eval_prompts
+    from bloggap_plugin.measure.rollouts import calibration_prompts, eval_prompts
 
     assert not set(calibration_prompts()) & set(eval_prompts())
     out = tmp_path / "ladder.json"

@@ -286,8 +286,8 @@ def test_corrupt_model_files_are_one_line_errors(bloggap, tmp_path, command):
 @pytest.fixture
 def bloggap_measuring_fails(monkeypatch, capsys):
     """Run ``bloggap ARGS`` with real model loading; fail if any rollout is sampled (measuring started)."""
-    import bloggap_plugin.commands.attribute as attribute
-    import bloggap_plugin.core.probe as probe
+    import bloggap_plugin.measure.rollouts as attribute
+    import bloggap_plugin.measure.rollouts as probe
 
     def no_sampling(*args, **kwargs):
         raise AssertionError("measuring started before the bad input was reported")
@@ -387,7 +387,7 @@ def test_ladder_k_beyond_the_layers_is_refused_before_measuring(bloggap_measurin
 
 
 def test_ladder_default_k_is_capped_at_the_layers():
-    from bloggap_plugin.commands.ladder import default_ks
+    from bloggap_plugin.measure.ladder import default_ks
     from bloggap_plugin.models import load_model
 
     model, _ = load_model("tiny-random-llama")

@@ -1,24 +1,26 @@
-"""The batch-shape probe (bloggap_plugin.core.probe) and `bloggap doctor`."""
+"""The batch-shape probe (bloggap_plugin.core.probe), its comparisons table and the recommendation (the doctor's
+CLI: tests/test_cli.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
 import pytest
 import torch
 
+from bloggap_plugin.core.comparisons import COMPARISONS
 from bloggap_plugin.core.probe import (
-    COMPARISONS,
     Row,
     build_rows,
     builtin_prompts,
     compare,
     probe_model,
-    recommend,
-    sample_rollouts,
     score_layout,
 )
+from bloggap_plugin.core.recommend import recommend
+from bloggap_plugin.measure.rollouts import sample_rollouts
 from bloggap_plugin.models import load_model
 
 
@@ -182,7 +184,7 @@ def test_probe_model_all_comparisons_on_tiny(tiny, tiny_rollouts):
     assert extras["hidden_check"]["nonfinite_logprobs"] == 0 and extras["hidden_check"]["max_abs_hidden"] > 0
     # one tick per scoring pass: batch 1, the equal-length batch 8, and each comparison but the sampler's
     assert ticks[0] == "b1" and "equal b8" in ticks and len(ticks) == 2 + len(COMPARISONS) - 1
-    from bloggap_plugin.commands.doctor import _passes
+    from bloggap_plugin.core.comparisons import scoring_passes as _passes
 
     assert _passes(list(COMPARISONS)) == len(ticks)  # the doctor's progress-bar total
     with pytest.raises(ValueError, match="unknown comparison"):
@@ -211,64 +213,6 @@ def test_real_model_fp32_has_no_gap(smollm2_fp32, real_rollouts):
     assert rerun["bitwise_equal"]
     assert left["n"] == 128 and left["oob"] == 0.0
     assert left["abs_dlogp_max"] < 1e-3
-
-
-# ---------------------------------------------------------------- the CLI
-
-
-def test_doctor_cli_end_to_end_json(tmp_path, capsys):
-    from bloggap_plugin.cli import main
-
-    path = tmp_path / "doctor.json"
-    code = main([
-        "doctor", "--model", "tiny-random-llama", "--num-seqs", "10", "--max-new-tokens", "4",
-        "--device", "cpu", "--json", str(path), "--no-progress",
-    ])
-    assert code == 0
-    printed = capsys.readouterr().out
-    assert "recommendation:" in printed and "b1_vs_b8_left_arange" in printed
-    assert "fp16 scaled down on CPU: 8 of 10 rows" in printed
-    result = json.loads(path.read_text())
-    for key in ("schema_version", "model", "device", "torch", "transformers", "tokens", "cells", "fp16_check",
-                "recommendation", "env"):
-        assert key in result, key
-    assert result["schema_version"] == 1 and result["model"] == "tiny-random-llama" and result["device"] == "cpu"
-    assert result["tokens"] == 40
-    assert result["recommendation"]["text"] and "arm" in result["recommendation"]
-    assert result["env"]["torch"] == torch.__version__
-    cells = result["cells"]
-    assert {(c["dtype"], c["attn"]) for c in cells} == {(d, a) for d in ("bf16", "fp16", "fp32")
-                                                        for a in ("sdpa", "eager")}
-    for c in cells:
-        for key in ("dtype", "attn", "comparison", "oob", "ci_low", "ci_high", "abs_dlogp_mean", "abs_dlogp_max", "n"):
-            assert key in c, key
-        if c.get("skipped"):
-            assert c["dtype"] == "fp16" and c["oob"] is None
-        else:
-            assert 0.0 <= c["ci_low"] <= c["oob"] <= c["ci_high"] <= 1.0
-    measured_fp16 = {c["comparison"] for c in cells if c["dtype"] == "fp16" and not c.get("skipped")}
-    assert measured_fp16 == {"rerun_b1", "b1_vs_b8_left_arange", "b1_vs_b8_left_mask", "sampler_vs_b1"}
-    assert result["fp16_check"]["rows"] == 8 and result["fp16_check"]["ok"] is True
-    # the file is also a benchmark result `bloggap report` accepts (it lives in benchmarks/results/<device>/)
-    from bloggap_plugin.report import validate_result
-
-    validate_result(result, path)
-    (table,) = result["tables"]
-    assert table["id"] == "DOCTOR" and table["random_init"] is True
-    headline = next(row for row in table["rows"] if row[0] == "b1_vs_b8_left_arange")
-    index = table["columns"].index("bf16/sdpa")
-    cell = next(c for c in cells if (c["dtype"], c["attn"], c["comparison"]) == ("bf16", "sdpa", "b1_vs_b8_left_arange"))
-    assert headline[index] == round(100 * cell["oob"], 2)
-
-
-def test_doctor_cli_bad_arguments(capsys):
-    from bloggap_plugin.cli import main
-
-    with pytest.raises(SystemExit):
-        main(["doctor", "--dtypes", "bf8"])
-    assert "comma-separated subset" in capsys.readouterr().err
-    assert main(["doctor", "--model", "no-such-model", "--no-progress"]) == 2
-    assert "accepted" in capsys.readouterr().err
 
 
 def test_recommend_compares_a_scaled_down_dtype_on_the_same_rows():
@@ -351,7 +295,7 @@ def test_stop_at_eos_gives_ragged_rows_ending_at_eos(tiny):
 
 
 def test_fp16_check_sees_overflow_and_json_stays_strict(tiny_rollouts):
-    from bloggap_plugin.core.probe import json_safe
+    from bloggap_plugin.results import jsonable as json_safe
 
     model, _ = load_model("tiny-random-llama", dtype="fp16")
     with torch.no_grad():
@@ -375,32 +319,76 @@ def test_fp16_check_sees_overflow_and_json_stays_strict(tiny_rollouts):
     json.dumps(json_safe(cells), allow_nan=False)
 
 
-def test_doctor_from_json_recomputes_the_recommendation_without_measuring(tmp_path, capsys):
-    """--from-json re-derives the recommendation from stored cells (here: a constructed fp16-removes-it case)."""
-    from bloggap_plugin.cli import main
+# ---------------------------------------------------------------- the comparisons table and the recommendation record
+
+
+def test_comparisons_table_fields_and_derived_sets():
+    from bloggap_plugin.core.comparisons import (
+        BATCH_SHAPE_COMPARISONS,
+        CPU_FP16_COMPARISONS,
+        PAIRABLE,
+        comparison,
+        scoring_passes,
+    )
+
+    assert list(COMPARISONS) == [
+        "rerun_b1", "b1_vs_b8_left_arange", "b1_vs_b8_left_mask", "b1_vs_b32_left_arange", "b1_vs_b32_left_mask",
+        "b1_vs_b8_right", "b1_vs_b8_equal_nopad", "copy8_vs_alone", "two_groupings_b8", "sampler_vs_b1",
+    ]  # the doctor's table order
+    assert CPU_FP16_COMPARISONS == ("rerun_b1", "b1_vs_b8_left_arange", "b1_vs_b8_left_mask", "sampler_vs_b1")
+    assert PAIRABLE == ("rerun_b1", "b1_vs_b8_left_arange", "b1_vs_b8_left_mask", "b1_vs_b8_right")
+    assert BATCH_SHAPE_COMPARISONS == tuple(list(COMPARISONS)[1:-1])
+    spec = comparison("b1_vs_b32_left_arange")
+    assert (spec.layout, spec.batch_size, spec.positions, spec.min_rows) == ("left", 32, "arange", 32)
+    assert comparison("b1_vs_b8_right").scoring_layout == "right"
+    assert comparison("copy8_vs_alone").scoring_layout == "left"  # rows without padding are laid out left
+    with pytest.raises(ValueError, match="unknown comparison 'b1_vs_b64'"):
+        comparison("b1_vs_b64")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.batch_size = 16
+    # batch 1, one pass per comparison but the sampler's, the shared equal-length batch 8 once
+    assert scoring_passes(["sampler_vs_b1"]) == 1
+    assert scoring_passes(["b1_vs_b8_equal_nopad", "two_groupings_b8"]) == 4
+    assert scoring_passes(list(COMPARISONS)) == 11
+
+
+def test_probe_cells_record_the_tables_layout_positions_and_batch(tiny, tiny_rollouts):
+    model, _ = tiny
+    cells, _ = probe_model(model, tiny_rollouts)  # 10 rows sampled in generate batches of 4
+    recorded = {c["comparison"]: (c["layout"], c["positions"], c["batch_size"], c["rows"]) for c in cells}
+    assert recorded == {
+        "rerun_b1": ("left", "mask", 1, 10),
+        "b1_vs_b8_left_arange": ("left", "arange", 8, 10),
+        "b1_vs_b8_left_mask": ("left", "mask", 8, 10),
+        "b1_vs_b32_left_arange": ("left", "arange", 10, 10),
+        "b1_vs_b32_left_mask": ("left", "mask", 10, 10),
+        "b1_vs_b8_right": ("right", "mask", 8, 10),
+        "b1_vs_b8_equal_nopad": ("none", "mask", 8, 10),
+        "copy8_vs_alone": ("none", "mask", 8, 1),
+        "two_groupings_b8": ("none", "mask", 8, 10),
+        "sampler_vs_b1": ("generate", "mask", 4, 10),
+    }
+
+
+def test_recommendation_is_a_record_that_one_renderer_turns_into_the_text():
+    from bloggap_plugin.core.recommend import Recommendation, decide, render
 
     cells = [
-        _cell("bf16", "b1_vs_b8_left_arange", 0.08), _timed("bf16", 1.0), _cell("bf16", "rerun_b1", 0.0),
-        _cell("fp16", "b1_vs_b8_left_arange", 0.0), _timed("fp16", 1.0),
+        _cell("bf16", "b1_vs_b8_left_arange", 0.08), _timed("bf16", 1.0), _cell("bf16", "rerun_b1", 0.01),
+        _cell("fp16", "b1_vs_b8_left_arange", 0.002), _timed("fp16", 1.1),
+        _cell("bf16", "two_groupings_b8", 0.1),
     ]
-    stored = {
-        "model": "m", "device": "h200", "rows": 8, "max_new_tokens": 4, "tokens": 1000, "band": 0.1,
-        "params": {"dtypes": ["bf16", "fp16"], "attn": ["sdpa"], "sample_dtype": "bf16", "seed": 1},
-        "cells": cells, "paired_cells": [], "fp16_check": {"nonfinite_logprobs": 0, "max_abs_hidden": 1.0,
-                                                           "rows": 8, "attn": "sdpa", "n": 1000, "ok": True},
-        "recommendation": {"arm": "F", "text": "old text"},
-        "tables": [{"id": "DOCTOR", "notes": "cells... Recommendation: old text"}],
-    }
-    source, target = tmp_path / "old.json", tmp_path / "new.json"
-    source.write_text(json.dumps(stored))
-    assert main(["doctor", "--from-json", str(source), "--json", str(target)]) == 0
-    result = json.loads(target.read_text())
-    assert result["cells"] == json.loads(json.dumps(cells))  # measurements untouched
-    assert result["recommendation"]["arm"] == "H"
-    assert result["recommendation"]["recomputed"]["previous_arm"] == "F"
-    assert result["tables"][0]["notes"].endswith(result["recommendation"]["text"])
-    assert "arm H" in capsys.readouterr().out
-    broken = tmp_path / "broken.json"
-    broken.write_text(json.dumps({"cells": []}))
-    assert main(["doctor", "--from-json", str(broken)]) == 2
-    assert "missing key" in capsys.readouterr().err
+    decision = decide(cells, {"nonfinite_logprobs": 0, "max_abs_hidden": 100.0}, "cuda")
+    assert isinstance(decision, Recommendation) and decision.arm == "H"
+    assert [r.kind for r in decision.reasons] == ["nondeterministic", "gap", "arm_h", "positions_mask", "membership"]
+    arm_h = decision.reasons[2]
+    assert (arm_h.cells["cell"].oob, arm_h.cells["ref"].oob, arm_h.numbers["dtype"]) == (0.002, 0.08, "fp16")
+    assert arm_h.numbers["cost"] == pytest.approx(1.1)
+    assert decision.basis["bf16_headline"] == 0.08 and decision.basis["fp16_safe"] is True
+    text = render(decision)
+    assert text == recommend(cells, {"nonfinite_logprobs": 0, "max_abs_hidden": 100.0}, "cuda")["text"]
+    assert text.startswith("The forward is nondeterministic on this device (batch-1 rerun differs for bf16/sdpa)")
+    assert "fp16 removes 7.80 of 8.00 pp (bf16 8.00% (80/1000 tokens, sdpa), fp16 0.20% (2/1000 tokens, sdpa))" in text
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        decision.arm = "A"
+    assert decide([], None).reasons[0].kind == "no_bf16" and decide([], None).arm is None

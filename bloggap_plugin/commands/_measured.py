@@ -1,0 +1,141 @@
+"""What the measuring commands share: ``configure`` from a config dataclass; for ``bloggap attribute`` and
+``bloggap ladder`` also the model/output settings, loading after the checks, and the JSON payload
+(``{command, schema_version, env, params, results[, tables]}``, not a benchmark result document), printed as
+text or written with ``--json`` as strict JSON (``bloggap_plugin.results.dumps``: non-finite numbers -> null)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["configure_with", "checked_config", "check_counts", "check_values", "ModelOutputConfig", "check_json_option", "write_json_option", "load_for", "command_payload", "emit"]
+
+
+def configure_with(config_type: type):
+    """A command's ``configure(parser)``: one flag per field of ``config_type`` (and ``--config FILE.yaml``)."""
+
+    def configure(parser) -> None:
+        from bloggap_plugin.commands._config import add_config_arguments
+
+        add_config_arguments(parser, config_type)
+
+    return configure
+
+
+def checked_config(config_type: type, args, counts: tuple[str, ...] = ()):
+    """``config_type`` from the parsed ``args``, each field named in ``counts`` checked to be >= 1 (or unset):
+    a one-line ``UsageError`` naming its flag otherwise."""
+    from bloggap_plugin.commands._config import config_from_args
+
+    config = config_from_args(config_type, args)
+    check_values(config)
+    check_counts(config, counts)
+    return config
+
+
+def check_values(config) -> None:
+    """The checks argparse gives a flag, for values that came from ``--config FILE.yaml`` (argparse checks
+    neither a default's choices nor a list default's names): a ``Literal`` field holds one of its values, a
+    comma-list field (``"parse"`` metadata) only known names. One-line ``UsageError`` naming the flag."""
+    from bloggap_plugin.errors import UsageError
+
+    hints = typing.get_type_hints(type(config))
+    for item in dataclasses.fields(config):
+        value, flag = getattr(config, item.name), "--" + item.name.replace("_", "-")
+        if typing.get_origin(hints[item.name]) is Literal and value not in typing.get_args(hints[item.name]):
+            choices = ", ".join(map(str, typing.get_args(hints[item.name])))
+            raise UsageError(f"{flag} {value!r}: choose one of {choices}")
+        parse = item.metadata.get("parse")
+        if parse is not None and isinstance(value, list):
+            try:
+                parse(",".join(map(str, value)))
+            except (argparse.ArgumentTypeError, ValueError) as err:
+                raise UsageError(f"{flag}: {err}") from None
+
+
+def check_counts(config, counts: tuple[str, ...]) -> None:
+    """Each field of ``config`` named in ``counts`` is >= 1 or unset, else a one-line ``UsageError`` naming its flag."""
+    from bloggap_plugin.errors import check_positive
+
+    for name in counts:
+        check_positive("--" + name.replace("_", "-"), getattr(config, name))
+
+
+@dataclass
+class ModelOutputConfig:
+    """The model to load and where the result goes (fields shared by the measuring commands)."""
+
+    model: str = field(default="smollm2", metadata={"help": "model spec (default: smollm2, offline)"})
+    device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: cuda if available)"})
+    attn: str | None = field(default=None, metadata={"help": "attention implementation (default: the model's)"})
+    positions: Literal["mask", "arange"] = field(default="mask", metadata={"help": "position ids (mask)"})
+    json: str | None = field(default=None, metadata={
+        "help": "write JSON to PATH (stdout if no PATH)", "nargs": "?", "const": "-", "metavar": "PATH"})
+
+
+def check_json_option(path: str | None) -> None:
+    """Raise ``UsageError`` before measuring if ``--json PATH`` cannot be written (``-`` is stdout)."""
+    from bloggap_plugin._io import check_writable_file
+    from bloggap_plugin.errors import UsageError
+
+    if path and path != "-":
+        problem = check_writable_file(path, "--json")
+        if problem:
+            raise UsageError(problem)
+
+
+def write_json_option(path: str, payload: dict) -> None:
+    """Write ``payload`` to ``--json PATH`` atomically (a failed write leaves the previous file whole)."""
+    from bloggap_plugin._io import atomic_write_text
+    from bloggap_plugin.results import dumps
+
+    atomic_write_text(path, dumps(payload, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def load_for(config: ModelOutputConfig) -> tuple[str, object, object]:
+    """``(device, model, tokenizer)`` for ``config`` once ``--json``, ``--device`` and the model files passed their
+    checks (each a one-line ``UsageError`` before anything loads)."""
+    from bloggap_plugin.models import check_model_spec, load_model, resolve_device
+
+    check_json_option(config.json)
+    device = resolve_device(config.device)
+    check_model_spec(config.model)
+    model, tokenizer = load_model(config.model, dtype=config.dtype, device=device, attn_implementation=config.attn)
+    return device, model, tokenizer
+
+
+def command_payload(command: str, schema_version: int, device: str, config, model, results: dict,
+                    tables: list[dict] | None = None) -> dict:
+    """The JSON document of one measuring command run on the loaded ``model``."""
+    from bloggap_plugin.envinfo import environment_record
+
+    payload = {
+        "command": command,
+        "schema_version": schema_version,
+        "env": environment_record(device),
+        "params": {
+            "model": config.model,
+            "dtype": config.dtype,
+            "attn": getattr(model.config, "_attn_implementation", None),
+        },
+        "results": results,
+    }
+    if tables is not None:
+        payload["tables"] = tables
+    return payload
+
+
+def emit(payload: dict, text: str, json_option: str | None) -> None:
+    """``--json`` alone (``-``): the payload on stdout; otherwise ``text``, and the payload to ``--json PATH``."""
+    from bloggap_plugin.results import dumps
+
+    if json_option == "-":
+        print(dumps(payload, indent=2))
+    else:
+        print(text)
+        if json_option:
+            write_json_option(json_option, payload)

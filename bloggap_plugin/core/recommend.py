@@ -1,0 +1,326 @@
+"""The doctor's recommendation: :func:`decide` picks an arm from measured cells and records why as data
+(:class:`Recommendation`: arm, reasons, numbers); :func:`render` is the one place that turns it into text.
+
+Cells are the probe's dicts (``dtype``, ``attn``, ``comparison``, ``oob``, ``oob_count``, ``n``, ``rows``...);
+rates are fractions, costs are ratios of measured seconds per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from bloggap_plugin.core.comparisons import BATCH_SHAPE_COMPARISONS, HEADLINE, SAMPLER, TIMED
+from bloggap_plugin.core.probe import FP16_MAX
+
+__all__ = ["Measured", "Reason", "Recommendation", "decide", "render", "recommend"]
+
+REMOVES = 0.1  # a precision "removes" the gap when it leaves at most this share of bf16's rate on the same rows
+
+
+@dataclass(frozen=True)
+class Measured:
+    """The numbers of one measured cell that a reason cites (``oob`` a fraction of ``n`` tokens)."""
+
+    dtype: str
+    attn: str
+    comparison: str
+    oob: float
+    oob_count: int
+    n: int
+    rows: int | None = None
+
+    @classmethod
+    def of(cls, cell: Mapping) -> Measured:
+        return cls(cell["dtype"], cell["attn"], cell["comparison"], cell["oob"], cell["oob_count"], cell["n"],
+                   cell.get("rows"))
+
+
+@dataclass(frozen=True)
+class Reason:
+    """One finding: ``kind`` names it, ``cells`` the measured cells it rests on, ``numbers`` the rest."""
+
+    kind: str
+    cells: Mapping[str, Measured] = field(default_factory=dict)
+    numbers: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The decision: ``arm`` (``"A"``, ``"B"``, ``"H"`` or ``None``: nothing shown to work), the ``reasons``
+    in the order they are told, and ``basis``: the numbers the decision used (JSON-ready)."""
+
+    arm: str | None
+    reasons: tuple[Reason, ...]
+    basis: Mapping[str, object]
+
+    def to_dict(self) -> dict:
+        """The JSON record: ``{"arm", "text", "basis"}``."""
+        return {"arm": self.arm, "text": render(self), "basis": dict(self.basis)}
+
+
+# ------------------------------------------------------------------------------------------------ selection
+
+
+def _measured(cells: Iterable[dict]) -> list[dict]:
+    return [c for c in cells if c.get("oob") is not None]
+
+
+def _worst(cells: list[dict], dtype: str, names: Iterable[str]) -> dict | None:
+    names = set(names)
+    pool = [c for c in cells if c["dtype"] == dtype and c["comparison"] in names]
+    return max(pool, key=lambda c: c["oob"]) if pool else None
+
+
+def _seconds_per_token(cells: list[dict], dtype: str, attn: str | None) -> float | None:
+    pool = [
+        c for c in cells
+        if c["dtype"] == dtype and (attn is None or c["attn"] == attn) and c["comparison"] == TIMED
+        and c.get("tokens_forwarded")
+    ]
+    return pool[0]["seconds"] / pool[0]["tokens_forwarded"] if pool else None
+
+
+def _bf16_same_rows(cell: dict, pools: Sequence[list[dict]]) -> dict | None:
+    """The bf16 cell of the same comparison, attention and rows (a scaled-down dtype's pair)."""
+    for pool in pools:
+        for other in pool:
+            if (other["dtype"] == "bf16" and other["comparison"] == cell["comparison"]
+                    and other["attn"] == cell["attn"] and other.get("rows") == cell.get("rows")):
+                return other
+    return None
+
+
+def _fp16_safe(fp16_check: dict | None) -> bool | None:
+    if not fp16_check or fp16_check.get("skipped"):
+        return None
+    return fp16_check.get("nonfinite_logprobs", 1) == 0 and fp16_check.get("max_abs_hidden", FP16_MAX) < FP16_MAX / 2
+
+
+# ------------------------------------------------------------------------------------------------ decision
+
+
+def decide(
+    cells: Sequence[dict],
+    fp16_check: dict | None = None,
+    device_type: str = "cpu",
+    paired: Sequence[dict] = (),
+) -> Recommendation:
+    """Pick an arm from measured cells.
+
+    On the headline comparison (b1 vs b8 with TRL's left padding and 0..L-1 positions, worst attention
+    implementation): no bf16 gap anywhere -> arm A; fp16 safe and leaving <= 10% of bf16's gap on the same
+    rows -> arm H (fp16 at both ends of the PPO ratio; fp16 old log-probs alone, arm F, leave a bf16 training
+    forward in the ratio, which the H200 runs showed to cost more than the noise it removes); else fp32
+    leaving <= 10% -> arm B (or a cheaper ladder rung), with the same caveat. A dtype scored on fewer rows
+    is compared with bf16 on the same rows: ``paired`` holds such bf16 cells (same ``comparison``, ``attn``
+    and ``rows``). Costs are each dtype's measured seconds per token on its batch-8 pass relative to bf16 on
+    this device.
+    """
+    cells, paired = _measured(cells), _measured(paired)
+    nondeterministic = [
+        f"{c['dtype']}/{c['attn']}" for c in cells
+        if c["comparison"] == "rerun_b1" and not c.get("bitwise_equal", c["oob_count"] == 0)
+    ]
+    basis: dict = {"nondeterministic": nondeterministic}
+    bf16 = _worst(cells, "bf16", [HEADLINE])
+    if bf16 is None:
+        return Recommendation(None, (Reason("no_bf16"),), basis)
+    reasons = [Reason("nondeterministic", numbers={"cells": tuple(nondeterministic)})] if nondeterministic else []
+    arm, arm_reasons = _decide_arm(cells, paired, bf16, fp16_check, device_type, basis)
+    reasons += arm_reasons
+    membership = [c for c in cells if c["comparison"] == "two_groupings_b8" and c["oob"] > 0]
+    if membership:
+        reasons.append(Reason("membership", {"worst": Measured.of(max(membership, key=lambda c: c["oob"]))}))
+    sampler = _sampler_reason(cells, paired, basis)
+    if sampler is not None:
+        reasons.append(sampler)
+    if basis["fp16_safe"] is False:
+        reasons.append(Reason("fp16_unsafe", numbers={
+            "nonfinite_logprobs": fp16_check.get("nonfinite_logprobs"),
+            "max_abs_hidden": fp16_check.get("max_abs_hidden"),
+        }))
+    return Recommendation(arm, tuple(reasons), basis)
+
+
+def _decide_arm(cells, paired, bf16, fp16_check, device_type, basis) -> tuple[str | None, list[Reason]]:
+    """The arm and the reasons that name it (fills ``basis`` with the numbers used)."""
+    bf16_worst = _worst(cells, "bf16", BATCH_SHAPE_COMPARISONS)
+    basis.update(bf16_headline=bf16["oob"], bf16_worst=bf16_worst["oob"],
+                 bf16_worst_comparison=bf16_worst["comparison"])
+    bf16_speed = _seconds_per_token(cells, "bf16", bf16["attn"])
+    costs = {}
+    for dtype in ("fp16", "fp32"):
+        speed = _seconds_per_token(cells, dtype, bf16["attn"])
+        costs[dtype] = basis[f"{dtype}_cost_vs_bf16"] = None if speed is None or not bf16_speed else speed / bf16_speed
+    fp16_safe = basis["fp16_safe"] = _fp16_safe(fp16_check)
+    if bf16["oob"] == 0 and bf16_worst["oob"] == 0:
+        return "A", [Reason("no_gap", {"bf16": Measured.of(bf16)})]
+    reasons = [Reason("gap", {"bf16": Measured.of(bf16), "worst": Measured.of(bf16_worst)})]
+    removal = {}
+    for dtype in ("fp16", "fp32"):
+        cell = _worst(cells, dtype, [HEADLINE])
+        ref = None if cell is None else _bf16_same_rows(cell, (cells, paired))
+        if ref is not None:
+            removal[dtype] = (cell, ref, ref["oob"] > 0 and cell["oob"] <= REMOVES * ref["oob"])
+            basis[f"{dtype}_vs_bf16_same_rows"] = {dtype: cell["oob"], "bf16": ref["oob"], "rows": cell.get("rows")}
+
+    def removes(dtype: str, kind: str, extra: Mapping[str, Measured] | None = None, **numbers) -> Reason:
+        cell, ref, _ = removal[dtype]
+        cited = {"bf16": Measured.of(bf16), "cell": Measured.of(cell), "ref": Measured.of(ref), **(extra or {})}
+        return Reason(kind, cited,
+                      {"dtype": dtype, "cost": costs[dtype], "device_type": device_type, **numbers})
+
+    if "fp16" in removal and removal["fp16"][2] and fp16_safe is not False:
+        arm, reasons = "H", reasons + [removes("fp16", "arm_h")]
+    elif "fp32" in removal and removal["fp32"][2]:
+        fp16 = removal.get("fp16")
+        why = ("unsafe" if fp16_safe is False else "unmeasured" if fp16 is None
+               else "quiet_rows" if fp16[1]["oob"] == 0 else "leaves")
+        extra = {} if fp16 is None else {"fp16": Measured.of(fp16[0]), "fp16_ref": Measured.of(fp16[1])}
+        arm, reasons = "B", reasons + [removes("fp32", "arm_b", extra, why=why)]
+    else:
+        arm, reasons = None, reasons + [Reason("no_removal")]
+    mask_cell = _worst(cells, "bf16", [TIMED])
+    if mask_cell is not None and mask_cell["oob"] < bf16["oob"]:
+        reasons.append(Reason("positions_mask", {"bf16": Measured.of(bf16), "mask": Measured.of(mask_cell)}))
+    basis["arm_reason_cells"] = HEADLINE
+    return arm, reasons
+
+
+def _sampler_reason(cells: list[dict], paired: list[dict], basis: dict) -> Reason | None:
+    """The sampler-vs-scorer finding: each dtype's worst ``sampler_vs_b1`` cell, beside bf16 on its rows."""
+    sampler: dict[str, dict] = {}
+    for c in sorted(cells, key=lambda c: c["oob"]):
+        if c["comparison"] == SAMPLER:
+            sampler[c["dtype"]] = c  # worst attention implementation per dtype
+    if not sampler:
+        return None
+    basis["sampler"] = {d: c["oob"] for d, c in sampler.items()}
+    parts = []
+    for dtype, c in sorted(sampler.items()):
+        ref = _bf16_same_rows(c, (cells, paired)) if dtype != "bf16" else None
+        beside = ref is not None and c.get("rows") != sampler.get("bf16", {}).get("rows")
+        parts.append((Measured.of(c), Measured.of(ref) if beside else None))
+    best = min(sampler.values(), key=lambda c: c["oob"])
+    return Reason("sampler", {"best": Measured.of(best)},
+                  {"parts": tuple(parts), "sampler_dtype": best.get("sampler", {}).get("dtype", "?")})
+
+
+def recommend(*args, **kwargs) -> dict:
+    """:func:`decide` (same arguments), as the doctor's JSON record ``{"arm", "text", "basis"}``."""
+    return decide(*args, **kwargs).to_dict()
+
+
+# ------------------------------------------------------------------------------------------------ the text
+
+
+def _pct(c: Measured) -> str:
+    return f"{100 * c.oob:.2f}%"
+
+
+def _fmt(c: Measured) -> str:
+    return f"{_pct(c)} ({c.oob_count}/{c.n} tokens, {c.attn})"
+
+
+def _cost_text(reason: Reason) -> str:
+    value, dtype = reason.numbers["cost"], reason.numbers["dtype"]
+    if value is None:
+        return "cost not measured"
+    text = f"measured {value:.2f}x bf16's time per token here"
+    if dtype == "fp16" and reason.numbers["device_type"] == "cpu":
+        text += " (this CPU has no native fp16 kernels; GPUs with fp16 tensor cores run it at about bf16 speed)"
+    return text
+
+
+def _removal_text(reason: Reason) -> str:
+    dtype, c, ref, bf16 = reason.numbers["dtype"], reason.cells["cell"], reason.cells["ref"], reason.cells["bf16"]
+    rows = "" if c.rows == bf16.rows else f" on the {c.rows} rows it was scored on"
+    return (f"{dtype} removes {100 * (ref.oob - c.oob):.2f} of {100 * ref.oob:.2f} pp{rows} "
+            f"(bf16 {_fmt(ref)}, {dtype} {_fmt(c)})")
+
+
+def _arm_b_text(reason: Reason) -> str:
+    why = reason.numbers["why"]
+    if why == "unsafe":
+        text = "fp16 is not safe for this model (see the fp16 check)"
+    elif why == "unmeasured":
+        text = "fp16 was not measured"
+    elif why == "quiet_rows":
+        text = (f"fp16 was scored on {reason.cells['fp16'].rows} rows where bf16 showed no gap, so it is not shown "
+                "to help (score more fp16 rows: --fp16-rows)")
+    else:
+        text = (f"fp16 leaves {_pct(reason.cells['fp16'])} of bf16's {_pct(reason.cells['fp16_ref'])} on the same "
+                "rows (more than a tenth)")
+    return (
+        f"{text}; {_removal_text(reason)}: arm B (fp32 shadow copy), {_cost_text(reason)}. "
+        "It keeps the PPO ratio at 1 only if training also runs in fp32 (bf16: false); with bf16 training "
+        "the ratio carries the bf16-vs-fp32 difference (watch gap/ratio/oob_frac). `bloggap ladder` finds "
+        "cheaper rungs (fp32 head, guided fp32 layers: arms E, D)."
+    )
+
+
+def _sampler_text(reason: Reason) -> str:
+    parts = []
+    for c, ref in reason.numbers["parts"]:
+        text = f"{c.dtype} scorer {_pct(c)}"
+        if ref is not None:
+            text += f" ({c.rows} rows; bf16 scorer on them {_pct(ref)})"
+        parts.append(text)
+    best = reason.cells["best"]
+    if best.oob > 0:
+        return (
+            f"Sampler (generate's own log-probs, {reason.numbers['sampler_dtype']}) vs teacher-forced batch 1: "
+            f"{', '.join(parts)}. No scorer precision removes it (best {_pct(best)}): the sampler must change too "
+            "(arm H, fp16 everywhere), or correct it with importance sampling."
+        )
+    return f"Sampler vs teacher-forced batch 1: {', '.join(parts)}."
+
+
+_SENTENCES = {
+    "no_bf16": lambda r: "No bf16 cell was measured: nothing to recommend (bf16 is the trainer default).",
+    "nondeterministic": lambda r: (
+        "The forward is nondeterministic on this device (batch-1 rerun differs for "
+        + ", ".join(r.numbers["cells"])
+        + "): part of every gap below is run-to-run noise, which no scoring arm removes."
+    ),
+    "no_gap": lambda r: (
+        f"bf16 shows no batch-shape gap here: {_fmt(r.cells['bf16'])} on TRL's layout and 0 in every other "
+        "comparison. Arm A (trainer default) is enough; keep the live probe (gap/probe/*) on, since the gap "
+        "depends on shapes."
+    ),
+    "gap": lambda r: (
+        f"bf16 b1 vs b8 with TRL's layout: {_fmt(r.cells['bf16'])}; worst bf16 comparison: "
+        f"{r.cells['worst'].comparison} {_pct(r.cells['worst'])} ({r.cells['worst'].attn})."
+    ),
+    "arm_h": lambda r: (
+        f"{_removal_text(r)}, {_cost_text(r)}: arm H (fp16 everywhere: rollout, old log-probs and training in fp16 "
+        "with loss scaling). Arm F (fp16 old log-probs only) removes the noise from the old-logprob pass, but "
+        "while training stays in bf16 the PPO ratio new/old then carries the bf16-vs-fp16 difference of every "
+        "token: watch gap/ratio/oob_frac against arm A before choosing it."
+    ),
+    "arm_b": _arm_b_text,
+    "no_removal": lambda r: (
+        "Neither fp16 nor fp32 was shown to remove the gap in the measured cells: run `bloggap attribute` and "
+        "`bloggap ladder` to see where it enters."
+    ),
+    "positions_mask": lambda r: (
+        f"Positions from the attention mask alone bring bf16 from {_pct(r.cells['bf16'])} to {_pct(r.cells['mask'])} "
+        "at no cost: set gap.positions: mask (TRL scores left-padded rows with positions 0..L-1)."
+    ),
+    "membership": lambda r: (
+        f"Batch membership changes results ({r.cells['worst'].dtype}/{r.cells['worst'].attn}: "
+        f"{_pct(r.cells['worst'])} between two groupings of the same rows, as with MoE routing): arm G (matched "
+        "shapes) keeps the first-epoch ratio at 1."
+    ),
+    "sampler": _sampler_text,
+    "fp16_unsafe": lambda r: (
+        f"fp16 check failed: {r.numbers['nonfinite_logprobs']} non-finite log-probs, largest |hidden| "
+        f"{r.numbers['max_abs_hidden']:.0f} vs fp16's 65,504: do not use fp16 for this model."
+    ),
+}
+
+
+def render(recommendation: Recommendation) -> str:
+    """The recommendation as one paragraph: one sentence group per reason, in order."""
+    return " ".join(_SENTENCES[reason.kind](reason) for reason in recommendation.reasons)

@@ -1,0 +1,291 @@
+"""The doctor's measurement: which comparisons each dtype is scored on (:func:`scoring_plan`), the scoring
+matrix over dtypes and attention implementations (:func:`score_matrix`), bf16 re-compared on the rows of a
+scaled-down dtype (:func:`paired_cells`), and the result record (:func:`doctor_result`,
+:func:`rerecommend`). The decision is :func:`bloggap_plugin.core.recommend.recommend`; the command prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from bloggap_plugin.core.comparisons import (
+    COMPARISONS,
+    CPU_FP16_COMPARISONS,
+    CPU_ROWS,
+    PAIRABLE,
+    SAMPLER,
+    scoring_passes,
+)
+from bloggap_plugin.core.probe import FP16_MAX, Rollouts, compare, compare_sampler, probe_model, skipped_cell
+from bloggap_plugin.core.recommend import recommend
+from bloggap_plugin.results import ResultDocument
+
+__all__ = [
+    "DoctorPlan",
+    "Matrix",
+    "rows_per_dtype",
+    "scoring_plan",
+    "total_passes",
+    "score_matrix",
+    "paired_cells",
+    "all_paired_cells",
+    "doctor_table",
+    "doctor_result",
+    "rerecommend",
+]
+
+@dataclass(frozen=True)
+class DoctorPlan:
+    """One dtype's share of the matrix: the comparisons it is scored on and the rollouts (maybe a prefix)."""
+
+    dtype: str
+    names: tuple[str, ...]
+    rollouts: Rollouts
+
+
+@dataclass
+class Matrix:
+    """What :func:`score_matrix` measured: every cell (skipped ones included), the bf16 probe extras per
+    attention implementation (for :func:`paired_cells`), the fp16 check and notes for the reader."""
+
+    cells: list[dict] = field(default_factory=list)
+    bf16_extras: dict[str, dict] = field(default_factory=dict)
+    fp16_check: dict = field(default_factory=lambda: {"skipped": "fp16 not among --dtypes"})
+    notes: list[str] = field(default_factory=list)
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, text: str) -> None:
+        pass
+
+
+def rows_per_dtype(num_seqs: int, fp16_rows: int | None, fp32_rows: int | None, on_cpu: bool) -> dict[str, int]:
+    """Rows each dtype is scored on: bf16 all; fp16 / fp32 as given, else :data:`CPU_ROWS` on CPU, else all."""
+    rows = {"bf16": num_seqs}
+    for dtype, given in (("fp16", fp16_rows), ("fp32", fp32_rows)):
+        rows[dtype] = min(given if given is not None else (CPU_ROWS[dtype] if on_cpu else num_seqs), num_seqs)
+    return rows
+
+
+def scoring_plan(
+    dtypes: list[str], rollouts: Rollouts, rows_for: dict[str, int], on_cpu: bool
+) -> tuple[list[DoctorPlan], list[str]]:
+    """Each dtype's comparisons and rows, with a note for every dtype scaled down to fewer rows: fp16 on CPU
+    keeps only the comparisons marked ``cpu_fp16``; otherwise comparisons needing more rows are skipped."""
+    num_seqs = len(rollouts.rows)
+    plan, notes = [], []
+    for dtype in dtypes:
+        names = list(COMPARISONS)
+        subset = rollouts
+        rows = rows_for.get(dtype, num_seqs)
+        if rows < num_seqs:
+            subset = rollouts.subset(rows)
+            if dtype == "fp16" and on_cpu:
+                names = list(CPU_FP16_COMPARISONS)
+                why = "this CPU has no native fp16 kernels"
+            else:
+                names = [n for n in names if COMPARISONS[n].min_rows <= rows]
+                why = "batch 32 needs 32 rows"
+            dropped = [n for n in COMPARISONS if n not in names]
+            notes.append(
+                f"{dtype} scaled down{' on CPU' if on_cpu else ''}: {rows} of {num_seqs} rows"
+                + (f"; skipped {', '.join(dropped)} ({why})" if dropped else "")
+                + "; the recommendation compares it with bf16 on the same rows"
+            )
+        plan.append(DoctorPlan(dtype, tuple(names), subset))
+    return plan, notes
+
+
+def total_passes(plan: list[DoctorPlan], attns: list[str]) -> int:
+    """Scoring passes of the whole matrix (a progress-bar total)."""
+    return sum(scoring_passes(list(p.names)) for p in plan) * len(attns)
+
+
+def _fp16_check(hidden: dict, attn: str) -> dict:
+    check = dict(hidden, attn=attn, fp16_max=FP16_MAX)
+    check["headroom"] = FP16_MAX / check["max_abs_hidden"] if check["max_abs_hidden"] > 0 else None
+    check["ok"] = check["nonfinite_logprobs"] == 0 and check["max_abs_hidden"] < FP16_MAX / 2
+    return check
+
+
+def _score_dtype(model, part: DoctorPlan, attns: list[str], band: float, matrix: Matrix, bar) -> None:
+    """Every attention implementation of one loaded model: cells (and skips) into ``matrix``."""
+    dtype, names = part.dtype, list(part.names)
+    for attn_index, attn in enumerate(attns):
+        bar.set_postfix_str(f"{dtype}/{attn}")
+        try:
+            model.set_attn_implementation(attn)
+        except Exception as err:  # noqa: BLE001 - recorded per cell, the run continues
+            reason = f"attn_implementation {attn!r} unavailable: {str(err).splitlines()[0][:160]}"
+            matrix.cells += [skipped_cell(reason, dtype=dtype, attn=attn, comparison=n) for n in names]
+            bar.update(scoring_passes(names))
+            continue
+        hidden = dtype == "fp16" and attn_index == 0
+        try:
+            found, extras = probe_model(model, part.rollouts, names, band=band, hidden_check=hidden,
+                                        progress=lambda label: bar.update(1))
+        except Exception as err:  # noqa: BLE001 - e.g. a kernel missing for this dtype/device
+            reason = f"{dtype}/{attn} failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            matrix.cells += [skipped_cell(reason, dtype=dtype, attn=attn, comparison=n) for n in COMPARISONS]
+            matrix.notes.append(reason)
+            continue
+        for c in found:
+            c.update(dtype=dtype, attn=attn)
+        matrix.cells += found
+        if dtype == "bf16":
+            matrix.bf16_extras[attn] = extras
+        matrix.cells += [
+            skipped_cell(f"{dtype} scaled down (see notes)", dtype=dtype, attn=attn, comparison=n)
+            for n in COMPARISONS if n not in names
+        ]
+        if hidden:
+            matrix.fp16_check = _fp16_check(extras["hidden_check"], attn)
+
+
+def score_matrix(
+    load, plan: list[DoctorPlan], attns: list[str], sampler_model, sample_dtype: str, band: float, bar=None
+) -> Matrix:
+    """Score every (dtype, attention implementation) of ``plan``. ``load(dtype)`` loads the model in a dtype
+    (the sampling model is reused for ``sample_dtype`` and its attention implementation restored); ``bar``
+    (tqdm-like: ``update``, ``set_postfix_str``) advances once per scoring pass."""
+    bar = bar or _NoBar()
+    matrix = Matrix()
+    sampler_attn = getattr(sampler_model.config, "_attn_implementation", None)
+    for part in plan:
+        model = sampler_model if part.dtype == sample_dtype else load(part.dtype)
+        _score_dtype(model, part, attns, band, matrix, bar)
+        if model is not sampler_model:
+            del model
+        if part.dtype == sample_dtype and sampler_attn:
+            sampler_model.set_attn_implementation(sampler_attn)
+    return matrix
+
+
+def paired_cells(extras: dict, rollouts: Rollouts, rows: int, band: float, attn: str) -> list[dict]:
+    """bf16 cells re-compared on the first ``rows`` rows, to set beside a dtype scored on only those rows
+    (the comparisons marked ``pairable``, and the sampler's)."""
+    out = []
+    for name in PAIRABLE:
+        if name in extras["scored"] and (COMPARISONS[name].batch_size == 1 or rows % COMPARISONS[name].batch_size == 0):
+            ref, other = extras["scored"][name]
+            out.append(compare(ref[:rows], other.logprobs[:rows], other.mask[:rows], band,
+                               comparison=name, dtype="bf16", attn=attn, rows=rows, paired=True))
+    out.append(compare_sampler(rollouts, extras["b1"], band, rows,
+                               comparison=SAMPLER, dtype="bf16", attn=attn, rows=rows, paired=True))
+    return out
+
+
+def all_paired_cells(matrix: Matrix, rollouts: Rollouts, rows_for: dict[str, int], dtypes: list[str],
+                     band: float) -> list[dict]:
+    """:func:`paired_cells` for every row count a dtype was scaled down to (needs bf16 in ``dtypes``)."""
+    paired: list[dict] = []
+    if "bf16" in dtypes and rollouts.sampler_logprobs is not None:
+        num_seqs = len(rollouts.rows)
+        for rows in sorted({rows_for[d] for d in dtypes if d != "bf16" and rows_for[d] < num_seqs}):
+            for attn, extras in matrix.bf16_extras.items():
+                paired += paired_cells(extras, rollouts, rows, band, attn)
+    return paired
+
+
+def doctor_table(model: str, cells: list[dict], dtypes: list[str], attns: list[str], notes: str) -> dict:
+    """The DOCTOR report table: out-of-band % per comparison (rows) and dtype/attention (columns); ``None``
+    where not measured."""
+    index = {(c["dtype"], c["attn"], c["comparison"]): c for c in reversed(cells)}  # first cell of a key wins
+
+    def pct(dtype: str, attn: str, name: str) -> float | None:
+        c = index.get((dtype, attn, name))
+        return None if c is None or c.get("oob") is None else round(100 * c["oob"], 2)
+
+    return {
+        "id": "DOCTOR",
+        "title": f"bloggap doctor: OOB% per comparison, dtype and attention ({model})",
+        "columns": ["comparison"] + [f"{d}/{a}" for d in dtypes for a in attns],
+        "rows": [[name] + [pct(d, a, name) for d in dtypes for a in attns] for name in COMPARISONS],
+        "notes": notes,
+        "reference": None,
+        "random_init": model.startswith("tiny-random-"),
+    }
+
+
+def doctor_result(
+    *,
+    model: str,
+    device: torch.device,
+    params: dict,
+    rollouts: Rollouts,
+    matrix: Matrix,
+    paired: list[dict],
+    recommendation: dict,
+    seconds: float,
+) -> dict:
+    """The doctor's JSON record, a :class:`~bloggap_plugin.results.ResultDocument` (the six schema keys, then the
+    doctor's own: cells, paired_cells, fp16_check, recommendation...) as a dict. ``params`` holds the
+    run's settings (``dtypes``, ``attn``, ``max_new_tokens``, ``seed``, ``sample_dtype``, ``band``...)."""
+    import transformers
+
+    from bloggap_plugin.envinfo import device_tag, environment_record
+
+    band = params["band"]
+    notes = (
+        f"{len(rollouts.rows)} rollouts x {params['max_new_tokens']} tokens ({rollouts.tokens} completion tokens) "
+        f"sampled once in {params['sample_dtype']}, seed {params['seed']}; share of completion tokens with "
+        f"exp(dlogp) outside [{1 - band:.2f}, {1 + band:.2f}]; empty cells not measured. "
+        + " ".join(f"Note: {n}." for n in matrix.notes)
+        + f" Recommendation: {recommendation['text']}"
+    )
+    extra = {
+        "model": model,
+        "device": device_tag(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokens": rollouts.tokens,
+        "rows": len(rollouts.rows),
+        "max_new_tokens": params["max_new_tokens"],
+        "band": band,
+        "units": "oob, ci_low, ci_high are fractions of completion tokens; abs_dlogp_* in nats",
+        "sampler": rollouts.sampler,
+        "cells": matrix.cells,
+        "paired_cells": paired,
+        "fp16_check": matrix.fp16_check,
+        "recommendation": recommendation,
+        "seconds": round(seconds, 1),
+    }
+    # a benchmark result document, so `bloggap report` can render this file from benchmarks/results/<device>/
+    return ResultDocument(
+        benchmark="doctor",
+        env=environment_record(device, model=model, seed=params["seed"], tokens=rollouts.tokens),
+        params=params,
+        results={"see": "cells, paired_cells, fp16_check, recommendation at the top level"},
+        tables=[doctor_table(model, matrix.cells, params["dtypes"], params["attn"], notes)],
+        extra=extra,
+    ).to_dict()
+
+
+def rerecommend(result: dict) -> dict:
+    """Recompute ``result['recommendation']`` from its stored cells with this version's
+    :func:`~bloggap_plugin.core.recommend.recommend`.
+
+    The measured cells are untouched; the new recommendation records that it was recomputed, and the DOCTOR
+    table's notes are updated to match.
+    """
+    from bloggap_plugin import __version__
+
+    for key in ("cells", "fp16_check", "params", "recommendation"):
+        if key not in result:
+            raise ValueError(f"not a bloggap doctor JSON: missing key {key!r}")
+    device_type = "cpu" if result.get("device") == "cpu" else "cuda"
+    old = result["recommendation"]
+    new = recommend(result["cells"], result["fp16_check"], device_type, result.get("paired_cells", []))
+    if old.get("notes"):
+        new["notes"] = old["notes"]
+    new["recomputed"] = {"by": f"bloggap doctor --from-json (bloggap {__version__})", "previous_arm": old.get("arm")}
+    result["recommendation"] = new
+    for table in result.get("tables", []):
+        if table.get("id") == "DOCTOR" and " Recommendation: " in table.get("notes", ""):
+            table["notes"] = table["notes"].split(" Recommendation: ")[0] + f" Recommendation: {new['text']}"
+    return result
