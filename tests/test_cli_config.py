@@ -28,6 +28,7 @@ class DemoConfig:
     dtypes: str = field(default="bf16,fp32", metadata={"help": "comma list", "parse": _csv})
     seeds: list[int] = field(default_factory=lambda: [0, 1], metadata={"help": "seeds"})
     no_progress: bool = field(default=False, metadata={"help": "no progress bars"})
+    plots: bool = field(default=True, metadata={"help": "draw the plots"})
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,6 +45,15 @@ def test_defaults_and_flags_both_spellings():
     config = config_from_args(DemoConfig, args)
     assert (config.recipes, config.num_seqs, config.json_path, config.dtypes, config.seeds, config.no_progress,
             config.band) == (["a.yaml", "b.yaml"], 9, "x.json", ["fp16"], [3, 4, 5], True, 0.2)
+
+
+def test_bool_fields_are_switches_so_a_positional_may_follow():
+    config = config_from_args(DemoConfig, _parser().parse_args(["--no-progress", "--no-plots", "a.yaml", "b.yaml"]))
+    assert (config.recipes, config.no_progress, config.plots) == (["a.yaml", "b.yaml"], True, False)
+    config = config_from_args(DemoConfig, _parser().parse_args(["a.yaml"]))
+    assert (config.no_progress, config.plots) == (False, True)
+    with pytest.raises(SystemExit):  # a switch takes no value
+        _parser().parse_args(["a.yaml", "--no-progress=false"])
 
 
 def test_types_are_checked_from_annotations():
@@ -71,7 +81,7 @@ def test_config_file_sets_defaults_command_line_wins(tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("num_seq: 3\n", "unknown field(s) num_seq; valid: band, dtypes, json_path, no_progress, num_seqs, seeds"),
+    ("num_seq: 3\n", "unknown field(s) num_seq; valid: band, dtypes, json_path, no_progress, num_seqs, plots, seeds"),
     ("- 1\n- 2\n", "expected a mapping"),
     ("recipes: [a.yaml]\n", "recipes is given on the command line"),
     ("num_seqs: [\n", "not valid YAML"),
@@ -96,3 +106,28 @@ def test_cli_refuses_config_for_a_command_without_settings():
     with pytest.raises(UsageError, match="bloggap report takes no --config file"):
         _apply_config_file(parser, ["report", "--config", "x.yaml"])
     _apply_config_file(parser, ["report"])  # no --config: nothing to do
+
+
+@pytest.mark.parametrize("text, message", [
+    ("num_seqs: 2.5\n", "--num-seqs 2.5: expected int"),
+    ("num_seqs: true\n", "--num-seqs True: expected int"),
+    ("seeds: [1, x]\n", "--seeds [1, 'x']: expected list"),
+    ("no_progress: 1\n", "--no-progress 1: expected bool"),
+    ("json_path: 3\n", "--json-path 3: expected"),
+])
+def test_config_file_values_are_checked_against_the_annotations(tmp_path, text, message):
+    """argparse never type-checks a default: values from --config FILE.yaml are checked when the config is built."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    parser = _parser()
+    apply_config_file(parser, (DemoConfig,), str(path))
+    with pytest.raises(UsageError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        config_from_args(DemoConfig, parser.parse_args(["a.yaml"]))
+
+
+def test_config_file_int_for_a_float_field_is_accepted(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("band: 1\n")
+    parser = _parser()
+    apply_config_file(parser, (DemoConfig,), str(path))
+    assert config_from_args(DemoConfig, parser.parse_args(["a.yaml"])).band == 1

@@ -2,8 +2,8 @@
 
 Each command declares its settings once, as a dataclass whose fields carry ``metadata={"help": ...}`` (as TRL's
 ``GRPOConfig`` does), and ``configure(parser)`` calls :func:`add_config_arguments`. The flags are made by
-``transformers.HfArgumentParser``'s field parser (``--num_seqs`` and ``--num-seqs``; ``bool`` fields take
-``--flag`` / ``--flag false``; ``list[X]`` fields take several values). Extra ``metadata`` keys understood here:
+``transformers.HfArgumentParser``'s field parser (``--num_seqs`` and ``--num-seqs``; ``list[X]`` fields take several values); ``bool`` fields are switches
+that take no value (``--flag``, and ``--no-flag`` where the default is True), so positional arguments may follow. Extra ``metadata`` keys understood here:
 
 - ``"aliases"``: more flag names, e.g. ``["--json"]`` (HfArgumentParser's own key);
 - ``"parse"``: a function ``str -> value`` used instead of the annotated type (e.g. a comma list checker);
@@ -77,6 +77,19 @@ def _add_positional(parser: argparse.ArgumentParser, field: dataclasses.Field) -
     parser.add_argument(field.name, **kwargs)
 
 
+def _add_switch(parser: argparse.ArgumentParser, field: dataclasses.Field) -> None:
+    """A ``bool`` field as a switch that takes no value (``--flag``; ``--no-flag`` too when the default is True), so
+    a positional argument may follow it; a ``--config`` file sets it with ``true``/``false``."""
+    names = [f"--{field.name}"] + ([f"--{field.name.replace('_', '-')}"] if "_" in field.name else [])
+    aliases = field.metadata.get("aliases", [])
+    names += [aliases] if isinstance(aliases, str) else list(aliases)
+    default = bool(_default(field)) if _default(field) is not dataclasses.MISSING else False
+    parser.add_argument(*names, action="store_true", default=default, help=field.metadata.get("help"))
+    if default:
+        parser.add_argument(f"--no_{field.name}", f"--no-{field.name.replace('_', '-')}", action="store_false",
+                            dest=field.name, help=f"turn off --{field.name.replace('_', '-')}")
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, *config_types: type) -> None:
     """One argument per field of each of ``config_types`` on ``parser``, plus ``--config FILE.yaml``."""
     from transformers import HfArgumentParser
@@ -85,6 +98,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, *config_types: type) -
         for field in _fields(config_type):
             if "positional" in field.metadata:
                 _add_positional(parser, field)
+                continue
+            if field.type is bool:
+                _add_switch(parser, field)
                 continue
             metadata = {k: v for k, v in field.metadata.items() if k not in _OWN_KEYS}
             origin = typing.get_origin(field.type)
@@ -104,9 +120,56 @@ def add_config_arguments(parser: argparse.ArgumentParser, *config_types: type) -
 
 
 def config_from_args(config_type: type, args: argparse.Namespace):
-    """An instance of ``config_type`` from the parsed ``args`` (fields the namespace lacks keep their default)."""
+    """An instance of ``config_type`` from the parsed ``args`` (fields the namespace lacks keep their default),
+    its values checked against the fields' types (:func:`check_values`)."""
     values = {f.name: getattr(args, f.name) for f in _fields(config_type) if hasattr(args, f.name)}
-    return config_type(**values)
+    config = config_type(**values)
+    check_values(config)
+    return config
+
+
+def _matches(value, annotation) -> bool:
+    """Whether ``value`` fits ``annotation`` (``int``, ``float``, ``str``, ``bool``, ``list[X]``, ``X | None``,
+    ``Literal[...]``; other annotations are not checked)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Union or isinstance(annotation, types.UnionType):
+        return any(_matches(value, arg) for arg in args)
+    if origin is typing.Literal:
+        return value in args
+    if origin is list:
+        return isinstance(value, list) and (not args or all(_matches(v, args[0]) for v in value))
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    return True
+
+
+def check_values(config) -> None:
+    """The checks argparse gives a flag, for values that came from ``--config FILE.yaml`` (argparse checks neither
+    a default's type nor its choices): each value fits its field's annotation, a ``"parse"`` field's value passes
+    its parser. One-line ``UsageError`` naming the flag."""
+    hints = typing.get_type_hints(type(config))
+    for item in dataclasses.fields(config):
+        value, flag = getattr(config, item.name), "--" + item.name.replace("_", "-")
+        parse = item.metadata.get("parse")
+        if parse is not None:
+            if isinstance(value, list):
+                try:
+                    parse(",".join(map(str, value)))
+                except (argparse.ArgumentTypeError, ValueError) as err:
+                    raise UsageError(f"{flag}: {err}") from None
+            continue
+        if not _matches(value, hints[item.name]):
+            if typing.get_origin(hints[item.name]) is typing.Literal:
+                raise UsageError(f"{flag} {value!r}: choose one of {', '.join(map(str, typing.get_args(hints[item.name])))}")
+            raise UsageError(f"{flag} {value!r}: expected {getattr(hints[item.name], '__name__', hints[item.name])}")
 
 
 def config_file_path(argv: list[str]) -> str | None:

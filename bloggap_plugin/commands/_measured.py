@@ -5,13 +5,10 @@ text or written with ``--json`` as strict JSON (``bloggap_plugin.results.dumps``
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["configure_with", "checked_config", "check_counts", "check_values", "ModelOutputConfig", "check_json_option", "write_json_option", "load_for", "command_payload", "emit"]
+__all__ = ["configure_with", "checked_config", "check_counts", "ModelOutputConfig", "check_json_option", "write_json_option", "load_for", "command_payload", "emit"]
 
 
 def configure_with(config_type: type):
@@ -30,30 +27,9 @@ def checked_config(config_type: type, args, counts: tuple[str, ...] = ()):
     a one-line ``UsageError`` naming its flag otherwise."""
     from bloggap_plugin.commands._config import config_from_args
 
-    config = config_from_args(config_type, args)
-    check_values(config)
+    config = config_from_args(config_type, args)  # its values checked against the fields' types
     check_counts(config, counts)
     return config
-
-
-def check_values(config) -> None:
-    """The checks argparse gives a flag, for values that came from ``--config FILE.yaml`` (argparse checks
-    neither a default's choices nor a list default's names): a ``Literal`` field holds one of its values, a
-    comma-list field (``"parse"`` metadata) only known names. One-line ``UsageError`` naming the flag."""
-    from bloggap_plugin.errors import UsageError
-
-    hints = typing.get_type_hints(type(config))
-    for item in dataclasses.fields(config):
-        value, flag = getattr(config, item.name), "--" + item.name.replace("_", "-")
-        if typing.get_origin(hints[item.name]) is Literal and value not in typing.get_args(hints[item.name]):
-            choices = ", ".join(map(str, typing.get_args(hints[item.name])))
-            raise UsageError(f"{flag} {value!r}: choose one of {choices}")
-        parse = item.metadata.get("parse")
-        if parse is not None and isinstance(value, list):
-            try:
-                parse(",".join(map(str, value)))
-            except (argparse.ArgumentTypeError, ValueError) as err:
-                raise UsageError(f"{flag}: {err}") from None
 
 
 def check_counts(config, counts: tuple[str, ...]) -> None:

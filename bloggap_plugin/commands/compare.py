@@ -32,17 +32,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     from bloggap_plugin.compare import CompareConfig
 
     add_config_arguments(parser, CompareConfig)
-    _as_switch(parser, "use_vllm")
     parser.add_argument("--table-only", "--table_only", action="store_true", help="do not train: rebuild table, JSON and plot from the logs")
-
-
-def _as_switch(parser: argparse.ArgumentParser, dest: str) -> None:
-    """Make the bool field ``dest``'s flag a switch that takes no value (as it was before the config dataclass), so
-    that a recipe may follow it on the command line; a ``--config`` file still sets the field."""
-    for action in parser._actions:
-        if action.dest == dest and action.option_strings:
-            action.__class__ = argparse._StoreConstAction
-            action.nargs, action.const, action.type, action.metavar = 0, True, None, None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -108,10 +108,9 @@ def format_table(cells: list[dict], dtypes: list[str], attns: list[str]) -> str:
 def _check(config: DoctorConfig) -> None:
     """Every check on the settings that needs no model (``UsageError``: one line, before anything loads)."""
     from bloggap_plugin._io import check_writable_file
-    from bloggap_plugin.commands._measured import check_counts, check_values
+    from bloggap_plugin.commands._measured import check_counts
     from bloggap_plugin.errors import UsageError
 
-    check_values(config)
     if config.json_path:  # before measuring: a bad path must not cost a run
         problem = check_writable_file(config.json_path, "--json", create_parents=True)
         if problem:
