@@ -18,7 +18,15 @@ import sys
 COMMANDS = ("doctor", "attribute", "ladder", "train", "compare", "report", "patch")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _named_command(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names (its first token that is one), or None."""
+    return next((token for token in argv if token in COMMANDS), None)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``bloggap`` parser. With ``argv``, only the subcommand it names gets its arguments (building a command's
+    flags imports transformers' HfArgumentParser, and TRL for ``train``): ``bloggap --help`` stays fast."""
+    named = None if argv is None else _named_command(argv)
     parser = argparse.ArgumentParser(
         prog="bloggap",
         description="Measure and remove the spurious PPO/IS ratio from bf16 batch-shape noise and truncated sampling.",
@@ -33,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         command = sub.add_parser(name, help=module.HELP, description=module.HELP)
-        module.configure(command)
+        if argv is None or name == named:
+            module.configure(command)
         command.set_defaults(_run=module.run)
         parser.get_default("_subparsers")[name] = command
     return parser
@@ -43,7 +52,7 @@ def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None
     """``bloggap COMMAND --config FILE.yaml ...``: the file's fields become the command's defaults."""
     from bloggap_plugin.commands._config import apply_config_file, config_file_path
 
-    name = next((token for token in argv if token in COMMANDS), None)
+    name = _named_command(argv)
     command = parser.get_default("_subparsers").get(name)
     path = config_file_path(argv[argv.index(name) + 1:]) if command is not None else None
     if path is None:
@@ -65,8 +74,8 @@ def _names_hub_model(args: argparse.Namespace) -> bool:
 def main(argv: list[str] | None = None) -> int:
     from bloggap_plugin.errors import UsageError, one_line
 
-    parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
     try:
         _apply_config_file(parser, argv)
     except UsageError as err:

@@ -245,3 +245,20 @@ def test_config_file_values_are_checked_like_flags(bloggap, tmp_path, command, t
     config = tmp_path / "settings.yaml"
     config.write_text(text)
     _one_line_error(bloggap(command, "--config", config, "--model", "tiny-random-llama", "--device", "cpu"), *needles)
+
+
+def test_top_level_help_builds_no_command_flags_and_imports_no_transformers():
+    """``bloggap --help`` lists the commands without building their flags (HfArgumentParser imports transformers);
+    a named command gets its flags."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from bloggap_plugin.cli import build_parser; p = build_parser(['--help']); "
+            "subs = p.get_default('_subparsers'); "
+            "assert all(len(s._actions) == 1 for s in subs.values()), 'flags built'; "
+            "assert 'transformers' not in sys.modules, 'transformers imported'; "
+            "d = build_parser(['doctor', '--num-seqs', '3']).get_default('_subparsers'); "
+            "assert any('--num_seqs' in a.option_strings for a in d['doctor']._actions); "
+            "assert len(d['ladder']._actions) == 1; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
