@@ -262,3 +262,20 @@ def test_top_level_help_builds_no_command_flags_and_imports_no_transformers():
             "assert len(d['ladder']._actions) == 1; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, given", [(["patch", "verl"], "got none"),
+                                         (["patch", "verl", "--check", "--revert"], "got --check and --revert")])
+def test_patch_needs_exactly_one_mode(capsys, argv, given):
+    from bloggap_plugin.cli import main
+
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"bloggap: error: bloggap patch verl: choose exactly one of --check, --apply, --revert ({given})")
+
+
+def test_patch_switch_may_precede_the_target(capsys):
+    from bloggap_plugin.cli import main
+
+    assert main(["patch", "--check", "verl"]) == 0
+    assert "applies cleanly to 3 files" in capsys.readouterr().out

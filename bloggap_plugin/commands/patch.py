@@ -36,16 +36,36 @@ class PatchError(Exception):
     """A one-line reason why nothing was (or would be) changed."""
 
 
+@dataclass
+class PatchConfig:
+    """``bloggap patch TARGET --check | --apply | --revert``: exactly one of the three modes."""
+
+    target: str = field(default="", metadata={"help": "package to patch", "positional": None,
+                                              "choices": sorted(PATCHES)})
+    check: bool = field(default=False, metadata={
+        "help": "dry run: exit 0 only if --apply would patch every file exactly (never modifies)"})
+    apply: bool = field(default=False, metadata={"help": "apply the patch to the installed package (all or nothing)"})
+    revert: bool = field(default=False, metadata={"help": "undo an applied patch exactly (all or nothing)"})
+    root: str | None = field(default=None, metadata={
+        "help": "directory that contains the package (default: the installed one)"})
+    patch_dir: str | None = field(default=None, metadata={
+        "help": "directory holding the .patch files (default: patches/<target>)"})
+
+    def mode(self) -> str:
+        """``"check" | "apply" | "revert"``; a one-line ``UsageError`` unless exactly one was given."""
+        from bloggap_plugin.errors import UsageError
+
+        chosen = [name for name in ("check", "apply", "revert") if getattr(self, name)]
+        if len(chosen) != 1:
+            given = f"got {' and '.join('--' + c for c in chosen)}" if chosen else "got none"
+            raise UsageError(f"bloggap patch {self.target}: choose exactly one of --check, --apply, --revert ({given})")
+        return chosen[0]
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("target", choices=sorted(PATCHES), help="package to patch")
-    mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument(
-        "--check", action="store_true", help="dry run: exit 0 only if --apply would patch every file exactly (never modifies)"
-    )
-    mode.add_argument("--apply", action="store_true", help="apply the patch to the installed package (all or nothing)")
-    mode.add_argument("--revert", action="store_true", help="undo an applied patch exactly (all or nothing)")
-    parser.add_argument("--root", default=None, help="directory that contains the package (default: the installed one)")
-    parser.add_argument("--patch-dir", default=None, help="directory holding the .patch files (default: patches/<target>)")
+    from bloggap_plugin.commands._config import add_config_arguments
+
+    add_config_arguments(parser, PatchConfig)
 
 
 def package_root(target: str) -> str:
@@ -279,20 +299,24 @@ def plan(targets: list[Target], action: str, target_name: str) -> list[tuple[Tar
 
 
 def run(args: argparse.Namespace) -> int:
-    root = args.root or package_root(args.target)
-    files = patch_files(args.target, args.patch_dir)
+    from bloggap_plugin.commands._config import config_from_args
+
+    config = config_from_args(PatchConfig, args)
+    mode = config.mode()
+    root = config.root or package_root(config.target)
+    files = patch_files(config.target, config.patch_dir)
     names = ", ".join(os.path.basename(f) for f in files)
     try:
         targets = load_targets(root, files)
         states = {t.state for t in targets}
-        if args.check:
+        if mode == "check":
             if states == {APPLIED}:
-                raise PatchError(f"already applied in {root} (not clean; `bloggap patch {args.target} --revert` undoes it)")
-            changes = plan(targets, "apply", args.target)
+                raise PatchError(f"already applied in {root} (not clean; `bloggap patch {config.target} --revert` undoes it)")
+            changes = plan(targets, "apply", config.target)
             print(f"{names}: applies cleanly to {len(changes)} files in {root} (exact, no fuzz)")
             return 0
-        action = "apply" if args.apply else "revert"
-        changes = plan(targets, action, args.target)
+        action = mode
+        changes = plan(targets, action, config.target)
         if not changes:
             print(f"{names}: {'already applied in' if action == 'apply' else 'not applied in'} {root}; nothing changed")
             return 0
