@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from decimal import Decimal
@@ -13,7 +14,8 @@ import pytest
 from bloggap_plugin.report import REFERENCE_PATH, ReportError, build_report, load_reference
 
 ROOT = Path(__file__).resolve().parent.parent
-REFERENCE_MD = Path("/work/shared/reference/reference_study.md")
+# The reference study's text, where the workplace keeps it beside the repository (../shared); not part of the repo.
+REFERENCE_MD = Path(os.environ.get("BLOGGAP_REFERENCE_MD", ROOT.parent / "shared" / "reference" / "reference_study.md"))
 # A number as a reader sees it: not part of a word or path component (T1, h200, sm_89 are names, not numbers).
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?(?![\w])")
 

@@ -81,7 +81,7 @@ def _tables(config: CompareConfig, results: dict) -> list[dict]:
             "title": "gap/* metrics by arm (mean over steps and seeds)",
             "columns": ["arm", *gap_keys],
             "rows": [[arm, *[_r(row["gap"].get(key), 6) for key in gap_keys]] for arm, row in arms.items()],
-            "notes": "Plugin metrics as logged (fractions, not percent); definitions in DESIGN.md.",
+            "notes": "Plugin metrics as logged (fractions, not percent); definitions in docs/trl.md (Live metrics).",
             "reference": None,
             "random_init": config.model.startswith("tiny-random"),
         })
