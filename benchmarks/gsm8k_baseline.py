@@ -56,15 +56,19 @@ def default_data() -> str | None:
     return str(beside) if beside.is_dir() else None
 
 
-def load_rows(data: str | None, split: str, limit: int | None) -> list[dict]:
-    """``[{index, question, gold, calc_steps}]`` for the first ``limit`` rows of ``split`` (file order)."""
+def load_rows(data: str | None, split: str, limit: int | None, calc_steps: str | None = None) -> list[dict]:
+    """``[{index, question, gold, calc_steps}]`` for the first ``limit`` rows of ``split`` (file order) that have
+    ``calc_steps`` (``N`` or ``LOW-HIGH``, :func:`bloggap_plugin.tasks.gsm8k.parse_calc_steps`; None: every row);
+    ``index`` is the row's position in the split."""
     from bloggap_plugin.tasks import gsm8k
 
+    wanted = gsm8k.parse_calc_steps(calc_steps)
     dataset = gsm8k.load_gsm8k(data, split=split)
-    count = len(dataset) if limit is None else min(limit, len(dataset))
-    dataset = dataset.select(range(count))
-    return [{"index": i, "question": q, "gold": gsm8k.gold_answer(a), "calc_steps": gsm8k.calc_steps(a)}
+    rows = [{"index": i, "question": q, "gold": gsm8k.gold_answer(a), "calc_steps": gsm8k.calc_steps(a)}
             for i, (q, a) in enumerate(zip(dataset["question"], dataset["answer"]))]
+    if wanted is not None:
+        rows = [row for row in rows if wanted[0] <= row["calc_steps"] <= wanted[1]]
+    return rows if limit is None else rows[:limit]
 
 
 def build_prompt_ids(rows: list[dict], tokenizer) -> list[list[int]]:
@@ -111,7 +115,7 @@ def baseline_table(scored: dict, params: dict, random_init: bool) -> dict:
             rows.append([subset, name if name == "greedy" else f"sampled T={params['temperature']}", entry["rows"],
                          cell["correct"], _pct(cell["accuracy"]), _pct(cell["ci95"][0]), _pct(cell["ci95"][1])])
     notes = (
-        f"{params['model']} on GSM8K {params['split']} ({params['rows']} rows{', --limit' if params['limit'] else ''}), "
+        f"{params['model']} on GSM8K {params['split']} ({params['rows']} rows{', --limit' if params['limit'] else ''}{', calc steps ' + params['calc_steps'] if params.get('calc_steps') else ''}), "
         f"{params['engine']}, at most {params['max_tokens']} new tokens, the gsm8k task's training prompt (system "
         "prompt asking for '#### <number>', chat template). correct = the training reward (last number equals the "
         "gold answer). sampled: one completion per row, temperature "
@@ -234,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                                                      "../shared/data/gsm8k beside the repository)")
     parser.add_argument("--split", default="test")
     parser.add_argument("--limit", type=int, default=None, help="only the first N rows (default: all)")
+    parser.add_argument("--calc-steps", default=None, metavar="N|LOW-HIGH",
+                        help="only the rows whose reference solution has N (or LOW-HIGH) <<...>> steps (default: all)")
     parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per completion (default 256)")
     parser.add_argument("--temperature", type=float, default=1.0, help="the training temperature (default 1.0)")
     parser.add_argument("--seed", type=int, default=0)
@@ -257,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         out_dir = _check_args(args)
         device = resolve_device(args.device) if args.hf else "cuda"
         data = args.data if args.data is not None else default_data()
-        rows = load_rows(data, args.split, args.limit)
+        rows = load_rows(data, args.split, args.limit, args.calc_steps)
         hf_dtype = "bf16" if args.dtype == "auto" else args.dtype
         model, tokenizer = load_model(args.model, dtype=hf_dtype, device=device if args.hf else "cpu")
         folder = None if args.hf else _vllm_folder(model, args.model)
@@ -273,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         completions, timing = generate_vllm(folder, prompt_ids, args)
     scored = score(rows, completions)
     params = {"model": args.model, "model_folder": folder, "data": data or "openai/gsm8k", "split": args.split,
-              "limit": args.limit, "rows": len(rows), "engine": "HF generate" if args.hf else "vLLM",
+              "limit": args.limit, "calc_steps": args.calc_steps, "rows": len(rows), "engine": "HF generate" if args.hf else "vLLM",
               "dtype": args.dtype if not args.hf else hf_dtype, "max_tokens": args.max_tokens,
               "temperature": args.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": args.seed,
               "batch_size": args.batch_size if args.hf else None, "gpu_mem": None if args.hf else args.gpu_mem,

@@ -352,6 +352,17 @@ def test_gsm8k_baseline_quick_on_a_tiny_model(tmp_path, tiny):
     assert tokenizer.decode(ids) == text
 
 
+def test_gsm8k_baseline_rows_by_calc_steps_keep_their_split_index():
+    """--calc-steps keeps the rows with that many <<...>> steps, in file order, with their index in the split; --limit
+    then counts among them (the fixture's steps per row: 2 2 2 3 1 3 3 1 2 1 1 1)."""
+    module = _baseline_module()
+    rows = module.load_rows(str(gsm8k.SAMPLE_PATH), "test", None, "1")
+    assert [r["index"] for r in rows] == [4, 7, 9, 10, 11] and {r["calc_steps"] for r in rows} == {1}
+    rows = module.load_rows(str(gsm8k.SAMPLE_PATH), "test", 4, "1-2")
+    assert [(r["index"], r["calc_steps"]) for r in rows] == [(0, 2), (1, 2), (2, 2), (4, 1)]
+    assert len(module.load_rows(str(gsm8k.SAMPLE_PATH), "test", None)) == 12
+
+
 def test_gsm8k_baseline_refuses_bad_input_in_one_line(tmp_path, capsys, monkeypatch):
     import importlib.util
 
@@ -361,6 +372,8 @@ def test_gsm8k_baseline_refuses_bad_input_in_one_line(tmp_path, capsys, monkeypa
     for argv, problem in (
         (["--model", "tiny-random-llama", "--data", str(gsm8k.SAMPLE_PATH)], "vLLM is not installed here"),
         (["--hf", "--model", "tiny-random-llama", "--limit", "0"], "--limit 0: must be >= 1"),
+        (["--hf", "--model", "tiny-random-llama", "--data", str(gsm8k.SAMPLE_PATH), "--calc-steps", "3-1"],
+         "calc_steps '3-1': give a number >= 0 or a range low-high with low <= high"),
         (["--hf", "--model", "tiny-random-llama", "--data", str(tmp_path / "none.jsonl")], "does not exist"),
     ):
         assert module.main([*argv, "--out", str(tmp_path / "out")]) == 2
