@@ -781,3 +781,28 @@ def test_dump_forward_only_batch_saves_flat_rows_once_per_process(tmp_path, monk
     assert saved["fp32_head"] is True
     assert engine.dump_forward_only_batch(str(tmp_path / "d"), batch, output, fp32_head=True) is None  # once
     assert engine.dump_forward_only_batch(str(tmp_path / "e"), batch, {}, fp32_head=False) is None  # no log-probs
+
+
+def _apply_monkey_patch_in_a_fresh_process(disable: str) -> subprocess.CompletedProcess:
+    code = ("from bloggap_plugin.models import load_model; model, _ = load_model('tiny-random-llama'); "
+            "from verl.models.transformers.monkey_patch import apply_monkey_patch; "
+            "apply_monkey_patch(model, ulysses_sp_size=1, use_remove_padding=False); print('patched')")
+    env = {**os.environ, "BLOGGAP_VERL_DISABLE": disable, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_verl_fsdp_monkey_patch_runs_beside_trl_1_16():
+    """verl 0.9.1's apply_monkey_patch (every FSDP actor's model build) imports AutoModelForCausalLMWithValueHead from
+    trl.experimental.ppo or trl whenever TRL is importable; TRL 1.16 has neither, so the actor's init_model fails with
+    ImportError (seen on the H200). With the plugin, verl skips that TRL-only patch and says why, once."""
+    import importlib.util
+
+    trl_dir = os.path.dirname(importlib.util.find_spec("trl").origin)
+    if os.path.isdir(os.path.join(trl_dir, "experimental", "ppo")):
+        pytest.skip("this TRL still has trl.experimental.ppo")
+    without = _apply_monkey_patch_in_a_fresh_process("1")
+    assert without.returncode != 0 and "AutoModelForCausalLMWithValueHead" in without.stderr
+    with_plugin = _apply_monkey_patch_in_a_fresh_process("0")
+    assert with_plugin.returncode == 0 and with_plugin.stdout.strip().endswith("patched"), with_plugin.stderr[-3000:]
+    assert with_plugin.stderr.count("bloggap: TRL at ") == 1
+    assert "has no AutoModelForCausalLMWithValueHead" in with_plugin.stderr

@@ -81,7 +81,44 @@ def _patch_engine(module) -> None:
     register_engine(module)
 
 
+def trl_lacks_value_head() -> str | None:
+    """TRL's folder when TRL is importable but offers ``AutoModelForCausalLMWithValueHead`` neither in
+    ``trl.experimental.ppo`` nor at its root (TRL >= 1.x removed it), else None. Read from the files: TRL is not
+    imported."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("trl")
+    if spec is None or not spec.origin:
+        return None
+    folder = os.path.dirname(spec.origin)
+    if os.path.isdir(os.path.join(folder, "experimental", "ppo")):
+        return None
+    try:
+        with open(spec.origin, encoding="utf-8") as handle:
+            if "AutoModelForCausalLMWithValueHead" in handle.read():
+                return None
+    except OSError:
+        return None
+    return folder
+
+
+def _patch_monkey_patch(module) -> None:
+    """verl 0.9.1's ``apply_monkey_patch`` (every FSDP model build) imports ``AutoModelForCausalLMWithValueHead``
+    whenever TRL is importable, only to patch that class's ``state_dict``; with a TRL that lacks the class, skip
+    that step (``is_trl_available`` reads False in that module only) instead of failing with ImportError."""
+    folder = trl_lacks_value_head()
+    if folder is None or not hasattr(module, "is_trl_available"):
+        return
+    module.is_trl_available = lambda: False
+    logger.warning(
+        "bloggap: TRL at %s has no AutoModelForCausalLMWithValueHead (removed in TRL 1.x); verl's apply_monkey_patch "
+        "would fail with ImportError, so its TRL value-head step is skipped (nothing else changes)",
+        folder,
+    )
+
+
 HOOKS = (
+    ("verl.models.transformers.monkey_patch", _patch_monkey_patch),
     ("verl.trainer.ppo.core_algos", _patch_core_algos),
     ("verl.trainer.ppo.rollout_corr_helper", _patch_helper),
     ("verl.trainer.ppo.v1.trainer_base", _patch_v1),
