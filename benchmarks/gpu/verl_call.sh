@@ -28,8 +28,9 @@ if [ ! -d /tmp/site/vllm ]; then
 fi
 # verl 0.9.1's FSDP engine imports AutoModelForCausalLMWithValueHead from trl.experimental.ppo or trl whenever TRL
 # is importable (verl/models/transformers/monkey_patch.py, apply_monkey_patch); TRL 1.16 has neither, so the actor's
-# init_model fails with ImportError. The bundle carries TRL for the TRL runs: hide it from the verl runs.
-[ -d /tmp/site/trl ] && mv /tmp/site/trl /tmp/trl_hidden_from_verl
+# init_model failed with ImportError (2026-11-30; those runs hid TRL). The plugin now skips that step when TRL lacks
+# the class; BLOGGAP_HIDE_TRL=1 hides the bundle's TRL from the verl runs as the recorded runs did.
+if [ "${BLOGGAP_HIDE_TRL:-0}" = 1 ] && [ -d /tmp/site/trl ]; then mv /tmp/site/trl /tmp/trl_hidden_from_verl; fi
 # shellcheck disable=SC1091
 . "$T/env.sh"
 export RAY_AUTH_MODE=disabled
