@@ -72,7 +72,13 @@ def _run_spec(name: str) -> dict:
     return {"preset": preset, "truncated": kind != "control", "disable": kind == "nofix", "recipes": recipes}
 
 
-RUNS = tuple(f"{p}/{k}" for p in PRESETS for k in ("control", "nofix", "fix")) + ("arm_E", "arm_B", "arm_F")
+RUNS = tuple(f"{p}/{k}" for p in PRESETS for k in ("control", "nofix", "fix")) + ("arm_A", "arm_E", "arm_B", "arm_F")
+# --parallel: each concurrent run gets its own Ray cluster (``ray start`` with its own ports and temp dir: two local
+# ``ray.init()`` clusters would both bind the dashboard agent's fixed port 52365) and a smaller vLLM share of the GPU
+PARALLEL_GPU_MEMORY = 0.12  # x 139 GiB = 16.7 GiB per engine; SmolLM2-135M needs < 1 GiB of weights
+RAY_PORT_BASE = 20000  # slot k uses ports RAY_PORT_BASE + 1000 k ... + 999 (Ray's own defaults stay below 20000)
+RUN_EXTRAS = ("parallel", "concurrent_with", "attempts", "gpu_memory_utilization")  # how a run ran (its record)
+PROFILING_RACE = "Error in memory profiling"  # vLLM's start-up check when another process frees GPU memory
 
 
 def recipe_overrides(name: str) -> list[str]:
@@ -83,9 +89,11 @@ def recipe_overrides(name: str) -> list[str]:
         return list(yaml.safe_load(handle)["overrides"])
 
 
-def overrides(run: str, model: str, data_dir: str | Path, out: str | Path, steps: int = 20) -> list[str]:
+def overrides(run: str, model: str, data_dir: str | Path, out: str | Path, steps: int = 20,
+              parallel: bool = False) -> list[str]:
     """Hydra overrides of ``run`` for ``verl.trainer.main_ppo`` (sized for SmolLM2-135M: 16 prompts x 8 samples x
-    <= 64 tokens per step, one optimizer step per step, ~10 s per step expected; not yet measured)."""
+    <= 64 tokens per step, one optimizer step per step; 8-10 s per step measured alone on the H200). ``parallel``:
+    the run shares the GPU with others (``PARALLEL_GPU_MEMORY`` for its vLLM engine instead of 0.3)."""
     spec = _run_spec(run)
     data_dir, out = Path(data_dir), Path(out)
     tag = run.replace("/", "_")
@@ -116,7 +124,7 @@ def overrides(run: str, model: str, data_dir: str | Path, out: str | Path, steps
         "actor_rollout_ref.rollout.temperature=1.0",
         f"actor_rollout_ref.rollout.top_p={TOP_P_TRUNCATED if spec['truncated'] else 1.0}",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
-        "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
+        f"actor_rollout_ref.rollout.gpu_memory_utilization={PARALLEL_GPU_MEMORY if parallel else 0.3}",
         "actor_rollout_ref.rollout.enforce_eager=true",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
         "actor_rollout_ref.rollout.calculate_log_probs=true",
@@ -141,9 +149,24 @@ def overrides(run: str, model: str, data_dir: str | Path, out: str | Path, steps
     return base + PRESETS[spec["preset"]] + extra
 
 
+def ray_start_command(slot: int, out: str | Path, python: str = sys.executable) -> tuple[list[str], str]:
+    """``(argv, address)`` of the Ray cluster of parallel slot ``slot``: ``ray start --head`` with ports
+    ``RAY_PORT_BASE + 1000 slot`` onwards, temp dir ``/tmp/ray_s<slot>``, one GPU, no dashboard."""
+    base = RAY_PORT_BASE + 1000 * slot
+    ports = {"port": base, "node-manager-port": base + 1, "object-manager-port": base + 2,
+             "dashboard-agent-listen-port": base + 3, "dashboard-agent-grpc-port": base + 4,
+             "runtime-env-agent-port": base + 5, "metrics-export-port": base + 6, "ray-client-server-port": base + 7,
+             "min-worker-port": base + 100, "max-worker-port": base + 999}
+    argv = [python, "-m", "ray.scripts.scripts", "start", "--head", *(f"--{k}={v}" for k, v in ports.items()),
+            f"--temp-dir=/tmp/ray_s{slot}", "--num-gpus=1", "--include-dashboard=false",
+            "--object-store-memory=4000000000", "--disable-usage-stats"]
+    return argv, f"127.0.0.1:{base}"
+
+
 def command(run: str, model: str, data_dir: str | Path, out: str | Path, steps: int = 20,
-            python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
-    """``(argv, environment additions)`` of one run."""
+            python: str = sys.executable, ray_address: str | None = None) -> tuple[list[str], dict[str, str]]:
+    """``(argv, environment additions)`` of one run; ``ray_address``: join that cluster (``--parallel``) instead
+    of starting a local one."""
     out = Path(out)
     tag = run.replace("/", "_")
     env = {
@@ -159,7 +182,10 @@ def command(run: str, model: str, data_dir: str | Path, out: str | Path, steps: 
     }
     if run in ("geo_rs/control", "arm_E"):  # step 1's old log-probs of the first micro-batch, for check-head
         env[DUMP_ENV] = str(out / f"{tag}.dump")
-    return [python, "-m", "verl.trainer.main_ppo", *overrides(run, model, data_dir, out, steps)], env
+    if ray_address:
+        env["RAY_ADDRESS"] = ray_address
+    argv = [python, "-m", "verl.trainer.main_ppo", *overrides(run, model, data_dir, out, steps, bool(ray_address))]
+    return argv, env
 
 
 # ------------------------------------------------------------------------------------------------ parsing
@@ -344,8 +370,10 @@ def _write_json(path: Path, payload: dict) -> None:
     atomic_write_text(path, json.dumps(payload, indent=1, allow_nan=False) + "\n")
 
 
-def summarise(run: str, log_text: str, metrics_path: Path, rc: int | None, wall_s: float) -> dict:
-    """One run's record: exit code, wall time, registered processes, guard warnings, per-step table."""
+def summarise(run: str, log_text: str, metrics_path: Path, rc: int | None, wall_s: float,
+              extra: dict | None = None) -> dict:
+    """One run's record: exit code, wall time, registered processes, guard warnings, per-step table; ``extra``
+    (how it ran: ``parallel``, ``concurrent_with``, ``attempts``, ``gpu_memory_utilization``) is kept as given."""
     spec = _run_spec(run)
     rows = parse_metrics_file(metrics_path) if metrics_path.exists() else parse_console(log_text)
     registered = registered_processes(log_text)
@@ -359,7 +387,93 @@ def summarise(run: str, log_text: str, metrics_path: Path, rc: int | None, wall_
         and any(name.startswith("TaskRunner") for name in registered),
         "guard_warnings": sum(GUARD in line for line in log_text.splitlines()),
         "steps": step_table(rows, spec["preset"]),
+        **(extra or {}),
     }
+
+
+def _launch(run: str, args, out: Path, ray_address: str | None, timeout: float) -> dict:
+    """Start one run in the background (its own process group); its console goes to ``<tag>.log``."""
+    argv, env = command(run, args.model, out / "data", out, args.steps, args.python, ray_address)
+    tag = run.replace("/", "_")
+    (out / f"{tag}.metrics.jsonl").unlink(missing_ok=True)
+    handle = open(out / f"{tag}.log", "w")
+    proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=handle, stderr=subprocess.STDOUT, cwd=out,
+                            start_new_session=True)
+    return {"run": run, "proc": proc, "handle": handle, "start": time.time(), "timeout": timeout}
+
+
+def _wait(job: dict) -> int | None:
+    """The run's exit code once it has ended, killed (``None``) once past its timeout; ``-1`` while it runs."""
+    rc = job["proc"].poll()
+    if rc is None and time.time() - job["start"] <= job["timeout"]:
+        return -1
+    if rc is None:
+        try:
+            os.killpg(job["proc"].pid, 9)
+        except ProcessLookupError:
+            pass
+        job["proc"].wait()
+    job["handle"].close()
+    return rc
+
+
+def _record(run: str, out: Path, rc: int | None, wall_s: float, result: dict, result_path: Path, **extra) -> None:
+    tag = run.replace("/", "_")
+    record = summarise(run, (out / f"{tag}.log").read_text(errors="replace"), out / f"{tag}.metrics.jsonl", rc,
+                       wall_s, extra)
+    result["runs"][run] = record
+    _write_json(result_path, result)
+    last = record["steps"][-1] if record["steps"] else {}
+    print(f"{run}: rc={rc} {record['wall_s']} s, {len(record['steps'])} steps, registered {record['registered']}, "
+          f"guard warnings {record['guard_warnings']}, last step {last}", flush=True)
+
+
+def _skip(run: str, left: float, budget: float, result: dict, result_path: Path) -> None:
+    print(f"{run}: skipped, {left:.0f} s of --budget left", flush=True)
+    if "rc" not in result["runs"].get(run, {}):  # keep a finished run's record from an earlier call
+        result["runs"][run] = {"run": run, "skipped": f"{left:.0f} s of --budget {budget} s left"}
+        _write_json(result_path, result)
+
+
+def _ray_stop(python: str) -> None:
+    # a run killed by its timeout leaves its Ray cluster up; ray stop ends every cluster on the machine
+    subprocess.run([python, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True, check=False)
+
+
+def _run_batch(batch: list[str], args, out: Path, result: dict, result_path: Path, deadline: float) -> None:
+    """``batch`` at once on the one GPU, one Ray cluster each. A run that dies of vLLM's memory-profiling race
+    (another engine freed memory while it measured) is started once more while the budget allows."""
+    addresses = []
+    for slot in range(len(batch)):
+        argv, address = ray_start_command(slot, out, args.python)
+        started = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if started.returncode:
+            sys.exit(f"error: ray start for slot {slot} failed: {started.stderr.strip()[-400:]}")
+        addresses.append(address)
+    timeout = min(args.run_timeout, deadline - time.time())
+    jobs = {run: _launch(run, args, out, address, timeout) for run, address in zip(batch, addresses)}
+    attempts = dict.fromkeys(batch, 1)
+    first_start = {run: job["start"] for run, job in jobs.items()}
+    while jobs:
+        time.sleep(2)
+        for run, job in list(jobs.items()):
+            rc = _wait(job)
+            if rc == -1:
+                continue
+            tag = run.replace("/", "_")
+            log = out / f"{tag}.log"
+            left = deadline - time.time()
+            if rc and attempts[run] < 2 and left > 150 and PROFILING_RACE in log.read_text(errors="replace"):
+                log.rename(out / f"{tag}.attempt{attempts[run]}.log")
+                attempts[run] += 1
+                print(f"{run}: vLLM's memory-profiling race, started again ({left:.0f} s left)", flush=True)
+                jobs[run] = _launch(run, args, out, addresses[batch.index(run)], min(args.run_timeout, left))
+                continue
+            del jobs[run]
+            _record(run, out, rc, time.time() - first_start[run], result, result_path, parallel=len(batch),
+                    concurrent_with=[r for r in batch if r != run], attempts=attempts[run],
+                    gpu_memory_utilization=PARALLEL_GPU_MEMORY)
+    _ray_stop(args.python)
 
 
 def cmd_run(args) -> None:
@@ -367,45 +481,41 @@ def cmd_run(args) -> None:
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     for run in runs:
         _run_spec(run)  # every name checked before anything starts
-    if not args.dry_run:
-        missing = [p for p in (out / "data" / "train.parquet", out / "site") if not p.exists()]
-        if missing:
-            sys.exit(f"error: {missing[0]} is missing: run `python benchmarks/verl_live.py prepare --out {out}` first")
-        if not Path(args.model, "config.json").exists():
-            sys.exit(f"error: {args.model}/config.json not found: --model must be a HF folder (VLLM.md: mk_smollm2.py)")
-    result_path = out / RUNS_JSON
-    result = json.loads(result_path.read_text()) if result_path.exists() and not args.dry_run else {"runs": {}}
-    deadline = time.time() + args.budget
-    for run in runs:
-        argv, env = command(run, args.model, out / "data", out, args.steps, args.python)
-        if args.dry_run:
+    if args.parallel < 1:
+        raise ValueError(f"--parallel {args.parallel}: give 1 (one run after another) or more (runs at once)")
+    if args.dry_run:
+        for index, run in enumerate(runs):
+            address = ray_start_command(index % args.parallel, out, args.python)[1] if args.parallel > 1 else None
+            argv, env = command(run, args.model, out / "data", out, args.steps, args.python, address)
             print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(argv))
-            continue
+        return
+    missing = [p for p in (out / "data" / "train.parquet", out / "site") if not p.exists()]
+    if missing:
+        sys.exit(f"error: {missing[0]} is missing: run `python benchmarks/verl_live.py prepare --out {out}` first")
+    if not Path(args.model, "config.json").exists():
+        sys.exit(f"error: {args.model}/config.json not found: --model must be a HF folder (VLLM.md: mk_smollm2.py)")
+    result_path = out / RUNS_JSON
+    result = json.loads(result_path.read_text()) if result_path.exists() else {"runs": {}}
+    deadline = time.time() + args.budget
+    if args.parallel > 1:
+        for first in range(0, len(runs), args.parallel):
+            batch, left = runs[first:first + args.parallel], deadline - time.time()
+            if left < 60:
+                for run in batch:
+                    _skip(run, left, args.budget, result, result_path)
+                continue
+            _run_batch(batch, args, out, result, result_path, deadline)
+        return
+    for run in runs:
         left = deadline - time.time()
         if left < 60:
-            print(f"{run}: skipped, {left:.0f} s of --budget left", flush=True)
-            if "rc" not in result["runs"].get(run, {}):  # keep a finished run's record from an earlier call
-                result["runs"][run] = {"run": run, "skipped": f"{left:.0f} s of --budget {args.budget} s left"}
-                _write_json(result_path, result)
+            _skip(run, left, args.budget, result, result_path)
             continue
-        tag = run.replace("/", "_")
-        log, metrics = out / f"{tag}.log", out / f"{tag}.metrics.jsonl"
-        metrics.unlink(missing_ok=True)
-        start = time.time()
-        with open(log, "w") as handle:
-            try:
-                rc = subprocess.run(argv, env={**os.environ, **env}, stdout=handle, stderr=subprocess.STDOUT,
-                                    cwd=out, timeout=min(args.run_timeout, left)).returncode
-            except subprocess.TimeoutExpired:
-                rc = None
-        # a run killed by the timeout leaves its local Ray cluster up; the next run must start its own
-        subprocess.run([args.python, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True, check=False)
-        record = summarise(run, log.read_text(errors="replace"), metrics, rc, time.time() - start)
-        result["runs"][run] = record
-        _write_json(result_path, result)
-        last = record["steps"][-1] if record["steps"] else {}
-        print(f"{run}: rc={rc} {record['wall_s']} s, {len(record['steps'])} steps, registered {record['registered']}, "
-              f"guard warnings {record['guard_warnings']}, last step {last}", flush=True)
+        job = _launch(run, args, out, None, min(args.run_timeout, left))
+        while (rc := _wait(job)) == -1:
+            time.sleep(1)
+        _ray_stop(args.python)
+        _record(run, out, rc, time.time() - job["start"], result, result_path)
 
 
 def score_rows_independently(model, input_ids: torch.Tensor, offsets: torch.Tensor) -> dict:
@@ -497,8 +607,9 @@ def resummarise(folder: Path, runs_json: dict) -> dict:
         if "rc" not in old or not log.exists():
             records[run] = old
             continue
+        extra = {key: old[key] for key in RUN_EXTRAS if key in old}
         records[run] = summarise(run, log.read_text(errors="replace"), folder / f"{tag}.metrics.jsonl", old["rc"],
-                                 old["wall_s"])
+                                 old["wall_s"], extra)
     return records
 
 
@@ -582,8 +693,8 @@ def cmd_document(args) -> None:
         benchmark="verl_live",
         env={"gpu": args.gpu, **probe.get("versions", {})},
         params={"model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantised, fp32)", "task": "arith",
-                "overrides": {run: overrides(run, "MODEL", "DATA", "OUT", len(r.get("steps", [])) or 20)
-                              for run, r in records.items()},
+                "overrides": {run: overrides(run, "MODEL", "DATA", "OUT", len(r.get("steps", [])) or 20,
+                                             r.get("parallel", 1) > 1) for run, r in records.items()},
                 "command": "bash benchmarks/gpu/verl_call.sh RUNS STEPS BUDGET RUN_TIMEOUT (one device call)"},
         results={"runs": records, "head_check": runs_json.get("head_check", {}), "probe": probe},
         tables=result_tables(records) + ([head_table(runs_json["head_check"])] if runs_json.get("head_check") else []))
@@ -615,6 +726,9 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--run-timeout", type=float, default=280.0, help="seconds per run before it is killed")
     run.add_argument("--budget", type=float, default=540.0,
                      help="seconds for all --runs together (a device call has 600 s); a run not started with < 60 s left is skipped")
+    run.add_argument("--parallel", type=int, default=1,
+                     help="runs at once on the one GPU, each with its own Ray cluster and a "
+                          f"{PARALLEL_GPU_MEMORY} vLLM memory share (step times then include the sharing)")
     run.add_argument("--python", default=sys.executable)
     run.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = ap.parse_args(argv)

@@ -227,6 +227,65 @@ def test_run_loop_writes_json_per_run_and_skips_past_budget(tmp_path):
     assert result["runs"]["geo_rs/nofix"] == nofix  # a finished run's record is not replaced by a skip
 
 
+FAKE_PARALLEL = """#!/bin/sh
+# ray start/stop are logged; main_ppo reports its cluster, and seq_mis/fix's first start dies of vLLM's
+# memory-profiling race (the second starts cleanly)
+if [ "$2" = "ray.scripts.scripts" ]; then echo "$3 $5" >> "$FAKE_LOG"; exit 0; fi
+for a in "$@"; do case "$a" in trainer.experiment_name=*) tag=${a#*=};; esac; done
+if [ "$tag" = seq_mis_fix ] && [ ! -f "$FAKE_LOG.raced" ]; then
+  touch "$FAKE_LOG.raced"; echo "AssertionError: Error in memory profiling. Initial free memory 1 GiB"; exit 1
+fi
+sleep 1
+echo "bloggap verl plugin registered (pid 11): ..."
+printf '{"step": 1, "data": {"critic/score/mean": 0.5}}\\n' > "$VERL_FILE_LOGGER_PATH"
+echo "main_ppo $tag RAY_ADDRESS=$RAY_ADDRESS" >> "$FAKE_LOG"
+"""
+
+
+def test_parallel_runs_get_their_own_cluster_and_survive_the_profiling_race(tmp_path, monkeypatch):
+    fake = tmp_path / "fakepy"
+    fake.write_text(FAKE_PARALLEL)
+    fake.chmod(0o755)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    out = tmp_path / "out"
+    verl_live.cmd_prepare(type("A", (), {"out": str(out), "n_train": 4})())
+    monkeypatch.setenv("FAKE_LOG", str(tmp_path / "calls"))
+    verl_live.main(["run", "--model", str(tmp_path / "model"), "--out", str(out), "--python", str(fake),
+                    "--runs", "geo_rs/nofix,seq_mis/fix,arm_B", "--budget", "400", "--parallel", "2"])
+    calls = (tmp_path / "calls").read_text().splitlines()
+    starts = [c for c in calls if c.startswith("start")]
+    assert starts == ["start --port=20000", "start --port=21000", "start --port=20000"]  # slots 0, 1, then 0 again
+    assert "main_ppo geo_rs_nofix RAY_ADDRESS=127.0.0.1:20000" in calls
+    assert "main_ppo seq_mis_fix RAY_ADDRESS=127.0.0.1:21000" in calls and "main_ppo arm_B RAY_ADDRESS=127.0.0.1:20000" in calls
+    assert sum(c.startswith("stop") for c in calls) == 2  # once per batch, after its last run
+    runs = json.loads((out / "verl_live_runs.json").read_text())["runs"]
+    assert runs["seq_mis/fix"]["attempts"] == 2 and runs["geo_rs/nofix"]["attempts"] == 1
+    assert (out / "seq_mis_fix.attempt1.log").exists()
+    assert runs["seq_mis/fix"]["concurrent_with"] == ["geo_rs/nofix"] and runs["arm_B"]["concurrent_with"] == []
+    assert all(r["rc"] == 0 and [s["reward"] for s in r["steps"]] == [0.5] for r in runs.values())
+    assert runs["arm_B"]["gpu_memory_utilization"] == verl_live.PARALLEL_GPU_MEMORY
+    # document keeps how each run ran
+    records = verl_live.resummarise(out, json.loads((out / "verl_live_runs.json").read_text()))
+    assert records["seq_mis/fix"]["parallel"] == 2 and records["seq_mis/fix"]["attempts"] == 2
+
+
+def test_parallel_slots_use_disjoint_ports_and_temp_dirs():
+    seen, temp_dirs = set(), set()
+    for slot in range(8):
+        argv, address = verl_live.ray_start_command(slot, "/o", "py")
+        flags = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+        ports = {int(v) for k, v in flags.items() if k.endswith("port") and k not in ("min-worker-port", "max-worker-port")}
+        lo, hi = int(flags["min-worker-port"]), int(flags["max-worker-port"])
+        span = ports | set(range(lo, hi + 1))
+        assert address == f"127.0.0.1:{flags['port']}" and not span & seen and min(span) >= 20000
+        seen |= span
+        temp_dirs.add(flags["temp-dir"])
+    assert len(temp_dirs) == 8
+    with pytest.raises(SystemExit, match="--parallel 0"):
+        verl_live.main(["run", "--model", "/m", "--out", "/o", "--parallel", "0", "--dry-run"])
+
+
 @pytest.mark.parametrize("dump_head", ["fp32", "bf16"])
 def test_check_head_tells_the_fp32_head_from_the_bf16_head(tmp_path, tiny_model, dump_head):
     """A dump made through the engine's own fp32-head hook (or the plain bf16 head) from verl's padded layout

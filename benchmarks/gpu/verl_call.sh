@@ -7,6 +7,10 @@
 #
 #   bash benchmarks/gpu/verl_call.sh RUNS STEPS BUDGET_S [RUN_TIMEOUT_S]
 #   e.g. bash benchmarks/gpu/verl_call.sh geo_rs/control,geo_rs/nofix,geo_rs/fix 20 500 200
+#   BLOGGAP_VERL_PARALLEL=5 bash benchmarks/gpu/verl_call.sh geo_rs/nofix,geo_rs/fix,seq_mis/control,... 12 560 480
+# BLOGGAP_VERL_PARALLEL=N runs N at once on the one GPU (verl_live.py run --parallel). A run list with arm_E also
+# checks its dumped old log-probs against an independent fp32-head scoring on this GPU (check-head), and every call
+# records `bloggap patch verl --check` against the verl installed here (verl_patch_check.txt).
 set -uo pipefail
 runs=${1:?runs}; steps=${2:?steps}; budget=${3:?budget seconds}; run_timeout=${4:-280}
 T=${BLOGGAP_VLLM_DEST:-.dev/vllm24}/t
@@ -16,7 +20,7 @@ t0=$(date +%s)
 collect() {
   mkdir -p "$OUT"
   [ -d "$work" ] && tar -czf "$OUT/verl_runs.tgz" -C "$work" --exclude=./data --exclude=./site --exclude=./ckpt . 2>/dev/null
-  cp "$work/verl_live_runs.json" "$work/verl_probe.json" "$OUT/" 2>/dev/null
+  cp "$work/verl_live_runs.json" "$work/verl_probe.json" "$work/verl_patch_check.txt" "$OUT/" 2>/dev/null
   echo "verl_call: $(( $(date +%s) - t0 )) s in this call"
 }
 trap collect EXIT
@@ -25,6 +29,11 @@ if [ ! -d /tmp/site/vllm ]; then
   last=$(ls -d "${T%/t}"/p* 2>/dev/null | sort -V | tail -1)
   [ -n "$last" ] && mkdir -p /tmp/vx && mv "$last"/part_* /tmp/vx/ 2>/dev/null
   bash "$T/install.sh" || exit 3
+fi
+# wheels carried beside the bundle (a bundle built before verl_requirements.txt gained them): .dev/extra/*.whl
+extra=${BLOGGAP_VERL_EXTRA:-.dev/extra}
+if ls "$extra"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$extra"/*.whl 2>&1 | grep -v "already exists" | tail -3
 fi
 # verl 0.9.1's FSDP engine imports AutoModelForCausalLMWithValueHead from trl.experimental.ppo or trl whenever TRL
 # is importable (verl/models/transformers/monkey_patch.py, apply_monkey_patch); TRL 1.16 has neither, so the actor's
@@ -38,9 +47,15 @@ export RAY_AUTH_MODE=disabled
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0))"
 python3 benchmarks/verl_live.py probe --out "$work" || exit 5
 [ -f "$work/data/train.parquet" ] || python3 benchmarks/verl_live.py prepare --out "$work" || exit 6
+python3 -c "import verl, sys; print('verl', verl.__version__, verl.__file__)" > "$work/verl_patch_check.txt" 2>&1
+python3 -m bloggap_plugin.cli patch verl --check >> "$work/verl_patch_check.txt" 2>&1
+echo "rc=$?" >> "$work/verl_patch_check.txt"
 left=$(( budget - ($(date +%s) - t0) ))
 python3 benchmarks/verl_live.py run --model /tmp/vx/smollm2 --out "$work" --runs "$runs" --steps "$steps" \
-  --budget "$left" --run-timeout "$run_timeout"
+  --budget "$left" --run-timeout "$run_timeout" --parallel "${BLOGGAP_VERL_PARALLEL:-1}"
 rc=$?
+case ",$runs," in
+  *,arm_E,*) python3 benchmarks/verl_live.py check-head --out "$work" --model /tmp/vx/smollm2 --run arm_E --device cuda ;;
+esac
 for f in "$work"/*.log; do echo "== tail $f"; grep -v "^\s*$" "$f" | tail -25; done
 exit $rc
