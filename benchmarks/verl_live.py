@@ -68,7 +68,8 @@ def _run_spec(name: str) -> dict:
     preset, _, kind = name.partition("/")
     if preset not in PRESETS or kind not in ("control", "nofix", "fix"):
         raise ValueError(f"unknown run {name!r}; choose from {', '.join(RUNS)}")
-    recipes = ["arm_A.yaml"] + (["truncation_fix.yaml"] if kind == "fix" else [])
+    # nofix runs without the plugin, so without its loss too (verl refuses an unregistered "gap_vanilla")
+    recipes = [] if kind == "nofix" else ["arm_A.yaml"] + (["truncation_fix.yaml"] if kind == "fix" else [])
     return {"preset": preset, "truncated": kind != "control", "disable": kind == "nofix", "recipes": recipes}
 
 
@@ -78,7 +79,9 @@ RUNS = tuple(f"{p}/{k}" for p in PRESETS for k in ("control", "nofix", "fix")) +
 PARALLEL_GPU_MEMORY = 0.12  # x 139 GiB = 16.7 GiB per engine; SmolLM2-135M needs < 1 GiB of weights
 RAY_PORT_BASE = 20000  # slot k uses ports RAY_PORT_BASE + 1000 k ... + 999 (Ray's own defaults stay below 20000)
 RUN_EXTRAS = ("parallel", "concurrent_with", "attempts", "gpu_memory_utilization")  # how a run ran (its record)
-PROFILING_RACE = "Error in memory profiling"  # vLLM's start-up check when another process frees GPU memory
+# vLLM start-up failures caused by the other runs on the GPU, not by the run: its memory profiling saw another
+# process free memory, or counted another process's growth as its own and left no KV cache (seen at 5 runs x 0.12)
+START_RACES = ("Error in memory profiling", "No available memory for the cache blocks")
 
 
 def recipe_overrides(name: str) -> list[str]:
@@ -441,12 +444,15 @@ def _ray_stop(python: str) -> None:
 
 
 def _run_batch(batch: list[str], args, out: Path, result: dict, result_path: Path, deadline: float) -> None:
-    """``batch`` at once on the one GPU, one Ray cluster each. A run that dies of vLLM's memory-profiling race
-    (another engine freed memory while it measured) is started once more while the budget allows."""
+    """``batch`` at once on the one GPU, one Ray cluster each. A run whose vLLM engine failed to start because of
+    the others (``START_RACES``) is started once more while the budget allows."""
     addresses = []
-    for slot in range(len(batch)):
+    for slot, run in enumerate(batch):
         argv, address = ray_start_command(slot, out, args.python)
-        started = subprocess.run(argv, capture_output=True, text=True, check=False)
+        # Ray's workers inherit the raylet's environment, not the driver's: the cluster starts with the run's own
+        # (PYTHONPATH with the entry point, BLOGGAP_VERL_DISABLE, ...), as a local ray.init() cluster would
+        run_env = {k: v for k, v in command(run, args.model, out / "data", out, args.steps, args.python)[1].items()}
+        started = subprocess.run(argv, capture_output=True, text=True, check=False, env={**os.environ, **run_env})
         if started.returncode:
             sys.exit(f"error: ray start for slot {slot} failed: {started.stderr.strip()[-400:]}")
         addresses.append(address)
@@ -463,10 +469,11 @@ def _run_batch(batch: list[str], args, out: Path, result: dict, result_path: Pat
             tag = run.replace("/", "_")
             log = out / f"{tag}.log"
             left = deadline - time.time()
-            if rc and attempts[run] < 2 and left > 150 and PROFILING_RACE in log.read_text(errors="replace"):
+            text = log.read_text(errors="replace")
+            if rc and attempts[run] < 2 and left > 150 and any(race in text for race in START_RACES):
                 log.rename(out / f"{tag}.attempt{attempts[run]}.log")
                 attempts[run] += 1
-                print(f"{run}: vLLM's memory-profiling race, started again ({left:.0f} s left)", flush=True)
+                print(f"{run}: vLLM start-up failed on the shared GPU, started again ({left:.0f} s left)", flush=True)
                 jobs[run] = _launch(run, args, out, addresses[batch.index(run)], min(args.run_timeout, left))
                 continue
             del jobs[run]

@@ -7,8 +7,8 @@
 #
 #   bash benchmarks/gpu/verl_call.sh RUNS STEPS BUDGET_S [RUN_TIMEOUT_S]
 #   e.g. bash benchmarks/gpu/verl_call.sh geo_rs/control,geo_rs/nofix,geo_rs/fix 20 500 200
-#   BLOGGAP_VERL_PARALLEL=5 bash benchmarks/gpu/verl_call.sh geo_rs/nofix,geo_rs/fix,seq_mis/control,... 12 560 480
-# BLOGGAP_VERL_PARALLEL=N runs N at once on the one GPU (verl_live.py run --parallel). A run list with arm_E also
+#   VERL_LIVE_PARALLEL=5 bash benchmarks/gpu/verl_call.sh geo_rs/nofix,geo_rs/fix,seq_mis/control,... 12 560 480
+# VERL_LIVE_PARALLEL=N runs N at once on the one GPU (verl_live.py run --parallel). A run list with arm_E also
 # checks its dumped old log-probs against an independent fp32-head scoring on this GPU (check-head), and every call
 # records `bloggap patch verl --check` against the verl installed here (verl_patch_check.txt).
 set -uo pipefail
@@ -52,7 +52,7 @@ python3 -m bloggap_plugin.cli patch verl --check >> "$work/verl_patch_check.txt"
 echo "rc=$?" >> "$work/verl_patch_check.txt"
 left=$(( budget - ($(date +%s) - t0) ))
 python3 benchmarks/verl_live.py run --model /tmp/vx/smollm2 --out "$work" --runs "$runs" --steps "$steps" \
-  --budget "$left" --run-timeout "$run_timeout" --parallel "${BLOGGAP_VERL_PARALLEL:-1}"
+  --budget "$left" --run-timeout "$run_timeout" --parallel "${VERL_LIVE_PARALLEL:-1}"
 rc=$?
 case ",$runs," in
   *,arm_E,*) python3 benchmarks/verl_live.py check-head --out "$work" --model /tmp/vx/smollm2 --run arm_E --device cuda ;;
