@@ -373,6 +373,22 @@ def _write_json(path: Path, payload: dict) -> None:
     atomic_write_text(path, json.dumps(payload, indent=1, allow_nan=False) + "\n")
 
 
+# Ray's re-raises of a worker's error, and its metrics agent's start-up retries (logged, never fatal to a run)
+_NOT_ROOT_CAUSES = ("RayTaskError", "ActorDiedError", "RpcError")
+_ERROR_LINE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
+
+
+def failure_reason(log_text: str) -> str | None:
+    """The first exception a failed run's console names (``Type: message``, Ray's wrappers skipped), cut to 140
+    characters: verl prints the root cause (a vLLM engine error, a refused loss mode) before Ray's re-raises."""
+    for line in _ANSI.sub("", log_text).splitlines():
+        match = _ERROR_LINE.search(line)
+        if match and "ray.exceptions" not in line and match.group(1) not in _NOT_ROOT_CAUSES:
+            text = f"{match.group(1)}: {match.group(2).strip()}"
+            return text if len(text) <= 140 else text[:139] + "…"
+    return None
+
+
 def summarise(run: str, log_text: str, metrics_path: Path, rc: int | None, wall_s: float,
               extra: dict | None = None) -> dict:
     """One run's record: exit code, wall time, registered processes, guard warnings, per-step table; ``extra``
@@ -390,6 +406,7 @@ def summarise(run: str, log_text: str, metrics_path: Path, rc: int | None, wall_
         and any(name.startswith("TaskRunner") for name in registered),
         "guard_warnings": sum(GUARD in line for line in log_text.splitlines()),
         "steps": step_table(rows, spec["preset"]),
+        "failure": failure_reason(log_text) if rc else None,
         **(extra or {}),
     }
 
@@ -620,53 +637,117 @@ def resummarise(folder: Path, runs_json: dict) -> dict:
     return records
 
 
-def result_tables(records: dict) -> list[dict]:
-    """The issue-13 tables (``bloggap report`` renders them): one row per run, then the per-step truncation view."""
-    run_rows = []
-    for run, rec in records.items():
-        steps = rec.get("steps", [])
-        if not steps:
-            run_rows.append([run, rec.get("top_p"), "off" if rec.get("plugin_disabled") else "on", 0, rec.get("rc"),
-                             None, None, None, None, None, None, None, rec.get("skipped") or "no step logged"])
-            continue
+def _ran(rec: dict) -> str:
+    return "alone" if rec.get("parallel", 1) <= 1 else f"{rec['parallel']} at once"
+
+
+def _median_after_first(values: list) -> float | None:
+    """Median of a per-step time without step 1 (start-up: compilation, first weight sync)."""
+    kept = [v for v in values[1:] or values if v is not None]
+    return statistics.median(kept) if kept else None
+
+
+def _run_row(run: str, rec: dict) -> list:
+    base = [run, rec.get("preset"), rec.get("top_p"), "off" if rec.get("plugin_disabled") else "on", _ran(rec)]
+    steps = rec.get("steps", [])
+    if not steps:
+        why = rec.get("skipped") or (f"failed: {rec['failure']}" if rec.get("failure") else "no step logged")
+        return base + [0, rec.get("rc"), None, None, None, None, None, None, None, why]
+    col = {k: [s.get(k) for s in steps] for k in steps[0]}
+    registered = rec.get("registered", {})
+    return base + [
+        len(steps), rec["rc"], _r(_mean(col["rejected_seq_frac"])), int(sum(1 for v in col["all_rejected"] if v)),
+        _r(_mean(col.get("kept_mass_mean_geo", [])), 4), _r(col["reward"][0]), _r(col["reward"][-1]),
+        _r(_mean(col["oob_frac"]), 4), _r(_median_after_first(col["step_s"]), 2),
+        f"{sum(len(p) for p in registered.values())} processes: {', '.join(sorted(registered))}"]
+
+
+def _steps_table(records: dict) -> dict | None:
+    """Per step, every truncation run that logged steps: rejected share, kept mass (fix runs), reward."""
+    runs = [r for r in RUNS if "/" in r and records.get(r, {}).get("steps")]
+    if not runs:
+        return None
+    columns, getters = ["step"], []
+    for run in runs:
+        columns.append(f"{run} rejected")
+        getters.append((run, "rejected_seq_frac", 3))
+        if run.endswith("/fix"):
+            columns.append(f"{run} kept mass")
+            getters.append((run, "kept_mass_mean_geo", 4))
+    for run in runs:
+        columns.append(f"{run} reward")
+        getters.append((run, "reward", 3))
+    rows = []
+    for number in range(max(len(records[r]["steps"]) for r in runs)):
+        row = [number + 1]
+        for run, key, digits in getters:
+            steps = records[run]["steps"]
+            row.append(_r(steps[number].get(key), digits) if number < len(steps) else None)
+        rows.append(row)
+    missing = [f"{r} ({records[r].get('failure') or records[r].get('skipped') or 'no step logged'})"
+               for r in RUNS if "/" in r and r in records and not records[r].get("steps")]
+    notes = "; ".join(f"{r}: {_ran(records[r])}" for r in runs) + "."
+    if missing:
+        notes += " Not in this table (no step logged): " + "; ".join(missing) + "."
+    return {"id": "T13v-steps", "title": "Per step: untruncated control vs top_p 0.8 with the truncation fix (verl, H200)",
+            "columns": columns, "rows": rows, "notes": notes, "reference": None, "random_init": False,
+            "plot": {"kind": "line", "x": "step", "y": [c for c in columns if c.endswith((" rejected", " reward"))]}}
+
+
+ARM_DTYPES = {"arm_A": "bf16 (verl default)", "arm_E": "bf16, fp32 head in the old-log-prob pass",
+              "arm_B": "fp32 actor (param_dtype)", "arm_F": "fp16 actor (param_dtype)"}
+
+
+def _arms_table(records: dict) -> dict | None:
+    arms = [a for a in ARM_DTYPES if records.get(a, {}).get("steps")]
+    if "arm_A" not in arms:
+        return None
+    medians = {}
+    rows = []
+    for arm in arms:
+        steps = records[arm]["steps"]
         col = {k: [s.get(k) for s in steps] for k in steps[0]}
-        registered = rec.get("registered", {})
-        run_rows.append([
-            run, rec["top_p"], "off" if rec["plugin_disabled"] else "on", len(steps), rec["rc"],
-            _r(_mean(col["rejected_seq_frac"])), int(sum(1 for v in col["all_rejected"] if v)),
-            _r(_mean(col.get("kept_mass_mean_geo", [])), 4), _r(col["reward"][0]), _r(col["reward"][-1]),
-            _r(_mean(col["oob_frac"]), 4), _r(statistics.median([v for v in col["step_s"][1:] or col["step_s"] if v is not None]), 2),
-            f"{sum(len(p) for p in registered.values())} processes: {', '.join(sorted(registered))}",
-        ])
+        medians[arm] = _median_after_first(col["step_s"])
+        dlogp = [v for v in col["abs_dlogp_max"] if v is not None]
+        rows.append([arm, ARM_DTYPES[arm], _ran(records[arm]), len(steps), _r(medians[arm], 2),
+                     _r(medians[arm] / medians["arm_A"], 3) if medians[arm] and medians["arm_A"] else None,
+                     _r(_median_after_first(col["old_log_prob_s"]), 2), _r(_median_after_first(col["update_actor_s"]), 2),
+                     _r(_mean(col["rejected_seq_frac"])), int(sum(1 for v in col["all_rejected"] if v)),
+                     _r(_mean(col["oob_frac"]), 4), _r(max(dlogp), 4) if dlogp else None,
+                     _r(_mean(col["rollout_probs_diff_mean"]), 4), _r(col["reward"][-1])])
+    return {"id": "T13v-arms", "title": "Arms in verl: the actor's precision against arm A (untruncated Geo-RS, H200)",
+            "columns": ["run", "actor precision", "ran", "steps", "s/step (median)", "vs arm_A", "old log-prob s",
+                        "update s", "rejected seq share (mean)", "steps all rejected", "gap oob_frac (mean)",
+                        "gap max |dlogp|", "rollout vs actor |dp| (mean)", "reward last"],
+            "rows": rows,
+            "notes": "Times are verl's timing_s/* medians without step 1; runs marked 'N at once' shared the GPU, so "
+                     "their times compare with each other, not with a run alone. gap oob_frac and max |dlogp|: "
+                     "gap_vanilla's ratio of the training forward to the old log-probs (one mini-batch, one epoch): "
+                     "0 when both passes compute the same numbers; arm E's old pass has an fp32 head and its "
+                     "training forward the bf16 one, so its ratio is not exactly 1. rollout vs actor |dp|: verl's "
+                     "training/rollout_probs_diff_mean (vLLM bf16 sampler vs the actor's old log-probs).",
+            "reference": None, "random_init": False, "plot": False}
+
+
+def result_tables(records: dict) -> list[dict]:
+    """The issue-13 tables (``bloggap report`` renders them): one row per run, the per-step truncation view, the
+    arms."""
     tables = [{
         "id": "T13v", "title": "verl 0.9.1 GRPO on the H200 with the bloggap plugin (vLLM 0.24 rollouts, FSDP actor, "
-        "SmolLM2-135M, arithmetic task, Geo-RS seq_mean_k1 0.999_1.001)",
-        "columns": ["run", "rollout top_p", "plugin", "steps", "rc", "rejected seq share (mean)",
+        "SmolLM2-135M, arithmetic task; rollout correction Geo-RS = seq_mean_k1 0.999_1.001, Seq-MIS = sequence IS "
+        "2.0 + seq_sum_k1 0.5_2.0)",
+        "columns": ["run", "preset", "rollout top_p", "plugin", "ran", "steps", "rc", "rejected seq share (mean)",
                     "steps all rejected", "kept mass (geo mean)", "reward step 1", "reward last", "gap oob_frac",
-                    "s/step (median)", "plugin registered in"],
-        "rows": run_rows,
-        "notes": "rejected seq share: verl's rollout_corr/rollout_rs_seq_mean_k1_seq_masked_fraction per step, "
-                 "mean over steps; kept mass: exp of gap/verl/log_kept_mass_mean (the fix's re-truncation); gap "
-                 "oob_frac: gap_vanilla's actor/gap/ratio/oob_frac (ppo_mini_batch = train batch, one epoch: the "
-                 "ratio is exactly 1, so 0 is the expected value); s/step: timing_s/step without step 1.",
+                    "s/step (median)", "plugin registered in / why no step"],
+        "rows": [_run_row(run, rec) for run, rec in records.items()],
+        "notes": "rejected seq share: verl's rollout_corr/rollout_rs_<option>_seq_masked_fraction per step (option "
+                 "seq_mean_k1 for Geo-RS, seq_sum_k1 for Seq-MIS), mean over steps; kept mass: exp of "
+                 "gap/verl/log_kept_mass_mean (the fix's re-truncation); gap oob_frac: gap_vanilla's "
+                 "actor/gap/ratio/oob_frac (ppo_mini_batch = train batch, one epoch: 0 expected unless the old pass "
+                 "differs on purpose, arm E); s/step: timing_s/step without step 1; ran: alone, or N verl runs at "
+                 "once on the one GPU (verl_live.py run --parallel N, 0.12 vLLM memory share each).",
         "reference": None, "random_init": False, "plot": False}]
-    control, fix = records.get("geo_rs/control", {}).get("steps", []), records.get("geo_rs/fix", {}).get("steps", [])
-    if control and fix:
-        rows = []
-        for number in range(max(len(control), len(fix))):
-            c = control[number] if number < len(control) else {}
-            f = fix[number] if number < len(fix) else {}
-            rows.append([number + 1, _r(c.get("rejected_seq_frac")), _r(f.get("rejected_seq_frac")),
-                         _r(f.get("kept_mass_mean_geo"), 4), _r(c.get("reward")), _r(f.get("reward"))])
-        tables.append({
-            "id": "T13v-steps", "title": "Per step: untruncated control vs top_p 0.8 with the truncation fix (verl, H200)",
-            "columns": ["step", "control rejected", "fix rejected", "fix kept mass (geo)", "control reward",
-                        "fix reward"],
-            "rows": rows,
-            "notes": "The truncated run without the plugin (geo_rs/nofix) did not finish inside the session's GPU "
-                     "time and is not in this table.",
-            "reference": None, "random_init": False,
-            "plot": {"kind": "line", "x": "step", "y": ["control rejected", "fix rejected", "control reward", "fix reward"]}})
+    tables += [t for t in (_steps_table(records), _arms_table(records)) if t]
     return tables
 
 
@@ -683,9 +764,12 @@ def head_table(head_check: dict) -> dict:
             "columns": ["run", "engine head", "scored on", "tokens", "mean |d| vs fp32 head", "mean |d| vs bf16 head",
                         "p99 |d| vs fp32 head", "p99 |d| vs bf16 head"],
             "rows": rows,
-            "notes": "Scored on another device than the dump (the H200), the bf16 body's kernel differences dominate "
-                     "(mean |d| ~0.02-0.03 either way) and the comparison cannot tell the heads apart; it is "
-                     "conclusive only when check-head runs on the GPU that made the dump.",
+            "notes": "Inconclusive, on the CPU and on the GPU that made the dump alike: the bf16 body differs between "
+                     "verl's FSDP forward and this HF forward of the same rows by ~0.02 mean |d|, more than the "
+                     "heads differ, so the bf16-head dump (geo_rs/control) also reads 'closer' to the fp32 head. "
+                     "The live evidence that arm E's engine override changes the old log-probs by the head is "
+                     "T13v-arms: with the same rows and layout, arm A's training forward reproduces its old "
+                     "log-probs exactly (gap max |dlogp| 0) and arm E's does not.",
             "reference": None, "random_init": False, "plot": False}
 
 

@@ -357,9 +357,10 @@ def test_document_tables_from_run_records(tmp_path):
     """result_tables/head_table on two small runs: the means and counts are the step values' own."""
     from bloggap_plugin.results import ResultDocument
 
-    def step(n, rejected, reward, kept=None, all_rejected=0.0):
+    def step(n, rejected, reward, kept=None, all_rejected=0.0, scale=1.0, dlogp=0.0):
         return {"step": n, "rejected_seq_frac": rejected, "all_rejected": all_rejected, "reward": reward,
-                "oob_frac": 0.0, "step_s": 10.0 + n, "kept_mass_mean_geo": kept}
+                "oob_frac": 0.0, "step_s": (10.0 + n) * scale, "kept_mass_mean_geo": kept, "abs_dlogp_max": dlogp,
+                "old_log_prob_s": 2.0 * scale, "update_actor_s": 5.0, "rollout_probs_diff_mean": 0.01}
 
     records = {
         "geo_rs/control": {"rc": 0, "top_p": 1.0, "plugin_disabled": False, "registered": {"driver": [1], "TaskRunnerV1": [2]},
@@ -367,15 +368,50 @@ def test_document_tables_from_run_records(tmp_path):
         "geo_rs/fix": {"rc": 0, "top_p": 0.8, "plugin_disabled": False, "registered": {"driver": [5]},
                        "steps": [step(1, 1.0, 0.1, 0.9, all_rejected=1.0), step(2, 0.5, 0.3, 0.95)]},
         "geo_rs/nofix": {"run": "geo_rs/nofix", "skipped": "40 s of --budget 500 s left"},
+        "seq_mis/nofix": {"rc": 1, "top_p": 0.8, "plugin_disabled": True, "steps": [], "failure": "ValueError: x",
+                          "parallel": 2},
+        "arm_A": {"rc": 0, "top_p": 1.0, "plugin_disabled": False, "parallel": 2,
+                  "steps": [step(1, 0.5, 0.2), step(2, 0.5, 0.2), step(3, 0.5, 0.2)]},
+        "arm_E": {"rc": 0, "top_p": 1.0, "plugin_disabled": False, "parallel": 2,
+                  "steps": [step(1, 0.5, 0.2, scale=1.5), step(2, 0.5, 0.2, scale=1.5, dlogp=0.08),
+                            step(3, 0.5, 0.3, scale=1.5, dlogp=0.02, all_rejected=1.0)]},
     }
     tables = verl_live.result_tables(records)
+    assert [t["id"] for t in tables] == ["T13v", "T13v-steps", "T13v-arms"]
     runs = {row[0]: row for row in tables[0]["rows"]}
-    assert runs["geo_rs/control"][3:12] == [3, 0, 0.25, 0, None, 0.2, 0.6, 0.0, 12.5]
-    assert runs["geo_rs/fix"][5:8] == [0.75, 1, 0.925]
-    assert runs["geo_rs/nofix"][3] == 0 and runs["geo_rs/nofix"][-1] == "40 s of --budget 500 s left"
+    assert runs["geo_rs/control"][4:14] == ["alone", 3, 0, 0.25, 0, None, 0.2, 0.6, 0.0, 12.5]
+    assert runs["geo_rs/fix"][7:10] == [0.75, 1, 0.925]
+    assert runs["geo_rs/nofix"][5] == 0 and runs["geo_rs/nofix"][-1] == "40 s of --budget 500 s left"
+    assert runs["seq_mis/nofix"][4] == "2 at once" and runs["seq_mis/nofix"][-1] == "failed: ValueError: x"
     assert tables[1]["rows"] == [[1, 0.5, 1.0, 0.9, 0.2, 0.1], [2, 0.25, 0.5, 0.95, 0.4, 0.3], [3, 0.0, None, None, 0.6, None]]
+    assert "seq_mis/nofix (ValueError: x)" in tables[1]["notes"] and "geo_rs/fix: alone" in tables[1]["notes"]
+    arms = {row[0]: row for row in tables[2]["rows"]}
+    # medians without step 1: A (12 + 13) / 2 = 12.5, E 1.5x that; E's old pass 3.0 s; max |dlogp| over steps
+    assert arms["arm_A"][2:] == ["2 at once", 3, 12.5, 1.0, 2.0, 5.0, 0.5, 0, 0.0, 0.0, 0.01, 0.2]
+    assert arms["arm_E"][4:12] == [18.75, 1.5, 3.0, 5.0, 0.5, 1, 0.0, 0.08]
     head = verl_live.head_table({"arm_E": {"dump_fp32_head": [True], "scored_on": "cuda:0",
                                            "vs_fp32_head": {"tokens": 9, "mean_abs_dlogp": 1e-6, "p99_abs_dlogp": 2e-6},
                                            "vs_bf16_head": {"tokens": 9, "mean_abs_dlogp": 0.01, "p99_abs_dlogp": 0.02}}})
     assert head["rows"] == [["arm_E", "fp32", "cuda:0", 9, 0.0, 0.01, 0.0, 0.02]]
     ResultDocument(benchmark="verl_live", env={}, params={}, results={}, tables=tables + [head]).validate()
+
+
+def test_failure_reason_names_the_root_cause_not_rays_wrappers():
+    log = "\n".join([
+        "\x1b[36m(TaskRunnerV1 pid=6565)\x1b[0m           'truncation': 'error',",
+        "\x1b[36m(vLLMHttpServer pid=11478)\x1b[0m (EngineCore pid=12483) ERROR 12-01 00:01:32 [core.py:1231] ValueError: "
+        "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the "
+        "engine (this flag also controls CPU memory reservation on the CPU backend, despite its name).",
+        "ray.exceptions.RayTaskError(RuntimeError): ray::TaskRunnerV1.run() (pid=6565)",
+        "RuntimeError: Engine core initialization failed. See root cause above.",
+    ])
+    reason = verl_live.failure_reason(log)
+    assert reason.startswith("ValueError: No available memory for the cache blocks.") and len(reason) == 140
+    assert verl_live.failure_reason("ActorDiedError: The actor died\nValueError: Unsupported loss mode: gap_vanilla.") == (
+        "ValueError: Unsupported loss mode: gap_vanilla.")
+    assert verl_live.failure_reason("all fine\nstep:1 - a:1") is None
+    assert verl_live.failure_reason("(pid=1) RpcError: Running out of retries to initialize the metrics agent.\n"
+                                    "ValueError: Unsupported loss mode: gap_vanilla.") == (
+        "ValueError: Unsupported loss mode: gap_vanilla.")
+    assert verl_live.summarise("geo_rs/nofix", log, Path("/nonexistent"), 1, 1.0)["failure"] == reason
+    assert verl_live.summarise("geo_rs/nofix", log, Path("/nonexistent"), 0, 1.0)["failure"] is None
