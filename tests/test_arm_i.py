@@ -214,3 +214,25 @@ def test_refusals_name_the_problem_and_the_fix(tiny_model):
     with pytest.raises(RecipeError, match="gap.i_pieces: arm I pieces 'bogus'"):
         GapConfig(arm="vllm", i_pieces="bogus")
     assert GapConfig(arm="I", i_pieces="torch,rope=hf").plan_arm == "vllm"
+
+
+def test_trl_arm_i_trains_on_its_plan_and_refuses_kernel_pieces_on_cpu(tmp_path):
+    """GRPO in TRL with arm I: the old log-probs come from the arm's plan (vLLM's maths in torch on CPU) and two
+    a step trains with a finite loss; the default pieces (vLLM's kernels) refuse at attach, before any step."""
+    import math
+    import warnings
+
+    from test_trl import logs_of, make
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = make(tmp_path / "torch", GapConfig(arm="I", i_pieces="torch", probe_rows=4), dtype="bf16",
+                       max_steps=1)
+        assert isinstance(trainer._gap_state.plan, VllmFormPlan)
+        assert trainer._gap_state.plan.stats()["pieces"] == parse_form("torch").describe()
+        trainer.train()
+    logs = logs_of(trainer)
+    assert len(logs) == 1 and math.isfinite(logs[0]["loss"])
+    assert 0.0 <= logs[0]["gap/ratio/oob_frac"] <= 1.0 and logs[0]["gap/time/scoring_s"] > 0
+    with pytest.raises(VllmFormUnavailable, match="the plan runs on cpu"):
+        make(tmp_path / "all", GapConfig(arm="I"), dtype="bf16")
