@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model_parts import _build_shadow, _FusedCopy, _model_device, _param_pairs, _tensor_bytes
-from .precision import ScoringPlan
+from .model_parts import _model_device, _tensor_bytes
+from .precision import _ShadowPlan
+from .scoring import unwrap_model
 from .vllm_form import (
     Kernels,
     VllmForm,
@@ -147,7 +148,7 @@ class VllmFormLM(nn.Module):
         if self.form.page_size:
             k, v, table = paged_kv(k, v, packed.lengths, self.form.page_size)
             return self.kernels.flash(q, k, v, packed.cu_seqlens, max_len, self.scale, block_table=table)
-        return self.kernels.flash(q, k, v, packed.cu_seqlens, max_len, self.scale)
+        return self.kernels.flash(q, k.contiguous(), v.contiguous(), packed.cu_seqlens, max_len, self.scale)
 
     def _qkv(self, x: torch.Tensor, index: int, attn: nn.Module):
         if self.form.fused_proj:
@@ -202,48 +203,37 @@ class VllmFormLM(nn.Module):
         return _Output(logits=self.lm_head(keep))
 
 
-class VllmFormPlan(ScoringPlan):
-    """Arm I: a bf16 shadow scored through :class:`VllmFormLM` with autocast off and ``kernels.scope()`` around the
-    whole scoring call (so the log-softmax of the head's tiles runs under vLLM's overrides too)."""
+class VllmFormPlan(_ShadowPlan):
+    """Arm I: a bf16 shadow (the fp32/fp16 shadows' machinery) scored through :class:`VllmFormLM`, with autocast off
+    and ``kernels.scope()`` around the whole scoring call (so the log-softmax of the head's tiles runs under vLLM's
+    overrides too)."""
 
     def __init__(self, policy: nn.Module, form: VllmForm, kernels: Kernels, device: torch.device | None = None) -> None:
-        super().__init__(policy, "vllm", fp16_guard=False, tf32=False)
-        _check_supported(self._source)
+        _check_supported(unwrap_model(policy))
         self.form = form
         self.kernels = kernels
-        self._shadow_device = torch.device(device) if device is not None else _model_device(self._source)
-        self.shadow: nn.Module | None = _build_shadow(self._source, torch.bfloat16, self._shadow_device)
-        self._copy = _FusedCopy()
+        self.model: VllmFormLM | None = None
+        super().__init__(policy, "vllm", torch.bfloat16, device, fp16_guard=False, tf32=False)
         with torch.no_grad():
-            self._copy(self._source, lambda: _param_pairs(self.shadow, self._source))
-            self.model: VllmFormLM | None = VllmFormLM(self.shadow, form, kernels)
-
-    def _device(self) -> torch.device:
-        return self._shadow_device
+            self.model = VllmFormLM(self.shadow, form, kernels)
 
     def _score_model(self) -> Callable[..., Any]:
         return self.model
 
     def _scoring_context(self) -> contextlib.AbstractContextManager:
-        stack = contextlib.ExitStack()
-        for device_type in {self._shadow_device.type, "cpu"}:
-            stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+        stack = super()._scoring_context()
         if self.form.batch_invariant:
             stack.enter_context(self.kernels.scope())
         return stack
 
     def _sync(self, source: nn.Module) -> None:
-        self._copy(source, lambda: _param_pairs(self.shadow, source))
-        self.model.refresh()
+        super()._sync(source)
+        if self.model is not None:
+            self.model.refresh()
 
     def _bytes(self) -> int:
-        if self.shadow is None:
-            return 0
-        return _tensor_bytes(list(self.shadow.parameters()) + list(self.shadow.buffers()) + self.model.fused_tensors()
-                             + [self.model.cos_sin_cache])
-
-    def _fp32_share(self) -> float:
-        return 0.0
+        extra = [] if self.model is None else [*self.model.fused_tensors(), self.model.cos_sin_cache]
+        return super()._bytes() + _tensor_bytes(extra)
 
     def stats(self) -> dict:
         """The base plan's stats plus ``pieces`` (:meth:`VllmForm.describe`) and ``kernels`` (their source)."""
@@ -251,6 +241,4 @@ class VllmFormPlan(ScoringPlan):
 
     def close(self) -> None:
         super().close()
-        self._copy.clear()
-        self.shadow = None
         self.model = None
