@@ -16,7 +16,9 @@ scored row, so a time limit keeps what finished (``$OUT/arm_i_work/`` holds the 
    Diagnostics: the engine's bf16 weights and RoPE cache against the trainer's (where the engine's model can be
    reached), and HF's RoPE matmul under vLLM's process-wide ``bmm`` override.
 2. ``scoped``: the same completions (``gen.pt``) in a fresh process without an engine: vLLM's batch-invariant
-   overrides now exist only inside arm I's forward (the ``batch_invariant`` piece's own effect).
+   overrides now exist only inside arm I's forward (the ``batch_invariant`` piece's own effect). The variable stays
+   1 there so that vLLM's C++ kernels pick their batch-invariant launch settings as the sampler's did; nothing
+   enables the mode itself without an engine (recorded as ``process_batch_invariant``).
 
 ``--smoke --out DIR`` (the ``smoke`` command; CPU, no vLLM, seconds): a tiny random Llama, the fp32 scores as the "sampler", the same steps; the
 pieces that need vLLM's kernels are recorded as refused with the plugin's message (tests/test_arm_i_bench.py).
@@ -293,7 +295,7 @@ def cmd_all(args) -> None:
     _write(path, state)
     deadline = time.time() + args.budget_s
     for phase, env in (("colocated", {"VLLM_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
-                       ("scoped", {"VLLM_BATCH_INVARIANT": "0"})):
+                       ("scoped", {"VLLM_BATCH_INVARIANT": "1"})):  # no engine: vLLM's mode is never enabled
         argv = [sys.executable, __file__, "phase", phase, "--model", args.model, "--work", str(work), "--json",
                 str(path), "--prompts", str(args.prompts), "--tokens", str(args.tokens), "--gpu-mem", str(args.gpu_mem)]
         with open(work / f"{phase}.log", "w") as log:
