@@ -133,8 +133,9 @@ def score_rows(model, ids, mask, sampler, phase: str, state: dict, out: Path) ->
         row = {"phase": phase, "scorer": label, "pieces": pieces}
         try:
             plan = make_plan(model, "vllm", pieces=pieces, device=device)
-        except UsageError as err:  # a piece this machine cannot run: recorded, the next steps still try
-            state["rows"].append({**row, "refused": str(err)})
+        except Exception as err:  # noqa: BLE001 - refused (a piece this machine cannot run) or failed: recorded
+            key = "refused" if isinstance(err, UsageError) else "error"
+            state["rows"].append({**row, key: str(err) if key == "refused" else f"{type(err).__name__}: {err}"})
             _write(out, state)
             continue
         try:
@@ -187,12 +188,17 @@ def _generate(args) -> dict:
               max_model_len=1024, seed=0, logprobs_mode="processed_logprobs", max_logprobs=1,
               kv_cache_memory_bytes=2 << 30)
     engine_s = time.perf_counter() - t0
-    params = [SamplingParams(temperature=1.0, max_tokens=args.tokens, min_tokens=args.tokens, logprobs=0,
+    # ignore_eos, not min_tokens: vLLM's min_tokens processor sets the stop tokens' logits to -inf, so processed
+    # log-probs would be renormalised without them while the trainer's cover the whole vocabulary
+    params = [SamplingParams(temperature=1.0, max_tokens=args.tokens, ignore_eos=True, logprobs=0,
                              seed=1000 + i, detokenize=False) for i in range(len(prompt_ids))]
     t0 = time.perf_counter()
     outputs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
                                                    use_tqdm=False)]
     gen_s = time.perf_counter() - t0
+    if {len(c.token_ids) for c in outputs} != {args.tokens}:
+        raise RuntimeError(f"vLLM returned completions of lengths {sorted({len(c.token_ids) for c in outputs})}, "
+                           f"expected {args.tokens} each (ignore_eos); lower --tokens below max_model_len")
     tokens = torch.tensor([list(c.token_ids) for c in outputs], dtype=torch.long)
     sampled = torch.tensor([[d[int(t)].logprob for t, d in zip(c.token_ids, c.logprobs)] for c in outputs],
                            dtype=torch.float32)

@@ -236,3 +236,68 @@ def test_trl_arm_i_trains_on_its_plan_and_refuses_kernel_pieces_on_cpu(tmp_path)
     assert 0.0 <= logs[0]["gap/ratio/oob_frac"] <= 1.0 and logs[0]["gap/time/scoring_s"] > 0
     with pytest.raises(VllmFormUnavailable, match="the plan runs on cpu"):
         make(tmp_path / "all", GapConfig(arm="I"), dtype="bf16")
+
+
+def _fake_vllm_batch_invariant(monkeypatch, active: bool):
+    """A stand-in for ``vllm.model_executor.layers.batch_invariant`` (vLLM is not installed on CPU)."""
+    import sys
+    import types
+
+    module = types.ModuleType("vllm.model_executor.layers.batch_invariant")
+    module._batch_invariant_MODE = active
+    module._log_softmax_batch_invariant = lambda input, dim, half_to_float: input
+    module.softmax_batch_invariant = lambda input, dim, dtype=None: input
+    module.mean_batch_invariant = lambda input, dim, keepdim=False, dtype=None: input
+    module.bmm_batch_invariant = lambda a, b, *, out=None: a
+    names = ["vllm", "vllm.model_executor", "vllm.model_executor.layers"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    sys.modules["vllm.model_executor.layers"].batch_invariant = module
+
+
+BI_OPS = ("aten::_log_softmax", "aten::softmax", "aten::_softmax", "aten::mean.dim", "aten::bmm")
+
+
+def _cuda_kernels() -> dict:
+    return {op: [line for line in torch._C._dispatch_dump(op).splitlines() if line.startswith("CUDA")]
+            for op in BI_OPS}
+
+
+def _cuda_settings() -> tuple:
+    matmul = torch.backends.cuda.matmul
+    return (matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction,
+            torch.backends.cuda.preferred_blas_library())
+
+
+def test_batch_invariant_scope_registers_vllms_overrides_for_the_block_only(monkeypatch):
+    """Inside the scope vLLM's five aten overrides are the CUDA kernels and cuBLAS runs without reduced-precision
+    reductions on cuBLASLt; after it (also after an error) the previous kernels and settings are back. Where vLLM's
+    engine already enabled its mode process-wide, the scope registers nothing."""
+    from bloggap_plugin.vllm_kernels import batch_invariant_scope, vllm_batch_invariant_active
+
+    _fake_vllm_batch_invariant(monkeypatch, active=False)
+    blas = {"backend": torch.backends.cuda.preferred_blas_library()}  # a CPU build refuses to select cuBLASLt
+
+    def preferred_blas_library(backend=None):
+        if backend is not None:
+            blas["backend"] = backend
+        return blas["backend"]
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred_blas_library)
+    before_kernels, before_settings = _cuda_kernels(), _cuda_settings()
+    assert not vllm_batch_invariant_active()
+    with pytest.raises(RuntimeError, match="inside"):
+        with batch_invariant_scope():
+            inside = _cuda_kernels()
+            assert all(len(inside[op]) == 1 and "registered at" in inside[op][0] and inside[op] != before_kernels[op]
+                       for op in BI_OPS)
+            fp16_reduced, bf16_reduced, backend = _cuda_settings()
+            assert fp16_reduced in (False, (False, False)) and bf16_reduced in (False, (False, False))
+            assert backend == "cublaslt"
+            raise RuntimeError("inside")
+    assert _cuda_kernels() == before_kernels and _cuda_settings() == before_settings
+    _fake_vllm_batch_invariant(monkeypatch, active=True)
+    assert vllm_batch_invariant_active()
+    with batch_invariant_scope():
+        assert _cuda_kernels() == before_kernels and _cuda_settings() == before_settings
