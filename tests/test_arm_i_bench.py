@@ -35,3 +35,16 @@ def test_smoke_scores_every_step_and_records_the_refused_pieces(tmp_path):
     refused = [r for r in rows[1:] if "refused" in r]
     assert [r["pieces"] for r in refused] == [pieces for _, pieces in script.STEPS[4:]]
     assert all("the plan runs on cpu" in r["refused"] and "gap.i_pieces: torch" in r["refused"] for r in refused)
+
+
+def test_all_records_a_failed_phase_with_its_log_and_keeps_a_valid_document(tmp_path):
+    """Where a phase cannot run (here: no vLLM, no GPU), ``all`` records its exit code and log tail under
+    ``results.errors`` and the document stays valid, so the lead's one call always returns something readable."""
+    script = _script()
+    script.main(["all", "--model", str(tmp_path / "no-model"), "--out", str(tmp_path), "--budget-s", "120"])
+    doc = ResultDocument.read(tmp_path / "arm_i.json")
+    errors = doc.results["errors"]
+    assert set(errors) == {"colocated", "scoped"} and all(e["code"] != 0 for e in errors.values())
+    assert any("vllm" in line for line in errors["colocated"]["log_tail"])
+    assert any("gen.pt" in line for line in errors["scoped"]["log_tail"])
+    assert doc.results["rows"] == [] and doc.params["steps"][0] == ["I0 bf16 weights, packed tokens, HF maths", "hf"]

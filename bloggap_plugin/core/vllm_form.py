@@ -34,6 +34,7 @@ __all__ = [
     "vllm_cos_sin_cache",
     "rope_hf",
     "rope_vllm",
+    "paged_layout",
     "paged_kv",
     "torch_varlen_attention",
     "torch_paged_attention",
@@ -190,6 +191,8 @@ class PackedBatch:
     """Tokens per row."""
     where: torch.Tensor
     """``[B, L]`` bool: where each packed token sits in the padded layout."""
+    paged: dict = field(default_factory=dict)
+    """Page size -> :func:`paged_layout` of these rows (filled by the first layer that needs it)."""
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
@@ -212,24 +215,31 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: to
     return PackedBatch(input_ids[where], positions[where].long(), cu, lengths_t.tolist(), where)
 
 
-def paged_kv(key: torch.Tensor, value: torch.Tensor, lengths: list[int], page: int):
-    """vLLM's paged KV cache for packed ``key/value [T, nkv, d]``: ``(key_cache, value_cache [blocks, page, nkv,
-    d], block_table [B, max_blocks] int32)``; row ``i``'s token ``j`` sits in block ``block_table[i, j // page]``
-    at slot ``j % page`` (blocks handed out in row order; unused slots zero)."""
+def paged_layout(lengths: list[int], page: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where vLLM's paged KV cache puts packed tokens: ``(slot [T] int64, block_table [B, max_blocks] int32,
+    blocks)``; row ``i``'s token ``j`` sits in block ``block_table[i, j // page]`` at slot ``j % page`` of it
+    (blocks handed out in row order). The same for every layer of a forward: compute it once."""
     blocks_per_row = [(n + page - 1) // page for n in lengths]
-    table = torch.zeros(len(lengths), max(blocks_per_row), dtype=torch.int32, device=key.device)
+    table = torch.zeros(len(lengths), max(blocks_per_row), dtype=torch.int32, device=device)
     slots = []
     start = 0
     for row, (n, blocks) in enumerate(zip(lengths, blocks_per_row)):
-        ids = torch.arange(start, start + blocks, dtype=torch.int32, device=key.device)
+        ids = torch.arange(start, start + blocks, dtype=torch.int32, device=device)
         table[row, :blocks] = ids
-        j = torch.arange(n, device=key.device)
+        j = torch.arange(n, device=device)
         slots.append(ids[j // page].long() * page + j % page)
         start += blocks
-    slot = torch.cat(slots)
-    shape = (start * page, *key.shape[1:])
-    key_cache = key.new_zeros(shape).index_copy_(0, slot, key).view(start, page, *key.shape[1:])
-    value_cache = value.new_zeros(shape).index_copy_(0, slot, value).view(start, page, *value.shape[1:])
+    return torch.cat(slots), table, start
+
+
+def paged_kv(key: torch.Tensor, value: torch.Tensor, lengths: list[int], page: int, layout=None):
+    """vLLM's paged KV cache for packed ``key/value [T, nkv, d]``: ``(key_cache, value_cache [blocks, page, nkv,
+    d], block_table [B, max_blocks] int32)`` laid out by :func:`paged_layout` (``layout``: its result, reused);
+    unused slots are zero."""
+    slot, table, blocks = layout if layout is not None else paged_layout(lengths, page, key.device)
+    shape = (blocks * page, *key.shape[1:])
+    key_cache = key.new_zeros(shape).index_copy_(0, slot, key).view(blocks, page, *key.shape[1:])
+    value_cache = value.new_zeros(shape).index_copy_(0, slot, value).view(blocks, page, *value.shape[1:])
     return key_cache, value_cache, table
 
 

@@ -26,6 +26,7 @@ from .vllm_form import (
     VllmForm,
     pack,
     paged_kv,
+    paged_layout,
     rms_norm_hf,
     rms_norm_vllm_triton,
     rope_hf,
@@ -146,7 +147,11 @@ class VllmFormLM(nn.Module):
             return torch_varlen_attention(q, k, v, packed.cu_seqlens, self.scale)
         max_len = max(packed.lengths)
         if self.form.page_size:
-            k, v, table = paged_kv(k, v, packed.lengths, self.form.page_size)
+            page = self.form.page_size
+            layout = packed.paged.get(page)
+            if layout is None:  # the same for every layer of this forward
+                layout = packed.paged[page] = paged_layout(packed.lengths, page, q.device)
+            k, v, table = paged_kv(k, v, packed.lengths, page, layout)
             return self.kernels.flash(q, k, v, packed.cu_seqlens, max_len, self.scale, block_table=table)
         return self.kernels.flash(q, k.contiguous(), v.contiguous(), packed.cu_seqlens, max_len, self.scale)
 
