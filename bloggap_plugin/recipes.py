@@ -178,6 +178,9 @@ class GapConfig:
     def _validate_i_pieces(self, spec: ArmSpec) -> None:
         if self.i_pieces != "all" and spec.plan != "vllm":
             raise RecipeError(f"gap.i_pieces only applies to arm I; arm is {self.arm}: drop it")
+        if spec.plan == "vllm" and self.positions != "mask":
+            raise RecipeError("arm I scores with vLLM's positions (0.. from each sequence's first token): "
+                              "set gap.positions: mask")
         from bloggap_plugin.core.vllm_form import parse_form
 
         try:

@@ -213,6 +213,8 @@ def test_refusals_name_the_problem_and_the_fix(tiny_model):
         GapConfig(arm="B", i_pieces="torch")
     with pytest.raises(RecipeError, match="gap.i_pieces: arm I pieces 'bogus'"):
         GapConfig(arm="vllm", i_pieces="bogus")
+    with pytest.raises(RecipeError, match="arm I scores with vLLM's positions .*set gap.positions: mask"):
+        GapConfig(arm="I", positions="arange")
     assert GapConfig(arm="I", i_pieces="torch,rope=hf").plan_arm == "vllm"
 
 

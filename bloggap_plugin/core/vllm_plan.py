@@ -110,18 +110,21 @@ class VllmFormLM(nn.Module):
         return self.lm_head
 
     def refresh(self) -> None:
-        """Rebuild the fused q/k/v and gate/up weights from the shadow (after the plan's sync)."""
-        self._fused = []
+        """Refresh the fused q/k/v and gate/up weights from the shadow (after the plan's sync), in place once built."""
         if not self.form.fused_proj:
             return
-        for layer in self._shadow[0].model.layers:
+        for index, layer in enumerate(self._shadow[0].model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             biases = [getattr(m, "bias", None) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
-            self._fused.append({
-                "qkv": torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                "qkv_bias": torch.cat(biases) if all(b is not None for b in biases) else None,
-                "gate_up": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-            })
+            parts = {"qkv": [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
+                     "qkv_bias": biases if all(b is not None for b in biases) else None,
+                     "gate_up": [mlp.gate_proj.weight, mlp.up_proj.weight]}
+            if index == len(self._fused):
+                self._fused.append({k: None if v is None else torch.cat(v) for k, v in parts.items()})
+                continue
+            for key, tensors in parts.items():
+                if tensors is not None:
+                    torch.cat(tensors, out=self._fused[index][key])
 
     def fused_tensors(self) -> list[torch.Tensor]:
         return [t for entry in self._fused for t in entry.values() if t is not None]
