@@ -303,3 +303,93 @@ def test_batch_invariant_scope_registers_vllms_overrides_for_the_block_only(monk
     assert vllm_batch_invariant_active()
     with batch_invariant_scope():
         assert _cuda_kernels() == before_kernels and _cuda_settings() == before_settings
+
+
+def _fake_vllm_kernels(monkeypatch, seen: dict):
+    """vLLM 0.26's kernel entry points as plain-torch fakes with vLLM's signatures and in-place semantics, so the glue
+    in :mod:`bloggap_plugin.vllm_kernels` (argument order, keywords, reshapes) runs on CPU."""
+    import sys
+    import types
+
+    import torch.nn.functional as F
+
+    _fake_vllm_batch_invariant(monkeypatch, active=False)
+    bi = sys.modules["vllm.model_executor.layers.batch_invariant"]
+    bi.linear_batch_invariant = lambda input, weight, bias=None: F.linear(input, weight, bias)
+    bi.rms_norm_batch_invariant = lambda input, weight, eps=1e-6, residual=None: rms_norm_vllm_triton(input, weight, eps)
+    ops = types.ModuleType("vllm._custom_ops")
+    ops.rms_norm = lambda out, input, weight, epsilon: out.copy_(rms_norm_hf(input, weight, epsilon))
+
+    def fused_add_rms_norm(input, residual, weight, epsilon):
+        summed = (input.float() + residual.float()).to(input.dtype)
+        residual.copy_(summed)
+        input.copy_(rms_norm_hf(summed, weight, epsilon))
+
+    def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset=0, inverse=False):
+        assert is_neox and key is None and rope_dim_offset == 0 and not inverse
+        view = query.view(query.shape[0], -1, head_size)
+        view.copy_(rope_vllm(view, positions, cos_sin_cache))
+
+    ops.fused_add_rms_norm, ops.rotary_embedding = fused_add_rms_norm, rotary_embedding
+    fa_utils = types.ModuleType("vllm.v1.attention.backends.fa_utils")
+    fa_utils.get_flash_attn_version = lambda requires_alibi=False, head_size=None, head_size_v=None, has_sinks=False: 3
+    flash = types.ModuleType("vllm.vllm_flash_attn")
+
+    def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None, seqused_k=None,
+                               q_v=None, dropout_p=0.0, softmax_scale=None, causal=False, window_size=None,
+                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                               block_table=None, return_softmax_lse=False, out=None, scheduler_metadata=None,
+                               q_descale=None, k_descale=None, v_descale=None, num_splits=0, output_scale=None,
+                               fa_version=2, s_aux=None, cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None,
+                               mask_mod=None, aux_tensors=None, dynamic_causal=None):
+        assert causal and cu_seqlens_q.dtype == torch.int32
+        seen.setdefault("flash", []).append({"num_splits": num_splits, "fa_version": fa_version,
+                                             "paged": block_table is not None})
+        if block_table is None:
+            assert torch.equal(cu_seqlens_k, cu_seqlens_q)
+            return torch_varlen_attention(q, k, v, cu_seqlens_q, softmax_scale)
+        assert torch.equal(seqused_k, (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).int()) and block_table.dtype == torch.int32
+        return torch_paged_attention(q, k, v, block_table, cu_seqlens_q, softmax_scale)
+
+    flash.flash_attn_varlen_func = flash_attn_varlen_func
+    for name in ("vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    for module in (ops, fa_utils, flash):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    sys.modules["vllm"]._custom_ops = ops
+    sys.modules["vllm"].__version__ = "0.26.0-fake"
+    library = torch.library.Library("_C", "FRAGMENT")  # vLLM's SiluAndMul calls torch.ops._C.silu_and_mul
+    library.define("silu_and_mul(Tensor(a!) out, Tensor input) -> ()")
+    def silu_and_mul(out, x):
+        half = x.shape[-1] // 2
+        out.copy_(F.silu(x[..., :half]) * x[..., half:])
+
+    library.impl("silu_and_mul", silu_and_mul, "CPU")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", lambda backend=None: "cublaslt")
+    return library
+
+
+def test_vllm_kernel_glue_with_fakes_of_vllms_signatures(monkeypatch, tiny_model):
+    """``load_kernels`` on "cuda" with fakes of vLLM's entry points (signatures copied from 0.26): preset ``all``
+    computes exactly vLLM's maths in torch with batch invariance (the fakes' maths), FA gets num_splits=1, vLLM's
+    FA version and the paged cache, and the kernels record vLLM's version."""
+    seen: dict = {}
+    library = _fake_vllm_kernels(monkeypatch, seen)
+    try:
+        model, _ = tiny_model("tiny-random-llama")
+        ids, mask = _rows()
+        kernels = load_kernels(parse_form("all"), "cuda")
+        assert kernels.source == "vllm 0.26.0-fake"
+        out = VllmFormPlan(model, parse_form("all"), kernels).token_logprobs(ids, mask, K, positions="mask")
+        expected = VllmFormPlan(model, parse_form("torch,batch_invariant=true"), TORCH_KERNELS)
+        assert torch.equal(out, expected.token_logprobs(ids, mask, K, positions="mask"))
+        layers = model.config.num_hidden_layers
+        assert seen["flash"] == [{"num_splits": 1, "fa_version": 3, "paged": True}] * layers
+        contiguous = load_kernels(parse_form("all,batch_invariant=false,page_size=0"), "cuda")
+        plan = VllmFormPlan(model, parse_form("all,batch_invariant=false,page_size=0"), contiguous)
+        assert torch.equal(plan.token_logprobs(ids, mask, K, positions="mask"),
+                           make_plan(model, "vllm", pieces="torch").token_logprobs(ids, mask, K, positions="mask"))
+        assert seen["flash"][layers:] == [{"num_splits": 0, "fa_version": 3, "paged": False}] * layers
+    finally:
+        library._destroy()
