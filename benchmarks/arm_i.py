@@ -12,7 +12,8 @@ scored row, so a time limit keeps what finished (``$OUT/arm_i_work/`` holds the 
    untruncated; then the trainer, in the same process, scores those completions: arm A (TRL's pass: fp32 master
    weights under bf16 autocast, positions 0..L-1, chunks of 8 rows) and arm I after each piece of :data:`STEPS`
    (cumulative). Per row: share of tokens with ``exp(trainer - sampler)`` outside [0.9, 1.1], mean/max |dlogp|,
-   share of bit-identical log-probs, and the pass's time (median of 3 after a warm-up) relative to arm A's.
+   share of bit-identical log-probs, and the pass's time (median of 3 after a warm-up) relative to arm A's; for
+   ``all`` also arm I's own batch invariance (8 rows scored one at a time vs together, bit-identical share).
    Diagnostics: the engine's bf16 weights and RoPE cache against the trainer's (where the engine's model can be
    reached), and HF's RoPE matmul under vLLM's process-wide ``bmm`` override.
 2. ``scoped``: the same completions (``gen.pt``) in a fresh process without an engine: vLLM's batch-invariant
@@ -62,8 +63,11 @@ def _write(path: Path, state: dict) -> None:
     """The results document at ``path``: ``state``'s env and params, its results plus the raw ``rows``, one table."""
     from bloggap_plugin.results import ResultDocument
 
-    rows = [[r["phase"], r["scorer"], r.get("pieces"), r.get("oob_pct"), r.get("abs_dlogp_mean"),
-             r.get("abs_dlogp_max"), r.get("bitwise_pct"), r.get("pass_s"), r.get("x_arm_a"),
+    def sig(value):
+        return None if value is None else float(f"{value:.3g}")
+
+    rows = [[r["phase"], r["scorer"], r.get("pieces"), r.get("oob_pct"), sig(r.get("abs_dlogp_mean")),
+             sig(r.get("abs_dlogp_max")), r.get("bitwise_pct"), r.get("pass_s"), r.get("x_arm_a"),
              (r.get("refused") or r.get("error") or "")[:120] or None] for r in state["rows"]]
     table = {"id": "T16-armI", "title": "Arm I: trainer old log-probs vs vLLM's sampled log-probs, piece by piece",
              "columns": COLUMNS, "rows": rows, "reference": None, "random_init": state["params"].get("smoke", False),
@@ -144,6 +148,11 @@ def score_rows(model, ids, mask, sampler, phase: str, state: dict, out: Path) ->
             row.update(_gap(logps, sampler), pass_s=round(seconds, 4), x_arm_a=round(seconds / base_s, 3),
                        sync_s=round(plan.sync(model), 5), bytes_added=plan.stats()["bytes_added"],
                        kernels=plan.stats()["kernels"])
+            if pieces == "all":  # arm I's own batch invariance: the first 8 rows one at a time vs together
+                alone = plan.token_logprobs(ids[:ROWS_PER_PASS], mask[:ROWS_PER_PASS], width, batch_size=1,
+                                            positions="mask")
+                row["b1_vs_b8_bitwise_pct"] = round(100.0 * float(torch.eq(alone, logps[:ROWS_PER_PASS]).double()
+                                                                  .mean()), 3)
         except Exception as err:  # noqa: BLE001 - a failing piece is a result; the others still run
             row["error"] = f"{type(err).__name__}: {err}"
         finally:
