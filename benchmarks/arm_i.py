@@ -10,8 +10,9 @@ scored row, so a time limit keeps what finished (``$OUT/arm_i_work/`` holds the 
    process as under TRL's colocate mode and vLLM's batch-invariant mode is process-wide (recorded). vLLM (bf16,
    ``enforce_eager``, ``processed_logprobs``) samples ``--prompts`` x ``--tokens`` forced tokens at temperature 1,
    untruncated; then the trainer, in the same process, scores those completions: arm A (TRL's pass: fp32 master
-   weights under bf16 autocast, positions 0..L-1, chunks of 8 rows) and arm I after each piece of :data:`STEPS`
-   (cumulative). Per row: share of tokens with ``exp(trainer - sampler)`` outside [0.9, 1.1], mean/max |dlogp|,
+   weights under bf16 autocast, positions 0..L-1, chunks of 8 rows), the bf16 shadow's own HF forward with sdpa and
+   with vLLM's FlashAttention registered through transformers' ``AttentionInterface``, and arm I after each piece
+   of :data:`STEPS` (cumulative). Per row: share of tokens with ``exp(trainer - sampler)`` outside [0.9, 1.1], mean/max |dlogp|,
    share of bit-identical log-probs, and the pass's time (median of 3 after a warm-up) relative to arm A's; for
    ``all`` also arm I's own batch invariance (8 rows scored one at a time vs together, bit-identical share).
    Diagnostics: the engine's bf16 weights and RoPE cache against the trainer's (where the engine's model can be
@@ -114,53 +115,113 @@ def _timed(score, device) -> tuple:
     return result, statistics.median(times)
 
 
-def score_rows(model, ids, mask, sampler, phase: str, state: dict, out: Path) -> None:
-    """Arm A's pass, then arm I after each step of :data:`STEPS`; one row each, ``out`` rewritten after each."""
+def _measure(state: dict, out: Path, row: dict, build, sampler, base_s: float | None, model=None) -> float | None:
+    """One row: ``build()`` -> ``(score, plan | None, extra fields)`` (``UsageError``: the row is refused; anything
+    else: failed), then the pass timed and compared with ``sampler``; ``out`` rewritten. Returns the pass's seconds
+    (``None`` if it did not run)."""
+    import torch
+
+    from bloggap_plugin.errors import UsageError
+
+    seconds = None
+    try:
+        score, plan, extra = build()
+        row.update(extra)
+    except Exception as err:  # noqa: BLE001 - refused (a piece this machine cannot run) or failed: recorded
+        row["refused" if isinstance(err, UsageError) else "error"] = (
+            str(err) if isinstance(err, UsageError) else f"{type(err).__name__}: {err}")
+        score, plan = None, None
+    try:
+        if score is not None:
+            logps, seconds = _timed(score, sampler.device)
+            row.update(_gap(logps, sampler), pass_s=round(seconds, 4),
+                       x_arm_a=1.0 if base_s is None else round(seconds / base_s, 3))
+            if plan is not None:
+                row.setdefault("kernels", plan.stats()["kernels"])
+                row.update(sync_s=round(plan.sync(model), 5), bytes_added=plan.stats()["bytes_added"])
+            if row.get("pieces") == "all":  # arm I's own batch invariance: 8 rows one at a time vs together
+                alone = score(rows=ROWS_PER_PASS, batch_size=1)
+                row["b1_vs_b8_bitwise_pct"] = round(100.0 * float(torch.eq(alone, logps[:ROWS_PER_PASS]).double()
+                                                                  .mean()), 3)
+    except Exception as err:  # noqa: BLE001 - a failing piece is a result; the others still run
+        row["error"] = f"{type(err).__name__}: {err}"
+    finally:
+        if plan is not None:
+            plan.close()
+    state["rows"].append(row)
+    _write(out, state)
+    print(f"[{row['phase']}] {row['scorer']}: {row.get('oob_pct')}% oob, bitwise {row.get('bitwise_pct')}%, "
+          f"x{row.get('x_arm_a')} {row.get('error', '')}{row.get('refused', '')[:80]}", flush=True)
+    return seconds
+
+
+def _scorer(call, ids, mask, width: int, context=None):
+    """``score(rows=None, batch_size=8)``: ``call(ids, mask, width, batch_size)`` on the first ``rows`` rows."""
+    import contextlib
+
+    def score(rows=None, batch_size=ROWS_PER_PASS):
+        with context() if context is not None else contextlib.nullcontext():
+            return call(ids[:rows], mask[:rows], width, batch_size)
+
+    return score
+
+
+def _hf_forward(model, ids, mask, width: int, attention: str):
+    """The bf16 shadow's own HF forward (padded, TRL's layout, mask positions) with ``attention``: ``sdpa``, or
+    vLLM's FlashAttention registered with transformers' ``AttentionInterface`` (:func:`register_hf_attention`)."""
     import torch
 
     from bloggap_plugin.core.precision import make_plan
-    from bloggap_plugin.errors import UsageError
+    from bloggap_plugin.core.scoring import token_logprobs
+    from bloggap_plugin.core.vllm_form import parse_form
+    from bloggap_plugin.vllm_kernels import load_kernels, register_hf_attention
+
+    device = ids.device
+    name, kernels = "sdpa", "torch"
+    if attention == "vllm_fa":
+        loaded = load_kernels(parse_form("hf,attention=vllm_fa"), device)
+        name, kernels = register_hf_attention(loaded), loaded.source
+    plan = make_plan(model, "vllm", pieces="hf", device=device)
+    plan.shadow.config._attn_implementation = name
+
+    def call(i, m, w, batch_size):
+        return token_logprobs(plan.shadow, i, m, w, batch_size=batch_size, positions="mask")
+
+    context = lambda: torch.autocast(device.type, enabled=False)  # noqa: E731 - the shadow computes in bf16
+    return _scorer(call, ids, mask, width, context=context), plan, {"kernels": kernels}
+
+
+def score_rows(model, ids, mask, sampler, phase: str, state: dict, out: Path) -> None:
+    """Arm A's pass; the bf16 shadow's HF forward with sdpa and with vLLM's FlashAttention through transformers'
+    ``AttentionInterface``; then arm I after each step of :data:`STEPS`. One row each, ``out`` rewritten after each."""
+    import torch
+
+    from bloggap_plugin.core.precision import make_plan
 
     device = ids.device
     width = sampler.shape[1]
-    arm_a = make_plan(model, "bf16")
+    sampler = sampler.to(device)
 
-    def score_a():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            return arm_a.token_logprobs(ids, mask, width, batch_size=ROWS_PER_PASS, positions="arange")
+    def arm_a():
+        plan = make_plan(model, "bf16")
+        call = lambda i, m, w, b: plan.token_logprobs(i, m, w, batch_size=b, positions="arange")  # noqa: E731
+        context = lambda: torch.autocast(device.type, dtype=torch.bfloat16)  # noqa: E731 - TRL's autocast
+        return _scorer(call, ids, mask, width, context=context), None, {}
 
-    logps, base_s = _timed(score_a, device)
-    state["rows"].append({"phase": phase, "scorer": "arm A (TRL's pass)", "pieces": None, **_gap(logps, sampler),
-                          "pass_s": round(base_s, 4), "x_arm_a": 1.0})
-    _write(out, state)
+    row = {"phase": phase, "scorer": "arm A (TRL's pass)", "pieces": None}
+    base_s = _measure(state, out, row, arm_a, sampler, None)
+    for label, attention in (("HF forward, bf16 weights, sdpa (padded)", "sdpa"),
+                             ("HF forward, bf16 weights, vLLM FA via AttentionInterface", "vllm_fa")):
+        row = {"phase": phase, "scorer": label, "pieces": f"hf forward, attention={attention}"}
+        _measure(state, out, row, lambda a=attention: _hf_forward(model, ids, mask, width, a), sampler, base_s, model)
     for label, pieces in STEPS:
-        row = {"phase": phase, "scorer": label, "pieces": pieces}
-        try:
+
+        def arm_i(pieces=pieces):
             plan = make_plan(model, "vllm", pieces=pieces, device=device)
-        except Exception as err:  # noqa: BLE001 - refused (a piece this machine cannot run) or failed: recorded
-            key = "refused" if isinstance(err, UsageError) else "error"
-            state["rows"].append({**row, key: str(err) if key == "refused" else f"{type(err).__name__}: {err}"})
-            _write(out, state)
-            continue
-        try:
-            logps, seconds = _timed(lambda plan=plan: plan.token_logprobs(ids, mask, width, batch_size=ROWS_PER_PASS,
-                                                                           positions="mask"), device)
-            row.update(_gap(logps, sampler), pass_s=round(seconds, 4), x_arm_a=round(seconds / base_s, 3),
-                       sync_s=round(plan.sync(model), 5), bytes_added=plan.stats()["bytes_added"],
-                       kernels=plan.stats()["kernels"])
-            if pieces == "all":  # arm I's own batch invariance: the first 8 rows one at a time vs together
-                alone = plan.token_logprobs(ids[:ROWS_PER_PASS], mask[:ROWS_PER_PASS], width, batch_size=1,
-                                            positions="mask")
-                row["b1_vs_b8_bitwise_pct"] = round(100.0 * float(torch.eq(alone, logps[:ROWS_PER_PASS]).double()
-                                                                  .mean()), 3)
-        except Exception as err:  # noqa: BLE001 - a failing piece is a result; the others still run
-            row["error"] = f"{type(err).__name__}: {err}"
-        finally:
-            plan.close()
-        state["rows"].append(row)
-        _write(out, state)
-        print(f"[{phase}] {label}: {row.get('oob_pct')}% oob, bitwise {row.get('bitwise_pct')}%, "
-              f"x{row.get('x_arm_a')} {row.get('error', '')}", flush=True)
+            call = lambda i, m, w, b: plan.token_logprobs(i, m, w, batch_size=b, positions="mask")  # noqa: E731
+            return _scorer(call, ids, mask, width), plan, {}
+
+        _measure(state, out, {"phase": phase, "scorer": label, "pieces": pieces}, arm_i, sampler, base_s, model)
 
 
 # ----------------------------------------------------------------------------------------------------- GPU phases

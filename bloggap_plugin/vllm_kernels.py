@@ -18,10 +18,14 @@ from collections.abc import Iterator
 
 import torch
 
-from bloggap_plugin.core.vllm_form import TORCH_KERNELS, Kernels, VllmForm
+from bloggap_plugin.core.vllm_form import TORCH_KERNELS, Kernels, VllmForm, padded_flash_attention
 from bloggap_plugin.errors import UsageError
 
-__all__ = ["VllmFormUnavailable", "load_kernels", "batch_invariant_scope", "vllm_batch_invariant_active"]
+__all__ = ["VllmFormUnavailable", "load_kernels", "batch_invariant_scope", "vllm_batch_invariant_active",
+           "register_hf_attention", "HF_ATTENTION_NAME"]
+
+HF_ATTENTION_NAME = "bloggap_vllm_fa"
+"""The ``attn_implementation`` name :func:`register_hf_attention` registers with transformers."""
 
 
 class VllmFormUnavailable(UsageError):
@@ -150,3 +154,23 @@ def load_kernels(form: VllmForm, device: torch.device | str) -> Kernels:
     return Kernels(linear=linear_batch_invariant, rms_norm=rms_norm, add_rms_norm=add_rms_norm, rotary=_rotary,
                    silu_and_mul=_silu_and_mul, flash=_flash(form.batch_invariant), scope=batch_invariant_scope,
                    source=f"vllm {getattr(__import__('vllm'), '__version__', '?')}")
+
+
+def register_hf_attention(kernels: Kernels, page_size: int = 16, name: str = HF_ATTENTION_NAME) -> str:
+    """Register ``kernels.flash`` (vLLM's FlashAttention from :func:`load_kernels`, or a stand-in) as the HF attention
+    implementation ``name`` (``AttentionInterface``), with FlashAttention-style masks (``AttentionMaskInterface``: the
+    2-D padding mask, or none): an HF model with ``config._attn_implementation = name`` then attends as vLLM does
+    (packed, paged with ``page_size``, ``num_splits`` as the kernels were loaded) inside its own forward. Returns
+    ``name``; registering again replaces the kernels."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if dropout:
+            raise ValueError(f"{name} attention has no dropout (scoring runs in eval mode); got dropout={dropout}")
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return padded_flash_attention(query, key, value, attention_mask, scale, kernels, page_size), None
+
+    AttentionInterface.register(name, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, flash_attention_mask)
+    return name

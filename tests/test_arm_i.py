@@ -393,3 +393,30 @@ def test_vllm_kernel_glue_with_fakes_of_vllms_signatures(monkeypatch, tiny_model
         assert seen["flash"][layers:] == [{"num_splits": 0, "fa_version": 3, "paged": False}] * layers
     finally:
         library._destroy()
+
+
+def test_hf_attention_interface_attends_as_the_packed_form(tiny_model):
+    """vLLM's FlashAttention registered with transformers (here with the plain-torch stand-in kernel): the bf16 HF
+    model using it equals its own sdpa forward bit for bit on one unpadded row (same attention maths), and on padded
+    rows computes what arm I's packed ``hf`` forward computes (observed identical; bounded here)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    from bloggap_plugin.vllm_kernels import register_hf_attention
+
+    model, _ = tiny_model("tiny-random-llama")
+    ids, mask = _rows()
+    name = register_hf_attention(TORCH_KERNELS, page_size=3)
+    assert ALL_MASK_ATTENTION_FUNCTIONS[name] is flash_attention_mask
+    plan = make_plan(model, "vllm", pieces="hf")
+    shadow = plan.shadow
+    shadow.config._attn_implementation = "sdpa"
+    one = token_logprobs(shadow, ids[2:3], mask[2:3], K, positions="mask")
+    shadow.config._attn_implementation = name
+    assert torch.equal(token_logprobs(shadow, ids[2:3], mask[2:3], K, positions="mask"), one)
+    real = mask[:, -K:].bool()
+    padded = token_logprobs(shadow, ids, mask, K, positions="mask")
+    assert (padded - plan.token_logprobs(ids, mask, K, positions="mask"))[real].abs().max() < 1e-4
+    q = torch.zeros(1, 4, 3, 8)
+    with pytest.raises(ValueError, match="no dropout"):
+        AttentionInterface()[name](shadow.model.layers[0].self_attn, q, q[:, :2], q[:, :2], None, dropout=0.1)

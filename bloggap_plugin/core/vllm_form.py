@@ -38,6 +38,7 @@ __all__ = [
     "paged_kv",
     "torch_varlen_attention",
     "torch_paged_attention",
+    "padded_flash_attention",
 ]
 
 
@@ -305,3 +306,25 @@ class Kernels:
 
 
 TORCH_KERNELS = Kernels()
+
+
+def padded_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, scale: float, kernels: Kernels,
+                           page_size: int = 16) -> torch.Tensor:
+    """``kernels.flash`` on HF's padded layout (an attention function for transformers' ``AttentionInterface``):
+    ``query [B, nq, L, d]``, ``key/value [B, nkv, L, d]``, ``attention_mask [B, L]`` (1/True = real token, or
+    ``None``: no padding) -> ``[B, L, nq, d]`` (zeros at padding), packed and paged as vLLM lays tokens out."""
+    batch, _, width, _ = query.shape
+    mask = torch.ones(batch, width, dtype=torch.bool, device=query.device) if attention_mask is None else attention_mask
+    packed = pack(torch.zeros(mask.shape, dtype=torch.long, device=query.device), mask.bool())
+    where = packed.where
+    q, k, v = (t.transpose(1, 2)[where] for t in (query, key, value))
+    max_len = max(packed.lengths)
+    if page_size:
+        key_cache, value_cache, table = paged_kv(k, v, packed.lengths, page_size)
+        out = kernels.flash(q, key_cache, value_cache, packed.cu_seqlens, max_len, scale, block_table=table)
+    else:
+        out = kernels.flash(q, k, v, packed.cu_seqlens, max_len, scale)
+    padded = out.new_zeros((batch, width, *out.shape[1:]))
+    padded[where] = out
+    return padded
