@@ -1,4 +1,4 @@
-"""The arm registry: one frozen record per old-logprob arm A..H, read by recipes, precision plans and the adapters.
+"""The arm registry: one frozen record per old-logprob arm A..I, read by recipes, precision plans and the adapters.
 
 An *arm* is how the plugin obtains the old log-probs of a GRPO step (DESIGN notes in README/docs). Code decides
 arm behaviour by reading an :class:`ArmSpec`'s fields, never by comparing letters::
@@ -10,10 +10,10 @@ Pure Python (no torch, no TRL): ``core`` may import it.
 
 Two vocabularies share the names, and both resolve here:
 
-- **arm names** (:func:`get_arm`): the letters A..H, case-insensitive, or an arm's aliases (``bf16`` = C,
-  ``fp32`` = B, ``fp16`` = F, ``fp32_head`` = E, ``guided`` = D, ``matched`` = G, ``default`` = A);
+- **arm names** (:func:`get_arm`): the letters A..I, case-insensitive, or an arm's aliases (``bf16`` = C,
+  ``fp32`` = B, ``fp16`` = F, ``fp32_head`` = E, ``guided`` = D, ``matched`` = G, ``default`` = A, ``vllm`` = I);
 - **precision-plan names** (:func:`plan_name`, what ``core.precision.make_plan`` accepts): the plan names
-  :data:`PLAN_NAMES`, or the letter of an arm that has a plan (B, C, D, E, F -> its ``plan``). ``make_plan``
+  :data:`PLAN_NAMES`, or the letter of an arm that has a plan (B, C, D, E, F, I -> its ``plan``). ``make_plan``
   also keeps accepting ``A`` for the ``bf16`` plan (:data:`PLAN_ALIASES`): arm A itself builds no plan and
   keeps TRL's forward, which is the policy run as called, exactly what the ``bf16`` plan does.
 """
@@ -30,7 +30,7 @@ class ArmSpec:
     """What one arm does; every field is read by the code that branches on it."""
 
     letter: str
-    """``A`` .. ``H``."""
+    """``A`` .. ``I``."""
     description: str
     """What the arm does in the old-logprob pass (one line)."""
     plan: str | None = None
@@ -66,12 +66,14 @@ _RECORDS = (
             scores_after_shuffle=True, aliases=("matched",)),
     ArmSpec("H", "fp16 everywhere: rollout, old log-probs and training in fp16 autocast with loss scaling",
             keeps_trl_forward=True, needs_fp16_training=True),
+    ArmSpec("I", "vLLM's numbers: bf16 shadow scored the way vLLM computes (batch-invariant kernels, its "
+            "FlashAttention, norms, RoPE; gap.i_pieces)", plan="vllm", aliases=("vllm",)),
 )
 
 ARMS: dict[str, ArmSpec] = {arm.letter: arm for arm in _RECORDS}
-"""Letter -> record, in order A..H."""
+"""Letter -> record, in order A..I."""
 ARM_LETTERS: tuple[str, ...] = tuple(ARMS)
-PLAN_NAMES: tuple[str, ...] = ("bf16", "fp32", "fp16", "fp32_head", "guided")
+PLAN_NAMES: tuple[str, ...] = ("bf16", "fp32", "fp16", "fp32_head", "guided", "vllm")
 """The precision plans ``core.precision.make_plan`` builds."""
 PLAN_ALIASES: dict[str, str] = {"A": "bf16", **{arm.letter: arm.plan for arm in _RECORDS if arm.plan is not None}}
 """Letters ``make_plan`` accepts for a plan: each planned arm's letter, plus ``A`` for the policy as called."""

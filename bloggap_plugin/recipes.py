@@ -40,7 +40,7 @@ __all__ = [
     "ARMS",
 ]
 
-ARMS = ARM_LETTERS  # the letters A..H, in order (records: bloggap_plugin.arms.ARMS)
+ARMS = ARM_LETTERS  # the letters A..I, in order (records: bloggap_plugin.arms.ARMS)
 KEPT_MODES = ("renormalize", "measure", "off")
 POSITION_MODES = ("mask", "arange")
 REFERENCES = ("fp32_b1",)
@@ -60,9 +60,10 @@ class GapConfig:
     does; its annotation is the type a recipe must give (checked by :func:`gap_config_from_dict`)."""
 
     arm: str = field(default="A", metadata=_help(
-        """Old-logprob arm, one of A-H (bloggap_plugin.arms; aliases bf16=C, fp32=B, fp16=F, fp32_head=E, guided=D,
-        matched=G, default=A). A and H keep TRL's own old log-probs; B-F score them with a precision plan; G scores
-        each training micro-batch exactly as the training forward will see it."""))
+        """Old-logprob arm, one of A-I (bloggap_plugin.arms; aliases bf16=C, fp32=B, fp16=F, fp32_head=E, guided=D,
+        matched=G, default=A, vllm=I). A and H keep TRL's own old log-probs; B-F score them with a precision plan; G
+        scores each training micro-batch exactly as the training forward will see it; I scores them the way vLLM
+        computes (``i_pieces``)."""))
     band: float = field(default=0.1, metadata=_help(
         """Half-width ``b`` of the ratio band: a token is out of band when ``exp(dlogp)`` is outside
         ``[1-b, 1+b]``."""))
@@ -126,6 +127,10 @@ class GapConfig:
         says. TF32 rounds matmul inputs to 10 mantissa bits; on the H200 it cuts all-fp32 scoring from 9-11x to
         about 2x bf16 and still removed the batch-shape noise on SmolLM2 (T7b-tf32). Arms A, C, G and H have no
         fp32 plan; the fp32 batch-1 reference of the probe rows always computes in IEEE fp32."""))
+    i_pieces: str = field(default="all", metadata=_help(
+        """Arm I: which pieces of its old-logprob forward follow vLLM: a preset (``all``: every piece with vLLM's own
+        kernels, needs vLLM and CUDA; ``torch``: vLLM's maths in plain torch; ``hf``: HF's maths) then
+        ``piece=value`` overrides, e.g. ``torch,attention=vllm_fa`` (docs/arm_i.md lists the pieces)."""))
     strict_version: bool = field(default=True, metadata=_help(
         """Refuse to attach to a TRL outside the supported range (1.16.x); ``False`` downgrades that to a warning
         (missing private methods are always an error)."""))
@@ -161,6 +166,7 @@ class GapConfig:
             raise RecipeError(f"gap.tf32 must be true, false or auto, got {self.tf32!r}")
         if self.layers is not None:
             self._validate_layers(spec)
+        self._validate_i_pieces(spec)
         if self.kept == "renormalize" and not self.sampler:
             raise RecipeError(
                 "gap.kept: renormalize needs a kept-set source: set gap.sampler: true (the HF generate path "
@@ -168,6 +174,19 @@ class GapConfig:
             )
         if self.is_correction and not self.sampler:
             raise RecipeError("gap.is_correction needs the sampler's log-probs: set gap.sampler: true")
+
+    def _validate_i_pieces(self, spec: ArmSpec) -> None:
+        if self.i_pieces != "all" and spec.plan != "vllm":
+            raise RecipeError(f"gap.i_pieces only applies to arm I; arm is {self.arm}: drop it")
+        if spec.plan == "vllm" and self.positions != "mask":
+            raise RecipeError("arm I scores with vLLM's positions (0.. from each sequence's first token): "
+                              "set gap.positions: mask")
+        from bloggap_plugin.core.vllm_form import parse_form
+
+        try:
+            parse_form(self.i_pieces)
+        except ValueError as err:
+            raise RecipeError(f"gap.i_pieces: {err}") from None
 
     def _validate_layers(self, spec: ArmSpec) -> None:
         if not isinstance(self.layers, (list, tuple)) or not all(

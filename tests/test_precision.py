@@ -64,8 +64,8 @@ def _assert_same(model, snap):
 
 
 def test_resolve_arm_names_and_aliases():
-    assert ARMS == ("bf16", "fp32", "fp16", "fp32_head", "guided")
-    assert {resolve_arm(a) for a in "ABDEF"} == set(ARMS)
+    assert ARMS == ("bf16", "fp32", "fp16", "fp32_head", "guided", "vllm")
+    assert {resolve_arm(a) for a in "ABDEFI"} == set(ARMS)
     assert resolve_arm("B") == "fp32" and resolve_arm("F") == "fp16" and resolve_arm("E") == "fp32_head"
     assert resolve_arm("D") == "guided" and resolve_arm("A") == "bf16" and resolve_arm("FP16") == "fp16"
     assert PLAN_ALIASES["B"] == "fp32"

@@ -23,6 +23,8 @@ Arms (recipes may use the letters):
   detached fp32 copy of the shared weight, refreshed on ``sync``; the embedding is never mutated. Rotary
   position embeddings entering an fp32 layer are recomputed in fp32 (not the rounded bf16 cos/sin), so a
   plan with every layer upcast equals the fp32 shadow.
+- ``vllm`` (I): a bf16 shadow scored the way vLLM computes (:mod:`bloggap_plugin.core.vllm_plan`; pieces
+  switchable, docs/arm_i.md).
 - fp16 guard: when a plan computes in fp16 (``fp16``, or ``guided``/``fp32_head`` on an fp16 policy), a
   chunk with a non-finite value is re-scored in fp32 through the same ``token_logprobs`` and counted
   (``plan.fp16_fallbacks``). The fp32 model for this is built on the first overflow and kept (and synced).
@@ -167,8 +169,8 @@ def cuda_matmul_tf32(enabled: bool) -> Iterator[None]:
 
 
 def resolve_arm(name: str) -> str:
-    """Canonical plan name for ``name`` (``bf16 fp32 fp16 fp32_head guided`` or a letter: ``A`` = ``bf16``, and
-    each planned arm's letter ``B C D E F``); see :func:`bloggap_plugin.arms.plan_name`."""
+    """Canonical plan name for ``name`` (``bf16 fp32 fp16 fp32_head guided vllm`` or a letter: ``A`` = ``bf16``, and
+    each planned arm's letter ``B C D E F I``); see :func:`bloggap_plugin.arms.plan_name`."""
     return plan_name(name)
 
 
@@ -446,14 +448,16 @@ def make_plan(
     calibration: tuple[torch.Tensor, torch.Tensor] | None = None,
     fp16_guard: bool = True,
     tf32: bool | str = False,
+    pieces: str | Any | None = None,
 ) -> ScoringPlan:
     """A :class:`ScoringPlan` scoring with ``policy`` in ``arm``.
 
     Args:
         policy: the causal LM (wrapped by DDP/accelerate or not); arm ``bf16`` calls it exactly as passed.
-        arm: a plan name ``bf16 | fp32 | fp16 | fp32_head | guided``, or an arm letter with a plan (``B C D E F``,
-            :mod:`bloggap_plugin.arms`), or ``A`` for ``bf16`` (:data:`PLAN_ALIASES`).
-        device: where an fp32/fp16 shadow lives (default: the policy's device). Not used by other arms.
+        arm: a plan name ``bf16 | fp32 | fp16 | fp32_head | guided | vllm``, or an arm letter with a plan
+            (``B C D E F I``, :mod:`bloggap_plugin.arms`), or ``A`` for ``bf16`` (:data:`PLAN_ALIASES`).
+        device: where an fp32/fp16 (or arm I's bf16) shadow lives (default: the policy's device). Not used by other
+            arms.
         layers: ``guided`` only: decoder layer ids to run in fp32, or ``"auto"`` (top-``k`` per-layer
             divergence increments between batch 1 and batch 8 on ``calibration`` rows; see
             :mod:`bloggap_plugin.core.attribution`).
@@ -464,6 +468,9 @@ def make_plan(
         tf32: the fp32 matmuls of the plan's forward (``fp32``, ``fp32_head``, ``guided``, the fp16 guard's
             re-score) in TF32 (``True``), IEEE fp32 (``False``), or TF32 on Ampere+ GPUs only (``"auto"``); set
             and restored around each call (see the module docstring). Ignored by arm ``bf16``.
+        pieces: ``vllm`` (arm I) only: which pieces of its forward follow vLLM
+            (:func:`bloggap_plugin.core.vllm_form.parse_form`; default ``"all"``). Pieces that call vLLM's kernels
+            need vLLM and CUDA (:func:`bloggap_plugin.vllm_kernels.load_kernels` refuses otherwise).
     """
     name = resolve_arm(arm)
     if not (tf32 is True or tf32 is False or tf32 == "auto"):
@@ -472,12 +479,16 @@ def make_plan(
         raise TypeError(f"policy must be a torch.nn.Module, got {type(policy).__name__}")
     if name != "guided" and (layers is not None or calibration is not None):
         raise ValueError(f"layers=/calibration= choose fp32 layers for arm 'guided' only, not {name!r}")
-    if device is not None and name not in _SHADOW_DTYPES:
+    if pieces is not None and name != "vllm":
+        raise ValueError(f"pieces= chooses arm I's vLLM pieces; arm {name!r} has none")
+    if device is not None and name not in (*_SHADOW_DTYPES, "vllm"):
         raise ValueError(f"device= places an fp32/fp16 shadow; arm {name!r} runs on the policy's own device")
     if name == "bf16":
         return _PolicyPlan(policy, name, fp16_guard)
     if name in _SHADOW_DTYPES:
         return _ShadowPlan(policy, name, _SHADOW_DTYPES[name], device, fp16_guard, tf32)
+    if name == "vllm":
+        return _vllm_plan(policy, pieces, device)
     from .upcast import UpcastPlan
 
     if name == "fp32_head":
@@ -489,6 +500,18 @@ def make_plan(
 
 
 _SHADOW_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def _vllm_plan(policy: nn.Module, pieces: Any, device: str | torch.device | None) -> ScoringPlan:
+    """Arm I (:mod:`.vllm_plan`): the form parsed and its kernels loaded before the bf16 shadow is built."""
+    from bloggap_plugin.vllm_kernels import load_kernels
+
+    from .vllm_form import parse_form
+    from .vllm_plan import VllmFormPlan
+
+    form = parse_form("all" if pieces is None else pieces)
+    target = torch.device(device) if device is not None else _model_device(unwrap_model(policy))
+    return VllmFormPlan(policy, form, load_kernels(form, target), target)
 
 
 def _guided_layers(

@@ -120,8 +120,10 @@ class PlanMixin:
         from bloggap_plugin.core.precision import make_plan
 
         policy = self._gap_policy()
-        if plan in ("fp32", "fp16"):  # a shadow: on the trainer's device
+        if plan in ("fp32", "fp16", "vllm"):  # a shadow: on the trainer's device
             kwargs["device"] = self.accelerator.device
+        if plan == "vllm":  # arm I: its pieces (gap.i_pieces)
+            kwargs["pieces"] = self._gap_state.config.i_pieces
         if plan != "guided":
             kwargs.pop("layers", None)
             kwargs.pop("k", None)

@@ -1,0 +1,330 @@
+"""Arm I's maths: a decoder-only LM forward computed the way vLLM computes it, one switchable piece at a time.
+
+vLLM (0.26, ``LlamaForCausalLM``) runs a bf16 model on *packed* tokens ``[T, H]`` (every real token of every
+sequence, no padding), keeps the residual stream in bf16, fuses the q/k/v and gate/up projections into one
+matmul each, applies RoPE from a bf16 ``cos_sin_cache`` in fp32 with one rounding, normalises with its own
+RMSNorm kernels, attends through FlashAttention over a paged KV cache, and turns bf16 logits into fp32
+log-probs. docs/arm_i.md gives the file references. This module is that forward in plain torch, with each piece
+either in HF's form, in vLLM's form written in torch (CPU-testable), or (``"kernel"``) delegated to a
+:class:`Kernels` object that the caller fills with vLLM's own CUDA/Triton functions
+(:mod:`bloggap_plugin.vllm_kernels`). Torch only: nothing here imports vLLM.
+
+Shapes: ``T`` packed tokens, ``H`` hidden size, ``nq``/``nkv`` query/key-value heads of ``d`` dims, ``B`` rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "VllmForm",
+    "parse_form",
+    "FORM_PRESETS",
+    "Kernels",
+    "TORCH_KERNELS",
+    "PackedBatch",
+    "pack",
+    "rms_norm_hf",
+    "rms_norm_vllm_triton",
+    "vllm_cos_sin_cache",
+    "rope_hf",
+    "rope_vllm",
+    "paged_layout",
+    "paged_kv",
+    "torch_varlen_attention",
+    "torch_paged_attention",
+    "padded_flash_attention",
+]
+
+
+@dataclass(frozen=True)
+class VllmForm:
+    """Which pieces of arm I's forward follow vLLM. Each field is one piece the benchmark switches on in turn."""
+
+    batch_invariant: bool = True
+    """vLLM's ``VLLM_BATCH_INVARIANT=1`` kernels: every linear layer through vLLM's Triton persistent matmul
+    (``linear_batch_invariant``), and for the forward's duration vLLM's aten overrides (``_log_softmax``,
+    ``softmax``, ``mean.dim``, ``bmm``) and cuBLAS settings (no reduced-precision reductions, cuBLASLt). Needs vLLM."""
+    attention: str = "vllm_fa"
+    """``sdpa``: torch's scaled-dot-product attention per sequence; ``vllm_fa``: vLLM's FlashAttention build
+    (``flash_attn_varlen_func``, FA3 on Hopper) over a paged KV cache, ``num_splits=1`` when batch-invariant."""
+    norm: str = "kernel"
+    """``hf``: HF's LlamaRMSNorm maths; ``torch``: vLLM's kernels' maths in torch (the first norm of layer 0 in
+    batch-invariant mode rounds once, 1/sqrt; the others as HF); ``kernel``: vLLM's own kernels."""
+    rope: str = "kernel"
+    """``hf``: HF's cos/sin (fp32 from the policy's ``inv_freq``, rounded to bf16) applied in bf16 (three
+    roundings); ``torch``: vLLM's bf16 ``cos_sin_cache`` built on the device, applied in fp32 with one rounding;
+    ``kernel``: vLLM's ``rotary_embedding`` op on that cache."""
+    fused_proj: bool = True
+    """q/k/v and gate/up as one matmul each (vLLM's QKVParallelLinear / MergedColumnParallelLinear)."""
+    act: str = "kernel"
+    """``torch``: ``silu(gate) * up`` in bf16 (HF); ``kernel``: vLLM's ``silu_and_mul``."""
+    page_size: int = 16
+    """KV-cache block size of the ``vllm_fa`` attention (vLLM's default 16); 0: contiguous K/V (no block table)."""
+
+    def __post_init__(self) -> None:
+        choices = {"attention": ("sdpa", "vllm_fa"), "norm": ("hf", "torch", "kernel"),
+                   "rope": ("hf", "torch", "kernel"), "act": ("torch", "kernel")}
+        for name, accepted in choices.items():
+            if getattr(self, name) not in accepted:
+                raise ValueError(f"arm I piece {name}={getattr(self, name)!r}: use one of {', '.join(accepted)}")
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) or self.page_size < 0:
+            raise ValueError(f"arm I page_size must be an integer >= 0, got {self.page_size!r}")
+
+    def needs_vllm(self) -> list[str]:
+        """The pieces that call vLLM's kernels (``name=value``); empty: the form runs in plain torch anywhere."""
+        out = ["batch_invariant=true"] if self.batch_invariant else []
+        out += ["attention=vllm_fa"] if self.attention == "vllm_fa" else []
+        out += [f"{name}=kernel" for name in ("norm", "rope", "act") if getattr(self, name) == "kernel"]
+        return out
+
+    def describe(self) -> str:
+        """``key=value`` list of every piece (what a result row records)."""
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)).lower()
+
+
+FORM_PRESETS: dict[str, VllmForm] = {
+    "all": VllmForm(),
+    "torch": VllmForm(batch_invariant=False, attention="sdpa", norm="torch", rope="torch", fused_proj=True,
+                      act="torch"),
+    "hf": VllmForm(batch_invariant=False, attention="sdpa", norm="hf", rope="hf", fused_proj=False, act="torch"),
+}
+"""``all``: every piece as vLLM (needs vLLM and CUDA); ``torch``: vLLM's maths where plain torch can express it;
+``hf``: HF's maths in the packed bf16 forward (the starting point of the piece-by-piece measurement)."""
+
+
+def parse_form(spec: str | VllmForm) -> VllmForm:
+    """A :class:`VllmForm` from ``"preset[,piece=value...]"`` (presets :data:`FORM_PRESETS`), e.g.
+    ``"hf,batch_invariant=true,attention=vllm_fa"``. ``ValueError`` names a bad preset, piece or value."""
+    if isinstance(spec, VllmForm):
+        return spec
+    parts = [p.strip() for p in str(spec).split(",") if p.strip()]
+    if not parts or parts[0] not in FORM_PRESETS:
+        raise ValueError(f"arm I pieces {spec!r}: start with a preset, one of {', '.join(FORM_PRESETS)} "
+                         "(then piece=value overrides, e.g. 'hf,attention=vllm_fa')")
+    form = FORM_PRESETS[parts[0]]
+    names = {f.name: f.type for f in dataclasses.fields(VllmForm)}
+    for part in parts[1:]:
+        key, _, value = part.partition("=")
+        if key not in names or not value:
+            raise ValueError(f"arm I pieces: {part!r} is not piece=value with a piece among {', '.join(names)}")
+        if key in ("batch_invariant", "fused_proj"):
+            if value.lower() not in ("true", "false"):
+                raise ValueError(f"arm I piece {key} takes true or false, got {value!r}")
+            form = dataclasses.replace(form, **{key: value.lower() == "true"})
+        elif key == "page_size":
+            if not value.isdigit():
+                raise ValueError(f"arm I page_size takes an integer >= 0, got {value!r}")
+            form = dataclasses.replace(form, page_size=int(value))
+        else:
+            form = dataclasses.replace(form, **{key: value})
+    return form
+
+
+# ----------------------------------------------------------------------------------------------------- pieces
+def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm (and vLLM's ``rms_norm``/``fused_add_rms_norm`` CUDA kernels' rounding points):
+    ``bf16(bf16(x * rsqrt(mean(x^2) + eps)) * w)``, statistics in fp32. ``x [..., H]`` -> same dtype."""
+    x32 = x.float()
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def rms_norm_vllm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """vLLM's batch-invariant Triton RMSNorm (``rms_norm_batch_invariant`` without residual): one rounding,
+    ``bf16(x * (1 / sqrt(sum(x^2) / H + eps)) * w)`` in fp32. ``x [..., H]`` -> same dtype."""
+    x32 = x.float()
+    inv_rms = 1.0 / torch.sqrt((x32 * x32).sum(-1, keepdim=True) / x.shape[-1] + eps)
+    return (x32 * inv_rms * weight.float()).to(x.dtype)
+
+
+def vllm_cos_sin_cache(head_dim: int, base: float, max_positions: int, dtype: torch.dtype,
+                       device: torch.device) -> torch.Tensor:
+    """vLLM's ``RotaryEmbedding`` cache ``[max_positions, head_dim]`` (cos | sin) built on ``device`` in fp32 and
+    stored in ``dtype`` (``_compute_inv_freq`` / ``_compute_cos_sin_cache``; the outer product is exact)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+    t = torch.arange(max_positions, dtype=torch.float, device=device)
+    freqs = t[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_hf(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """HF's RoPE: ``cos/sin = (positions * inv_freq)`` in fp32 rounded to ``x.dtype``, then
+    ``x * cos + rotate_half(x) * sin`` in ``x.dtype``. ``x [T, heads, d]``, ``positions [T]``."""
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :].to(x.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos().to(x.dtype)[:, None, :]
+    sin = emb.sin().to(x.dtype)[:, None, :]
+    return (x * cos) + (_rotate_half(x) * sin)
+
+
+def rope_vllm(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``rotary_embedding`` kernel maths (neox style): cos/sin read from ``cache`` and the rotation computed
+    in fp32, rounded once to ``x.dtype``. ``x [T, heads, d]``, ``positions [T]``."""
+    cos, sin = cache.index_select(0, positions).float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------- layout
+@dataclass
+class PackedBatch:
+    """Real tokens of ``B`` rows packed as vLLM lays them out: row ``i`` is ``tokens[cu[i]:cu[i+1]]``."""
+
+    tokens: torch.Tensor
+    """``[T]`` token ids."""
+    positions: torch.Tensor
+    """``[T]`` int64 positions (0.. per row, or the caller's position ids at the real tokens)."""
+    cu_seqlens: torch.Tensor
+    """``[B + 1]`` int32 offsets."""
+    lengths: list[int]
+    """Tokens per row."""
+    where: torch.Tensor
+    """``[B, L]`` bool: where each packed token sits in the padded layout."""
+    paged: dict = field(default_factory=dict)
+    """Page size -> :func:`paged_layout` of these rows (filled by the first layer that needs it)."""
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+         ) -> PackedBatch:
+    """Pack the real tokens (mask 1) of ``[B, L]`` rows; each row's real tokens must be one contiguous run (TRL's
+    layout: left-padded prompt, completion, right padding). ``ValueError`` otherwise or for an empty row."""
+    where = attention_mask.bool()
+    lengths_t = where.sum(-1)
+    if bool((lengths_t == 0).any()):
+        raise ValueError("arm I: a row has no real token (attention_mask all 0); drop it before scoring")
+    first = where.int().argmax(-1)
+    span = torch.arange(where.shape[1], device=where.device)[None, :]
+    contiguous = (span >= first[:, None]) & (span < (first + lengths_t)[:, None])
+    if not torch.equal(contiguous, where):
+        raise ValueError("arm I scores rows whose real tokens form one contiguous run (as vLLM's sequences); "
+                         "a row's attention_mask has a gap")
+    positions = (span - first[:, None]).expand_as(where) if position_ids is None else position_ids
+    cu = torch.zeros(where.shape[0] + 1, dtype=torch.int32, device=where.device)
+    cu[1:] = lengths_t.cumsum(0)
+    return PackedBatch(input_ids[where], positions[where].long(), cu, lengths_t.tolist(), where)
+
+
+def paged_layout(lengths: list[int], page: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where vLLM's paged KV cache puts packed tokens: ``(slot [T] int64, block_table [B, max_blocks] int32,
+    blocks)``; row ``i``'s token ``j`` sits in block ``block_table[i, j // page]`` at slot ``j % page`` of it
+    (blocks handed out in row order). The same for every layer of a forward: compute it once."""
+    blocks_per_row = [(n + page - 1) // page for n in lengths]
+    table = torch.zeros(len(lengths), max(blocks_per_row), dtype=torch.int32, device=device)
+    slots = []
+    start = 0
+    for row, (n, blocks) in enumerate(zip(lengths, blocks_per_row)):
+        ids = torch.arange(start, start + blocks, dtype=torch.int32, device=device)
+        table[row, :blocks] = ids
+        j = torch.arange(n, device=device)
+        slots.append(ids[j // page].long() * page + j % page)
+        start += blocks
+    return torch.cat(slots), table, start
+
+
+def paged_kv(key: torch.Tensor, value: torch.Tensor, lengths: list[int], page: int, layout=None):
+    """vLLM's paged KV cache for packed ``key/value [T, nkv, d]``: ``(key_cache, value_cache [blocks, page, nkv,
+    d], block_table [B, max_blocks] int32)`` laid out by :func:`paged_layout` (``layout``: its result, reused);
+    unused slots are zero."""
+    slot, table, blocks = layout if layout is not None else paged_layout(lengths, page, key.device)
+    shape = (blocks * page, *key.shape[1:])
+    key_cache = key.new_zeros(shape).index_copy_(0, slot, key).view(blocks, page, *key.shape[1:])
+    value_cache = value.new_zeros(shape).index_copy_(0, slot, value).view(blocks, page, *value.shape[1:])
+    return key_cache, value_cache, table
+
+
+def torch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Causal attention per packed row with torch's ``scaled_dot_product_attention`` (GQA heads shared).
+    ``q [T, nq, d]``, ``k/v [T, nkv, d]`` -> ``[T, nq, d]``."""
+    out = torch.empty_like(q)
+    groups = q.shape[1] // k.shape[1]
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qi = q[start:end].transpose(0, 1)[None]
+        ki = k[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)[None]
+        vi = v[start:end].transpose(0, 1).repeat_interleave(groups, dim=0)[None]
+        out[start:end] = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)[0].transpose(0, 1)
+    return out
+
+
+def torch_paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          block_table: torch.Tensor, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Reference for the paged path: each row's K/V read back through ``block_table``, then
+    :func:`torch_varlen_attention`. Same arguments as vLLM's kernel sees them."""
+    page = key_cache.shape[1]
+    bounds = cu_seqlens.tolist()
+    keys, values = [], []
+    for row, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        j = torch.arange(end - start, device=q.device)
+        slot = block_table[row, j // page].long() * page + j % page
+        keys.append(key_cache.flatten(0, 1)[slot])
+        values.append(value_cache.flatten(0, 1)[slot])
+    return torch_varlen_attention(q, torch.cat(keys), torch.cat(values), cu_seqlens, scale)
+
+
+# ----------------------------------------------------------------------------------------------------- kernels
+def _torch_flash(q, k, v, cu_seqlens, max_seqlen, scale, block_table=None):  # noqa: ARG001 - kernel signature
+    if block_table is None:
+        return torch_varlen_attention(q, k, v, cu_seqlens, scale)
+    return torch_paged_attention(q, k, v, block_table, cu_seqlens, scale)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The functions a ``kernel`` piece calls (vLLM's, from :mod:`bloggap_plugin.vllm_kernels`); the defaults
+    are plain-torch stand-ins with the same signatures (used by CPU tests to check the wiring)."""
+
+    linear: Callable[..., torch.Tensor] = F.linear
+    """``(x [..., in], weight [out, in], bias | None) -> [..., out]``."""
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm_hf
+    """First norm of layer 0 (vLLM calls it without a residual)."""
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm_hf
+    """Every other norm, on the already summed bf16 residual stream (vLLM's fused add kernel)."""
+    rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = rope_vllm
+    """``(x [T, heads, d], positions [T], cache) -> x rotated``."""
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = lambda x: F.silu(x[..., : x.shape[-1] // 2]) * x[..., x.shape[-1] // 2:]
+    """``[T, 2I] -> [T, I]``."""
+    flash: Callable[..., torch.Tensor] = _torch_flash
+    """``(q, k, v, cu_seqlens, max_seqlen, scale, block_table=None) -> [T, nq, d]``; with a block table ``k``/``v``
+    are the paged caches."""
+    scope: Callable[[], object] = field(default=lambda: __import__("contextlib").nullcontext())
+    """A context manager around the whole forward (vLLM's batch-invariant aten overrides, scoped)."""
+    source: str = "torch"
+    """Where the functions come from (recorded in results)."""
+
+
+TORCH_KERNELS = Kernels()
+
+
+def padded_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, scale: float, kernels: Kernels,
+                           page_size: int = 16) -> torch.Tensor:
+    """``kernels.flash`` on HF's padded layout (an attention function for transformers' ``AttentionInterface``):
+    ``query [B, nq, L, d]``, ``key/value [B, nkv, L, d]``, ``attention_mask [B, L]`` (1/True = real token, or
+    ``None``: no padding) -> ``[B, L, nq, d]`` (zeros at padding), packed and paged as vLLM lays tokens out."""
+    batch, _, width, _ = query.shape
+    mask = torch.ones(batch, width, dtype=torch.bool, device=query.device) if attention_mask is None else attention_mask
+    packed = pack(torch.zeros(mask.shape, dtype=torch.long, device=query.device), mask.bool())
+    where = packed.where
+    q, k, v = (t.transpose(1, 2)[where] for t in (query, key, value))
+    max_len = max(packed.lengths)
+    if page_size:
+        key_cache, value_cache, table = paged_kv(k, v, packed.lengths, page_size)
+        out = kernels.flash(q, key_cache, value_cache, packed.cu_seqlens, max_len, scale, block_table=table)
+    else:
+        out = kernels.flash(q, k, v, packed.cu_seqlens, max_len, scale)
+    padded = out.new_zeros((batch, width, *out.shape[1:]))
+    padded[where] = out
+    return padded

@@ -1,0 +1,252 @@
+"""Arm I's scoring plan: a bf16 shadow of the policy run through :mod:`bloggap_plugin.core.vllm_form`'s forward.
+
+:class:`VllmFormPlan` holds a clean bf16 copy of the policy (vLLM holds bf16 weights; TRL's forward is bf16
+autocast over fp32 master weights) and scores with :class:`VllmFormLM`, a module with ``get_output_embeddings``
+that the one scoring function (:func:`bloggap_plugin.core.scoring.token_logprobs`) calls like a causal LM, so its
+LM-head tiling and fp32 log-softmax apply unchanged. Build it with ``make_plan(policy, "vllm", pieces=...)``.
+Supported: Llama-family decoders (``model_type`` llama or qwen2; SiLU MLP without bias, default RoPE).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .model_parts import _model_device, _tensor_bytes
+from .precision import _ShadowPlan
+from .scoring import unwrap_model
+from .vllm_form import (
+    Kernels,
+    VllmForm,
+    pack,
+    paged_kv,
+    paged_layout,
+    rms_norm_hf,
+    rms_norm_vllm_triton,
+    rope_hf,
+    rope_vllm,
+    torch_varlen_attention,
+    vllm_cos_sin_cache,
+)
+
+__all__ = ["VllmFormLM", "VllmFormPlan", "SUPPORTED_MODEL_TYPES"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+@dataclass
+class _Output:
+    logits: torch.Tensor
+
+
+class _Head(nn.Module):
+    """The LM head through the form's linear (vLLM's Triton persistent matmul under ``batch_invariant``)."""
+
+    def __init__(self, weight: torch.Tensor, linear: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.weight = weight
+        self._linear = linear
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._linear(hidden, self.weight, None)
+
+
+def _check_supported(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    problems = []
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        problems.append(f"model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    else:
+        rope = getattr(config, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") != "default":
+            problems.append(f"RoPE type {rope.get('rope_type')!r} (only the default RoPE)")
+        if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
+            problems.append("an MLP other than SiLU-gated without bias")
+        if getattr(config, "use_sliding_window", False):
+            problems.append("sliding-window attention")
+    if problems:
+        raise ValueError(f"arm I computes Llama-family decoders the way vLLM does; {type(model).__name__} has "
+                         f"{'; '.join(problems)}: use another arm (A-H) for this model")
+
+
+class VllmFormLM(nn.Module):
+    """A causal-LM-shaped forward (``input_ids, attention_mask, position_ids, logits_to_keep`` -> ``.logits``) over
+    the weights of ``shadow`` (a bf16 HF Llama-family model), computed per ``form`` with ``kernels``.
+
+    Tokens run packed (no padding rows in any matmul); the hidden states of the last ``logits_to_keep`` positions
+    go back to the padded ``[B, keep, H]`` layout (zeros at padding) and through ``lm_head``, the module that
+    ``token_logprobs`` tiles. Positions: ``position_ids`` at the real tokens, else ``0..n-1`` per row (vLLM's)."""
+
+    def __init__(self, shadow: nn.Module, form: VllmForm, kernels: Kernels) -> None:
+        super().__init__()
+        _check_supported(shadow)
+        self._shadow = [shadow]  # not a submodule: the plan owns and syncs it
+        self.form = form
+        self.kernels = kernels
+        config = shadow.config
+        self.config = config
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.scale = self.head_dim ** -0.5
+        linear = kernels.linear if form.batch_invariant else F.linear
+        self._linear = linear
+        self.lm_head = _Head(shadow.get_output_embeddings().weight, linear)
+        self._fused: list[dict[str, torch.Tensor]] = []
+        self.refresh()
+        device = _model_device(shadow)
+        theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+        self.cos_sin_cache = vllm_cos_sin_cache(self.head_dim, theta, int(config.max_position_embeddings),
+                                                torch.bfloat16, device)
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
+    def refresh(self) -> None:
+        """Refresh the fused q/k/v and gate/up weights from the shadow (after the plan's sync), in place once built."""
+        if not self.form.fused_proj:
+            return
+        for index, layer in enumerate(self._shadow[0].model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            biases = [getattr(m, "bias", None) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+            parts = {"qkv": [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
+                     "qkv_bias": biases if all(b is not None for b in biases) else None,
+                     "gate_up": [mlp.gate_proj.weight, mlp.up_proj.weight]}
+            if index == len(self._fused):
+                self._fused.append({k: None if v is None else torch.cat(v) for k, v in parts.items()})
+                continue
+            for key, tensors in parts.items():
+                if tensors is not None:
+                    torch.cat(tensors, out=self._fused[index][key])
+
+    def fused_tensors(self) -> list[torch.Tensor]:
+        return [t for entry in self._fused for t in entry.values() if t is not None]
+
+    # -- pieces
+    def _norm(self, x: torch.Tensor, module: nn.Module, first: bool) -> torch.Tensor:
+        eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+        if self.form.norm == "kernel":
+            return (self.kernels.rms_norm if first else self.kernels.add_rms_norm)(x, module.weight, eps)
+        if self.form.norm == "torch" and first and self.form.batch_invariant:
+            return rms_norm_vllm_triton(x, module.weight, eps)
+        return rms_norm_hf(x, module.weight, eps)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor, rotary: nn.Module) -> torch.Tensor:
+        if self.form.rope == "hf":
+            return rope_hf(x, positions, rotary.inv_freq)
+        if self.form.rope == "torch":
+            return rope_vllm(x, positions, self.cos_sin_cache)
+        return self.kernels.rotary(x, positions, self.cos_sin_cache)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed) -> torch.Tensor:
+        if self.form.attention == "sdpa":
+            return torch_varlen_attention(q, k, v, packed.cu_seqlens, self.scale)
+        max_len = max(packed.lengths)
+        if self.form.page_size:
+            page = self.form.page_size
+            layout = packed.paged.get(page)
+            if layout is None:  # the same for every layer of this forward
+                layout = packed.paged[page] = paged_layout(packed.lengths, page, q.device)
+            k, v, table = paged_kv(k, v, packed.lengths, page, layout)
+            return self.kernels.flash(q, k, v, packed.cu_seqlens, max_len, self.scale, block_table=table)
+        return self.kernels.flash(q, k.contiguous(), v.contiguous(), packed.cu_seqlens, max_len, self.scale)
+
+    def _qkv(self, x: torch.Tensor, index: int, attn: nn.Module):
+        if self.form.fused_proj:
+            fused = self._fused[index]
+            q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            return self._linear(x, fused["qkv"], fused["qkv_bias"]).split([q_size, kv_size, kv_size], dim=-1)
+        return tuple(self._linear(x, m.weight, getattr(m, "bias", None)) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+
+    def _mlp(self, x: torch.Tensor, index: int, mlp: nn.Module) -> torch.Tensor:
+        if self.form.fused_proj:
+            gate_up = self._linear(x, self._fused[index]["gate_up"], None)
+        else:
+            gate_up = torch.cat([self._linear(x, mlp.gate_proj.weight, None), self._linear(x, mlp.up_proj.weight, None)], -1)
+        if self.form.act == "kernel":
+            hidden = self.kernels.silu_and_mul(gate_up)
+        else:
+            half = gate_up.shape[-1] // 2
+            hidden = F.silu(gate_up[..., :half]) * gate_up[..., half:]
+        return self._linear(hidden, mlp.down_proj.weight, None)
+
+    def _layer(self, index: int, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, packed, rotary):
+        """vLLM's ``LlamaDecoderLayer.forward``: ``(h, residual)`` -> ``(h, residual)``, all bf16 ``[T, H]``."""
+        residual = h if residual is None else residual + h
+        x = self._norm(residual, layer.input_layernorm, first=index == 0)
+        q, k, v = self._qkv(x, index, layer.self_attn)
+        tokens = x.shape[0]
+        q = self._rope(q.reshape(tokens, self.heads, self.head_dim), packed.positions, rotary)
+        k = self._rope(k.reshape(tokens, self.kv_heads, self.head_dim), packed.positions, rotary)
+        v = v.reshape(tokens, self.kv_heads, self.head_dim)
+        attn = self._attention(q, k, v, packed).reshape(tokens, self.heads * self.head_dim)
+        o_proj = layer.self_attn.o_proj
+        h = self._linear(attn, o_proj.weight, getattr(o_proj, "bias", None))
+        residual = residual + h
+        x = self._norm(residual, layer.post_attention_layernorm, first=False)
+        return self._mlp(x, index, layer.mlp), residual
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
+                logits_to_keep: int = 0, **_: Any) -> _Output:
+        base = self._shadow[0].model
+        packed = pack(input_ids, attention_mask, position_ids)
+        if int(packed.positions.max()) >= self.cos_sin_cache.shape[0]:
+            raise ValueError(f"arm I: position {int(packed.positions.max())} beyond the model's "
+                             f"max_position_embeddings ({self.cos_sin_cache.shape[0]})")
+        h = F.embedding(packed.tokens, base.embed_tokens.weight)
+        residual = None
+        for index, layer in enumerate(base.layers):
+            h, residual = self._layer(index, layer, h, residual, packed, base.rotary_emb)
+        final = self._norm(residual + h, base.norm, first=False)
+        hidden = final.new_zeros((*packed.where.shape, final.shape[-1]))
+        hidden[packed.where] = final
+        keep = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+        return _Output(logits=self.lm_head(keep))
+
+
+class VllmFormPlan(_ShadowPlan):
+    """Arm I: a bf16 shadow (the fp32/fp16 shadows' machinery) scored through :class:`VllmFormLM`, with autocast off
+    and ``kernels.scope()`` around the whole scoring call (so the log-softmax of the head's tiles runs under vLLM's
+    overrides too)."""
+
+    def __init__(self, policy: nn.Module, form: VllmForm, kernels: Kernels, device: torch.device | None = None) -> None:
+        _check_supported(unwrap_model(policy))
+        self.form = form
+        self.kernels = kernels
+        self.model: VllmFormLM | None = None
+        super().__init__(policy, "vllm", torch.bfloat16, device, fp16_guard=False, tf32=False)
+        with torch.no_grad():
+            self.model = VllmFormLM(self.shadow, form, kernels)
+
+    def _score_model(self) -> Callable[..., Any]:
+        return self.model
+
+    def _scoring_context(self) -> contextlib.AbstractContextManager:
+        stack = super()._scoring_context()
+        if self.form.batch_invariant:
+            stack.enter_context(self.kernels.scope())
+        return stack
+
+    def _sync(self, source: nn.Module) -> None:
+        super()._sync(source)
+        if self.model is not None:
+            self.model.refresh()
+
+    def _bytes(self) -> int:
+        extra = [] if self.model is None else [*self.model.fused_tensors(), self.model.cos_sin_cache]
+        return super()._bytes() + _tensor_bytes(extra)
+
+    def stats(self) -> dict:
+        """The base plan's stats plus ``pieces`` (:meth:`VllmForm.describe`) and ``kernels`` (their source)."""
+        return {**super().stats(), "pieces": self.form.describe(), "kernels": self.kernels.source}
+
+    def close(self) -> None:
+        super().close()
+        self.model = None

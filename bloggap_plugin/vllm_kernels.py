@@ -1,0 +1,176 @@
+"""vLLM's own kernels for arm I's ``kernel`` pieces (:class:`bloggap_plugin.core.vllm_form.Kernels`).
+
+The functions are the ones vLLM 0.26's ``LlamaForCausalLM`` calls on CUDA (docs/arm_i.md has the file
+references): ``linear_batch_invariant`` (Triton persistent matmul) for every linear layer and the LM head when
+``VLLM_BATCH_INVARIANT=1``; ``rms_norm_batch_invariant`` / ``_C.rms_norm`` for layer 0's first norm and
+``_C.fused_add_rms_norm`` for every other; ``_C.rotary_embedding`` on the bf16 ``cos_sin_cache``;
+``_C.silu_and_mul``; ``vllm_flash_attn.flash_attn_varlen_func`` (FA3 on Hopper) over a paged KV cache with
+``num_splits=1`` in batch-invariant mode. :func:`batch_invariant_scope` installs vLLM's aten overrides for one
+scoring call only (a ``torch.library`` registration destroyed afterwards, so the previous kernels come back).
+
+Only :func:`load_kernels` is needed by callers; it refuses, naming the fix, where vLLM or CUDA is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from bloggap_plugin.core.vllm_form import TORCH_KERNELS, Kernels, VllmForm, padded_flash_attention
+from bloggap_plugin.errors import UsageError
+
+__all__ = ["VllmFormUnavailable", "load_kernels", "batch_invariant_scope", "vllm_batch_invariant_active",
+           "register_hf_attention", "HF_ATTENTION_NAME"]
+
+HF_ATTENTION_NAME = "bloggap_vllm_fa"
+"""The ``attn_implementation`` name :func:`register_hf_attention` registers with transformers."""
+
+
+class VllmFormUnavailable(UsageError):
+    """An arm I piece needs vLLM's CUDA kernels and this process cannot provide them."""
+
+
+def _refuse(form: VllmForm, why: str) -> VllmFormUnavailable:
+    return VllmFormUnavailable(
+        f"arm I pieces {', '.join(form.needs_vllm())} call vLLM's CUDA kernels, but {why}: score on a CUDA GPU with "
+        "vLLM 0.26 installed (pip install vllm==0.26.0), or use gap.i_pieces: torch (vLLM's maths in plain torch)"
+    )
+
+
+def vllm_batch_invariant_active() -> bool:
+    """Whether vLLM already enabled its batch-invariant mode in this process (``VLLM_BATCH_INVARIANT=1`` engine)."""
+    try:
+        from vllm.model_executor.layers import batch_invariant
+    except Exception:  # noqa: BLE001 - no vLLM: not active
+        return False
+    return bool(getattr(batch_invariant, "_batch_invariant_MODE", False))
+
+
+@contextlib.contextmanager
+def batch_invariant_scope() -> Iterator[None]:
+    """vLLM's batch-invariant aten overrides (``_log_softmax``, ``softmax``, ``_softmax``, ``mean.dim``, ``bmm`` on
+    CUDA) and its cuBLAS settings (no fp16/bf16 reduced-precision reductions, cuBLASLt) for the block only.
+
+    Where vLLM's engine already enabled the mode process-wide, this adds nothing (it cannot be scoped off there).
+    Not scoped: cuBLAS(Lt) workspace sizes (``CUBLAS_WORKSPACE_CONFIG``, ``CUBLASLT_WORKSPACE_SIZE``), which torch
+    reads once per process; vLLM sets them before its first matmul (docs/arm_i.md)."""
+    if vllm_batch_invariant_active():
+        yield
+        return
+    from vllm.model_executor.layers import batch_invariant as bi
+
+    matmul = torch.backends.cuda.matmul
+    saved = (matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction,
+             torch.backends.cuda.preferred_blas_library())
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        library.impl("aten::_log_softmax", bi._log_softmax_batch_invariant, "CUDA")
+        library.impl("aten::softmax", bi.softmax_batch_invariant, "CUDA")
+        library.impl("aten::_softmax", bi.softmax_batch_invariant, "CUDA")
+        library.impl("aten::mean.dim", bi.mean_batch_invariant, "CUDA")
+        library.impl("aten::bmm", bi.bmm_batch_invariant, "CUDA", allow_override=True)
+        off = (False, False) if isinstance(saved[1], tuple) else False
+        matmul.allow_fp16_reduced_precision_reduction = off
+        matmul.allow_bf16_reduced_precision_reduction = off
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        yield
+    finally:
+        library._destroy()
+        matmul.allow_fp16_reduced_precision_reduction = saved[0]
+        matmul.allow_bf16_reduced_precision_reduction = saved[1]
+        torch.backends.cuda.preferred_blas_library(saved[2])
+
+
+def _norms(batch_invariant: bool):
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
+
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if batch_invariant:
+            return rms_norm_batch_invariant(x, weight, eps)
+        out = torch.empty_like(x)
+        ops.rms_norm(out, x.contiguous(), weight, eps)
+        return out
+
+    def add_rms_norm(summed: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # vLLM's fused kernel adds the residual in fp32 and rounds to bf16 before normalising; the caller already
+        # holds that bf16 sum, and sum + 0 is the same sum, so the kernel normalises exactly what vLLM's does.
+        out = summed.contiguous().clone()
+        ops.fused_add_rms_norm(out, torch.zeros_like(out), weight, eps)
+        return out
+
+    return rms_norm, add_rms_norm
+
+
+def _rotary(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    from vllm import _custom_ops as ops
+
+    flat = x.reshape(x.shape[0], -1).clone()
+    ops.rotary_embedding(positions, flat, None, x.shape[-1], cache, True)
+    return flat.view_as(x)
+
+
+def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=x.dtype, device=x.device)
+    torch.ops._C.silu_and_mul(out, x.contiguous())
+    return out
+
+
+def _flash(batch_invariant: bool):
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    def flash(q, k, v, cu_seqlens, max_seqlen, scale, block_table=None):
+        kwargs = dict(q=q, k=k, v=v, max_seqlen_q=max_seqlen, cu_seqlens_q=cu_seqlens, max_seqlen_k=max_seqlen,
+                      softmax_scale=scale, causal=True, fa_version=get_flash_attn_version(head_size=q.shape[-1]),
+                      num_splits=1 if batch_invariant else 0)
+        if block_table is None:
+            kwargs["cu_seqlens_k"] = cu_seqlens
+        else:
+            kwargs["seqused_k"] = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
+            kwargs["block_table"] = block_table
+        return flash_attn_varlen_func(**kwargs)
+
+    return flash
+
+
+def load_kernels(form: VllmForm, device: torch.device | str) -> Kernels:
+    """The :class:`Kernels` for ``form`` on ``device``: plain torch when no piece needs vLLM, else vLLM's functions.
+
+    Raises :class:`VllmFormUnavailable` (naming the pieces and the fix) off CUDA or when vLLM does not import."""
+    if not form.needs_vllm():
+        return TORCH_KERNELS
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise _refuse(form, f"the plan runs on {device}")
+    try:
+        import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
+        from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
+    except Exception as err:  # noqa: BLE001 - any import failure is the same refusal
+        raise _refuse(form, f"vLLM does not import here ({type(err).__name__}: {err})") from None
+    rms_norm, add_rms_norm = _norms(form.batch_invariant)
+    return Kernels(linear=linear_batch_invariant, rms_norm=rms_norm, add_rms_norm=add_rms_norm, rotary=_rotary,
+                   silu_and_mul=_silu_and_mul, flash=_flash(form.batch_invariant), scope=batch_invariant_scope,
+                   source=f"vllm {getattr(__import__('vllm'), '__version__', '?')}")
+
+
+def register_hf_attention(kernels: Kernels, page_size: int = 16, name: str = HF_ATTENTION_NAME) -> str:
+    """Register ``kernels.flash`` (vLLM's FlashAttention from :func:`load_kernels`, or a stand-in) as the HF attention
+    implementation ``name`` (``AttentionInterface``), with FlashAttention-style masks (``AttentionMaskInterface``: the
+    2-D padding mask, or none): an HF model with ``config._attn_implementation = name`` then attends as vLLM does
+    (packed, paged with ``page_size``, ``num_splits`` as the kernels were loaded) inside its own forward. Returns
+    ``name``; registering again replaces the kernels."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if dropout:
+            raise ValueError(f"{name} attention has no dropout (scoring runs in eval mode); got dropout={dropout}")
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return padded_flash_attention(query, key, value, attention_mask, scale, kernels, page_size), None
+
+    AttentionInterface.register(name, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, flash_attention_mask)
+    return name

@@ -1,0 +1,422 @@
+"""Arm I (vLLM's numbers): the plain-torch pieces of its forward, the plan's wiring, and its refusals (CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from bloggap_plugin.core.precision import make_plan
+from bloggap_plugin.core.scoring import token_logprobs
+from bloggap_plugin.core.vllm_form import (
+    TORCH_KERNELS,
+    Kernels,
+    VllmForm,
+    pack,
+    paged_kv,
+    parse_form,
+    rms_norm_hf,
+    rms_norm_vllm_triton,
+    rope_hf,
+    rope_vllm,
+    torch_paged_attention,
+    torch_varlen_attention,
+    vllm_cos_sin_cache,
+)
+from bloggap_plugin.core.vllm_plan import VllmFormPlan
+from bloggap_plugin.recipes import GapConfig, RecipeError
+from bloggap_plugin.vllm_kernels import VllmFormUnavailable, load_kernels
+
+K = 8
+
+
+def _rows(batch: int = 4, width: int = 20, seed: int = 0):
+    """TRL's layout: rows 0 and 1 left-padded (prompts of different lengths), row 3 right-padded (early EOS)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 90, (batch, width), generator=gen)
+    mask = torch.ones(batch, width, dtype=torch.long)
+    mask[0, :5] = 0
+    if batch > 1:
+        mask[1, :2] = 0
+    if batch > 3:
+        mask[3, -2:] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("spec", ["tiny-random-llama", "tiny-random-qwen2"])
+def test_hf_form_is_the_bf16_models_forward(tiny_model, spec):
+    """Preset ``hf`` (packed tokens, HF's maths) is the bf16 shadow's own HF forward: bit-identical for one unpadded
+    row (same ops on the same shapes), within bf16 noise for padded rows (HF's masked attention path)."""
+    model, _ = tiny_model(spec)
+    ids, mask = _rows()
+    plan = make_plan(model, "vllm", pieces="hf")
+    shadow = plan.shadow
+    shadow.config._attn_implementation = "sdpa"
+    one = token_logprobs(shadow, ids[2:3], mask[2:3], K, positions="mask")
+    assert torch.equal(plan.token_logprobs(ids[2:3], mask[2:3], K, positions="mask"), one)
+    real = mask[:, -K:].bool()
+    full = token_logprobs(shadow, ids, mask, K, positions="mask")
+    diff = (plan.token_logprobs(ids, mask, K, positions="mask") - full)[real].abs()
+    assert diff.max() < 0.01
+    assert plan.stats()["pieces"] == VllmForm(**dataclasses.asdict(parse_form("hf"))).describe()
+
+
+def test_norm_and_rope_pieces_bitwise_hf(tiny_model):
+    """The ``hf`` norm and RoPE are HF's modules' maths, and vLLM's cos/sin cache holds HF's cos/sin values (same
+    inverse frequencies, exact products) on CPU."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model, _ = tiny_model("tiny-random-llama")
+    shadow = make_plan(model, "vllm", pieces="hf").shadow
+    gen = torch.Generator().manual_seed(1)
+    hidden = (torch.randn(20, 32, generator=gen) * 3).to(torch.bfloat16)
+    norm = shadow.model.norm
+    assert torch.equal(rms_norm_hf(hidden, norm.weight, norm.variance_epsilon), norm(hidden))
+    x = torch.randn(20, 4, 8, generator=gen).to(torch.bfloat16)
+    positions = torch.arange(20)
+    cos, sin = shadow.model.rotary_emb(x, positions[None])
+    expected, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos, sin)
+    assert torch.equal(rope_hf(x, positions, shadow.model.rotary_emb.inv_freq), expected[0].transpose(0, 1))
+    cache = vllm_cos_sin_cache(8, shadow.config.rope_parameters["rope_theta"], 512, torch.bfloat16, torch.device("cpu"))
+    assert torch.equal(cache[:20, :4], cos[0, :, :4]) and torch.equal(cache[:20, 4:], sin[0, :, :4])
+
+
+def test_vllm_forms_round_once():
+    """vLLM's batch-invariant RMSNorm and its RoPE kernel compute in fp32 and round once: within half a bf16 ulp
+    (2^-8 relative) of the float64 value; HF's forms round two or three times and do not stay within it."""
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(256, 64, generator=gen) * 4).to(torch.bfloat16)
+    weight = (1 + 0.3 * torch.randn(64, generator=gen)).to(torch.bfloat16)
+    x64 = x.double()
+    exact = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    half_ulp = 2.0 ** -8 * exact.abs() * (1 + 1e-5)
+    assert ((rms_norm_vllm_triton(x, weight, 1e-6).double() - exact).abs() <= half_ulp).all()
+    assert ((rms_norm_hf(x, weight, 1e-6).double() - exact).abs() > half_ulp).any()
+    q = torch.randn(64, 4, 16, generator=gen).to(torch.bfloat16)
+    positions = torch.randint(0, 500, (64,), generator=gen)
+    cache = vllm_cos_sin_cache(16, 10000.0, 512, torch.bfloat16, torch.device("cpu"))
+    cos, sin = (c.double()[:, None, :] for c in cache[positions].chunk(2, dim=-1))
+    x1, x2 = q.double().chunk(2, dim=-1)
+    exact = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    half_ulp = 2.0 ** -8 * exact.abs() * (1 + 1e-5) + 1e-30
+    assert ((rope_vllm(q, positions, cache).double() - exact).abs() <= half_ulp).all()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float) / 16))
+    assert ((rope_hf(q, positions, inv_freq).double() - exact).abs() > half_ulp).any()
+
+
+def test_pack_and_paged_kv_layout():
+    """Packing keeps each row's real tokens in order with positions 0..n-1; the paged KV cache read back through
+    its block table is the packed K/V, so paged attention equals contiguous attention bit for bit."""
+    ids, mask = _rows()
+    packed = pack(ids, mask)
+    assert packed.lengths == [15, 18, 20, 18]
+    assert packed.cu_seqlens.tolist() == [0, 15, 33, 53, 71]
+    assert torch.equal(packed.tokens[:15], ids[0, 5:]) and torch.equal(packed.positions[:15], torch.arange(15))
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(71, 4, 8, generator=gen)
+    k = torch.randn(71, 2, 8, generator=gen)
+    v = torch.randn(71, 2, 8, generator=gen)
+    contiguous = torch_varlen_attention(q, k, v, packed.cu_seqlens, 8 ** -0.5)
+    for page in (1, 3, 16):
+        key_cache, value_cache, table = paged_kv(k, v, packed.lengths, page)
+        assert key_cache.shape == (sum((n + page - 1) // page for n in packed.lengths), page, 2, 8)
+        assert table.dtype == torch.int32 and table.shape[0] == 4
+        paged = torch_paged_attention(q, key_cache, value_cache, table, packed.cu_seqlens, 8 ** -0.5)
+        assert torch.equal(paged, contiguous)
+    with pytest.raises(ValueError, match="contiguous run"):
+        pack(ids, torch.tensor([[1, 0, 1] + [1] * 17] * 4))
+    with pytest.raises(ValueError, match="no real token"):
+        pack(ids[:1], torch.zeros(1, 20, dtype=torch.long))
+
+
+def _counting(kernels: Kernels, calls: dict) -> Kernels:
+    def count(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    fields = ("linear", "rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "flash", "scope")
+    return dataclasses.replace(kernels, **{name: count(name, getattr(kernels, name)) for name in fields})
+
+
+def test_kernel_pieces_call_their_kernels_and_match_the_torch_form(tiny_model):
+    """With plain-torch stand-ins for vLLM's kernels, ``all`` computes exactly the ``torch`` preset (minus the
+    batch-invariant layer-0 norm), and each kernel piece calls its kernel: layer 0's first norm once, the fused
+    add-norms 2 x layers, RoPE twice and attention, SiLU once per layer, the scope once per scoring call."""
+    model, _ = tiny_model("tiny-random-llama")
+    ids, mask = _rows()
+    calls: dict = {}
+    form = parse_form("all,batch_invariant=false")
+    plan = VllmFormPlan(model, form, _counting(TORCH_KERNELS, calls))
+    out = plan.token_logprobs(ids, mask, K, positions="mask")
+    layers = model.config.num_hidden_layers
+    assert calls == {"rms_norm": 1, "add_rms_norm": 2 * layers, "rotary": 2 * layers, "flash": layers,
+                     "silu_and_mul": layers}
+    expected = make_plan(model, "vllm", pieces="torch").token_logprobs(ids, mask, K, positions="mask")
+    assert torch.equal(out, expected)
+    calls.clear()
+    bi = VllmFormPlan(model, dataclasses.replace(form, batch_invariant=True), _counting(TORCH_KERNELS, calls))
+    assert torch.equal(bi.token_logprobs(ids, mask, K, positions="mask"), out)  # F.linear stand-in: same numbers
+    assert calls["scope"] == 1 and calls["linear"] == 4 * layers + 1  # qkv, o, gate_up, down per layer; head once
+
+
+def test_plan_keeps_the_policy_and_sync_refreshes_fused_weights(tiny_model):
+    """Scoring never changes the policy; after the policy's weights move, ``sync`` refreshes the shadow and the
+    fused q/k/v and gate/up weights (scores equal a fresh plan's); bytes: bf16 shadow + fused copies + cache."""
+    model, _ = tiny_model("tiny-random-llama")
+    model = type(model)(model.config)  # a private copy: this test changes weights
+    ids, mask = _rows()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = make_plan(model, "vllm", pieces="torch")
+    old = plan.token_logprobs(ids, mask, K, positions="mask")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.05)
+    plan.sync(model)
+    new = plan.token_logprobs(ids, mask, K, positions="mask")
+    assert not torch.equal(new, old)
+    assert torch.equal(new, make_plan(model, "vllm", pieces="torch").token_logprobs(ids, mask, K, positions="mask"))
+    n_params = sum(p.numel() for p in model.parameters())
+    layer = model.model.layers[0]
+    fused = sum(m.weight.numel() for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                                           layer.mlp.gate_proj, layer.mlp.up_proj)) * len(model.model.layers)
+    rope = model.config.max_position_embeddings * model.config.head_dim
+    buffers = {b.data_ptr(): b for b in model.buffers()}.values()
+    assert all(b.dtype == torch.float32 for b in buffers)  # RoPE frequencies: the shadow keeps them in fp32
+    assert plan.stats()["bytes_added"] == 2 * (n_params + fused + rope) + 4 * sum(b.numel() for b in buffers)
+
+
+def test_refusals_name_the_problem_and_the_fix(tiny_model):
+    model, _ = tiny_model("tiny-random-llama")
+    with pytest.raises(VllmFormUnavailable, match=r"batch_invariant=true, attention=vllm_fa, norm=kernel, "
+                       r"rope=kernel, act=kernel call vLLM's CUDA kernels, but the plan runs on cpu: .*"
+                       r"gap\.i_pieces: torch"):
+        make_plan(model, "vllm")
+    with pytest.raises(VllmFormUnavailable, match=r"pieces attention=vllm_fa call"):
+        load_kernels(parse_form("torch,attention=vllm_fa"), "cpu")
+    assert load_kernels(parse_form("torch"), "cpu") is TORCH_KERNELS
+    with pytest.raises(ValueError, match="start with a preset, one of all, torch, hf"):
+        parse_form("attention=sdpa")
+    with pytest.raises(ValueError, match=r"piece norm='fast': use one of hf, torch, kernel"):
+        parse_form("torch,norm=fast")
+    with pytest.raises(ValueError, match="fused_proj takes true or false"):
+        parse_form("torch,fused_proj=1")
+    with pytest.raises(ValueError, match="pieces= chooses arm I's vLLM pieces"):
+        make_plan(model, "fp32", pieces="torch")
+    neox, _ = tiny_model("tiny-random-gpt_neox")
+    with pytest.raises(ValueError, match=r"model_type 'gpt_neox' \(supported: llama, qwen2\)"):
+        make_plan(neox, "vllm", pieces="torch")
+    with pytest.raises(RecipeError, match="gap.i_pieces only applies to arm I; arm is B"):
+        GapConfig(arm="B", i_pieces="torch")
+    with pytest.raises(RecipeError, match="gap.i_pieces: arm I pieces 'bogus'"):
+        GapConfig(arm="vllm", i_pieces="bogus")
+    with pytest.raises(RecipeError, match="arm I scores with vLLM's positions .*set gap.positions: mask"):
+        GapConfig(arm="I", positions="arange")
+    assert GapConfig(arm="I", i_pieces="torch,rope=hf").plan_arm == "vllm"
+
+
+def test_trl_arm_i_trains_on_its_plan_and_refuses_kernel_pieces_on_cpu(tmp_path):
+    """GRPO in TRL with arm I: the old log-probs come from the arm's plan (vLLM's maths in torch on CPU) and two
+    a step trains with a finite loss; the default pieces (vLLM's kernels) refuse at attach, before any step."""
+    import math
+    import warnings
+
+    from test_trl import logs_of, make
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = make(tmp_path / "torch", GapConfig(arm="I", i_pieces="torch", probe_rows=4), dtype="bf16",
+                       max_steps=1)
+        assert isinstance(trainer._gap_state.plan, VllmFormPlan)
+        assert trainer._gap_state.plan.stats()["pieces"] == parse_form("torch").describe()
+        trainer.train()
+    logs = logs_of(trainer)
+    assert len(logs) == 1 and math.isfinite(logs[0]["loss"])
+    assert 0.0 <= logs[0]["gap/ratio/oob_frac"] <= 1.0 and logs[0]["gap/time/scoring_s"] > 0
+    with pytest.raises(VllmFormUnavailable, match="the plan runs on cpu"):
+        make(tmp_path / "all", GapConfig(arm="I"), dtype="bf16")
+
+
+def _fake_vllm_batch_invariant(monkeypatch, active: bool):
+    """A stand-in for ``vllm.model_executor.layers.batch_invariant`` (vLLM is not installed on CPU)."""
+    import sys
+    import types
+
+    module = types.ModuleType("vllm.model_executor.layers.batch_invariant")
+    module._batch_invariant_MODE = active
+    module._log_softmax_batch_invariant = lambda input, dim, half_to_float: input
+    module.softmax_batch_invariant = lambda input, dim, dtype=None: input
+    module.mean_batch_invariant = lambda input, dim, keepdim=False, dtype=None: input
+    module.bmm_batch_invariant = lambda a, b, *, out=None: a
+    names = ["vllm", "vllm.model_executor", "vllm.model_executor.layers"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    sys.modules["vllm.model_executor.layers"].batch_invariant = module
+
+
+BI_OPS = ("aten::_log_softmax", "aten::softmax", "aten::_softmax", "aten::mean.dim", "aten::bmm")
+
+
+def _cuda_kernels() -> dict:
+    return {op: [line for line in torch._C._dispatch_dump(op).splitlines() if line.startswith("CUDA")]
+            for op in BI_OPS}
+
+
+def _cuda_settings() -> tuple:
+    matmul = torch.backends.cuda.matmul
+    return (matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction,
+            torch.backends.cuda.preferred_blas_library())
+
+
+def test_batch_invariant_scope_registers_vllms_overrides_for_the_block_only(monkeypatch):
+    """Inside the scope vLLM's five aten overrides are the CUDA kernels and cuBLAS runs without reduced-precision
+    reductions on cuBLASLt; after it (also after an error) the previous kernels and settings are back. Where vLLM's
+    engine already enabled its mode process-wide, the scope registers nothing."""
+    from bloggap_plugin.vllm_kernels import batch_invariant_scope, vllm_batch_invariant_active
+
+    _fake_vllm_batch_invariant(monkeypatch, active=False)
+    blas = {"backend": torch.backends.cuda.preferred_blas_library()}  # a CPU build refuses to select cuBLASLt
+
+    def preferred_blas_library(backend=None):
+        if backend is not None:
+            blas["backend"] = backend
+        return blas["backend"]
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred_blas_library)
+    before_kernels, before_settings = _cuda_kernels(), _cuda_settings()
+    assert not vllm_batch_invariant_active()
+    with pytest.raises(RuntimeError, match="inside"):
+        with batch_invariant_scope():
+            inside = _cuda_kernels()
+            assert all(len(inside[op]) == 1 and "registered at" in inside[op][0] and inside[op] != before_kernels[op]
+                       for op in BI_OPS)
+            fp16_reduced, bf16_reduced, backend = _cuda_settings()
+            assert fp16_reduced in (False, (False, False)) and bf16_reduced in (False, (False, False))
+            assert backend == "cublaslt"
+            raise RuntimeError("inside")
+    assert _cuda_kernels() == before_kernels and _cuda_settings() == before_settings
+    _fake_vllm_batch_invariant(monkeypatch, active=True)
+    assert vllm_batch_invariant_active()
+    with batch_invariant_scope():
+        assert _cuda_kernels() == before_kernels and _cuda_settings() == before_settings
+
+
+def _fake_vllm_kernels(monkeypatch, seen: dict):
+    """vLLM 0.26's kernel entry points as plain-torch fakes with vLLM's signatures and in-place semantics, so the glue
+    in :mod:`bloggap_plugin.vllm_kernels` (argument order, keywords, reshapes) runs on CPU."""
+    import sys
+    import types
+
+    import torch.nn.functional as F
+
+    _fake_vllm_batch_invariant(monkeypatch, active=False)
+    bi = sys.modules["vllm.model_executor.layers.batch_invariant"]
+    bi.linear_batch_invariant = lambda input, weight, bias=None: F.linear(input, weight, bias)
+    bi.rms_norm_batch_invariant = lambda input, weight, eps=1e-6, residual=None: rms_norm_vllm_triton(input, weight, eps)
+    ops = types.ModuleType("vllm._custom_ops")
+    ops.rms_norm = lambda out, input, weight, epsilon: out.copy_(rms_norm_hf(input, weight, epsilon))
+
+    def fused_add_rms_norm(input, residual, weight, epsilon):
+        summed = (input.float() + residual.float()).to(input.dtype)
+        residual.copy_(summed)
+        input.copy_(rms_norm_hf(summed, weight, epsilon))
+
+    def rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset=0, inverse=False):
+        assert is_neox and key is None and rope_dim_offset == 0 and not inverse
+        view = query.view(query.shape[0], -1, head_size)
+        view.copy_(rope_vllm(view, positions, cos_sin_cache))
+
+    ops.fused_add_rms_norm, ops.rotary_embedding = fused_add_rms_norm, rotary_embedding
+    fa_utils = types.ModuleType("vllm.v1.attention.backends.fa_utils")
+    fa_utils.get_flash_attn_version = lambda requires_alibi=False, head_size=None, head_size_v=None, has_sinks=False: 3
+    flash = types.ModuleType("vllm.vllm_flash_attn")
+
+    def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None, seqused_k=None,
+                               q_v=None, dropout_p=0.0, softmax_scale=None, causal=False, window_size=None,
+                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                               block_table=None, return_softmax_lse=False, out=None, scheduler_metadata=None,
+                               q_descale=None, k_descale=None, v_descale=None, num_splits=0, output_scale=None,
+                               fa_version=2, s_aux=None, cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None,
+                               mask_mod=None, aux_tensors=None, dynamic_causal=None):
+        assert causal and cu_seqlens_q.dtype == torch.int32
+        seen.setdefault("flash", []).append({"num_splits": num_splits, "fa_version": fa_version,
+                                             "paged": block_table is not None})
+        if block_table is None:
+            assert torch.equal(cu_seqlens_k, cu_seqlens_q)
+            return torch_varlen_attention(q, k, v, cu_seqlens_q, softmax_scale)
+        assert torch.equal(seqused_k, (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).int()) and block_table.dtype == torch.int32
+        return torch_paged_attention(q, k, v, block_table, cu_seqlens_q, softmax_scale)
+
+    flash.flash_attn_varlen_func = flash_attn_varlen_func
+    for name in ("vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    for module in (ops, fa_utils, flash):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    sys.modules["vllm"]._custom_ops = ops
+    sys.modules["vllm"].__version__ = "0.26.0-fake"
+    library = torch.library.Library("_C", "FRAGMENT")  # vLLM's SiluAndMul calls torch.ops._C.silu_and_mul
+    library.define("silu_and_mul(Tensor(a!) out, Tensor input) -> ()")
+    def silu_and_mul(out, x):
+        half = x.shape[-1] // 2
+        out.copy_(F.silu(x[..., :half]) * x[..., half:])
+
+    library.impl("silu_and_mul", silu_and_mul, "CPU")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", lambda backend=None: "cublaslt")
+    return library
+
+
+def test_vllm_kernel_glue_with_fakes_of_vllms_signatures(monkeypatch, tiny_model):
+    """``load_kernels`` on "cuda" with fakes of vLLM's entry points (signatures copied from 0.26): preset ``all``
+    computes exactly vLLM's maths in torch with batch invariance (the fakes' maths), FA gets num_splits=1, vLLM's
+    FA version and the paged cache, and the kernels record vLLM's version."""
+    seen: dict = {}
+    library = _fake_vllm_kernels(monkeypatch, seen)
+    try:
+        model, _ = tiny_model("tiny-random-llama")
+        ids, mask = _rows()
+        kernels = load_kernels(parse_form("all"), "cuda")
+        assert kernels.source == "vllm 0.26.0-fake"
+        out = VllmFormPlan(model, parse_form("all"), kernels).token_logprobs(ids, mask, K, positions="mask")
+        expected = VllmFormPlan(model, parse_form("torch,batch_invariant=true"), TORCH_KERNELS)
+        assert torch.equal(out, expected.token_logprobs(ids, mask, K, positions="mask"))
+        layers = model.config.num_hidden_layers
+        assert seen["flash"] == [{"num_splits": 1, "fa_version": 3, "paged": True}] * layers
+        contiguous = load_kernels(parse_form("all,batch_invariant=false,page_size=0"), "cuda")
+        plan = VllmFormPlan(model, parse_form("all,batch_invariant=false,page_size=0"), contiguous)
+        assert torch.equal(plan.token_logprobs(ids, mask, K, positions="mask"),
+                           make_plan(model, "vllm", pieces="torch").token_logprobs(ids, mask, K, positions="mask"))
+        assert seen["flash"][layers:] == [{"num_splits": 0, "fa_version": 3, "paged": False}] * layers
+    finally:
+        library._destroy()
+
+
+def test_hf_attention_interface_attends_as_the_packed_form(tiny_model):
+    """vLLM's FlashAttention registered with transformers (here with the plain-torch stand-in kernel): the bf16 HF
+    model using it equals its own sdpa forward bit for bit on one unpadded row (same attention maths), and on padded
+    rows computes what arm I's packed ``hf`` forward computes (observed identical; bounded here)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+    from bloggap_plugin.vllm_kernels import register_hf_attention
+
+    model, _ = tiny_model("tiny-random-llama")
+    ids, mask = _rows()
+    name = register_hf_attention(TORCH_KERNELS, page_size=3)
+    assert ALL_MASK_ATTENTION_FUNCTIONS[name] is flash_attention_mask
+    plan = make_plan(model, "vllm", pieces="hf")
+    shadow = plan.shadow
+    shadow.config._attn_implementation = "sdpa"
+    one = token_logprobs(shadow, ids[2:3], mask[2:3], K, positions="mask")
+    shadow.config._attn_implementation = name
+    assert torch.equal(token_logprobs(shadow, ids[2:3], mask[2:3], K, positions="mask"), one)
+    real = mask[:, -K:].bool()
+    padded = token_logprobs(shadow, ids, mask, K, positions="mask")
+    assert (padded - plan.token_logprobs(ids, mask, K, positions="mask"))[real].abs().max() < 1e-4
+    q = torch.zeros(1, 4, 3, 8)
+    with pytest.raises(ValueError, match="no dropout"):
+        AttentionInterface()[name](shadow.model.layers[0].self_attn, q, q[:, :2], q[:, :2], None, dropout=0.1)

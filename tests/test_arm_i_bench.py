@@ -1,0 +1,52 @@
+"""benchmarks/arm_i.py --smoke: the GPU script's trainer side on CPU without vLLM (the lead runs the GPU phases)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from bloggap_plugin.results import ResultDocument
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("arm_i_bench", ROOT / "benchmarks" / "arm_i.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smoke_scores_every_step_and_records_the_refused_pieces(tmp_path):
+    script = _script()
+    script.main(["--smoke", "--out", str(tmp_path), "--prompts", "4", "--tokens", "4"])
+    doc = ResultDocument.read(tmp_path / "arm_i.json")
+    rows = doc.results["rows"]
+    hf_rows = ["HF forward, bf16 weights, sdpa (padded)", "HF forward, bf16 weights, vLLM FA via AttentionInterface"]
+    assert [r["scorer"] for r in rows] == ["arm A (TRL's pass)", *hf_rows] + [label for label, _ in script.STEPS]
+    assert rows[0]["x_arm_a"] == 1 and rows[0]["tokens"] == 16 and "kernels" not in rows[0]
+    assert len(doc.tables[0]["rows"]) == len(rows) and doc.tables[0]["columns"] == script.COLUMNS
+    measured = {r["pieces"]: r for r in rows[1:] if "refused" not in r}
+    assert list(measured) == ["hf forward, attention=sdpa", "hf", "hf,rope=torch", "hf,rope=torch,norm=torch", "torch"]
+    for row in measured.values():
+        assert 0 <= row["oob_pct"] <= 100 and 0 <= row["bitwise_pct"] <= 100 and row["x_arm_a"] > 0
+        assert 0 <= row["abs_dlogp_mean"] <= row["abs_dlogp_max"] and row["kernels"] == "torch"
+        assert row["bytes_added"] > 0 and row["sync_s"] >= 0
+    # without batch invariance vLLM's norms round where HF's do: the norm step changes no number
+    assert measured["hf,rope=torch,norm=torch"]["abs_dlogp_max"] == measured["hf,rope=torch"]["abs_dlogp_max"]
+    refused = [r for r in rows[1:] if "refused" in r]
+    assert [r["pieces"] for r in refused] == ["hf forward, attention=vllm_fa", *(p for _, p in script.STEPS[4:])]
+    assert all("the plan runs on cpu" in r["refused"] and "gap.i_pieces: torch" in r["refused"] for r in refused)
+
+
+def test_all_records_a_failed_phase_with_its_log_and_keeps_a_valid_document(tmp_path):
+    """Where a phase cannot run (here: no vLLM, no GPU), ``all`` records its exit code and log tail under
+    ``results.errors`` and the document stays valid, so the lead's one call always returns something readable."""
+    script = _script()
+    script.main(["all", "--model", str(tmp_path / "no-model"), "--out", str(tmp_path), "--budget-s", "120"])
+    doc = ResultDocument.read(tmp_path / "arm_i.json")
+    errors = doc.results["errors"]
+    assert set(errors) == {"colocated", "scoped"} and all(e["code"] != 0 for e in errors.values())
+    assert any("vllm" in line for line in errors["colocated"]["log_tail"])
+    assert any("gen.pt" in line for line in errors["scoped"]["log_tail"])
+    assert doc.results["rows"] == [] and doc.params["steps"][0] == ["I0 bf16 weights, packed tokens, HF maths", "hf"]
