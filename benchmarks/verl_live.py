@@ -282,6 +282,7 @@ def step_table(rows: list[dict], preset: str) -> list[dict]:
         "response_length": "response_length/mean",
         # gap_vanilla's metrics go through verl's actor, which prefixes them with "actor/"
         "oob_frac": "actor/gap/ratio/oob_frac",
+        "abs_dlogp_mean": "actor/gap/ratio/abs_dlogp_mean",
         "abs_dlogp_max": "actor/gap/ratio/abs_dlogp_max",
         "clip_flip_frac": "actor/gap/clip/flip_frac",
         "clip_clipped_frac": "actor/gap/clip/clipped_frac",
@@ -577,18 +578,29 @@ def check_head(dump_paths: list[Path], model_dir: str, device: str = "cuda") -> 
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
-    model.eval()
+    if Path(model_dir, "config.json").exists():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa")
+    else:  # a bloggap model spec, e.g. "smollm2" (the GGUF the GPU machine's folder was made from)
+        from bloggap_plugin.models import load_model
+
+        model = load_model(model_dir, dtype="bf16", attn_implementation="sdpa")[0]
+    model = model.to(device).eval()
     report = {"files": [p.name for p in dump_paths]}
-    diffs: dict[str, list] = {"fp32_head": [], "bf16_head": []}
+    diffs: dict[str, list] = {"fp32_head": [], "bf16_head": [], "head": []}
     flags = []
     for path in dump_paths:
         dump = torch.load(path)
         flags.append(bool(dump["fp32_head"]))
         scored = score_rows_independently(model, dump["input_ids"], dump["offsets"])
+        keep = torch.isfinite(scored["fp32_head"])
         for name, values in scored.items():
-            keep = torch.isfinite(values)
             diffs[name].append((dump["log_probs"][keep] - values[keep]).abs())
+        diffs["head"].append((scored["fp32_head"][keep] - scored["bf16_head"][keep]).abs())
+    head = torch.cat(diffs.pop("head")).double()
+    # what the two heads differ by on these rows in this forward: the size arm E's old pass should differ from
+    # a bf16-head forward of the same rows (gap_vanilla's |dlogp| in verl)
+    report["independent_head_diff"] = {"tokens": int(head.numel()), "mean_abs_dlogp": float(head.mean()),
+                                       "max_abs_dlogp": float(head.max())}
     for name, parts in diffs.items():
         d = torch.cat(parts).double()
         report[f"vs_{name}"] = {"tokens": int(d.numel()), "mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()),
@@ -607,7 +619,7 @@ def cmd_check_head(args) -> None:
     report = check_head(dumps, args.model, args.device)
     result_path = out / RUNS_JSON
     result = json.loads(result_path.read_text()) if result_path.exists() else {"runs": {}}
-    result.setdefault("head_check", {})[args.run] = report
+    result.setdefault("head_check", {})[args.label or args.run] = report
     _write_json(result_path, result)
     print("check-head", json.dumps(report), flush=True)
 
@@ -713,18 +725,19 @@ def _arms_table(records: dict) -> dict | None:
                      _r(medians[arm] / medians["arm_A"], 3) if medians[arm] and medians["arm_A"] else None,
                      _r(_median_after_first(col["old_log_prob_s"]), 2), _r(_median_after_first(col["update_actor_s"]), 2),
                      _r(_mean(col["rejected_seq_frac"])), int(sum(1 for v in col["all_rejected"] if v)),
-                     _r(_mean(col["oob_frac"]), 4), _r(max(dlogp), 4) if dlogp else None,
+                     _r(_mean(col["oob_frac"]), 4), _r(col["abs_dlogp_mean"][0], 4), _r(max(dlogp), 4) if dlogp else None,
                      _r(_mean(col["rollout_probs_diff_mean"]), 4), _r(col["reward"][-1])])
     return {"id": "T13v-arms", "title": "Arms in verl: the actor's precision against arm A (untruncated Geo-RS, H200)",
             "columns": ["run", "actor precision", "ran", "steps", "s/step (median)", "vs arm_A", "old log-prob s",
                         "update s", "rejected seq share (mean)", "steps all rejected", "gap oob_frac (mean)",
-                        "gap max |dlogp|", "rollout vs actor |dp| (mean)", "reward last"],
+                        "gap mean |dlogp| step 1", "gap max |dlogp|", "rollout vs actor |dp| (mean)", "reward last"],
             "rows": rows,
             "notes": "Times are verl's timing_s/* medians without step 1; runs marked 'N at once' shared the GPU, so "
                      "their times compare with each other, not with a run alone. gap oob_frac and max |dlogp|: "
                      "gap_vanilla's ratio of the training forward to the old log-probs (one mini-batch, one epoch): "
                      "0 when both passes compute the same numbers; arm E's old pass has an fp32 head and its "
-                     "training forward the bf16 one, so its ratio is not exactly 1. rollout vs actor |dp|: verl's "
+                     "training forward the bf16 one, so its ratio is not exactly 1: its step-1 mean |dlogp| is what "
+                     "the two heads differ by on the same rows (T13v-head, last column). rollout vs actor |dp|: verl's "
                      "training/rollout_probs_diff_mean (vLLM bf16 sampler vs the actor's old log-probs).",
             "reference": None, "random_init": False, "plot": False}
 
@@ -758,18 +771,21 @@ def head_table(head_check: dict) -> dict:
         rows.append([run, "fp32" if all(rep["dump_fp32_head"]) else "bf16", rep.get("scored_on"),
                      rep["vs_fp32_head"]["tokens"], _r(rep["vs_fp32_head"]["mean_abs_dlogp"], 4),
                      _r(rep["vs_bf16_head"]["mean_abs_dlogp"], 4), _r(rep["vs_fp32_head"]["p99_abs_dlogp"], 4),
-                     _r(rep["vs_bf16_head"]["p99_abs_dlogp"], 4)])
+                     _r(rep["vs_bf16_head"]["p99_abs_dlogp"], 4),
+                     _r(rep.get("independent_head_diff", {}).get("mean_abs_dlogp"), 4)])
     return {"id": "T13v-head", "title": "Step 1's old log-probs from verl's engine vs an independent scoring of the "
             "same tokens (same padded layout), fp32 head and bf16 head",
             "columns": ["run", "engine head", "scored on", "tokens", "mean |d| vs fp32 head", "mean |d| vs bf16 head",
-                        "p99 |d| vs fp32 head", "p99 |d| vs bf16 head"],
+                        "p99 |d| vs fp32 head", "p99 |d| vs bf16 head", "fp32 vs bf16 head here (mean |d|)"],
             "rows": rows,
             "notes": "Inconclusive, on the CPU and on the GPU that made the dump alike: the bf16 body differs between "
                      "verl's FSDP forward and this HF forward of the same rows by ~0.02 mean |d|, more than the "
                      "heads differ, so the bf16-head dump (geo_rs/control) also reads 'closer' to the fp32 head. "
                      "The live evidence that arm E's engine override changes the old log-probs by the head is "
                      "T13v-arms: with the same rows and layout, arm A's training forward reproduces its old "
-                     "log-probs exactly (gap max |dlogp| 0) and arm E's does not.",
+                     "log-probs exactly (gap |dlogp| 0) and arm E's differs by about what the heads differ by "
+                     "here (last column: |fp32 head - bf16 head| of this forward, every position of the dumped "
+                     "rows; gap_vanilla's covers response tokens only).",
             "reference": None, "random_init": False, "plot": False}
 
 
@@ -804,9 +820,10 @@ def main(argv: list[str] | None = None) -> None:
     doc.add_argument("--gpu", default="NVIDIA H200")
     chk = sub.add_parser("check-head", help="arm E's dumped step-1 old log-probs vs an independent fp32-head scoring")
     chk.add_argument("--out", required=True)
-    chk.add_argument("--model", required=True)
+    chk.add_argument("--model", required=True, help="HF folder, or a bloggap model spec such as smollm2")
     chk.add_argument("--run", default="arm_E")
     chk.add_argument("--device", default="cuda")
+    chk.add_argument("--label", default=None, help="the record's name in head_check (default: --run)")
     pro = sub.add_parser("probe", help="import every module a run needs; name the missing ones (exit 1 if any)")
     pro.add_argument("--out", default=None, help="also write verl_probe.json here")
     run = sub.add_parser("run", help="run verl main_ppo for each of --runs")

@@ -330,6 +330,9 @@ def test_check_head_tells_the_fp32_head_from_the_bf16_head(tmp_path, tiny_model,
     assert same["max_abs_dlogp"] < 1e-4 and other["mean_abs_dlogp"] > 10 * same["mean_abs_dlogp"], report
     assert report["fp32_head_closer"] is (dump_head == "fp32")
     assert report["dump_fp32_head"] == [dump_head == "fp32"]
+    # the heads' own difference on these rows: what the dump differs by from the other head, up to the ~0 above
+    head = report["independent_head_diff"]
+    assert head["tokens"] == 21 and head["mean_abs_dlogp"] == pytest.approx(other["mean_abs_dlogp"], abs=1e-4)
 
 
 def test_registered_processes_named_from_other_lines_of_the_same_pid():
@@ -360,7 +363,8 @@ def test_document_tables_from_run_records(tmp_path):
     def step(n, rejected, reward, kept=None, all_rejected=0.0, scale=1.0, dlogp=0.0):
         return {"step": n, "rejected_seq_frac": rejected, "all_rejected": all_rejected, "reward": reward,
                 "oob_frac": 0.0, "step_s": (10.0 + n) * scale, "kept_mass_mean_geo": kept, "abs_dlogp_max": dlogp,
-                "old_log_prob_s": 2.0 * scale, "update_actor_s": 5.0, "rollout_probs_diff_mean": 0.01}
+                "old_log_prob_s": 2.0 * scale, "update_actor_s": 5.0, "rollout_probs_diff_mean": 0.01,
+                "abs_dlogp_mean": dlogp / 4}
 
     records = {
         "geo_rs/control": {"rc": 0, "top_p": 1.0, "plugin_disabled": False, "registered": {"driver": [1], "TaskRunnerV1": [2]},
@@ -387,12 +391,13 @@ def test_document_tables_from_run_records(tmp_path):
     assert "seq_mis/nofix (ValueError: x)" in tables[1]["notes"] and "geo_rs/fix: alone" in tables[1]["notes"]
     arms = {row[0]: row for row in tables[2]["rows"]}
     # medians without step 1: A (12 + 13) / 2 = 12.5, E 1.5x that; E's old pass 3.0 s; max |dlogp| over steps
-    assert arms["arm_A"][2:] == ["2 at once", 3, 12.5, 1.0, 2.0, 5.0, 0.5, 0, 0.0, 0.0, 0.01, 0.2]
-    assert arms["arm_E"][4:12] == [18.75, 1.5, 3.0, 5.0, 0.5, 1, 0.0, 0.08]
+    assert arms["arm_A"][2:] == ["2 at once", 3, 12.5, 1.0, 2.0, 5.0, 0.5, 0, 0.0, 0.0, 0.0, 0.01, 0.2]
+    assert arms["arm_E"][4:13] == [18.75, 1.5, 3.0, 5.0, 0.5, 1, 0.0, 0.0, 0.08]  # step 1's mean |dlogp|: 0
     head = verl_live.head_table({"arm_E": {"dump_fp32_head": [True], "scored_on": "cuda:0",
                                            "vs_fp32_head": {"tokens": 9, "mean_abs_dlogp": 1e-6, "p99_abs_dlogp": 2e-6},
-                                           "vs_bf16_head": {"tokens": 9, "mean_abs_dlogp": 0.01, "p99_abs_dlogp": 0.02}}})
-    assert head["rows"] == [["arm_E", "fp32", "cuda:0", 9, 0.0, 0.01, 0.0, 0.02]]
+                                           "vs_bf16_head": {"tokens": 9, "mean_abs_dlogp": 0.01, "p99_abs_dlogp": 0.02},
+                                           "independent_head_diff": {"tokens": 9, "mean_abs_dlogp": 0.012}}})
+    assert head["rows"] == [["arm_E", "fp32", "cuda:0", 9, 0.0, 0.01, 0.0, 0.02, 0.012]]
     ResultDocument(benchmark="verl_live", env={}, params={}, results={}, tables=tables + [head]).validate()
 
 
