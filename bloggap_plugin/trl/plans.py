@@ -12,6 +12,7 @@ import warnings
 import torch
 
 from bloggap_plugin.core.scoring import gather_logprobs, join_tiles, position_ids_from_mask, token_logprobs
+from bloggap_plugin.core.sharding import is_sharded, reshard
 from bloggap_plugin.recipes import RecipeError
 from bloggap_plugin.trl.state import fit_width
 
@@ -133,18 +134,37 @@ class PlanMixin:
     def _gap_weights_version(self) -> tuple:
         """What identifies the policy's current weights: the optimizer step plus every parameter's identity and
         in-place version counter (bumped by the optimizer, ``load_state_dict`` on resume, any ``copy_``/``mul_``)."""
-        return (self.state.global_step, tuple((id(p), p._version) for p in self._gap_policy().parameters()))
+        policy = self._gap_policy()
+        reshard(policy)  # FSDP2: read the shards' versions, not those of gathered copies (core.sharding)
+        return (self.state.global_step, tuple((id(p), p._version) for p in policy.parameters()))
 
     def _gap_synced(self, plan, attr: str):
         """``plan``, refreshed from the policy unless it already holds the current weights version (the state's
         ``attr``, ``"plan_step"`` or ``"ref_step"``, stores the version it was last synced at; ``None``, as after
         attach, always syncs)."""
         if plan is not None:
+            plan = self._gap_sharded_like_policy(plan)
             version = self._gap_weights_version()
             if getattr(self._gap_state, attr) != version:
                 plan.sync(self._gap_policy())
                 setattr(self._gap_state, attr, version)
         return plan
+
+    def _gap_sharded_like_policy(self, plan):
+        """``plan``, or a new one in its place (the state's fields updated, the old one closed) when the policy was
+        sharded since it was made: ``accelerator.prepare`` applies FSDP2's ``fully_shard`` after attach, and a plan
+        made before would hold full copies (B, F) or the replaced parameters themselves (E, D)."""
+        if plan.arm == "bf16" or plan.sharded == is_sharded(self._gap_policy()):
+            return plan
+        guided = {"layers": list(plan.layers), "k": len(plan.layers)} if plan.arm == "guided" else {}
+        rebuilt = self._gap_make_plan(plan.arm, tf32=plan._tf32_option, **guided)
+        state = self._gap_state
+        for field, step in (("plan", "plan_step"), ("ref_plan", "ref_step")):
+            if getattr(state, field) is plan:
+                setattr(state, field, rebuilt)
+                setattr(state, step, None)
+        plan.close()
+        return rebuilt
 
     def _gap_reference_plan(self):
         """The fp32 batch-1 reference's plan (IEEE fp32), synced: the arm's own fp32 shadow where it is one."""

@@ -87,7 +87,9 @@ class StatsMixin:
             sums.sampler_absd += float(diff.sum())
             maxima.raise_to(sampler_absd_max=float(diff.max()))
         self._gap_is_ratio_metrics(batch)
-        if state.kept_on and "gap_kept_sizes" in batch and mask.any():
+        # the kept-set pass is a forward: under FSDP2 every process must take it, also one without any completion
+        # token (e.g. mask_truncated_completions with every row truncated); it then adds nothing
+        if state.kept_on and "gap_kept_sizes" in batch:
             self._gap_kept_metrics(batch, ids, attn, logits_to_keep, old, sampler, mask)
         probe = batch.get("gap_probe_row")
         if probe is not None and probe.any():
@@ -118,11 +120,6 @@ class StatsMixin:
         sums, maxima, band = state.gen_sums, state.gen_maxima, state.config.band
         log_mass = batch["gap_sampler_log_kept_mass"]
         sizes = batch["gap_kept_sizes"]
-        sums.kept_mass_sum += float(torch.exp(log_mass.double())[mask].sum())
-        sums.kept_size_sum += float(sizes.double()[mask].sum())
-        sums.kept_n += int(mask.sum())
-        maxima.raise_to(kept_mass_neg_min=-float(torch.exp(log_mass.double())[mask].min()),
-                      kept_size_max=float(sizes[mask].max()))
         # before: trainer full-vocabulary vs sampler; after: renormalised over the kept set
         capture: list = []
         if state.renormalize:
@@ -131,6 +128,13 @@ class StatsMixin:
         else:
             before = old
             after = old - self._gap_trainer_log_mass(batch, ids, attn, logits_to_keep, capture)
+        if not mask.any():
+            return
+        sums.kept_mass_sum += float(torch.exp(log_mass.double())[mask].sum())
+        sums.kept_size_sum += float(sizes.double()[mask].sum())
+        sums.kept_n += int(mask.sum())
+        maxima.raise_to(kept_mass_neg_min=-float(torch.exp(log_mass.double())[mask].min()),
+                      kept_size_max=float(sizes[mask].max()))
         sums.kept_ratio_before_sum += float(torch.exp(before.double() - sampler.double())[mask].sum())
         sums.kept_ratio_after_sum += float(torch.exp(after.double() - sampler.double())[mask].sum())
         sums.kept_oob_before += gap_metrics.oob_count(before, sampler, mask, band)[0]
