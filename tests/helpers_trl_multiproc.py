@@ -33,6 +33,21 @@ def _nan_to_none(value):
     return None if isinstance(value, float) and value != value else value
 
 
+def _prefer_own_layer() -> None:
+    """Every divergence profile of process r ranks layer r first (processes that choose different layers)."""
+    from bloggap_plugin.core import attribution
+
+    measured = attribution.divergence_profile
+
+    def profile(*args, **kwargs):
+        result = measured(*args, **kwargs)
+        rank = int(os.environ.get("RANK", "0"))
+        result.increments = [1.0 if i == rank % result.n_layers else 0.0 for i in range(result.n_layers)]
+        return result
+
+    attribution.divergence_profile = profile
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="JSON path written by process 0 (others add .rank<r>)")
@@ -51,7 +66,11 @@ def main() -> None:
                              "when every row is truncated)")
     parser.add_argument("--cpu-fsdp", action="store_true",
                         help="under `accelerate launch --use_fsdp`: let accelerate shard on CPU (gloo)")
+    parser.add_argument("--disagree-layers", action="store_true",
+                        help="arm D with layers chosen automatically: process r's profile prefers layer r")
     args = parser.parse_args()
+    if args.disagree_layers:
+        _prefer_own_layer()
     if args.cpu_fsdp:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
         from benchmarks.fsdp_scale import force_cpu_fsdp

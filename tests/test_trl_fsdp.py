@@ -171,3 +171,13 @@ def test_two_fsdp2_processes_log_the_single_process_values_at_step_1(equal_runs,
             continue
         assert pooled[key] == pytest.approx(single[key], abs=1e-6, rel=0.0), (arm, key)
     assert single["completions/mean_length"] == pooled["completions/mean_length"]  # the same tokens
+
+
+def test_guided_layers_chosen_differently_are_agreed_before_any_fp32_copy(base):
+    """Arm D with automatic layers: each process profiles its own rows, so they may choose different layers; the
+    fp32 copies are gathered from shards (collectives), so process 0's choice must be agreed before any is made."""
+    out = base / "guided.json"
+    _launch(out, "--arm", "D", "--k", "1", "--disagree-layers", "--steps", "1", "--num-iterations", "1", timeout=150)
+    records = _read(out)
+    assert records[0]["plan_layers"] == records[1]["plan_layers"] == [0]  # process 0 preferred layer 0
+    assert math.isfinite(_first_log(records[0])["gap/ratio/oob_frac"])

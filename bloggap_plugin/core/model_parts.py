@@ -157,22 +157,25 @@ def _first_floating(obj: Any) -> torch.Tensor | None:
     return None
 
 
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_load_state_dict_pre_hooks",
+)
+
+
 def _strip_instance_patches(module: nn.Module) -> None:
     """Remove instance-level forward patches and hooks copied along with a module (clean forward)."""
     for sub in module.modules():
         for attr in ("forward", "_original_forward", "_old_forward", "_hf_hook"):
             sub.__dict__.pop(attr, None)
-        for hooks in (
-            "_forward_hooks",
-            "_forward_hooks_with_kwargs",
-            "_forward_hooks_always_called",
-            "_forward_pre_hooks",
-            "_forward_pre_hooks_with_kwargs",
-            "_backward_hooks",
-            "_backward_pre_hooks",
-            "_state_dict_hooks",
-            "_load_state_dict_pre_hooks",
-        ):
+        for hooks in _HOOK_DICTS:
             if isinstance(getattr(sub, hooks, None), dict):
                 setattr(sub, hooks, type(getattr(sub, hooks))())
 
@@ -193,6 +196,9 @@ def _module_copy(module: nn.Module, dtype: torch.dtype, device: torch.device) ->
     units = [(unit, type(unit)) for unit in fsdp_modules(module)]
     for unit, _ in units:
         memo.update({id(v): None for k, v in vars(unit).items() if k.startswith(_FSDP_STATE_KEY)})
+    for sub in module.modules():  # hooks are stripped from the copy anyway (FSDP's hold its state)
+        memo.update({id(hooks): type(hooks)() for name in _HOOK_DICTS
+                     if isinstance(hooks := getattr(sub, name, None), dict)})
     try:
         for unit, _ in units:
             unit.__class__ = plain_class(unit)

@@ -296,13 +296,15 @@ class PlanMixin:
         """The arm's old log-probs ``[B, K]`` for a pre-shuffle batch (arms A-F, H)."""
         if self._gap_state.arm.takes_layers and self._gap_state.plan is None:
             # guided without layer ids: choose the top-k layers on the first generation batch
+            from bloggap_plugin.core import attribution
+
             n_layers = int(getattr(self._gap_policy().config, "num_hidden_layers", self._gap_state.config.k))
-            plan = self._gap_make_plan("guided", layers="auto", k=min(self._gap_state.config.k, n_layers),
-                                       calibration=(input_ids[:8], attention_mask[:8]))
-            chosen = self._gap_agree_layers(list(plan.stats()["layers"]))
-            if chosen != list(plan.stats()["layers"]):  # another process's rows chose differently
-                plan.close()
-                plan = self._gap_make_plan("guided", layers=chosen, k=len(chosen))
+            profile = attribution.divergence_profile(self._gap_policy(), input_ids[:8], attention_mask[:8])
+            # every process profiled its own rows: process 0's choice, agreed before any fp32 copy is made (under
+            # FSDP2 the copies are gathered from shards, a collective over the same layers on every process)
+            chosen = self._gap_agree_layers(profile.top_k(min(self._gap_state.config.k, n_layers)))
+            plan = self._gap_make_plan("guided", layers=chosen, k=len(chosen))
+            plan.profile = profile
             self._gap_state.plan = plan
             self._gap_state.plan_step = self._gap_weights_version()
         if self._gap_state.plan is None:
