@@ -66,6 +66,7 @@ def main() -> None:
                              "when every row is truncated)")
     parser.add_argument("--cpu-fsdp", action="store_true",
                         help="under `accelerate launch --use_fsdp`: let accelerate shard on CPU (gloo)")
+    parser.add_argument("--bf16", action="store_true", help="GRPOConfig bf16 (under FSDP2: bf16 mixed precision)")
     parser.add_argument("--disagree-layers", action="store_true",
                         help="arm D with layers chosen automatically: process r's profile prefers layer r")
     args = parser.parse_args()
@@ -122,7 +123,7 @@ def main() -> None:
             output_dir=os.path.join(os.path.dirname(os.path.abspath(args.out)), "trainer_out"),
             per_device_train_batch_size=args.per_device_batch, num_generations=4,
             gradient_accumulation_steps=args.grad_accum, max_completion_length=8, max_steps=args.steps,
-            logging_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no",
+            logging_steps=1, report_to="none", use_cpu=True, bf16=args.bf16, save_strategy="no",
             num_iterations=args.num_iterations, seed=0, learning_rate=1e-3, top_p=args.top_p, top_k=args.top_k,
         )
         trainer = RecordingTrainer(
