@@ -240,6 +240,8 @@ def _launch(args, run: dict, limit: int) -> dict:
                __file__, *flags]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                HF_HUB_OFFLINE="1", CI="true", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        env.setdefault(key, value)  # NVLink multicast stays off (the GPU machine's rule), also in every process
     if args.smoke:
         env["OMP_NUM_THREADS"] = "1"
     start = time.perf_counter()
