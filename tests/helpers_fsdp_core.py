@@ -22,7 +22,7 @@ OVERFLOW_TOKEN = 7
 
 def main() -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=40))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank = dist.get_rank()
     from torch.distributed.fsdp import fully_shard
 

@@ -181,3 +181,17 @@ def test_guided_layers_chosen_differently_are_agreed_before_any_fp32_copy(base):
     records = _read(out)
     assert records[0]["plan_layers"] == records[1]["plan_layers"] == [0]  # process 0 preferred layer 0
     assert math.isfinite(_first_log(records[0])["gap/ratio/oob_frac"])
+
+
+def test_shadows_and_islands_follow_the_sharded_weights_after_an_update(base):
+    """Step 3 generates again after two optimizer steps: B's shadow (synced shard into shard) and E's islands
+    (gathered) must hold the updated weights, so the training forward before the next update matches the old
+    log-probs up to rounding (a stale copy would leave step 2's ~0.1 differences)."""
+    out = base / "synced.json"
+    _launch(out, "--arm", "B,E", "--steps", "3", timeout=200)
+    for arm in ("B", "E"):
+        logs = [h for h in _read(base / f"synced_{arm}.json")[0]["log_history"] if "loss" in h]
+        assert [h["step"] for h in logs] == [1, 2, 3]
+        assert logs[1]["gap/ratio/abs_dlogp_max"] > 1e-2  # step 2: the weights moved since the old log-probs
+        assert logs[2].get("gap/sampler/oob_frac") is not None  # step 3 generated
+        assert logs[2]["gap/ratio/abs_dlogp_max"] < 1e-4, arm

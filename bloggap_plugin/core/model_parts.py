@@ -344,9 +344,8 @@ class _FusedCopy:
             groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
             sources = set()
             for dst, src in pairs():
-                # shard into shard (a sharded shadow), a gathered shard into a full copy (an fp32 island)
-                dst, src = (local_value(dst), local_value(src)) if is_dtensor(dst) and is_dtensor(src) else (dst, src)
-                group = groups.setdefault((dst.device, dst.dtype, src.device, src.dtype, is_dtensor(src)), ([], []))
+                group = groups.setdefault((dst.device, dst.dtype, src.device, src.dtype, is_dtensor(dst),
+                                           is_dtensor(src)), ([], []))
                 group[0].append(dst)
                 group[1].append(src)
                 sources.add(id(src))
@@ -361,7 +360,10 @@ class _FusedCopy:
             self._source = source
             self._units = fsdp_modules(source)
         for dsts, srcs in self._groups:
-            torch._foreach_copy_(dsts, [full_value(src) for src in srcs])
+            if dsts and is_dtensor(dsts[0]):  # a sharded shadow: shard into shard, no communication
+                torch._foreach_copy_([local_value(d) for d in dsts], [local_value(src) for src in srcs])
+            else:  # a full copy (fp32 island) of sharded parameters: gathered (a collective), else as is
+                torch._foreach_copy_(dsts, [full_value(src) for src in srcs])
 
     def clear(self) -> None:
         self._source, self._units, self._slots, self._groups = None, [], [], []
