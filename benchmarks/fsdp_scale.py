@@ -1,14 +1,20 @@
 """The plugin under FSDP2 on two GPUs (issue 17): arms A, B, E, F, G, H, sharded shadows, metrics equal to one process.
 
-One command per device call on ``nvidia-h200-x2`` (each < 10 min; JSON rewritten after every piece, so a time
-limit keeps what finished). From the repo root, with ``$BLOGGAP_GGUF`` set and trl/datasets/gguf on
-``PYTHONPATH`` (as for ``benchmarks/gpu/run_h200.sh``)::
+One command on ``nvidia-h200-x2`` (2 GPUs), from the repo root after the model and wheel calls of
+shared/device/README.md (``$BLOGGAP_GGUF`` set, trl/datasets/gguf on ``PYTHONPATH``, as for
+``benchmarks/gpu/run_h200.sh``)::
 
-    python benchmarks/fsdp_scale.py --out "$OUT/r" --pieces fsdp2,equality,ddp     # ~8 min
-    python benchmarks/fsdp_scale.py --out "$OUT/r" --pieces single,mem1b           # ~5 min
+    python benchmarks/fsdp_scale.py --out "$OUT/r" 2>&1 | tee "$OUT/fsdp_scale.log"
 
-(the second call merges into the same ``fsdp_scale.json`` when ``$OUT/r`` holds the first call's file: copy it
-back first, or keep both files: every piece has its own table). CPU check, tiny model, gloo, < 2 min::
+It runs the pieces in the order below inside ``--budget`` seconds (default 560: one device call), rewriting
+``$OUT/r/fsdp_scale.json`` after every launch, and skips what no longer fits (printed). Copy the JSON to
+``benchmarks/results/h200x2/``; to finish skipped pieces in a second call, put that file back under the output
+folder first (it is read and merged)::
+
+    mkdir -p "$OUT/r" && cp benchmarks/results/h200x2/fsdp_scale.json "$OUT/r/" && \
+        python benchmarks/fsdp_scale.py --out "$OUT/r" --pieces single,mem1b
+
+CPU check, tiny model, gloo, about a minute a piece::
 
     python benchmarks/fsdp_scale.py --smoke --out /tmp/fsdp_scale
 
@@ -384,17 +390,23 @@ def orchestrate(args) -> int:
 
         load_model("smollm2")  # the dense SmolLM2 copy is cached before two processes load it at once
     runs = _piece_runs(args)
+    deadline = time.monotonic() + args.budget
     for piece in pieces:
         for run in runs[piece]:
-            launch = _launch(args, run, args.limit)
+            left = deadline - time.monotonic()
+            if left < 60:
+                print(f"[{NAME}] {run['run']}: skipped, {left:.0f} s of the budget left", flush=True)
+                continue
+            launch = _launch(args, run, int(min(args.limit, left)))
             found = _read_run(args, run)
             if piece == "equality":
                 results.setdefault("equality", {})[run["run"]] = found
                 results["equality"].setdefault("launches", {})[run["run"]] = launch
             else:
                 results[piece] = {"launch": launch, "arms": found, "run": run}
-            document = _document(args, results)
-            document.write(path)
+            _document(args, results).write(path)
+    document = _document(args, results)
+    document.write(path)
     for table in document.tables:
         print(format_text_table(table))
     print(f"wrote {path}")
@@ -412,6 +424,7 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny random model, gloo, 1-2 steps")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per arm")
     parser.add_argument("--limit", type=int, default=300, help="seconds one launch may take before it is killed")
+    parser.add_argument("--budget", type=int, default=560, help="seconds for all pieces (launches stop before it)")
     parser.add_argument("--arms", default=",".join(ARMS), help="worker: comma list of arms")
     parser.add_argument("--model", default="smollm2", help="worker: smollm2, tiny-random-llama or random-1b")
     parser.add_argument("--batch", type=int, default=8, help="worker: per-device batch")

@@ -64,3 +64,14 @@ def test_an_unknown_piece_is_refused_in_one_line(tmp_path):
     assert proc.stderr.strip() == ("unknown piece(s) ['fsdp3']; use a comma list of "
                                    "fsdp2, equality, ddp, single, mem1b")
     assert not (tmp_path / "fsdp_scale.json").exists()
+
+
+
+def test_pieces_that_no_longer_fit_the_budget_are_skipped_and_said(tmp_path):
+    proc = _run("--smoke", "--pieces", "fsdp2,equality", "--budget", "30", "--out", str(tmp_path), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    skipped = [line.split(",")[0] for line in proc.stdout.splitlines() if "of the budget left" in line]
+    assert skipped == ["[fsdp_scale] fsdp2: skipped", "[fsdp_scale] equal_one: skipped",
+                       "[fsdp_scale] equal_two: skipped"]
+    document = json.loads((tmp_path / "fsdp_scale.json").read_text())
+    assert document["results"] == {} and all(table["rows"] == [] for table in document["tables"])
