@@ -26,17 +26,39 @@ def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def test_smoke_equality_piece_writes_the_step_1_comparison(tmp_path):
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    proc = _run("--smoke", "--pieces", "equality", "--out", str(tmp_path))
+    out = tmp_path_factory.mktemp("fsdp_scale")
+    proc = _run("--smoke", "--pieces", "fsdp2,equality", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    document = json.loads((tmp_path / "fsdp_scale.json").read_text())
-    table = next(t for t in document["tables"] if t["id"] == "T17-equality")
+    return json.loads((out / "fsdp_scale.json").read_text())
+
+
+def test_smoke_fsdp2_piece_trains_every_arm_with_the_same_collectives_on_both_processes(smoke):
+    """Arms A-H under FSDP2 (H: fp16 MixedPrecisionPolicy on CPU): both processes finish every arm, hold half
+    the policy, shard the fp32 reference, and took the same number of parameter all-gathers."""
+    table = next(t for t in smoke["tables"] if t["id"] == "T17-fsdp")
+    columns = table["columns"]
+    rows = {row[1]: dict(zip(columns, row, strict=True)) for row in table["rows"] if row[0] == "fsdp2"}
+    assert sorted(rows) == ["A", "B", "E", "F", "G", "H"]
+    for arm, row in rows.items():
+        assert row["ranks"] == "2 ok" and row["shadow sharded"] is True, arm
+        gathers = row["all-gathers per rank"]
+        assert "/" not in gathers and int(gathers) > 0, (arm, gathers)  # one count: the same on both
+    records = smoke["results"]["fsdp2"]["arms"]["B"]
+    for record in records.values():
+        assert record["policy_bytes"] == pytest.approx(record["policy_full_bytes"] / 2, rel=0.05)
+        assert record["plan_bytes"]["ref_plan"] == pytest.approx(2 * record["policy_bytes"], rel=0.05)  # fp32 of bf16
+
+
+def test_smoke_equality_piece_writes_the_step_1_comparison(smoke):
+    table = next(t for t in smoke["tables"] if t["id"] == "T17-equality")
     assert [row[0] for row in table["rows"]] == ["B", "E", "G"]
     for arm, compared, _worst, difference, ok in table["rows"]:
         assert compared >= 15 and difference <= 1e-6 and ok == "yes", arm
-    two = document["results"]["equality"]["equal_two"]["B"]
+    two = smoke["results"]["equality"]["equal_two"]["B"]
     assert {int(r) for r in two} == {0, 1} and two["0"]["distributed_type"] == "DistributedType.FSDP"
     assert two["0"]["shadow_sharded"]["plan"] is True
 
