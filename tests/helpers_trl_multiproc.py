@@ -64,6 +64,8 @@ def main() -> None:
     parser.add_argument("--mask-rank", type=int, default=None,
                         help="this process's completion masks are all zero (as mask_truncated_completions does "
                              "when every row is truncated)")
+    parser.add_argument("--drop-record-rank", type=int, default=None,
+                        help="this process's sampler record is lost (as when generate was replaced: a warning)")
     parser.add_argument("--cpu-fsdp", action="store_true",
                         help="under `accelerate launch --use_fsdp`: let accelerate shard on CPU (gloo)")
     parser.add_argument("--bf16", action="store_true", help="GRPOConfig bf16 (under FSDP2: bf16 mixed precision)")
@@ -104,6 +106,11 @@ def main() -> None:
             self.gap_reduces = getattr(self, "gap_reduces", [])
             self.gap_reduces.append({"kind": kind, "site": site, "step": self.state.global_step,
                                      "local": [float(v) for v in local], "reduced": reduced})
+
+        def _gap_keep_record(self, recorder, sequences, prompt_width):
+            if self.accelerator.process_index == args.drop_record_rank:
+                return  # what a SamplerRecordError leaves: no record, so no sampler or kept-set keys this time
+            super()._gap_keep_record(recorder, sequences, prompt_width)
 
         def _gap_reduce(self, values):
             reduced = super()._gap_reduce(values)

@@ -195,3 +195,17 @@ def test_shadows_and_islands_follow_the_sharded_weights_after_an_update(base):
         assert logs[1]["gap/ratio/abs_dlogp_max"] > 1e-2  # step 2: the weights moved since the old log-probs
         assert logs[2].get("gap/sampler/oob_frac") is not None  # step 3 generated
         assert logs[2]["gap/ratio/abs_dlogp_max"] < 1e-4, arm
+
+
+def test_a_process_whose_sampler_record_was_lost_still_takes_the_kept_set_forward(base):
+    """Process 1 has no sampler record (no gap_kept_* keys, as after a SamplerRecordError warning): the kept-set
+    pass is still taken by both processes; the logged kept statistics are process 0's alone."""
+    out = base / "norecord.json"
+    _launch(out, "--arm", "C", "--drop-record-rank", "1", "--steps", "1", "--num-iterations", "1", timeout=150)
+    records = _read(out)
+    gen = [r for r in records[0]["reduces"] if r["site"] == "_gap_flush_generation" and len(r["local"]) == 14]
+    gen1 = [r for r in records[1]["reduces"] if r["site"] == "_gap_flush_generation" and len(r["local"]) == 14]
+    kept_n = 7
+    assert gen1[0]["local"][kept_n] == 0.0 and gen[0]["local"][kept_n] > 0
+    first = _first_log(records[0])
+    assert first["gap/kept/mass_mean"] == pytest.approx(gen[0]["local"][5] / gen[0]["local"][kept_n], rel=1e-12)

@@ -359,8 +359,9 @@ class PlanMixin:
         entropies = join_tiles(entropy_parts) if compute_entropy else None
         return logps, entropies
 
-    def _gap_trainer_log_mass(self, batch, ids, attn, logits_to_keep, capture) -> torch.Tensor:
-        """The trainer's own log kept mass of the batch's kept sets ``[B, K]`` (one extra scoring, under the arm)."""
+    def _gap_trainer_log_mass(self, batch, ids, attn, logits_to_keep, capture) -> torch.Tensor | None:
+        """The trainer's own log kept mass of the batch's kept sets ``[B, K]`` (one extra scoring, under the arm);
+        ``None`` for a batch without kept sets (the same scoring, taken so that every process takes it)."""
         kept = self._gap_kept_from(batch)
         batch_size = self.args.per_device_train_batch_size
         if self._gap_state.plan is not None:
@@ -368,7 +369,7 @@ class PlanMixin:
             self._gap_plan_scores(plan, ids, attn, logits_to_keep, batch_size, kept, capture)
         else:  # TRL's forward, full vocabulary: the capture holds its log kept mass
             self._gap_trl_scores(ids, attn, logits_to_keep, batch_size, kept, renormalize=False, capture=capture)
-        return join_tiles(capture).to(ids.device)
+        return join_tiles(capture).to(ids.device) if kept is not None else None
 
     def _gap_probe_b1(self, batch, ids, attn, logits_to_keep, rows) -> torch.Tensor:
         kept = self._gap_kept_from(batch, rows)

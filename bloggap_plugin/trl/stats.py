@@ -12,6 +12,7 @@ import math
 import torch
 
 from bloggap_plugin.core import metrics as gap_metrics
+from bloggap_plugin.core.sharding import all_ranks_true
 from bloggap_plugin.trl.state import (
     FallbackCount,
     LossMaxima,
@@ -88,9 +89,14 @@ class StatsMixin:
             maxima.raise_to(sampler_absd_max=float(diff.max()))
         self._gap_is_ratio_metrics(batch)
         # the kept-set pass is a forward: under FSDP2 every process must take it, also one without any completion
-        # token (e.g. mask_truncated_completions with every row truncated); it then adds nothing
-        if state.kept_on and "gap_kept_sizes" in batch:
-            self._gap_kept_metrics(batch, ids, attn, logits_to_keep, old, sampler, mask)
+        # token (e.g. mask_truncated_completions with every row truncated) or without kept sets (its sampler record
+        # was lost, with a warning): such a process takes the same pass and adds nothing
+        has_kept = "gap_kept_sizes" in batch
+        if state.kept_on and not all_ranks_true([not has_kept], self._gap_policy())[0]:
+            if has_kept:
+                self._gap_kept_metrics(batch, ids, attn, logits_to_keep, old, sampler, mask)
+            else:
+                self._gap_trainer_log_mass(batch, ids, attn, logits_to_keep, [])
         probe = batch.get("gap_probe_row")
         if probe is not None and probe.any():
             rows = probe.nonzero().squeeze(-1)
