@@ -15,9 +15,11 @@ import torch
 from torch import nn
 
 from .scoring import output_head, unwrap_model
+from .sharding import fsdp_modules, full_value, is_dtensor, is_sharded, local_value, plain_class, shard_like
 
 __all__ = ["decoder_layers", "final_norm", "output_head", "unwrap_model"]
 
+_FSDP_STATE_KEY = "__composable_api_state_key"  # where fully_shard keeps a module's FSDP state (its __dict__)
 _NORM_NAMES = ("norm", "final_layer_norm", "ln_f", "norm_f", "final_norm")
 _LAYER_LIST_NAMES = ("layers", "h", "blocks", "layer")
 
@@ -93,6 +95,7 @@ def _tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
     for t in tensors:
         if t is None:
             continue
+        t = local_value(t)  # a shard: the bytes this rank holds
         key = (t.untyped_storage().data_ptr(), t.device)
         if key not in seen:
             seen.add(key)
@@ -154,22 +157,25 @@ def _first_floating(obj: Any) -> torch.Tensor | None:
     return None
 
 
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_load_state_dict_pre_hooks",
+)
+
+
 def _strip_instance_patches(module: nn.Module) -> None:
     """Remove instance-level forward patches and hooks copied along with a module (clean forward)."""
     for sub in module.modules():
         for attr in ("forward", "_original_forward", "_old_forward", "_hf_hook"):
             sub.__dict__.pop(attr, None)
-        for hooks in (
-            "_forward_hooks",
-            "_forward_hooks_with_kwargs",
-            "_forward_hooks_always_called",
-            "_forward_pre_hooks",
-            "_forward_pre_hooks_with_kwargs",
-            "_backward_hooks",
-            "_backward_pre_hooks",
-            "_state_dict_hooks",
-            "_load_state_dict_pre_hooks",
-        ):
+        for hooks in _HOOK_DICTS:
             if isinstance(getattr(sub, hooks, None), dict):
                 setattr(sub, hooks, type(getattr(sub, hooks))())
 
@@ -185,14 +191,31 @@ def _module_copy(module: nn.Module, dtype: torch.dtype, device: torch.device) ->
         memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=target, device="meta"), requires_grad=False)
     for b in module.buffers():
         memo[id(b)] = torch.empty(b.shape, dtype=_buffer_dtype(b, dtype), device="meta")
-    clone = copy.deepcopy(module, memo)
+    # an FSDP2 unit is copied as a plain module of its own class: its FSDP state (process groups, shards) stays
+    # behind, and its class (which refuses deepcopy) is the plain one while copying
+    units = [(unit, type(unit)) for unit in fsdp_modules(module)]
+    for unit, _ in units:
+        memo.update({id(v): None for k, v in vars(unit).items() if k.startswith(_FSDP_STATE_KEY)})
+    for sub in module.modules():  # hooks are stripped from the copy anyway (FSDP's hold its state)
+        memo.update({id(hooks): type(hooks)() for name in _HOOK_DICTS
+                     if isinstance(hooks := getattr(sub, name, None), dict)})
+    try:
+        for unit, _ in units:
+            unit.__class__ = plain_class(unit)
+        clone = copy.deepcopy(module, memo)
+    finally:
+        for unit, fsdp_class in units:
+            unit.__class__ = fsdp_class
+    for sub in clone.modules():
+        for key in [k for k in vars(sub) if k.startswith(_FSDP_STATE_KEY)]:
+            delattr(sub, key)
     _strip_instance_patches(clone)
     clone.to_empty(device=device)
     with torch.no_grad():
         for (_, dst), (_, src) in zip(
             clone.named_parameters(remove_duplicate=False), module.named_parameters(remove_duplicate=False)
         ):
-            dst.copy_(src)
+            dst.copy_(full_value(src))  # a sharded parameter: gathered (every rank copies at the same point)
         for (_, dst), (_, src) in zip(
             clone.named_buffers(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
         ):
@@ -219,13 +242,22 @@ def _tie_groups(model: nn.Module) -> list[tuple[str, ...]]:
 def _build_shadow(source: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """A clean module of ``source``'s class in ``dtype`` on ``device`` holding ``source``'s weights.
 
-    Built on the meta device (no random init, no temporary copy), materialised once, filled by ``copy_``.
+    Built on the meta device (no random init, no temporary copy), materialised once, filled by ``copy_``. A
+    policy sharded by FSDP2 gets a shadow sharded the same way (:func:`~bloggap_plugin.core.sharding.shard_like`):
+    each rank materialises only its shards.
     """
     config = getattr(source, "config", None)
-    if config is not None and hasattr(type(source), "_from_config"):
+    cls = plain_class(source)
+    sharded = is_sharded(source)
+    if config is not None and hasattr(cls, "_from_config"):
         with torch.device("meta"):
-            shadow = type(source)._from_config(copy.deepcopy(config), dtype=dtype)
+            shadow = cls._from_config(copy.deepcopy(config), dtype=dtype)
         _strip_instance_patches(shadow)
+    elif sharded:
+        raise ValueError(
+            f"a shadow of an FSDP-sharded {cls.__name__} needs a transformers model (a config and _from_config); "
+            "use an arm without a shadow (A, C, E, G) for this model"
+        )
     else:
         memo: dict[int, Any] = {}
         for p in source.parameters():
@@ -237,6 +269,10 @@ def _build_shadow(source: nn.Module, dtype: torch.dtype, device: torch.device) -
         _strip_instance_patches(shadow)
     # Parameters keep the dtype the class gives them under ``dtype`` (as ``from_pretrained(dtype=...)`` would,
     # including any ``_keep_in_fp32_modules``); to_empty materialises them once on ``device``.
+    if sharded:
+        if hasattr(shadow, "tie_weights"):
+            shadow.tie_weights()  # tied before sharding: FSDP2 keeps a shared parameter in one unit
+        shard_like(shadow, source)
     shadow.to_empty(device=device)
     if hasattr(shadow, "tie_weights"):
         shadow.tie_weights()
@@ -294,6 +330,7 @@ class _FusedCopy:
 
     def __init__(self) -> None:
         self._source: nn.Module | None = None
+        self._units: list[nn.Module] = []  # the source's FSDP2 units (resharded before each copy)
         self._slots: list[tuple[dict, str, torch.Tensor]] = []  # (module._parameters/_buffers, key, tensor)
         self._groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
 
@@ -301,11 +338,14 @@ class _FusedCopy:
         return source is self._source and all(slots.get(key) is tensor for slots, key, tensor in self._slots)
 
     def __call__(self, source: nn.Module, pairs: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        for unit in self._units if source is self._source else fsdp_modules(source):
+            unit.reshard()  # FSDP2: the module holds its shards again (see core.sharding)
         if not self._valid_for(source):
             groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
             sources = set()
             for dst, src in pairs():
-                group = groups.setdefault((dst.device, dst.dtype, src.device, src.dtype), ([], []))
+                group = groups.setdefault((dst.device, dst.dtype, src.device, src.dtype, is_dtensor(dst),
+                                           is_dtensor(src)), ([], []))
                 group[0].append(dst)
                 group[1].append(src)
                 sources.add(id(src))
@@ -318,8 +358,12 @@ class _FusedCopy:
             ]
             self._groups = list(groups.values())
             self._source = source
+            self._units = fsdp_modules(source)
         for dsts, srcs in self._groups:
-            torch._foreach_copy_(dsts, srcs)
+            if dsts and is_dtensor(dsts[0]):  # a sharded shadow: shard into shard, no communication
+                torch._foreach_copy_([local_value(d) for d in dsts], [local_value(src) for src in srcs])
+            else:  # a full copy (fp32 island) of sharded parameters: gathered (a collective), else as is
+                torch._foreach_copy_(dsts, [full_value(src) for src in srcs])
 
     def clear(self) -> None:
-        self._source, self._slots, self._groups = None, [], []
+        self._source, self._units, self._slots, self._groups = None, [], [], []

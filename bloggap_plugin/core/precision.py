@@ -77,6 +77,7 @@ from .scoring import (
     token_logprobs,
     unwrap_model,
 )
+from .sharding import all_ranks_true, is_sharded, reshard
 
 __all__ = [
     "ARMS",
@@ -188,6 +189,8 @@ class ScoringPlan:
         self._tf32_option = tf32
         self._policy_call = policy  # what the caller passed (wrapped or not): arm A calls exactly this
         self._source = unwrap_model(policy)
+        reshard(self._source)  # FSDP2: the plan is built from the shards (core.sharding); no-op otherwise
+        self.sharded = is_sharded(self._source)  # made from a sharded policy (a later fully_shard needs a new plan)
         self._fp16_guard = bool(fp16_guard)
         self.fp16_fallbacks = 0
         self._fallback: ScoringPlan | None = None
@@ -276,23 +279,21 @@ class ScoringPlan:
             )
         if guard and finite:
             chunk_ok = torch.stack([torch.stack(flags).all() for flags in finite.values()]).cpu().tolist()
-            for (start, stop), ok in zip(finite, chunk_ok):
-                if ok:
+            # sharded (FSDP2): a chunk is re-scored on every rank if it overflowed on any (the fp32 forward is a
+            # collective); a rank whose own chunk was finite discards the re-score
+            any_ok = all_ranks_true(chunk_ok, self._source)
+            for (start, stop), ok, all_ok in zip(finite, chunk_ok, any_ok):
+                if all_ok:
                     continue
                 rows = slice(start, stop)
                 sub_reduce = _shifted_reduce(reduce, start) if reduce is not None else None
-                result[rows] = (
-                    self._fp32_fallback()
-                    .token_logprobs(
-                        input_ids[rows],
-                        attention_mask[rows],
-                        logits_to_keep,
-                        batch_size=None,
-                        reduce=sub_reduce,
-                        **options,
-                    )
-                    .to(result.device)
+                rescored = self._fp32_fallback().token_logprobs(
+                    input_ids[rows], attention_mask[rows], logits_to_keep, batch_size=None, reduce=sub_reduce,
+                    **options,
                 )
+                if ok:
+                    continue
+                result[rows] = rescored.to(result.device)
                 self.fp16_fallbacks += 1
         return result.to(out_device)
 
@@ -410,6 +411,7 @@ class _ShadowPlan(ScoringPlan):
         stack = contextlib.ExitStack()
         for device_type in {self._shadow_device.type, "cpu"}:
             stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+        stack.callback(reshard, self.shadow)  # FSDP2: free the units a forward left gathered (core.sharding)
         return stack
 
     def _computes_fp16(self) -> bool:

@@ -28,6 +28,7 @@ from .model_parts import (
 )
 from .precision import ScoringPlan
 from .scoring import output_head
+from .sharding import full_value, is_dtensor, is_sharded
 
 __all__ = ["UpcastPlan"]
 
@@ -75,18 +76,20 @@ class _Fp32Head(nn.Module):
         super().__init__()
         self.in_features = head.weight.shape[1]
         self.out_features = head.weight.shape[0]
-        self.owns_weight = head.weight.dtype != torch.float32
-        weight = head.weight.detach()
+        # a sharded (FSDP2) weight: a full fp32 copy gathered from the shards, refreshed (gathered) on sync
+        self.owns_weight = head.weight.dtype != torch.float32 or is_dtensor(head.weight)
+        weight = full_value(head.weight.detach())
         self.register_buffer(
             "weight32", weight.float().clone() if self.owns_weight else weight, persistent=False
         )
         bias = getattr(head, "bias", None)
-        self.owns_bias = bias is not None and bias.dtype != torch.float32
+        self.owns_bias = bias is not None and (bias.dtype != torch.float32 or is_dtensor(bias))
         if bias is None:
             self.bias32 = None
         else:
+            bias = full_value(bias.detach())
             self.register_buffer(
-                "bias32", bias.detach().float().clone() if self.owns_bias else bias.detach(), persistent=False
+                "bias32", bias.float().clone() if self.owns_bias else bias, persistent=False
             )
 
     @property
@@ -95,9 +98,9 @@ class _Fp32Head(nn.Module):
 
     def refresh(self, head: nn.Module) -> None:
         if self.owns_weight:
-            self.weight32.copy_(head.weight)
+            self.weight32.copy_(full_value(head.weight))
         if self.owns_bias:
-            self.bias32.copy_(head.bias)
+            self.bias32.copy_(full_value(head.bias))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         with contextlib.ExitStack() as stack:
@@ -167,8 +170,10 @@ class _UpcastPlan(ScoringPlan):
 
     def _fp32_version(self, live: nn.Module, device: torch.device) -> nn.Module:
         params = list(live.parameters())
-        if params and all(p.dtype == torch.float32 for p in params if p.is_floating_point()):
-            return live  # already fp32 (fp32 weights under autocast): run it as is, autocast off
+        # already fp32 (fp32 weights under autocast): run it as is, autocast off; a sharded (FSDP2) module is
+        # copied (gathered) instead: FSDP's mixed precision would gather its fp32 shards in the compute dtype
+        if params and all(p.dtype == torch.float32 for p in params if p.is_floating_point()) and not is_sharded(live):
+            return live
         clone = _module_copy(live, torch.float32, device)
         self._owned.append((clone, live))
         return clone

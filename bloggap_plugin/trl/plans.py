@@ -12,6 +12,7 @@ import warnings
 import torch
 
 from bloggap_plugin.core.scoring import gather_logprobs, join_tiles, position_ids_from_mask, token_logprobs
+from bloggap_plugin.core.sharding import is_sharded, reshard
 from bloggap_plugin.recipes import RecipeError
 from bloggap_plugin.trl.state import fit_width
 
@@ -133,18 +134,37 @@ class PlanMixin:
     def _gap_weights_version(self) -> tuple:
         """What identifies the policy's current weights: the optimizer step plus every parameter's identity and
         in-place version counter (bumped by the optimizer, ``load_state_dict`` on resume, any ``copy_``/``mul_``)."""
-        return (self.state.global_step, tuple((id(p), p._version) for p in self._gap_policy().parameters()))
+        policy = self._gap_policy()
+        reshard(policy)  # FSDP2: read the shards' versions, not those of gathered copies (core.sharding)
+        return (self.state.global_step, tuple((id(p), p._version) for p in policy.parameters()))
 
     def _gap_synced(self, plan, attr: str):
         """``plan``, refreshed from the policy unless it already holds the current weights version (the state's
         ``attr``, ``"plan_step"`` or ``"ref_step"``, stores the version it was last synced at; ``None``, as after
         attach, always syncs)."""
         if plan is not None:
+            plan = self._gap_sharded_like_policy(plan)
             version = self._gap_weights_version()
             if getattr(self._gap_state, attr) != version:
                 plan.sync(self._gap_policy())
                 setattr(self._gap_state, attr, version)
         return plan
+
+    def _gap_sharded_like_policy(self, plan):
+        """``plan``, or a new one in its place (the state's fields updated, the old one closed) when the policy was
+        sharded since it was made: ``accelerator.prepare`` applies FSDP2's ``fully_shard`` after attach, and a plan
+        made before would hold full copies (B, F) or the replaced parameters themselves (E, D)."""
+        if plan.arm == "bf16" or plan.sharded == is_sharded(self._gap_policy()):
+            return plan
+        guided = {"layers": list(plan.layers), "k": len(plan.layers)} if plan.arm == "guided" else {}
+        rebuilt = self._gap_make_plan(plan.arm, tf32=plan._tf32_option, **guided)
+        state = self._gap_state
+        for field, step in (("plan", "plan_step"), ("ref_plan", "ref_step")):
+            if getattr(state, field) is plan:
+                setattr(state, field, rebuilt)
+                setattr(state, step, None)
+        plan.close()
+        return rebuilt
 
     def _gap_reference_plan(self):
         """The fp32 batch-1 reference's plan (IEEE fp32), synced: the arm's own fp32 shadow where it is one."""
@@ -276,13 +296,15 @@ class PlanMixin:
         """The arm's old log-probs ``[B, K]`` for a pre-shuffle batch (arms A-F, H)."""
         if self._gap_state.arm.takes_layers and self._gap_state.plan is None:
             # guided without layer ids: choose the top-k layers on the first generation batch
+            from bloggap_plugin.core import attribution
+
             n_layers = int(getattr(self._gap_policy().config, "num_hidden_layers", self._gap_state.config.k))
-            plan = self._gap_make_plan("guided", layers="auto", k=min(self._gap_state.config.k, n_layers),
-                                       calibration=(input_ids[:8], attention_mask[:8]))
-            chosen = self._gap_agree_layers(list(plan.stats()["layers"]))
-            if chosen != list(plan.stats()["layers"]):  # another process's rows chose differently
-                plan.close()
-                plan = self._gap_make_plan("guided", layers=chosen, k=len(chosen))
+            profile = attribution.divergence_profile(self._gap_policy(), input_ids[:8], attention_mask[:8])
+            # every process profiled its own rows: process 0's choice, agreed before any fp32 copy is made (under
+            # FSDP2 the copies are gathered from shards, a collective over the same layers on every process)
+            chosen = self._gap_agree_layers(profile.top_k(min(self._gap_state.config.k, n_layers)))
+            plan = self._gap_make_plan("guided", layers=chosen, k=len(chosen))
+            plan.profile = profile
             self._gap_state.plan = plan
             self._gap_state.plan_step = self._gap_weights_version()
         if self._gap_state.plan is None:
@@ -337,8 +359,9 @@ class PlanMixin:
         entropies = join_tiles(entropy_parts) if compute_entropy else None
         return logps, entropies
 
-    def _gap_trainer_log_mass(self, batch, ids, attn, logits_to_keep, capture) -> torch.Tensor:
-        """The trainer's own log kept mass of the batch's kept sets ``[B, K]`` (one extra scoring, under the arm)."""
+    def _gap_trainer_log_mass(self, batch, ids, attn, logits_to_keep, capture) -> torch.Tensor | None:
+        """The trainer's own log kept mass of the batch's kept sets ``[B, K]`` (one extra scoring, under the arm);
+        ``None`` for a batch without kept sets (the same scoring, taken so that every process takes it)."""
         kept = self._gap_kept_from(batch)
         batch_size = self.args.per_device_train_batch_size
         if self._gap_state.plan is not None:
@@ -346,7 +369,7 @@ class PlanMixin:
             self._gap_plan_scores(plan, ids, attn, logits_to_keep, batch_size, kept, capture)
         else:  # TRL's forward, full vocabulary: the capture holds its log kept mass
             self._gap_trl_scores(ids, attn, logits_to_keep, batch_size, kept, renormalize=False, capture=capture)
-        return join_tiles(capture).to(ids.device)
+        return join_tiles(capture).to(ids.device) if kept is not None else None
 
     def _gap_probe_b1(self, batch, ids, attn, logits_to_keep, rows) -> torch.Tensor:
         kept = self._gap_kept_from(batch, rows)

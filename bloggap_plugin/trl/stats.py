@@ -12,6 +12,7 @@ import math
 import torch
 
 from bloggap_plugin.core import metrics as gap_metrics
+from bloggap_plugin.core.sharding import all_ranks_true
 from bloggap_plugin.trl.state import (
     FallbackCount,
     LossMaxima,
@@ -87,8 +88,15 @@ class StatsMixin:
             sums.sampler_absd += float(diff.sum())
             maxima.raise_to(sampler_absd_max=float(diff.max()))
         self._gap_is_ratio_metrics(batch)
-        if state.kept_on and "gap_kept_sizes" in batch and mask.any():
-            self._gap_kept_metrics(batch, ids, attn, logits_to_keep, old, sampler, mask)
+        # the kept-set pass is a forward: under FSDP2 every process must take it, also one without any completion
+        # token (e.g. mask_truncated_completions with every row truncated) or without kept sets (its sampler record
+        # was lost, with a warning): such a process takes the same pass and adds nothing
+        has_kept = "gap_kept_sizes" in batch
+        if state.kept_on and not all_ranks_true([not has_kept], self._gap_policy())[0]:
+            if has_kept:
+                self._gap_kept_metrics(batch, ids, attn, logits_to_keep, old, sampler, mask)
+            else:
+                self._gap_trainer_log_mass(batch, ids, attn, logits_to_keep, [])
         probe = batch.get("gap_probe_row")
         if probe is not None and probe.any():
             rows = probe.nonzero().squeeze(-1)
@@ -118,11 +126,6 @@ class StatsMixin:
         sums, maxima, band = state.gen_sums, state.gen_maxima, state.config.band
         log_mass = batch["gap_sampler_log_kept_mass"]
         sizes = batch["gap_kept_sizes"]
-        sums.kept_mass_sum += float(torch.exp(log_mass.double())[mask].sum())
-        sums.kept_size_sum += float(sizes.double()[mask].sum())
-        sums.kept_n += int(mask.sum())
-        maxima.raise_to(kept_mass_neg_min=-float(torch.exp(log_mass.double())[mask].min()),
-                      kept_size_max=float(sizes[mask].max()))
         # before: trainer full-vocabulary vs sampler; after: renormalised over the kept set
         capture: list = []
         if state.renormalize:
@@ -131,6 +134,13 @@ class StatsMixin:
         else:
             before = old
             after = old - self._gap_trainer_log_mass(batch, ids, attn, logits_to_keep, capture)
+        if not mask.any():
+            return
+        sums.kept_mass_sum += float(torch.exp(log_mass.double())[mask].sum())
+        sums.kept_size_sum += float(sizes.double()[mask].sum())
+        sums.kept_n += int(mask.sum())
+        maxima.raise_to(kept_mass_neg_min=-float(torch.exp(log_mass.double())[mask].min()),
+                      kept_size_max=float(sizes[mask].max()))
         sums.kept_ratio_before_sum += float(torch.exp(before.double() - sampler.double())[mask].sum())
         sums.kept_ratio_after_sum += float(torch.exp(after.double() - sampler.double())[mask].sum())
         sums.kept_oob_before += gap_metrics.oob_count(before, sampler, mask, band)[0]

@@ -1,0 +1,442 @@
+"""The plugin under FSDP2 on two GPUs (issue 17): arms A, B, E, F, G, H, sharded shadows, metrics equal to one process.
+
+One command on ``nvidia-h200-x2`` (2 GPUs), from the repo root after the model and wheel calls of
+shared/device/README.md (``$BLOGGAP_GGUF`` set, trl/datasets/gguf on ``PYTHONPATH``, as for
+``benchmarks/gpu/run_h200.sh``)::
+
+    python benchmarks/fsdp_scale.py --out "$OUT/r" 2>&1 | tee "$OUT/fsdp_scale.log"
+
+It runs the pieces in the order below inside ``--budget`` seconds (default 560: one device call), rewriting
+``$OUT/r/fsdp_scale.json`` after every launch, and skips what no longer fits (printed). Copy the JSON to
+``benchmarks/results/h200x2/``; to finish skipped pieces in a second call, put that file back under the output
+folder first (it is read and merged)::
+
+    mkdir -p "$OUT/r" && cp benchmarks/results/h200x2/fsdp_scale.json "$OUT/r/" && \
+        python benchmarks/fsdp_scale.py --out "$OUT/r" --pieces single,mem1b
+
+CPU check, tiny model, gloo, about a minute a piece::
+
+    python benchmarks/fsdp_scale.py --smoke --out /tmp/fsdp_scale
+
+Pieces (each an ``accelerate launch`` of this file's ``worker`` with ``benchmarks/gpu/accelerate_*.yaml``):
+
+- ``fsdp2``: 2 processes, FSDP2 full shard (``fsdp_version: 2``), arms A B E F G H x ``--steps`` on SmolLM2,
+  per-device batch 8 (global 32 rows per generation): s/step, plugin overhead, gap/* means, per-rank bytes of the
+  policy's shards and of each plan (shadows sharded like the policy), per-rank CUDA peak, all-gathers per rank;
+- ``ddp``: the same arms with plain data parallelism (2 processes, no sharding), the contrast;
+- ``single``: the same arms on 1 GPU with the same global batch (per-device 16): overhead at 1 GPU vs 2;
+- ``equality``: 1 process (per-device 8) vs 2 FSDP2 processes (per-device 4), fp32, ``top_k 1`` (same tokens),
+  every row probed, 1 step: the largest |difference| of every logged gap/* value (the issue asks <= 1e-6);
+- ``mem1b``: a random-init ~1B Llama shape (16 layers, hidden 2048, SmolLM2's vocabulary) under FSDP2, arms A B F,
+  3 steps: per-rank peak memory and plan bytes of the shadows vs the policy.
+
+DeepSpeed ZeRO-3 (issue item 4): the GPU image has no deepspeed (shared/device/README.md lists what it has) and
+DeepSpeed compiles ops at install; it is not measured here.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = "fsdp_scale"
+ARMS = ("A", "B", "E", "F", "G", "H")
+PIECES = ("fsdp2", "equality", "ddp", "single", "mem1b")
+CONFIGS = {"fsdp2": ROOT / "benchmarks" / "gpu" / "accelerate_fsdp2.yaml",
+           "ddp": ROOT / "benchmarks" / "gpu" / "accelerate_ddp.yaml"}
+# bitwise or wall-clock statistics: not fixed by the maths when the batch shape changes
+NOT_EQUAL_BY_MATHS = ("gap/ratio/exact_frac", "gap/time/scoring_s", "gap/time/overhead_frac", "gap/time/old_pass_s")
+MEANS = ("step_time", "gap/time/scoring_s", "gap/time/overhead_frac", "gap/ratio/oob_frac", "gap/sampler/oob_frac",
+         "gap/probe/oob_b1_vs_bN", "gap/clip/flip_frac", "reward")
+MIB = 2**20
+
+
+def force_cpu_fsdp() -> None:
+    """Let ``accelerate launch --use_fsdp`` shard on CPU (gloo): accelerate 1.15 picks FSDP only for GPU-like
+    devices and falls back to plain DDP (``MULTI_CPU``) on CPU. Call before the ``Accelerator`` exists (before
+    the trainer); a no-op where accelerate already chose FSDP. Tests and ``--smoke`` only."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    original = AcceleratorState.__init__
+    if getattr(original, "_bloggap_cpu_fsdp", False):
+        return
+
+    def init(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            # PartialState's shared dict is copied into AcceleratorState on every construction: set both
+            PartialState._shared_state["distributed_type"] = self.distributed_type = DistributedType.FSDP
+            if self._mixed_precision != "no":  # what accelerate does on GPUs: FSDP2's MixedPrecisionPolicy
+                fsdp_plugin.set_mixed_precision(self._mixed_precision)
+            self.fsdp_plugin = fsdp_plugin
+
+    init._bloggap_cpu_fsdp = True
+    AcceleratorState.__init__ = init
+
+
+# ---------------------------------------------------------------------------------------------- worker (per rank)
+def _random_1b(tokenizer, device: str):
+    """A random-init Llama of ~1.07B parameters (16 x hidden 2048, MLP 8192, GQA 32/8 heads, tied embeddings)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
+                         max_position_embeddings=2048, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    with torch.device(device):
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _count_all_gathers() -> list[int]:
+    """Count FSDP2's parameter all-gathers (``torch.distributed.all_gather_single`` in torch 2.13,
+    ``all_gather_into_tensor`` before) in a one-item list."""
+    import torch.distributed as dist
+
+    count = [0]
+    for name in ("all_gather_single", "all_gather_into_tensor"):
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def counted(*args, original=original, **kwargs):
+            count[0] += 1
+            return original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    return count
+
+
+def _rank_record(trainer, arm: str, wall: float, gathers: int, device: str) -> dict:
+    """What one process measured for one arm (bytes are this process's; log values are the reduced ones)."""
+    import torch
+
+    from bloggap_plugin.core.sharding import is_dtensor
+
+    state = trainer._gap_state
+    plans = {"plan": state.plan, "ref_plan": state.ref_plan}
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    means = {}
+    for key in MEANS:
+        values = [h[key] for h in history if isinstance(h.get(key), (int, float)) and h[key] == h[key]]
+        means[key] = sum(values) / len(values) if values else None
+    params = list(trainer.model.parameters())
+    return {
+        "arm": arm, "rank": trainer.accelerator.process_index, "num_processes": trainer.accelerator.num_processes,
+        "distributed_type": str(trainer.accelerator.distributed_type), "steps": trainer.state.global_step,
+        "wall_s": wall, "means": means, "first_log": history[0] if history else None,
+        "policy_bytes": sum(p.to_local().nbytes if is_dtensor(p) else p.nbytes for p in params),
+        "policy_full_bytes": sum(p.nbytes for p in params),
+        "plan_bytes": {k: p.stats()["bytes_added"] for k, p in plans.items() if p is not None},
+        "shadow_sharded": {k: any(is_dtensor(t) for t in p.shadow.parameters())
+                           for k, p in plans.items() if getattr(p, "shadow", None) is not None},
+        "peak_bytes": torch.cuda.max_memory_allocated(device) if device.startswith("cuda") else None,
+        "all_gathers": gathers,
+    }
+
+
+def _train_arm(args, arm: str, device: str, gathers: list[int]) -> dict:
+    import torch
+
+    from bloggap_plugin.models import load_model
+    from bloggap_plugin.tasks import get_task
+    from bloggap_plugin.trl.callback import GapGRPOTrainer
+    from bloggap_plugin.trl.train import prepare_run
+
+    overrides = dict(per_device_train_batch_size=args.batch, num_generations=args.generations,
+                     max_completion_length=args.completion, gradient_accumulation_steps=2, num_iterations=2)
+    gap_overrides = None
+    if args.equal:  # same tokens in every run (argmax), every row probed, fp32, one micro-batch per step
+        overrides.update(top_k=1, bf16=False, fp16=False, gradient_accumulation_steps=1, num_iterations=1)
+        gap_overrides = {"probe_rows": args.batch}
+    plan = prepare_run(ROOT / "recipes" / f"arm_{arm}.yaml", model="tiny-random-llama" if args.smoke else "smollm2",
+                       task="arith", max_steps=args.steps, output_dir=str(Path(args.out) / "trainer" / arm), seed=0,
+                       device=device, extra_overrides=overrides, gap_overrides=gap_overrides)
+    dtype = "fp32" if args.equal else plan.dtype
+    if args.model == "random-1b":
+        tokenizer = load_model("smollm2", dtype="fp32")[1]
+        policy = _random_1b(tokenizer, device)
+    else:
+        policy, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    policy.train()
+    dataset, rewards = get_task("arith", tokenizer, seed=0)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+    trainer = GapGRPOTrainer(model=policy, reward_funcs=rewards, args=plan.args, train_dataset=dataset,
+                             processing_class=tokenizer, gap=plan.gap)
+    before, start = gathers[0], time.perf_counter()
+    trainer.train()
+    record = _rank_record(trainer, arm, time.perf_counter() - start, gathers[0] - before, device)
+    trainer._gap_close()
+    trainer.accelerator.wait_for_everyone()
+    return record
+
+
+def worker(args) -> int:
+    """One process of a piece: train each arm, write ``<out>/<arm>.rank<r>.json`` after each."""
+    if args.smoke:
+        force_cpu_fsdp()
+    import torch
+
+    torch.set_num_threads(1) if args.smoke else None
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = "cpu" if args.smoke or not torch.cuda.is_available() else f"cuda:{local}"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(local)
+    gathers = _count_all_gathers()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    for arm in args.arms.split(","):
+        try:
+            record = _train_arm(args, arm, device, gathers)
+        except Exception as err:  # one arm failing must not lose the others (a hang is the launcher's timeout)
+            record = {"arm": arm, "rank": rank, "error": repr(err)[:2000]}
+            print(f"[{NAME}] rank {rank} arm {arm} failed: {err!r}", flush=True)
+        (out / f"{arm}.rank{rank}.json").write_text(json.dumps(record, default=str))
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- orchestrator
+def _piece_runs(args) -> dict[str, list[dict]]:
+    """piece -> runs: ``{"run", "processes", "config", "batch", "arms", "model", "steps", "equal"}``."""
+    smoke = args.smoke
+    model = "tiny-random-llama" if smoke else "smollm2"
+    steps = 2 if smoke else args.steps
+    arms = ",".join(ARMS)
+    batch, generations, completion = (4, 4, 8) if smoke else (8, 8, 32)
+    common = {"model": model, "steps": steps, "arms": arms, "generations": generations, "completion": completion,
+              "equal": False}
+    equal = {**common, "arms": "B,E,G", "steps": 1, "equal": True, "generations": 4}  # 2 prompts: 1 per process
+    return {
+        "fsdp2": [{**common, "run": "fsdp2", "processes": 2, "config": "fsdp2", "batch": batch}],
+        "ddp": [{**common, "run": "ddp", "processes": 2, "config": "ddp", "batch": batch}],
+        "single": [{**common, "run": "single", "processes": 1, "config": None, "batch": 2 * batch}],
+        "equality": [{**equal, "run": "equal_one", "processes": 1, "config": None, "batch": 2 * batch},
+                     {**equal, "run": "equal_two", "processes": 2, "config": "fsdp2", "batch": batch}],
+        "mem1b": [{**common, "run": "mem1b", "processes": 2, "config": "fsdp2", "batch": 4 if not smoke else batch,
+                   "generations": 4, "model": "random-1b" if not smoke else model, "arms": "A,B,F",
+                   "steps": 3 if not smoke else 1}],
+    }
+
+
+def _launch(args, run: dict, limit: int) -> dict:
+    """Run one worker launch under ``limit`` seconds; ``{"rc", "wall_s", "log_tail"}``."""
+    folder = Path(args.out) / "runs" / run["run"]
+    flags = ["worker", "--out", str(folder), "--arms", run["arms"], "--model", run["model"], "--steps",
+             str(run["steps"]), "--batch", str(run["batch"]), "--generations", str(run["generations"]),
+             "--completion", str(run["completion"])] + (["--equal"] if run["equal"] else []) + \
+        (["--smoke"] if args.smoke else [])
+    if run["processes"] == 1:
+        cmd = [sys.executable, __file__, *flags]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS[run["config"]]),
+               "--num_processes", str(run["processes"]), "--main_process_port", str(29500 + os.getpid() % 1000),
+               __file__, *flags]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               HF_HUB_OFFLINE="1", CI="true", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        env.setdefault(key, value)  # NVLink multicast stays off (the GPU machine's rule), also in every process
+    if args.smoke:
+        env["OMP_NUM_THREADS"] = "1"
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
+        rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
+    except subprocess.TimeoutExpired as err:
+        rc, tail = 124, f"timed out after {limit} s: {str(err.stderr)[-3000:]}"
+    print(f"[{NAME}] {run['run']}: rc {rc} in {time.perf_counter() - start:.0f} s", flush=True)
+    if rc != 0:
+        print(tail, flush=True)
+    return {"rc": rc, "wall_s": time.perf_counter() - start, "log_tail": tail if rc != 0 else None}
+
+
+def _read_run(args, run: dict) -> dict[str, dict[int, dict]]:
+    """arm -> rank -> the worker's record (missing files: arms that did not finish)."""
+    folder = Path(args.out) / "runs" / run["run"]
+    found: dict[str, dict[int, dict]] = {}
+    for arm in run["arms"].split(","):
+        for rank in range(run["processes"]):
+            path = folder / f"{arm}.rank{rank}.json"
+            if path.is_file():
+                found.setdefault(arm, {})[rank] = json.loads(path.read_text())
+    return found
+
+
+def _mib(value) -> float | None:
+    return None if value is None else round(value / MIB, 3)
+
+
+def _pct(value) -> float | None:
+    return None if value is None else round(100.0 * value, 2)
+
+
+def _arm_rows(results: dict) -> list[list]:
+    """One row per (run, arm) of the training pieces."""
+    rows = []
+    for run in ("fsdp2", "ddp", "single", "mem1b"):
+        for arm, ranks in results.get(run, {}).get("arms", {}).items():
+            errors = [r["error"] for r in ranks.values() if "error" in r]
+            zero = ranks.get(0, {})
+            if errors or not zero:
+                rows.append([run, arm, f"{len(ranks)} ranks, error: {errors[0][:120] if errors else 'missing'}"]
+                            + [None] * 11)
+                continue
+            means = zero["means"]
+            plan_bytes = max((r["plan_bytes"].get("plan", 0) for r in ranks.values()), default=0)
+            ref_bytes = max((r["plan_bytes"].get("ref_plan", 0) for r in ranks.values()), default=0)
+            peaks = [r["peak_bytes"] for r in ranks.values() if r.get("peak_bytes") is not None]
+            gathers = sorted({r["all_gathers"] for r in ranks.values()})
+            rows.append([
+                run, arm, f"{len(ranks)} ok", round(means["step_time"] or 0.0, 3),
+                round(means["gap/time/scoring_s"] or 0.0, 3), _pct(means["gap/time/overhead_frac"]),
+                _pct(means["gap/ratio/oob_frac"]), _pct(means["gap/sampler/oob_frac"]),
+                _mib(max(r["policy_bytes"] for r in ranks.values())), _mib(plan_bytes), _mib(ref_bytes),
+                any(v for r in ranks.values() for v in r["shadow_sharded"].values()),
+                _mib(max(peaks)) if peaks else None, "/".join(str(g) for g in gathers),
+            ])
+    return rows
+
+
+def _equality_rows(results: dict) -> list[list]:
+    """Per arm: the largest |2-process - 1-process| over the logged gap/* values of step 1."""
+    one = results.get("equality", {}).get("equal_one", {})
+    two = results.get("equality", {}).get("equal_two", {})
+    rows = []
+    for arm in sorted(set(one) | set(two)):
+        single = (one.get(arm, {}).get(0) or {}).get("first_log")
+        pooled = (two.get(arm, {}).get(0) or {}).get("first_log")
+        if not single or not pooled:
+            rows.append([arm, None, None, None, "missing"])
+            continue
+        keys = sorted(k for k in single if k.startswith("gap/") and k not in NOT_EQUAL_BY_MATHS)
+        diffs = {k: abs(pooled[k] - single[k]) for k in keys
+                 if isinstance(single.get(k), (int, float)) and isinstance(pooled.get(k), (int, float))}
+        missing = [k for k in keys if k not in diffs and single.get(k) != pooled.get(k)]
+        worst = max(diffs, key=diffs.get) if diffs else None
+        ok = not missing and all(d <= 1e-6 for d in diffs.values())
+        rows.append([arm, len(diffs), worst, diffs.get(worst), "yes" if ok else f"no {missing[:3]}"])
+    return rows
+
+
+ARM_COLUMNS = ["run", "arm", "ranks", "s/step", "plugin s/step", "overhead %", "ratio OOB %", "sampler OOB %",
+               "policy MiB/rank", "plan MiB/rank", "fp32 ref MiB/rank", "shadow sharded", "peak MiB/rank (max)",
+               "all-gathers per rank"]
+
+
+def _document(args, results: dict):
+    from bloggap_plugin.envinfo import environment_record
+    from bloggap_plugin.results import ResultDocument
+
+    tables = [
+        {"id": "T17-fsdp", "title": "The plugin under FSDP2 (2 processes), plain DDP (2) and 1 GPU, same global batch",
+         "columns": ARM_COLUMNS, "rows": _arm_rows(results), "reference": None, "random_init": args.smoke,
+         "notes": ("Means over logged steps. policy/plan MiB per rank: the bytes this process holds (shards under "
+                   "FSDP2); plan: the arm's shadow or fp32 islands, fp32 ref: the probe rows' fp32 reference "
+                   "shadow. peak: torch.cuda.max_memory_allocated over the arm's run. all-gathers per rank: "
+                   "FSDP2 parameter all-gathers counted on each process; one value = every process took the same "
+                   "collectives. mem1b: random-init ~1B Llama shape (timing and memory only).")},
+        {"id": "T17-equality", "title": "Step 1: gap/* of 2 FSDP2 processes vs 1 process, same global batch",
+         "columns": ["arm", "values compared", "largest difference at", "|difference|", "<= 1e-6"],
+         "rows": _equality_rows(results), "reference": None, "random_init": args.smoke,
+         "notes": ("fp32, top_k 1 (both runs sample the same tokens), every row probed, before any optimizer step. "
+                   f"Not compared (bitwise or wall-clock): {', '.join(NOT_EQUAL_BY_MATHS)}.")},
+    ]
+    return ResultDocument(benchmark=NAME, env=environment_record("cpu" if args.smoke else "cuda"),
+                          params={"smoke": args.smoke, "steps": args.steps, "pieces": args.pieces},
+                          results=results, tables=tables)
+
+
+def _int_ranks(results: dict) -> dict:
+    """Results read back from JSON (rank keys became strings) with integer rank keys again."""
+    def by_int(arms: dict) -> dict:
+        return {arm: {int(rank): record for rank, record in ranks.items()} for arm, ranks in arms.items()}
+
+    for piece, value in results.items():
+        if piece == "equality":
+            for run in ("equal_one", "equal_two"):
+                if run in value:
+                    value[run] = by_int(value[run])
+        elif isinstance(value, dict) and "arms" in value:
+            value["arms"] = by_int(value["arms"])
+    return results
+
+
+def orchestrate(args) -> int:
+    """Run the requested pieces in order; rewrite ``<out>/fsdp_scale.json`` after each."""
+    from bloggap_plugin.results import format_text_table
+
+    out = Path(args.out)
+    path = out / f"{NAME}.json"
+    results = _int_ranks(json.loads(path.read_text()).get("results", {})) if path.is_file() else {}
+    pieces = [p.strip() for p in args.pieces.split(",") if p.strip()]
+    unknown = [p for p in pieces if p not in PIECES]
+    if unknown:
+        print(f"unknown piece(s) {unknown}; use a comma list of {', '.join(PIECES)}", file=sys.stderr)
+        return 2
+    if not args.smoke:
+        from bloggap_plugin.models import load_model
+
+        load_model("smollm2")  # the dense SmolLM2 copy is cached before two processes load it at once
+    runs = _piece_runs(args)
+    deadline = time.monotonic() + args.budget
+    for piece in pieces:
+        for run in runs[piece]:
+            left = deadline - time.monotonic()
+            if left < 60:
+                print(f"[{NAME}] {run['run']}: skipped, {left:.0f} s of the budget left", flush=True)
+                continue
+            launch = _launch(args, run, int(min(args.limit, left)))
+            found = _read_run(args, run)
+            if piece == "equality":
+                results.setdefault("equality", {})[run["run"]] = found
+                results["equality"].setdefault("launches", {})[run["run"]] = launch
+            else:
+                results[piece] = {"launch": launch, "arms": found, "run": run}
+            _document(args, results).write(path)
+    document = _document(args, results)
+    document.write(path)
+    for table in document.tables:
+        print(format_text_table(table))
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", nargs="?", default="run", choices=("run", "worker"),
+                        help="run: the pieces (default); worker: one process of a piece (launched by run)")
+    parser.add_argument("--out", required=True, help="output folder (run: writes fsdp_scale.json there)")
+    parser.add_argument("--pieces", default=",".join(PIECES), help=f"comma list of {', '.join(PIECES)}")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny random model, gloo, 1-2 steps")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per arm")
+    parser.add_argument("--limit", type=int, default=300, help="seconds one launch may take before it is killed")
+    parser.add_argument("--budget", type=int, default=560, help="seconds for all pieces (launches stop before it)")
+    parser.add_argument("--arms", default=",".join(ARMS), help="worker: comma list of arms")
+    parser.add_argument("--model", default="smollm2", help="worker: smollm2, tiny-random-llama or random-1b")
+    parser.add_argument("--batch", type=int, default=8, help="worker: per-device batch")
+    parser.add_argument("--generations", type=int, default=8, help="worker: num_generations")
+    parser.add_argument("--completion", type=int, default=32, help="worker: max_completion_length")
+    parser.add_argument("--equal", action="store_true", help="worker: the equality setting (fp32, top_k 1, 1 step)")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    return worker(args) if args.mode == "worker" else orchestrate(args)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    raise SystemExit(main())

@@ -1,0 +1,59 @@
+"""Precision plans on an FSDP2-sharded policy, 2 gloo processes: ``python -m torch.distributed.run
+--nproc_per_node 2 tests/helpers_fsdp_core.py OUT`` (for ``tests/test_fsdp_core.py``).
+
+tiny-random-llama fp32 with embedding row ``OVERFLOW_TOKEN`` set to 1e5 (beyond fp16's 65504: an fp16 copy holds
+inf there, an fp32 one normalises it), sharded by ``fully_shard`` (decoder layers, then the root). Process 0's
+first row contains that token, process 1's rows do not. Every process scores its 4 rows (2 chunks of 2) with
+the fp16 plan (guard on), the fp32 plan and the fp16 plan without guard; process r writes ``OUT.rank<r>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+OVERFLOW_TOKEN = 7
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank = dist.get_rank()
+    from torch.distributed.fsdp import fully_shard
+
+    from bloggap_plugin.core.precision import make_plan
+    from bloggap_plugin.core.sharding import is_dtensor
+    from bloggap_plugin.models import load_model
+
+    model, _ = load_model("tiny-random-llama", dtype="fp32")
+    with torch.no_grad():
+        model.model.embed_tokens.weight[OVERFLOW_TOKEN] = 1e5
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    generator = torch.Generator().manual_seed(rank)
+    ids = torch.randint(10, 60, (4, 12), generator=generator)
+    if rank == 0:
+        ids[0, 9] = OVERFLOW_TOKEN  # a completion position: its logits (and the rest of the row) overflow in fp16
+    mask = torch.ones_like(ids)
+    guarded = make_plan(model, "fp16")
+    with_guard = guarded.token_logprobs(ids, mask, 4, batch_size=2)
+    full = make_plan(model, "fp32").token_logprobs(ids, mask, 4, batch_size=2)
+    raw = make_plan(model, "fp16", fp16_guard=False).token_logprobs(ids, mask, 4, batch_size=2)
+    record = {"fallbacks": guarded.fp16_fallbacks, "with_guard": with_guard.tolist(), "fp32": full.tolist(),
+              "raw": [[None if not torch.isfinite(v) else float(v) for v in row] for row in raw],
+              "shadow_sharded": all(is_dtensor(p) for p in guarded.shadow.parameters())}
+    with open(f"{sys.argv[1]}.rank{rank}", "w") as handle:
+        json.dump(record, handle)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()
