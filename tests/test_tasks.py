@@ -440,3 +440,41 @@ def test_gsm8k_heldout_is_the_test_split_filtered_and_refuses_one_file(gsm8k_dir
     assert len(get_heldout("gsm8k", None, data=str(gsm8k_dir), calc_steps="1", heldout_n=1000)[0]) == 65
     with pytest.raises(Exception, match="is one file"):
         get_heldout("gsm8k", None, data=str(gsm8k.SAMPLE_PATH))
+
+
+def test_gsm8k_baseline_stopped_after_the_first_decoding_keeps_it_in_valid_json(tmp_path, monkeypatch):
+    """A run that dies while sampling (here: the generator raises on the first sampled piece, as a time limit would
+    kill it) leaves a result document that passes the schema and holds every greedy cell, and no sampled one."""
+    import decimal
+
+    from bloggap_plugin.results import validate_result
+
+    module = _baseline_module()
+    real = module.hf_generator
+
+    def dies_when_sampling(*args, **kwargs):
+        generate, timing = real(*args, **kwargs)
+
+        def wrapped(decoding, indices):
+            if decoding == "sampled":
+                raise KeyboardInterrupt("time limit")
+            return generate(decoding, indices)
+
+        return wrapped, timing
+
+    monkeypatch.setattr(module, "hf_generator", dies_when_sampling)
+    argv = ["--hf", "--model", "tiny-random-llama", "--device", "cpu", "--data", str(gsm8k.SAMPLE_PATH), "--limit", "6",
+            "--max-tokens", "4", "--batch-size", "4", "--out", str(tmp_path), "--completions", str(tmp_path / "c.jsonl")]
+    with pytest.raises(KeyboardInterrupt):
+        module.main(argv)
+    text = (tmp_path / "gsm8k_baseline.json").read_text()
+    validate_result(json.loads(text, parse_float=decimal.Decimal), "gsm8k_baseline.json", None)
+    payload = json.loads(text)
+    (table,) = payload["tables"]
+    # the fixture's first 6 rows have 2 2 2 3 1 3 steps: pieces 1-step (1 row), 2-step (3), rest (2)
+    assert payload["results"]["done"] == ["greedy/1-step", "greedy/2-step", "greedy/rest"]
+    assert payload["results"]["complete"] is False
+    assert [row[:3] for row in table["rows"]] == [["all", "greedy", 6], ["1-step", "greedy", 1], ["2-step", "greedy", 3]]
+    written = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines()]
+    assert all(isinstance(w["greedy"], str) and w["sampled"] is None for w in written) and len(written) == 6
+    assert payload["results"]["verdict"]["decodings"] == ["greedy"]
