@@ -3,6 +3,7 @@ no side effects on the model or the RNG."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -86,3 +87,51 @@ def test_heldout_accuracy_counts_the_reward_and_gives_the_wilson_interval(tiny):
     assert low == pytest.approx((centre - half) / (1 + z * z / n)) and high == pytest.approx((centre + half) / (1 + z * z / n))
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate_texts(model, tokenizer, [[1]], 0)
+
+
+# --------------------------------------------------------------------------------------------- during training
+
+
+def test_run_training_evaluates_every_k_steps_without_changing_the_run_and_saves_the_final_policy(tmp_path):
+    """heldout: {every: 1} adds a held-out record after each step and leaves the training itself (losses, rewards)
+    exactly as without it; save_final writes a policy (and tokenizer) that load_model reads back."""
+    from pathlib import Path
+
+    from bloggap_plugin.models import load_model
+    from bloggap_plugin.trl.train import run_training
+
+    root = Path(__file__).resolve().parents[1]
+    small = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=8)
+    logs = {}
+    for name, extra in (("plain", {}), ("heldout", {"heldout": {"every": 1, "n": 6, "max_tokens": 3},
+                                                   "save_final": str(tmp_path / "final")})):
+        logs[name] = tmp_path / f"{name}.jsonl"
+        summary = run_training(root / "recipes" / "arm_A.yaml", model="tiny-random-llama", max_steps=2, seed=3,
+                               output_dir=tmp_path / name, log_jsonl=logs[name], extra_overrides=small, **extra)
+    records = {name: [json.loads(line) for line in path.read_text().splitlines()] for name, path in logs.items()}
+    held = [r for r in records["heldout"] if "heldout/accuracy" in r]
+    assert [(r["step"], r["heldout/n"]) for r in held] == [(1, 6), (2, 6)]
+    assert all(0.0 <= r["heldout/accuracy"] <= 1.0 and r["heldout/correct"] == round(6 * r["heldout/accuracy"]) for r in held)
+    assert summary["heldout"] == held
+    steps = [r for r in records["heldout"] if "heldout/accuracy" not in r]
+    keys = ("loss", "reward", "grad_norm", "entropy")
+    assert [[r.get(k) for k in keys] for r in steps] == [[r.get(k) for k in keys] for r in records["plain"]]
+    model, tokenizer = load_model(str(tmp_path / "final"))
+    assert type(model).__name__ == "LlamaForCausalLM" and tokenizer.chat_template
+
+
+def test_heldout_spec_is_checked_before_the_model_loads(tmp_path):
+    from pathlib import Path
+
+    from bloggap_plugin.errors import UsageError
+    from bloggap_plugin.trl.train import prepare_run
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "arm_A.yaml"
+    for spec, problem in (({"n": 4}, "give 'every'"), ({"every": 0}, "every 0 must be"), ({"every": 2, "size": 3},
+                                                                                       "unknown key(s) size")):
+        with pytest.raises(UsageError, match=problem.replace("(", r"\(").replace(")", r"\)")):
+            prepare_run(recipe, model="tiny-random-llama", device="cpu", output_dir=str(tmp_path), heldout=spec)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UsageError, match="--save-final"):
+        prepare_run(recipe, model="tiny-random-llama", device="cpu", output_dir=str(tmp_path / "o"),
+                    save_final=str(tmp_path / "file"))
