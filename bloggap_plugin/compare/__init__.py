@@ -48,6 +48,7 @@ sweep refuses it up front on a machine without vLLM or CUDA.
 from __future__ import annotations
 
 from bloggap_plugin.compare.config import (
+    DEFAULT_HELDOUT_FN,
     DEFAULT_RUN_FN,
     DONE_KEY,
     VLLM_GPU_SHARE,
@@ -55,10 +56,12 @@ from bloggap_plugin.compare.config import (
     CompareError,
     RunSpec,
     effective_overrides,
+    heldout_count,
     plan_runs,
     validate_config,
     vllm_unavailable_reason,
 )
+from bloggap_plugin.compare.heldout import evaluate_saved, heldout_path, heldout_state, read_heldout
 from bloggap_plugin.compare.logs import read_log, run_is_done, run_settings, run_state
 from bloggap_plugin.compare.outputs import (
     plot_reward_curves,
@@ -66,7 +69,13 @@ from bloggap_plugin.compare.outputs import (
     resolution_statement,
     write_outputs,
 )
-from bloggap_plugin.compare.statistics import build_results, paired_interval, summarize_run, t_quantile
+from bloggap_plugin.compare.statistics import (
+    build_results,
+    heldout_by_arm,
+    paired_interval,
+    summarize_run,
+    t_quantile,
+)
 from bloggap_plugin.compare.sweep import SweepStopped, _worker_environment, run_compare
 
 __all__ = [
@@ -79,6 +88,13 @@ __all__ = [
     "RunSpec",
     "DONE_KEY",
     "DEFAULT_RUN_FN",
+    "DEFAULT_HELDOUT_FN",
+    "heldout_count",
+    "heldout_path",
+    "heldout_state",
+    "read_heldout",
+    "evaluate_saved",
+    "heldout_by_arm",
     "plan_runs",
     "validate_config",
     "run_settings",
