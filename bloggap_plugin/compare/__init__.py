@@ -21,9 +21,16 @@ Stopping: runs die with the sweep (``PR_SET_PDEATHSIG`` on Linux and a parent-wa
 or an OOM kill of the sweep); SIGTERM, SIGHUP and Ctrl-C stop every run before the sweep exits. The runs
 inherit the folder's lock, so no other sweep uses the folder while any of them lives.
 
+Held-out evaluation (``heldout_n``, default 512 with the default training function): each run saves its policy,
+the worker evaluates it greedily on prompts no training set holds (:func:`bloggap_plugin.tasks.get_heldout`) into
+``runs/<run>.heldout.json``, and table T10-heldout compares the arms with paired intervals; a run trained but not
+evaluated is evaluated on resume from its saved policy (:mod:`.heldout`). ``time_budget_s`` ends a call cleanly: no
+run starts that would not finish in time, the runs in flight at the limit are stopped, the outputs are written.
+
 Layout: :mod:`.config` (settings, plan, checks), :mod:`.logs` (run logs, resume), :mod:`.worker` (the run
-subprocess), :mod:`.sweep` (processes, lock, signals), :mod:`.statistics` (summaries, intervals, resolution),
-:mod:`.outputs` (tables, plot, JSON, Markdown); every public name is importable from ``bloggap_plugin.compare``.
+subprocess), :mod:`.sweep` (processes, lock, signals, time budget), :mod:`.statistics` (summaries, intervals,
+resolution), :mod:`.outputs` (tables, plot, JSON, Markdown), :mod:`.heldout` (the held-out evaluation's files and
+resume); every public name is importable from ``bloggap_plugin.compare``.
 
 Outputs in ``output_dir``: ``runs/<arm>_s<seed>.jsonl`` (+ ``.out`` with the run's console output),
 ``compare.json`` (a :class:`bloggap_plugin.results.ResultDocument`: params, raw per-run results, tables), ``compare.md`` and

@@ -80,19 +80,18 @@ class CompareConfig:
                 "the calc_steps filter; arith: questions no training set of the run holds); 0 = no held out "
                 "evaluation. Default: 512 with the default training function, 0 with a custom run_fn that takes no "
                 "save_final."})
-    heldout_every: int = field(default=0, metadata={
-        "help": "Also evaluate the held-out prompts every K optimizer steps during training (0 = only at the end; "
-                "needs the default training function)."})
-    heldout_max_tokens: int | None = field(default=None, metadata={
-        "help": "New tokens per held-out completion (default: the run's max_completion_length)."})
+    heldout_every: int = field(default=0, metadata={"metavar": "K", "help": (
+        "Also evaluate the held-out prompts every K optimizer steps during training (0 = only at the end; needs the "
+        "default training function).")})
+    heldout_max_tokens: int | None = field(default=None, metadata={"metavar": "T", "help": (
+        "New tokens per held-out completion (default: the run's max_completion_length).")})
     heldout_batch_size: int = field(default=64, metadata={"help": "Held-out prompts per generate call."})
-    heldout_fn: str = field(default=DEFAULT_HELDOUT_FN, metadata={
-        "help": "module:function that evaluates a run's saved policy (signature of "
-                "bloggap_plugin.compare.heldout.evaluate_saved)."})
-    time_budget_s: float | None = field(default=None, metadata={
-        "help": "Seconds this call may take: no run starts that would not finish in time (its duration estimated from "
-                "the runs finished so far), and at the limit the runs in flight are stopped and the outputs written "
-                "(exit 3; run the command again to continue). Default: no limit."})
+    heldout_fn: str = field(default=DEFAULT_HELDOUT_FN, metadata={"metavar": "MODULE:FUNCTION", "help": (
+        "Function that evaluates a run's saved policy (signature of bloggap_plugin.compare.heldout.evaluate_saved).")})
+    time_budget_s: float | None = field(default=None, metadata={"metavar": "S", "help": (
+        "Seconds this call may take: no run starts that would not finish in time (its duration estimated from the "
+        "runs finished so far), and at the limit the runs in flight are stopped and the outputs written (exit 3; run "
+        "the command again to continue). Default: no limit.")})
     last_n: int = field(default=30, metadata={"help": "Steps in the 'reward last-k' window."})
     baseline: str | None = field(default=None, metadata={
         "help": "Arm the deltas are taken against (default: arm A if present, else the first recipe)."})

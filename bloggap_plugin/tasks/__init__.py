@@ -115,21 +115,11 @@ def get_task(
     return dataset, [reward]
 
 
-def get_heldout(
-    name: str,
-    tokenizer=None,
-    seed: int = 0,
-    difficulty: int | None = None,
-    n: int | None = None,
-    data: str | os.PathLike | None = None,
-    calc_steps: int | str | tuple[int, int] | None = None,
-    heldout_n: int = HELDOUT_DEFAULT_N,
-    parser: str = "lenient",
-):
+def get_heldout(name: str, tokenizer=None, seed: int = 0, heldout_n: int = HELDOUT_DEFAULT_N, **task_options):
     """``(heldout_dataset, reward_funcs)``: prompts no training run of this task saw, for a greedy evaluation.
 
-    The arguments up to ``calc_steps``, and ``parser``, are those of the training set (:func:`get_task`); ``heldout_n``
-    is the number of held-out prompts. GSM8K: the first ``heldout_n`` rows of the *test* split (file order, the same for every seed)
+    ``name``, ``seed`` and ``task_options`` (``difficulty``, ``n``, ``data``, ``calc_steps``, ``parser``) are those of
+    the training set (:func:`get_task`); ``heldout_n`` is the number of held-out prompts. GSM8K: the first ``heldout_n`` rows of the *test* split (file order, the same for every seed)
     among those with ``calc_steps`` steps; the training set is the train split. Arithmetic: problems of the same level
     drawn from the generator seeded :data:`ARITH_HELDOUT_SEED`, skipping every question of the training set of
     ``seed`` (``n`` problems) and of the three solved examples in the prompt, and repeats: different seeds can draw
@@ -140,8 +130,8 @@ def get_heldout(
 
     if isinstance(heldout_n, bool) or not isinstance(heldout_n, int) or heldout_n < 1:
         raise UsageError(f"heldout_n must be a whole number >= 1 of held-out prompts, got {heldout_n!r}")
-    _, reward_funcs = get_task(name, None, seed=seed, difficulty=difficulty, n=1, data=data, calc_steps=calc_steps,
-                               parser=parser)
+    _, reward_funcs = get_task(name, None, seed=seed, **{**task_options, "n": 1})  # checks the options
+    difficulty, n, data, calc_steps = (task_options.get(key) for key in ("difficulty", "n", "data", "calc_steps"))
     if name == "gsm8k":
         from pathlib import Path
 
