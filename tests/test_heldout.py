@@ -131,6 +131,11 @@ def test_heldout_spec_is_checked_before_the_model_loads(tmp_path):
                                                                                        "unknown key(s) size")):
         with pytest.raises(UsageError, match=problem.replace("(", r"\(").replace(")", r"\)")):
             prepare_run(recipe, model="tiny-random-llama", device="cpu", output_dir=str(tmp_path), heldout=spec)
+    from bloggap_plugin.tasks.gsm8k import SAMPLE_PATH
+
+    with pytest.raises(UsageError, match="is one file"):  # no test split to hold out: refused before the model loads
+        prepare_run(recipe, model="tiny-random-llama", device="cpu", output_dir=str(tmp_path), task="gsm8k",
+                    data=str(SAMPLE_PATH), heldout={"every": 5})
     (tmp_path / "file").write_text("x")
     with pytest.raises(UsageError, match="--save-final"):
         prepare_run(recipe, model="tiny-random-llama", device="cpu", output_dir=str(tmp_path / "o"),

@@ -232,6 +232,10 @@ def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
         raise RecipeError(f"{config.recipe}: {err}") from None
     _check_report_to(args.report_to)
     get_task(config.task, None, seed=config.seed, **(config.task_options() or {}))  # name, options, data: before the model
+    if config.heldout:
+        from bloggap_plugin.tasks import get_heldout
+
+        get_heldout(config.task, None, seed=config.seed, heldout_n=1, **(config.task_options() or {}))
     check_model_spec(config.model)
     return RunPlan(args=args, gap=gap, device=device, dtype=dtype)
 
