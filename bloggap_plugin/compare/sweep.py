@@ -233,6 +233,17 @@ def _succeeded(config: CompareConfig, run: RunSpec, code: int | None, mode: str,
     return marker is not None and marker.get("attempt") == attempt
 
 
+def _stop_for_budget(config: CompareConfig, running: dict, pending: list, echo) -> dict:
+    """The time budget is spent: stop the runs in flight (their part logs are set aside on the next start) and say
+    what is left; returns ``{"stopped": run ids, "not_started": run ids}``."""
+    _stop_all([entry[1] for entry in running.values() if entry[1].poll() is None])
+    for entry in running.values():
+        entry[2].close()
+    echo(f"[compare] time budget of {config.time_budget_s:g} s: stopped {len(running)} run(s) in flight, "
+         f"{len(pending)} not started; re-run the same command to continue (finished runs are kept)")
+    return {"stopped": sorted(running), "not_started": [run.run_id for run, *_ in pending]}
+
+
 def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int) -> dict:
     pending = _plan_pending(config, runs, echo)
     total, failed, durations = len(pending), {}, []
@@ -271,18 +282,12 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int) -> di
                     echo(f"[compare] {run_id}: FAILED (exit {code}); last output:\n{_tail(Path(run.log_jsonl).with_suffix('.out'))}")
             now = time.perf_counter()
             if deadline is not None and (now >= deadline or (pending and not running)):
-                in_flight = [entry for entry in running.values() if entry[1].poll() is None]
-                _stop_all([entry[1] for entry in in_flight])
-                for entry in running.values():
-                    entry[2].close()
-                budget["stopped"] = sorted(running)
-                budget["not_started"] = [run.run_id for run, *_ in pending]
-                echo(f"[compare] time budget of {config.time_budget_s:g} s: stopped {len(running)} run(s) in flight, "
-                     f"{len(pending)} not started; re-run the same command to continue (finished runs are kept)")
+                budget.update(_stop_for_budget(config, running, pending, echo))
                 running, pending = {}, []
                 break
             if running and now - last_report >= max(10.0, config.poll_s):
-                states = ", ".join(f"{rid} step {_steps_logged(entry[5])}/{config.max_steps}"
+                states = ", ".join(f"{rid} evaluating" if entry[6] == "evaluate" else
+                                   f"{rid} step {_steps_logged(entry[5])}/{config.max_steps}"
                                    for rid, entry in running.items())
                 echo(f"[compare] {now - sweep_start:.0f} s: running {states}; {len(pending)} waiting")
                 last_report = now
