@@ -32,8 +32,9 @@ if [ "${SMOKE:-0}" = 1 ]; then
 fi
 recipes=()
 for arm in $ARMS; do recipes+=("recipes/arm_$arm.yaml"); done
-timeout 590 python3 -m bloggap_plugin.cli compare --config benchmarks/compare_sweep.yaml --model "$MODEL" \
-  --time-budget-s "$BUDGET" "${extra[@]}" "${recipes[@]}"
+# recipes first: --seeds takes every number after it
+timeout 590 python3 -m bloggap_plugin.cli compare "${recipes[@]}" --config benchmarks/compare_sweep.yaml \
+  --model "$MODEL" --time-budget-s "$BUDGET" "${extra[@]}"
 code=$?
 if [ -n "${OUT:-}" ]; then
   tar czf "$OUT/compare_sweep.tgz" --exclude=trainer -C .dev compare_sweep compare_sweep_smoke 2>/dev/null
