@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16, help="per_device_train_batch_size (x grad-accum 2 = rows per generation)")
     parser.add_argument("--parallel", type=int, default=7, help="runs in flight at once on the one GPU (default 7)")
     parser.add_argument("--accuracy-prompts", type=int, default=128, help="prompts for the starting-accuracy check")
+    parser.add_argument("--heldout-n", type=int, default=0, help="held-out prompts per run (default 0: none, as the "
+                        "recorded run; the decisive sweep is benchmarks/compare_sweep.sh)")
     args = parser.parse_args(argv)
 
     import torch
@@ -107,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         output_dir=str(runs_dir),
         parallel=args.parallel,
         extra_overrides=overrides,
+        heldout_n=args.heldout_n,
         poll_s=1.0,
     )
     compare_start = time.perf_counter()

@@ -22,8 +22,12 @@ unless ``--dtype``; ``--hf`` uses HF ``generate`` (any ``load_model`` spec, e.g.
     python benchmarks/gsm8k_baseline.py --hf --model tiny-random-llama --data bloggap_plugin/data/gsm8k_sample.jsonl \\
         --limit 4 --max-tokens 16 --device cpu --out /tmp/gb                                   # CPU smoke run, seconds
 
-Output: ``<out>/gsm8k_baseline.json`` (benchmark result schema, table ``T15-baseline``), written atomically;
-``--completions PATH`` also writes every completion as JSON lines.
+Output: ``<out>/gsm8k_baseline.json`` (benchmark result schema, table ``T15-baseline``), written atomically after
+every piece: the rows are generated greedy first, then sampled, each decoding in the order 1-step rows, 2-step rows,
+the rest; after each piece the JSON holds every (subset, decoding) cell whose rows are all generated
+(``results.done`` lists the pieces, ``results.complete`` says whether all are), so a run stopped by a time limit keeps
+what finished. ``--completions PATH`` also writes every completion so far as JSON lines (``null`` where not yet).
+(HF sampling seeds each batch with ``--seed``; batches are drawn within a piece.)
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,20 +83,25 @@ def build_prompt_ids(rows: list[dict], tokenizer) -> list[list[int]]:
     return [prompt_token_ids(task_prompt(gsm8k.build_messages(row["question"]), tokenizer), tokenizer) for row in rows]
 
 
-def score(rows: list[dict], completions: dict[str, list[str]]) -> dict:
+def score(rows: list[dict], completions: dict[str, list[str | None]]) -> dict:
     """Per subset and decoding: ``rows``, ``correct`` (training reward), ``strict_correct``, ``accuracy`` and the
-    Wilson 95% interval (fractions); plus the indices of the rows each decoding got right."""
+    Wilson 95% interval (fractions); plus the indices of the rows each decoding got right. A completion may be
+    ``None`` (not generated yet): a subset's cell of that decoding is then left out until all its rows have one."""
     from bloggap_plugin.core.metrics import wilson_interval
     from bloggap_plugin.tasks import gsm8k
 
     golds = [row["gold"] for row in rows]
-    rewards = {name: gsm8k.accuracy_reward(texts, answer=golds) for name, texts in completions.items()}
-    strict = {name: gsm8k.strict_accuracy_reward(texts, answer=golds) for name, texts in completions.items()}
+    rewards = {name: [None if text is None else gsm8k.accuracy_reward([text], answer=[gold])[0]
+                      for text, gold in zip(texts, golds)] for name, texts in completions.items()}
+    strict = {name: [None if text is None else gsm8k.strict_accuracy_reward([text], answer=[gold])[0]
+                     for text, gold in zip(texts, golds)] for name, texts in completions.items()}
     subsets = {}
     for subset, steps in SUBSETS:
         members = [i for i, row in enumerate(rows) if steps is None or row["calc_steps"] == steps]
         entry: dict = {"rows": len(members), "calc_steps": steps}
         for name in completions:
+            if any(rewards[name][i] is None for i in members):
+                continue
             correct = int(sum(rewards[name][i] for i in members))
             low, high = wilson_interval(correct, len(members)) if members else (None, None)
             entry[name] = {"correct": correct, "strict_correct": int(sum(strict[name][i] for i in members)),
@@ -111,7 +121,9 @@ def baseline_table(scored: dict, params: dict, random_init: bool) -> dict:
     for subset, _ in SUBSETS:
         entry = scored["subsets"][subset]
         for name in DECODINGS:
-            cell = entry[name]
+            cell = entry.get(name)
+            if cell is None:  # not generated yet (a run stopped early keeps the cells it finished)
+                continue
             rows.append([subset, name if name == "greedy" else f"sampled T={params['temperature']}", entry["rows"],
                          cell["correct"], _pct(cell["accuracy"]), _pct(cell["ci95"][0]), _pct(cell["ci95"][1])])
     notes = (
@@ -138,8 +150,9 @@ def _vllm_folder(model, spec: str) -> str:
     return str(folder)
 
 
-def generate_vllm(folder: str, prompt_ids: list[list[int]], args) -> tuple[dict[str, list[str]], dict]:
-    """Completions per decoding with ``vllm.LLM`` (``prompt_token_ids`` in, text out)."""
+def vllm_generator(folder: str, prompt_ids: list[list[int]], rows: list[dict], args) -> tuple[Callable, dict]:
+    """``(generate, timing)``: ``generate(decoding, indices)`` -> completions of those prompts with one ``vllm.LLM``
+    (``prompt_token_ids`` in, text out); sampled rows use seed ``--seed`` + the row's split index."""
     # CUDA may already be initialised in this process (model loading, device checks): vLLM's engine core must then be
     # spawned, not forked (seen on the H200: "Cannot re-initialize CUDA in forked subprocess")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -151,50 +164,46 @@ def generate_vllm(folder: str, prompt_ids: list[list[int]], args) -> tuple[dict[
         kwargs["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(args.dtype, args.dtype)
     llm = LLM(model=folder, **kwargs)
     timing = {"engine_start_s": round(time.perf_counter() - t0, 2)}
-    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
-    settings = {
-        "greedy": [SamplingParams(temperature=0.0, max_tokens=args.max_tokens) for _ in prompts],
-        "sampled": [SamplingParams(temperature=args.temperature, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
-                                   max_tokens=args.max_tokens, seed=args.seed + i) for i in range(len(prompts))],
-    }
-    completions = {}
-    for name in DECODINGS:
-        t1 = time.perf_counter()
-        outputs = llm.generate(prompts, settings[name], use_tqdm=False)
-        completions[name] = [output.outputs[0].text for output in outputs]
-        timing[f"{name}_s"] = round(time.perf_counter() - t1, 2)
-    return completions, timing
+
+    def params(decoding: str, i: int):
+        if decoding == "greedy":
+            return SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+        return SamplingParams(temperature=args.temperature, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                              max_tokens=args.max_tokens, seed=args.seed + rows[i]["index"])
+
+    def generate(decoding: str, indices: list[int]) -> list[str]:
+        outputs = llm.generate([{"prompt_token_ids": prompt_ids[i]} for i in indices],
+                               [params(decoding, i) for i in indices], use_tqdm=False)
+        return [output.outputs[0].text for output in outputs]
+
+    return generate, timing
 
 
-def generate_hf(model, tokenizer, prompt_ids: list[list[int]], args, device) -> tuple[dict[str, list[str]], dict]:
-    """Completions per decoding with HF ``generate`` (left-padded batches of ``--batch-size``)."""
-    import torch
-
-    from bloggap_plugin.core.probe import left_pad
+def hf_generator(model, tokenizer, prompt_ids: list[list[int]], args) -> tuple[Callable, dict]:
+    """``(generate, timing)``: ``generate(decoding, indices)`` -> completions with HF ``generate``
+    (:func:`bloggap_plugin.heldout.generate_texts`: left-padded batches of ``--batch-size``; sampled:
+    ``torch.manual_seed(--seed)`` before each batch)."""
+    from bloggap_plugin.heldout import generate_texts
     from bloggap_plugin.sampling import SamplerRecorder
 
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    completions: dict[str, list[str]] = {}
-    timing = {}
-    for name in DECODINGS:
-        t1 = time.perf_counter()
-        texts = []
-        for start in range(0, len(prompt_ids), args.batch_size):
-            batch = prompt_ids[start:start + args.batch_size]
-            input_ids, mask = (t.to(device) for t in left_pad(batch, pad))
-            if name == "greedy":
-                kwargs = {"do_sample": False}
-            else:
-                kwargs = {"do_sample": True, **SamplerRecorder.neutral_generation_kwargs(),
-                          "temperature": args.temperature}
-                torch.manual_seed(args.seed)
-            with torch.no_grad():
-                out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=args.max_tokens,
-                                     pad_token_id=pad, **kwargs)
-            texts += tokenizer.batch_decode(out[:, input_ids.shape[1]:], skip_special_tokens=True)
-        completions[name] = texts
-        timing[f"{name}_s"] = round(time.perf_counter() - t1, 2)
-    return completions, timing
+    def generate(decoding: str, indices: list[int]) -> list[str]:
+        sample = None if decoding == "greedy" else {**SamplerRecorder.neutral_generation_kwargs(),
+                                                     "temperature": args.temperature}
+        return generate_texts(model, tokenizer, [prompt_ids[i] for i in indices], args.max_tokens, args.batch_size,
+                              sample_kwargs=sample, seed=args.seed)
+
+    return generate, {}
+
+
+def generation_order(rows: list[dict]) -> list[tuple[str, list[int]]]:
+    """The pieces generated one after the other, per decoding: the 1-step rows, the 2-step rows, the rest (each
+    ``(name, row positions)``, empty pieces left out), so that a run stopped early keeps whole subsets."""
+    pieces = []
+    for name, test in (("1-step", lambda s: s == 1), ("2-step", lambda s: s == 2), ("rest", lambda s: s not in (1, 2))):
+        members = [i for i, row in enumerate(rows) if test(row["calc_steps"])]
+        if members:
+            pieces.append((name, members))
+    return pieces
 
 
 # ----------------------------------------------------------------------------------------------------- main
@@ -252,11 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--completions", default=None, help="also write every completion here (JSON lines)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from bloggap_plugin._io import atomic_write_text
     from bloggap_plugin.envinfo import device_tag, environment_record
     from bloggap_plugin.errors import UsageError
-    from bloggap_plugin.models import TINY_MODELS, load_model, resolve_device
-    from bloggap_plugin.results import ResultDocument, format_text_table
+    from bloggap_plugin.models import load_model, resolve_device
+    from bloggap_plugin.results import format_text_table
 
     t_start = time.perf_counter()
     try:
@@ -273,11 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = out_dir or ROOT / "benchmarks" / "results" / device_tag(device)
     prompt_ids = build_prompt_ids(rows, tokenizer)
     if args.hf:
-        completions, timing = generate_hf(model, tokenizer, prompt_ids, args, device)
+        generate, timing = hf_generator(model, tokenizer, prompt_ids, args)
     else:
         del model
-        completions, timing = generate_vllm(folder, prompt_ids, args)
-    scored = score(rows, completions)
+        generate, timing = vllm_generator(folder, prompt_ids, rows, args)
     params = {"model": args.model, "model_folder": folder, "data": data or "openai/gsm8k", "split": args.split,
               "limit": args.limit, "calc_steps": args.calc_steps, "rows": len(rows), "engine": "HF generate" if args.hf else "vLLM",
               "dtype": args.dtype if not args.hf else hf_dtype, "max_tokens": args.max_tokens,
@@ -285,31 +292,63 @@ def main(argv: list[str] | None = None) -> int:
               "batch_size": args.batch_size if args.hf else None, "gpu_mem": None if args.hf else args.gpu_mem,
               "reward": "lenient (last number), the gsm8k task's training reward",
               "prompt_tokens_mean": round(sum(map(len, prompt_ids)) / max(1, len(prompt_ids)), 1)}
-    easiest = scored["subsets"]["1-step"]
-    verdict = None
-    if easiest["rows"]:
-        best = max(easiest[name]["accuracy"] for name in DECODINGS)
-        verdict = {"easiest_subset": "1-step", "best_accuracy": best, "below_5pct": best < 0.05}
-    document = ResultDocument(
-        benchmark="gsm8k_baseline",
-        env=environment_record(device, model=args.model, engine=params["engine"]),
-        params=params,
-        results={**scored, "verdict": verdict, "calc_steps_counts": _histogram(rows), "timing": timing,
-                 "wall_s": round(time.perf_counter() - t_start, 2)},
-        tables=[baseline_table(scored, params, random_init=args.model in TINY_MODELS)],
-    )
-    path = document.write(out_dir / "gsm8k_baseline.json")
-    if args.completions:
-        Path(args.completions).parent.mkdir(parents=True, exist_ok=True)
-        lines = [json.dumps({"index": row["index"], "gold": row["gold"], "calc_steps": row["calc_steps"],
-                             **{name: completions[name][i] for name in DECODINGS}}) for i, row in enumerate(rows)]
-        atomic_write_text(args.completions, "\n".join(lines) + "\n")
+    env = environment_record(device, model=args.model, engine=params["engine"])
+    completions: dict[str, list[str | None]] = {name: [None] * len(rows) for name in DECODINGS}
+    done: list[str] = []
+    for name in DECODINGS:  # greedy for every subset first, then sampled: a time limit keeps whole decodings
+        for piece, members in generation_order(rows):
+            t1 = time.perf_counter()
+            for i, text in zip(members, generate(name, members)):
+                completions[name][i] = text
+            timing[f"{name}_s"] = round(timing.get(f"{name}_s", 0.0) + time.perf_counter() - t1, 2)
+            done.append(f"{name}/{piece}")
+            document = _document(rows, completions, params, env, timing, done, t_start)
+            path = document.write(out_dir / "gsm8k_baseline.json")
+            if args.completions:
+                _write_completions(args.completions, rows, completions)
     print(format_text_table(document.tables[0]))
+    verdict = document.results["verdict"]
     if verdict and verdict["below_5pct"]:
         print(f"[gsm8k_baseline] even the 1-step subset starts below 5% ({100 * verdict['best_accuracy']:.1f}% at best): "
               "the model is too small for GSM8K")
     print(f"[gsm8k_baseline] wrote {path}")
     return 0
+
+
+def _document(rows: list[dict], completions: dict, params: dict, env: dict, timing: dict, done: list[str],
+              t_start: float):
+    """The result document of what is generated so far (``results.done``: the decoding/piece pairs finished;
+    ``results.complete``: all of them)."""
+    from bloggap_plugin.models import TINY_MODELS
+    from bloggap_plugin.results import ResultDocument
+
+    scored = score(rows, completions)
+    easiest = scored["subsets"]["1-step"]
+    verdict = None
+    measured = [easiest[name]["accuracy"] for name in DECODINGS if name in easiest]
+    if easiest["rows"] and measured:
+        best = max(measured)
+        verdict = {"easiest_subset": "1-step", "best_accuracy": best, "below_5pct": best < 0.05,
+                   "decodings": [name for name in DECODINGS if name in easiest]}
+    complete = len(done) == len(DECODINGS) * len(generation_order(rows))
+    return ResultDocument(
+        benchmark="gsm8k_baseline",
+        env=env,
+        params=params,
+        results={**scored, "verdict": verdict, "calc_steps_counts": _histogram(rows), "timing": dict(timing),
+                 "wall_s": round(time.perf_counter() - t_start, 2), "done": list(done), "complete": complete},
+        tables=[baseline_table(scored, params, random_init=params["model"] in TINY_MODELS)],
+    )
+
+
+def _write_completions(path: str, rows: list[dict], completions: dict) -> None:
+    """Every completion generated so far as JSON lines (``null`` where a decoding has not reached the row)."""
+    from bloggap_plugin._io import atomic_write_text
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"index": row["index"], "gold": row["gold"], "calc_steps": row["calc_steps"],
+                         **{name: completions[name][i] for name in DECODINGS}}) for i, row in enumerate(rows)]
+    atomic_write_text(path, "\n".join(lines) + "\n")
 
 
 def _histogram(rows: list[dict]) -> dict[str, int]:

@@ -578,16 +578,21 @@ def test_two_arms_one_seed_two_steps_on_a_tiny_model(tmp_path):
     root = Path(__file__).resolve().parent.parent
     recipes = [str(root / "recipes" / "arm_A.yaml"), str(root / "recipes" / "arm_F.yaml")]
     config = CompareConfig(recipes=recipes, seeds=[0], task="arith", max_steps=2, model="tiny-random-llama",
-                           output_dir=str(tmp_path / "out"), parallel=2, last_n=30, n=16, poll_s=0.5)
+                           output_dir=str(tmp_path / "out"), parallel=2, last_n=30, n=16, poll_s=0.5, heldout_n=6)
     res = run_compare(config, echo=print)
     assert res["failed"] == {}, res["failed"]
     assert set(res["arms"]) == {"A", "F"}
     for summary in res["runs"].values():
         assert summary["steps"] == 2 and summary["reward_steps"] >= 1
         assert all(0.0 <= r <= 1.0 for r in summary["rewards"])
+        held = summary["heldout"]  # the real evaluation: 6 held-out prompts, greedy, the recipes' 32 new tokens
+        assert (held["n"], held["max_tokens"], held["engine"], held["dtype"]) == (6, 32, "HF generate", "fp32")
+        assert held["correct"] == round(6 * held["accuracy"])
     out = Path(config.output_dir)
-    table = json.loads((out / "compare.json").read_text())["tables"][0]
-    assert [row[0] for row in table["rows"]] == ["A", "F"]
+    tables = json.loads((out / "compare.json").read_text())["tables"]
+    assert [row[0] for row in tables[0]["rows"]] == ["A", "F"]
+    assert tables[1]["id"] == "T10-heldout" and [row[0] for row in tables[1]["rows"]] == ["A", "F"]
+    assert not list(out.glob("trainer/*/final"))  # each saved policy is deleted once its result is written
     assert (out / "reward_curves.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -380,3 +380,101 @@ def test_gsm8k_baseline_refuses_bad_input_in_one_line(tmp_path, capsys, monkeypa
         err = capsys.readouterr().err
         assert err.startswith("gsm8k_baseline: ") and problem in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------------- held-out prompts
+
+
+@pytest.mark.parametrize("level", [1, 2, 3, 4, 5])
+def test_arith_heldout_never_shares_a_question_with_training(level):
+    """The held-out problems and the training problems of every seed tried (and the prompt's solved examples) have
+    no question in common, although the held-out generator alone would repeat training questions (shown at level 1,
+    whose 7,776 possible questions a 1,024-problem training set covers an eighth of)."""
+    from bloggap_plugin.tasks import ARITH_HELDOUT_SEED, get_heldout
+
+    examples = {p.question for p in arith.make_problems(3, seed=10_000 + level, difficulty=level)}
+    for seed in (0, 1, 2, 3):
+        training = {p.question for p in arith.make_problems(1024, seed=seed, difficulty=level)}
+        heldout, (reward,) = get_heldout("arith", None, seed=seed, difficulty=level, heldout_n=300)
+        questions = [prompt[-1]["content"] for prompt in heldout["prompt"]]
+        assert len(questions) == len(set(questions)) == 300
+        assert not set(questions) & training and not set(questions) & examples
+        # every answer is the sum / difference written in its question (an independent check of the answers)
+        for question, answer in zip(questions[:20], heldout["answer"][:20]):
+            numbers = [int(x) for x in re.findall(r"\d+", question)]
+            expected = {numbers[0] + numbers[1]} if len(numbers) == 2 else {numbers[0] + numbers[1] - numbers[2]}
+            if "gives" in question and len(numbers) == 2:
+                expected = {numbers[0] - numbers[1]}
+            assert int(answer) in expected
+        assert reward([f"= {heldout['answer'][0]}"], answer=[heldout["answer"][0]]) == [1.0]
+    unfiltered = {p.question for p in arith.make_problems(300, seed=ARITH_HELDOUT_SEED, difficulty=1)}
+    if level == 1:
+        assert unfiltered & {p.question for p in arith.make_problems(1024, seed=0, difficulty=1)}
+
+
+def test_arith_heldout_is_the_same_across_seeds_but_for_skipped_questions_and_follows_n():
+    from bloggap_plugin.tasks import get_heldout
+
+    a = get_heldout("arith", None, seed=0, heldout_n=64)[0]["prompt"]
+    b = get_heldout("arith", None, seed=1, heldout_n=64)[0]["prompt"]
+    overlap = len({json.dumps(p) for p in a} & {json.dumps(p) for p in b})
+    assert 50 <= overlap <= 64  # level 2: 17,280 questions, a training set of 1,024 skips ~6% of them
+    small = {p[-1]["content"] for p in get_heldout("arith", None, seed=0, n=16, heldout_n=64)[0]["prompt"]}
+    assert not small & {p.question for p in arith.make_problems(16, seed=0)}
+    with pytest.raises(Exception, match="heldout_n must be"):
+        get_heldout("arith", None, heldout_n=0)
+    with pytest.raises(Exception, match="too few questions"):
+        get_heldout("arith", None, difficulty=1, heldout_n=7_000)
+
+
+def test_gsm8k_heldout_is_the_test_split_filtered_and_refuses_one_file(gsm8k_dir):
+    from bloggap_plugin.tasks import get_heldout
+
+    test = _rows(gsm8k_dir / "test.jsonl")
+    train_questions = {r["question"] for r in _rows(gsm8k_dir / "train.jsonl")}
+    heldout, _ = get_heldout("gsm8k", None, data=str(gsm8k_dir), calc_steps="1", heldout_n=40)
+    one_step = [r for r in test if r["answer"].count("<<") == 1]
+    assert [p[-1]["content"] for p in heldout["prompt"]] == [r["question"] for r in one_step[:40]]
+    assert heldout["answer"] == [r["answer"].split("####")[-1].strip().replace(",", "") for r in one_step[:40]]
+    assert not {p[-1]["content"] for p in heldout["prompt"]} & train_questions
+    assert len(get_heldout("gsm8k", None, data=str(gsm8k_dir), calc_steps="1", heldout_n=1000)[0]) == 65
+    with pytest.raises(Exception, match="is one file"):
+        get_heldout("gsm8k", None, data=str(gsm8k.SAMPLE_PATH))
+
+
+def test_gsm8k_baseline_stopped_after_the_first_decoding_keeps_it_in_valid_json(tmp_path, monkeypatch):
+    """A run that dies while sampling (here: the generator raises on the first sampled piece, as a time limit would
+    kill it) leaves a result document that passes the schema and holds every greedy cell, and no sampled one."""
+    import decimal
+
+    from bloggap_plugin.results import validate_result
+
+    module = _baseline_module()
+    real = module.hf_generator
+
+    def dies_when_sampling(*args, **kwargs):
+        generate, timing = real(*args, **kwargs)
+
+        def wrapped(decoding, indices):
+            if decoding == "sampled":
+                raise KeyboardInterrupt("time limit")
+            return generate(decoding, indices)
+
+        return wrapped, timing
+
+    monkeypatch.setattr(module, "hf_generator", dies_when_sampling)
+    argv = ["--hf", "--model", "tiny-random-llama", "--device", "cpu", "--data", str(gsm8k.SAMPLE_PATH), "--limit", "6",
+            "--max-tokens", "4", "--batch-size", "4", "--out", str(tmp_path), "--completions", str(tmp_path / "c.jsonl")]
+    with pytest.raises(KeyboardInterrupt):
+        module.main(argv)
+    text = (tmp_path / "gsm8k_baseline.json").read_text()
+    validate_result(json.loads(text, parse_float=decimal.Decimal), "gsm8k_baseline.json", None)
+    payload = json.loads(text)
+    (table,) = payload["tables"]
+    # the fixture's first 6 rows have 2 2 2 3 1 3 steps: pieces 1-step (1 row), 2-step (3), rest (2)
+    assert payload["results"]["done"] == ["greedy/1-step", "greedy/2-step", "greedy/rest"]
+    assert payload["results"]["complete"] is False
+    assert [row[:3] for row in table["rows"]] == [["all", "greedy", 6], ["1-step", "greedy", 1], ["2-step", "greedy", 3]]
+    written = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines()]
+    assert all(isinstance(w["greedy"], str) and w["sampled"] is None for w in written) and len(written) == 6
+    assert payload["results"]["verdict"]["decodings"] == ["greedy"]

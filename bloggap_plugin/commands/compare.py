@@ -71,4 +71,7 @@ def run(args: argparse.Namespace) -> int:
         return 128 + int(signum)
     print_table(results)
     print(f"\nwritten: {config.output_dir}/compare.json, compare.md, reward_curves.png")
+    budget = results.get("time_budget") or {}
+    if budget.get("stopped") or budget.get("not_started"):
+        return 3  # the time budget ended the call with runs left: re-run to continue
     return 1 if failed or results["set_aside"] else 0

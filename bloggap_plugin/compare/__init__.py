@@ -21,9 +21,16 @@ Stopping: runs die with the sweep (``PR_SET_PDEATHSIG`` on Linux and a parent-wa
 or an OOM kill of the sweep); SIGTERM, SIGHUP and Ctrl-C stop every run before the sweep exits. The runs
 inherit the folder's lock, so no other sweep uses the folder while any of them lives.
 
+Held-out evaluation (``heldout_n``, default 512 with the default training function): each run saves its policy,
+the worker evaluates it greedily on prompts no training set holds (:func:`bloggap_plugin.tasks.get_heldout`) into
+``runs/<run>.heldout.json``, and table T10-heldout compares the arms with paired intervals; a run trained but not
+evaluated is evaluated on resume from its saved policy (:mod:`.heldout`). ``time_budget_s`` ends a call cleanly: no
+run starts that would not finish in time, the runs in flight at the limit are stopped, the outputs are written.
+
 Layout: :mod:`.config` (settings, plan, checks), :mod:`.logs` (run logs, resume), :mod:`.worker` (the run
-subprocess), :mod:`.sweep` (processes, lock, signals), :mod:`.statistics` (summaries, intervals, resolution),
-:mod:`.outputs` (tables, plot, JSON, Markdown); every public name is importable from ``bloggap_plugin.compare``.
+subprocess), :mod:`.sweep` (processes, lock, signals, time budget), :mod:`.statistics` (summaries, intervals,
+resolution), :mod:`.outputs` (tables, plot, JSON, Markdown), :mod:`.heldout` (the held-out evaluation's files and
+resume); every public name is importable from ``bloggap_plugin.compare``.
 
 Outputs in ``output_dir``: ``runs/<arm>_s<seed>.jsonl`` (+ ``.out`` with the run's console output),
 ``compare.json`` (a :class:`bloggap_plugin.results.ResultDocument`: params, raw per-run results, tables), ``compare.md`` and
@@ -48,6 +55,7 @@ sweep refuses it up front on a machine without vLLM or CUDA.
 from __future__ import annotations
 
 from bloggap_plugin.compare.config import (
+    DEFAULT_HELDOUT_FN,
     DEFAULT_RUN_FN,
     DONE_KEY,
     VLLM_GPU_SHARE,
@@ -55,10 +63,12 @@ from bloggap_plugin.compare.config import (
     CompareError,
     RunSpec,
     effective_overrides,
+    heldout_count,
     plan_runs,
     validate_config,
     vllm_unavailable_reason,
 )
+from bloggap_plugin.compare.heldout import evaluate_saved, heldout_path, heldout_state, read_heldout
 from bloggap_plugin.compare.logs import read_log, run_is_done, run_settings, run_state
 from bloggap_plugin.compare.outputs import (
     plot_reward_curves,
@@ -66,7 +76,13 @@ from bloggap_plugin.compare.outputs import (
     resolution_statement,
     write_outputs,
 )
-from bloggap_plugin.compare.statistics import build_results, paired_interval, summarize_run, t_quantile
+from bloggap_plugin.compare.statistics import (
+    build_results,
+    heldout_by_arm,
+    paired_interval,
+    summarize_run,
+    t_quantile,
+)
 from bloggap_plugin.compare.sweep import SweepStopped, _worker_environment, run_compare
 
 __all__ = [
@@ -79,6 +95,13 @@ __all__ = [
     "RunSpec",
     "DONE_KEY",
     "DEFAULT_RUN_FN",
+    "DEFAULT_HELDOUT_FN",
+    "heldout_count",
+    "heldout_path",
+    "heldout_state",
+    "read_heldout",
+    "evaluate_saved",
+    "heldout_by_arm",
     "plan_runs",
     "validate_config",
     "run_settings",

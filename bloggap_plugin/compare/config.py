@@ -18,6 +18,8 @@ __all__ = [
     "RunSpec",
     "DONE_KEY",
     "DEFAULT_RUN_FN",
+    "DEFAULT_HELDOUT_FN",
+    "heldout_count",
     "VLLM_GPU_SHARE",
     "plan_runs",
     "validate_config",
@@ -30,6 +32,9 @@ DONE_KEY = "_compare"
 
 
 DEFAULT_RUN_FN = "bloggap_plugin.trl.train:run_training"
+
+
+DEFAULT_HELDOUT_FN = "bloggap_plugin.compare.heldout:evaluate_saved"
 
 
 VLLM_GPU_SHARE = 0.75
@@ -70,6 +75,23 @@ class CompareConfig:
     use_vllm: bool = field(default=False, metadata={
         "help": "Generate with TRL's colocated vLLM engine (use_vllm=True, vllm_mode='colocate') instead of HF "
                 "generate; needs CUDA and vLLM, and the GPU's memory is divided among the parallel runs."})
+    heldout_n: int | None = field(default=None, metadata={
+        "help": "Held-out prompts evaluated greedily at the end of each run (GSM8K: the test split's first N with "
+                "the calc_steps filter; arith: questions no training set of the run holds); 0 = no held out "
+                "evaluation. Default: 512 with the default training function, 0 with a custom run_fn that takes no "
+                "save_final."})
+    heldout_every: int = field(default=0, metadata={"metavar": "K", "help": (
+        "Also evaluate the held-out prompts every K optimizer steps during training (0 = only at the end; needs the "
+        "default training function).")})
+    heldout_max_tokens: int | None = field(default=None, metadata={"metavar": "T", "help": (
+        "New tokens per held-out completion (default: the run's max_completion_length).")})
+    heldout_batch_size: int = field(default=64, metadata={"help": "Held-out prompts per generate call."})
+    heldout_fn: str = field(default=DEFAULT_HELDOUT_FN, metadata={"metavar": "MODULE:FUNCTION", "help": (
+        "Function that evaluates a run's saved policy (signature of bloggap_plugin.compare.heldout.evaluate_saved).")})
+    time_budget_s: float | None = field(default=None, metadata={"metavar": "S", "help": (
+        "Seconds this call may take: no run starts that would not finish in time (its duration estimated from the "
+        "runs finished so far), and at the limit the runs in flight are stopped and the outputs written (exit 3; run "
+        "the command again to continue). Default: no limit.")})
     last_n: int = field(default=30, metadata={"help": "Steps in the 'reward last-k' window."})
     baseline: str | None = field(default=None, metadata={
         "help": "Arm the deltas are taken against (default: arm A if present, else the first recipe)."})
@@ -184,9 +206,17 @@ def validate_config(config: CompareConfig, training: bool = True) -> list[RunSpe
     if config.baseline is not None and config.baseline not in arms:
         raise CompareError(f"--baseline {config.baseline} names no arm; the arms are {', '.join(arms)} "
                            "(each recipe's gap.arm, else its file name)")
+    for option, value, low in (("--heldout-n", config.heldout_n, 0), ("--heldout-every", config.heldout_every, 0),
+                               ("--heldout-max-tokens", config.heldout_max_tokens, 1),
+                               ("--heldout-batch-size", config.heldout_batch_size, 1)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise CompareError(f"{option} {value}: must be a whole number >= {low}")
+    if config.time_budget_s is not None and not (isinstance(config.time_budget_s, (int, float)) and config.time_budget_s > 0):
+        raise CompareError(f"--time-budget-s {config.time_budget_s}: must be a number of seconds > 0 (or leave it out)")
     if training:
         _check_vllm(config)
         _check_task(config)
+        _check_heldout(config)
         if config.run_fn == DEFAULT_RUN_FN:
             _check_grpo_settings(config, runs)
         else:
@@ -231,6 +261,65 @@ def _task_kwargs(config: CompareConfig) -> dict:
     if config.calc_steps is not None:  # only when set: logs of sweeps from before the option keep their settings
         kwargs["calc_steps"] = str(config.calc_steps)
     return kwargs
+
+
+def _resolve_with_path(config: CompareConfig, function_path: str):
+    """``module:function`` imported with the sweep's extra import paths (``config.pythonpath``)."""
+    added = [extra for extra in config.pythonpath if extra not in sys.path]
+    sys.path[:0] = added
+    try:
+        return _resolve(function_path)
+    finally:
+        for extra in added:
+            sys.path.remove(extra)
+
+
+def _accepts(function_path: str, config: CompareConfig, name: str) -> bool:
+    """Whether the function ``module:function`` takes keyword ``name`` (or ``**kwargs``); False if it cannot load."""
+    try:
+        params = inspect.signature(_resolve_with_path(config, function_path)).parameters
+    except Exception:  # noqa: BLE001 - reported by the run-function check
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def heldout_count(config: CompareConfig) -> int:
+    """Held-out prompts per run: ``heldout_n``, or when it is ``None`` the default
+    (:data:`bloggap_plugin.tasks.HELDOUT_DEFAULT_N`) if the training function can save its policy (takes
+    ``save_final``), else 0 (no held-out evaluation)."""
+    if config.heldout_n is not None:
+        return int(config.heldout_n)
+    from bloggap_plugin.tasks import HELDOUT_DEFAULT_N
+
+    return HELDOUT_DEFAULT_N if _accepts(config.run_fn, config, "save_final") else 0
+
+
+def _check_heldout(config: CompareConfig) -> None:
+    """With a held-out evaluation: a training function that saves its policy, an evaluation function that loads, and
+    (default evaluation function) held-out prompts the task can build (GSM8K: a test split distinct from train)."""
+    if heldout_count(config) == 0:
+        if config.heldout_every:
+            raise CompareError(f"--heldout-every {config.heldout_every} needs the held-out evaluation on: drop "
+                               "--heldout-n 0")
+        return
+    if not _accepts(config.run_fn, config, "save_final"):
+        raise CompareError(f"--heldout-n {config.heldout_n}: --run-fn {config.run_fn} takes no save_final, so no "
+                           "trained policy is left to evaluate; use --heldout-n 0 or a training function that saves it")
+    if config.heldout_every and not _accepts(config.run_fn, config, "heldout"):
+        raise CompareError(f"--heldout-every {config.heldout_every}: --run-fn {config.run_fn} takes no heldout; "
+                           "use the default training function or drop --heldout-every")
+    try:
+        _resolve_with_path(config, config.heldout_fn)
+    except Exception as err:  # noqa: BLE001
+        raise CompareError(f"--heldout-fn {config.heldout_fn}: cannot load it ({err}); give module:function") from None
+    if config.heldout_fn != DEFAULT_HELDOUT_FN:
+        return
+    from bloggap_plugin.tasks import get_heldout
+
+    try:
+        get_heldout(config.task, None, seed=config.seeds[0], heldout_n=1, **_task_kwargs(config))
+    except Exception as err:  # noqa: BLE001 - it would fail every run's evaluation: report it once
+        raise CompareError(f"held-out evaluation: {str(err).splitlines()[0]}") from None
 
 
 def vllm_unavailable_reason() -> str | None:
@@ -320,15 +409,10 @@ def _resolve(run_fn: str):
 
 def _check_run_fn(config: CompareConfig) -> None:
     """A custom training function must import, and take ``task_kwargs`` when the task settings need them."""
-    added = [extra for extra in config.pythonpath if extra not in sys.path]
-    sys.path[:0] = added
     try:
-        run_fn = _resolve(config.run_fn)
+        run_fn = _resolve_with_path(config, config.run_fn)
     except Exception as err:  # noqa: BLE001
         raise CompareError(f"--run-fn {config.run_fn}: cannot load it ({err}); give module:function") from None
-    finally:
-        for extra in added:
-            sys.path.remove(extra)
     task_kwargs = sorted(k for k, v in _task_kwargs(config).items() if v is not None)
     if task_kwargs:
         params = inspect.signature(run_fn).parameters

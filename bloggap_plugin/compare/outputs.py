@@ -32,6 +32,42 @@ def _signed(value: float | None, digits: int = 3) -> str:
     return f"{value:+.{digits}f}"
 
 
+def _interval_cell(interval: dict | None, is_base: bool) -> str:
+    """``"+0.012 [-0.003, +0.027]"``: a paired mean difference with its 95% interval, as a table cell."""
+    if is_base:
+        return "baseline"
+    if interval is None or interval["n"] == 0:
+        return "-"
+    if interval["half_width"] is None:
+        return f"{_signed(interval['mean'])} (n={interval['n']}: too small for an interval)"
+    return f"{_signed(interval['mean'])} [{_signed(interval['low'])}, {_signed(interval['high'])}]"
+
+
+def _heldout_table(config: CompareConfig, heldout: dict) -> dict:
+    """Table T10-heldout: greedy held-out accuracy per arm, paired differences to the baseline arm."""
+    base = heldout["baseline"]
+    rows = []
+    for label, row in heldout["arms"].items():
+        per_seed = " / ".join(_signed(d) for d in row["delta_vs_base"].values()) if label != base else "-"
+        rows.append([label, len(row["seeds"]), _r(row["accuracy"]), per_seed,
+                     _interval_cell(row["delta_interval"], label == base),
+                     ", ".join(map(str, row["n_per_run"])) or None])
+    held = "the test split" + (f" ({config.calc_steps} calculation steps)" if config.calc_steps is not None else "") \
+        if config.task == "gsm8k" else "questions from a held-out generator seed, none in the run's training set"
+    return {
+        "id": "T10-heldout",
+        "title": f"Held-out accuracy by arm ({config.task}, {config.model})",
+        "columns": ["arm", "seeds", "held-out accuracy", f"vs {base} per seed", f"vs {base}: mean [95% CI]",
+                    "prompts per run"],
+        "rows": rows,
+        "notes": (f"Greedy accuracy of each run's final policy on held-out prompts ({held}), HF generate in fp32 "
+                  f"(the same for every arm), the training reward as the score, mean over seeds. vs {base}: per-seed "
+                  "difference against the baseline arm (same prompts); interval: paired t over seeds."),
+        "reference": None,
+        "random_init": config.model.startswith("tiny-random"),
+    }
+
+
 def _tables(config: CompareConfig, results: dict) -> list[dict]:
     base, k = results["baseline"], results["last_k"]
     arms = results["arms"]
@@ -42,15 +78,7 @@ def _tables(config: CompareConfig, results: dict) -> list[dict]:
     for label, row in arms.items():
         is_base = label == base
         per_seed = " / ".join(_signed(row["delta_vs_base"][s]) for s in row["delta_vs_base"]) if not is_base else "-"
-        interval = row["delta_interval"]
-        if is_base:
-            ci = "baseline"
-        elif interval is None or interval["n"] == 0:
-            ci = "-"
-        elif interval["half_width"] is None:
-            ci = f"{_signed(interval['mean'])} (n={interval['n']}: too small for an interval)"
-        else:
-            ci = f"{_signed(interval['mean'])} [{_signed(interval['low'])}, {_signed(interval['high'])}]"
+        ci = _interval_cell(row["delta_interval"], is_base)
         gap_cells = [_r(100 * row["gap"][key], 2) if row["gap"].get(key) is not None else None for key in headline]
         rows.append([label, len(row["seeds"]), _r(row["reward_last"]), _r(row["reward_mean"]), per_seed, ci,
                      _r(row["clip"]), *gap_cells, _r(row["s_per_step"], 3)])
@@ -74,6 +102,8 @@ def _tables(config: CompareConfig, results: dict) -> list[dict]:
         "random_init": config.model.startswith("tiny-random"),
     }
     tables = [main]
+    if results.get("heldout"):
+        tables.append(_heldout_table(config, results["heldout"]))
     gap_keys = sorted({key for row in arms.values() for key in row["gap"]})
     if gap_keys:
         tables.append({
@@ -240,3 +270,8 @@ def print_table(results: dict, echo=print) -> None:
         echo(line)
     echo("")
     echo(resolution_statement(results))
+    for table in results["tables"]:
+        if table["id"] == "T10-heldout":
+            echo("")
+            for line in render_table(table):
+                echo(line)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from bloggap_plugin.compare.config import CompareConfig, RunSpec
+from bloggap_plugin.compare.heldout import read_heldout
 from bloggap_plugin.compare.logs import read_log, run_state
 from bloggap_plugin.compare.outputs import _tables
 
@@ -13,6 +14,7 @@ __all__ = [
     "build_results",
     "t_quantile",
     "paired_interval",
+    "heldout_by_arm",
 ]
 
 
@@ -94,7 +96,8 @@ def summarize_run(records: list[dict], marker: dict | None, last_n: int = 30) ->
     """Per-run numbers from its log records: rewards, last-k and overall means, clip, gap/* means, s/step.
 
     Rewards come from the records that carry ``reward`` (with ``num_iterations > 1`` TRL logs a reward only on
-    steps that generate); clip, ``gap/*`` and ``step_time`` are averaged over every record that carries them.
+    steps that generate); clip, ``gap/*`` and ``step_time`` are averaged over every record that carries them;
+    ``heldout_curve`` lists ``[step, accuracy]`` of the records of a periodic held-out evaluation.
     """
     reward_steps = [r for r in records if isinstance(r.get("reward"), (int, float))]
     rewards = [float(r["reward"]) for r in reward_steps]
@@ -124,6 +127,8 @@ def summarize_run(records: list[dict], marker: dict | None, last_n: int = 30) ->
         "gap": {key: _key_mean(records, key) for key in gap_keys},
         "s_per_step": s_per_step,
         "s_per_step_source": s_source,
+        "heldout_curve": [[r["step"], r["heldout/accuracy"]] for r in records
+                          if isinstance(r.get("heldout/accuracy"), (int, float))],
         "wall_s": wall_s,
         "done": marker is not None,
     }
@@ -155,7 +160,8 @@ def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
             continue  # unfinished: left out of the table
         records, marker = read_log(run.log_jsonl)
         summary = summarize_run(records, marker, config.last_n)
-        summary.update(arm=run.arm, seed=run.seed, recipe=run.recipe)
+        summary.update(arm=run.arm, seed=run.seed, recipe=run.recipe,
+                       heldout=read_heldout(config, run, (marker or {}).get("attempt")))
         per_run[run.run_id] = summary
     by_arm: dict[str, dict[int, dict]] = {label: {} for label in arms}
     for summary in per_run.values():
@@ -192,9 +198,34 @@ def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
         }
     resolution = _resolution(per_run, arm_rows, base, k, len(config.seeds))
     results = {"baseline": base, "arms": arm_rows, "runs": per_run, "set_aside": set_aside, "last_k": k,
-               "resolution": resolution}
+               "resolution": resolution, "heldout": heldout_by_arm(per_run, arms, base)}
     results["tables"] = _tables(config, results)
     return results
+
+
+def heldout_by_arm(per_run: dict, arms: list[str], base: str) -> dict | None:
+    """Held-out accuracy per arm: mean over seeds, per seed, the per-seed difference to the baseline arm with its
+    paired t interval (as for the reward), the prompts per run; ``None`` when no run has a held-out result."""
+    by_arm: dict[str, dict] = {label: {} for label in arms}
+    for summary in per_run.values():
+        if summary.get("heldout") and summary["heldout"].get("accuracy") is not None:
+            by_arm[summary["arm"]][summary["seed"]] = summary["heldout"]
+    if not any(by_arm.values()):
+        return None
+    rows = {}
+    for label in arms:
+        seeds = by_arm[label]
+        deltas = {seed: seeds[seed]["accuracy"] - by_arm[base][seed]["accuracy"]
+                  for seed in sorted(seeds) if label != base and seed in by_arm[base]}
+        rows[label] = {
+            "seeds": sorted(seeds),
+            "accuracy": _mean([h["accuracy"] for h in seeds.values()]),
+            "accuracy_per_seed": {seed: seeds[seed]["accuracy"] for seed in sorted(seeds)},
+            "n_per_run": sorted({int(h["n"]) for h in seeds.values() if h.get("n") is not None}),
+            "delta_vs_base": deltas,
+            "delta_interval": paired_interval(list(deltas.values())) if label != base else None,
+        }
+    return {"baseline": base, "arms": rows}
 
 
 def _resolution(per_run: dict, arm_rows: dict, base: str, k: int, n_seeds: int) -> dict:

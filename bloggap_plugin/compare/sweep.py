@@ -22,6 +22,7 @@ from bloggap_plugin.compare.config import (
     effective_overrides,
     validate_config,
 )
+from bloggap_plugin.compare.heldout import heldout_path, heldout_spec, heldout_state, read_heldout
 from bloggap_plugin.compare.logs import _marker_or_none, _steps_logged, run_settings, run_state
 from bloggap_plugin.compare.outputs import write_outputs
 from bloggap_plugin.compare.statistics import build_results
@@ -41,8 +42,12 @@ class SweepStopped(Exception):
         self.stopped = stopped
 
 
-def _spec_for(config: CompareConfig, run: RunSpec, attempt: str, part: Path) -> dict:
+def _spec_for(config: CompareConfig, run: RunSpec, attempt: str, part: Path, mode: str = "train",
+              trained_attempt: str | None = None) -> dict:
     return {
+        "mode": mode,
+        "trained_attempt": trained_attempt,
+        "heldout": heldout_spec(config, run),
         "run_fn": config.run_fn,
         "pythonpath": list(config.pythonpath),
         "arm": run.arm,
@@ -80,9 +85,10 @@ def _worker_environment(config: CompareConfig, environ: dict | None = None) -> d
     return env
 
 
-def _launch(config: CompareConfig, run: RunSpec, lock_fd: int):
+def _launch(config: CompareConfig, run: RunSpec, lock_fd: int, mode: str = "train", trained_attempt: str | None = None):
     """Start one attempt of ``run``: a fresh log only it writes, its console output, and the lock inherited, so that
-    no other sweep can use the folder while the attempt lives (even if this process dies first)."""
+    no other sweep can use the folder while the attempt lives (even if this process dies first). ``mode``
+    ``"evaluate"``: only the held-out evaluation of the policy training attempt ``trained_attempt`` saved."""
     log = Path(run.log_jsonl)
     log.parent.mkdir(parents=True, exist_ok=True)
     for old in _part_logs(run):  # attempts of a sweep that was killed: no process writes them (we hold the lock)
@@ -90,7 +96,7 @@ def _launch(config: CompareConfig, run: RunSpec, lock_fd: int):
     attempt = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6:06d}"
     part = log.with_name(f"{run.run_id}.{attempt}.part.jsonl")
     spec_path = log.with_name(f"{run.run_id}.spec.json")
-    atomic_write_text(spec_path, json.dumps(_spec_for(config, run, attempt, part), indent=1))
+    atomic_write_text(spec_path, json.dumps(_spec_for(config, run, attempt, part, mode, trained_attempt), indent=1))
     console_path = log.with_name(f"{run.run_id}.out")
     fresh = console_path.with_name(f".{run.run_id}.{attempt}.out")
     console = open(fresh, "w")  # noqa: SIM115 - closed when the process ends
@@ -176,46 +182,113 @@ def run_compare(config: CompareConfig, echo=print) -> dict:
         lock.close()
 
 
-def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int) -> dict:
-    pending = []
+def _plan_pending(config: CompareConfig, runs: list[RunSpec], echo) -> list[tuple[RunSpec, str, str | None]]:
+    """``(run, mode, trained attempt)`` to start: held-out evaluations of runs trained earlier first (short), then
+    the runs to train; logs of other settings, corrupt or unfinished are moved aside (named in a message)."""
+    evaluations, trainings = [], []
     for run in runs:
         log = Path(run.log_jsonl)
         state, why = run_state(config, run)
         if state == "done":
-            echo(f"[compare] {run.run_id}: finished earlier, skipped")
+            attempt = (_marker_or_none(log) or {}).get("attempt")
+            held = heldout_state(config, run, attempt)
+            if held in ("off", "done"):
+                echo(f"[compare] {run.run_id}: finished earlier, skipped")
+            elif held == "pending":
+                echo(f"[compare] {run.run_id}: trained earlier, its held-out evaluation is missing: evaluating it")
+                evaluations.append((run, "evaluate", attempt))
+            else:
+                echo(f"[compare] {run.run_id}: trained earlier without a held-out result, and its saved policy is gone; "
+                     f"its held-out cell stays empty (delete {log} to train and evaluate it again)")
             continue
         suffix = {"unfinished": ".partial", "corrupt": ".corrupt", "changed": ".stale"}.get(state)
         if suffix:  # keep the old log aside under a name no run reads, and train the run again
             os.replace(log, log.with_name(log.name + suffix))
             echo(f"[compare] {run.run_id}: {why}; kept as {log.name + suffix}, running it again")
-        pending.append(run)
-    total, failed = len(runs), {}
-    running: dict[str, tuple] = {}  # run_id -> (run, process, console file, start time, attempt, part log)
+        trainings.append((run, "train", None))
+    return evaluations + trainings
+
+
+def _prior_run_s(runs: list[RunSpec]) -> float | None:
+    """Longest training plus evaluation time recorded by runs finished in earlier calls (their markers' ``wall_s``
+    plus their held-out ``seconds``), or ``None``."""
+    times = []
+    for run in runs:
+        marker = _marker_or_none(run.log_jsonl)
+        if marker and isinstance(marker.get("wall_s"), (int, float)):
+            try:
+                held = json.loads(heldout_path(run).read_text()).get("result", {}).get("seconds") or 0.0
+            except (OSError, ValueError, AttributeError):
+                held = 0.0
+            times.append(float(marker["wall_s"]) + float(held))
+    return max(times) if times else None
+
+
+def _succeeded(config: CompareConfig, run: RunSpec, code: int | None, mode: str, attempt: str, trained: str | None) -> bool:
+    if code != 0:
+        return False
+    if mode == "evaluate":
+        return read_heldout(config, run, trained) is not None
+    marker = _marker_or_none(run.log_jsonl)
+    return marker is not None and marker.get("attempt") == attempt
+
+
+def _stop_for_budget(config: CompareConfig, running: dict, pending: list, echo) -> dict:
+    """The time budget is spent: stop the runs in flight (their part logs are set aside on the next start) and say
+    what is left; returns ``{"stopped": run ids, "not_started": run ids}``."""
+    _stop_all([entry[1] for entry in running.values() if entry[1].poll() is None])
+    for entry in running.values():
+        entry[2].close()
+    echo(f"[compare] time budget of {config.time_budget_s:g} s: stopped {len(running)} run(s) in flight, "
+         f"{len(pending)} not started; re-run the same command to continue (finished runs are kept)")
+    return {"stopped": sorted(running), "not_started": [run.run_id for run, *_ in pending]}
+
+
+def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int) -> dict:
+    pending = _plan_pending(config, runs, echo)
+    total, failed, durations = len(pending), {}, []
+    prior = _prior_run_s(runs)
+    running: dict[str, tuple] = {}  # run_id -> (run, process, console, start, attempt, part log, mode, trained attempt)
     last_report, sweep_start = 0.0, time.perf_counter()
+    deadline = None if config.time_budget_s is None else sweep_start + float(config.time_budget_s)
+    budget = {"budget_s": config.time_budget_s, "stopped": [], "not_started": []}
     try:
         while pending or running:
             while pending and len(running) < config.parallel:
-                run = pending.pop(0)
-                running[run.run_id] = (run, *_launch(config, run, lock_fd))
-                echo(f"[compare] {run.run_id}: started ({run.recipe}, seed {run.seed})")
-            for run_id, (run, process, console, started, attempt, _) in list(running.items()):
+                run, mode, trained = pending[0]
+                if deadline is not None:
+                    estimate = max(durations) if durations else prior
+                    left = deadline - time.perf_counter()
+                    if left <= 0 or (mode == "train" and estimate is not None and estimate > left):
+                        break
+                pending.pop(0)
+                running[run.run_id] = (run, *_launch(config, run, lock_fd, mode, trained), mode, trained)
+                what = "evaluating" if mode == "evaluate" else f"started ({run.recipe}, seed {run.seed})"
+                echo(f"[compare] {run.run_id}: {what}")
+            for run_id, (run, process, console, started, attempt, _, mode, trained) in list(running.items()):
                 code = process.poll()
                 if code is None:
                     continue
                 console.close()
                 del running[run_id]
                 elapsed = time.perf_counter() - started
-                marker = _marker_or_none(run.log_jsonl)
-                if code == 0 and marker is not None and marker.get("attempt") == attempt:
+                if _succeeded(config, run, code, mode, attempt, trained):
+                    if mode == "train":
+                        durations.append(elapsed)
                     finished = total - len(pending) - len(running) - len(failed)
                     echo(f"[compare] {run_id}: done in {elapsed:.0f} s ({finished}/{total} finished)")
                 else:
                     failed[run_id] = code
                     echo(f"[compare] {run_id}: FAILED (exit {code}); last output:\n{_tail(Path(run.log_jsonl).with_suffix('.out'))}")
             now = time.perf_counter()
+            if deadline is not None and (now >= deadline or (pending and not running)):
+                budget.update(_stop_for_budget(config, running, pending, echo))
+                running, pending = {}, []
+                break
             if running and now - last_report >= max(10.0, config.poll_s):
-                states = ", ".join(f"{rid} step {_steps_logged(part)}/{config.max_steps}"
-                                   for rid, (*_, part) in running.items())
+                states = ", ".join(f"{rid} evaluating" if entry[6] == "evaluate" else
+                                   f"{rid} step {_steps_logged(entry[5])}/{config.max_steps}"
+                                   for rid, entry in running.items())
                 echo(f"[compare] {now - sweep_start:.0f} s: running {states}; {len(pending)} waiting")
                 last_report = now
             if running:
@@ -236,6 +309,7 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int) -> di
     for run_id, why in results["set_aside"].items():
         echo(f"[compare] {run_id}: set aside: {why}")
     results["failed"] = failed
+    results["time_budget"] = budget
     if failed:
         echo(f"[compare] {len(failed)} run(s) failed: {', '.join(sorted(failed))}; see runs/<run>.out. "
              "Re-run the same command to retry them (finished runs are kept).")

@@ -44,11 +44,28 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _worker(spec_path: str) -> int:
     """Subprocess entry: run one arm x seed into this attempt's own log, then append the completion marker and
-    rename that log to the run's log (so the run's log only ever exists complete)."""
+    rename that log to the run's log (so the run's log only ever exists complete); with a held-out evaluation, the
+    training saves its policy and the evaluation follows (``mode == "evaluate"``: only the evaluation, of the
+    policy training attempt ``trained_attempt`` saved)."""
     spec = json.loads(Path(spec_path).read_text())
     _die_with_parent(int(spec["parent_pid"]))
     for extra in spec.get("pythonpath", []):
         sys.path.insert(0, extra)
+    heldout = spec.get("heldout")
+    attempt = spec["attempt"]
+    if spec.get("mode") == "evaluate":
+        attempt = spec["trained_attempt"]
+    else:
+        _train(spec, heldout)
+    if heldout:
+        from bloggap_plugin.compare.heldout import evaluate_run
+
+        evaluate_run(spec, attempt)
+    return 0
+
+
+def _train(spec: dict, heldout: dict | None) -> None:
+    """Train the run into its part log, mark it done and rename it to the run's log."""
     run_fn = _resolve(spec["run_fn"])
     part = Path(spec["part_jsonl"])
     kwargs = dict(
@@ -64,10 +81,19 @@ def _worker(spec_path: str) -> int:
     task_kwargs = {k: v for k, v in spec["task_kwargs"].items() if v is not None}
     if task_kwargs:  # the sweep checked that run_fn takes them
         kwargs["task_kwargs"] = task_kwargs
+    if heldout:  # the sweep checked that run_fn takes save_final (and heldout, for --heldout-every)
+        kwargs["save_final"] = heldout["final_dir"]
+        if heldout["every"]:
+            kwargs["heldout"] = {"every": heldout["every"], "n": heldout["settings"]["n"],
+                                 "max_tokens": heldout["settings"]["max_tokens"], "batch_size": heldout["batch_size"]}
     part.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     result = run_fn(spec["recipe"], **kwargs)
     wall_s = time.perf_counter() - start
+    if heldout:
+        from bloggap_plugin.compare.heldout import stamp_final
+
+        stamp_final(spec, spec["attempt"])
     marker = {DONE_KEY: "done", "arm": spec["arm"], "seed": spec["seed"], "attempt": spec["attempt"],
               "settings": spec["settings"], "wall_s": wall_s, "result": jsonable(result)}
     with open(part, "a") as handle:
@@ -75,7 +101,6 @@ def _worker(spec_path: str) -> int:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(part, spec["log_jsonl"])
-    return 0
 
 
 def _main(argv: list[str] | None = None) -> int:

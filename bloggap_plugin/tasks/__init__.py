@@ -16,9 +16,20 @@ import os
 
 from bloggap_plugin.errors import UsageError
 
-__all__ = ["TASKS", "get_task", "task_prompt", "prompt_fingerprint", "prompt_token_ids"]
+__all__ = ["TASKS", "ARITH_HELDOUT_SEED", "HELDOUT_DEFAULT_N", "get_task", "get_heldout", "task_prompt", "prompt_fingerprint",
+           "prompt_token_ids"]
 
 TASKS = ("gsm8k", "arith")
+
+ARITH_HELDOUT_SEED = 2**40 + 15
+"""Seed of the arithmetic task's held-out generator: far from any training seed, and its problems are filtered
+against the run's training problems anyway (:func:`get_heldout`), so the two sets never share a question."""
+
+HELDOUT_DEFAULT_N = 512
+"""Held-out prompts per evaluation by default (GSM8K: fewer when the filtered test split has fewer rows)."""
+
+ARITH_TRAIN_N = 1024
+"""Prompts of the arithmetic training set when ``n`` is not given."""
 
 
 def _as_text_prompt(messages: list[dict[str, str]]) -> str:
@@ -93,7 +104,7 @@ def get_task(
             raise UsageError("calc_steps (<<...>> calculation steps) applies to 'gsm8k' only; the 'arith' task has "
                              "--difficulty")
         level = arith.DEFAULT_DIFFICULTY if difficulty is None else difficulty
-        problems = arith.make_problems(1024 if n is None else n, seed=seed, difficulty=level)
+        problems = arith.make_problems(ARITH_TRAIN_N if n is None else n, seed=seed, difficulty=level)
         messages = [arith.build_messages(p, level) for p in problems]
         answers = [str(p.answer) for p in problems]
         reward = arith.accuracy_reward
@@ -102,6 +113,62 @@ def get_task(
     prompts = [task_prompt(m, tokenizer) for m in messages]
     dataset = datasets.Dataset.from_dict({"prompt": prompts, "answer": answers})
     return dataset, [reward]
+
+
+def get_heldout(name: str, tokenizer=None, seed: int = 0, heldout_n: int = HELDOUT_DEFAULT_N, **task_options):
+    """``(heldout_dataset, reward_funcs)``: prompts no training run of this task saw, for a greedy evaluation.
+
+    ``name``, ``seed`` and ``task_options`` (``difficulty``, ``n``, ``data``, ``calc_steps``, ``parser``) are those of
+    the training set (:func:`get_task`); ``heldout_n`` is the number of held-out prompts. GSM8K: the first ``heldout_n`` rows of the *test* split (file order, the same for every seed)
+    among those with ``calc_steps`` steps; the training set is the train split. Arithmetic: problems of the same level
+    drawn from the generator seeded :data:`ARITH_HELDOUT_SEED`, skipping every question of the training set of
+    ``seed`` (``n`` problems) and of the three solved examples in the prompt, and repeats: different seeds can draw
+    the same question, so a disjoint seed alone would not keep the sets apart. The set depends on ``seed`` only
+    through those skipped questions.
+    """
+    import datasets
+
+    if isinstance(heldout_n, bool) or not isinstance(heldout_n, int) or heldout_n < 1:
+        raise UsageError(f"heldout_n must be a whole number >= 1 of held-out prompts, got {heldout_n!r}")
+    _, reward_funcs = get_task(name, None, seed=seed, **{**task_options, "n": 1})  # checks the options
+    difficulty, n, data, calc_steps = (task_options.get(key) for key in ("difficulty", "n", "data", "calc_steps"))
+    if name == "gsm8k":
+        from pathlib import Path
+
+        from bloggap_plugin.tasks import gsm8k
+
+        local = gsm8k.resolve_data(data)
+        if local is not None and Path(local).is_file():
+            raise UsageError(f"GSM8K data {local} is one file, so its 'test' split would be its training rows: point "
+                             "--data at a folder holding train and test files (e.g. ../shared/data/gsm8k), or turn the "
+                             "held-out evaluation off (--heldout-n 0)")
+        raw = gsm8k.filter_by_calc_steps(gsm8k.load_gsm8k(data, split="test"), calc_steps)
+        raw = raw.select(range(min(heldout_n, len(raw))))
+        messages = [gsm8k.build_messages(q) for q in raw["question"]]
+        answers = [gsm8k.gold_answer(a) for a in raw["answer"]]
+    else:
+        import random
+
+        from bloggap_plugin.tasks import arith
+
+        level = arith.DEFAULT_DIFFICULTY if difficulty is None else difficulty
+        seen = {p.question for p in arith.make_problems(ARITH_TRAIN_N if n is None else n, seed=seed, difficulty=level)}
+        seen |= {p.question for p in arith._examples(level)}
+        rng, problems = random.Random(ARITH_HELDOUT_SEED), []
+        for _ in range(20 * heldout_n + 10_000):  # draws: ample for any level with room for the set
+            problem = arith.make_problem(rng, level)
+            if problem.question not in seen:
+                seen.add(problem.question)
+                problems.append(problem)
+                if len(problems) == heldout_n:
+                    break
+        else:
+            raise UsageError(f"arith level {level} has too few questions outside the training set for {heldout_n} "
+                             "held-out prompts; ask for fewer")
+        messages = [arith.build_messages(p, level) for p in problems]
+        answers = [str(p.answer) for p in problems]
+    prompts = [task_prompt(m, tokenizer) for m in messages]
+    return datasets.Dataset.from_dict({"prompt": prompts, "answer": answers}), reward_funcs
 
 
 def prompt_token_ids(prompt: list[dict[str, str]] | str, tokenizer) -> list[int]:

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-__all__ = ["run_training", "prepare_run", "TrainConfig", "train_config", "RunPlan", "JsonlLogger"]
+__all__ = ["run_training", "prepare_run", "TrainConfig", "train_config", "RunPlan", "JsonlLogger", "HeldoutCallback",
+           "HELDOUT_KEYS", "check_heldout_spec"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -44,6 +45,62 @@ def JsonlLogger(path: str | Path):  # noqa: N802 - a factory that returns a Trai
                 handle.write(json.dumps(record) + "\n")
 
     return _JsonlLogger()
+
+
+HELDOUT_KEYS = ("every", "n", "max_tokens", "batch_size")
+"""Keys of ``TrainConfig.heldout``."""
+
+
+def check_heldout_spec(spec: dict | None, option: str = "--heldout") -> None:
+    """Raise ``UsageError`` unless ``spec`` is ``None`` or a mapping of :data:`HELDOUT_KEYS` to whole numbers >= 1,
+    with ``every``."""
+    from bloggap_plugin.errors import UsageError
+
+    if spec is None:
+        return
+    if not isinstance(spec, dict):
+        raise UsageError(f"{option}: expected a mapping such as '{{every: 20, n: 256}}', got {spec!r}")
+    unknown = sorted(set(spec) - set(HELDOUT_KEYS))
+    if unknown:
+        raise UsageError(f"{option}: unknown key(s) {', '.join(unknown)}; the keys are {', '.join(HELDOUT_KEYS)}")
+    if "every" not in spec:
+        raise UsageError(f"{option}: give 'every' (evaluate every K optimizer steps), e.g. '{{every: 20}}'")
+    for key, value in spec.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"{option}: {key} {value!r} must be a whole number >= 1")
+
+
+def HeldoutCallback(tokenizer, config: TrainConfig, log_jsonl: str | Path | None, max_tokens: int):  # noqa: N802
+    """A ``TrainerCallback`` that measures greedy accuracy on the task's held-out prompts
+    (:func:`bloggap_plugin.tasks.get_heldout`) every ``config.heldout["every"]`` optimizer steps, with the policy as it
+    is (no weights, mode or RNG state changed), and appends ``{"step", "heldout/accuracy", "heldout/correct",
+    "heldout/n", "heldout/seconds"}`` to ``log_jsonl`` (and to its ``records``)."""
+    from transformers import TrainerCallback
+
+    from bloggap_plugin.heldout import heldout_accuracy
+    from bloggap_plugin.tasks import HELDOUT_DEFAULT_N, get_heldout
+
+    spec = config.heldout
+    dataset, (reward,) = get_heldout(config.task, tokenizer, seed=config.seed, heldout_n=spec.get("n", HELDOUT_DEFAULT_N),
+                                     **(config.task_options() or {}))
+
+    class _HeldoutCallback(TrainerCallback):
+        def __init__(self) -> None:
+            self.records: list[dict] = []
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if model is None or state.global_step % spec["every"]:
+                return
+            result = heldout_accuracy(model, tokenizer, dataset, reward, spec.get("max_tokens", max_tokens),
+                                      spec.get("batch_size", 64))
+            record = {"step": state.global_step, "heldout/accuracy": result["accuracy"],
+                      "heldout/correct": result["correct"], "heldout/n": result["n"], "heldout/seconds": result["seconds"]}
+            self.records.append(record)
+            if log_jsonl is not None:
+                with open(log_jsonl, "a") as handle:
+                    handle.write(json.dumps(record) + "\n")
+
+    return _HeldoutCallback()
 
 
 def _mapping(text: str) -> dict:
@@ -91,6 +148,13 @@ class TrainConfig:
         parse=_mapping))
     task_kwargs: dict | None = field(default=None, metadata=_help(
         "more options of the task, as a YAML mapping (data and calc_steps are added to them)", parse=_mapping))
+    save_final: str | None = field(default=None, metadata=_help(
+        "save the trained policy and its tokenizer into this folder when training ends (e.g. for a held-out "
+        "evaluation)", metavar="DIR"))
+    heldout: dict | None = field(default=None, metadata=_help(
+        "greedy accuracy on the task's held-out prompts during training, as a YAML mapping {every: K, n: N, "
+        "max_tokens: T, batch_size: B}: every K optimizer steps one JSON line {step, heldout/accuracy, ...} in "
+        "--log-jsonl", parse=_mapping))
 
     def task_options(self) -> dict | None:
         """``task_kwargs`` plus ``data`` / ``calc_steps`` where given; ``None`` when there are none."""
@@ -145,7 +209,9 @@ def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
         except TypeError as err:
             raise RecipeError(f"gap overrides {sorted(config.gap_overrides)}: {err}") from None
     device = resolve_device(config.device)
+    check_heldout_spec(config.heldout)
     for problem in (check_writable_dir(config.output_dir, "--output-dir"),
+                    None if config.save_final is None else check_writable_dir(config.save_final, "--save-final"),
                     None if log_jsonl is None else check_writable_file(log_jsonl, "--log-jsonl", create_parents=True)):
         if problem:
             raise UsageError(problem)
@@ -166,6 +232,10 @@ def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
         raise RecipeError(f"{config.recipe}: {err}") from None
     _check_report_to(args.report_to)
     get_task(config.task, None, seed=config.seed, **(config.task_options() or {}))  # name, options, data: before the model
+    if config.heldout:
+        from bloggap_plugin.tasks import get_heldout
+
+        get_heldout(config.task, None, seed=config.seed, heldout_n=1, **(config.task_options() or {}))
     check_model_spec(config.model)
     return RunPlan(args=args, gap=gap, device=device, dtype=dtype)
 
@@ -220,10 +290,16 @@ def run_training(recipe: str | Path | TrainConfig, **settings: Any) -> dict:
         warnings.filterwarnings("ignore", message=".*activation_checkpointing.*")
         trainer = GapGRPOTrainer(model=policy, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                                  processing_class=tokenizer, callbacks=callbacks, gap=gap)
+    heldout = None
+    if config.heldout:
+        heldout = HeldoutCallback(tokenizer, config, log_jsonl, args.max_completion_length)
+        trainer.add_callback(heldout)
     start = time.perf_counter()
     output = trainer.train()
     wall = time.perf_counter() - start
     trainer._gap_close()
+    if config.save_final is not None:
+        trainer.save_model(str(config.save_final))
     history = [h for h in trainer.state.log_history if "loss" in h]
     summary: dict = {
         "recipe": str(config.recipe),
@@ -244,4 +320,6 @@ def run_training(recipe: str | Path | TrainConfig, **settings: Any) -> dict:
     rewards = [h["reward"] for h in history if isinstance(h.get("reward"), (int, float))]
     summary["reward_first"] = rewards[0] if rewards else None
     summary["reward_last"] = rewards[-1] if rewards else None
+    if heldout is not None:
+        summary["heldout"] = heldout.records
     return summary

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The decisive reward comparison on the H200 (issue 15 item 3): arms A B E F G H (ARMS="A B D E F G H" adds D),
+# 8 seeds x 200 optimizer steps, arithmetic level 2, TRL's colocated vLLM generation, 12 runs at a time on the one
+# GPU, greedy held-out accuracy at the end of each run; settings in benchmarks/compare_sweep.yaml.
+#
+# One device call (<= 10 min) per invocation, from the repository root, after the vLLM bundle and mk_smollm2.py
+# (docs/vllm.md "Reproduce"):
+#
+#   . .dev/vllm/t/env.sh && MODEL=/tmp/vx/smollm2 bash benchmarks/compare_sweep.sh
+#
+# Exit 3: the call's time budget (520 s) ended with runs left; make the same call again (finished runs and their
+# held-out results are kept; runs stopped in flight start over). Exit 0: every run is done; the outputs are in
+# .dev/compare_sweep/ (compare.json, compare.md, reward_curves.png). Exit 1: a run failed (runs/<run>.out), the
+# next call retries it. The folder stays between calls on one machine (an ignored path); for a fresh machine carry
+# .dev/compare_sweep/runs (logs and held-out results, well under 1 MB per run; trainer/ holds only policies waiting
+# for their evaluation and is not needed). With $OUT set, the runs and outputs are also packed into
+# $OUT/compare_sweep.tgz to come back.
+#
+# Stages: SEEDS="0 1 2 3" first (24 runs), read the paired smallest detectable difference in compare.md, then the
+# full list (the yaml's 8 seeds) adds the rest. SMOKE=1: 2 arms x 1 seed x 10 steps, 64 held-out prompts, in its
+# own folder (a first check that 2 colocated engines, the evaluation and the outputs work on the GPU).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="${PYTHONPATH:-}:$PWD"
+MODEL=${MODEL:-smollm2}
+ARMS=${ARMS:-"A B E F G H"}
+BUDGET=${BUDGET:-520}
+extra=()
+if [ -n "${SEEDS:-}" ]; then extra+=(--seeds $SEEDS); fi
+if [ "${SMOKE:-0}" = 1 ]; then
+  ARMS="A F"; extra+=(--seeds 0 --max-steps 10 --parallel 2 --heldout-n 64 --last-n 5 --output-dir .dev/compare_sweep_smoke)
+fi
+recipes=()
+for arm in $ARMS; do recipes+=("recipes/arm_$arm.yaml"); done
+# recipes first: --seeds takes every number after it
+timeout 590 python3 -m bloggap_plugin.cli compare "${recipes[@]}" --config benchmarks/compare_sweep.yaml \
+  --model "$MODEL" --time-budget-s "$BUDGET" "${extra[@]}"
+code=$?
+if [ -n "${OUT:-}" ]; then
+  tar czf "$OUT/compare_sweep.tgz" --exclude=trainer -C .dev compare_sweep compare_sweep_smoke 2>/dev/null
+fi
+exit $code
