@@ -206,14 +206,21 @@ echo "BLOGGAP_VERL_DISABLE=$BLOGGAP_VERL_DISABLE cwd=$(pwd)"
 """
 
 
-def test_run_loop_writes_json_per_run_and_skips_past_budget(tmp_path):
+def _fake_setup(tmp_path, script: str) -> tuple[Path, Path]:
+    """``(fake python, out)``: ``script`` stands in for the python that runs ray and main_ppo; a model folder and
+    the prepared parquet files and entry point under ``out``."""
     fake = tmp_path / "fakepy"
-    fake.write_text(FAKE_MAIN_PPO)
+    fake.write_text(script)
     fake.chmod(0o755)
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     out = tmp_path / "out"
     verl_live.cmd_prepare(type("A", (), {"out": str(out), "n_train": 4})())
+    return fake, out
+
+
+def test_run_loop_writes_json_per_run_and_skips_past_budget(tmp_path):
+    fake, out = _fake_setup(tmp_path, FAKE_MAIN_PPO)
     argv = ["run", "--model", str(tmp_path / "model"), "--out", str(out), "--python", str(fake),
             "--runs", "geo_rs/nofix,geo_rs/fix", "--budget", "100"]
     verl_live.main(argv)
@@ -252,13 +259,7 @@ echo "main_ppo $tag RAY_ADDRESS=$RAY_ADDRESS" >> "$FAKE_LOG"
 
 
 def test_parallel_runs_get_their_own_cluster_and_survive_the_profiling_race(tmp_path, monkeypatch):
-    fake = tmp_path / "fakepy"
-    fake.write_text(FAKE_PARALLEL)
-    fake.chmod(0o755)
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
-    out = tmp_path / "out"
-    verl_live.cmd_prepare(type("A", (), {"out": str(out), "n_train": 4})())
+    fake, out = _fake_setup(tmp_path, FAKE_PARALLEL)
     monkeypatch.setenv("FAKE_LOG", str(tmp_path / "calls"))
     verl_live.main(["run", "--model", str(tmp_path / "model"), "--out", str(out), "--python", str(fake),
                     "--runs", "geo_rs/nofix,seq_mis/fix,arm_B", "--budget", "400", "--parallel", "2"])
