@@ -75,6 +75,15 @@ def _write_json(path: Path, payload: dict) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- gen
+def gen_sampling_kwargs(new_tokens: int, logprobs: int, seed: int, truncation: dict) -> dict:
+    """``SamplingParams`` of one ``gen`` rollout: exactly ``new_tokens`` tokens at temperature 1. The length is
+    forced with ``ignore_eos``, not ``min_tokens``: vLLM's min-tokens processor sets the stop tokens' logits to -inf
+    before processed log-probs are taken, which renormalised the sampler's log-probs without EOS (T13 until
+    2026-12-01, recorded with min_tokens; docs/arm_i.md)."""
+    return {"temperature": 1.0, "max_tokens": new_tokens, "ignore_eos": True, "logprobs": logprobs, "seed": seed,
+            "detokenize": False, **truncation}
+
+
 def cmd_gen(args) -> None:
     """vLLM rollouts with processed log-probs and top-K entries, saved as tensors for ``score``."""
     import torch
@@ -100,8 +109,8 @@ def cmd_gen(args) -> None:
     saved: dict = {"prompt_ids": prompt_ids, "sets": {}}
     for name, truncation in TRUNCATIONS.items():
         k = TOPK_RETURNED.get(name, DEFAULT_TOPK)
-        params = [SamplingParams(temperature=1.0, max_tokens=args.new_tokens, min_tokens=args.new_tokens, logprobs=k,
-                                 seed=1000 + i, detokenize=False, **truncation) for i in range(len(prompt_ids))]
+        params = [SamplingParams(**gen_sampling_kwargs(args.new_tokens, k, 1000 + i, truncation))
+                  for i in range(len(prompt_ids))]
         t0 = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         seconds = time.perf_counter() - t0

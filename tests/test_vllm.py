@@ -218,3 +218,20 @@ def test_engine_and_request_settings():
     assert payload == {"token_ids": [1, 2, 3], "sampling_params": top_p_only.params, "model": "m"}
     with pytest.raises(ValueError, match="top_k > 0"):
         server_generate_payload([1], {"temperature": 1.0, "top_p": 0.8, "top_k": 0})
+
+
+def test_vllm_live_gen_forces_length_without_masking_the_stop_tokens():
+    """vLLM's min_tokens processor sets the stop tokens' logits to -inf before processed log-probs are taken, so a
+    sampler log-prob read under min_tokens is renormalised without EOS while the trainer's covers the whole
+    vocabulary (docs/arm_i.md). The gap benchmark forces its length with ignore_eos, which masks nothing."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_live.py"
+    spec = importlib.util.spec_from_file_location("vllm_live_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kwargs = module.gen_sampling_kwargs(new_tokens=128, logprobs=20, seed=1003, truncation={"top_p": 0.8})
+    assert "min_tokens" not in kwargs and kwargs["ignore_eos"] is True
+    assert (kwargs["max_tokens"], kwargs["logprobs"], kwargs["seed"], kwargs["top_p"]) == (128, 20, 1003, 0.8)
+    assert kwargs["temperature"] == 1.0
