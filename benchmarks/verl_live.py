@@ -84,6 +84,11 @@ RUN_EXTRAS = ("parallel", "concurrent_with", "attempts", "gpu_memory_utilization
 START_RACES = ("Error in memory profiling", "No available memory for the cache blocks")
 
 
+def run_tag(run: str) -> str:
+    """The file-name form of a run name (``geo_rs/fix`` -> ``geo_rs_fix``): its log, metrics, dump and Ray tag."""
+    return run.replace("/", "_")
+
+
 def recipe_overrides(name: str) -> list[str]:
     """The ``overrides`` list of ``recipes/verl/<name>``."""
     import yaml
@@ -99,7 +104,7 @@ def overrides(run: str, model: str, data_dir: str | Path, out: str | Path, steps
     the run shares the GPU with others (``PARALLEL_GPU_MEMORY`` for its vLLM engine instead of 0.3)."""
     spec = _run_spec(run)
     data_dir, out = Path(data_dir), Path(out)
-    tag = run.replace("/", "_")
+    tag = run_tag(run)
     base = [
         "algorithm.adv_estimator=grpo",
         "algorithm.use_kl_in_reward=false",
@@ -152,7 +157,7 @@ def overrides(run: str, model: str, data_dir: str | Path, out: str | Path, steps
     return base + PRESETS[spec["preset"]] + extra
 
 
-def ray_start_command(slot: int, out: str | Path, python: str = sys.executable) -> tuple[list[str], str]:
+def ray_start_command(slot: int, python: str = sys.executable) -> tuple[list[str], str]:
     """``(argv, address)`` of the Ray cluster of parallel slot ``slot``: ``ray start --head`` with ports
     ``RAY_PORT_BASE + 1000 slot`` onwards, temp dir ``/tmp/ray_s<slot>``, one GPU, no dashboard."""
     base = RAY_PORT_BASE + 1000 * slot
@@ -171,7 +176,7 @@ def command(run: str, model: str, data_dir: str | Path, out: str | Path, steps: 
     """``(argv, environment additions)`` of one run; ``ray_address``: join that cluster (``--parallel``) instead
     of starting a local one."""
     out = Path(out)
-    tag = run.replace("/", "_")
+    tag = run_tag(run)
     env = {
         "PYTHONPATH": os.pathsep.join([str(out / "site"), str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
         "VERL_FILE_LOGGER_PATH": str(out / f"{tag}.metrics.jsonl"),
@@ -415,12 +420,12 @@ def summarise(run: str, log_text: str, metrics_path: Path, rc: int | None, wall_
 def _launch(run: str, args, out: Path, ray_address: str | None, timeout: float) -> dict:
     """Start one run in the background (its own process group); its console goes to ``<tag>.log``."""
     argv, env = command(run, args.model, out / "data", out, args.steps, args.python, ray_address)
-    tag = run.replace("/", "_")
+    tag = run_tag(run)
     (out / f"{tag}.metrics.jsonl").unlink(missing_ok=True)
     handle = open(out / f"{tag}.log", "w")
     proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=handle, stderr=subprocess.STDOUT, cwd=out,
                             start_new_session=True)
-    return {"run": run, "proc": proc, "handle": handle, "start": time.time(), "timeout": timeout}
+    return {"proc": proc, "handle": handle, "start": time.time(), "timeout": timeout}
 
 
 def _wait(job: dict) -> int | None:
@@ -439,7 +444,7 @@ def _wait(job: dict) -> int | None:
 
 
 def _record(run: str, out: Path, rc: int | None, wall_s: float, result: dict, result_path: Path, **extra) -> None:
-    tag = run.replace("/", "_")
+    tag = run_tag(run)
     record = summarise(run, (out / f"{tag}.log").read_text(errors="replace"), out / f"{tag}.metrics.jsonl", rc,
                        wall_s, extra)
     result["runs"][run] = record
@@ -464,18 +469,17 @@ def _ray_stop(python: str) -> None:
 def _run_batch(batch: list[str], args, out: Path, result: dict, result_path: Path, deadline: float) -> None:
     """``batch`` at once on the one GPU, one Ray cluster each. A run whose vLLM engine failed to start because of
     the others (``START_RACES``) is started once more while the budget allows."""
-    addresses = []
+    addresses = {}
     for slot, run in enumerate(batch):
-        argv, address = ray_start_command(slot, out, args.python)
+        argv, addresses[run] = ray_start_command(slot, args.python)
         # Ray's workers inherit the raylet's environment, not the driver's: the cluster starts with the run's own
         # (PYTHONPATH with the entry point, BLOGGAP_VERL_DISABLE, ...), as a local ray.init() cluster would
-        run_env = {k: v for k, v in command(run, args.model, out / "data", out, args.steps, args.python)[1].items()}
+        run_env = command(run, args.model, out / "data", out, args.steps, args.python)[1]
         started = subprocess.run(argv, capture_output=True, text=True, check=False, env={**os.environ, **run_env})
         if started.returncode:
             sys.exit(f"error: ray start for slot {slot} failed: {started.stderr.strip()[-400:]}")
-        addresses.append(address)
     timeout = min(args.run_timeout, deadline - time.time())
-    jobs = {run: _launch(run, args, out, address, timeout) for run, address in zip(batch, addresses)}
+    jobs = {run: _launch(run, args, out, address, timeout) for run, address in addresses.items()}
     attempts = dict.fromkeys(batch, 1)
     first_start = {run: job["start"] for run, job in jobs.items()}
     while jobs:
@@ -484,7 +488,7 @@ def _run_batch(batch: list[str], args, out: Path, result: dict, result_path: Pat
             rc = _wait(job)
             if rc == -1:
                 continue
-            tag = run.replace("/", "_")
+            tag = run_tag(run)
             log = out / f"{tag}.log"
             left = deadline - time.time()
             text = log.read_text(errors="replace")
@@ -492,7 +496,7 @@ def _run_batch(batch: list[str], args, out: Path, result: dict, result_path: Pat
                 log.rename(out / f"{tag}.attempt{attempts[run]}.log")
                 attempts[run] += 1
                 print(f"{run}: vLLM start-up failed on the shared GPU, started again ({left:.0f} s left)", flush=True)
-                jobs[run] = _launch(run, args, out, addresses[batch.index(run)], min(args.run_timeout, left))
+                jobs[run] = _launch(run, args, out, addresses[run], min(args.run_timeout, left))
                 continue
             del jobs[run]
             _record(run, out, rc, time.time() - first_start[run], result, result_path, parallel=len(batch),
@@ -510,7 +514,7 @@ def cmd_run(args) -> None:
         raise ValueError(f"--parallel {args.parallel}: give 1 (one run after another) or more (runs at once)")
     if args.dry_run:
         for index, run in enumerate(runs):
-            address = ray_start_command(index % args.parallel, out, args.python)[1] if args.parallel > 1 else None
+            address = ray_start_command(index % args.parallel, args.python)[1] if args.parallel > 1 else None
             argv, env = command(run, args.model, out / "data", out, args.steps, args.python, address)
             print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(argv))
         return
@@ -586,7 +590,8 @@ def check_head(dump_paths: list[Path], model_dir: str, device: str = "cuda") -> 
         model = load_model(model_dir, dtype="bf16", attn_implementation="sdpa")[0]
     model = model.to(device).eval()
     report = {"files": [p.name for p in dump_paths]}
-    diffs: dict[str, list] = {"fp32_head": [], "bf16_head": [], "head": []}
+    diffs: dict[str, list] = {"fp32_head": [], "bf16_head": []}
+    head_parts = []  # |fp32 head - bf16 head| of this forward
     flags = []
     for path in dump_paths:
         dump = torch.load(path)
@@ -595,8 +600,8 @@ def check_head(dump_paths: list[Path], model_dir: str, device: str = "cuda") -> 
         keep = torch.isfinite(scored["fp32_head"])
         for name, values in scored.items():
             diffs[name].append((dump["log_probs"][keep] - values[keep]).abs())
-        diffs["head"].append((scored["fp32_head"][keep] - scored["bf16_head"][keep]).abs())
-    head = torch.cat(diffs.pop("head")).double()
+        head_parts.append((scored["fp32_head"][keep] - scored["bf16_head"][keep]).abs())
+    head = torch.cat(head_parts).double()
     # what the two heads differ by on these rows in this forward: the size arm E's old pass should differ from
     # a bf16-head forward of the same rows (gap_vanilla's |dlogp| in verl)
     report["independent_head_diff"] = {"tokens": int(head.numel()), "mean_abs_dlogp": float(head.mean()),
@@ -613,7 +618,7 @@ def check_head(dump_paths: list[Path], model_dir: str, device: str = "cuda") -> 
 
 def cmd_check_head(args) -> None:
     out = Path(args.out).resolve()
-    dumps = sorted(out.glob(f"{args.run.replace('/', '_')}.dump.*.pt"))
+    dumps = sorted(out.glob(f"{run_tag(args.run)}.dump.*.pt"))
     if not dumps:
         sys.exit(f"error: no {args.run} dump under {out}: run it with verl_live.py run (it sets {DUMP_ENV})")
     report = check_head(dumps, args.model, args.device)
@@ -638,7 +643,7 @@ def resummarise(folder: Path, runs_json: dict) -> dict:
     with this version's parsers (keeping the exit code and wall time it recorded)."""
     records = {}
     for run, old in runs_json.get("runs", {}).items():
-        tag = run.replace("/", "_")
+        tag = run_tag(run)
         log = folder / f"{tag}.log"
         if "rc" not in old or not log.exists():
             records[run] = old

@@ -286,7 +286,7 @@ def test_parallel_runs_get_their_own_cluster_and_survive_the_profiling_race(tmp_
 def test_parallel_slots_use_disjoint_ports_and_temp_dirs():
     seen, temp_dirs = set(), set()
     for slot in range(8):
-        argv, address = verl_live.ray_start_command(slot, "/o", "py")
+        argv, address = verl_live.ray_start_command(slot, "py")
         flags = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
         ports = {int(v) for k, v in flags.items() if k.endswith("port") and k not in ("min-worker-port", "max-worker-port")}
         lo, hi = int(flags["min-worker-port"]), int(flags["max-worker-port"])
