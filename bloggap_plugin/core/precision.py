@@ -281,8 +281,8 @@ class ScoringPlan:
             chunk_ok = torch.stack([torch.stack(flags).all() for flags in finite.values()]).cpu().tolist()
             # sharded (FSDP2): a chunk is re-scored on every rank if it overflowed on any (the fp32 forward is a
             # collective); a rank whose own chunk was finite discards the re-score
-            any_ok = all_ranks_true(chunk_ok, self._source)
-            for (start, stop), ok, all_ok in zip(finite, chunk_ok, any_ok):
+            ok_on_every_rank = all_ranks_true(chunk_ok, self._source)
+            for (start, stop), ok, all_ok in zip(finite, chunk_ok, ok_on_every_rank):
                 if all_ok:
                     continue
                 rows = slice(start, stop)
@@ -411,7 +411,8 @@ class _ShadowPlan(ScoringPlan):
         stack = contextlib.ExitStack()
         for device_type in {self._shadow_device.type, "cpu"}:
             stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
-        stack.callback(reshard, self.shadow)  # FSDP2: free the units a forward left gathered (core.sharding)
+        if self.sharded:  # FSDP2: free the units a forward left gathered (core.sharding)
+            stack.callback(reshard, self.shadow)
         return stack
 
     def _computes_fp16(self) -> bool:

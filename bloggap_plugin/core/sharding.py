@@ -18,6 +18,8 @@ Everything here is a no-op for models without ``DTensor`` parameters.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -25,6 +27,7 @@ __all__ = ["is_dtensor", "is_sharded", "reshard", "full_value", "local_value", "
            "all_ranks_true"]
 
 
+@functools.cache  # asked per parameter on every sync and step: import once
 def _fsdp_module_type() -> type | None:
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -33,6 +36,7 @@ def _fsdp_module_type() -> type | None:
     return FSDPModule
 
 
+@functools.cache
 def _dtensor_type() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
@@ -89,7 +93,8 @@ def _unit_groups(source: nn.Module) -> list[tuple[list[str], bool]]:
     appears once with all its modules."""
     names = {id(m): name for name, m in source.named_modules()}
     groups, seen = [], set()
-    units = [(name, m) for name, m in source.named_modules() if id(m) in {id(u) for u in fsdp_modules(source)}]
+    unit_ids = {id(u) for u in fsdp_modules(source)}
+    units = [(name, m) for name, m in source.named_modules() if id(m) in unit_ids]
     units.sort(key=lambda item: (item[0] == "", -item[0].count(".")))  # deepest first, the root last
     for _, module in units:
         state = module._get_fsdp_state()
