@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .scoring import position_ids_from_mask
+
 __all__ = [
     "VllmForm",
     "parse_form",
@@ -210,7 +212,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: to
     if not torch.equal(contiguous, where):
         raise ValueError("arm I scores rows whose real tokens form one contiguous run (as vLLM's sequences); "
                          "a row's attention_mask has a gap")
-    positions = (span - first[:, None]).expand_as(where) if position_ids is None else position_ids
+    positions = position_ids_from_mask(attention_mask) if position_ids is None else position_ids  # 0..n-1 per row
     cu = torch.zeros(where.shape[0] + 1, dtype=torch.int32, device=where.device)
     cu[1:] = lengths_t.cumsum(0)
     return PackedBatch(input_ids[where], positions[where].long(), cu, lengths_t.tolist(), where)
