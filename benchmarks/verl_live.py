@@ -12,7 +12,8 @@ driver's console: Ray forwards every worker's output there) and ``<run>.metrics.
 
 Runs (``RUNS``): ``<preset>/control`` (untruncated, plugin on, arm A's ``gap_vanilla``: item 1 and item 3 arm A),
 ``<preset>/nofix`` (rollout top_p 0.8, ``BLOGGAP_VERL_DISABLE=1``), ``<preset>/fix`` (top_p 0.8 with
-``recipes/verl/truncation_fix.yaml``) for the presets Geo-RS (``seq_mean_k1`` 0.999_1.001) and Seq-MIS (sequence IS
+``recipes/verl/truncation_fix.yaml``), ``<preset>/guard`` (top_p 0.8, plugin on with its lift off: the bug, met by
+the all-rejected guard) for the presets Geo-RS (``seq_mean_k1`` 0.999_1.001) and Seq-MIS (sequence IS
 2.0 + ``seq_sum_k1`` 0.5_2.0); ``arm_E``, ``arm_B``, ``arm_F`` (untruncated Geo-RS with ``recipes/verl/arm_X.yaml``).
 
 bloggap is not pip-installed on the GPU machine: ``prepare`` writes a ``bloggap-0.1.0.dist-info`` with the
@@ -64,16 +65,21 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 def _run_spec(name: str) -> dict:
     """``{"preset", "truncated", "disable", "recipes"}`` of run ``name`` (``RUNS``)."""
     if name.startswith("arm_") and name[4:] in ("A", "B", "E", "F"):
-        return {"preset": "geo_rs", "truncated": False, "disable": False, "recipes": [f"arm_{name[4:]}.yaml"]}
+        return {"preset": "geo_rs", "truncated": False, "disable": False, "recipes": [f"arm_{name[4:]}.yaml"],
+                "extra": []}
     preset, _, kind = name.partition("/")
-    if preset not in PRESETS or kind not in ("control", "nofix", "fix"):
+    if preset not in PRESETS or kind not in RUN_KINDS:
         raise ValueError(f"unknown run {name!r}; choose from {', '.join(RUNS)}")
     # nofix runs without the plugin, so without its loss too (verl refuses an unregistered "gap_vanilla")
     recipes = [] if kind == "nofix" else ["arm_A.yaml"] + (["truncation_fix.yaml"] if kind == "fix" else [])
-    return {"preset": preset, "truncated": kind != "control", "disable": kind == "nofix", "recipes": recipes}
+    # guard: the truncation bug with the plugin on but its lift off, so the all-rejected guard meets it live
+    extra = ["+bloggap.fix_truncation=false"] if kind == "guard" else []
+    return {"preset": preset, "truncated": kind != "control", "disable": kind == "nofix", "recipes": recipes,
+            "extra": extra}
 
 
-RUNS = tuple(f"{p}/{k}" for p in PRESETS for k in ("control", "nofix", "fix")) + ("arm_A", "arm_E", "arm_B", "arm_F")
+RUN_KINDS = ("control", "nofix", "fix", "guard")
+RUNS = tuple(f"{p}/{k}" for p in PRESETS for k in RUN_KINDS) + ("arm_A", "arm_E", "arm_B", "arm_F")
 # --parallel: each concurrent run gets its own Ray cluster (``ray start`` with its own ports and temp dir: two local
 # ``ray.init()`` clusters would both bind the dashboard agent's fixed port 52365) and a smaller vLLM share of the GPU
 PARALLEL_GPU_MEMORY = 0.12  # x 139 GiB = 16.7 GiB per engine; SmolLM2-135M needs < 1 GiB of weights
@@ -153,7 +159,7 @@ def overrides(run: str, model: str, data_dir: str | Path, out: str | Path, steps
         f"trainer.default_local_dir={out / 'ckpt' / tag}",
         "+ray_kwargs.ray_init.include_dashboard=false",
     ]
-    extra = [o for recipe in spec["recipes"] for o in recipe_overrides(recipe)]
+    extra = [o for recipe in spec["recipes"] for o in recipe_overrides(recipe)] + spec["extra"]
     return base + PRESETS[spec["preset"]] + extra
 
 
@@ -664,17 +670,24 @@ def _median_after_first(values: list) -> float | None:
     return statistics.median(kept) if kept else None
 
 
+def _all_rejected(step: dict) -> bool:
+    """The guard's flag, or (plugin off: no flag) verl's own share of rejected sequences at 1."""
+    flag = step.get("all_rejected")
+    return bool(flag) if flag is not None else step.get("rejected_seq_frac") == 1.0
+
+
 def _run_row(run: str, rec: dict) -> list:
-    base = [run, rec.get("preset"), rec.get("top_p"), "off" if rec.get("plugin_disabled") else "on", _ran(rec)]
+    plugin = "off" if rec.get("plugin_disabled") else "on, lift off" if run.endswith("/guard") else "on"
+    base = [run, rec.get("preset"), rec.get("top_p"), plugin, _ran(rec)]
     steps = rec.get("steps", [])
     if not steps:
         why = rec.get("skipped") or (f"failed: {rec['failure']}" if rec.get("failure") else "no step logged")
-        return base + [0, rec.get("rc"), None, None, None, None, None, None, None, why]
+        return base + [0, rec.get("rc"), None, None, None, None, None, None, None, None, why]
     col = {k: [s.get(k) for s in steps] for k in steps[0]}
     registered = rec.get("registered", {})
     return base + [
-        len(steps), rec["rc"], _r(_mean(col["rejected_seq_frac"])), int(sum(1 for v in col["all_rejected"] if v)),
-        _r(_mean(col.get("kept_mass_mean_geo", [])), 4), _r(col["reward"][0]), _r(col["reward"][-1]),
+        len(steps), rec["rc"], _r(_mean(col["rejected_seq_frac"])), sum(map(_all_rejected, steps)),
+        rec.get("guard_warnings"), _r(_mean(col.get("kept_mass_mean_geo", [])), 4), _r(col["reward"][0]), _r(col["reward"][-1]),
         _r(_mean(col["oob_frac"]), 4), _r(_median_after_first(col["step_s"]), 2),
         f"{sum(len(p) for p in registered.values())} processes: {', '.join(sorted(registered))}"]
 
@@ -706,7 +719,7 @@ def _steps_table(records: dict) -> dict | None:
     notes = "; ".join(f"{r}: {_ran(records[r])}" for r in runs) + "."
     if missing:
         notes += " Not in this table (no step logged): " + "; ".join(missing) + "."
-    return {"id": "T13v-steps", "title": "Per step: untruncated control vs top_p 0.8 with the truncation fix (verl, H200)",
+    return {"id": "T13v-steps", "title": "Per step: untruncated control vs top_p 0.8 without and with the truncation fix (verl, H200)",
             "columns": columns, "rows": rows, "notes": notes, "reference": None, "random_init": False,
             "plot": {"kind": "line", "x": "step", "y": [c for c in columns if c.endswith((" rejected", " reward"))]}}
 
@@ -755,11 +768,14 @@ def result_tables(records: dict) -> list[dict]:
         "SmolLM2-135M, arithmetic task; rollout correction Geo-RS = seq_mean_k1 0.999_1.001, Seq-MIS = sequence IS "
         "2.0 + seq_sum_k1 0.5_2.0)",
         "columns": ["run", "preset", "rollout top_p", "plugin", "ran", "steps", "rc", "rejected seq share (mean)",
-                    "steps all rejected", "kept mass (geo mean)", "reward step 1", "reward last", "gap oob_frac",
+                    "steps all rejected", "guard warnings", "kept mass (geo mean)", "reward step 1", "reward last", "gap oob_frac",
                     "s/step (median)", "plugin registered in / why no step"],
         "rows": [_run_row(run, rec) for run, rec in records.items()],
         "notes": "rejected seq share: verl's rollout_corr/rollout_rs_<option>_seq_masked_fraction per step (option "
-                 "seq_mean_k1 for Geo-RS, seq_sum_k1 for Seq-MIS), mean over steps; kept mass: exp of "
+                 "seq_mean_k1 for Geo-RS, seq_sum_k1 for Seq-MIS), mean over steps; steps all rejected: steps with "
+                 "gap/verl/all_rejected = 1 (plugin on) or every sequence rejected (plugin off); guard warnings: the "
+                 "guard's 'bloggap: rollout correction preset ...' lines in the driver's console; plugin 'on, lift "
+                 "off': +bloggap.fix_truncation=false, the bug as verl has it with the guard watching; kept mass: exp of "
                  "gap/verl/log_kept_mass_mean (the fix's re-truncation); gap oob_frac: gap_vanilla's "
                  "actor/gap/ratio/oob_frac (ppo_mini_batch = train batch, one epoch: 0 expected unless the old pass "
                  "differs on purpose, arm E); s/step: timing_s/step without step 1; ran: alone, or N verl runs at "

@@ -49,7 +49,7 @@ def test_every_run_composes_against_verls_config(tmp_path):
             assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == ("vanilla" if disabled else "gap_vanilla")
             if disabled:
                 assert not [o for o in argv if "+bloggap." in o or "loss_mode=gap_" in o]
-            truncated = run.endswith(("/nofix", "/fix"))
+            truncated = run.endswith(("/nofix", "/fix", "/guard"))
             assert rollout.top_p == (0.8 if truncated else 1.0)
             assert env["BLOGGAP_VERL_DISABLE"] == ("1" if run.endswith("/nofix") else "0")
             if run.startswith("seq_mis/"):
@@ -59,6 +59,8 @@ def test_every_run_composes_against_verls_config(tmp_path):
                 assert (corr.rollout_is, corr.rollout_rs, corr.rollout_rs_threshold) == (None, "seq_mean_k1", "0.999_1.001")
             if run.endswith("/fix"):
                 assert cfg.bloggap.kept_source == "retruncate" and cfg.actor_rollout_ref.model.use_fused_kernels is False
+            elif run.endswith("/guard"):  # the bug with the plugin on: no lift, so the guard meets it
+                assert cfg.bloggap.fix_truncation is False and load_settings(cfg.bloggap).guard == "warn"
             else:
                 assert "bloggap" not in cfg or "kept_source" not in cfg.bloggap
             if run == "arm_E":
@@ -368,11 +370,16 @@ def test_document_tables_from_run_records(tmp_path):
                 "abs_dlogp_mean": dlogp / 4}
 
     records = {
-        "geo_rs/control": {"rc": 0, "top_p": 1.0, "plugin_disabled": False, "registered": {"driver": [1], "TaskRunnerV1": [2]},
+        "geo_rs/control": {"rc": 0, "top_p": 1.0, "plugin_disabled": False, "guard_warnings": 0, "registered": {"driver": [1], "TaskRunnerV1": [2]},
                            "steps": [step(1, 0.5, 0.2), step(2, 0.25, 0.4), step(3, 0.0, 0.6)]},
         "geo_rs/fix": {"rc": 0, "top_p": 0.8, "plugin_disabled": False, "registered": {"driver": [5]},
                        "steps": [step(1, 1.0, 0.1, 0.9, all_rejected=1.0), step(2, 0.5, 0.3, 0.95)]},
         "geo_rs/nofix": {"run": "geo_rs/nofix", "skipped": "40 s of --budget 500 s left"},
+        # plugin off: no gap/verl/all_rejected metric, so a step with every sequence rejected counts from verl's share
+        "seq_mis/control": {"rc": 0, "top_p": 0.8, "plugin_disabled": True, "guard_warnings": 0,
+                            "steps": [step(1, 1.0, 0.1, all_rejected=None), step(2, 0.5, 0.1, all_rejected=None)]},
+        "geo_rs/guard": {"rc": 0, "top_p": 0.8, "plugin_disabled": False, "guard_warnings": 2,
+                         "steps": [step(1, 1.0, 0.1, all_rejected=1.0), step(2, 1.0, 0.1, all_rejected=1.0)]},
         "seq_mis/nofix": {"rc": 1, "top_p": 0.8, "plugin_disabled": True, "steps": [], "failure": "ValueError: x",
                           "parallel": 2},
         "arm_A": {"rc": 0, "top_p": 1.0, "plugin_disabled": False, "parallel": 2,
@@ -384,11 +391,16 @@ def test_document_tables_from_run_records(tmp_path):
     tables = verl_live.result_tables(records)
     assert [t["id"] for t in tables] == ["T13v", "T13v-steps", "T13v-arms"]
     runs = {row[0]: row for row in tables[0]["rows"]}
-    assert runs["geo_rs/control"][4:14] == ["alone", 3, 0, 0.25, 0, None, 0.2, 0.6, 0.0, 12.5]
-    assert runs["geo_rs/fix"][7:10] == [0.75, 1, 0.925]
+    assert runs["geo_rs/control"][3:15] == ["on", "alone", 3, 0, 0.25, 0, 0, None, 0.2, 0.6, 0.0, 12.5]
+    assert runs["seq_mis/control"][3] == "off" and runs["seq_mis/control"][8:10] == [1, 0]
+    assert runs["geo_rs/guard"][3] == "on, lift off" and runs["geo_rs/guard"][7:10] == [1.0, 2, 2]
+    assert runs["geo_rs/fix"][7:11] == [0.75, 1, None, 0.925]
     assert runs["geo_rs/nofix"][5] == 0 and runs["geo_rs/nofix"][-1] == "40 s of --budget 500 s left"
     assert runs["seq_mis/nofix"][4] == "2 at once" and runs["seq_mis/nofix"][-1] == "failed: ValueError: x"
-    assert tables[1]["rows"] == [[1, 0.5, 1.0, 0.9, 0.2, 0.1], [2, 0.25, 0.5, 0.95, 0.4, 0.3], [3, 0.0, None, None, 0.6, None]]
+    # RUNS order: geo_rs control, fix, guard, then seq_mis control; rejected (+ kept mass of fix runs), then rewards
+    assert tables[1]["rows"] == [[1, 0.5, 1.0, 0.9, 1.0, 1.0, 0.2, 0.1, 0.1, 0.1],
+                                 [2, 0.25, 0.5, 0.95, 1.0, 0.5, 0.4, 0.3, 0.1, 0.1],
+                                 [3, 0.0, None, None, None, None, 0.6, None, None, None]]
     assert "seq_mis/nofix (ValueError: x)" in tables[1]["notes"] and "geo_rs/fix: alone" in tables[1]["notes"]
     arms = {row[0]: row for row in tables[2]["rows"]}
     # medians without step 1: A (12 + 13) / 2 = 12.5, E 1.5x that; E's old pass 3.0 s; max |dlogp| over steps

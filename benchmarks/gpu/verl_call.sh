@@ -19,6 +19,10 @@ work=/tmp/vl
 t0=$(date +%s)
 collect() {
   mkdir -p "$OUT"
+  # the guard's warning as each Ray worker wrote it (its own log files), to tell a warning never written from one
+  # the driver's console did not receive (2026-12-01: arm_B's step 8 had all_rejected = 1 and no warning line)
+  grep -H "bloggap: rollout correction preset" /tmp/ray*/session_*/logs/worker-* 2>/dev/null | cut -c1-600 \
+    > "$work/ray_worker_guard_lines.txt"
   [ -d "$work" ] && tar -czf "$OUT/verl_runs.tgz" -C "$work" --exclude=./data --exclude=./site --exclude=./ckpt . 2>/dev/null
   cp "$work/verl_live_runs.json" "$work/verl_probe.json" "$work/verl_patch_check.txt" "$OUT/" 2>/dev/null
   echo "verl_call: $(( $(date +%s) - t0 )) s in this call"
