@@ -384,6 +384,37 @@ def test_wrapper_lifts_from_batch_and_guard_fires_without(batches, caplog):
             fn(batch(False), cfg)
 
 
+@pytest.fixture
+def root_logger_at_error():
+    """The root logger as vLLM leaves it in verl's TaskRunner: vLLM's API routers import
+    model_hosting_container_standards, whose logging_config.configure_root_logger() sets the root logger and its
+    handlers to SAGEMAKER_CONTAINER_LOG_LEVEL, default ERROR (found on the H200, 2026-12-01: the guard fired
+    on every step of geo_rs/guard and no warning reached the console or the Ray workers' own log files)."""
+    root = logging.getLogger()
+    saved = root.level, [(h, h.level) for h in root.handlers]
+    root.setLevel(logging.ERROR)
+    for handler in root.handlers:
+        handler.setLevel(max(handler.level, logging.ERROR))
+    yield
+    root.setLevel(saved[0])
+    for handler, level in saved[1]:
+        handler.setLevel(level)
+
+
+def test_guard_warning_survives_a_root_logger_raised_to_error(batches, root_logger_at_error, capsys):
+    b = batches["top_p0.8"]
+    cfg = OmegaConf.structured(RolloutCorrectionConfig.decoupled_geo_rs())
+    data = DataProto.from_dict(tensors={"old_log_probs": b["old"], "rollout_log_probs": b["rollout"].clone(),
+                                        "response_mask": b["mask"]})
+    capsys.readouterr()
+    with trainer_step(_trainer_config(top_p=0.8)):
+        _, metrics = rollout_corr_helper.compute_rollout_correction_and_add_to_batch(data, cfg)
+    assert metrics["gap/verl/all_rejected"] == 1.0
+    err = capsys.readouterr().err
+    assert err.count("bloggap: rollout correction preset decoupled_geo_rs (Geo-RS)") == 1, err[-2000:]
+    assert err.startswith("WARNING:")  # verl's own format, as its "verl" logger writes
+
+
 def test_guard_detects_sequence_is_weights_at_the_floor():
     # 256-token responses at top_k=20: sum of log kept mass ~ -40 nats per sequence, below the -20 clamp
     gen = torch.Generator().manual_seed(5)

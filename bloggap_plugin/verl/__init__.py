@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 
 import torch
@@ -32,6 +33,34 @@ __all__ = ["lift_rollout_log_probs", "register", "is_registered", "DISABLE_ENV"]
 logger = logging.getLogger("bloggap.verl")
 _LOCK = threading.Lock()
 _REGISTERED = False
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted (Ray redirects it per worker)."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):  # noqa: D102 - logging.StreamHandler's attribute
+        return sys.stderr
+
+
+def _own_log_handler(plugin_logger: logging.Logger) -> None:
+    """Give the plugin's logger its own stderr handler at WARNING and stop it propagating, as verl does for its
+    ``verl`` logger. In verl's TaskRunner the root logger cannot be relied on: vLLM's API routers import
+    ``model_hosting_container_standards``, which sets the root logger and its handlers to ERROR, and the
+    all-rejected guard's warning was lost (H200, 2026-12-01). Idempotent; a level set by the user is kept."""
+    if not any(isinstance(handler, _StderrHandler) for handler in plugin_logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:%(asctime)s:%(message)s"))
+        plugin_logger.addHandler(handler)
+    if plugin_logger.level == logging.NOTSET:
+        plugin_logger.setLevel(logging.WARNING)
+    plugin_logger.propagate = False
+
+
+_own_log_handler(logger)
 
 
 def lift_rollout_log_probs(
