@@ -63,7 +63,11 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _run_spec(name: str) -> dict:
-    """``{"preset", "truncated", "disable", "recipes"}`` of run ``name`` (``RUNS``)."""
+    """``{"preset", "truncated", "disable", "recipes", "extra"}`` of run ``name`` (``RUNS``, or ``RUN@VARIANT``:
+    a kept repeat of a run under other conditions, ``VARIANTS``)."""
+    name, _, variant = name.partition("@")
+    if variant and variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r} of run {name!r}; choose from {', '.join(VARIANTS)}")
     if name.startswith("arm_") and name[4:] in ("A", "B", "E", "F"):
         return {"preset": "geo_rs", "truncated": False, "disable": False, "recipes": [f"arm_{name[4:]}.yaml"],
                 "extra": []}
@@ -79,6 +83,14 @@ def _run_spec(name: str) -> dict:
 
 
 RUN_KINDS = ("control", "nofix", "fix", "guard")
+# records kept beside a run's main record, ``RUN@VARIANT`` (files ``<tag>@VARIANT.log``): same overrides, other
+# conditions, described in T13v's notes
+VARIANTS = {
+    "trl-visible": "TRL 1.16 importable in every verl process (the other runs hid it, BLOGGAP_HIDE_TRL=1): verl's "
+    "FSDP engine imports a value-head class TRL 1.16 no longer has, which the plugin skips",
+    "before-log-handler": "before the plugin's logger had its own handler: vLLM's API routers set the root logger "
+    "to ERROR in verl's TaskRunner, so the guard fired (gap/verl/all_rejected = 1) and its warning was lost",
+}
 RUNS = tuple(f"{p}/{k}" for p in PRESETS for k in RUN_KINDS) + ("arm_A", "arm_E", "arm_B", "arm_F")
 # --parallel: each concurrent run gets its own Ray cluster (``ray start`` with its own ports and temp dir: two local
 # ``ray.init()`` clusters would both bind the dashboard agent's fixed port 52365) and a smaller vLLM share of the GPU
@@ -289,6 +301,7 @@ def step_table(rows: list[dict], preset: str) -> list[dict]:
         "log_kept_mass_mean": "gap/verl/log_kept_mass_mean",
         "kept_source": "gap/verl/kept_source",
         "is_floor_frac": "gap/verl/is_floor_frac",
+        "is_weight_mean": "rollout_corr/rollout_is_mean",
         "reward": "critic/score/mean",
         "response_length": "response_length/mean",
         # gap_vanilla's metrics go through verl's actor, which prefixes them with "actor/"
@@ -298,6 +311,7 @@ def step_table(rows: list[dict], preset: str) -> list[dict]:
         "clip_flip_frac": "actor/gap/clip/flip_frac",
         "clip_clipped_frac": "actor/gap/clip/clipped_frac",
         "pg_clipfrac": "actor/pg_clipfrac",
+        "grad_norm": "actor/grad_norm",
         "rollout_probs_diff_mean": "training/rollout_probs_diff_mean",
         "step_s": "timing_s/step",
         "old_log_prob_s": "timing_s/old_log_prob",
@@ -676,19 +690,32 @@ def _all_rejected(step: dict) -> bool:
     return bool(flag) if flag is not None else step.get("rejected_seq_frac") == 1.0
 
 
+def _silent_guard_note(records: dict) -> str:
+    """Names the plugin-on runs with more all-rejected steps than guard warnings (the warning was lost)."""
+    silent = [run for run, rec in records.items() if not rec.get("plugin_disabled") and rec.get("steps")
+              and sum(map(_all_rejected, rec["steps"])) > (rec.get("guard_warnings") or 0)]
+    if not silent:
+        return ""
+    return (f" Guard fired with no warning line in: {', '.join(silent)} (runs before the plugin's own log handler; "
+            "see the before-log-handler variant).")
+
+
 def _run_row(run: str, rec: dict) -> list:
-    plugin = "off" if rec.get("plugin_disabled") else "on, lift off" if run.endswith("/guard") else "on"
+    guard_run = run.partition("@")[0].endswith("/guard")
+    plugin = "off" if rec.get("plugin_disabled") else "on, lift off" if guard_run else "on"
     base = [run, rec.get("preset"), rec.get("top_p"), plugin, _ran(rec)]
     steps = rec.get("steps", [])
     if not steps:
         why = rec.get("skipped") or (f"failed: {rec['failure']}" if rec.get("failure") else "no step logged")
-        return base + [0, rec.get("rc"), None, None, None, None, None, None, None, None, why]
+        return base + [0, rec.get("rc"), None, None, None, None, None, None, None, None, None, None, None, why]
     col = {k: [s.get(k) for s in steps] for k in steps[0]}
     registered = rec.get("registered", {})
     return base + [
         len(steps), rec["rc"], _r(_mean(col["rejected_seq_frac"])), sum(map(_all_rejected, steps)),
-        rec.get("guard_warnings"), _r(_mean(col.get("kept_mass_mean_geo", [])), 4), _r(col["reward"][0]), _r(col["reward"][-1]),
-        _r(_mean(col["oob_frac"]), 4), _r(_median_after_first(col["step_s"]), 2),
+        rec.get("guard_warnings"), _r(_mean(col.get("is_weight_mean", [])), 3), _r(_mean(col.get("kept_mass_mean_geo", [])), 4), _r(col["reward"][0]), _r(col["reward"][-1]),
+        _r(_mean(col["oob_frac"]), 4), _r(_mean(col.get("grad_norm", [])), 3),
+        _r(_mean(col.get("response_length", [])), 1), _r(_median_after_first(col["step_s"]), 2),
+        "none: plugin disabled" if rec.get("plugin_disabled") else
         f"{sum(len(p) for p in registered.values())} processes: {', '.join(sorted(registered))}"]
 
 
@@ -768,8 +795,9 @@ def result_tables(records: dict) -> list[dict]:
         "SmolLM2-135M, arithmetic task; rollout correction Geo-RS = seq_mean_k1 0.999_1.001, Seq-MIS = sequence IS "
         "2.0 + seq_sum_k1 0.5_2.0)",
         "columns": ["run", "preset", "rollout top_p", "plugin", "ran", "steps", "rc", "rejected seq share (mean)",
-                    "steps all rejected", "guard warnings", "kept mass (geo mean)", "reward step 1", "reward last", "gap oob_frac",
-                    "s/step (median)", "plugin registered in / why no step"],
+                    "steps all rejected", "guard warnings", "IS weight (mean)", "kept mass (geo mean)", "reward step 1", "reward last",
+                    "gap oob_frac", "grad norm (mean)", "response tokens (mean)", "s/step (median)",
+                    "plugin registered in / why no step"],
         "rows": [_run_row(run, rec) for run, rec in records.items()],
         "notes": "rejected seq share: verl's rollout_corr/rollout_rs_<option>_seq_masked_fraction per step (option "
                  "seq_mean_k1 for Geo-RS, seq_sum_k1 for Seq-MIS), mean over steps; steps all rejected: steps with "
@@ -779,7 +807,15 @@ def result_tables(records: dict) -> list[dict]:
                  "gap/verl/log_kept_mass_mean (the fix's re-truncation); gap oob_frac: gap_vanilla's "
                  "actor/gap/ratio/oob_frac (ppo_mini_batch = train batch, one epoch: 0 expected unless the old pass "
                  "differs on purpose, arm E); s/step: timing_s/step without step 1; ran: alone, or N verl runs at "
-                 "once on the one GPU (verl_live.py run --parallel N, 0.12 vLLM memory share each).",
+                 "once on the one GPU (verl_live.py run --parallel N, 0.12 vLLM memory share each)."
+                 + " IS weight: rollout_corr/rollout_is_mean, mean over steps (Seq-MIS only: the sequence weight "
+                 "after its 2.0 cap; below 1 when the rollout log-probs are too high, as with truncation unlifted)."
+                 + " grad norm: verl's actor/grad_norm, mean over steps (0: no sequence left to learn from); "
+                 "response tokens: response_length/mean, mean over steps (Seq-MIS's seq_sum_k1 sums the log ratio "
+                 "over them, so how far truncation pushes it grows with the length)."
+                 + " rc –: killed at its time limit (--run-timeout) after the steps shown."
+                 + "".join(f" {run}: {VARIANTS[run.partition('@')[2]]}." for run in records if "@" in run)
+                 + _silent_guard_note(records),
         "reference": None, "random_init": False, "plot": False}]
     tables += [t for t in (_steps_table(records), _arms_table(records)) if t]
     return tables

@@ -363,11 +363,12 @@ def test_document_tables_from_run_records(tmp_path):
     """result_tables/head_table on two small runs: the means and counts are the step values' own."""
     from bloggap_plugin.results import ResultDocument
 
-    def step(n, rejected, reward, kept=None, all_rejected=0.0, scale=1.0, dlogp=0.0):
+    def step(n, rejected, reward, kept=None, all_rejected=0.0, scale=1.0, dlogp=0.0, is_weight=None):
         return {"step": n, "rejected_seq_frac": rejected, "all_rejected": all_rejected, "reward": reward,
                 "oob_frac": 0.0, "step_s": (10.0 + n) * scale, "kept_mass_mean_geo": kept, "abs_dlogp_max": dlogp,
                 "old_log_prob_s": 2.0 * scale, "update_actor_s": 5.0, "rollout_probs_diff_mean": 0.01,
-                "abs_dlogp_mean": dlogp / 4}
+                "abs_dlogp_mean": dlogp / 4, "grad_norm": 0.0 if rejected == 1.0 else 0.5, "response_length": 10.0 + n,
+                "is_weight_mean": is_weight}
 
     records = {
         "geo_rs/control": {"rc": 0, "top_p": 1.0, "plugin_disabled": False, "guard_warnings": 0, "registered": {"driver": [1], "TaskRunnerV1": [2]},
@@ -377,9 +378,12 @@ def test_document_tables_from_run_records(tmp_path):
         "geo_rs/nofix": {"run": "geo_rs/nofix", "skipped": "40 s of --budget 500 s left"},
         # plugin off: no gap/verl/all_rejected metric, so a step with every sequence rejected counts from verl's share
         "seq_mis/control": {"rc": 0, "top_p": 0.8, "plugin_disabled": True, "guard_warnings": 0,
-                            "steps": [step(1, 1.0, 0.1, all_rejected=None), step(2, 0.5, 0.1, all_rejected=None)]},
+                            "steps": [step(1, 1.0, 0.1, all_rejected=None, is_weight=0.7),
+                                      step(2, 0.5, 0.1, all_rejected=None, is_weight=0.8)]},
         "geo_rs/guard": {"rc": 0, "top_p": 0.8, "plugin_disabled": False, "guard_warnings": 2,
                          "steps": [step(1, 1.0, 0.1, all_rejected=1.0), step(2, 1.0, 0.1, all_rejected=1.0)]},
+        "geo_rs/guard@before-log-handler": {"rc": 0, "top_p": 0.8, "plugin_disabled": False, "guard_warnings": 0,
+                                            "steps": [step(1, 1.0, 0.1, all_rejected=1.0)]},
         "seq_mis/nofix": {"rc": 1, "top_p": 0.8, "plugin_disabled": True, "steps": [], "failure": "ValueError: x",
                           "parallel": 2},
         "arm_A": {"rc": 0, "top_p": 1.0, "plugin_disabled": False, "parallel": 2,
@@ -391,10 +395,23 @@ def test_document_tables_from_run_records(tmp_path):
     tables = verl_live.result_tables(records)
     assert [t["id"] for t in tables] == ["T13v", "T13v-steps", "T13v-arms"]
     runs = {row[0]: row for row in tables[0]["rows"]}
-    assert runs["geo_rs/control"][3:15] == ["on", "alone", 3, 0, 0.25, 0, 0, None, 0.2, 0.6, 0.0, 12.5]
-    assert runs["seq_mis/control"][3] == "off" and runs["seq_mis/control"][8:10] == [1, 0]
+    assert runs["geo_rs/control"][3:18] == ["on", "alone", 3, 0, 0.25, 0, 0, None, None, 0.2, 0.6, 0.0, 0.5, 12.0, 12.5]
+    assert runs["geo_rs/guard"][15] == 0.0  # every sequence rejected: nothing to learn from
+    assert runs["seq_mis/control"][3] == "off" and runs["seq_mis/control"][8:11] == [1, 0, 0.75]
     assert runs["geo_rs/guard"][3] == "on, lift off" and runs["geo_rs/guard"][7:10] == [1.0, 2, 2]
-    assert runs["geo_rs/fix"][7:11] == [0.75, 1, None, 0.925]
+    # a variant keeps its own row (the guard fired, no warning reached the console) and is not a steps-table column
+    assert runs["geo_rs/guard@before-log-handler"][3] == "on, lift off"
+    assert runs["geo_rs/guard@before-log-handler"][8:10] == [1, 0]
+    assert "geo_rs/guard@before-log-handler: before the plugin's logger had its own handler" in tables[0]["notes"]
+    assert not [c for c in tables[1]["columns"] if "@" in c]
+    assert "Guard fired with no warning line in: geo_rs/fix, geo_rs/guard@before-log-handler, arm_E " in tables[0]["notes"]
+    assert runs["seq_mis/control"][-1] == "none: plugin disabled"
+    with pytest.raises(ValueError, match="unknown variant 'nope'"):
+        verl_live.overrides("geo_rs/fix@nope", "m", "d", "o")
+    base, variant = (verl_live.overrides(run, "m", "d", "o") for run in ("geo_rs/fix", "geo_rs/fix@trl-visible"))
+    assert len(base) == len(variant) and "trainer.experiment_name=geo_rs_fix@trl-visible" in variant
+    assert [o for o in variant if "geo_rs_fix@trl-visible" not in o] == [o for o in base if "geo_rs_fix" not in o]
+    assert runs["geo_rs/fix"][7:12] == [0.75, 1, None, None, 0.925]
     assert runs["geo_rs/nofix"][5] == 0 and runs["geo_rs/nofix"][-1] == "40 s of --budget 500 s left"
     assert runs["seq_mis/nofix"][4] == "2 at once" and runs["seq_mis/nofix"][-1] == "failed: ValueError: x"
     # RUNS order: geo_rs control, fix, guard, then seq_mis control; rejected (+ kept mass of fix runs), then rewards
