@@ -719,9 +719,18 @@ def _run_row(run: str, rec: dict) -> list:
         f"{sum(len(p) for p in registered.values())} processes: {', '.join(sorted(registered))}"]
 
 
-def _steps_table(records: dict) -> dict | None:
-    """Per step, every truncation run that logged steps: rejected share, kept mass (fix runs), reward."""
-    runs = [r for r in RUNS if "/" in r and records.get(r, {}).get("steps")]
+STEPS_TABLES = {  # preset -> (table id, what the preset shows per step besides rejection and reward)
+    "geo_rs": ("T13v-steps", "Geo-RS", ()),
+    "seq_mis": ("T13v-steps-seqmis", "Seq-MIS", (("IS weight", "is_weight_mean", 3),)),
+}
+
+
+def _steps_table(records: dict, preset: str) -> dict | None:
+    """Per step, the truncation runs of ``preset`` that logged steps: rejected share, kept mass (fix runs), the
+    preset's extra quantities (Seq-MIS: mean IS weight), reward."""
+    table_id, label, extras = STEPS_TABLES[preset]
+    names = [r for r in RUNS if r.startswith(f"{preset}/") and r in records]
+    runs = [r for r in names if records[r].get("steps")]
     if not runs:
         return None
     columns, getters = ["step"], []
@@ -731,6 +740,10 @@ def _steps_table(records: dict) -> dict | None:
         if run.endswith("/fix"):
             columns.append(f"{run} kept mass")
             getters.append((run, "kept_mass_mean_geo", 4))
+    for title, key, digits in extras:
+        for run in runs:
+            columns.append(f"{run} {title}")
+            getters.append((run, key, digits))
     for run in runs:
         columns.append(f"{run} reward")
         getters.append((run, "reward", 3))
@@ -742,13 +755,16 @@ def _steps_table(records: dict) -> dict | None:
             row.append(_r(steps[number].get(key), digits) if number < len(steps) else None)
         rows.append(row)
     missing = [f"{r} ({records[r].get('failure') or records[r].get('skipped') or 'no step logged'})"
-               for r in RUNS if "/" in r and r in records and not records[r].get("steps")]
+               for r in names if not records[r].get("steps")]
     notes = "; ".join(f"{r}: {_ran(records[r])}" for r in runs) + "."
     if missing:
         notes += " Not in this table (no step logged): " + "; ".join(missing) + "."
-    return {"id": "T13v-steps", "title": "Per step: untruncated control vs top_p 0.8 without and with the truncation fix (verl, H200)",
+    plotted = (" rejected", " reward") + tuple(f" {title}" for title, _, _ in extras)
+    return {"id": table_id,
+            "title": f"{label} per step: untruncated control vs top_p 0.8 without and with the truncation fix "
+                     "(verl, H200)",
             "columns": columns, "rows": rows, "notes": notes, "reference": None, "random_init": False,
-            "plot": {"kind": "line", "x": "step", "y": [c for c in columns if c.endswith((" rejected", " reward"))]}}
+            "plot": {"kind": "line", "x": "step", "y": [c for c in columns if c.endswith(plotted)]}}
 
 
 ARM_DTYPES = {"arm_A": "bf16 (verl default)", "arm_E": "bf16, fp32 head in the old-log-prob pass",
@@ -817,7 +833,7 @@ def result_tables(records: dict) -> list[dict]:
                  + "".join(f" {run}: {VARIANTS[run.partition('@')[2]]}." for run in records if "@" in run)
                  + _silent_guard_note(records),
         "reference": None, "random_init": False, "plot": False}]
-    tables += [t for t in (_steps_table(records), _arms_table(records)) if t]
+    tables += [t for t in [*(_steps_table(records, preset) for preset in STEPS_TABLES), _arms_table(records)] if t]
     return tables
 
 

@@ -393,7 +393,7 @@ def test_document_tables_from_run_records(tmp_path):
                             step(3, 0.5, 0.3, scale=1.5, dlogp=0.02, all_rejected=1.0)]},
     }
     tables = verl_live.result_tables(records)
-    assert [t["id"] for t in tables] == ["T13v", "T13v-steps", "T13v-arms"]
+    assert [t["id"] for t in tables] == ["T13v", "T13v-steps", "T13v-steps-seqmis", "T13v-arms"]
     runs = {row[0]: row for row in tables[0]["rows"]}
     assert runs["geo_rs/control"][3:18] == ["on", "alone", 3, 0, 0.25, 0, 0, None, None, 0.2, 0.6, 0.0, 0.5, 12.0, 12.5]
     assert runs["geo_rs/guard"][15] == 0.0  # every sequence rejected: nothing to learn from
@@ -403,7 +403,7 @@ def test_document_tables_from_run_records(tmp_path):
     assert runs["geo_rs/guard@before-log-handler"][3] == "on, lift off"
     assert runs["geo_rs/guard@before-log-handler"][8:10] == [1, 0]
     assert "geo_rs/guard@before-log-handler: before the plugin's logger had its own handler" in tables[0]["notes"]
-    assert not [c for c in tables[1]["columns"] if "@" in c]
+    assert not [c for t in tables[1:3] for c in t["columns"] if "@" in c]
     assert "Guard fired with no warning line in: geo_rs/fix, geo_rs/guard@before-log-handler, arm_E " in tables[0]["notes"]
     assert runs["seq_mis/control"][-1] == "none: plugin disabled"
     with pytest.raises(ValueError, match="unknown variant 'nope'"):
@@ -414,12 +414,18 @@ def test_document_tables_from_run_records(tmp_path):
     assert runs["geo_rs/fix"][7:12] == [0.75, 1, None, None, 0.925]
     assert runs["geo_rs/nofix"][5] == 0 and runs["geo_rs/nofix"][-1] == "40 s of --budget 500 s left"
     assert runs["seq_mis/nofix"][4] == "2 at once" and runs["seq_mis/nofix"][-1] == "failed: ValueError: x"
-    # RUNS order: geo_rs control, fix, guard, then seq_mis control; rejected (+ kept mass of fix runs), then rewards
-    assert tables[1]["rows"] == [[1, 0.5, 1.0, 0.9, 1.0, 1.0, 0.2, 0.1, 0.1, 0.1],
-                                 [2, 0.25, 0.5, 0.95, 1.0, 0.5, 0.4, 0.3, 0.1, 0.1],
-                                 [3, 0.0, None, None, None, None, 0.6, None, None, None]]
-    assert "seq_mis/nofix (ValueError: x)" in tables[1]["notes"] and "geo_rs/fix: alone" in tables[1]["notes"]
-    arms = {row[0]: row for row in tables[2]["rows"]}
+    # one table per preset, runs in RUNS order (control, fix, guard): rejected (+ kept mass of fix runs), rewards
+    assert tables[1]["rows"] == [[1, 0.5, 1.0, 0.9, 1.0, 0.2, 0.1, 0.1],
+                                 [2, 0.25, 0.5, 0.95, 1.0, 0.4, 0.3, 0.1],
+                                 [3, 0.0, None, None, None, 0.6, None, None]]
+    # Seq-MIS also shows the mean IS weight per step
+    assert tables[2]["columns"] == ["step", "seq_mis/control rejected", "seq_mis/control IS weight",
+                                    "seq_mis/control reward"]
+    assert tables[2]["rows"] == [[1, 1.0, 0.7, 0.1], [2, 0.5, 0.8, 0.1]]
+    assert "seq_mis/control IS weight" in tables[2]["plot"]["y"]
+    assert "seq_mis/nofix (ValueError: x)" in tables[2]["notes"] and "geo_rs/nofix" in tables[1]["notes"]
+    assert "geo_rs/fix: alone" in tables[1]["notes"]
+    arms = {row[0]: row for row in tables[3]["rows"]}
     # medians without step 1: A (12 + 13) / 2 = 12.5, E 1.5x that; E's old pass 3.0 s; max |dlogp| over steps
     assert arms["arm_A"][2:] == ["2 at once", 3, 12.5, 1.0, 2.0, 5.0, 0.5, 0, 0.0, 0.0, 0.0, 0.01, 0.2]
     assert arms["arm_E"][4:13] == [18.75, 1.5, 3.0, 5.0, 0.5, 1, 0.0, 0.0, 0.08]  # step 1's mean |dlogp|: 0
