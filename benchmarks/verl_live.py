@@ -700,6 +700,12 @@ def _silent_guard_note(records: dict) -> str:
             "see the before-log-handler variant).")
 
 
+RUN_COLUMNS = ("run", "preset", "rollout top_p", "plugin", "ran", "steps", "rc", "rejected seq share (mean)",
+               "steps all rejected", "guard warnings", "IS weight (mean)", "kept mass (geo mean)", "reward step 1",
+               "reward last", "gap oob_frac", "grad norm (mean)", "response tokens (mean)", "s/step (median)",
+               "plugin registered in / why no step")  # T13v, one row per run record (_run_row)
+
+
 def _run_row(run: str, rec: dict) -> list:
     guard_run = run.partition("@")[0].endswith("/guard")
     plugin = "off" if rec.get("plugin_disabled") else "on, lift off" if guard_run else "on"
@@ -707,12 +713,14 @@ def _run_row(run: str, rec: dict) -> list:
     steps = rec.get("steps", [])
     if not steps:
         why = rec.get("skipped") or (f"failed: {rec['failure']}" if rec.get("failure") else "no step logged")
-        return base + [0, rec.get("rc"), None, None, None, None, None, None, None, None, None, None, None, why]
+        head = base + [0, rec.get("rc")]
+        return head + [None] * (len(RUN_COLUMNS) - len(head) - 1) + [why]
     col = {k: [s.get(k) for s in steps] for k in steps[0]}
     registered = rec.get("registered", {})
     return base + [
         len(steps), rec["rc"], _r(_mean(col["rejected_seq_frac"])), sum(map(_all_rejected, steps)),
-        rec.get("guard_warnings"), _r(_mean(col.get("is_weight_mean", [])), 3), _r(_mean(col.get("kept_mass_mean_geo", [])), 4), _r(col["reward"][0]), _r(col["reward"][-1]),
+        rec.get("guard_warnings"), _r(_mean(col.get("is_weight_mean", [])), 3),
+        _r(_mean(col.get("kept_mass_mean_geo", [])), 4), _r(col["reward"][0]), _r(col["reward"][-1]),
         _r(_mean(col["oob_frac"]), 4), _r(_mean(col.get("grad_norm", [])), 3),
         _r(_mean(col.get("response_length", [])), 1), _r(_median_after_first(col["step_s"]), 2),
         "none: plugin disabled" if rec.get("plugin_disabled") else
@@ -785,7 +793,7 @@ def _arms_table(records: dict) -> dict | None:
         rows.append([arm, ARM_DTYPES[arm], _ran(records[arm]), len(steps), _r(medians[arm], 2),
                      _r(medians[arm] / medians["arm_A"], 3) if medians[arm] and medians["arm_A"] else None,
                      _r(_median_after_first(col["old_log_prob_s"]), 2), _r(_median_after_first(col["update_actor_s"]), 2),
-                     _r(_mean(col["rejected_seq_frac"])), int(sum(1 for v in col["all_rejected"] if v)),
+                     _r(_mean(col["rejected_seq_frac"])), sum(map(_all_rejected, steps)),
                      _r(_mean(col["oob_frac"]), 4), _r(col["abs_dlogp_mean"][0], 4), _r(max(dlogp), 4) if dlogp else None,
                      _r(_mean(col["rollout_probs_diff_mean"]), 4), _r(col["reward"][-1])])
     return {"id": "T13v-arms", "title": "Arms in verl: the actor's precision against arm A (untruncated Geo-RS, H200)",
@@ -810,10 +818,7 @@ def result_tables(records: dict) -> list[dict]:
         "id": "T13v", "title": "verl 0.9.1 GRPO on the H200 with the bloggap plugin (vLLM 0.24 rollouts, FSDP actor, "
         "SmolLM2-135M, arithmetic task; rollout correction Geo-RS = seq_mean_k1 0.999_1.001, Seq-MIS = sequence IS "
         "2.0 + seq_sum_k1 0.5_2.0)",
-        "columns": ["run", "preset", "rollout top_p", "plugin", "ran", "steps", "rc", "rejected seq share (mean)",
-                    "steps all rejected", "guard warnings", "IS weight (mean)", "kept mass (geo mean)", "reward step 1", "reward last",
-                    "gap oob_frac", "grad norm (mean)", "response tokens (mean)", "s/step (median)",
-                    "plugin registered in / why no step"],
+        "columns": list(RUN_COLUMNS),
         "rows": [_run_row(run, rec) for run, rec in records.items()],
         "notes": "rejected seq share: verl's rollout_corr/rollout_rs_<option>_seq_masked_fraction per step (option "
                  "seq_mean_k1 for Geo-RS, seq_sum_k1 for Seq-MIS), mean over steps; steps all rejected: steps with "
