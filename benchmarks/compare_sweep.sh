@@ -17,8 +17,10 @@
 # $OUT/compare_sweep.tgz to come back.
 #
 # Stages: SEEDS="0 1 2 3" first (24 runs), read the paired smallest detectable difference in compare.md, then the
-# full list (the yaml's 8 seeds) adds the rest. SMOKE=1: 2 arms x 1 seed x 10 steps, 64 held-out prompts, in its
-# own folder (a first check that 2 colocated engines, the evaluation and the outputs work on the GPU).
+# full list (the yaml's 8 seeds) adds the rest. SMOKE=1: every arm x seeds 0-1 x 20 steps, all 12 runs at once (the
+# sweep's concurrency), 64 held-out prompts, in its own folder: a first check that 12 colocated engines, the
+# evaluation and the outputs work on the GPU, and the set-up and step times that size the sweep's calls. BUDGET (s)
+# sets the call's time budget; the call itself ends at BUDGET + 70 s.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="${PYTHONPATH:-}:$PWD"
@@ -27,13 +29,14 @@ ARMS=${ARMS:-"A B E F G H"}
 BUDGET=${BUDGET:-520}
 extra=()
 if [ -n "${SEEDS:-}" ]; then extra+=(--seeds $SEEDS); fi
+if [ -n "${PARALLEL:-}" ]; then extra+=(--parallel "$PARALLEL"); fi   # runs at once (the yaml's 12 otherwise)
 if [ "${SMOKE:-0}" = 1 ]; then
-  ARMS="A F"; extra+=(--seeds 0 --max-steps 10 --parallel 2 --heldout-n 64 --last-n 5 --output-dir .dev/compare_sweep_smoke)
+  extra+=(--seeds 0 1 --max-steps 20 --parallel 12 --heldout-n 64 --last-n 5 --output-dir .dev/compare_sweep_smoke)
 fi
 recipes=()
 for arm in $ARMS; do recipes+=("recipes/arm_$arm.yaml"); done
 # recipes first: --seeds takes every number after it
-timeout 590 python3 -m bloggap_plugin.cli compare "${recipes[@]}" --config benchmarks/compare_sweep.yaml \
+timeout $((BUDGET + 70)) python3 -m bloggap_plugin.cli compare "${recipes[@]}" --config benchmarks/compare_sweep.yaml \
   --model "$MODEL" --time-budget-s "$BUDGET" "${extra[@]}"
 code=$?
 if [ -n "${OUT:-}" ]; then

@@ -145,3 +145,27 @@ def test_compare_runs_get_a_fixed_kv_cache_when_several_share_the_gpu():
     assert KV_CACHE_ENV not in _worker_environment(config(parallel=1), {})
     assert KV_CACHE_ENV not in _worker_environment(config(use_vllm=False), {})
     assert {f.name for f in __import__("dataclasses").fields(CompareConfig)} >= {"use_vllm", "parallel"}
+
+
+def test_parallel_colocate_runs_each_get_their_own_free_master_port():
+    """Found on the H200 (issue 15 smoke, 12 runs at once): TRL's colocate engine takes MASTER_PORT from the
+    environment, else the first free of 29500, 23456, ...; runs that start together all saw 29500 free, and 11 of 12
+    failed with EADDRINUSE. Each run of a parallel vLLM sweep gets a port of its own, free when chosen, none of those
+    the runs in flight hold, also when the sweep itself inherited a MASTER_PORT."""
+    import socket
+
+    from bloggap_plugin.compare import _worker_environment
+
+    def config(**kw):
+        return types.SimpleNamespace(**{"use_vllm": True, "parallel": 12, **kw})
+
+    ports = []
+    for _ in range(12):
+        env = _worker_environment(config(), {"MASTER_PORT": "29500"}, ports_in_use=set(ports))
+        ports.append(int(env["MASTER_PORT"]))
+        assert env["MASTER_ADDR"] == "localhost"
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:  # free when chosen
+            probe.bind(("127.0.0.1", ports[-1]))
+    assert len(set(ports)) == 12 and 29500 not in ports
+    assert _worker_environment(config(parallel=1), {"MASTER_PORT": "29500"})["MASTER_PORT"] == "29500"
+    assert "MASTER_PORT" not in _worker_environment(config(use_vllm=False), {})

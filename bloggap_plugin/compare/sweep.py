@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -73,19 +74,35 @@ def _part_logs(run: RunSpec) -> list[Path]:
     return sorted(log.parent.glob(f"{glob.escape(run.run_id)}.*.part.jsonl"), key=lambda p: p.stat().st_mtime)
 
 
-def _worker_environment(config: CompareConfig, environ: dict | None = None) -> dict:
-    """A run's environment: the sweep's, plus a fixed vLLM KV cache (``BLOGGAP_VLLM_KV_CACHE_GIB`` = 2, unless set)
-    when several runs each start a colocated vLLM engine on one GPU: vLLM's free-memory profiling fails when a
-    neighbour frees memory while an engine starts (seen on the H200)."""
+def _worker_environment(config: CompareConfig, environ: dict | None = None, ports_in_use: set | None = None) -> dict:
+    """A run's environment: the sweep's, plus, when several runs each start a colocated vLLM engine on one GPU,
+    a fixed vLLM KV cache (``BLOGGAP_VLLM_KV_CACHE_GIB`` = 2, unless set: vLLM's free-memory profiling fails when a
+    neighbour frees memory while an engine starts) and a ``MASTER_PORT`` of the run's own, free now and not in
+    ``ports_in_use`` (the runs in flight): TRL's colocate engine otherwise takes the first free of 29500, 23456, ...,
+    which runs starting together all see free (11 of 12 failed with EADDRINUSE on the H200). Both seen live."""
     from bloggap_plugin.trl.vllm_colocate import KV_CACHE_ENV
 
     env = dict(os.environ if environ is None else environ)
     if config.use_vllm and int(config.parallel) > 1:
         env.setdefault(KV_CACHE_ENV, "2")
+        env.setdefault("MASTER_ADDR", "localhost")
+        env["MASTER_PORT"] = str(_free_port(ports_in_use or set()))
     return env
 
 
-def _launch(config: CompareConfig, run: RunSpec, lock_fd: int, mode: str = "train", trained_attempt: str | None = None):
+def _free_port(avoid: set) -> int:
+    """A TCP port the OS reports free on this host now, not in ``avoid``."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        if port not in avoid:
+            return port
+    raise RuntimeError(f"no free TCP port outside the {len(avoid)} the sweep's runs hold after 100 tries")
+
+
+def _launch(config: CompareConfig, run: RunSpec, lock_fd: int, mode: str = "train", trained_attempt: str | None = None,
+            ports_in_use: set | None = None):
     """Start one attempt of ``run``: a fresh log only it writes, its console output, and the lock inherited, so that
     no other sweep can use the folder while the attempt lives (even if this process dies first). ``mode``
     ``"evaluate"``: only the held-out evaluation of the policy training attempt ``trained_attempt`` saved."""
@@ -101,13 +118,15 @@ def _launch(config: CompareConfig, run: RunSpec, lock_fd: int, mode: str = "trai
     fresh = console_path.with_name(f".{run.run_id}.{attempt}.out")
     console = open(fresh, "w")  # noqa: SIM115 - closed when the process ends
     os.replace(fresh, console_path)  # a new file: nothing else holds it open
+    env = _worker_environment(config, ports_in_use=ports_in_use)
     process = subprocess.Popen(
         [sys.executable, "-m", "bloggap_plugin.compare", "--worker", str(spec_path)],
         stdout=console,
         stderr=subprocess.STDOUT,
         pass_fds=(lock_fd,),
-        env=_worker_environment(config),
+        env=env,
     )
+    process.master_port = env.get("MASTER_PORT")  # type: ignore[attr-defined]  # read by the next launches
     return process, console, time.perf_counter(), attempt, part
 
 
@@ -262,7 +281,9 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int) -> di
                     if left <= 0 or (mode == "train" and estimate is not None and estimate > left):
                         break
                 pending.pop(0)
-                running[run.run_id] = (run, *_launch(config, run, lock_fd, mode, trained), mode, trained)
+                ports = {getattr(entry[1], "master_port", None) for entry in running.values()}
+                ports = {int(port) for port in ports if port}
+                running[run.run_id] = (run, *_launch(config, run, lock_fd, mode, trained, ports), mode, trained)
                 what = "evaluating" if mode == "evaluate" else f"started ({run.recipe}, seed {run.seed})"
                 echo(f"[compare] {run.run_id}: {what}")
             for run_id, (run, process, console, started, attempt, _, mode, trained) in list(running.items()):
