@@ -1,0 +1,158 @@
+"""Publish a finished ``bloggap compare`` sweep from the GPU machine as a committed result (issue 15 item 5).
+
+    python benchmarks/compare_sweep_publish.py SWEEP_DIR --out benchmarks/results/h200 \\
+        --model-name SmolLM2-135M-Instruct --call-logs CALL1.log CALL2.log ...
+
+``SWEEP_DIR`` is the sweep's output folder as it came back (``compare_sweep.tgz`` from
+``benchmarks/compare_sweep.sh``, unpacked): ``compare.json`` plus ``runs/``. Writes, under ``--out``:
+
+- ``<name>.json``: the sweep's own ``compare.json`` (benchmark schema, its tables T10, T10-heldout, T10-gap,
+  T10-resolution as the sweep computed them), renamed to benchmark ``<name>``, with the model's path on the GPU
+  machine replaced by ``--model-name`` everywhere, plot specs for the report, and a ``start`` table: the reward of
+  the first generation of every run (the untrained policy, sampled as in training);
+- ``<name>_reward_curves.png``: the reward curves re-plotted from that JSON;
+- ``<name>/runs.tar.xz``: ``runs/`` with each run's JSONL log, held-out result and console output (progress bars
+  and the log lines the JSONL already holds removed), machine paths replaced; packed because every device call
+  carries the tracked tree within its 64 MiB (7.5 MB unpacked, 0.8 MB packed for 30 runs of 200 steps);
+- ``logs/<name>.log``: the sweep's console output of each device call, in order (``--call-logs``).
+
+Nothing is recomputed from the logs here: the numbers are the sweep's (``bloggap compare --table-only`` rebuilds
+them from ``runs/`` if needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import statistics
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MACHINE_PATHS = (
+    ("/opt/torch/.venv/lib/python3.12/site-packages/", "<image-site-packages>/"),
+    ("/usr/lib/python3.12/", "<python3.12>/"),
+    ("/tmp/site/", "<bundle-site>/"),
+    ("/work/main/", ""),
+)
+"""(path on the GPU machine, what a committed file says instead); the model's path is added per call."""
+
+_PROGRESS = re.compile(r"\d+%\|| \d+/\d+ \[\d")
+_LOG_DICT = re.compile(r"^\s*\{'(loss|train_runtime)'")
+
+
+def strip_paths(text: str, model_path: str, model_name: str) -> str:
+    """``text`` with the model's folder named ``model_name`` and the machine's install paths replaced."""
+    for path, name in ((model_path, model_name), *MACHINE_PATHS):
+        text = text.replace(path, name)
+    return text
+
+
+def console_lines(text: str) -> str:
+    """A run's console output without progress bars, blank redraws and the logged dicts (its JSONL has those)."""
+    kept = [line.rstrip() for line in re.split(r"[\r\n]", text)]
+    kept = [line for line in kept if line.strip() and not _PROGRESS.search(line) and not _LOG_DICT.match(line)]
+    return "\n".join(kept) + "\n"
+
+
+def starting_reward_table(results: dict) -> dict:
+    """Table ``start``: per arm, the mean reward of every run's first generation (the untrained policy, sampled at
+    the training temperature; all arms start from the same weights)."""
+    rows, firsts = [], []
+    for arm in results["arms"]:
+        values = [run["rewards"][0] for run in results["runs"].values() if run["arm"] == arm and run.get("rewards")]
+        firsts += values
+        rows.append([arm, len(values), round(statistics.fmean(values), 4) if values else None])
+    rows.append(["all", len(firsts), round(statistics.fmean(firsts), 4) if firsts else None])
+    return {
+        "id": "start",
+        "title": "Reward of the first generation (the untrained policy, sampled as in training)",
+        "columns": ["arm", "runs", "reward at the first generation"],
+        "rows": rows,
+        "notes": "Each run's first logged reward: 32 completions (4 prompts x 8) of the untrained policy, sampled at "
+                 "temperature 1 by the run's vLLM engine. Runs of one seed whose engines compute alike sample alike, "
+                 "so arms can share their first completions; 'all' is the mean over runs. The issue asks for a start "
+                 "between 20 and 50 percent.",
+        "reference": None,
+        "random_init": False,
+        "plot": False,
+    }
+
+
+def publish(sweep_dir: Path, out: Path, name: str, model_name: str, call_logs: list[Path]) -> Path:
+    """Write the committed files (see the module docstring); returns the JSON's path."""
+    from bloggap_plugin.compare.outputs import plot_reward_curves
+    from bloggap_plugin.results import ResultDocument
+
+    document = json.loads((sweep_dir / "compare.json").read_text())
+    model_path = document["params"]["model"]
+    document = json.loads(strip_paths(json.dumps(document), model_path, model_name))
+    document["benchmark"] = name
+    document["params"]["model_path_on_gpu_machine"] = "<model>: dense fp32 folder written by mk_smollm2.py"
+    tables = []
+    for table in document["tables"]:
+        table = dict(table)
+        if table["id"] == "T10":
+            table["plot"] = {"kind": "bar", "x": "arm", "y": [table["columns"][2], "reward mean"]}
+        elif table["id"] == "T10-heldout":
+            table["plot"] = {"kind": "bar", "x": "arm", "y": ["held-out accuracy"]}
+        else:
+            table["plot"] = False
+        tables.append(table)
+    document["tables"] = [starting_reward_table(document["results"]), *tables]
+    out.mkdir(parents=True, exist_ok=True)
+    path = ResultDocument.from_dict(document, sweep_dir / "compare.json").write(out / f"{name}.json")
+    title = f"{document['params']['task']}, {model_name}: reward by arm (mean over seeds, band = seed range)"
+    plot_reward_curves(document["results"], out / f"{name}_reward_curves.png", smooth=document["params"].get("smooth", 5),
+                       title=title)
+
+    runs_out = out / name / "runs"
+    if runs_out.exists():
+        shutil.rmtree(runs_out)
+    runs_out.mkdir(parents=True)
+    _copy_runs(sweep_dir / "runs", runs_out, model_path, model_name)
+    with tarfile.open(out / name / "runs.tar.xz", "w:xz") as archive:
+        archive.add(runs_out, arcname="runs")
+    shutil.rmtree(runs_out)
+    if call_logs:
+        logs = out / "logs"
+        logs.mkdir(exist_ok=True)
+        parts = [f"==> device call {i}: {log.name} <==\n" + strip_paths(log.read_text(errors="replace"), model_path,
+                                                                       model_name) for i, log in enumerate(call_logs, 1)]
+        (logs / f"{name}.log").write_text("\n".join(parts))
+    return path
+
+
+def _copy_runs(source_dir: Path, runs_out: Path, model_path: str, model_name: str) -> None:
+    """Each run's JSONL log, held-out result and trimmed console output, machine paths replaced."""
+    for source in sorted(source_dir.iterdir()):
+        if source.suffix == ".jsonl" or source.name.endswith(".heldout.json"):
+            runs_out.joinpath(source.name).write_text(strip_paths(source.read_text(), model_path, model_name))
+        elif source.suffix == ".out":
+            text = console_lines(source.read_text(errors="replace"))
+            runs_out.joinpath(source.name).write_text(strip_paths(text, model_path, model_name))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sweep_dir", type=Path, help="the sweep's output folder (compare.json + runs/)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "h200")
+    parser.add_argument("--name", default="compare_sweep", help="benchmark name: <out>/<name>.json (default compare_sweep)")
+    parser.add_argument("--model-name", required=True, help="what the committed files call the model")
+    parser.add_argument("--call-logs", type=Path, nargs="*", default=[], help="the sweep's console output per device call")
+    args = parser.parse_args(argv)
+    if not (args.sweep_dir / "compare.json").is_file() or not (args.sweep_dir / "runs").is_dir():
+        parser.error(f"{args.sweep_dir}: no compare.json and runs/ there; unpack compare_sweep.tgz and pass its "
+                     "compare_sweep folder")
+    path = publish(args.sweep_dir, args.out, args.name, args.model_name, args.call_logs)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
