@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The decisive reward comparison on the H200 (issue 15 item 3): arms A B E F G H (ARMS="A B D E F G H" adds D),
-# 8 seeds x 200 optimizer steps, arithmetic level 2, TRL's colocated vLLM generation, 12 runs at a time on the one
-# GPU, greedy held-out accuracy at the end of each run; settings in benchmarks/compare_sweep.yaml.
+# 200 optimizer steps per run, arithmetic level 2, TRL's colocated vLLM generation, 8 runs at a time on the one GPU
+# (one wave per call: 244-338 s measured), greedy held-out accuracy at the end of each run; settings in
+# benchmarks/compare_sweep.yaml. Ran with seeds 0-4 (docs/compare.md "The decisive sweep": calls, result).
 #
 # One device call (<= 10 min) per invocation, from the repository root, after the vLLM bundle and mk_smollm2.py
 # (docs/vllm.md "Reproduce"):
@@ -16,8 +17,8 @@
 # for their evaluation and is not needed). With $OUT set, the runs and outputs are also packed into
 # $OUT/compare_sweep.tgz to come back.
 #
-# Stages: SEEDS="0 1 2 3" first (24 runs), read the paired smallest detectable difference in compare.md, then the
-# full list (the yaml's 8 seeds) adds the rest. SMOKE=1: every arm x seeds 0-1 x 20 steps, all 12 runs at once (the
+# Stages: SEEDS="0 1 2 3" first (24 runs), read the paired smallest detectable difference in compare.md, then add
+# seeds (SEEDS="0 1 2 3 4", or the yaml's 8 without SEEDS): finished runs are kept. SMOKE=1: every arm x seeds 0-1 x 20 steps, all 12 runs at once (the
 # sweep's concurrency), 64 held-out prompts, in its own folder: a first check that 12 colocated engines, the
 # evaluation and the outputs work on the GPU, and the set-up and step times that size the sweep's calls. BUDGET (s)
 # sets the call's time budget; the call itself ends at BUDGET + 70 s.
