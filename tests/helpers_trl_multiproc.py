@@ -122,6 +122,12 @@ def main() -> None:
             self._gap_record("max", values, reduced)
             return reduced
 
+        def _gap_reduce_pair(self, sums_type, sums, maxima_type, maxima):
+            reduced_sums, reduced_maxima = super()._gap_reduce_pair(sums_type, sums, maxima_type, maxima)
+            self._gap_record("sum", sums.tolist(), reduced_sums)
+            self._gap_record("max", maxima.tolist(), reduced_maxima)
+            return reduced_sums, reduced_maxima
+
     arms = args.arm.split(",")
     for arm in arms:  # several arms: one trainer each, a fresh model each, OUT with _<arm> before .json
         out = args.out if len(arms) == 1 else args.out.removesuffix(".json") + f"_{arm}.json"

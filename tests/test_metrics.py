@@ -246,3 +246,20 @@ def test_trl_clip_status_per_loss_type_and_level():
         assert trl_clip_status(log_ratio, pos, mask, loss_type) is None
     with pytest.raises(ValueError, match="'token' or 'sequence'"):
         trl_clip_status(log_ratio, pos, mask, "grpo", level="tokens")
+
+
+def test_out_of_band_is_the_elementwise_oob_that_oob_count_counts():
+    """out_of_band keeps the shape (no selection, so no host read on a GPU); masked, it counts what oob_count counts;
+    a non-finite difference is outside."""
+    from bloggap_plugin.core.metrics import out_of_band
+
+    a = torch.tensor([[0.0, 0.09, -0.1, 0.2], [float("nan"), -math.inf, 0.05, -0.2]])  # ratios 1, 1.094, 0.905, 1.22
+    b = torch.zeros(2, 4)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 1, 0]]).bool()
+    outside = out_of_band(a.double(), b.double(), band=0.1)
+    assert outside.tolist() == [[False, False, False, True], [True, True, False, True]]
+    assert int((outside & mask).sum()) == oob_count(a.double(), b.double(), mask, band=0.1)[0] == 2
+    with pytest.raises(ValueError, match="band must be in"):
+        out_of_band(a, b, band=1.5)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        out_of_band(a, b[:, :2])

@@ -461,3 +461,90 @@ def test_named_statistics_round_trip_and_the_shared_masks():
     x = torch.tensor([[1, 2], [3, 4]])
     assert torch.equal(fit_width(x, 3, fill=-1), torch.tensor([[1, 2, -1], [3, 4, -1]]))
     assert torch.equal(fit_width(x, 1), torch.tensor([[1], [3]]))
+
+
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero")
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the tensor operations that read a value back to the host (on CUDA each waits for the GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS:
+            self.reads.append(name)
+        if name == "__getitem__" and len(args) > 1 and torch.is_tensor(args[1]) and args[1].dtype == torch.bool:
+            self.reads.append("bool-index")  # the result's size needs the mask's count on the host
+        return func(*args, **(kwargs or {}))
+
+
+def _expected_loss_metrics(trainer, inputs, new, old) -> dict:
+    """One micro-batch's loss-time metrics from their definitions (DESIGN.md), by boolean selection, in float64."""
+    from bloggap_plugin.core.metrics import trl_clip_status
+
+    mask = inputs["completion_mask"].bool()
+    band = trainer._gap_state.config.band
+    d = new.double() - old.double()
+    sel = d[mask]
+    ratio = sel.exp()
+    out = {"gap/ratio/oob_frac": float(((ratio < 1 - band) | (ratio > 1 + band) | ~sel.isfinite()).sum()) / sel.numel(),
+           "gap/ratio/abs_dlogp_mean": float(sel.abs().sum()) / sel.numel(),
+           "gap/ratio/abs_dlogp_max": float(sel.abs().max()),
+           "gap/ratio/exact_frac": float((sel == 0).sum()) / sel.numel()}
+
+    def clip(log_ratio, rows_mask, advantages):
+        return trl_clip_status(log_ratio, advantages, rows_mask, loss_type=trainer.loss_type,
+                               level=trainer.importance_sampling_level, eps_low=trainer.epsilon_low,
+                               eps_high=trainer.epsilon_high, delta=trainer.args.delta)
+
+    clipped = clip(new - old, mask, inputs["advantages"])
+    out["gap/clip/clipped_frac"] = float(clipped[mask].sum()) / sel.numel()
+    rows = [i for i, chosen in enumerate(inputs["gap_probe_row"].tolist()) if chosen]
+    if rows:
+        ref = inputs["gap_ref_logps"][rows].float()
+        status = clip(new[rows] - ref, mask[rows], inputs["advantages"][rows])
+        out["gap/clip/flip_frac"] = float((status != clipped[rows])[mask[rows]].sum()) / float(mask[rows].sum())
+    trl_old = inputs["gap_trl_old_logps"].double()
+    vs = old.double()[mask] - trl_old[mask]
+    out["gap/old_vs_trl/oob_frac"] = float(((vs.exp() < 1 - band) | (vs.exp() > 1 + band)).sum()) / sel.numel()
+    out["gap/old_vs_trl/abs_dlogp_mean"] = float(vs.abs().sum()) / sel.numel()
+    return out
+
+
+def test_loss_metrics_read_the_device_once_per_micro_batch_and_follow_their_definitions(tmp_path, monkeypatch):
+    """Each host read of a CUDA tensor waits for the GPU, and with several runs sharing one (the H200 reward sweep:
+    8 at once) every wait is long: arm A's plugin time there was 0.11 s on optimizer steps with no generation at
+    all (the loss-time metrics of two micro-batches). They are computed on the device and read with one transfer per
+    micro-batch; their values are the definitions computed here by boolean selection (arm B on a bf16 model, so
+    ratios differ from 1; TRL's own old log-probs beside the arm's; the first generation's probe rows)."""
+    from bloggap_plugin.trl.stats import StatsMixin
+
+    original = StatsMixin._gap_loss_metrics
+    seen = []
+
+    def counted(self, inputs):
+        new, old = self._gap_state.new_logps, self._gap_old_of(inputs)
+        expected = _expected_loss_metrics(self, inputs, new, old)
+        before = {key: len(values) for key, values in self._metrics["train"].items()}
+        with _HostReads() as mode:
+            original(self, inputs)
+        logged = {key: values[-1] for key, values in self._metrics["train"].items()
+                  if key in expected and len(values) > before.get(key, 0)}
+        seen.append((mode.reads, expected, logged))
+
+    monkeypatch.setattr(StatsMixin, "_gap_loss_metrics", counted)
+    torch.manual_seed(0)
+    trainer = make(tmp_path, GapConfig(arm="B"), dtype="bf16", bf16=True, max_steps=2)
+    trainer.train()
+    assert len(seen) == 4  # 2 optimizer steps x 2 micro-batches
+    assert any("gap/clip/flip_frac" in expected for _, expected, _ in seen)
+    assert any(expected["gap/ratio/oob_frac"] > 0 for _, expected, _ in seen)
+    for reads, expected, logged in seen:
+        assert reads == ["tolist"], reads
+        assert logged.keys() == expected.keys()
+        for key, value in expected.items():
+            assert logged[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key

@@ -15,6 +15,7 @@ import torch
 __all__ = [
     "oob_fraction",
     "oob_count",
+    "out_of_band",
     "abs_dlogp_stats",
     "clip_status",
     "trl_clip_status",
@@ -53,10 +54,22 @@ def oob_count(
     if not 0.0 < band < 1.0:
         raise ValueError(f"band must be in (0, 1), got {band}")
     delta = _dlogp(logp_a, logp_b, mask)
+    return int(_outside(delta, band).sum().item()), int(delta.numel())
+
+
+def out_of_band(logp_a: torch.Tensor, logp_b: torch.Tensor, band: float = 0.1) -> torch.Tensor:
+    """Per element bool (same shape): ``exp(logp_a - logp_b)`` outside ``[1-band, 1+band]`` (difference in float64;
+    non-finite counts as outside). No host read: for counts on the device (``(out_of_band(a, b) & mask).sum()``)."""
+    if logp_a.shape != logp_b.shape:
+        raise ValueError(f"shape mismatch: logp_a {tuple(logp_a.shape)} vs logp_b {tuple(logp_b.shape)}")
+    return _outside(logp_a.double() - logp_b.double(), band)
+
+
+def _outside(delta: torch.Tensor, band: float) -> torch.Tensor:
+    if not 0.0 < band < 1.0:
+        raise ValueError(f"band must be in (0, 1), got {band}")
     ratio = torch.exp(delta)
-    finite = torch.isfinite(delta)
-    inside = finite & (ratio >= 1.0 - band) & (ratio <= 1.0 + band)
-    return int((~inside).sum().item()), int(delta.numel())
+    return ~(torch.isfinite(delta) & (ratio >= 1.0 - band) & (ratio <= 1.0 + band))
 
 
 def oob_fraction(

@@ -181,17 +181,17 @@ class StatsMixin:
 
     # ------------------------------------------------------------------ reduction across processes
     def _gap_reduce(self, values: Statistics) -> Statistics:
-        """``values`` summed field by field over the processes."""
-        tensor = values.to_tensor(self.accelerator.device)
-        if self.accelerator.num_processes > 1:
-            tensor = self.accelerator.reduce(tensor, reduction="sum")
+        """``values`` summed field by field over the processes (one process: ``values`` as they are, no device trip)."""
+        if self.accelerator.num_processes == 1:
+            return values
+        tensor = self.accelerator.reduce(values.to_tensor(self.accelerator.device), reduction="sum")
         return type(values).from_tensor(tensor)
 
     def _gap_reduce_max(self, values: Statistics) -> Statistics:
-        """``values``' field-by-field maximum over the processes."""
-        tensor = values.to_tensor(self.accelerator.device)
-        if self.accelerator.num_processes > 1:
-            tensor = self.accelerator.gather(tensor.unsqueeze(0)).max(dim=0).values
+        """``values``' field-by-field maximum over the processes (one process: ``values`` as they are)."""
+        if self.accelerator.num_processes == 1:
+            return values
+        tensor = self.accelerator.gather(values.to_tensor(self.accelerator.device).unsqueeze(0)).max(dim=0).values
         return type(values).from_tensor(tensor)
 
     def _gap_flush_generation(self) -> None:
@@ -232,7 +232,8 @@ class StatsMixin:
 
     # ------------------------------------------------------------------ loss-time metrics
     def _gap_loss_metrics(self, inputs) -> None:
-        """Ratio, clip and old-vs-TRL statistics of one training micro-batch (new: the training forward's)."""
+        """Ratio, clip and old-vs-TRL statistics of one training micro-batch (new: the training forward's), computed on
+        the device and read back with one transfer (each host read waits for the GPU)."""
         state = self._gap_state
         new = state.new_logps
         state.new_logps = None
@@ -240,8 +241,7 @@ class StatsMixin:
         if new is None or old is None:
             return
         local, local_max = self._gap_loss_sums(inputs, new.float(), old.to(new.device).float())
-        sums = self._gap_reduce(local)
-        maxima = self._gap_reduce_max(local_max)
+        sums, maxima = self._gap_reduce_pair(LossSums, local, LossMaxima, local_max)
         metrics = self._metrics["train"]
         n = sums.tokens
         if n <= 0:
@@ -257,37 +257,51 @@ class StatsMixin:
             metrics["gap/old_vs_trl/oob_frac"].append(sums.oob_vs_trl / n)
             metrics["gap/old_vs_trl/abs_dlogp_mean"].append(sums.abs_dlogp_vs_trl / n)
 
-    def _gap_loss_sums(self, inputs: dict, new: torch.Tensor, old: torch.Tensor) -> tuple[LossSums, LossMaxima]:
-        """This process's :class:`LossSums` and :class:`LossMaxima` of one micro-batch (fp32 ``[B, K]`` inputs)."""
+    def _gap_reduce_pair(self, sums_type, sums: torch.Tensor, maxima_type, maxima: torch.Tensor):
+        """``(sums_type, maxima_type)`` of the float64 device vectors ``sums`` (summed over the processes) and
+        ``maxima`` (maxed), laid out in their fields' order; one host read for both."""
+        if self.accelerator.num_processes > 1:
+            sums = self.accelerator.reduce(sums, reduction="sum")
+            maxima = self.accelerator.gather(maxima.unsqueeze(0)).max(dim=0).values
+        values = torch.cat([sums, maxima]).tolist()
+        return sums_type(*values[: len(sums)]), maxima_type(*values[len(sums):])
+
+    def _gap_loss_sums(self, inputs: dict, new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This process's :class:`LossSums` and :class:`LossMaxima` of one micro-batch (fp32 ``[B, K]`` inputs) as
+        float64 vectors on the device in their fields' order, without a host read: masks multiply instead of
+        selecting, and the probe rows' clip status is taken on every row and counted on the probe rows only (the
+        status is per row, also at sequence level)."""
         mask = completion_mask(inputs).bool()
         band = self._gap_state.config.band
         advantages = inputs["advantages"]
         trl_old = inputs.get("gap_trl_old_logps")
-        local = LossSums(has_trl=float(trl_old is not None))
-        local_max = LossMaxima()
-        if not mask.any():
-            return local, local_max
+        zero = torch.zeros((), dtype=torch.float64, device=new.device)
         dlogp = new.double() - old.double()
-        absd = dlogp.abs()[mask]
-        local.oob, local.tokens = gap_metrics.oob_count(new, old, mask, band)
+        absd = dlogp.abs()
+        fields = dict.fromkeys(LossSums.__dataclass_fields__, zero)
+        fields["tokens"] = mask.sum()
+        fields["oob"] = (gap_metrics.out_of_band(new, old, band) & mask).sum()
+        fields["abs_dlogp"] = absd.masked_fill(~mask, 0.0).sum()
+        fields["exact"] = ((dlogp == 0) & mask).sum()
         clipped = self._gap_clip_status(new - old, advantages, mask)
-        local.abs_dlogp = float(absd.sum())
-        local.exact = float((dlogp[mask] == 0).sum())
-        local.clipped = float(clipped[mask].sum()) if clipped is not None else 0.0
-        local_max.abs_dlogp_max = float(absd.max())
         probe = inputs.get("gap_probe_row")
         ref = inputs.get("gap_ref_logps")
-        if clipped is not None and probe is not None and ref is not None and probe.any():
-            rows = probe.nonzero().squeeze(-1)
-            pmask = mask[rows]
-            if pmask.any():
-                clipped_ref = self._gap_clip_status(new[rows] - ref[rows].to(new.device).float(), advantages[rows], pmask)
-                local.flips = float((clipped[rows] != clipped_ref)[pmask].sum())
-                local.probe_tokens = float(pmask.sum())
+        if clipped is not None:
+            fields["clipped"] = (clipped & mask).sum()
+            if probe is not None and ref is not None:
+                on_probe = mask & probe.to(mask.device).unsqueeze(-1)
+                clipped_ref = self._gap_clip_status(new - ref.to(new.device).float(), advantages, on_probe)
+                fields["flips"] = ((clipped != clipped_ref) & on_probe).sum()
+                fields["probe_tokens"] = on_probe.sum()
         if trl_old is not None:
-            local.oob_vs_trl = gap_metrics.oob_count(old, trl_old.to(new.device).float(), mask, band)[0]
-            local.abs_dlogp_vs_trl = float((old.double() - trl_old.double()).abs()[mask].sum())
-        return local, local_max
+            trl_old = trl_old.to(new.device).float()
+            fields["oob_vs_trl"] = (gap_metrics.out_of_band(old, trl_old, band) & mask).sum()
+            fields["abs_dlogp_vs_trl"] = (old.double() - trl_old.double()).abs().masked_fill(~mask, 0.0).sum()
+            fields["has_trl"] = torch.ones((), dtype=torch.float64, device=new.device)
+        sums = torch.stack([value.to(torch.float64) for value in fields.values()])
+        largest = (absd.masked_fill(~mask, -math.inf).amax() if absd.numel()
+                   else torch.tensor(-math.inf, dtype=torch.float64, device=new.device))
+        return sums, largest.to(torch.float64).reshape(1)
 
     def _gap_clip_status(self, log_ratio, advantages, mask):
         """TRL's clip status ``[B, T]`` under this trainer's loss type, IS level, epsilons and delta (or None)."""
