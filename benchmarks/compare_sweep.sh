@@ -18,10 +18,11 @@
 # $OUT/compare_sweep.tgz to come back.
 #
 # Stages: SEEDS="0 1 2 3" first (24 runs), read the paired smallest detectable difference in compare.md, then add
-# seeds (SEEDS="0 1 2 3 4", or the yaml's 8 without SEEDS): finished runs are kept. SMOKE=1: every arm x seeds 0-1 x 20 steps, all 12 runs at once (the
-# sweep's concurrency), 64 held-out prompts, in its own folder: a first check that 12 colocated engines, the
-# evaluation and the outputs work on the GPU, and the set-up and step times that size the sweep's calls. BUDGET (s)
-# sets the call's time budget; the call itself ends at BUDGET + 70 s.
+# seeds (SEEDS="0 1 2 3 4", or the yaml's 8 without SEEDS): finished runs are kept.
+# SMOKE=1: every arm x seeds 0-1 x 20 steps, all 12 runs at once, 64 held-out prompts, in its own folder: a check
+# that 12 colocated engines, the evaluation and the outputs work on the GPU (its first run found the shared
+# MASTER_PORT; 12 at once has not run since the fix). BUDGET (s) sets the call's time budget; the call itself ends at
+# BUDGET + 70 s. PARALLEL overrides the yaml's runs at once.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="${PYTHONPATH:-}:$PWD"
