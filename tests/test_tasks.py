@@ -478,3 +478,18 @@ def test_gsm8k_baseline_stopped_after_the_first_decoding_keeps_it_in_valid_json(
     written = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines()]
     assert all(isinstance(w["greedy"], str) and w["sampled"] is None for w in written) and len(written) == 6
     assert payload["results"]["verdict"]["decodings"] == ["greedy"]
+
+
+def test_reading_local_gsm8k_prints_no_progress_bars_and_leaves_the_setting_alone(gsm8k_dir, tmp_path, monkeypatch,
+                                                                                   capfd):
+    """A first read of the local files (empty datasets cache) drew "Generating train split" bars on stderr, so a
+    command's one-line refusal that followed was not its only stderr line; the user's bar setting is kept."""
+    import datasets
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))  # a cold cache: datasets builds the split
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    was_disabled = datasets.are_progress_bars_disabled()
+    capfd.readouterr()
+    assert len(gsm8k.load_gsm8k(gsm8k_dir, split="test")) == 1319
+    assert "Generating" not in capfd.readouterr().err
+    assert datasets.are_progress_bars_disabled() == was_disabled

@@ -27,8 +27,10 @@ The reference study's lenient parser also cut ``"7.5"`` to ``"7"``; this one kee
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from bloggap_plugin.errors import UsageError
@@ -218,6 +220,19 @@ def _load_local(path: Path, split: str, option: str = "--data"):
     raise GSM8KDataError(f"GSM8K data file {path} must end in .jsonl, .json or .parquet (got {suffix!r})")
 
 
+@contextlib.contextmanager
+def _no_progress_bars(datasets) -> Iterator[None]:
+    """datasets' progress bars off while reading a local file (its "Generating train split" bars on a cold cache are
+    noise before a one-line message), then back as the user had them."""
+    was_disabled = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()
+
+
 def load_gsm8k(data: str | os.PathLike | None = None, split: str = "train"):
     """GSM8K as a ``datasets.Dataset`` with ``question`` and ``answer`` columns.
 
@@ -239,7 +254,8 @@ def load_gsm8k(data: str | os.PathLike | None = None, split: str = "train"):
                 f"({type(err).__name__}: {str(err)[:200]}). " + _offline_hint(split)
             ) from err
     else:
-        dataset = _load_local(Path(data), split, option)
+        with _no_progress_bars(datasets):
+            dataset = _load_local(Path(data), split, option)
     missing = {"question", "answer"} - set(dataset.column_names)
     if missing:
         raise GSM8KDataError(
