@@ -548,3 +548,33 @@ def test_loss_metrics_read_the_device_once_per_micro_batch_and_follow_their_defi
         assert logged.keys() == expected.keys()
         for key, value in expected.items():
             assert logged[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+
+
+def test_generation_metrics_read_the_device_once_per_generation_off_probe_generations(tmp_path, monkeypatch):
+    """The generation-time statistics (sampler gap, IS ratio, kept sets) accumulate on the device and are read back
+    once, when the generation is flushed; only generations with probe rows (1 in ``probe_every``) read more, to pick
+    and score those rows. Arm A records generate's log-probs; arm G measures every micro-batch after the shuffle."""
+    from bloggap_plugin.trl.stats import StatsMixin
+
+    reads: dict[str, list[int]] = {}
+
+    def counting(name):
+        original = getattr(StatsMixin, name)
+
+        def counted(self, *args, **kwargs):
+            with _HostReads() as mode:
+                result = original(self, *args, **kwargs)
+            reads.setdefault(name, []).append((self._gap_state.probe_due, len(mode.reads)))
+            return result
+
+        monkeypatch.setattr(StatsMixin, name, counted)
+
+    counting("_gap_generation_metrics")
+    counting("_gap_flush_generation")
+    for arm in "AG":
+        reads.clear()
+        make(tmp_path / arm, GapConfig(arm=arm, probe_every=2), max_steps=8).train()  # 4 generations, 2 probed
+        flushes = reads["_gap_flush_generation"]
+        assert [due for due, _ in flushes] == [True, False, True, False] and all(n == 1 for _, n in flushes), arm
+        off_probe = [n for due, n in reads["_gap_generation_metrics"] if not due]
+        assert off_probe and all(n == 0 for n in off_probe), (arm, reads)

@@ -255,7 +255,8 @@ class GapMixin(PlanMixin, StatsMixin):
         n_rows = ids.shape[0]
         probe = torch.zeros(n_rows, dtype=torch.bool, device=ids.device)
         probe_due = (state.generations - 1) % (gap.metrics_every * gap.probe_every) == 0
-        if probe_due and gap.probe_rows > 0:
+        state.probe_due = probe_due and gap.probe_rows > 0
+        if state.probe_due:
             chosen = torch.randperm(n_rows, generator=state.generator)[: gap.probe_rows]
             probe[chosen.to(ids.device)] = True
             rows = probe.nonzero().squeeze(-1)

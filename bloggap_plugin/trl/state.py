@@ -26,8 +26,10 @@ class Statistics:
     """Named per-process values, reduced across processes field by field (iterable in field order)."""
 
     def to_tensor(self, device: torch.device | str) -> torch.Tensor:
-        """``[n_fields]`` float64 on ``device``."""
-        return torch.tensor([float(v) for v in self], dtype=torch.float64, device=device)
+        """``[n_fields]`` float64 on ``device``. Fields may be Python numbers or 0-d tensors (accumulated on the
+        device); neither is read back to the host here."""
+        return torch.stack([v.to(device=device, dtype=torch.float64).reshape(()) if torch.is_tensor(v)
+                            else torch.full((), float(v), dtype=torch.float64, device=device) for v in self])
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor):
@@ -40,10 +42,18 @@ class Statistics:
     def __len__(self) -> int:
         return len(dataclasses.fields(self))
 
-    def raise_to(self, **values: float) -> None:
-        """Raise each named field to ``value`` where that is larger (maxima)."""
+    def raise_to(self, **values: float | torch.Tensor) -> None:
+        """Raise each named field to ``value`` where that is larger (maxima); a 0-d tensor stays on its device."""
         for name, value in values.items():
-            setattr(self, name, max(getattr(self, name), float(value)))
+            current = getattr(self, name)
+            if torch.is_tensor(value):
+                value = value.to(torch.float64)
+                current = torch.maximum(current, value) if torch.is_tensor(current) else value.clamp(min=current)
+            elif torch.is_tensor(current):
+                current = current.clamp(min=float(value))
+            else:
+                current = max(current, float(value))
+            setattr(self, name, current)
 
 
 def _statistics(name: str, fields: str, default: float, doc: str) -> type[Statistics]:
@@ -106,6 +116,8 @@ class GapState:
     pending_record: Any = None
     pending_completion: torch.Tensor | None = None
     measure_now: bool = False
+    probe_due: bool = False
+    """This generation has probe rows (host-side: batches of other generations skip the probe without a host read)."""
     drives: bool = False
     """The arm's old log-probs go into the loss (else they are measured only)."""
     skip_old: bool = False

@@ -15,6 +15,8 @@ from bloggap_plugin.core import metrics as gap_metrics
 from bloggap_plugin.core.sharding import all_ranks_true
 from bloggap_plugin.trl.state import (
     FallbackCount,
+    GenerationMaxima,
+    GenerationSums,
     LossMaxima,
     LossSums,
     Statistics,
@@ -22,6 +24,14 @@ from bloggap_plugin.trl.state import (
 )
 
 __all__ = ["StatsMixin", "is_ratio"]
+
+
+def _masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """0-d float64: the largest of ``values`` where ``mask`` (``-inf`` where it selects nothing); no host read."""
+    values = values.double()
+    if values.numel() == 0:
+        return torch.full((), -math.inf, dtype=torch.float64, device=values.device)
+    return values.masked_fill(~mask, -math.inf).amax()
 
 
 def is_ratio(old_logps, sampler_logps, mask, mode: str, clip_min, clip_max) -> torch.Tensor:
@@ -80,13 +90,12 @@ class StatsMixin:
         if sampler is None and "sampling_per_token_logps" in batch:
             sampler = batch["sampling_per_token_logps"]
             mask = mask & ~torch.isnan(sampler)
-        if sampler is not None and mask.any():
-            out, n = gap_metrics.oob_count(old, sampler, mask, band)
-            diff = (old.double() - sampler.double())[mask].abs()
-            sums.sampler_oob += out
-            sums.sampler_n += n
-            sums.sampler_absd += float(diff.sum())
-            maxima.raise_to(sampler_absd_max=float(diff.max()))
+        if sampler is not None:  # masked sums on the device: an empty mask adds 0 (and -inf to the maximum)
+            diff = (old.double() - sampler.double()).abs()
+            sums.sampler_oob += (gap_metrics.out_of_band(old, sampler, band) & mask).sum()
+            sums.sampler_n += mask.sum()
+            sums.sampler_absd += diff.masked_fill(~mask, 0.0).sum()
+            maxima.raise_to(sampler_absd_max=_masked_max(diff, mask))
         self._gap_is_ratio_metrics(batch)
         # the kept-set pass is a forward: under FSDP2 every process must take it, also one without any completion
         # token (e.g. mask_truncated_completions with every row truncated) or without kept sets (its sampler record
@@ -98,7 +107,7 @@ class StatsMixin:
             else:
                 self._gap_trainer_log_mass(batch, ids, attn, logits_to_keep, [])
         probe = batch.get("gap_probe_row")
-        if probe is not None and probe.any():
+        if probe is not None and state.probe_due and probe.any():  # probe_due: no host read off probe generations
             rows = probe.nonzero().squeeze(-1)
             b1 = self._gap_probe_b1(batch, ids[rows], attn[rows], logits_to_keep, rows)
             pmask = mask[rows]
@@ -113,12 +122,12 @@ class StatsMixin:
         if ratio is None or not self.use_vllm:
             return
         sequence_level = self.vllm_importance_sampling_mode in ("sequence_mask", "sequence_truncate")
-        flat = ratio.flatten() if sequence_level else ratio[completion_mask(batch).bool()]
-        if flat.numel() > 0:
-            sums, maxima = self._gap_state.gen_sums, self._gap_state.gen_maxima
-            sums.is_sum += float(flat.double().sum())
-            sums.is_n += int(flat.numel())
-            maxima.raise_to(is_max=float(flat.max()), is_neg_min=-float(flat.min()))
+        ratio = ratio.double()
+        counted = torch.ones_like(ratio, dtype=torch.bool) if sequence_level else completion_mask(batch).bool()
+        sums, maxima = self._gap_state.gen_sums, self._gap_state.gen_maxima
+        sums.is_sum += ratio.masked_fill(~counted, 0.0).sum()
+        sums.is_n += counted.sum()
+        maxima.raise_to(is_max=_masked_max(ratio, counted), is_neg_min=_masked_max(-ratio, counted))
 
     def _gap_kept_metrics(self, batch: dict, ids, attn, logits_to_keep, old, sampler, mask) -> None:
         """Kept mass and size, and the ratio to the sampler before (full vocabulary) and after renormalisation."""
@@ -134,17 +143,15 @@ class StatsMixin:
         else:
             before = old
             after = old - self._gap_trainer_log_mass(batch, ids, attn, logits_to_keep, capture)
-        if not mask.any():
-            return
-        sums.kept_mass_sum += float(torch.exp(log_mass.double())[mask].sum())
-        sums.kept_size_sum += float(sizes.double()[mask].sum())
-        sums.kept_n += int(mask.sum())
-        maxima.raise_to(kept_mass_neg_min=-float(torch.exp(log_mass.double())[mask].min()),
-                      kept_size_max=float(sizes[mask].max()))
-        sums.kept_ratio_before_sum += float(torch.exp(before.double() - sampler.double())[mask].sum())
-        sums.kept_ratio_after_sum += float(torch.exp(after.double() - sampler.double())[mask].sum())
-        sums.kept_oob_before += gap_metrics.oob_count(before, sampler, mask, band)[0]
-        sums.kept_oob_after += gap_metrics.oob_count(after, sampler, mask, band)[0]
+        mass = torch.exp(log_mass.double())
+        sums.kept_mass_sum += mass.masked_fill(~mask, 0.0).sum()
+        sums.kept_size_sum += sizes.double().masked_fill(~mask, 0.0).sum()
+        sums.kept_n += mask.sum()
+        maxima.raise_to(kept_mass_neg_min=_masked_max(-mass, mask), kept_size_max=_masked_max(sizes.double(), mask))
+        sums.kept_ratio_before_sum += torch.exp(before.double() - sampler.double()).masked_fill(~mask, 0.0).sum()
+        sums.kept_ratio_after_sum += torch.exp(after.double() - sampler.double()).masked_fill(~mask, 0.0).sum()
+        sums.kept_oob_before += (gap_metrics.out_of_band(before, sampler, band) & mask).sum()
+        sums.kept_oob_after += (gap_metrics.out_of_band(after, sampler, band) & mask).sum()
 
     def _gap_trl_sampling_metrics(self, batches: list) -> None:
         """Arm G on TRL's vLLM path: TRL's own ``sampling/*`` statistics of this generation, recomputed by TRL's
@@ -202,8 +209,9 @@ class StatsMixin:
         if local_sums is None or not state.measure_now:
             return
         metrics = self._metrics["train"]
-        sums = self._gap_reduce(local_sums)
-        maxima = self._gap_reduce_max(local_maxima)
+        device = self.accelerator.device
+        sums, maxima = self._gap_reduce_pair(GenerationSums, local_sums.to_tensor(device), GenerationMaxima,
+                                             local_maxima.to_tensor(device))
         if sums.sampler_n > 0:
             metrics["gap/sampler/oob_frac"].append(sums.sampler_oob / sums.sampler_n)
             metrics["gap/sampler/abs_dlogp_mean"].append(sums.sampler_absd / sums.sampler_n)
