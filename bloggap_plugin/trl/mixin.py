@@ -28,7 +28,6 @@ and losses are exactly those of plain TRL.
 
 from __future__ import annotations
 
-import logging
 import time
 import types
 import warnings
@@ -40,8 +39,6 @@ from bloggap_plugin.trl.attach import KNOWN_LOSS_TYPES
 from bloggap_plugin.trl.plans import PlanMixin
 from bloggap_plugin.trl.state import GenerationMaxima, GenerationSums, StepTimes, fit_width
 from bloggap_plugin.trl.stats import StatsMixin, is_ratio
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["GapMixin", "HOOKED_METHODS", "BATCH_KEYS", "KNOWN_LOSS_TYPES", "is_ratio"]
 
