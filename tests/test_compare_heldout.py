@@ -276,3 +276,35 @@ def test_the_gsm8k_demonstration_config_reads_the_real_data_and_passes_every_che
     if stderr:  # no CUDA or no vLLM here: one line names it (no datasets bars while reading GSM8K), nothing ran
         assert code == 2 and stderr.startswith("bloggap compare: --use-vllm: ") and not (tmp_path / "out").exists()
         assert len(stderr.strip().splitlines()) == 1, stderr
+
+
+def test_the_gsm8k_call_script_runs_both_steps_to_their_vllm_check(tmp_path):
+    """benchmarks/gpu/gsm8k_call.sh on a machine without vLLM, with the real GSM8K: the baseline and the
+    demonstration each get past argument parsing and the data checks and stop at the vLLM check in one line; the
+    script says both exits and fails; its time limits fit one 10-minute device call."""
+    import importlib.util
+    import os
+    import re
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: the script would run")
+    root = Path(__file__).resolve().parents[1]
+    real = root.parent / "shared" / "data" / "gsm8k"
+    if not (real / "test.jsonl").exists():
+        pytest.skip("the real GSM8K is not beside the repository")
+    script = root / "benchmarks" / "gpu" / "gsm8k_call.sh"
+    limits = [int(x) for x in re.findall(r"_S:-(\d+)", script.read_text())]
+    assert len(limits) == 2 and sum(limits) <= 590
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bindir / "python3").chmod(0o755)
+    environ = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"), "DATA": str(real)}
+    done = subprocess.run(["bash", str(script)], cwd=root, env=environ, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and done.stdout.strip().endswith("gsm8k_call: baseline exit 2, demo exit 2")
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 2, done.stderr
+    assert lines[0].startswith("gsm8k_baseline: vLLM is not installed here")
+    assert lines[1].startswith("bloggap compare: --use-vllm: vLLM is not installed here")
