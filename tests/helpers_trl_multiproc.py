@@ -117,15 +117,10 @@ def main() -> None:
             self._gap_record("sum", values, reduced)
             return reduced
 
-        def _gap_reduce_max(self, values):
-            reduced = super()._gap_reduce_max(values)
-            self._gap_record("max", values, reduced)
-            return reduced
-
-        def _gap_reduce_pair(self, sums_type, sums, maxima_type, maxima):
-            reduced_sums, reduced_maxima = super()._gap_reduce_pair(sums_type, sums, maxima_type, maxima)
-            self._gap_record("sum", sums.tolist(), reduced_sums)
-            self._gap_record("max", maxima.tolist(), reduced_maxima)
+        def _gap_reduce_pair(self, sums, maxima):
+            reduced_sums, reduced_maxima = super()._gap_reduce_pair(sums, maxima)
+            self._gap_record("sum", sums.to_tensor("cpu").tolist(), reduced_sums)
+            self._gap_record("max", maxima.to_tensor("cpu").tolist(), reduced_maxima)
             return reduced_sums, reduced_maxima
 
     arms = args.arm.split(",")

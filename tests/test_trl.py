@@ -564,7 +564,7 @@ def test_generation_metrics_read_the_device_once_per_generation_off_probe_genera
         def counted(self, *args, **kwargs):
             with _HostReads() as mode:
                 result = original(self, *args, **kwargs)
-            reads.setdefault(name, []).append((self._gap_state.probe_due, len(mode.reads)))
+            reads.setdefault(name, []).append((self._gap_probe_due(), len(mode.reads)))
             return result
 
         monkeypatch.setattr(StatsMixin, name, counted)

@@ -281,8 +281,7 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int) -> di
                     if left <= 0 or (mode == "train" and estimate is not None and estimate > left):
                         break
                 pending.pop(0)
-                ports = {getattr(entry[1], "master_port", None) for entry in running.values()}
-                ports = {int(port) for port in ports if port}
+                ports = {int(entry[1].master_port) for entry in running.values() if entry[1].master_port}
                 running[run.run_id] = (run, *_launch(config, run, lock_fd, mode, trained, ports), mode, trained)
                 what = "evaluating" if mode == "evaluate" else f"started ({run.recipe}, seed {run.seed})"
                 echo(f"[compare] {run.run_id}: {what}")

@@ -41,10 +41,15 @@ def _selected(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return flat.double()
 
 
-def _dlogp(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def _difference(logp_a: torch.Tensor, logp_b: torch.Tensor) -> torch.Tensor:
+    """``logp_a - logp_b`` in float64 (same shape required)."""
     if logp_a.shape != logp_b.shape:
         raise ValueError(f"shape mismatch: logp_a {tuple(logp_a.shape)} vs logp_b {tuple(logp_b.shape)}")
-    return _selected(logp_a.double() - logp_b.double(), mask)
+    return logp_a.double() - logp_b.double()
+
+
+def _dlogp(logp_a: torch.Tensor, logp_b: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return _selected(_difference(logp_a, logp_b), mask)
 
 
 def oob_count(
@@ -60,9 +65,7 @@ def oob_count(
 def out_of_band(logp_a: torch.Tensor, logp_b: torch.Tensor, band: float = 0.1) -> torch.Tensor:
     """Per element bool (same shape): ``exp(logp_a - logp_b)`` outside ``[1-band, 1+band]`` (difference in float64;
     non-finite counts as outside). No host read: for counts on the device (``(out_of_band(a, b) & mask).sum()``)."""
-    if logp_a.shape != logp_b.shape:
-        raise ValueError(f"shape mismatch: logp_a {tuple(logp_a.shape)} vs logp_b {tuple(logp_b.shape)}")
-    return _outside(logp_a.double() - logp_b.double(), band)
+    return _outside(_difference(logp_a, logp_b), band)
 
 
 def _outside(delta: torch.Tensor, band: float) -> torch.Tensor:

@@ -251,9 +251,7 @@ class GapMixin(PlanMixin, StatsMixin):
         gap = state.config
         n_rows = ids.shape[0]
         probe = torch.zeros(n_rows, dtype=torch.bool, device=ids.device)
-        probe_due = (state.generations - 1) % (gap.metrics_every * gap.probe_every) == 0
-        state.probe_due = probe_due and gap.probe_rows > 0
-        if state.probe_due:
+        if self._gap_probe_due():
             chosen = torch.randperm(n_rows, generator=state.generator)[: gap.probe_rows]
             probe[chosen.to(ids.device)] = True
             rows = probe.nonzero().squeeze(-1)

@@ -116,8 +116,6 @@ class GapState:
     pending_record: Any = None
     pending_completion: torch.Tensor | None = None
     measure_now: bool = False
-    probe_due: bool = False
-    """This generation has probe rows (host-side: batches of other generations skip the probe without a host read)."""
     drives: bool = False
     """The arm's old log-probs go into the loss (else they are measured only)."""
     skip_old: bool = False

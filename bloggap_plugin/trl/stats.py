@@ -15,8 +15,6 @@ from bloggap_plugin.core import metrics as gap_metrics
 from bloggap_plugin.core.sharding import all_ranks_true
 from bloggap_plugin.trl.state import (
     FallbackCount,
-    GenerationMaxima,
-    GenerationSums,
     LossMaxima,
     LossSums,
     Statistics,
@@ -24,6 +22,11 @@ from bloggap_plugin.trl.state import (
 )
 
 __all__ = ["StatsMixin", "is_ratio"]
+
+
+def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """0-d float64: the sum of ``values`` (numbers or bools) where ``mask``; no host read."""
+    return values.double().masked_fill(~mask, 0.0).sum()
 
 
 def _masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -92,9 +95,9 @@ class StatsMixin:
             mask = mask & ~torch.isnan(sampler)
         if sampler is not None:  # masked sums on the device: an empty mask adds 0 (and -inf to the maximum)
             diff = (old.double() - sampler.double()).abs()
-            sums.sampler_oob += (gap_metrics.out_of_band(old, sampler, band) & mask).sum()
-            sums.sampler_n += mask.sum()
-            sums.sampler_absd += diff.masked_fill(~mask, 0.0).sum()
+            sums.sampler_oob += _masked_sum(gap_metrics.out_of_band(old, sampler, band), mask)
+            sums.sampler_n += mask.sum(dtype=torch.float64)
+            sums.sampler_absd += _masked_sum(diff, mask)
             maxima.raise_to(sampler_absd_max=_masked_max(diff, mask))
         self._gap_is_ratio_metrics(batch)
         # the kept-set pass is a forward: under FSDP2 every process must take it, also one without any completion
@@ -107,7 +110,7 @@ class StatsMixin:
             else:
                 self._gap_trainer_log_mass(batch, ids, attn, logits_to_keep, [])
         probe = batch.get("gap_probe_row")
-        if probe is not None and state.probe_due and probe.any():  # probe_due: no host read off probe generations
+        if probe is not None and self._gap_probe_due() and probe.any():  # no host read off probe generations
             rows = probe.nonzero().squeeze(-1)
             b1 = self._gap_probe_b1(batch, ids[rows], attn[rows], logits_to_keep, rows)
             pmask = mask[rows]
@@ -125,8 +128,8 @@ class StatsMixin:
         ratio = ratio.double()
         counted = torch.ones_like(ratio, dtype=torch.bool) if sequence_level else completion_mask(batch).bool()
         sums, maxima = self._gap_state.gen_sums, self._gap_state.gen_maxima
-        sums.is_sum += ratio.masked_fill(~counted, 0.0).sum()
-        sums.is_n += counted.sum()
+        sums.is_sum += _masked_sum(ratio, counted)
+        sums.is_n += counted.sum(dtype=torch.float64)
         maxima.raise_to(is_max=_masked_max(ratio, counted), is_neg_min=_masked_max(-ratio, counted))
 
     def _gap_kept_metrics(self, batch: dict, ids, attn, logits_to_keep, old, sampler, mask) -> None:
@@ -144,14 +147,14 @@ class StatsMixin:
             before = old
             after = old - self._gap_trainer_log_mass(batch, ids, attn, logits_to_keep, capture)
         mass = torch.exp(log_mass.double())
-        sums.kept_mass_sum += mass.masked_fill(~mask, 0.0).sum()
-        sums.kept_size_sum += sizes.double().masked_fill(~mask, 0.0).sum()
-        sums.kept_n += mask.sum()
-        maxima.raise_to(kept_mass_neg_min=_masked_max(-mass, mask), kept_size_max=_masked_max(sizes.double(), mask))
-        sums.kept_ratio_before_sum += torch.exp(before.double() - sampler.double()).masked_fill(~mask, 0.0).sum()
-        sums.kept_ratio_after_sum += torch.exp(after.double() - sampler.double()).masked_fill(~mask, 0.0).sum()
-        sums.kept_oob_before += (gap_metrics.out_of_band(before, sampler, band) & mask).sum()
-        sums.kept_oob_after += (gap_metrics.out_of_band(after, sampler, band) & mask).sum()
+        sums.kept_mass_sum += _masked_sum(mass, mask)
+        sums.kept_size_sum += _masked_sum(sizes, mask)
+        sums.kept_n += mask.sum(dtype=torch.float64)
+        maxima.raise_to(kept_mass_neg_min=_masked_max(-mass, mask), kept_size_max=_masked_max(sizes, mask))
+        sums.kept_ratio_before_sum += _masked_sum(torch.exp(before.double() - sampler.double()), mask)
+        sums.kept_ratio_after_sum += _masked_sum(torch.exp(after.double() - sampler.double()), mask)
+        sums.kept_oob_before += _masked_sum(gap_metrics.out_of_band(before, sampler, band), mask)
+        sums.kept_oob_after += _masked_sum(gap_metrics.out_of_band(after, sampler, band), mask)
 
     def _gap_trl_sampling_metrics(self, batches: list) -> None:
         """Arm G on TRL's vLLM path: TRL's own ``sampling/*`` statistics of this generation, recomputed by TRL's
@@ -194,13 +197,6 @@ class StatsMixin:
         tensor = self.accelerator.reduce(values.to_tensor(self.accelerator.device), reduction="sum")
         return type(values).from_tensor(tensor)
 
-    def _gap_reduce_max(self, values: Statistics) -> Statistics:
-        """``values``' field-by-field maximum over the processes (one process: ``values`` as they are)."""
-        if self.accelerator.num_processes == 1:
-            return values
-        tensor = self.accelerator.gather(values.to_tensor(self.accelerator.device).unsqueeze(0)).max(dim=0).values
-        return type(values).from_tensor(tensor)
-
     def _gap_flush_generation(self) -> None:
         """Reduce one generation's statistics and log them (measured generations only), plus the fp16 fallbacks."""
         state = self._gap_state
@@ -209,9 +205,7 @@ class StatsMixin:
         if local_sums is None or not state.measure_now:
             return
         metrics = self._metrics["train"]
-        device = self.accelerator.device
-        sums, maxima = self._gap_reduce_pair(GenerationSums, local_sums.to_tensor(device), GenerationMaxima,
-                                             local_maxima.to_tensor(device))
+        sums, maxima = self._gap_reduce_pair(local_sums, local_maxima)
         if sums.sampler_n > 0:
             metrics["gap/sampler/oob_frac"].append(sums.sampler_oob / sums.sampler_n)
             metrics["gap/sampler/abs_dlogp_mean"].append(sums.sampler_absd / sums.sampler_n)
@@ -249,7 +243,7 @@ class StatsMixin:
         if new is None or old is None:
             return
         local, local_max = self._gap_loss_sums(inputs, new.float(), old.to(new.device).float())
-        sums, maxima = self._gap_reduce_pair(LossSums, local, LossMaxima, local_max)
+        sums, maxima = self._gap_reduce_pair(local, local_max)
         metrics = self._metrics["train"]
         n = sums.tokens
         if n <= 0:
@@ -265,51 +259,54 @@ class StatsMixin:
             metrics["gap/old_vs_trl/oob_frac"].append(sums.oob_vs_trl / n)
             metrics["gap/old_vs_trl/abs_dlogp_mean"].append(sums.abs_dlogp_vs_trl / n)
 
-    def _gap_reduce_pair(self, sums_type, sums: torch.Tensor, maxima_type, maxima: torch.Tensor):
-        """``(sums_type, maxima_type)`` of the float64 device vectors ``sums`` (summed over the processes) and
-        ``maxima`` (maxed), laid out in their fields' order; one host read for both."""
+    def _gap_reduce_pair(self, sums: Statistics, maxima: Statistics) -> tuple[Statistics, Statistics]:
+        """``sums`` summed and ``maxima`` maxed field by field over the processes (fields: numbers or 0-d device
+        tensors), read back to the host once for both."""
+        device = self.accelerator.device
+        summed, maxed = sums.to_tensor(device), maxima.to_tensor(device)
         if self.accelerator.num_processes > 1:
-            sums = self.accelerator.reduce(sums, reduction="sum")
-            maxima = self.accelerator.gather(maxima.unsqueeze(0)).max(dim=0).values
-        values = torch.cat([sums, maxima]).tolist()
-        return sums_type(*values[: len(sums)]), maxima_type(*values[len(sums):])
+            summed = self.accelerator.reduce(summed, reduction="sum")
+            maxed = self.accelerator.gather(maxed.unsqueeze(0)).max(dim=0).values
+        values = torch.cat([summed, maxed]).tolist()
+        return type(sums)(*values[: len(sums)]), type(maxima)(*values[len(sums):])
 
-    def _gap_loss_sums(self, inputs: dict, new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This process's :class:`LossSums` and :class:`LossMaxima` of one micro-batch (fp32 ``[B, K]`` inputs) as
-        float64 vectors on the device in their fields' order, without a host read: masks multiply instead of
-        selecting, and the probe rows' clip status is taken on every row and counted on the probe rows only (the
-        status is per row, also at sequence level)."""
+    def _gap_loss_sums(self, inputs: dict, new: torch.Tensor, old: torch.Tensor) -> tuple[LossSums, LossMaxima]:
+        """This process's :class:`LossSums` and :class:`LossMaxima` of one micro-batch (fp32 ``[B, K]`` inputs), as 0-d
+        device tensors, without a host read: masks multiply instead of selecting, and the probe rows' clip status is
+        taken on every row and counted on the probe rows only (the status is per row, also at sequence level)."""
         mask = completion_mask(inputs).bool()
         band = self._gap_state.config.band
         advantages = inputs["advantages"]
         trl_old = inputs.get("gap_trl_old_logps")
-        zero = torch.zeros((), dtype=torch.float64, device=new.device)
+        local = LossSums(has_trl=float(trl_old is not None))
         dlogp = new.double() - old.double()
         absd = dlogp.abs()
-        fields = dict.fromkeys(LossSums.__dataclass_fields__, zero)
-        fields["tokens"] = mask.sum()
-        fields["oob"] = (gap_metrics.out_of_band(new, old, band) & mask).sum()
-        fields["abs_dlogp"] = absd.masked_fill(~mask, 0.0).sum()
-        fields["exact"] = ((dlogp == 0) & mask).sum()
+        local.tokens = mask.sum(dtype=torch.float64)
+        local.oob = _masked_sum(gap_metrics.out_of_band(new, old, band), mask)
+        local.abs_dlogp = _masked_sum(absd, mask)
+        local.exact = _masked_sum(dlogp == 0, mask)
         clipped = self._gap_clip_status(new - old, advantages, mask)
         probe = inputs.get("gap_probe_row")
         ref = inputs.get("gap_ref_logps")
         if clipped is not None:
-            fields["clipped"] = (clipped & mask).sum()
+            local.clipped = _masked_sum(clipped, mask)
             if probe is not None and ref is not None:
                 on_probe = mask & probe.to(mask.device).unsqueeze(-1)
                 clipped_ref = self._gap_clip_status(new - ref.to(new.device).float(), advantages, on_probe)
-                fields["flips"] = ((clipped != clipped_ref) & on_probe).sum()
-                fields["probe_tokens"] = on_probe.sum()
+                local.flips = _masked_sum(clipped != clipped_ref, on_probe)
+                local.probe_tokens = on_probe.sum(dtype=torch.float64)
         if trl_old is not None:
             trl_old = trl_old.to(new.device).float()
-            fields["oob_vs_trl"] = (gap_metrics.out_of_band(old, trl_old, band) & mask).sum()
-            fields["abs_dlogp_vs_trl"] = (old.double() - trl_old.double()).abs().masked_fill(~mask, 0.0).sum()
-            fields["has_trl"] = torch.ones((), dtype=torch.float64, device=new.device)
-        sums = torch.stack([value.to(torch.float64) for value in fields.values()])
-        largest = (absd.masked_fill(~mask, -math.inf).amax() if absd.numel()
-                   else torch.tensor(-math.inf, dtype=torch.float64, device=new.device))
-        return sums, largest.to(torch.float64).reshape(1)
+            local.oob_vs_trl = _masked_sum(gap_metrics.out_of_band(old, trl_old, band), mask)
+            local.abs_dlogp_vs_trl = _masked_sum((old.double() - trl_old.double()).abs(), mask)
+        return local, LossMaxima(abs_dlogp_max=_masked_max(absd, mask))
+
+    def _gap_probe_due(self) -> bool:
+        """Whether this generation has probe rows (a host-side test: due every ``metrics_every * probe_every``
+        generations when ``probe_rows`` > 0)."""
+        state = self._gap_state
+        gap = state.config
+        return gap.probe_rows > 0 and (state.generations - 1) % (gap.metrics_every * gap.probe_every) == 0
 
     def _gap_clip_status(self, log_ratio, advantages, mask):
         """TRL's clip status ``[B, T]`` under this trainer's loss type, IS level, epsilons and delta (or None)."""
