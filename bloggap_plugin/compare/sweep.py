@@ -273,12 +273,14 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int) -> di
     budget = {"budget_s": config.time_budget_s, "stopped": [], "not_started": []}
     try:
         while pending or running:
+            declined = False  # the budget kept the next run from starting
             while pending and len(running) < config.parallel:
                 run, mode, trained = pending[0]
                 if deadline is not None:
                     estimate = max(durations) if durations else prior
                     left = deadline - time.perf_counter()
                     if left <= 0 or (mode == "train" and estimate is not None and estimate > left):
+                        declined = True
                         break
                 pending.pop(0)
                 ports = {int(entry[1].master_port) for entry in running.values() if entry[1].master_port}
@@ -301,7 +303,9 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int) -> di
                     failed[run_id] = code
                     echo(f"[compare] {run_id}: FAILED (exit {code}); last output:\n{_tail(Path(run.log_jsonl).with_suffix('.out'))}")
             now = time.perf_counter()
-            if deadline is not None and (now >= deadline or (pending and not running)):
+            # Stop at the deadline, or when nothing runs because the launcher declined the next run. A run that
+            # ended in this pass leaves room the launcher has not seen yet: that is no reason to stop.
+            if deadline is not None and (now >= deadline or (declined and pending and not running)):
                 budget.update(_stop_for_budget(config, running, pending, echo))
                 running, pending = {}, []
                 break
