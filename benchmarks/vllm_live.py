@@ -637,11 +637,15 @@ def _machine_paths_to_names(obj):
 def cmd_merge(args) -> None:
     """Combine runs made in several GPU calls: work folders (per-process JSON) and ``score`` outputs."""
     result: dict = {"table": "T13", "errors": {}, "sampler_vs_trainer": [], "truncation": [], "sources": []}
+    if args.all:  # a whole ``all`` run's document is the base; work folders and score files then add to it
+        whole = json.loads(Path(args.all).read_text())
+        result.update({k: v for k, v in whole.items() if k not in ("table", "sources")})
+        result["sources"].append(str(args.all))
     for work in args.work:
         assemble(Path(work), result)
         result["sources"].append(str(work))
-    rows: dict = {}
-    trunc: dict = {}
+    rows: dict = {(row["sampler"], row["scorer"]): row for row in result["sampler_vs_trainer"]}
+    trunc: dict = {(row["sampler"], row["truncation"]): row for row in result["truncation"]}
     for path in args.score:
         score = json.loads(Path(path).read_text())
         for row in score.get("sampler_vs_trainer", []):
@@ -783,6 +787,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--out-json", required=True)
     p = sub.add_parser("merge", help="combine work folders and score outputs of several GPU calls into one JSON")
+    p.add_argument("--all", default=None, help="the vllm_live.json of one whole 'all' run (the base of the merge)")
     p.add_argument("--work", nargs="*", default=[])
     p.add_argument("--score", nargs="*", default=[])
     p.add_argument("--trunc-trl", nargs="*", default=[], help="work folders of trunc-trl runs")

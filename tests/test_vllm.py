@@ -235,3 +235,27 @@ def test_vllm_live_gen_forces_length_without_masking_the_stop_tokens():
     assert "min_tokens" not in kwargs and kwargs["ignore_eos"] is True
     assert (kwargs["max_tokens"], kwargs["logprobs"], kwargs["seed"], kwargs["top_p"]) == (128, 20, 1003, 0.8)
     assert kwargs["temperature"] == 1.0
+
+
+def test_committed_vllm_live_result_rebuilds_from_its_committed_parts(tmp_path):
+    """benchmarks/results/h200/vllm_live.json is `vllm_live.py merge` of the whole 'all' run of 2026-12-01 and the
+    TRL truncation runs' work folder: merging the committed parts again gives the committed tables and results."""
+    import json
+    import subprocess
+    import sys
+    import tarfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    parts = root / "benchmarks" / "results" / "h200" / "vllm_live_parts"
+    with tarfile.open(parts / "work_call4_trunc_trl.tgz") as archive:
+        archive.extractall(tmp_path / "trunc", filter="data")
+    out = tmp_path / "vllm_live.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "vllm_live.py"), "merge", "--all",
+                    "benchmarks/results/h200/vllm_live_parts/all_2026-12-01.json", "--trunc-trl", str(tmp_path / "trunc"),
+                    "--out", str(out)], cwd=root, check=True, capture_output=True)
+    rebuilt, committed = json.loads(out.read_text()), json.loads((parts.parent / "vllm_live.json").read_text())
+    assert rebuilt["tables"] == committed["tables"] and rebuilt["results"] == committed["results"]
+    t13 = {(row[0], row[1]): row for row in committed["tables"][0]["rows"]}
+    # arm H's pairing, fp16 sampler against the fp16 shadow: no token out of band
+    assert t13[("vLLM float16, batch-invariant 0", "fp16 shadow (arm F)")][3] == 0.0
