@@ -25,13 +25,14 @@ def test_smoke_scores_every_step_and_records_the_refused_pieces(tmp_path):
     hf_rows = ["HF forward, bf16 weights, sdpa (padded)", "HF forward, bf16 weights, vLLM FA via AttentionInterface"]
     assert [r["scorer"] for r in rows] == ["arm A (TRL's pass)", *hf_rows] + [label for label, _ in script.STEPS]
     assert rows[0]["x_arm_a"] == 1 and rows[0]["tokens"] == 16 and "kernels" not in rows[0]
+    assert 0 <= rows[0]["b1_vs_b8_bitwise_pct"] <= 100
     assert len(doc.tables[0]["rows"]) == len(rows) and doc.tables[0]["columns"] == script.COLUMNS
     measured = {r["pieces"]: r for r in rows[1:] if "refused" not in r}
     assert list(measured) == ["hf forward, attention=sdpa", "hf", "hf,rope=torch", "hf,rope=torch,norm=torch", "torch"]
     for row in measured.values():
         assert 0 <= row["oob_pct"] <= 100 and 0 <= row["bitwise_pct"] <= 100 and row["x_arm_a"] > 0
         assert 0 <= row["abs_dlogp_mean"] <= row["abs_dlogp_max"] and row["kernels"] == "torch"
-        assert row["bytes_added"] > 0 and row["sync_s"] >= 0
+        assert row["bytes_added"] > 0 and row["sync_s"] >= 0 and 0 <= row["b1_vs_b8_bitwise_pct"] <= 100
     # without batch invariance vLLM's norms round where HF's do: the norm step changes no number
     assert measured["hf,rope=torch,norm=torch"]["abs_dlogp_max"] == measured["hf,rope=torch"]["abs_dlogp_max"]
     refused = [r for r in rows[1:] if "refused" in r]
