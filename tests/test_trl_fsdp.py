@@ -14,62 +14,38 @@ accelerate 1.15 shards only on GPU-like devices; ``benchmarks.fsdp_scale.force_c
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
-HELPER = Path(__file__).with_name("helpers_trl_multiproc.py")
-ROOT = HELPER.parent.parent
+from multiproc_launch import ROOT, accelerate_launch, read_records, require_gloo, run_helper  # noqa: E402
+
 FSDP_CONFIG = ROOT / "benchmarks" / "gpu" / "accelerate_fsdp2.yaml"
 ARMS = ("A", "B", "E", "F", "G")
 # bitwise or wall-clock statistics: not determined by the maths (batch shape changes the last bits / timing)
 NOT_EQUAL_BY_MATHS = {"gap/ratio/exact_frac", "gap/time/scoring_s", "gap/time/overhead_frac", "gap/time/old_pass_s"}
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(out: Path, *helper_args: str, processes: int = 2, timeout: int = 240) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CI="true", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if processes == 1:
-        cmd = [sys.executable, str(HELPER), str(out), *helper_args]
+        run_helper([sys.executable], out, *helper_args, timeout=timeout)
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_CONFIG),
-               "--num_processes", str(processes), "--main_process_port", str(_free_port()),
-               str(HELPER), str(out), "--cpu-fsdp", *helper_args]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as err:  # a collective taken by one process only: the other waits forever
-        pytest.fail(f"{' '.join(cmd)} hung for {timeout} s (a forward or reduction taken by one process only?)\n"
-                    f"{(err.stderr or b'')[-3000:]!r}")
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        run_helper(accelerate_launch(processes, "--config_file", str(FSDP_CONFIG)), out, "--cpu-fsdp", *helper_args,
+                   timeout=timeout)
 
 
 def _read(out: Path, processes: int = 2) -> dict[int, dict]:
-    records = {0: json.loads(out.read_text())}
-    for rank in range(1, processes):
-        records[rank] = json.loads(Path(f"{out}.rank{rank}").read_text())
-    return records
+    return read_records(out, processes)
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
+    require_gloo()
     return tmp_path_factory.mktemp("fsdp")
 
 

@@ -18,22 +18,16 @@ the first update are bit-identical to the single-process run on the same rows.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import socket
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
-HELPER = Path(__file__).with_name("helpers_trl_multiproc.py")
-ROOT = HELPER.parent.parent
+from multiproc_launch import accelerate_launch, read_records, require_gloo, run_helper  # noqa: E402
+
 FRACTIONS = [
     "gap/ratio/oob_frac", "gap/ratio/exact_frac", "gap/clip/clipped_frac", "gap/clip/flip_frac",
     "gap/probe/oob_b1_vs_bN", "gap/sampler/oob_frac", "gap/kept/oob_before", "gap/kept/oob_after",
@@ -59,36 +53,19 @@ LOSS_SUMS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _run(cmd: list[str], out: Path) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CI="true", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    runs = {0: json.loads(out.read_text())}
-    for rank in range(1, runs[0]["num_processes"]):
-        runs[rank] = json.loads(Path(f"{out}.rank{rank}").read_text())
-    return runs
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
+    require_gloo()
     base = tmp_path_factory.mktemp("multiproc")
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", str(_free_port())]
+    launch = accelerate_launch(2, "--multi_gpu", "--num_machines", "1", "--mixed_precision", "no",
+                               "--dynamo_backend", "no")
     result = {}
-    for name, prefix, per_device in (("two", launch, 4), ("half", [sys.executable], 4), ("total", [sys.executable], 8)):
+    for name, prefix, processes, per_device in (("two", launch, 2, 4), ("half", [sys.executable], 1, 4),
+                                                ("total", [sys.executable], 1, 8)):
         (base / name).mkdir()
         out = base / name / "history.json"
-        result[name] = _run([*prefix, str(HELPER), str(out), "--per-device-batch", str(per_device)], out)
+        run_helper(prefix, out, "--per-device-batch", str(per_device))
+        result[name] = read_records(out, processes)
     return result
 
 
