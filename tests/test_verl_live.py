@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("verl_live", ROOT / "benchmarks" / "verl_live.py")
 verl_live = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(verl_live)
+spec.loader.exec_module(verl_live)  # puts benchmarks/ on sys.path for its records module
+import verl_live_records as verl_records  # noqa: E402 - after the line above
 
 
 def test_every_run_composes_against_verls_config(tmp_path):
@@ -29,7 +30,7 @@ def test_every_run_composes_against_verls_config(tmp_path):
 
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
-        for run in verl_live.RUNS:
+        for run in verl_records.RUNS:
             argv, env = verl_live.command(run, "/m/smollm2", tmp_path / "data", tmp_path, steps=25)
             assert argv[1:3] == ["-m", "verl.trainer.main_ppo"]
             cfg = compose(config_name="ppo_trainer", overrides=argv[3:])
@@ -74,11 +75,11 @@ def test_geo_rs_preset_matches_verls_dataclass(tmp_path):
 
     for preset, ref in (("geo_rs", RolloutCorrectionConfig.decoupled_geo_rs()),
                         ("seq_mis", RolloutCorrectionConfig.decoupled_seq_is_rs())):
-        got = dict(o.split("=", 1) for o in verl_live.PRESETS[preset])
+        got = dict(o.split("=", 1) for o in verl_records.PRESETS[preset])
         got = {k.rsplit(".", 1)[1]: v.strip("'") for k, v in got.items()}
         assert got["rollout_rs"] == ref.rollout_rs and got["rollout_rs_threshold"] == ref.rollout_rs_threshold
         assert got["rollout_is"] == (ref.rollout_is or "null")
-        assert verl_live.RS_OPTION[preset] == ref.rollout_rs
+        assert verl_records.RS_OPTION[preset] == ref.rollout_rs
 
 
 def test_parse_console_reads_verls_local_logger(capsys):
@@ -88,7 +89,7 @@ def test_parse_console_reads_verls_local_logger(capsys):
                        "flag": True, "text": "skip", "timing_s/step": 2.5}, step=7)
     LocalLogger().log({"critic/score/mean": 0.5}, step=8)
     out = "(TaskRunner pid=12) " + capsys.readouterr().out
-    assert verl_live.parse_console(out) == [
+    assert verl_records.parse_console(out) == [
         {"step": 7, "critic/score/mean": 0.25, "gap/verl/all_rejected": 1.0, "n": 3.0, "flag": 1.0, "timing_s/step": 2.5},
         {"step": 8, "critic/score/mean": 0.5},
     ]
@@ -103,10 +104,10 @@ def test_parse_metrics_file_and_step_table(tmp_path, monkeypatch):
     tracker.log(data={"rollout_corr/rollout_rs_seq_mean_k1_seq_masked_fraction": 1.0, "gap/verl/all_rejected": 1.0,
                       "gap/verl/log_kept_mass_mean": -0.5, "critic/score/mean": 0.125}, step=1)
     tracker.finish()
-    rows = verl_live.parse_metrics_file(path)
+    rows = verl_records.parse_metrics_file(path)
     assert rows == [{"step": 1, "rollout_corr/rollout_rs_seq_mean_k1_seq_masked_fraction": 1.0,
                      "gap/verl/all_rejected": 1.0, "gap/verl/log_kept_mass_mean": -0.5, "critic/score/mean": 0.125}]
-    table = verl_live.step_table(rows, "geo_rs")
+    table = verl_records.step_table(rows, "geo_rs")
     assert table[0]["rejected_seq_frac"] == 1.0 and table[0]["reward"] == 0.125 and table[0]["oob_frac"] is None
     assert table[0]["kept_mass_mean_geo"] == pytest.approx(np.exp(-0.5), abs=1e-12)
 
@@ -119,8 +120,8 @@ def test_registered_processes_from_ray_prefixed_lines():
         "(WorkerDict pid=300) bloggap verl plugin registered (pid 300): policy loss ...",
         "(pid=400, ip=1.2.3.4) something else",
     ])
-    assert verl_live.registered_processes(text) == {"driver": [100], "TaskRunner": [200], "WorkerDict": [300]}
-    record = verl_live.summarise("geo_rs/nofix", text + "\nbloggap: rollout correction preset decoupled_geo_rs (...)",
+    assert verl_records.registered_processes(text) == {"driver": [100], "TaskRunner": [200], "WorkerDict": [300]}
+    record = verl_records.summarise("geo_rs/nofix", text + "\nbloggap: rollout correction preset decoupled_geo_rs (...)",
                                  Path("/nonexistent"), 0, 1.0)
     assert record["registered_in_driver_and_workers"] and record["guard_warnings"] == 1
     assert record["plugin_disabled"] and record["top_p"] == 0.8 and record["steps"] == []
@@ -190,8 +191,8 @@ def test_registered_processes_ansi_coloured_and_nameless_prefixes():
         "\x1b[33m(pid=500)\x1b[0m bloggap verl plugin registered (pid 500): ...",
         "(pid=600, ip=10.0.0.1) bloggap verl plugin registered (pid 600): ...",
     ])
-    assert verl_live.registered_processes(text) == {"TaskRunner": [200], "ray_worker": [500, 600]}
-    record = verl_live.summarise("geo_rs/fix", text, Path("/nonexistent"), 0, 1.0)
+    assert verl_records.registered_processes(text) == {"TaskRunner": [200], "ray_worker": [500, 600]}
+    record = verl_records.summarise("geo_rs/fix", text, Path("/nonexistent"), 0, 1.0)
     assert not record["registered_in_driver_and_workers"]  # no driver line
 
 
@@ -281,7 +282,7 @@ def test_parallel_runs_get_their_own_cluster_and_survive_the_profiling_race(tmp_
     assert all(r["rc"] == 0 and [s["reward"] for s in r["steps"]] == [0.5] for n, r in runs.items() if n != "arm_B")
     assert runs["arm_B"]["gpu_memory_utilization"] == verl_live.PARALLEL_GPU_MEMORY
     # document keeps how each run ran
-    records = verl_live.resummarise(out, json.loads((out / "verl_live_runs.json").read_text()))
+    records = verl_records.resummarise(out, json.loads((out / "verl_live_runs.json").read_text()))
     assert records["seq_mis/fix"]["parallel"] == 2 and records["seq_mis/fix"]["attempts"] == 2
 
 
@@ -352,10 +353,10 @@ def test_registered_processes_named_from_other_lines_of_the_same_pid():
         "\x1b[36m(WorkerDict pid=10031)\x1b[0m loading model",
         "\x1b[36m(RewardLoopWorker pid=10115)\x1b[0m ready",
     ])
-    assert verl_live.registered_processes(text) == {
+    assert verl_records.registered_processes(text) == {
         "driver": [8323], "TaskRunnerV1": [9376], "WorkerDict": [10031], "RewardLoopWorker": [10115],
         "vLLMHttpServer": [10309], "ray_worker": [10777]}
-    record = verl_live.summarise("geo_rs/fix", text, Path("/nonexistent"), 0, 1.0)
+    record = verl_records.summarise("geo_rs/fix", text, Path("/nonexistent"), 0, 1.0)
     assert record["registered_in_driver_and_workers"]
 
 
@@ -392,7 +393,7 @@ def test_document_tables_from_run_records(tmp_path):
                   "steps": [step(1, 0.5, 0.2, scale=1.5), step(2, 0.5, 0.2, scale=1.5, dlogp=0.08),
                             step(3, 0.5, 0.3, scale=1.5, dlogp=0.02, all_rejected=1.0)]},
     }
-    tables = verl_live.result_tables(records)
+    tables = verl_records.result_tables(records)
     assert [t["id"] for t in tables] == ["T13v", "T13v-steps", "T13v-steps-seqmis", "T13v-arms"]
     runs = {row[0]: row for row in tables[0]["rows"]}
     assert runs["geo_rs/control"][3:18] == ["on", "alone", 3, 0, 0.25, 0, 0, None, None, 0.2, 0.6, 0.0, 0.5, 12.0, 12.5]
@@ -429,7 +430,7 @@ def test_document_tables_from_run_records(tmp_path):
     # medians without step 1: A (12 + 13) / 2 = 12.5, E 1.5x that; E's old pass 3.0 s; max |dlogp| over steps
     assert arms["arm_A"][2:] == ["2 at once", 3, 12.5, 1.0, 2.0, 5.0, 0.5, 0, 0.0, 0.0, 0.0, 0.01, 0.2]
     assert arms["arm_E"][4:13] == [18.75, 1.5, 3.0, 5.0, 0.5, 1, 0.0, 0.0, 0.08]  # step 1's mean |dlogp|: 0
-    head = verl_live.head_table({"arm_E": {"dump_fp32_head": [True], "scored_on": "cuda:0",
+    head = verl_records.head_table({"arm_E": {"dump_fp32_head": [True], "scored_on": "cuda:0",
                                            "vs_fp32_head": {"tokens": 9, "mean_abs_dlogp": 1e-6, "p99_abs_dlogp": 2e-6},
                                            "vs_bf16_head": {"tokens": 9, "mean_abs_dlogp": 0.01, "p99_abs_dlogp": 0.02},
                                            "independent_head_diff": {"tokens": 9, "mean_abs_dlogp": 0.012}}})
@@ -446,13 +447,13 @@ def test_failure_reason_names_the_root_cause_not_rays_wrappers():
         "ray.exceptions.RayTaskError(RuntimeError): ray::TaskRunnerV1.run() (pid=6565)",
         "RuntimeError: Engine core initialization failed. See root cause above.",
     ])
-    reason = verl_live.failure_reason(log)
+    reason = verl_records.failure_reason(log)
     assert reason.startswith("ValueError: No available memory for the cache blocks.") and len(reason) == 140
-    assert verl_live.failure_reason("ActorDiedError: The actor died\nValueError: Unsupported loss mode: gap_vanilla.") == (
+    assert verl_records.failure_reason("ActorDiedError: The actor died\nValueError: Unsupported loss mode: gap_vanilla.") == (
         "ValueError: Unsupported loss mode: gap_vanilla.")
-    assert verl_live.failure_reason("all fine\nstep:1 - a:1") is None
-    assert verl_live.failure_reason("(pid=1) RpcError: Running out of retries to initialize the metrics agent.\n"
+    assert verl_records.failure_reason("all fine\nstep:1 - a:1") is None
+    assert verl_records.failure_reason("(pid=1) RpcError: Running out of retries to initialize the metrics agent.\n"
                                     "ValueError: Unsupported loss mode: gap_vanilla.") == (
         "ValueError: Unsupported loss mode: gap_vanilla.")
-    assert verl_live.summarise("geo_rs/nofix", log, Path("/nonexistent"), 1, 1.0)["failure"] == reason
-    assert verl_live.summarise("geo_rs/nofix", log, Path("/nonexistent"), 0, 1.0)["failure"] is None
+    assert verl_records.summarise("geo_rs/nofix", log, Path("/nonexistent"), 1, 1.0)["failure"] == reason
+    assert verl_records.summarise("geo_rs/nofix", log, Path("/nonexistent"), 0, 1.0)["failure"] is None
