@@ -17,7 +17,8 @@ scored row, so a time limit keeps what finished (``$OUT/arm_i_work/`` holds the 
    every scorer also its own batch invariance (the first 8 rows scored one at a time vs together, bit-identical
    share; on 2026-12-01 only ``all`` had it: 0.195%).
    Diagnostics: the engine's bf16 weights and RoPE cache against the trainer's (where the engine's model can be
-   reached), and HF's RoPE matmul under vLLM's process-wide ``bmm`` override.
+   reached), and HF's RoPE matmul under vLLM's process-wide ``bmm`` override (also in phase ``scoped``, without
+   the override: on 2026-12-01 HF's cos was 0.23 from vLLM's cache in ``colocated``, not measured in ``scoped``).
 2. ``scoped``: the same completions (``gen.pt``) in a fresh process without an engine: vLLM's batch-invariant
    overrides now exist only inside arm I's forward (the ``batch_invariant`` piece's own effect). The variable stays
    1 there so that vLLM's C++ kernels pick their batch-invariant launch settings as the sampler's did; nothing
@@ -296,8 +297,11 @@ def _engine_model(llm):
     return None
 
 
-def _diagnostics(llm, model, device) -> dict:
-    """Engine weights and RoPE cache vs the trainer's bf16 values; HF's RoPE matmul vs the exact product."""
+def _rope_diagnostics(model, device) -> dict:
+    """HF's RoPE in this process against vLLM's cache, and the fp32 ``bmm`` it is built with against float64: with
+    vLLM's batch-invariant mode on, ``aten::bmm`` is vLLM's Triton kernel, whose ``tl.dot`` computes fp32 in TF32
+    by default, and transformers computes the RoPE angles ``inv_freq @ positions`` with that ``bmm``. Positions
+    0..1023 (fewer if the model has fewer); run in both phases, so the process-wide override's effect is the difference."""
     import torch
 
     from bloggap_plugin.core.vllm_form import vllm_cos_sin_cache
@@ -305,14 +309,33 @@ def _diagnostics(llm, model, device) -> dict:
     out: dict = {}
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    ours = vllm_cos_sin_cache(head_dim, float(config.rope_parameters["rope_theta"]), config.max_position_embeddings,
-                              torch.bfloat16, device)
-    positions = torch.arange(0, 1024, device=device)[None]
+    theta = float(config.rope_parameters["rope_theta"])
+    ours = vllm_cos_sin_cache(head_dim, theta, config.max_position_embeddings, torch.bfloat16, device)
+    n_positions = min(1024, int(config.max_position_embeddings))
+    positions = torch.arange(0, n_positions, device=device)[None]
     probe = torch.zeros(1, 1, head_dim, device=device, dtype=torch.bfloat16)
     with torch.no_grad():
         cos_hf, _ = model.model.rotary_emb(probe, positions)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+        exact = positions[0].double()[:, None] * inv_freq[None, :]
+        angles = torch.bmm(inv_freq.float()[None, :, None], positions.float()[:, None, :]).transpose(1, 2)[0]
     out["hf_rope_cos_vs_vllm_cache_max_abs"] = float((cos_hf[0, :, : head_dim // 2].float()
-                                                      - ours[:1024, : head_dim // 2].float()).abs().max())
+                                                      - ours[:n_positions, : head_dim // 2].float()).abs().max())
+    out["fp32_bmm_rope_angle_max_abs_err"] = float((angles.double() - exact).abs().max())
+    return out
+
+
+def _diagnostics(llm, model, device) -> dict:
+    """Engine weights and RoPE cache vs the trainer's bf16 values, and :func:`_rope_diagnostics`."""
+    import torch
+
+    from bloggap_plugin.core.vllm_form import vllm_cos_sin_cache
+
+    out: dict = _rope_diagnostics(model, device)
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    ours = vllm_cos_sin_cache(head_dim, float(config.rope_parameters["rope_theta"]), config.max_position_embeddings,
+                              torch.bfloat16, device)
     engine = _engine_model(llm)
     if engine is None:
         out["engine_model"] = "not reachable from the LLM object"
@@ -353,11 +376,11 @@ def cmd_phase(args) -> None:
     results["env_vars"] = {k: os.environ.get(k) for k in ("VLLM_BATCH_INVARIANT", "CUBLAS_WORKSPACE_CONFIG",
                                                            "CUBLASLT_WORKSPACE_SIZE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
     model = _trainer_model(args.model, device)
-    if args.phase == "colocated":
-        try:
-            results["diagnostics"] = _diagnostics(gen["llm"], model, device)
-        except Exception as err:  # noqa: BLE001 - diagnostics never stop the measurement
-            results["diagnostics"] = {"error": f"{type(err).__name__}: {err}"}
+    try:
+        results["diagnostics"] = (_diagnostics(gen["llm"], model, device) if args.phase == "colocated"
+                                  else _rope_diagnostics(model, device))
+    except Exception as err:  # noqa: BLE001 - diagnostics never stop the measurement
+        results["diagnostics"] = {"error": f"{type(err).__name__}: {err}"}
     ids, mask = _batch(gen["prompt_ids"], gen["tokens"], gen["pad_id"], device)
     results["tokens"] = int(gen["tokens"].numel())
     score_rows(model, ids, mask, gen["sampled"], args.phase, state, Path(args.json))

@@ -51,3 +51,18 @@ def test_all_records_a_failed_phase_with_its_log_and_keeps_a_valid_document(tmp_
     assert any("vllm" in line for line in errors["colocated"]["log_tail"])
     assert any("gen.pt" in line for line in errors["scoped"]["log_tail"])
     assert doc.results["rows"] == [] and doc.params["steps"][0] == ["I0 bf16 weights, packed tokens, HF maths", "hf"]
+
+
+def test_rope_diagnostic_compares_values_not_layouts():
+    """On the H200 the colocated phase read HF's RoPE cos 0.23 away from vLLM's cache. Without vLLM's process-wide
+    bmm override (here, CPU) the diagnostic must read at most one bf16 step near 1 (2^-8) for the cos and fp32
+    rounding for the angles (TF32 inputs would be off by up to ~0.25 rad at position 511), so a large value on the
+    GPU is the override's, not a layout mismatch (HF's duplicated halves against vLLM's cos|sin cache)."""
+    import torch
+
+    from bloggap_plugin.models import _load_tiny
+
+    model, _ = _load_tiny("tiny-random-llama", torch.float32)
+    diagnostics = _script()._rope_diagnostics(model, torch.device("cpu"))
+    assert diagnostics["hf_rope_cos_vs_vllm_cache_max_abs"] <= 2.0 ** -8
+    assert diagnostics["fp32_bmm_rope_angle_max_abs_err"] <= 1e-4
