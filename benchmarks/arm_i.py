@@ -297,21 +297,29 @@ def _engine_model(llm):
     return None
 
 
-def _rope_diagnostics(model, device) -> dict:
-    """HF's RoPE in this process against vLLM's cache, and the fp32 ``bmm`` it is built with against float64: with
-    vLLM's batch-invariant mode on, ``aten::bmm`` is vLLM's Triton kernel, whose ``tl.dot`` computes fp32 in TF32
-    by default, and transformers computes the RoPE angles ``inv_freq @ positions`` with that ``bmm``. Positions
-    0..1023 (fewer if the model has fewer); run in both phases, so the process-wide override's effect is the difference."""
+def _rope_cache(model, device):
+    """``(head_dim, theta, cache)``: the model's RoPE settings and vLLM's bf16 ``cos_sin_cache`` built from them."""
     import torch
 
     from bloggap_plugin.core.vllm_form import vllm_cos_sin_cache
 
-    out: dict = {}
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     theta = float(config.rope_parameters["rope_theta"])
-    ours = vllm_cos_sin_cache(head_dim, theta, config.max_position_embeddings, torch.bfloat16, device)
-    n_positions = min(1024, int(config.max_position_embeddings))
+    return head_dim, theta, vllm_cos_sin_cache(head_dim, theta, config.max_position_embeddings, torch.bfloat16, device)
+
+
+def _rope_diagnostics(model, device, cache=None) -> dict:
+    """HF's RoPE in this process against vLLM's cache, and the fp32 ``bmm`` it is built with against float64: with
+    vLLM's batch-invariant mode on, ``aten::bmm`` is vLLM's Triton kernel, whose ``tl.dot`` computes fp32 in TF32
+    by default, and transformers computes the RoPE angles ``inv_freq @ positions`` with that ``bmm``. Positions
+    0..1023 (fewer if the model has fewer); run in both phases, so the process-wide override's effect is the difference.
+    ``cache``: :func:`_rope_cache`'s result, if the caller has it."""
+    import torch
+
+    head_dim, theta, ours = cache or _rope_cache(model, device)
+    out: dict = {}
+    n_positions = min(1024, int(model.config.max_position_embeddings))
     positions = torch.arange(0, n_positions, device=device)[None]
     probe = torch.zeros(1, 1, head_dim, device=device, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -329,13 +337,9 @@ def _diagnostics(llm, model, device) -> dict:
     """Engine weights and RoPE cache vs the trainer's bf16 values, and :func:`_rope_diagnostics`."""
     import torch
 
-    from bloggap_plugin.core.vllm_form import vllm_cos_sin_cache
-
-    out: dict = _rope_diagnostics(model, device)
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    ours = vllm_cos_sin_cache(head_dim, float(config.rope_parameters["rope_theta"]), config.max_position_embeddings,
-                              torch.bfloat16, device)
+    cache = _rope_cache(model, device)
+    ours = cache[2]
+    out: dict = _rope_diagnostics(model, device, cache)
     engine = _engine_model(llm)
     if engine is None:
         out["engine_model"] = "not reachable from the LLM object"
