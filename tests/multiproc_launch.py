@@ -52,7 +52,7 @@ def run_helper(prefix: list[str], out: Path, *helper_args: str, timeout: int = 6
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
-def read_records(out: Path, processes: int) -> dict[int, dict]:
+def read_records(out: Path, processes: int = 2) -> dict[int, dict]:
     """``{rank: record}`` of the JSON files a helper run wrote."""
     records = {0: json.loads(Path(out).read_text())}
     for rank in range(1, processes):

@@ -39,10 +39,6 @@ def _launch(out: Path, *helper_args: str, processes: int = 2, timeout: int = 240
                    timeout=timeout)
 
 
-def _read(out: Path, processes: int = 2) -> dict[int, dict]:
-    return read_records(out, processes)
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     require_gloo()
@@ -53,7 +49,7 @@ def base(tmp_path_factory):
 def fsdp_runs(base):
     out = base / "arms.json"
     _launch(out, "--arm", ",".join(ARMS))
-    return {arm: _read(base / f"arms_{arm}.json") for arm in ARMS}
+    return {arm: read_records(base / f"arms_{arm}.json") for arm in ARMS}
 
 
 def _first_log(record: dict) -> dict:
@@ -112,7 +108,7 @@ def test_a_process_without_any_completion_token_still_takes_every_forward(base):
     and the logged kept statistics are process 0's alone."""
     out = base / "masked.json"
     _launch(out, "--arm", "C", "--mask-rank", "1", "--steps", "1", "--num-iterations", "1", timeout=150)
-    records = _read(out)
+    records = read_records(out)
     first = _first_log(records[0])
     gen = [r for r in records[0]["reduces"] if r["site"] == "_gap_flush_generation" and len(r["local"]) == 14]
     gen1 = [r for r in records[1]["reduces"] if r["site"] == "_gap_flush_generation" and len(r["local"]) == 14]
@@ -128,7 +124,7 @@ def equal_runs(base):
     one, two = base / "one.json", base / "two.json"
     _launch(one, *common, "--per-device-batch", "8", "--probe-rows", "8", processes=1)
     _launch(two, *common, "--per-device-batch", "4", "--probe-rows", "4")
-    return {arm: (_read(base / f"one_{arm}.json", 1)[0], _read(base / f"two_{arm}.json")[0]) for arm in ("B", "E", "G")}
+    return {arm: (read_records(base / f"one_{arm}.json", 1)[0], read_records(base / f"two_{arm}.json")[0]) for arm in ("B", "E", "G")}
 
 
 @pytest.mark.parametrize("arm", ["B", "E", "G"])
@@ -154,7 +150,7 @@ def test_guided_layers_chosen_differently_are_agreed_before_any_fp32_copy(base):
     fp32 copies are gathered from shards (collectives), so process 0's choice must be agreed before any is made."""
     out = base / "guided.json"
     _launch(out, "--arm", "D", "--k", "1", "--disagree-layers", "--steps", "1", "--num-iterations", "1", timeout=150)
-    records = _read(out)
+    records = read_records(out)
     assert records[0]["plan_layers"] == records[1]["plan_layers"] == [0]  # process 0 preferred layer 0
     assert math.isfinite(_first_log(records[0])["gap/ratio/oob_frac"])
 
@@ -166,7 +162,7 @@ def test_shadows_and_islands_follow_the_sharded_weights_after_an_update(base):
     out = base / "synced.json"
     _launch(out, "--arm", "B,E", "--steps", "3", timeout=200)
     for arm in ("B", "E"):
-        logs = [h for h in _read(base / f"synced_{arm}.json")[0]["log_history"] if "loss" in h]
+        logs = [h for h in read_records(base / f"synced_{arm}.json")[0]["log_history"] if "loss" in h]
         assert [h["step"] for h in logs] == [1, 2, 3]
         assert logs[1]["gap/ratio/abs_dlogp_max"] > 1e-2  # step 2: the weights moved since the old log-probs
         assert logs[2].get("gap/sampler/oob_frac") is not None  # step 3 generated
@@ -178,7 +174,7 @@ def test_a_process_whose_sampler_record_was_lost_still_takes_the_kept_set_forwar
     pass is still taken by both processes; the logged kept statistics are process 0's alone."""
     out = base / "norecord.json"
     _launch(out, "--arm", "C", "--drop-record-rank", "1", "--steps", "1", "--num-iterations", "1", timeout=150)
-    records = _read(out)
+    records = read_records(out)
     gen = [r for r in records[0]["reduces"] if r["site"] == "_gap_flush_generation" and len(r["local"]) == 14]
     gen1 = [r for r in records[1]["reduces"] if r["site"] == "_gap_flush_generation" and len(r["local"]) == 14]
     kept_n = 7
