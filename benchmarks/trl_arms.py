@@ -27,7 +27,8 @@ NAME = "trl_arms"
 ARMS = ("A", "B", "C", "D", "E", "F", "G", "H")
 COLUMNS = [
     "arm", "ratio OOB %", "sampler OOB %", "clip flips %", "clipped %", "probe b1 vs bN OOB %", "exact ratio %",
-    "s/step", "plugin s/step", "overhead %", "G old pass s/step", "reward first", "reward last",
+    "s/step", "plugin s/step", "plugin time %", "mean per-step overhead %", "G old pass s/step", "reward first",
+    "reward last",
 ]
 
 
@@ -51,6 +52,8 @@ def main(argv=None) -> int:
     parser.add_argument("--probe-every", type=int, nargs="+", default=[None],
                         help="gap.probe_every values to run per arm (default: the recipe's); several values give "
                              "one row per arm and value, measured in the same run")
+    parser.add_argument("--probe-budget", type=float, nargs="+", default=[None],
+                        help="gap.probe_budget values (default: the recipe's); rows for every probe_every x budget")
     parser.add_argument("--name", default=NAME, help="result name: writes <out>/<name>.json")
     parser.add_argument("--quick", action="store_true", help="tiny random model, 2 steps, CPU-sized (< 60 s)")
     args = parser.parse_args(argv)
@@ -73,10 +76,12 @@ def main(argv=None) -> int:
     results = {}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for arm, probe_every in [(a, p) for a in arms for p in args.probe_every]:
-            label = arm if probe_every is None else f"{arm} (probe_every {probe_every})"
-            gap_overrides = None if probe_every is None else {"probe_every": probe_every}
-            slug = arm if probe_every is None else f"{arm}_p{probe_every}"
+        for arm, probe_every, budget in [(a, p, b) for a in arms for p in args.probe_every for b in args.probe_budget]:
+            settings = {key: value for key, value in (("probe_every", probe_every), ("probe_budget", budget))
+                        if value is not None}
+            label = arm if not settings else f"{arm} ({', '.join(f'{k} {v}' for k, v in settings.items())})"
+            gap_overrides = settings or None
+            slug = arm + "".join(f"_{key.split('_')[1]}{value}" for key, value in settings.items())  # A_every8
             recipe = ROOT / "recipes" / f"arm_{arm}.yaml"
             if arm == "D" and args.quick:
                 recipe = Path(tmp) / "arm_D.yaml"  # tiny model: 2 layers, so pick one layer explicitly
@@ -96,12 +101,14 @@ def main(argv=None) -> int:
             summary["history"] = history
             summary["bench_wall_s"] = time.perf_counter() - start
             summary["gap_probe_every"] = probe_every
+            summary["gap_probe_budget"] = budget
             results[label] = summary
             m = lambda key, s=summary: s.get(f"mean/{key}")  # noqa: E731
             rows.append([
                 label, _pct(m("gap/ratio/oob_frac")), _pct(m("gap/sampler/oob_frac")), _pct(m("gap/clip/flip_frac")),
                 _pct(m("gap/clip/clipped_frac")), _pct(m("gap/probe/oob_b1_vs_bN")), _pct(m("gap/ratio/exact_frac")),
-                _num(m("step_time")), _num(m("gap/time/scoring_s")), _pct(m("gap/time/overhead_frac")),
+                _num(m("step_time")), _num(m("gap/time/scoring_s")), _pct(summary.get("plugin_share")),
+                _pct(m("gap/time/overhead_frac")),
                 _num(m("gap/time/old_pass_s"), 4), _num(summary.get("reward_first")), _num(summary.get("reward_last")),
             ])
             print(f"[{NAME}] arm {arm} done in {summary['bench_wall_s']:.1f} s", flush=True)
@@ -113,8 +120,10 @@ def main(argv=None) -> int:
         "notes": (
             "Means over logged steps. ratio OOB: arm's old log-probs vs the training forward outside [0.9, 1.1]; "
             "sampler OOB: old log-probs vs HF generate's own (recorded) log-probs; clip flips: PPO clip status "
-            "under the arm vs an fp32 batch-1 reference on probe rows; overhead: plugin time / step time "
-            "(includes the fp32 reference and probe scorings; arm G's matched old-logprob pass replaces TRL's own "
+            "under the arm vs an fp32 batch-1 reference on probe rows; plugin time: the sum of the plugin's time "
+            "over the sum of step times (what the plugin costs the run); mean per-step overhead: the mean of the "
+            "logged gap/time/overhead_frac, which weighs a rare long probe step like a short one and reads lower "
+            "(both include the fp32 reference and probe scorings; arm G's matched old-logprob pass replaces TRL's own "
             "and is not counted: it is 'G old pass s/step', averaged over steps, 0 on steps reusing a generation)."
         ),
         "reference": None,
@@ -124,7 +133,7 @@ def main(argv=None) -> int:
         benchmark=NAME,
         env=environment_record(device),
         params={"model": model, "steps": steps, "arms": arms, "quick": args.quick, "probe_every": args.probe_every,
-                **overrides},
+                "probe_budget": args.probe_budget, **overrides},
         results=results,
         tables=[table],
     )

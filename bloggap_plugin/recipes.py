@@ -119,6 +119,13 @@ class GapConfig:
         the plugin's cost (measured on the H200: about 0.1 s of a 1.3 s step when run every generation), so the
         default amortises them; the probe-free metrics (ratio, sampler, kept mass) are still computed every
         time."""))
+    probe_budget: float = field(default=0.005, metadata=_help(
+        """Largest share of training time the probe forwards may take (0.005 = 0.5%): a probe that
+        ``probe_every`` makes due runs only while the probe's seconds so far are within ``probe_budget`` times the
+        training seconds so far (``training_step`` wall time; both summed over processes at the optimizer steps
+        before, so every process decides alike). The first due probe always runs. A probe costs about a fixed
+        number of batch-1 forwards, so on a small model with short steps the budget spaces probes out (SmolLM2
+        with vLLM: 0.2 s per probe against 0.3 s steps) and on a large one ``probe_every`` decides. 0 = no cap."""))
     tf32: bool | str = field(default=False, metadata=_help(
         """Matmul precision of the fp32 scoring plans (arms B, D, E and the fp16 guard's fp32 re-score): ``true``
         TF32, ``false`` IEEE fp32, ``auto`` TF32 on GPUs with TF32 units (Ampere and later, compute capability >=
@@ -231,6 +238,7 @@ _GAP_LOWER_BOUNDS = (
     ("k", 1, ""),
     ("metrics_every", 1, ""),
     ("probe_every", 1, ""),
+    ("probe_budget", 0, " (a share of training time; 0 = no cap)"),
     ("store_ids_max", 0, ""),
     ("score_chunk_tokens", 0, " (scored tokens per tile of the LM head; 0 = untiled)"),
     ("score_rows", 0, " (rows per scoring forward; 0 = the micro-batch)"),

@@ -22,6 +22,7 @@ from bloggap_plugin.compare import (
     build_results,
     paired_interval,
     plan_runs,
+    plugin_time_share,
     read_log,
     run_compare,
     run_settings,
@@ -170,6 +171,21 @@ def test_summarize_run_on_constructed_log():
     assert s["s_per_step"] == pytest.approx(2.0) and s["s_per_step_source"] == "step_time"
     no_time = summarize_run([{"step": 1, "reward": 1.0}, {"step": 2}], {DONE_KEY: "done", "wall_s": 8.0})
     assert no_time["s_per_step"] == pytest.approx(4.0) and no_time["s_per_step_source"] == "wall"
+
+
+def test_plugin_time_share_is_time_weighted_not_a_mean_of_step_fractions():
+    # One long probe step (0.5 s of plugin time in a 1.0 s step) and one short step without plugin time: the
+    # plugin took 0.5 s of 1.1 s of training (45.45%); the mean of the per-step fractions (50% and 0%) says 25%.
+    records = [
+        {"step": 1, "step_time": 1.0, "gap/time/scoring_s": 0.5, "gap/time/overhead_frac": 0.5},
+        {"step": 2, "step_time": 0.1, "gap/time/scoring_s": 0.0, "gap/time/overhead_frac": 0.0},
+        {"step": 3, "reward": 1.0},  # a record without timing is not counted
+    ]
+    assert plugin_time_share(records) == 0.5 / 1.1
+    s = summarize_run(records, {DONE_KEY: "done", "wall_s": 2.0})
+    assert s["plugin_share"] == 0.5 / 1.1
+    assert s["gap"]["gap/time/overhead_frac"] == pytest.approx(0.25)  # the logged per-step metric, unchanged
+    assert plugin_time_share([{"step": 1, "reward": 1.0}]) is None
 
 
 def _write_log(config, run, rewards, extra=None, done=True):

@@ -359,8 +359,15 @@ def test_callback_recipe_warns_about_grpo_fields(tmp_path):
 @pytest.mark.parametrize("probe_every, expected", [(1, [True, True]), (2, [True, False])])
 def test_probe_every_gates_the_extra_forwards(tmp_path, probe_every, expected):
     """The fp32 reference and live probe run on generations 1, 1 + N, ...; the cheap metrics on every one."""
-    gap = GapConfig(arm="A", probe_rows=4, probe_every=probe_every)
+    gap = GapConfig(arm="A", probe_rows=4, probe_every=probe_every, probe_budget=0.0)
     trainer = make(tmp_path, gap, max_steps=4)  # num_iterations 2, accumulation 2: a new generation every 2 steps
+    assert _probed_generations(trainer) == expected
+    sampler_logged = [h for h in logs_of(trainer) if h.get("gap/sampler/oob_frac") is not None]
+    assert len(sampler_logged) == 2  # both generations measured without the probe
+
+
+def _probed_generations(trainer) -> list[bool]:
+    """Train ``trainer``; per generation, whether the fp32 reference (the probe) ran."""
     probed = []
     original = trainer._gap_reference_plan
 
@@ -368,19 +375,35 @@ def test_probe_every_gates_the_extra_forwards(tmp_path, probe_every, expected):
         probed[-1] = True
         return original()
 
-    original_generate = trainer._gap_next
+    original_next = trainer._gap_next
 
     def next_impl(name, *args, **kwargs):
         if name == "_generate_and_score_completions":
             probed.append(False)
-        return original_generate(name, *args, **kwargs)
+        return original_next(name, *args, **kwargs)
 
     trainer._gap_reference_plan = spy
     trainer._gap_next = next_impl
     trainer.train()
-    assert probed == expected
-    sampler_logged = [h for h in logs_of(trainer) if h.get("gap/sampler/oob_frac") is not None]
-    assert len(sampler_logged) == 2  # both generations measured without the probe
+    return probed
+
+
+@pytest.mark.parametrize("budget, expected", [(0.0, [True] * 4), (1.0, [True] * 4), (1e-12, [True, False, False, False])])
+def test_probe_budget_caps_the_probe_share_of_training_time(tmp_path, budget, expected):
+    """gap.probe_budget: a due probe runs while the probe's time so far is within the budget's share of the
+    training time so far; the first always runs; 0 = no cap. A probe costs far more than 1e-12 of a step and far
+    less than all of it, so 1e-12 allows only the first and 1.0 all four."""
+    gap = GapConfig(arm="A", probe_rows=4, probe_every=1, probe_budget=budget)
+    trainer = make(tmp_path, gap, max_steps=8)  # a new generation every 2 steps: 4 generations
+    assert _probed_generations(trainer) == expected
+    logged = [h for h in logs_of(trainer) if h.get("gap/probe/oob_b1_vs_bN") is not None]
+    assert len(logged) == sum(expected)  # the live batch-1 probe follows the same decision as the reference
+    assert len([h for h in logs_of(trainer) if h.get("gap/sampler/oob_frac") is not None]) == 4
+
+
+def test_probe_budget_must_not_be_negative():
+    with pytest.raises(RecipeError, match=r"gap.probe_budget must be >= 0"):
+        GapConfig(arm="A", probe_budget=-0.01).validate()
 
 
 def test_arm_d_auto_layers_follow_process_zero(tmp_path):
@@ -573,7 +596,7 @@ def test_generation_metrics_read_the_device_once_per_generation_off_probe_genera
     counting("_gap_flush_generation")
     for arm in "AG":
         reads.clear()
-        make(tmp_path / arm, GapConfig(arm=arm, probe_every=2), max_steps=8).train()  # 4 generations, 2 probed
+        make(tmp_path / arm, GapConfig(arm=arm, probe_every=2, probe_budget=0.0), max_steps=8).train()  # 4 generations, 2 probed
         flushes = reads["_gap_flush_generation"]
         assert [due for due, _ in flushes] == [True, False, True, False] and all(n == 1 for _, n in flushes), arm
         off_probe = [n for due, n in reads["_gap_generation_metrics"] if not due]

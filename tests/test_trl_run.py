@@ -49,6 +49,10 @@ def test_benchmark_quick(tmp_path):
     assert table["rows"][1][table["columns"].index("exact ratio %")] == 100.0  # G: matched, bit-exact
     old_pass = table["columns"].index("G old pass s/step")
     assert table["rows"][0][old_pass] is None and table["rows"][1][old_pass] > 0  # G's pass in place of TRL's
+    for row, arm in zip(table["rows"], "AG"):  # the plugin's time over the steps' time, not a mean of fractions
+        history = [h for h in payload["results"][arm]["history"] if "gap/time/scoring_s" in h]
+        share = sum(h["gap/time/scoring_s"] for h in history) / sum(h["step_time"] for h in history)
+        assert row[table["columns"].index("plugin time %")] == round(100 * share, 2)
 
 
 def test_wandb_offline_run_contains_gap_keys(tmp_path, monkeypatch):

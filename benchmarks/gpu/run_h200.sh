@@ -38,7 +38,8 @@ case "$phase" in
   timing)
     job cost 200 $py benchmarks/cost.py --out "$res"; wait
     job trl  330 $py benchmarks/trl_arms.py --out "$res"; wait
-    job overhead 300 $py benchmarks/trl_arms.py --arms A,G --probe-every 1 8 --name trl_overhead --out "$res"; wait
+    job overhead 420 $py benchmarks/trl_arms.py --arms A,G --probe-every 1 8 --probe-budget 0 0.005 --name trl_overhead \
+      --out "$res"; wait
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

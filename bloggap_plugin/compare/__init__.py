@@ -80,6 +80,7 @@ from bloggap_plugin.compare.statistics import (
     build_results,
     heldout_by_arm,
     paired_interval,
+    plugin_time_share,
     summarize_run,
     t_quantile,
 )
@@ -110,6 +111,7 @@ __all__ = [
     "run_is_done",
     "run_compare",
     "summarize_run",
+    "plugin_time_share",
     "build_results",
     "t_quantile",
     "paired_interval",

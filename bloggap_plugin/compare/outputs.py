@@ -115,6 +115,21 @@ def _tables(config: CompareConfig, results: dict) -> list[dict]:
             "reference": None,
             "random_init": config.model.startswith("tiny-random"),
         })
+    if any(row.get("plugin_share") is not None for row in arms.values()):
+        tables.append({
+            "id": "T10-cost",
+            "title": "The plugin's share of training time by arm",
+            "columns": ["arm", "plugin time %", "mean of per-step overhead_frac %", "s/step"],
+            "rows": [[arm, _r(100 * row["plugin_share"], 2) if row.get("plugin_share") is not None else None,
+                      _r(100 * row["gap"]["gap/time/overhead_frac"], 2)
+                      if row["gap"].get("gap/time/overhead_frac") is not None else None,
+                      _r(row["s_per_step"], 3)] for arm, row in arms.items()],
+            "notes": ("plugin time %: sum of gap/time/scoring_s over sum of step_time, per run, mean over seeds: the "
+                      "share of training time the plugin took. The mean of the per-step gap/time/overhead_frac "
+                      "weighs a rare long step (a probe generation) like a short one and so reads lower."),
+            "reference": None,
+            "random_init": config.model.startswith("tiny-random"),
+        })
     tables.append({
         "id": "T10-resolution",
         "title": "Resolution of this comparison",

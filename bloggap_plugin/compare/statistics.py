@@ -92,6 +92,19 @@ def _key_mean(records: list[dict], key: str) -> float | None:
     return _mean([r[key] for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)])
 
 
+def plugin_time_share(records: list[dict]) -> float | None:
+    """The plugin's share of training time: ``sum(gap/time/scoring_s) / sum(step_time)`` (seconds over seconds)
+    over the records that carry both, or ``None`` without any.
+
+    This is what the plugin costs a run. The mean of the logged per-step ``gap/time/overhead_frac`` is not: it
+    weighs a rare long step (a probe generation) like a short one, and so understates a rare cost.
+    """
+    timed = [r for r in records if isinstance(r.get("gap/time/scoring_s"), (int, float))
+             and isinstance(r.get("step_time"), (int, float))]
+    wall = sum(r["step_time"] for r in timed)
+    return sum(r["gap/time/scoring_s"] for r in timed) / wall if wall > 0 else None
+
+
 def summarize_run(records: list[dict], marker: dict | None, last_n: int = 30) -> dict:
     """Per-run numbers from its log records: rewards, last-k and overall means, clip, gap/* means, s/step.
 
@@ -127,6 +140,7 @@ def summarize_run(records: list[dict], marker: dict | None, last_n: int = 30) ->
         "gap": {key: _key_mean(records, key) for key in gap_keys},
         "s_per_step": s_per_step,
         "s_per_step_source": s_source,
+        "plugin_share": plugin_time_share(records),
         "heldout_curve": [[r["step"], r["heldout/accuracy"]] for r in records
                           if isinstance(r.get("heldout/accuracy"), (int, float))],
         "wall_s": wall_s,
@@ -195,6 +209,7 @@ def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
             "sampling_dlogp": _mean([s["sampling_dlogp"] for s in seeds.values() if s["sampling_dlogp"] is not None]),
             "gap": {key: _mean([s["gap"].get(key) for s in seeds.values()]) for key in gap_keys},
             "s_per_step": _mean([s["s_per_step"] for s in seeds.values() if s["s_per_step"] is not None]),
+            "plugin_share": _mean([s["plugin_share"] for s in seeds.values() if s.get("plugin_share") is not None]),
         }
     resolution = _resolution(per_run, arm_rows, base, k, len(config.seeds))
     results = {"baseline": base, "arms": arm_rows, "runs": per_run, "set_aside": set_aside, "last_k": k,

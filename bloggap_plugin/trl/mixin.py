@@ -215,6 +215,7 @@ class GapMixin(PlanMixin, StatsMixin):
         start = time.perf_counter()
         gap = state.config
         state.generations += 1
+        state.probe_now = self._gap_probe_scheduled()
         state.gen_sums, state.gen_maxima = GenerationSums(), GenerationMaxima()
         state.measure_now = measure = (state.generations - 1) % gap.metrics_every == 0
         self._gap_align_record(output)
@@ -257,9 +258,10 @@ class GapMixin(PlanMixin, StatsMixin):
             rows = probe.nonzero().squeeze(-1)
             ref = torch.full((n_rows, logits_to_keep), float("nan"), device=ids.device)
             ref_kept = self._gap_kept_from(output, rows)
-            ref[rows] = self._gap_plan_scores(
-                self._gap_reference_plan(), ids[rows], attn[rows], logits_to_keep, 1, kept=ref_kept
-            ).to(ref.device)
+            with self._gap_probe_timer(ids.device):
+                ref[rows] = self._gap_plan_scores(
+                    self._gap_reference_plan(), ids[rows], attn[rows], logits_to_keep, 1, kept=ref_kept
+                ).to(ref.device)
             output["gap_ref_logps"] = ref
         output["gap_probe_row"] = probe
 
@@ -383,7 +385,10 @@ class GapMixin(PlanMixin, StatsMixin):
         state.step_wall += time.perf_counter() - start
         state.step_plugin += state.time - before
         if self._step % self.current_gradient_accumulation_steps == 0:
-            times = self._gap_reduce(StepTimes(state.step_plugin, state.step_wall, state.replaced_time))
+            times = self._gap_reduce(StepTimes(state.step_plugin, state.step_wall, state.replaced_time,
+                                               state.step_probe))
+            state.probe_total += times.probe  # the probe budget's totals: reduced, so alike on every process
+            state.wall_total += times.wall
             procs = self.accelerator.num_processes
             metrics = self._metrics["train"]
             metrics["gap/time/scoring_s"].append(times.plugin / procs)
@@ -391,7 +396,7 @@ class GapMixin(PlanMixin, StatsMixin):
             if state.arm.scores_after_shuffle:
                 # G's old-logprob pass in place of TRL's (0 on steps that reuse a generation)
                 metrics["gap/time/old_pass_s"].append(times.replaced / procs)
-            state.step_wall = state.step_plugin = state.replaced_time = 0.0
+            state.step_wall = state.step_plugin = state.replaced_time = state.step_probe = 0.0
         return output
 
 

@@ -79,8 +79,9 @@ GenerationSums = _statistics(
 GenerationMaxima = _statistics(
     "GenerationMaxima", "kept_mass_neg_min kept_size_max sampler_absd_max is_max is_neg_min", -math.inf,
     "One generation's maxima (minima stored negated).")
-StepTimes = _statistics("StepTimes", "plugin wall replaced", 0.0,
-                        "Seconds of one optimizer step: the plugin's, the whole step's, arm G's pass in place of TRL's.")
+StepTimes = _statistics("StepTimes", "plugin wall replaced probe", 0.0,
+                        "Seconds of one optimizer step: the plugin's, the whole step's, arm G's pass in place of TRL's, "
+                        "the probe forwards' (part of the plugin's).")
 FallbackCount = _statistics("FallbackCount", "new", 0.0, "fp16 chunks re-scored in fp32 since the last flush.")
 
 
@@ -116,6 +117,8 @@ class GapState:
     pending_record: Any = None
     pending_completion: torch.Tensor | None = None
     measure_now: bool = False
+    probe_now: bool = False
+    """This generation has probe rows (decided once per generation: ``probe_every`` and ``probe_budget``)."""
     drives: bool = False
     """The arm's old log-probs go into the loss (else they are measured only)."""
     skip_old: bool = False
@@ -129,6 +132,11 @@ class GapState:
     replaced_time: float = 0.0
     step_wall: float = 0.0
     step_plugin: float = 0.0
+    step_probe: float = 0.0
+    probe_total: float = 0.0
+    """Seconds of probe forwards since attach, summed over processes (at optimizer steps)."""
+    wall_total: float = 0.0
+    """Seconds of ``training_step`` since attach, summed over processes (at optimizer steps)."""
 
 
 def completion_mask(batch: dict) -> torch.Tensor:

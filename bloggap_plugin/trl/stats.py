@@ -7,7 +7,9 @@ global ratio: per-process sums are reduced (summed, or maxed) before dividing.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 
 import torch
 
@@ -112,7 +114,8 @@ class StatsMixin:
         probe = batch.get("gap_probe_row")
         if probe is not None and self._gap_probe_due() and probe.any():  # no host read off probe generations
             rows = probe.nonzero().squeeze(-1)
-            b1 = self._gap_probe_b1(batch, ids[rows], attn[rows], logits_to_keep, rows)
+            with self._gap_probe_timer(ids.device):
+                b1 = self._gap_probe_b1(batch, ids[rows], attn[rows], logits_to_keep, rows)
             pmask = mask[rows]
             if pmask.any():
                 out, n = gap_metrics.oob_count(b1, old[rows].to(b1.device), pmask, band)
@@ -302,11 +305,31 @@ class StatsMixin:
         return local, LossMaxima(abs_dlogp_max=_masked_max(absd, mask))
 
     def _gap_probe_due(self) -> bool:
-        """Whether this generation has probe rows (a host-side test: due every ``metrics_every * probe_every``
-        generations when ``probe_rows`` > 0)."""
+        """Whether this generation has probe rows (decided by :meth:`_gap_probe_scheduled` when it began)."""
+        return self._gap_state.probe_now
+
+    def _gap_probe_scheduled(self) -> bool:
+        """Whether the generation that begins gets probe rows (host-side, the same on every process): due every
+        ``metrics_every * probe_every`` generations when ``probe_rows`` > 0, and within ``probe_budget`` (the probe's
+        seconds so far at most that share of the training seconds so far, both reduced over processes)."""
         state = self._gap_state
         gap = state.config
-        return gap.probe_rows > 0 and (state.generations - 1) % (gap.metrics_every * gap.probe_every) == 0
+        due = gap.probe_rows > 0 and (state.generations - 1) % (gap.metrics_every * gap.probe_every) == 0
+        if not due or gap.probe_budget <= 0:
+            return due
+        return state.probe_total <= gap.probe_budget * state.wall_total
+
+    @contextlib.contextmanager
+    def _gap_probe_timer(self, device: torch.device):
+        """Adds the seconds of the probe forwards inside to the step's probe time; waits for the device at the end
+        (probe generations only), so the budget counts their GPU time, not only their launches."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self._gap_state.step_probe += time.perf_counter() - started
 
     def _gap_clip_status(self, log_ratio, advantages, mask):
         """TRL's clip status ``[B, T]`` under this trainer's loss type, IS level, epsilons and delta (or None)."""

@@ -317,6 +317,9 @@ def run_training(recipe: str | Path | TrainConfig, **settings: Any) -> dict:
     for key in keys:
         values = [h[key] for h in history if isinstance(h.get(key), (int, float)) and math.isfinite(h[key])]
         summary[f"mean/{key}"] = sum(values) / len(values) if values else None
+    from bloggap_plugin.compare.statistics import plugin_time_share
+
+    summary["plugin_share"] = plugin_time_share(history)  # time-weighted, not the mean of per-step fractions
     rewards = [h["reward"] for h in history if isinstance(h.get("reward"), (int, float))]
     summary["reward_first"] = rewards[0] if rewards else None
     summary["reward_last"] = rewards[-1] if rewards else None
