@@ -51,10 +51,15 @@ STEPS = [
     ("I3 + fused qkv / gate_up projections", "torch"),
     ("I4 + batch-invariant kernels (Triton matmul, aten overrides)", "torch,batch_invariant=true"),
     ("I5 + vLLM FlashAttention, paged KV, num_splits=1", "torch,batch_invariant=true,attention=vllm_fa"),
-    ("I6 + vLLM RMSNorm kernels", "torch,batch_invariant=true,attention=vllm_fa,norm=kernel"),
-    ("I7 + vLLM RoPE kernel", "torch,batch_invariant=true,attention=vllm_fa,norm=kernel,rope=kernel"),
-    ("I8 + vLLM silu_and_mul (= all)", "all"),
-    ("I8 with contiguous K/V (no block table)", "all,page_size=0"),
+    # I6-I8 launch each norm once over all scored tokens (norm_launch=packed), as vLLM 0.26's kernels do not: their
+    # block size depends on the launch's token count. I9 sizes the launches like vLLM's steps: arm I's default since
+    # the 2026-12-01 H200 run (arm_i.json), which labelled I8 "(= all)" and I9 "all,norm_launch=steps".
+    ("I6 + vLLM RMSNorm kernels", "torch,batch_invariant=true,attention=vllm_fa,norm=kernel,norm_launch=packed"),
+    ("I7 + vLLM RoPE kernel",
+     "torch,batch_invariant=true,attention=vllm_fa,norm=kernel,rope=kernel,norm_launch=packed"),
+    ("I8 + vLLM silu_and_mul (= all, norm_launch=packed)", "all,norm_launch=packed"),
+    ("I8 with contiguous K/V (no block table)", "all,norm_launch=packed,page_size=0"),
+    ("I9 = I8, norm launches sized as vLLM's steps", "all"),
 ]
 BAND = 0.1
 ROWS_PER_PASS = 8  # TRL's per_device_train_batch_size in the recipes

@@ -13,6 +13,7 @@ from bloggap_plugin.core.vllm_form import (
     TORCH_KERNELS,
     Kernels,
     VllmForm,
+    norm_in_step_launches,
     pack,
     paged_kv,
     parse_form,
@@ -20,6 +21,7 @@ from bloggap_plugin.core.vllm_form import (
     rms_norm_vllm_triton,
     rope_hf,
     rope_vllm,
+    step_launches,
     torch_paged_attention,
     torch_varlen_attention,
     vllm_cos_sin_cache,
@@ -144,11 +146,12 @@ def _counting(kernels: Kernels, calls: dict) -> Kernels:
 def test_kernel_pieces_call_their_kernels_and_match_the_torch_form(tiny_model):
     """With plain-torch stand-ins for vLLM's kernels, ``all`` computes exactly the ``torch`` preset (minus the
     batch-invariant layer-0 norm), and each kernel piece calls its kernel: layer 0's first norm once, the fused
-    add-norms 2 x layers, RoPE twice and attention, SiLU once per layer, the scope once per scoring call."""
+    add-norms 2 x layers, RoPE twice and attention, SiLU once per layer, the scope once per scoring call (norms in
+    one launch each: ``norm_launch=packed``; the default ``steps`` is tested below)."""
     model, _ = tiny_model("tiny-random-llama")
     ids, mask = _rows()
     calls: dict = {}
-    form = parse_form("all,batch_invariant=false")
+    form = parse_form("all,batch_invariant=false,norm_launch=packed")
     plan = VllmFormPlan(model, form, _counting(TORCH_KERNELS, calls))
     out = plan.token_logprobs(ids, mask, K, positions="mask")
     layers = model.config.num_hidden_layers
@@ -160,6 +163,59 @@ def test_kernel_pieces_call_their_kernels_and_match_the_torch_form(tiny_model):
     bi = VllmFormPlan(model, dataclasses.replace(form, batch_invariant=True), _counting(TORCH_KERNELS, calls))
     assert torch.equal(bi.token_logprobs(ids, mask, K, positions="mask"), out)  # F.linear stand-in: same numbers
     assert calls["scope"] == 1 and calls["linear"] == 4 * layers + 1  # qkv, o, gate_up, down per layer; head once
+
+
+def test_norm_in_step_launches_sizes_each_launch_like_vllms_steps():
+    """Prompt tokens in one launch of at least ``large`` rows (zero rows appended), generated tokens in launches of
+    fewer; a row-wise norm gives each token exactly what one launch over all of them gives."""
+    x = torch.randn(11, 6)
+    weight = torch.randn(6)
+    generated = torch.tensor([0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1], dtype=torch.bool)  # two rows: 3 + 4 and 2 + 2
+    sizes = []
+
+    def norm(rows, w, eps):
+        sizes.append(rows.shape[0])
+        return rms_norm_hf(rows, w, eps)
+
+    launches = step_launches(generated, large=4)
+    assert launches[0].tolist() == [0, 1, 2, 7, 8] and [c.tolist() for c in launches[1]] == [[3, 4, 5], [6, 9, 10]]
+    out = norm_in_step_launches(norm, x, weight, 1e-6, launches, large=4)
+    assert sizes == [5, 3, 3]  # prompt: 5 rows (>= 4, nothing appended); generated: launches of fewer than 4
+    assert torch.equal(out, rms_norm_hf(x, weight, 1e-6))
+    sizes.clear()
+    norm_in_step_launches(norm, x[:3], weight, 1e-6, step_launches(generated[:3], large=4), large=4)
+    assert sizes == [4]  # 3 prompt rows padded to a large launch
+
+
+def test_norm_launch_steps_makes_a_launch_size_dependent_norm_batch_invariant(tiny_model):
+    """A stand-in norm kernel that, like vLLM's CUDA RMSNorm, computes differently in launches of >= 256 tokens:
+    ``norm_launch: packed`` then scores a row differently alone (< 256 tokens) than with three others (> 256);
+    ``steps`` scores it the same in both, and each launch holds prompt tokens only (>= 256) or generated only (< 256)."""
+    model, _ = tiny_model("tiny-random-llama")
+    ids, mask = _rows(batch=4, width=100)
+    launches = []
+
+    def size_dependent(x, weight, eps):
+        launches.append(x.shape[0])
+        out = rms_norm_hf(x, weight, eps)
+        return out * 1.25 if x.shape[0] >= 256 else out
+
+    kernels = dataclasses.replace(TORCH_KERNELS, rms_norm=size_dependent, add_rms_norm=size_dependent)
+    scores = {}
+    for launch in ("packed", "steps"):
+        plan = VllmFormPlan(model, parse_form(f"all,batch_invariant=false,norm_launch={launch}"), kernels)
+        together = plan.token_logprobs(ids, mask, K, positions="mask")
+        alone = torch.cat([plan.token_logprobs(ids[i:i + 1], mask[i:i + 1], K, positions="mask") for i in range(4)])
+        scores[launch] = (together, alone)
+    assert not torch.equal(*scores["packed"])
+    assert torch.equal(*scores["steps"])
+    generated_tokens = int(mask[:, -K:].sum())
+    launches.clear()
+    plan.token_logprobs(ids, mask, K, positions="mask")
+    per_forward = 2 * model.config.num_hidden_layers + 1  # every norm: layer 0's first one too (not batch-invariant)
+    assert len(launches) == 2 * per_forward and set(launches) == {256 if int(mask.sum()) - generated_tokens < 256
+                                                                   else int(mask.sum()) - generated_tokens,
+                                                                   generated_tokens}
 
 
 def test_plan_keeps_the_policy_and_sync_refreshes_fused_weights(tiny_model):

@@ -41,6 +41,9 @@ __all__ = [
     "torch_varlen_attention",
     "torch_paged_attention",
     "padded_flash_attention",
+    "NORM_LARGE_LAUNCH",
+    "step_launches",
+    "norm_in_step_launches",
 ]
 
 
@@ -68,10 +71,18 @@ class VllmForm:
     """``torch``: ``silu(gate) * up`` in bf16 (HF); ``kernel``: vLLM's ``silu_and_mul``."""
     page_size: int = 16
     """KV-cache block size of the ``vllm_fa`` attention (vLLM's default 16); 0: contiguous K/V (no block table)."""
+    norm_launch: str = "steps"
+    """How the ``kernel`` norms are launched (default ``steps``: on the H200 it took arm I from 8.50% to 0.49% out
+    of band against vLLM and made it batch-invariant, arm_i.json I9). vLLM's CUDA RMSNorm kernels (``_C.fused_add_rms_norm``, ``_C.rms_norm``)
+    pick their thread-block size by whether a launch holds fewer than :data:`NORM_LARGE_LAUNCH` tokens, and the
+    block size sets the order of the variance's sum. ``packed``: one launch over all scored tokens (its size
+    depends on the batch); ``steps``: each token in a launch sized like the vLLM step that computed it: prompt
+    tokens as one prefill of at least that many tokens, generated tokens in launches of fewer (decode steps of
+    fewer than 256 sequences)."""
 
     def __post_init__(self) -> None:
         choices = {"attention": ("sdpa", "vllm_fa"), "norm": ("hf", "torch", "kernel"),
-                   "rope": ("hf", "torch", "kernel"), "act": ("torch", "kernel")}
+                   "rope": ("hf", "torch", "kernel"), "act": ("torch", "kernel"), "norm_launch": ("packed", "steps")}
         for name, accepted in choices.items():
             if getattr(self, name) not in accepted:
                 raise ValueError(f"arm I piece {name}={getattr(self, name)!r}: use one of {', '.join(accepted)}")
@@ -196,6 +207,8 @@ class PackedBatch:
     """``[B, L]`` bool: where each packed token sits in the padded layout."""
     paged: dict = field(default_factory=dict)
     """Page size -> :func:`paged_layout` of these rows (filled by the first layer that needs it)."""
+    launches: tuple | None = None
+    """``(prompt index [P], [generated index chunks])`` of :func:`norm_in_step_launches` (filled on first use)."""
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
@@ -216,6 +229,37 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: to
     cu = torch.zeros(where.shape[0] + 1, dtype=torch.int32, device=where.device)
     cu[1:] = lengths_t.cumsum(0)
     return PackedBatch(input_ids[where], positions[where].long(), cu, lengths_t.tolist(), where)
+
+
+NORM_LARGE_LAUNCH = 256
+"""vLLM's CUDA RMSNorm launchers: ``max_block_size = (num_tokens < 256) ? 1024 : 256`` (csrc/layernorm_kernels.cu)."""
+
+
+def step_launches(generated: torch.Tensor, large: int = NORM_LARGE_LAUNCH) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Token indices for :func:`norm_in_step_launches` from ``generated [T]`` bool (packed order): the prompt tokens'
+    index ``[P]`` (one prefill launch) and the generated tokens' in chunks of ``large - 1`` (decode launches)."""
+    prompt = (~generated).nonzero().squeeze(-1)
+    produced = generated.nonzero().squeeze(-1)
+    return prompt, list(produced.split(large - 1)) if produced.numel() else []
+
+
+def norm_in_step_launches(norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor], x: torch.Tensor,
+                          weight: torch.Tensor, eps: float, launches: tuple[torch.Tensor, list[torch.Tensor]],
+                          large: int = NORM_LARGE_LAUNCH) -> torch.Tensor:
+    """``norm(x [T, H], weight, eps)`` with every token normalised in a launch sized like the vLLM step that
+    computed it (``launches`` from :func:`step_launches`): the prompt tokens in one launch of at least ``large`` rows
+    (zero rows appended when fewer: a row-wise kernel normalises each row alone, and zeros stay zeros), the
+    generated ones in launches of fewer than ``large``. The same tokens give the same values in any batch."""
+    prompt, chunks = launches
+    out = torch.empty_like(x)
+    if prompt.numel():
+        rows = x[prompt]
+        if rows.shape[0] < large:
+            rows = torch.cat([rows, rows.new_zeros(large - rows.shape[0], rows.shape[1])])
+        out[prompt] = norm(rows, weight, eps)[: prompt.numel()]
+    for chunk in chunks:
+        out[chunk] = norm(x[chunk], weight, eps)
+    return out
 
 
 def paged_layout(lengths: list[int], page: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -24,6 +24,7 @@ from .scoring import unwrap_model
 from .vllm_form import (
     Kernels,
     VllmForm,
+    norm_in_step_launches,
     pack,
     paged_kv,
     paged_layout,
@@ -31,6 +32,7 @@ from .vllm_form import (
     rms_norm_vllm_triton,
     rope_hf,
     rope_vllm,
+    step_launches,
     torch_varlen_attention,
     vllm_cos_sin_cache,
 )
@@ -130,10 +132,14 @@ class VllmFormLM(nn.Module):
         return [t for entry in self._fused for t in entry.values() if t is not None]
 
     # -- pieces
-    def _norm(self, x: torch.Tensor, module: nn.Module, first: bool) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, module: nn.Module, first: bool, packed) -> torch.Tensor:
         eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
         if self.form.norm == "kernel":
-            return (self.kernels.rms_norm if first else self.kernels.add_rms_norm)(x, module.weight, eps)
+            kernel = self.kernels.rms_norm if first else self.kernels.add_rms_norm
+            # layer 0's first norm in batch-invariant mode is vLLM's Triton kernel: no launch-size dependence
+            if self.form.norm_launch == "steps" and packed.launches is not None and not (first and self.form.batch_invariant):
+                return norm_in_step_launches(kernel, x, module.weight, eps, packed.launches)
+            return kernel(x, module.weight, eps)
         if self.form.norm == "torch" and first and self.form.batch_invariant:
             return rms_norm_vllm_triton(x, module.weight, eps)
         return rms_norm_hf(x, module.weight, eps)
@@ -180,7 +186,7 @@ class VllmFormLM(nn.Module):
     def _layer(self, index: int, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, packed, rotary):
         """vLLM's ``LlamaDecoderLayer.forward``: ``(h, residual)`` -> ``(h, residual)``, all bf16 ``[T, H]``."""
         residual = h if residual is None else residual + h
-        x = self._norm(residual, layer.input_layernorm, first=index == 0)
+        x = self._norm(residual, layer.input_layernorm, first=index == 0, packed=packed)
         q, k, v = self._qkv(x, index, layer.self_attn)
         tokens = x.shape[0]
         q = self._rope(q.reshape(tokens, self.heads, self.head_dim), packed.positions, rotary)
@@ -190,7 +196,7 @@ class VllmFormLM(nn.Module):
         o_proj = layer.self_attn.o_proj
         h = self._linear(attn, o_proj.weight, getattr(o_proj, "bias", None))
         residual = residual + h
-        x = self._norm(residual, layer.post_attention_layernorm, first=False)
+        x = self._norm(residual, layer.post_attention_layernorm, first=False, packed=packed)
         return self._mlp(x, index, layer.mlp), residual
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
@@ -200,11 +206,17 @@ class VllmFormLM(nn.Module):
         if int(packed.positions.max()) >= self.cos_sin_cache.shape[0]:
             raise ValueError(f"arm I: position {int(packed.positions.max())} beyond the model's "
                              f"max_position_embeddings ({self.cos_sin_cache.shape[0]})")
+        if self.form.norm == "kernel" and self.form.norm_launch == "steps" and logits_to_keep > 1:
+            # the scored completion (the last logits_to_keep - 1 columns: the scorer asks for one more logit) was
+            # generated token by token; everything before it was the prompt's prefill
+            columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+            generated = (columns >= attention_mask.shape[1] - (logits_to_keep - 1)).expand_as(packed.where)
+            packed.launches = step_launches(generated[packed.where])
         h = F.embedding(packed.tokens, base.embed_tokens.weight)
         residual = None
         for index, layer in enumerate(base.layers):
             h, residual = self._layer(index, layer, h, residual, packed, base.rotary_emb)
-        final = self._norm(residual + h, base.norm, first=False)
+        final = self._norm(residual + h, base.norm, first=False, packed=packed)
         hidden = final.new_zeros((*packed.where.shape, final.shape[-1]))
         hidden[packed.where] = final
         keep = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
