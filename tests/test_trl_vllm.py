@@ -173,6 +173,27 @@ def test_renormalize_with_beta_on_vllm_path_is_refused(tmp_path):
                  model_name=saved_model_dir(tmp_path))
 
 
+@pytest.mark.parametrize("active", [True, False])
+def test_colocated_batch_invariant_vllm_warns_about_rope(tmp_path, monkeypatch, active):
+    """vLLM's batch-invariant mode on in the trainer's process (colocate) replaces bmm, which transformers' RoPE
+    uses: attaching warns and names the fix; without the mode, no such warning."""
+    import bloggap_plugin.vllm_kernels as vllm_kernels
+
+    monkeypatch.setattr(vllm_kernels, "vllm_batch_invariant_active", lambda: active)
+    torch.manual_seed(4321)
+    trainer = make(tmp_path, mode="plain", prepare=sharpen)
+    use_fake_vllm(trainer, top_p=0.8)
+    assert trainer.args.vllm_mode == "colocate"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.add_callback(GapCallback(trainer, gap=GapConfig(arm="A")))
+    rope = [str(w.message) for w in caught if "VLLM_BATCH_INVARIANT" in str(w.message)]
+    if active:
+        assert len(rope) == 1 and "RoPE" in rope[0] and "vllm_mode='server'" in rope[0]
+    else:
+        assert rope == []
+
+
 def test_kept_measure_on_vllm_path_follows_metrics_every(tmp_path):
     """measure-only kept sets cost a pass on measured generations only (metrics_every 2: generations 1, 3, ...)."""
     trainer, fake = vllm_run(tmp_path, GapConfig(arm="A", kept="measure", metrics_every=2), {"top_p": 0.8},

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from bloggap_plugin import vllm_kernels
 from bloggap_plugin.core import metrics as gap_metrics
 from bloggap_plugin.recipes import GapConfig, RecipeError, config_differences
 from bloggap_plugin.trl.state import GapState
@@ -95,6 +96,15 @@ def _check_vllm(trainer: Any, gap: GapConfig) -> None:
         raise RecipeError(
             "gap.is_correction is the HF-path correction; with vLLM use TRL's own "
             "vllm_importance_sampling_correction"
+        )
+    if getattr(trainer.args, "vllm_mode", None) == "colocate" and vllm_kernels.vllm_batch_invariant_active():
+        warnings.warn(
+            "vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1) is on in the trainer's process (vllm_mode="
+            "'colocate'): it replaces torch's bmm process-wide, and transformers computes its RoPE angles "
+            "(inv_freq @ positions, fp32) with bmm, so every trainer forward, TRL's own included, rotates with wrong "
+            "angles (up to 0.23 rad below position 1024 on the H200: benchmarks/results/h200/arm_i.json); run vLLM "
+            "in server mode (vllm_mode='server') or without VLLM_BATCH_INVARIANT",
+            stacklevel=_STACK,
         )
 
 
