@@ -145,7 +145,8 @@ def _expected_logs(record: dict) -> dict[int, dict[str, float]]:
                 values.setdefault(key, []).append(sums[num] / sums[den] if sums[den] > 0 else math.nan)
             values.setdefault("gap/ratio/abs_dlogp_max", []).append(reduces[i + 1]["reduced"][0])
         elif red["site"] == "training_step":
-            plugin, wall, _g_old_pass = sums  # the third: arm G's pass in place of TRL's
+            plugin, wall, _g_old_pass, probe = sums  # arm G's pass in place of TRL's; the probe forwards' seconds
+            assert 0 <= probe <= plugin  # the probe's time is part of the plugin's (probe_budget's numerator)
             values.setdefault("gap/time/scoring_s", []).append(plugin / procs)
             values.setdefault("gap/time/overhead_frac", []).append(plugin / wall)
     return {step: {key: _mean(vals) for key, vals in values.items()} for step, values in per_step.items()}
