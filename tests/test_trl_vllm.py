@@ -173,13 +173,19 @@ def test_renormalize_with_beta_on_vllm_path_is_refused(tmp_path):
                  model_name=saved_model_dir(tmp_path))
 
 
-@pytest.mark.parametrize("active", [True, False])
-def test_colocated_batch_invariant_vllm_warns_about_rope(tmp_path, monkeypatch, active):
+@pytest.mark.parametrize("active, f32_default, warns", [(True, None, True), (True, "tf32", True), (False, None, False),
+                                                     (True, "ieee", False)])
+def test_colocated_batch_invariant_vllm_warns_about_rope(tmp_path, monkeypatch, active, f32_default, warns):
     """vLLM's batch-invariant mode on in the trainer's process (colocate) replaces bmm, which transformers' RoPE
-    uses: attaching warns and names the fix; without the mode, no such warning."""
+    uses: attaching warns and names the fixes; without the mode, or with Triton's fp32 dots in IEEE
+    (TRITON_F32_DEFAULT=ieee, measured on the H200 to bring the angles back), no such warning."""
     import bloggap_plugin.vllm_kernels as vllm_kernels
 
     monkeypatch.setattr(vllm_kernels, "vllm_batch_invariant_active", lambda: active)
+    if f32_default is None:
+        monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_F32_DEFAULT", f32_default)
     torch.manual_seed(4321)
     trainer = make(tmp_path, mode="plain", prepare=sharpen)
     use_fake_vllm(trainer, top_p=0.8)
@@ -188,8 +194,9 @@ def test_colocated_batch_invariant_vllm_warns_about_rope(tmp_path, monkeypatch, 
         warnings.simplefilter("always")
         trainer.add_callback(GapCallback(trainer, gap=GapConfig(arm="A")))
     rope = [str(w.message) for w in caught if "VLLM_BATCH_INVARIANT" in str(w.message)]
-    if active:
+    if warns:
         assert len(rope) == 1 and "RoPE" in rope[0] and "vllm_mode='server'" in rope[0]
+        assert "TRITON_F32_DEFAULT=ieee" in rope[0]
     else:
         assert rope == []
 

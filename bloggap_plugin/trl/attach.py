@@ -7,6 +7,7 @@ trainer's ``__init__`` or :class:`~bloggap_plugin.trl.GapCallback`), so warnings
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -97,13 +98,16 @@ def _check_vllm(trainer: Any, gap: GapConfig) -> None:
             "gap.is_correction is the HF-path correction; with vLLM use TRL's own "
             "vllm_importance_sampling_correction"
         )
-    if getattr(trainer.args, "vllm_mode", None) == "colocate" and vllm_kernels.vllm_batch_invariant_active():
+    if (getattr(trainer.args, "vllm_mode", None) == "colocate" and vllm_kernels.vllm_batch_invariant_active()
+            and os.environ.get("TRITON_F32_DEFAULT", "").lower() != "ieee"):
         warnings.warn(
             "vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1) is on in the trainer's process (vllm_mode="
-            "'colocate'): it replaces torch's bmm process-wide, and transformers computes its RoPE angles "
-            "(inv_freq @ positions, fp32) with bmm, so every trainer forward, TRL's own included, rotates with wrong "
-            "angles (up to 0.23 rad below position 1024 on the H200: benchmarks/results/h200/arm_i.json); run vLLM "
-            "in server mode (vllm_mode='server') or without VLLM_BATCH_INVARIANT",
+            "'colocate'): it replaces torch's bmm process-wide with a Triton kernel whose fp32 dots use TF32, and "
+            "transformers computes its RoPE angles (inv_freq @ positions, fp32) with bmm, so every trainer forward, "
+            "TRL's own included, rotates with wrong angles (0.226 rad off below position 1024 on the H200: "
+            "benchmarks/results/h200/arm_i.json); set TRITON_F32_DEFAULT=ieee before vLLM starts (measured there to "
+            "bring the angles back to fp32's), or run vLLM in server mode (vllm_mode='server') or without "
+            "VLLM_BATCH_INVARIANT",
             stacklevel=_STACK,
         )
 
