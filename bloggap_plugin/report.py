@@ -312,6 +312,8 @@ def build_report(
                 spec = table_plot_spec(table)
                 if spec is not None and plots_root is not None:
                     plot_path = plots_root / device / f"{_slug(document['benchmark'])}_{_slug(table['id'])}.png"
+                    if str(plot_path) in plots:  # another file of this benchmark: name the plot after this file
+                        plot_path = plots_root / device / f"{_slug(path.stem)}_{_slug(table['id'])}.png"
                     try:
                         plot_path.parent.mkdir(parents=True, exist_ok=True)
                         _plot_table(table, spec, plot_path)

@@ -341,3 +341,18 @@ def test_cli_report_help_lists_every_field(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for item in dataclasses.fields(ReportConfig):
         assert f"--{item.name}" in text and " ".join(item.metadata["help"].split()) in text
+
+
+def test_two_files_of_one_benchmark_get_a_plot_each(tmp_path):
+    """Two result files of the same benchmark and table ids (a re-run under another setting, e.g. arm_i.json and
+    arm_i_triton_ieee.json) must not write one plot over the other: the second is named after its file."""
+    pytest.importorskip("matplotlib")
+    results = tmp_path / "results"
+    _write(results, "h200", "tables", _result())
+    _write(results, "h200", "tables_rerun", _result())
+    output = tmp_path / "BENCHMARKS.md"
+    written = build_report(results, output, tmp_path / "plots")
+    assert sorted(Path(p).name for p in written["plots"]) == [
+        "tables_T1.png", "tables_ladder.png", "tables_rerun_T1.png", "tables_rerun_ladder.png"]
+    md = output.read_text()
+    assert "](plots/h200/tables_T1.png)" in md and "](plots/h200/tables_rerun_T1.png)" in md
