@@ -97,7 +97,8 @@ def main(argv=None) -> int:
                 results[label] = {"error": repr(err)}
                 rows.append([label] + [None] * (len(COLUMNS) - 1))
                 continue
-            history = [json.loads(line) for line in Path(f"{tmp}/{slug}.jsonl").read_text().splitlines()]
+            history = [json.loads(line) for line in Path(summary["log_jsonl"]).read_text().splitlines()]
+            summary["log_jsonl"] = f"{slug}.jsonl"  # its folder is temporary: the records are in "history"
             summary["history"] = history
             summary["bench_wall_s"] = time.perf_counter() - start
             summary["gap_probe_every"] = probe_every

@@ -53,6 +53,10 @@ def test_benchmark_quick(tmp_path):
         history = [h for h in payload["results"][arm]["history"] if "gap/time/scoring_s" in h]
         share = sum(h["gap/time/scoring_s"] for h in history) / sum(h["step_time"] for h in history)
         assert row[table["columns"].index("plugin time %")] == round(100 * share, 2)
+    # the runs' logs live in a temporary folder that is gone after the benchmark: the result names each log file
+    # without the machine's path (a committed result must not hold one)
+    assert [payload["results"][arm]["log_jsonl"] for arm in "AG"] == ["A.jsonl", "G.jsonl"]
+    assert str(tmp_path) not in json.dumps(payload["results"]) and "/tmp" not in json.dumps(payload["results"])
 
 
 def test_wandb_offline_run_contains_gap_keys(tmp_path, monkeypatch):
