@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bloggap_plugin.compare import plugin_time_share  # noqa: E402
+from bloggap_plugin.compare import plugin_time_share, timed_steps  # noqa: E402
 
 
 def run_histories(path: Path) -> dict[str, list[dict]]:
@@ -42,8 +42,7 @@ def run_histories(path: Path) -> dict[str, list[dict]]:
 
 def shares(records: list[dict]) -> dict:
     """``{"all": share, "from_step_2": share, "steps": n}`` over the records that carry both timings."""
-    timed = [r for r in records if isinstance(r.get("gap/time/scoring_s"), (int, float))
-             and isinstance(r.get("step_time"), (int, float))]
+    timed = timed_steps(records)
     return {"all": plugin_time_share(timed), "from_step_2": plugin_time_share(timed[1:]), "steps": len(timed)}
 
 

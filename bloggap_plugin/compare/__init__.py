@@ -83,6 +83,7 @@ from bloggap_plugin.compare.statistics import (
     plugin_time_share,
     summarize_run,
     t_quantile,
+    timed_steps,
 )
 from bloggap_plugin.compare.sweep import SweepStopped, _worker_environment, run_compare
 
@@ -112,6 +113,7 @@ __all__ = [
     "run_compare",
     "summarize_run",
     "plugin_time_share",
+    "timed_steps",
     "build_results",
     "t_quantile",
     "paired_interval",

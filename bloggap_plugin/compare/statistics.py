@@ -92,15 +92,20 @@ def _key_mean(records: list[dict], key: str) -> float | None:
     return _mean([r[key] for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)])
 
 
+def timed_steps(records: list[dict]) -> list[dict]:
+    """The records that carry both ``gap/time/scoring_s`` and ``step_time`` (one per optimizer step), in order."""
+    return [r for r in records if isinstance(r.get("gap/time/scoring_s"), (int, float))
+            and isinstance(r.get("step_time"), (int, float))]
+
+
 def plugin_time_share(records: list[dict]) -> float | None:
     """The plugin's share of training time: ``sum(gap/time/scoring_s) / sum(step_time)`` (seconds over seconds)
-    over the records that carry both, or ``None`` without any.
+    over the :func:`timed_steps` of ``records``, or ``None`` without any.
 
     This is what the plugin costs a run. The mean of the logged per-step ``gap/time/overhead_frac`` is not: it
     weighs a rare long step (a probe generation) like a short one, and so understates a rare cost.
     """
-    timed = [r for r in records if isinstance(r.get("gap/time/scoring_s"), (int, float))
-             and isinstance(r.get("step_time"), (int, float))]
+    timed = timed_steps(records)
     wall = sum(r["step_time"] for r in timed)
     return sum(r["gap/time/scoring_s"] for r in timed) / wall if wall > 0 else None
 

@@ -270,6 +270,7 @@ def run_training(recipe: str | Path | TrainConfig, **settings: Any) -> dict:
     Each logged step goes to ``log_jsonl`` as one JSON line. Every input is checked by :func:`prepare_run`
     before the model loads.
     """
+    from bloggap_plugin.compare.statistics import plugin_time_share
     from bloggap_plugin.models import load_model
     from bloggap_plugin.tasks import get_task
     from bloggap_plugin.trl.callback import GapGRPOTrainer
@@ -317,8 +318,6 @@ def run_training(recipe: str | Path | TrainConfig, **settings: Any) -> dict:
     for key in keys:
         values = [h[key] for h in history if isinstance(h.get(key), (int, float)) and math.isfinite(h[key])]
         summary[f"mean/{key}"] = sum(values) / len(values) if values else None
-    from bloggap_plugin.compare.statistics import plugin_time_share
-
     summary["plugin_share"] = plugin_time_share(history)  # time-weighted, not the mean of per-step fractions
     rewards = [h["reward"] for h in history if isinstance(h.get("reward"), (int, float))]
     summary["reward_first"] = rewards[0] if rewards else None
