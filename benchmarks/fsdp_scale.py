@@ -30,6 +30,15 @@ Pieces (each an ``accelerate launch`` of this file's ``worker`` with ``benchmark
 - ``mem1b``: a random-init ~1B Llama shape (16 layers, hidden 2048, SmolLM2's vocabulary) under FSDP2, arms A B F,
   3 steps: per-rank peak memory and plan bytes of the shadows vs the policy.
 
+On a machine with one GPU (``nvidia-h200``), ``--shared-gpu`` runs the same pieces with both processes on that
+GPU and gloo in place of NCCL (NCCL refuses two ranks on one device). What it shows is what does not depend on a
+second GPU: every extra forward taken by both processes, the shadows sharded like the policy and their bytes and
+peak memory per process (each process has its own CUDA allocator), and the step-1 equality with CUDA kernels. Its
+s/step and overhead are not 2-GPU timings: two processes share one GPU and gloo copies every collective through
+host memory. It writes ``fsdp_scale_one_gpu.json``::
+
+    python benchmarks/fsdp_scale.py --shared-gpu --steps 4 --out "$OUT/r" 2>&1 | tee "$OUT/fsdp_scale.log"
+
 DeepSpeed ZeRO-3 (issue item 4): the GPU image has no deepspeed (shared/device/README.md lists what it has) and
 DeepSpeed compiles ops at install; it is not measured here.
 """
@@ -55,6 +64,12 @@ NOT_EQUAL_BY_MATHS = ("gap/ratio/exact_frac", "gap/time/scoring_s", "gap/time/ov
 MEANS = ("step_time", "gap/time/scoring_s", "gap/time/overhead_frac", "gap/ratio/oob_frac", "gap/sampler/oob_frac",
          "gap/probe/oob_b1_vs_bN", "gap/clip/flip_frac", "reward")
 MIB = 2**20
+SHARED_GPU_TIMEOUT_S = 180  # --shared-gpu: a collective one process never joins fails inside a launch's limit
+
+
+def result_name(shared_gpu: bool) -> str:
+    """The result file's stem: ``fsdp_scale``, or ``fsdp_scale_one_gpu`` for ``--shared-gpu`` (not 2-GPU timings)."""
+    return f"{NAME}_one_gpu" if shared_gpu else NAME
 
 
 def force_cpu_fsdp() -> None:
@@ -143,6 +158,27 @@ def _rank_record(trainer, arm: str, wall: float, gathers: int, device: str) -> d
     }
 
 
+def trainer_overrides(args, processes: int) -> tuple[dict, dict | None]:
+    """The ``GRPOConfig`` and ``gap`` overrides of one worker of a launch of ``processes`` processes:
+    ``(overrides, gap_overrides)``."""
+    overrides = dict(per_device_train_batch_size=args.batch, num_generations=args.generations,
+                     max_completion_length=args.completion, gradient_accumulation_steps=2, num_iterations=2)
+    gap_overrides = None
+    if args.equal:  # same tokens in every run (argmax), every row probed, fp32, one micro-batch per step
+        overrides.update(top_k=1, bf16=False, fp16=False, gradient_accumulation_steps=1, num_iterations=1)
+        gap_overrides = {"probe_rows": args.batch}
+    if args.shared_gpu and processes > 1:  # NCCL refuses two ranks on one GPU; gloo takes CUDA tensors via the host
+        # (a single process must not name a backend: transformers would then look for a process group)
+        overrides.update(ddp_backend="gloo", ddp_timeout=SHARED_GPU_TIMEOUT_S)
+    return overrides, gap_overrides
+
+
+def worker_device(local_rank: int, cuda_devices: int, smoke: bool) -> str:
+    """This process's device: ``cpu`` for ``--smoke`` or without CUDA, else GPU ``local_rank % cuda_devices``
+    (what accelerate picks: with ``--shared-gpu`` on one GPU every process takes ``cuda:0``)."""
+    return "cpu" if smoke or cuda_devices < 1 else f"cuda:{local_rank % cuda_devices}"
+
+
 def _train_arm(args, arm: str, device: str, gathers: list[int]) -> dict:
     import torch
 
@@ -151,12 +187,7 @@ def _train_arm(args, arm: str, device: str, gathers: list[int]) -> dict:
     from bloggap_plugin.trl.callback import GapGRPOTrainer
     from bloggap_plugin.trl.train import prepare_run
 
-    overrides = dict(per_device_train_batch_size=args.batch, num_generations=args.generations,
-                     max_completion_length=args.completion, gradient_accumulation_steps=2, num_iterations=2)
-    gap_overrides = None
-    if args.equal:  # same tokens in every run (argmax), every row probed, fp32, one micro-batch per step
-        overrides.update(top_k=1, bf16=False, fp16=False, gradient_accumulation_steps=1, num_iterations=1)
-        gap_overrides = {"probe_rows": args.batch}
+    overrides, gap_overrides = trainer_overrides(args, int(os.environ.get("WORLD_SIZE", "1")))
     plan = prepare_run(ROOT / "recipes" / f"arm_{arm}.yaml", model="tiny-random-llama" if args.smoke else "smollm2",
                        task="arith", max_steps=args.steps, output_dir=str(Path(args.out) / "trainer" / arm), seed=0,
                        device=device, extra_overrides=overrides, gap_overrides=gap_overrides)
@@ -187,10 +218,9 @@ def worker(args) -> int:
     import torch
 
     torch.set_num_threads(1) if args.smoke else None
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = "cpu" if args.smoke or not torch.cuda.is_available() else f"cuda:{local}"
+    device = worker_device(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count(), args.smoke)
     if device.startswith("cuda"):
-        torch.cuda.set_device(local)
+        torch.cuda.set_device(device)
     gathers = _count_all_gathers()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -227,7 +257,8 @@ def _piece_runs(args) -> dict[str, list[dict]]:
                      {**equal, "run": "equal_two", "processes": 2, "config": "fsdp2", "batch": batch}],
         "mem1b": [{**common, "run": "mem1b", "processes": 2, "config": "fsdp2", "batch": 4 if not smoke else batch,
                    "generations": 4, "model": "random-1b" if not smoke else model, "arms": "A,B,F",
-                   "steps": 3 if not smoke else 1}],
+                   # one step when gloo carries every all-gather of the 4 GiB of fp32 parameters through the host
+                   "steps": 1 if smoke or args.shared_gpu else 3}],
     }
 
 
@@ -237,7 +268,7 @@ def _launch(args, run: dict, limit: int) -> dict:
     flags = ["worker", "--out", str(folder), "--arms", run["arms"], "--model", run["model"], "--steps",
              str(run["steps"]), "--batch", str(run["batch"]), "--generations", str(run["generations"]),
              "--completion", str(run["completion"])] + (["--equal"] if run["equal"] else []) + \
-        (["--smoke"] if args.smoke else [])
+        (["--smoke"] if args.smoke else []) + (["--shared-gpu"] if args.shared_gpu else [])
     if run["processes"] == 1:
         cmd = [sys.executable, __file__, *flags]
     else:
@@ -335,26 +366,35 @@ ARM_COLUMNS = ["run", "arm", "ranks", "s/step", "plugin s/step", "overhead %", "
                "all-gathers per rank"]
 
 
+SHARED_GPU_NOTE = ("Both processes share one GPU and talk through gloo (--shared-gpu): s/step, plugin s/step "
+                   "and overhead are not 2-GPU timings; bytes, peaks, all-gather counts and values are per process "
+                   "as on two GPUs. ")
+
+
 def _document(args, results: dict):
     from bloggap_plugin.envinfo import environment_record
     from bloggap_plugin.results import ResultDocument
 
+    setting = " on one GPU shared by both processes (gloo)" if args.shared_gpu else ""
+    shared = SHARED_GPU_NOTE if args.shared_gpu else ""
     tables = [
-        {"id": "T17-fsdp", "title": "The plugin under FSDP2 (2 processes), plain DDP (2) and 1 GPU, same global batch",
+        {"id": "T17-fsdp",
+         "title": f"The plugin under FSDP2 (2 processes), plain DDP (2) and 1 process, same global batch{setting}",
          "columns": ARM_COLUMNS, "rows": _arm_rows(results), "reference": None, "random_init": args.smoke,
-         "notes": ("Means over logged steps. policy/plan MiB per rank: the bytes this process holds (shards under "
-                   "FSDP2); plan: the arm's shadow or fp32 islands, fp32 ref: the probe rows' fp32 reference "
+         "notes": (shared + "Means over logged steps. policy/plan MiB per rank: the bytes this process holds (shards "
+                   "under FSDP2); plan: the arm's shadow or fp32 islands, fp32 ref: the probe rows' fp32 reference "
                    "shadow. peak: torch.cuda.max_memory_allocated over the arm's run. all-gathers per rank: "
                    "FSDP2 parameter all-gathers counted on each process; one value = every process took the same "
                    "collectives. mem1b: random-init ~1B Llama shape (timing and memory only).")},
-        {"id": "T17-equality", "title": "Step 1: gap/* of 2 FSDP2 processes vs 1 process, same global batch",
+        {"id": "T17-equality", "title": f"Step 1: gap/* of 2 FSDP2 processes vs 1 process, same global batch{setting}",
          "columns": ["arm", "values compared", "largest difference at", "|difference|", "<= 1e-6"],
          "rows": _equality_rows(results), "reference": None, "random_init": args.smoke,
-         "notes": ("fp32, top_k 1 (both runs sample the same tokens), every row probed, before any optimizer step. "
-                   f"Not compared (bitwise or wall-clock): {', '.join(NOT_EQUAL_BY_MATHS)}.")},
+         "notes": (shared + "fp32, top_k 1 (both runs sample the same tokens), every row probed, before any optimizer "
+                   f"step. Not compared (bitwise or wall-clock): {', '.join(NOT_EQUAL_BY_MATHS)}.")},
     ]
     return ResultDocument(benchmark=NAME, env=environment_record("cpu" if args.smoke else "cuda"),
-                          params={"smoke": args.smoke, "steps": args.steps, "pieces": args.pieces},
+                          params={"smoke": args.smoke, "steps": args.steps, "pieces": args.pieces,
+                                  "shared_gpu": args.shared_gpu},
                           results=results, tables=tables)
 
 
@@ -374,11 +414,11 @@ def _int_ranks(results: dict) -> dict:
 
 
 def orchestrate(args) -> int:
-    """Run the requested pieces in order; rewrite ``<out>/fsdp_scale.json`` after each."""
+    """Run the requested pieces in order; rewrite ``<out>/<result_name>.json`` after each."""
     from bloggap_plugin.results import format_text_table
 
     out = Path(args.out)
-    path = out / f"{NAME}.json"
+    path = out / f"{result_name(args.shared_gpu)}.json"
     results = _int_ranks(json.loads(path.read_text()).get("results", {})) if path.is_file() else {}
     pieces = [p.strip() for p in args.pieces.split(",") if p.strip()]
     unknown = [p for p in pieces if p not in PIECES]
@@ -413,7 +453,8 @@ def orchestrate(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
+    """The command line of the orchestrator (``run``) and of one worker process (``worker``)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -431,9 +472,17 @@ def main(argv=None) -> int:
     parser.add_argument("--generations", type=int, default=8, help="worker: num_generations")
     parser.add_argument("--completion", type=int, default=32, help="worker: max_completion_length")
     parser.add_argument("--equal", action="store_true", help="worker: the equality setting (fp32, top_k 1, 1 step)")
+    parser.add_argument("--shared-gpu", action="store_true",
+                        help="every process on GPU 0 through gloo (a one-GPU machine; not 2-GPU timings); writes "
+                             "fsdp_scale_one_gpu.json")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     return worker(args) if args.mode == "worker" else orchestrate(args)
 
 

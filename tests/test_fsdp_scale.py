@@ -89,6 +89,40 @@ def test_an_unknown_piece_is_refused_in_one_line(tmp_path):
 
 
 
+def test_shared_gpu_maps_every_process_to_gpu_0_over_gloo_and_the_config_takes_it(tmp_path):
+    """--shared-gpu (a one-GPU machine): rank 1 scores on cuda:0 as accelerate places it; a 2-process launch asks
+    for gloo and the shorter collective timeout, a 1-process run for no backend (transformers would look for a
+    process group; its GRPOConfig builds); without the flag neither is set."""
+    from bloggap_plugin.trl.train import prepare_run
+
+    assert [fsdp_scale.worker_device(rank, 1, smoke=False) for rank in (0, 1)] == ["cuda:0", "cuda:0"]
+    assert [fsdp_scale.worker_device(rank, 2, smoke=False) for rank in (0, 1)] == ["cuda:0", "cuda:1"]
+    assert fsdp_scale.worker_device(1, 0, smoke=False) == fsdp_scale.worker_device(1, 2, smoke=True) == "cpu"
+    parsed = fsdp_scale.parse_args(["worker", "--out", str(tmp_path), "--shared-gpu", "--equal", "--batch", "4",
+                                    "--generations", "4"])
+    overrides, gap = fsdp_scale.trainer_overrides(parsed, processes=2)
+    assert (overrides["ddp_backend"], overrides["ddp_timeout"]) == ("gloo", fsdp_scale.SHARED_GPU_TIMEOUT_S)
+    assert gap == {"probe_rows": 4} and overrides["top_k"] == 1
+    alone, _ = fsdp_scale.trainer_overrides(parsed, processes=1)  # the 1-process runs name no backend
+    plan = prepare_run(ROOT / "recipes" / "arm_B.yaml", model="tiny-random-llama", task="arith", max_steps=1,
+                       output_dir=str(tmp_path / "trainer"), device="cpu", extra_overrides=alone, gap_overrides=gap)
+    assert plan.args.ddp_backend is None and alone == {k: v for k, v in overrides.items() if not k.startswith("ddp")}
+    plain, _ = fsdp_scale.trainer_overrides(fsdp_scale.parse_args(["worker", "--out", str(tmp_path)]), processes=2)
+    assert "ddp_backend" not in plain and "ddp_timeout" not in plain
+
+
+def test_shared_gpu_writes_its_own_file_and_says_its_timings_are_not_two_gpus(tmp_path):
+    proc = _run("--smoke", "--shared-gpu", "--pieces", "equality", "--budget", "30", "--out", str(tmp_path),
+                timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fsdp_scale_one_gpu.json"]
+    document = json.loads((tmp_path / "fsdp_scale_one_gpu.json").read_text())
+    assert document["benchmark"] == "fsdp_scale" and document["params"]["shared_gpu"] is True
+    for table in document["tables"]:
+        assert table["title"].endswith("on one GPU shared by both processes (gloo)")
+        assert table["notes"].startswith(fsdp_scale.SHARED_GPU_NOTE)
+
+
 def test_pieces_that_no_longer_fit_the_budget_are_skipped_and_said(tmp_path):
     proc = _run("--smoke", "--pieces", "fsdp2,equality", "--budget", "30", "--out", str(tmp_path), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
