@@ -51,6 +51,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,7 +208,10 @@ def _train_arm(args, arm: str, device: str, gathers: list[int]) -> dict:
     trainer.train()
     record = _rank_record(trainer, arm, time.perf_counter() - start, gathers[0] - before, device)
     trainer._gap_close()
-    trainer.accelerator.wait_for_everyone()
+    if args.shared_gpu and torch.distributed.is_initialized():
+        torch.distributed.barrier()  # accelerate's barrier names GPU <local rank>: GPU 1 does not exist here
+    else:
+        trainer.accelerator.wait_for_everyone()
     return record
 
 
@@ -229,7 +233,8 @@ def worker(args) -> int:
         try:
             record = _train_arm(args, arm, device, gathers)
         except Exception as err:  # one arm failing must not lose the others (a hang is the launcher's timeout)
-            record = {"arm": arm, "rank": rank, "error": repr(err)[:2000]}
+            record = {"arm": arm, "rank": rank, "error": repr(err)[:2000],
+                      "traceback": traceback.format_exc()[-6000:]}
             print(f"[{NAME}] rank {rank} arm {arm} failed: {err!r}", flush=True)
         (out / f"{arm}.rank{rank}.json").write_text(json.dumps(record, default=str))
         gc.collect()

@@ -20,6 +20,34 @@ import torch.distributed as dist
 OVERFLOW_TOKEN = 7
 
 
+def _sync_from_a_gathered_root(model, rank: int) -> dict:
+    """A sharded fp32 shadow synced while the policy's root unit still holds its gathered (plain, full) tensors
+    and its ``reshard`` leaves them there, as the root did after TRL's old-logprob forward on the H200 (torch 2.11,
+    accelerate FSDP2): every shadow shard must hold this rank's rows of the full weights."""
+    from bloggap_plugin.core.precision import make_plan
+    from bloggap_plugin.core.sharding import is_dtensor
+
+    model.unshard()  # the root's parameters: plain full tensors on the modules
+    root_class, reshard = type(model), type(model).reshard
+    root_class.reshard = lambda self: None
+    try:
+        full = {name: p.detach().clone() for name, p in model.named_parameters() if not is_dtensor(p)}
+        try:
+            shadow = make_plan(model, "fp32").shadow
+        except RuntimeError as err:
+            return {"plain": sorted(full), "error": str(err)[:300]}
+    finally:
+        root_class.reshard = reshard
+        model.reshard()
+    params = dict(shadow.named_parameters())
+    rows = {}
+    for name, value in full.items():
+        local = params[name].to_local()
+        start = sum(c.shape[0] for c in value.chunk(2)[:rank])
+        rows[name] = bool(torch.equal(local, value[start:start + local.shape[0]]))
+    return {"plain": sorted(full), "rows_match": rows}
+
+
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
@@ -47,7 +75,8 @@ def main() -> None:
     raw = make_plan(model, "fp16", fp16_guard=False).token_logprobs(ids, mask, 4, batch_size=2)
     record = {"fallbacks": guarded.fp16_fallbacks, "with_guard": with_guard.tolist(), "fp32": full.tolist(),
               "raw": [[None if not torch.isfinite(v) else float(v) for v in row] for row in raw],
-              "shadow_sharded": all(is_dtensor(p) for p in guarded.shadow.parameters())}
+              "shadow_sharded": all(is_dtensor(p) for p in guarded.shadow.parameters()),
+              "gathered_root": _sync_from_a_gathered_root(model, rank)}
     with open(f"{sys.argv[1]}.rank{rank}", "w") as handle:
         json.dump(record, handle)
     dist.barrier()

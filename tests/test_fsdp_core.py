@@ -54,3 +54,14 @@ def test_only_the_overflowing_process_falls_back_and_keeps_the_fp32_scores(ranks
     # process 1 took the same fp32 forward but kept its own fp16 scores
     assert one["with_guard"] == one["raw"]
     assert all(math.isfinite(v) for r in ranks for row in r["with_guard"] for v in row)
+
+
+def test_a_shadow_syncs_its_rows_from_a_root_unit_that_keeps_its_gathered_tensors(ranks):
+    """On the H200 (torch 2.11) the policy's root unit still held plain full tensors at the fp32 reference
+    shadow's first sync after TRL's forward, and the shard-into-shard copy failed (49152 rows vs 24576). Each
+    shard must then take its rows of the full tensor."""
+    for record in ranks:
+        gathered = record["gathered_root"]
+        assert "model.embed_tokens.weight" in gathered["plain"] and "model.norm.weight" in gathered["plain"]
+        assert "error" not in gathered, gathered["error"]
+        assert gathered["rows_match"] == {name: True for name in gathered["plain"]}

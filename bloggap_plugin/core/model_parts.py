@@ -15,7 +15,16 @@ import torch
 from torch import nn
 
 from .scoring import output_head, unwrap_model
-from .sharding import fsdp_modules, full_value, is_dtensor, is_sharded, local_value, plain_class, shard_like
+from .sharding import (
+    fsdp_modules,
+    full_value,
+    is_dtensor,
+    is_sharded,
+    local_value,
+    plain_class,
+    shard_for,
+    shard_like,
+)
 
 __all__ = ["decoder_layers", "final_norm", "output_head", "unwrap_model"]
 
@@ -360,8 +369,9 @@ class _FusedCopy:
             self._source = source
             self._units = fsdp_modules(source)
         for dsts, srcs in self._groups:
-            if dsts and is_dtensor(dsts[0]):  # a sharded shadow: shard into shard, no communication
-                torch._foreach_copy_([local_value(d) for d in dsts], [local_value(src) for src in srcs])
+            if dsts and is_dtensor(dsts[0]):  # a sharded shadow: shard into shard, no communication (a source
+                # unit that still holds its gathered full tensors gives this shard's rows of them)
+                torch._foreach_copy_([local_value(d) for d in dsts], [shard_for(s, d) for d, s in zip(dsts, srcs)])
             else:  # a full copy (fp32 island) of sharded parameters: gathered (a collective), else as is
                 torch._foreach_copy_(dsts, [full_value(src) for src in srcs])
 

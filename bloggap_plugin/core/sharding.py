@@ -23,8 +23,8 @@ import functools
 import torch
 from torch import nn
 
-__all__ = ["is_dtensor", "is_sharded", "reshard", "full_value", "local_value", "plain_class", "shard_like", "fsdp_modules",
-           "all_ranks_true"]
+__all__ = ["is_dtensor", "is_sharded", "reshard", "full_value", "local_value", "shard_for", "plain_class", "shard_like",
+           "fsdp_modules", "all_ranks_true"]
 
 
 @functools.cache  # asked per parameter on every sync and step: import once
@@ -76,6 +76,20 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
 def local_value(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a ``DTensor`` (its storage: writing it writes the ``DTensor``), anything else as is."""
     return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def shard_for(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor`` as the ``DTensor`` ``like`` lays it out (same global shape): the local shard
+    of a ``DTensor`` placed like ``like``, else the slice of the whole tensor (gathered if it is a ``DTensor``
+    placed otherwise: a collective) that ``like``'s local shard covers. An FSDP2 unit can still hold plain full
+    tensors where its shards belong (seen on the H200 with torch 2.11 after TRL's old-logprob forward, when
+    ``reshard`` left the root unit gathered); their rows are the values to copy."""
+    if is_dtensor(tensor) and tensor.placements == like.placements and tensor.device_mesh == like.device_mesh:
+        return tensor.to_local()
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    return full_value(tensor)[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
 
 
 def plain_class(module: nn.Module) -> type:
