@@ -21,9 +21,10 @@ OVERFLOW_TOKEN = 7
 
 
 def _sync_from_a_gathered_root(model, rank: int) -> dict:
-    """A sharded fp32 shadow synced while the policy's root unit still holds its gathered (plain, full) tensors
-    and its ``reshard`` leaves them there, as the root did after TRL's old-logprob forward on the H200 (torch 2.11,
-    accelerate FSDP2): every shadow shard must hold this rank's rows of the full weights."""
+    """Plans made while the policy's root unit still holds its gathered (plain, full) tensors and its ``reshard``
+    leaves them there, as the root did after TRL's old-logprob forward on the H200 (torch 2.11, accelerate FSDP2):
+    every shard of a sharded fp32 shadow must hold this rank's rows of the full weights, and arm E's fp32 head must
+    own a copy of the head weight, not alias the gathered tensor that FSDP2 frees at the next reshard."""
     from bloggap_plugin.core.precision import make_plan
     from bloggap_plugin.core.sharding import is_dtensor
 
@@ -32,20 +33,24 @@ def _sync_from_a_gathered_root(model, rank: int) -> dict:
     root_class.reshard = lambda self: None
     try:
         full = {name: p.detach().clone() for name, p in model.named_parameters() if not is_dtensor(p)}
+        head = make_plan(model, "fp32_head")  # arm E: its fp32 head must not alias the gathered weight
         try:
             shadow = make_plan(model, "fp32").shadow
         except RuntimeError as err:
             return {"plain": sorted(full), "error": str(err)[:300]}
     finally:
         root_class.reshard = reshard
-        model.reshard()
+        model.reshard()  # FSDP2 frees the gathered tensors here (their storage shrinks to nothing)
     params = dict(shadow.named_parameters())
     rows = {}
     for name, value in full.items():
         local = params[name].to_local()
         start = sum(c.shape[0] for c in value.chunk(2)[:rank])
         rows[name] = bool(torch.equal(local, value[start:start + local.shape[0]]))
-    return {"plain": sorted(full), "rows_match": rows}
+    weight32 = head._head.weight32
+    return {"plain": sorted(full), "rows_match": rows, "head_owns_weight": head._head.owns_weight,
+            "head_storage_bytes": weight32.untyped_storage().nbytes(),
+            "head_equal": weight32.untyped_storage().nbytes() > 0 and bool(torch.equal(weight32, full["lm_head.weight"]))}
 
 
 def main() -> None:

@@ -65,3 +65,13 @@ def test_a_shadow_syncs_its_rows_from_a_root_unit_that_keeps_its_gathered_tensor
         assert "model.embed_tokens.weight" in gathered["plain"] and "model.norm.weight" in gathered["plain"]
         assert "error" not in gathered, gathered["error"]
         assert gathered["rows_match"] == {name: True for name in gathered["plain"]}
+
+
+def test_an_fp32_head_made_from_a_gathered_root_owns_its_weight(ranks):
+    """On the H200 arm E with fp32 weights under FSDP2 (no mixed precision) took the gathered fp32 head weight as
+    its own (an alias, since it was neither a DTensor nor another dtype); FSDP2 freed it at the next reshard and
+    both processes crashed (SIGSEGV). The head must hold its own copy, equal to the weight."""
+    for record in ranks:
+        gathered = record["gathered_root"]
+        assert gathered["head_owns_weight"] is True
+        assert gathered["head_storage_bytes"] > 0 and gathered["head_equal"] is True

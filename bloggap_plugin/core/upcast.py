@@ -28,7 +28,7 @@ from .model_parts import (
 )
 from .precision import ScoringPlan
 from .scoring import output_head
-from .sharding import full_value, is_dtensor, is_sharded
+from .sharding import full_value, is_dtensor
 
 __all__ = ["UpcastPlan"]
 
@@ -72,18 +72,20 @@ class _Fp32Island(nn.Module):
 class _Fp32Head(nn.Module):
     """fp32 projection with a detached fp32 copy of the head weight (never the shared tensor itself)."""
 
-    def __init__(self, head: nn.Module) -> None:
+    def __init__(self, head: nn.Module, sharded: bool = False) -> None:
+        """``sharded``: the policy is sharded (FSDP2), even if this head's unit holds gathered tensors right now."""
         super().__init__()
         self.in_features = head.weight.shape[1]
         self.out_features = head.weight.shape[0]
-        # a sharded (FSDP2) weight: a full fp32 copy gathered from the shards, refreshed (gathered) on sync
-        self.owns_weight = head.weight.dtype != torch.float32 or is_dtensor(head.weight)
+        # a sharded (FSDP2) weight: a full fp32 copy gathered from the shards, refreshed (gathered) on sync. Never
+        # an alias under FSDP2: a unit left gathered holds a plain full tensor that its next reshard frees
+        self.owns_weight = head.weight.dtype != torch.float32 or sharded or is_dtensor(head.weight)
         weight = full_value(head.weight.detach())
         self.register_buffer(
             "weight32", weight.float().clone() if self.owns_weight else weight, persistent=False
         )
         bias = getattr(head, "bias", None)
-        self.owns_bias = bias is not None and (bias.dtype != torch.float32 or is_dtensor(bias))
+        self.owns_bias = bias is not None and (bias.dtype != torch.float32 or sharded or is_dtensor(bias))
         if bias is None:
             self.bias32 = None
         else:
@@ -156,7 +158,7 @@ class _UpcastPlan(ScoringPlan):
             raise ValueError(
                 f"the LM head {type(head).__name__} has no 2-D weight; fp32_head/guided cannot project it"
             )
-        self._head = _Fp32Head(head)
+        self._head = _Fp32Head(head, sharded=self.sharded)
         self._head_live = head
         self._swaps.append((parent, key, head, self._head))
         self._rope = self._find_rope(source, layer_path)
@@ -172,7 +174,8 @@ class _UpcastPlan(ScoringPlan):
         params = list(live.parameters())
         # already fp32 (fp32 weights under autocast): run it as is, autocast off; a sharded (FSDP2) module is
         # copied (gathered) instead: FSDP's mixed precision would gather its fp32 shards in the compute dtype
-        if params and all(p.dtype == torch.float32 for p in params if p.is_floating_point()) and not is_sharded(live):
+        # (the plan's source decides: a unit left gathered holds plain tensors, see _Fp32Head)
+        if params and all(p.dtype == torch.float32 for p in params if p.is_floating_point()) and not self.sharded:
             return live
         clone = _module_copy(live, torch.float32, device)
         self._owned.append((clone, live))
