@@ -65,6 +65,9 @@ NOT_EQUAL_BY_MATHS = ("gap/ratio/exact_frac", "gap/time/scoring_s", "gap/time/ov
 MEANS = ("step_time", "gap/time/scoring_s", "gap/time/overhead_frac", "gap/ratio/oob_frac", "gap/sampler/oob_frac",
          "gap/probe/oob_b1_vs_bN", "gap/clip/flip_frac", "reward")
 MIB = 2**20
+# step-1 equality: the issue's 1e-6, and fp32 kernel noise on a GPU (relative 1e-4: the H200's fp32 b1 vs b8
+# max |dlogp| is 6e-5 nats, shared/device/README.md)
+EQUAL_ATOL, EQUAL_RTOL = 1e-6, 1e-4
 SHARED_GPU_TIMEOUT_S = 180  # --shared-gpu: a collective one process never joins fails inside a launch's limit
 
 
@@ -345,8 +348,15 @@ def _arm_rows(results: dict) -> list[list]:
     return rows
 
 
+def fp32_noise_ratio(single: float, pooled: float) -> float:
+    """|pooled - single| / (EQUAL_ATOL + EQUAL_RTOL * max(|single|, |pooled|)): <= 1 is equal within fp32 noise."""
+    return abs(pooled - single) / (EQUAL_ATOL + EQUAL_RTOL * max(abs(single), abs(pooled)))
+
+
 def _equality_rows(results: dict) -> list[list]:
-    """Per arm: the largest |2-process - 1-process| over the logged gap/* values of step 1."""
+    """Per arm: the largest |2-process - 1-process| over the logged gap/* values of step 1, whether all are within
+    1e-6, and the largest :func:`fp32_noise_ratio` (a GPU's fp32 kernels depend on the row count: 1 process scores
+    twice the rows of each of 2)."""
     one = results.get("equality", {}).get("equal_one", {})
     two = results.get("equality", {}).get("equal_two", {})
     rows = []
@@ -354,15 +364,19 @@ def _equality_rows(results: dict) -> list[list]:
         single = (one.get(arm, {}).get(0) or {}).get("first_log")
         pooled = (two.get(arm, {}).get(0) or {}).get("first_log")
         if not single or not pooled:
-            rows.append([arm, None, None, None, "missing"])
+            rows.append([arm, None, None, None, "missing", None, "missing"])
             continue
         keys = sorted(k for k in single if k.startswith("gap/") and k not in NOT_EQUAL_BY_MATHS)
-        diffs = {k: abs(pooled[k] - single[k]) for k in keys
-                 if isinstance(single.get(k), (int, float)) and isinstance(pooled.get(k), (int, float))}
+        numbers = [k for k in keys
+                   if isinstance(single.get(k), (int, float)) and isinstance(pooled.get(k), (int, float))]
+        diffs = {k: abs(pooled[k] - single[k]) for k in numbers}
+        noise = max((fp32_noise_ratio(single[k], pooled[k]) for k in numbers), default=0.0)
         missing = [k for k in keys if k not in diffs and single.get(k) != pooled.get(k)]
         worst = max(diffs, key=diffs.get) if diffs else None
-        ok = not missing and all(d <= 1e-6 for d in diffs.values())
-        rows.append([arm, len(diffs), worst, diffs.get(worst), "yes" if ok else f"no {missing[:3]}"])
+        exact = not missing and all(d <= EQUAL_ATOL for d in diffs.values())
+        close = not missing and noise <= 1.0
+        rows.append([arm, len(diffs), worst, diffs.get(worst), "yes" if exact else f"no {missing[:3]}", noise,
+                     "yes" if close else f"no {missing[:3]}"])
     return rows
 
 
@@ -392,10 +406,14 @@ def _document(args, results: dict):
                    "FSDP2 parameter all-gathers counted on each process; one value = every process took the same "
                    "collectives. mem1b: random-init ~1B Llama shape (timing and memory only).")},
         {"id": "T17-equality", "title": f"Step 1: gap/* of 2 FSDP2 processes vs 1 process, same global batch{setting}",
-         "columns": ["arm", "values compared", "largest difference at", "|difference|", "<= 1e-6"],
+         "columns": ["arm", "values compared", "largest difference at", "|difference|", "<= 1e-6",
+                     "max |difference| / (1e-6 + 1e-4 |value|)", "within fp32 noise"],
          "rows": _equality_rows(results), "reference": None, "random_init": args.smoke,
          "notes": (shared + "fp32, top_k 1 (both runs sample the same tokens), every row probed, before any optimizer "
-                   f"step. Not compared (bitwise or wall-clock): {', '.join(NOT_EQUAL_BY_MATHS)}.")},
+                   "step. <= 1e-6: every compared value within 1e-6 of the single process's. Within fp32 noise: "
+                   "every value within 1e-6 + 1e-4 |value| (a GPU's fp32 kernels depend on the row count, and 1 "
+                   "process scores twice the rows of each of 2; a count that moves by one token does not pass). "
+                   f"Not compared (bitwise or wall-clock): {', '.join(NOT_EQUAL_BY_MATHS)}.")},
     ]
     return ResultDocument(benchmark=NAME, env=environment_record("cpu" if args.smoke else "cuda"),
                           params={"smoke": args.smoke, "steps": args.steps, "pieces": args.pieces,

@@ -56,8 +56,8 @@ def test_smoke_fsdp2_piece_trains_every_arm_with_the_same_collectives_on_both_pr
 def test_smoke_equality_piece_writes_the_step_1_comparison(smoke):
     table = next(t for t in smoke["tables"] if t["id"] == "T17-equality")
     assert [row[0] for row in table["rows"]] == ["B", "E", "G"]
-    for arm, compared, _worst, difference, ok in table["rows"]:
-        assert compared >= 15 and difference <= 1e-6 and ok == "yes", arm
+    for arm, compared, _worst, difference, ok, noise, close in table["rows"]:
+        assert compared >= 15 and difference <= 1e-6 and ok == "yes" and noise <= 0.01 and close == "yes", arm
     two = smoke["results"]["equality"]["equal_two"]["B"]
     assert {int(r) for r in two} == {0, 1} and two["0"]["distributed_type"] == "DistributedType.FSDP"
     assert two["0"]["shadow_sharded"]["plan"] is True
@@ -73,11 +73,16 @@ def test_equality_rows_report_the_largest_difference_and_ignore_timing():
     within = {"gap/ratio/oob_frac": 0.25, "gap/kept/mass_mean": 0.5 + 4e-7, "gap/time/scoring_s": 9.0, "loss": 1.0}
     [row] = fsdp_scale._equality_rows(_records(single, within))
     assert row[:3] == ["B", 2, "gap/kept/mass_mean"] and row[3] == pytest.approx(4e-7) and row[4] == "yes"
-    beyond = dict(within, **{"gap/ratio/oob_frac": 0.25 + 3e-6})
+    assert row[5] == pytest.approx(4e-7 / (1e-6 + 1e-4 * (0.5 + 4e-7))) and row[6] == "yes"
+    beyond = dict(within, **{"gap/ratio/oob_frac": 0.25 + 3e-6})  # fp32 noise: not 1e-6, within 1e-6 + 2.5e-5
     [row] = fsdp_scale._equality_rows(_records(single, beyond))
     assert row[2] == "gap/ratio/oob_frac" and row[3] == pytest.approx(3e-6) and row[4].startswith("no")
+    assert row[5] == pytest.approx(3e-6 / (1e-6 + 1e-4 * (0.25 + 3e-6))) and row[6] == "yes"
+    moved = dict(within, **{"gap/ratio/oob_frac": 0.25 + 1 / 40})  # one token of 40 out of band more
+    [row] = fsdp_scale._equality_rows(_records(single, moved))
+    assert row[5] > 100 and row[6].startswith("no")
     [row] = fsdp_scale._equality_rows(_records(single, {"gap/ratio/oob_frac": 0.25}))  # a value only one run logged
-    assert row[4] == "no ['gap/kept/mass_mean']"
+    assert row[4] == row[6] == "no ['gap/kept/mass_mean']"
 
 
 def test_an_unknown_piece_is_refused_in_one_line(tmp_path):

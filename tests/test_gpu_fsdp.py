@@ -1,5 +1,6 @@
 """Issue 17 item 2 on the GPU: with the same global batch, the gap/* values 2 FSDP2 processes log at step 1 equal
-the single-process run's to 1e-6 (SmolLM2, fp32, top_k 1; benchmarks/fsdp_scale.py's equality piece). On 2 GPUs
+the single-process run's within 1e-6 + 1e-4 |value| (fp32 kernel noise; SmolLM2, fp32, top_k 1;
+benchmarks/fsdp_scale.py's equality piece). On 2 GPUs
 over NCCL; on 1 GPU with both processes on it over gloo (``--shared-gpu``). GPU machine only, trl/datasets/gguf
 importable and $BLOGGAP_GGUF set:
 
@@ -37,9 +38,11 @@ def _equality_rows(out: Path, *flags: str) -> list[list]:
 
 
 def _assert_equal_at_step_1(rows: list[list]) -> None:
+    """Every logged value within 1e-6 + 1e-4 |value|: on the GPU the fp32 kernels depend on the row count (1
+    process scores 8 rows where each of 2 scores 4), so 1e-6 alone holds only on the CPU (tests/test_fsdp_scale.py)."""
     assert [row[0] for row in rows] == ["B", "E", "G"]
-    for arm, compared, worst, difference, ok in rows:
-        assert compared >= 15 and ok == "yes", (arm, worst, difference)
+    for arm, compared, worst, difference, _exact, noise, close in rows:
+        assert compared >= 15 and close == "yes", (arm, worst, difference, noise)
 
 
 def _out(tmp_path: Path) -> Path:
