@@ -39,6 +39,10 @@ host memory. It writes ``fsdp_scale_one_gpu.json``::
 
     python benchmarks/fsdp_scale.py --shared-gpu --steps 4 --out "$OUT/r" 2>&1 | tee "$OUT/fsdp_scale.log"
 
+``document`` rebuilds a result's tables from its raw results with the current code (its env and params kept)::
+
+    python benchmarks/fsdp_scale.py document --shared-gpu --out benchmarks/results/h200
+
 DeepSpeed ZeRO-3 (issue item 4): the GPU image has no deepspeed (shared/device/README.md lists what it has) and
 DeepSpeed compiles ops at install; it is not measured here.
 """
@@ -364,7 +368,11 @@ def _equality_rows(results: dict) -> list[list]:
         single = (one.get(arm, {}).get(0) or {}).get("first_log")
         pooled = (two.get(arm, {}).get(0) or {}).get("first_log")
         if not single or not pooled:
-            rows.append([arm, None, None, None, "missing", None, "missing"])
+            launches = results.get("equality", {}).get("launches", {})
+            failed = [f"{run} rc {launches[run]['rc']}" for run in ("equal_one", "equal_two")
+                      if run in launches and launches[run]["rc"] != 0]
+            why = f"missing ({', '.join(failed)})" if failed else "missing"
+            rows.append([arm, None, None, None, why, None, why])
             continue
         keys = sorted(k for k in single if k.startswith("gap/") and k not in NOT_EQUAL_BY_MATHS)
         numbers = [k for k in keys
@@ -385,21 +393,37 @@ ARM_COLUMNS = ["run", "arm", "ranks", "s/step", "plugin s/step", "overhead %", "
                "all-gathers per rank"]
 
 
+MEMORY_COLUMNS = ["policy MiB/rank", "plan MiB/rank", "fp32 ref MiB/rank"]
+
+
+def _memory_plot(rows: list[list]) -> dict | bool:
+    """The bytes each process holds, per arm (a plot needs one row with numbers)."""
+    from bloggap_plugin.results import numeric_column
+
+    columns = [ARM_COLUMNS.index(c) for c in MEMORY_COLUMNS]
+    if not all(numeric_column(rows, i) for i in columns):
+        return False
+    return {"kind": "bar", "x": "arm", "y": MEMORY_COLUMNS}
+
+
 SHARED_GPU_NOTE = ("Both processes share one GPU and talk through gloo (--shared-gpu): s/step, plugin s/step "
                    "and overhead are not 2-GPU timings; bytes, peaks, all-gather counts and values are per process "
                    "as on two GPUs. ")
 
 
-def _document(args, results: dict):
+def _document(args, results: dict, env: dict | None = None):
+    """The result document of ``results``; ``env``: the machine it ran on (default: this one)."""
     from bloggap_plugin.envinfo import environment_record
     from bloggap_plugin.results import ResultDocument
 
     setting = " on one GPU shared by both processes (gloo)" if args.shared_gpu else ""
+    arm_rows = _arm_rows(results)
     shared = SHARED_GPU_NOTE if args.shared_gpu else ""
     tables = [
         {"id": "T17-fsdp",
          "title": f"The plugin under FSDP2 (2 processes), plain DDP (2) and 1 process, same global batch{setting}",
-         "columns": ARM_COLUMNS, "rows": _arm_rows(results), "reference": None, "random_init": args.smoke,
+         "columns": ARM_COLUMNS, "rows": arm_rows, "reference": None, "random_init": args.smoke,
+         "plot": _memory_plot(arm_rows),
          "notes": (shared + "Means over logged steps. policy/plan MiB per rank: the bytes this process holds (shards "
                    "under FSDP2); plan: the arm's shadow or fp32 islands, fp32 ref: the probe rows' fp32 reference "
                    "shadow. peak: torch.cuda.max_memory_allocated over the arm's run. all-gathers per rank: "
@@ -408,14 +432,15 @@ def _document(args, results: dict):
         {"id": "T17-equality", "title": f"Step 1: gap/* of 2 FSDP2 processes vs 1 process, same global batch{setting}",
          "columns": ["arm", "values compared", "largest difference at", "|difference|", "<= 1e-6",
                      "max |difference| / (1e-6 + 1e-4 |value|)", "within fp32 noise"],
-         "rows": _equality_rows(results), "reference": None, "random_init": args.smoke,
+         "rows": _equality_rows(results), "reference": None, "random_init": args.smoke, "plot": False,
          "notes": (shared + "fp32, top_k 1 (both runs sample the same tokens), every row probed, before any optimizer "
                    "step. <= 1e-6: every compared value within 1e-6 of the single process's. Within fp32 noise: "
                    "every value within 1e-6 + 1e-4 |value| (a GPU's fp32 kernels depend on the row count, and 1 "
                    "process scores twice the rows of each of 2; a count that moves by one token does not pass). "
                    f"Not compared (bitwise or wall-clock): {', '.join(NOT_EQUAL_BY_MATHS)}.")},
     ]
-    return ResultDocument(benchmark=NAME, env=environment_record("cpu" if args.smoke else "cuda"),
+    env = env if env is not None else environment_record("cpu" if args.smoke else "cuda")
+    return ResultDocument(benchmark=NAME, env=env,
                           params={"smoke": args.smoke, "steps": args.steps, "pieces": args.pieces,
                                   "shared_gpu": args.shared_gpu},
                           results=results, tables=tables)
@@ -481,8 +506,9 @@ def parse_args(argv=None):
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", nargs="?", default="run", choices=("run", "worker"),
-                        help="run: the pieces (default); worker: one process of a piece (launched by run)")
+    parser.add_argument("mode", nargs="?", default="run", choices=("run", "worker", "document"),
+                        help="run: the pieces (default); worker: one process of a piece (launched by run); "
+                             "document: rebuild the tables of the result under --out from its results")
     parser.add_argument("--out", required=True, help="output folder (run: writes fsdp_scale.json there)")
     parser.add_argument("--pieces", default=",".join(PIECES), help=f"comma list of {', '.join(PIECES)}")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny random model, gloo, 1-2 steps")
@@ -504,9 +530,21 @@ def parse_args(argv=None):
     return args
 
 
+def document(args) -> int:
+    """Rebuild ``<out>/<result_name>.json``'s tables from its results with this file's code (the machine it ran
+    on, its params and results kept): for a result committed before a table changed."""
+    path = Path(args.out) / f"{result_name(args.shared_gpu)}.json"
+    raw = json.loads(path.read_text())  # not validated: its old tables may be what no longer holds
+    new = _document(args, _int_ranks(raw["results"]), env=raw["env"])
+    new.params, new.results = raw["params"], raw["results"]
+    new.write(path)  # validated
+    print(f"rewrote the tables of {path} ({', '.join(t['id'] for t in new.tables)})")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    return worker(args) if args.mode == "worker" else orchestrate(args)
+    return {"worker": worker, "document": document}.get(args.mode, orchestrate)(args)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,24 @@ def test_smoke_equality_piece_writes_the_step_1_comparison(smoke):
     assert two["0"]["shadow_sharded"]["plan"] is True
 
 
+def test_document_rebuilds_the_tables_from_the_results_and_keeps_the_machine(smoke, tmp_path):
+    stale = dict(smoke, env=dict(smoke["env"], gpu="the machine it ran on"))
+    stale["tables"] = [dict(table, rows=[]) for table in smoke["tables"]]
+    (tmp_path / "fsdp_scale.json").write_text(json.dumps(stale))
+    proc = _run("document", "--smoke", "--out", str(tmp_path), timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rebuilt = json.loads((tmp_path / "fsdp_scale.json").read_text())
+    assert rebuilt["tables"] == smoke["tables"] and rebuilt["results"] == smoke["results"]
+    assert rebuilt["env"]["gpu"] == "the machine it ran on" and rebuilt["params"] == smoke["params"]
+
+
+def test_an_arm_missing_from_a_failed_launch_says_which_launch(tmp_path):
+    results = {"equality": {"equal_one": {"E": {0: {"first_log": {"gap/ratio/oob_frac": 0.0}}}}, "equal_two": {},
+                            "launches": {"equal_one": {"rc": 0}, "equal_two": {"rc": -11}}}}
+    [row] = fsdp_scale._equality_rows(results)
+    assert row == ["E", None, None, None, "missing (equal_two rc -11)", None, "missing (equal_two rc -11)"]
+
+
 def _records(single: dict, pooled: dict) -> dict:
     return {"equality": {"equal_one": {"B": {0: {"first_log": single}}},
                          "equal_two": {"B": {0: {"first_log": pooled}}}}}
