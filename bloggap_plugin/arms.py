@@ -47,6 +47,9 @@ class ArmSpec:
     """The plan scores in more than fp16 precision (fp32 body or fp32 head)."""
     takes_layers: bool = False
     """``gap.layers`` / ``gap.k`` choose the decoder layers its plan runs in fp32."""
+    copies_weights: bool = False
+    """Its plan holds its own copy of (some of) the policy's weights, a shadow or fp32 islands, built from the
+    policy's parameters and synced with them (refused under DeepSpeed ZeRO-3, whose parameters are slices)."""
     aliases: tuple[str, ...] = ()
     """Other names a recipe may use for this arm (lower case)."""
 
@@ -54,20 +57,21 @@ class ArmSpec:
 _RECORDS = (
     ArmSpec("A", "trainer default: TRL's own old log-probs (bf16 autocast, chunks of per_device_train_batch_size)",
             keeps_trl_forward=True, aliases=("default",)),
-    ArmSpec("B", "fp32 shadow copy of the policy", plan="fp32", scores_above_fp16=True, aliases=("fp32",)),
+    ArmSpec("B", "fp32 shadow copy of the policy", plan="fp32", scores_above_fp16=True, copies_weights=True,
+            aliases=("fp32",)),
     ArmSpec("C", "policy as is, chunk = micro-batch, through the plugin's scoring (gap.positions)", plan="bf16",
             aliases=("bf16",)),
     ArmSpec("D", "bf16 + divergence-guided fp32 layers + fp32 norm/head", plan="guided", scores_above_fp16=True,
-            takes_layers=True, aliases=("guided",)),
+            takes_layers=True, copies_weights=True, aliases=("guided",)),
     ArmSpec("E", "bf16 + fp32 final norm and LM head", plan="fp32_head", scores_above_fp16=True,
-            aliases=("fp32_head",)),
-    ArmSpec("F", "fp16 shadow copy of the policy", plan="fp16", aliases=("fp16",)),
+            copies_weights=True, aliases=("fp32_head",)),
+    ArmSpec("F", "fp16 shadow copy of the policy", plan="fp16", copies_weights=True, aliases=("fp16",)),
     ArmSpec("G", "matched: each buffered training micro-batch scored as one chunk after TRL's shuffle",
             scores_after_shuffle=True, aliases=("matched",)),
     ArmSpec("H", "fp16 everywhere: rollout, old log-probs and training in fp16 autocast with loss scaling",
             keeps_trl_forward=True, needs_fp16_training=True),
     ArmSpec("I", "vLLM's numbers: bf16 shadow scored the way vLLM computes (batch-invariant kernels, its "
-            "FlashAttention, norms, RoPE; gap.i_pieces)", plan="vllm", aliases=("vllm",)),
+            "FlashAttention, norms, RoPE; gap.i_pieces)", plan="vllm", copies_weights=True, aliases=("vllm",)),
 )
 
 ARMS: dict[str, ArmSpec] = {arm.letter: arm for arm in _RECORDS}

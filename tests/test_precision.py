@@ -801,3 +801,16 @@ def test_cost_trl_cuda_memory_model_keeps_trl_values_and_drops_only_the_fold_cop
     assert torch.equal(values[True], values[False])  # bf16 head tiles: same values whatever the row count here
     assert kernels._forward_tile is fold and trl_utils._use_triton is use_triton
     assert "forward" not in policy.__dict__
+
+
+def test_plans_that_copy_weights_refuse_deepspeed_zero3_slices():
+    """ZeRO-3 leaves each parameter an empty slice outside its module's forward (``ds_id`` marks it): a copy made
+    from it is empty or stale (by hand on CPU: B failed to build, E's fp32 head froze at the first weights)."""
+    model, _ = load_model("tiny-random-llama", dtype="fp32")
+    for index, param in enumerate(model.parameters()):
+        param.ds_id = index  # what deepspeed.zero.Init sets on every parameter it partitions
+    for name in ("fp32", "fp16", "fp32_head", "guided"):
+        with pytest.raises(ValueError, match=rf"plan '{name}' copies the policy's weights, but its parameters are "
+                                              r"DeepSpeed ZeRO-3 slices .*FSDP2"):
+            make_plan(model, name, layers=[0] if name == "guided" else None)
+    make_plan(model, "bf16").close()  # the policy as called: no copy, allowed

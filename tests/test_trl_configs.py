@@ -384,3 +384,40 @@ def test_score_rows_is_refused_for_arm_g_and_negative():
         GapConfig(arm="G", score_rows=2)
     with pytest.raises(RecipeError, match="gap.score_rows must be >= 0"):
         GapConfig(arm="B", score_rows=-1)
+
+
+# ------------------------------------------------------------------ DeepSpeed ZeRO-3: copies refused at attach
+def _zero3_on(monkeypatch) -> None:
+    """What transformers reports inside a trainer launched with a ZeRO-3 DeepSpeed config."""
+    import transformers.integrations.deepspeed as hf_deepspeed
+
+    monkeypatch.setattr(hf_deepspeed, "is_deepspeed_zero3_enabled", lambda: True)
+
+
+@pytest.mark.parametrize("arm", ["B", "D", "E", "F", "I"])
+def test_zero3_refuses_the_arms_that_copy_the_policys_weights(tmp_path, monkeypatch, arm):
+    """Under ZeRO-3 each parameter is a slice gathered only inside its module's forward: by hand on CPU (DeepSpeed
+    0.19.8, 2 gloo processes) B's shadow failed to build ('Cannot copy out of meta tensor') and E with fp32
+    weights trained with a head frozen at the first weights (|dlogp| 0.044 where 5e-7 is right)."""
+    from bloggap_plugin.recipes import RecipeError
+    from bloggap_plugin.trl import GapCallback
+
+    trainer = make(tmp_path, None, mode="plain")
+    _zero3_on(monkeypatch)
+    with pytest.raises(RecipeError, match=rf"DeepSpeed ZeRO-3 .*arm {arm} .*copies the policy's weights.*FSDP2"):
+        GapCallback(trainer, gap=GapConfig(arm=arm, probe_rows=0))
+    assert not [name for name in trainer.__dict__ if name.startswith("_gap")]
+
+
+def test_zero3_refuses_the_probe_and_lets_the_arms_without_copies_attach(tmp_path, monkeypatch):
+    from bloggap_plugin.recipes import RecipeError
+    from bloggap_plugin.trl import GapCallback
+
+    trainer = make(tmp_path, None, mode="plain")
+    _zero3_on(monkeypatch)
+    with pytest.raises(RecipeError, match=r"DeepSpeed ZeRO-3 .*gap.probe_rows: 4 .*set gap.probe_rows: 0"):
+        GapCallback(trainer, gap=GapConfig(arm="A", probe_rows=4))
+    for arm in ("A", "C", "G"):  # A and C (probe_rows 0) also trained under ZeRO-3 by hand; G: untested there
+        trainer = make(tmp_path / arm, None, mode="plain")
+        GapCallback(trainer, gap=GapConfig(arm=arm, probe_rows=0))
+        assert trainer._gap_state.arm.letter == arm

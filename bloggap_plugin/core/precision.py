@@ -77,7 +77,7 @@ from .scoring import (
     token_logprobs,
     unwrap_model,
 )
-from .sharding import all_ranks_true, is_sharded, reshard
+from .sharding import all_ranks_true, is_partitioned, is_sharded, reshard
 
 __all__ = [
     "ARMS",
@@ -488,6 +488,12 @@ def make_plan(
         raise ValueError(f"device= places an fp32/fp16 shadow; arm {name!r} runs on the policy's own device")
     if name == "bf16":
         return _PolicyPlan(policy, name, fp16_guard)
+    if is_partitioned(policy):
+        raise ValueError(
+            f"plan {name!r} copies the policy's weights, but its parameters are DeepSpeed ZeRO-3 slices (ds_id), "
+            "gathered only inside a forward: use FSDP2 (plans shard their copies like the policy), ZeRO stage 1 "
+            "or 2, or the 'bf16' plan"
+        )
     if name in _SHADOW_DTYPES:
         return _ShadowPlan(policy, name, _SHADOW_DTYPES[name], device, fp16_guard, tf32)
     if name == "vllm":

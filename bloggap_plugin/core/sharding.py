@@ -13,7 +13,8 @@ all-gathers its parameters: a forward is a collective that every rank must take.
   plain full tensors on the module in place of its shards, which would otherwise be paired with the shadow's
   shards. Resharding frees those gathered tensors (the next forward gathers again); values never change.
 
-Everything here is a no-op for models without ``DTensor`` parameters.
+Everything here is a no-op for models without ``DTensor`` parameters. DeepSpeed ZeRO-3's parameter slices
+(:func:`is_partitioned`) are not supported: no plan that copies weights is made from them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import functools
 import torch
 from torch import nn
 
-__all__ = ["is_dtensor", "is_sharded", "reshard", "full_value", "local_value", "shard_for", "plain_class", "shard_like",
+__all__ = ["is_dtensor", "is_sharded", "is_partitioned", "reshard", "full_value", "local_value", "shard_for", "plain_class", "shard_like",
            "fsdp_modules", "all_ranks_true"]
 
 
@@ -60,6 +61,11 @@ def fsdp_modules(model: nn.Module) -> list[nn.Module]:
 def is_sharded(model: nn.Module) -> bool:
     """Whether any parameter of ``model`` is a ``DTensor`` (FSDP2 / tensor-parallel shards)."""
     return any(is_dtensor(p) for p in model.parameters())
+
+
+def is_partitioned(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are DeepSpeed ZeRO-3 slices (``ds_id``), gathered only inside a forward."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
 def reshard(model: nn.Module) -> None:

@@ -40,6 +40,7 @@ def attach_state(trainer: Any, gap: GapConfig, grpo_kwargs: dict | None, source:
     if num_layers is not None:
         gap.check_layers(int(num_layers))
     _check_precision(trainer, gap)
+    _check_zero3(trainer, gap)
     _check_vllm(trainer, gap)
     settings = _sampler_settings(trainer, gap, policy)
     clip_applies = _check_loss(trainer, gap)
@@ -61,6 +62,37 @@ def _warn_recipe_differences(trainer: Any, grpo_kwargs: dict | None, source: str
             f"{source}: attached to an existing trainer, only the gap: section applies; these GRPOConfig "
             f"fields differ and are NOT applied: {listed}",
             stacklevel=_STACK,
+        )
+
+
+def zero3_enabled(trainer: Any) -> bool:
+    """Whether ``trainer`` runs under DeepSpeed ZeRO-3 (accelerate's plugin, or transformers' global config)."""
+    plugin = getattr(getattr(trainer, "accelerator", None), "state", None)
+    plugin = getattr(plugin, "deepspeed_plugin", None)
+    if plugin is not None and getattr(plugin, "zero_stage", None) == 3:
+        return True
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    return bool(hf_deepspeed.is_deepspeed_zero3_enabled())
+
+
+def _check_zero3(trainer: Any, gap: GapConfig) -> None:
+    """Under ZeRO-3 every parameter is a slice on each process, gathered only inside its module's forward: no
+    copy of the weights can be built or synced from it (the shadows, fp32 islands and the probe's fp32 reference)."""
+    if not zero3_enabled(trainer):
+        return
+    arm, needs = gap.arm_spec, []
+    if arm.copies_weights:
+        needs.append(f"arm {arm.letter} ({arm.description}) copies the policy's weights")
+    if gap.probe_rows > 0:
+        needs.append(f"gap.probe_rows: {gap.probe_rows} scores probe rows with an fp32 copy of the policy (set "
+                     "gap.probe_rows: 0)")
+    if needs:
+        raise RecipeError(
+            f"DeepSpeed ZeRO-3 partitions every parameter (each process holds a slice, gathered only inside its "
+            f"module's forward), so no copy of the policy can be built from it: {'; '.join(needs)}. Use FSDP2 "
+            "(accelerate fsdp_version: 2; bloggap shards its copies like the policy), ZeRO stage 1 or 2, or under "
+            "ZeRO-3 an arm that copies no weights (A, C, G, H) with gap.probe_rows: 0 (docs/trl.md)"
         )
 
 
