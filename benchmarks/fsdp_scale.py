@@ -43,8 +43,9 @@ host memory. It writes ``fsdp_scale_one_gpu.json``::
 
     python benchmarks/fsdp_scale.py document --shared-gpu --out benchmarks/results/h200
 
-DeepSpeed ZeRO-3 (issue item 4): the GPU image has no deepspeed (shared/device/README.md lists what it has) and
-DeepSpeed compiles ops at install; it is not measured here.
+DeepSpeed ZeRO-3 (issue item 4) is not measured here: the plugin refuses the arms that copy weights under it (its
+parameters are slices; docs/trl.md, "DeepSpeed"), and the GPU image has no deepspeed (its wheel and hjson would
+have to be carried).
 """
 
 from __future__ import annotations
