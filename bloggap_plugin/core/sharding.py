@@ -24,8 +24,8 @@ import functools
 import torch
 from torch import nn
 
-__all__ = ["is_dtensor", "is_sharded", "is_partitioned", "reshard", "full_value", "local_value", "shard_for", "plain_class", "shard_like",
-           "fsdp_modules", "all_ranks_true"]
+__all__ = ["is_dtensor", "is_sharded", "is_partitioned", "reshard", "full_value", "local_value", "shard_for",
+           "plain_class", "shard_like", "fsdp_modules", "all_ranks_true"]
 
 
 @functools.cache  # asked per parameter on every sync and step: import once

@@ -65,10 +65,10 @@ def _warn_recipe_differences(trainer: Any, grpo_kwargs: dict | None, source: str
         )
 
 
-def zero3_enabled(trainer: Any) -> bool:
+def _zero3_enabled(trainer: Any) -> bool:
     """Whether ``trainer`` runs under DeepSpeed ZeRO-3 (accelerate's plugin, or transformers' global config)."""
-    plugin = getattr(getattr(trainer, "accelerator", None), "state", None)
-    plugin = getattr(plugin, "deepspeed_plugin", None)
+    state = getattr(getattr(trainer, "accelerator", None), "state", None)
+    plugin = getattr(state, "deepspeed_plugin", None)
     if plugin is not None and getattr(plugin, "zero_stage", None) == 3:
         return True
     from transformers.integrations import deepspeed as hf_deepspeed
@@ -79,7 +79,7 @@ def zero3_enabled(trainer: Any) -> bool:
 def _check_zero3(trainer: Any, gap: GapConfig) -> None:
     """Under ZeRO-3 every parameter is a slice on each process, gathered only inside its module's forward: no
     copy of the weights can be built or synced from it (the shadows, fp32 islands and the probe's fp32 reference)."""
-    if not zero3_enabled(trainer):
+    if not _zero3_enabled(trainer):
         return
     arm, needs = gap.arm_spec, []
     if arm.copies_weights:
