@@ -99,6 +99,9 @@ def main(argv=None) -> int:
                 continue
             history = [json.loads(line) for line in Path(summary["log_jsonl"]).read_text().splitlines()]
             summary["log_jsonl"] = f"{slug}.jsonl"  # its folder is temporary: the records are in "history"
+            # no machine path in a result: the recipe relative to the repo (--quick's arm D: its temporary copy)
+            summary["recipe"] = (recipe.relative_to(ROOT).as_posix() if recipe.is_relative_to(ROOT)
+                                 else f"{recipe.name} (recipes/arm_D.yaml with layers: [1])")
             summary["history"] = history
             summary["bench_wall_s"] = time.perf_counter() - start
             summary["gap_probe_every"] = probe_every

@@ -56,6 +56,8 @@ def test_benchmark_quick(tmp_path):
     # the runs' logs live in a temporary folder that is gone after the benchmark: the result names each log file
     # without the machine's path (a committed result must not hold one)
     assert [payload["results"][arm]["log_jsonl"] for arm in "AG"] == ["A.jsonl", "G.jsonl"]
+    # nor the checkout's (a clone under /tmp wrote "/tmp/.../recipes/arm_A.yaml"): recipes relative to the repo
+    assert [payload["results"][arm]["recipe"] for arm in "AG"] == ["recipes/arm_A.yaml", "recipes/arm_G.yaml"]
     assert str(tmp_path) not in json.dumps(payload["results"]) and "/tmp" not in json.dumps(payload["results"])
 
 
