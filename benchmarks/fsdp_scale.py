@@ -538,7 +538,7 @@ def document(args) -> int:
     path = Path(args.out) / f"{result_name(args.shared_gpu)}.json"
     raw = json.loads(path.read_text())  # not validated: its old tables may be what no longer holds
     new = _document(args, _int_ranks(raw["results"]), env=raw["env"])
-    new.params, new.results = raw["params"], raw["results"]
+    new.params = raw["params"]  # the settings it ran with, not this command's
     new.write(path)  # validated
     print(f"rewrote the tables of {path} ({', '.join(t['id'] for t in new.tables)})")
     return 0

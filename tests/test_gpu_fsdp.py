@@ -1,8 +1,7 @@
 """Issue 17 item 2 on the GPU: with the same global batch, the gap/* values 2 FSDP2 processes log at step 1 equal
 the single-process run's within 1e-6 + 1e-4 |value| (fp32 kernel noise; SmolLM2, fp32, top_k 1;
-benchmarks/fsdp_scale.py's equality piece). On 2 GPUs
-over NCCL; on 1 GPU with both processes on it over gloo (``--shared-gpu``). GPU machine only, trl/datasets/gguf
-importable and $BLOGGAP_GGUF set:
+benchmarks/fsdp_scale.py's equality piece). On 2 GPUs over NCCL; on 1 GPU with both processes on it over gloo
+(``--shared-gpu``). GPU machine only, trl/datasets/gguf importable and $BLOGGAP_GGUF set:
 
     python -m pytest -m gpu tests/test_gpu_fsdp.py
 
@@ -12,6 +11,7 @@ which a later ``fsdp_scale.py --out DIR`` run merges into) instead of a temporar
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,6 +23,9 @@ import torch
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("fsdp_scale", ROOT / "benchmarks" / "fsdp_scale.py")
+fsdp_scale = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fsdp_scale)
 
 
 def _equality_rows(out: Path, *flags: str) -> list[list]:
@@ -31,8 +34,7 @@ def _equality_rows(out: Path, *flags: str) -> list[list]:
                            "--out", str(out), *flags], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    name = "fsdp_scale_one_gpu.json" if "--shared-gpu" in flags else "fsdp_scale.json"
-    document = json.loads((out / name).read_text())
+    document = json.loads((out / f"{fsdp_scale.result_name('--shared-gpu' in flags)}.json").read_text())
     assert document["params"]["shared_gpu"] is ("--shared-gpu" in flags)
     return next(t for t in document["tables"] if t["id"] == "T17-equality")["rows"]
 
