@@ -398,7 +398,7 @@ def _zero3_on(monkeypatch) -> None:
 def test_zero3_refuses_the_arms_that_copy_the_policys_weights(tmp_path, monkeypatch, arm):
     """Under ZeRO-3 each parameter is a slice gathered only inside its module's forward: by hand on CPU (DeepSpeed
     0.19.8, 2 gloo processes) B's shadow failed to build ('Cannot copy out of meta tensor') and E with fp32
-    weights trained with a head frozen at the first weights (|dlogp| 0.044 where 5e-7 is right)."""
+    weights trained with a head frozen at the first weights."""
     from bloggap_plugin.recipes import RecipeError
     from bloggap_plugin.trl import GapCallback
 
