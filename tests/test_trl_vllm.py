@@ -212,3 +212,34 @@ def test_kept_measure_on_vllm_path_follows_metrics_every(tmp_path):
     generated = [h for h in logs_of(trainer) if "sampling/importance_sampling_ratio/mean" in h]
     with_kept = [h for h in generated if "gap/kept/mass_mean" in h]
     assert fake.calls == len(generated) == 4 and len(with_kept) == 2 and len(passes) == 2
+
+
+def test_sampler_exact_frac_counts_bit_identical_old_logprobs(tmp_path):
+    """gap/sampler/exact_frac: the share of completion tokens whose old log-prob equals the sampler's bit for bit,
+    recomputed here from the batches the loss reads (same model, untruncated: some tokens equal, some differ in the
+    last bits, so the share is strictly between 0 and 1 and must match the count, not a bound)."""
+    torch.manual_seed(4321)
+    trainer = make(tmp_path, mode="plain", prepare=sharpen, max_steps=1)
+    use_fake_vllm(trainer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.add_callback(GapCallback(trainer, gap=GapConfig(arm="C", kept="off", probe_rows=0)))
+    batches: list = []
+    prepare = trainer._prepare_inputs
+
+    def spy(generation_batch):
+        inputs = prepare(generation_batch)
+        batches.append({k: v.clone() for k, v in inputs.items() if torch.is_tensor(v)})
+        return inputs
+
+    trainer._prepare_inputs = spy
+    trainer.train()
+    first = logs_of(trainer)[0]
+    exact = tokens = 0
+    for batch in batches[: trainer.args.gradient_accumulation_steps]:  # one generation's micro-batches
+        old = batch["old_per_token_logps"] if "old_per_token_logps" in batch else batch["gap_old_logps"]
+        sampler = batch["sampling_per_token_logps"]
+        mask = batch["completion_mask"].bool() & ~torch.isnan(sampler)
+        exact += int(((old == sampler) & mask).sum())
+        tokens += int(mask.sum())
+    assert 0 < exact < tokens and first["gap/sampler/exact_frac"] == exact / tokens

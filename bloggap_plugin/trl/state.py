@@ -73,7 +73,7 @@ LossSums = _statistics(
 LossMaxima = _statistics("LossMaxima", "abs_dlogp_max", -math.inf, "One training micro-batch's largest |dlogp|.")
 GenerationSums = _statistics(
     "GenerationSums",
-    "sampler_oob sampler_n sampler_absd probe_oob probe_n kept_mass_sum kept_size_sum kept_n kept_ratio_before_sum "
+    "sampler_oob sampler_n sampler_absd sampler_exact probe_oob probe_n kept_mass_sum kept_size_sum kept_n kept_ratio_before_sum "
     "kept_ratio_after_sum kept_oob_before kept_oob_after is_sum is_n", 0.0,
     "One generation's sums over its measured batches (sampler, probe, kept sets, vLLM IS ratio).")
 GenerationMaxima = _statistics(

@@ -100,6 +100,7 @@ class StatsMixin:
             sums.sampler_oob += _masked_sum(gap_metrics.out_of_band(old, sampler, band), mask)
             sums.sampler_n += mask.sum(dtype=torch.float64)
             sums.sampler_absd += _masked_sum(diff, mask)
+            sums.sampler_exact += _masked_sum(diff == 0, mask)
             maxima.raise_to(sampler_absd_max=_masked_max(diff, mask))
         self._gap_is_ratio_metrics(batch)
         # the kept-set pass is a forward: under FSDP2 every process must take it, also one without any completion
@@ -213,6 +214,7 @@ class StatsMixin:
             metrics["gap/sampler/oob_frac"].append(sums.sampler_oob / sums.sampler_n)
             metrics["gap/sampler/abs_dlogp_mean"].append(sums.sampler_absd / sums.sampler_n)
             metrics["gap/sampler/abs_dlogp_max"].append(maxima.sampler_absd_max)
+            metrics["gap/sampler/exact_frac"].append(sums.sampler_exact / sums.sampler_n)
         if sums.is_n > 0:
             metrics["gap/sampler/is_ratio_mean"].append(sums.is_sum / sums.is_n)
             metrics["gap/sampler/is_ratio_min"].append(-maxima.is_neg_min)
