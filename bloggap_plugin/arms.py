@@ -50,6 +50,10 @@ class ArmSpec:
     copies_weights: bool = False
     """Its plan holds its own copy of (some of) the policy's weights, a shadow or fp32 islands, built from the
     policy's parameters and synced with them (refused under DeepSpeed ZeRO-3, whose parameters are slices)."""
+    vllm_engine: tuple[tuple[str, object], ...] = ()
+    """Settings the arm needs in TRL's colocate vLLM engine, as ``(LLM keyword, value)`` pairs: the engine
+    :class:`~bloggap_plugin.trl.GapGRPOTrainer` builds gets them, and attaching to a trainer whose engine differs
+    is refused, naming each one."""
     aliases: tuple[str, ...] = ()
     """Other names a recipe may use for this arm (lower case)."""
 
@@ -71,7 +75,11 @@ _RECORDS = (
     ArmSpec("H", "fp16 everywhere: rollout, old log-probs and training in fp16 autocast with loss scaling",
             keeps_trl_forward=True, needs_fp16_training=True),
     ArmSpec("I", "vLLM's numbers: bf16 shadow scored the way vLLM computes (batch-invariant kernels, its "
-            "FlashAttention, norms, RoPE; gap.i_pieces)", plan="vllm", copies_weights=True, aliases=("vllm",)),
+            "FlashAttention, norms, RoPE; gap.i_pieces)", plan="vllm", copies_weights=True, aliases=("vllm",),
+            # eager: vLLM's compiled forward (torch.compile, CUDA graphs) fuses the norms and activations into kernels
+            # arm I does not run; no prefix caching: a cache hit changes a prefill's launch size, which sets the
+            # RMSNorm kernel's summation order for every prompt token's keys and values
+            vllm_engine=(("enforce_eager", True), ("enable_prefix_caching", False))),
 )
 
 ARMS: dict[str, ArmSpec] = {arm.letter: arm for arm in _RECORDS}

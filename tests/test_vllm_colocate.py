@@ -169,3 +169,77 @@ def test_parallel_colocate_runs_each_get_their_own_free_master_port():
     assert len(set(ports)) == 12 and 29500 not in ports
     assert _worker_environment(config(parallel=1), {"MASTER_PORT": "29500"})["MASTER_PORT"] == "29500"
     assert "MASTER_PORT" not in _worker_environment(config(use_vllm=False), {})
+
+
+def test_gap_grpo_trainer_builds_arm_i_an_eager_engine_without_prefix_caching(fake_llm, monkeypatch):
+    """Arm I computes vLLM's eager kernels and each prefill's launch size: GapGRPOTrainer builds TRL's colocate engine
+    with enforce_eager=True and enable_prefix_caching=False for arm I only (the other arms keep TRL's engine)."""
+    from trl import GRPOTrainer
+
+    from bloggap_plugin.recipes import GapConfig
+    from bloggap_plugin.trl.callback import GapGRPOTrainer
+
+    module, _, calls = fake_llm
+    monkeypatch.setattr(GRPOTrainer, "__init__", lambda self, *a, **k: module.LLM(model="m"))
+    monkeypatch.setattr(GapMixin, "_gap_attach", lambda self, *a, **k: None)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    vllm_args = types.SimpleNamespace(use_vllm=True, vllm_mode="colocate")
+    GapGRPOTrainer(args=vllm_args, gap=GapConfig(arm="I", positions="mask"))
+    GapGRPOTrainer(args=vllm_args, gap=GapConfig(arm="A"))
+    GapGRPOTrainer(args=vllm_args, gap=GapConfig(arm="I", positions="mask", i_pieces="torch"))
+    assert calls == [{"model": "m", "enforce_eager": True, "enable_prefix_caching": False}, {"model": "m"},
+                     {"model": "m", "enforce_eager": True, "enable_prefix_caching": False}]
+
+
+def test_arm_i_with_batch_invariant_pieces_is_refused_before_the_engine_loads(fake_llm, monkeypatch):
+    """Without VLLM_BATCH_INVARIANT=1 the engine's matmuls are cuBLAS's: arm I's default pieces are refused before
+    TRL builds anything, naming the variable, TRITON_F32_DEFAULT and the piece to turn off; the torch pieces pass."""
+    from trl import GRPOTrainer
+
+    from bloggap_plugin.recipes import GapConfig
+    from bloggap_plugin.trl.callback import GapGRPOTrainer
+
+    module, _, calls = fake_llm
+    monkeypatch.setattr(GRPOTrainer, "__init__", lambda self, *a, **k: module.LLM(model="m"))
+    monkeypatch.setattr(GapMixin, "_gap_attach", lambda self, *a, **k: None)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    vllm_args = types.SimpleNamespace(use_vllm=True, vllm_mode="colocate")
+    with pytest.raises(RecipeError, match="VLLM_BATCH_INVARIANT=1.*TRITON_F32_DEFAULT=ieee.*batch_invariant=false"):
+        GapGRPOTrainer(args=vllm_args, gap=GapConfig(arm="I", positions="mask"))
+    assert calls == []
+    GapGRPOTrainer(args=vllm_args, gap=GapConfig(arm="I", positions="mask", i_pieces="all,batch_invariant=false"))
+    assert len(calls) == 1
+
+
+def _engine_trainer(**settings):
+    vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=settings.get("eager")),
+                                        cache_config=types.SimpleNamespace(enable_prefix_caching=settings.get("prefix")))
+    llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(vllm_config=vllm_config))
+    return types.SimpleNamespace(vllm_generation=types.SimpleNamespace(llm=llm))
+
+
+def test_attaching_arm_i_to_a_compiled_or_prefix_caching_engine_is_refused(monkeypatch):
+    """GapCallback on a trainer whose engine TRL built with vLLM's defaults (compiled, prefix caching on): refused,
+    naming each setting the engine has and how to build it; an engine built with arm I's settings passes."""
+    import bloggap_plugin.vllm_kernels as vllm_kernels
+    from bloggap_plugin.recipes import GapConfig
+    from bloggap_plugin.trl.vllm_colocate import (
+        check_colocate_engine,
+        colocate_engine_setting,
+        engine_kwargs_for,
+    )
+
+    monkeypatch.setattr(vllm_kernels, "vllm_batch_invariant_active", lambda: True)
+    gap = GapConfig(arm="I", positions="mask")
+    default = _engine_trainer(eager=False, prefix=True)
+    assert colocate_engine_setting(default, "enforce_eager") is False
+    with pytest.raises(RecipeError, match=r"enforce_eager=True \(the engine has False\); enable_prefix_caching=False "
+                                          r"\(the engine has True\).*vllm_colocate_engine\(enforce_eager=True"):
+        check_colocate_engine(default, gap)
+    check_colocate_engine(_engine_trainer(eager=True, prefix=False), gap)
+    check_colocate_engine(default, GapConfig(arm="A"))  # arm A needs nothing of the engine
+    check_colocate_engine(types.SimpleNamespace(), gap)  # settings that cannot be read are not refused
+    assert engine_kwargs_for(gap) == {"enforce_eager": True, "enable_prefix_caching": False}
+    monkeypatch.setattr(vllm_kernels, "vllm_batch_invariant_active", lambda: False)
+    with pytest.raises(RecipeError, match="VLLM_BATCH_INVARIANT=1"):
+        check_colocate_engine(_engine_trainer(eager=True, prefix=False), gap)

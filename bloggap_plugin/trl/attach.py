@@ -119,6 +119,10 @@ def _check_vllm(trainer: Any, gap: GapConfig) -> None:
         return
     if gap.arm_spec.needs_fp16_training:
         trainer._gap_check_vllm_fp16()
+    if getattr(trainer.args, "vllm_mode", None) == "colocate":
+        from bloggap_plugin.trl.vllm_colocate import check_colocate_engine
+
+        check_colocate_engine(trainer, gap)
     if gap.kept == "renormalize" and trainer.args.beta != 0.0:
         raise RecipeError(
             "gap.kept: renormalize with beta > 0 is not supported on TRL's vLLM path: TRL scores the reference "

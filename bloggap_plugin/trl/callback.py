@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -63,13 +64,15 @@ class GapGRPOTrainer(GapMixin, GRPOTrainer):
         engine = contextlib.nullcontext()
         trl_args = kwargs.get("args")
         if getattr(trl_args, "use_vllm", False) and getattr(trl_args, "vllm_mode", None) == "colocate":
-            from bloggap_plugin.trl.vllm_colocate import engine_kwargs_from_env, vllm_colocate_engine
+            from bloggap_plugin.trl import vllm_colocate
 
-            engine_kwargs = engine_kwargs_from_env()  # BLOGGAP_VLLM_KV_CACHE_GIB: several engines on one GPU
-            if config.arm_spec.needs_fp16_training:
-                engine_kwargs["dtype"] = "float16"  # arm H: vLLM samples in fp16 too
+            if vllm_colocate.needs_batch_invariant(config) and os.environ.get(vllm_colocate.BATCH_INVARIANT_ENV) != "1":
+                from bloggap_plugin.recipes import RecipeError
+
+                raise RecipeError(vllm_colocate.batch_invariant_refusal(config))  # before the engine loads
+            engine_kwargs = vllm_colocate.engine_kwargs_for(config)  # the arm's engine settings, fp16 for H, KV cache
             if engine_kwargs:
-                engine = vllm_colocate_engine(**engine_kwargs)
+                engine = vllm_colocate.vllm_colocate_engine(**engine_kwargs)
         with engine:
             super().__init__(*args, **kwargs)
         self._gap_attach(config, grpo_kwargs, source=str(recipe) if recipe else "gap config")

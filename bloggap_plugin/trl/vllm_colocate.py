@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["vllm_colocate_dtype", "vllm_colocate_engine", "colocate_engine_dtype", "engine_kwargs_from_env", "KV_CACHE_ENV"]
+__all__ = ["vllm_colocate_dtype", "vllm_colocate_engine", "colocate_engine_dtype", "engine_kwargs_from_env", "KV_CACHE_ENV",
+           "engine_kwargs_for", "colocate_engine_setting", "check_colocate_engine", "BATCH_INVARIANT_ENV"]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -115,3 +116,78 @@ def colocate_engine_dtype(trainer: Any) -> torch.dtype | None:
         if isinstance(dtype, str) and dtype in _DTYPES:
             return _DTYPES[dtype]
     return None
+
+
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+"""vLLM's process setting for its batch-invariant kernels, read when the engine starts."""
+
+
+def engine_kwargs_for(gap: Any, environ: dict | None = None) -> dict:
+    """The ``LLM(...)`` keyword arguments the plugin gives TRL's colocate engine for ``gap`` (a GapConfig): the
+    arm's :attr:`~bloggap_plugin.arms.ArmSpec.vllm_engine` settings, ``dtype="float16"`` for an arm that trains in
+    fp16, and :data:`KV_CACHE_ENV`'s fixed KV cache. With :class:`~bloggap_plugin.trl.GapCallback` the user builds
+    the trainer inside ``vllm_colocate_engine(**engine_kwargs_for(gap))``."""
+    spec = gap.arm_spec
+    kwargs = engine_kwargs_from_env(environ)
+    kwargs.update(dict(spec.vllm_engine))
+    if spec.needs_fp16_training:
+        kwargs["dtype"] = "float16"  # arm H: vLLM samples in fp16 too
+    return kwargs
+
+
+def colocate_engine_setting(trainer: Any, name: str) -> Any:
+    """The value of ``LLM(...)`` keyword ``name`` in a GRPOTrainer's colocate engine as built (read from vLLM's
+    config objects), or ``None`` when it cannot be read (no engine, server mode, another vLLM layout)."""
+    generation = getattr(trainer, "vllm_generation", None)
+    engine = getattr(getattr(generation, "llm", None), "llm_engine", None)
+    config = getattr(engine, "vllm_config", None)
+    for part in ("model_config", "cache_config", "scheduler_config", "parallel_config"):
+        holder = getattr(config, part, None)
+        if holder is not None and hasattr(holder, name):
+            return getattr(holder, name)
+    return None
+
+
+def check_colocate_engine(trainer: Any, gap: Any, environ: dict | None = None) -> None:
+    """Refuse (``RecipeError``) a colocate engine that lacks a setting ``gap``'s arm needs, naming each setting and
+    how to build the engine with it. A setting that cannot be read is not refused (the engine may be another
+    layout); vLLM's batch-invariant mode is read from vLLM itself."""
+    from bloggap_plugin import vllm_kernels
+    from bloggap_plugin.recipes import RecipeError
+
+    spec = gap.arm_spec
+    wrong = []
+    for name, wanted in spec.vllm_engine:
+        have = colocate_engine_setting(trainer, name)
+        if have is not None and have != wanted:
+            wrong.append(f"{name}={wanted!r} (the engine has {have!r})")
+    if wrong:
+        settings = ", ".join(f"{name}={value!r}" for name, value in spec.vllm_engine)
+        raise RecipeError(
+            f"arm {spec.letter} computes the old log-probs as vLLM's engine computes them, and TRL's colocate "
+            f"engine was built without {'; '.join(wrong)}: use GapGRPOTrainer (or bloggap train), which builds it "
+            f"so, or build the trainer inside `with bloggap_plugin.trl.vllm_colocate_engine({settings}):` before "
+            "adding GapCallback"
+        )
+    if needs_batch_invariant(gap) and not vllm_kernels.vllm_batch_invariant_active():
+        raise RecipeError(batch_invariant_refusal(gap))
+
+
+def needs_batch_invariant(gap: Any) -> bool:
+    """Whether ``gap``'s old-logprob pass computes vLLM's batch-invariant matmuls (arm I with that piece on), which
+    equal the sampler's only if the engine runs in vLLM's batch-invariant mode."""
+    if gap.arm_spec.plan != "vllm":
+        return False
+    from bloggap_plugin.core.vllm_form import parse_form
+
+    return parse_form(gap.i_pieces).batch_invariant
+
+
+def batch_invariant_refusal(gap: Any) -> str:
+    """The error text for an arm I run whose engine is not in vLLM's batch-invariant mode."""
+    return (
+        f"arm {gap.arm_spec.letter} (gap.i_pieces: {gap.i_pieces}) scores with vLLM's batch-invariant matmuls, which "
+        f"equal the sampler's only when the engine runs them too: export {BATCH_INVARIANT_ENV}=1 (and "
+        "TRITON_F32_DEFAULT=ieee, which keeps the trainer's RoPE in fp32 under that mode) before the process "
+        "starts, or set gap.i_pieces: all,batch_invariant=false"
+    )
