@@ -60,6 +60,8 @@ STEPS = [
     ("I8 + vLLM silu_and_mul (= all, norm_launch=packed)", "all,norm_launch=packed"),
     ("I8 with contiguous K/V (no block table)", "all,norm_launch=packed,page_size=0"),
     ("I9 = I8, norm launches sized as vLLM's steps", "all"),
+    # I10 calls the attention as vLLM's steps did: prefill over the prompts, then one query per generated token
+    ("I10 = I9, attention called as vLLM's prefill and decode steps", "all,attention_launch=steps"),
 ]
 BAND = 0.1
 ROWS_PER_PASS = 8  # TRL's per_device_train_batch_size in the recipes
@@ -262,7 +264,17 @@ def _generate(args) -> dict:
     from bloggap_plugin.core.probe import builtin_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in builtin_prompts(args.prompts)]
+    if getattr(args, "task_prompts", None):
+        # the task's conversational prompts as TRL renders them (chat template, generation prompt): the prompts
+        # bloggap train sends to vLLM
+        from bloggap_plugin.tasks import get_task
+
+        dataset, _ = get_task(args.task_prompts, tokenizer, seed=0)
+        prompt_ids = [tokenizer.apply_chat_template(dataset[i]["prompt"], add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False) for i in range(args.prompts)]
+        prompt_ids = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompt_ids]
+    else:
+        prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in builtin_prompts(args.prompts)]
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype="bfloat16", enforce_eager=True, gpu_memory_utilization=args.gpu_mem,
               max_model_len=1024, seed=0, logprobs_mode="processed_logprobs", max_logprobs=1,
@@ -402,14 +414,18 @@ def cmd_all(args) -> None:
     work.mkdir(parents=True, exist_ok=True)
     path = out / "arm_i.json"
     state = {"env": {}, "params": {"model": args.model, "prompts": args.prompts, "tokens": args.tokens, "band": BAND,
+                                   "task_prompts": args.task_prompts,
                                    "rows_per_pass": ROWS_PER_PASS, "steps": STEPS}, "results": {"errors": {}},
              "rows": []}
     _write(path, state)
     deadline = time.time() + args.budget_s
     for phase, env in (("colocated", {"VLLM_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
                        ("scoped", {"VLLM_BATCH_INVARIANT": "1"})):  # no engine: vLLM's mode is never enabled
+        if phase not in args.phases.split(","):
+            continue
         argv = [sys.executable, __file__, "phase", phase, "--model", args.model, "--work", str(work), "--json",
                 str(path), "--prompts", str(args.prompts), "--tokens", str(args.tokens), "--gpu-mem", str(args.gpu_mem)]
+        argv += ["--task-prompts", args.task_prompts] if args.task_prompts else []
         with open(work / f"{phase}.log", "w") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
             try:
@@ -470,6 +486,11 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--tokens", type=int, default=8 if name == "smoke" else 128)
         if name == "all":
             p.add_argument("--budget-s", type=float, default=540.0, help="both phases together stop after this")
+            p.add_argument("--phases", default="colocated,scoped", help="which phases to run (comma-separated)")
+        if name != "smoke":
+            p.add_argument("--task-prompts", default=None,
+                           help="sample from this task's prompts with the chat template (as bloggap train sends "
+                                "them) instead of the built-in short prompts")
     args = parser.parse_args(argv)
     {"all": cmd_all, "phase": cmd_phase, "smoke": cmd_smoke}[args.cmd](args)
 

@@ -136,6 +136,20 @@ def _flash(batch_invariant: bool):
     return flash
 
 
+def _flash_paged(batch_invariant: bool):
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    def flash_paged(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale):
+        return flash_attn_varlen_func(q=q, k=key_cache, v=value_cache, max_seqlen_q=max_seqlen_q,
+                                      cu_seqlens_q=cu_seqlens_q, max_seqlen_k=max_seqlen_k, seqused_k=seqused_k,
+                                      block_table=block_table, softmax_scale=scale, causal=True,
+                                      fa_version=get_flash_attn_version(head_size=q.shape[-1]),
+                                      num_splits=1 if batch_invariant else 0)
+
+    return flash_paged
+
+
 def load_kernels(form: VllmForm, device: torch.device | str) -> Kernels:
     """The :class:`Kernels` for ``form`` on ``device``: plain torch when no piece needs vLLM, else vLLM's functions.
 
@@ -152,7 +166,8 @@ def load_kernels(form: VllmForm, device: torch.device | str) -> Kernels:
         raise _refuse(form, f"vLLM does not import here ({type(err).__name__}: {err})") from None
     rms_norm, add_rms_norm = _norms(form.batch_invariant)
     return Kernels(linear=linear_batch_invariant, rms_norm=rms_norm, add_rms_norm=add_rms_norm, rotary=_rotary,
-                   silu_and_mul=_silu_and_mul, flash=_flash(form.batch_invariant), scope=batch_invariant_scope,
+                   silu_and_mul=_silu_and_mul, flash=_flash(form.batch_invariant),
+                   flash_paged=_flash_paged(form.batch_invariant), scope=batch_invariant_scope,
                    source=f"vllm {getattr(__import__('vllm'), '__version__', '?')}")
 
 

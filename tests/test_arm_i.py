@@ -23,6 +23,7 @@ from bloggap_plugin.core.vllm_form import (
     rope_vllm,
     step_launches,
     torch_paged_attention,
+    torch_paged_varlen_attention,
     torch_varlen_attention,
     vllm_cos_sin_cache,
 )
@@ -139,7 +140,7 @@ def _counting(kernels: Kernels, calls: dict) -> Kernels:
             return fn(*args, **kwargs)
         return wrapped
 
-    fields = ("linear", "rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "flash", "scope")
+    fields = ("linear", "rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "flash", "flash_paged", "scope")
     return dataclasses.replace(kernels, **{name: count(name, getattr(kernels, name)) for name in fields})
 
 
@@ -147,11 +148,12 @@ def test_kernel_pieces_call_their_kernels_and_match_the_torch_form(tiny_model):
     """With plain-torch stand-ins for vLLM's kernels, ``all`` computes exactly the ``torch`` preset (minus the
     batch-invariant layer-0 norm), and each kernel piece calls its kernel: layer 0's first norm once, the fused
     add-norms 2 x layers, RoPE twice and attention, SiLU once per layer, the scope once per scoring call (norms in
-    one launch each: ``norm_launch=packed``; the default ``steps`` is tested below)."""
+    one launch each: ``norm_launch=packed``, attention in one call per layer: ``attention_launch=packed``; the
+    defaults ``steps`` are tested below)."""
     model, _ = tiny_model("tiny-random-llama")
     ids, mask = _rows()
     calls: dict = {}
-    form = parse_form("all,batch_invariant=false,norm_launch=packed")
+    form = parse_form("all,batch_invariant=false,norm_launch=packed,attention_launch=packed")
     plan = VllmFormPlan(model, form, _counting(TORCH_KERNELS, calls))
     out = plan.token_logprobs(ids, mask, K, positions="mask")
     layers = model.config.num_hidden_layers
@@ -404,8 +406,9 @@ def _fake_vllm_kernels(monkeypatch, seen: dict):
         if block_table is None:
             assert torch.equal(cu_seqlens_k, cu_seqlens_q)
             return torch_varlen_attention(q, k, v, cu_seqlens_q, softmax_scale)
-        assert torch.equal(seqused_k, (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).int()) and block_table.dtype == torch.int32
-        return torch_paged_attention(q, k, v, block_table, cu_seqlens_q, softmax_scale)
+        assert seqused_k.dtype == torch.int32 and block_table.dtype == torch.int32
+        assert block_table.shape[0] == seqused_k.shape[0] == cu_seqlens_q.shape[0] - 1
+        return torch_paged_varlen_attention(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale)
 
     flash.flash_attn_varlen_func = flash_attn_varlen_func
     for name in ("vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends"):
@@ -438,15 +441,18 @@ def test_vllm_kernel_glue_with_fakes_of_vllms_signatures(monkeypatch, tiny_model
         kernels = load_kernels(parse_form("all"), "cuda")
         assert kernels.source == "vllm 0.26.0-fake"
         out = VllmFormPlan(model, parse_form("all"), kernels).token_logprobs(ids, mask, K, positions="mask")
-        expected = VllmFormPlan(model, parse_form("torch,batch_invariant=true"), TORCH_KERNELS)
+        expected = VllmFormPlan(model, parse_form("torch,batch_invariant=true,attention=vllm_fa,attention_launch=steps"),
+                                TORCH_KERNELS)
         assert torch.equal(out, expected.token_logprobs(ids, mask, K, positions="mask"))
         layers = model.config.num_hidden_layers
-        assert seen["flash"] == [{"num_splits": 1, "fa_version": 3, "paged": True}] * layers
-        contiguous = load_kernels(parse_form("all,batch_invariant=false,page_size=0"), "cuda")
-        plan = VllmFormPlan(model, parse_form("all,batch_invariant=false,page_size=0"), contiguous)
+        assert seen["flash"] == [{"num_splits": 1, "fa_version": 3, "paged": True}] * 2 * layers  # prefill, decode
+        seen["flash"].clear()
+        contiguous = load_kernels(parse_form("all,batch_invariant=false,page_size=0,attention_launch=packed"), "cuda")
+        plan = VllmFormPlan(model, parse_form("all,batch_invariant=false,page_size=0,attention_launch=packed"),
+                            contiguous)
         assert torch.equal(plan.token_logprobs(ids, mask, K, positions="mask"),
                            make_plan(model, "vllm", pieces="torch").token_logprobs(ids, mask, K, positions="mask"))
-        assert seen["flash"][layers:] == [{"num_splits": 0, "fa_version": 3, "paged": False}] * layers
+        assert seen["flash"] == [{"num_splits": 0, "fa_version": 3, "paged": False}] * layers
     finally:
         library._destroy()
 
@@ -476,3 +482,57 @@ def test_hf_attention_interface_attends_as_the_packed_form(tiny_model):
     q = torch.zeros(1, 4, 3, 8)
     with pytest.raises(ValueError, match="no dropout"):
         AttentionInterface()[name](shadow.model.layers[0].self_attn, q, q[:, :2], q[:, :2], None, dropout=0.1)
+
+
+def test_paged_varlen_reference_equals_contiguous_causal_attention():
+    """The paged varlen reference with whole rows as entries is causal attention per row; with each row's last token
+    as an entry of its own (one query, all keys up to it) it is that row's last output."""
+    from bloggap_plugin.core.vllm_form import torch_paged_varlen_attention
+
+    gen = torch.Generator().manual_seed(3)
+    lengths = [7, 19, 3]
+    total, heads, kv_heads, dim = sum(lengths), 4, 2, 8
+    q = torch.randn(total, heads, dim, generator=gen)
+    k = torch.randn(total, kv_heads, dim, generator=gen)
+    v = torch.randn(total, kv_heads, dim, generator=gen)
+    cu = torch.tensor([0, 7, 26, 29], dtype=torch.int32)
+    reference = torch_varlen_attention(q, k, v, cu, 0.3)
+    key_cache, value_cache, table = paged_kv(k, v, lengths, 4)
+    whole = torch_paged_varlen_attention(q, key_cache, value_cache, cu, torch.tensor(lengths), table, 0.3)
+    assert torch.allclose(whole, reference, atol=1e-6)
+    last = (cu[1:] - 1).long()
+    single = torch_paged_varlen_attention(q[last], key_cache, value_cache, torch.arange(4, dtype=torch.int32),
+                                          torch.tensor(lengths), table, 0.3)
+    assert torch.allclose(single, reference[last], atol=1e-6)
+
+
+def test_attention_launch_steps_calls_prefill_then_one_query_per_generated_token(tiny_model):
+    """``attention_launch: steps``: per layer one prefill call over the prompt tokens (each row's keys = its prompt)
+    and one decode-form call with an entry per generated token whose keys run up to and including it; the scores
+    equal the packed call's within fp32 noise (same maths, another kernel order)."""
+    model, _ = tiny_model("tiny-random-llama")
+    model = model.float()
+    ids, mask = _rows(batch=4, width=20)
+    calls = []
+
+    def spy(q, key_cache, value_cache, cu_q, seqused_k, table, max_q, max_k, scale):
+        calls.append({"queries": int(q.shape[0]), "entries": int(cu_q.numel() - 1), "max_q": max_q,
+                      "seqused_k": seqused_k.tolist()})
+        return TORCH_KERNELS.flash_paged(q, key_cache, value_cache, cu_q, seqused_k, table, max_q, max_k, scale)
+
+    kernels = dataclasses.replace(TORCH_KERNELS, flash_paged=spy)
+    scores = {}
+    for launch in ("packed", "steps"):
+        plan = VllmFormPlan(model, parse_form(f"torch,attention=vllm_fa,attention_launch={launch}"), kernels)
+        scores[launch] = plan.token_logprobs(ids, mask, K, positions="mask")
+    real = mask[:, -K:].bool()
+    assert (scores["steps"] - scores["packed"])[real].abs().max() < 1e-2  # bf16 shadow: one bf16 step at most
+    layers = model.config.num_hidden_layers
+    assert len(calls) == 2 * layers
+    lengths = mask.sum(-1).tolist()
+    generated = mask[:, -K:].sum(-1).tolist()  # the K completion columns were fed back one decode step at a time
+    prompts = [n - g for n, g in zip(lengths, generated)]
+    prefill, decode = calls[0], calls[1]
+    assert prefill == {"queries": sum(prompts), "entries": 4, "max_q": max(prompts), "seqused_k": prompts}
+    expected = [p + j + 1 for p, g in zip(prompts, generated) for j in range(g)]
+    assert decode == {"queries": sum(generated), "entries": sum(generated), "max_q": 1, "seqused_k": expected}

@@ -42,6 +42,8 @@ __all__ = [
     "torch_paged_attention",
     "padded_flash_attention",
     "NORM_LARGE_LAUNCH",
+    "torch_paged_varlen_attention",
+    "stepwise_attention",
     "step_launches",
     "norm_in_step_launches",
 ]
@@ -72,17 +74,24 @@ class VllmForm:
     page_size: int = 16
     """KV-cache block size of the ``vllm_fa`` attention (vLLM's default 16); 0: contiguous K/V (no block table)."""
     norm_launch: str = "steps"
-    """How the ``kernel`` norms are launched (default ``steps``: on the H200 it took arm I from 8.50% to 0.49% out
-    of band against vLLM and made it batch-invariant, arm_i.json I9). vLLM's CUDA RMSNorm kernels (``_C.fused_add_rms_norm``, ``_C.rms_norm``)
+    """How the ``kernel`` norms are launched. vLLM's CUDA RMSNorm kernels (``_C.fused_add_rms_norm``, ``_C.rms_norm``)
     pick their thread-block size by whether a launch holds fewer than :data:`NORM_LARGE_LAUNCH` tokens, and the
     block size sets the order of the variance's sum. ``packed``: one launch over all scored tokens (its size
     depends on the batch); ``steps``: each token in a launch sized like the vLLM step that computed it: prompt
     tokens as one prefill of at least that many tokens, generated tokens in launches of fewer (decode steps of
     fewer than 256 sequences)."""
 
+    attention_launch: str = "steps"
+    """How the ``vllm_fa`` attention is called. ``packed``: one causal call over every position of each row (the
+    prompt and the generated tokens together); ``steps``: as vLLM's steps computed them: one prefill call over the
+    prompt tokens, then one decode-form call in which every generated token is an entry of its own with one query
+    against its row's paged K/V up to itself (FlashAttention's decode kernel, whose key tiles and reduction order
+    can differ from a prefill call's over the same keys)."""
+
     def __post_init__(self) -> None:
         choices = {"attention": ("sdpa", "vllm_fa"), "norm": ("hf", "torch", "kernel"),
-                   "rope": ("hf", "torch", "kernel"), "act": ("torch", "kernel"), "norm_launch": ("packed", "steps")}
+                   "rope": ("hf", "torch", "kernel"), "act": ("torch", "kernel"), "norm_launch": ("packed", "steps"),
+                   "attention_launch": ("packed", "steps")}
         for name, accepted in choices.items():
             if getattr(self, name) not in accepted:
                 raise ValueError(f"arm I piece {name}={getattr(self, name)!r}: use one of {', '.join(accepted)}")
@@ -209,6 +218,8 @@ class PackedBatch:
     """Page size -> :func:`paged_layout` of these rows (filled by the first layer that needs it)."""
     launches: tuple | None = None
     """``(prompt index [P], [generated index chunks])`` of :func:`norm_in_step_launches` (filled on first use)."""
+    generated: torch.Tensor | None = None
+    """``[T]`` bool: the tokens the sampler fed back one decode step at a time (``None``: unknown, all prefill)."""
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
@@ -320,7 +331,68 @@ def torch_paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache:
     return torch_varlen_attention(q, torch.cat(keys), torch.cat(values), cu_seqlens, scale)
 
 
+def torch_paged_varlen_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                 cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
+                                 scale: float) -> torch.Tensor:
+    """Reference for FlashAttention's paged varlen call: entry ``i`` has queries ``q[cu_seqlens_q[i]:cu_seqlens_q[i +
+    1]]`` (the last ``n`` positions of a sequence) and keys ``0 .. seqused_k[i] - 1`` read through ``block_table[i]``;
+    causal, aligned at the end (query ``r`` sees keys ``< seqused_k - n + r + 1``). ``q [Tq, nq, d]`` -> ``[Tq, nq, d]``."""
+    page = key_cache.shape[1]
+    groups = q.shape[1] // key_cache.shape[2]
+    out = torch.empty_like(q)
+    bounds = cu_seqlens_q.tolist()
+    for entry, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        n_k, n_q = int(seqused_k[entry]), end - start
+        j = torch.arange(n_k, device=q.device)
+        slot = block_table[entry, j // page].long() * page + j % page
+        keys = key_cache.flatten(0, 1)[slot].transpose(0, 1).repeat_interleave(groups, dim=0)[None]
+        values = value_cache.flatten(0, 1)[slot].transpose(0, 1).repeat_interleave(groups, dim=0)[None]
+        visible = torch.arange(n_k, device=q.device)[None, :] < (n_k - n_q + 1 + torch.arange(n_q, device=q.device))[:, None]
+        qi = q[start:end].transpose(0, 1)[None]
+        out[start:end] = F.scaled_dot_product_attention(qi, keys, values, attn_mask=visible, scale=scale)[0].transpose(0, 1)
+    return out
+
+
+def stepwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedBatch, page: int,
+                       paged: Callable[..., torch.Tensor], scale: float) -> torch.Tensor:
+    """Attention as vLLM's steps computed it (``attention_launch: steps``): one prefill call over each row's prompt
+    tokens, then one call in which every generated token is an entry with one query against its row's K/V up to and
+    including itself. ``paged(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q,
+    max_seqlen_k, scale)`` is the paged varlen kernel. ``q [T, nq, d]``, ``k/v [T, nkv, d]`` -> ``[T, nq, d]``."""
+    layout = packed.paged.get(page)
+    if layout is None:
+        layout = packed.paged[page] = paged_layout(packed.lengths, page, q.device)
+    key_cache, value_cache, table = paged_kv(k, v, packed.lengths, page, layout)
+    generated = packed.generated
+    if generated is None:
+        generated = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
+    row = torch.repeat_interleave(torch.arange(len(packed.lengths), device=q.device),
+                                  torch.tensor(packed.lengths, device=q.device))
+    index_in_row = torch.arange(q.shape[0], device=q.device) - packed.cu_seqlens.long()[row]
+    out = torch.empty_like(q)
+    prompt = (~generated).nonzero().squeeze(-1)
+    if prompt.numel():
+        prompt_lengths = torch.bincount(row[prompt], minlength=len(packed.lengths))
+        used = prompt_lengths > 0
+        cu = torch.zeros(int(used.sum()) + 1, dtype=torch.int32, device=q.device)
+        cu[1:] = prompt_lengths[used].cumsum(0)
+        longest = int(prompt_lengths.max())
+        out[prompt] = paged(q[prompt], key_cache, value_cache, cu, prompt_lengths[used].to(torch.int32), table[used],
+                            longest, longest, scale)
+    decoded = generated.nonzero().squeeze(-1)
+    if decoded.numel():
+        cu = torch.arange(decoded.numel() + 1, dtype=torch.int32, device=q.device)
+        seen = (index_in_row[decoded] + 1).to(torch.int32)
+        out[decoded] = paged(q[decoded], key_cache, value_cache, cu, seen, table[row[decoded]], 1, int(seen.max()), scale)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------- kernels
+def _torch_paged(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,  # noqa: ARG001
+                 scale):
+    return torch_paged_varlen_attention(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table, scale)
+
+
 def _torch_flash(q, k, v, cu_seqlens, max_seqlen, scale, block_table=None):  # noqa: ARG001 - kernel signature
     if block_table is None:
         return torch_varlen_attention(q, k, v, cu_seqlens, scale)
@@ -345,6 +417,9 @@ class Kernels:
     flash: Callable[..., torch.Tensor] = _torch_flash
     """``(q, k, v, cu_seqlens, max_seqlen, scale, block_table=None) -> [T, nq, d]``; with a block table ``k``/``v``
     are the paged caches."""
+    flash_paged: Callable[..., torch.Tensor] = _torch_paged
+    """``(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale) ->
+    [Tq, nq, d]``: the paged varlen call with query and key lengths apart (``attention_launch: steps``)."""
     scope: Callable[[], object] = field(default=lambda: __import__("contextlib").nullcontext())
     """A context manager around the whole forward (vLLM's batch-invariant aten overrides, scoped)."""
     source: str = "torch"

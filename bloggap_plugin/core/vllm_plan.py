@@ -33,6 +33,7 @@ from .vllm_form import (
     rope_hf,
     rope_vllm,
     step_launches,
+    stepwise_attention,
     torch_varlen_attention,
     vllm_cos_sin_cache,
 )
@@ -155,6 +156,8 @@ class VllmFormLM(nn.Module):
         if self.form.attention == "sdpa":
             return torch_varlen_attention(q, k, v, packed.cu_seqlens, self.scale)
         max_len = max(packed.lengths)
+        if self.form.attention_launch == "steps":
+            return stepwise_attention(q, k, v, packed, self.form.page_size or 16, self.kernels.flash_paged, self.scale)
         if self.form.page_size:
             page = self.form.page_size
             layout = packed.paged.get(page)
@@ -206,12 +209,14 @@ class VllmFormLM(nn.Module):
         if int(packed.positions.max()) >= self.cos_sin_cache.shape[0]:
             raise ValueError(f"arm I: position {int(packed.positions.max())} beyond the model's "
                              f"max_position_embeddings ({self.cos_sin_cache.shape[0]})")
-        if self.form.norm == "kernel" and self.form.norm_launch == "steps" and logits_to_keep > 1:
+        if logits_to_keep > 1:
             # the scored completion (the last logits_to_keep - 1 columns: the scorer asks for one more logit) was
             # generated token by token; everything before it was the prompt's prefill
             columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
             generated = (columns >= attention_mask.shape[1] - (logits_to_keep - 1)).expand_as(packed.where)
-            packed.launches = step_launches(generated[packed.where])
+            packed.generated = generated[packed.where]
+            if self.form.norm == "kernel" and self.form.norm_launch == "steps":
+                packed.launches = step_launches(packed.generated)
         h = F.embedding(packed.tokens, base.embed_tokens.weight)
         residual = None
         for index, layer in enumerate(base.layers):
