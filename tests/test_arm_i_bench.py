@@ -66,3 +66,53 @@ def test_rope_diagnostic_compares_values_not_layouts():
     diagnostics = _script()._rope_diagnostics(model, torch.device("cpu"))
     assert diagnostics["hf_rope_cos_vs_vllm_cache_max_abs"] <= 2.0 ** -8
     assert diagnostics["fp32_bmm_rope_angle_max_abs_err"] <= 1e-4
+
+
+def _live_script():
+    spec = importlib.util.spec_from_file_location("arm_i_live_bench", ROOT / "benchmarks" / "arm_i_live.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_arm_i_live_document_rebuilds_the_committed_results_from_their_run_logs(tmp_path):
+    """``arm_i_live.py document`` recomputes every row of the committed T16-armI-live results from the packed JSONL
+    logs: the files say what the logs hold. The sampler columns are recomputed here by hand as well."""
+    import json
+    import shutil
+    import statistics
+    import tarfile
+
+    script = _live_script()
+    results = ROOT / "benchmarks" / "results" / "h200"
+    for name, logs in (("arm_i_live.json", "runs.tar.xz"), ("arm_i_live_packed_attention.json",
+                                                           "runs_packed_attention.tar.xz")):
+        copy = tmp_path / name
+        shutil.copy(results / name, copy)
+        assert script.main(["document", str(copy), "--logs", str(results / "arm_i_live" / logs)]) == 0
+        assert json.loads(copy.read_text()) == json.loads((results / name).read_text())
+        ResultDocument.read(copy)
+        with tarfile.open(results / "arm_i_live" / logs, "r:xz") as tar:
+            for label, row in json.loads(copy.read_text())["results"].items():
+                text = tar.extractfile(f"{label}.jsonl").read().decode()
+                records = [json.loads(line) for line in text.splitlines()]
+                sampler = [r["gap/sampler/oob_frac"] for r in records if r.get("gap/sampler/oob_frac") is not None]
+                assert row["generations"] == len(sampler) and row["steps"] == len(records)
+                assert row["sampler_oob_mean"] == statistics.fmean(sampler[1:])
+                assert row["sampler_oob_max"] == max(sampler[1:])
+
+
+def test_arm_i_live_labels_and_command_lines():
+    script = _live_script()
+    assert script.parse_label("callback_I_ni1") == {"entry": "callback", "arm": "I", "num_iterations": 1}
+    for bad in ("train_I", "serve_I_ni2", "train_I_2"):
+        try:
+            script.parse_label(bad)
+        except ValueError as err:
+            assert "ENTRY_ARM_ni<K>" in str(err)
+        else:
+            raise AssertionError(bad)
+    argv = script.train_argv("train_I_ni2", "M", 30, Path("x.jsonl"), 0.25)
+    assert argv[1:5] == ["-m", "bloggap_plugin.cli", "train", "recipes/arm_I.yaml"]
+    assert argv[argv.index("--vllm_mode") + 1] == "colocate" and argv[argv.index("--num_iterations") + 1] == "2"
+    assert script.train_argv("callback_A_ni1", "M", 30, Path("x.jsonl"), 0.25)[2] == "callback"

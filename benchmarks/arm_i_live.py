@@ -1,0 +1,273 @@
+"""Arm I on the path users run: TRL 1.16 GRPO with vLLM colocate, through the product's own entry points.
+
+``run`` (GPU machine, vLLM installed) trains each requested run as a subprocess and writes its per-step JSONL log and
+console log under ``--out``; after each run it rewrites ``--out/arm_i_live.json`` (table ``T16-armI-live``), so a
+time limit keeps what finished. ``document`` rebuilds that document from the JSONL logs (here, from a packed copy).
+
+Runs (``--runs``, comma-separated ``LABEL``; each is ``ENTRY_ARM_ni<K>``):
+
+- entry ``train``: ``bloggap train recipes/arm_<ARM>.yaml --use_vllm --vllm_mode colocate`` (``GapGRPOTrainer``
+  builds the engine with the arm's settings);
+- entry ``callback``: a plain ``GRPOTrainer`` built inside ``vllm_colocate_engine(**engine_kwargs_for(gap))``, then
+  ``GapCallback`` (the user's own script);
+- ``ni<K>``: ``num_iterations`` K (1: TRL computes no old log-probs; 2: the arm's old log-probs drive the ratio).
+
+What a row reports, from the JSONL (``gap/*`` metrics are logged on generating steps, or every step for the ratio):
+sampler out-of-band share and bit-identical share (``gap/sampler/oob_frac``, ``gap/sampler/exact_frac``) over the
+generations after the first, as the mean over generations and the worst generation;
+``gap/ratio/oob_frac`` on the first iteration of each generation; the plugin's share of a generating step
+(``gap/time/overhead_frac``) without step 1 (set-up) and step 1's apart; the median generating-step time.
+
+Environment for arm I (its pieces call vLLM's batch-invariant matmuls): ``VLLM_BATCH_INVARIANT=1`` and
+``TRITON_F32_DEFAULT=ieee``; ``run`` sets both for arm I runs and neither for the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TABLE_ID = "T16-armI-live"
+RESULT_NAME = "arm_i_live.json"
+COLUMNS = ["run", "entry", "arm", "num_iterations", "steps", "generations", "sampler oob % (mean)",
+           "sampler oob % (worst generation)", "sampler bit-identical % (mean)", "ratio oob % (first iteration, mean)",
+           "plugin % of a generating step (median, step 1 apart)", "plugin % at step 1", "generating step s (median)"]
+ARM_I_ENV = {"VLLM_BATCH_INVARIANT": "1", "TRITON_F32_DEFAULT": "ieee"}
+
+
+def parse_label(label: str) -> dict:
+    """``{"entry", "arm", "num_iterations"}`` from ``ENTRY_ARM_ni<K>`` (e.g. ``train_I_ni2``)."""
+    parts = label.split("_")
+    if len(parts) != 3 or parts[0] not in ("train", "callback") or not parts[2].startswith("ni"):
+        raise ValueError(f"run label {label!r}: expected ENTRY_ARM_ni<K>, ENTRY train or callback (e.g. train_I_ni2)")
+    return {"entry": parts[0], "arm": parts[1].upper(), "num_iterations": int(parts[2][2:])}
+
+
+def train_argv(label: str, model: str, steps: int, log_jsonl: Path, memory: float) -> list[str]:
+    """The command line of one run (``python -m ...``)."""
+    spec = parse_label(label)
+    common = ["--model", model, "--max_steps", str(steps), "--log_jsonl", str(log_jsonl),
+              "--num_iterations", str(spec["num_iterations"])]
+    recipe = f"recipes/arm_{spec['arm']}.yaml"
+    if spec["entry"] == "train":
+        return [sys.executable, "-m", "bloggap_plugin.cli", "train", recipe, *common, "--use_vllm", "true",
+                "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", str(memory)]
+    return [sys.executable, str(Path(__file__).resolve()), "callback", recipe, *common, "--memory", str(memory)]
+
+
+def callback_main(args: argparse.Namespace) -> int:
+    """The user's own script: a plain GRPOTrainer (engine built with the arm's settings), then GapCallback."""
+    import warnings
+
+    from trl import GRPOTrainer
+
+    from bloggap_plugin.models import load_model
+    from bloggap_plugin.tasks import get_task
+    from bloggap_plugin.trl import GapCallback, engine_kwargs_for, vllm_colocate_engine
+    from bloggap_plugin.trl.train import JsonlLogger, prepare_run
+
+    overrides = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": args.memory,
+                 "num_iterations": args.num_iterations}
+    if args.learning_rate is not None:
+        overrides["learning_rate"] = args.learning_rate
+    plan = prepare_run(args.recipe, model=args.model, max_steps=args.max_steps, log_jsonl=args.log_jsonl,
+                       extra_overrides=overrides)
+    policy, tokenizer = load_model(args.model, dtype=plan.dtype, device=plan.device)
+    policy.train()
+    dataset, rewards = get_task("arith", tokenizer, seed=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*activation_checkpointing.*")
+        with vllm_colocate_engine(**engine_kwargs_for(plan.gap)):
+            trainer = GRPOTrainer(model=policy, reward_funcs=rewards, args=plan.args, train_dataset=dataset,
+                                  processing_class=tokenizer, callbacks=[JsonlLogger(args.log_jsonl)])
+    trainer.add_callback(GapCallback(trainer, gap=plan.gap))
+    if args.dump:
+        _dump_generations(trainer, args.dump, args.dump_generations)
+    trainer.train()
+    return 0
+
+
+def _dump_generations(trainer, path: str, limit: int) -> None:
+    """Save the first ``limit`` generation batches (CPU tensors the loss reads) and the engine's settings to
+    ``path`` (a ``torch.save`` dict), for locating where arm I and the sampler differ."""
+    import torch
+
+    from bloggap_plugin.trl.vllm_colocate import colocate_engine_setting
+
+    saved: dict = {"engine": {name: colocate_engine_setting(trainer, name)
+                              for name in ("enforce_eager", "enable_prefix_caching", "dtype", "max_num_seqs",
+                                           "max_num_batched_tokens", "max_model_len")},
+                   "batches": []}
+    saved["engine"] = {k: str(v) for k, v in saved["engine"].items()}
+    original = trainer._generate_and_score_completions
+
+    def spy(inputs):
+        output = original(inputs)
+        if len(saved["batches"]) < limit:
+            saved["batches"].append({k: v.detach().cpu() for k, v in output.items() if torch.is_tensor(v)})
+            torch.save(saved, path)
+        return output
+
+    trainer._generate_and_score_completions = spy
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _pct(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(100 * value, digits)
+
+
+def summarize(label: str, records: list[dict]) -> dict:
+    """One row's numbers from a run's JSONL records (see the module docstring)."""
+    spec = parse_label(label)
+    generating = [r for r in records if r.get("gap/sampler/oob_frac") is not None]
+    later = generating[1:] if len(generating) > 1 else generating
+    sampler = [r["gap/sampler/oob_frac"] for r in later]
+    exact = [r["gap/sampler/exact_frac"] for r in later if r.get("gap/sampler/exact_frac") is not None]
+    ratio = [r["gap/ratio/oob_frac"] for r in generating if r.get("gap/ratio/oob_frac") is not None]
+    overhead = [r["gap/time/overhead_frac"] for r in generating[1:] if r.get("gap/time/overhead_frac") is not None]
+    step_time = [r["step_time"] for r in generating[1:] if isinstance(r.get("step_time"), (int, float))]
+    first = generating[0] if generating else {}
+    return {
+        **spec,
+        "steps": len(records),
+        "generations": len(generating),
+        "sampler_oob_mean": statistics.fmean(sampler) if sampler else None,
+        "sampler_oob_max": max(sampler) if sampler else None,
+        "sampler_exact_mean": statistics.fmean(exact) if exact else None,
+        "sampler_oob_first_generation": first.get("gap/sampler/oob_frac"),
+        "ratio_oob_first_iteration_mean": statistics.fmean(ratio) if ratio else None,
+        "overhead_median": statistics.median(overhead) if overhead else None,
+        "overhead_step1": first.get("gap/time/overhead_frac"),
+        "generating_step_s_median": statistics.median(step_time) if step_time else None,
+        "per_generation": [{k: r.get(k) for k in ("step", "gap/sampler/oob_frac", "gap/sampler/exact_frac",
+                                                   "gap/ratio/oob_frac", "gap/time/overhead_frac", "step_time")}
+                           for r in generating],
+    }
+
+
+def table(rows: dict) -> dict:
+    body = []
+    for label, row in rows.items():
+        if "error" in row:
+            body.append([label, *[None] * (len(COLUMNS) - 1)])
+            continue
+        body.append([label, row["entry"], row["arm"], row["num_iterations"], row["steps"], row["generations"],
+                     _pct(row["sampler_oob_mean"]), _pct(row["sampler_oob_max"]), _pct(row["sampler_exact_mean"], 2),
+                     _pct(row["ratio_oob_first_iteration_mean"]), _pct(row["overhead_median"], 2),
+                     _pct(row["overhead_step1"], 1),
+                     None if row["generating_step_s_median"] is None else round(row["generating_step_s_median"], 3)])
+    return {"id": TABLE_ID, "title": "Arm I live: TRL 1.16 GRPO, vLLM 0.26 colocate, through bloggap train / GapCallback",
+            "columns": COLUMNS, "rows": body, "reference": None, "random_init": False,
+            "notes": "Sampler columns over the generations after the first (the first is in per_generation); ratio "
+                    "out-of-band on the first iteration of each generation (num_iterations 1: the ratio is new/new). "
+                    "Plugin share of a generating step: gap/time/overhead_frac, steps after the first."}
+
+
+def document(rows: dict, params: dict, env: dict) -> dict:
+    from bloggap_plugin.results import SCHEMA_VERSION
+
+    return {"benchmark": "arm_i_live", "schema_version": SCHEMA_VERSION, "env": env, "params": params, "results": rows,
+            "tables": [table(rows)]}
+
+
+def _env() -> dict:
+    from bloggap_plugin.envinfo import environment_record
+
+    try:
+        import vllm
+
+        version = vllm.__version__
+    except ImportError:
+        version = None
+    return environment_record("cuda", vllm=version, **{k: os.environ.get(k) for k in ARM_I_ENV})
+
+
+def run_main(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: dict = {}
+    params = {"model": "SmolLM2-135M-Instruct", "steps": args.steps, "runs": args.runs, "memory": args.memory}
+    env = _env()
+    for label in args.runs.split(","):
+        spec = parse_label(label)
+        log_jsonl = out / f"{label}.jsonl"
+        argv = train_argv(label, args.model, args.steps, log_jsonl, args.memory)
+        child_env = {k: v for k, v in os.environ.items() if k not in ARM_I_ENV}
+        if spec["arm"] == "I":
+            child_env.update(ARM_I_ENV)
+        started = time.perf_counter()
+        with open(out / f"{label}.log", "w") as console:
+            code = subprocess.call(argv, cwd=ROOT, env=child_env, stdout=console, stderr=subprocess.STDOUT)
+        seconds = time.perf_counter() - started
+        if code != 0 or not log_jsonl.exists():
+            rows[label] = {**spec, "error": f"exit {code}", "seconds": seconds,
+                           "log_tail": (out / f"{label}.log").read_text()[-3000:]}
+        else:
+            rows[label] = {**summarize(label, _records(log_jsonl)), "seconds": seconds, "argv": argv[1:]}
+        (out / RESULT_NAME).write_text(json.dumps(document(rows, params, env), indent=1))
+        print(label, "exit", code, f"{seconds:.0f} s", {k: v for k, v in rows[label].items()
+                                                        if k not in ("per_generation", "log_tail", "argv")}, flush=True)
+    return 0
+
+
+def document_main(args: argparse.Namespace) -> int:
+    """Rebuild the rows from the JSONL logs in ``--logs`` (a folder or a ``.tar.xz``), keeping params and env."""
+    old = json.loads(Path(args.result).read_text())
+    logs = {}
+    if str(args.logs).endswith(".tar.xz"):
+        with tarfile.open(args.logs, "r:xz") as tar:
+            for member in tar.getmembers():
+                if member.isfile() and member.name.endswith(".jsonl"):
+                    text = tar.extractfile(member).read().decode()
+                    logs[Path(member.name).stem] = [json.loads(x) for x in text.splitlines() if x.strip()]
+    else:
+        logs = {p.stem: _records(p) for p in sorted(Path(args.logs).glob("*.jsonl"))}
+    rows = {}
+    for label, row in old["results"].items():
+        if label in logs:
+            rows[label] = {**summarize(label, logs[label]), **{k: row[k] for k in ("seconds", "argv") if k in row}}
+        else:
+            rows[label] = row
+    Path(args.result).write_text(json.dumps(document(rows, old["params"], old["env"]), indent=1) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train each run (GPU, vLLM) and write the document")
+    run.add_argument("--model", required=True)
+    run.add_argument("--out", required=True)
+    run.add_argument("--steps", type=int, default=30)
+    run.add_argument("--runs", default="train_I_ni2,train_I_ni1,train_A_ni2")
+    run.add_argument("--memory", type=float, default=0.25)
+    cb = sub.add_parser("callback", help="one GapCallback run (what run starts for callback_* labels)")
+    cb.add_argument("recipe")
+    cb.add_argument("--model", required=True)
+    cb.add_argument("--max_steps", type=int, required=True)
+    cb.add_argument("--log_jsonl", required=True)
+    cb.add_argument("--num_iterations", type=int, required=True)
+    cb.add_argument("--memory", type=float, default=0.25)
+    cb.add_argument("--learning_rate", type=float, default=None)
+    cb.add_argument("--dump", default=None, help="save the first generation batches here (torch.save)")
+    cb.add_argument("--dump_generations", type=int, default=6)
+    doc = sub.add_parser("document", help="rebuild the rows from JSONL logs")
+    doc.add_argument("result")
+    doc.add_argument("--logs", required=True)
+    args = parser.parse_args(argv)
+    return {"run": run_main, "callback": callback_main, "document": document_main}[args.command](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
