@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TABLE_ID = "T16-armI-live"
 RESULT_NAME = "arm_i_live.json"
 COLUMNS = ["run", "entry", "arm", "num_iterations", "steps", "generations", "sampler oob % (mean)",
-           "sampler oob % (worst generation)", "sampler bit-identical % (mean)", "ratio oob % (first iteration, mean)",
+           "sampler oob % (worst generation)", "sampler max |dlogp| (all generations)", "sampler bit-identical % (mean)", "ratio oob % (first iteration, mean)",
            "plugin % of a generating step (median, step 1 apart)", "plugin % at step 1", "generating step s (median)"]
 ARM_I_ENV = {"VLLM_BATCH_INVARIANT": "1", "TRITON_F32_DEFAULT": "ieee"}
 
@@ -145,6 +145,8 @@ def summarize(label: str, records: list[dict]) -> dict:
         "sampler_oob_mean": statistics.fmean(sampler) if sampler else None,
         "sampler_oob_max": max(sampler) if sampler else None,
         "sampler_exact_mean": statistics.fmean(exact) if exact else None,
+        "sampler_abs_dlogp_max": max((r["gap/sampler/abs_dlogp_max"] for r in generating
+                                      if r.get("gap/sampler/abs_dlogp_max") is not None), default=None),
         "sampler_oob_first_generation": first.get("gap/sampler/oob_frac"),
         "ratio_oob_first_iteration_mean": statistics.fmean(ratio) if ratio else None,
         "overhead_median": statistics.median(overhead) if overhead else None,
@@ -163,7 +165,9 @@ def table(rows: dict) -> dict:
             body.append([label, *[None] * (len(COLUMNS) - 1)])
             continue
         body.append([label, row["entry"], row["arm"], row["num_iterations"], row["steps"], row["generations"],
-                     _pct(row["sampler_oob_mean"]), _pct(row["sampler_oob_max"]), _pct(row["sampler_exact_mean"], 2),
+                     _pct(row["sampler_oob_mean"]), _pct(row["sampler_oob_max"]),
+                     None if row.get("sampler_abs_dlogp_max") is None else float(f"{row['sampler_abs_dlogp_max']:.3g}"),
+                     _pct(row["sampler_exact_mean"], 2),
                      _pct(row["ratio_oob_first_iteration_mean"]), _pct(row["overhead_median"], 2),
                      _pct(row["overhead_step1"], 1),
                      None if row["generating_step_s_median"] is None else round(row["generating_step_s_median"], 3)])
