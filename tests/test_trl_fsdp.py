@@ -24,6 +24,7 @@ pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
 from multiproc_launch import ROOT, accelerate_launch, read_records, require_gloo, run_helper  # noqa: E402
+from test_trl_multiproc import GENERATION_FIELDS, gen_index  # noqa: E402
 
 FSDP_CONFIG = ROOT / "benchmarks" / "gpu" / "accelerate_fsdp2.yaml"
 ARMS = ("A", "B", "E", "F", "G")
@@ -110,12 +111,12 @@ def test_a_process_without_any_completion_token_still_takes_every_forward(base):
     _launch(out, "--arm", "C", "--mask-rank", "1", "--steps", "1", "--num-iterations", "1", timeout=150)
     records = read_records(out)
     first = _first_log(records[0])
-    gen = [r for r in records[0]["reduces"] if r["site"] == "_gap_flush_generation" and len(r["local"]) == 14]
-    gen1 = [r for r in records[1]["reduces"] if r["site"] == "_gap_flush_generation" and len(r["local"]) == 14]
+    gen = [r for r in records[0]["reduces"] if r["site"] == "_gap_flush_generation" and len(r["local"]) == len(GENERATION_FIELDS)]
+    gen1 = [r for r in records[1]["reduces"] if r["site"] == "_gap_flush_generation" and len(r["local"]) == len(GENERATION_FIELDS)]
     assert gen and gen1
-    kept_n = 7  # GenerationSums field order, as in test_trl_multiproc.GENERATION_SUMS
+    kept_n, kept_mass = gen_index("kept_n"), gen_index("kept_mass_sum")  # GenerationSums field order
     assert gen1[0]["local"][kept_n] == 0.0 and gen[0]["local"][kept_n] > 0
-    assert first["gap/kept/mass_mean"] == pytest.approx(gen[0]["local"][5] / gen[0]["local"][kept_n], rel=1e-12)
+    assert first["gap/kept/mass_mean"] == pytest.approx(gen[0]["local"][kept_mass] / gen[0]["local"][kept_n], rel=1e-12)
 
 
 @pytest.fixture(scope="module")
@@ -175,9 +176,9 @@ def test_a_process_whose_sampler_record_was_lost_still_takes_the_kept_set_forwar
     out = base / "norecord.json"
     _launch(out, "--arm", "C", "--drop-record-rank", "1", "--steps", "1", "--num-iterations", "1", timeout=150)
     records = read_records(out)
-    gen = [r for r in records[0]["reduces"] if r["site"] == "_gap_flush_generation" and len(r["local"]) == 14]
-    gen1 = [r for r in records[1]["reduces"] if r["site"] == "_gap_flush_generation" and len(r["local"]) == 14]
-    kept_n = 7
+    gen = [r for r in records[0]["reduces"] if r["site"] == "_gap_flush_generation" and len(r["local"]) == len(GENERATION_FIELDS)]
+    gen1 = [r for r in records[1]["reduces"] if r["site"] == "_gap_flush_generation" and len(r["local"]) == len(GENERATION_FIELDS)]
+    kept_n, kept_mass = gen_index("kept_n"), gen_index("kept_mass_sum")
     assert gen1[0]["local"][kept_n] == 0.0 and gen[0]["local"][kept_n] > 0
     first = _first_log(records[0])
-    assert first["gap/kept/mass_mean"] == pytest.approx(gen[0]["local"][5] / gen[0]["local"][kept_n], rel=1e-12)
+    assert first["gap/kept/mass_mean"] == pytest.approx(gen[0]["local"][kept_mass] / gen[0]["local"][kept_n], rel=1e-12)

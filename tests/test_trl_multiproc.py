@@ -18,6 +18,7 @@ the first update are bit-identical to the single-process run on the same rows.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 
@@ -27,6 +28,8 @@ pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
 from multiproc_launch import accelerate_launch, read_records, require_gloo, run_helper  # noqa: E402
+
+from bloggap_plugin.trl.state import GenerationSums  # noqa: E402
 
 FRACTIONS = [
     "gap/ratio/oob_frac", "gap/ratio/exact_frac", "gap/clip/clipped_frac", "gap/clip/flip_frac",
@@ -39,11 +42,22 @@ EXPECTED = FRACTIONS + [
     "gap/kept/ratio_after_mean", "gap/old_vs_trl/abs_dlogp_mean", "gap/fp16/fallbacks", "gap/time/scoring_s",
 ]
 # Reduced sums of _gap_flush_generation, in the mixin's order: (metric, numerator index, denominator index).
-GENERATION_SUMS = [
-    ("gap/sampler/oob_frac", 0, 1), ("gap/sampler/abs_dlogp_mean", 2, 1), ("gap/probe/oob_b1_vs_bN", 3, 4),
-    ("gap/kept/mass_mean", 5, 7), ("gap/kept/size_mean", 6, 7), ("gap/kept/ratio_before_mean", 8, 7),
-    ("gap/kept/ratio_after_mean", 9, 7), ("gap/kept/oob_before", 10, 7), ("gap/kept/oob_after", 11, 7),
-]
+GENERATION_FIELDS = [f.name for f in dataclasses.fields(GenerationSums)]
+"""GenerationSums' fields in reduction order (a generation's sums are the reduce of exactly this many values)."""
+
+
+def gen_index(name: str) -> int:
+    return GENERATION_FIELDS.index(name)
+
+
+GENERATION_SUMS = [(key, gen_index(num), gen_index(den)) for key, num, den in (
+    ("gap/sampler/oob_frac", "sampler_oob", "sampler_n"), ("gap/sampler/abs_dlogp_mean", "sampler_absd", "sampler_n"),
+    ("gap/sampler/exact_frac", "sampler_exact", "sampler_n"), ("gap/probe/oob_b1_vs_bN", "probe_oob", "probe_n"),
+    ("gap/kept/mass_mean", "kept_mass_sum", "kept_n"), ("gap/kept/size_mean", "kept_size_sum", "kept_n"),
+    ("gap/kept/ratio_before_mean", "kept_ratio_before_sum", "kept_n"),
+    ("gap/kept/ratio_after_mean", "kept_ratio_after_sum", "kept_n"), ("gap/kept/oob_before", "kept_oob_before", "kept_n"),
+    ("gap/kept/oob_after", "kept_oob_after", "kept_n"),
+)]
 # Reduced sums of _gap_loss_metrics: out-of-band, tokens, sum |dlogp|, exact, clipped, flips, probe tokens,
 # out-of-band vs TRL, sum |dlogp| vs TRL, processes with TRL old log-probs.
 LOSS_SUMS = [
@@ -129,7 +143,7 @@ def _expected_logs(record: dict) -> dict[int, dict[str, float]]:
     for i, red in enumerate(reduces):
         values = per_step.setdefault(red["step"] + 1, {})
         sums = red["reduced"]
-        if red["site"] == "_gap_flush_generation" and red["kind"] == "sum" and len(sums) == 14:
+        if red["site"] == "_gap_flush_generation" and red["kind"] == "sum" and len(sums) == len(GENERATION_FIELDS):
             for key, num, den in GENERATION_SUMS:
                 if sums[den] > 0:
                     values.setdefault(key, []).append(sums[num] / sums[den])
@@ -178,8 +192,8 @@ def test_process_0_matches_the_single_process_run_on_the_same_rows(runs):
         assert (a["site"], a["kind"]) == (b["site"], b["kind"])
         assert a["local"] == b["local"], a["site"]
     # pooled generation metrics of step 1: (single-process sums + process 1's) / (its tokens + process 1's)
-    gen_single = next(r["local"] for r in single if r["site"] == "_gap_flush_generation" and len(r["local"]) == 14)
-    gen_other = next(r["local"] for r in first_step(two1) if r["site"] == "_gap_flush_generation" and len(r["local"]) == 14)
+    gen_single = next(r["local"] for r in single if r["site"] == "_gap_flush_generation" and len(r["local"]) == len(GENERATION_FIELDS))
+    gen_other = next(r["local"] for r in first_step(two1) if r["site"] == "_gap_flush_generation" and len(r["local"]) == len(GENERATION_FIELDS))
     logged = _loss_logs(runs["two"][0])[0]
     for key, num, den in GENERATION_SUMS:
         pooled = (gen_single[num] + gen_other[num]) / (gen_single[den] + gen_other[den])
