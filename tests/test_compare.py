@@ -27,7 +27,6 @@ from bloggap_plugin.compare import (
     run_compare,
     run_settings,
     summarize_run,
-    t_quantile,
     write_outputs,
 )
 
@@ -129,23 +128,15 @@ def _config(tmp_path, fake, **kw) -> CompareConfig:
 # --------------------------------------------------------------------------------------------- statistics
 
 
-def test_t_quantile_matches_textbook_values():
-    # Two-sided 95% and one-sided 80% points of Student's t, from printed tables.
-    for df, expected in [(1, 12.706), (2, 4.303), (4, 2.776), (10, 2.228), (30, 2.042)]:
-        assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-3)
-    for df, expected in [(1, 1.376), (5, 0.920), (20, 0.860)]:
-        assert t_quantile(0.80, df) == pytest.approx(expected, abs=1e-3)
-    assert t_quantile(0.025, 3) == pytest.approx(-3.182, abs=1e-3)
-    assert t_quantile(0.975, 1e6) == pytest.approx(1.960, abs=1e-3)
-
-
 def test_paired_interval_by_hand():
-    out = paired_interval([0.1, 0.3])
-    # mean 0.2, sd = sqrt(((-.1)^2 + .1^2) / 1) = 0.141421..., half = 12.7062 * 0.141421 / sqrt(2) = 1.27062
+    out = paired_interval([0.1, 0.3, 0.2, 0.4, 0.0])
+    # mean 0.2, sd = sqrt(0.1 / 4) = 0.158114, half = t(0.975, 4) 2.776445 (printed tables) * 0.158114 / sqrt(5)
     assert out["mean"] == pytest.approx(0.2)
-    assert out["sd"] == pytest.approx(math.sqrt(0.02))
-    assert out["half_width"] == pytest.approx(1.27062, abs=1e-4)
-    assert out["low"] == pytest.approx(0.2 - 1.27062, abs=1e-4)
+    assert out["sd"] == pytest.approx(math.sqrt(0.025))
+    assert out["half_width"] == pytest.approx(2.776445 * math.sqrt(0.025) / math.sqrt(5), abs=1e-6)
+    assert out["low"] == pytest.approx(0.2 - out["half_width"])
+    two = paired_interval([0.1, 0.3])  # a t interval from 2 values (1 df) is not given
+    assert two["n"] == 2 and two["mean"] == pytest.approx(0.2) and two["half_width"] is None and two["low"] is None
     one = paired_interval([0.5])
     assert one["n"] == 1 and one["mean"] == 0.5 and one["half_width"] is None
 
@@ -220,11 +211,11 @@ def test_table_maths_on_constructed_logs(tmp_path):
     assert a["reward_last"] == pytest.approx(0.5) and a["reward_mean"] == pytest.approx(0.375)
     assert b["delta_vs_base"] == {0: pytest.approx(0.5), 1: pytest.approx(0.25)}
     assert b["reward_last"] == pytest.approx(0.875)
-    assert b["delta_interval"]["mean"] == pytest.approx(0.375)
-    # sd of (0.5, 0.25) = 0.176777; half width = 12.7062 * 0.176777 / sqrt(2) = 1.588275
-    assert b["delta_interval"]["half_width"] == pytest.approx(1.588275, abs=1e-4)
+    # C_s1 unfinished: the declared analysis (planned seeds 0, 1) is interim, means only
+    assert res["analysis"]["status"] == "interim" and res["analysis"]["planned_done"] == 1
+    assert b["delta_interval"] == {"n": 2, "mean": pytest.approx(0.375)}
     assert c["seeds"] == [0] and c["delta_vs_base"] == {0: pytest.approx(-0.25)}
-    assert c["delta_interval"]["half_width"] is None
+    assert c["delta_interval"] == {"n": 1, "mean": pytest.approx(-0.25)}
     assert a["clip"] == pytest.approx(0.01)
     # Resolution: per-run sd over the last-2 window, pooled as the root mean variance.
     sds_last = {"A_s0": 0.0, "A_s1": math.sqrt(0.5), "B_s0": 0.0, "B_s1": math.sqrt(0.125), "C_s0": 0.0}
@@ -232,15 +223,75 @@ def test_table_maths_on_constructed_logs(tmp_path):
     r = res["resolution"]
     assert r["step_sd_last"] == pytest.approx(pooled)
     assert r["se_last_mean"] == pytest.approx(pooled / math.sqrt(2))
-    assert r["mdd_step_noise"] == pytest.approx((1.959964 + 0.841621) * pooled * math.sqrt(2 / (2 * 2)), rel=1e-5)
-    # Only B has two paired deltas: pooled sd = 0.176777 with 1 df.
-    assert r["delta_df"] == 1 and r["delta_sd_pooled"] == pytest.approx(math.sqrt(0.03125))
-    assert r["mdd_paired"] == pytest.approx((12.7062 + 1.3764) * math.sqrt(0.03125) / math.sqrt(2), rel=1e-3)
+    # two arms compared at alpha 0.05: 2.5% two-sided each; z(0.9875) = 2.241403, z(0.8) = 0.841621 (tables)
+    assert r["mdd_step_noise"] == pytest.approx((2.241403 + 0.841621) * pooled * math.sqrt(2 / (2 * 2)), rel=1e-5)
+    assert r["detectable_per_arm"] is None  # interim
     table = res["tables"][0]
     assert table["reference"] == "T10" and table["columns"][2] == "reward last-2"
+    assert table["title"].startswith("Interim: ") and "INTERIM: 1 of 2 planned seeds" in table["notes"]
     rows = {row[0]: row for row in table["rows"]}
     assert rows["B"][2] == 0.875 and rows["B"][4] == "+0.500 / +0.250"
-    assert rows["C"][5].startswith("-0.250 (n=1")
+    assert rows["B"][5] == "+0.375 (interim: no interval)" and rows["B"][6] is None and rows["B"][7] is None
+    assert rows["C"][5].startswith("-0.250 (interim")
+
+
+def test_declared_analysis_is_final_only_with_every_planned_seed(tmp_path):
+    """Three seeds planned and finished: the final analysis of the primary (last-k) and the secondary (whole-run
+    mean) compares B and C with A at alpha 0.05 over two arms, as scipy computes it here; declaring a fourth seed
+    turns the same logs into an interim table without intervals or p-values."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    config = CompareConfig(recipes=_recipes(tmp_path, ("A", "B", "C")), seeds=[0, 1, 2], output_dir=str(tmp_path / "o"),
+                           last_n=2, max_steps=4, secondary=["reward_mean"])
+    runs = {r.run_id: r for r in plan_runs(config)}
+    base = [0.0, 0.5, 0.5, 0.5]
+    shifts = {"A": [0.0, 0.0, 0.0], "B": [0.1, 0.3, 0.2], "C": [-0.05, 0.05, 0.1]}
+    for run in runs.values():
+        shift = shifts[run.arm][run.seed]
+        _write_log(config, run, [r + shift + 0.01 * run.seed for r in base])
+    res = build_results(config, list(runs.values()))
+    analysis = res["analysis"]
+    assert analysis["status"] == "final" and analysis["declared"]["planned_seeds"] == [0, 1, 2]
+    for metric in ("reward_last", "reward_mean"):
+        for arm in ("B", "C"):
+            row, values = analysis["metrics"][metric]["arms"][arm], shifts[arm]
+            mean, sd = sum(values) / 3, math.sqrt(sum((v - sum(values) / 3) ** 2 for v in values) / 2)
+            half = scipy_stats.t.ppf(1 - 0.025 / 2, 2) * sd / math.sqrt(3)
+            assert row["mean"] == pytest.approx(mean) and row["half_width"] == pytest.approx(half)
+            assert row["p_t"] == pytest.approx(scipy_stats.ttest_1samp(values, 0.0).pvalue)
+    b = res["arms"]["B"]["delta_interval"]
+    assert b is analysis["metrics"]["reward_last"]["arms"]["B"]
+    rows = {row[0]: row for row in res["tables"][0]["rows"]}
+    assert rows["B"][5] == f"+0.200 [{b['low']:+.3f}, {b['high']:+.3f}]" and rows["B"][6] == round(b["p_t_holm"], 4)
+    assert not res["tables"][0]["title"].startswith("Interim")
+    assert "simultaneous 95% CI" in res["tables"][0]["columns"][5]
+    assert res["resolution"]["detectable_per_arm"] == {arm: analysis["metrics"]["reward_last"]["arms"][arm]["detectable"]
+                                                       for arm in ("B", "C")}
+    analysis_rows = [t for t in res["tables"] if t["id"] == "T10-analysis"][0]["rows"]
+    assert [r[:3] for r in analysis_rows] == [["reward_last", "primary", "B"], ["reward_last", "primary", "C"],
+                                              ["reward_mean", "secondary", "B"], ["reward_mean", "secondary", "C"]]
+    assert "covers every reward step" not in res["tables"][0]["notes"]  # last-2 of 4 reward steps
+    whole = build_results(dataclasses.replace(config, last_n=4), list(runs.values()))
+    assert "The last-4 window covers every reward step of these runs" in whole["tables"][0]["notes"]
+    later = dataclasses.replace(config, planned_seeds=[0, 1, 2, 3])
+    interim = build_results(later, list(runs.values()))
+    assert interim["analysis"]["status"] == "interim" and interim["analysis"]["planned_done"] == 3
+    assert interim["arms"]["B"]["delta_interval"] == {"n": 3, "mean": pytest.approx(0.2)}
+    assert all(r[5] is None and r[8] is None for r in [t for t in interim["tables"] if t["id"] == "T10-analysis"][0]["rows"])
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"primary": "loss"}, "--primary loss: not a metric"),
+    ({"secondary": ["reward_last"]}, "--secondary lists the primary metric"),
+    ({"alpha": 0.9}, "--alpha 0.9: must be a number in"),
+    ({"planned_seeds": [0]}, "--seeds 1: not among --planned-seeds 0"),
+    ({"planned_seeds": [0, 1, 1]}, "--planned-seeds 0 1 1: a seed is repeated"),
+])
+def test_a_bad_declared_analysis_is_refused_naming_the_flag(tmp_path, settings, message):
+    from bloggap_plugin.compare import validate_config
+
+    config = CompareConfig(recipes=_recipes(tmp_path), seeds=[0, 1], output_dir=str(tmp_path / "o"), **settings)
+    with pytest.raises(CompareError, match=message):
+        validate_config(config, training=False)
 
 
 def test_read_log_tolerates_a_cut_last_line_but_not_a_bad_middle_line(tmp_path):
@@ -280,12 +331,14 @@ def test_sweep_with_fake_runs_writes_table_json_plot_and_resumes(tmp_path, fake)
     arms = res["arms"]
     assert arms["A"]["reward_last_per_seed"] == {0: pytest.approx(0.375), 1: pytest.approx(0.5)}
     assert arms["B"]["delta_vs_base"] == {0: pytest.approx(0.25), 1: pytest.approx(0.25)}
-    assert arms["B"]["delta_interval"]["half_width"] == pytest.approx(0.0)
+    assert arms["B"]["delta_interval"] == {"n": 2, "mean": pytest.approx(0.25), "sd": None, "t": None, "p_t": None,
+                                          "p_sign_flip": None, "low": None, "high": None, "half_width": None,
+                                          "detectable": None, "p_t_holm": None, "p_sign_flip_holm": None}
     assert arms["B"]["gap"]["gap/ratio/oob_frac"] == pytest.approx(0.5)
     assert arms["A"]["s_per_step"] == pytest.approx(2.0)
     document = json.loads((out / "compare.json").read_text())
     assert document["schema_version"] == 1 and document["benchmark"] == "compare"
-    assert [t["id"] for t in document["tables"]] == ["T10", "T10-gap", "T10-resolution"]
+    assert [t["id"] for t in document["tables"]] == ["T10", "T10-analysis", "T10-gap", "T10-resolution"]
     from bloggap_plugin.report import validate_result
 
     validate_result(json.loads((out / "compare.json").read_text(), parse_float=__import__("decimal").Decimal), "compare.json", {"T10"})

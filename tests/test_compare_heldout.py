@@ -82,22 +82,24 @@ def _config(tmp_path, fake, **kw) -> CompareConfig:
 
 def test_heldout_accuracy_per_arm_with_paired_intervals_and_no_second_evaluation(tmp_path, fake):
     pytest.importorskip("matplotlib")
-    config = _config(tmp_path, fake)
+    config = _config(tmp_path, fake, seeds=[0, 1, 2])
     res = run_compare(config, echo=lambda m: None)
     assert res["failed"] == {}
-    assert sorted(_calls(fake, "eval")) == ["A_s0", "A_s1", "B_s0", "B_s1"]
+    assert sorted(_calls(fake, "eval")) == ["A_s0", "A_s1", "A_s2", "B_s0", "B_s1", "B_s2"]
     assert set(_calls(fake, "n")) == {40} and set(_calls(fake, "max_tokens")) == {256}  # recipe has none: TRL's 256
     held = res["heldout"]["arms"]
-    assert held["A"]["accuracy_per_seed"] == {0: pytest.approx(0.5), 1: pytest.approx(0.55)}
-    assert held["B"]["delta_vs_base"] == {0: pytest.approx(0.1), 1: pytest.approx(0.15)}
+    assert held["A"]["accuracy_per_seed"] == {0: pytest.approx(0.5), 1: pytest.approx(0.55), 2: pytest.approx(0.6)}
+    assert held["B"]["delta_vs_base"] == {0: pytest.approx(0.1), 1: pytest.approx(0.15), 2: pytest.approx(0.2)}
     interval = held["B"]["delta_interval"]
-    # two seeds: mean 0.125, sd 0.05 / sqrt(2), half-width t(0.975, 1) = 12.7062 times sd / sqrt(2)
-    assert interval["mean"] == pytest.approx(0.125)
-    assert interval["half_width"] == pytest.approx(12.7062 * (0.05 / math.sqrt(2)) / math.sqrt(2), rel=1e-4)
+    # three seeds, one arm compared: mean 0.15, sd 0.05, half-width t(0.975, 2) = 4.302653 (tables) x 0.05 / sqrt(3);
+    # t = 0.15 / (0.05 / sqrt(3)) = 5.196 with 2 df; every sign positive: exact sign-flip p = 2 / 2^3
+    assert interval["mean"] == pytest.approx(0.15)
+    assert interval["half_width"] == pytest.approx(4.302653 * 0.05 / math.sqrt(3), rel=1e-6)
+    assert interval["t"] == pytest.approx(3 * math.sqrt(3)) and interval["p_sign_flip"] == pytest.approx(0.25)
     out = Path(config.output_dir)
     table = {t["id"]: t for t in json.loads((out / "compare.json").read_text())["tables"]}["T10-heldout"]
-    assert table["rows"][0][:3] == ["A", 2, 0.525] and table["rows"][1][:4] == ["B", 2, 0.65, "+0.100 / +0.150"]
-    assert table["rows"][1][4].startswith("+0.125 [-0.") and table["rows"][1][5] == "40"
+    assert table["rows"][0][:3] == ["A", 3, 0.55] and table["rows"][1][:4] == ["B", 3, 0.7, "+0.100 / +0.150 / +0.200"]
+    assert table["rows"][1][4].startswith("+0.150 [+0.0") and table["rows"][1][6] == 0.25 and table["rows"][1][7] == "40"
     assert "T10-heldout" in (out / "compare.md").read_text()
     assert not list(out.glob("trainer/*/final"))  # deleted once evaluated
     stored = json.loads((out / "runs" / "A_s0.heldout.json").read_text())
@@ -105,13 +107,13 @@ def test_heldout_accuracy_per_arm_with_paired_intervals_and_no_second_evaluation
     assert stored["attempt"] == trained["attempt"] and stored["settings"]["n"] == 40
     messages = []
     again = run_compare(config, echo=messages.append)  # resume: nothing trains, nothing is evaluated again
-    assert len(_calls(fake, "eval")) == 4 and len(_calls(fake, "run")) == 4
+    assert len(_calls(fake, "eval")) == 6 and len(_calls(fake, "run")) == 6
     assert again["heldout"] == res["heldout"]
     # A larger held-out set is another result, but the saved policies are gone: named, not trained again
     messages.clear()
     bigger = run_compare(dataclasses.replace(config, heldout_n=80), echo=messages.append)
-    assert len(_calls(fake, "run")) == 4 and bigger["heldout"] is None
-    assert sum("saved policy is gone" in m for m in messages) == 4
+    assert len(_calls(fake, "run")) == 6 and bigger["heldout"] is None
+    assert sum("saved policy is gone" in m for m in messages) == 6
 
 
 def test_a_run_trained_but_not_evaluated_is_evaluated_on_resume_without_training_again(tmp_path, fake, monkeypatch):

@@ -43,7 +43,8 @@ def _json_numbers(paths) -> set[Decimal]:
     for path in paths:
         numbers |= _numbers_in_json(json.loads(Path(path).read_text(), parse_float=Decimal))
         numbers |= _numbers_in_text(Path(path).as_posix())
-    return {n.normalize() for n in numbers}
+    # the Markdown's numbers are read without their sign ("-0.0147" is found as 0.0147): compare magnitudes
+    return {abs(n).normalize() for n in numbers}
 
 
 def _assert_numbers_sourced(markdown: str, json_paths) -> None:

@@ -82,7 +82,6 @@ from bloggap_plugin.compare.statistics import (
     paired_interval,
     plugin_time_share,
     summarize_run,
-    t_quantile,
     timed_steps,
 )
 from bloggap_plugin.compare.sweep import SweepStopped, _worker_environment, run_compare
@@ -115,7 +114,6 @@ __all__ = [
     "plugin_time_share",
     "timed_steps",
     "build_results",
-    "t_quantile",
     "paired_interval",
     "write_outputs",
     "plot_reward_curves",

@@ -42,6 +42,10 @@ VLLM_GPU_SHARE = 0.75
 ``VLLM_GPU_SHARE / parallel``); the rest is for the runs' training (weights, optimizer, activations)."""
 
 
+ANALYSIS_METRICS = {"reward_last": "reward last-k", "reward_mean": "reward mean", "heldout": "held-out accuracy"}
+"""The metrics a sweep's analysis may declare (name -> label in tables)."""
+
+
 class CompareError(UsageError):
     """Settings or folder state that stop a sweep before it starts; the message names the problem and the fix."""
 
@@ -95,6 +99,20 @@ class CompareConfig:
     last_n: int = field(default=30, metadata={"help": "Steps in the 'reward last-k' window."})
     baseline: str | None = field(default=None, metadata={
         "help": "Arm the deltas are taken against (default: arm A if present, else the first recipe)."})
+    primary: str = field(default="reward_last", metadata={"choices": list(ANALYSIS_METRICS), "help": (
+        "The declared primary metric, compared per arm with the baseline on the planned seeds: reward_last (mean "
+        "reward of the final --last-n reward steps), reward_mean (over the whole run) or heldout (held-out "
+        "accuracy).")})
+    secondary: list[str] = field(default_factory=lambda: ["reward_mean", "heldout"], metadata={"help": (
+        "Declared secondary metrics (same choices as --primary), each tested with the same correction; heldout is "
+        "skipped when no run evaluates held-out prompts.")})
+    alpha: float = field(default=0.05, metadata={"help": (
+        "Family-wise error rate over the arms compared with the baseline: intervals are simultaneous (Bonferroni, "
+        "1 - alpha/m each for m arms) and p-values Holm-adjusted.")})
+    planned_seeds: list[int] = field(default_factory=list, metadata={"help": (
+        "Seeds declared before the sweep for its analysis (default: --seeds). Until every arm has finished all of "
+        "them the tables are interim: means and per-seed differences, no interval or p-value, so a conclusion "
+        "cannot depend on when someone looked.")})
     extra_overrides: dict = field(default_factory=dict, metadata={
         "help": "GRPOConfig overrides applied to every arm: a JSON object, e.g. '{\"num_iterations\": 2}' (in a "
                 "--config file: a mapping).", "aliases": ["--override"], "parse": str, "metavar": "JSON"})
@@ -143,6 +161,29 @@ def _arm_label(recipe: Path) -> str:
 
 def _mapping(value) -> dict:
     return value if isinstance(value, dict) else {}
+
+
+def _check_analysis(config: CompareConfig) -> None:
+    """The declared analysis: known metrics, the primary not repeated as secondary, alpha in (0, 0.5], planned seeds
+    distinct and including every seed that runs."""
+    for option, name in (("--primary", config.primary), *(("--secondary", m) for m in config.secondary)):
+        if name not in ANALYSIS_METRICS:
+            raise CompareError(f"{option} {name}: not a metric; use one of {', '.join(ANALYSIS_METRICS)}")
+    if config.primary in config.secondary:
+        raise CompareError(f"--secondary lists the primary metric {config.primary}; drop it there")
+    if len(set(config.secondary)) != len(config.secondary):
+        raise CompareError(f"--secondary {' '.join(config.secondary)}: a metric is repeated; give each once")
+    alpha = config.alpha
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 0.5:
+        raise CompareError(f"--alpha {alpha}: must be a number in (0, 0.5], e.g. 0.05")
+    planned = config.planned_seeds
+    if planned:
+        if len(set(planned)) != len(planned):
+            raise CompareError(f"--planned-seeds {' '.join(map(str, planned))}: a seed is repeated; give each once")
+        extra = [seed for seed in config.seeds if seed not in planned]
+        if extra:
+            raise CompareError(f"--seeds {' '.join(map(str, extra))}: not among --planned-seeds "
+                               f"{' '.join(map(str, planned))}; declare every seed before the sweep runs it")
 
 
 def plan_runs(config: CompareConfig) -> list[RunSpec]:
@@ -203,6 +244,7 @@ def validate_config(config: CompareConfig, training: bool = True) -> list[RunSpe
     except (OSError, ValueError) as err:
         raise CompareError(str(err).splitlines()[0]) from None
     arms = list(dict.fromkeys(run.arm for run in runs))
+    _check_analysis(config)
     if config.baseline is not None and config.baseline not in arms:
         raise CompareError(f"--baseline {config.baseline} names no arm; the arms are {', '.join(arms)} "
                            "(each recipe's gap.arm, else its file name)")

@@ -8,7 +8,8 @@ import os
 from pathlib import Path
 
 from bloggap_plugin._io import atomic_write_text
-from bloggap_plugin.compare.config import CompareConfig, CompareError
+from bloggap_plugin.compare.config import ANALYSIS_METRICS, CompareConfig, CompareError
+from bloggap_plugin.compare.inference import MIN_SEEDS, POWER
 from bloggap_plugin.results import ResultDocument
 
 __all__ = [
@@ -32,37 +33,71 @@ def _signed(value: float | None, digits: int = 3) -> str:
     return f"{value:+.{digits}f}"
 
 
-def _interval_cell(interval: dict | None, is_base: bool) -> str:
-    """``"+0.012 [-0.003, +0.027]"``: a paired mean difference with its 95% interval, as a table cell."""
+def _interval_cell(interval: dict | None, is_base: bool, interim: bool = False) -> str:
+    """``"+0.012 [-0.003, +0.027]"``: a paired mean difference with its simultaneous interval, as a table cell;
+    an interim table or too few seeds gives the mean and says why there is no interval."""
     if is_base:
         return "baseline"
     if interval is None or interval["n"] == 0:
         return "-"
-    if interval["half_width"] is None:
-        return f"{_signed(interval['mean'])} (n={interval['n']}: too small for an interval)"
+    if interim:
+        return f"{_signed(interval['mean'])} (interim: no interval)"
+    if interval.get("half_width") is None:
+        return f"{_signed(interval['mean'])} (n={interval['n']}: too few seeds for an interval, need {MIN_SEEDS})"
     return f"{_signed(interval['mean'])} [{_signed(interval['low'])}, {_signed(interval['high'])}]"
 
 
-def _heldout_table(config: CompareConfig, heldout: dict) -> dict:
+def _p_cell(interval: dict | None, key: str):
+    return None if interval is None or interval.get(key) is None else _r(interval[key], 4)
+
+
+def _analysis_words(results: dict) -> tuple[str, str, bool]:
+    """``(interval column label, a sentence on the analysis, interim?)`` from ``results["analysis"]``."""
+    analysis = results["analysis"]
+    declared = analysis["declared"]
+    interim = analysis["status"] != "final"
+    family = max(1, len(results["arms"]) - 1)
+    confidence = f"{100 * (1 - declared['alpha']):g}%"
+    label = f"mean [simultaneous {confidence} CI]"
+    planned = ", ".join(map(str, declared["planned_seeds"]))
+    if interim:
+        sentence = (f"INTERIM: {analysis['planned_done']} of {analysis['planned_total']} planned seeds ({planned}) "
+                    "finished for every arm; the declared analysis (primary "
+                    f"{declared['primary']}, secondary {', '.join(declared['secondary']) or 'none'}, baseline "
+                    f"{declared['baseline']}, alpha {declared['alpha']:g}) reports intervals and p-values only when "
+                    "all planned seeds have finished, so this table claims none.")
+    else:
+        sentence = (f"Declared before the run: primary {declared['primary']}, secondary "
+                    f"{', '.join(declared['secondary']) or 'none'}, baseline {declared['baseline']}, seeds {planned}, "
+                    f"alpha {declared['alpha']:g} over the {family} arm(s) compared: each interval is a paired t "
+                    f"interval at {100 * (1 - declared['alpha'] / family):.4g}% (Bonferroni), so all of them hold "
+                    f"together at {confidence}; p t: paired t-test, Holm-adjusted; p sign-flip: exact sign-flip "
+                    "permutation test of the mean, Holm-adjusted (raw values in the JSON).")
+    return label, sentence, interim
+
+
+def _heldout_table(config: CompareConfig, heldout: dict, results: dict) -> dict:
     """Table T10-heldout: greedy held-out accuracy per arm, paired differences to the baseline arm."""
     base = heldout["baseline"]
+    label_ci, sentence, interim = _analysis_words(results)
     rows = []
     for label, row in heldout["arms"].items():
         per_seed = " / ".join(_signed(d) for d in row["delta_vs_base"].values()) if label != base else "-"
+        interval = row["delta_interval"]
         rows.append([label, len(row["seeds"]), _r(row["accuracy"]), per_seed,
-                     _interval_cell(row["delta_interval"], label == base),
-                     ", ".join(map(str, row["n_per_run"])) or None])
+                     _interval_cell(interval, label == base, interim), _p_cell(interval, "p_t_holm"),
+                     _p_cell(interval, "p_sign_flip_holm"), ", ".join(map(str, row["n_per_run"])) or None])
     held = "the test split" + (f" ({config.calc_steps} calculation steps)" if config.calc_steps is not None else "") \
         if config.task == "gsm8k" else "questions from a held-out generator seed, none in the run's training set"
     return {
         "id": "T10-heldout",
         "title": f"Held-out accuracy by arm ({config.task}, {config.model})",
-        "columns": ["arm", "seeds", "held-out accuracy", f"vs {base} per seed", f"vs {base}: mean [95% CI]",
-                    "prompts per run"],
+        "columns": ["arm", "seeds", "held-out accuracy", f"vs {base} per seed", f"vs {base}: {label_ci}",
+                    "p t (Holm)", "p sign-flip (Holm)", "prompts per run"],
         "rows": rows,
         "notes": (f"Greedy accuracy of each run's final policy on held-out prompts ({held}), HF generate in fp32 "
                   f"(the same for every arm), the training reward as the score, mean over seeds. vs {base}: per-seed "
-                  "difference against the baseline arm (same prompts); interval: paired t over seeds."),
+                  f"difference against the baseline arm (same prompts). {sentence}"),
         "reference": None,
         "random_init": config.model.startswith("tiny-random"),
     }
@@ -72,15 +107,21 @@ def _tables(config: CompareConfig, results: dict) -> list[dict]:
     base, k = results["baseline"], results["last_k"]
     arms = results["arms"]
     headline = [key for key in _HEADLINE_GAP_KEYS if any(key in row["gap"] for row in arms.values())]
-    columns = ["arm", "seeds", f"reward last-{k}", "reward mean", f"vs {base} per seed", f"vs {base}: mean [95% CI]",
+    label_ci, sentence, interim = _analysis_words(results)
+    primary = results["analysis"]["declared"]["primary"]
+    primary_label = ANALYSIS_METRICS[primary].replace("-k", f"-{k}")
+    columns = ["arm", "seeds", f"reward last-{k}", "reward mean", f"vs {base} per seed (reward last-{k})",
+               f"vs {base}: {primary_label} {label_ci}", "p t (Holm)", "p sign-flip (Holm)",
                "clip", *[f"{key} %" for key in headline], "s/step"]
     rows = []
     for label, row in arms.items():
         is_base = label == base
         per_seed = " / ".join(_signed(row["delta_vs_base"][s]) for s in row["delta_vs_base"]) if not is_base else "-"
-        ci = _interval_cell(row["delta_interval"], is_base)
+        interval = row["delta_interval"]
+        ci = _interval_cell(interval, is_base, interim)
         gap_cells = [_r(100 * row["gap"][key], 2) if row["gap"].get(key) is not None else None for key in headline]
         rows.append([label, len(row["seeds"]), _r(row["reward_last"]), _r(row["reward_mean"]), per_seed, ci,
+                     _p_cell(interval, "p_t_holm"), _p_cell(interval, "p_sign_flip_holm"),
                      _r(row["clip"]), *gap_cells, _r(row["s_per_step"], 3)])
     res = results["resolution"]
     generation = "vLLM colocate (TRL)" if config.use_vllm else "HF generate"
@@ -89,12 +130,13 @@ def _tables(config: CompareConfig, results: dict) -> list[dict]:
         f"{task}, {config.model}, {config.max_steps} steps, seeds {', '.join(map(str, config.seeds))}, "
         f"generation: {generation}. "
         f"reward last-{k}: mean of the logged reward over the final {k} steps that logged one (with num_iterations > 1 "
-        f"only generating steps do), averaged over seeds; reward mean: over all of them. vs {base}: per-seed difference of last-{k} against arm {base}; interval: paired t over seeds. "
+        f"only generating steps do), averaged over seeds; reward mean: over all of them. vs {base}: per-seed difference "
+        f"against arm {base} (same seed: same prompts and sampling seeds). {_window_words(results)}{sentence} "
         "clip: mean clip_ratio/region_mean. gap/* columns: mean over steps, in percent. s/step: mean step_time."
     )
     main = {
         "id": "T10",
-        "title": f"Reward by old-logprob arm ({config.task}, {config.model})",
+        "title": ("Interim: " if interim else "") + f"Reward by old-logprob arm ({config.task}, {config.model})",
         "columns": columns,
         "rows": rows,
         "notes": notes,
@@ -103,7 +145,8 @@ def _tables(config: CompareConfig, results: dict) -> list[dict]:
     }
     tables = [main]
     if results.get("heldout"):
-        tables.append(_heldout_table(config, results["heldout"]))
+        tables.append(_heldout_table(config, results["heldout"], results))
+    tables.append(_analysis_table(config, results))
     gap_keys = sorted({key for row in arms.values() for key in row["gap"]})
     if gap_keys:
         tables.append({
@@ -139,15 +182,59 @@ def _tables(config: CompareConfig, results: dict) -> list[dict]:
             ["per-step reward sd (all steps, pooled over runs)", _r(res["step_sd_all"])],
             [f"SE of a last-{k} mean from step noise", _r(res["se_last_mean"])],
             ["seed-to-seed sd of last-k (mean over arms)", _r(res["seed_sd_last"])],
-            ["smallest detectable difference, step noise only (5% two-sided, 80% power)", _r(res["mdd_step_noise"])],
-            ["sd of paired deltas vs baseline (pooled over arms)", _r(res["delta_sd_pooled"])],
-            ["smallest detectable difference from paired deltas (t, pooled df)", _r(res["mdd_paired"])],
+            [f"smallest detectable difference, step noise only ({_level(res)} two-sided, {res['power']:.0%} power)",
+             _r(res["mdd_step_noise"])],
+            *[[f"smallest detectable difference, arm {arm} (its paired differences, {_level(res)} two-sided, "
+               f"{res['power']:.0%} power)", _r(value)] for arm, value in (res["detectable_per_arm"] or {}).items()],
         ],
         "notes": resolution_statement(results),
         "reference": None,
         "random_init": config.model.startswith("tiny-random"),
     })
     return tables
+
+
+def _window_words(results: dict) -> str:
+    """A sentence when the last-k window is every reward step of the runs (then it is no final window)."""
+    steps = [run["reward_steps"] for run in results["runs"].values() if run.get("reward_steps")]
+    k = results["last_k"]
+    if steps and k and k >= max(steps):
+        return (f"The last-{k} window covers every reward step of these runs, so reward last-{k} is the whole-run "
+                "mean, not a final window. ")
+    return ""
+
+
+def _level(res: dict) -> str:
+    return f"{100 * res['level_per_arm']:.3g}%"
+
+
+def _analysis_table(config: CompareConfig, results: dict) -> dict:
+    """Table T10-analysis: every declared metric, per arm against the baseline (the primary first)."""
+    analysis = results["analysis"]
+    label_ci, sentence, interim = _analysis_words(results)
+    rows = []
+    for metric, block in analysis["metrics"].items():
+        role = "primary" if metric == analysis["declared"]["primary"] else "secondary"
+        for arm, row in block["arms"].items():
+            rows.append([metric, role, arm, row["n"], _r(row["mean"]),
+                         None if interim or row.get("low") is None else _r(row["low"]),
+                         None if interim or row.get("high") is None else _r(row["high"]),
+                         _p_cell(row, "p_t"), _p_cell(row, "p_t_holm"), _p_cell(row, "p_sign_flip"),
+                         _p_cell(row, "p_sign_flip_holm"), _r(row.get("detectable"))])
+    return {
+        "id": "T10-analysis",
+        "title": ("Interim: " if interim else "") + f"Declared analysis: each arm against {results['baseline']}",
+        "columns": ["metric", "role", "arm", "seeds", "mean difference", "CI low", "CI high", "p t", "p t (Holm)",
+                    "p sign-flip", "p sign-flip (Holm)", "detectable difference"],
+        "rows": rows,
+        "notes": (f"{sentence} CI: simultaneous ({label_ci.split('[')[1].rstrip(']')}). detectable difference: "
+                  f"(t at the per-arm level + t at {POWER:.0%} power) x the arm's sd of differences / sqrt(seeds), "
+                  f"its own df (no pooling across arms). An arm with fewer than {MIN_SEEDS} seeds gets no interval "
+                  "or p-value."),
+        "reference": None,
+        "random_init": config.model.startswith("tiny-random"),
+        "plot": False,
+    }
 
 
 def resolution_statement(results: dict) -> str:
@@ -158,21 +245,21 @@ def resolution_statement(results: dict) -> str:
         return "Too few steps to estimate the per-step reward noise."
     text = (
         f"Per-step reward sd is {res['step_sd_last']:.3f} over the last-{k} window, so a {k}-step mean has a "
-        f"standard error of about {res['se_last_mean']:.3f} (if steps were independent). With {n} seed(s) per arm, "
-        f"a difference between two arms smaller than about {res['mdd_step_noise']:.3f} is below what step noise "
-        "alone lets this sweep detect (5% two-sided, 80% power); that is a lower bound, because runs also differ "
+        f"standard error of about {res['se_last_mean']:.3f} (if steps were independent). With {n} planned seed(s) "
+        f"per arm, a difference between two arms smaller than about {res['mdd_step_noise']:.3f} is below what step "
+        f"noise alone lets this sweep detect ({_level(res)} two-sided per arm: alpha {res['alpha']:g} over "
+        f"{res['family']} arm(s); {res['power']:.0%} power); that is a lower bound, because runs also differ "
         "seed to seed"
     )
     if res["seed_sd_last"] is not None:
         text += f" (seed-to-seed sd of one arm's last-{k} reward: {res['seed_sd_last']:.3f})"
     text += ". "
-    if res["mdd_paired"] is not None:
-        text += (
-            f"From the paired per-seed deltas themselves (sd {res['delta_sd_pooled']:.3f}, {res['delta_df']} df "
-            f"pooled over arms) the smallest detectable difference is about {res['mdd_paired']:.3f}."
-        )
+    if res["detectable_per_arm"]:
+        values = ", ".join(f"{arm} {value:.3f}" for arm, value in res["detectable_per_arm"].items() if value is not None)
+        text += f"From each arm's own paired per-seed differences (its own df) the smallest detectable difference is: {values}."
     else:
-        text += "With fewer than two seeds per arm there is no paired interval: n is too small."
+        text += (f"Per-arm detectable differences come with the final analysis (all planned seeds, at least "
+                 f"{MIN_SEEDS}).")
     return text
 
 

@@ -6,15 +6,16 @@ import math
 
 from bloggap_plugin.compare.config import CompareConfig, RunSpec
 from bloggap_plugin.compare.heldout import read_heldout
+from bloggap_plugin.compare.inference import MIN_SEEDS, POWER, compare_with_baseline
 from bloggap_plugin.compare.logs import read_log, run_state
 from bloggap_plugin.compare.outputs import _tables
 
 __all__ = [
     "summarize_run",
     "build_results",
-    "t_quantile",
     "paired_interval",
     "heldout_by_arm",
+    "declared_analysis",
 ]
 
 
@@ -32,59 +33,19 @@ def _sd(values: list[float]) -> float | None:
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
-def _t_pdf(x: float, df: float) -> float:
-    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    return math.exp(log_c - (df + 1) / 2 * math.log1p(x * x / df))
-
-
-def _t_cdf(x: float, df: float) -> float:
-    # Student t CDF: 0.5 + integral of the pdf over [0, x] (composite Simpson on the substitution x = tan u,
-    # which maps the heavy tail to a finite interval).
-    if x == 0:
-        return 0.5
-    upper = math.atan(abs(x))
-    steps = 2000
-    h = upper / steps
-    total = 0.0
-    for i in range(steps + 1):
-        u = i * h
-        weight = 1 if i in (0, steps) else (4 if i % 2 else 2)
-        total += weight * _t_pdf(math.tan(u), df) / math.cos(u) ** 2
-    area = total * h / 3
-    return 0.5 + area if x > 0 else 0.5 - area
-
-
-def t_quantile(p: float, df: float) -> float:
-    """Quantile of Student's t with ``df`` degrees of freedom (``0 < p < 1``), by bisection on the CDF."""
-    if not 0 < p < 1:
-        raise ValueError(f"p must be in (0, 1), got {p}")
-    if df <= 0:
-        raise ValueError(f"df must be > 0, got {df}")
-    if p < 0.5:
-        return -t_quantile(1 - p, df)
-    low, high = 0.0, 1.0
-    while _t_cdf(high, df) < p:
-        high *= 2
-    for _ in range(60):
-        mid = (low + high) / 2
-        if _t_cdf(mid, df) < p:
-            low = mid
-        else:
-            high = mid
-    return (low + high) / 2
-
-
 def paired_interval(deltas: list[float], confidence: float = 0.95) -> dict:
-    """Mean of paired differences and its two-sided t interval: ``{n, mean, sd, low, high, half_width}``.
+    """Mean of paired differences and its two-sided t interval (scipy's quantile): ``{n, mean, sd, low, high,
+    half_width}``. With fewer than :data:`~bloggap_plugin.compare.inference.MIN_SEEDS` differences only ``n`` and
+    ``mean`` are set (a t interval from 2 values has 1 df and means little)."""
+    from scipy import stats
 
-    With fewer than two differences ``sd``/``low``/``high``/``half_width`` are ``None`` (n too small).
-    """
     n = len(deltas)
     mean = _mean(deltas)
     sd = _sd(deltas)
-    if sd is None:
-        return {"n": n, "mean": mean, "sd": None, "low": None, "high": None, "half_width": None}
-    half = t_quantile(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n)
+    if sd is None or n < MIN_SEEDS:
+        return {"n": n, "mean": mean, "sd": sd if n >= MIN_SEEDS else None, "low": None, "high": None,
+                "half_width": None}
+    half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
     return {"n": n, "mean": mean, "sd": sd, "low": mean - half, "high": mean + half, "half_width": half}
 
 
@@ -209,16 +170,25 @@ def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
             "reward_mean_per_seed": {seed: seeds[seed]["reward_mean"] for seed in sorted(seeds)},
             "seed_sd_last": _sd([s["reward_last"] for s in seeds.values()]),
             "delta_vs_base": {seed: deltas[seed] for seed in sorted(deltas)},
-            "delta_interval": paired_interval([deltas[s] for s in sorted(deltas)]) if label != base else None,
+            "delta_interval": None,  # filled from the declared analysis below
             "clip": _mean([s["clip"] for s in seeds.values() if s["clip"] is not None]),
             "sampling_dlogp": _mean([s["sampling_dlogp"] for s in seeds.values() if s["sampling_dlogp"] is not None]),
             "gap": {key: _mean([s["gap"].get(key) for s in seeds.values()]) for key in gap_keys},
             "s_per_step": _mean([s["s_per_step"] for s in seeds.values() if s["s_per_step"] is not None]),
             "plugin_share": _mean([s["plugin_share"] for s in seeds.values() if s.get("plugin_share") is not None]),
         }
-    resolution = _resolution(per_run, arm_rows, base, k, len(config.seeds))
+    analysis = declared_analysis(config, by_arm, base)
+    primary = analysis["metrics"].get(config.primary)
+    for label, row in arm_rows.items():
+        row["delta_interval"] = primary["arms"].get(label) if primary is not None and label != base else None
+    heldout = heldout_by_arm(per_run, arms, base)
+    if heldout is not None:
+        held = analysis["metrics"].get("heldout")
+        for label, row in heldout["arms"].items():
+            row["delta_interval"] = held["arms"].get(label) if held is not None and label != base else None
+    resolution = _resolution(per_run, base, k, analysis)
     results = {"baseline": base, "arms": arm_rows, "runs": per_run, "set_aside": set_aside, "last_k": k,
-               "resolution": resolution, "heldout": heldout_by_arm(per_run, arms, base)}
+               "resolution": resolution, "heldout": heldout, "analysis": analysis}
     results["tables"] = _tables(config, results)
     return results
 
@@ -243,45 +213,92 @@ def heldout_by_arm(per_run: dict, arms: list[str], base: str) -> dict | None:
             "accuracy_per_seed": {seed: seeds[seed]["accuracy"] for seed in sorted(seeds)},
             "n_per_run": sorted({int(h["n"]) for h in seeds.values() if h.get("n") is not None}),
             "delta_vs_base": deltas,
-            "delta_interval": paired_interval(list(deltas.values())) if label != base else None,
+            "delta_interval": None,  # the declared analysis' row for heldout, set by build_results
         }
     return {"baseline": base, "arms": rows}
 
 
-def _resolution(per_run: dict, arm_rows: dict, base: str, k: int, n_seeds: int) -> dict:
-    """Per-step reward noise and the smallest arm difference this sweep could detect."""
+def _metric_value(summary: dict, metric: str) -> float | None:
+    if metric == "heldout":
+        held = summary.get("heldout") or {}
+        return held.get("accuracy")
+    return summary.get(metric)
+
+
+def declared_analysis(config: CompareConfig, by_arm: dict[str, dict[int, dict]], base: str) -> dict:
+    """The sweep's declared analysis (``config.primary``, ``secondary``, ``alpha``, ``planned_seeds``) over the
+    finished runs ``by_arm`` (arm -> seed -> run summary).
+
+    ``status`` is ``final`` when every arm has a value of every declared metric it is tested on for every planned
+    seed; the metrics are then compared with :func:`~bloggap_plugin.compare.inference.compare_with_baseline` on the
+    planned seeds only. Otherwise ``interim``: each arm's mean per-seed difference over the seeds it shares with the
+    baseline, and nothing else (no interval, no p-value). A metric no run has (heldout without evaluation) is left
+    out."""
+    planned = list(config.planned_seeds or config.seeds)
+    declared = {"primary": config.primary, "secondary": list(config.secondary), "baseline": base,
+                "alpha": config.alpha, "planned_seeds": planned, "power": POWER}
+    compared = [arm for arm in by_arm if arm != base]
+    finished = {arm: sorted(seeds) for arm, seeds in by_arm.items()}
+    values = {}
+    for metric in [config.primary, *config.secondary]:
+        table = {arm: {seed: _metric_value(s, metric) for seed, s in seeds.items()} for arm, seeds in by_arm.items()}
+        if any(v is not None for seeds in table.values() for v in seeds.values()):
+            values[metric] = table  # a metric no run has (heldout without evaluation) is left out
+    complete = bool(values) and all(table[arm].get(seed) is not None for table in values.values()
+                                    for arm in by_arm for seed in planned)
+    metrics = {}
+    for metric, table in values.items():
+        differences = {arm: [table[arm][seed] - table[base][seed] for seed in (planned if complete else sorted(table[arm]))
+                             if table[arm].get(seed) is not None and table[base].get(seed) is not None]
+                       for arm in compared}
+        if complete:
+            metrics[metric] = compare_with_baseline(differences, config.alpha)
+        else:
+            metrics[metric] = {"alpha": config.alpha, "family": len(compared), "arms": {
+                arm: {"n": len(d), "mean": math.fsum(d) / len(d) if d else None} for arm, d in differences.items()}}
+    status = "final" if complete else "interim"
+    done = min((sum(seed in finished[arm] for seed in planned) for arm in by_arm), default=0)
+    return {"declared": declared, "status": status, "finished_seeds": finished,
+            "planned_done": done, "planned_total": len(planned), "metrics": metrics}
+
+
+def _resolution(per_run: dict, base: str, k: int, analysis: dict) -> dict:
+    """Per-step reward noise and the smallest arm difference this sweep could detect, at the declared family's
+    level: from step noise alone (a lower bound) and, when the analysis is final, per arm from its own paired
+    differences of the primary metric (its own df, no pooling across arms)."""
+    from scipy import stats
+
     variances_last = [s["reward_sd_last"] ** 2 for s in per_run.values() if s["reward_sd_last"] is not None]
     variances_all = [s["reward_sd_steps"] ** 2 for s in per_run.values() if s["reward_sd_steps"] is not None]
     step_sd_last = math.sqrt(sum(variances_last) / len(variances_last)) if variances_last else None
     step_sd_all = math.sqrt(sum(variances_all) / len(variances_all)) if variances_all else None
-    seed_sds = [row["seed_sd_last"] for row in arm_rows.values() if row["seed_sd_last"] is not None]
+    by_arm: dict[str, list[float]] = {}
+    for summary in per_run.values():
+        if summary["reward_last"] is not None:
+            by_arm.setdefault(summary["arm"], []).append(summary["reward_last"])
+    declared = analysis["declared"]
+    n_seeds = len(declared["planned_seeds"])
+    family = max(1, len(by_arm) - 1)
+    level = declared["alpha"] / family
     out = {
         "n_seeds": n_seeds,
         "last_k": k,
         "step_sd_last": step_sd_last,
         "step_sd_all": step_sd_all,
-        "seed_sd_last": _mean(seed_sds),
+        "seed_sd_last": _mean([_sd(v) for v in by_arm.values() if _sd(v) is not None]),
         "se_last_mean": step_sd_last / math.sqrt(k) if step_sd_last is not None and k else None,
+        "alpha": declared["alpha"],
+        "family": family,
+        "level_per_arm": level,
+        "power": declared["power"],
         "mdd_step_noise": None,
-        "delta_sd_pooled": None,
-        "delta_df": 0,
-        "mdd_paired": None,
+        "detectable_per_arm": None,
     }
-    z = 1.959964 + 0.841621  # two-sided 5% test, 80% power
     if step_sd_last is not None and k:
         # Two arms, n seeds each, k steps per mean, steps independent: SE of the difference = sd * sqrt(2 / (k n)).
+        z = float(stats.norm.ppf(1 - level / 2) + stats.norm.ppf(declared["power"]))
         out["mdd_step_noise"] = z * step_sd_last * math.sqrt(2.0 / (k * n_seeds))
-    squares, df = 0.0, 0
-    for label, row in arm_rows.items():
-        values = list(row["delta_vs_base"].values())
-        if label == base or len(values) < 2:
-            continue
-        mean = sum(values) / len(values)
-        squares += sum((v - mean) ** 2 for v in values)
-        df += len(values) - 1
-    if df:
-        sd = math.sqrt(squares / df)
-        out["delta_sd_pooled"] = sd
-        out["delta_df"] = df
-        out["mdd_paired"] = (t_quantile(0.975, df) + t_quantile(0.80, df)) * sd / math.sqrt(n_seeds)
+    primary = analysis["metrics"].get(declared["primary"])
+    if analysis["status"] == "final" and primary is not None:
+        out["detectable_per_arm"] = {arm: row["detectable"] for arm, row in primary["arms"].items()}
     return out
