@@ -214,7 +214,11 @@ def cmd_probe(args) -> None:
         print(f"{'ok  ' if status == 'ok' else 'FAIL'} {name}" + ("" if status == "ok" else f": {status}"))
     print("versions", json.dumps(versions), "verl.plugins entry points", eps, flush=True)
     if args.out:
-        _write_json(Path(args.out) / "verl_probe.json", {"imports": found, "versions": versions, "entry_points": eps})
+        from bloggap_plugin.envinfo import environment_record
+
+        machine = environment_record()  # read here, on the machine that runs verl: GPU, driver, CUDA, date
+        _write_json(Path(args.out) / "verl_probe.json", {"imports": found, "versions": versions, "entry_points": eps,
+                                                         "machine": machine})
     if any(status != "ok" for status in found.values()):
         sys.exit(1)
 
@@ -456,6 +460,16 @@ def cmd_check_head(args) -> None:
     print("check-head", json.dumps(report), flush=True)
 
 
+def document_env(probe: dict, gpu: str | None) -> dict:
+    """The result's ``env``: the machine record the probe read on the GPU machine, with the package versions; a
+    probe written before it recorded the machine leaves only ``--gpu``, marked as given by hand."""
+    env = {**probe.get("machine", {}), **probe.get("versions", {})}
+    if "gpu" not in env:
+        env["gpu"] = gpu
+        env["gpu_source"] = "given by hand (--gpu): this probe did not read the machine" if gpu else "not recorded"
+    return env
+
+
 def cmd_document(args) -> None:
     from bloggap_plugin.results import ResultDocument
 
@@ -465,7 +479,7 @@ def cmd_document(args) -> None:
     probe = json.loads((folder / "verl_probe.json").read_text()) if (folder / "verl_probe.json").exists() else {}
     document = ResultDocument(
         benchmark="verl_live",
-        env={"gpu": args.gpu, **probe.get("versions", {})},
+        env=document_env(probe, args.gpu),
         params={"model": "SmolLM2-135M-Instruct (GGUF Q4_1 dequantised, fp32)", "task": "arith",
                 "overrides": {run: overrides(run, "MODEL", "DATA", "OUT", len(r.get("steps", [])) or 20,
                                              r.get("parallel", 1) > 1) for run, r in records.items()},
@@ -484,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
     doc = sub.add_parser("document", help="the result document for bloggap report, from a folder of run files")
     doc.add_argument("folder", help="folder with verl_live_runs.json, <run>.log, <run>.metrics.jsonl, verl_probe.json")
     doc.add_argument("--json", required=True, help="where to write it, e.g. benchmarks/results/h200/verl_live.json")
-    doc.add_argument("--gpu", default="NVIDIA H200")
+    doc.add_argument("--gpu", default=None, help="the GPU's name, for a probe that did not read the machine")
     chk = sub.add_parser("check-head", help="arm E's dumped step-1 old log-probs vs an independent fp32-head scoring")
     chk.add_argument("--out", required=True)
     chk.add_argument("--model", required=True, help="HF folder, or a bloggap model spec such as smollm2")

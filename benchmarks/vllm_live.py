@@ -517,7 +517,8 @@ def tables(result: dict) -> list[dict]:
                          "vLLM's own kept set where its top-20/25 processed log-probs cover it (an entry is -inf), on "
                          "those positions only. Sequence weight = exp(sum(old - vLLM)) as TRL's default "
                          "vllm_importance_sampling_mode sequence_mask computes it; TRL masks only outside "
-                         "[clip_min None, clip_max 3], so truncated sequences are not masked but weighted by ~1e-11.",
+                         "[clip_min None, clip_max 3], so truncated sequences are not masked but weighted far below 1 "
+                         "(each set's median weight: results.truncation[].sequence_mask_before.ratio_median).",
                 "reference": "T11", "random_init": False})
     rows = []
     for arm, run in sorted(result["trl_runs"].items()):

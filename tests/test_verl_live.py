@@ -457,3 +457,14 @@ def test_failure_reason_names_the_root_cause_not_rays_wrappers():
         "ValueError: Unsupported loss mode: gap_vanilla.")
     assert verl_records.summarise("geo_rs/nofix", log, Path("/nonexistent"), 1, 1.0)["failure"] == reason
     assert verl_records.summarise("geo_rs/nofix", log, Path("/nonexistent"), 0, 1.0)["failure"] is None
+
+
+def test_the_result_env_is_the_machine_the_probe_read():
+    """``document`` takes the env the probe recorded on the GPU machine (GPU, driver, date with the versions); a probe
+    that recorded none leaves only ``--gpu``, marked as given by hand, or says it was not recorded."""
+    machine = {"gpu": "NVIDIA H200", "driver": "580.159.04", "date": "2026-12-02T00:00:00+00:00", "cuda": "13.0"}
+    env = verl_live.document_env({"machine": machine, "versions": {"verl": "0.9.1"}}, gpu="something else")
+    assert env == {**machine, "verl": "0.9.1"}
+    assert verl_live.document_env({"versions": {"verl": "0.9.1"}}, gpu="NVIDIA H200") == {
+        "verl": "0.9.1", "gpu": "NVIDIA H200", "gpu_source": "given by hand (--gpu): this probe did not read the machine"}
+    assert verl_live.document_env({}, gpu=None) == {"gpu": None, "gpu_source": "not recorded"}
