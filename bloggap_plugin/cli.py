@@ -26,8 +26,10 @@ def _named_command(argv: list[str]) -> str | None:
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The ``bloggap`` parser. With ``argv``, only the subcommand it names gets its arguments (building a command's
     flags imports transformers' HfArgumentParser, and TRL for ``train``): ``bloggap --help`` stays fast."""
+    from bloggap_plugin.commands._config import OneLineParser
+
     named = None if argv is None else _named_command(argv)
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="bloggap",
         description="Measure and remove the spurious PPO/IS ratio from bf16 batch-shape noise and truncated sampling.",
     )
@@ -81,11 +83,20 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"bloggap: error: {one_line(err)}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # named by the subcommand's parser, so the hint points at its --help
+            command = parser.get_default("_subparsers").get(getattr(args, "command", None)) or parser
+            command.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as stop:  # argparse's own exit: --help (0) or a bad flag, already said in one line (2)
+        return int(stop.code or 0)
     # Offline by default: the hub is reached only when the user names a hub model.
     if not _names_hub_model(args):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    # wandb offline unless the user set a mode or a key: --report-to wandb must not need the network or a login
+    if not os.environ.get("WANDB_API_KEY"):
+        os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if getattr(args, "_run", None) is None:
         parser.print_help()

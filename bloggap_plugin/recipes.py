@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -152,6 +153,10 @@ class GapConfig:
         except ValueError as err:
             raise RecipeError(f"gap.arm: {err}") from None
         self.arm = spec.letter
+        for name in _field_names(GapConfig):
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise RecipeError(f"gap.{name} must be a finite number, got {value!r}")
         if not 0.0 < float(self.band) < 1.0:
             raise RecipeError(f"gap.band must be in (0, 1), got {self.band}")
         for name, types in _gap_field_types().items():
@@ -480,9 +485,32 @@ _GRPO_RANGES = (
 )
 
 
+@functools.lru_cache(maxsize=1)
+def _grpo_float_fields() -> frozenset[str]:
+    """GRPOConfig's fields annotated ``float`` (or ``float | None``)."""
+    import typing
+
+    from trl import GRPOConfig
+
+    return frozenset(name for name, hint in typing.get_type_hints(GRPOConfig).items()
+                     if hint is float or float in typing.get_args(hint))
+
+
 def check_grpo_values(fields: dict) -> None:
     """Raise :class:`RecipeError` for GRPOConfig values out of their valid range (a negative learning rate, a
-    temperature of 0, ...), which TRL accepts at construction and fails on, or silently misuses, during training."""
+    temperature of 0, ...), which TRL accepts at construction and fails on, or silently misuses, during training, and
+    for any value that is inf or NaN (``1e400`` and ``.inf`` in YAML, ``inf`` on the command line), on which the
+    optimizer would train without an error."""
+    numeric = _grpo_float_fields()
+    for name, value in fields.items():
+        number = value
+        if isinstance(value, str) and name in numeric:  # YAML reads 1e400 as text; GRPOConfig turns it into inf
+            try:
+                number = float(value)
+            except ValueError:
+                continue
+        if isinstance(number, float) and not math.isfinite(number):
+            raise RecipeError(f"{name} = {value!r} is not a finite number; give a finite value")
     for name, low, low_inclusive, high, high_inclusive, what in _GRPO_RANGES:
         value = fields.get(name)
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -31,6 +31,14 @@ _OWN_KEYS = ("parse", "positional")
 CONFIG_FLAG = "--config"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr, ``PROG: error: PROBLEM (PROG --help lists the
+    flags)``, exit 2, without the usage block (``bloggap train``'s usage alone is hundreds of lines)."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
+
+
 def _fields(config_type: type) -> list[dataclasses.Field]:
     """The ``init`` fields of ``config_type`` with their annotations resolved (``field.type`` is a type)."""
     hints = typing.get_type_hints(config_type)

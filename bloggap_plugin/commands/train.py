@@ -9,13 +9,20 @@ after the recipe. Both need TRL imported, so they are added to the parser on its
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import sys
+
+from bloggap_plugin.commands._config import OneLineParser
 
 HELP = "Train GRPO with a recipe (recipes/arm_A.yaml .. arm_H.yaml) and live gap/* metrics."
 GRPO_GROUP = "GRPOConfig overrides"
+_WANDB_OFFLINE_LINE = "[INFO] Running in WANDB offline mode"
+"""What transformers prints on import when WANDB_MODE=offline (the plugin's default), on stdout."""
 
 
-class _TrainParser(argparse.ArgumentParser):
+class _TrainParser(OneLineParser):
     """``bloggap train``'s parser: TrainConfig's and GRPOConfig's flags are added on first use."""
 
     _flags_added = False
@@ -24,11 +31,18 @@ class _TrainParser(argparse.ArgumentParser):
         if self._flags_added:
             return
         self._flags_added = True
-        from bloggap_plugin.commands._config import add_config_arguments
-        from bloggap_plugin.trl.train import TrainConfig
+        # importing TRL imports transformers' integrations, which print "[INFO] Running in WANDB offline mode" to
+        # stdout when WANDB_MODE=offline: stdout carries the summary JSON alone, and that line is dropped
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            from bloggap_plugin.commands._config import add_config_arguments
+            from bloggap_plugin.trl.train import TrainConfig
 
-        add_config_arguments(self, TrainConfig)
-        self.set_defaults(_grpo_fields=_add_grpo_flags(self, taken={f.dest for f in self._actions}))
+            add_config_arguments(self, TrainConfig)
+            self.set_defaults(_grpo_fields=_add_grpo_flags(self, taken={f.dest for f in self._actions}))
+        rest = [line for line in printed.getvalue().splitlines() if line != _WANDB_OFFLINE_LINE]
+        if rest:
+            print("\n".join(rest), file=sys.stderr)
 
     def parse_known_args(self, args=None, namespace=None):  # noqa: D102 - argparse's
         self._add_flags()
@@ -89,10 +103,39 @@ def train_config_from_args(args: argparse.Namespace):
     return config
 
 
+def _finish_wandb() -> None:
+    """Close a wandb run the trainer opened (``--report-to wandb``), so its closing lines are printed now."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish()
+
+
 def run(args: argparse.Namespace) -> int:
-    """Train; bad input raises ``UsageError`` before the model loads (``bloggap: error: ...``, exit 2)."""
+    """Train; bad input raises ``UsageError`` before the model loads (``bloggap: error: ...``, exit 2).
+
+    stdout carries the summary JSON alone (``bloggap train ... > summary.json``); the per-step logs go to stderr.
+    Ctrl-C (SIGINT) stops training at once: the summary of the steps that finished is printed, exit 130."""
+    from bloggap_plugin.errors import UsageError
     from bloggap_plugin.trl.train import run_training
 
-    summary = run_training(train_config_from_args(args))
+    config = train_config_from_args(args)
+    if config.log_jsonl is not None:
+        from pathlib import Path
+
+        log = Path(config.log_jsonl)
+        if log.is_file() and log.stat().st_size > 0:
+            raise UsageError(f"--log-jsonl {log}: the file exists and is not empty; bloggap train does not append to "
+                             "another file's lines: give a new path, or remove it first")
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            summary = run_training(config)
+            _finish_wandb()  # its closing lines now, on stderr, not after the summary at exit
+    except KeyboardInterrupt:
+        print("bloggap train: interrupted before training started; nothing was trained", file=sys.stderr)
+        return 130
     print(json.dumps(summary, indent=2))
+    if summary.get("interrupted"):
+        print(f"bloggap train: interrupted after {summary['steps']} optimizer step(s); the summary above covers "
+              "them (no final save)", file=sys.stderr)
+        return 130
     return 0

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-__all__ = ["run_training", "prepare_run", "TrainConfig", "train_config", "RunPlan", "JsonlLogger", "HeldoutCallback",
-           "HELDOUT_KEYS", "check_heldout_spec"]
+__all__ = ["run_training", "prepare_run", "summarize_history", "TrainConfig", "train_config", "RunPlan", "JsonlLogger",
+           "HeldoutCallback", "HELDOUT_KEYS", "check_heldout_spec", "SEED_MAX"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -202,6 +202,9 @@ def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
     if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
         raise UsageError(f"--max-steps must be an integer >= 1, got {max_steps!r}; leave it out to use the "
                          "recipe's max_steps")
+    seed = config.seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+        raise UsageError(f"--seed {seed!r}: must be a whole number in [0, {SEED_MAX}] (numpy's seed range)")
     grpo_kwargs, gap = load_recipe(config.recipe)
     if config.gap_overrides:
         try:
@@ -230,6 +233,7 @@ def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
         args = merge_grpo_config(grpo_kwargs, None, **overrides)
     except RecipeError as err:
         raise RecipeError(f"{config.recipe}: {err}") from None
+    _check_finite(args, config.recipe)
     _check_report_to(args.report_to)
     get_task(config.task, None, seed=config.seed, **(config.task_options() or {}))  # name, options, data: before the model
     if config.heldout:
@@ -238,6 +242,22 @@ def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
         get_heldout(config.task, None, seed=config.seed, heldout_n=1, **(config.task_options() or {}))
     check_model_spec(config.model)
     return RunPlan(args=args, gap=gap, device=device, dtype=dtype)
+
+
+SEED_MAX = 2**32 - 1
+"""The largest seed numpy's legacy seeding (and so transformers' ``set_seed``) accepts."""
+
+
+def _check_finite(args: Any, recipe: Any) -> None:
+    """Raise ``UsageError`` for a GRPOConfig field holding inf or NaN (from the recipe, e.g. ``1e400`` or ``.inf``, or
+    a flag): the optimizer would train on NaN without an error."""
+    from bloggap_plugin.errors import UsageError
+
+    for spec in dataclasses.fields(args):
+        value = getattr(args, spec.name, None)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"{spec.name} = {value!r} (recipe {recipe} or its flag) is not a finite number; give a "
+                             "finite value")
 
 
 def _check_report_to(report_to: list[str] | None) -> None:
@@ -256,6 +276,24 @@ def _check_report_to(report_to: list[str] | None) -> None:
         if name not in available:
             raise UsageError(f"--report-to {name}: the {name} package is not installed here; install it or use "
                              "--report-to none")
+
+
+def summarize_history(history: list[dict]) -> dict:
+    """Means of the logged ``gap/*``, reward, step-time and clip values over the steps where they are finite, and
+    ``non_finite_steps``: per logged key, how many steps held inf or NaN (a mean over the finite steps alone would
+    hide them)."""
+    keys = sorted({k for h in history for k in h if k.startswith(("gap/", "reward", "step_time", "clip_ratio"))})
+    summary: dict = {}
+    for key in keys:
+        values = [h[key] for h in history if isinstance(h.get(key), (int, float)) and math.isfinite(h[key])]
+        summary[f"mean/{key}"] = sum(values) / len(values) if values else None
+    counts: dict[str, int] = {}
+    for record in history:
+        for key, value in record.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                counts[key] = counts.get(key, 0) + 1
+    summary["non_finite_steps"] = dict(sorted(counts.items()))
+    return summary
 
 
 def run_training(recipe: str | Path | TrainConfig, **settings: Any) -> dict:
@@ -296,10 +334,14 @@ def run_training(recipe: str | Path | TrainConfig, **settings: Any) -> dict:
         heldout = HeldoutCallback(tokenizer, config, log_jsonl, args.max_completion_length)
         trainer.add_callback(heldout)
     start = time.perf_counter()
-    output = trainer.train()
+    interrupted = False
+    try:
+        output = trainer.train()
+    except KeyboardInterrupt:  # Ctrl-C: keep what finished (its log lines are written), summarise it
+        interrupted, output = True, None
     wall = time.perf_counter() - start
     trainer._gap_close()
-    if config.save_final is not None:
+    if config.save_final is not None and not interrupted:
         trainer.save_model(str(config.save_final))
     history = [h for h in trainer.state.log_history if "loss" in h]
     summary: dict = {
@@ -311,13 +353,11 @@ def run_training(recipe: str | Path | TrainConfig, **settings: Any) -> dict:
         "device": str(device),
         "steps": trainer.state.global_step,
         "wall_s": wall,
-        "train_loss": _jsonable(output.training_loss),
+        "train_loss": _jsonable(output.training_loss) if output is not None else None,
+        "interrupted": interrupted,
         "log_jsonl": str(log_jsonl) if log_jsonl is not None else None,
     }
-    keys = sorted({k for h in history for k in h if k.startswith(("gap/", "reward", "step_time", "clip_ratio"))})
-    for key in keys:
-        values = [h[key] for h in history if isinstance(h.get(key), (int, float)) and math.isfinite(h[key])]
-        summary[f"mean/{key}"] = sum(values) / len(values) if values else None
+    summary.update(summarize_history(history))
     summary["plugin_share"] = plugin_time_share(history)  # time-weighted, not the mean of per-step fractions
     rewards = [h["reward"] for h in history if isinstance(h.get("reward"), (int, float))]
     summary["reward_first"] = rewards[0] if rewards else None

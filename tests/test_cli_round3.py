@@ -1,0 +1,135 @@
+"""Bad input, faults and first-run friction, round 3 (issue 32): one line on stderr naming the problem and the fix,
+exit 2, no traceback, no model loaded; no silent wrong answer (non-finite settings, hidden NaN steps); no lost run
+(an interrupted train leaves its summary; a log is never appended to another run's)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_cli_errors import RECIPES, _assert_one_line_error, bloggap  # noqa: F401 - the fixture
+
+from bloggap_plugin import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+ARM_A = str(RECIPES / "arm_A.yaml")
+TINY = ("--model", "tiny-random-llama")
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e400"])
+def test_a_non_finite_grpo_setting_on_the_command_line_is_refused(bloggap, tmp_path, value):
+    line = _assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path,
+                                          f"--learning_rate={value}"), "learning_rate")
+    assert "finite" in line
+
+
+@pytest.mark.parametrize("text", ["1e400", ".inf", ".nan"])
+def test_a_non_finite_value_in_a_recipe_is_refused(bloggap, tmp_path, text):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((RECIPES / "arm_A.yaml").read_text().replace("learning_rate: 2.0e-6", f"learning_rate: {text}"))
+    assert f"learning_rate: {text}" in recipe.read_text()
+    line = _assert_one_line_error(bloggap("train", recipe, *TINY, "--max-steps", "1", "--output-dir", tmp_path / "o"),
+                                  "learning_rate")
+    assert "finite" in line
+
+
+@pytest.mark.parametrize("field, value", [("probe_budget", ".inf"), ("band", ".nan")])
+def test_a_non_finite_gap_field_is_refused(bloggap, tmp_path, field, value):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text((RECIPES / "arm_A.yaml").read_text().replace("  band: 0.1\n", f"  band: 0.1\n  {field}: {value}\n")
+                      if field != "band" else (RECIPES / "arm_A.yaml").read_text().replace("band: 0.1", f"band: {value}"))
+    _assert_one_line_error(bloggap("train", recipe, *TINY, "--max-steps", "1", "--output-dir", tmp_path / "o"),
+                           f"gap.{field}")
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32)])
+def test_a_seed_outside_numpys_range_is_refused(bloggap, tmp_path, seed):
+    line = _assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path,
+                                          f"--seed={seed}"), "--seed")
+    assert "4294967295" in line
+
+
+def test_an_unknown_flag_is_one_line_not_the_usage(capsys):
+    code = cli.main(["train", ARM_A, "--no-such-flag", "1"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "--no-such-flag" in lines[0] and "bloggap train --help" in lines[0], err[:2000]
+
+
+def test_an_existing_log_is_not_appended_to(bloggap, tmp_path):
+    log = tmp_path / "run.jsonl"
+    log.write_text('{"step": 1, "loss": 0.5}\n')
+    _assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path / "o",
+                                   "--log-jsonl", log), str(log), "exists")
+    recipe = tmp_path / "arm_A.yaml"
+    recipe.write_text((RECIPES / "arm_A.yaml").read_text())
+    _assert_one_line_error(bloggap("train", recipe, *TINY, "--max-steps", "1", "--output-dir", tmp_path / "o",
+                                   "--log-jsonl", recipe), "exists")
+    assert recipe.read_text() == (RECIPES / "arm_A.yaml").read_text()  # the recipe is untouched
+
+
+def test_the_summary_counts_non_finite_steps_instead_of_hiding_them():
+    from bloggap_plugin.trl.train import summarize_history
+
+    history = [{"loss": 0.5, "grad_norm": 1.0, "reward": 0.25}, {"loss": float("nan"), "grad_norm": float("nan"),
+                                                                  "reward": 0.5}]
+    summary = summarize_history(history)
+    assert summary["mean/reward"] == 0.375
+    assert summary["non_finite_steps"] == {"grad_norm": 1, "loss": 1}
+    assert summarize_history([{"loss": 0.1, "reward": 1.0}])["non_finite_steps"] == {}
+
+
+def _train_subprocess(tmp_path: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "bloggap_plugin.cli", "train", ARM_A, *TINY, "--output-dir",
+                             str(tmp_path / "o"), *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_stdout_is_the_summary_json_alone(tmp_path):
+    proc = _train_subprocess(tmp_path, "--max-steps", "2")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads(out)
+    assert summary["steps"] == 2 and summary["interrupted"] is False and "loss" in err  # per-step logs on stderr
+
+
+def test_an_interrupted_train_prints_the_summary_of_what_finished(tmp_path):
+    log = tmp_path / "run.jsonl"
+    proc = _train_subprocess(tmp_path, "--max-steps", "400", "--log-jsonl", str(log))
+    deadline = time.time() + 300
+    while time.time() < deadline and (not log.exists() or not log.read_text().strip()):
+        time.sleep(0.5)
+    assert log.exists() and log.read_text().strip(), "no step was logged in time"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    summary = json.loads(out)
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    assert summary["interrupted"] is True and 1 <= summary["steps"] < 400
+    assert summary["steps"] >= max(r["step"] for r in logged)
+    assert math.isfinite(summary["train_loss"]) if summary["train_loss"] is not None else True
+    assert "interrupted" in err.strip().splitlines()[-1]
+
+
+def test_report_to_wandb_without_an_api_key_runs_offline(tmp_path):
+    """The README's wandb command with no key and WANDB_MODE unset: offline by default (the project's promise), not
+    wandb's UsageError after the model loaded; the offline run holds the gap/* keys."""
+    pytest.importorskip("wandb")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HF_HUB_OFFLINE="1", WANDB_DIR=str(tmp_path), HOME=str(tmp_path))  # no netrc login either
+    proc = subprocess.run([sys.executable, "-m", "bloggap_plugin.cli", "train", ARM_A, *TINY, "--max-steps", "1",
+                           "--output-dir", str(tmp_path / "o"), "--report-to", "wandb"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["steps"] == 1
+    assert list(tmp_path.glob("wandb/offline-run-*")), "no offline wandb run was written"
