@@ -508,7 +508,7 @@ def check_grpo_values(fields: dict) -> None:
             try:
                 number = float(value)
             except ValueError:
-                continue
+                raise RecipeError(f"{name} must be a number, got {value!r}") from None
         if isinstance(number, float) and not math.isfinite(number):
             raise RecipeError(f"{name} = {value!r} is not a finite number; give a finite value")
     for name, low, low_inclusive, high, high_inclusive, what in _GRPO_RANGES:

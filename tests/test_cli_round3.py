@@ -133,3 +133,22 @@ def test_report_to_wandb_without_an_api_key_runs_offline(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout)["steps"] == 1
     assert list(tmp_path.glob("wandb/offline-run-*")), "no offline wandb run was written"
+
+
+def test_a_text_value_for_a_number_field_is_refused(bloggap, tmp_path):
+    _assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path,
+                                   "--extra-overrides", "{beta: high}"), "beta", "'high'")
+
+
+def test_beta_with_a_built_in_model_takes_the_reference_from_the_policy_offline(tmp_path):
+    """beta > 0: TRL 1.16 rebuilds the reference model from the policy's name as a hub id (an OSError offline, for a
+    built-in or local model); bloggap train gives it a frozen copy of the policy as loaded instead, so the KL term
+    runs offline and starts at 0 (policy and reference equal before the first update)."""
+    log = tmp_path / "run.jsonl"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    proc = subprocess.run([sys.executable, "-m", "bloggap_plugin.cli", "train", ARM_A, *TINY, "--max-steps", "2",
+                           "--output-dir", str(tmp_path / "o"), "--beta", "0.04", "--log-jsonl", str(log)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert records[0]["kl"] == 0.0 and all(math.isfinite(r["kl"]) for r in records)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 __all__ = ["run_training", "prepare_run", "summarize_history", "TrainConfig", "train_config", "RunPlan", "JsonlLogger",
-           "HeldoutCallback", "HELDOUT_KEYS", "check_heldout_spec", "SEED_MAX"]
+           "HeldoutCallback", "HELDOUT_KEYS", "check_heldout_spec", "SEED_MAX", "reference_from_policy"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -296,6 +297,33 @@ def summarize_history(history: list[dict]) -> dict:
     return summary
 
 
+@contextlib.contextmanager
+def reference_from_policy(policy: Any, enabled: bool = True):
+    """While active (``enabled``), TRL's ``GRPOTrainer`` builds its reference model (``beta > 0``) as a frozen copy of
+    ``policy`` as it is now, instead of reloading the policy's name as a hub id: a built-in or local model has no hub
+    id, and offline there is no hub. The copy is the weights the policy was loaded with, what TRL's reload would
+    give for a hub model."""
+    if not enabled:
+        yield
+        return
+    import copy
+
+    from trl.trainer import grpo_trainer
+
+    original = grpo_trainer.create_model_from_path
+
+    def copy_of_policy(path, **kwargs):  # noqa: ARG001 - TRL's signature; the copy has the policy's dtype
+        reference = copy.deepcopy(policy)
+        reference.requires_grad_(False)
+        return reference.eval()
+
+    grpo_trainer.create_model_from_path = copy_of_policy
+    try:
+        yield
+    finally:
+        grpo_trainer.create_model_from_path = original
+
+
 def run_training(recipe: str | Path | TrainConfig, **settings: Any) -> dict:
     """Train GRPO with the recipe's GRPOConfig fields and ``gap:`` section; return a summary dict.
 
@@ -327,8 +355,9 @@ def run_training(recipe: str | Path | TrainConfig, **settings: Any) -> dict:
         callbacks.append(logger)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*activation_checkpointing.*")
-        trainer = GapGRPOTrainer(model=policy, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
-                                 processing_class=tokenizer, callbacks=callbacks, gap=gap)
+        with reference_from_policy(policy, enabled=args.beta != 0.0):
+            trainer = GapGRPOTrainer(model=policy, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
+                                     processing_class=tokenizer, callbacks=callbacks, gap=gap)
     heldout = None
     if config.heldout:
         heldout = HeldoutCallback(tokenizer, config, log_jsonl, args.max_completion_length)
