@@ -147,3 +147,23 @@ class LargestVocabTensor:
 def largest_vocab_tensor():
     """``largest_vocab_tensor(vocab)``: a :class:`LargestVocabTensor` probe."""
     return LargestVocabTensor
+
+
+def _no_model(*args, **kwargs):
+    raise AssertionError("a model was loaded before the bad input was reported")
+
+
+@pytest.fixture
+def bloggap(monkeypatch, capsys):
+    """Run ``bloggap ARGS`` in this process; fail if a model loads; return ``(exit code, stdout, stderr)``."""
+    import bloggap_plugin.models as models
+    from bloggap_plugin import cli
+
+    monkeypatch.setattr(models, "load_model", _no_model)
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = cli.main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

@@ -9,15 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import _no_model
 
 from bloggap_plugin import cli
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 ARM_A = (RECIPES / "arm_A.yaml").read_text()
-
-
-def _no_model(*args, **kwargs):
-    raise AssertionError("a model was loaded before the bad input was reported")
 
 
 def _unwritable_folder() -> Path | None:
@@ -30,21 +27,6 @@ def _unwritable_folder() -> Path | None:
                 return candidate
             (candidate / ".bloggap-write-test").unlink()
     return None
-
-
-@pytest.fixture
-def bloggap(monkeypatch, capsys):
-    """Run ``bloggap ARGS``; fail if a model loads; return ``(exit code, stdout, stderr)``."""
-    import bloggap_plugin.models as models
-
-    monkeypatch.setattr(models, "load_model", _no_model)
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        code = cli.main([str(a) for a in argv])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 def _assert_one_line_error(result, *needles: str) -> str:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_cli_errors import RECIPES, _assert_one_line_error, bloggap  # noqa: F401 - the fixture
+from test_cli_errors import RECIPES, _assert_one_line_error
 
 from bloggap_plugin import cli
 
@@ -152,3 +152,17 @@ def test_beta_with_a_built_in_model_takes_the_reference_from_the_policy_offline(
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert records[0]["kl"] == 0.0 and all(math.isfinite(r["kl"]) for r in records)
+
+
+@pytest.mark.parametrize("name", ["bad.jsonl", "folder"])
+def test_a_gsm8k_file_with_a_line_that_is_not_json_is_named_with_its_line(bloggap, tmp_path, name):
+    rows = [json.dumps({"question": "What is 1 + 1?", "answer": "1 + 1 = 2\n#### 2"})] * 3
+    rows.insert(2, '{"question": "cut off')
+    if name == "folder":
+        (tmp_path / "folder").mkdir()
+        path, bad = tmp_path / "folder", tmp_path / "folder" / "train_small.jsonl"
+    else:
+        path = bad = tmp_path / name
+    bad.write_text("\n".join(rows) + "\n")
+    _assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path / "o",
+                                   "--task", "gsm8k", "--data", path), f"{bad}:3", "not a JSON")

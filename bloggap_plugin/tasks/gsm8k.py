@@ -186,6 +186,27 @@ def verify_known_file(path: str | os.PathLike, option: str = "--data") -> None:
                              f"{sha[:12]}..., the published {path.name} has {sha_expected[:12]}...): {fix}")
 
 
+def _check_json_lines(path: Path) -> None:
+    """Raise :class:`GSM8KDataError` naming ``path:line`` for the first line of a ``.jsonl`` file that is not one JSON
+    object (``datasets`` would fail on it with a generation error naming no line)."""
+    import json
+
+    if path.suffix.lower() != ".jsonl":
+        return
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise GSM8KDataError(f"{path}:{number}: not a JSON line ({err.msg}); each line of a GSM8K .jsonl file "
+                                     "is one JSON object with 'question' and 'answer'") from None
+            if not isinstance(row, dict):
+                raise GSM8KDataError(f"{path}:{number}: a JSON {type(row).__name__}, not an object with 'question' "
+                                     "and 'answer'")
+
+
 def _load_local(path: Path, split: str, option: str = "--data"):
     import datasets
 
@@ -210,12 +231,15 @@ def _load_local(path: Path, split: str, option: str = "--data"):
         if len(kinds) > 1:
             raise GSM8KDataError(f"{path} mixes file kinds {sorted(kinds)}; point --data at one file")
         builder = "parquet" if kinds == {".parquet"} else "json"
+        for file in split_files:
+            _check_json_lines(file)
         return datasets.load_dataset(builder, data_files=[str(p) for p in split_files], split="train")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         return datasets.load_dataset("parquet", data_files=str(path), split="train")
     if suffix in (".jsonl", ".json"):
         verify_known_file(path, option)
+        _check_json_lines(path)
         return datasets.load_dataset("json", data_files=str(path), split="train")
     raise GSM8KDataError(f"GSM8K data file {path} must end in .jsonl, .json or .parquet (got {suffix!r})")
 
