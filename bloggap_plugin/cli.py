@@ -67,9 +67,18 @@ def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None
     apply_config_file(command, config_types, path)
 
 
-def _names_hub_model(args: argparse.Namespace) -> bool:
-    """True when the user named a Hugging Face hub id (``org/name`` that is not a local path)."""
-    model = getattr(args, "model", None)
+def _model_in(argv: list[str]) -> str | None:
+    """The value of ``--model`` in ``argv`` (``--model X`` or ``--model=X``), read before any parser is built."""
+    for index, token in enumerate(argv):
+        if token == "--model" and index + 1 < len(argv):
+            return argv[index + 1]
+        if token.startswith("--model="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def _is_hub_id(model: str | None) -> bool:
+    """True when ``model`` is a Hugging Face hub id (``org/name`` that is not a local path)."""
     return bool(model) and model.count("/") == 1 and not os.path.exists(model) and not model.startswith((".", "/"))
 
 
@@ -77,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     from bloggap_plugin.errors import UsageError, one_line
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    # Offline by default, the hub reached only when the user names a hub model; set before the parser is built,
+    # since building it imports huggingface_hub (through TRL), which reads HF_HUB_OFFLINE once, at import
+    if not _is_hub_id(_model_in(argv)):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = build_parser(argv)
     try:
         _apply_config_file(parser, argv)
@@ -90,9 +103,6 @@ def main(argv: list[str] | None = None) -> int:
             command.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as stop:  # argparse's own exit: --help (0) or a bad flag, already said in one line (2)
         return int(stop.code or 0)
-    # Offline by default: the hub is reached only when the user names a hub model.
-    if not _names_hub_model(args):
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     # wandb offline unless the user set a mode or a key: --report-to wandb must not need the network or a login
     if not os.environ.get("WANDB_API_KEY"):

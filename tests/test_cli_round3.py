@@ -166,3 +166,17 @@ def test_a_gsm8k_file_with_a_line_that_is_not_json_is_named_with_its_line(blogga
     bad.write_text("\n".join(rows) + "\n")
     _assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path / "o",
                                    "--task", "gsm8k", "--data", path), f"{bad}:3", "not a JSON")
+
+
+def test_train_is_offline_before_the_hub_library_reads_its_flag(tmp_path):
+    """huggingface_hub reads HF_HUB_OFFLINE once, when it is imported, which building train's parser does (TRL's
+    flags): the CLI must set it first, unless the user names a hub model."""
+    code = ("import sys; from bloggap_plugin import cli; rc = cli.main(sys.argv[1:]); "
+            "import huggingface_hub.constants as c; print('offline', c.HF_HUB_OFFLINE, rc)")
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
+    local = subprocess.run([sys.executable, "-c", code, "train", ARM_A, "--max-steps=0"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert local.stdout.strip().splitlines()[-1] == "offline True 2", local.stdout + local.stderr[-2000:]
+    hub = subprocess.run([sys.executable, "-c", code, "train", ARM_A, "--model", "someorg/somemodel",
+                          "--max-steps=0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert hub.stdout.strip().splitlines()[-1] == "offline False 2", hub.stdout + hub.stderr[-2000:]
