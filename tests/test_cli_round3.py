@@ -180,3 +180,13 @@ def test_train_is_offline_before_the_hub_library_reads_its_flag(tmp_path):
     hub = subprocess.run([sys.executable, "-c", code, "train", ARM_A, "--model", "someorg/somemodel",
                           "--max-steps=0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert hub.stdout.strip().splitlines()[-1] == "offline False 2", hub.stdout + hub.stderr[-2000:]
+
+
+def test_compare_checks_the_model_before_the_sweep(bloggap, tmp_path):
+    """A model path that is no model: one line before any run starts (each run printed ModelSpecError)."""
+    code, out, err = bloggap("compare", ARM_A, "--model", tmp_path / "nomodel", "--seeds", "0", "--max-steps", "1",
+                             "--output-dir", tmp_path / "o")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("bloggap compare: --model ") and "no such file or folder" in lines[0]
+    assert not (tmp_path / "o" / "runs").exists()

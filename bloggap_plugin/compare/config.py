@@ -256,6 +256,13 @@ def validate_config(config: CompareConfig, training: bool = True) -> list[RunSpe
     if config.time_budget_s is not None and not (isinstance(config.time_budget_s, (int, float)) and config.time_budget_s > 0):
         raise CompareError(f"--time-budget-s {config.time_budget_s}: must be a number of seconds > 0 (or leave it out)")
     if training:
+        if config.run_fn == DEFAULT_RUN_FN:  # the model loads in every run: check it once, before any starts
+            from bloggap_plugin.models import check_model_spec
+
+            try:
+                check_model_spec(config.model)
+            except UsageError as err:
+                raise CompareError(f"--model {config.model}: {err}") from None
         _check_vllm(config)
         _check_task(config)
         _check_heldout(config)
