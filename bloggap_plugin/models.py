@@ -314,6 +314,17 @@ def _from_pretrained(what: str, source, **kwargs):
     return model, tokenizer
 
 
+def _check_finite_weights(model: torch.nn.Module, spec: str) -> None:
+    """Raise :class:`ModelSpecError` naming the first parameter or buffer holding NaN or inf (corrupt weights, or a
+    corrupt dequantised cache), which would otherwise fail mid-generation inside ``torch.multinomial``."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            where = (f"; the cached copy under {_cache_root()} may be corrupt: delete that folder to rebuild it"
+                     if spec == DEFAULT_MODEL else "")
+            raise ModelSpecError(f"model {spec!r}: {name} holds values that are not finite (NaN or inf){where}; "
+                                 "load an intact copy of the weights")
+
+
 def load_model(
     spec: str = DEFAULT_MODEL,
     dtype: str | torch.dtype = "fp32",
@@ -341,6 +352,7 @@ def load_model(
     else:  # a hub id (check_model_spec refused everything else)
         hint = " (HF_HUB_OFFLINE=1: only the local cache is read)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
         model, tokenizer = _from_pretrained(f"hub model {spec!r}{hint}", spec, dtype=torch_dtype)
+    _check_finite_weights(model, spec)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"

@@ -190,3 +190,57 @@ def test_compare_checks_the_model_before_the_sweep(bloggap, tmp_path):
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("bloggap compare: --model ") and "no such file or folder" in lines[0]
     assert not (tmp_path / "o" / "runs").exists()
+
+
+def _run_in_process(capsys, *argv) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_completion_length_beyond_the_models_positions_is_refused(capsys, tmp_path):
+    code, out, err = _run_in_process(capsys, "train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path,
+                                     "--max_completion_length", "600")
+    lines = [line for line in err.strip().splitlines() if line.startswith("bloggap")]
+    assert code == 2 and "Traceback" not in err and len(lines) == 1, err[-2000:]
+    assert "max_completion_length 600" in lines[0] and "max_position_embeddings 512" in lines[0]
+
+
+def test_a_model_with_non_finite_weights_is_refused_naming_it(capsys, tmp_path):
+    """Corrupt weights (NaN / inf) failed mid-generation inside torch.multinomial; they are named at load."""
+    import torch
+
+    from bloggap_plugin.models import load_model
+
+    model, tokenizer = load_model("tiny-random-llama")
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    folder = tmp_path / "broken"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    code, out, err = _run_in_process(capsys, "train", ARM_A, "--model", folder, "--max-steps", "1", "--output-dir",
+                                     tmp_path / "o")
+    lines = [line for line in err.strip().splitlines() if line.startswith("bloggap")]
+    assert code == 2 and "Traceback" not in err and len(lines) == 1, err[-2000:]
+    assert "model.layers.0.mlp.up_proj.weight" in lines[0] and "not finite" in lines[0]
+
+
+def test_a_log_write_that_fails_warns_once_and_training_goes_on(tmp_path):
+    """--log-jsonl on a full disk (/dev/full: every write fails with ENOSPC): one warning, the steps are still kept
+    in the logger's records, and nothing raises into the trainer."""
+    import warnings
+
+    from bloggap_plugin.trl.train import JsonlLogger
+
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    logger = JsonlLogger("/dev/full")
+    state = type("State", (), {"global_step": 1})()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logger.on_log(None, state, None, logs={"loss": 0.5})
+        state.global_step = 2
+        logger.on_log(None, state, None, logs={"loss": 0.25})
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "/dev/full" in messages[0] and "training goes on" in messages[0]
+    assert [r["step"] for r in logger.records] == [1, 2]

@@ -36,14 +36,23 @@ def JsonlLogger(path: str | Path):  # noqa: N802 - a factory that returns a Trai
             self.path = Path(path)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.records: list[dict] = []
+            self.failed = False
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not logs or "train_runtime" in logs:
                 return
             record = {"step": state.global_step, **{k: _jsonable(v) for k, v in logs.items()}}
             self.records.append(record)
-            with open(self.path, "a") as handle:
-                handle.write(json.dumps(record) + "\n")
+            if self.failed:
+                return
+            try:
+                with open(self.path, "a") as handle:
+                    handle.write(json.dumps(record) + "\n")
+            except OSError as err:  # a full disk must not end the training: say so once, keep the records
+                self.failed = True
+                warnings.warn(f"bloggap: cannot write the step log {self.path} ({err.strerror or err}); training goes "
+                              "on, and the steps from here are not written there (they are in the run's summary)",
+                              stacklevel=2)
 
     return _JsonlLogger()
 
@@ -279,6 +288,18 @@ def _check_report_to(report_to: list[str] | None) -> None:
                              "--report-to none")
 
 
+def _check_positions(policy: Any, args: Any, config: TrainConfig) -> None:
+    """Raise ``UsageError`` when ``max_completion_length`` reaches the model's ``max_position_embeddings`` (known only
+    once the model's config is read): every completion would run past the positions the model was trained on."""
+    from bloggap_plugin.errors import UsageError
+
+    limit = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+    length = args.max_completion_length
+    if isinstance(limit, int) and isinstance(length, int) and length >= limit:
+        raise UsageError(f"max_completion_length {length} reaches the model's max_position_embeddings {limit} "
+                         f"({config.model}), with the prompt still to come: give a shorter --max_completion_length")
+
+
 def summarize_history(history: list[dict]) -> dict:
     """Means of the logged ``gap/*``, reward, step-time and clip values over the steps where they are finite, and
     ``non_finite_steps``: per logged key, how many steps held inf or NaN (a mean over the finite steps alone would
@@ -346,6 +367,7 @@ def run_training(recipe: str | Path | TrainConfig, **settings: Any) -> dict:
     args, gap, device = plan.args, plan.gap, plan.device
     model, seed, log_jsonl = config.model, config.seed, config.log_jsonl
     policy, tokenizer = load_model(model, dtype=plan.dtype, device=device)
+    _check_positions(policy, args, config)
     policy.train()
     train_dataset, reward_funcs = get_task(config.task, tokenizer, seed=seed, **(config.task_options() or {}))
     callbacks = []
