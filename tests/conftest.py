@@ -157,11 +157,16 @@ def _no_model(*args, **kwargs):
 def bloggap(monkeypatch, capsys):
     """Run ``bloggap ARGS`` in this process; fail if a model loads; return ``(exit code, stdout, stderr)``."""
     import bloggap_plugin.models as models
-    from bloggap_plugin import cli
 
     monkeypatch.setattr(models, "load_model", _no_model)
+    return cli_runner(capsys)
 
-    def run(*argv: str) -> tuple[int, str, str]:
+
+def cli_runner(capsys):
+    """``run(*argv) -> (exit code, stdout, stderr)`` of ``bloggap ARGV`` in this process."""
+    from bloggap_plugin import cli
+
+    def run(*argv) -> tuple[int, str, str]:
         code = cli.main([str(a) for a in argv])
         out, err = capsys.readouterr()
         return code, out, err

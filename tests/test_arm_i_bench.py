@@ -10,11 +10,15 @@ from bloggap_plugin.results import ResultDocument
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("arm_i_bench", ROOT / "benchmarks" / "arm_i.py")
+def _load(name: str, file: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _script():
+    return _load("arm_i_bench", "arm_i.py")
 
 
 def test_smoke_scores_every_step_and_records_the_refused_pieces(tmp_path):
@@ -69,10 +73,7 @@ def test_rope_diagnostic_compares_values_not_layouts():
 
 
 def _live_script():
-    spec = importlib.util.spec_from_file_location("arm_i_live_bench", ROOT / "benchmarks" / "arm_i_live.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load("arm_i_live_bench", "arm_i_live.py")
 
 
 def test_arm_i_live_document_rebuilds_the_committed_results_from_their_run_logs(tmp_path):

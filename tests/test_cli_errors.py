@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import _no_model
-
-from bloggap_plugin import cli
+from conftest import _no_model, cli_runner
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 ARM_A = (RECIPES / "arm_A.yaml").read_text()
@@ -276,13 +274,7 @@ def bloggap_measuring_fails(monkeypatch, capsys):
 
     monkeypatch.setattr(probe, "sample_rollouts", no_sampling)
     monkeypatch.setattr(attribute, "rollout_rows", no_sampling)
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        code = cli.main([str(a) for a in argv])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
+    return cli_runner(capsys)
 
 
 def test_unreadable_model_files_fail_at_load_as_one_line(bloggap_measuring_fails, tmp_path):
