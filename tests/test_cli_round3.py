@@ -244,3 +244,20 @@ def test_a_log_write_that_fails_warns_once_and_training_goes_on(tmp_path):
     messages = [str(w.message) for w in caught]
     assert len(messages) == 1 and "/dev/full" in messages[0] and "training goes on" in messages[0]
     assert [r["step"] for r in logger.records] == [1, 2]
+
+
+def test_leaving_out_max_steps_says_how_many_steps_and_how_long(tmp_path):
+    """Without --max-steps the recipe (arm_A: no max_steps) trains for its epochs over the task's prompts, thousands
+    of steps: the run says how many, and after the first step about how long, on stderr; Ctrl-C still summarises."""
+    log = tmp_path / "run.jsonl"
+    proc = _train_subprocess(tmp_path, "--log-jsonl", str(log))
+    deadline = time.time() + 300
+    while time.time() < deadline and (not log.exists() or log.read_text().count("\n") < 2):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    planned = [line for line in err.splitlines() if "optimizer steps (no --max-steps" in line]
+    assert len(planned) == 1 and int(planned[0].split("bloggap train: ")[1].split()[0]) > 100, err[-2000:]
+    assert sum("the first step took" in line for line in err.splitlines()) == 1
+    assert json.loads(out)["interrupted"] is True

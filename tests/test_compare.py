@@ -444,9 +444,14 @@ def test_resume_runs_again_when_its_settings_changed(tmp_path, fake):
     assert any("A_s0" in m and "other settings (max_steps 4 -> 6)" in m for m in messages), messages
     assert {k: v["steps"] for k, v in res["runs"].items()} == {"A_s0": 6, "B_s0": 6}
     assert (Path(config.output_dir) / "runs" / "A_s0.jsonl.stale").exists()
+    first_stale = (Path(config.output_dir) / "runs" / "A_s0.jsonl.stale").read_text()
     # Other overrides, then another model: both runs again each time.
     run_compare(_config(tmp_path, fake, seeds=[0], max_steps=6, extra_overrides={}), echo=messages.append)
     assert _calls(fake, "overrides")[4:] == [{}, {}]
+    # the second change keeps the first run's log too: nothing set aside is overwritten
+    runs_dir = Path(config.output_dir) / "runs"
+    assert (runs_dir / "A_s0.jsonl.stale").read_text() == first_stale
+    assert (runs_dir / "A_s0.jsonl.stale.1").exists() and any("kept as A_s0.jsonl.stale.1" in m for m in messages)
     assert any('extra_overrides {"num_iterations": 2} -> {}' in m for m in messages)
     run_compare(_config(tmp_path, fake, seeds=[0], max_steps=6, extra_overrides={}, model="tiny-random-gpt2"),
                 echo=messages.append)

@@ -221,11 +221,21 @@ def _plan_pending(config: CompareConfig, runs: list[RunSpec], echo) -> list[tupl
                      f"its held-out cell stays empty (delete {log} to train and evaluate it again)")
             continue
         suffix = {"unfinished": ".partial", "corrupt": ".corrupt", "changed": ".stale"}.get(state)
-        if suffix:  # keep the old log aside under a name no run reads, and train the run again
-            os.replace(log, log.with_name(log.name + suffix))
-            echo(f"[compare] {run.run_id}: {why}; kept as {log.name + suffix}, running it again")
+        if suffix:  # keep the old log aside under a name no run reads (never over an earlier one), train it again
+            aside = _free_name(log.with_name(log.name + suffix))
+            os.replace(log, aside)
+            echo(f"[compare] {run.run_id}: {why}; kept as {aside.name}, running it again")
         trainings.append((run, "train", None))
     return evaluations + trainings
+
+
+def _free_name(path: Path) -> Path:
+    """``path``, or ``path.1``, ``path.2``, ... : the first that does not exist yet."""
+    candidate, number = path, 0
+    while candidate.exists():
+        number += 1
+        candidate = path.with_name(f"{path.name}.{number}")
+    return candidate
 
 
 def _prior_run_s(runs: list[RunSpec]) -> float | None:

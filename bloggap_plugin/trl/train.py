@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 __all__ = ["run_training", "prepare_run", "summarize_history", "TrainConfig", "train_config", "RunPlan", "JsonlLogger",
-           "HeldoutCallback", "HELDOUT_KEYS", "check_heldout_spec", "SEED_MAX", "reference_from_policy"]
+           "HeldoutCallback", "HELDOUT_KEYS", "check_heldout_spec", "SEED_MAX", "reference_from_policy",
+           "StepsAnnouncer"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -55,6 +56,29 @@ def JsonlLogger(path: str | Path):  # noqa: N802 - a factory that returns a Trai
                               stacklevel=2)
 
     return _JsonlLogger()
+
+
+def StepsAnnouncer():  # noqa: N802 - a factory that returns a TrainerCallback
+    """A ``TrainerCallback`` for runs without ``--max-steps``: says on stderr how many optimizer steps the run will
+    take (known when training begins) and, after the first step, about how long they will take."""
+    import sys
+
+    from transformers import TrainerCallback
+
+    class _StepsAnnouncer(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.started = time.perf_counter()
+            print(f"bloggap train: {state.max_steps} optimizer steps (no --max-steps: the recipe's max_steps, else its "
+                  "num_train_epochs over the task's prompts); Ctrl-C stops with the summary of the steps done",
+                  file=sys.stderr, flush=True)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                took = time.perf_counter() - self.started
+                print(f"bloggap train: the first step took {took:.1f} s; all {state.max_steps} would take about "
+                      f"{took * state.max_steps / 60:.0f} min at that rate", file=sys.stderr, flush=True)
+
+    return _StepsAnnouncer()
 
 
 HELDOUT_KEYS = ("every", "n", "max_tokens", "batch_size")
@@ -370,7 +394,7 @@ def run_training(recipe: str | Path | TrainConfig, **settings: Any) -> dict:
     _check_positions(policy, args, config)
     policy.train()
     train_dataset, reward_funcs = get_task(config.task, tokenizer, seed=seed, **(config.task_options() or {}))
-    callbacks = []
+    callbacks = [] if config.max_steps is not None else [StepsAnnouncer()]
     logger = None
     if log_jsonl is not None:
         logger = JsonlLogger(log_jsonl)
