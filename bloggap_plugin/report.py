@@ -104,7 +104,8 @@ def load_result(path: str | os.PathLike, reference_ids=None) -> dict:
 
 
 def load_results(results_dir: str | os.PathLike, reference_ids=None, require: list[str] | None = None) -> dict:
-    """``{device: [(path, document), ...]}`` for ``<results_dir>/<device>/*.json``, validated.
+    """``{device: [(path, document), ...]}`` for ``<results_dir>/<device>/*.json``, validated; a ``bloggap compare``
+    output folder (``compare.json`` beside ``runs/``) is read as one result under the folder's name.
 
     ``require``: benchmark names that must be present for every device (a missing one is an error).
     """
@@ -112,6 +113,8 @@ def load_results(results_dir: str | os.PathLike, reference_ids=None, require: li
     if not root.is_dir():
         raise ReportError(f"{root}: results folder does not exist (benchmark scripts write <results>/<device>/<name>.json)")
     out: dict[str, list] = {}
+    if (root / "compare.json").is_file():  # a bloggap compare output folder: its compare.json is the one result
+        return {root.name: [(root / "compare.json", load_result(root / "compare.json", reference_ids))]}
     for device_dir in sorted(p for p in root.iterdir() if p.is_dir()):
         files = sorted(device_dir.glob("*.json"))
         if files:

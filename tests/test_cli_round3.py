@@ -261,3 +261,19 @@ def test_leaving_out_max_steps_says_how_many_steps_and_how_long(tmp_path):
     assert len(planned) == 1 and int(planned[0].split("bloggap train: ")[1].split()[0]) > 100, err[-2000:]
     assert sum("the first step took" in line for line in err.splitlines()) == 1
     assert json.loads(out)["interrupted"] is True
+
+
+def test_report_reads_a_compare_output_folder(capsys, tmp_path):
+    """`bloggap report --results COMPARE_DIR`: the folder's compare.json is the result (its runs/ hold run files, not
+    results), where it failed with "missing key 'benchmark'" on a run's held-out file."""
+    import shutil
+
+    folder = tmp_path / "cmp"
+    (folder / "runs").mkdir(parents=True)
+    shutil.copy(ROOT / "benchmarks" / "results" / "h200" / "compare_sweep.json", folder / "compare.json")
+    (folder / "runs" / "A_s0.heldout.json").write_text('{"attempt": 1, "result": {"accuracy": 0.5}}')
+    code = cli.main(["report", "--results", str(folder), "--output", str(tmp_path / "B.md"), "--no-plots"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    text = (tmp_path / "B.md").read_text()
+    assert "## cmp" in text and "T10" in text
