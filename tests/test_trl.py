@@ -601,3 +601,15 @@ def test_generation_metrics_read_the_device_once_per_generation_off_probe_genera
         assert [due for due, _ in flushes] == [True, False, True, False] and all(n == 1 for _, n in flushes), arm
         off_probe = [n for due, n in reads["_gap_generation_metrics"] if not due]
         assert off_probe and all(n == 0 for n in off_probe), (arm, reads)
+
+
+def test_flip_frac_counts_the_probed_micro_batches_only(tmp_path):
+    """One probe row per generation of 8 rows in two micro-batches: one micro-batch has no probe token. Its share is
+    undefined and must not enter the logged mean (it made every such window NaN, logged as None); a window
+    without any probed micro-batch logs no flip_frac at all."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = make(tmp_path, GapConfig(arm="A", probe_rows=1), max_steps=4)
+        trainer.train()
+    logged = [h["gap/clip/flip_frac"] for h in logs_of(trainer) if "gap/clip/flip_frac" in h]
+    assert logged and all(value is not None and math.isfinite(value) for value in logged), logged

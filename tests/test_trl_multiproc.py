@@ -156,7 +156,8 @@ def _expected_logs(record: dict) -> dict[int, dict[str, float]]:
             for key, num, den in LOSS_SUMS:
                 if key.startswith("gap/old_vs_trl/") and sums[9] == 0:
                     continue  # no process had TRL's own old log-probs
-                values.setdefault(key, []).append(sums[num] / sums[den] if sums[den] > 0 else math.nan)
+                if sums[den] > 0:  # the plugin logs no share of zero tokens (flip_frac without probe tokens)
+                    values.setdefault(key, []).append(sums[num] / sums[den])
             values.setdefault("gap/ratio/abs_dlogp_max", []).append(reduces[i + 1]["reduced"][0])
         elif red["site"] == "training_step":
             plugin, wall, _g_old_pass, probe = sums  # arm G's pass in place of TRL's; the probe forwards' seconds

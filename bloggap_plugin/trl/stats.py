@@ -259,7 +259,8 @@ class StatsMixin:
         metrics["gap/ratio/exact_frac"].append(sums.exact / n)
         if state.clip_applies:
             metrics["gap/clip/clipped_frac"].append(sums.clipped / n)
-            metrics["gap/clip/flip_frac"].append(sums.flips / sums.probe_tokens if sums.probe_tokens > 0 else float("nan"))
+            if sums.probe_tokens > 0:  # a micro-batch without probe tokens has no share to average in
+                metrics["gap/clip/flip_frac"].append(sums.flips / sums.probe_tokens)
         if sums.has_trl > 0:
             metrics["gap/old_vs_trl/oob_frac"].append(sums.oob_vs_trl / n)
             metrics["gap/old_vs_trl/abs_dlogp_mean"].append(sums.abs_dlogp_vs_trl / n)
