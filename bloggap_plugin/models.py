@@ -161,6 +161,20 @@ def _set_eos(model, tokenizer) -> None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
 
 
+def _check_cache_folder(folder: Path) -> None:
+    """Raise :class:`ModelSpecError` when ``folder`` (the bloggap cache, ``$BLOGGAP_CACHE``) or a parent of it is a
+    file, or it cannot be written: found before the 30 s of dequantising the default model."""
+    for part in (folder, *folder.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise ModelSpecError(f"BLOGGAP_CACHE={_cache_root()}: {part} is a file, not a folder; point "
+                                     "BLOGGAP_CACHE at a folder (it holds the dequantised default model)")
+            if not os.access(part, os.W_OK | os.X_OK):
+                raise ModelSpecError(f"BLOGGAP_CACHE={_cache_root()}: {part} cannot be written; point BLOGGAP_CACHE at "
+                                     "a writable folder")
+            return
+
+
 def _load_smollm2(dtype: torch.dtype):
     dense = _cache_root() / "smollm2-135m-instruct"
     if not (dense / "config.json").is_file():
@@ -170,10 +184,16 @@ def _load_smollm2(dtype: torch.dtype):
         _clear_quantizer(model)
         _fix_smollm2_tokenizer(tokenizer)
         _set_eos(model, tokenizer)
+        _check_cache_folder(dense.parent)
         dense.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=dense.parent))
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        except Exception as err:  # noqa: BLE001 - a full disk surfaces as OSError or safetensors' own error
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ModelSpecError(f"cannot write the default model's dequantised copy under {dense.parent} ({err}); "
+                                 "free space there or set BLOGGAP_CACHE to a folder with about 600 MB free") from None
         try:
             os.replace(tmp, dense)  # atomic: concurrent loaders never see a half-written copy
         except OSError:
@@ -277,6 +297,7 @@ def check_model_spec(spec: str) -> None:
     spec = str(spec)
     if spec == DEFAULT_MODEL:
         if not (_cache_root() / "smollm2-135m-instruct" / "config.json").is_file():
+            _check_cache_folder(_cache_root())
             _check_gguf_file(smollm2_gguf_path())
     elif spec in TINY_MODELS:
         return

@@ -277,3 +277,32 @@ def test_report_reads_a_compare_output_folder(capsys, tmp_path):
     assert code == 0, err
     text = (tmp_path / "B.md").read_text()
     assert "## cmp" in text and "T10" in text
+
+
+def test_a_bloggap_cache_that_is_a_file_is_refused_before_dequantising(bloggap, tmp_path, monkeypatch):
+    blocker = tmp_path / "cache-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("BLOGGAP_CACHE", str(blocker))
+    _assert_one_line_error(bloggap("train", ARM_A, "--max-steps", "1", "--output-dir", tmp_path / "o"),
+                           "BLOGGAP_CACHE", "not a folder")
+
+
+def test_a_cache_write_that_fails_leaves_no_temporary_folder(tmp_path, monkeypatch):
+    """A full disk while the dequantised copy is saved: a ModelSpecError naming the cache and the fix, and no
+    half-written temporary folder left behind (the next load would not find one either)."""
+    import errno
+
+    import bloggap_plugin.models as models
+
+    monkeypatch.setenv("BLOGGAP_CACHE", str(tmp_path / "cache"))
+    tiny, tokenizer = models.load_model("tiny-random-llama")
+    monkeypatch.setattr(models, "smollm2_gguf_path", lambda: tmp_path / "x.gguf")
+    monkeypatch.setattr(models, "_from_pretrained", lambda *a, **k: (tiny, tokenizer))
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(type(tiny), "save_pretrained", full)
+    with pytest.raises(models.ModelSpecError, match="No space left on device.*BLOGGAP_CACHE"):
+        models._load_smollm2(tiny.dtype)
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == []
