@@ -306,3 +306,40 @@ def test_a_cache_write_that_fails_leaves_no_temporary_folder(tmp_path, monkeypat
     with pytest.raises(models.ModelSpecError, match="No space left on device.*BLOGGAP_CACHE"):
         models._load_smollm2(tiny.dtype)
     assert [p.name for p in (tmp_path / "cache").iterdir()] == []
+
+
+def _stored_doctor() -> dict:
+    def cell(dtype, comparison, oob, n=1000):
+        return {"dtype": dtype, "attn": "sdpa", "comparison": comparison, "oob": oob, "oob_count": round(oob * n),
+                "n": n, "abs_dlogp_mean": 0.0, "abs_dlogp_max": 0.0, "bitwise_equal": oob == 0}
+
+    return {"model": "m", "device": "h200", "rows": 8, "max_new_tokens": 4, "tokens": 1000, "band": 0.1,
+            "cells": [cell("bf16", "b1_vs_b8_left_arange", 0.08), cell("fp16", "b1_vs_b8_left_arange", 0.0)],
+            "paired_cells": [], "params": {"dtypes": ["bf16", "fp16"], "attn": ["sdpa"], "sample_dtype": "bf16",
+                                           "seed": 1},
+            "recommendation": {"arm": "F", "text": "t"},
+            "fp16_check": {"nonfinite_logprobs": 0, "max_abs_hidden": 1.0, "rows": 8, "attn": "sdpa", "n": 1000,
+                           "ok": True}}
+
+
+@pytest.mark.parametrize("edit, needles", [
+    (lambda d: d["cells"][0].update(oob=7.5), ("cells[0].oob", "7.5", "[0, 1]")),
+    (lambda d: d["cells"][1].update(oob_count=-3), ("cells[1].oob_count", "-3")),
+    (lambda d: d["cells"][0].update(oob_count=2000), ("cells[0].oob_count", "2000", "n")),
+    (lambda d: d["cells"][0].pop("dtype"), ("cells[0]", "dtype")),
+    (lambda d: d["cells"][0].update(oob="high"), ("cells[0].oob", "'high'")),
+    (lambda d: d.update(cells={"a": 1}), ("cells", "list")),
+    (lambda d: d.update(fp16_check=[1, 2]), ("fp16_check",)),
+    (lambda d: d["fp16_check"].pop("attn"), ("'attn'",)),
+    (lambda d: d["params"].pop("attn"), ("params.attn",)),
+    (lambda d: d.update(band=2), ("band", "(0, 1)")),
+])
+def test_a_stored_doctor_result_with_wrong_or_impossible_values_is_refused(bloggap, tmp_path, edit, needles):
+    stored = _stored_doctor()
+    edit(stored)
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(stored))
+    _assert_one_line_error(bloggap("doctor", "--from-json", path), "--from-json", *needles)
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_stored_doctor()))
+    assert bloggap("doctor", "--from-json", good)[0] == 0

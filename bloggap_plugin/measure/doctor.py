@@ -6,6 +6,7 @@ scaled-down dtype (:func:`paired_cells`), and the result record (:func:`doctor_r
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -266,6 +267,85 @@ def doctor_result(
     ).to_dict()
 
 
+_STORED_DTYPES = ("bf16", "fp16", "fp32")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_cell(cell, where: str) -> None:
+    if not isinstance(cell, dict):
+        raise ValueError(f"{where} must be an object, got {type(cell).__name__}")
+    for key in ("dtype", "attn", "comparison"):
+        if not isinstance(cell.get(key), str):
+            raise ValueError(f"{where} lacks the text field {key!r} (got {cell.get(key)!r})")
+    if cell["dtype"] not in _STORED_DTYPES:
+        raise ValueError(f"{where}.dtype {cell['dtype']!r} is not one of {', '.join(_STORED_DTYPES)}")
+    if cell.get("skipped") and cell.get("oob") is None:
+        return
+    for key in ("oob", "ci_low", "ci_high"):
+        value = cell.get(key)
+        if key == "oob" or value is not None:
+            if not _number(value) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{where}.{key} = {value!r}: a share must be a number in [0, 1]")
+    for key in ("oob_count", "n"):
+        value = cell.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{where}.{key} = {value!r}: a count must be a whole number >= 0")
+    if cell["oob_count"] > cell["n"]:
+        raise ValueError(f"{where}.oob_count = {cell['oob_count']} exceeds its n = {cell['n']}")
+    for key in ("abs_dlogp_mean", "abs_dlogp_max"):
+        value = cell.get(key)
+        if value is not None and (not _number(value) or value < 0):
+            raise ValueError(f"{where}.{key} = {value!r}: must be a number >= 0")
+
+
+def check_stored(result) -> None:
+    """Raise ``ValueError`` naming the field for a stored doctor result a recommendation cannot be derived from:
+    missing keys, wrong types, or impossible values (a share outside [0, 1], a negative count, more tokens out of
+    band than scored)."""
+    if not isinstance(result, dict):
+        raise ValueError(f"not a bloggap doctor JSON: a JSON object is needed, got {type(result).__name__}")
+    for key in ("cells", "fp16_check", "params", "recommendation"):
+        if key not in result:
+            raise ValueError(f"not a bloggap doctor JSON: missing key {key!r}")
+    for key in ("cells", "paired_cells"):
+        if not isinstance(result.get(key, []), list):
+            raise ValueError(f"{key} must be a list of cells, got {type(result[key]).__name__}")
+        for index, cell in enumerate(result.get(key, [])):
+            _check_cell(cell, f"{key}[{index}]")
+    if not isinstance(result.get("model"), str):
+        raise ValueError(f"model must be the model's name, got {result.get('model')!r}")
+    for key in ("rows", "max_new_tokens", "tokens"):
+        value = result.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{key} = {value!r}: a count must be a whole number >= 0")
+    if not _number(result.get("band")) or not 0.0 < result["band"] < 1.0:
+        raise ValueError(f"band = {result.get('band')!r}: must be a number in (0, 1)")
+    params = result["params"]
+    if not isinstance(params, dict):
+        raise ValueError(f"params must be an object, got {type(params).__name__}")
+    for key in ("dtypes", "attn"):
+        if not isinstance(params.get(key), list) or not all(isinstance(v, str) for v in params[key]):
+            raise ValueError(f"params.{key} must be a list of names, got {params.get(key)!r}")
+    if not isinstance(params.get("sample_dtype"), str) or isinstance(params.get("seed"), bool) or not isinstance(
+            params.get("seed"), int):
+        raise ValueError(f"params needs sample_dtype (a name) and seed (a whole number), got "
+                         f"{params.get('sample_dtype')!r} and {params.get('seed')!r}")
+    check = result["fp16_check"]
+    if not isinstance(check, dict):
+        raise ValueError(f"fp16_check must be an object, got {type(check).__name__}")
+    if not check.get("skipped"):
+        needed = {"rows": int, "attn": str, "nonfinite_logprobs": int, "n": int, "max_abs_hidden": (int, float),
+                  "ok": bool}
+        for key, kind in needed.items():
+            if key not in check or not isinstance(check[key], kind) or (kind is int and isinstance(check[key], bool)):
+                raise ValueError(f"fp16_check lacks {key!r} of the right type (got {check.get(key)!r})")
+    if not isinstance(result["recommendation"], dict):
+        raise ValueError(f"recommendation must be an object, got {type(result['recommendation']).__name__}")
+
+
 def rerecommend(result: dict) -> dict:
     """Recompute ``result['recommendation']`` from its stored cells with this version's
     :func:`~bloggap_plugin.core.recommend.recommend`.
@@ -275,12 +355,14 @@ def rerecommend(result: dict) -> dict:
     """
     from bloggap_plugin import __version__
 
-    for key in ("cells", "fp16_check", "params", "recommendation"):
-        if key not in result:
-            raise ValueError(f"not a bloggap doctor JSON: missing key {key!r}")
+    check_stored(result)
     device_type = "cpu" if result.get("device") == "cpu" else "cuda"
     old = result["recommendation"]
-    new = recommend(result["cells"], result["fp16_check"], device_type, result.get("paired_cells", []))
+    try:
+        new = recommend(result["cells"], result["fp16_check"], device_type, result.get("paired_cells", []))
+    except (KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"a field the recommendation reads is missing or of the wrong type ({type(err).__name__}: "
+                         f"{err})") from None
     if old.get("notes"):
         new["notes"] = old["notes"]
     new["recomputed"] = {"by": f"bloggap doctor --from-json (bloggap {__version__})", "previous_arm": old.get("arm")}
