@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from test_compare import FAKE_TRAIN, _cli, _recipes
 
-from bloggap_plugin.compare import CompareConfig, run_compare
+from bloggap_plugin.compare import CompareConfig, CompareError, run_compare
 
 # Saves a "policy" (its arm and seed) where it is told to; the evaluation reads it back. Held-out accuracy:
 # A 0.5 + 0.05 seed, B 0.6 + 0.1 seed. FAKE_EVAL_CRASH=<run id> makes that run's evaluation raise.
@@ -322,3 +322,21 @@ def test_the_gsm8k_call_script_runs_both_steps_to_their_vllm_check(tmp_path):
     assert len(lines) == 2, done.stderr
     assert lines[0].startswith("gsm8k_baseline: vLLM is not installed here")
     assert lines[1].startswith("bloggap compare: --use-vllm: vLLM is not installed here")
+
+
+def test_a_budget_shorter_than_a_stopped_run_is_refused_instead_of_restarting_it_forever(tmp_path, fake, monkeypatch):
+    """A run stopped unfinished by the budget records how long it ran. Calling again with a budget no longer than
+    that would stop it at the same point and restart it from zero on every call: refused before anything starts,
+    naming the run, the seconds and the fix. A longer budget lets it continue (and finish)."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("FAKE_SLOW", "A_s0")  # 0.5 s per step: 2 s for 4 steps
+    config = _config(tmp_path, fake, seeds=[0], parallel=1, heldout_n=0, time_budget_s=1.0)
+    res = run_compare(config, echo=lambda m: None)
+    assert res["time_budget"]["stopped"] == ["A_s0"]
+    calls = len(_calls(fake, "run"))
+    with pytest.raises(CompareError, match=r"--time-budget-s 1: run A_s0 was stopped unfinished after \d+(\.\d+)? s"):
+        run_compare(config, echo=lambda m: None)
+    assert len(_calls(fake, "run")) == calls  # nothing started
+    res = run_compare(dataclasses.replace(config, time_budget_s=60.0), echo=lambda m: None)
+    assert sorted(res["runs"]) == ["A_s0", "B_s0"] and res["time_budget"]["stopped"] == []
+    assert not list((Path(config.output_dir) / "runs").glob("*.stopped.json"))  # finished: the record is gone

@@ -262,10 +262,41 @@ def _succeeded(config: CompareConfig, run: RunSpec, code: int | None, mode: str,
     return marker is not None and marker.get("attempt") == attempt
 
 
+def _stopped_path(run: RunSpec) -> Path:
+    """Where a training attempt stopped unfinished by the time budget records how long it ran."""
+    log = Path(run.log_jsonl)
+    return log.with_name(log.stem + ".stopped.json")
+
+
+def _check_budget_progress(config: CompareConfig, pending: list) -> None:
+    """Refuse a budget no longer than a pending run already ran unfinished under one: it would be stopped at the
+    same point and restarted from zero on every call, without end."""
+    if config.time_budget_s is None:
+        return
+    for run, mode, _ in pending:
+        path = _stopped_path(run)
+        if mode != "train" or not path.is_file():
+            continue
+        try:
+            seconds = float(json.loads(path.read_text())["seconds"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if float(config.time_budget_s) <= seconds:
+            raise CompareError(
+                f"--time-budget-s {config.time_budget_s:g}: run {run.run_id} was stopped unfinished after {seconds:.0f} s "
+                "in an earlier call and would start from zero again and be stopped at the same point, on every call: "
+                f"give a budget above {seconds:.0f} s (a run's full length is known once one finishes), or none")
+
+
 def _stop_for_budget(config: CompareConfig, running: dict, pending: list, echo) -> dict:
-    """The time budget is spent: stop the runs in flight (their part logs are set aside on the next start) and say
-    what is left; returns ``{"stopped": run ids, "not_started": run ids}``."""
+    """The time budget is spent: stop the runs in flight (their part logs are set aside on the next start), record
+    how long each training attempt ran, and say what is left; returns ``{"stopped": run ids, "not_started": run
+    ids}``."""
     _stop_all([entry[1] for entry in running.values() if entry[1].poll() is None])
+    now = time.perf_counter()
+    for run, _, _, started, _, _, mode, _ in running.values():
+        if mode == "train":
+            _stopped_path(run).write_text(json.dumps({"seconds": now - started, "budget_s": config.time_budget_s}))
     for entry in running.values():
         entry[2].close()
     echo(f"[compare] time budget of {config.time_budget_s:g} s: stopped {len(running)} run(s) in flight, "
@@ -275,6 +306,7 @@ def _stop_for_budget(config: CompareConfig, running: dict, pending: list, echo) 
 
 def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int) -> dict:
     pending = _plan_pending(config, runs, echo)
+    _check_budget_progress(config, pending)
     total, failed, durations = len(pending), {}, []
     prior = _prior_run_s(runs)
     running: dict[str, tuple] = {}  # run_id -> (run, process, console, start, attempt, part log, mode, trained attempt)
@@ -307,6 +339,7 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int) -> di
                 if _succeeded(config, run, code, mode, attempt, trained):
                     if mode == "train":
                         durations.append(elapsed)
+                        _stopped_path(run).unlink(missing_ok=True)
                     finished = total - len(pending) - len(running) - len(failed)
                     echo(f"[compare] {run_id}: done in {elapsed:.0f} s ({finished}/{total} finished)")
                 else:
