@@ -9,6 +9,26 @@ from pathlib import Path
 __all__ = ["atomic_write_bytes", "atomic_write_text", "check_writable_dir", "check_writable_file"]
 
 
+def try_lock(path: str | os.PathLike, wait_s: float = 0.0):
+    """An open handle holding an exclusive ``flock`` on ``path`` (created if missing), or ``None`` when another
+    process still holds it after ``wait_s`` seconds. The lock lasts until the handle is closed or the process (and
+    any child that inherited the handle) ends."""
+    import fcntl
+    import time
+
+    handle = open(path, "w")  # noqa: SIM115 - returned to the caller, who holds it
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return handle
+        except OSError:
+            if time.monotonic() >= deadline:
+                handle.close()
+                return None
+            time.sleep(0.1)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to ``path`` through a temporary file in the same folder, then ``os.replace`` it into place.
 

@@ -343,3 +343,20 @@ def test_a_stored_doctor_result_with_wrong_or_impossible_values_is_refused(blogg
     good = tmp_path / "good.json"
     good.write_text(json.dumps(_stored_doctor()))
     assert bloggap("doctor", "--from-json", good)[0] == 0
+
+
+def test_two_trains_into_one_output_folder_are_refused(bloggap, tmp_path):
+    """A second bloggap train into the folder a running one writes (its logs and final save would interleave): one
+    line naming the folder, before any model loads. The lock is the one compare uses for its folders."""
+    from bloggap_plugin._io import try_lock
+
+    out = tmp_path / "o"
+    out.mkdir()
+    held = try_lock(out / ".bloggap-train.lock")
+    assert held is not None
+    try:
+        _assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", out),
+                               str(out), "another bloggap train")
+    finally:
+        held.close()
+    assert try_lock(out / ".bloggap-train.lock") is not None  # free again once the holder is gone

@@ -147,20 +147,13 @@ def _stop_all(processes: list[subprocess.Popen], timeout_s: float = 10.0) -> Non
 def _lock(output_dir: Path, wait_s: float):
     """Hold ``output_dir/.compare.lock`` for the sweep (its runs inherit it): a second sweep on the same folder is
     refused while this one or any run it started lives. Waits up to ``wait_s`` for runs of a sweep that just died."""
-    import fcntl
+    from bloggap_plugin._io import try_lock
 
-    handle = open(output_dir / ".compare.lock", "w")  # noqa: SIM115 - held until the sweep ends
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return handle
-        except OSError:
-            if time.monotonic() >= deadline:
-                handle.close()
-                raise CompareError(f"another bloggap compare (or a run it started) is using {output_dir}; "
-                                   "wait for it to finish or use another --output-dir") from None
-            time.sleep(0.1)
+    handle = try_lock(output_dir / ".compare.lock", wait_s)
+    if handle is None:
+        raise CompareError(f"another bloggap compare (or a run it started) is using {output_dir}; "
+                           "wait for it to finish or use another --output-dir")
+    return handle
 
 
 def _tail(path: Path, lines: int = 15) -> str:

@@ -379,15 +379,39 @@ def run_training(recipe: str | Path | TrainConfig, **settings: Any) -> dict:
     only); on CUDA, fp32 master weights with the recipe's ``bf16``/``fp16`` autocast. ``extra_overrides`` are
     GRPOConfig fields applied last; ``gap_overrides`` replace fields of the recipe's ``gap:`` section (validated).
     Each logged step goes to ``log_jsonl`` as one JSON line. Every input is checked by :func:`prepare_run`
-    before the model loads.
+    before the model loads; two runs into one ``output_dir`` at once are refused.
     """
+    config = train_config(recipe, **settings)
+    plan = prepare_run(config)
+    lock = _lock_output_dir(config.output_dir)
+    try:
+        return _train(config, plan)
+    finally:
+        lock.close()
+
+
+def _lock_output_dir(output_dir: str | Path):
+    """Hold ``output_dir/.bloggap-train.lock`` for the run, or raise ``UsageError``: two trains into one folder
+    would interleave their logs and checkpoints, and the last final save would win."""
+    from bloggap_plugin._io import try_lock
+    from bloggap_plugin.errors import UsageError
+
+    folder = Path(output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    handle = try_lock(folder / ".bloggap-train.lock")
+    if handle is None:
+        raise UsageError(f"--output-dir {folder}: another bloggap train is writing into it (logs and final saves would "
+                         "interleave); wait for it to finish or give another --output-dir")
+    return handle
+
+
+def _train(config: TrainConfig, plan: RunPlan) -> dict:
+    """:func:`run_training` once the inputs are checked and the output folder is held."""
     from bloggap_plugin.compare.statistics import plugin_time_share
     from bloggap_plugin.models import load_model
     from bloggap_plugin.tasks import get_task
     from bloggap_plugin.trl.callback import GapGRPOTrainer
 
-    config = train_config(recipe, **settings)
-    plan = prepare_run(config)
     args, gap, device = plan.args, plan.gap, plan.device
     model, seed, log_jsonl = config.model, config.seed, config.log_jsonl
     policy, tokenizer = load_model(model, dtype=plan.dtype, device=device)
