@@ -360,3 +360,13 @@ def test_two_trains_into_one_output_folder_are_refused(bloggap, tmp_path):
     finally:
         held.close()
     assert try_lock(out / ".bloggap-train.lock") is not None  # free again once the holder is gone
+
+
+def test_train_help_is_short_and_help_all_lists_every_grpo_field(capsys):
+    assert cli.main(["train", "--help"]) == 0
+    short = capsys.readouterr().out
+    assert len(short.splitlines()) < 150 and "--help-all" in short and "--max_steps" in short
+    assert "--vllm_gpu_memory_utilization" not in short
+    assert cli.main(["train", "--help-all"]) == 0
+    full = capsys.readouterr().out
+    assert "--vllm_gpu_memory_utilization" in full and "--learning_rate" in full and len(full.splitlines()) > 300

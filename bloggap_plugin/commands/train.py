@@ -22,6 +22,18 @@ _WANDB_OFFLINE_LINE = "[INFO] Running in WANDB offline mode"
 """What transformers prints on import when WANDB_MODE=offline (the plugin's default), on stdout."""
 
 
+class _HelpAll(argparse.Action):
+    """``--help-all``: the help with every GRPOConfig flag, then exit."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser._show_all = True
+        parser.print_help()
+        parser.exit()
+
+
 class _TrainParser(OneLineParser):
     """``bloggap train``'s parser: TrainConfig's and GRPOConfig's flags are added on first use."""
 
@@ -39,6 +51,7 @@ class _TrainParser(OneLineParser):
             from bloggap_plugin.trl.train import TrainConfig
 
             add_config_arguments(self, TrainConfig)
+            self.add_argument("--help-all", action=_HelpAll, help="show every flag, GRPOConfig's fields included")
             self.set_defaults(_grpo_fields=_add_grpo_flags(self, taken={f.dest for f in self._actions}))
         rest = [line for line in printed.getvalue().splitlines() if line != _WANDB_OFFLINE_LINE]
         if rest:
@@ -48,9 +61,20 @@ class _TrainParser(OneLineParser):
         self._add_flags()
         return super().parse_known_args(args, namespace)
 
-    def format_help(self) -> str:  # noqa: D102 - argparse's
+    def format_help(self) -> str:
+        """The flags of ``bloggap train`` itself; with ``--help-all`` also one per GRPOConfig field (hundreds)."""
         self._add_flags()
-        return super().format_help()
+        if getattr(self, "_show_all", False):
+            return super().format_help()
+        groups, usage = self._action_groups, self.usage
+        self._action_groups = [group for group in groups if group.title != GRPO_GROUP]
+        self.usage = f"{self.prog} RECIPE [flags] [GRPOConfig flags: {self.prog} --help-all]"
+        try:
+            text = super().format_help()
+        finally:
+            self._action_groups, self.usage = groups, usage
+        return text + (f"\n{GRPO_GROUP}:\n  every GRPOConfig field is a flag too (--learning_rate 1e-6, --beta 0.04, ...), "
+                       f"applied after the recipe: {self.prog} --help-all lists them\n")
 
     def get_default(self, dest: str):  # noqa: D102 - argparse's (cli reads _config_types before parsing)
         self._add_flags()
