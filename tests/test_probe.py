@@ -223,9 +223,11 @@ def test_recommend_compares_a_scaled_down_dtype_on_the_same_rows():
     ]
     # bf16 on the same 8 rows shows the gap: fp16 is credited with removing it there
     paired = [_cell("bf16", "b1_vs_b8_left_arange", 0.078, n=192, rows=8)]
-    rec = recommend(full, {"nonfinite_logprobs": 0, "max_abs_hidden": 1.0}, "cpu", paired)
+    rec = recommend(full, {"nonfinite_logprobs": 0, "max_abs_hidden": 1.0}, "cuda", paired)
     assert rec["arm"] == "H" and "removes 7.80 of 7.80 pp on the 8 rows" in rec["text"]
-    assert "no native fp16 kernels" in rec["text"]
+    # the same cells on a CPU: arm H cannot take effect there (no fp16 autocast), fp32 decides, fp16 is named
+    rec = recommend(full, {"nonfinite_logprobs": 0, "max_abs_hidden": 1.0}, "cpu", paired)
+    assert rec["arm"] == "B" and "fp16 would remove it" in rec["text"] and "CUDA" in rec["text"]
     # bf16 shows nothing on those 8 rows: fp16 is not shown to help, fp32 (all rows) decides
     quiet_pair = [_cell("bf16", "b1_vs_b8_left_arange", 0.0, n=192, rows=8)]
     rec = recommend(full, {"nonfinite_logprobs": 0, "max_abs_hidden": 1.0}, "cpu", quiet_pair)
@@ -392,3 +394,19 @@ def test_recommendation_is_a_record_that_one_renderer_turns_into_the_text():
     with pytest.raises(dataclasses.FrozenInstanceError):
         decision.arm = "A"
     assert decide([], None).reasons[0].kind == "no_bf16" and decide([], None).arm is None
+
+
+def test_on_a_cpu_the_recommendation_is_not_arm_h():
+    """Arm H needs fp16 autocast, which accelerate runs on CUDA only: on a CPU the same cells recommend the fp32 fix
+    (arm B) and say that fp16 would remove the gap on a GPU (arm H); with no fp32 cell, no arm, and the same note."""
+    cells = [
+        _cell("bf16", "b1_vs_b8_left_arange", 0.08), _timed("bf16", 1.0), _cell("bf16", "rerun_b1", 0.0),
+        _cell("fp16", "b1_vs_b8_left_arange", 0.002), _timed("fp16", 40.0),
+        _cell("fp32", "b1_vs_b8_left_arange", 0.0), _timed("fp32", 3.0),
+    ]
+    check = {"nonfinite_logprobs": 0, "max_abs_hidden": 100.0}
+    rec = recommend(cells, check, "cpu")
+    assert rec["arm"] == "B" and "arm H" in rec["text"] and "CUDA" in rec["text"]
+    no_fp32 = recommend([c for c in cells if c["dtype"] != "fp32"], check, "cpu")
+    assert no_fp32["arm"] is None and "CUDA" in no_fp32["text"]
+    assert recommend(cells, check, "cuda")["arm"] == "H"

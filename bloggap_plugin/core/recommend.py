@@ -171,14 +171,17 @@ def _decide_arm(cells, paired, bf16, fp16_check, device_type, basis) -> tuple[st
         return Reason(kind, cited,
                       {"dtype": dtype, "cost": costs[dtype], "device_type": device_type, **numbers})
 
-    if "fp16" in removal and removal["fp16"][2] and fp16_safe is not False:
+    fp16_removes = "fp16" in removal and removal["fp16"][2] and fp16_safe is not False
+    if fp16_removes and device_type != "cpu":
         arm, reasons = "H", reasons + [removes("fp16", "arm_h")]
     elif "fp32" in removal and removal["fp32"][2]:
         fp16 = removal.get("fp16")
-        why = ("unsafe" if fp16_safe is False else "unmeasured" if fp16 is None
+        why = ("cpu" if fp16_removes else "unsafe" if fp16_safe is False else "unmeasured" if fp16 is None
                else "quiet_rows" if fp16[1]["oob"] == 0 else "leaves")
         extra = {} if fp16 is None else {"fp16": Measured.of(fp16[0]), "fp16_ref": Measured.of(fp16[1])}
         arm, reasons = "B", reasons + [removes("fp32", "arm_b", extra, why=why)]
+    elif fp16_removes:  # on a CPU: arm H cannot take effect, and fp32 was not shown to remove it
+        arm, reasons = None, reasons + [removes("fp16", "h_needs_cuda")]
     else:
         arm, reasons = None, reasons + [Reason("no_removal")]
     mask_cell = _worst(cells, "bf16", [TIMED])
@@ -224,13 +227,10 @@ def _fmt(c: Measured) -> str:
 
 
 def _cost_text(reason: Reason) -> str:
-    value, dtype = reason.numbers["cost"], reason.numbers["dtype"]
+    value = reason.numbers["cost"]
     if value is None:
         return "cost not measured"
-    text = f"measured {value:.2f}x bf16's time per token here"
-    if dtype == "fp16" and reason.numbers["device_type"] == "cpu":
-        text += " (this CPU has no native fp16 kernels; GPUs with fp16 tensor cores run it at about bf16 speed)"
-    return text
+    return f"measured {value:.2f}x bf16's time per token here"
 
 
 def _removal_text(reason: Reason) -> str:
@@ -242,7 +242,11 @@ def _removal_text(reason: Reason) -> str:
 
 def _arm_b_text(reason: Reason) -> str:
     why = reason.numbers["why"]
-    if why == "unsafe":
+    if why == "cpu":
+        text = (f"fp16 would remove it ({_pct(reason.cells['fp16'])} against bf16's "
+                f"{_pct(reason.cells['fp16_ref'])}), but arm H needs fp16 autocast, which accelerate runs on CUDA "
+                "only: on a CUDA GPU run the doctor there and choose arm H; on this CPU")
+    elif why == "unsafe":
         text = "fp16 is not safe for this model (see the fp16 check)"
     elif why == "unmeasured":
         text = "fp16 was not measured"
@@ -300,6 +304,11 @@ _SENTENCES = {
         "token: watch gap/ratio/oob_frac against arm A before choosing it."
     ),
     "arm_b": _arm_b_text,
+    "h_needs_cuda": lambda r: (
+        f"{_removal_text(r)}: on a CUDA GPU that is arm H (fp16 everywhere), but arm H needs fp16 autocast, which "
+        "accelerate runs on CUDA only, and fp32 was not shown to remove it here: run the doctor on the GPU you "
+        "will train on."
+    ),
     "no_removal": lambda r: (
         "Neither fp16 nor fp32 was shown to remove the gap in the measured cells: run `bloggap attribute` and "
         "`bloggap ladder` to see where it enters."
