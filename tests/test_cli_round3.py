@@ -370,3 +370,24 @@ def test_train_help_is_short_and_help_all_lists_every_grpo_field(capsys):
     assert cli.main(["train", "--help-all"]) == 0
     full = capsys.readouterr().out
     assert "--vllm_gpu_memory_utilization" in full and "--learning_rate" in full and len(full.splitlines()) > 300
+
+
+@pytest.mark.parametrize("rows, skipped", [(8, {"b1_vs_b32_left_arange", "b1_vs_b32_left_mask", "two_groupings_b8"}),
+                                           (3, {"b1_vs_b8_left_arange", "b1_vs_b8_left_mask", "b1_vs_b32_left_arange",
+                                                "b1_vs_b32_left_mask", "b1_vs_b8_right", "b1_vs_b8_equal_nopad",
+                                                "two_groupings_b8"})])
+def test_doctor_skips_and_names_the_comparisons_its_rows_cannot_support(capsys, tmp_path, rows, skipped):
+    """--num-seqs 8 printed 'b1_vs_b32' rows that were batch-8 passes, and with 3 rows every 'b8' row was a batch of
+    3 while two_groupings_b8 vanished without a word: a comparison needs as many rows as its batch (two groupings
+    need two batches); the others are skipped for every dtype, and a note names them and why."""
+    path = tmp_path / "d.json"
+    code = cli.main(["doctor", "--model", "tiny-random-llama", "--num-seqs", str(rows), "--max-new-tokens", "3",
+                     "--device", "cpu", "--dtypes", "bf16", "--attn", "sdpa", "--json", str(path), "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out[-2000:]
+    result = json.loads(path.read_text())
+    bf16 = {c["comparison"]: c for c in result["cells"] if c["dtype"] == "bf16"}
+    assert {name for name, c in bf16.items() if c.get("skipped")} == skipped
+    assert all(c.get("oob") is not None for name, c in bf16.items() if name not in skipped)
+    notes = result["tables"][0]["notes"]
+    assert "two_groupings_b8" in notes and f"this run scores {rows} rows" in notes

@@ -62,6 +62,14 @@ class Comparison:
         return "right" if self.layout == "right" else "left"
 
     @property
+    def rows_needed(self) -> int:
+        """Rows the comparison needs to be what its name says: a full batch for a batched one, two batches for two
+        groupings, one row for the others (the rerun, one row's copies, the sampler)."""
+        size = self.batch_size or 1
+        need = {"batched": size, "equal_length": size, "regrouped": 2 * size}.get(self.scoring, 1)
+        return max(need, self.min_rows)
+
+    @property
     def own_passes(self) -> int:
         """Scoring passes this comparison makes beyond batch 1 and its shared pass."""
         return 0 if self.scoring == "sampler" else 1

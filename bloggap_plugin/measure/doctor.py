@@ -88,16 +88,17 @@ def scoring_plan(
             subset = rollouts.subset(rows)
             if dtype == "fp16" and on_cpu:
                 names = list(CPU_FP16_COMPARISONS)
-                why = "this CPU has no native fp16 kernels"
+                notes.append(f"{dtype} scaled down on CPU: {rows} of {num_seqs} rows; skipped "
+                             f"{', '.join(n for n in COMPARISONS if n not in names)} (this CPU has no native fp16 "
+                             "kernels); the recommendation compares it with bf16 on the same rows")
             else:
-                names = [n for n in names if COMPARISONS[n].min_rows <= rows]
-                why = "batch 32 needs 32 rows"
-            dropped = [n for n in COMPARISONS if n not in names]
-            notes.append(
-                f"{dtype} scaled down{' on CPU' if on_cpu else ''}: {rows} of {num_seqs} rows"
-                + (f"; skipped {', '.join(dropped)} ({why})" if dropped else "")
-                + "; the recommendation compares it with bf16 on the same rows"
-            )
+                notes.append(f"{dtype} scaled down: {rows} of {num_seqs} rows; the recommendation compares it with "
+                             "bf16 on the same rows")
+        short = [n for n in names if COMPARISONS[n].rows_needed > rows]
+        if short:  # a batch of 32 from 8 rows would be a batch of 8 under the name b1_vs_b32
+            names = [n for n in names if n not in short]
+            notes.append(f"{dtype}: skipped {', '.join(short)}: each needs as many rows as its batch (two groupings, "
+                         f"two batches) and this run scores {rows} rows")
         plan.append(DoctorPlan(dtype, tuple(names), subset))
     return plan, notes
 
