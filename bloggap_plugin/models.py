@@ -175,6 +175,33 @@ def _check_cache_folder(folder: Path) -> None:
             return
 
 
+SOURCE_RECORD = "bloggap_source.json"
+"""The file in the default model's cache naming the GGUF file it was dequantised from (path and size)."""
+
+
+def _source_of(gguf: Path) -> dict:
+    return {"gguf": str(gguf.resolve()), "size": gguf.stat().st_size}
+
+
+def _check_cache_source(dense: Path) -> None:
+    """With ``$BLOGGAP_GGUF`` set, refuse a cached default model built from another file (or from an unrecorded one):
+    the cache would be used and the variable ignored without a word."""
+    env = os.environ.get("BLOGGAP_GGUF")
+    if not env:
+        return
+    wanted = Path(env)
+    if not wanted.is_file():
+        raise ModelSpecError(f"$BLOGGAP_GGUF points to {wanted}, which is not a file")
+    try:
+        recorded = json.loads((dense / SOURCE_RECORD).read_text())
+    except (OSError, ValueError):
+        recorded = None
+    if recorded != _source_of(wanted):
+        built = recorded.get("gguf") if isinstance(recorded, dict) else "a file it did not record"
+        raise ModelSpecError(f"BLOGGAP_GGUF={wanted}, but the cached default model {dense} was built from {built}: "
+                             f"delete {dense} to rebuild it from {wanted.name}, or unset BLOGGAP_GGUF")
+
+
 def _load_smollm2(dtype: torch.dtype):
     dense = _cache_root() / "smollm2-135m-instruct"
     if not (dense / "config.json").is_file():
@@ -190,6 +217,7 @@ def _load_smollm2(dtype: torch.dtype):
         try:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            (tmp / SOURCE_RECORD).write_text(json.dumps(_source_of(gguf)))
         except Exception as err:  # noqa: BLE001 - a full disk surfaces as OSError or safetensors' own error
             shutil.rmtree(tmp, ignore_errors=True)
             raise ModelSpecError(f"cannot write the default model's dequantised copy under {dense.parent} ({err}); "
@@ -299,6 +327,8 @@ def check_model_spec(spec: str) -> None:
         if not (_cache_root() / "smollm2-135m-instruct" / "config.json").is_file():
             _check_cache_folder(_cache_root())
             _check_gguf_file(smollm2_gguf_path())
+        else:
+            _check_cache_source(_cache_root() / "smollm2-135m-instruct")
     elif spec in TINY_MODELS:
         return
     elif spec.startswith("tiny-random-"):

@@ -391,3 +391,23 @@ def test_doctor_skips_and_names_the_comparisons_its_rows_cannot_support(capsys, 
     assert all(c.get("oob") is not None for name, c in bf16.items() if name not in skipped)
     notes = result["tables"][0]["notes"]
     assert "two_groupings_b8" in notes and f"this run scores {rows} rows" in notes
+
+
+def test_bloggap_gguf_is_not_ignored_once_a_cache_exists(bloggap, tmp_path, monkeypatch):
+    """$BLOGGAP_GGUF names another file than the one the cached default model was built from: said in one line with
+    the fix, before any model loads (the cache was used without a word)."""
+    cache = tmp_path / "cache"
+    dense = cache / "smollm2-135m-instruct"
+    dense.mkdir(parents=True)
+    (dense / "config.json").write_text("{}")
+    (dense / "bloggap_source.json").write_text(json.dumps({"gguf": str(tmp_path / "old.gguf"), "size": 10}))
+    other = tmp_path / "new.gguf"
+    other.write_bytes(b"GGUF" + b"\0" * 20)
+    monkeypatch.setenv("BLOGGAP_CACHE", str(cache))
+    monkeypatch.setenv("BLOGGAP_GGUF", str(other))
+    _assert_one_line_error(bloggap("train", ARM_A, "--max-steps", "1", "--output-dir", tmp_path / "o"),
+                           "BLOGGAP_GGUF", str(other), "old.gguf", str(dense))
+    (dense / "bloggap_source.json").write_text(json.dumps({"gguf": str(other), "size": other.stat().st_size}))
+    monkeypatch.setattr("bloggap_plugin.models._check_model_folder", lambda path: None)
+    with pytest.raises(AssertionError, match="a model was loaded"):  # the same file: the cache is used
+        bloggap("train", ARM_A, "--max-steps", "1", "--output-dir", tmp_path / "o2")
