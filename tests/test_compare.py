@@ -516,7 +516,8 @@ def _cli(args, capsys) -> tuple[int, str, str]:
         (["--seeds", "0", "1", "0"], "--seeds 0 1 0: seed 0 is repeated; give each seed once"),
         (["--baseline", "Z"], "--baseline Z names no arm; the arms are A, B"),
         (["--difficulty", "9"], "--difficulty: arith difficulty must be one of [1, 2, 3, 4, 5]"),
-        (["--override", "[1]"], "--override must be a JSON object of GRPOConfig fields"),
+        (["--override", "[1]"], "--override must be a mapping of GRPOConfig fields"),
+        (["--override", "{beta: [}"], "--override must be a mapping of GRPOConfig fields"),
     ],
 )
 def test_bad_compare_input_fails_in_one_line_before_anything_runs(tmp_path, fake, capsys, args, problem):
@@ -576,7 +577,7 @@ def test_compare_switches_take_no_value_so_recipes_may_follow_them():
     [
         ("parallel: 0\n", [], "--parallel 0: must be a whole number >= 1"),
         ("parallel: 0\nbaseline: Z\n", ["--parallel", "1"], "--baseline Z names no arm; the arms are A, B"),
-        ("extra_overrides: [1]\n", [], "--override must be a JSON object of GRPOConfig fields"),
+        ("extra_overrides: [1]\n", [], "--override must be a mapping of GRPOConfig fields"),
         ("seeds: [3, 3]\n", [], "--seeds 3 3: seed 3 is repeated"),
     ],
 )
@@ -781,3 +782,15 @@ def test_gsm8k_data_and_calc_steps_are_checked_before_anything_runs(tmp_path, fa
         code, _, stderr = _cli([*base, *extra], capsys)
         assert code == 2 and stderr.startswith(f"bloggap compare: {problem}"), stderr
         assert len(stderr.strip().splitlines()) == 1 and not out.exists() and _calls(fake) == []
+
+
+
+def test_compare_override_takes_yaml_as_train_does(tmp_path, fake, capsys):
+    """--override reads a YAML mapping like train's --extra-overrides (JSON is YAML too): one syntax for both."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    code, stdout, stderr = _cli([*_recipes(tmp_path), "--seeds", "0", "--max-steps", "2", "--output-dir", str(out),
+                                 "--model", "tiny-random-llama", "--run-fn", "fake_train:run_training", "--pythonpath",
+                                 fake["dir"], "--last-n", "1", "--override", "{num_iterations: 2}"], capsys)
+    assert code == 0, stdout[-2000:] + stderr
+    assert _calls(fake, "overrides") == [{"num_iterations": 2}, {"num_iterations": 2}]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 
@@ -11,19 +10,25 @@ HELP = "Run every recipe x seed (same prompts and sampling seeds), then the T10 
 
 
 def _overrides(text: str | dict | list | None) -> dict:
-    """``--override`` (JSON text) or ``extra_overrides`` from a ``--config`` file (a mapping) as a dict."""
+    """``--override`` (a YAML or JSON mapping, as train's ``--extra-overrides``) or ``extra_overrides`` from a
+    ``--config`` file (a mapping) as a dict."""
+    import yaml
+
     from bloggap_plugin.compare import CompareError
 
     if text is None or text == "":
         return {}
     value = text
+    example = "e.g. '{num_iterations: 2}'"
     if isinstance(text, str):
         try:
-            value = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise CompareError(f"--override must be a JSON object, e.g. '{{\"num_iterations\": 2}}' ({err.msg})") from None
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            reason = " ".join(str(err).split())[:120]
+            raise CompareError(f"--override must be a mapping of GRPOConfig fields (YAML or JSON), {example} "
+                               f"({reason})") from None
     if not isinstance(value, dict):
-        raise CompareError("--override must be a JSON object of GRPOConfig fields, e.g. '{\"num_iterations\": 2}'")
+        raise CompareError(f"--override must be a mapping of GRPOConfig fields (YAML or JSON), {example}")
     return value
 
 

@@ -114,8 +114,9 @@ class CompareConfig:
         "them the tables are interim: means and per-seed differences, no interval or p-value, so a conclusion "
         "cannot depend on when someone looked.")})
     extra_overrides: dict = field(default_factory=dict, metadata={
-        "help": "GRPOConfig overrides applied to every arm: a JSON object, e.g. '{\"num_iterations\": 2}' (in a "
-                "--config file: a mapping).", "aliases": ["--override"], "parse": str, "metavar": "JSON"})
+        "help": "GRPOConfig overrides applied to every arm: a YAML (or JSON) mapping, e.g. '{num_iterations: 2}', as "
+                "train's --extra-overrides (in a --config file: a mapping).", "aliases": ["--override"], "parse": str,
+        "metavar": "YAML"})
     run_fn: str = field(default=DEFAULT_RUN_FN, metadata={
         "help": "module:function that trains one run (signature of bloggap_plugin.trl.train.run_training)."})
     pythonpath: list[str] = field(default_factory=list, metadata={
