@@ -96,6 +96,9 @@ def test_train_flags_are_train_config_fields_plus_grpo_config_overrides(tmp_path
     parser = build_parser()
     command = parser.get_default("_subparsers")["train"]
     text = command.format_help()
+    assert "--learning_rate" not in text.split("GRPOConfig overrides:")[0]  # --help shows train's own flags
+    command._show_all = True  # what --help-all prints: every GRPOConfig field too
+    text = command.format_help()
     for flag, help_text in (("--max_steps", "optimizer steps"), ("--log_jsonl", "one JSON line per logged step"),
                             ("--gap_overrides", "gap: section"), ("--learning_rate", "learning rate"),
                             ("--beta", "KL coefficient"), ("--num_iterations", "iterations")):
