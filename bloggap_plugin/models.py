@@ -407,6 +407,9 @@ def load_model(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
+    backend = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
+    if type(backend).__name__ == "BPE":  # transformers ignores the clean-up for BPE, with a warning on every decode
+        tokenizer.clean_up_tokenization_spaces = False
     if attn_implementation is not None:
         model.set_attn_implementation(attn_implementation)
     model.to(device)

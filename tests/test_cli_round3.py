@@ -411,3 +411,18 @@ def test_bloggap_gguf_is_not_ignored_once_a_cache_exists(bloggap, tmp_path, monk
     monkeypatch.setattr("bloggap_plugin.models._check_model_folder", lambda path: None)
     with pytest.raises(AssertionError, match="a model was loaded"):  # the same file: the cache is used
         bloggap("train", ARM_A, "--max-steps", "1", "--output-dir", tmp_path / "o2")
+
+
+def test_doctor_help_names_the_model_specs_instead_of_a_source_file(capsys):
+    assert cli.main(["doctor", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "models.py" not in text and "a local model folder with config.json" in text and "org/name" in text
+
+
+def test_the_default_models_tokenizer_decodes_without_the_bpe_clean_up_warning(smollm2_bf16, capfd):
+    """transformers warns on every run that clean_up_tokenization_spaces=True is ignored for a BPE tokenizer (and
+    would corrupt its output): the loaded tokenizer has it off, so decoding is quiet and unchanged."""
+    _, tokenizer = smollm2_bf16
+    assert tokenizer.clean_up_tokenization_spaces is False
+    text = tokenizer.decode(tokenizer("Hello , world !")["input_ids"])
+    assert "clean_up_tokenization_spaces" not in capfd.readouterr().err and text.endswith("Hello , world !")
