@@ -426,3 +426,20 @@ def test_the_default_models_tokenizer_decodes_without_the_bpe_clean_up_warning(s
     assert tokenizer.clean_up_tokenization_spaces is False
     text = tokenizer.decode(tokenizer("Hello , world !")["input_ids"])
     assert "clean_up_tokenization_spaces" not in capfd.readouterr().err and text.endswith("Hello , world !")
+
+
+def test_compare_plot_labels_reward_steps_and_shows_a_single_point(tmp_path, monkeypatch):
+    """A short run's curve of one reward point was an empty plot, and the x-axis said 'step' while it counts the
+    steps that logged a reward (every other optimizer step with num_iterations 2)."""
+    pytest.importorskip("matplotlib")
+    import bloggap_plugin.report as report
+    from bloggap_plugin.compare.outputs import plot_reward_curves
+
+    figures = []
+    monkeypatch.setattr(report, "save_figure", lambda fig, path, dpi=120: figures.append(fig))
+    results = {"arms": {"A": {}, "B": {}}, "runs": {"A_s0": {"arm": "A", "rewards": [0.25]},
+                                                    "B_s0": {"arm": "B", "rewards": [0.5]}}}
+    plot_reward_curves(results, tmp_path / "p.png", smooth=5)
+    (axes,) = figures[0].axes
+    assert axes.get_xlabel().startswith("reward step") and len(axes.get_lines()) == 2
+    assert all(line.get_marker() not in (None, "None", "") for line in axes.get_lines())

@@ -298,12 +298,13 @@ def plot_reward_curves(results: dict, path: str | os.PathLike, smooth: int = 5, 
         curves = [_rolling(r["rewards"][:length], smooth) for r in runs]
         steps = list(range(1, length + 1))
         mean = [sum(c[i] for c in curves) / len(curves) for i in range(length)]
-        (line,) = ax.plot(steps, mean, label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+        marker = "o" if length <= 20 else None  # a curve of one point is no line: show the points of short runs
+        (line,) = ax.plot(steps, mean, marker=marker, label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
         if len(curves) > 1:
             low = [min(c[i] for c in curves) for i in range(length)]
             high = [max(c[i] for c in curves) for i in range(length)]
             ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
-    ax.set_xlabel("step")
+    ax.set_xlabel("reward step (the steps that logged a reward: generating steps with num_iterations > 1)")
     ax.set_ylabel("reward" + (f" (rolling mean, {smooth} steps)" if smooth > 1 else ""))
     ax.set_title(title or "Reward by arm: mean over seeds, band = per-seed range")
     ax.grid(alpha=0.3)
