@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["MIN_SEEDS", "holm", "sign_flip_p", "compare_with_baseline", "POWER"]
+__all__ = ["MIN_SEEDS", "holm", "sign_flip_p", "arm_statistics", "compare_with_baseline", "POWER"]
 
 MIN_SEEDS = 3
 """Fewest paired differences an interval or a p-value is computed from (with 2 the t quantile has 1 df)."""
@@ -45,8 +45,10 @@ def sign_flip_p(differences: list[float]) -> float:
     return float(result.pvalue)
 
 
-def _arm(differences: list[float], level: float, power: float) -> dict:
-    """One arm's paired statistics at two-sided level ``level`` (already divided over the family)."""
+def arm_statistics(differences: list[float], level: float, power: float = POWER) -> dict:
+    """One arm's paired statistics at two-sided level ``level`` (already divided over the family): ``n``, ``mean``,
+    ``sd``, ``t``, ``p_t``, ``p_sign_flip``, ``low``, ``high``, ``half_width``, ``detectable``; with fewer than
+    :data:`MIN_SEEDS` differences only ``n`` and ``mean``."""
     from scipy import stats
 
     n = len(differences)
@@ -79,7 +81,7 @@ def compare_with_baseline(differences: dict[str, list[float]], alpha: float = 0.
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
     family = len(differences)
     level = alpha / family if family else alpha
-    arms = {arm: _arm(values, level, power) for arm, values in differences.items()}
+    arms = {arm: arm_statistics(values, level, power) for arm, values in differences.items()}
     tested = {arm: row for arm, row in arms.items() if row["p_t"] is not None}
     for key in ("p_t", "p_sign_flip"):
         adjusted = holm({arm: row[key] for arm, row in tested.items()}, family) if tested else {}

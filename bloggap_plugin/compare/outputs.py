@@ -56,7 +56,7 @@ def _analysis_words(results: dict) -> tuple[str, str, bool]:
     analysis = results["analysis"]
     declared = analysis["declared"]
     interim = analysis["status"] != "final"
-    family = max(1, len(results["arms"]) - 1)
+    family = results["resolution"]["family"]
     confidence = f"{100 * (1 - declared['alpha']):g}%"
     label = f"mean [simultaneous {confidence} CI]"
     planned = ", ".join(map(str, declared["planned_seeds"]))

@@ -6,7 +6,7 @@ import math
 
 from bloggap_plugin.compare.config import CompareConfig, RunSpec
 from bloggap_plugin.compare.heldout import read_heldout
-from bloggap_plugin.compare.inference import MIN_SEEDS, POWER, compare_with_baseline
+from bloggap_plugin.compare.inference import POWER, arm_statistics, compare_with_baseline
 from bloggap_plugin.compare.logs import read_log, run_state
 from bloggap_plugin.compare.outputs import _tables
 
@@ -34,19 +34,12 @@ def _sd(values: list[float]) -> float | None:
 
 
 def paired_interval(deltas: list[float], confidence: float = 0.95) -> dict:
-    """Mean of paired differences and its two-sided t interval (scipy's quantile): ``{n, mean, sd, low, high,
-    half_width}``. With fewer than :data:`~bloggap_plugin.compare.inference.MIN_SEEDS` differences only ``n`` and
-    ``mean`` are set (a t interval from 2 values has 1 df and means little)."""
-    from scipy import stats
-
-    n = len(deltas)
-    mean = _mean(deltas)
-    sd = _sd(deltas)
-    if sd is None or n < MIN_SEEDS:
-        return {"n": n, "mean": mean, "sd": sd if n >= MIN_SEEDS else None, "low": None, "high": None,
-                "half_width": None}
-    half = float(stats.t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
-    return {"n": n, "mean": mean, "sd": sd, "low": mean - half, "high": mean + half, "half_width": half}
+    """Mean of paired differences and its two-sided t interval: ``{n, mean, sd, low, high, half_width}``, computed
+    by :mod:`bloggap_plugin.compare.inference` (one arm, level ``1 - confidence``). With fewer than
+    :data:`~bloggap_plugin.compare.inference.MIN_SEEDS` differences only ``n`` and ``mean`` are set (a t interval from
+    2 values has 1 df and means little)."""
+    row = arm_statistics(list(deltas), 1.0 - confidence)
+    return {key: row[key] for key in ("n", "mean", "sd", "low", "high", "half_width")}
 
 
 def _key_mean(records: list[dict], key: str) -> float | None:
@@ -186,7 +179,7 @@ def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
         held = analysis["metrics"].get("heldout")
         for label, row in heldout["arms"].items():
             row["delta_interval"] = held["arms"].get(label) if held is not None and label != base else None
-    resolution = _resolution(per_run, base, k, analysis)
+    resolution = _resolution(per_run, arm_rows, k, analysis)
     results = {"baseline": base, "arms": arm_rows, "runs": per_run, "set_aside": set_aside, "last_k": k,
                "resolution": resolution, "heldout": heldout, "analysis": analysis}
     results["tables"] = _tables(config, results)
@@ -262,7 +255,7 @@ def declared_analysis(config: CompareConfig, by_arm: dict[str, dict[int, dict]],
             "planned_done": done, "planned_total": len(planned), "metrics": metrics}
 
 
-def _resolution(per_run: dict, base: str, k: int, analysis: dict) -> dict:
+def _resolution(per_run: dict, arm_rows: dict, k: int, analysis: dict) -> dict:
     """Per-step reward noise and the smallest arm difference this sweep could detect, at the declared family's
     level: from step noise alone (a lower bound) and, when the analysis is final, per arm from its own paired
     differences of the primary metric (its own df, no pooling across arms)."""
@@ -272,20 +265,17 @@ def _resolution(per_run: dict, base: str, k: int, analysis: dict) -> dict:
     variances_all = [s["reward_sd_steps"] ** 2 for s in per_run.values() if s["reward_sd_steps"] is not None]
     step_sd_last = math.sqrt(sum(variances_last) / len(variances_last)) if variances_last else None
     step_sd_all = math.sqrt(sum(variances_all) / len(variances_all)) if variances_all else None
-    by_arm: dict[str, list[float]] = {}
-    for summary in per_run.values():
-        if summary["reward_last"] is not None:
-            by_arm.setdefault(summary["arm"], []).append(summary["reward_last"])
+    seed_sds = [row["seed_sd_last"] for row in arm_rows.values() if row["seed_sd_last"] is not None]
     declared = analysis["declared"]
     n_seeds = len(declared["planned_seeds"])
-    family = max(1, len(by_arm) - 1)
+    family = max(1, len(arm_rows) - 1)
     level = declared["alpha"] / family
     out = {
         "n_seeds": n_seeds,
         "last_k": k,
         "step_sd_last": step_sd_last,
         "step_sd_all": step_sd_all,
-        "seed_sd_last": _mean([_sd(v) for v in by_arm.values() if _sd(v) is not None]),
+        "seed_sd_last": _mean(seed_sds),
         "se_last_mean": step_sd_last / math.sqrt(k) if step_sd_last is not None and k else None,
         "alpha": declared["alpha"],
         "family": family,
