@@ -105,17 +105,10 @@ def _dtype_name(dtype: str | torch.dtype) -> str:
 def colocate_engine_dtype(trainer: Any) -> torch.dtype | None:
     """The dtype of a GRPOTrainer's colocate vLLM engine, or ``None`` when it cannot be read (no engine, server
     mode, another vLLM layout)."""
-    generation = getattr(trainer, "vllm_generation", None)
-    llm = getattr(generation, "llm", None)
-    engine = getattr(llm, "llm_engine", None)
-    for holder in (engine, getattr(engine, "vllm_config", None)):
-        config = getattr(holder, "model_config", None)
-        dtype = getattr(config, "dtype", None)
-        if isinstance(dtype, torch.dtype):
-            return dtype
-        if isinstance(dtype, str) and dtype in _DTYPES:
-            return _DTYPES[dtype]
-    return None
+    dtype = colocate_engine_setting(trainer, "dtype")
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return _DTYPES.get(dtype) if isinstance(dtype, str) else None
 
 
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
@@ -137,14 +130,15 @@ def engine_kwargs_for(gap: Any, environ: dict | None = None) -> dict:
 
 def colocate_engine_setting(trainer: Any, name: str) -> Any:
     """The value of ``LLM(...)`` keyword ``name`` in a GRPOTrainer's colocate engine as built (read from vLLM's
-    config objects), or ``None`` when it cannot be read (no engine, server mode, another vLLM layout)."""
+    config objects, on the engine or its ``vllm_config``), or ``None`` when it cannot be read (no engine, server
+    mode, another vLLM layout)."""
     generation = getattr(trainer, "vllm_generation", None)
     engine = getattr(getattr(generation, "llm", None), "llm_engine", None)
-    config = getattr(engine, "vllm_config", None)
-    for part in ("model_config", "cache_config", "scheduler_config", "parallel_config"):
-        holder = getattr(config, part, None)
-        if holder is not None and hasattr(holder, name):
-            return getattr(holder, name)
+    for holder in (engine, getattr(engine, "vllm_config", None)):
+        for part in ("model_config", "cache_config", "scheduler_config", "parallel_config"):
+            config = getattr(holder, part, None)
+            if config is not None and getattr(config, name, None) is not None:
+                return getattr(config, name)
     return None
 
 
