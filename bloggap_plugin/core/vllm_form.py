@@ -215,7 +215,8 @@ class PackedBatch:
     where: torch.Tensor
     """``[B, L]`` bool: where each packed token sits in the padded layout."""
     paged: dict = field(default_factory=dict)
-    """Page size -> :func:`paged_layout` of these rows (filled by the first layer that needs it)."""
+    """Page size -> :func:`paged_layout` of these rows, and ``("steps", page size)`` -> the step-sized attention calls
+    (filled by the first layer that needs them)."""
     launches: tuple | None = None
     """``(prompt index [P], [generated index chunks])`` of :func:`norm_in_step_launches` (filled on first use)."""
     generated: torch.Tensor | None = None
@@ -353,37 +354,53 @@ def torch_paged_varlen_attention(q: torch.Tensor, key_cache: torch.Tensor, value
     return out
 
 
+def _step_calls(packed: PackedBatch, page: int, device: torch.device) -> tuple:
+    """The two paged calls of :func:`stepwise_attention` for ``packed``: ``(prefill, decode)``, each ``None`` or
+    ``(token index, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)``. The same for every layer of a
+    forward: computed once (and its host reads made once), kept in ``packed.paged``."""
+    key = ("steps", page)
+    if key in packed.paged:
+        return packed.paged[key]
+    layout = packed.paged.get(page)
+    if layout is None:
+        layout = packed.paged[page] = paged_layout(packed.lengths, page, device)
+    table = layout[1]
+    total = int(packed.cu_seqlens[-1])
+    generated = packed.generated if packed.generated is not None else torch.zeros(total, dtype=torch.bool, device=device)
+    row = torch.repeat_interleave(torch.arange(len(packed.lengths), device=device),
+                                  torch.tensor(packed.lengths, device=device))
+    index_in_row = torch.arange(total, device=device) - packed.cu_seqlens.long()[row]
+    prefill = decode = None
+    prompt = (~generated).nonzero().squeeze(-1)
+    if prompt.numel():
+        prompt_lengths = torch.bincount(row[prompt], minlength=len(packed.lengths))
+        used = prompt_lengths > 0
+        cu = torch.zeros(int(used.sum()) + 1, dtype=torch.int32, device=device)
+        cu[1:] = prompt_lengths[used].cumsum(0)
+        longest = int(prompt_lengths.max())
+        prefill = (prompt, cu, prompt_lengths[used].to(torch.int32), table[used], longest, longest)
+    decoded = generated.nonzero().squeeze(-1)
+    if decoded.numel():
+        seen = (index_in_row[decoded] + 1).to(torch.int32)
+        cu = torch.arange(decoded.numel() + 1, dtype=torch.int32, device=device)
+        decode = (decoded, cu, seen, table[row[decoded]], 1, int(seen.max()))
+    packed.paged[key] = (prefill, decode)
+    return prefill, decode
+
+
 def stepwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedBatch, page: int,
                        paged: Callable[..., torch.Tensor], scale: float) -> torch.Tensor:
     """Attention as vLLM's steps computed it (``attention_launch: steps``): one prefill call over each row's prompt
     tokens, then one call in which every generated token is an entry with one query against its row's K/V up to and
     including itself. ``paged(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q,
     max_seqlen_k, scale)`` is the paged varlen kernel. ``q [T, nq, d]``, ``k/v [T, nkv, d]`` -> ``[T, nq, d]``."""
-    layout = packed.paged.get(page)
-    if layout is None:
-        layout = packed.paged[page] = paged_layout(packed.lengths, page, q.device)
-    key_cache, value_cache, table = paged_kv(k, v, packed.lengths, page, layout)
-    generated = packed.generated
-    if generated is None:
-        generated = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
-    row = torch.repeat_interleave(torch.arange(len(packed.lengths), device=q.device),
-                                  torch.tensor(packed.lengths, device=q.device))
-    index_in_row = torch.arange(q.shape[0], device=q.device) - packed.cu_seqlens.long()[row]
+    calls = _step_calls(packed, page, q.device)
+    key_cache, value_cache, _ = paged_kv(k, v, packed.lengths, page, packed.paged[page])
     out = torch.empty_like(q)
-    prompt = (~generated).nonzero().squeeze(-1)
-    if prompt.numel():
-        prompt_lengths = torch.bincount(row[prompt], minlength=len(packed.lengths))
-        used = prompt_lengths > 0
-        cu = torch.zeros(int(used.sum()) + 1, dtype=torch.int32, device=q.device)
-        cu[1:] = prompt_lengths[used].cumsum(0)
-        longest = int(prompt_lengths.max())
-        out[prompt] = paged(q[prompt], key_cache, value_cache, cu, prompt_lengths[used].to(torch.int32), table[used],
-                            longest, longest, scale)
-    decoded = generated.nonzero().squeeze(-1)
-    if decoded.numel():
-        cu = torch.arange(decoded.numel() + 1, dtype=torch.int32, device=q.device)
-        seen = (index_in_row[decoded] + 1).to(torch.int32)
-        out[decoded] = paged(q[decoded], key_cache, value_cache, cu, seen, table[row[decoded]], 1, int(seen.max()), scale)
+    for call in calls:
+        if call is not None:
+            index, cu, seqused, table, max_q, max_k = call
+            out[index] = paged(q[index], key_cache, value_cache, cu, seqused, table, max_q, max_k, scale)
     return out
 
 
