@@ -162,17 +162,13 @@ def _set_eos(model, tokenizer) -> None:
 
 
 def _check_cache_folder(folder: Path) -> None:
-    """Raise :class:`ModelSpecError` when ``folder`` (the bloggap cache, ``$BLOGGAP_CACHE``) or a parent of it is a
-    file, or it cannot be written: found before the 30 s of dequantising the default model."""
-    for part in (folder, *folder.parents):
-        if part.exists():
-            if not part.is_dir():
-                raise ModelSpecError(f"BLOGGAP_CACHE={_cache_root()}: {part} is a file, not a folder; point "
-                                     "BLOGGAP_CACHE at a folder (it holds the dequantised default model)")
-            if not os.access(part, os.W_OK | os.X_OK):
-                raise ModelSpecError(f"BLOGGAP_CACHE={_cache_root()}: {part} cannot be written; point BLOGGAP_CACHE at "
-                                     "a writable folder")
-            return
+    """Raise :class:`ModelSpecError` when ``folder`` (the bloggap cache, ``$BLOGGAP_CACHE``) cannot be used as a
+    folder (a file, or not writable): found before the 30 s of dequantising the default model."""
+    from bloggap_plugin._io import check_writable_dir
+
+    problem = check_writable_dir(folder, "BLOGGAP_CACHE")
+    if problem:
+        raise ModelSpecError(f"{problem} (it holds the dequantised default model)")
 
 
 SOURCE_RECORD = "bloggap_source.json"

@@ -272,7 +272,10 @@ _STORED_DTYPES = ("bf16", "fp16", "fp32")
 
 
 def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite JSON number (:func:`bloggap_plugin.results.is_number`, not inf or NaN)."""
+    from bloggap_plugin.results import is_number
+
+    return is_number(value) and math.isfinite(value)
 
 
 def _check_cell(cell, where: str) -> None:

@@ -267,7 +267,6 @@ def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
         args = merge_grpo_config(grpo_kwargs, None, **overrides)
     except RecipeError as err:
         raise RecipeError(f"{config.recipe}: {err}") from None
-    _check_finite(args, config.recipe)
     _check_report_to(args.report_to)
     get_task(config.task, None, seed=config.seed, **(config.task_options() or {}))  # name, options, data: before the model
     if config.heldout:
@@ -280,18 +279,6 @@ def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
 
 SEED_MAX = 2**32 - 1
 """The largest seed numpy's legacy seeding (and so transformers' ``set_seed``) accepts."""
-
-
-def _check_finite(args: Any, recipe: Any) -> None:
-    """Raise ``UsageError`` for a GRPOConfig field holding inf or NaN (from the recipe, e.g. ``1e400`` or ``.inf``, or
-    a flag): the optimizer would train on NaN without an error."""
-    from bloggap_plugin.errors import UsageError
-
-    for spec in dataclasses.fields(args):
-        value = getattr(args, spec.name, None)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UsageError(f"{spec.name} = {value!r} (recipe {recipe} or its flag) is not a finite number; give a "
-                             "finite value")
 
 
 def _check_report_to(report_to: list[str] | None) -> None:
