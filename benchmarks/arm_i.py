@@ -133,7 +133,7 @@ def _measure(state: dict, out: Path, row: dict, build, sampler, base_s: float | 
     (``None`` if it did not run)."""
     import torch
 
-    from bloggap_plugin.errors import UsageError
+    from bloggap_plugin.core.errors import UsageError
 
     seconds = None
     try:
@@ -183,10 +183,10 @@ def _hf_forward(model, ids, mask, width: int, attention: str):
     vLLM's FlashAttention registered with transformers' ``AttentionInterface`` (:func:`register_hf_attention`)."""
     import torch
 
-    from bloggap_plugin.core.precision import make_plan
+    from bloggap_plugin.core.plans import make_plan
     from bloggap_plugin.core.scoring import token_logprobs
     from bloggap_plugin.core.vllm_form import parse_form
-    from bloggap_plugin.vllm_kernels import load_kernels, register_hf_attention
+    from bloggap_plugin.core.vllm_kernels import load_kernels, register_hf_attention
 
     device = ids.device
     name, kernels = "sdpa", "torch"
@@ -208,7 +208,7 @@ def score_rows(model, ids, mask, sampler, phase: str, state: dict, out: Path) ->
     ``AttentionInterface``; then arm I after each step of :data:`STEPS`. One row each, ``out`` rewritten after each."""
     import torch
 
-    from bloggap_plugin.core.precision import make_plan
+    from bloggap_plugin.core.plans import make_plan
 
     device = ids.device
     width = sampler.shape[1]
@@ -379,8 +379,8 @@ def cmd_phase(args) -> None:
     """One phase (``colocated`` generates first; ``scoped`` reads ``gen.pt``); writes ``--json`` after each row."""
     import torch
 
+    from bloggap_plugin.core.vllm_kernels import vllm_batch_invariant_active
     from bloggap_plugin.envinfo import environment_record
-    from bloggap_plugin.vllm_kernels import vllm_batch_invariant_active
 
     device = torch.device("cuda")
     work = Path(args.work)
@@ -445,7 +445,7 @@ def cmd_smoke(args) -> dict:
     """CPU: a tiny random Llama, the fp32 shadow's scores as the sampler, every step (vLLM pieces refused)."""
     import torch
 
-    from bloggap_plugin.core.precision import make_plan
+    from bloggap_plugin.core.plans import make_plan
     from bloggap_plugin.envinfo import environment_record
     from bloggap_plugin.models import _load_tiny
 

@@ -56,8 +56,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.memtrack import SkipMatmulArithmetic, TensorPeak  # noqa: E402
-from bloggap_plugin.core.precision import _param_pairs, make_plan, unwrap_model  # noqa: E402
-from bloggap_plugin.core.scoring import DEFAULT_CHUNK_TOKENS, token_logprobs  # noqa: E402
+from bloggap_plugin.core.model_parts import param_pairs as _param_pairs  # noqa: E402
+from bloggap_plugin.core.plans import make_plan  # noqa: E402
+from bloggap_plugin.core.scoring import DEFAULT_CHUNK_TOKENS, token_logprobs, unwrap_model  # noqa: E402
 from bloggap_plugin.results import ResultDocument, format_text_table  # noqa: E402
 
 NAME = "cost"

@@ -261,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--completions", default=None, help="also write every completion here (JSON lines)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from bloggap_plugin.core.errors import UsageError
     from bloggap_plugin.envinfo import device_tag, environment_record
-    from bloggap_plugin.errors import UsageError
     from bloggap_plugin.models import load_model, resolve_device
     from bloggap_plugin.results import format_text_table
 

@@ -288,7 +288,7 @@ def cmd_score(gen_files: list[Path], model_path: str, band: float = 0.1) -> dict
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from bloggap_plugin.core.precision import make_plan
+    from bloggap_plugin.core.plans import make_plan
     from bloggap_plugin.core.scoring import gather_logprobs, join_tiles
     from bloggap_plugin.core.truncation import kept_mask, log_kept_mass, renormalized_logprobs
     from bloggap_plugin.trl.mixin import is_ratio

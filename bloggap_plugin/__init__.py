@@ -10,7 +10,7 @@ nor transformers (``tests/test_package.py`` checks it):
 Everything else lives in its module: the metric helpers (``oob_fraction``, ``abs_dlogp_stats``, ``clip_status``,
 ``clip_flip_fraction``, ``kl_k1``, ``kl_k3``, ``wilson_interval``) in :mod:`bloggap_plugin.core.metrics`, the
 truncation maths in :mod:`bloggap_plugin.core.truncation`, :class:`ScoringPlan` in
-:mod:`bloggap_plugin.core.precision`, the verl plugin in :mod:`bloggap_plugin.verl`.
+:mod:`bloggap_plugin.core.plans`, the verl plugin in :mod:`bloggap_plugin.verl`.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time __getattr__ imports on first use
-    from bloggap_plugin.core.precision import make_plan
+    from bloggap_plugin.core.plans import make_plan
     from bloggap_plugin.core.scoring import token_logprobs
     from bloggap_plugin.models import load_model
     from bloggap_plugin.recipes import GapConfig, load_recipe
     from bloggap_plugin.trl import GapCallback, GapGRPOTrainer, GapMixin
 
 _LAZY = {
-    "make_plan": "bloggap_plugin.core.precision",
+    "make_plan": "bloggap_plugin.core.plans",
     "token_logprobs": "bloggap_plugin.core.scoring",
     "load_model": "bloggap_plugin.models",
     "GapConfig": "bloggap_plugin.recipes",

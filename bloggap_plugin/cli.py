@@ -4,7 +4,7 @@ Each subcommand lives in ``bloggap_plugin/commands/<name>.py`` with ``HELP``, ``
 ``run(args) -> int``; heavy imports happen inside ``run`` so ``bloggap --help`` stays fast. A command's settings are a
 dataclass with per-field help (``bloggap_plugin.commands._config``): every field is a flag, and ``--config FILE.yaml``
 sets any of them (the command line wins). Bad input raises
-:class:`bloggap_plugin.errors.UsageError` (checked before any model loads), printed here as one line on stderr,
+:class:`bloggap_plugin.core.errors.UsageError` (checked before any model loads), printed here as one line on stderr,
 ``bloggap: error: <problem and fix>``, with exit code 2 and no traceback.
 """
 
@@ -61,7 +61,7 @@ def _apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> None
         return
     config_types = command.get_default("_config_types")
     if not config_types:
-        from bloggap_plugin.errors import UsageError
+        from bloggap_plugin.core.errors import UsageError
 
         raise UsageError(f"bloggap {name} takes no --config file; give its settings as flags (bloggap {name} --help)")
     apply_config_file(command, config_types, path)
@@ -83,7 +83,7 @@ def _is_hub_id(model: str | None) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bloggap_plugin.errors import UsageError, one_line
+    from bloggap_plugin.core.errors import UsageError, one_line
 
     argv = list(sys.argv[1:] if argv is None else argv)
     # Offline by default, the hub reached only when the user names a hub model; set before the parser is built,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bloggap_plugin.errors import UsageError
+from bloggap_plugin.core.errors import UsageError
 
 __all__ = [
     "load_model",

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bloggap_plugin.arms import ARM_LETTERS, ArmSpec, get_arm
-from bloggap_plugin.arms import ARMS as ARM_RECORDS
-from bloggap_plugin.errors import UsageError
+from bloggap_plugin.core.arms import ARM_LETTERS, ArmSpec, get_arm
+from bloggap_plugin.core.arms import ARMS as ARM_RECORDS
+from bloggap_plugin.core.errors import UsageError
 
 __all__ = [
     "GapConfig",
@@ -41,7 +41,7 @@ __all__ = [
     "ARMS",
 ]
 
-ARMS = ARM_LETTERS  # the letters A..I, in order (records: bloggap_plugin.arms.ARMS)
+ARMS = ARM_LETTERS  # the letters A..I, in order (records: bloggap_plugin.core.arms.ARMS)
 KEPT_MODES = ("renormalize", "measure", "off")
 POSITION_MODES = ("mask", "arange")
 REFERENCES = ("fp32_b1",)
@@ -61,7 +61,7 @@ class GapConfig:
     does; its annotation is the type a recipe must give (checked by :func:`gap_config_from_dict`)."""
 
     arm: str = field(default="A", metadata=_help(
-        """Old-logprob arm, one of A-I (bloggap_plugin.arms; aliases bf16=C, fp32=B, fp16=F, fp32_head=E, guided=D,
+        """Old-logprob arm, one of A-I (bloggap_plugin.core.arms; aliases bf16=C, fp32=B, fp16=F, fp32_head=E, guided=D,
         matched=G, default=A, vllm=I). A and H keep TRL's own old log-probs; B-F score them with a precision plan; G
         scores each training micro-batch exactly as the training forward will see it; I scores them the way vLLM
         computes (``i_pieces``)."""))
@@ -225,7 +225,7 @@ class GapConfig:
 
     @property
     def arm_spec(self) -> ArmSpec:
-        """The arm's record (:mod:`bloggap_plugin.arms`)."""
+        """The arm's record (:mod:`bloggap_plugin.core.arms`)."""
         return ARM_RECORDS[self.arm]
 
     @property

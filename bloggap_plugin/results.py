@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bloggap_plugin._io import atomic_write_text
-from bloggap_plugin.errors import UsageError
+from bloggap_plugin.core.errors import UsageError
 
 __all__ = [
     "SCHEMA_VERSION",

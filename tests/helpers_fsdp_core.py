@@ -25,7 +25,7 @@ def _sync_from_a_gathered_root(model, rank: int) -> dict:
     leaves them there, as the root did after TRL's old-logprob forward on the H200 (torch 2.11, accelerate FSDP2):
     every shard of a sharded fp32 shadow must hold this rank's rows of the full weights, and arm E's fp32 head must
     own a copy of the head weight, not alias the gathered tensor that FSDP2 frees at the next reshard."""
-    from bloggap_plugin.core.precision import make_plan
+    from bloggap_plugin.core.plans import make_plan
     from bloggap_plugin.core.sharding import is_dtensor
 
     model.unshard()  # the root's parameters: plain full tensors on the modules
@@ -59,7 +59,7 @@ def main() -> None:
     rank = dist.get_rank()
     from torch.distributed.fsdp import fully_shard
 
-    from bloggap_plugin.core.precision import make_plan
+    from bloggap_plugin.core.plans import make_plan
     from bloggap_plugin.core.sharding import is_dtensor
     from bloggap_plugin.models import load_model
 

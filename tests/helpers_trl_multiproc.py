@@ -35,9 +35,9 @@ def _nan_to_none(value):
 
 def _prefer_own_layer() -> None:
     """Every divergence profile of process r ranks layer r first (processes that choose different layers)."""
-    from bloggap_plugin.core import attribution
+    from bloggap_plugin.core import divergence
 
-    measured = attribution.divergence_profile
+    measured = divergence.divergence_profile
 
     def profile(*args, **kwargs):
         result = measured(*args, **kwargs)
@@ -45,7 +45,7 @@ def _prefer_own_layer() -> None:
         result.increments = [1.0 if i == rank % result.n_layers else 0.0 for i in range(result.n_layers)]
         return result
 
-    attribution.divergence_profile = profile
+    divergence.divergence_profile = profile
 
 
 def main() -> None:

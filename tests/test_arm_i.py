@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from bloggap_plugin.core.precision import make_plan
+from bloggap_plugin.core.plans import make_plan
+from bloggap_plugin.core.plans.vllm_shadow import VllmFormPlan
 from bloggap_plugin.core.scoring import token_logprobs
 from bloggap_plugin.core.vllm_form import (
     TORCH_KERNELS,
@@ -27,9 +28,8 @@ from bloggap_plugin.core.vllm_form import (
     torch_varlen_attention,
     vllm_cos_sin_cache,
 )
-from bloggap_plugin.core.vllm_plan import VllmFormPlan
+from bloggap_plugin.core.vllm_kernels import VllmFormUnavailable, load_kernels
 from bloggap_plugin.recipes import GapConfig, RecipeError
-from bloggap_plugin.vllm_kernels import VllmFormUnavailable, load_kernels
 
 K = 8
 
@@ -334,7 +334,7 @@ def test_batch_invariant_scope_registers_vllms_overrides_for_the_block_only(monk
     """Inside the scope vLLM's five aten overrides are the CUDA kernels and cuBLAS runs without reduced-precision
     reductions on cuBLASLt; after it (also after an error) the previous kernels and settings are back. Where vLLM's
     engine already enabled its mode process-wide, the scope registers nothing."""
-    from bloggap_plugin.vllm_kernels import batch_invariant_scope, vllm_batch_invariant_active
+    from bloggap_plugin.core.vllm_kernels import batch_invariant_scope, vllm_batch_invariant_active
 
     _fake_vllm_batch_invariant(monkeypatch, active=False)
     blas = {"backend": torch.backends.cuda.preferred_blas_library()}  # a CPU build refuses to select cuBLASLt
@@ -365,7 +365,7 @@ def test_batch_invariant_scope_registers_vllms_overrides_for_the_block_only(monk
 
 def _fake_vllm_kernels(monkeypatch, seen: dict):
     """vLLM 0.26's kernel entry points as plain-torch fakes with vLLM's signatures and in-place semantics, so the glue
-    in :mod:`bloggap_plugin.vllm_kernels` (argument order, keywords, reshapes) runs on CPU."""
+    in :mod:`bloggap_plugin.core.vllm_kernels` (argument order, keywords, reshapes) runs on CPU."""
     import sys
     import types
 
@@ -464,7 +464,7 @@ def test_hf_attention_interface_attends_as_the_packed_form(tiny_model):
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
-    from bloggap_plugin.vllm_kernels import register_hf_attention
+    from bloggap_plugin.core.vllm_kernels import register_hf_attention
 
     model, _ = tiny_model("tiny-random-llama")
     ids, mask = _rows()

@@ -1,11 +1,11 @@
-"""Per-layer divergence attribution (core/attribution.py) and the guided-layer choice."""
+"""Per-layer divergence attribution (core/divergence.py) and the guided-layer choice."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bloggap_plugin.core.attribution import (
+from bloggap_plugin.core.divergence import (
     best_window,
     divergence_profile,
     layer_increments,
@@ -13,7 +13,8 @@ from bloggap_plugin.core.attribution import (
     strip_padding,
     top_k_layers,
 )
-from bloggap_plugin.core.precision import decoder_layers, make_plan
+from bloggap_plugin.core.model_parts import decoder_layers
+from bloggap_plugin.core.plans import make_plan
 from bloggap_plugin.models import load_model
 
 TEXTS = ["hello world this is long", "2 + 3 = 5", "abc", "def add(a, b): return a + b", "Zz", "the end of it"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from bloggap_plugin.commands._config import add_config_arguments, apply_config_file, config_from_args
-from bloggap_plugin.errors import UsageError
+from bloggap_plugin.core.errors import UsageError
 
 
 def _csv(text: str) -> list[str]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bloggap_plugin.core.precision import _param_pairs, make_plan
+from bloggap_plugin.core.model_parts import param_pairs
+from bloggap_plugin.core.plans import make_plan
 from bloggap_plugin.models import load_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -32,7 +33,7 @@ def test_fused_sync_is_bitwise_the_copy_loop_on_cuda(arm):
         for p in policy.parameters():
             p.add_(torch.randn_like(p) * 0.01)
         plan.sync(policy)
-        for dst, src in _param_pairs(loop.shadow, policy):
+        for dst, src in param_pairs(loop.shadow, policy):
             dst.copy_(src)
     for (name, a), b in zip(plan.shadow.named_parameters(), loop.shadow.parameters(), strict=True):
         assert torch.equal(a, b), name

@@ -123,7 +123,7 @@ def test_run_training_evaluates_every_k_steps_without_changing_the_run_and_saves
 def test_heldout_spec_is_checked_before_the_model_loads(tmp_path):
     from pathlib import Path
 
-    from bloggap_plugin.errors import UsageError
+    from bloggap_plugin.core.errors import UsageError
     from bloggap_plugin.trl.train import prepare_run
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "arm_A.yaml"

@@ -1,4 +1,4 @@
-"""Scoring plans (core/precision.py): they really run in their precision, equal independent models, stay
+"""Scoring plans (core/plans/): they really run in their precision, equal independent models, stay
 fresh after sync without re-allocating, and never touch the policy.
 
 "Bit for bit" here means: the plan's fp32 (fp16) log-probs are ``torch.equal`` to those of a separately
@@ -13,15 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from bloggap_plugin.core.precision import (
-    ARMS,
-    PLAN_ALIASES,
-    decoder_layers,
-    make_plan,
-    output_head,
-    resolve_arm,
-)
-from bloggap_plugin.core.scoring import DEFAULT_CHUNK_TOKENS, gather_logprobs, token_logprobs
+from bloggap_plugin.core.arms import PLAN_ALIASES, PLAN_NAMES, plan_name
+from bloggap_plugin.core.model_parts import decoder_layers
+from bloggap_plugin.core.plans import PLANS, make_plan
+from bloggap_plugin.core.plans.policy import PolicyPlan
+from bloggap_plugin.core.plans.shadow import ShadowPlan
+from bloggap_plugin.core.plans.upcast import UpcastPlan
+from bloggap_plugin.core.scoring import DEFAULT_CHUNK_TOKENS, gather_logprobs, output_head, token_logprobs
 from bloggap_plugin.core.truncation import kept_reducer
 from bloggap_plugin.models import load_model
 
@@ -60,17 +58,18 @@ def _assert_same(model, snap):
         assert torch.equal(p.detach(), snap[n]), f"{n} changed"
 
 
-# ----------------------------------------------------------------------------------------------- arms
+# ----------------------------------------------------------------------------------------------- names
 
 
-def test_resolve_arm_names_and_aliases():
-    assert ARMS == ("bf16", "fp32", "fp16", "fp32_head", "guided", "vllm")
-    assert {resolve_arm(a) for a in "ABDEFI"} == set(ARMS)
-    assert resolve_arm("B") == "fp32" and resolve_arm("F") == "fp16" and resolve_arm("E") == "fp32_head"
-    assert resolve_arm("D") == "guided" and resolve_arm("A") == "bf16" and resolve_arm("FP16") == "fp16"
+def test_plan_names_and_aliases():
+    assert PLAN_NAMES == ("bf16", "fp32", "fp16", "fp32_head", "guided", "vllm")
+    assert tuple(PLANS) == PLAN_NAMES  # the registry builds exactly the plans the arm records name
+    assert {plan_name(a) for a in "ABDEFI"} == set(PLAN_NAMES)
+    assert plan_name("B") == "fp32" and plan_name("F") == "fp16" and plan_name("E") == "fp32_head"
+    assert plan_name("D") == "guided" and plan_name("A") == "bf16" and plan_name("FP16") == "fp16"
     assert PLAN_ALIASES["B"] == "fp32"
     with pytest.raises(ValueError, match=r"unknown scoring arm 'fp8'.*bf16, fp32, fp16, fp32_head, guided"):
-        resolve_arm("fp8")
+        plan_name("fp8")
     model, _ = load_model("tiny-random-llama", dtype="bf16")
     with pytest.raises(ValueError, match="unknown scoring arm 'Z'"):
         make_plan(model, "Z")
@@ -102,6 +101,17 @@ def test_bad_options_give_clear_errors():
         plan.token_logprobs(*_rows(tok), K)
 
 
+def test_registry_builds_each_plan_class_under_its_name():
+    """Each plan name builds its module's class; ``plan.name`` and the ``arm`` key of its stats (the key result
+    files carry) are the plan name, whatever letter asked for it."""
+    model, _ = load_model("tiny-random-llama", dtype="bf16")
+    expected = {"A": ("bf16", PolicyPlan), "fp32": ("fp32", ShadowPlan), "F": ("fp16", ShadowPlan),
+                "E": ("fp32_head", UpcastPlan), "guided": ("guided", UpcastPlan)}
+    for asked, (name, cls) in expected.items():
+        with make_plan(model, asked, layers=[0] if name == "guided" else None) as plan:
+            assert type(plan) is cls and plan.name == name and plan.stats()["arm"] == name
+
+
 # ------------------------------------------------------------------------------- bit-for-bit vs independent
 
 
@@ -113,7 +123,7 @@ def test_fp32_plan_equals_independent_fp32_model_bitwise(smollm2_bf16):
     expected = token_logprobs(independent, ids, mask, K, batch_size=2)
     with make_plan(policy, "B") as plan:
         got = plan.token_logprobs(ids, mask, K, batch_size=2)
-        assert plan.arm == "fp32"
+        assert plan.name == "fp32"
         # the shadow holds 4 bytes per parameter (tied weight once) plus the fp32 rotary buffers
         n_params = sum(p.numel() for p in policy.parameters())
         buffers = sum(b.numel() * b.element_size() for b in plan.shadow.buffers())

@@ -116,8 +116,8 @@ def test_tf32_values():
 
 def test_arm_registry_is_the_one_vocabulary():
     """One record per arm: recipes (GapConfig), make_plan and the adapters read the same fields."""
-    from bloggap_plugin.arms import ARMS as RECORDS
-    from bloggap_plugin.arms import PLAN_NAMES, get_arm, plan_name
+    from bloggap_plugin.core.arms import ARMS as RECORDS
+    from bloggap_plugin.core.arms import PLAN_NAMES, get_arm, plan_name
 
     assert tuple(RECORDS) == ARMS == ("A", "B", "C", "D", "E", "F", "G", "H", "I")
     plans = {"A": None, "B": "fp32", "C": "bf16", "D": "guided", "E": "fp32_head", "F": "fp16", "G": None, "H": None,

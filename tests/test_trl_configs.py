@@ -351,7 +351,7 @@ def test_peft_shadow_arms_score_with_the_trained_adapter(tmp_path, arm):
 def test_score_rows_bounds_the_rows_per_forward_of_the_arms_plan(tmp_path):
     """Arm B with gap.score_rows 2: the fp32 shadow scores 2 rows per forward (4 is the micro-batch) and the old
     log-probs equal the micro-batch-sized scoring to fp32 rounding."""
-    from bloggap_plugin.core.precision import ScoringPlan
+    from bloggap_plugin.core.plans import ScoringPlan
 
     seen: list = []
     original = ScoringPlan.token_logprobs

@@ -103,7 +103,7 @@ def test_gap_grpo_trainer_builds_the_colocate_engine_in_fp16_for_arm_h(fake_llm,
 
 
 def test_engine_kwargs_from_the_environment():
-    from bloggap_plugin.errors import UsageError
+    from bloggap_plugin.core.errors import UsageError
     from bloggap_plugin.trl.vllm_colocate import KV_CACHE_ENV, engine_kwargs_from_env
 
     assert engine_kwargs_from_env({}) == {} and engine_kwargs_from_env({KV_CACHE_ENV: " "}) == {}
@@ -221,7 +221,7 @@ def _engine_trainer(**settings):
 def test_attaching_arm_i_to_a_compiled_or_prefix_caching_engine_is_refused(monkeypatch):
     """GapCallback on a trainer whose engine TRL built with vLLM's defaults (compiled, prefix caching on): refused,
     naming each setting the engine has and how to build it; an engine built with arm I's settings passes."""
-    import bloggap_plugin.vllm_kernels as vllm_kernels
+    import bloggap_plugin.core.vllm_kernels as vllm_kernels
     from bloggap_plugin.recipes import GapConfig
     from bloggap_plugin.trl.vllm_colocate import (
         check_colocate_engine,

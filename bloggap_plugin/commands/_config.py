@@ -25,7 +25,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from bloggap_plugin.errors import UsageError
+from bloggap_plugin.core.errors import UsageError
 
 _OWN_KEYS = ("parse", "positional")
 CONFIG_FLAG = "--config"

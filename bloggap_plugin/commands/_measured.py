@@ -34,7 +34,7 @@ def checked_config(config_type: type, args, counts: tuple[str, ...] = ()):
 
 def check_counts(config, counts: tuple[str, ...]) -> None:
     """Each field of ``config`` named in ``counts`` is >= 1 or unset, else a one-line ``UsageError`` naming its flag."""
-    from bloggap_plugin.errors import check_positive
+    from bloggap_plugin.core.errors import check_positive
 
     for name in counts:
         check_positive("--" + name.replace("_", "-"), getattr(config, name))
@@ -55,7 +55,7 @@ class ModelOutputConfig:
 def check_json_option(path: str | None) -> None:
     """Raise ``UsageError`` before measuring if ``--json PATH`` cannot be written (``-`` is stdout)."""
     from bloggap_plugin._io import check_writable_file
-    from bloggap_plugin.errors import UsageError
+    from bloggap_plugin.core.errors import UsageError
 
     if path and path != "-":
         problem = check_writable_file(path, "--json")

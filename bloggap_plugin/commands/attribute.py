@@ -61,7 +61,7 @@ configure = configure_with(AttributeConfig)
 
 def run(args: argparse.Namespace) -> int:
     from bloggap_plugin.commands._measured import checked_config, command_payload, emit, load_for
-    from bloggap_plugin.core.precision import decoder_layers
+    from bloggap_plugin.core.model_parts import decoder_layers
     from bloggap_plugin.measure.attribution import run_attribution
 
     config = checked_config(AttributeConfig, args, ("rows", "new_tokens", "batch_size", "k"))

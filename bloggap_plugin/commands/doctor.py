@@ -111,7 +111,7 @@ def _check(config: DoctorConfig) -> None:
     """Every check on the settings that needs no model (``UsageError``: one line, before anything loads)."""
     from bloggap_plugin._io import check_writable_file
     from bloggap_plugin.commands._measured import check_counts
-    from bloggap_plugin.errors import UsageError
+    from bloggap_plugin.core.errors import UsageError
 
     if config.json_path:  # before measuring: a bad path must not cost a run
         problem = check_writable_file(config.json_path, "--json", create_parents=True)
@@ -126,7 +126,7 @@ def _check(config: DoctorConfig) -> None:
 
 def _from_json(config: DoctorConfig) -> int:
     """Measure nothing: re-derive the recommendation of a stored doctor JSON, print it (and write it)."""
-    from bloggap_plugin.errors import UsageError
+    from bloggap_plugin.core.errors import UsageError
     from bloggap_plugin.measure.doctor import rerecommend
 
     try:

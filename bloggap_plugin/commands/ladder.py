@@ -3,7 +3,7 @@ scoring plan removes, and what share of the parameters it runs in fp32.
 
 Rollouts are sampled from the model itself (bf16 by default) on the evaluation prompts; the guided layer
 choices come from an attribution profile measured on *calibration* rollouts from disjoint prompts. Every rung
-is a :func:`bloggap_plugin.core.precision.make_plan` plan scoring the same tokens alone (batch 1, unpadded)
+is a :func:`bloggap_plugin.core.plans.make_plan` plan scoring the same tokens alone (batch 1, unpadded)
 and in left-padded chunks of 8; the share of those tokens whose ratio leaves ``[1 - band, 1 + band]`` is the
 rung's out-of-band rate. Rungs: bf16, fp32 head, first-k / last-k / guided top-k / guided window-k (each with
 fp32 norm and head), fp16, fp16 + guided top-k, all fp32. The measurement is
@@ -44,7 +44,7 @@ configure = configure_with(LadderConfig)
 
 def run(args: argparse.Namespace) -> int:
     from bloggap_plugin.commands._measured import checked_config, command_payload, emit, load_for
-    from bloggap_plugin.errors import UsageError
+    from bloggap_plugin.core.errors import UsageError
     from bloggap_plugin.measure.ladder import default_ks, ladder_table, run_ladder
     from bloggap_plugin.results import format_text_table
 

@@ -53,7 +53,7 @@ class PatchConfig:
 
     def mode(self) -> str:
         """``"check" | "apply" | "revert"``; a one-line ``UsageError`` unless exactly one was given."""
-        from bloggap_plugin.errors import UsageError
+        from bloggap_plugin.core.errors import UsageError
 
         chosen = [name for name in ("check", "apply", "revert") if getattr(self, name)]
         if len(chosen) != 1:

@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
 
     stdout carries the summary JSON alone (``bloggap train ... > summary.json``); the per-step logs go to stderr.
     Ctrl-C (SIGINT) stops training at once: the summary of the steps that finished is printed, exit 130."""
-    from bloggap_plugin.errors import UsageError
+    from bloggap_plugin.core.errors import UsageError
     from bloggap_plugin.trl.train import run_training
 
     config = train_config_from_args(args)

@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bloggap_plugin.errors import UsageError
+from bloggap_plugin.core.errors import UsageError
 
 __all__ = [
     "CompareConfig",

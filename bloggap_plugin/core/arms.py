@@ -6,13 +6,13 @@ arm behaviour by reading an :class:`ArmSpec`'s fields, never by comparing letter
     arm = get_arm("matched")          # -> ARMS["G"]
     if arm.scores_after_shuffle: ...
 
-Pure Python (no torch, no TRL): ``core`` may import it.
+Pure Python (no torch, no TRL): the plans and everything above them read it.
 
 Two vocabularies share the names, and both resolve here:
 
 - **arm names** (:func:`get_arm`): the letters A..I, case-insensitive, or an arm's aliases (``bf16`` = C,
   ``fp32`` = B, ``fp16`` = F, ``fp32_head`` = E, ``guided`` = D, ``matched`` = G, ``default`` = A, ``vllm`` = I);
-- **precision-plan names** (:func:`plan_name`, what ``core.precision.make_plan`` accepts): the plan names
+- **precision-plan names** (:func:`plan_name`, what ``core.plans.make_plan`` accepts): the plan names
   :data:`PLAN_NAMES`, or the letter of an arm that has a plan (B, C, D, E, F, I -> its ``plan``). ``make_plan``
   also keeps accepting ``A`` for the ``bf16`` plan (:data:`PLAN_ALIASES`): arm A itself builds no plan and
   keeps TRL's forward, which is the policy run as called, exactly what the ``bf16`` plan does.
@@ -86,7 +86,7 @@ ARMS: dict[str, ArmSpec] = {arm.letter: arm for arm in _RECORDS}
 """Letter -> record, in order A..I."""
 ARM_LETTERS: tuple[str, ...] = tuple(ARMS)
 PLAN_NAMES: tuple[str, ...] = ("bf16", "fp32", "fp16", "fp32_head", "guided", "vllm")
-"""The precision plans ``core.precision.make_plan`` builds."""
+"""The precision plans ``core.plans.make_plan`` builds."""
 PLAN_ALIASES: dict[str, str] = {"A": "bf16", **{arm.letter: arm.plan for arm in _RECORDS if arm.plan is not None}}
 """Letters ``make_plan`` accepts for a plan: each planned arm's letter, plus ``A`` for the policy as called."""
 _BY_ALIAS = {alias: arm for arm in _RECORDS for alias in arm.aliases}

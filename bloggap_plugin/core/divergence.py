@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .precision import _layer_list_path, final_norm, unwrap_model
-from .scoring import token_logprobs
+from .model_parts import final_norm, layer_list_path
+from .scoring import token_logprobs, unwrap_model
 
 __all__ = [
     "DivergenceProfile",
@@ -147,7 +147,7 @@ class _Capture:
 
     def __init__(self, model: nn.Module) -> None:
         source = unwrap_model(model)
-        _, layers = _layer_list_path(source)
+        _, layers = layer_list_path(source)
         self.n_layers = len(layers)
         self.hidden: dict[int, torch.Tensor] = {}
         self.handles = [layers[0].register_forward_pre_hook(self._pre_hook(0), with_kwargs=True)]

@@ -1,8 +1,8 @@
 """Where a causal LM keeps its decoder layers, final norm and LM head, and hook-free copies of its modules.
 
-The parts the precision plans (:mod:`bloggap_plugin.core.precision`) are built from: the model structure
+The parts the precision plans (:mod:`bloggap_plugin.core.plans`) are built from: the model structure
 (:func:`decoder_layers`, :func:`final_norm`), casts of nested outputs, and *shadows*: clean modules of the
-policy's class in another dtype, refreshed in place from the policy (:class:`_FusedCopy`).
+policy's class in another dtype, refreshed in place from the policy (:class:`FusedCopy`).
 """
 
 from __future__ import annotations
@@ -26,14 +26,33 @@ from .sharding import (
     shard_like,
 )
 
-__all__ = ["decoder_layers", "final_norm", "output_head", "unwrap_model"]
+__all__ = [
+    "FusedCopy",
+    "build_shadow",
+    "cast_floating",
+    "decoder_layers",
+    "device_sync",
+    "executed_numel",
+    "final_norm",
+    "first_floating",
+    "floating_dtype",
+    "is_tied_safe",
+    "layer_list_path",
+    "model_device",
+    "module_copy",
+    "param_pairs",
+    "parent_of",
+    "tensor_bytes",
+    "unique_numel",
+]
 
 _FSDP_STATE_KEY = "__composable_api_state_key"  # where fully_shard keeps a module's FSDP state (its __dict__)
 _NORM_NAMES = ("norm", "final_layer_norm", "ln_f", "norm_f", "final_norm")
 _LAYER_LIST_NAMES = ("layers", "h", "blocks", "layer")
 
 
-def _layer_list_path(model: nn.Module) -> tuple[str, nn.ModuleList]:
+def layer_list_path(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """``(dotted path, list)`` of the model's decoder layers (the ``ModuleList`` of ``num_hidden_layers`` blocks)."""
     n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     candidates = []
     for name, module in model.named_modules():
@@ -55,18 +74,19 @@ def _layer_list_path(model: nn.Module) -> tuple[str, nn.ModuleList]:
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers (``nn.ModuleList``) of a causal LM, e.g. ``model.model.layers``."""
-    return _layer_list_path(unwrap_model(model))[1]
+    return layer_list_path(unwrap_model(model))[1]
 
 
-def _parent_of(model: nn.Module, path: str) -> nn.Module:
+def parent_of(model: nn.Module, path: str) -> nn.Module:
+    """The module holding the submodule at dotted ``path`` (``model`` itself for a top-level name)."""
     return model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else model
 
 
 def final_norm(model: nn.Module) -> tuple[nn.Module, str, nn.Module] | None:
     """``(parent, attribute, module)`` of the final norm after the last decoder layer, or ``None``."""
     model = unwrap_model(model)
-    path, _ = _layer_list_path(model)
-    base = _parent_of(model, path)
+    path, _ = layer_list_path(model)
+    base = parent_of(model, path)
     for name in _NORM_NAMES:
         module = base._modules.get(name)
         if isinstance(module, nn.Module):
@@ -80,26 +100,29 @@ def _is_tied(model: nn.Module) -> bool:
     return embed is not None and getattr(head, "weight", None) is getattr(embed, "weight", None)
 
 
-def _unique_numel(model: nn.Module) -> int:
+def unique_numel(model: nn.Module) -> int:
+    """Parameters stored (a tied weight counted once)."""
     return sum(p.numel() for p in model.parameters())
 
 
-def _executed_numel(model: nn.Module) -> int:
+def executed_numel(model: nn.Module) -> int:
     """Parameters as executed: a tied head counts twice (embedding lookup and projection)."""
-    total = _unique_numel(model)
-    if _is_tied_safe(model):
+    total = unique_numel(model)
+    if is_tied_safe(model):
         total += output_head(model)[2].weight.numel()
     return total
 
 
-def _is_tied_safe(model: nn.Module) -> bool:
+def is_tied_safe(model: nn.Module) -> bool:
+    """Whether the LM head shares the embedding's weight (``False`` where that cannot be told)."""
     try:
         return _is_tied(model)
     except ValueError:
         return False
 
 
-def _tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
+def tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
+    """Bytes held by ``tensors`` on this rank, each storage counted once (``None`` entries skipped)."""
     seen, total = set(), 0
     for t in tensors:
         if t is None:
@@ -112,18 +135,20 @@ def _tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
     return total
 
 
-def _device_sync(device: torch.device) -> None:
+def device_sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA only; a no-op elsewhere), so a wall-clock timing is complete."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _model_device(model: nn.Module) -> torch.device:
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (CPU for a model without parameters)."""
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
 
 
-def _floating_dtype(model: nn.Module) -> torch.dtype:
+def floating_dtype(model: nn.Module) -> torch.dtype:
     """Most common floating dtype of the parameters (the dtype the policy stores its weights in)."""
     counts: dict[torch.dtype, int] = {}
     for p in model.parameters():
@@ -132,35 +157,36 @@ def _floating_dtype(model: nn.Module) -> torch.dtype:
     return max(counts, key=counts.get) if counts else torch.float32
 
 
-def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     """Cast every floating tensor in (nested tuples/lists/dicts of) ``obj`` to ``dtype``."""
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
     if isinstance(obj, tuple):
-        cast = [_cast_floating(x, dtype) for x in obj]
+        cast = [cast_floating(x, dtype) for x in obj]
         return type(obj)(*cast) if hasattr(obj, "_fields") else tuple(cast)
     if isinstance(obj, list):
-        return [_cast_floating(x, dtype) for x in obj]
+        return [cast_floating(x, dtype) for x in obj]
     if isinstance(obj, dict) and type(obj) is dict:
-        return {k: _cast_floating(v, dtype) for k, v in obj.items()}
+        return {k: cast_floating(v, dtype) for k, v in obj.items()}
     if hasattr(obj, "to_tuple") and hasattr(obj, "keys"):  # transformers ModelOutput
         for key in list(obj.keys()):
-            obj[key] = _cast_floating(obj[key], dtype)
+            obj[key] = cast_floating(obj[key], dtype)
         return obj
     return obj
 
 
-def _first_floating(obj: Any) -> torch.Tensor | None:
+def first_floating(obj: Any) -> torch.Tensor | None:
+    """The first floating-point tensor in ``obj`` (a tensor, or nested tuples, lists and dicts), or ``None``."""
     if isinstance(obj, torch.Tensor):
         return obj if obj.is_floating_point() else None
     if isinstance(obj, (tuple, list)):
         for x in obj:
-            found = _first_floating(x)
+            found = first_floating(x)
             if found is not None:
                 return found
     if isinstance(obj, dict):
         for x in obj.values():
-            found = _first_floating(x)
+            found = first_floating(x)
             if found is not None:
                 return found
     return None
@@ -189,7 +215,7 @@ def _strip_instance_patches(module: nn.Module) -> None:
                 setattr(sub, hooks, type(getattr(sub, hooks))())
 
 
-def _module_copy(module: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def module_copy(module: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """A hook-free copy of a (small) submodule with floating parameters in ``dtype`` on ``device``.
 
     Parameters are re-materialised from the meta device (no temporary copy in the source dtype) and filled
@@ -248,7 +274,7 @@ def _tie_groups(model: nn.Module) -> list[tuple[str, ...]]:
     return sorted(tuple(sorted(v)) for v in groups.values() if len(v) > 1)
 
 
-def _build_shadow(source: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_shadow(source: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """A clean module of ``source``'s class in ``dtype`` on ``device`` holding ``source``'s weights.
 
     Built on the meta device (no random init, no temporary copy), materialised once, filled by ``copy_``. A
@@ -308,7 +334,7 @@ def _build_shadow(source: nn.Module, dtype: torch.dtype, device: torch.device) -
     return shadow
 
 
-def _param_pairs(dst_model: nn.Module, src_model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def param_pairs(dst_model: nn.Module, src_model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(shadow tensor, policy tensor) by name, for parameters (unique) and buffers; errors name the mismatch."""
     src_params = dict(src_model.named_parameters(remove_duplicate=False))
     src_buffers = dict(src_model.named_buffers(remove_duplicate=False))
@@ -328,7 +354,7 @@ def _param_pairs(dst_model: nn.Module, src_model: nn.Module) -> list[tuple[torch
     return pairs
 
 
-class _FusedCopy:
+class FusedCopy:
     """``dst.copy_(src)`` for many pairs as one ``torch._foreach_copy_`` per (device, dtype) group.
 
     Bitwise the per-tensor ``copy_`` (same element-wise cast), into the same storage (nothing re-allocated). The

@@ -53,7 +53,7 @@ LogprobReducer = Callable[[torch.Tensor, torch.Tensor, TileIndex], torch.Tensor]
 
 class ScoringOptions(TypedDict, total=False):
     """Keyword options of a scoring call, as :func:`token_logprobs` takes them (and passes on unchanged from
-    :meth:`bloggap_plugin.core.precision.ScoringPlan.token_logprobs`); defaults are :func:`token_logprobs`'s."""
+    :meth:`bloggap_plugin.core.plans.ScoringPlan.token_logprobs`); defaults are :func:`token_logprobs`'s."""
 
     positions: str
     temperature: float

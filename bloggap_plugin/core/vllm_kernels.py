@@ -18,8 +18,8 @@ from collections.abc import Iterator
 
 import torch
 
+from bloggap_plugin.core.errors import UsageError
 from bloggap_plugin.core.vllm_form import TORCH_KERNELS, Kernels, VllmForm, padded_flash_attention
-from bloggap_plugin.errors import UsageError
 
 __all__ = ["VllmFormUnavailable", "load_kernels", "batch_invariant_scope", "vllm_batch_invariant_active",
            "register_hf_attention", "HF_ATTENTION_NAME"]

@@ -4,7 +4,7 @@
 Samples completions from the model itself on the *calibration* prompts (disjoint from the evaluation prompts
 the ladder uses), scores each row alone (batch 1, unpadded) and in left-padded chunks of ``batch_size`` rows,
 and records the relative hidden-state divergence after the embedding and after every decoder layer
-(:func:`bloggap_plugin.core.attribution.divergence_profile`), plus the out-of-band share of the same tokens'
+(:func:`bloggap_plugin.core.divergence.divergence_profile`), plus the out-of-band share of the same tokens'
 log-probs.
 """
 
@@ -14,10 +14,11 @@ from collections.abc import Callable
 
 import torch
 
-from bloggap_plugin.core.attribution import divergence_profile, strip_padding
-from bloggap_plugin.core.precision import decoder_layers, make_plan
+from bloggap_plugin.core.divergence import divergence_profile, strip_padding
+from bloggap_plugin.core.errors import UsageError
+from bloggap_plugin.core.model_parts import decoder_layers
+from bloggap_plugin.core.plans import make_plan
 from bloggap_plugin.core.probe import compare
-from bloggap_plugin.errors import UsageError
 from bloggap_plugin.measure import rollouts
 
 __all__ = ["b1_vs_bn", "run_attribution"]

@@ -3,7 +3,7 @@ batch-shape noise each scoring plan removes, and what share of the parameters it
 
 Rollouts are sampled from the model itself (bf16 by default) on the evaluation prompts; the guided layer
 choices come from an attribution profile measured on *calibration* rollouts from disjoint prompts. Every rung
-is a :func:`bloggap_plugin.core.precision.make_plan` plan scoring the same tokens alone (batch 1, unpadded)
+is a :func:`bloggap_plugin.core.plans.make_plan` plan scoring the same tokens alone (batch 1, unpadded)
 and in left-padded chunks of 8; the share of those tokens whose ratio leaves ``[1 - band, 1 + band]`` is the
 rung's out-of-band rate. Rungs: bf16, fp32 head, first-k / last-k / guided top-k / guided window-k (each with
 fp32 norm and head), fp16, fp16 + guided top-k, all fp32.
@@ -16,10 +16,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from bloggap_plugin.core.attribution import divergence_profile
-from bloggap_plugin.core.precision import decoder_layers, make_plan
+from bloggap_plugin.core.divergence import divergence_profile
+from bloggap_plugin.core.errors import UsageError
+from bloggap_plugin.core.model_parts import decoder_layers
+from bloggap_plugin.core.plans import make_plan
 from bloggap_plugin.core.probe import compare, skipped_cell
-from bloggap_plugin.errors import UsageError
 from bloggap_plugin.measure import rollouts
 from bloggap_plugin.measure.attribution import b1_vs_bn
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from bloggap_plugin.errors import UsageError
+from bloggap_plugin.core.errors import UsageError
 
 __all__ = ["TASKS", "ARITH_HELDOUT_SEED", "HELDOUT_DEFAULT_N", "get_task", "get_heldout", "task_prompt", "prompt_fingerprint",
            "prompt_token_ids"]

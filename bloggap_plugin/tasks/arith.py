@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from bloggap_plugin.errors import UsageError
+from bloggap_plugin.core.errors import UsageError
 from bloggap_plugin.tasks.gsm8k import completion_text, parse_lenient
 
 __all__ = [

@@ -33,7 +33,7 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from bloggap_plugin.errors import UsageError
+from bloggap_plugin.core.errors import UsageError
 
 __all__ = [
     "SYSTEM_PROMPT",
@@ -299,7 +299,7 @@ def calc_steps(answer: str) -> int:
 def parse_calc_steps(value: int | str | tuple[int, int] | list[int] | None) -> tuple[int, int] | None:
     """``(low, high)`` inclusive from ``2`` / ``"2"`` (exactly two steps), ``"1-3"`` or ``(1, 3)``; ``None`` stays.
 
-    Raises :class:`~bloggap_plugin.errors.UsageError` for anything else (negative, reversed, not a number).
+    Raises :class:`~bloggap_plugin.core.errors.UsageError` for anything else (negative, reversed, not a number).
     """
     if value is None:
         return None

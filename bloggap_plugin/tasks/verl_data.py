@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from bloggap_plugin.errors import UsageError
+from bloggap_plugin.core.errors import UsageError
 from bloggap_plugin.tasks import arith
 
 __all__ = ["DATA_SOURCE", "VERL_COLUMNS", "REWARD_PATH", "verl_rows", "write_verl_parquet", "compute_score", "main"]

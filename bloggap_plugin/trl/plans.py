@@ -65,7 +65,7 @@ class PlanMixin:
         Only sizes are kept, so old and new passes renormalise over their own top-``|S|`` (approximate at the boundary,
         exactly consistent between the two passes at equal weights).
         """
-        from bloggap_plugin.core.precision import make_plan
+        from bloggap_plugin.core.plans import make_plan
         from bloggap_plugin.core.truncation import kept_mask, log_kept_mass
 
         truncation = self._gap_state.vllm_truncation
@@ -117,8 +117,8 @@ class PlanMixin:
         return self.accelerator.unwrap_model(self.model)
 
     def _gap_make_plan(self, plan: str, **kwargs):
-        """A precision plan (``core.precision`` name) on the unwrapped policy, fp16 guard on, ``gap.tf32``."""
-        from bloggap_plugin.core.precision import make_plan
+        """A scoring plan (a ``core.plans`` name) on the unwrapped policy, fp16 guard on, ``gap.tf32``."""
+        from bloggap_plugin.core.plans import make_plan
 
         policy = self._gap_policy()
         if plan in ("fp32", "fp16", "vllm"):  # a shadow: on the trainer's device
@@ -154,10 +154,10 @@ class PlanMixin:
         """``plan``, or a new one in its place (the state's fields updated, the old one closed) when the policy was
         sharded since it was made: ``accelerator.prepare`` applies FSDP2's ``fully_shard`` after attach, and a plan
         made before would hold full copies (B, F) or the replaced parameters themselves (E, D)."""
-        if plan.arm == "bf16" or plan.sharded == is_sharded(self._gap_policy()):
+        if plan.name == "bf16" or plan.sharded == is_sharded(self._gap_policy()):
             return plan
-        guided = {"layers": list(plan.layers), "k": len(plan.layers)} if plan.arm == "guided" else {}
-        rebuilt = self._gap_make_plan(plan.arm, tf32=plan._tf32_option, **guided)
+        guided = {"layers": list(plan.layers), "k": len(plan.layers)} if plan.name == "guided" else {}
+        rebuilt = self._gap_make_plan(plan.name, tf32=plan.tf32_option, **guided)
         state = self._gap_state
         for field, step in (("plan", "plan_step"), ("ref_plan", "ref_step")):
             if getattr(state, field) is plan:
@@ -296,10 +296,10 @@ class PlanMixin:
         """The arm's old log-probs ``[B, K]`` for a pre-shuffle batch (arms A-F, H)."""
         if self._gap_state.arm.takes_layers and self._gap_state.plan is None:
             # guided without layer ids: choose the top-k layers on the first generation batch
-            from bloggap_plugin.core import attribution
+            from bloggap_plugin.core import divergence
 
             n_layers = int(getattr(self._gap_policy().config, "num_hidden_layers", self._gap_state.config.k))
-            profile = attribution.divergence_profile(self._gap_policy(), input_ids[:8], attention_mask[:8])
+            profile = divergence.divergence_profile(self._gap_policy(), input_ids[:8], attention_mask[:8])
             # every process profiled its own rows: process 0's choice, agreed before any fp32 copy is made (under
             # FSDP2 the copies are gathered from shards, a collective over the same layers on every process)
             chosen = self._gap_agree_layers(profile.top_k(min(self._gap_state.config.k, n_layers)))

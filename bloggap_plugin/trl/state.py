@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from bloggap_plugin.arms import ArmSpec
+from bloggap_plugin.core.arms import ArmSpec
 from bloggap_plugin.recipes import GapConfig
 
 __all__ = ["GapState", "Statistics", "LossSums", "LossMaxima", "GenerationSums", "GenerationMaxima", "StepTimes",

@@ -88,7 +88,7 @@ HELDOUT_KEYS = ("every", "n", "max_tokens", "batch_size")
 def check_heldout_spec(spec: dict | None, option: str = "--heldout") -> None:
     """Raise ``UsageError`` unless ``spec`` is ``None`` or a mapping of :data:`HELDOUT_KEYS` to whole numbers >= 1,
     with ``every``."""
-    from bloggap_plugin.errors import UsageError
+    from bloggap_plugin.core.errors import UsageError
 
     if spec is None:
         return
@@ -217,7 +217,7 @@ class RunPlan(NamedTuple):
 
 def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
     """Check every input of :func:`run_training` without loading a model; raise
-    :class:`~bloggap_plugin.errors.UsageError` (or a subclass) naming the problem and the fix.
+    :class:`~bloggap_plugin.core.errors.UsageError` (or a subclass) naming the problem and the fix.
 
     ``recipe``: a recipe path (then ``settings`` are :class:`TrainConfig` fields) or a :class:`TrainConfig`.
     Checked: ``max_steps`` (>= 1 or None), the recipe (text, YAML, no duplicate keys, known keys and types), the
@@ -226,7 +226,7 @@ def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
     the optimizer or ``generate`` would reject later), the task and its data, and the model spec.
     """
     from bloggap_plugin._io import check_writable_dir, check_writable_file
-    from bloggap_plugin.errors import UsageError
+    from bloggap_plugin.core.errors import UsageError
     from bloggap_plugin.models import check_model_spec, resolve_device
     from bloggap_plugin.recipes import RecipeError, load_recipe, merge_grpo_config
     from bloggap_plugin.tasks import get_task
@@ -286,7 +286,7 @@ def _check_report_to(report_to: list[str] | None) -> None:
     (the Trainer would fail on it only after the model loaded)."""
     from transformers.integrations import INTEGRATION_TO_CALLBACK, get_available_reporting_integrations
 
-    from bloggap_plugin.errors import UsageError
+    from bloggap_plugin.core.errors import UsageError
 
     available = set(get_available_reporting_integrations())
     for name in report_to or []:
@@ -302,7 +302,7 @@ def _check_report_to(report_to: list[str] | None) -> None:
 def _check_positions(policy: Any, args: Any, config: TrainConfig) -> None:
     """Raise ``UsageError`` when ``max_completion_length`` reaches the model's ``max_position_embeddings`` (known only
     once the model's config is read): every completion would run past the positions the model was trained on."""
-    from bloggap_plugin.errors import UsageError
+    from bloggap_plugin.core.errors import UsageError
 
     limit = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
     length = args.max_completion_length
@@ -381,7 +381,7 @@ def _lock_output_dir(output_dir: str | Path):
     """Hold ``output_dir/.bloggap-train.lock`` for the run, or raise ``UsageError``: two trains into one folder
     would interleave their logs and checkpoints, and the last final save would win."""
     from bloggap_plugin._io import try_lock
-    from bloggap_plugin.errors import UsageError
+    from bloggap_plugin.core.errors import UsageError
 
     folder = Path(output_dir)
     folder.mkdir(parents=True, exist_ok=True)

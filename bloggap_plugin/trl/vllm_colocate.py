@@ -76,7 +76,7 @@ several runs share one GPU (``bloggap compare --use-vllm --parallel K`` sets 2 f
 def engine_kwargs_from_env(environ: dict | None = None) -> dict:
     """``{"kv_cache_memory_bytes": ...}`` from :data:`KV_CACHE_ENV`, or ``{}`` when unset; a bad value is an error
     naming the variable."""
-    from bloggap_plugin.errors import UsageError
+    from bloggap_plugin.core.errors import UsageError
 
     raw = (os.environ if environ is None else environ).get(KV_CACHE_ENV, "").strip()
     if not raw:
@@ -117,7 +117,7 @@ BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 
 def engine_kwargs_for(gap: Any, environ: dict | None = None) -> dict:
     """The ``LLM(...)`` keyword arguments the plugin gives TRL's colocate engine for ``gap`` (a GapConfig): the
-    arm's :attr:`~bloggap_plugin.arms.ArmSpec.vllm_engine` settings, ``dtype="float16"`` for an arm that trains in
+    arm's :attr:`~bloggap_plugin.core.arms.ArmSpec.vllm_engine` settings, ``dtype="float16"`` for an arm that trains in
     fp16, and :data:`KV_CACHE_ENV`'s fixed KV cache. With :class:`~bloggap_plugin.trl.GapCallback` the user builds
     the trainer inside ``vllm_colocate_engine(**engine_kwargs_for(gap))``."""
     spec = gap.arm_spec
@@ -146,7 +146,7 @@ def check_colocate_engine(trainer: Any, gap: Any, environ: dict | None = None) -
     """Refuse (``RecipeError``) a colocate engine that lacks a setting ``gap``'s arm needs, naming each setting and
     how to build the engine with it. A setting that cannot be read is not refused (the engine may be another
     layout); vLLM's batch-invariant mode is read from vLLM itself."""
-    from bloggap_plugin import vllm_kernels
+    from bloggap_plugin.core import vllm_kernels
     from bloggap_plugin.recipes import RecipeError
 
     spec = gap.arm_spec

@@ -1,7 +1,14 @@
-"""Arms ``fp32_head`` (E) and ``guided`` (D): fp32 islands swapped into the live policy for one scoring call.
+"""Plans ``fp32_head`` (arm E) and ``guided`` (arm D): fp32 islands swapped into the live policy for one call.
 
-See :mod:`bloggap_plugin.core.precision` (module docstring) for what they compute; build them with
-:func:`~bloggap_plugin.core.precision.make_plan`.
+For the duration of one ``token_logprobs`` call the chosen modules (the final norm and LM head; for ``guided`` also
+the chosen decoder layers) are swapped for fp32 islands (fp32 copies, or the live module itself when its weights
+are already fp32) that cast their inputs to fp32 and run with autocast disabled; a layer casts its output back to
+the residual stream's dtype only where the next layer stays in low precision. The swap is undone in ``finally``;
+no hook or module stays on the policy between calls. Memory: 4 bytes per upcast parameter (the head's ``V x H``
+weight included) instead of a full copy of the model. A tied head is projected with a detached fp32 copy of the
+shared weight, refreshed on ``sync``; the embedding is never mutated. Rotary position embeddings entering an fp32
+layer are recomputed in fp32 (not the rounded bf16 cos/sin), so a plan with every layer upcast equals the fp32
+shadow. Build them with :func:`~bloggap_plugin.core.plans.make_plan`.
 """
 
 from __future__ import annotations
@@ -13,22 +20,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from .model_parts import (
-    _cast_floating,
-    _executed_numel,
-    _first_floating,
-    _floating_dtype,
-    _FusedCopy,
-    _layer_list_path,
-    _model_device,
-    _module_copy,
-    _parent_of,
-    _tensor_bytes,
+from ..model_parts import (
+    FusedCopy,
+    cast_floating,
+    executed_numel,
     final_norm,
+    first_floating,
+    floating_dtype,
+    layer_list_path,
+    model_device,
+    module_copy,
+    parent_of,
+    tensor_bytes,
 )
-from .precision import ScoringPlan
-from .scoring import output_head
-from .sharding import full_value, is_dtensor
+from ..scoring import output_head
+from ..sharding import full_value, is_dtensor
+from .base import ScoringPlan
+from .shadow import fp32_shadow
 
 __all__ = ["UpcastPlan"]
 
@@ -51,21 +59,21 @@ class _Fp32Island(nn.Module):
             return getattr(self._modules["inner"], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        first = _first_floating((args, kwargs))
+        first = first_floating((args, kwargs))
         if self._starts_chain and first is not None:
             self._state["residual_dtype"] = first.dtype
         rope = self._state.get("rope")
         if rope is not None and kwargs.get("position_embeddings") is rope[0]:
             kwargs["position_embeddings"] = rope[1]
-        args = _cast_floating(args, torch.float32)
-        kwargs = _cast_floating(kwargs, torch.float32)
+        args = cast_floating(args, torch.float32)
+        kwargs = cast_floating(kwargs, torch.float32)
         device_type = first.device.type if first is not None else "cpu"
         with contextlib.ExitStack() as stack:
             for dt in {device_type, "cpu"}:
                 stack.enter_context(torch.autocast(device_type=dt, enabled=False))
             out = self.inner(*args, **kwargs)
         if self._cast_back:
-            out = _cast_floating(out, self._state.get("residual_dtype", torch.bfloat16))
+            out = cast_floating(out, self._state.get("residual_dtype", torch.bfloat16))
         return out
 
 
@@ -115,25 +123,25 @@ class _Fp32Head(nn.Module):
         return out + ([self.bias32] if self.owns_bias else [])
 
 
-class _UpcastPlan(ScoringPlan):
+class UpcastPlan(ScoringPlan):
     """Arms E/D on the live policy: fp32 islands swapped in for one call (see the module docstring)."""
 
     def __init__(
-        self, policy: nn.Module, arm: str, layers: Sequence[int], fp16_guard: bool, tf32: bool | str = False
+        self, policy: nn.Module, name: str, layers: Sequence[int], fp16_guard: bool, tf32: bool | str = False
     ) -> None:
-        super().__init__(policy, arm, fp16_guard, tf32)
+        super().__init__(policy, name, fp16_guard, tf32)
         source = self._source
-        layer_path, layer_list = _layer_list_path(source)
+        layer_path, layer_list = layer_list_path(source)
         self._layer_list = layer_list
         n_layers = len(layer_list)
         self.layers = sorted(int(i) for i in layers)
-        self._low_dtype = _floating_dtype(source)
+        self._low_dtype = floating_dtype(source)
         self._state: dict = {}
         self._owned: list[tuple[nn.Module, nn.Module]] = []  # (fp32 copy, live module) refreshed on sync
-        self._copy = _FusedCopy()
+        self._copy = FusedCopy()
         self._swaps: list[tuple[nn.Module, str, nn.Module, nn.Module]] = []  # (parent, key, live, island)
         chosen = set(self.layers)
-        device = _model_device(source)
+        device = model_device(source)
         for i in self.layers:
             live = layer_list[i]
             inner = self._fp32_version(live, device)
@@ -166,7 +174,7 @@ class _UpcastPlan(ScoringPlan):
 
     @staticmethod
     def _find_rope(source: nn.Module, layer_path: str) -> nn.Module | None:
-        base = _parent_of(source, layer_path)
+        base = parent_of(source, layer_path)
         rope = base._modules.get("rotary_emb")
         return rope if isinstance(rope, nn.Module) else None
 
@@ -177,7 +185,7 @@ class _UpcastPlan(ScoringPlan):
         # (the plan's source decides: a unit left gathered holds plain tensors, see _Fp32Head)
         if params and all(p.dtype == torch.float32 for p in params if p.is_floating_point()) and not self.sharded:
             return live
-        clone = _module_copy(live, torch.float32, device)
+        clone = module_copy(live, torch.float32, device)
         self._owned.append((clone, live))
         return clone
 
@@ -189,6 +197,9 @@ class _UpcastPlan(ScoringPlan):
 
     def _computes_fp32(self) -> bool:
         return True  # the fp32 islands and head
+
+    def _new_fp32_fallback(self) -> ScoringPlan:
+        return fp32_shadow(self._source, self._device(), self.tf32_option)
 
     @contextlib.contextmanager
     def _scoring_context(self) -> Iterator[None]:
@@ -239,14 +250,14 @@ class _UpcastPlan(ScoringPlan):
         tensors: list[torch.Tensor] = []
         for clone, _ in self._owned:
             tensors += list(clone.parameters()) + list(clone.buffers())
-        return _tensor_bytes(tensors + self._head.owned_tensors())
+        return tensor_bytes(tensors + self._head.owned_tensors())
 
     def _fp32_share(self) -> float:
         numerator = self._layer_numel + self._norm_numel + self._head_live.weight.numel()
         bias = getattr(self._head_live, "bias", None)
         if bias is not None:
             numerator += bias.numel()
-        return numerator / max(_executed_numel(self._source), 1)
+        return numerator / max(executed_numel(self._source), 1)
 
     def close(self) -> None:
         super().close()
@@ -256,5 +267,3 @@ class _UpcastPlan(ScoringPlan):
         self._head = None
         self._state.clear()
 
-
-UpcastPlan = _UpcastPlan

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .model_parts import _model_device, _tensor_bytes
-from .precision import _ShadowPlan
-from .scoring import unwrap_model
-from .vllm_form import (
+from ..model_parts import model_device as _model_device
+from ..model_parts import tensor_bytes as _tensor_bytes
+from ..scoring import unwrap_model
+from ..vllm_form import (
     Kernels,
     VllmForm,
     norm_in_step_launches,
@@ -37,6 +37,7 @@ from .vllm_form import (
     torch_varlen_attention,
     vllm_cos_sin_cache,
 )
+from .shadow import ShadowPlan as _ShadowPlan
 
 __all__ = ["VllmFormLM", "VllmFormPlan", "SUPPORTED_MODEL_TYPES"]
 

@@ -1,0 +1,174 @@
+"""The plan registry: plan name -> the builder of its class, and :func:`make_plan`, which checks the options.
+
+Each builder takes ``(policy, name, options)`` and returns the plan; it does what the class needs before it is
+built (a ``guided`` plan's layer choice, arm I's form and kernels).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..arms import plan_name
+from ..divergence import DivergenceProfile, divergence_profile
+from ..model_parts import layer_list_path, model_device
+from ..scoring import unwrap_model
+from ..sharding import is_partitioned
+from ..vllm_form import parse_form
+from ..vllm_kernels import load_kernels
+from .base import ScoringPlan
+from .policy import PolicyPlan
+from .shadow import SHADOW_DTYPES, ShadowPlan
+from .upcast import UpcastPlan
+from .vllm_shadow import VllmFormPlan
+
+__all__ = ["PLANS", "PlanOptions", "make_plan", "guided_layers"]
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """:func:`make_plan`'s keyword options, as given (see there)."""
+
+    device: str | torch.device | None = None
+    layers: Sequence[int] | str | None = None
+    k: int = 8
+    calibration: tuple[torch.Tensor, torch.Tensor] | None = None
+    fp16_guard: bool = True
+    tf32: bool | str = False
+    pieces: str | Any | None = None
+
+
+def make_plan(
+    policy: nn.Module,
+    name: str,
+    *,
+    device: str | torch.device | None = None,
+    layers: Sequence[int] | str | None = None,
+    k: int = 8,
+    calibration: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp16_guard: bool = True,
+    tf32: bool | str = False,
+    pieces: str | Any | None = None,
+) -> ScoringPlan:
+    """A :class:`ScoringPlan` scoring with ``policy`` as plan ``name`` (built by :data:`PLANS`).
+
+    Args:
+        policy: the causal LM (wrapped by DDP/accelerate or not); plan ``bf16`` calls it exactly as passed.
+        name: a plan name ``bf16 | fp32 | fp16 | fp32_head | guided | vllm``, or an arm letter with a plan
+            (``B C D E F I``, :mod:`bloggap_plugin.core.arms`), or ``A`` for ``bf16``
+            (:data:`~bloggap_plugin.core.arms.PLAN_ALIASES`).
+        device: where an fp32/fp16 (or arm I's bf16) shadow lives (default: the policy's device). Not used by other
+            plans.
+        layers: ``guided`` only: decoder layer ids to run in fp32, or ``"auto"`` (top-``k`` per-layer
+            divergence increments between batch 1 and batch 8 on ``calibration`` rows; see
+            :mod:`bloggap_plugin.core.divergence`).
+        k: number of layers chosen by ``layers="auto"``.
+        calibration: ``(input_ids, attention_mask)`` ``[N, L]`` rows for ``layers="auto"``: use rows
+            disjoint from the ones you evaluate on.
+        fp16_guard: re-score in fp32 any chunk whose fp16 scoring gives a non-finite value.
+        tf32: the fp32 matmuls of the plan's forward (``fp32``, ``fp32_head``, ``guided``, the fp16 guard's
+            re-score) in TF32 (``True``), IEEE fp32 (``False``), or TF32 on Ampere+ GPUs only (``"auto"``); set
+            and restored around each call (:mod:`.tf32`). Ignored by plan ``bf16``.
+        pieces: ``vllm`` (arm I) only: which pieces of its forward follow vLLM
+            (:func:`bloggap_plugin.core.vllm_form.parse_form`; default ``"all"``). Pieces that call vLLM's kernels
+            need vLLM and CUDA (:func:`bloggap_plugin.core.vllm_kernels.load_kernels` refuses otherwise).
+    """
+    name = plan_name(name)
+    if not (tf32 is True or tf32 is False or tf32 == "auto"):
+        raise ValueError(f"tf32 must be True, False or 'auto', got {tf32!r}")
+    if not isinstance(policy, nn.Module):
+        raise TypeError(f"policy must be a torch.nn.Module, got {type(policy).__name__}")
+    if name != "guided" and (layers is not None or calibration is not None):
+        raise ValueError(f"layers=/calibration= choose fp32 layers for arm 'guided' only, not {name!r}")
+    if pieces is not None and name != "vllm":
+        raise ValueError(f"pieces= chooses arm I's vLLM pieces; arm {name!r} has none")
+    if device is not None and name not in (*SHADOW_DTYPES, "vllm"):
+        raise ValueError(f"device= places an fp32/fp16 shadow; arm {name!r} runs on the policy's own device")
+    if name != "bf16" and is_partitioned(policy):
+        raise ValueError(
+            f"plan {name!r} copies the policy's weights, but its parameters are DeepSpeed ZeRO-3 slices (ds_id), "
+            "gathered only inside a forward: use FSDP2 (plans shard their copies like the policy), ZeRO stage 1 "
+            "or 2, or the 'bf16' plan"
+        )
+    options = PlanOptions(device, layers, k, calibration, fp16_guard, tf32, pieces)
+    return PLANS[name](policy, name, options)
+
+
+def _policy_plan(policy: nn.Module, name: str, options: PlanOptions) -> PolicyPlan:
+    return PolicyPlan(policy, name, options.fp16_guard)
+
+
+def _shadow_plan(policy: nn.Module, name: str, options: PlanOptions) -> ShadowPlan:
+    return ShadowPlan(policy, name, SHADOW_DTYPES[name], options.device, options.fp16_guard, options.tf32)
+
+
+def _upcast_plan(policy: nn.Module, name: str, options: PlanOptions) -> UpcastPlan:
+    """``fp32_head``: no layer; ``guided``: the given layers or those chosen on the calibration rows."""
+    if name == "fp32_head":
+        return UpcastPlan(policy, name, [], options.fp16_guard, options.tf32)
+    ids, profile = guided_layers(policy, options.layers, options.k, options.calibration)
+    plan = UpcastPlan(policy, name, ids, options.fp16_guard, options.tf32)
+    plan.profile = profile
+    return plan
+
+
+def _vllm_plan(policy: nn.Module, name: str, options: PlanOptions) -> VllmFormPlan:
+    """Arm I: the form parsed and its kernels loaded before the bf16 shadow is built."""
+    form = parse_form("all" if options.pieces is None else options.pieces)
+    device = options.device
+    target = torch.device(device) if device is not None else model_device(unwrap_model(policy))
+    return VllmFormPlan(policy, form, load_kernels(form, target), target)
+
+
+PLANS: dict[str, Callable[[nn.Module, str, PlanOptions], ScoringPlan]] = {
+    "bf16": _policy_plan,
+    "fp32": _shadow_plan,
+    "fp16": _shadow_plan,
+    "fp32_head": _upcast_plan,
+    "guided": _upcast_plan,
+    "vllm": _vllm_plan,
+}
+"""Plan name (:data:`bloggap_plugin.core.arms.PLAN_NAMES`, same order) -> the builder of its plan."""
+
+
+def guided_layers(
+    policy: nn.Module, layers: Sequence[int] | str | None, k: int,
+    calibration: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[list[int], DivergenceProfile | None]:
+    """``(layer ids, attribution profile or None)`` of a ``guided`` plan: the given ids (checked against the
+    model), or the top-``k`` of a divergence profile on ``calibration`` rows for ``layers="auto"``."""
+    n_layers = len(layer_list_path(unwrap_model(policy))[1])
+    profile = None
+    if isinstance(layers, str):
+        if layers != "auto":
+            raise ValueError(f"layers must be a list of decoder layer ids or 'auto', got {layers!r}")
+        if calibration is None:
+            raise ValueError(
+                "layers='auto' needs calibration=(input_ids, attention_mask): rows (disjoint from the evaluation "
+                "rows) on which to measure the batch-1 vs batch-8 divergence per layer"
+            )
+        if not isinstance(k, int) or not 0 <= k <= n_layers:
+            raise ValueError(
+                f"k must be an integer in [0, {n_layers}] (the model has {n_layers} decoder layers), got {k!r}"
+            )
+        input_ids, attention_mask = calibration[0], calibration[1]
+        profile = divergence_profile(policy, input_ids, attention_mask)
+        layers = profile.top_k(k)
+    elif layers is None:
+        raise ValueError(
+            "arm 'guided' needs layers=[ids] (decoder layers to run in fp32) or layers='auto' with "
+            "calibration=(input_ids, attention_mask); use arm 'fp32_head' for the head only"
+        )
+    ids = list(layers)
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_layers:
+            raise ValueError(
+                f"bad layer id {i!r}: the model has {n_layers} decoder layers, ids must be integers in 0..{n_layers - 1}"
+            )
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"duplicate layer ids in {ids}")
+    return ids, profile
