@@ -183,7 +183,7 @@ def hf_generator(model, tokenizer, prompt_ids: list[list[int]], args) -> tuple[C
     """``(generate, timing)``: ``generate(decoding, indices)`` -> completions with HF ``generate``
     (:func:`bloggap_plugin.heldout.generate_texts`: left-padded batches of ``--batch-size``; sampled:
     ``torch.manual_seed(--seed)`` before each batch)."""
-    from bloggap_plugin.heldout import generate_texts
+    from bloggap_plugin.heldout_accuracy import generate_texts
     from bloggap_plugin.sampling import SamplerRecorder
 
     def generate(decoding: str, indices: list[int]) -> list[str]:

@@ -32,7 +32,7 @@ from cost import _free, load_policy  # noqa: E402
 
 from bloggap_plugin.core.model_parts import decoder_layers  # noqa: E402
 from bloggap_plugin.core.plans import make_plan  # noqa: E402
-from bloggap_plugin.measure.ladder import ladder_table, run_ladder  # noqa: E402
+from bloggap_plugin.measure.precision_ladder import ladder_table, run_ladder  # noqa: E402
 from bloggap_plugin.results import ResultDocument, format_text_table  # noqa: E402
 
 NAME = "ladder"

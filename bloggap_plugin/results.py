@@ -20,7 +20,7 @@ scalars become Python numbers (ints stay ints) and arrays or tensors nested list
 
 Table printer (:func:`text_table`, :func:`format_text_table`): columns padded to their widest cell, ``" | "``
 between cells, ``None`` printed as ``-``, trailing spaces stripped; for consoles and logs (BENCHMARKS.md uses the
-Markdown renderer of :mod:`bloggap_plugin.report`).
+Markdown renderer of :mod:`bloggap_plugin.report_builder`).
 """
 
 from __future__ import annotations

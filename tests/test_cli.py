@@ -188,7 +188,7 @@ def test_doctor_cli_end_to_end_json(tmp_path, capsys):
     assert measured_fp16 == {"rerun_b1", "b1_vs_b8_left_arange", "b1_vs_b8_left_mask", "sampler_vs_b1"}
     assert result["fp16_check"]["rows"] == 8 and result["fp16_check"]["ok"] is True
     # the file is also a benchmark result `bloggap report` accepts (it lives in benchmarks/results/<device>/)
-    from bloggap_plugin.report import validate_result
+    from bloggap_plugin.report_builder import validate_result
 
     validate_result(result, path)
     (table,) = result["tables"]

@@ -361,7 +361,7 @@ def test_ladder_k_beyond_the_layers_is_refused_before_measuring(bloggap_measurin
 
 
 def test_ladder_default_k_is_capped_at_the_layers():
-    from bloggap_plugin.measure.ladder import default_ks
+    from bloggap_plugin.measure.precision_ladder import default_ks
     from bloggap_plugin.models import load_model
 
     model, _ = load_model("tiny-random-llama")

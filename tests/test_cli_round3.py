@@ -432,7 +432,7 @@ def test_compare_plot_labels_reward_steps_and_shows_a_single_point(tmp_path, mon
     """A short run's curve of one reward point was an empty plot, and the x-axis said 'step' while it counts the
     steps that logged a reward (every other optimizer step with num_iterations 2)."""
     pytest.importorskip("matplotlib")
-    import bloggap_plugin.report as report
+    import bloggap_plugin.report_builder as report
     from bloggap_plugin.compare.outputs import plot_reward_curves
 
     figures = []

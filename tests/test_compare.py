@@ -339,7 +339,7 @@ def test_sweep_with_fake_runs_writes_table_json_plot_and_resumes(tmp_path, fake)
     document = json.loads((out / "compare.json").read_text())
     assert document["schema_version"] == 1 and document["benchmark"] == "compare"
     assert [t["id"] for t in document["tables"]] == ["T10", "T10-analysis", "T10-gap", "T10-resolution"]
-    from bloggap_plugin.report import validate_result
+    from bloggap_plugin.report_builder import validate_result
 
     validate_result(json.loads((out / "compare.json").read_text(), parse_float=__import__("decimal").Decimal), "compare.json", {"T10"})
     md = (out / "compare.md").read_text()

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from bloggap_plugin.heldout import generate_texts, heldout_accuracy
+from bloggap_plugin.heldout_accuracy import generate_texts, heldout_accuracy
 
 
 def _greedy_by_hand(model, tokenizer, ids: list[int], steps: int) -> str:

@@ -247,7 +247,7 @@ def test_tables_benchmark_quick_on_tiny_model(tmp_path, capsys, monkeypatch):
     spec.loader.exec_module(module)
     assert module.main(["--out", str(tmp_path), "--quick", "--device", "cpu", "--model", "tiny-random-llama"]) == 0
     result = json.loads((tmp_path / "tables.json").read_text())
-    from bloggap_plugin.report import validate_result
+    from bloggap_plugin.report_builder import validate_result
 
     validate_result(result, tmp_path / "tables.json")  # what `bloggap report` will load
     assert result["benchmark"] == "tables" and result["schema_version"] == 1

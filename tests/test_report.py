@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bloggap_plugin.report import REFERENCE_PATH, ReportError, build_report, load_reference
+from bloggap_plugin.report_builder import REFERENCE_PATH, ReportError, build_report, load_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 # The reference study's text, where the workplace keeps it beside the repository (../shared); not part of the repo.
@@ -183,7 +183,7 @@ def test_reference_data_has_every_table():
 
 @pytest.mark.skipif(not REFERENCE_MD.is_file(), reason="the reference study's text is not on this machine")
 def test_reference_data_matches_the_study_cell_by_cell():
-    from bloggap_plugin.report import format_cell
+    from bloggap_plugin.report_builder import format_cell
 
     text = REFERENCE_MD.read_text()
     section = text[text.index("## 3. Tables"):text.index("## 4. ")]
@@ -233,7 +233,7 @@ def test_repository_benchmarks_numbers_come_from_committed_json(tmp_path):
 
 
 def test_automatic_plot_picks_one_scale():
-    from bloggap_plugin.report import table_plot_spec
+    from bloggap_plugin.report_builder import table_plot_spec
 
     ladder = {"id": "T7", "title": "t", "columns": ["plan", "fp32 params %", "OOB %", "CI low %", "tokens"],
               "rows": [["bf16", 0.0, 4.5, 3.9, 3512], ["fp16", "-", "-", "-", 0], ["fp32", 100.0, 0.0, 0.0, 3512]],

@@ -127,7 +127,7 @@ def _check(config: DoctorConfig) -> None:
 def _from_json(config: DoctorConfig) -> int:
     """Measure nothing: re-derive the recommendation of a stored doctor JSON, print it (and write it)."""
     from bloggap_plugin.core.errors import UsageError
-    from bloggap_plugin.measure.doctor import rerecommend
+    from bloggap_plugin.measure.doctor_matrix import rerecommend
 
     try:
         result = rerecommend(json.loads(Path(config.from_json).read_text()))
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
 
     from bloggap_plugin.commands._config import config_from_args
     from bloggap_plugin.core.recommend import recommend
-    from bloggap_plugin.measure import doctor
+    from bloggap_plugin.measure import doctor_matrix
     from bloggap_plugin.measure import rollouts as sampling
     from bloggap_plugin.models import check_model_spec, load_model, resolve_device
 
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     on_cpu = device.type == "cpu"
     num_seqs = config.num_seqs if config.num_seqs is not None else (32 if on_cpu else 64)
     max_new = config.max_new_tokens if config.max_new_tokens is not None else (24 if on_cpu else 64)
-    rows_for = doctor.rows_per_dtype(num_seqs, config.fp16_rows, config.fp32_rows, on_cpu)
+    rows_for = doctor_matrix.rows_per_dtype(num_seqs, config.fp16_rows, config.fp32_rows, on_cpu)
     started = time.perf_counter()
 
     sampler_model, tokenizer = load_model(config.model, dtype=config.sample_dtype, device=device)
@@ -167,13 +167,13 @@ def run(args: argparse.Namespace) -> int:
             sampler_model, tokenizer, num_seqs=num_seqs, max_new_tokens=max_new, seed=config.seed,
             batch_size=config.gen_batch_size, progress=bar.update,
         )
-    plan, notes = doctor.scoring_plan(config.dtypes, rollouts, rows_for, on_cpu)
-    total = doctor.total_passes(plan, config.attn)
+    plan, notes = doctor_matrix.scoring_plan(config.dtypes, rollouts, rows_for, on_cpu)
+    total = doctor_matrix.total_passes(plan, config.attn)
     with tqdm(total=total, desc="scoring", unit="pass", file=sys.stderr, disable=config.no_progress) as bar:
-        matrix = doctor.score_matrix(lambda dtype: load_model(config.model, dtype=dtype, device=device)[0],
+        matrix = doctor_matrix.score_matrix(lambda dtype: load_model(config.model, dtype=dtype, device=device)[0],
                                      plan, config.attn, sampler_model, config.sample_dtype, config.band, bar)
     matrix.notes[:0] = notes
-    paired = doctor.all_paired_cells(matrix, rollouts, rows_for, config.dtypes, config.band)
+    paired = doctor_matrix.all_paired_cells(matrix, rollouts, rows_for, config.dtypes, config.band)
     recommendation = recommend(matrix.cells, matrix.fp16_check, device.type, paired)
     if matrix.notes:
         recommendation["notes"] = matrix.notes
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     params = {"model": config.model, "dtypes": config.dtypes, "attn": config.attn, "num_seqs": num_seqs,
               "max_new_tokens": max_new, "seed": config.seed, "sample_dtype": config.sample_dtype,
               "gen_batch_size": config.gen_batch_size, "band": config.band, "rows_per_dtype": rows_for}
-    result = doctor.doctor_result(model=config.model, device=device, params=params, rollouts=rollouts,
+    result = doctor_matrix.doctor_result(model=config.model, device=device, params=params, rollouts=rollouts,
                                   matrix=matrix, paired=paired, recommendation=recommendation, seconds=elapsed)
     _print_result(result)
     print(f"({elapsed:.0f} s)")

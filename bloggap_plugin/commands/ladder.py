@@ -7,7 +7,7 @@ is a :func:`bloggap_plugin.core.plans.make_plan` plan scoring the same tokens al
 and in left-padded chunks of 8; the share of those tokens whose ratio leaves ``[1 - band, 1 + band]`` is the
 rung's out-of-band rate. Rungs: bf16, fp32 head, first-k / last-k / guided top-k / guided window-k (each with
 fp32 norm and head), fp16, fp16 + guided top-k, all fp32. The measurement is
-:func:`bloggap_plugin.measure.ladder.run_ladder`; this module parses and prints.
+:func:`bloggap_plugin.measure.precision_ladder.run_ladder`; this module parses and prints.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ configure = configure_with(LadderConfig)
 def run(args: argparse.Namespace) -> int:
     from bloggap_plugin.commands._measured import checked_config, command_payload, emit, load_for
     from bloggap_plugin.core.errors import UsageError
-    from bloggap_plugin.measure.ladder import default_ks, ladder_table, run_ladder
+    from bloggap_plugin.measure.precision_ladder import default_ks, ladder_table, run_ladder
     from bloggap_plugin.results import format_text_table
 
     config = checked_config(LadderConfig, args, ("rows", "calibration_rows", "new_tokens"))

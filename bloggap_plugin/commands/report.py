@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from bloggap_plugin.commands._config import config_from_args
-    from bloggap_plugin.report import ReportError, build_report
+    from bloggap_plugin.report_builder import ReportError, build_report
 
     config = config_from_args(ReportConfig, args)
     try:

@@ -109,10 +109,10 @@ def evaluate_saved(model_dir: str | os.PathLike, *, task: str, task_kwargs: dict
     """Greedy accuracy of the policy saved in ``model_dir`` on the task's held-out prompts
     (:func:`bloggap_plugin.tasks.get_heldout` with the run's task options and seed), with HF ``generate`` in fp32 on
     CUDA when there is one (else CPU), the same for every arm whatever precision it trained in. Returns
-    :func:`bloggap_plugin.heldout.heldout_accuracy`'s dict plus ``engine``, ``dtype`` and ``device``."""
+    :func:`bloggap_plugin.heldout_accuracy.heldout_accuracy`'s dict plus ``engine``, ``dtype`` and ``device``."""
     import torch
 
-    from bloggap_plugin.heldout import heldout_accuracy
+    from bloggap_plugin.heldout_accuracy import heldout_accuracy
     from bloggap_plugin.models import load_model
     from bloggap_plugin.tasks import get_heldout
 

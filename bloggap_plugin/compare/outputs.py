@@ -282,7 +282,7 @@ def plot_reward_curves(results: dict, path: str | os.PathLike, smooth: int = 5, 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from bloggap_plugin.report import save_figure
+    from bloggap_plugin.report_builder import save_figure
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     by_arm: dict[str, list[dict]] = {}
@@ -323,7 +323,7 @@ def write_outputs(config: CompareConfig, results: dict) -> dict[str, str]:
     non-finite numbers are written as ``null``.
     """
     from bloggap_plugin.envinfo import environment_record
-    from bloggap_plugin.report import render_table
+    from bloggap_plugin.report_builder import render_table
 
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -367,7 +367,7 @@ def _cuda_available() -> bool:
 
 def print_table(results: dict, echo=print) -> None:
     """Print the T10 table as Markdown."""
-    from bloggap_plugin.report import render_table
+    from bloggap_plugin.report_builder import render_table
 
     for line in render_table(results["tables"][0]):
         echo(line)

@@ -20,7 +20,7 @@ Hooks (TRL 1.16's ``GRPOTrainer`` methods, see ``docs/trl.md``):
 - ``training_step``: plugin time and its share of the step.
 
 The adapter's state is one object, ``trainer._gap_state`` (:class:`~bloggap_plugin.trl.state.GapState`); the
-scoring lives in :mod:`bloggap_plugin.trl.plans`, the metrics in :mod:`bloggap_plugin.trl.stats`, the checks at
+scoring lives in :mod:`bloggap_plugin.trl.plan_mixin`, the metrics in :mod:`bloggap_plugin.trl.stats`, the checks at
 attach time in :mod:`bloggap_plugin.trl.attach`. Every extra forward runs under ``torch.no_grad`` inside
 ``torch.random.fork_rng`` and probe rows come from a private generator, so with arm A the trainer's RNG streams
 and losses are exactly those of plain TRL.
@@ -36,7 +36,7 @@ import torch
 
 from bloggap_plugin.recipes import GapConfig
 from bloggap_plugin.trl.attach import KNOWN_LOSS_TYPES
-from bloggap_plugin.trl.plans import PlanMixin
+from bloggap_plugin.trl.plan_mixin import PlanMixin
 from bloggap_plugin.trl.state import GenerationMaxima, GenerationSums, StepTimes, fit_width
 from bloggap_plugin.trl.stats import StatsMixin, is_ratio
 

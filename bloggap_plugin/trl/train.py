@@ -111,7 +111,7 @@ def HeldoutCallback(tokenizer, config: TrainConfig, log_jsonl: str | Path | None
     "heldout/n", "heldout/seconds"}`` to ``log_jsonl`` (and to its ``records``)."""
     from transformers import TrainerCallback
 
-    from bloggap_plugin.heldout import heldout_accuracy
+    from bloggap_plugin.heldout_accuracy import heldout_accuracy
     from bloggap_plugin.tasks import HELDOUT_DEFAULT_N, get_heldout
 
     spec = config.heldout
