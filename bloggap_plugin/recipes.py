@@ -275,7 +275,8 @@ def _field_names(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
-def _unknown_key_error(key: str, valid: list[str], where: str) -> RecipeError:
+def unknown_key_error(key: str, valid: list[str], where: str) -> RecipeError:
+    """The error for an unknown ``key`` in ``where``: the closest valid key as a hint, and every valid key."""
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return RecipeError(f"{where}: unknown key {key!r}{hint}; valid keys: {', '.join(sorted(valid))}")
@@ -287,7 +288,7 @@ def gap_config_from_dict(section: dict | None, where: str = "gap") -> GapConfig:
     valid = _field_names(GapConfig)
     for key, value in section.items():
         if key not in valid:
-            raise _unknown_key_error(key, valid, where)
+            raise unknown_key_error(key, valid, where)
         types = _gap_field_types()[key]
         if isinstance(value, bool) and bool not in types:
             raise RecipeError(f"{where}.{key} must be {' or '.join(t.__name__ for t in types)}, got {value!r}")
@@ -301,7 +302,8 @@ def gap_config_from_dict(section: dict | None, where: str = "gap") -> GapConfig:
     return GapConfig(**section)
 
 
-def _grpo_field_names() -> list[str] | None:
+def grpo_field_names() -> list[str] | None:
+    """The field names of TRL's ``GRPOConfig``, or ``None`` where TRL does not import."""
     try:
         from trl import GRPOConfig
     except ImportError:  # pragma: no cover - TRL is a dependency; keep recipes loadable without it
@@ -361,11 +363,11 @@ def parse_recipe(data: dict, where: str = "recipe") -> tuple[dict, GapConfig]:
     gap_section = data.pop("gap", None)
     if gap_section is not None and not isinstance(gap_section, dict):
         raise RecipeError(f"{where}: 'gap' must be a mapping, got {type(gap_section).__name__}")
-    valid = _grpo_field_names()
+    valid = grpo_field_names()
     if valid is not None:
         for key in data:
             if key not in valid:
-                raise _unknown_key_error(key, valid + ["gap"], where)
+                raise unknown_key_error(key, valid + ["gap"], where)
         data = _check_grpo_types(data, where)
     return data, gap_config_from_dict(gap_section, where=f"{where}: gap")
 

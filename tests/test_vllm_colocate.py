@@ -134,16 +134,16 @@ def test_gap_grpo_trainer_passes_the_kv_cache_setting_to_the_colocate_engine(fak
 
 
 def test_compare_runs_get_a_fixed_kv_cache_when_several_share_the_gpu():
-    from bloggap_plugin.compare import CompareConfig, _worker_environment
+    from bloggap_plugin.compare import CompareConfig, worker_environment
     from bloggap_plugin.trl.vllm_colocate import KV_CACHE_ENV
 
     def config(**kw):
         return types.SimpleNamespace(**{"use_vllm": True, "parallel": 2, **kw})
 
-    assert _worker_environment(config(), {})[KV_CACHE_ENV] == "2"
-    assert _worker_environment(config(), {KV_CACHE_ENV: "3"})[KV_CACHE_ENV] == "3"
-    assert KV_CACHE_ENV not in _worker_environment(config(parallel=1), {})
-    assert KV_CACHE_ENV not in _worker_environment(config(use_vllm=False), {})
+    assert worker_environment(config(), {})[KV_CACHE_ENV] == "2"
+    assert worker_environment(config(), {KV_CACHE_ENV: "3"})[KV_CACHE_ENV] == "3"
+    assert KV_CACHE_ENV not in worker_environment(config(parallel=1), {})
+    assert KV_CACHE_ENV not in worker_environment(config(use_vllm=False), {})
     assert {f.name for f in __import__("dataclasses").fields(CompareConfig)} >= {"use_vllm", "parallel"}
 
 
@@ -154,21 +154,21 @@ def test_parallel_colocate_runs_each_get_their_own_free_master_port():
     the runs in flight hold, also when the sweep itself inherited a MASTER_PORT."""
     import socket
 
-    from bloggap_plugin.compare import _worker_environment
+    from bloggap_plugin.compare import worker_environment
 
     def config(**kw):
         return types.SimpleNamespace(**{"use_vllm": True, "parallel": 12, **kw})
 
     ports = []
     for _ in range(12):
-        env = _worker_environment(config(), {"MASTER_PORT": "29500"}, ports_in_use=set(ports))
+        env = worker_environment(config(), {"MASTER_PORT": "29500"}, ports_in_use=set(ports))
         ports.append(int(env["MASTER_PORT"]))
         assert env["MASTER_ADDR"] == "localhost"
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:  # free when chosen
             probe.bind(("127.0.0.1", ports[-1]))
     assert len(set(ports)) == 12 and 29500 not in ports
-    assert _worker_environment(config(parallel=1), {"MASTER_PORT": "29500"})["MASTER_PORT"] == "29500"
-    assert "MASTER_PORT" not in _worker_environment(config(use_vllm=False), {})
+    assert worker_environment(config(parallel=1), {"MASTER_PORT": "29500"})["MASTER_PORT"] == "29500"
+    assert "MASTER_PORT" not in worker_environment(config(use_vllm=False), {})
 
 
 def test_gap_grpo_trainer_builds_arm_i_an_eager_engine_without_prefix_caching(fake_llm, monkeypatch):

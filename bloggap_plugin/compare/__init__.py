@@ -76,15 +76,9 @@ from bloggap_plugin.compare.outputs import (
     resolution_statement,
     write_outputs,
 )
-from bloggap_plugin.compare.statistics import (
-    build_results,
-    heldout_by_arm,
-    paired_interval,
-    plugin_time_share,
-    summarize_run,
-    timed_steps,
-)
-from bloggap_plugin.compare.sweep import SweepStopped, _worker_environment, run_compare
+from bloggap_plugin.compare.statistics import build_results, heldout_by_arm, paired_interval, summarize_run
+from bloggap_plugin.compare.sweep import SweepStopped, run_compare, worker_environment
+from bloggap_plugin.run_timing import plugin_time_share, timed_steps
 
 __all__ = [
     "CompareConfig",
@@ -119,5 +113,5 @@ __all__ = [
     "plot_reward_curves",
     "print_table",
     "resolution_statement",
-    "_worker_environment",
+    "worker_environment",
 ]

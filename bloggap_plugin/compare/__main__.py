@@ -2,6 +2,6 @@
 
 import sys
 
-from bloggap_plugin.compare.worker import _main
+from bloggap_plugin.compare.worker import main
 
-sys.exit(_main())
+sys.exit(main())

@@ -7,6 +7,7 @@ import importlib
 import inspect
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -280,7 +281,7 @@ def _check_task(config: CompareConfig) -> None:
 
     if config.task not in TASKS:
         raise CompareError(f"--task {config.task}: unknown task; choose one of {', '.join(TASKS)}")
-    kwargs = _task_kwargs(config)
+    kwargs = run_task_kwargs(config)
     if config.task != "gsm8k" and all(kwargs.get(key) is None for key in ("difficulty", "data", "calc_steps")):
         return
     try:
@@ -298,7 +299,7 @@ def _check_task(config: CompareConfig) -> None:
         raise CompareError(f"{option}: {message}") from None
 
 
-def _task_kwargs(config: CompareConfig) -> dict:
+def run_task_kwargs(config: CompareConfig) -> dict:
     """The task options every run gets: ``difficulty``, ``n``, ``data`` (GSM8K: the local path in effect, absolute,
     from ``--data`` or ``$BLOGGAP_GSM8K_DATA``; ``None`` = the hub) and, when set, ``calc_steps``."""
     data = config.data
@@ -318,7 +319,7 @@ def _resolve_with_path(config: CompareConfig, function_path: str):
     added = [extra for extra in config.pythonpath if extra not in sys.path]
     sys.path[:0] = added
     try:
-        return _resolve(function_path)
+        return resolve_function(function_path)
     finally:
         for extra in added:
             sys.path.remove(extra)
@@ -367,7 +368,7 @@ def _check_heldout(config: CompareConfig) -> None:
     from bloggap_plugin.tasks import get_heldout
 
     try:
-        get_heldout(config.task, None, seed=config.seeds[0], heldout_n=1, **_task_kwargs(config))
+        get_heldout(config.task, None, seed=config.seeds[0], heldout_n=1, **run_task_kwargs(config))
     except Exception as err:  # noqa: BLE001 - it would fail every run's evaluation: report it once
         raise CompareError(f"held-out evaluation: {str(err).splitlines()[0]}") from None
 
@@ -422,17 +423,17 @@ def _check_grpo_settings(config: CompareConfig, runs: list[RunSpec]) -> None:
     """Each recipe and ``--override`` must make a valid ``GRPOConfig`` (the fields run_training sets on CPU)."""
     from bloggap_plugin.recipes import (
         RecipeError,
-        _grpo_field_names,
-        _unknown_key_error,
+        grpo_field_names,
         load_recipe,
         merge_grpo_config,
+        unknown_key_error,
     )
 
-    valid = _grpo_field_names()
+    valid = grpo_field_names()
     if valid is not None:
         for key in config.extra_overrides:
             if key not in valid:
-                raise CompareError(str(_unknown_key_error(key, valid, "--override")))
+                raise CompareError(str(unknown_key_error(key, valid, "--override")))
     overrides = json.dumps(config.extra_overrides)
     effective = effective_overrides(config)
     for run in {run.recipe: run for run in runs}.values():
@@ -450,7 +451,8 @@ def _check_grpo_settings(config: CompareConfig, runs: list[RunSpec]) -> None:
             raise CompareError(f"{where}: GRPOConfig rejects it: {str(err).strip().splitlines()[0]}") from None
 
 
-def _resolve(run_fn: str):
+def resolve_function(run_fn: str) -> Callable:
+    """The function a ``module:function`` string names (imported on the current ``sys.path``)."""
     module_name, _, attr = run_fn.partition(":")
     if not attr:
         raise ValueError(f"run function must be 'module:function', got {run_fn!r}")
@@ -463,7 +465,7 @@ def _check_run_fn(config: CompareConfig) -> None:
         run_fn = _resolve_with_path(config, config.run_fn)
     except Exception as err:  # noqa: BLE001
         raise CompareError(f"--run-fn {config.run_fn}: cannot load it ({err}); give module:function") from None
-    task_kwargs = sorted(k for k, v in _task_kwargs(config).items() if v is not None)
+    task_kwargs = sorted(k for k, v in run_task_kwargs(config).items() if v is not None)
     if task_kwargs:
         params = inspect.signature(run_fn).parameters
         if "task_kwargs" not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):

@@ -130,11 +130,11 @@ def evaluate_run(spec: dict, attempt: str) -> dict:
     import shutil
 
     from bloggap_plugin._io import atomic_write_text
-    from bloggap_plugin.compare.config import _resolve
+    from bloggap_plugin.compare.config import resolve_function
     from bloggap_plugin.results import jsonable
 
     heldout = spec["heldout"]
-    evaluate = _resolve(heldout["fn"])
+    evaluate = resolve_function(heldout["fn"])
     result = evaluate(heldout["final_dir"], task=spec["task"], task_kwargs=spec["task_kwargs"], seed=spec["seed"],
                       heldout_n=heldout["settings"]["n"], max_tokens=heldout["settings"]["max_tokens"],
                       batch_size=heldout["batch_size"])

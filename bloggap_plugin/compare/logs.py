@@ -7,13 +7,15 @@ import json
 import os
 from pathlib import Path
 
-from bloggap_plugin.compare.config import DONE_KEY, CompareConfig, RunSpec, _task_kwargs
+from bloggap_plugin.compare.config import DONE_KEY, CompareConfig, RunSpec, run_task_kwargs
 
 __all__ = [
     "read_log",
     "run_is_done",
     "run_state",
     "run_settings",
+    "read_marker",
+    "count_logged_steps",
 ]
 
 
@@ -85,7 +87,8 @@ def run_state(config: CompareConfig, run: RunSpec) -> tuple[str, str]:
     return "done", ""
 
 
-def _steps_logged(path: str | os.PathLike) -> int:
+def count_logged_steps(path: str | os.PathLike) -> int:
+    """The highest ``step`` logged at ``path`` (the record count where none carries one; 0 if it does not parse)."""
     try:
         records, _ = read_log(path)
     except ValueError:
@@ -104,7 +107,7 @@ def run_settings(config: CompareConfig, run: RunSpec) -> dict:
         "recipe_sha256": hashlib.sha256(Path(run.recipe).read_bytes()).hexdigest(),
         "model": config.model,
         "task": config.task,
-        "task_kwargs": _task_kwargs(config),
+        "task_kwargs": run_task_kwargs(config),
         "max_steps": config.max_steps,
         "seed": run.seed,
         "extra_overrides": dict(config.extra_overrides),
@@ -114,7 +117,8 @@ def run_settings(config: CompareConfig, run: RunSpec) -> dict:
     return json.loads(json.dumps(settings, sort_keys=True, default=str))
 
 
-def _marker_or_none(path: str | os.PathLike) -> dict | None:
+def read_marker(path: str | os.PathLike) -> dict | None:
+    """The completion marker of the log at ``path``, or ``None`` (no marker, or a log that does not parse)."""
     try:
         return read_log(path)[1]
     except ValueError:

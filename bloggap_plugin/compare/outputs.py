@@ -103,7 +103,25 @@ def _heldout_table(config: CompareConfig, heldout: dict, results: dict) -> dict:
     }
 
 
-def _tables(config: CompareConfig, results: dict) -> list[dict]:
+def compare_tables(config: CompareConfig, results: dict) -> list[dict]:
+    """The result document's tables, in order: T10 (reward by arm), T10-heldout (when evaluated), the declared
+    analysis, T10-gap and T10-cost (when logged), T10-resolution."""
+    arms = results["arms"]
+    tables = [_reward_table(config, results)]
+    if results.get("heldout"):
+        tables.append(_heldout_table(config, results["heldout"], results))
+    tables.append(_analysis_table(config, results))
+    gap_keys = sorted({key for row in arms.values() for key in row["gap"]})
+    if gap_keys:
+        tables.append(_gap_table(config, arms, gap_keys))
+    if any(row.get("plugin_share") is not None for row in arms.values()):
+        tables.append(_cost_table(config, arms))
+    tables.append(_resolution_table(config, results))
+    return tables
+
+
+def _reward_table(config: CompareConfig, results: dict) -> dict:
+    """Table T10: reward by arm, paired differences to the baseline arm, clip, the headline gap/* columns, s/step."""
     base, k = results["baseline"], results["last_k"]
     arms = results["arms"]
     headline = [key for key in _HEADLINE_GAP_KEYS if any(key in row["gap"] for row in arms.values())]
@@ -123,7 +141,6 @@ def _tables(config: CompareConfig, results: dict) -> list[dict]:
         rows.append([label, len(row["seeds"]), _r(row["reward_last"]), _r(row["reward_mean"]), per_seed, ci,
                      _p_cell(interval, "p_t_holm"), _p_cell(interval, "p_sign_flip_holm"),
                      _r(row["clip"]), *gap_cells, _r(row["s_per_step"], 3)])
-    res = results["resolution"]
     generation = "vLLM colocate (TRL)" if config.use_vllm else "HF generate"
     task = config.task + (f" ({config.calc_steps} calculation steps)" if config.calc_steps is not None else "")
     notes = (
@@ -134,7 +151,7 @@ def _tables(config: CompareConfig, results: dict) -> list[dict]:
         f"against arm {base} (same seed: same prompts and sampling seeds). {_window_words(results)}{sentence} "
         "clip: mean clip_ratio/region_mean. gap/* columns: mean over steps, in percent. s/step: mean step_time."
     )
-    main = {
+    return {
         "id": "T10",
         "title": ("Interim: " if interim else "") + f"Reward by old-logprob arm ({config.task}, {config.model})",
         "columns": columns,
@@ -143,37 +160,43 @@ def _tables(config: CompareConfig, results: dict) -> list[dict]:
         "reference": "T10",
         "random_init": config.model.startswith("tiny-random"),
     }
-    tables = [main]
-    if results.get("heldout"):
-        tables.append(_heldout_table(config, results["heldout"], results))
-    tables.append(_analysis_table(config, results))
-    gap_keys = sorted({key for row in arms.values() for key in row["gap"]})
-    if gap_keys:
-        tables.append({
-            "id": "T10-gap",
-            "title": "gap/* metrics by arm (mean over steps and seeds)",
-            "columns": ["arm", *gap_keys],
-            "rows": [[arm, *[_r(row["gap"].get(key), 6) for key in gap_keys]] for arm, row in arms.items()],
-            "notes": "Plugin metrics as logged (fractions, not percent); definitions in docs/trl.md (Live metrics).",
-            "reference": None,
-            "random_init": config.model.startswith("tiny-random"),
-        })
-    if any(row.get("plugin_share") is not None for row in arms.values()):
-        tables.append({
-            "id": "T10-cost",
-            "title": "The plugin's share of training time by arm",
-            "columns": ["arm", "plugin time %", "mean of per-step overhead_frac %", "s/step"],
-            "rows": [[arm, _r(100 * row["plugin_share"], 2) if row.get("plugin_share") is not None else None,
-                      _r(100 * row["gap"]["gap/time/overhead_frac"], 2)
-                      if row["gap"].get("gap/time/overhead_frac") is not None else None,
-                      _r(row["s_per_step"], 3)] for arm, row in arms.items()],
-            "notes": ("plugin time %: sum of gap/time/scoring_s over sum of step_time, per run, mean over seeds: the "
-                      "share of training time the plugin took. The mean of the per-step gap/time/overhead_frac "
-                      "weighs a rare long step (a probe generation) like a short one and so reads lower."),
-            "reference": None,
-            "random_init": config.model.startswith("tiny-random"),
-        })
-    tables.append({
+
+
+def _gap_table(config: CompareConfig, arms: dict, gap_keys: list[str]) -> dict:
+    """Table T10-gap: every logged gap/* metric by arm (fractions)."""
+    return {
+        "id": "T10-gap",
+        "title": "gap/* metrics by arm (mean over steps and seeds)",
+        "columns": ["arm", *gap_keys],
+        "rows": [[arm, *[_r(row["gap"].get(key), 6) for key in gap_keys]] for arm, row in arms.items()],
+        "notes": "Plugin metrics as logged (fractions, not percent); definitions in docs/trl.md (Live metrics).",
+        "reference": None,
+        "random_init": config.model.startswith("tiny-random"),
+    }
+
+
+def _cost_table(config: CompareConfig, arms: dict) -> dict:
+    """Table T10-cost: the plugin's time-weighted share of training time by arm."""
+    return {
+        "id": "T10-cost",
+        "title": "The plugin's share of training time by arm",
+        "columns": ["arm", "plugin time %", "mean of per-step overhead_frac %", "s/step"],
+        "rows": [[arm, _r(100 * row["plugin_share"], 2) if row.get("plugin_share") is not None else None,
+                  _r(100 * row["gap"]["gap/time/overhead_frac"], 2)
+                  if row["gap"].get("gap/time/overhead_frac") is not None else None,
+                  _r(row["s_per_step"], 3)] for arm, row in arms.items()],
+        "notes": ("plugin time %: sum of gap/time/scoring_s over sum of step_time, per run, mean over seeds: the "
+                  "share of training time the plugin took. The mean of the per-step gap/time/overhead_frac "
+                  "weighs a rare long step (a probe generation) like a short one and so reads lower."),
+        "reference": None,
+        "random_init": config.model.startswith("tiny-random"),
+    }
+
+
+def _resolution_table(config: CompareConfig, results: dict) -> dict:
+    """Table T10-resolution: step noise, seed-to-seed spread and the smallest detectable differences."""
+    res, k = results["resolution"], results["last_k"]
+    return {
         "id": "T10-resolution",
         "title": "Resolution of this comparison",
         "columns": ["quantity", "value"],
@@ -190,8 +213,7 @@ def _tables(config: CompareConfig, results: dict) -> list[dict]:
         "notes": resolution_statement(results),
         "reference": None,
         "random_init": config.model.startswith("tiny-random"),
-    })
-    return tables
+    }
 
 
 def _window_words(results: dict) -> str:

@@ -8,7 +8,8 @@ from bloggap_plugin.compare.config import CompareConfig, RunSpec
 from bloggap_plugin.compare.heldout import read_heldout
 from bloggap_plugin.compare.inference import POWER, arm_statistics, compare_with_baseline
 from bloggap_plugin.compare.logs import read_log, run_state
-from bloggap_plugin.compare.outputs import _tables
+from bloggap_plugin.compare.outputs import compare_tables
+from bloggap_plugin.run_timing import plugin_time_share
 
 __all__ = [
     "summarize_run",
@@ -44,24 +45,6 @@ def paired_interval(deltas: list[float], confidence: float = 0.95) -> dict:
 
 def _key_mean(records: list[dict], key: str) -> float | None:
     return _mean([r[key] for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)])
-
-
-def timed_steps(records: list[dict]) -> list[dict]:
-    """The records that carry both ``gap/time/scoring_s`` and ``step_time`` (one per optimizer step), in order."""
-    return [r for r in records if isinstance(r.get("gap/time/scoring_s"), (int, float))
-            and isinstance(r.get("step_time"), (int, float))]
-
-
-def plugin_time_share(records: list[dict]) -> float | None:
-    """The plugin's share of training time: ``sum(gap/time/scoring_s) / sum(step_time)`` (seconds over seconds)
-    over the :func:`timed_steps` of ``records``, or ``None`` without any.
-
-    This is what the plugin costs a run. The mean of the logged per-step ``gap/time/overhead_frac`` is not: it
-    weighs a rare long step (a probe generation) like a short one, and so understates a rare cost.
-    """
-    timed = timed_steps(records)
-    wall = sum(r["step_time"] for r in timed)
-    return sum(r["gap/time/scoring_s"] for r in timed) / wall if wall > 0 else None
 
 
 def summarize_run(records: list[dict], marker: dict | None, last_n: int = 30) -> dict:
@@ -182,7 +165,7 @@ def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
     resolution = _resolution(per_run, arm_rows, k, analysis)
     results = {"baseline": base, "arms": arm_rows, "runs": per_run, "set_aside": set_aside, "last_k": k,
                "resolution": resolution, "heldout": heldout, "analysis": analysis}
-    results["tables"] = _tables(config, results)
+    results["tables"] = compare_tables(config, results)
     return results
 
 

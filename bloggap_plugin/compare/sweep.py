@@ -19,12 +19,12 @@ from bloggap_plugin.compare.config import (
     CompareConfig,
     CompareError,
     RunSpec,
-    _task_kwargs,
     effective_overrides,
+    run_task_kwargs,
     validate_config,
 )
 from bloggap_plugin.compare.heldout import heldout_path, heldout_spec, heldout_state, read_heldout
-from bloggap_plugin.compare.logs import _marker_or_none, _steps_logged, run_settings, run_state
+from bloggap_plugin.compare.logs import count_logged_steps, read_marker, run_settings, run_state
 from bloggap_plugin.compare.outputs import write_outputs
 from bloggap_plugin.compare.statistics import build_results
 
@@ -55,7 +55,7 @@ def _spec_for(config: CompareConfig, run: RunSpec, attempt: str, part: Path, mod
         "recipe": run.recipe,
         "model": config.model,
         "task": config.task,
-        "task_kwargs": _task_kwargs(config),
+        "task_kwargs": run_task_kwargs(config),
         "max_steps": config.max_steps,
         "output_dir": run.output_dir,
         "seed": run.seed,
@@ -74,7 +74,7 @@ def _part_logs(run: RunSpec) -> list[Path]:
     return sorted(log.parent.glob(f"{glob.escape(run.run_id)}.*.part.jsonl"), key=lambda p: p.stat().st_mtime)
 
 
-def _worker_environment(config: CompareConfig, environ: dict | None = None, ports_in_use: set | None = None) -> dict:
+def worker_environment(config: CompareConfig, environ: dict | None = None, ports_in_use: set | None = None) -> dict:
     """A run's environment: the sweep's, plus, when several runs each start a colocated vLLM engine on one GPU,
     a fixed vLLM KV cache (``BLOGGAP_VLLM_KV_CACHE_GIB`` = 2, unless set: vLLM's free-memory profiling fails when a
     neighbour frees memory while an engine starts) and a ``MASTER_PORT`` of the run's own, free now and not in
@@ -118,7 +118,7 @@ def _launch(config: CompareConfig, run: RunSpec, lock_fd: int, mode: str = "trai
     fresh = console_path.with_name(f".{run.run_id}.{attempt}.out")
     console = open(fresh, "w")  # noqa: SIM115 - closed when the process ends
     os.replace(fresh, console_path)  # a new file: nothing else holds it open
-    env = _worker_environment(config, ports_in_use=ports_in_use)
+    env = worker_environment(config, ports_in_use=ports_in_use)
     process = subprocess.Popen(
         [sys.executable, "-m", "bloggap_plugin.compare", "--worker", str(spec_path)],
         stdout=console,
@@ -202,7 +202,7 @@ def _plan_pending(config: CompareConfig, runs: list[RunSpec], echo) -> list[tupl
         log = Path(run.log_jsonl)
         state, why = run_state(config, run)
         if state == "done":
-            attempt = (_marker_or_none(log) or {}).get("attempt")
+            attempt = (read_marker(log) or {}).get("attempt")
             held = heldout_state(config, run, attempt)
             if held in ("off", "done"):
                 echo(f"[compare] {run.run_id}: finished earlier, skipped")
@@ -236,7 +236,7 @@ def _prior_run_s(runs: list[RunSpec]) -> float | None:
     plus their held-out ``seconds``), or ``None``."""
     times = []
     for run in runs:
-        marker = _marker_or_none(run.log_jsonl)
+        marker = read_marker(run.log_jsonl)
         if marker and isinstance(marker.get("wall_s"), (int, float)):
             try:
                 held = json.loads(heldout_path(run).read_text()).get("result", {}).get("seconds") or 0.0
@@ -251,7 +251,7 @@ def _succeeded(config: CompareConfig, run: RunSpec, code: int | None, mode: str,
         return False
     if mode == "evaluate":
         return read_heldout(config, run, trained) is not None
-    marker = _marker_or_none(run.log_jsonl)
+    marker = read_marker(run.log_jsonl)
     return marker is not None and marker.get("attempt") == attempt
 
 
@@ -347,7 +347,7 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int) -> di
                 break
             if running and now - last_report >= max(10.0, config.poll_s):
                 states = ", ".join(f"{rid} evaluating" if entry[6] == "evaluate" else
-                                   f"{rid} step {_steps_logged(entry[5])}/{config.max_steps}"
+                                   f"{rid} step {count_logged_steps(entry[5])}/{config.max_steps}"
                                    for rid, entry in running.items())
                 echo(f"[compare] {now - sweep_start:.0f} s: running {states}; {len(pending)} waiting")
                 last_report = now

@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from bloggap_plugin.compare.config import DONE_KEY, _resolve
+from bloggap_plugin.compare.config import DONE_KEY, resolve_function
 from bloggap_plugin.results import jsonable
 
 _PR_SET_PDEATHSIG = 1
@@ -66,7 +66,7 @@ def _worker(spec_path: str) -> int:
 
 def _train(spec: dict, heldout: dict | None) -> None:
     """Train the run into its part log, mark it done and rename it to the run's log."""
-    run_fn = _resolve(spec["run_fn"])
+    run_fn = resolve_function(spec["run_fn"])
     part = Path(spec["part_jsonl"])
     kwargs = dict(
         model=spec["model"],
@@ -103,7 +103,7 @@ def _train(spec: dict, heldout: dict | None) -> None:
     os.replace(part, spec["log_jsonl"])
 
 
-def _main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="bloggap compare worker (internal)")
     parser.add_argument("--worker", required=True, help="run spec JSON written by run_compare")
     args = parser.parse_args(argv)

@@ -394,8 +394,8 @@ def _lock_output_dir(output_dir: str | Path):
 
 def _train(config: TrainConfig, plan: RunPlan) -> dict:
     """:func:`run_training` once the inputs are checked and the output folder is held."""
-    from bloggap_plugin.compare.statistics import plugin_time_share
     from bloggap_plugin.models import load_model
+    from bloggap_plugin.run_timing import plugin_time_share
     from bloggap_plugin.tasks import get_task
     from bloggap_plugin.trl.callback import GapGRPOTrainer
 
