@@ -46,6 +46,7 @@ __all__ = [
     "stepwise_attention",
     "step_launches",
     "norm_in_step_launches",
+    "sampler_token_logprobs",
 ]
 
 
@@ -88,10 +89,20 @@ class VllmForm:
     against its row's paged K/V up to itself (FlashAttention's decode kernel, whose key tiles and reduction order
     can differ from a prefill call's over the same keys)."""
 
+    logprobs: str = "v2_sampler"
+    """How the head's bf16 logits become the scored token's fp32 log-prob, as the engine's sampler computes it.
+    ``log_softmax``: vLLM's V1 model runner (logits cast to fp32, temperature in fp32, ``log_softmax``: vLLM's
+    batch-invariant override when ``batch_invariant``); ``v2_sampler``: vLLM's model runner V2 (its default for
+    dense decoders): the temperature applied to the bf16 logits in place (fp32 division rounded to bf16), then
+    its own kernel over the bf16 logits (``compute_token_logprobs``: max, then the sum of ``exp(x - max)`` in
+    fp32, ``x - max - log(sum)``), whose sum runs in another order than ``log_softmax``'s. Without a caller's
+    kept-set reduce only (truncated scoring keeps its own reduce)."""
+
     def __post_init__(self) -> None:
         choices = {"attention": ("sdpa", "vllm_fa"), "norm": ("hf", "torch", "kernel"),
                    "rope": ("hf", "torch", "kernel"), "act": ("torch", "kernel"), "norm_launch": ("packed", "steps"),
-                   "attention_launch": ("packed", "steps")}
+                   "attention_launch": ("packed", "steps"),
+                   "logprobs": ("log_softmax", "v2_sampler")}
         for name, accepted in choices.items():
             if getattr(self, name) not in accepted:
                 raise ValueError(f"arm I piece {name}={getattr(self, name)!r}: use one of {', '.join(accepted)}")
@@ -103,6 +114,7 @@ class VllmForm:
         out = ["batch_invariant=true"] if self.batch_invariant else []
         out += ["attention=vllm_fa"] if self.attention == "vllm_fa" else []
         out += [f"{name}=kernel" for name in ("norm", "rope", "act") if getattr(self, name) == "kernel"]
+        out += ["logprobs=v2_sampler"] if self.logprobs == "v2_sampler" else []
         return out
 
     def describe(self) -> str:
@@ -113,8 +125,9 @@ class VllmForm:
 FORM_PRESETS: dict[str, VllmForm] = {
     "all": VllmForm(),
     "torch": VllmForm(batch_invariant=False, attention="sdpa", norm="torch", rope="torch", fused_proj=True,
-                      act="torch"),
-    "hf": VllmForm(batch_invariant=False, attention="sdpa", norm="hf", rope="hf", fused_proj=False, act="torch"),
+                      act="torch", logprobs="log_softmax"),
+    "hf": VllmForm(batch_invariant=False, attention="sdpa", norm="hf", rope="hf", fused_proj=False, act="torch",
+                   logprobs="log_softmax"),
 }
 """``all``: every piece as vLLM (needs vLLM and CUDA); ``torch``: vLLM's maths where plain torch can express it;
 ``hf``: HF's maths in the packed bf16 forward (the starting point of the piece-by-piece measurement)."""
@@ -410,6 +423,16 @@ def _torch_paged(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table
     return torch_paged_varlen_attention(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table, scale)
 
 
+def sampler_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """vLLM's model runner V2 log-prob of ``tokens [N]`` under ``logits [N, V]`` (bf16) in plain torch:
+    ``x - max - log(sum(exp(x - max)))`` in fp32, the order of its kernel's operations (the sum's own order is the
+    kernel's to choose). ``[N]`` fp32."""
+    x = logits.float()
+    top = x.max(dim=-1, keepdim=True).values
+    lse = torch.log(torch.exp(x - top).sum(dim=-1, keepdim=True))
+    return (x.gather(-1, tokens.long().unsqueeze(-1)) - top - lse).squeeze(-1)
+
+
 def _torch_flash(q, k, v, cu_seqlens, max_seqlen, scale, block_table=None):  # noqa: ARG001 - kernel signature
     if block_table is None:
         return torch_varlen_attention(q, k, v, cu_seqlens, scale)
@@ -437,6 +460,9 @@ class Kernels:
     flash_paged: Callable[..., torch.Tensor] = _torch_paged
     """``(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale) ->
     [Tq, nq, d]``: the paged varlen call with query and key lengths apart (``attention_launch: steps``)."""
+    token_logprobs: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = sampler_token_logprobs
+    """``(logits [N, V] bf16, tokens [N]) -> [N]`` fp32: the ``v2_sampler`` log-prob (vLLM's
+    ``compute_token_logprobs``)."""
     scope: Callable[[], object] = field(default=lambda: __import__("contextlib").nullcontext())
     """A context manager around the whole forward (vLLM's batch-invariant aten overrides, scoped)."""
     source: str = "torch"

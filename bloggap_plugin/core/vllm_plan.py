@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,7 @@ from torch import nn
 
 from .model_parts import _model_device, _tensor_bytes
 from .precision import _ShadowPlan
-from .scoring import unwrap_model
+from .scoring import ScoringOptions, TileIndex, unwrap_model
 from .vllm_form import (
     Kernels,
     VllmForm,
@@ -244,6 +244,20 @@ class VllmFormPlan(_ShadowPlan):
 
     def _score_model(self) -> Callable[..., Any]:
         return self.model
+
+    def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                       batch_size: int | None = None, **options: Unpack[ScoringOptions]) -> torch.Tensor:
+        """As :meth:`ScoringPlan.token_logprobs`; with ``logprobs=v2_sampler`` and no caller's ``reduce``, each tile's
+        log-probs come from ``kernels.token_logprobs`` on its bf16 logits (:meth:`_sampler_reduce`)."""
+        if self.form.logprobs == "v2_sampler" and options.get("reduce") is None:
+            options["reduce"] = self._sampler_reduce
+        return super().token_logprobs(input_ids, attention_mask, logits_to_keep, batch_size, **options)
+
+    def _sampler_reduce(self, logits: torch.Tensor, targets: torch.Tensor, index: TileIndex) -> torch.Tensor:
+        """``[b, t]``: the fp32 temperature-scaled logits ``[b, t, V]`` rounded to bf16 (exact at temperature 1, where
+        they are the head's bf16 values; vLLM's in-place bf16 temperature otherwise), then the sampler's kernel."""
+        flat = logits.to(torch.bfloat16).reshape(-1, logits.shape[-1])
+        return self.kernels.token_logprobs(flat, targets.reshape(-1)).view(targets.shape)
 
     def _scoring_context(self) -> contextlib.AbstractContextManager:
         stack = super()._scoring_context()
