@@ -112,4 +112,5 @@ def test_arm_i_live_labels_and_command_lines():
     argv = script.train_argv("train_I_ni2", "M", 30, Path("x.jsonl"), 0.25)
     assert argv[1:5] == ["-m", "bloggap_plugin.cli", "train", "recipes/arm_I.yaml"]
     assert argv[argv.index("--vllm_mode") + 1] == "colocate" and argv[argv.index("--num_iterations") + 1] == "2"
-    assert script.train_argv("callback_A_ni1", "M", 30, Path("x.jsonl"), 0.25)[2] == "callback"
+    assert script.train_argv("callback_A_ni1", "M", 30, Path("x.jsonl"), 0.25)[1:4] == ["-m", "benchmarks.arm_i_live",
+                                                                                       "callback"]
