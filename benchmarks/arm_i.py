@@ -1,7 +1,7 @@
 """Arm I on the H200 (issue 16 item 4): how close the trainer's old-logprob pass comes to vLLM's own log-probs,
 piece by piece, and what each piece costs against arm A's pass. ONE device call (vLLM 0.26, about 4-6 minutes):
 
-    . .dev/vllm/t/env.sh && python benchmarks/arm_i.py all --model /tmp/vx/smollm2 --out $OUT
+    . .dev/vllm/t/env.sh && python -m benchmarks.arm_i all --model /tmp/vx/smollm2 --out $OUT
 
 Phases, each a subprocess; ``$OUT/arm_i.json`` (a results document, table ``T16-armI``) is rewritten after every
 scored row, so a time limit keeps what finished (``$OUT/arm_i_work/`` holds the logs and the rollouts):
@@ -39,9 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks._lib.launch import module_command, repo_env
 
 STEPS = [
     # (label, gap.i_pieces): each step adds one piece to the one before
@@ -479,12 +477,13 @@ def cmd_all(args) -> None:
                        ("scoped", {"VLLM_BATCH_INVARIANT": "1"})):  # no engine: vLLM's mode is never enabled
         if phase not in args.phases.split(","):
             continue
-        argv = [sys.executable, __file__, "phase", phase, "--model", args.model, "--work", str(work), "--json",
-                str(path), "--prompts", str(args.prompts), "--tokens", str(args.tokens), "--gpu-mem", str(args.gpu_mem)]
+        argv = module_command("benchmarks.arm_i", "phase", phase, "--model", args.model, "--work", str(work), "--json",
+                              str(path), "--prompts", str(args.prompts), "--tokens", str(args.tokens),
+                              "--gpu-mem", str(args.gpu_mem))
         argv += ["--task-prompts", args.task_prompts] if args.task_prompts else []
         argv += ["--profile"] if args.profile else []
         with open(work / f"{phase}.log", "w") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=repo_env({**os.environ, **env}))
             try:
                 code = proc.wait(timeout=max(1.0, deadline - time.time()))
             except subprocess.TimeoutExpired:

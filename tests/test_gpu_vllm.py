@@ -3,7 +3,7 @@
     BLOGGAP_VLLM_MODEL=/tmp/vx/smollm2 python -m pytest -m gpu tests/test_gpu_vllm.py
 
 after installing vLLM 0.26 there (README, "GPU tests"). They skip cleanly without CUDA, vLLM or the model folder.
-Each live run is a subprocess of ``benchmarks/vllm_live.py`` (vLLM and TRL's colocate mode own process-wide state);
+Each live run is a subprocess of ``python -m benchmarks.vllm_live`` (vLLM and TRL's colocate mode own process-wide state);
 the three runs start together in a module fixture.
 """
 
@@ -25,7 +25,7 @@ pytestmark = [
     pytest.mark.skipif(not os.environ.get("BLOGGAP_VLLM_MODEL"), reason="set BLOGGAP_VLLM_MODEL to a HF model folder"),
 ]
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_live.py"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +39,8 @@ def live(tmp_path_factory):
         "trl_A": ["trl", "--arm", "A", "--model", model, "--steps", "4", "--out-json", str(work / "trl_A.json")],
         "trl_H": ["trl", "--arm", "H", "--model", model, "--steps", "4", "--out-json", str(work / "trl_H.json")],
     }
-    procs = {name: subprocess.Popen([sys.executable, str(SCRIPT), *argv], stdout=open(work / f"{name}.log", "w"),
-                                    stderr=subprocess.STDOUT) for name, argv in runs.items()}
+    procs = {name: subprocess.Popen([sys.executable, "-m", "benchmarks.vllm_live", *argv], cwd=ROOT,
+                                    stdout=open(work / f"{name}.log", "w"), stderr=subprocess.STDOUT) for name, argv in runs.items()}
     codes = {name: proc.wait(timeout=400) for name, proc in procs.items()}
     return work, codes
 
