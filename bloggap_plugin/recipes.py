@@ -105,7 +105,9 @@ class GapConfig:
         """Rows per forward of the arm's own old-logprob scoring (arms B-F); 0 = the micro-batch, as TRL scores.
         An fp32 body (arms B, D) holds fp32 activations, twice TRL's bf16 ones: on models whose MLP activations
         dominate the pass (e.g. Qwen2.5-1.5B's shape) half the micro-batch keeps the pass within TRL's peak.
-        Not for arm G, which scores each training micro-batch whole."""))
+        Arm I with 0 scores as many rows per forward as ``core.vllm_plan.TOKENS_PER_FORWARD`` holds (its forward is
+        batch-invariant: fewer, larger forwards, same numbers). Not for arm G, which scores each training
+        micro-batch whole."""))
     is_correction: bool = field(default=False, metadata=_help(
         """HF path: multiply the per-token loss by TRL's importance-sampling ratio between the old log-probs and
         the recorded sampler log-probs, with the trainer's ``vllm_importance_sampling_mode`` and

@@ -603,3 +603,88 @@ def test_logprobs_piece_is_named_in_refusals_and_needs_vllm():
     assert parse_form("torch").needs_vllm() == [] and parse_form("hf").logprobs == "log_softmax"
     with pytest.raises(ValueError, match=r"piece logprobs='fast': use one of log_softmax, v2_sampler"):
         parse_form("all,logprobs=fast")
+
+
+def test_arm_i_scores_as_many_rows_per_forward_as_its_token_budget_holds(tiny_model):
+    """Arm I's forward is batch-invariant, so the rows per forward set its cost (host launches per forward), not its
+    numbers: the TRL adapter scores arm I's old log-probs in forwards of up to ``TOKENS_PER_FORWARD`` packed-width
+    tokens whatever TRL's micro-batch, unless ``gap.score_rows`` bounds them; the probe's one-row forwards stay one
+    row. Other plans keep the caller's rows."""
+    import types
+
+    from bloggap_plugin.core.precision import ScoringPlan
+    from bloggap_plugin.core.vllm_plan import TOKENS_PER_FORWARD
+    from bloggap_plugin.trl.plans import PlanMixin
+
+    model, _ = tiny_model("tiny-random-llama")
+    ids, mask = _rows(batch=6)
+    plan = VllmFormPlan(model, parse_form("torch"), TORCH_KERNELS)
+    assert plan.rows_per_forward(ids.shape[1]) == TOKENS_PER_FORWARD // ids.shape[1]
+    assert plan.rows_per_forward(TOKENS_PER_FORWARD * 3) == 1
+    assert ScoringPlan.rows_per_forward(make_plan(model, "fp32"), ids.shape[1]) is None
+    forwards: list[int] = []
+    original = plan.model.forward
+
+    def counting(input_ids, *args, **kwargs):
+        forwards.append(input_ids.shape[0])
+        return original(input_ids, *args, **kwargs)
+
+    plan.model.forward = counting
+
+    def trainer(score_rows: int):
+        config = GapConfig(arm="I", positions="mask", i_pieces="torch", score_rows=score_rows)
+        state = types.SimpleNamespace(config=config, positions="mask", renormalize=False)
+        return types.SimpleNamespace(_gap_state=state, accelerator=types.SimpleNamespace(device=torch.device("cpu")),
+                                     temperature=1.0, _gap_reducer=None)
+
+    whole = PlanMixin._gap_plan_scores(trainer(0), plan, ids, mask, K, 2)
+    assert forwards == [6]
+    forwards.clear()
+    bounded = PlanMixin._gap_plan_scores(trainer(4), plan, ids, mask, K, 2)
+    assert forwards == [2, 2, 2] and torch.equal(bounded, whole)
+    forwards.clear()
+    PlanMixin._gap_plan_scores(trainer(0), plan, ids[:1], mask[:1], K, 1)
+    assert forwards == [1]
+
+
+def test_prompt_first_order_computes_what_the_packed_order_computes(tiny_model, monkeypatch):
+    """``prompt_first`` (arm I's default with ``attention_launch: steps``) runs every piece on the tokens reordered as
+    vLLM's steps saw them, so each step-sized launch is a contiguous slice. With a launch-size-dependent norm stand-in
+    and the paged attention stand-in, its log-probs equal, bit for bit, those of the same forward in packed order
+    (launches gathered and scattered by index); its launches hold the same tokens."""
+    import bloggap_plugin.core.vllm_plan as vllm_plan
+    from bloggap_plugin.core.vllm_form import prompt_first
+
+    model, _ = tiny_model("tiny-random-llama")
+    ids, mask = _rows(batch=6, width=120)
+    sizes: list = []
+
+    def size_dependent(x, weight, eps):
+        sizes.append(x.shape[0])
+        out = rms_norm_hf(x, weight, eps)
+        return out * 1.25 if x.shape[0] >= 256 else out
+
+    kernels = dataclasses.replace(TORCH_KERNELS, rms_norm=size_dependent, add_rms_norm=size_dependent)
+    form = parse_form("all,batch_invariant=false,logprobs=log_softmax")
+    reordered = VllmFormPlan(model, form, kernels).token_logprobs(ids, mask, 60, positions="mask")
+    first_sizes = list(sizes)
+
+    def packed_order(packed, large=256):
+        packed.launches = step_launches(packed.generated, large)
+        return packed
+
+    monkeypatch.setattr(vllm_plan, "prompt_first", packed_order)
+    sizes.clear()
+    packed = VllmFormPlan(model, form, kernels).token_logprobs(ids, mask, 60, positions="mask")
+    assert torch.equal(reordered, packed) and first_sizes == sizes
+    batch = pack(ids, mask)
+    generated = torch.zeros(mask.shape, dtype=torch.bool)
+    generated[:, -59:] = True
+    batch.generated = generated[batch.where]
+    ordered = prompt_first(batch)
+    prompt_count = int((~batch.generated).sum())
+    assert torch.equal(ordered.order, torch.cat([(~batch.generated).nonzero()[:, 0], batch.generated.nonzero()[:, 0]]))
+    assert torch.equal(ordered.tokens, batch.tokens[ordered.order])
+    prompt, chunks = ordered.launches
+    assert prompt == slice(0, prompt_count) and chunks[0].start == prompt_count and chunks[-1].stop == batch.tokens.numel()
+    assert all(c.stop - c.start < 256 for c in chunks) and all(a.stop == b.start for a, b in zip(chunks, chunks[1:]))

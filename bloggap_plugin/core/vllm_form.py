@@ -47,6 +47,7 @@ __all__ = [
     "step_launches",
     "norm_in_step_launches",
     "sampler_token_logprobs",
+    "prompt_first",
 ]
 
 
@@ -213,6 +214,10 @@ def rope_vllm(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> 
 
 
 # ----------------------------------------------------------------------------------------------------- layout
+NORM_LARGE_LAUNCH = 256
+"""vLLM's CUDA RMSNorm launchers: ``max_block_size = (num_tokens < 256) ? 1024 : 256`` (csrc/layernorm_kernels.cu)."""
+
+
 @dataclass
 class PackedBatch:
     """Real tokens of ``B`` rows packed as vLLM lays them out: row ``i`` is ``tokens[cu[i]:cu[i+1]]``."""
@@ -234,6 +239,23 @@ class PackedBatch:
     """``(prompt index [P], [generated index chunks])`` of :func:`norm_in_step_launches` (filled on first use)."""
     generated: torch.Tensor | None = None
     """``[T]`` bool: the tokens the sampler fed back one decode step at a time (``None``: unknown, all prefill)."""
+    order: torch.Tensor | None = None
+    """``[T]`` int64 (:func:`prompt_first`): ``tokens`` and ``positions`` hold the packed tokens in this order (every
+    prompt token, then every generated one, each in row order); ``None``: packed order. ``generated`` and the row
+    fields stay in packed order."""
+
+
+def prompt_first(packed: PackedBatch, large: int = NORM_LARGE_LAUNCH) -> PackedBatch:
+    """``packed`` (with ``generated`` set) in the order vLLM's steps saw its tokens: every row's prompt tokens, then
+    every row's generated tokens. Each step-sized launch is then one contiguous slice (``launches``: the prompt's
+    slice and the generated tokens' slices of fewer than ``large``), so no launch gathers or scatters its tokens.
+    Row-wise pieces compute the same values in any order; :func:`stepwise_attention` reads the order."""
+    prompt = (~packed.generated).nonzero().squeeze(-1)
+    order = torch.cat([prompt, packed.generated.nonzero().squeeze(-1)])
+    total, start = order.numel(), prompt.numel()
+    chunks = [slice(a, min(a + large - 1, total)) for a in range(start, total, large - 1)]
+    return dataclasses.replace(packed, tokens=packed.tokens[order], positions=packed.positions[order], order=order,
+                               launches=(slice(0, start), chunks))
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
@@ -256,10 +278,6 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: to
     return PackedBatch(input_ids[where], positions[where].long(), cu, lengths_t.tolist(), where)
 
 
-NORM_LARGE_LAUNCH = 256
-"""vLLM's CUDA RMSNorm launchers: ``max_block_size = (num_tokens < 256) ? 1024 : 256`` (csrc/layernorm_kernels.cu)."""
-
-
 def step_launches(generated: torch.Tensor, large: int = NORM_LARGE_LAUNCH) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Token indices for :func:`norm_in_step_launches` from ``generated [T]`` bool (packed order): the prompt tokens'
     index ``[P]`` (one prefill launch) and the generated tokens' in chunks of ``large - 1`` (decode launches)."""
@@ -276,6 +294,16 @@ def norm_in_step_launches(norm: Callable[[torch.Tensor, torch.Tensor, float], to
     (zero rows appended when fewer: a row-wise kernel normalises each row alone, and zeros stay zeros), the
     generated ones in launches of fewer than ``large``. The same tokens give the same values in any batch."""
     prompt, chunks = launches
+    if isinstance(prompt, slice):  # prompt_first's contiguous launches, in order: no gather, no scatter
+        parts = []
+        if prompt.stop > prompt.start:
+            rows = x[prompt]
+            count = rows.shape[0]
+            if count < large:
+                rows = torch.cat([rows, rows.new_zeros(large - count, rows.shape[1])])
+            parts.append(norm(rows, weight, eps)[:count])
+        parts += [norm(x[chunk], weight, eps) for chunk in chunks]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
     out = torch.empty_like(x)
     if prompt.numel():
         rows = x[prompt]
@@ -397,6 +425,10 @@ def _step_calls(packed: PackedBatch, page: int, device: torch.device) -> tuple:
         seen = (index_in_row[decoded] + 1).to(torch.int32)
         cu = torch.arange(decoded.numel() + 1, dtype=torch.int32, device=device)
         decode = (decoded, cu, seen, table[row[decoded]], 1, int(seen.max()))
+    if packed.order is not None:  # prompt_first: the calls' queries are the two contiguous halves, in this order
+        split = prompt.numel()
+        prefill = None if prefill is None else (slice(0, split), *prefill[1:])
+        decode = None if decode is None else (slice(split, total), *decode[1:])
     packed.paged[key] = (prefill, decode)
     return prefill, decode
 
@@ -408,7 +440,15 @@ def stepwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed
     including itself. ``paged(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q,
     max_seqlen_k, scale)`` is the paged varlen kernel. ``q [T, nq, d]``, ``k/v [T, nkv, d]`` -> ``[T, nq, d]``."""
     calls = _step_calls(packed, page, q.device)
-    key_cache, value_cache, _ = paged_kv(k, v, packed.lengths, page, packed.paged[page])
+    layout = packed.paged[page]
+    if packed.order is not None:  # the cache slot of each token in prompt_first's order
+        if ("order", page) not in packed.paged:
+            packed.paged[("order", page)] = (layout[0][packed.order], *layout[1:])
+        layout = packed.paged[("order", page)]
+        key_cache, value_cache, _ = paged_kv(k, v, packed.lengths, page, layout)
+        parts = [paged(q[call[0]], key_cache, value_cache, *call[1:], scale) for call in calls if call is not None]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+    key_cache, value_cache, _ = paged_kv(k, v, packed.lengths, page, layout)
     out = torch.empty_like(q)
     for call in calls:
         if call is not None:

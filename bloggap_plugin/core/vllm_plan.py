@@ -28,6 +28,7 @@ from .vllm_form import (
     pack,
     paged_kv,
     paged_layout,
+    prompt_first,
     rms_norm_hf,
     rms_norm_vllm_triton,
     rope_hf,
@@ -215,17 +216,27 @@ class VllmFormLM(nn.Module):
             columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
             generated = (columns >= attention_mask.shape[1] - (logits_to_keep - 1)).expand_as(packed.where)
             packed.generated = generated[packed.where]
-            if self.form.norm == "kernel" and self.form.norm_launch == "steps":
+            if self.form.attention == "vllm_fa" and self.form.attention_launch == "steps":
+                packed = prompt_first(packed)  # step-sized launches become contiguous slices
+            elif self.form.norm == "kernel" and self.form.norm_launch == "steps":
                 packed.launches = step_launches(packed.generated)
         h = F.embedding(packed.tokens, base.embed_tokens.weight)
         residual = None
         for index, layer in enumerate(base.layers):
             h, residual = self._layer(index, layer, h, residual, packed, base.rotary_emb)
         final = self._norm(residual + h, base.norm, first=False, packed=packed)
+        if packed.order is not None:  # back to packed order
+            final = final.new_empty(final.shape).index_copy_(0, packed.order, final)
         hidden = final.new_zeros((*packed.where.shape, final.shape[-1]))
         hidden[packed.where] = final
         keep = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         return _Output(logits=self.lm_head(keep))
+
+
+TOKENS_PER_FORWARD = 16384
+"""Padded-width tokens (rows x row width) per arm I forward when the caller sets no row bound: its forward is
+batch-invariant, so the rows per forward set the host's launches per scored row, not the numbers; this bounds the
+bf16 activations of one forward (the head's logits are tiled apart)."""
 
 
 class VllmFormPlan(_ShadowPlan):
@@ -244,6 +255,10 @@ class VllmFormPlan(_ShadowPlan):
 
     def _score_model(self) -> Callable[..., Any]:
         return self.model
+
+    def rows_per_forward(self, width: int) -> int:
+        """As many rows ``width`` tokens wide as :data:`TOKENS_PER_FORWARD` holds (at least one)."""
+        return max(1, TOKENS_PER_FORWARD // max(1, int(width)))
 
     def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                        batch_size: int | None = None, **options: Unpack[ScoringOptions]) -> torch.Tensor:
