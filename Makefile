@@ -1,4 +1,4 @@
-# One-step set-up on a fresh machine: `make demo` or `make test`.
+# One-step set-up on a fresh machine: `make demo` or `make test`; `make test-fast` for the unit tests alone.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -7,7 +7,7 @@ export HF_HUB_DISABLE_TELEMETRY ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test test-fast lint clean
 
 setup: $(VENV)/.stamp-setup
 
@@ -24,6 +24,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# Pure maths and unit tests (marker `unit`): no training run, no real model, no subprocess CLI run.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "unit and not slow and not gpu and not cli" tests
 
 lint: setup
 	$(BIN)/ruff check bloggap_plugin tests benchmarks

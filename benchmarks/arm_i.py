@@ -1,7 +1,7 @@
 """Arm I on the H200 (issue 16 item 4): how close the trainer's old-logprob pass comes to vLLM's own log-probs,
 piece by piece, and what each piece costs against arm A's pass. ONE device call (vLLM 0.26, about 4-6 minutes):
 
-    . .dev/vllm/t/env.sh && python benchmarks/arm_i.py all --model /tmp/vx/smollm2 --out $OUT
+    . .dev/vllm/t/env.sh && python -m benchmarks.arm_i all --model /tmp/vx/smollm2 --out $OUT
 
 Phases, each a subprocess; ``$OUT/arm_i.json`` (a results document, table ``T16-armI``) is rewritten after every
 scored row, so a time limit keeps what finished (``$OUT/arm_i_work/`` holds the logs and the rollouts):
@@ -39,9 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks._lib.launch import module_command, repo_env
 
 STEPS = [
     # (label, gap.i_pieces): each step adds one piece to the one before
@@ -61,7 +59,9 @@ STEPS = [
     ("I8 with contiguous K/V (no block table)", "all,norm_launch=packed,page_size=0"),
     ("I9 = I8, norm launches sized as vLLM's steps", "all"),
     # I10 calls the attention as vLLM's steps did: prefill over the prompts, then one query per generated token
-    ("I10 = I9, attention called as vLLM's prefill and decode steps", "all,attention_launch=steps"),
+    ("I10 = I9, attention called as vLLM's prefill and decode steps", "all,attention_launch=steps,logprobs=log_softmax"),
+    # I11 computes the sampled token's log-prob as vLLM's model runner V2 (the engine's runner here) does
+    ("I11 = I10, log-prob by the V2 model runner's kernel on bf16 logits", "all"),
 ]
 BAND = 0.1
 ROWS_PER_PASS = 8  # TRL's per_device_train_batch_size in the recipes
@@ -389,7 +389,8 @@ def cmd_phase(args) -> None:
     if args.phase == "colocated":
         gen = _generate(args)
         torch.save({k: gen[k] for k in ("prompt_ids", "tokens", "sampled", "pad_id")}, work / "gen.pt")
-        results.update(engine_start_s=gen["engine_start_s"], generate_s=gen["generate_s"])
+        results.update(engine_start_s=gen["engine_start_s"], generate_s=gen["generate_s"],
+                       model_runner=_model_runner(gen["llm"]))
     else:
         gen = torch.load(work / "gen.pt", weights_only=False)
     state["env"] = environment_record(device)
@@ -405,6 +406,59 @@ def cmd_phase(args) -> None:
     ids, mask = _batch(gen["prompt_ids"], gen["tokens"], gen["pad_id"], device)
     results["tokens"] = int(gen["tokens"].numel())
     score_rows(model, ids, mask, gen["sampled"], args.phase, state, Path(args.json))
+    if args.profile:
+        state = _read(Path(args.json))
+        state["results"][args.phase]["profile"] = _profile(model, ids, mask, gen["sampled"].shape[1])
+        _write(Path(args.json), state)
+
+
+def _model_runner(llm) -> str | None:
+    """``"v1"``/``"v2"``: the engine's model runner (``vllm_config.use_v2_model_runner``), ``None`` if unreadable."""
+    try:
+        return "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
+    except Exception:  # noqa: BLE001 - another vLLM layout: not recorded
+        return None
+
+
+def _profile(model, ids, mask, width: int, rows: int = 15) -> dict:
+    """One arm I pass (preset ``all``, chunks of :data:`ROWS_PER_PASS` rows) under ``torch.profiler``: its wall
+    seconds, the summed device time of its kernels, the number of kernel launches, and the ``rows`` operators with
+    the most host (self CPU) time and with the most device time, in ms."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bloggap_plugin.core.plans import make_plan
+
+    plan = make_plan(model, "vllm", pieces="all", device=ids.device)
+    try:
+        score = lambda: plan.token_logprobs(ids, mask, width, batch_size=ROWS_PER_PASS, positions="mask")  # noqa: E731
+        score()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            score()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+    finally:
+        plan.close()
+    events = prof.key_averages()
+
+    def device_us(event) -> float:
+        return float(getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0))
+
+    def on_device(event) -> bool:
+        return "CUDA" in str(getattr(event, "device_type", ""))
+
+    kernels = [e for e in prof.events() if on_device(e)]
+
+    def table(chosen, key) -> list[dict]:
+        return [{"op": e.key, "calls": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
+                 "self_device_ms": round(device_us(e) / 1e3, 3)} for e in sorted(chosen, key=key, reverse=True)[:rows]]
+
+    return {"wall_s": round(wall, 4), "device_busy_s": round(sum(device_us(e) for e in kernels) / 1e6, 4),
+            "kernel_launches": len(kernels), "rows": int(ids.shape[0]), "width": width,
+            "top_host": table([e for e in events if not on_device(e)], lambda e: e.self_cpu_time_total),
+            "top_device": table([e for e in events if on_device(e)], device_us)}
 
 
 def cmd_all(args) -> None:
@@ -423,11 +477,13 @@ def cmd_all(args) -> None:
                        ("scoped", {"VLLM_BATCH_INVARIANT": "1"})):  # no engine: vLLM's mode is never enabled
         if phase not in args.phases.split(","):
             continue
-        argv = [sys.executable, __file__, "phase", phase, "--model", args.model, "--work", str(work), "--json",
-                str(path), "--prompts", str(args.prompts), "--tokens", str(args.tokens), "--gpu-mem", str(args.gpu_mem)]
+        argv = module_command("benchmarks.arm_i", "phase", phase, "--model", args.model, "--work", str(work), "--json",
+                              str(path), "--prompts", str(args.prompts), "--tokens", str(args.tokens),
+                              "--gpu-mem", str(args.gpu_mem))
         argv += ["--task-prompts", args.task_prompts] if args.task_prompts else []
+        argv += ["--profile"] if args.profile else []
         with open(work / f"{phase}.log", "w") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=repo_env({**os.environ, **env}))
             try:
                 code = proc.wait(timeout=max(1.0, deadline - time.time()))
             except subprocess.TimeoutExpired:
@@ -487,6 +543,9 @@ def main(argv: list[str] | None = None) -> None:
         if name == "all":
             p.add_argument("--budget-s", type=float, default=540.0, help="both phases together stop after this")
             p.add_argument("--phases", default="colocated,scoped", help="which phases to run (comma-separated)")
+        if name != "smoke":
+            p.add_argument("--profile", action="store_true",
+                           help="after the rows, profile one arm I pass (preset all) with torch.profiler")
         if name != "smoke":
             p.add_argument("--task-prompts", default=None,
                            help="sample from this task's prompts with the chat template (as bloggap train sends "

@@ -34,7 +34,8 @@ import tarfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks._lib.paths import ROOT
+
 TABLE_ID = "T16-armI-live"
 RESULT_NAME = "arm_i_live.json"
 COLUMNS = ["run", "entry", "arm", "num_iterations", "steps", "generations", "sampler oob % (mean)",
@@ -60,7 +61,7 @@ def train_argv(label: str, model: str, steps: int, log_jsonl: Path, memory: floa
     if spec["entry"] == "train":
         return [sys.executable, "-m", "bloggap_plugin.cli", "train", recipe, *common, "--use_vllm", "true",
                 "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", str(memory)]
-    return [sys.executable, str(Path(__file__).resolve()), "callback", recipe, *common, "--memory", str(memory)]
+    return [sys.executable, "-m", "benchmarks.arm_i_live", "callback", recipe, *common, "--memory", str(memory)]
 
 
 def callback_main(args: argparse.Namespace) -> int:

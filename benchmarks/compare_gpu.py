@@ -1,7 +1,7 @@
 """GPU run of the reward comparison (issue 8 item 4): SmolLM2 on the arithmetic task, arms A-G x 2 seeds.
 
-    python benchmarks/compare_gpu.py --out benchmarks/results/h200            # H200, ~5-8 min
-    python benchmarks/compare_gpu.py --out /tmp/cg --quick                    # CPU smoke run, < 60 s on a quiet machine
+    python -m benchmarks.compare_gpu --out benchmarks/results/h200            # H200, ~5-8 min
+    python -m benchmarks.compare_gpu --out /tmp/cg --quick                    # CPU smoke run, < 60 s on a quiet machine
 
 Steps: (1) the starting accuracy of the model at the chosen difficulty (sampled at the recipes' temperature 1.0,
 128 prompts), so the run is known to start at 20-50% correct; (2) ``bloggap compare`` over recipes/arm_{A..G}.yaml
@@ -20,8 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks._lib.paths import arm_recipe
 
 NAME = "compare_gpu"
 
@@ -53,7 +52,7 @@ def starting_accuracy(model_spec: str, device: str, difficulty: int, n: int, max
             "temperature": 1.0, "max_new_tokens": max_new_tokens}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/h200", help="folder for compare_gpu.json (+ compare_gpu/)")
     parser.add_argument("--device", default=None, help="cuda (default when available) or cpu")
@@ -68,7 +67,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accuracy-prompts", type=int, default=128, help="prompts for the starting-accuracy check")
     parser.add_argument("--heldout-n", type=int, default=0, help="held-out prompts per run (default 0: none, as the "
                         "recorded run; the decisive sweep is benchmarks/compare_sweep.sh)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def result_tables(args, accuracy: dict, results: dict) -> list[dict]:
+    """The starting-accuracy table, then ``bloggap compare``'s tables (only T10 plotted, as bars per arm)."""
+    accuracy_table = {
+        "id": "start",
+        "title": "Starting accuracy of the policy on the task (sampled, temperature 1)",
+        "columns": ["model", "difficulty", "prompts", "correct", "accuracy %"],
+        "rows": [[args.model, args.difficulty, accuracy["n"], accuracy["correct"], round(100 * accuracy["accuracy"], 2)]],
+        "notes": "Arithmetic word problems (bloggap_plugin.tasks.arith), seed 99 (not a training seed), 32 new tokens, "
+                 "reward = last number equals the answer. The issue asks for a start between 20 and 50 percent.",
+        "reference": None,
+        "random_init": args.model.startswith("tiny-random"),
+        "plot": False,
+    }
+    tables = [accuracy_table]
+    for table in results["tables"]:
+        table = dict(table)
+        if table["id"] == "T10":
+            table["plot"] = {"kind": "bar", "x": "arm", "y": [table["columns"][2], "reward mean"]}
+        elif table["id"] != "T10":
+            table["plot"] = False
+        tables.append(table)
+    return tables
+
+
+def check_starting_accuracy(args, device: str) -> dict:
+    """Measure the starting accuracy and warn (outside ``--quick``) when it is outside 20-50%."""
+    start = time.perf_counter()
+    print(f"[{NAME}] starting accuracy: {args.accuracy_prompts} prompts, difficulty {args.difficulty}, {device}", flush=True)
+    accuracy = starting_accuracy(args.model, device, args.difficulty, args.accuracy_prompts, max_new_tokens=32)
+    print(f"[{NAME}] starting accuracy {100 * accuracy['accuracy']:.1f}% ({accuracy['correct']}/{accuracy['n']}) "
+          f"in {time.perf_counter() - start:.0f} s", flush=True)
+    if not args.quick and not 0.2 <= accuracy["accuracy"] <= 0.5:
+        print(f"[{NAME}] WARNING: starting accuracy outside 20-50%; consider --difficulty {args.difficulty + (1 if accuracy['accuracy'] > 0.5 else -1)}")
+    return accuracy
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
 
     import torch
 
@@ -90,17 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     from bloggap_plugin.results import ResultDocument
 
     start = time.perf_counter()
-    print(f"[{NAME}] starting accuracy: {args.accuracy_prompts} prompts, difficulty {args.difficulty}, {device}", flush=True)
-    accuracy = starting_accuracy(args.model, device, args.difficulty, args.accuracy_prompts, max_new_tokens=32)
-    print(f"[{NAME}] starting accuracy {100 * accuracy['accuracy']:.1f}% ({accuracy['correct']}/{accuracy['n']}) "
-          f"in {time.perf_counter() - start:.0f} s", flush=True)
-    if not args.quick and not 0.2 <= accuracy["accuracy"] <= 0.5:
-        print(f"[{NAME}] WARNING: starting accuracy outside 20-50%; consider --difficulty {args.difficulty + (1 if accuracy['accuracy'] > 0.5 else -1)}")
-
+    accuracy = check_starting_accuracy(args, device)
     overrides = {"num_iterations": 2, "per_device_train_batch_size": args.batch, "gradient_accumulation_steps": 2,
                  "num_generations": 8, "max_completion_length": 32}
     config = CompareConfig(
-        recipes=[str(ROOT / "recipes" / f"arm_{arm}.yaml") for arm in args.arms],
+        recipes=[str(arm_recipe(arm)) for arm in args.arms],
         seeds=args.seeds,
         task="arith",
         difficulty=args.difficulty,
@@ -115,26 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     compare_start = time.perf_counter()
     results = run_compare(config)
     compare_s = time.perf_counter() - compare_start
-
-    accuracy_table = {
-        "id": "start",
-        "title": "Starting accuracy of the policy on the task (sampled, temperature 1)",
-        "columns": ["model", "difficulty", "prompts", "correct", "accuracy %"],
-        "rows": [[args.model, args.difficulty, accuracy["n"], accuracy["correct"], round(100 * accuracy["accuracy"], 2)]],
-        "notes": "Arithmetic word problems (bloggap_plugin.tasks.arith), seed 99 (not a training seed), 32 new tokens, "
-                 "reward = last number equals the answer. The issue asks for a start between 20 and 50 percent.",
-        "reference": None,
-        "random_init": args.model.startswith("tiny-random"),
-        "plot": False,
-    }
-    tables = [accuracy_table]
-    for table in results["tables"]:
-        table = dict(table)
-        if table["id"] == "T10":
-            table["plot"] = {"kind": "bar", "x": "arm", "y": [table["columns"][2], "reward mean"]}
-        elif table["id"] != "T10":
-            table["plot"] = False
-        tables.append(table)
     document = ResultDocument(
         benchmark=NAME,
         env=environment_record(device, model=args.model),
@@ -147,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             "failed_runs": results.get("failed", {}),
             **{k: v for k, v in results.items() if k not in ("tables", "failed")},
         },
-        tables=tables,
+        tables=result_tables(args, accuracy, results),
     )
     path = document.write(out / f"{NAME}.json")
     shutil.copyfile(runs_dir / "reward_curves.png", out / f"{NAME}_reward_curves.png")

@@ -1,6 +1,6 @@
 """Publish a finished ``bloggap compare`` sweep from the GPU machine as a committed result (issue 15 item 5).
 
-    python benchmarks/compare_sweep_publish.py SWEEP_DIR --out benchmarks/results/h200 \\
+    python -m benchmarks.compare_sweep_publish SWEEP_DIR --out benchmarks/results/h200 \\
         --model-name SmolLM2-135M-Instruct --call-logs CALL1.log CALL2.log ...
 
 ``SWEEP_DIR`` is the sweep's output folder as it came back (``compare_sweep.tgz`` from
@@ -31,8 +31,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchmarks._lib.paths import RESULTS
 
 MACHINE_PATHS = (
     ("/opt/torch/.venv/lib/python3.12/site-packages/", "<image-site-packages>/"),
@@ -162,7 +161,7 @@ def _copy_runs(source_dir: Path, runs_out: Path, model_path: str, model_name: st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sweep_dir", type=Path, help="the sweep's output folder (compare.json + runs/)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "h200")
+    parser.add_argument("--out", type=Path, default=RESULTS / "h200")
     parser.add_argument("--name", default="compare_sweep", help="benchmark name: <out>/<name>.json (default compare_sweep)")
     parser.add_argument("--model-name", required=True, help="what the committed files call the model")
     parser.add_argument("--call-logs", type=Path, nargs="*", default=[], help="the sweep's console output per device call")

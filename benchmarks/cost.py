@@ -8,7 +8,7 @@ every plan and for TRL 1.16's own old-logprob pass (its fused LM head, the basel
 ``--score-chunk-tokens`` scored tokens (``gap.score_chunk_tokens``); "fp32 head (untiled)" is the same plan
 with the whole ``[rows, K, V]`` logits at once, as before tiling.
 
-Memory off CUDA: the same ``pass_peak_gib`` from the tensors themselves (``benchmarks/memtrack.py``
+Memory off CUDA: the same ``pass_peak_gib`` from the tensors themselves (``benchmarks/_lib/memtrack.py``
 ``TensorPeak``: the peak of live tensor storages created during the pass; kernel-internal scratch is not seen).
 There TRL's fused head runs its torch fallback, which projects every position and makes fp32 copies of each
 ``[4096, 32768]`` tile; the extra baseline row "TRL fused head, CUDA memory model" (``pass_peak_vs_trl_cuda_like``)
@@ -32,9 +32,9 @@ same). ``sync`` = ``plan.sync(policy)`` (one fused ``torch._foreach_copy_`` per 
 over a GRPO generation batch (``--gen-rows`` rows of ``--seq`` tokens, extrapolated linearly from the measured
 pass) is reported against the target of 1%.
 
-    python benchmarks/cost.py --out benchmarks/results/h200            # GPU, ~2-3 min on an H200
-    python benchmarks/cost.py --quick --device cpu --out /tmp/cost     # CPU smoke run, < 60 s
-    python benchmarks/cost.py --memory-only --skip-matmul-arithmetic --device cpu --shapes smollm2 \
+    python -m benchmarks.cost --out benchmarks/results/h200            # GPU, ~2-3 min on an H200
+    python -m benchmarks.cost --quick --device cpu --out /tmp/cost     # CPU smoke run, < 60 s
+    python -m benchmarks.cost --memory-only --skip-matmul-arithmetic --device cpu --shapes smollm2 \
         qwen2.5-1.5b --layers 2 --out benchmarks/results/cpu          # T7c-memory on CPU, ~5 min
 """
 
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import os
 import statistics
 import sys
@@ -51,76 +50,26 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.memtrack import SkipMatmulArithmetic, TensorPeak  # noqa: E402
-from bloggap_plugin.core.model_parts import param_pairs as _param_pairs  # noqa: E402
-from bloggap_plugin.core.plans import make_plan  # noqa: E402
-from bloggap_plugin.core.scoring import DEFAULT_CHUNK_TOKENS, token_logprobs, unwrap_model  # noqa: E402
-from bloggap_plugin.results import ResultDocument, format_text_table  # noqa: E402
+from benchmarks._lib.device import free_memory, synchronize
+from benchmarks._lib.memtrack import SkipMatmulArithmetic, TensorPeak
+from benchmarks._lib.output import write_and_show
+from benchmarks._lib.paths import RESULTS
+from benchmarks._lib.shapes import load_policy
+from bloggap_plugin.core.model_parts import param_pairs as _param_pairs
+from bloggap_plugin.core.plans import make_plan
+from bloggap_plugin.core.scoring import DEFAULT_CHUNK_TOKENS, token_logprobs, unwrap_model
+from bloggap_plugin.results import ResultDocument
 
 NAME = "cost"
 MEMORY_NAME = "cost_memory"
 MEMORY_METHOD = {
     "cuda": "torch.cuda.max_memory_allocated during the pass minus memory_allocated before it",
-    "other": "peak of live tensor storages created during the pass (benchmarks/memtrack.py TensorPeak: "
+    "other": "peak of live tensor storages created during the pass (benchmarks/_lib/memtrack.py TensorPeak: "
     "every aten op's new output storages, freed by finalizers; kernel-internal scratch not seen)",
 }
 # The issue's arm letters for each plan of this benchmark (trl = TRL's own old-logprob pass, arm A).
 ARM_LETTERS = {"trl": "A", "trl_cuda_like": "A", "fp32": "B", "bf16": "C", "guided": "D", "fp32_head": "E",
                "fp16": "F", "raw_fp16": "F"}
-
-# Real-size shapes (random init; timing only). Values from the public configs of these models.
-SHAPES = {
-    "qwen2.5-1.5b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                                   num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
-                                   tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=32768)),
-    "qwen2.5-3b": ("qwen2", dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-                                 num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
-                                 tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=32768)),
-    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                                 tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=32768)),
-    "llama-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                               tie_word_embeddings=False, rms_norm_eps=1e-5, max_position_embeddings=8192)),
-    # CPU quick mode
-    "tiny-llama": ("llama", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=10,
-                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
-                                 tie_word_embeddings=False, max_position_embeddings=512)),
-    "tiny-qwen2-tied": ("qwen2", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=10,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
-                                      tie_word_embeddings=True, max_position_embeddings=512)),
-}  # fmt: skip
-
-
-def build_shape(
-    name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0, layers: int | None = None
-):
-    """A random-init causal LM of shape ``name`` built directly on ``device`` in ``dtype`` (eval mode);
-    ``layers`` overrides its number of decoder layers (same widths and vocabulary)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-
-    kind, kwargs = SHAPES[name]
-    if layers is not None:
-        kwargs = kwargs | {"num_hidden_layers": layers}
-    config = (Qwen2Config if kind == "qwen2" else LlamaConfig)(**kwargs)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    return model.eval()
-
-
-def load_policy(name: str, device: torch.device, layers: int | None = None):
-    """(model, random_init) for a shape name (``layers``: see :func:`build_shape`) or ``smollm2`` (real weights)."""
-    if name in SHAPES:
-        return build_shape(name, device, layers=layers), True
-    from bloggap_plugin.models import load_model
-
-    return load_model(name, dtype="bf16", device=device)[0], False
-
 
 def loop_sync_seconds(plan, policy, device, repeats: int = 3) -> float | None:
     """Median seconds of the per-tensor ``copy_`` loop that ``plan.sync`` replaced (fp32/fp16 shadows only): the same
@@ -131,47 +80,36 @@ def loop_sync_seconds(plan, policy, device, repeats: int = 3) -> float | None:
     pairs = _param_pairs(shadow, unwrap_model(policy))
     times = []
     for _ in range(repeats):
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         with torch.no_grad():
             for dst, src in pairs:
                 dst.copy_(src)
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_passes(fn, device, warmup: int, passes: int) -> list[float]:
     for _ in range(warmup):
         fn()
-    _sync(device)
+    synchronize(device)
     times = []
     for _ in range(passes):
         start = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return times
-
-
-def _free(device):
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def pass_peak(fn, device, skip_arithmetic: bool = False) -> tuple[float, float | None]:
     """``(extra, absolute)`` GiB of one call of ``fn``. CUDA: the peak allocated during it minus what was
     allocated just before (allocator statistics), and the peak itself. Other devices: the peak of live tensor
-    bytes created during the call (``benchmarks.memtrack.TensorPeak``: tensors only, no kernel scratch, see
+    bytes created during the call (``benchmarks._lib.memtrack.TensorPeak``: tensors only, no kernel scratch, see
     ``MEMORY_METHOD``) and ``None`` (no absolute figure); ``skip_arithmetic``: matmuls and attention return
     zeros of their real size (``SkipMatmulArithmetic``; same tensors, meaningless values)."""
-    _free(device)
+    free_memory(device)
     if device.type != "cuda":
         with SkipMatmulArithmetic() if skip_arithmetic else contextlib.nullcontext(), TensorPeak() as peak:
             fn()
@@ -246,20 +184,9 @@ def _guided_layers(n_layers: int) -> list[int]:
     return sorted({i for i in base if i < n_layers})
 
 
-def bench_shape(name: str, device: torch.device, args, log) -> dict:
-    policy, random_init = load_policy(name, device, args.layers)
-    n_layers = policy.config.num_hidden_layers
-    vocab = policy.config.vocab_size
-    n_params = sum(p.numel() for p in policy.parameters())
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(
-        min(100, vocab - 1), min(20000, vocab), (args.batch, args.seq), generator=generator
-    ).to(device)
-    mask = torch.ones_like(ids)
-    keep = args.seq // 2
-    cuda = device.type == "cuda"
+def _arm_passes(name: str, guided: list[int], args, cuda: bool) -> list[tuple[str, str, dict, bool]]:
+    """``(label, arm, plan options, tf32)`` of every pass measured on shape ``name``, in measuring order."""
     fp16_ok = (cuda or name.startswith("tiny") or args.skip_matmul_arithmetic) and not args.skip_fp16
-    guided = _guided_layers(n_layers)
     arms = [("bf16", "bf16", {}, False), ("TRL fused head (baseline)", "trl", {}, False)]
     if not cuda:
         arms.append(("TRL fused head, CUDA memory model", "trl_cuda_like", {}, False))
@@ -286,86 +213,80 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
             (f"guided-{len(guided)} + head (TF32)", "guided", {"layers": guided}, True),
             ("all fp32 (TF32)", "fp32", {}, True),
         ]
-    results = []
-    fp16_plan = None
-    for label, arm, options, use_tf32 in arms:
-        _free(device)
-        options = dict(options)
-        chunk_tokens = options.pop("chunk_tokens", args.score_chunk_tokens)
-        rows = options.pop("rows", args.batch)  # rows per forward
-        remove = None
-        if arm in ("trl", "trl_cuda_like"):
-            fn, remove = trl_old_logprob_pass(policy, ids, mask, keep, args.batch, cuda_like=arm == "trl_cuda_like")
-            plan = None
-        elif arm == "raw_fp16":
-            fp16_plan = make_plan(policy, "fp16")
-            shadow = fp16_plan.shadow
+    return arms
 
-            def fn(shadow=shadow, chunk_tokens=chunk_tokens):
-                with torch.no_grad(), torch.autocast(device.type, enabled=False):
-                    return token_logprobs(shadow, ids, mask, keep, batch_size=args.batch, chunk_tokens=chunk_tokens)
 
-            plan = None
-        else:
-            if arm == "fp16" and fp16_plan is not None:
-                plan = fp16_plan  # the same shadow module the raw pass used
-            else:
-                if arm in ("fp32", "fp32_head", "guided"):
-                    options["tf32"] = use_tf32
-                plan = make_plan(policy, arm, **options)
+def _pass_callable(policy, arm: str, options: dict, use_tf32: bool, batch: tuple, chunk_tokens: int, rows: int,
+                   fp16_plan, args, device: torch.device):
+    """One arm's scoring pass as a callable: ``(fn, plan, remove, fp16_plan)``. ``batch`` is ``(ids, mask,
+    keep)``; ``plan`` is ``None`` for TRL's own pass and the raw fp16 module; ``remove`` undoes TRL's patch;
+    ``fp16_plan`` is the fp16 plan the raw fp16 pass made, whose shadow the fp16 plan's own pass re-uses."""
+    ids, mask, keep = batch
+    if arm in ("trl", "trl_cuda_like"):
+        fn, remove = trl_old_logprob_pass(policy, ids, mask, keep, args.batch, cuda_like=arm == "trl_cuda_like")
+        return fn, None, remove, fp16_plan
+    if arm == "raw_fp16":
+        fp16_plan = make_plan(policy, "fp16")
+        shadow = fp16_plan.shadow
 
-            def fn(plan=plan, chunk_tokens=chunk_tokens, rows=rows):
-                return plan.token_logprobs(ids, mask, keep, batch_size=rows, chunk_tokens=chunk_tokens)
+        def fn(shadow=shadow, chunk_tokens=chunk_tokens):
+            with torch.no_grad(), torch.autocast(device.type, enabled=False):
+                return token_logprobs(shadow, ids, mask, keep, batch_size=args.batch, chunk_tokens=chunk_tokens)
 
-        slow = arm in ("fp32", "guided", "fp32_head") and not use_tf32 and cuda
-        started = time.perf_counter()
-        extra_gib, pass_abs_gib = pass_peak(fn, device, args.skip_matmul_arithmetic)  # one pass: its own peak
-        memory_pass_seconds = time.perf_counter() - started
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        times, sync_times = [], []
-        loop_seconds = None
-        if not args.memory_only:
-            times = time_passes(fn, device, args.warmup, max(2, args.passes - 2) if slow else args.passes)
-            if plan is not None and arm != "bf16":
-                plan.sync(policy)  # first call builds the fused copy lists
-                sync_times = [plan.sync(policy) for _ in range(3)]
-                loop_seconds = loop_sync_seconds(plan, policy, device)
-        seconds = statistics.median(times) if times else None
-        entry = {
-            "plan": label,
-            "arm": arm,
-            "arm_letter": ARM_LETTERS.get(arm),
-            "tf32": use_tf32,
-            "pass_seconds": seconds,
-            "pass_seconds_all": times,
-            "memory_pass_seconds": memory_pass_seconds,
-            "tokens_per_s": args.batch * args.seq / seconds if seconds else None,
-            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-            "pass_peak_gib": extra_gib,
-            "pass_peak_abs_gib": pass_abs_gib,
-            "memory_method": MEMORY_METHOD["cuda" if cuda else "other"],
-            "chunk_tokens": None if arm.startswith("trl") else chunk_tokens,
-            "rows_per_forward": rows,
-            "sync_seconds": statistics.median(sync_times) if sync_times else None,
-            "sync_loop_seconds": loop_seconds,
-        }
-        if plan is not None:
-            stats = plan.stats()
-            entry.update(bytes_added=stats["bytes_added"], fp32_param_share=stats["fp32_param_share"])
-            entry["layers"] = stats["layers"]
-        elif fp16_plan is not None:
-            entry.update(bytes_added=fp16_plan.stats()["bytes_added"], fp32_param_share=0.0, layers=None)
-        results.append(entry)
-        timing = "" if seconds is None else f"{seconds * 1e3:9.1f} ms/pass  {entry['tokens_per_s']:10.0f} tok/s  "
-        log(f"{name:<14} {label:<34} {timing}pass peak {extra_gib * 1024:9.1f} MiB ({memory_pass_seconds:.0f} s)")
-        if remove is not None:
-            remove()
-        if plan is not None and plan is not fp16_plan:
-            plan.close()
-        if arm == "fp16" and fp16_plan is not None:
-            fp16_plan.close()
-            fp16_plan = None
+        return fn, None, None, fp16_plan
+    if arm == "fp16" and fp16_plan is not None:
+        plan = fp16_plan  # the same shadow module the raw pass used
+    else:
+        if arm in ("fp32", "fp32_head", "guided"):
+            options["tf32"] = use_tf32
+        plan = make_plan(policy, arm, **options)
+
+    def fn(plan=plan, chunk_tokens=chunk_tokens, rows=rows):
+        return plan.token_logprobs(ids, mask, keep, batch_size=rows, chunk_tokens=chunk_tokens)
+
+    return fn, plan, None, fp16_plan
+
+
+def _measure_pass(fn, plan, policy, arm: str, use_tf32: bool, chunk_tokens: int, rows: int, args,
+                  device: torch.device) -> dict:
+    """One pass for its own peak memory, then (unless ``--memory-only``) the timed passes and the plan's sync:
+    the entry's fields from ``tf32`` to ``sync_loop_seconds`` (seconds, GiB)."""
+    cuda = device.type == "cuda"
+    slow = arm in ("fp32", "guided", "fp32_head") and not use_tf32 and cuda
+    started = time.perf_counter()
+    extra_gib, pass_abs_gib = pass_peak(fn, device, args.skip_matmul_arithmetic)  # one pass: its own peak
+    memory_pass_seconds = time.perf_counter() - started
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    times, sync_times = [], []
+    loop_seconds = None
+    if not args.memory_only:
+        times = time_passes(fn, device, args.warmup, max(2, args.passes - 2) if slow else args.passes)
+        if plan is not None and arm != "bf16":
+            plan.sync(policy)  # first call builds the fused copy lists
+            sync_times = [plan.sync(policy) for _ in range(3)]
+            loop_seconds = loop_sync_seconds(plan, policy, device)
+    seconds = statistics.median(times) if times else None
+    return {
+        "tf32": use_tf32,
+        "pass_seconds": seconds,
+        "pass_seconds_all": times,
+        "memory_pass_seconds": memory_pass_seconds,
+        "tokens_per_s": args.batch * args.seq / seconds if seconds else None,
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+        "pass_peak_gib": extra_gib,
+        "pass_peak_abs_gib": pass_abs_gib,
+        "memory_method": MEMORY_METHOD["cuda" if cuda else "other"],
+        "chunk_tokens": None if arm.startswith("trl") else chunk_tokens,
+        "rows_per_forward": rows,
+        "sync_seconds": statistics.median(sync_times) if sync_times else None,
+        "sync_loop_seconds": loop_seconds,
+    }
+
+
+def _add_ratios(results: list[dict], args) -> None:
+    """Each entry's time relative to the first (bf16) pass, its pass peak relative to TRL's pass (and to its
+    CUDA memory model off CUDA), and the sync's share of one pass and of a generation batch's pass."""
     base = results[0]["pass_seconds"]
     trl = next(e for e in results if e["arm"] == "trl")
     trl_cuda_like = next((e for e in results if e["arm"] == "trl_cuda_like"), None)
@@ -383,6 +304,51 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
             entry["sync_frac_of_gen_batch_pass"] = entry["sync_seconds"] / gen_pass
             if entry["sync_loop_seconds"] is not None:
                 entry["sync_loop_frac_of_gen_batch_pass"] = entry["sync_loop_seconds"] / gen_pass
+
+
+def bench_shape(name: str, device: torch.device, args, log) -> dict:
+    """Every arm's pass on shape ``name`` (``--batch`` x ``--seq`` random token ids, the last half scored):
+    time, peak memory and sync per arm, with the shape's size."""
+    policy, random_init = load_policy(name, device, args.layers)
+    n_layers = policy.config.num_hidden_layers
+    vocab = policy.config.vocab_size
+    n_params = sum(p.numel() for p in policy.parameters())
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(
+        min(100, vocab - 1), min(20000, vocab), (args.batch, args.seq), generator=generator
+    ).to(device)
+    batch = (ids, torch.ones_like(ids), args.seq // 2)
+    guided = _guided_layers(n_layers)
+    results = []
+    fp16_plan = None
+    for label, arm, options, use_tf32 in _arm_passes(name, guided, args, device.type == "cuda"):
+        free_memory(device)
+        options = dict(options)
+        chunk_tokens = options.pop("chunk_tokens", args.score_chunk_tokens)
+        rows = options.pop("rows", args.batch)  # rows per forward
+        fn, plan, remove, fp16_plan = _pass_callable(policy, arm, options, use_tf32, batch, chunk_tokens, rows,
+                                                     fp16_plan, args, device)
+        entry = {"plan": label, "arm": arm, "arm_letter": ARM_LETTERS.get(arm),
+                 **_measure_pass(fn, plan, policy, arm, use_tf32, chunk_tokens, rows, args, device)}
+        if plan is not None:
+            stats = plan.stats()
+            entry.update(bytes_added=stats["bytes_added"], fp32_param_share=stats["fp32_param_share"])
+            entry["layers"] = stats["layers"]
+        elif fp16_plan is not None:
+            entry.update(bytes_added=fp16_plan.stats()["bytes_added"], fp32_param_share=0.0, layers=None)
+        results.append(entry)
+        seconds = entry["pass_seconds"]
+        timing = "" if seconds is None else f"{seconds * 1e3:9.1f} ms/pass  {entry['tokens_per_s']:10.0f} tok/s  "
+        log(f"{name:<14} {label:<34} {timing}pass peak {entry['pass_peak_gib'] * 1024:9.1f} MiB "
+            f"({entry['memory_pass_seconds']:.0f} s)")
+        if remove is not None:
+            remove()
+        if plan is not None and plan is not fp16_plan:
+            plan.close()
+        if arm == "fp16" and fp16_plan is not None:
+            fp16_plan.close()
+            fp16_plan = None
+    _add_ratios(results, args)
     raw = next((e for e in results if e["arm"] == "raw_fp16"), None)
     plan16 = next((e for e in results if e["arm"] == "fp16"), None)
     out = {
@@ -399,7 +365,7 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
         ),
     }
     del policy
-    _free(device)
+    free_memory(device)
     return out
 
 
@@ -434,7 +400,7 @@ def tf32_noise(device: torch.device, args, log) -> dict | None:
                 f"smollm2 {label:<18} tf32={use_tf32!s:<5} {100 * cell['oob']:6.2f}% out of band (n={cell['n']})"
             )
     del model
-    _free(device)
+    free_memory(device)
     return {"rows": args.tf32_rows, "new_tokens": args.tf32_tokens, "cells": cells}
 
 
@@ -620,7 +586,7 @@ def main(argv=None) -> int:
     else:
         shapes = args.shapes or [args.model, "qwen2.5-1.5b", "qwen2.5-7b", "llama-8b"]
         args.batch, args.seq = args.batch or 8, args.seq or 1024
-    out_dir = Path(args.out or ROOT / "benchmarks" / "results" / device_tag(device))
+    out_dir = Path(args.out or RESULTS / device_tag(device))
     out_dir.mkdir(parents=True, exist_ok=True)
 
     def log(msg):
@@ -637,10 +603,7 @@ def main(argv=None) -> int:
         results=results,
         tables=[memory_table(results, args, device)] if args.memory_only else tables(results, args),
     )
-    path = document.write(out_dir / f"{name}.json")
-    log(f"wrote {path} in {time.time() - started:.0f} s")
-    for table in document.tables:
-        print(format_text_table(table))
+    write_and_show(document, out_dir / f"{name}.json", log, started)
     return 0
 
 

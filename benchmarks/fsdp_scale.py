@@ -4,7 +4,7 @@ One command on ``nvidia-h200-x2`` (2 GPUs), from the repo root after the model a
 shared/device/README.md (``$BLOGGAP_GGUF`` set, trl/datasets/gguf on ``PYTHONPATH``, as for
 ``benchmarks/gpu/run_h200.sh``)::
 
-    python benchmarks/fsdp_scale.py --out "$OUT/r" 2>&1 | tee "$OUT/fsdp_scale.log"
+    python -m benchmarks.fsdp_scale --out "$OUT/r" 2>&1 | tee "$OUT/fsdp_scale.log"
 
 It runs the pieces in the order below inside ``--budget`` seconds (default 560: one device call), rewriting
 ``$OUT/r/fsdp_scale.json`` after every launch, and skips what no longer fits (printed). Copy the JSON to
@@ -12,11 +12,11 @@ It runs the pieces in the order below inside ``--budget`` seconds (default 560: 
 folder first (it is read and merged)::
 
     mkdir -p "$OUT/r" && cp benchmarks/results/h200x2/fsdp_scale.json "$OUT/r/" && \
-        python benchmarks/fsdp_scale.py --out "$OUT/r" --pieces single,mem1b
+        python -m benchmarks.fsdp_scale --out "$OUT/r" --pieces single,mem1b
 
 CPU check, tiny model, gloo, about a minute a piece::
 
-    python benchmarks/fsdp_scale.py --smoke --out /tmp/fsdp_scale
+    python -m benchmarks.fsdp_scale --smoke --out /tmp/fsdp_scale
 
 Pieces (each an ``accelerate launch`` of this file's ``worker`` with ``benchmarks/gpu/accelerate_*.yaml``):
 
@@ -37,11 +37,11 @@ peak memory per process (each process has its own CUDA allocator), and the step-
 s/step and overhead are not 2-GPU timings: two processes share one GPU and gloo copies every collective through
 host memory. It writes ``fsdp_scale_one_gpu.json``::
 
-    python benchmarks/fsdp_scale.py --shared-gpu --steps 2 --out "$OUT/r" 2>&1 | tee "$OUT/fsdp_scale.log"
+    python -m benchmarks.fsdp_scale --shared-gpu --steps 2 --out "$OUT/r" 2>&1 | tee "$OUT/fsdp_scale.log"
 
 ``document`` rebuilds a result's tables from its raw results with the current code (its env and params kept)::
 
-    python benchmarks/fsdp_scale.py document --shared-gpu --out benchmarks/results/h200
+    python -m benchmarks.fsdp_scale document --shared-gpu --out benchmarks/results/h200
 
 DeepSpeed ZeRO-3 (issue item 4) is not measured here: the plugin refuses the arms that copy weights under it (its
 parameters are slices; docs/trl.md, "DeepSpeed"), and the GPU image has no deepspeed (its wheel and hjson would
@@ -59,7 +59,8 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks._lib.paths import ROOT, arm_recipe
+
 NAME = "fsdp_scale"
 ARMS = ("A", "B", "E", "F", "G", "H")
 PIECES = ("fsdp2", "equality", "ddp", "single", "mem1b")
@@ -197,7 +198,7 @@ def _train_arm(args, arm: str, device: str, gathers: list[int]) -> dict:
     from bloggap_plugin.trl.train import prepare_run
 
     overrides, gap_overrides = trainer_overrides(args, int(os.environ.get("WORLD_SIZE", "1")))
-    plan = prepare_run(ROOT / "recipes" / f"arm_{arm}.yaml", model="tiny-random-llama" if args.smoke else "smollm2",
+    plan = prepare_run(arm_recipe(arm), model="tiny-random-llama" if args.smoke else "smollm2",
                        task="arith", max_steps=args.steps, output_dir=str(Path(args.out) / "trainer" / arm), seed=0,
                        device=device, extra_overrides=overrides, gap_overrides=gap_overrides)
     dtype = "fp32" if args.equal else plan.dtype
@@ -283,11 +284,11 @@ def _launch(args, run: dict, limit: int) -> dict:
              "--completion", str(run["completion"])] + (["--equal"] if run["equal"] else []) + \
         (["--smoke"] if args.smoke else []) + (["--shared-gpu"] if args.shared_gpu else [])
     if run["processes"] == 1:
-        cmd = [sys.executable, __file__, *flags]
+        cmd = [sys.executable, "-m", "benchmarks.fsdp_scale", *flags]
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS[run["config"]]),
                "--num_processes", str(run["processes"]), "--main_process_port", str(29500 + os.getpid() % 1000),
-               __file__, *flags]
+               "--module", "benchmarks.fsdp_scale", *flags]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                HF_HUB_OFFLINE="1", CI="true", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -550,5 +551,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     raise SystemExit(main())

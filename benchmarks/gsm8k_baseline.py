@@ -18,8 +18,8 @@ Engines: vLLM (default; ``--model`` is an HF model folder, or a spec of :func:`b
 loaded copy lives in a folder, e.g. ``smollm2``, the folder TRL's colocate engine would load) in the checkpoint's dtype
 unless ``--dtype``; ``--hf`` uses HF ``generate`` (any ``load_model`` spec, e.g. a tiny random model for a CPU smoke run).
 
-    python benchmarks/gsm8k_baseline.py --model smollm2 --data ../shared/data/gsm8k --out benchmarks/results/h200
-    python benchmarks/gsm8k_baseline.py --hf --model tiny-random-llama --data bloggap_plugin/data/gsm8k_sample.jsonl \\
+    python -m benchmarks.gsm8k_baseline --model smollm2 --data ../shared/data/gsm8k --out benchmarks/results/h200
+    python -m benchmarks.gsm8k_baseline --hf --model tiny-random-llama --data bloggap_plugin/data/gsm8k_sample.jsonl \\
         --limit 4 --max-tokens 16 --device cpu --out /tmp/gb                                   # CPU smoke run, seconds
 
 Output: ``<out>/gsm8k_baseline.json`` (benchmark result schema, table ``T15-baseline``), written atomically after
@@ -40,7 +40,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks._lib.paths import RESULTS, ROOT
+
 SUBSETS = (("all", None), ("1-step", 1), ("2-step", 2))
 """Subset name and its exact number of calculation steps (``None``: every row)."""
 DECODINGS = ("greedy", "sampled")
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, BaselineError) as err:
         print(f"gsm8k_baseline: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
-    out_dir = out_dir or ROOT / "benchmarks" / "results" / device_tag(device)
+    out_dir = out_dir or RESULTS / device_tag(device)
     prompt_ids = build_prompt_ids(rows, tokenizer)
     if args.hf:
         generate, timing = hf_generator(model, tokenizer, prompt_ids, args)
@@ -359,5 +360,4 @@ def _histogram(rows: list[dict]) -> dict[str, int]:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main())

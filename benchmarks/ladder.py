@@ -9,8 +9,8 @@
   plan with the guard off: share of non-finite log-probs, largest ``|h|`` at any decoder-layer boundary,
   boundary tensors above 60,000 (fp16 max 65,504), and with the guard on the number of fp32 fallbacks.
 
-    python benchmarks/ladder.py --out benchmarks/results/h200          # GPU, ~1-2 min on an H200
-    python benchmarks/ladder.py --quick --device cpu --out /tmp/ladder  # CPU smoke run, < 60 s
+    python -m benchmarks.ladder --out benchmarks/results/h200          # GPU, ~1-2 min on an H200
+    python -m benchmarks.ladder --quick --device cpu --out /tmp/ladder  # CPU smoke run, < 60 s
 """
 
 from __future__ import annotations
@@ -23,17 +23,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "benchmarks"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
-from cost import _free, load_policy  # noqa: E402
-
-from bloggap_plugin.core.model_parts import decoder_layers  # noqa: E402
-from bloggap_plugin.core.plans import make_plan  # noqa: E402
-from bloggap_plugin.measure.precision_ladder import ladder_table, run_ladder  # noqa: E402
-from bloggap_plugin.results import ResultDocument, format_text_table  # noqa: E402
+from benchmarks._lib.device import free_memory
+from benchmarks._lib.output import write_and_show
+from benchmarks._lib.paths import RESULTS
+from benchmarks._lib.shapes import load_policy
+from bloggap_plugin.core.model_parts import decoder_layers
+from bloggap_plugin.core.plans import make_plan
+from bloggap_plugin.measure.precision_ladder import ladder_table, run_ladder
+from bloggap_plugin.results import ResultDocument
 
 NAME = "ladder"
 FP16_MAX = 65504.0
@@ -80,7 +77,7 @@ def fp16_check(name: str, device: torch.device, rows: int, seq: int, log) -> dic
     }
     log(f"T9 {name:<14} max|h| {largest['value']:10.1f}  non-finite {nonfinite}  fallbacks {fallbacks}")
     del policy
-    _free(device)
+    free_memory(device)
     return result
 
 
@@ -148,7 +145,7 @@ def main(argv=None) -> int:
         args.t9_rows, args.t9_seq = 2, 32
     else:
         t9 = args.t9_shapes or [args.model, "qwen2.5-3b", "qwen2.5-7b", "llama-8b"]
-    out_dir = Path(args.out or ROOT / "benchmarks" / "results" / device_tag(device))
+    out_dir = Path(args.out or RESULTS / device_tag(device))
     out_dir.mkdir(parents=True, exist_ok=True)
 
     def log(msg):
@@ -167,7 +164,7 @@ def main(argv=None) -> int:
         progress=log,
     )
     del model
-    _free(device)
+    free_memory(device)
     # fp16 on this CPU has no fast kernels: the real model's T9 row is GPU-only; tiny shapes run anywhere
     checks = [
         fp16_check(name, device, args.t9_rows, args.t9_seq, log)
@@ -182,10 +179,7 @@ def main(argv=None) -> int:
         results=results,
         tables=[ladder_table(ladder), t8_table(ladder["attribution"], args.model), t9_table(checks)],
     )
-    path = document.write(out_dir / f"{NAME}.json")
-    log(f"wrote {path} in {time.time() - started:.0f} s")
-    for table in document.tables:
-        print(format_text_table(table))
+    write_and_show(document, out_dir / f"{NAME}.json", log, started)
     return 0
 
 

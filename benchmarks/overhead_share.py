@@ -3,7 +3,7 @@
 The first optimizer step of a run carries one-time costs (CUDA and cuBLAS set-up of the scoring plans, the first
 probe's warm-up); over a short benchmark run they weigh far more than over a real one, so this prints both:
 
-    python benchmarks/overhead_share.py benchmarks/results/h200/trl_overhead_budget.json \
+    python -m benchmarks.overhead_share benchmarks/results/h200/trl_overhead_budget.json \
         benchmarks/results/h200/trl_overhead_vllm_alone/runs.tar.xz benchmarks/results/h200/trl_overhead_vllm_budget/runs.tar.xz
 
 Inputs: a ``trl_arms.py`` result JSON (each row's ``history``) or a sweep's packed run logs (``runs/*.jsonl`` in a
@@ -15,15 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tarfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bloggap_plugin.compare import plugin_time_share, timed_steps  # noqa: E402
+from bloggap_plugin.compare import plugin_time_share, timed_steps
 
 
 def run_histories(path: Path) -> dict[str, list[dict]]:

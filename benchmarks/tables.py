@@ -1,8 +1,8 @@
 """Reference tables T1-T6 on this device with the project's own probe, plus the position-ids effect and
 this device vs the reference study's cards.
 
-    python benchmarks/tables.py --out benchmarks/results/h200            # GPU, <= 3 min on an H200
-    python benchmarks/tables.py --out /tmp/tables --quick --device cpu   # CPU smoke run, < 60 s
+    python -m benchmarks.tables --out benchmarks/results/h200            # GPU, <= 3 min on an H200
+    python -m benchmarks.tables --out /tmp/tables --quick --device cpu   # CPU smoke run, < 60 s
 
 Writes ``<out>/tables.json`` (``{"benchmark": "tables", "schema_version": 1, "env", "params", "results",
 "tables"}``) and prints the tables. Every scoring goes through ``bloggap_plugin.core.probe`` (which goes
@@ -32,20 +32,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import torch
 
-import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bloggap_plugin.core.metrics import (  # noqa: E402
+from benchmarks._lib.paths import ROOT
+from bloggap_plugin.core.metrics import (
     clip_flip_fraction,
     clip_status,
     clipped_fraction,
     wilson_interval,
 )
-from bloggap_plugin.core.probe import (  # noqa: E402
+from bloggap_plugin.core.probe import (
     Rollouts,
     build_rows,
     compare,
@@ -54,10 +50,14 @@ from bloggap_plugin.core.probe import (  # noqa: E402
     score_layout,
     score_packed,
 )
-from bloggap_plugin.envinfo import environment_record  # noqa: E402
-from bloggap_plugin.measure.rollouts import sample_rollouts  # noqa: E402
-from bloggap_plugin.models import load_model  # noqa: E402
-from bloggap_plugin.results import ResultDocument, format_text_table  # noqa: E402
+from bloggap_plugin.envinfo import environment_record
+from bloggap_plugin.measure.rollouts import sample_rollouts
+from bloggap_plugin.models import load_model
+from bloggap_plugin.results import ResultDocument, format_text_table
+
+# read when the Hugging Face libraries are first imported (lazily, by load_model) and used
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 NAME = "tables"
 T4_SEEDS = (1234, 20260916, 7)
@@ -180,7 +180,7 @@ def run_t1(models: Models, rollouts: Rollouts, sizes: Sizes) -> tuple[dict, dict
 
 
 def reference_tables() -> dict:
-    path = Path(__file__).resolve().parents[1] / "bloggap_plugin" / "data" / "reference_study.json"
+    path = ROOT / "bloggap_plugin" / "data" / "reference_study.json"
     data = json.loads(path.read_text())
     return {t["id"]: t for t in data["tables"]}
 
@@ -524,6 +524,90 @@ def print_table(t: dict) -> None:
     print(format_text_table(t))
 
 
+TABLE_ORDER = ("T1", "T2", "T3", "T4", "T5", "T6", "POS", "HW")
+
+
+class TablesRun:
+    """The tables made so far and their raw results, written to ``path`` after every table (a time limit that
+    kills the run still leaves the finished tables); ``started`` is a ``time.perf_counter()``."""
+
+    def __init__(self, path: Path, models: Models, env: dict, params: dict, started: float) -> None:
+        self.path, self.models, self.env, self.params, self.started = path, models, env, params, started
+        self.results: dict = {}
+        self.tables: list[dict] = []
+
+    def save(self, final: bool = False) -> None:
+        """Write what exists so far; ``final``: every requested table is done."""
+        self.tables.sort(key=lambda t: TABLE_ORDER.index(t["id"]))
+        for t in self.tables:
+            if t.get("random_init") != self.models.random_init:
+                t["random_init"] = self.models.random_init
+                if self.models.random_init:
+                    t["notes"] += " RANDOM-INIT model: rates are not meaningful (near-uniform logits)."
+        ResultDocument(
+            benchmark=NAME,
+            env=self.env,
+            params={**self.params, "complete": final},
+            results=self.results,
+            tables=self.tables,
+            extra={"seconds": round(time.perf_counter() - self.started, 1)},
+        ).write(self.path)
+
+    def timed(self, name: str, fn, *a):
+        """``fn(*a)``, its wall seconds recorded under ``results["seconds"][name]``."""
+        t0 = time.perf_counter()
+        out = fn(*a)
+        self.results.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 2)
+        return out
+
+    def add(self, table_id: str, produced: tuple[dict, object]) -> None:
+        """Keep a ``(table, raw results)`` pair and write the document."""
+        table_, raw = produced
+        self.tables.append(table_)
+        self.results[table_id] = raw
+        self.save()
+
+
+def make_tables(run: TablesRun, sizes: Sizes, args, only: set[str], on_cpu: bool) -> None:
+    """Sample the rollouts the requested tables need and make each table, in an order that shares rollouts."""
+    models = run.models
+    sampler, tokenizer = models.get("bf16")
+    main_rollouts = eos_rollouts = seeded = None
+    if only & {"T1", "HW"}:
+        eos_rollouts = run.timed("sample_t1", sample_rollouts, sampler, tokenizer, sizes.main_rows, sizes.main_tokens,
+                                 args.seed, None, sizes.gen_batch, sizes.chat_template, None, True)
+        log(f"T1 rollouts: {eos_rollouts.tokens} tokens")
+        t1, t1_cells = run.timed("T1", run_t1, models, eos_rollouts, sizes)
+        run.add("T1", (t1, {"tokens": eos_rollouts.tokens, "cells": t1_cells, "sampler": eos_rollouts.sampler}))
+        if "HW" in only:
+            run.tables.append(run_hw(t1_cells, eos_rollouts.tokens, run.env, models.label))
+            run.save()
+    if only & {"T2", "T3", "POS"}:
+        main_rollouts = run.timed("sample_main", sample_rollouts, sampler, tokenizer, sizes.main_rows,
+                                  sizes.main_tokens, args.seed, None, sizes.gen_batch, sizes.chat_template)
+        log(f"main rollouts: {main_rollouts.tokens} tokens")
+    if "T2" in only:
+        run.add("T2", run.timed("T2", run_t2, models, main_rollouts))
+    if "T3" in only:
+        run.add("T3", run.timed("T3", run_t3, models, main_rollouts, sizes))
+    if "T5" in only:
+        run.add("T5", run.timed("T5", run_t5, models, sizes, args.seed))
+    if "POS" in only:
+        run.add("POS", run.timed("POS", run_pos, models, main_rollouts, sizes, (8,) if args.quick else (8, 32)))
+    if only & {"T4", "T6"}:
+        seeded = {
+            seed: sample_rollouts(sampler, tokenizer, sizes.t4_rows, sizes.t4_tokens, seed, None, sizes.gen_batch,
+                                  sizes.chat_template)
+            for seed in T4_SEEDS
+        }
+        log("T4 rollouts sampled")
+    if "T6" in only:
+        run.add("T6", run.timed("T6", run_t6, models, seeded[T4_SEEDS[0]]))
+    if "T4" in only:  # last: flex_attention compiles (slow the first time) and may be unavailable
+        skip_flex = "--quick on CPU (flex_attention compiles for ~45 s)" if args.quick and on_cpu else None
+        run.add("T4", run.timed("T4", run_t4, models, seeded, skip_flex))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="output folder; writes <out>/tables.json")
@@ -538,86 +622,23 @@ def main(argv: list[str] | None = None) -> int:
     if on_cpu:
         torch.set_num_threads(1)
     sizes = Sizes.make(args.quick, on_cpu)
-    only = set(args.only.split(",")) if args.only else {"T1", "T2", "T3", "T4", "T5", "T6", "POS", "HW"}
+    only = set(args.only.split(",")) if args.only else set(TABLE_ORDER)
     started = time.perf_counter()
     models = Models(args.model, device)
-    sampler, tokenizer = models.get("bf16")
+    models.get("bf16")
     log(f"model {args.model} on {device}; sizes {sizes}")
-    results, tables = {}, []
     env = environment_record(device, model=args.model, seed=args.seed)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{NAME}.json"
-    order = ["T1", "T2", "T3", "T4", "T5", "T6", "POS", "HW"]
-
-    def save(final: bool = False) -> None:
-        """Write what exists so far (a time limit that kills the run still leaves the finished tables)."""
-        tables.sort(key=lambda t: order.index(t["id"]))
-        for t in tables:
-            if t.get("random_init") != models.random_init:
-                t["random_init"] = models.random_init
-                if models.random_init:
-                    t["notes"] += " RANDOM-INIT model: rates are not meaningful (near-uniform logits)."
-        ResultDocument(
-            benchmark=NAME,
-            env=env,
-            params={"model": args.model, "device": str(device), "seed": args.seed, "quick": args.quick,
-                    "sizes": sizes.__dict__, "t4_seeds": list(T4_SEEDS), "clip_eps": CLIP_EPS, "band": 0.1,
-                    "tables": sorted(only), "complete": final},
-            results=results,
-            tables=tables,
-            extra={"seconds": round(time.perf_counter() - started, 1)},
-        ).write(path)
-
-    def timed(name, fn, *a):
-        t0 = time.perf_counter()
-        out = fn(*a)
-        results.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 2)
-        return out
-
-    def add(table_id: str, produced) -> None:
-        table_, raw = produced
-        tables.append(table_)
-        results[table_id] = raw
-        save()
-
-    main_rollouts = eos_rollouts = seeded = None
-    if only & {"T1", "HW"}:
-        eos_rollouts = timed("sample_t1", sample_rollouts, sampler, tokenizer, sizes.main_rows, sizes.main_tokens,
-                             args.seed, None, sizes.gen_batch, sizes.chat_template, None, True)
-        log(f"T1 rollouts: {eos_rollouts.tokens} tokens")
-        t1, t1_cells = timed("T1", run_t1, models, eos_rollouts, sizes)
-        add("T1", (t1, {"tokens": eos_rollouts.tokens, "cells": t1_cells, "sampler": eos_rollouts.sampler}))
-        if "HW" in only:
-            tables.append(run_hw(t1_cells, eos_rollouts.tokens, env, models.label))
-            save()
-    if only & {"T2", "T3", "POS"}:
-        main_rollouts = timed("sample_main", sample_rollouts, sampler, tokenizer, sizes.main_rows, sizes.main_tokens,
-                              args.seed, None, sizes.gen_batch, sizes.chat_template)
-        log(f"main rollouts: {main_rollouts.tokens} tokens")
-    if "T2" in only:
-        add("T2", timed("T2", run_t2, models, main_rollouts))
-    if "T3" in only:
-        add("T3", timed("T3", run_t3, models, main_rollouts, sizes))
-    if "T5" in only:
-        add("T5", timed("T5", run_t5, models, sizes, args.seed))
-    if "POS" in only:
-        add("POS", timed("POS", run_pos, models, main_rollouts, sizes, (8,) if args.quick else (8, 32)))
-    if only & {"T4", "T6"}:
-        seeded = {
-            seed: sample_rollouts(sampler, tokenizer, sizes.t4_rows, sizes.t4_tokens, seed, None, sizes.gen_batch,
-                                  sizes.chat_template)
-            for seed in T4_SEEDS
-        }
-        log("T4 rollouts sampled")
-    if "T6" in only:
-        add("T6", timed("T6", run_t6, models, seeded[T4_SEEDS[0]]))
-    if "T4" in only:  # last: flex_attention compiles (slow the first time) and may be unavailable
-        skip_flex = "--quick on CPU (flex_attention compiles for ~45 s)" if args.quick and on_cpu else None
-        add("T4", timed("T4", run_t4, models, seeded, skip_flex))
-    save(final=True)
+    params = {"model": args.model, "device": str(device), "seed": args.seed, "quick": args.quick,
+              "sizes": sizes.__dict__, "t4_seeds": list(T4_SEEDS), "clip_eps": CLIP_EPS, "band": 0.1,
+              "tables": sorted(only)}
+    run = TablesRun(path, models, env, params, started)
+    make_tables(run, sizes, args, only, on_cpu)
+    run.save(final=True)
     elapsed = time.perf_counter() - started
-    for t in tables:
+    for t in run.tables:
         print_table(t)
     print(f"\nwrote {path} ({elapsed:.0f} s)")
     return 0

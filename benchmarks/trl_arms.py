@@ -3,8 +3,8 @@
 Per arm: ``num_iterations 2`` (old log-probs drive the PPO ratio), STEPS optimizer steps; reports
 gap/ratio/oob_frac, gap/sampler/oob_frac, clip flips, clipped share, s/step and plugin overhead.
 
-    python benchmarks/trl_arms.py --out benchmarks/results/h200            # GPU, ~3-5 min
-    python benchmarks/trl_arms.py --quick --out /tmp/trl_arms               # CPU, tiny model, < 60 s
+    python -m benchmarks.trl_arms --out benchmarks/results/h200            # GPU, ~3-5 min
+    python -m benchmarks.trl_arms --quick --out /tmp/trl_arms               # CPU, tiny model, < 60 s
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ import argparse
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks._lib.paths import ROOT, arm_recipe
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("CI", "true")
 
@@ -40,7 +39,7 @@ def _num(value, digits=3):
     return None if value is None or (isinstance(value, float) and not math.isfinite(value)) else round(value, digits)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/h200", help="output folder (writes trl_arms.json)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
@@ -56,69 +55,58 @@ def main(argv=None) -> int:
                         help="gap.probe_budget values (default: the recipe's); rows for every probe_every x budget")
     parser.add_argument("--name", default=NAME, help="result name: writes <out>/<name>.json")
     parser.add_argument("--quick", action="store_true", help="tiny random model, 2 steps, CPU-sized (< 60 s)")
-    args = parser.parse_args(argv)
+    return parser
 
-    import torch
 
-    torch.set_num_threads(1) if args.quick else None
-    from bloggap_plugin.envinfo import environment_record
-    from bloggap_plugin.results import ResultDocument, format_text_table
+def table_row(label: str, summary: dict) -> list:
+    """One arm's row of ``COLUMNS`` from its training summary (means over logged steps)."""
+    m = lambda key, s=summary: s.get(f"mean/{key}")  # noqa: E731
+    return [
+        label, _pct(m("gap/ratio/oob_frac")), _pct(m("gap/sampler/oob_frac")), _pct(m("gap/clip/flip_frac")),
+        _pct(m("gap/clip/clipped_frac")), _pct(m("gap/probe/oob_b1_vs_bN")), _pct(m("gap/ratio/exact_frac")),
+        _num(m("step_time")), _num(m("gap/time/scoring_s")), _pct(summary.get("plugin_share")),
+        _pct(m("gap/time/overhead_frac")),
+        _num(m("gap/time/old_pass_s"), 4), _num(summary.get("reward_first")), _num(summary.get("reward_last")),
+    ]
+
+
+def arm_recipe_for(arm: str, quick: bool, tmp: str) -> Path:
+    """The arm's recipe; with ``quick`` arm D gets a temporary copy naming one layer (the tiny model has 2)."""
+    recipe = arm_recipe(arm)
+    if arm == "D" and quick:
+        recipe = Path(tmp) / "arm_D.yaml"  # tiny model: 2 layers, so pick one layer explicitly
+        recipe.write_text(arm_recipe("D").read_text().replace("  k: 8\n", "  layers: [1]\n"))
+    return recipe
+
+
+def train_arm(arm: str, settings: dict, run: dict, tmp: str) -> dict:
+    """Train one arm with the gap ``settings`` for ``run["steps"]`` steps and return its summary with the
+    per-step records (``history``) and wall seconds; raises what training raises."""
     from bloggap_plugin.trl.train import run_training
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = "tiny-random-llama" if args.quick else args.model
-    steps = 2 if args.quick else args.steps
-    batch = 4 if args.quick else args.batch
-    completion = 8 if args.quick else args.completion
-    arms = [a.strip().upper() for a in args.arms.split(",") if a.strip()]
-    overrides = dict(per_device_train_batch_size=batch, num_generations=batch, max_completion_length=completion,
-                     gradient_accumulation_steps=2, num_iterations=2, learning_rate=2e-6)
-    results = {}
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for arm, probe_every, budget in [(a, p, b) for a in arms for p in args.probe_every for b in args.probe_budget]:
-            settings = {key: value for key, value in (("probe_every", probe_every), ("probe_budget", budget))
-                        if value is not None}
-            label = arm if not settings else f"{arm} ({', '.join(f'{k} {v}' for k, v in settings.items())})"
-            gap_overrides = settings or None
-            slug = arm + "".join(f"_{key.split('_')[1]}{value}" for key, value in settings.items())  # A_every8
-            recipe = ROOT / "recipes" / f"arm_{arm}.yaml"
-            if arm == "D" and args.quick:
-                recipe = Path(tmp) / "arm_D.yaml"  # tiny model: 2 layers, so pick one layer explicitly
-                recipe.write_text((ROOT / "recipes" / "arm_D.yaml").read_text().replace("  k: 8\n", "  layers: [1]\n"))
-            print(f"[{NAME}] arm {arm}: {steps} steps of GRPO on {model} ({device})", flush=True)
-            start = time.perf_counter()
-            try:
-                summary = run_training(recipe, model=model, task="arith", max_steps=steps, output_dir=f"{tmp}/{slug}",
-                                       seed=0, log_jsonl=f"{tmp}/{slug}.jsonl", extra_overrides=overrides,
-                                       gap_overrides=gap_overrides, device=device)
-            except Exception as err:  # one arm failing must not lose the others
-                print(f"[{NAME}] arm {arm} failed: {err!r}", flush=True)
-                results[label] = {"error": repr(err)}
-                rows.append([label] + [None] * (len(COLUMNS) - 1))
-                continue
-            history = [json.loads(line) for line in Path(summary["log_jsonl"]).read_text().splitlines()]
-            summary["log_jsonl"] = f"{slug}.jsonl"  # its folder is temporary: the records are in "history"
-            # no machine path in a result: the recipe relative to the repo (--quick's arm D: its temporary copy)
-            summary["recipe"] = (recipe.relative_to(ROOT).as_posix() if recipe.is_relative_to(ROOT)
-                                 else f"{recipe.name} (recipes/arm_D.yaml with layers: [1])")
-            summary["history"] = history
-            summary["bench_wall_s"] = time.perf_counter() - start
-            summary["gap_probe_every"] = probe_every
-            summary["gap_probe_budget"] = budget
-            results[label] = summary
-            m = lambda key, s=summary: s.get(f"mean/{key}")  # noqa: E731
-            rows.append([
-                label, _pct(m("gap/ratio/oob_frac")), _pct(m("gap/sampler/oob_frac")), _pct(m("gap/clip/flip_frac")),
-                _pct(m("gap/clip/clipped_frac")), _pct(m("gap/probe/oob_b1_vs_bN")), _pct(m("gap/ratio/exact_frac")),
-                _num(m("step_time")), _num(m("gap/time/scoring_s")), _pct(summary.get("plugin_share")),
-                _pct(m("gap/time/overhead_frac")),
-                _num(m("gap/time/old_pass_s"), 4), _num(summary.get("reward_first")), _num(summary.get("reward_last")),
-            ])
-            print(f"[{NAME}] arm {arm} done in {summary['bench_wall_s']:.1f} s", flush=True)
-    table = {
-        "id": "T12" if args.name == NAME else f"T12-{args.name}",
-        "title": f"GRPO arms in TRL 1.16 ({model}, arithmetic, {steps} steps, num_iterations 2, batch {batch})",
+    slug = arm + "".join(f"_{key.split('_')[1]}{value}" for key, value in settings.items())  # A_every8
+    recipe = arm_recipe_for(arm, run["quick"], tmp)
+    print(f"[{NAME}] arm {arm}: {run['steps']} steps of GRPO on {run['model']} ({run['device']})", flush=True)
+    start = time.perf_counter()
+    summary = run_training(recipe, model=run["model"], task="arith", max_steps=run["steps"],
+                           output_dir=f"{tmp}/{slug}", seed=0, log_jsonl=f"{tmp}/{slug}.jsonl",
+                           extra_overrides=run["overrides"], gap_overrides=settings or None, device=run["device"])
+    history = [json.loads(line) for line in Path(summary["log_jsonl"]).read_text().splitlines()]
+    summary["log_jsonl"] = f"{slug}.jsonl"  # its folder is temporary: the records are in "history"
+    # no machine path in a result: the recipe relative to the repo (--quick's arm D: its temporary copy)
+    summary["recipe"] = (recipe.relative_to(ROOT).as_posix() if recipe.is_relative_to(ROOT)
+                         else f"{recipe.name} (recipes/arm_D.yaml with layers: [1])")
+    summary["history"] = history
+    summary["bench_wall_s"] = time.perf_counter() - start
+    return summary
+
+
+def t12_table(name: str, run: dict, rows: list[list]) -> dict:
+    """T12 (``T12-<name>`` for another result name): the live gap metrics per arm."""
+    return {
+        "id": "T12" if name == NAME else f"T12-{name}",
+        "title": (f"GRPO arms in TRL 1.16 ({run['model']}, arithmetic, {run['steps']} steps, num_iterations 2, "
+                  f"batch {run['batch']})"),
         "columns": COLUMNS,
         "rows": rows,
         "notes": (
@@ -131,13 +119,52 @@ def main(argv=None) -> int:
             "and is not counted: it is 'G old pass s/step', averaged over steps, 0 on steps reusing a generation)."
         ),
         "reference": None,
-        "random_init": model.startswith("tiny-random"),
+        "random_init": run["model"].startswith("tiny-random"),
     }
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(1) if args.quick else None
+    from bloggap_plugin.envinfo import environment_record
+    from bloggap_plugin.results import ResultDocument, format_text_table
+
+    batch = 4 if args.quick else args.batch
+    run = {"device": args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+           "model": "tiny-random-llama" if args.quick else args.model, "steps": 2 if args.quick else args.steps,
+           "batch": batch, "quick": args.quick,
+           "overrides": dict(per_device_train_batch_size=batch, num_generations=batch,
+                             max_completion_length=8 if args.quick else args.completion,
+                             gradient_accumulation_steps=2, num_iterations=2, learning_rate=2e-6)}
+    arms = [a.strip().upper() for a in args.arms.split(",") if a.strip()]
+    results = {}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for arm, probe_every, budget in [(a, p, b) for a in arms for p in args.probe_every for b in args.probe_budget]:
+            settings = {key: value for key, value in (("probe_every", probe_every), ("probe_budget", budget))
+                        if value is not None}
+            label = arm if not settings else f"{arm} ({', '.join(f'{k} {v}' for k, v in settings.items())})"
+            try:
+                summary = train_arm(arm, settings, run, tmp)
+            except Exception as err:  # one arm failing must not lose the others
+                print(f"[{NAME}] arm {arm} failed: {err!r}", flush=True)
+                results[label] = {"error": repr(err)}
+                rows.append([label] + [None] * (len(COLUMNS) - 1))
+                continue
+            summary["gap_probe_every"] = probe_every
+            summary["gap_probe_budget"] = budget
+            results[label] = summary
+            rows.append(table_row(label, summary))
+            print(f"[{NAME}] arm {arm} done in {summary['bench_wall_s']:.1f} s", flush=True)
+    table = t12_table(args.name, run, rows)
     document = ResultDocument(
         benchmark=NAME,
-        env=environment_record(device),
-        params={"model": model, "steps": steps, "arms": arms, "quick": args.quick, "probe_every": args.probe_every,
-                "probe_budget": args.probe_budget, **overrides},
+        env=environment_record(run["device"]),
+        params={"model": run["model"], "steps": run["steps"], "arms": arms, "quick": args.quick,
+                "probe_every": args.probe_every, "probe_budget": args.probe_budget, **run["overrides"]},
         results=results,
         tables=[table],
     )

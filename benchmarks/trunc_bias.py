@@ -9,8 +9,8 @@ and renormalised over the recorded kept set (ids where ``|S| <= store_ids_max``,
 ``exp(trainer logp - sampler processed logp)``; OOB = outside [0.9, 1.1]. The size-only reconstruction
 (the trainer's top-``|S|``) is compared with the recorded ids.
 
-    python benchmarks/trunc_bias.py --out benchmarks/results/h200          # GPU, ~1 min on an H200
-    python benchmarks/trunc_bias.py --quick --device cpu --out /tmp/tb     # CPU smoke run, < 60 s
+    python -m benchmarks.trunc_bias --out benchmarks/results/h200          # GPU, ~1 min on an H200
+    python -m benchmarks.trunc_bias --quick --device cpu --out /tmp/tb     # CPU smoke run, < 60 s
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from benchmarks._lib.paths import RESULTS
 
 ARMS = [
     ("top_p=0.8", dict(top_p=0.8), True),
@@ -59,14 +61,10 @@ def ratio_stats(logp_trainer: torch.Tensor, logp_sampler: torch.Tensor) -> dict:
     }
 
 
-def run_arm(model, batch, name, truncation, truncate, args, device) -> dict:
-    from bloggap_plugin.core.scoring import gather_logprobs, join_tiles, token_logprobs
-    from bloggap_plugin.core.truncation import kept_reducer, log_kept_mass_from_ids, log_kept_mass_from_size
-    from bloggap_plugin.sampling import SamplerRecorder
-
-    recorder = SamplerRecorder(temperature=1.0, truncate=truncate, store_ids_max=args.store_ids_max, **truncation)
+def sample(model, batch: dict, recorder, args):
+    """``(sequences, record)``: ``--new-tokens`` tokens per prompt sampled by HF ``generate`` with ``recorder``
+    truncating or only recording (EOS does not stop generation); ``sequences`` is ``[B, width + new_tokens]``."""
     width = batch["input_ids"].shape[1]
-    t0 = time.perf_counter()
     torch.manual_seed(args.seed)
     with torch.no_grad():
         sequences = model.generate(
@@ -79,11 +77,17 @@ def run_arm(model, batch, name, truncation, truncate, args, device) -> dict:
         )
     if sequences.shape[1] != width + args.new_tokens:
         raise RuntimeError(f"generation stopped early ({sequences.shape[1] - width} of {args.new_tokens} tokens)")
-    record = recorder.finalize(sequences, width)
-    t_gen = time.perf_counter() - t0
-    attention = torch.cat([batch["attention_mask"], torch.ones_like(sequences[:, width:])], dim=1)
-    ids_tensor = record.kept_ids_tensor()
-    # per tile of scored tokens: (index, value) pairs, joined into [B, K] with join_tiles
+    return sequences, recorder.finalize(sequences, width)
+
+
+def recording_reducer(record, ids_tensor: torch.Tensor, truncate: bool):
+    """``(reduce, extras)``: a ``token_logprobs`` reducer renormalising over the recorded kept set (the full
+    vocabulary when ``truncate`` is off) that also records, per tile of scored tokens, the full-vocabulary
+    log-probs, the size-only reconstruction, both log kept masses and whether the trainer's top-``|S|`` equals
+    the recorded ids (``extras``: name -> ``(index, value)`` pairs, joined into ``[B, K]`` by ``join_tiles``)."""
+    from bloggap_plugin.core.scoring import gather_logprobs
+    from bloggap_plugin.core.truncation import kept_reducer, log_kept_mass_from_ids, log_kept_mass_from_size
+
     extras: dict[str, list] = {"full": [], "size_only": [], "log_mass_ids": [], "log_mass_size": [], "same_set": []}
     product = kept_reducer(kept_ids=ids_tensor, sizes=record.kept_sizes) if truncate else None
     size_only = kept_reducer(sizes=record.kept_sizes) if truncate else None
@@ -105,6 +109,52 @@ def run_arm(model, batch, name, truncation, truncate, args, device) -> dict:
         extras["same_set"].append((index, same_set))
         return product(logits, targets, index)
 
+    return reduce, extras
+
+
+def kept_set_stats(record, ids_tensor: torch.Tensor, extras: dict, sampler: torch.Tensor) -> dict:
+    """Kept mass and size, where the ids were recorded, ids vs size-only log mass, and the size-only ratio."""
+    from bloggap_plugin.core.scoring import join_tiles
+
+    sizes = record.kept_sizes.cpu()
+    has_ids = (ids_tensor >= 0).any(-1).cpu()
+    log_ids = join_tiles(extras["log_mass_ids"]).cpu()
+    log_size = join_tiles(extras["log_mass_size"]).cpu()
+    same = join_tiles(extras["same_set"]).cpu() & has_ids
+    gap = (log_ids - log_size).abs()[has_ids]
+    trainer_log_mass = torch.where(has_ids, log_ids, log_size)
+    return {
+        "kept_mass_sampler_mean": float(record.log_kept_mass.exp().mean().cpu()),
+        "kept_mass_sampler_min": float(record.log_kept_mass.exp().min().cpu()),
+        "kept_mass_trainer_mean": float(trainer_log_mass.exp().mean()),
+        "kept_size_mean": float(sizes.double().mean()),
+        "kept_size_p99": _quantile(sizes, 0.99),
+        "kept_size_max": int(sizes.max()),
+        "positions_with_ids": int(has_ids.sum()),
+        "sets_equal": int(same.sum()),
+        "abs_log_mass_ids_vs_size": {
+            "mean": float(gap.mean()) if gap.numel() else None,
+            "p99": _quantile(gap, 0.99) if gap.numel() else None,
+            "max": float(gap.max()) if gap.numel() else None,
+        },
+        "ratio_size_only": ratio_stats(join_tiles(extras["size_only"]).cpu(), sampler),
+    }
+
+
+def run_arm(model, batch, name, truncation, truncate, args, device) -> dict:
+    """One sampling setting: sample with ``SamplerRecorder``, score the tokens teacher-forced over the full
+    vocabulary and over the recorded kept set; the ratios, times (s) and kept-set statistics."""
+    from bloggap_plugin.core.scoring import join_tiles, token_logprobs
+    from bloggap_plugin.sampling import SamplerRecorder
+
+    recorder = SamplerRecorder(temperature=1.0, truncate=truncate, store_ids_max=args.store_ids_max, **truncation)
+    t0 = time.perf_counter()
+    sequences, record = sample(model, batch, recorder, args)
+    t_gen = time.perf_counter() - t0
+    width = batch["input_ids"].shape[1]
+    attention = torch.cat([batch["attention_mask"], torch.ones_like(sequences[:, width:])], dim=1)
+    ids_tensor = record.kept_ids_tensor()
+    reduce, extras = recording_reducer(record, ids_tensor, truncate)
     t0 = time.perf_counter()
     with torch.no_grad():
         renorm = token_logprobs(
@@ -128,40 +178,18 @@ def run_arm(model, batch, name, truncation, truncate, args, device) -> dict:
         ),
     }
     if truncate:
-        sizes = record.kept_sizes.cpu()
-        has_ids = (ids_tensor >= 0).any(-1).cpu()
-        log_ids = join_tiles(extras["log_mass_ids"]).cpu()
-        log_size = join_tiles(extras["log_mass_size"]).cpu()
-        same = join_tiles(extras["same_set"]).cpu() & has_ids
-        gap = (log_ids - log_size).abs()[has_ids]
-        trainer_log_mass = torch.where(has_ids, log_ids, log_size)
-        result.update(
-            {
-                "kept_mass_sampler_mean": float(record.log_kept_mass.exp().mean().cpu()),
-                "kept_mass_sampler_min": float(record.log_kept_mass.exp().min().cpu()),
-                "kept_mass_trainer_mean": float(trainer_log_mass.exp().mean()),
-                "kept_size_mean": float(sizes.double().mean()),
-                "kept_size_p99": _quantile(sizes, 0.99),
-                "kept_size_max": int(sizes.max()),
-                "positions_with_ids": int(has_ids.sum()),
-                "sets_equal": int(same.sum()),
-                "abs_log_mass_ids_vs_size": {
-                    "mean": float(gap.mean()) if gap.numel() else None,
-                    "p99": _quantile(gap, 0.99) if gap.numel() else None,
-                    "max": float(gap.max()) if gap.numel() else None,
-                },
-                "ratio_size_only": ratio_stats(join_tiles(extras["size_only"]).cpu(), sampler),
-            }
-        )
+        result.update(kept_set_stats(record, ids_tensor, extras, sampler))
     else:
         result.update({"kept_mass_sampler_mean": 1.0, "kept_mass_trainer_mean": 1.0, "kept_size_mean": None, "kept_size_max": None})
     return result
 
 
-def tables(results: list[dict], params: dict, random_init: bool) -> list[dict]:
-    def r4(x):
-        return None if x is None else round(float(x), 4)
+def _r4(x):
+    return None if x is None else round(float(x), 4)
 
+
+def t11_table(results: list[dict], params: dict, random_init: bool) -> dict:
+    """T11: the sampler ratio over the full vocabulary and over the kept set, per sampling setting."""
     rows = []
     for res in results:
         full, kept = res["ratio_full_vocab"], res["ratio_kept_set"]
@@ -169,20 +197,20 @@ def tables(results: list[dict], params: dict, random_init: bool) -> list[dict]:
             [
                 res["arm"],
                 res["tokens"],
-                r4(res["kept_mass_sampler_mean"]),
-                r4(res["kept_size_mean"]) if res["kept_size_mean"] is not None else "-",
+                _r4(res["kept_mass_sampler_mean"]),
+                _r4(res["kept_size_mean"]) if res["kept_size_mean"] is not None else "-",
                 res["kept_size_max"] if res["kept_size_max"] is not None else "-",
-                r4(full["mean"]),
-                r4(full["median"]),
+                _r4(full["mean"]),
+                _r4(full["median"]),
                 full["oob_pct"],
-                r4(kept["mean"]),
-                r4(kept["median"]),
+                _r4(kept["mean"]),
+                _r4(kept["median"]),
                 kept["oob_pct"],
-                r4(full["abs_dlogp"]["mean"]),
-                r4(kept["abs_dlogp"]["mean"]),
+                _r4(full["abs_dlogp"]["mean"]),
+                _r4(kept["abs_dlogp"]["mean"]),
             ]
         )
-    main = {
+    return {
         "id": "T11",
         "title": "Truncated-sampling term in the sampler ratio (HF generate + SamplerRecorder), before/after renormalising",
         "columns": [
@@ -212,6 +240,10 @@ def tables(results: list[dict], params: dict, random_init: bool) -> list[dict]:
         "reference": "T11",
         "random_init": random_init,
     }
+
+
+def t11b_table(results: list[dict], random_init: bool) -> dict:
+    """T11b: the size-only kept set (the trainer's top-``|S|``) against the recorded ids."""
     size_rows = []
     for res in results:
         if not res["truncate"]:
@@ -227,12 +259,12 @@ def tables(results: list[dict], params: dict, random_init: bool) -> list[dict]:
                 None if gap["mean"] is None else float(f"{gap['mean']:.3g}"),
                 None if gap["p99"] is None else float(f"{gap['p99']:.3g}"),
                 None if gap["max"] is None else float(f"{gap['max']:.3g}"),
-                r4(res["ratio_size_only"]["mean"]),
+                _r4(res["ratio_size_only"]["mean"]),
                 res["ratio_size_only"]["oob_pct"],
                 res["ratio_kept_set"]["oob_pct"],
             ]
         )
-    size_table = {
+    return {
         "id": "T11b",
         "title": "Size-only kept set (trainer top-|S|) vs recorded ids",
         "columns": [
@@ -256,7 +288,11 @@ def tables(results: list[dict], params: dict, random_init: bool) -> list[dict]:
         "reference": None,
         "random_init": random_init,
     }
-    return [main, size_table]
+
+
+def tables(results: list[dict], params: dict, random_init: bool) -> list[dict]:
+    """The T11 and T11b tables of the runs ``results``."""
+    return [t11_table(results, params, random_init), t11b_table(results, random_init)]
 
 
 def print_tables(tables_: list[dict]) -> None:
@@ -290,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     from bloggap_plugin.results import ResultDocument
 
     device = torch.device(args.device)
-    out_dir = Path(args.out) if args.out else Path(__file__).resolve().parent / "results" / device_tag(device)
+    out_dir = Path(args.out) if args.out else RESULTS / device_tag(device)
     t_start = time.perf_counter()
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=device)
     texts = prompts(args.prompts)
@@ -333,5 +369,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     sys.exit(main())

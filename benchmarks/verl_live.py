@@ -5,10 +5,10 @@ local without dashboard, GRPO on the arithmetic task, SmolLM2-135M-Instruct) of 
 ``verl_live_runs.json`` under ``--out`` is rewritten (a time limit keeps what finished), beside ``<run>.log`` (the
 driver's console: Ray forwards every worker's output there) and ``<run>.metrics.jsonl`` (verl's ``file`` logger).
 
-    python benchmarks/verl_live.py probe                              # imports a run needs; names what is missing
-    python benchmarks/verl_live.py prepare --out $OUT                 # parquet + bloggap entry point (CPU, seconds)
-    python benchmarks/verl_live.py run --model /tmp/vx/smollm2 --out $OUT --runs geo_rs/control,geo_rs/nofix,geo_rs/fix
-    python benchmarks/verl_live.py run ... --dry-run                  # print the commands, run nothing
+    python -m benchmarks.verl_live probe                              # imports a run needs; names what is missing
+    python -m benchmarks.verl_live prepare --out $OUT                 # parquet + bloggap entry point (CPU, seconds)
+    python -m benchmarks.verl_live run --model /tmp/vx/smollm2 --out $OUT --runs geo_rs/control,geo_rs/nofix,geo_rs/fix
+    python -m benchmarks.verl_live run ... --dry-run                  # print the commands, run nothing
 
 Runs (``RUNS``): ``<preset>/control`` (untruncated, plugin on, arm A's ``gap_vanilla``: item 1 and item 3 arm A),
 ``<preset>/nofix`` (rollout top_p 0.8, ``BLOGGAP_VERL_DISABLE=1``), ``<preset>/fix`` (top_p 0.8 with
@@ -21,7 +21,7 @@ bloggap is not pip-installed on the GPU machine: ``prepare`` writes a ``bloggap-
 verl loads the plugin in the driver, the TaskRunner and every Ray worker (checked: the "registered" line per process).
 
 What the runs are and what their logs say (run specs, log parsing, run records, the T13v tables) is in
-``verl_live_records.py`` beside this script; this one runs verl and writes the files.
+``benchmarks/_lib/verl_records.py``; this script runs verl and writes the files.
 """
 
 from __future__ import annotations
@@ -39,12 +39,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for _path in (ROOT, ROOT / "benchmarks"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from verl_live_records import (  # noqa: E402 - the run records' module sits beside this script
+from benchmarks._lib.paths import ROOT
+from benchmarks._lib.verl_records import (
     PRESETS,
     RUNS,
     TOP_P_TRUNCATED,
@@ -351,7 +347,7 @@ def cmd_run(args) -> None:
         return
     missing = [p for p in (out / "data" / "train.parquet", out / "site") if not p.exists()]
     if missing:
-        sys.exit(f"error: {missing[0]} is missing: run `python benchmarks/verl_live.py prepare --out {out}` first")
+        sys.exit(f"error: {missing[0]} is missing: run `python -m benchmarks.verl_live prepare --out {out}` first")
     if not Path(args.model, "config.json").exists():
         sys.exit(f"error: {args.model}/config.json not found: --model must be a HF folder (VLLM.md: mk_smollm2.py)")
     result_path = out / RUNS_JSON
@@ -451,7 +447,7 @@ def cmd_check_head(args) -> None:
     out = Path(args.out).resolve()
     dumps = sorted(out.glob(f"{run_tag(args.run)}.dump.*.pt"))
     if not dumps:
-        sys.exit(f"error: no {args.run} dump under {out}: run it with verl_live.py run (it sets {DUMP_ENV})")
+        sys.exit(f"error: no {args.run} dump under {out}: run it with `python -m benchmarks.verl_live run` (it sets {DUMP_ENV})")
     report = check_head(dumps, args.model, args.device)
     result_path = out / RUNS_JSON
     result = json.loads(result_path.read_text()) if result_path.exists() else {"runs": {}}

@@ -4,7 +4,7 @@ invariant mode, and TRL GRPO colocate runs of every arm with the plugin attached
 One orchestrating command runs everything and writes ``vllm_live.json`` under ``--out`` after every phase, so a time
 limit keeps what finished:
 
-    python benchmarks/vllm_live.py all --model /tmp/vx/smollm2 --out $OUT            # ~6-8 min on one H200
+    python -m benchmarks.vllm_live all --model /tmp/vx/smollm2 --out $OUT            # ~6-8 min on one H200
 
 Phases (each a subprocess where vLLM's process-wide settings differ; engine starts are serialised by a file lock
 because vLLM profiles free GPU memory while it starts):
@@ -36,9 +36,8 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from benchmarks._lib.launch import module_command, repo_env
+from benchmarks._lib.paths import arm_recipe
 
 TRUNCATIONS = {
     "untruncated": {},
@@ -189,7 +188,7 @@ def cmd_trl(args) -> None:
     log = Path(args.out_json).with_suffix(".jsonl")
     log.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    summary = run_training(ROOT / "recipes" / f"arm_{args.arm}.yaml", model=args.model, task="arith",
+    summary = run_training(arm_recipe(args.arm), model=args.model, task="arith",
                            max_steps=args.steps, output_dir=f"/tmp/bloggap_trl_{Path(args.out_json).stem}", seed=0,
                            log_jsonl=log, extra_overrides=overrides, gap_overrides=gap_overrides or None)
     rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
@@ -284,14 +283,112 @@ def _gap(trainer, sampler, band=0.1) -> dict:
             "tokens": n}
 
 
+def _score_untruncated(plans: dict, batch: tuple, sampler, label: str, band: float) -> list[dict]:
+    """Sampler-vs-trainer rows of one untruncated set: every scorer of ``SCORERS`` on ``batch`` ``(ids, mask,
+    width)`` against the sampler's log-probs ``[B, width]``."""
+    import torch
+
+    ids, mask, width = batch
+    rows = []
+    for name, arm, positions in SCORERS:
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16):
+            logps = plans[arm].token_logprobs(ids, mask, width, batch_size=8, positions=positions)
+        row = {"sampler": label, "scorer": name, **_gap(logps.cpu(), sampler, band)}
+        rows.append(row)
+        print(f"[score] {label} | {name}: {row['oob_pct']}% mean {row['abs_dlogp_mean']:.4f}", flush=True)
+    return rows
+
+
+def _truncation_reducer(data: dict, store: dict):
+    """A ``token_logprobs`` reducer for one truncated set that records per tile of scored tokens (index = its rows
+    and positions) the full-vocabulary log-probs, the trainer's re-truncated ones and kept mass, where the sampled
+    token lies outside the trainer's set, and the log-probs over vLLM's exact kept set where its top-K processed
+    log-probs cover it: ``(index, value)`` pairs in ``store``, joined with ``join_tiles``."""
+    import torch
+
+    from bloggap_plugin.core.scoring import gather_logprobs
+    from bloggap_plugin.core.truncation import kept_mask, log_kept_mass, renormalized_logprobs
+
+    trunc, top_ids, top_lp = data["truncation"], data["top_ids"], data["top_lp"]
+
+    def reduce(logits, targets, index):
+        full = gather_logprobs(logits, targets)
+        natural = kept_mask(logits, top_k=trunc.get("top_k", 0), top_p=trunc.get("top_p", 1.0),
+                            min_p=trunc.get("min_p", 0.0))
+        forced = ~natural.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        kept = natural.scatter(-1, targets.unsqueeze(-1), True)
+        store["full"].append((index, full.float().cpu()))
+        store["retrunc"].append((index, renormalized_logprobs(logits, targets, kept).float().cpu()))
+        store["log_mass"].append((index, log_kept_mass(logits, kept).float().cpu()))
+        store["forced"].append((index, forced.cpu()))
+        # vLLM's exact kept set where its top-K processed log-probs cover it (some returned entry is -inf)
+        chunk_ids = top_ids[index].to(logits.device)
+        finite = torch.isfinite(top_lp[index]).to(logits.device) & (chunk_ids >= 0)
+        # count finite entries per id (padding slots, id -1, add 0), so a padding slot never clears a kept id
+        hits = torch.zeros(kept.shape, dtype=torch.int32, device=logits.device)
+        hits.scatter_add_(-1, chunk_ids.clamp(min=0), finite.to(torch.int32))
+        exact = hits > 0
+        store["exact"].append((index, renormalized_logprobs(logits, targets, exact).float().cpu()))
+        return full
+
+    return reduce
+
+
+def _score_truncated(plans: dict, batch: tuple, data: dict, set_name: str, label: str, band: float) -> dict:
+    """The truncation entry of one truncated set: ratios before and after the trainer's re-truncation and over
+    vLLM's exact set where covered, kept mass, and TRL's sequence-level IS weight before and after."""
+    import torch
+
+    from bloggap_plugin.core.scoring import join_tiles
+    from bloggap_plugin.trl.mixin import is_ratio
+
+    ids, mask, width = batch
+    sampler, covered = data["sampled"], data["parser_covered"]
+    store: dict = {"full": [], "retrunc": [], "log_mass": [], "forced": [], "exact": []}
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16):
+        plans["bf16"].token_logprobs(ids, mask, width, batch_size=8, positions="mask",
+                                     reduce=_truncation_reducer(data, store))
+    full = join_tiles(store["full"])
+    retrunc = join_tiles(store["retrunc"])
+    log_mass = join_tiles(store["log_mass"])
+    exact = join_tiles(store["exact"])
+    ones = torch.ones_like(full)
+    entry = {"sampler": label, "truncation": set_name, "scorer": "bf16 (mask positions)",
+             "tokens": int(full.numel()),
+             "kept_mass_trainer_mean": float(log_mass.double().exp().mean()),
+             "kept_mass_trainer_min": float(log_mass.double().exp().min()),
+             "sampled_outside_trainer_set_frac": float(join_tiles(store["forced"]).double().mean()),
+             "ratio_mean_before": float((full.double() - sampler).exp().mean()),
+             "ratio_mean_after_retruncation": float((retrunc.double() - sampler).exp().mean()),
+             "before": _gap(full, sampler, band), "after_retruncation": _gap(retrunc, sampler, band)}
+    if covered is not None:
+        cov = covered.bool()
+        entry["exact_covered_frac"] = float(cov.double().mean())
+        if cov.any():
+            entry["after_exact_on_covered"] = _gap(exact[cov], sampler[cov], band)
+            entry["ratio_mean_after_exact_on_covered"] = float((exact.double() - sampler)[cov].exp().mean())
+            entry["before_on_covered"] = _gap(full[cov], sampler[cov], band)
+    # TRL's default vllm_importance_sampling_mode="sequence_mask", clip_max 3.0, clip_min None
+    for key, old in (("before", full), ("after_retruncation", retrunc)):
+        seq = is_ratio(old.double(), sampler, ones.double(), "sequence_mask", None, 3.0).squeeze(-1)
+        raw = (old.double() - sampler).sum(-1).exp()
+        entry[f"sequence_mask_{key}"] = {
+            "masked_frac": float((seq == 0).double().mean()),
+            "weight_below_0.5_frac": float((raw < 0.5).double().mean()),
+            "ratio_median": float(raw.median()),
+        }
+    print(f"[trunc] {set_name}: before {entry['before']['oob_pct']}% after {entry['after_retruncation']['oob_pct']}% "
+          f"mass {entry['kept_mass_trainer_mean']:.4f}", flush=True)
+    return entry
+
+
 def cmd_score(gen_files: list[Path], model_path: str, band: float = 0.1) -> dict:
+    """Score the saved vLLM rollouts of ``gen_files`` with every scoring arm (untruncated sets) and the bf16 pass
+    renormalised over kept sets (truncated sets of the default engine); the T13 and T13-trunc records."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bloggap_plugin.core.plans import make_plan
-    from bloggap_plugin.core.scoring import gather_logprobs, join_tiles
-    from bloggap_plugin.core.truncation import kept_mask, log_kept_mass, renormalized_logprobs
-    from bloggap_plugin.trl.mixin import is_ratio
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -304,83 +401,14 @@ def cmd_score(gen_files: list[Path], model_path: str, band: float = 0.1) -> dict
         saved = torch.load(path, weights_only=False)
         meta = json.loads(path.with_suffix(".json").read_text())
         label = f"vLLM {meta['dtype'].replace('torch.', '')}, batch-invariant {meta['batch_invariant']}"
-        prompt_ids = saved["prompt_ids"]
         for set_name, data in saved["sets"].items():
             tokens = data["tokens"]
-            ids, mask = _batch(prompt_ids, tokens, pad_id, device)
-            width = tokens.shape[1]
-            sampler = data["sampled"]
+            ids, mask = _batch(saved["prompt_ids"], tokens, pad_id, device)
+            batch = (ids, mask, tokens.shape[1])
             if set_name == "untruncated":
-                for name, arm, positions in SCORERS:
-                    with torch.autocast(device.type, dtype=torch.bfloat16):
-                        logps = plans[arm].token_logprobs(ids, mask, width, batch_size=8, positions=positions)
-                    row = {"sampler": label, "scorer": name, **_gap(logps.cpu(), sampler, band)}
-                    table.append(row)
-                    print(f"[score] {label} | {name}: {row['oob_pct']}% mean {row['abs_dlogp_mean']:.4f}", flush=True)
-                continue
-            if meta["batch_invariant"] != "0":
-                continue  # the truncation table uses the default engine
-            trunc = data["truncation"]
-            store: dict = {"full": [], "retrunc": [], "log_mass": [], "forced": [], "exact": []}
-            top_ids = data["top_ids"]
-            top_lp = data["top_lp"]
-            covered = data["parser_covered"]
-
-            # per tile of scored tokens (index = its rows and positions): (index, value), joined with join_tiles
-            def reduce(logits, targets, index, trunc=trunc, top_ids=top_ids, top_lp=top_lp, store=store):
-                full = gather_logprobs(logits, targets)
-                natural = kept_mask(logits, top_k=trunc.get("top_k", 0), top_p=trunc.get("top_p", 1.0),
-                                    min_p=trunc.get("min_p", 0.0))
-                forced = ~natural.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-                kept = natural.scatter(-1, targets.unsqueeze(-1), True)
-                store["full"].append((index, full.float().cpu()))
-                store["retrunc"].append((index, renormalized_logprobs(logits, targets, kept).float().cpu()))
-                store["log_mass"].append((index, log_kept_mass(logits, kept).float().cpu()))
-                store["forced"].append((index, forced.cpu()))
-                # vLLM's exact kept set where its top-K processed log-probs cover it (some returned entry is -inf)
-                chunk_ids = top_ids[index].to(logits.device)
-                finite = torch.isfinite(top_lp[index]).to(logits.device) & (chunk_ids >= 0)
-                # count finite entries per id (padding slots, id -1, add 0), so a padding slot never clears a kept id
-                hits = torch.zeros(kept.shape, dtype=torch.int32, device=logits.device)
-                hits.scatter_add_(-1, chunk_ids.clamp(min=0), finite.to(torch.int32))
-                exact = hits > 0
-                store["exact"].append((index, renormalized_logprobs(logits, targets, exact).float().cpu()))
-                return full
-
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                plans["bf16"].token_logprobs(ids, mask, width, batch_size=8, positions="mask", reduce=reduce)
-            full = join_tiles(store["full"])
-            retrunc = join_tiles(store["retrunc"])
-            log_mass = join_tiles(store["log_mass"])
-            exact = join_tiles(store["exact"])
-            ones = torch.ones_like(full)
-            entry = {"sampler": label, "truncation": set_name, "scorer": "bf16 (mask positions)",
-                     "tokens": int(full.numel()),
-                     "kept_mass_trainer_mean": float(log_mass.double().exp().mean()),
-                     "kept_mass_trainer_min": float(log_mass.double().exp().min()),
-                     "sampled_outside_trainer_set_frac": float(join_tiles(store["forced"]).double().mean()),
-                     "ratio_mean_before": float((full.double() - sampler).exp().mean()),
-                     "ratio_mean_after_retruncation": float((retrunc.double() - sampler).exp().mean()),
-                     "before": _gap(full, sampler, band), "after_retruncation": _gap(retrunc, sampler, band)}
-            if covered is not None:
-                cov = covered.bool()
-                entry["exact_covered_frac"] = float(cov.double().mean())
-                if cov.any():
-                    entry["after_exact_on_covered"] = _gap(exact[cov], sampler[cov], band)
-                    entry["ratio_mean_after_exact_on_covered"] = float((exact.double() - sampler)[cov].exp().mean())
-                    entry["before_on_covered"] = _gap(full[cov], sampler[cov], band)
-            # TRL's default vllm_importance_sampling_mode="sequence_mask", clip_max 3.0, clip_min None
-            for key, old in (("before", full), ("after_retruncation", retrunc)):
-                seq = is_ratio(old.double(), sampler, ones.double(), "sequence_mask", None, 3.0).squeeze(-1)
-                raw = (old.double() - sampler).sum(-1).exp()
-                entry[f"sequence_mask_{key}"] = {
-                    "masked_frac": float((seq == 0).double().mean()),
-                    "weight_below_0.5_frac": float((raw < 0.5).double().mean()),
-                    "ratio_median": float(raw.median()),
-                }
-            truncation.append(entry)
-            print(f"[trunc] {set_name}: before {entry['before']['oob_pct']}% after {entry['after_retruncation']['oob_pct']}% "
-                  f"mass {entry['kept_mass_trainer_mean']:.4f}", flush=True)
+                table += _score_untruncated(plans, batch, data["sampled"], label, band)
+            elif meta["batch_invariant"] == "0":  # the truncation table uses the default engine
+                truncation.append(_score_truncated(plans, batch, data, set_name, label, band))
     for plan in plans.values():
         plan.close()
     return {"sampler_vs_trainer": table, "truncation": truncation}
@@ -430,9 +458,10 @@ def _env() -> dict:
 
 
 def _spawn(argv: list[str], log: Path, env_extra: dict | None = None) -> subprocess.Popen:
-    env = {**os.environ, **(env_extra or {})}
+    env = repo_env({**os.environ, **(env_extra or {})})
     handle = open(log, "w")
-    return subprocess.Popen([sys.executable, __file__, *argv], stdout=handle, stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(module_command("benchmarks.vllm_live", *argv), stdout=handle, stderr=subprocess.STDOUT,
+                            env=env)
 
 
 def _wait(procs: dict, deadline: float) -> dict:
@@ -486,17 +515,20 @@ def _r(value, digits=4):
     return None if value is None else round(float(value), digits)
 
 
-def tables(result: dict) -> list[dict]:
-    """The T13 tables of BENCHMARKS.md, derived from the merged results (never typed)."""
-    out = []
+def _t13_table(result: dict) -> dict:
+    """T13: the sampler (vLLM) against each scoring arm's old-logprob pass, untruncated."""
     rows = [[r["sampler"], r["scorer"], r["tokens"], _r(r["oob_pct"], 2), _r(r["abs_dlogp_mean"]), _r(r["abs_dlogp_max"])]
             for r in result["sampler_vs_trainer"]]
-    out.append({"id": "T13", "title": "Sampler (vLLM 0.26) vs the trainer's old-logprob pass, per scoring arm",
-                "columns": ["vLLM sampler", "trainer pass", "tokens", "OOB %", "mean |dlogp|", "max |dlogp|"], "rows": rows,
-                "notes": "SmolLM2-135M-Instruct, 64 raw prompts x 128 forced tokens, T=1, untruncated, vLLM processed "
-                         "log-probs (enforce_eager, FA3). Trainer: fp32 master weights; bf16 = autocast as TRL runs it, "
-                         "left-padded chunks of 8; arms' plans from make_plan. OOB = exp(trainer - vLLM) outside [0.9, 1.1].",
-                "reference": None, "random_init": False})
+    return {"id": "T13", "title": "Sampler (vLLM 0.26) vs the trainer's old-logprob pass, per scoring arm",
+            "columns": ["vLLM sampler", "trainer pass", "tokens", "OOB %", "mean |dlogp|", "max |dlogp|"], "rows": rows,
+            "notes": "SmolLM2-135M-Instruct, 64 raw prompts x 128 forced tokens, T=1, untruncated, vLLM processed "
+                     "log-probs (enforce_eager, FA3). Trainer: fp32 master weights; bf16 = autocast as TRL runs it, "
+                     "left-padded chunks of 8; arms' plans from make_plan. OOB = exp(trainer - vLLM) outside [0.9, 1.1].",
+            "reference": None, "random_init": False}
+
+
+def _t13_trunc_table(result: dict) -> dict:
+    """T13-trunc: truncated sampling, ratio before and after renormalising, and TRL's sequence weight."""
     rows = []
     for t in result["truncation"]:
         before, after = t["sequence_mask_before"], t["sequence_mask_after_retruncation"]
@@ -506,20 +538,24 @@ def tables(result: dict) -> list[dict]:
                      _r(t.get("after_exact_on_covered", {}).get("oob_pct"), 2),
                      _r(100 * before["weight_below_0.5_frac"], 1), _r(100 * after["weight_below_0.5_frac"], 1),
                      _r(100 * before["masked_frac"], 1), _r(100 * after["masked_frac"], 1)])
-    out.append({"id": "T13-trunc", "title": "Truncated sampling with vLLM processed log-probs: ratio before / after the "
-                "plugin's renormalisation, and TRL's sequence-level IS weight",
-                "columns": ["vLLM", "sampling", "tokens", "kept mass", "full vocab: mean ratio", "OOB %",
-                            "re-truncated: mean ratio", "OOB %", "exact set covered %", "exact set: OOB %",
-                            "seq weight < 0.5: before %", "after %", "seq masked: before %", "after %"],
-                "rows": rows,
-                "notes": "Same rollouts as T13 (64 x 128 tokens). Trainer = bf16 pass (mask positions). Kept mass = the "
-                         "trainer's mass of its re-truncated set (vLLM order, sampled token forced in). 'exact set' = "
-                         "vLLM's own kept set where its top-20/25 processed log-probs cover it (an entry is -inf), on "
-                         "those positions only. Sequence weight = exp(sum(old - vLLM)) as TRL's default "
-                         "vllm_importance_sampling_mode sequence_mask computes it; TRL masks only outside "
-                         "[clip_min None, clip_max 3], so truncated sequences are not masked but weighted far below 1 "
-                         "(each set's median weight: results.truncation[].sequence_mask_before.ratio_median).",
-                "reference": "T11", "random_init": False})
+    return {"id": "T13-trunc", "title": "Truncated sampling with vLLM processed log-probs: ratio before / after the "
+            "plugin's renormalisation, and TRL's sequence-level IS weight",
+            "columns": ["vLLM", "sampling", "tokens", "kept mass", "full vocab: mean ratio", "OOB %",
+                        "re-truncated: mean ratio", "OOB %", "exact set covered %", "exact set: OOB %",
+                        "seq weight < 0.5: before %", "after %", "seq masked: before %", "after %"],
+            "rows": rows,
+            "notes": "Same rollouts as T13 (64 x 128 tokens). Trainer = bf16 pass (mask positions). Kept mass = the "
+                     "trainer's mass of its re-truncated set (vLLM order, sampled token forced in). 'exact set' = "
+                     "vLLM's own kept set where its top-20/25 processed log-probs cover it (an entry is -inf), on "
+                     "those positions only. Sequence weight = exp(sum(old - vLLM)) as TRL's default "
+                     "vllm_importance_sampling_mode sequence_mask computes it; TRL masks only outside "
+                     "[clip_min None, clip_max 3], so truncated sequences are not masked but weighted far below 1 "
+                     "(each set's median weight: results.truncation[].sequence_mask_before.ratio_median).",
+            "reference": "T11", "random_init": False}
+
+
+def _t13_trl_table(result: dict) -> dict:
+    """T13-trl: TRL GRPO colocate runs of every arm with the plugin."""
     rows = []
     for arm, run in sorted(result["trl_runs"].items()):
         summary = run["summary"]
@@ -528,16 +564,20 @@ def tables(result: dict) -> list[dict]:
                      _r(summary.get("mean/gap/sampler/abs_dlogp_mean")), _r(summary.get("mean/gap/sampler/is_ratio_min")),
                      _r(summary.get("mean/gap/sampler/is_ratio_mean")), _r(summary.get("mean/gap/sampler/is_ratio_max")),
                      _r(100 * (summary.get("mean/gap/ratio/oob_frac") or 0.0), 2), _r(run["wall_s"], 1)])
-    out.append({"id": "T13-trl", "title": "TRL 1.16 GRPO with use_vllm=True (colocate) and the plugin, every arm",
-                "columns": ["arm", "vLLM dtype", "steps", "sampler OOB %", "sampler mean |dlogp|", "IS ratio min",
-                            "IS ratio mean", "IS ratio max", "PPO ratio OOB %", "wall s"],
-                "rows": rows,
-                "notes": "recipes/arm_X.yaml (8 x 32-token completions, num_iterations 2, grad accumulation 2), 8 "
-                         "optimizer steps (TRL generated on steps 1, 3, 5, 7), SmolLM2 on the arithmetic task, vLLM colocate (kv cache 2 GiB, "
-                         "enforce_eager). Means over the logged steps of gap/sampler/* (old log-probs of the arm vs vLLM) "
-                         "and gap/ratio/oob_frac. Runs shared the GPU (wall s is not a timing). Arm H: "
-                         "GapGRPOTrainer built vLLM in fp16.",
-                "reference": None, "random_init": False})
+    return {"id": "T13-trl", "title": "TRL 1.16 GRPO with use_vllm=True (colocate) and the plugin, every arm",
+            "columns": ["arm", "vLLM dtype", "steps", "sampler OOB %", "sampler mean |dlogp|", "IS ratio min",
+                        "IS ratio mean", "IS ratio max", "PPO ratio OOB %", "wall s"],
+            "rows": rows,
+            "notes": "recipes/arm_X.yaml (8 x 32-token completions, num_iterations 2, grad accumulation 2), 8 "
+                     "optimizer steps (TRL generated on steps 1, 3, 5, 7), SmolLM2 on the arithmetic task, vLLM colocate (kv cache 2 GiB, "
+                     "enforce_eager). Means over the logged steps of gap/sampler/* (old log-probs of the arm vs vLLM) "
+                     "and gap/ratio/oob_frac. Runs shared the GPU (wall s is not a timing). Arm H: "
+                     "GapGRPOTrainer built vLLM in fp16.",
+            "reference": None, "random_init": False}
+
+
+def _t13_check_table(result: dict) -> dict:
+    """T13-check: the plugin's gap/sampler/* against TRL's sampling/* on the same steps."""
     worst: dict = {}
     for row in result["cross_check"]:
         entry = worst.setdefault(row["arm"], [0, 0.0, 0.0, 0.0])
@@ -545,14 +585,18 @@ def tables(result: dict) -> list[dict]:
         entry[1] = max(entry[1], row.get("diff abs_dlogp_mean") or 0.0)
         entry[2] = max(entry[2], row.get("diff abs_dlogp_max") or 0.0)
         entry[3] = max(entry[3], row.get("diff is_ratio_mean") or 0.0)
-    out.append({"id": "T13-check", "title": "Plugin vs TRL on the same step: gap/sampler/* minus TRL's sampling/* (max over steps)",
-                "columns": ["arm", "steps", "|d| abs_dlogp_mean", "|d| abs_dlogp_max", "|d| is_ratio_mean"],
-                "rows": [[arm, v[0], float(f"{v[1]:.3g}"), float(f"{v[2]:.3g}"), float(f"{v[3]:.3g}")] for arm, v in sorted(worst.items())],
-                "notes": "Arms A, H and G use TRL's own old log-probs at generation time, so both sides measure the same "
-                         "tokens the same way: differences are float32 rounding (< 1e-6). C's differ by positions only "
-                         "(mask vs 0..L-1: < 3e-6); B, D, E, F score old log-probs in another precision, so their "
-                         "difference is the arm's effect, not a disagreement.",
-                "reference": None, "random_init": False, "plot": False})
+    return {"id": "T13-check", "title": "Plugin vs TRL on the same step: gap/sampler/* minus TRL's sampling/* (max over steps)",
+            "columns": ["arm", "steps", "|d| abs_dlogp_mean", "|d| abs_dlogp_max", "|d| is_ratio_mean"],
+            "rows": [[arm, v[0], float(f"{v[1]:.3g}"), float(f"{v[2]:.3g}"), float(f"{v[3]:.3g}")] for arm, v in sorted(worst.items())],
+            "notes": "Arms A, H and G use TRL's own old log-probs at generation time, so both sides measure the same "
+                     "tokens the same way: differences are float32 rounding (< 1e-6). C's differ by positions only "
+                     "(mask vs 0..L-1: < 3e-6); B, D, E, F score old log-probs in another precision, so their "
+                     "difference is the arm's effect, not a disagreement.",
+            "reference": None, "random_init": False, "plot": False}
+
+
+def _t13_bi_table(result: dict) -> dict:
+    """T13-bi: generation time and greedy batch identity with and without ``VLLM_BATCH_INVARIANT``."""
     rows = []
     base = {t["shape"]: t["best_s"] for t in result.get("batch_invariant_timing", []) if t["batch_invariant"] == "0"}
     for t in result.get("batch_invariant_timing", []):
@@ -560,15 +604,20 @@ def tables(result: dict) -> list[dict]:
         rows.append([t["shape"], t["batch_invariant"], t["best_s"], t["median_s"],
                      _r(t["best_s"] / base[t["shape"]], 2) if t["shape"] in base else None,
                      f"{g['bit_identical']}/{g['prompts']}", _r(g["max_abs_dlogp_same_tokens"])])
-    out.append({"id": "T13-bi", "title": "VLLM_BATCH_INVARIANT=1: generation time and greedy batch-1 vs batch-64",
-                "columns": ["model", "batch-invariant", "best s", "median s", "x default", "greedy b1 = b64 bitwise",
-                            "max |dlogp| (same tokens)"],
-                "rows": rows,
-                "notes": "64 prompts x 128 tokens (ignore_eos), best of 3 after a warm-up, one engine alone on the GPU, "
-                         "bf16, enforce_eager. llama-1b = random-init Llama (hidden 2048, 16 layers, vocab 49152, "
-                         "load_format dummy): timing only. Greedy: 4 prompts alone vs in the 64-batch, 64 tokens.",
-                "reference": None, "random_init": False, "plot": False})
-    return out
+    return {"id": "T13-bi", "title": "VLLM_BATCH_INVARIANT=1: generation time and greedy batch-1 vs batch-64",
+            "columns": ["model", "batch-invariant", "best s", "median s", "x default", "greedy b1 = b64 bitwise",
+                        "max |dlogp| (same tokens)"],
+            "rows": rows,
+            "notes": "64 prompts x 128 tokens (ignore_eos), best of 3 after a warm-up, one engine alone on the GPU, "
+                     "bf16, enforce_eager. llama-1b = random-init Llama (hidden 2048, 16 layers, vocab 49152, "
+                     "load_format dummy): timing only. Greedy: 4 prompts alone vs in the 64-batch, 64 tokens.",
+            "reference": None, "random_init": False, "plot": False}
+
+
+def tables(result: dict) -> list[dict]:
+    """The T13 tables of BENCHMARKS.md, derived from the merged results (never typed)."""
+    return [_t13_table(result), _t13_trunc_table(result), _t13_trl_table(result), _t13_check_table(result),
+            _t13_bi_table(result)]
 
 
 TRUNC_TRL = {
@@ -682,7 +731,7 @@ def cmd_all(args) -> None:
     result_path = out / "vllm_live.json"
     result: dict = {"table": "T13", "env": _env(), "settings": {"num_prompts": args.num_prompts,
                     "new_tokens": args.new_tokens, "band": 0.1, "trl_steps": args.steps, "model": "SmolLM2-135M-Instruct"},
-                    "commands": "python benchmarks/vllm_live.py all --model MODEL_DIR --out DIR", "errors": {}}
+                    "commands": "python -m benchmarks.vllm_live all --model MODEL_DIR --out DIR", "errors": {}}
     _write_json(result_path, result)
     t_start = time.time()
     procs: dict[str, subprocess.Popen] = {}

@@ -163,7 +163,7 @@ def _set_eos(model, tokenizer) -> None:
 
 def _check_cache_folder(folder: Path) -> None:
     """Raise :class:`ModelSpecError` when ``folder`` (the bloggap cache, ``$BLOGGAP_CACHE``) cannot be used as a
-    folder (a file, or not writable): found before the 30 s of dequantising the default model."""
+    folder (a file, or not writable): found before the default model is dequantised."""
     from bloggap_plugin._io import check_writable_dir
 
     problem = check_writable_dir(folder, "BLOGGAP_CACHE")

@@ -104,8 +104,10 @@ class GapConfig:
     score_rows: int = field(default=0, metadata=_help(
         """Rows per forward of the arm's own old-logprob scoring (arms B-F); 0 = the micro-batch, as TRL scores.
         An fp32 body (arms B, D) holds fp32 activations, twice TRL's bf16 ones: on models whose MLP activations
-        dominate the pass (e.g. Qwen2.5-1.5B's shape) half the micro-batch keeps the pass within TRL's peak
-        (T7c-memory: 2.0x -> 1.0x). Not for arm G, which scores each training micro-batch whole."""))
+        dominate the pass (e.g. Qwen2.5-1.5B's shape) half the micro-batch keeps the pass within TRL's peak.
+        Arm I with 0 scores as many rows per forward as ``core.plans.vllm_shadow.TOKENS_PER_FORWARD`` holds (its forward is
+        batch-invariant: fewer, larger forwards, same numbers). Not for arm G, which scores each training
+        micro-batch whole."""))
     is_correction: bool = field(default=False, metadata=_help(
         """HF path: multiply the per-token loss by TRL's importance-sampling ratio between the old log-probs and
         the recorded sampler log-probs, with the trainer's ``vllm_importance_sampling_mode`` and
@@ -117,23 +119,22 @@ class GapConfig:
     probe_every: int = field(default=8, metadata=_help(
         """Run the extra forwards (the fp32 batch-1 reference of ``probe_rows`` rows for clip flips, and the live
         batch-1 probe) on every N-th measured generation; 1 = every generation. These extra forwards are most of
-        the plugin's cost (measured on the H200: about 0.1 s of a 1.3 s step when run every generation), so the
-        default amortises them; the probe-free metrics (ratio, sampler, kept mass) are still computed every
+        the plugin's cost, so the default amortises them; the probe-free metrics (ratio, sampler, kept mass) are still computed every
         time."""))
     probe_budget: float = field(default=0.005, metadata=_help(
         """Largest share of training time the probe forwards may take (0.005 = 0.5%): a probe that
         ``probe_every`` makes due runs only while the probe's seconds so far are within ``probe_budget`` times the
         training seconds so far (``training_step`` wall time; both summed over processes at the optimizer steps
         before, so every process decides alike). The first due probe always runs. A probe costs about a fixed
-        number of batch-1 forwards, so on a small model with short steps the budget spaces probes out (SmolLM2
-        with vLLM: 0.2 s per probe against 0.3 s steps) and on a large one ``probe_every`` decides. 0 = no cap."""))
+        number of batch-1 forwards, so on a small model with short steps the budget spaces probes out and on a
+        large one ``probe_every`` decides. 0 = no cap."""))
     tf32: bool | str = field(default=False, metadata=_help(
         """Matmul precision of the fp32 scoring plans (arms B, D, E and the fp16 guard's fp32 re-score): ``true``
         TF32, ``false`` IEEE fp32, ``auto`` TF32 on GPUs with TF32 units (Ampere and later, compute capability >=
         8.0) and IEEE fp32 elsewhere. Set around the plan's own forward only and restored after it; the
         process-wide flag (``GRPOConfig.tf32``) is not read or changed, so the plans compute the same whatever it
-        says. TF32 rounds matmul inputs to 10 mantissa bits; on the H200 it cuts all-fp32 scoring from 9-11x to
-        about 2x bf16 and still removed the batch-shape noise on SmolLM2 (T7b-tf32). Arms A, C, G and H have no
+        says. TF32 rounds matmul inputs to 10 mantissa bits and runs them on the tensor cores (docs/precision.md:
+        its cost, and whether it still removes the batch-shape noise). Arms A, C, G and H have no
         fp32 plan; the fp32 batch-1 reference of the probe rows always computes in IEEE fp32."""))
     i_pieces: str = field(default="all", metadata=_help(
         """Arm I: which pieces of its old-logprob forward follow vLLM: a preset (``all``: every piece with vLLM's own

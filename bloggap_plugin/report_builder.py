@@ -21,6 +21,12 @@ column. ``"plot": false`` turns plotting off for the table. Without a hint a tab
 has a text label column and at least one column that is numeric in every row: the columns whose name contains
 "oob", else those with "%" (not CI bounds), else all numeric columns if their scales are within 100x, else the
 first; otherwise it is not plotted.
+
+README headline block: with ``readme``, the lines between ``<!-- bloggap:headline:start -->`` and
+``<!-- bloggap:headline:end -->`` are replaced by the decision table that ``headline`` (a YAML file, default
+``docs/headline.yaml`` beside the README) specifies: per row a situation, an arm and the one result cell it cites
+(result file, table id, first-column value, column). The number itself is read from the result JSON, never from the
+specification, and the row links to the table's section of the Markdown report.
 """
 
 from __future__ import annotations
@@ -55,6 +61,10 @@ __all__ = [
     "build_report",
     "table_plot_spec",
     "save_figure",
+    "HEADLINE_MARKERS",
+    "load_headline_spec",
+    "render_headline",
+    "replace_headline_block",
 ]
 
 REFERENCE_PATH = Path(__file__).resolve().parent / "data" / "reference_study.json"
@@ -287,16 +297,28 @@ def build_report(
     plots_dir: str | os.PathLike | None = "benchmarks/plots",
     reference_path: str | os.PathLike | None = None,
     require: list[str] | None = None,
+    readme: str | os.PathLike | None = None,
+    headline: str | os.PathLike | None = None,
 ) -> dict:
     """Write ``output`` (Markdown) and PNGs under ``plots_dir`` (``None``: no plots); returns what was written.
 
-    Where the output goes is checked before any result is read; every file is written atomically.
+    ``readme``: also replace that file's headline block with the decision table specified by ``headline``
+    (default ``docs/headline.yaml`` beside the README); the new README text is built, and every cited cell found,
+    before anything is written. Where the output goes is checked before any result is read; every file is written
+    atomically.
     """
     output = Path(output)
     plots_root = Path(plots_dir) if plots_dir is not None else None
     _check_destinations(output, plots_root)
     reference = load_reference(reference_path)
     results = load_results(results_dir, set(reference), require)
+    readme_text = None
+    if readme is not None:
+        readme = Path(readme)
+        spec_path = Path(headline) if headline is not None else readme.parent / "docs" / "headline.yaml"
+        link = Path(os.path.relpath(output, readme.parent if str(readme.parent) else ".")).as_posix()
+        block = render_headline(load_headline_spec(spec_path), results, link)
+        readme_text = replace_headline_block(_read_text(readme), block, readme)
     lines = [
         "# Benchmarks",
         "",
@@ -327,11 +349,125 @@ def build_report(
                     lines += [f"![{_slug(table['id'])}]({Path(link).as_posix()})", ""]
                 if table.get("reference"):
                     lines += _render_reference(reference[table["reference"]]) + [""]
+    _write_text(output, "\n".join(lines).rstrip() + "\n")
+    if readme_text is not None:
+        _write_text(readme, readme_text)
+    return {"markdown": str(output), "plots": plots, "devices": list(results),
+            "files": [str(p) for e in results.values() for p, _ in e], "readme": str(readme) if readme else None}
+
+
+def _write_text(path: Path, text: str) -> None:
     try:
-        atomic_write_text(output, "\n".join(lines).rstrip() + "\n")
+        atomic_write_text(path, text)
     except OSError as err:
-        raise ReportError(f"{output}: cannot write ({err.strerror or err}); the previous file is unchanged") from None
-    return {"markdown": str(output), "plots": plots, "devices": list(results), "files": [str(p) for e in results.values() for p, _ in e]}
+        raise ReportError(f"{path}: cannot write ({err.strerror or err}); the previous file is unchanged") from None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ReportError(f"{path}: cannot read ({getattr(err, 'strerror', None) or err})") from None
+
+
+# --------------------------------------------------------------------------------------------- README headline
+
+HEADLINE_MARKERS = ("<!-- bloggap:headline:start -->", "<!-- bloggap:headline:end -->")
+_HEADLINE_KEYS = ("situation", "arm", "result", "table", "row", "column", "says")
+
+
+def load_headline_spec(path: str | os.PathLike) -> list[dict]:
+    """The rows of the README's decision table from the YAML file ``path``: a mapping with ``rows``, each row a
+    mapping with the text keys ``situation``, ``arm``, ``says`` (what the number is) and the cell it cites:
+    ``result`` (``<device>/<file>.json`` under the results folder), ``table`` (table id), ``row`` (the value of
+    the table's first column) and ``column`` (column name); optional ``unit`` follows the number."""
+    import yaml
+
+    path = Path(path)
+    try:
+        document = yaml.safe_load(_read_text(path))
+    except yaml.YAMLError as err:
+        raise ReportError(f"{path}: not valid YAML ({err})") from None
+    rows = document.get("rows") if isinstance(document, dict) else None
+    if not isinstance(rows, list) or not rows:
+        raise ReportError(f"{path}: expected a mapping with a non-empty 'rows' list")
+    for index, row in enumerate(rows):
+        where = f"{path}: rows[{index}]"
+        if not isinstance(row, dict):
+            raise ReportError(f"{where}: expected a mapping")
+        missing = [key for key in _HEADLINE_KEYS if not isinstance(row.get(key), str) or not row[key].strip()]
+        if missing:
+            raise ReportError(f"{where}: missing or empty text key(s) {', '.join(missing)}")
+        unknown = sorted(set(row) - set(_HEADLINE_KEYS) - {"unit"})
+        if unknown:
+            raise ReportError(f"{where}: unknown key(s) {', '.join(unknown)}")
+    return rows
+
+
+def _cited_cell(row: dict, results: dict, where: str):
+    device, _, name = row["result"].partition("/")
+    path, document = next(((p, doc) for p, doc in results.get(device, []) if p.name == name), (None, None))
+    if document is None:
+        raise ReportError(f"{where}: result {row['result']} is not among the results")
+    table = next((t for t in document["tables"] if t["id"] == row["table"]), None)
+    if table is None:
+        raise ReportError(f"{where}: {row['result']} has no table {row['table']}")
+    if row["column"] not in table["columns"]:
+        raise ReportError(f"{where}: table {row['table']} has no column {row['column']!r}")
+    matches = [r for r in table["rows"] if format_cell(r[0]) == row["row"]]
+    if len(matches) != 1:
+        raise ReportError(f"{where}: table {row['table']} has {len(matches)} rows whose first cell is {row['row']!r}")
+    value = matches[0][table["columns"].index(row["column"])]
+    if not is_number(value):
+        raise ReportError(f"{where}: table {row['table']}, row {row['row']!r}, column {row['column']!r} holds "
+                          f"{format_cell(value)!r}, not a number")
+    return path, value
+
+
+def render_headline(spec: list[dict], results: dict, benchmarks_link: str = "BENCHMARKS.md") -> list[str]:
+    """The decision table's Markdown lines: situation, arm, the cited number, and the table id linked to its
+    benchmark's section of the report at ``benchmarks_link``. ``results`` is :func:`load_results`' mapping."""
+    anchors = _section_anchors(results)
+    lines = ["| situation | arm | headline number | table |", "|---|---|---|---|"]
+    for index, row in enumerate(spec):
+        path, value = _cited_cell(row, results, f"headline rows[{index}]")
+        number = f"**{format_cell(value)}{row.get('unit', '')}**"
+        cited = f"[{row['table']}]({benchmarks_link}#{anchors[path]})"
+        cells = [row["situation"], row["arm"], f"{row['says']} {number}", cited]
+        lines.append("| " + " | ".join(" ".join(c.split()) for c in cells) + " |")
+    return lines
+
+
+def _section_anchors(results: dict) -> dict:
+    """``{result path: anchor}`` of each result file's section in the report :func:`build_report` writes (the
+    headings in its order; a repeated heading gets GitHub's ``-1``, ``-2`` ... suffix)."""
+    seen: dict[str, int] = {}
+
+    def anchor(heading: str) -> str:
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        return slug if count == 0 else f"{slug}-{count}"
+
+    out = {}
+    anchor("Benchmarks")
+    for device, entries in results.items():
+        anchor(device)
+        for path, document in entries:
+            out[path] = anchor(document["benchmark"])
+    return out
+
+
+def replace_headline_block(text: str, block: list[str], where: str | os.PathLike = "README") -> str:
+    """``text`` with the lines between the headline markers replaced by ``block`` (markers kept, everything
+    else unchanged). Each marker must stand alone on one line, once, start before end."""
+    lines = text.split("\n")
+    found = [[i for i, line in enumerate(lines) if line.strip() == marker] for marker in HEADLINE_MARKERS]
+    if [len(f) for f in found] != [1, 1] or found[0][0] > found[1][0]:
+        raise ReportError(f"{where}: expected the line {HEADLINE_MARKERS[0]} once, then the line {HEADLINE_MARKERS[1]} "
+                          f"once (found {len(found[0])} and {len(found[1])})")
+    start, end = found[0][0], found[1][0]
+    return "\n".join(lines[: start + 1] + block + lines[end:])
 
 
 def _check_destinations(output: Path, plots_root: Path | None) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -82,10 +81,6 @@ def gsm8k_dir():
         pytest.skip("real GSM8K data not found: expected ../shared/data/gsm8k beside the repository (train.jsonl, "
                     "test.jsonl), or set BLOGGAP_GSM8K_DATA to that folder")
     return folder
-
-
-# Test modules share helpers by plain import (e.g. ``from test_trl import make``) under --import-mode=importlib.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def _row_invariant_linear(x, weight, bias=None):

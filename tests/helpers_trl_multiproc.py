@@ -48,7 +48,7 @@ def _prefer_own_layer() -> None:
     divergence.divergence_profile = profile
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="JSON path written by process 0 (others add .rank<r>)")
     parser.add_argument("--per-device-batch", type=int, default=4)
@@ -71,20 +71,14 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="GRPOConfig bf16 (under FSDP2: bf16 mixed precision)")
     parser.add_argument("--disagree-layers", action="store_true",
                         help="arm D with layers chosen automatically: process r's profile prefers layer r")
-    args = parser.parse_args()
-    if args.disagree_layers:
-        _prefer_own_layer()
-    if args.cpu_fsdp:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-        from benchmarks.fsdp_scale import force_cpu_fsdp
+    return parser
 
-        force_cpu_fsdp()
 
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+def _recording_trainer(args: argparse.Namespace) -> type:
+    """``GapGRPOTrainer`` (with ``--mask-rank``: also masking that process's completions) recording every
+    cross-process reduction of the plugin in ``gap_reduces`` (dropping ``--drop-record-rank``'s sampler record)."""
+    from trl import GRPOTrainer
 
-    from bloggap_plugin.models import load_model
-    from bloggap_plugin.recipes import GapConfig
     from bloggap_plugin.trl import GapGRPOTrainer
 
     class MaskingGRPOTrainer(GRPOTrainer):
@@ -123,6 +117,25 @@ def main() -> None:
             self._gap_record("max", maxima.to_tensor("cpu").tolist(), reduced_maxima)
             return reduced_sums, reduced_maxima
 
+    return RecordingTrainer
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    if args.disagree_layers:
+        _prefer_own_layer()
+    if args.cpu_fsdp:
+        from benchmarks.fsdp_scale import force_cpu_fsdp
+
+        force_cpu_fsdp()
+
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    from bloggap_plugin.models import load_model
+    from bloggap_plugin.recipes import GapConfig
+
+    trainer_class = _recording_trainer(args)
     arms = args.arm.split(",")
     for arm in arms:  # several arms: one trainer each, a fresh model each, OUT with _<arm> before .json
         out = args.out if len(arms) == 1 else args.out.removesuffix(".json") + f"_{arm}.json"
@@ -134,12 +147,14 @@ def main() -> None:
             logging_steps=1, report_to="none", use_cpu=True, bf16=args.bf16, save_strategy="no",
             num_iterations=args.num_iterations, seed=0, learning_rate=1e-3, top_p=args.top_p, top_k=args.top_k,
         )
-        trainer = RecordingTrainer(
+        trainer = trainer_class(
             model=model, reward_funcs=reward, args=config, train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
             processing_class=tokenizer, gap=GapConfig(arm=arm, probe_rows=args.probe_rows, k=args.k),
         )
         trainer.train()
         _write_record(trainer, out)
+
+
 
 
 def _write_record(trainer, out: str) -> None:

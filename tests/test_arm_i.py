@@ -22,6 +22,7 @@ from bloggap_plugin.core.vllm_form import (
     rms_norm_vllm_triton,
     rope_hf,
     rope_vllm,
+    sampler_token_logprobs,
     step_launches,
     torch_paged_attention,
     torch_paged_varlen_attention,
@@ -153,7 +154,7 @@ def test_kernel_pieces_call_their_kernels_and_match_the_torch_form(tiny_model):
     model, _ = tiny_model("tiny-random-llama")
     ids, mask = _rows()
     calls: dict = {}
-    form = parse_form("all,batch_invariant=false,norm_launch=packed,attention_launch=packed")
+    form = parse_form("all,batch_invariant=false,norm_launch=packed,attention_launch=packed,logprobs=log_softmax")
     plan = VllmFormPlan(model, form, _counting(TORCH_KERNELS, calls))
     out = plan.token_logprobs(ids, mask, K, positions="mask")
     layers = model.config.num_hidden_layers
@@ -250,7 +251,7 @@ def test_plan_keeps_the_policy_and_sync_refreshes_fused_weights(tiny_model):
 def test_refusals_name_the_problem_and_the_fix(tiny_model):
     model, _ = tiny_model("tiny-random-llama")
     with pytest.raises(VllmFormUnavailable, match=r"batch_invariant=true, attention=vllm_fa, norm=kernel, "
-                       r"rope=kernel, act=kernel call vLLM's CUDA kernels, but the plan runs on cpu: .*"
+                       r"rope=kernel, act=kernel, logprobs=v2_sampler call vLLM's CUDA kernels, but the plan runs on cpu: .*"
                        r"gap\.i_pieces: torch"):
         make_plan(model, "vllm")
     with pytest.raises(VllmFormUnavailable, match=r"pieces attention=vllm_fa call"):
@@ -411,9 +412,18 @@ def _fake_vllm_kernels(monkeypatch, seen: dict):
         return torch_paged_varlen_attention(q, k, v, cu_seqlens_q, seqused_k, block_table, softmax_scale)
 
     flash.flash_attn_varlen_func = flash_attn_varlen_func
-    for name in ("vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends"):
+    logprob = types.ModuleType("vllm.v1.worker.gpu.sample.logprob")
+
+    def compute_token_logprobs(logits, token_ids):
+        assert logits.dtype == torch.bfloat16 and token_ids.dim() == 2 and token_ids.shape[1] == 1
+        seen.setdefault("token_logprobs", []).append(tuple(logits.shape))
+        return sampler_token_logprobs(logits, token_ids[:, 0]).unsqueeze(-1)
+
+    logprob.compute_token_logprobs = compute_token_logprobs
+    for name in ("vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends", "vllm.v1.worker", "vllm.v1.worker.gpu",
+                 "vllm.v1.worker.gpu.sample"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    for module in (ops, fa_utils, flash):
+    for module in (ops, fa_utils, flash, logprob):
         monkeypatch.setitem(sys.modules, module.__name__, module)
     sys.modules["vllm"]._custom_ops = ops
     sys.modules["vllm"].__version__ = "0.26.0-fake"
@@ -441,15 +451,15 @@ def test_vllm_kernel_glue_with_fakes_of_vllms_signatures(monkeypatch, tiny_model
         kernels = load_kernels(parse_form("all"), "cuda")
         assert kernels.source == "vllm 0.26.0-fake"
         out = VllmFormPlan(model, parse_form("all"), kernels).token_logprobs(ids, mask, K, positions="mask")
-        expected = VllmFormPlan(model, parse_form("torch,batch_invariant=true,attention=vllm_fa,attention_launch=steps"),
-                                TORCH_KERNELS)
+        expected = VllmFormPlan(model, parse_form("torch,batch_invariant=true,attention=vllm_fa,attention_launch=steps,"
+                                                  "logprobs=v2_sampler"), TORCH_KERNELS)
         assert torch.equal(out, expected.token_logprobs(ids, mask, K, positions="mask"))
+        assert seen.pop("token_logprobs") == [(ids.shape[0] * K, model.config.vocab_size)]
         layers = model.config.num_hidden_layers
         assert seen["flash"] == [{"num_splits": 1, "fa_version": 3, "paged": True}] * 2 * layers  # prefill, decode
         seen["flash"].clear()
-        contiguous = load_kernels(parse_form("all,batch_invariant=false,page_size=0,attention_launch=packed"), "cuda")
-        plan = VllmFormPlan(model, parse_form("all,batch_invariant=false,page_size=0,attention_launch=packed"),
-                            contiguous)
+        packed_form = parse_form("all,batch_invariant=false,page_size=0,attention_launch=packed,logprobs=log_softmax")
+        plan = VllmFormPlan(model, packed_form, load_kernels(packed_form, "cuda"))
         assert torch.equal(plan.token_logprobs(ids, mask, K, positions="mask"),
                            make_plan(model, "vllm", pieces="torch").token_logprobs(ids, mask, K, positions="mask"))
         assert seen["flash"] == [{"num_splits": 0, "fa_version": 3, "paged": False}] * layers
@@ -536,3 +546,145 @@ def test_attention_launch_steps_calls_prefill_then_one_query_per_generated_token
     assert prefill == {"queries": sum(prompts), "entries": 4, "max_q": max(prompts), "seqused_k": prompts}
     expected = [p + j + 1 for p, g in zip(prompts, generated) for j in range(g)]
     assert decode == {"queries": sum(generated), "entries": sum(generated), "max_q": 1, "seqused_k": expected}
+
+
+def _v2_reference(logits_bf16: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """vLLM's model runner V2 log-prob of ``targets`` under bf16 logits, in float64: ``x - max - log(sum(exp(x - max)))``."""
+    x = logits_bf16.double()
+    top = x.max(-1, keepdim=True).values
+    lse = torch.log(torch.exp(x - top).sum(-1, keepdim=True))
+    return (x - top - lse).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def test_logprobs_piece_v2_sampler_scores_the_bf16_logits_as_vllms_model_runner_v2(tiny_model):
+    """``logprobs=v2_sampler``: the sampled token's log-prob as vLLM 0.26's model runner V2 computes it. The kernel
+    receives the head's bf16 logits ``[N, V]`` (temperature applied in fp32 and rounded back to bf16, as V2 applies
+    it in place) and the targets ``[N]``; the plan returns its values in ``[B, K]``. The stand-in's values are within
+    fp32 rounding of the float64 maths. A kept-set ``reduce`` (truncation) is used as given."""
+    model, _ = tiny_model("tiny-random-llama")
+    ids, mask = _rows()
+    seen: list = []
+
+    def recording(logits, tokens):
+        seen.append((logits.clone(), tokens.clone()))
+        return TORCH_KERNELS.token_logprobs(logits, tokens)
+
+    kernels = dataclasses.replace(TORCH_KERNELS, token_logprobs=recording)
+    plain = VllmFormPlan(model, parse_form("torch"), TORCH_KERNELS)
+    assert parse_form("torch").logprobs == "log_softmax" and parse_form("all").logprobs == "v2_sampler"
+    captured: list = []
+
+    def capture(logits, targets, index):
+        captured.append(logits.clone())
+        return torch.zeros(targets.shape)
+
+    for temperature in (1.0, 0.7):
+        seen.clear()
+        captured.clear()
+        plan = VllmFormPlan(model, parse_form("torch,logprobs=v2_sampler"), kernels)
+        out = plan.token_logprobs(ids, mask, K, positions="mask", temperature=temperature, chunk_tokens=0)
+        plain.token_logprobs(ids, mask, K, positions="mask", temperature=1.0, chunk_tokens=0, reduce=capture)
+        logits = captured[0]  # [B, K, V] fp32 values of the bf16 head's output
+        assert torch.equal(logits, logits.to(torch.bfloat16).float())
+        (received, tokens), = seen
+        assert received.dtype == torch.bfloat16 and received.shape == (ids.shape[0] * K, logits.shape[-1])
+        assert torch.equal(received, (logits / temperature).to(torch.bfloat16).reshape(-1, logits.shape[-1]))
+        assert torch.equal(tokens, ids[:, -K:].reshape(-1))
+        assert torch.equal(out, TORCH_KERNELS.token_logprobs(received, tokens).view(ids.shape[0], K))
+        reference = _v2_reference(received, tokens).view(ids.shape[0], K)
+        assert float((out.double() - reference).abs().max()) < 2e-6
+    seen.clear()
+    plan.token_logprobs(ids, mask, K, positions="mask", reduce=capture)
+    assert seen == []  # a caller's reduce (a kept set) is not replaced
+
+
+def test_logprobs_piece_is_named_in_refusals_and_needs_vllm():
+    assert "logprobs=v2_sampler" in parse_form("all").needs_vllm()
+    assert parse_form("torch").needs_vllm() == [] and parse_form("hf").logprobs == "log_softmax"
+    with pytest.raises(ValueError, match=r"piece logprobs='fast': use one of log_softmax, v2_sampler"):
+        parse_form("all,logprobs=fast")
+
+
+def test_arm_i_scores_as_many_rows_per_forward_as_its_token_budget_holds(tiny_model):
+    """Arm I's forward is batch-invariant, so the rows per forward set its cost (host launches per forward), not its
+    numbers: the TRL adapter scores arm I's old log-probs in forwards of up to ``TOKENS_PER_FORWARD`` packed-width
+    tokens whatever TRL's micro-batch, unless ``gap.score_rows`` bounds them; the probe's one-row forwards stay one
+    row. Other plans keep the caller's rows."""
+    import types
+
+    from bloggap_plugin.core.plans import ScoringPlan
+    from bloggap_plugin.core.plans.vllm_shadow import TOKENS_PER_FORWARD
+    from bloggap_plugin.trl.plan_mixin import PlanMixin
+
+    model, _ = tiny_model("tiny-random-llama")
+    ids, mask = _rows(batch=6)
+    plan = VllmFormPlan(model, parse_form("torch"), TORCH_KERNELS)
+    assert plan.rows_per_forward(ids.shape[1]) == TOKENS_PER_FORWARD // ids.shape[1]
+    assert plan.rows_per_forward(TOKENS_PER_FORWARD * 3) == 1
+    assert ScoringPlan.rows_per_forward(make_plan(model, "fp32"), ids.shape[1]) is None
+    forwards: list[int] = []
+    original = plan.model.forward
+
+    def counting(input_ids, *args, **kwargs):
+        forwards.append(input_ids.shape[0])
+        return original(input_ids, *args, **kwargs)
+
+    plan.model.forward = counting
+
+    def trainer(score_rows: int):
+        config = GapConfig(arm="I", positions="mask", i_pieces="torch", score_rows=score_rows)
+        state = types.SimpleNamespace(config=config, positions="mask", renormalize=False)
+        return types.SimpleNamespace(_gap_state=state, accelerator=types.SimpleNamespace(device=torch.device("cpu")),
+                                     temperature=1.0, _gap_reducer=None)
+
+    whole = PlanMixin._gap_plan_scores(trainer(0), plan, ids, mask, K, 2)
+    assert forwards == [6]
+    forwards.clear()
+    bounded = PlanMixin._gap_plan_scores(trainer(4), plan, ids, mask, K, 2)
+    assert forwards == [2, 2, 2] and torch.equal(bounded, whole)
+    forwards.clear()
+    PlanMixin._gap_plan_scores(trainer(0), plan, ids[:1], mask[:1], K, 1)
+    assert forwards == [1]
+
+
+def test_prompt_first_order_computes_what_the_packed_order_computes(tiny_model, monkeypatch):
+    """``prompt_first`` (arm I's default with ``attention_launch: steps``) runs every piece on the tokens reordered as
+    vLLM's steps saw them, so each step-sized launch is a contiguous slice. With a launch-size-dependent norm stand-in
+    and the paged attention stand-in, its log-probs equal, bit for bit, those of the same forward in packed order
+    (launches gathered and scattered by index); its launches hold the same tokens."""
+    import bloggap_plugin.core.plans.vllm_shadow as vllm_plan
+    from bloggap_plugin.core.vllm_form import prompt_first
+
+    model, _ = tiny_model("tiny-random-llama")
+    ids, mask = _rows(batch=6, width=120)
+    sizes: list = []
+
+    def size_dependent(x, weight, eps):
+        sizes.append(x.shape[0])
+        out = rms_norm_hf(x, weight, eps)
+        return out * 1.25 if x.shape[0] >= 256 else out
+
+    kernels = dataclasses.replace(TORCH_KERNELS, rms_norm=size_dependent, add_rms_norm=size_dependent)
+    form = parse_form("all,batch_invariant=false,logprobs=log_softmax")
+    reordered = VllmFormPlan(model, form, kernels).token_logprobs(ids, mask, 60, positions="mask")
+    first_sizes = list(sizes)
+
+    def packed_order(packed, large=256):
+        packed.launches = step_launches(packed.generated, large)
+        return packed
+
+    monkeypatch.setattr(vllm_plan, "prompt_first", packed_order)
+    sizes.clear()
+    packed = VllmFormPlan(model, form, kernels).token_logprobs(ids, mask, 60, positions="mask")
+    assert torch.equal(reordered, packed) and first_sizes == sizes
+    batch = pack(ids, mask)
+    generated = torch.zeros(mask.shape, dtype=torch.bool)
+    generated[:, -59:] = True
+    batch.generated = generated[batch.where]
+    ordered = prompt_first(batch)
+    prompt_count = int((~batch.generated).sum())
+    assert torch.equal(ordered.order, torch.cat([(~batch.generated).nonzero()[:, 0], batch.generated.nonzero()[:, 0]]))
+    assert torch.equal(ordered.tokens, batch.tokens[ordered.order])
+    prompt, chunks = ordered.launches
+    assert prompt == slice(0, prompt_count) and chunks[0].start == prompt_count and chunks[-1].stop == batch.tokens.numel()
+    assert all(c.stop - c.start < 256 for c in chunks) and all(a.stop == b.start for a, b in zip(chunks, chunks[1:]))

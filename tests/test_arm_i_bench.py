@@ -1,8 +1,7 @@
-"""benchmarks/arm_i.py --smoke: the GPU script's trainer side on CPU without vLLM (the lead runs the GPU phases)."""
+"""benchmarks.arm_i --smoke: the GPU script's trainer side on CPU without vLLM (the lead runs the GPU phases)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from bloggap_plugin.results import ResultDocument
@@ -10,15 +9,10 @@ from bloggap_plugin.results import ResultDocument
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str, file: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _script():
-    return _load("arm_i_bench", "arm_i.py")
+    import benchmarks.arm_i
+
+    return benchmarks.arm_i
 
 
 def test_smoke_scores_every_step_and_records_the_refused_pieces(tmp_path):
@@ -73,7 +67,9 @@ def test_rope_diagnostic_compares_values_not_layouts():
 
 
 def _live_script():
-    return _load("arm_i_live_bench", "arm_i_live.py")
+    import benchmarks.arm_i_live
+
+    return benchmarks.arm_i_live
 
 
 def test_arm_i_live_document_rebuilds_the_committed_results_from_their_run_logs(tmp_path):
@@ -116,4 +112,5 @@ def test_arm_i_live_labels_and_command_lines():
     argv = script.train_argv("train_I_ni2", "M", 30, Path("x.jsonl"), 0.25)
     assert argv[1:5] == ["-m", "bloggap_plugin.cli", "train", "recipes/arm_I.yaml"]
     assert argv[argv.index("--vllm_mode") + 1] == "colocate" and argv[argv.index("--num_iterations") + 1] == "2"
-    assert script.train_argv("callback_A_ni1", "M", 30, Path("x.jsonl"), 0.25)[2] == "callback"
+    assert script.train_argv("callback_A_ni1", "M", 30, Path("x.jsonl"), 0.25)[1:4] == ["-m", "benchmarks.arm_i_live",
+                                                                                       "callback"]

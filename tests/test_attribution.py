@@ -198,20 +198,11 @@ def test_ladder_command_json_on_tiny_model(tmp_path):
 
 
 def test_ladder_benchmark_quick(tmp_path):
-    import importlib.util
     import json
-    import sys
-    from pathlib import Path
 
-    bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(bench))
-    try:
-        spec = importlib.util.spec_from_file_location("bloggap_ladder_benchmark", bench / "ladder.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        assert module.main(["--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
-    finally:
-        sys.path.remove(str(bench))
+    from benchmarks import ladder
+
+    assert ladder.main(["--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "ladder.json").read_text())
     assert payload["benchmark"] == "ladder" and payload["schema_version"] == 1
     assert [t["id"] for t in payload["tables"]] == ["T7", "T8", "T9"]

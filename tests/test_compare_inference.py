@@ -14,6 +14,8 @@ scipy_stats = pytest.importorskip("scipy.stats")
 
 from bloggap_plugin.compare.inference import MIN_SEEDS, compare_with_baseline, holm, sign_flip_p  # noqa: E402
 
+pytestmark = pytest.mark.unit  # pure maths and units: `make test-fast` runs these
+
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP = ROOT / "benchmarks" / "results" / "h200" / "compare_sweep.json"
 

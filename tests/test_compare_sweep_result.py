@@ -4,7 +4,6 @@ publishing step names the model, strips machine paths and keeps every run."""
 from __future__ import annotations
 
 import json
-import sys
 import tarfile
 from pathlib import Path
 
@@ -13,7 +12,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "h200" / "compare_sweep.json"
 RUNS = ROOT / "benchmarks" / "results" / "h200" / "compare_sweep" / "runs.tar.xz"
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def _rows(document: dict, table_id: str) -> list[list]:
@@ -63,7 +61,7 @@ def test_publish_names_the_model_strips_paths_and_packs_every_run(tmp_path):
     """A sweep folder as it comes back from the GPU machine becomes the committed files: the model path is the
     model's name everywhere, install paths are placeholders, progress bars and logged dicts leave the console
     output, every run's log is in the archive unchanged but for the paths."""
-    import compare_sweep_publish as publish
+    from benchmarks import compare_sweep_publish as publish
 
     model_path = "/tmp/vx/smollm2"
     sweep = tmp_path / "compare_sweep"

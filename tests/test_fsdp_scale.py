@@ -1,9 +1,8 @@
-"""benchmarks/fsdp_scale.py on CPU: its --smoke equality piece (2 FSDP2 gloo processes vs 1, tiny model), its
+"""benchmarks.fsdp_scale on CPU: its --smoke equality piece (2 FSDP2 gloo processes vs 1, tiny model), its
 step-1 comparison, and its refusal of unknown pieces before anything loads."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,16 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import fsdp_scale
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "fsdp_scale.py"
-spec = importlib.util.spec_from_file_location("fsdp_scale", SCRIPT)
-fsdp_scale = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(fsdp_scale)
 
 
 def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "benchmarks.fsdp_scale", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 

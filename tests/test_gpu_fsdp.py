@@ -11,7 +11,6 @@ which a later ``fsdp_scale.py --out DIR`` run merges into) instead of a temporar
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,16 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import fsdp_scale
+
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("fsdp_scale", ROOT / "benchmarks" / "fsdp_scale.py")
-fsdp_scale = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fsdp_scale)
 
 
 def _equality_rows(out: Path, *flags: str) -> list[list]:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fsdp_scale.py"), "--pieces", "equality",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.fsdp_scale", "--pieces", "equality",
                            "--out", str(out), *flags], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

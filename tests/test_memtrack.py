@@ -1,4 +1,4 @@
-"""benchmarks/memtrack.py: the device-independent peak of live tensor bytes during a call (exact on constructed
+"""benchmarks/_lib/memtrack.py: the device-independent peak of live tensor bytes during a call (exact on constructed
 ops)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import gc
 
 import torch
 
-from benchmarks.memtrack import TensorPeak, call_peak_bytes
+from benchmarks._lib.memtrack import TensorPeak, call_peak_bytes
 
 
 def test_a_tensor_and_its_view_count_once_and_are_released():

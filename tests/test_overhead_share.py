@@ -1,18 +1,13 @@
-"""benchmarks/overhead_share.py: the plugin's share of training time, whole run and from step 2, from both kinds of
+"""benchmarks.overhead_share: the plugin's share of training time, whole run and from step 2, from both kinds of
 committed result (a trl_arms JSON's histories, a sweep's packed JSONL run logs)."""
 
 from __future__ import annotations
 
 import io
 import json
-import sys
 import tarfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import overhead_share  # noqa: E402
+from benchmarks import overhead_share
 
 # step 1: 0.5 s of plugin time in a 2.0 s step (the one-time set-up); steps 2-3: 0.01 s of 0.5 s each
 RECORDS = [{"step": 1, "step_time": 2.0, "gap/time/scoring_s": 0.5},

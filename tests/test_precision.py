@@ -583,14 +583,10 @@ def _check_tables(payload, name):
 
 
 def test_cost_benchmark_quick(tmp_path):
-    import importlib.util
     import json
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "cost.py"
-    spec = importlib.util.spec_from_file_location("bloggap_cost_benchmark", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from benchmarks import cost as module
+
     assert module.main(["--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "cost.json").read_text())
     _check_tables(payload, "cost")
@@ -737,14 +733,10 @@ def test_tf32_left_alone_by_bf16_and_fp16_plans_and_checked(caller_tf32):
 
 
 def test_cost_benchmark_memory_only(tmp_path):
-    import importlib.util
     import json
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "cost.py"
-    spec = importlib.util.spec_from_file_location("bloggap_cost_benchmark", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from benchmarks import cost as module
+
     argv = ["--quick", "--memory-only", "--skip-fp16", "--shapes", "tiny-llama", "--layers", "2"]
     assert module.main([*argv, "--device", "cpu", "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "cost_memory.json").read_text())
@@ -766,14 +758,10 @@ def test_cost_benchmark_memory_only(tmp_path):
 def test_cost_memory_without_matmul_arithmetic_measures_the_same_tensors(tmp_path):
     """--skip-matmul-arithmetic (zeros of the real size instead of computing) gives every arm exactly the
     pass peak of the real computation, fp16 included."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "cost.py"
-    spec = importlib.util.spec_from_file_location("bloggap_cost_benchmark", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from benchmarks import cost as module
+
     argv = ["--quick", "--memory-only", "--shapes", "tiny-qwen2-tied", "--layers", "2", "--device", "cpu"]
     peaks = {}
     for extra in ([], ["--skip-matmul-arithmetic"]):
@@ -788,17 +776,13 @@ def test_cost_memory_without_matmul_arithmetic_measures_the_same_tensors(tmp_pat
 def test_cost_trl_cuda_memory_model_keeps_trl_values_and_drops_only_the_fold_copies():
     """The CUDA memory model of TRL's pass (labelled positions only, fold untracked) scores the same log-probs
     as TRL's CPU pass, and is restored afterwards."""
-    import importlib.util
-    from pathlib import Path
-
     import trl.kernels.chunked_logprob as kernels
     import trl.trainer.utils as trl_utils
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "cost.py"
-    spec = importlib.util.spec_from_file_location("bloggap_cost_benchmark", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    policy = module.build_shape("tiny-llama", torch.device("cpu"), layers=2)
+    from benchmarks import cost as module
+    from benchmarks._lib.shapes import build_shape
+
+    policy = build_shape("tiny-llama", torch.device("cpu"), layers=2)
     ids = torch.randint(100, 2048, (2, 32), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     fold, use_triton = kernels._forward_tile, trl_utils._use_triton

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 
 import pytest
 import torch
@@ -236,15 +235,9 @@ def test_recommend_compares_a_scaled_down_dtype_on_the_same_rows():
     assert recommend(full, None, "cpu")["arm"] == "B"
 
 
-def test_tables_benchmark_quick_on_tiny_model(tmp_path, capsys, monkeypatch):
-    import importlib.util
-    from pathlib import Path
+def test_tables_benchmark_quick_on_tiny_model(tmp_path, capsys):
+    from benchmarks import tables as module
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "tables.py"
-    spec = importlib.util.spec_from_file_location("bench_tables", script)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_tables", module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
     assert module.main(["--out", str(tmp_path), "--quick", "--device", "cpu", "--model", "tiny-random-llama"]) == 0
     result = json.loads((tmp_path / "tables.json").read_text())
     from bloggap_plugin.report_builder import validate_result

@@ -16,6 +16,8 @@ from bloggap_plugin.recipes import (
     parse_recipe,
 )
 
+pytestmark = pytest.mark.unit  # pure maths and units: `make test-fast` runs these
+
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 

@@ -13,6 +13,8 @@ import pytest
 
 from bloggap_plugin.report_builder import REFERENCE_PATH, ReportError, build_report, load_reference
 
+pytestmark = pytest.mark.unit  # pure maths and units: `make test-fast` runs these
+
 ROOT = Path(__file__).resolve().parent.parent
 # The reference study's text, where the workplace keeps it beside the repository (../shared); not part of the repo.
 REFERENCE_MD = Path(os.environ.get("BLOGGAP_REFERENCE_MD", ROOT.parent / "shared" / "reference" / "reference_study.md"))
@@ -164,6 +166,7 @@ def test_missing_results_fail(tmp_path):
         build_report(tmp_path / "r", tmp_path / "B.md", None, require=["tables", "ladder"])
 
 
+@pytest.mark.cli
 def test_cli_reports_errors_without_a_traceback(tmp_path):
     import sys
 
@@ -301,6 +304,7 @@ def test_a_failed_write_keeps_the_previous_report(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["B.md", "results"]  # no temporary file left
 
 
+@pytest.mark.cli
 def test_cli_bad_output_and_binary_input_fail_in_one_line(tmp_path):
     import sys
 
@@ -357,3 +361,126 @@ def test_two_files_of_one_benchmark_get_a_plot_each(tmp_path):
         "tables_T1.png", "tables_ladder.png", "tables_rerun_T1.png", "tables_rerun_ladder.png"]
     md = output.read_text()
     assert "](plots/h200/tables_T1.png)" in md and "](plots/h200/tables_rerun_T1.png)" in md
+
+
+# --------------------------------------------------------------------------------------------- README headline block
+
+README = ROOT / "README.md"
+HEADLINE_SPEC = ROOT / "docs" / "headline.yaml"
+_SPEC_ROW = {"situation": "fp16 is safe", "arm": "H", "says": "out of band:", "result": "h200/tables.json",
+             "table": "T1", "row": "SmolLM2-135M", "column": "bf16 b1v8", "unit": "%"}
+
+
+def _readme_block(text: str) -> list[str]:
+    from bloggap_plugin.report_builder import HEADLINE_MARKERS
+
+    lines = text.split("\n")
+    return lines[lines.index(HEADLINE_MARKERS[0]) + 1:lines.index(HEADLINE_MARKERS[1])]
+
+
+def _write_spec(path: Path, rows) -> Path:
+    import yaml
+
+    path.write_text(yaml.safe_dump({"rows": rows}))
+    return path
+
+
+def test_readme_headline_block_is_what_report_generates():
+    """README's decision table is generated: edit docs/headline.yaml or a result file, then run `bloggap report`."""
+    from bloggap_plugin.report_builder import load_headline_spec, load_results, render_headline
+
+    results = load_results(ROOT / "benchmarks" / "results", set(load_reference()))
+    expected = render_headline(load_headline_spec(HEADLINE_SPEC), results, "BENCHMARKS.md")
+    assert _readme_block(README.read_text()) == expected, "README's headline block drifted: run `bloggap report`"
+    committed = [p for p in _committed([ROOT / "benchmarks" / "results"]) if p.suffix == ".json"]
+    if committed:  # every number in the block, the settings named in the spec included, is in a committed result
+        _assert_numbers_sourced("\n".join(expected), committed)
+
+
+def test_headline_block_is_replaced_from_the_json_and_the_rest_kept(tmp_path):
+    results = tmp_path / "results"
+    _write(results, "h200", "tables", _result())
+    spec = _write_spec(tmp_path / "headline.yaml", [_SPEC_ROW])
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\nbefore\n<!-- bloggap:headline:start -->\nstale | 9.99 |\n<!-- bloggap:headline:end -->\nafter\n")
+    written = build_report(results, tmp_path / "B.md", None, readme=readme, headline=spec)
+    text = readme.read_text()
+    assert written["readme"] == str(readme) and "9.99" not in text
+    assert text.startswith("# x\n\nbefore\n<!-- bloggap:headline:start -->\n| situation | arm | headline number | table |")
+    assert "| fp16 is safe | H | out of band: **4.07%** | [T1](B.md#tables) |" in text
+    assert text.endswith("<!-- bloggap:headline:end -->\nafter\n")
+    build_report(results, tmp_path / "B.md", None, readme=readme, headline=spec)
+    assert readme.read_text() == text  # regenerating changes nothing
+    # a re-measured number changes the JSON alone; the README follows on the next report
+    _write(results, "h200", "tables", _result(tables=[_table(rows=[["SmolLM2-135M", 3.5, 0.01, 3512]])]))
+    build_report(results, tmp_path / "B.md", None, readme=readme, headline=spec)
+    assert "out of band: **3.5%**" in readme.read_text()
+
+
+def test_headline_links_follow_the_report_headings(tmp_path):
+    """Two files of one benchmark share a heading: the second file's section is GitHub's '-1' anchor."""
+    results = tmp_path / "results"
+    _write(results, "h200", "tables", _result())
+    _write(results, "h200", "tables_rerun", _result())
+    spec = _write_spec(tmp_path / "h.yaml", [_SPEC_ROW, dict(_SPEC_ROW, result="h200/tables_rerun.json")])
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- bloggap:headline:start -->\n<!-- bloggap:headline:end -->\n")
+    build_report(results, tmp_path / "docs" / "B.md", None, readme=readme, headline=spec)
+    assert "(docs/B.md#tables) |" in readme.read_text() and "(docs/B.md#tables-1) |" in readme.read_text()
+    headings = [line.lstrip("#").strip() for line in (tmp_path / "docs" / "B.md").read_text().splitlines()
+                if line.startswith("#")]
+    assert headings == ["Benchmarks", "h200", "tables", "tables"]
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        (dict(result="h200/nope.json"), r"rows\[0\]: result h200/nope.json is not among the results"),
+        (dict(table="T99"), r"rows\[0\]: h200/tables.json has no table T99"),
+        (dict(row="nobody"), r"rows\[0\]: table T1 has 0 rows whose first cell is 'nobody'"),
+        (dict(column="fp8 b1v8"), r"rows\[0\]: table T1 has no column 'fp8 b1v8'"),
+        (dict(row="tiny", column="fp16 b1v8"), r"row 'tiny', column 'fp16 b1v8' holds '–', not a number"),
+        (dict(says=""), r"headline.yaml: rows\[0\]: missing or empty text key\(s\) says"),
+        (dict(value=4.07), r"headline.yaml: rows\[0\]: unknown key\(s\) value"),
+    ],
+)
+def test_a_bad_headline_spec_fails_naming_the_row_and_writes_nothing(tmp_path, change, problem):
+    results = tmp_path / "results"
+    _write(results, "h200", "tables", _result())
+    spec = _write_spec(tmp_path / "headline.yaml", [dict(_SPEC_ROW, **change)])
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- bloggap:headline:start -->\n<!-- bloggap:headline:end -->\n")
+    with pytest.raises(ReportError, match=problem):
+        build_report(results, tmp_path / "B.md", None, readme=readme, headline=spec)
+    assert not (tmp_path / "B.md").exists()
+    assert readme.read_text() == "<!-- bloggap:headline:start -->\n<!-- bloggap:headline:end -->\n"
+
+
+@pytest.mark.parametrize("text", ["no markers\n", "<!-- bloggap:headline:end -->\n<!-- bloggap:headline:start -->\n",
+                                  "<!-- bloggap:headline:start -->\n" * 2 + "<!-- bloggap:headline:end -->\n"])
+def test_readme_markers_must_be_there_once_and_in_order(tmp_path, text):
+    from bloggap_plugin.report_builder import replace_headline_block
+
+    with pytest.raises(ReportError, match=r"README.md: expected the line <!-- bloggap:headline:start --> once"):
+        replace_headline_block(text, ["| x |"], "README.md")
+
+
+def test_cli_report_updates_the_readme_beside_the_output_only(tmp_path, capsys):
+    from bloggap_plugin.cli import main
+
+    _write(tmp_path / "r", "h200", "tables", _result())
+    (tmp_path / "site").mkdir()
+    assert main(["report", "--results", str(tmp_path / "r"), "--output", str(tmp_path / "site" / "B.md"),
+                 "--no-plots"]) == 0  # no README.md beside the output: none is touched
+    assert "headline" not in capsys.readouterr().out
+    (tmp_path / "site" / "docs").mkdir()
+    _write_spec(tmp_path / "site" / "docs" / "headline.yaml", [_SPEC_ROW])
+    (tmp_path / "site" / "README.md").write_text("<!-- bloggap:headline:start -->\n<!-- bloggap:headline:end -->\n")
+    assert main(["report", "--results", str(tmp_path / "r"), "--output", str(tmp_path / "site" / "B.md"),
+                 "--no-plots"]) == 0
+    assert "the headline table in" in capsys.readouterr().out
+    assert "**4.07%**" in (tmp_path / "site" / "README.md").read_text()
+    (tmp_path / "site" / "README.md").write_text("<!-- bloggap:headline:start -->\n<!-- bloggap:headline:end -->\n")
+    assert main(["report", "--results", str(tmp_path / "r"), "--output", str(tmp_path / "site" / "B.md"),
+                 "--no-plots", "--readme", "none"]) == 0
+    assert "4.07" not in (tmp_path / "site" / "README.md").read_text()

@@ -207,14 +207,10 @@ def test_effective_config_takes_the_models_warpers_and_neutral_kwargs_switch_all
 
 def test_trunc_bias_benchmark_quick_mode_on_tiny_fp32(tmp_path):
     """The T11 script end to end (quick, tiny fp32 model): schema, and the maths it is meant to show."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "trunc_bias.py"
-    spec = importlib.util.spec_from_file_location("trunc_bias", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from benchmarks import trunc_bias as module
+
     argv = ["--quick", "--device", "cpu", "--model", "tiny-random-llama", "--dtype", "fp32", "--out", str(tmp_path)]
     assert module.main(argv) == 0
     data = json.loads((tmp_path / "trunc_bias.json").read_text())

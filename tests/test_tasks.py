@@ -281,14 +281,9 @@ def test_calc_steps_on_the_fixture_and_bad_values():
 
 
 def _baseline_module():
-    import importlib.util
-    from pathlib import Path
+    from benchmarks import gsm8k_baseline
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gsm8k_baseline.py"
-    spec = importlib.util.spec_from_file_location("bloggap_gsm8k_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return gsm8k_baseline
 
 
 def test_gsm8k_baseline_scoring_by_hand():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
@@ -37,10 +36,9 @@ def test_train_command_reports_bad_recipe(tmp_path, capsys):
 
 
 def test_benchmark_quick(tmp_path):
-    spec = importlib.util.spec_from_file_location("trl_arms", ROOT / "benchmarks" / "trl_arms.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.main(["--quick", "--arms", "A,G", "--out", str(tmp_path)]) == 0
+    from benchmarks import trl_arms
+
+    assert trl_arms.main(["--quick", "--arms", "A,G", "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "trl_arms.json").read_text())
     assert payload["benchmark"] == "trl_arms" and payload["schema_version"] == 1
     table = payload["tables"][0]

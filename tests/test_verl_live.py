@@ -1,9 +1,8 @@
-"""benchmarks/verl_live.py on CPU: every Hydra command it builds composes against verl 0.9.1's own config, and its
+"""benchmarks.verl_live on CPU: every Hydra command it builds composes against verl 0.9.1's own config, and its
 parsers read verl's logger output (the GPU run itself is issue 13)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,11 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks import verl_live
+from benchmarks._lib import verl_records
+
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("verl_live", ROOT / "benchmarks" / "verl_live.py")
-verl_live = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(verl_live)  # puts benchmarks/ on sys.path for its records module
-import verl_live_records as verl_records  # noqa: E402 - after the line above
 
 
 def test_every_run_composes_against_verls_config(tmp_path):
@@ -138,21 +136,21 @@ def test_entry_point_is_found_by_importlib(tmp_path):
 
 
 def test_dry_run_prints_commands_and_bad_run_name_is_one_line(tmp_path):
-    script = str(ROOT / "benchmarks" / "verl_live.py")
+    script = [sys.executable, "-m", "benchmarks.verl_live"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, script, "run", "--model", "/m", "--out", str(tmp_path), "--dry-run",
+    done = subprocess.run([*script, "run", "--model", "/m", "--out", str(tmp_path), "--dry-run",
                            "--runs", "geo_rs/nofix,arm_E"], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert len(lines) == 2 and "BLOGGAP_VERL_DISABLE=1" in lines[0] and "+bloggap.fp32_head=true" in lines[1]
     assert "-m verl.trainer.main_ppo" in lines[0] and "actor_rollout_ref.rollout.top_p=0.8" in lines[0]
-    bad = subprocess.run([sys.executable, script, "run", "--model", "/m", "--out", str(tmp_path), "--runs", "geo/fix"],
+    bad = subprocess.run([*script, "run", "--model", "/m", "--out", str(tmp_path), "--runs", "geo/fix"],
                          capture_output=True, text=True, env=env)
     assert bad.returncode == 1 and bad.stderr.strip().startswith("error: unknown run 'geo/fix'")
     assert "Traceback" not in bad.stderr
-    missing = subprocess.run([sys.executable, script, "run", "--model", "/m", "--out", str(tmp_path)],
+    missing = subprocess.run([*script, "run", "--model", "/m", "--out", str(tmp_path)],
                              capture_output=True, text=True, env=env)
-    assert missing.returncode == 1 and "run `python benchmarks/verl_live.py prepare" in missing.stderr
+    assert missing.returncode == 1 and "run `python -m benchmarks.verl_live prepare" in missing.stderr
 
 
 def test_probe_reports_missing_and_present_modules():

@@ -224,21 +224,16 @@ def test_vllm_live_gen_forces_length_without_masking_the_stop_tokens():
     """vLLM's min_tokens processor sets the stop tokens' logits to -inf before processed log-probs are taken, so a
     sampler log-prob read under min_tokens is renormalised without EOS while the trainer's covers the whole
     vocabulary (docs/arm_i.md). The gap benchmark forces its length with ignore_eos, which masks nothing."""
-    import importlib.util
-    from pathlib import Path
+    from benchmarks import vllm_live
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_live.py"
-    spec = importlib.util.spec_from_file_location("vllm_live_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    kwargs = module.gen_sampling_kwargs(new_tokens=128, logprobs=20, seed=1003, truncation={"top_p": 0.8})
+    kwargs = vllm_live.gen_sampling_kwargs(new_tokens=128, logprobs=20, seed=1003, truncation={"top_p": 0.8})
     assert "min_tokens" not in kwargs and kwargs["ignore_eos"] is True
     assert (kwargs["max_tokens"], kwargs["logprobs"], kwargs["seed"], kwargs["top_p"]) == (128, 20, 1003, 0.8)
     assert kwargs["temperature"] == 1.0
 
 
 def test_committed_vllm_live_result_rebuilds_from_its_committed_parts(tmp_path):
-    """benchmarks/results/h200/vllm_live.json is `vllm_live.py merge` of the whole 'all' run of 2026-12-01 and the
+    """benchmarks/results/h200/vllm_live.json is `python -m benchmarks.vllm_live merge` of the whole 'all' run of 2026-12-01 and the
     TRL truncation runs' work folder: merging the committed parts again gives the committed tables and results."""
     import json
     import subprocess
@@ -251,7 +246,7 @@ def test_committed_vllm_live_result_rebuilds_from_its_committed_parts(tmp_path):
     with tarfile.open(parts / "work_call4_trunc_trl.tgz") as archive:
         archive.extractall(tmp_path / "trunc", filter="data")
     out = tmp_path / "vllm_live.json"
-    subprocess.run([sys.executable, str(root / "benchmarks" / "vllm_live.py"), "merge", "--all",
+    subprocess.run([sys.executable, "-m", "benchmarks.vllm_live", "merge", "--all",
                     "benchmarks/results/h200/vllm_live_parts/all_2026-12-01.json", "--trunc-trl", str(tmp_path / "trunc"),
                     "--out", str(out)], cwd=root, check=True, capture_output=True)
     rebuilt, committed = json.loads(out.read_text()), json.loads((parts.parent / "vllm_live.json").read_text())

@@ -214,6 +214,8 @@ def test_arm_i_with_batch_invariant_pieces_is_refused_before_the_engine_loads(fa
 def _engine_trainer(**settings):
     vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=settings.get("eager")),
                                         cache_config=types.SimpleNamespace(enable_prefix_caching=settings.get("prefix")))
+    if "v2" in settings:
+        vllm_config.use_v2_model_runner = settings["v2"]
     llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(vllm_config=vllm_config))
     return types.SimpleNamespace(vllm_generation=types.SimpleNamespace(llm=llm))
 
@@ -243,3 +245,25 @@ def test_attaching_arm_i_to_a_compiled_or_prefix_caching_engine_is_refused(monke
     monkeypatch.setattr(vllm_kernels, "vllm_batch_invariant_active", lambda: False)
     with pytest.raises(RecipeError, match="VLLM_BATCH_INVARIANT=1"):
         check_colocate_engine(_engine_trainer(eager=True, prefix=False), gap)
+
+
+def test_arm_i_logprobs_piece_must_match_the_engines_model_runner(monkeypatch):
+    """vLLM 0.26 runs dense decoders on its model runner V2, whose sampler computes the sampled token's log-prob with
+    its own kernel over bf16 logits (``logprobs=v2_sampler``, arm I's default); the V1 runner log-softmaxes fp32 logits
+    (``logprobs=log_softmax``). Attaching arm I with the piece of the other runner is refused, naming the piece."""
+    import bloggap_plugin.core.vllm_kernels as vllm_kernels
+    from bloggap_plugin.recipes import GapConfig
+    from bloggap_plugin.trl.vllm_colocate import check_colocate_engine, colocate_model_runner
+
+    monkeypatch.setattr(vllm_kernels, "vllm_batch_invariant_active", lambda: True)
+    v1 = _engine_trainer(eager=True, prefix=False, v2=False)
+    v2 = _engine_trainer(eager=True, prefix=False, v2=True)
+    assert colocate_model_runner(v1) == "v1" and colocate_model_runner(v2) == "v2"
+    assert colocate_model_runner(_engine_trainer(eager=True, prefix=False)) is None
+    check_colocate_engine(v2, GapConfig(arm="I", positions="mask"))
+    with pytest.raises(RecipeError, match=r"model runner V1.*gap\.i_pieces: all,logprobs=log_softmax"):
+        check_colocate_engine(v1, GapConfig(arm="I", positions="mask"))
+    check_colocate_engine(v1, GapConfig(arm="I", positions="mask", i_pieces="all,logprobs=log_softmax"))
+    with pytest.raises(RecipeError, match=r"model runner V2.*logprobs=v2_sampler"):
+        check_colocate_engine(v2, GapConfig(arm="I", positions="mask", i_pieces="all,logprobs=log_softmax"))
+    check_colocate_engine(v1, GapConfig(arm="A"))

@@ -16,7 +16,7 @@ MODEL=${MODEL:-smollm2}
 DATA=${DATA:-.dev/gsm8k}
 OUT=${OUT:-.dev/gsm8k_call}
 mkdir -p "$OUT"
-timeout "${BASELINE_S:-240}" python3 benchmarks/gsm8k_baseline.py --model "$MODEL" --data "$DATA" --out "$OUT" \
+timeout "${BASELINE_S:-240}" python3 -m benchmarks.gsm8k_baseline --model "$MODEL" --data "$DATA" --out "$OUT" \
   --completions "$OUT/gsm8k_completions.jsonl"
 baseline=$?
 timeout "${DEMO_S:-330}" python3 -m bloggap_plugin.cli compare recipes/arm_A.yaml recipes/arm_H.yaml \

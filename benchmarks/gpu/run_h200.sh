@@ -29,16 +29,16 @@ job() {  # name, limit_s, command...: run in the background under a time limit; 
 case "$phase" in
   measure)
     job doctor  300 $py -m bloggap_plugin.cli doctor --device cuda --json "$res/doctor.json"
-    job tables  480 $py benchmarks/tables.py --out "$res"
-    job ladder  400 $py benchmarks/ladder.py --out "$res"
-    job trunc   300 $py benchmarks/trunc_bias.py --out "$res"
-    job compare 520 $py benchmarks/compare_gpu.py --out "$res"
+    job tables  480 $py -m benchmarks.tables --out "$res"
+    job ladder  400 $py -m benchmarks.ladder --out "$res"
+    job trunc   300 $py -m benchmarks.trunc_bias --out "$res"
+    job compare 520 $py -m benchmarks.compare_gpu --out "$res"
     wait
     ;;
   timing)
-    job cost 200 $py benchmarks/cost.py --out "$res"; wait
-    job trl  330 $py benchmarks/trl_arms.py --out "$res"; wait
-    job overhead 420 $py benchmarks/trl_arms.py --arms A,G --probe-every 1 8 --probe-budget 0 0.005 --name trl_overhead \
+    job cost 200 $py -m benchmarks.cost --out "$res"; wait
+    job trl  330 $py -m benchmarks.trl_arms --out "$res"; wait
+    job overhead 420 $py -m benchmarks.trl_arms --arms A,G --probe-every 1 8 --probe-budget 0 0.005 --name trl_overhead \
       --out "$res"; wait
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;

@@ -49,17 +49,17 @@ if [ "${BLOGGAP_HIDE_TRL:-0}" = 1 ] && [ -d /tmp/site/trl ]; then mv /tmp/site/t
 export RAY_AUTH_MODE=disabled
 [ -f /tmp/vx/smollm2/config.json ] || python3 "$T/mk_smollm2.py" || exit 4
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0))"
-python3 benchmarks/verl_live.py probe --out "$work" || exit 5
-[ -f "$work/data/train.parquet" ] || python3 benchmarks/verl_live.py prepare --out "$work" || exit 6
+python3 -m benchmarks.verl_live probe --out "$work" || exit 5
+[ -f "$work/data/train.parquet" ] || python3 -m benchmarks.verl_live prepare --out "$work" || exit 6
 python3 -c "import verl, sys; print('verl', verl.__version__, verl.__file__)" > "$work/verl_patch_check.txt" 2>&1
 python3 -m bloggap_plugin.cli patch verl --check >> "$work/verl_patch_check.txt" 2>&1
 echo "rc=$?" >> "$work/verl_patch_check.txt"
 left=$(( budget - ($(date +%s) - t0) ))
-python3 benchmarks/verl_live.py run --model /tmp/vx/smollm2 --out "$work" --runs "$runs" --steps "$steps" \
+python3 -m benchmarks.verl_live run --model /tmp/vx/smollm2 --out "$work" --runs "$runs" --steps "$steps" \
   --budget "$left" --run-timeout "$run_timeout" --parallel "${VERL_LIVE_PARALLEL:-1}"
 rc=$?
 case ",$runs," in
-  *,arm_E,*) python3 benchmarks/verl_live.py check-head --out "$work" --model /tmp/vx/smollm2 --run arm_E --device cuda ;;
+  *,arm_E,*) python3 -m benchmarks.verl_live check-head --out "$work" --model /tmp/vx/smollm2 --run arm_E --device cuda ;;
 esac
 for f in "$work"/*.log; do echo "== tail $f"; grep -v "^\s*$" "$f" | tail -25; done
 exit $rc

@@ -79,7 +79,7 @@ def worker_environment(config: CompareConfig, environ: dict | None = None, ports
     a fixed vLLM KV cache (``BLOGGAP_VLLM_KV_CACHE_GIB`` = 2, unless set: vLLM's free-memory profiling fails when a
     neighbour frees memory while an engine starts) and a ``MASTER_PORT`` of the run's own, free now and not in
     ``ports_in_use`` (the runs in flight): TRL's colocate engine otherwise takes the first free of 29500, 23456, ...,
-    which runs starting together all see free (11 of 12 failed with EADDRINUSE on the H200). Both seen live."""
+    which runs starting together all see free, and all but one then fail with EADDRINUSE."""
     from bloggap_plugin.trl.vllm_colocate import KV_CACHE_ENV
 
     env = dict(os.environ if environ is None else environ)

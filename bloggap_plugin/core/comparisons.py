@@ -110,8 +110,8 @@ TIMED = "b1_vs_b8_left_mask"  # the batch-8 pass whose seconds per token price e
 SAMPLER = "sampler_vs_b1"
 BATCH_SHAPE_COMPARISONS = tuple(c.name for c in _TABLE if c.batch_shape)
 CPU_FP16_COMPARISONS = tuple(c.name for c in _TABLE if c.cpu_fp16)
-# On CPU, fp16 has no fast kernels (~7-10x bf16's time there) and fp32 costs ~2x bf16: the doctor scores both
-# on fewer rows there (fp16 only on CPU_FP16_COMPARISONS) so its default run stays under 5 minutes on 2 cores.
+# On CPU, fp16 has no fast kernels and fp32 costs more than bf16: the doctor scores both on fewer rows there
+# (fp16 only on CPU_FP16_COMPARISONS) so that its default run stays short on a small CPU.
 # bf16 always gets every row.
 CPU_ROWS = {"fp16": 8, "fp32": 16}
 PAIRABLE = tuple(c.name for c in _TABLE if c.pairable)

@@ -111,7 +111,7 @@ def decide(
     On the headline comparison (b1 vs b8 with TRL's left padding and 0..L-1 positions, worst attention
     implementation): no bf16 gap anywhere -> arm A; fp16 safe and leaving <= 10% of bf16's gap on the same
     rows -> arm H (fp16 at both ends of the PPO ratio; fp16 old log-probs alone, arm F, leave a bf16 training
-    forward in the ratio, which the H200 runs showed to cost more than the noise it removes); else fp32
+    forward in the ratio, so the ratio carries the bf16-vs-fp16 difference of every token); else fp32
     leaving <= 10% -> arm B (or a cheaper ladder rung), with the same caveat. A dtype scored on fewer rows
     is compared with bf16 on the same rows: ``paired`` holds such bf16 cells (same ``comparison``, ``attn``
     and ``rows``). Costs are each dtype's measured seconds per token on its batch-8 pass relative to bf16 on

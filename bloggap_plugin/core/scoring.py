@@ -41,8 +41,8 @@ DEFAULT_CHUNK_TOKENS = 256
 ``tile x V`` fp32 (256 x 152k: 156 MB), and two such tensors are alive at once (the logits and their
 log-softmax; three briefly with a temperature or a kept-set reduce): about one tile of TRL 1.16's fused head
 (4,096 tokens x 32,768 vocabulary columns in bf16: 268 MB), instead of ``rows x K x V`` (8 x 4096 x 152k
-fp32: 20 GB). Small enough that models with a small body and a large vocabulary (Qwen2.5-1.5B) stay within
-1.25x of TRL's old-logprob pass; large enough that each tile's matmul keeps the GPU busy."""
+fp32: 20 GB). Small enough that models with a small body and a large vocabulary (Qwen2.5-1.5B) stay near
+the peak memory of TRL's old-logprob pass; large enough that each tile's matmul keeps the GPU busy."""
 
 # A tile of the [B, K] grid of scored tokens: (rows, positions) slices of the full batch; ``tensor[index]``
 # selects the tile's part of any tensor whose leading shape is [B, K] (kept sets, sizes, ...).

@@ -88,7 +88,7 @@ def shard_for(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor`` as the ``DTensor`` ``like`` lays it out (same global shape): the local shard
     of a ``DTensor`` placed like ``like``, else the slice of the whole tensor (gathered if it is a ``DTensor``
     placed otherwise: a collective) that ``like``'s local shard covers. An FSDP2 unit can still hold plain full
-    tensors where its shards belong (seen on the H200 with torch 2.11 after TRL's old-logprob forward, when
+    tensors where its shards belong (torch 2.11, after TRL's old-logprob forward, when
     ``reshard`` left the root unit gathered); their rows are the values to copy."""
     if is_dtensor(tensor) and tensor.placements == like.placements and tensor.device_mesh == like.device_mesh:
         return tensor.to_local()

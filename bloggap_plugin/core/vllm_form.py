@@ -46,6 +46,8 @@ __all__ = [
     "stepwise_attention",
     "step_launches",
     "norm_in_step_launches",
+    "sampler_token_logprobs",
+    "prompt_first",
 ]
 
 
@@ -88,10 +90,20 @@ class VllmForm:
     against its row's paged K/V up to itself (FlashAttention's decode kernel, whose key tiles and reduction order
     can differ from a prefill call's over the same keys)."""
 
+    logprobs: str = "v2_sampler"
+    """How the head's bf16 logits become the scored token's fp32 log-prob, as the engine's sampler computes it.
+    ``log_softmax``: vLLM's V1 model runner (logits cast to fp32, temperature in fp32, ``log_softmax``: vLLM's
+    batch-invariant override when ``batch_invariant``); ``v2_sampler``: vLLM's model runner V2 (its default for
+    dense decoders): the temperature applied to the bf16 logits in place (fp32 division rounded to bf16), then
+    its own kernel over the bf16 logits (``compute_token_logprobs``: max, then the sum of ``exp(x - max)`` in
+    fp32, ``x - max - log(sum)``), whose sum runs in another order than ``log_softmax``'s. Without a caller's
+    kept-set reduce only (truncated scoring keeps its own reduce)."""
+
     def __post_init__(self) -> None:
         choices = {"attention": ("sdpa", "vllm_fa"), "norm": ("hf", "torch", "kernel"),
                    "rope": ("hf", "torch", "kernel"), "act": ("torch", "kernel"), "norm_launch": ("packed", "steps"),
-                   "attention_launch": ("packed", "steps")}
+                   "attention_launch": ("packed", "steps"),
+                   "logprobs": ("log_softmax", "v2_sampler")}
         for name, accepted in choices.items():
             if getattr(self, name) not in accepted:
                 raise ValueError(f"arm I piece {name}={getattr(self, name)!r}: use one of {', '.join(accepted)}")
@@ -103,6 +115,7 @@ class VllmForm:
         out = ["batch_invariant=true"] if self.batch_invariant else []
         out += ["attention=vllm_fa"] if self.attention == "vllm_fa" else []
         out += [f"{name}=kernel" for name in ("norm", "rope", "act") if getattr(self, name) == "kernel"]
+        out += ["logprobs=v2_sampler"] if self.logprobs == "v2_sampler" else []
         return out
 
     def describe(self) -> str:
@@ -113,8 +126,9 @@ class VllmForm:
 FORM_PRESETS: dict[str, VllmForm] = {
     "all": VllmForm(),
     "torch": VllmForm(batch_invariant=False, attention="sdpa", norm="torch", rope="torch", fused_proj=True,
-                      act="torch"),
-    "hf": VllmForm(batch_invariant=False, attention="sdpa", norm="hf", rope="hf", fused_proj=False, act="torch"),
+                      act="torch", logprobs="log_softmax"),
+    "hf": VllmForm(batch_invariant=False, attention="sdpa", norm="hf", rope="hf", fused_proj=False, act="torch",
+                   logprobs="log_softmax"),
 }
 """``all``: every piece as vLLM (needs vLLM and CUDA); ``torch``: vLLM's maths where plain torch can express it;
 ``hf``: HF's maths in the packed bf16 forward (the starting point of the piece-by-piece measurement)."""
@@ -200,6 +214,10 @@ def rope_vllm(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> 
 
 
 # ----------------------------------------------------------------------------------------------------- layout
+NORM_LARGE_LAUNCH = 256
+"""vLLM's CUDA RMSNorm launchers: ``max_block_size = (num_tokens < 256) ? 1024 : 256`` (csrc/layernorm_kernels.cu)."""
+
+
 @dataclass
 class PackedBatch:
     """Real tokens of ``B`` rows packed as vLLM lays them out: row ``i`` is ``tokens[cu[i]:cu[i+1]]``."""
@@ -221,6 +239,23 @@ class PackedBatch:
     """``(prompt index [P], [generated index chunks])`` of :func:`norm_in_step_launches` (filled on first use)."""
     generated: torch.Tensor | None = None
     """``[T]`` bool: the tokens the sampler fed back one decode step at a time (``None``: unknown, all prefill)."""
+    order: torch.Tensor | None = None
+    """``[T]`` int64 (:func:`prompt_first`): ``tokens`` and ``positions`` hold the packed tokens in this order (every
+    prompt token, then every generated one, each in row order); ``None``: packed order. ``generated`` and the row
+    fields stay in packed order."""
+
+
+def prompt_first(packed: PackedBatch, large: int = NORM_LARGE_LAUNCH) -> PackedBatch:
+    """``packed`` (with ``generated`` set) in the order vLLM's steps saw its tokens: every row's prompt tokens, then
+    every row's generated tokens. Each step-sized launch is then one contiguous slice (``launches``: the prompt's
+    slice and the generated tokens' slices of fewer than ``large``), so no launch gathers or scatters its tokens.
+    Row-wise pieces compute the same values in any order; :func:`stepwise_attention` reads the order."""
+    prompt = (~packed.generated).nonzero().squeeze(-1)
+    order = torch.cat([prompt, packed.generated.nonzero().squeeze(-1)])
+    total, start = order.numel(), prompt.numel()
+    chunks = [slice(a, min(a + large - 1, total)) for a in range(start, total, large - 1)]
+    return dataclasses.replace(packed, tokens=packed.tokens[order], positions=packed.positions[order], order=order,
+                               launches=(slice(0, start), chunks))
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
@@ -243,10 +278,6 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: to
     return PackedBatch(input_ids[where], positions[where].long(), cu, lengths_t.tolist(), where)
 
 
-NORM_LARGE_LAUNCH = 256
-"""vLLM's CUDA RMSNorm launchers: ``max_block_size = (num_tokens < 256) ? 1024 : 256`` (csrc/layernorm_kernels.cu)."""
-
-
 def step_launches(generated: torch.Tensor, large: int = NORM_LARGE_LAUNCH) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Token indices for :func:`norm_in_step_launches` from ``generated [T]`` bool (packed order): the prompt tokens'
     index ``[P]`` (one prefill launch) and the generated tokens' in chunks of ``large - 1`` (decode launches)."""
@@ -263,6 +294,16 @@ def norm_in_step_launches(norm: Callable[[torch.Tensor, torch.Tensor, float], to
     (zero rows appended when fewer: a row-wise kernel normalises each row alone, and zeros stay zeros), the
     generated ones in launches of fewer than ``large``. The same tokens give the same values in any batch."""
     prompt, chunks = launches
+    if isinstance(prompt, slice):  # prompt_first's contiguous launches, in order: no gather, no scatter
+        parts = []
+        if prompt.stop > prompt.start:
+            rows = x[prompt]
+            count = rows.shape[0]
+            if count < large:
+                rows = torch.cat([rows, rows.new_zeros(large - count, rows.shape[1])])
+            parts.append(norm(rows, weight, eps)[:count])
+        parts += [norm(x[chunk], weight, eps) for chunk in chunks]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
     out = torch.empty_like(x)
     if prompt.numel():
         rows = x[prompt]
@@ -384,6 +425,10 @@ def _step_calls(packed: PackedBatch, page: int, device: torch.device) -> tuple:
         seen = (index_in_row[decoded] + 1).to(torch.int32)
         cu = torch.arange(decoded.numel() + 1, dtype=torch.int32, device=device)
         decode = (decoded, cu, seen, table[row[decoded]], 1, int(seen.max()))
+    if packed.order is not None:  # prompt_first: the calls' queries are the two contiguous halves, in this order
+        split = prompt.numel()
+        prefill = None if prefill is None else (slice(0, split), *prefill[1:])
+        decode = None if decode is None else (slice(split, total), *decode[1:])
     packed.paged[key] = (prefill, decode)
     return prefill, decode
 
@@ -395,7 +440,15 @@ def stepwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed
     including itself. ``paged(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q,
     max_seqlen_k, scale)`` is the paged varlen kernel. ``q [T, nq, d]``, ``k/v [T, nkv, d]`` -> ``[T, nq, d]``."""
     calls = _step_calls(packed, page, q.device)
-    key_cache, value_cache, _ = paged_kv(k, v, packed.lengths, page, packed.paged[page])
+    layout = packed.paged[page]
+    if packed.order is not None:  # the cache slot of each token in prompt_first's order
+        if ("order", page) not in packed.paged:
+            packed.paged[("order", page)] = (layout[0][packed.order], *layout[1:])
+        layout = packed.paged[("order", page)]
+        key_cache, value_cache, _ = paged_kv(k, v, packed.lengths, page, layout)
+        parts = [paged(q[call[0]], key_cache, value_cache, *call[1:], scale) for call in calls if call is not None]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+    key_cache, value_cache, _ = paged_kv(k, v, packed.lengths, page, layout)
     out = torch.empty_like(q)
     for call in calls:
         if call is not None:
@@ -408,6 +461,16 @@ def stepwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed
 def _torch_paged(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k,  # noqa: ARG001
                  scale):
     return torch_paged_varlen_attention(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table, scale)
+
+
+def sampler_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """vLLM's model runner V2 log-prob of ``tokens [N]`` under ``logits [N, V]`` (bf16) in plain torch:
+    ``x - max - log(sum(exp(x - max)))`` in fp32, the order of its kernel's operations (the sum's own order is the
+    kernel's to choose). ``[N]`` fp32."""
+    x = logits.float()
+    top = x.max(dim=-1, keepdim=True).values
+    lse = torch.log(torch.exp(x - top).sum(dim=-1, keepdim=True))
+    return (x.gather(-1, tokens.long().unsqueeze(-1)) - top - lse).squeeze(-1)
 
 
 def _torch_flash(q, k, v, cu_seqlens, max_seqlen, scale, block_table=None):  # noqa: ARG001 - kernel signature
@@ -437,6 +500,9 @@ class Kernels:
     flash_paged: Callable[..., torch.Tensor] = _torch_paged
     """``(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale) ->
     [Tq, nq, d]``: the paged varlen call with query and key lengths apart (``attention_launch: steps``)."""
+    token_logprobs: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = sampler_token_logprobs
+    """``(logits [N, V] bf16, tokens [N]) -> [N]`` fp32: the ``v2_sampler`` log-prob (vLLM's
+    ``compute_token_logprobs``)."""
     scope: Callable[[], object] = field(default=lambda: __import__("contextlib").nullcontext())
     """A context manager around the whole forward (vLLM's batch-invariant aten overrides, scoped)."""
     source: str = "torch"

@@ -167,8 +167,28 @@ def load_kernels(form: VllmForm, device: torch.device | str) -> Kernels:
     rms_norm, add_rms_norm = _norms(form.batch_invariant)
     return Kernels(linear=linear_batch_invariant, rms_norm=rms_norm, add_rms_norm=add_rms_norm, rotary=_rotary,
                    silu_and_mul=_silu_and_mul, flash=_flash(form.batch_invariant),
-                   flash_paged=_flash_paged(form.batch_invariant), scope=batch_invariant_scope,
-                   source=f"vllm {getattr(__import__('vllm'), '__version__', '?')}")
+                   flash_paged=_flash_paged(form.batch_invariant), token_logprobs=_token_logprobs(form),
+                   scope=batch_invariant_scope, source=f"vllm {getattr(__import__('vllm'), '__version__', '?')}")
+
+
+def _token_logprobs(form: VllmForm):
+    """vLLM's model runner V2 log-prob kernel (``compute_token_logprobs``) as ``(logits [N, V], tokens [N]) -> [N]``;
+    the torch stand-in when the form does not use it. :class:`VllmFormUnavailable` when this vLLM has no V2 runner."""
+    if form.logprobs != "v2_sampler":
+        return TORCH_KERNELS.token_logprobs
+    try:
+        from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+    except Exception as err:  # noqa: BLE001 - any import failure is the same refusal
+        raise VllmFormUnavailable(
+            f"arm I piece logprobs=v2_sampler calls vLLM's model runner V2 log-prob kernel, which this vLLM lacks "
+            f"({type(err).__name__}: {err}): install vLLM 0.26 (pip install vllm==0.26.0), or, for an engine on the V1 "
+            "model runner, set gap.i_pieces: all,logprobs=log_softmax"
+        ) from None
+
+    def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return compute_token_logprobs(logits.contiguous(), tokens.reshape(-1, 1))[:, 0]
+
+    return token_logprobs
 
 
 def register_hf_attention(kernels: Kernels, page_size: int = 16, name: str = HF_ATTENTION_NAME) -> str:

@@ -3,9 +3,9 @@
 Each problem is a one-line story ("Mia has 7 apples. She gets 5 more apples. How many apples does Mia have
 now?") whose answer is a non-negative integer. The prompt is conversational: a system message, three solved
 examples as earlier user/assistant turns (``"7 + 5 = 12"``), then the question. Without the solved examples
-SmolLM2-135M-Instruct rambles and is right on single-digit sums only ~10% of the time when sampling at
-temperature 1; with them it answers in the ``a + b = c`` form and the difficulty sets the accuracy (measured
-per level in ``docs/compare.md``).
+SmolLM2-135M-Instruct rambles and is seldom right even on single-digit sums when sampling at temperature 1;
+with them it answers in the ``a + b = c`` form and the difficulty sets the accuracy (per level in
+``docs/compare.md``).
 
 Reward: 1.0 when the *last* number of the completion (commas removed, :func:`parse_lenient` of the GSM8K
 task) equals the answer, else 0.0. The last number, not the first: the model writes ``a + b = c``.

@@ -165,6 +165,38 @@ def check_colocate_engine(trainer: Any, gap: Any, environ: dict | None = None) -
         )
     if needs_batch_invariant(gap) and not vllm_kernels.vllm_batch_invariant_active():
         raise RecipeError(batch_invariant_refusal(gap))
+    refusal = model_runner_refusal(gap, colocate_model_runner(trainer))
+    if refusal:
+        raise RecipeError(refusal)
+
+
+def colocate_model_runner(trainer: Any) -> str | None:
+    """``"v1"`` or ``"v2"``: the model runner of a GRPOTrainer's colocate engine (vLLM's
+    ``vllm_config.use_v2_model_runner``), or ``None`` when it cannot be read."""
+    generation = getattr(trainer, "vllm_generation", None)
+    engine = getattr(getattr(generation, "llm", None), "llm_engine", None)
+    try:
+        uses_v2 = getattr(getattr(engine, "vllm_config", None), "use_v2_model_runner", None)
+    except Exception:  # noqa: BLE001 - a config vLLM cannot evaluate here: not readable
+        return None
+    return None if not isinstance(uses_v2, bool) else ("v2" if uses_v2 else "v1")
+
+
+def model_runner_refusal(gap: Any, runner: str | None) -> str | None:
+    """The error text when arm I's ``logprobs`` piece is not the one of the engine's model runner (``runner``:
+    :func:`colocate_model_runner`), else ``None``: the runners compute the sampled token's log-prob differently."""
+    if gap.arm_spec.plan != "vllm" or runner is None:
+        return None
+    from bloggap_plugin.core.vllm_form import parse_form
+
+    wanted = "v2_sampler" if runner == "v2" else "log_softmax"
+    if parse_form(gap.i_pieces).logprobs == wanted:
+        return None
+    fix = ("gap.i_pieces: all,logprobs=log_softmax" if runner == "v1"
+           else "logprobs=v2_sampler in gap.i_pieces (the default of preset all)")
+    return (f"arm {gap.arm_spec.letter} (gap.i_pieces: {gap.i_pieces}) computes the sampled token's log-prob as the "
+            f"other vLLM model runner does, and this engine runs the model runner {runner.upper()} "
+            f"(VLLM_USE_V2_MODEL_RUNNER chooses it): set {fix}")
 
 
 def needs_batch_invariant(gap: Any) -> bool:

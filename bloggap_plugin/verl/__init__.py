@@ -50,7 +50,7 @@ def _own_log_handler(plugin_logger: logging.Logger) -> None:
     """Give the plugin's logger its own stderr handler at WARNING and stop it propagating, as verl does for its
     ``verl`` logger. In verl's TaskRunner the root logger cannot be relied on: vLLM's API routers import
     ``model_hosting_container_standards``, which sets the root logger and its handlers to ERROR, and the
-    all-rejected guard's warning was lost (H200, 2026-12-01). Idempotent; a level set by the user is kept."""
+    all-rejected guard's warning was lost. Idempotent; a level set by the user is kept."""
     if not any(isinstance(handler, _StderrHandler) for handler in plugin_logger.handlers):
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s:%(asctime)s:%(message)s"))

@@ -147,6 +147,11 @@ class ScoringPlan:
                 self.fp16_fallbacks += 1
         return result.to(out_device)
 
+    def rows_per_forward(self, width: int) -> int | None:  # noqa: ARG002 - the plans that choose use it
+        """Rows per forward this plan chooses for rows ``width`` tokens wide, or ``None``: the caller's (its
+        micro-batch), which bounds the activations of a plan whose numbers do not depend on it either."""
+        return None
+
     def sync(self, policy: nn.Module) -> float:
         """Refresh the plan's copies from ``policy`` in place (``copy_``); returns the seconds it took."""
         self._check_open()

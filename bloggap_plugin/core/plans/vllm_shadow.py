@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,7 @@ from torch import nn
 
 from ..model_parts import model_device as _model_device
 from ..model_parts import tensor_bytes as _tensor_bytes
-from ..scoring import unwrap_model
+from ..scoring import ScoringOptions, TileIndex, unwrap_model
 from ..vllm_form import (
     Kernels,
     VllmForm,
@@ -28,6 +28,7 @@ from ..vllm_form import (
     pack,
     paged_kv,
     paged_layout,
+    prompt_first,
     rms_norm_hf,
     rms_norm_vllm_triton,
     rope_hf,
@@ -216,17 +217,27 @@ class VllmFormLM(nn.Module):
             columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
             generated = (columns >= attention_mask.shape[1] - (logits_to_keep - 1)).expand_as(packed.where)
             packed.generated = generated[packed.where]
-            if self.form.norm == "kernel" and self.form.norm_launch == "steps":
+            if self.form.attention == "vllm_fa" and self.form.attention_launch == "steps":
+                packed = prompt_first(packed)  # step-sized launches become contiguous slices
+            elif self.form.norm == "kernel" and self.form.norm_launch == "steps":
                 packed.launches = step_launches(packed.generated)
         h = F.embedding(packed.tokens, base.embed_tokens.weight)
         residual = None
         for index, layer in enumerate(base.layers):
             h, residual = self._layer(index, layer, h, residual, packed, base.rotary_emb)
         final = self._norm(residual + h, base.norm, first=False, packed=packed)
+        if packed.order is not None:  # back to packed order
+            final = final.new_empty(final.shape).index_copy_(0, packed.order, final)
         hidden = final.new_zeros((*packed.where.shape, final.shape[-1]))
         hidden[packed.where] = final
         keep = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         return _Output(logits=self.lm_head(keep))
+
+
+TOKENS_PER_FORWARD = 16384
+"""Padded-width tokens (rows x row width) per arm I forward when the caller sets no row bound: its forward is
+batch-invariant, so the rows per forward set the host's launches per scored row, not the numbers; this bounds the
+bf16 activations of one forward (the head's logits are tiled apart)."""
 
 
 class VllmFormPlan(_ShadowPlan):
@@ -245,6 +256,24 @@ class VllmFormPlan(_ShadowPlan):
 
     def _score_model(self) -> Callable[..., Any]:
         return self.model
+
+    def rows_per_forward(self, width: int) -> int:
+        """As many rows ``width`` tokens wide as :data:`TOKENS_PER_FORWARD` holds (at least one)."""
+        return max(1, TOKENS_PER_FORWARD // max(1, int(width)))
+
+    def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                       batch_size: int | None = None, **options: Unpack[ScoringOptions]) -> torch.Tensor:
+        """As :meth:`ScoringPlan.token_logprobs`; with ``logprobs=v2_sampler`` and no caller's ``reduce``, each tile's
+        log-probs come from ``kernels.token_logprobs`` on its bf16 logits (:meth:`_sampler_reduce`)."""
+        if self.form.logprobs == "v2_sampler" and options.get("reduce") is None:
+            options["reduce"] = self._sampler_reduce
+        return super().token_logprobs(input_ids, attention_mask, logits_to_keep, batch_size, **options)
+
+    def _sampler_reduce(self, logits: torch.Tensor, targets: torch.Tensor, index: TileIndex) -> torch.Tensor:
+        """``[b, t]``: the fp32 temperature-scaled logits ``[b, t, V]`` rounded to bf16 (exact at temperature 1, where
+        they are the head's bf16 values; vLLM's in-place bf16 temperature otherwise), then the sampler's kernel."""
+        flat = logits.to(torch.bfloat16).reshape(-1, logits.shape[-1])
+        return self.kernels.token_logprobs(flat, targets.reshape(-1)).view(targets.shape)
 
     def _scoring_context(self) -> contextlib.AbstractContextManager:
         stack = super()._scoring_context()

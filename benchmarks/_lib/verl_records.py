@@ -1,8 +1,8 @@
 """verl_live's run records: what each run is (presets, run kinds, variants), what its console and metrics file say
 (verl's console logger, the ``file`` logger's JSON lines, the plugin's "registered" lines, Ray's process prefixes),
 one run's record (:func:`summarise`), and the T13v tables built from the records (:func:`result_tables`,
-:func:`head_table`). Torch-free, so that ``verl_live.py document`` rebuilds the result document anywhere;
-``benchmarks/verl_live.py`` runs verl and imports everything here it needs."""
+:func:`head_table`). Torch-free, so that ``python -m benchmarks.verl_live document`` rebuilds the result document
+anywhere; :mod:`benchmarks.verl_live` runs verl and imports everything here it needs."""
 
 from __future__ import annotations
 

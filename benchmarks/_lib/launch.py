@@ -1,0 +1,22 @@
+"""Starting a benchmark module in a child process (a phase with its own process-wide settings)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+
+from benchmarks._lib.paths import ROOT
+
+
+def module_command(module: str, *args: str) -> list[str]:
+    """``python -m module args...`` with this interpreter."""
+    return [sys.executable, "-m", module, *args]
+
+
+def repo_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's environment) with the repository root first on ``PYTHONPATH``, so a child
+    started in any folder imports ``benchmarks`` and ``bloggap_plugin`` from this checkout."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
