@@ -417,7 +417,11 @@ def _fake_vllm_kernels(monkeypatch, seen: dict):
     def compute_token_logprobs(logits, token_ids):
         assert logits.dtype == torch.bfloat16 and token_ids.dim() == 2 and token_ids.shape[1] == 1
         seen.setdefault("token_logprobs", []).append(tuple(logits.shape))
-        return sampler_token_logprobs(logits, token_ids[:, 0]).unsqueeze(-1)
+        # vLLM's Triton kernel reads row i's logits at ``i * logits.stride(0)`` and its token id at ``i * topk`` from
+        # the tensors' storage, whatever their strides: read them the same way
+        dense_logits = torch.as_strided(logits, logits.shape, (logits.stride(0), 1))
+        dense_ids = torch.as_strided(token_ids, token_ids.shape, (token_ids.shape[1], 1))
+        return sampler_token_logprobs(dense_logits, dense_ids[:, 0]).unsqueeze(-1)
 
     logprob.compute_token_logprobs = compute_token_logprobs
     for name in ("vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends", "vllm.v1.worker", "vllm.v1.worker.gpu",
@@ -457,6 +461,13 @@ def test_vllm_kernel_glue_with_fakes_of_vllms_signatures(monkeypatch, tiny_model
         assert seen.pop("token_logprobs") == [(ids.shape[0] * K, model.config.vocab_size)]
         layers = model.config.num_hidden_layers
         assert seen["flash"] == [{"num_splits": 1, "fa_version": 3, "paged": True}] * 2 * layers  # prefill, decode
+        seen["flash"].clear()
+        # tiles of 7 positions and a last tile of one: that tile's targets are a strided view of the row's targets
+        tiled = VllmFormPlan(model, parse_form("all"), kernels).token_logprobs(ids, mask, K, positions="mask",
+                                                                              chunk_tokens=7 * ids.shape[0])
+        assert seen.pop("token_logprobs") == [(ids.shape[0] * 7, model.config.vocab_size),
+                                              (ids.shape[0], model.config.vocab_size)]
+        assert torch.equal(tiled, out)
         seen["flash"].clear()
         packed_form = parse_form("all,batch_invariant=false,page_size=0,attention_launch=packed,logprobs=log_softmax")
         plan = VllmFormPlan(model, packed_form, load_kernels(packed_form, "cuda"))

@@ -186,7 +186,9 @@ def _token_logprobs(form: VllmForm):
         ) from None
 
     def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        return compute_token_logprobs(logits.contiguous(), tokens.reshape(-1, 1))[:, 0]
+        # the kernel reads row i's token id at i * topk of the tensor's storage: a strided view (the targets of a
+        # one-position tile of the head) must be made dense first
+        return compute_token_logprobs(logits.contiguous(), tokens.reshape(-1, 1).contiguous())[:, 0]
 
     return token_logprobs
 
