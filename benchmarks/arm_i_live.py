@@ -176,7 +176,8 @@ def table(rows: dict) -> dict:
             "columns": COLUMNS, "rows": body, "reference": None, "random_init": False,
             "notes": "Sampler columns over the generations after the first (the first is in per_generation); ratio "
                     "out-of-band on the first iteration of each generation (num_iterations 1: the ratio is new/new). "
-                    "Plugin share of a generating step: gap/time/overhead_frac, steps after the first."}
+                    "Plugin share of a generating step: gap/time/overhead_frac, steps after the first."
+                    + "".join(f" {label}: {row['note']}." for label, row in rows.items() if row.get("note"))}
 
 
 def document(rows: dict, params: dict, env: dict) -> dict:
@@ -241,10 +242,65 @@ def document_main(args: argparse.Namespace) -> int:
     rows = {}
     for label, row in old["results"].items():
         if label in logs:
-            rows[label] = {**summarize(label, logs[label]), **{k: row[k] for k in ("seconds", "argv") if k in row}}
+            rows[label] = {**summarize(label, logs[label]),
+                           **{k: row[k] for k in ("seconds", "argv", "note") if k in row}}
         else:
             rows[label] = row
     Path(args.result).write_text(json.dumps(document(rows, old["params"], old["env"]), indent=1) + "\n")
+    return 0
+
+
+def _collect_rows(folders: list[Path], fallback: dict, notes: dict) -> dict:
+    """Rows from every ``LABEL.jsonl`` under ``folders`` (a later folder's run replaces an earlier one's), then the
+    rows of ``fallback`` (a ``run`` document's results) for labels without a log; ``notes`` (label -> text) added."""
+    rows = {}
+    for folder in folders:
+        for path in sorted(folder.glob("*.jsonl")):
+            rows[path.stem] = summarize(path.stem, _records(path))
+    for label, row in fallback.items():
+        rows.setdefault(label, {**row, "note": "JSONL not kept: row as the run's own document wrote it"})
+    for label, text in notes.items():
+        rows[label]["note"] = "; ".join(x for x in (rows[label].get("note"), text) if x)
+    return rows
+
+
+def _pack_logs(folders: list[Path], labels: list[str], pack: Path, model_path: str) -> None:
+    """``LABEL.jsonl`` and ``LABEL.log`` of ``labels`` into ``pack`` (tar.xz), machine paths replaced and console
+    logs without progress bars."""
+    import io
+
+    from benchmarks._lib.publish import console_lines, strip_paths
+
+    with tarfile.open(pack, "w:xz") as tar:
+        for folder in folders:
+            for path in sorted(folder.iterdir()):
+                if path.stem not in labels or path.suffix not in (".jsonl", ".log"):
+                    continue
+                text = strip_paths(path.read_text(errors="replace"), model_path, "<SmolLM2 dense folder>")
+                data = (console_lines(text) if path.suffix == ".log" else text).encode()
+                info = tarfile.TarInfo(path.name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def collect_main(args: argparse.Namespace) -> int:
+    """One result document from the run folders of several device calls (``--runs``, in order), with the env of a
+    ``run`` document written on that machine (``--env``), the code revision that ran (``--revision``), and the logs
+    packed beside it (``--pack``)."""
+    from benchmarks._lib.publish import strip_paths
+
+    folders = [Path(f) for f in args.runs]
+    source = json.loads(Path(args.env).read_text())
+    fallback = {k: v for k, v in source.get("results", {}).items() if not any((f / f"{k}.jsonl").exists()
+                                                                                for f in folders)}
+    notes = dict(note.split("=", 1) for note in args.note)
+    rows = _collect_rows(folders, fallback if args.keep_unlogged else {}, notes)
+    params = {"model": "SmolLM2-135M-Instruct", "steps": args.steps, "runs": ",".join(rows),
+              "memory": source.get("params", {}).get("memory"), "revision": args.revision}
+    document_text = json.dumps(document(rows, params, source["env"]), indent=1) + "\n"
+    Path(args.result).write_text(strip_paths(document_text, args.model_path, "<SmolLM2 dense folder>"))
+    if args.pack:
+        _pack_logs(folders, list(rows), Path(args.pack), args.model_path)
     return 0
 
 
@@ -270,8 +326,20 @@ def main(argv: list[str] | None = None) -> int:
     doc = sub.add_parser("document", help="rebuild the rows from JSONL logs")
     doc.add_argument("result")
     doc.add_argument("--logs", required=True)
+    col = sub.add_parser("collect", help="one document from the run folders of several device calls")
+    col.add_argument("result")
+    col.add_argument("--runs", action="append", required=True, help="a folder of LABEL.jsonl / LABEL.log (repeat)")
+    col.add_argument("--env", required=True, help="a run document written on the machine that ran them")
+    col.add_argument("--revision", required=True, help="the commit the runs ran")
+    col.add_argument("--steps", type=int, default=30, help="steps each run was started with")
+    col.add_argument("--note", action="append", default=[], help="LABEL=TEXT added to that row (repeat)")
+    col.add_argument("--keep-unlogged", action="store_true",
+                     help="keep --env's rows for runs whose JSONL did not come back")
+    col.add_argument("--pack", default=None, help="tar.xz for the runs' logs")
+    col.add_argument("--model-path", default="/tmp/vx/smollm2", help="the model folder on the GPU machine")
     args = parser.parse_args(argv)
-    return {"run": run_main, "callback": callback_main, "document": document_main}[args.command](args)
+    return {"run": run_main, "callback": callback_main, "document": document_main,
+            "collect": collect_main}[args.command](args)
 
 
 if __name__ == "__main__":

