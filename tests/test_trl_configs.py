@@ -148,17 +148,22 @@ class _RefSpy(_Spy):
 
     def _gap_attach(self, *args, **kwargs):
         super()._gap_attach(*args, **kwargs)
-        stats = self._gap_session.stats
-        loss_metrics = stats.loss_metrics
+        self.ref_pairs = []
+        _spy_loss_metrics(self, lambda new, inputs: self.ref_pairs.append(
+            (new, inputs["ref_per_token_logps"], inputs["completion_mask"].bool())))
 
-        def spied(inputs):
-            if stats.state.new_logps is not None:
-                self.ref_pairs = getattr(self, "ref_pairs", []) + [
-                    (stats.state.new_logps, inputs["ref_per_token_logps"], inputs["completion_mask"].bool())
-                ]
-            return loss_metrics(inputs)
 
-        stats.loss_metrics = spied
+def _spy_loss_metrics(trainer, record) -> None:
+    """Call ``record(new log-probs, inputs)`` before each of the session's loss-time metrics that has them."""
+    stats = trainer._gap_session.stats
+    loss_metrics = stats.loss_metrics
+
+    def spied(inputs):
+        if stats.state.new_logps is not None:
+            record(stats.state.new_logps, inputs)
+        return loss_metrics(inputs)
+
+    stats.loss_metrics = spied
 
 
 def saved_model_dir(tmp_path, name: str = "tiny-random-llama", dtype: str = "fp32") -> str:
@@ -218,18 +223,9 @@ class _LossSpy(GapGRPOTrainer):
 
     def _gap_attach(self, *args, **kwargs):
         super()._gap_attach(*args, **kwargs)
-        stats = self._gap_session.stats
-        loss_metrics = stats.loss_metrics
-
-        def spied(inputs):
-            if stats.state.new_logps is not None:
-                self.loss_rows = getattr(self, "loss_rows", []) + [(
-                    stats.state.new_logps.float(), inputs["old_per_token_logps"].float(), inputs["advantages"],
-                    inputs["completion_mask"].bool(),
-                )]
-            return loss_metrics(inputs)
-
-        stats.loss_metrics = spied
+        self.loss_rows = []
+        _spy_loss_metrics(self, lambda new, inputs: self.loss_rows.append((
+            new.float(), inputs["old_per_token_logps"].float(), inputs["advantages"], inputs["completion_mask"].bool())))
 
 
 def expected_clipped(new, old, advantages, mask, loss_type, level, eps_low, eps_high, delta) -> float:
