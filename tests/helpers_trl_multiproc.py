@@ -101,21 +101,29 @@ def _recording_trainer(args: argparse.Namespace) -> type:
             self.gap_reduces.append({"kind": kind, "site": site, "step": self.state.global_step,
                                      "local": [float(v) for v in local], "reduced": reduced})
 
-        def _gap_keep_record(self, recorder, sequences, prompt_width):
-            if self.accelerator.process_index == args.drop_record_rank:
-                return  # what a SamplerRecordError leaves: no record, so no sampler or kept-set keys this time
-            super()._gap_keep_record(recorder, sequences, prompt_width)
+        def _gap_attach(self, *attach_args, **attach_kwargs):
+            super()._gap_attach(*attach_args, **attach_kwargs)
+            session = self._gap_session
+            keep_record, reduce, reduce_pair = session.keep_record, session.stats.reduce, session.stats.reduce_pair
 
-        def _gap_reduce(self, values):
-            reduced = super()._gap_reduce(values)
-            self._gap_record("sum", values, reduced)
-            return reduced
+            def keep(recorder, sequences, prompt_width):
+                if self.accelerator.process_index == args.drop_record_rank:
+                    return  # what a SamplerRecordError leaves: no record, so no sampler or kept-set keys this time
+                keep_record(recorder, sequences, prompt_width)
 
-        def _gap_reduce_pair(self, sums, maxima):
-            reduced_sums, reduced_maxima = super()._gap_reduce_pair(sums, maxima)
-            self._gap_record("sum", sums.to_tensor("cpu").tolist(), reduced_sums)
-            self._gap_record("max", maxima.to_tensor("cpu").tolist(), reduced_maxima)
-            return reduced_sums, reduced_maxima
+            def reduce_recorded(values):
+                reduced = reduce(values)
+                self._gap_record("sum", values, reduced)
+                return reduced
+
+            def reduce_pair_recorded(sums, maxima):
+                reduced_sums, reduced_maxima = reduce_pair(sums, maxima)
+                self._gap_record("sum", sums.to_tensor("cpu").tolist(), reduced_sums)
+                self._gap_record("max", maxima.to_tensor("cpu").tolist(), reduced_maxima)
+                return reduced_sums, reduced_maxima
+
+            session.keep_record = keep
+            session.stats.reduce, session.stats.reduce_pair = reduce_recorded, reduce_pair_recorded
 
     return RecordingTrainer
 
@@ -164,7 +172,7 @@ def _write_record(trainer, out: str) -> None:
     rank = trainer.accelerator.process_index
     reduces = [{**r, "local": [_nan_to_none(v) for v in r["local"]], "reduced": [_nan_to_none(v) for v in r["reduced"]]}
                for r in getattr(trainer, "gap_reduces", [])]
-    state = trainer._gap_state
+    state = trainer._gap_session.state
     plans = {"plan": state.plan, "ref_plan": state.ref_plan}
     record = {"num_processes": trainer.accelerator.num_processes, "rank": rank, "reduces": reduces,
               "distributed_type": str(trainer.accelerator.distributed_type),

@@ -289,8 +289,8 @@ def test_trl_arm_i_trains_on_its_plan_and_refuses_kernel_pieces_on_cpu(tmp_path)
         warnings.simplefilter("ignore")
         trainer = make(tmp_path / "torch", GapConfig(arm="I", i_pieces="torch", probe_rows=4), dtype="bf16",
                        max_steps=1)
-        assert isinstance(trainer._gap_state.plan, VllmFormPlan)
-        assert trainer._gap_state.plan.stats()["pieces"] == parse_form("torch").describe()
+        assert isinstance(trainer._gap_session.state.plan, VllmFormPlan)
+        assert trainer._gap_session.state.plan.stats()["pieces"] == parse_form("torch").describe()
         trainer.train()
     logs = logs_of(trainer)
     assert len(logs) == 1 and math.isfinite(logs[0]["loss"])
@@ -625,7 +625,7 @@ def test_arm_i_scores_as_many_rows_per_forward_as_its_token_budget_holds(tiny_mo
 
     from bloggap_plugin.core.plans import ScoringPlan
     from bloggap_plugin.core.plans.vllm_shadow import TOKENS_PER_FORWARD
-    from bloggap_plugin.trl.plan_mixin import PlanMixin
+    from bloggap_plugin.trl.scorer import Scorer
 
     model, _ = tiny_model("tiny-random-llama")
     ids, mask = _rows(batch=6)
@@ -645,16 +645,16 @@ def test_arm_i_scores_as_many_rows_per_forward_as_its_token_budget_holds(tiny_mo
     def trainer(score_rows: int):
         config = GapConfig(arm="I", positions="mask", i_pieces="torch", score_rows=score_rows)
         state = types.SimpleNamespace(config=config, positions="mask", renormalize=False)
-        return types.SimpleNamespace(_gap_state=state, accelerator=types.SimpleNamespace(device=torch.device("cpu")),
-                                     temperature=1.0, _gap_reducer=None)
+        trainer = types.SimpleNamespace(accelerator=types.SimpleNamespace(device=torch.device("cpu")), temperature=1.0)
+        return types.SimpleNamespace(state=state, trainer=trainer, reducer=None)
 
-    whole = PlanMixin._gap_plan_scores(trainer(0), plan, ids, mask, K, 2)
+    whole = Scorer.plan_scores(trainer(0), plan, ids, mask, K, 2)
     assert forwards == [6]
     forwards.clear()
-    bounded = PlanMixin._gap_plan_scores(trainer(4), plan, ids, mask, K, 2)
+    bounded = Scorer.plan_scores(trainer(4), plan, ids, mask, K, 2)
     assert forwards == [2, 2, 2] and torch.equal(bounded, whole)
     forwards.clear()
-    PlanMixin._gap_plan_scores(trainer(0), plan, ids[:1], mask[:1], K, 1)
+    Scorer.plan_scores(trainer(0), plan, ids[:1], mask[:1], K, 1)
     assert forwards == [1]
 
 

@@ -191,11 +191,11 @@ def count_no_grad_scoring_rows(trainer) -> list:
 def run_G(tmp_path, skip: bool, monkeypatch, mode="trainer", **overrides):
     """Arm G (probe_rows 0: no probe pass) with TRL's old pass skipped (the default) or kept (``skip=False``: the
     behaviour before G replaced it, where G's scores were installed over TRL's)."""
-    from bloggap_plugin.trl.mixin import GapMixin
+    from bloggap_plugin.trl.stats import Stats
 
     with monkeypatch.context() as patch:
         if not skip:
-            patch.setattr(GapMixin, "_gap_trl_computes_old", lambda self: False)
+            patch.setattr(Stats, "trl_computes_old", lambda self: False)
         torch.manual_seed(1234)
         gap = GapConfig(arm="G", probe_rows=0) if mode != "plain" else None
         trainer = make(tmp_path, gap, mode=mode, dtype="fp32", max_steps=4, **overrides)
@@ -232,7 +232,7 @@ def test_arm_G_extra_passes_are_the_gated_probes(tmp_path, monkeypatch):
     trainer = make(tmp_path / "g", GapConfig(arm="G", probe_rows=4, probe_every=2), dtype="fp32", max_steps=4)
     rows = count_no_grad_scoring_rows(trainer)
     reference_rows: list = []
-    trainer._gap_reference_plan().shadow.register_forward_pre_hook(
+    trainer._gap_session.scorer.reference_plan().shadow.register_forward_pre_hook(
         lambda module, args, kwargs: reference_rows.append(int(kwargs["input_ids"].shape[0])), with_kwargs=True)
     trainer.train()
     assert sum(rows) == sum(plain_rows) + 4 and rows.count(1) == 4  # policy: TRL's rows + the live probe
@@ -258,9 +258,9 @@ def test_arm_G_measure_only_pass_follows_metrics_every(tmp_path, monkeypatch):
 def test_gap_tf32_reaches_the_arm_plan_not_the_reference(tmp_path, tf32):
     trainer = make(tmp_path, GapConfig(arm="B", tf32=tf32), dtype="bf16", max_steps=1)
     expected = tf32 is True  # auto on a CPU: IEEE fp32
-    assert trainer._gap_state.plan.tf32 is expected
-    reference = trainer._gap_reference_plan()
-    assert reference.tf32 is False and (reference is trainer._gap_state.plan) == (not expected)
+    assert trainer._gap_session.state.plan.tf32 is expected
+    reference = trainer._gap_session.scorer.reference_plan()
+    assert reference.tf32 is False and (reference is trainer._gap_session.state.plan) == (not expected)
 
 
 def test_measure_only_when_trl_computes_no_old_logprobs(tmp_path):
@@ -369,7 +369,7 @@ def test_probe_every_gates_the_extra_forwards(tmp_path, probe_every, expected):
 def _probed_generations(trainer) -> list[bool]:
     """Train ``trainer``; per generation, whether the fp32 reference (the probe) ran."""
     probed = []
-    original = trainer._gap_reference_plan
+    original = trainer._gap_session.scorer.reference_plan
 
     def spy():
         probed[-1] = True
@@ -382,7 +382,7 @@ def _probed_generations(trainer) -> list[bool]:
             probed.append(False)
         return original_next(name, *args, **kwargs)
 
-    trainer._gap_reference_plan = spy
+    trainer._gap_session.scorer.reference_plan = spy
     trainer._gap_next = next_impl
     trainer.train()
     return probed
@@ -416,10 +416,10 @@ def test_arm_d_auto_layers_follow_process_zero(tmp_path):
         seen.append(list(layers))
         return [1] if layers != [1] else [0]  # process 0 "chose" the other layer
 
-    trainer._gap_agree_layers = agree
+    trainer._gap_session.scorer.agree_layers = agree
     trainer.train()
     assert len(seen) == 1
-    assert trainer._gap_state.plan.stats()["layers"] == ([1] if seen[0] != [1] else [0])
+    assert trainer._gap_session.state.plan.stats()["layers"] == ([1] if seen[0] != [1] else [0])
 
 
 @pytest.mark.parametrize(("arm", "kept"), [("A", "measure"), ("B", "measure"), ("C", "renormalize")])
@@ -433,7 +433,7 @@ def test_score_chunk_tokens_tiles_change_nothing(tmp_path, row_invariant_linear,
         trainer = make(tmp_path / str(chunk), GapConfig(arm=arm, probe_rows=4, kept=kept, score_chunk_tokens=chunk),
                        dtype="fp32", top_p=0.8)
         widths = []
-        shadow = getattr(trainer._gap_state.plan, "shadow", None)  # arm B scores with its fp32 copy's head
+        shadow = getattr(trainer._gap_session.state.plan, "shadow", None)  # arm B scores with its fp32 copy's head
         head = (shadow if shadow is not None else trainer.model).lm_head
         hook = head.register_forward_pre_hook(lambda mod, args, widths=widths: widths.append(args[0].shape[1]))
         trainer.train()
@@ -510,7 +510,7 @@ def _expected_loss_metrics(trainer, inputs, new, old) -> dict:
     from bloggap_plugin.core.metrics import trl_clip_status
 
     mask = inputs["completion_mask"].bool()
-    band = trainer._gap_state.config.band
+    band = trainer._gap_session.state.config.band
     d = new.double() - old.double()
     sel = d[mask]
     ratio = sel.exp()
@@ -544,22 +544,22 @@ def test_loss_metrics_read_the_device_once_per_micro_batch_and_follow_their_defi
     all (the loss-time metrics of two micro-batches). They are computed on the device and read with one transfer per
     micro-batch; their values are the definitions computed here by boolean selection (arm B on a bf16 model, so
     ratios differ from 1; TRL's own old log-probs beside the arm's; the first generation's probe rows)."""
-    from bloggap_plugin.trl.stats import StatsMixin
+    from bloggap_plugin.trl.stats import Stats
 
-    original = StatsMixin._gap_loss_metrics
+    original = Stats.loss_metrics
     seen = []
 
     def counted(self, inputs):
-        new, old = self._gap_state.new_logps, self._gap_old_of(inputs)
-        expected = _expected_loss_metrics(self, inputs, new, old)
-        before = {key: len(values) for key, values in self._metrics["train"].items()}
+        new, old = self.state.new_logps, self.old_of(inputs)
+        expected = _expected_loss_metrics(self.trainer, inputs, new, old)
+        before = {key: len(values) for key, values in self.trainer._metrics["train"].items()}
         with _HostReads() as mode:
             original(self, inputs)
-        logged = {key: values[-1] for key, values in self._metrics["train"].items()
+        logged = {key: values[-1] for key, values in self.trainer._metrics["train"].items()
                   if key in expected and len(values) > before.get(key, 0)}
         seen.append((mode.reads, expected, logged))
 
-    monkeypatch.setattr(StatsMixin, "_gap_loss_metrics", counted)
+    monkeypatch.setattr(Stats, "loss_metrics", counted)
     torch.manual_seed(0)
     trainer = make(tmp_path, GapConfig(arm="B"), dtype="bf16", bf16=True, max_steps=2)
     trainer.train()
@@ -577,29 +577,29 @@ def test_generation_metrics_read_the_device_once_per_generation_off_probe_genera
     """The generation-time statistics (sampler gap, IS ratio, kept sets) accumulate on the device and are read back
     once, when the generation is flushed; only generations with probe rows (1 in ``probe_every``) read more, to pick
     and score those rows. Arm A records generate's log-probs; arm G measures every micro-batch after the shuffle."""
-    from bloggap_plugin.trl.stats import StatsMixin
+    from bloggap_plugin.trl.stats import Stats
 
     reads: dict[str, list[int]] = {}
 
     def counting(name):
-        original = getattr(StatsMixin, name)
+        original = getattr(Stats, name)
 
         def counted(self, *args, **kwargs):
             with _HostReads() as mode:
                 result = original(self, *args, **kwargs)
-            reads.setdefault(name, []).append((self._gap_probe_due(), len(mode.reads)))
+            reads.setdefault(name, []).append((self.probe_due(), len(mode.reads)))
             return result
 
-        monkeypatch.setattr(StatsMixin, name, counted)
+        monkeypatch.setattr(Stats, name, counted)
 
-    counting("_gap_generation_metrics")
-    counting("_gap_flush_generation")
+    counting("generation_metrics")
+    counting("flush_generation")
     for arm in "AG":
         reads.clear()
         make(tmp_path / arm, GapConfig(arm=arm, probe_every=2, probe_budget=0.0), max_steps=8).train()  # 4 generations, 2 probed
-        flushes = reads["_gap_flush_generation"]
+        flushes = reads["flush_generation"]
         assert [due for due, _ in flushes] == [True, False, True, False] and all(n == 1 for _, n in flushes), arm
-        off_probe = [n for due, n in reads["_gap_generation_metrics"] if not due]
+        off_probe = [n for due, n in reads["generation_metrics"] if not due]
         assert off_probe and all(n == 0 for n in off_probe), (arm, reads)
 
 

@@ -146,12 +146,24 @@ def test_weights_changed_after_construction_are_scored(tmp_path):
 class _RefSpy(_Spy):
     """Also records, per micro-batch, the training forward's log-probs next to TRL's reference log-probs."""
 
-    def _gap_loss_metrics(self, inputs):
-        if self._gap_state.new_logps is not None:
-            self.ref_pairs = getattr(self, "ref_pairs", []) + [
-                (self._gap_state.new_logps, inputs["ref_per_token_logps"], inputs["completion_mask"].bool())
-            ]
-        return super()._gap_loss_metrics(inputs)
+    def _gap_attach(self, *args, **kwargs):
+        super()._gap_attach(*args, **kwargs)
+        self.ref_pairs = []
+        _spy_loss_metrics(self, lambda new, inputs: self.ref_pairs.append(
+            (new, inputs["ref_per_token_logps"], inputs["completion_mask"].bool())))
+
+
+def _spy_loss_metrics(trainer, record) -> None:
+    """Call ``record(new log-probs, inputs)`` before each of the session's loss-time metrics that has them."""
+    stats = trainer._gap_session.stats
+    loss_metrics = stats.loss_metrics
+
+    def spied(inputs):
+        if stats.state.new_logps is not None:
+            record(stats.state.new_logps, inputs)
+        return loss_metrics(inputs)
+
+    stats.loss_metrics = spied
 
 
 def saved_model_dir(tmp_path, name: str = "tiny-random-llama", dtype: str = "fp32") -> str:
@@ -209,13 +221,11 @@ def test_renormalized_reference_gives_zero_kl_at_step_zero(tmp_path, peft):
 class _LossSpy(GapGRPOTrainer):
     """Records, per micro-batch, what the clip metric is computed from: new and old log-probs, A, mask."""
 
-    def _gap_loss_metrics(self, inputs):
-        if self._gap_state.new_logps is not None:
-            self.loss_rows = getattr(self, "loss_rows", []) + [(
-                self._gap_state.new_logps.float(), inputs["old_per_token_logps"].float(), inputs["advantages"],
-                inputs["completion_mask"].bool(),
-            )]
-        return super()._gap_loss_metrics(inputs)
+    def _gap_attach(self, *args, **kwargs):
+        super()._gap_attach(*args, **kwargs)
+        self.loss_rows = []
+        _spy_loss_metrics(self, lambda new, inputs: self.loss_rows.append((
+            new.float(), inputs["old_per_token_logps"].float(), inputs["advantages"], inputs["completion_mask"].bool())))
 
 
 def expected_clipped(new, old, advantages, mask, loss_type, level, eps_low, eps_high, delta) -> float:
@@ -420,4 +430,4 @@ def test_zero3_refuses_the_probe_and_lets_the_arms_without_copies_attach(tmp_pat
     for arm in ("A", "C", "G"):  # A and C (probe_rows 0) also trained under ZeRO-3 by hand; G: untested there
         trainer = make(tmp_path / arm, None, mode="plain")
         GapCallback(trainer, gap=GapConfig(arm=arm, probe_rows=0))
-        assert trainer._gap_state.arm.letter == arm
+        assert trainer._gap_session.state.arm.letter == arm

@@ -111,8 +111,8 @@ def test_a_process_without_any_completion_token_still_takes_every_forward(base):
     _launch(out, "--arm", "C", "--mask-rank", "1", "--steps", "1", "--num-iterations", "1", timeout=150)
     records = read_records(out)
     first = _first_log(records[0])
-    gen = [r for r in records[0]["reduces"] if r["site"] == "_gap_flush_generation" and len(r["local"]) == len(GENERATION_FIELDS)]
-    gen1 = [r for r in records[1]["reduces"] if r["site"] == "_gap_flush_generation" and len(r["local"]) == len(GENERATION_FIELDS)]
+    gen = [r for r in records[0]["reduces"] if r["site"] == "flush_generation" and len(r["local"]) == len(GENERATION_FIELDS)]
+    gen1 = [r for r in records[1]["reduces"] if r["site"] == "flush_generation" and len(r["local"]) == len(GENERATION_FIELDS)]
     assert gen and gen1
     kept_n, kept_mass = gen_index("kept_n"), gen_index("kept_mass_sum")  # GenerationSums field order
     assert gen1[0]["local"][kept_n] == 0.0 and gen[0]["local"][kept_n] > 0
@@ -176,8 +176,8 @@ def test_a_process_whose_sampler_record_was_lost_still_takes_the_kept_set_forwar
     out = base / "norecord.json"
     _launch(out, "--arm", "C", "--drop-record-rank", "1", "--steps", "1", "--num-iterations", "1", timeout=150)
     records = read_records(out)
-    gen = [r for r in records[0]["reduces"] if r["site"] == "_gap_flush_generation" and len(r["local"]) == len(GENERATION_FIELDS)]
-    gen1 = [r for r in records[1]["reduces"] if r["site"] == "_gap_flush_generation" and len(r["local"]) == len(GENERATION_FIELDS)]
+    gen = [r for r in records[0]["reduces"] if r["site"] == "flush_generation" and len(r["local"]) == len(GENERATION_FIELDS)]
+    gen1 = [r for r in records[1]["reduces"] if r["site"] == "flush_generation" and len(r["local"]) == len(GENERATION_FIELDS)]
     kept_n, kept_mass = gen_index("kept_n"), gen_index("kept_mass_sum")
     assert gen1[0]["local"][kept_n] == 0.0 and gen[0]["local"][kept_n] > 0
     first = _first_log(records[0])

@@ -41,7 +41,7 @@ EXPECTED = FRACTIONS + [
     "gap/kept/mass_min", "gap/kept/size_mean", "gap/kept/size_max", "gap/kept/ratio_before_mean",
     "gap/kept/ratio_after_mean", "gap/old_vs_trl/abs_dlogp_mean", "gap/fp16/fallbacks", "gap/time/scoring_s",
 ]
-# Reduced sums of _gap_flush_generation, in the mixin's order: (metric, numerator index, denominator index).
+# Reduced sums of Stats.flush_generation, in the mixin's order: (metric, numerator index, denominator index).
 GENERATION_FIELDS = [f.name for f in dataclasses.fields(GenerationSums)]
 """GenerationSums' fields in reduction order (a generation's sums are the reduce of exactly this many values)."""
 
@@ -58,7 +58,7 @@ GENERATION_SUMS = [(key, gen_index(num), gen_index(den)) for key, num, den in (
     ("gap/kept/ratio_after_mean", "kept_ratio_after_sum", "kept_n"), ("gap/kept/oob_before", "kept_oob_before", "kept_n"),
     ("gap/kept/oob_after", "kept_oob_after", "kept_n"),
 )]
-# Reduced sums of _gap_loss_metrics: out-of-band, tokens, sum |dlogp|, exact, clipped, flips, probe tokens,
+# Reduced sums of Stats.loss_metrics: out-of-band, tokens, sum |dlogp|, exact, clipped, flips, probe tokens,
 # out-of-band vs TRL, sum |dlogp| vs TRL, processes with TRL old log-probs.
 LOSS_SUMS = [
     ("gap/ratio/oob_frac", 0, 1), ("gap/ratio/abs_dlogp_mean", 2, 1), ("gap/ratio/exact_frac", 3, 1),
@@ -123,14 +123,14 @@ def test_reductions_are_exact_sums_and_maxima_of_both_processes(runs):
     assert len(rank0) == len(rank1) > 0
     assert [(r["kind"], r["site"], r["step"]) for r in rank0] == [(r["kind"], r["site"], r["step"]) for r in rank1]
     sites = {r["site"] for r in rank0}
-    assert {"_gap_flush_generation", "_gap_loss_metrics", "training_step"} <= sites
+    assert {"flush_generation", "loss_metrics", "training_step"} <= sites
     for mine, theirs in zip(rank0, rank1, strict=True):
         assert mine["reduced"] == theirs["reduced"], mine["site"]  # every process logs the same value
         combine = (lambda a, b: a + b) if mine["kind"] == "sum" else max
         assert mine["reduced"] == [combine(a, b) for a, b in zip(mine["local"], theirs["local"], strict=True)]
     # the two processes really saw different rows (else the checks above could not tell sum from copy)
-    loss0 = [r["local"] for r in rank0 if r["site"] == "_gap_loss_metrics" and r["kind"] == "sum"]
-    loss1 = [r["local"] for r in rank1 if r["site"] == "_gap_loss_metrics" and r["kind"] == "sum"]
+    loss0 = [r["local"] for r in rank0 if r["site"] == "loss_metrics" and r["kind"] == "sum"]
+    loss1 = [r["local"] for r in rank1 if r["site"] == "loss_metrics" and r["kind"] == "sum"]
     assert loss0 != loss1
 
 
@@ -143,16 +143,16 @@ def _expected_logs(record: dict) -> dict[int, dict[str, float]]:
     for i, red in enumerate(reduces):
         values = per_step.setdefault(red["step"] + 1, {})
         sums = red["reduced"]
-        if red["site"] == "_gap_flush_generation" and red["kind"] == "sum" and len(sums) == len(GENERATION_FIELDS):
+        if red["site"] == "flush_generation" and red["kind"] == "sum" and len(sums) == len(GENERATION_FIELDS):
             for key, num, den in GENERATION_SUMS:
                 if sums[den] > 0:
                     values.setdefault(key, []).append(sums[num] / sums[den])
             neg_mass_min, size_max = reduces[i + 1]["reduced"][:2]
             values.setdefault("gap/kept/mass_min", []).append(-neg_mass_min)
             values.setdefault("gap/kept/size_max", []).append(size_max)
-        elif red["site"] == "_gap_flush_generation" and red["kind"] == "sum" and len(sums) == 1:
+        elif red["site"] == "flush_generation" and red["kind"] == "sum" and len(sums) == 1:
             values.setdefault("gap/fp16/fallbacks", []).append(sums[0])
-        elif red["site"] == "_gap_loss_metrics" and red["kind"] == "sum":
+        elif red["site"] == "loss_metrics" and red["kind"] == "sum":
             for key, num, den in LOSS_SUMS:
                 if key.startswith("gap/old_vs_trl/") and sums[9] == 0:
                     continue  # no process had TRL's own old log-probs
@@ -185,7 +185,7 @@ def test_process_0_matches_the_single_process_run_on_the_same_rows(runs):
     two0, two1, half = runs["two"][0]["reduces"], runs["two"][1]["reduces"], runs["half"][0]["reduces"]
 
     def first_step(reduces):
-        return [r for r in reduces if r["step"] == 0 and r["site"] in ("_gap_flush_generation", "_gap_loss_metrics")]
+        return [r for r in reduces if r["step"] == 0 and r["site"] in ("flush_generation", "loss_metrics")]
 
     mine, single = first_step(two0), first_step(half)
     assert len(mine) == len(single) >= 6
@@ -193,8 +193,8 @@ def test_process_0_matches_the_single_process_run_on_the_same_rows(runs):
         assert (a["site"], a["kind"]) == (b["site"], b["kind"])
         assert a["local"] == b["local"], a["site"]
     # pooled generation metrics of step 1: (single-process sums + process 1's) / (its tokens + process 1's)
-    gen_single = next(r["local"] for r in single if r["site"] == "_gap_flush_generation" and len(r["local"]) == len(GENERATION_FIELDS))
-    gen_other = next(r["local"] for r in first_step(two1) if r["site"] == "_gap_flush_generation" and len(r["local"]) == len(GENERATION_FIELDS))
+    gen_single = next(r["local"] for r in single if r["site"] == "flush_generation" and len(r["local"]) == len(GENERATION_FIELDS))
+    gen_other = next(r["local"] for r in first_step(two1) if r["site"] == "flush_generation" and len(r["local"]) == len(GENERATION_FIELDS))
     logged = _loss_logs(runs["two"][0])[0]
     for key, num, den in GENERATION_SUMS:
         pooled = (gen_single[num] + gen_other[num]) / (gen_single[den] + gen_other[den])

@@ -21,7 +21,8 @@ from test_trl_configs import saved_model_dir  # noqa: E402
 
 from bloggap_plugin.recipes import GapConfig, RecipeError  # noqa: E402
 from bloggap_plugin.trl import GapCallback  # noqa: E402
-from bloggap_plugin.trl.mixin import GapMixin, is_ratio  # noqa: E402
+from bloggap_plugin.trl.mixin import is_ratio  # noqa: E402
+from bloggap_plugin.trl.stats import Stats  # noqa: E402
 
 EQUAL = ["1+1=", "2+2=", "3+5=", "7+1="]
 """Equal-length prompts: no left padding, so TRL's positions 0..L-1 are the sampler's (arm A compares like with like)."""
@@ -75,7 +76,7 @@ def test_arm_G_replaces_trls_old_pass_on_vllm_path(tmp_path, monkeypatch):
     for name in ("plain", "before", "after"):
         with monkeypatch.context() as patch:
             if name == "before":
-                patch.setattr(GapMixin, "_gap_trl_computes_old", lambda self: False)
+                patch.setattr(Stats, "trl_computes_old", lambda self: False)
             gap = None if name == "plain" else GapConfig(arm="G", kept="off", probe_rows=0)
             trainer, _ = vllm_run(tmp_path / name, gap, {"top_p": 0.8}, train=False, max_steps=4)
             rows = count_no_grad_scoring_rows(trainer)
@@ -206,8 +207,8 @@ def test_kept_measure_on_vllm_path_follows_metrics_every(tmp_path):
     trainer, fake = vllm_run(tmp_path, GapConfig(arm="A", kept="measure", metrics_every=2), {"top_p": 0.8},
                              train=False, max_steps=4, num_iterations=1, gradient_accumulation_steps=1)
     passes = []
-    derive = trainer._gap_vllm_kept_sets
-    trainer._gap_vllm_kept_sets = lambda *a, **k: (passes.append(1), derive(*a, **k))[1]
+    derive = trainer._gap_session.scorer.vllm_kept_sets
+    trainer._gap_session.scorer.vllm_kept_sets = lambda *a, **k: (passes.append(1), derive(*a, **k))[1]
     trainer.train()
     generated = [h for h in logs_of(trainer) if "sampling/importance_sampling_ratio/mean" in h]
     with_kept = [h for h in generated if "gap/kept/mass_mean" in h]

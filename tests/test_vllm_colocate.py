@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bloggap_plugin.recipes import RecipeError
+from bloggap_plugin.trl.attach import check_vllm_fp16
 from bloggap_plugin.trl.mixin import GapMixin
 from bloggap_plugin.trl.vllm_colocate import colocate_engine_dtype, vllm_colocate_dtype
 
@@ -71,14 +72,14 @@ def test_engine_dtype_read_from_vllm_objects():
 
 def test_arm_h_refuses_a_bf16_engine_and_accepts_fp16():
     with pytest.raises(RecipeError, match="arm H .* needs vLLM to sample in fp16.*bfloat16.*vllm_colocate_dtype"):
-        GapMixin._gap_check_vllm_fp16(_trainer(torch.bfloat16))
+        check_vllm_fp16(_trainer(torch.bfloat16))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        GapMixin._gap_check_vllm_fp16(_trainer(torch.float16))
+        check_vllm_fp16(_trainer(torch.float16))
     with pytest.warns(UserWarning, match="--dtype float16"):
-        GapMixin._gap_check_vllm_fp16(_trainer(None, mode="server"))
+        check_vllm_fp16(_trainer(None, mode="server"))
     with pytest.warns(UserWarning, match="could not read"):
-        GapMixin._gap_check_vllm_fp16(types.SimpleNamespace(vllm_mode="colocate"))
+        check_vllm_fp16(types.SimpleNamespace(vllm_mode="colocate"))
 
 
 def test_gap_grpo_trainer_builds_the_colocate_engine_in_fp16_for_arm_h(fake_llm, monkeypatch):

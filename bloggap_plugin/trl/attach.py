@@ -18,7 +18,7 @@ from bloggap_plugin.core import vllm_kernels
 from bloggap_plugin.recipes import GapConfig, RecipeError, config_differences
 from bloggap_plugin.trl.state import GapState
 
-__all__ = ["attach_state", "KNOWN_LOSS_TYPES"]
+__all__ = ["attach_state", "check_vllm_fp16", "vllm_sampling", "KNOWN_LOSS_TYPES"]
 
 # TRL 1.16's loss types (grpo_trainer._compute_loss): the plugin's metrics are defined for exactly these
 KNOWN_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
@@ -26,7 +26,7 @@ _STACK = 5  # warn() in a helper here <- attach_state <- GapMixin._gap_attach <-
 
 
 def attach_state(trainer: Any, gap: GapConfig, grpo_kwargs: dict | None, source: str) -> GapState:
-    """Validate ``gap`` against ``trainer`` (a GRPOTrainer with GapMixin's methods) and return its state."""
+    """Validate ``gap`` against ``trainer`` (a GRPOTrainer with GapMixin's hooks) and return its state."""
     from trl import GRPOTrainer
 
     from bloggap_plugin.trl.compat import check_trl
@@ -118,7 +118,7 @@ def _check_vllm(trainer: Any, gap: GapConfig) -> None:
     if not trainer.use_vllm:
         return
     if gap.arm_spec.needs_fp16_training:
-        trainer._gap_check_vllm_fp16()
+        check_vllm_fp16(trainer)
     if getattr(trainer.args, "vllm_mode", None) == "colocate":
         from bloggap_plugin.trl.vllm_colocate import check_colocate_engine
 
@@ -230,7 +230,7 @@ def _set_truncation(trainer: Any, state: GapState, settings: dict | None) -> Non
                                          store_ids_max=gap.store_ids_max if gap.kept != "off" else 0)
     if trainer.use_vllm:
         # what TRL sends to vLLM: VLLMGeneration's settings, generation_kwargs last
-        state.vllm_truncation = trainer._gap_vllm_sampling()
+        state.vllm_truncation = vllm_sampling(trainer)
         truncation = state.vllm_truncation
         state.truncating = truncation["top_k"] > 0 or truncation["top_p"] < 1.0 or truncation["min_p"] > 0.0
     if gap.kept == "renormalize" and not state.truncating:
@@ -239,3 +239,41 @@ def _set_truncation(trainer: Any, state: GapState, settings: dict | None) -> Non
     state.renormalize = gap.kept == "renormalize" and state.truncating
     # gap.kept: off records no kept sets and runs no kept-mass scoring (the recorder still truncates: it samples)
     state.kept_on = gap.kept != "off" and state.truncating
+
+
+def vllm_sampling(trainer: Any) -> dict:
+    """``{top_k, top_p, min_p}`` that TRL's vLLM generation samples with (``generation_kwargs`` override last)."""
+    from bloggap_plugin.core.truncation import validate_sampling
+
+    source = getattr(trainer, "vllm_generation", None) or trainer
+    settings = {"top_k": getattr(source, "top_k", None), "top_p": getattr(source, "top_p", None),
+                "min_p": getattr(source, "min_p", None)}
+    settings.update({k: v for k, v in (getattr(source, "generation_kwargs", None) or {}).items() if k in settings})
+    top_k = int(settings["top_k"] or 0)
+    clean = {"top_k": top_k if top_k > 0 else 0,
+             "top_p": 1.0 if settings["top_p"] is None else float(settings["top_p"]),
+             "min_p": float(settings["min_p"] or 0.0)}
+    validate_sampling(1.0, **clean)
+    return clean
+
+
+def check_vllm_fp16(trainer: Any) -> None:
+    """Arm H samples in fp16: refuse a colocate engine built in another dtype; warn where it cannot be read."""
+    from bloggap_plugin.trl.vllm_colocate import colocate_engine_dtype
+
+    if getattr(trainer, "vllm_mode", None) == "server":
+        warnings.warn(
+            "arm H with vLLM server mode: start the server in fp16 (`trl vllm-serve --dtype float16`); the trainer "
+            "cannot check the server's dtype (server mode is untested live)",
+            stacklevel=6,
+        )
+        return
+    dtype = colocate_engine_dtype(trainer)
+    if dtype is None:
+        warnings.warn("arm H: could not read the vLLM engine's dtype; make sure it samples in fp16", stacklevel=6)
+    elif dtype != torch.float16:
+        raise RecipeError(
+            f"arm H (fp16 everywhere) needs vLLM to sample in fp16, but TRL built the colocate engine in {dtype}: "
+            "use GapGRPOTrainer(..., gap=arm H), which builds it in fp16, or construct the GRPOTrainer inside "
+            "`with bloggap_plugin.trl.vllm_colocate_dtype('float16'):` before adding GapCallback"
+        )

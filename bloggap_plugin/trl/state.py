@@ -1,4 +1,4 @@
-"""The TRL adapter's state (:class:`GapState`, one attribute ``trainer._gap_state``) and its named statistics.
+"""The TRL adapter's state (:class:`GapState`, ``trainer._gap_session.state``) and its named statistics.
 
 Statistics that are reduced across processes are small dataclasses (:class:`Statistics`): their fields, in
 declaration order, are the values a process contributes; :meth:`Statistics.to_tensor` /
@@ -87,7 +87,7 @@ FallbackCount = _statistics("FallbackCount", "new", 0.0, "fp16 chunks re-scored 
 
 @dataclass
 class GapState:
-    """Everything the adapter keeps on a trainer between hook calls (``trainer._gap_state``)."""
+    """Everything the adapter keeps between hook calls (``trainer._gap_session.state``, owned by the session)."""
 
     config: GapConfig
     arm: ArmSpec

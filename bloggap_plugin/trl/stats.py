@@ -1,7 +1,7 @@
 """The adapter's metrics: the arm's old log-probs installed into TRL's batch, generation-time and loss-time
 statistics, and their reduction across processes (named :class:`~bloggap_plugin.trl.state.Statistics`).
 
-:class:`StatsMixin` is part of :class:`~bloggap_plugin.trl.mixin.GapMixin`. Every logged ``gap/*`` value is a
+:class:`Stats` is owned by :class:`~bloggap_plugin.trl.session.GapSession` and reads its state. Every logged ``gap/*`` value is a
 global ratio: per-process sums are reduced (summed, or maxed) before dividing.
 """
 
@@ -15,15 +15,17 @@ import torch
 
 from bloggap_plugin.core import metrics as gap_metrics
 from bloggap_plugin.core.sharding import all_ranks_true
+from bloggap_plugin.trl.scorer import Scorer
 from bloggap_plugin.trl.state import (
     FallbackCount,
+    GapState,
     LossMaxima,
     LossSums,
     Statistics,
     completion_mask,
 )
 
-__all__ = ["StatsMixin", "is_ratio"]
+__all__ = ["Stats", "is_ratio"]
 
 
 def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -55,40 +57,44 @@ def is_ratio(old_logps, sampler_logps, mask, mode: str, clip_min, clip_max) -> t
     raise ValueError(f"unknown importance sampling mode {mode!r}")
 
 
-class StatsMixin:
-    """Old log-probs into the batch, and the gap/* metrics (methods of the trainer; state in ``self._gap_state``)."""
+class Stats:
+    """Old log-probs into the batch, and the gap/* metrics of one trainer (state: the session's :class:`GapState`;
+    the extra forwards the metrics need: its :class:`~bloggap_plugin.trl.scorer.Scorer`)."""
 
-    # ------------------------------------------------------------------ the arm's old log-probs
-    def _gap_install_old(self, batch: dict, old: torch.Tensor) -> None:
+    def __init__(self, trainer, state: GapState, scorer: Scorer):
+        self.trainer = trainer
+        self.state = state
+        self.scorer = scorer
+
+    def install_old(self, batch: dict, old: torch.Tensor) -> None:
         """Put the arm's old log-probs where the loss reads them (or aside, measure-only) and redo IS ratios."""
-        if self._gap_state.drives:
+        if self.state.drives:
             batch["old_per_token_logps"] = old
         else:
             batch["gap_old_logps"] = old
         mask = completion_mask(batch)
-        settings = (self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
-                    self.vllm_importance_sampling_clip_max)
-        if self.use_vllm and self.vllm_importance_sampling_correction and "sampling_per_token_logps" in batch:
+        settings = (self.trainer.vllm_importance_sampling_mode, self.trainer.vllm_importance_sampling_clip_min,
+                    self.trainer.vllm_importance_sampling_clip_max)
+        if self.trainer.use_vllm and self.trainer.vllm_importance_sampling_correction and "sampling_per_token_logps" in batch:
             batch["importance_sampling_ratio"] = is_ratio(old, batch["sampling_per_token_logps"], mask, *settings)
-        if self._gap_state.config.is_correction and "gap_sampler_logps" in batch:
+        if self.state.config.is_correction and "gap_sampler_logps" in batch:
             batch["gap_is_ratio"] = is_ratio(old, batch["gap_sampler_logps"], mask, *settings)
 
-    def _gap_old_of(self, batch: dict):
+    def old_of(self, batch: dict):
         """The arm's old log-probs in ``batch`` (where the loss reads them, or the measure-only key)."""
-        return batch.get("old_per_token_logps") if self._gap_state.drives else batch.get("gap_old_logps")
+        return batch.get("old_per_token_logps") if self.state.drives else batch.get("gap_old_logps")
 
-    def _gap_trl_computes_old(self) -> bool:
+    def trl_computes_old(self) -> bool:
         """Whether TRL 1.16 runs its own old-logprob pass this generation (``_generate_and_score_completions``)."""
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        return bool(self.args.gradient_accumulation_steps % generate_every != 0
-                    or (self.use_vllm and self.vllm_importance_sampling_correction))
+        generate_every = self.trainer.args.steps_per_generation * self.trainer.num_iterations
+        return bool(self.trainer.args.gradient_accumulation_steps % generate_every != 0
+                    or (self.trainer.use_vllm and self.trainer.vllm_importance_sampling_correction))
 
-    # ------------------------------------------------------------------ generation-time metrics
-    def _gap_generation_metrics(self, batch: dict, ids, attn, logits_to_keep) -> None:
+    def generation_metrics(self, batch: dict, ids, attn, logits_to_keep) -> None:
         """Sampler, kept-set and probe statistics of one (pre- or post-shuffle) batch into the generation sums."""
-        state = self._gap_state
+        state = self.state
         sums, maxima = state.gen_sums, state.gen_maxima
-        old = self._gap_old_of(batch)
+        old = self.old_of(batch)
         mask = completion_mask(batch).bool()
         band = state.config.band
         sampler = batch.get("gap_sampler_logps")
@@ -102,43 +108,43 @@ class StatsMixin:
             sums.sampler_absd += _masked_sum(diff, mask)
             sums.sampler_exact += _masked_sum(diff == 0, mask)
             maxima.raise_to(sampler_absd_max=_masked_max(diff, mask))
-        self._gap_is_ratio_metrics(batch)
+        self.is_ratio_metrics(batch)
         # the kept-set pass is a forward: under FSDP2 every process must take it, also one without any completion
         # token (e.g. mask_truncated_completions with every row truncated) or without kept sets (its sampler record
         # was lost, with a warning): such a process takes the same pass and adds nothing
         has_kept = "gap_kept_sizes" in batch
-        if state.kept_on and not all_ranks_true([not has_kept], self._gap_policy())[0]:
+        if state.kept_on and not all_ranks_true([not has_kept], self.scorer.policy())[0]:
             if has_kept:
-                self._gap_kept_metrics(batch, ids, attn, logits_to_keep, old, sampler, mask)
+                self.kept_metrics(batch, ids, attn, logits_to_keep, old, sampler, mask)
             else:
-                self._gap_trainer_log_mass(batch, ids, attn, logits_to_keep, [])
+                self.scorer.trainer_log_mass(batch, ids, attn, logits_to_keep, [])
         probe = batch.get("gap_probe_row")
-        if probe is not None and self._gap_probe_due() and probe.any():  # no host read off probe generations
+        if probe is not None and self.probe_due() and probe.any():  # no host read off probe generations
             rows = probe.nonzero().squeeze(-1)
-            with self._gap_probe_timer(ids.device):
-                b1 = self._gap_probe_b1(batch, ids[rows], attn[rows], logits_to_keep, rows)
+            with self.probe_timer(ids.device):
+                b1 = self.scorer.probe_b1(batch, ids[rows], attn[rows], logits_to_keep, rows)
             pmask = mask[rows]
             if pmask.any():
                 out, n = gap_metrics.oob_count(b1, old[rows].to(b1.device), pmask, band)
                 sums.probe_oob += out
                 sums.probe_n += n
 
-    def _gap_is_ratio_metrics(self, batch: dict) -> None:
+    def is_ratio_metrics(self, batch: dict) -> None:
         """vLLM path: TRL's own IS-ratio statistic (rows for sequence-level modes, masked tokens otherwise)."""
         ratio = batch.get("importance_sampling_ratio")
-        if ratio is None or not self.use_vllm:
+        if ratio is None or not self.trainer.use_vllm:
             return
-        sequence_level = self.vllm_importance_sampling_mode in ("sequence_mask", "sequence_truncate")
+        sequence_level = self.trainer.vllm_importance_sampling_mode in ("sequence_mask", "sequence_truncate")
         ratio = ratio.double()
         counted = torch.ones_like(ratio, dtype=torch.bool) if sequence_level else completion_mask(batch).bool()
-        sums, maxima = self._gap_state.gen_sums, self._gap_state.gen_maxima
+        sums, maxima = self.state.gen_sums, self.state.gen_maxima
         sums.is_sum += _masked_sum(ratio, counted)
         sums.is_n += counted.sum(dtype=torch.float64)
         maxima.raise_to(is_max=_masked_max(ratio, counted), is_neg_min=_masked_max(-ratio, counted))
 
-    def _gap_kept_metrics(self, batch: dict, ids, attn, logits_to_keep, old, sampler, mask) -> None:
+    def kept_metrics(self, batch: dict, ids, attn, logits_to_keep, old, sampler, mask) -> None:
         """Kept mass and size, and the ratio to the sampler before (full vocabulary) and after renormalisation."""
-        state = self._gap_state
+        state = self.state
         sums, maxima, band = state.gen_sums, state.gen_maxima, state.config.band
         log_mass = batch["gap_sampler_log_kept_mass"]
         sizes = batch["gap_kept_sizes"]
@@ -146,10 +152,10 @@ class StatsMixin:
         capture: list = []
         if state.renormalize:
             after = old
-            before = old + self._gap_trainer_log_mass(batch, ids, attn, logits_to_keep, capture)
+            before = old + self.scorer.trainer_log_mass(batch, ids, attn, logits_to_keep, capture)
         else:
             before = old
-            after = old - self._gap_trainer_log_mass(batch, ids, attn, logits_to_keep, capture)
+            after = old - self.scorer.trainer_log_mass(batch, ids, attn, logits_to_keep, capture)
         mass = torch.exp(log_mass.double())
         sums.kept_mass_sum += _masked_sum(mass, mask)
         sums.kept_size_sum += _masked_sum(sizes, mask)
@@ -160,12 +166,12 @@ class StatsMixin:
         sums.kept_oob_before += _masked_sum(gap_metrics.out_of_band(before, sampler, band), mask)
         sums.kept_oob_after += _masked_sum(gap_metrics.out_of_band(after, sampler, band), mask)
 
-    def _gap_trl_sampling_metrics(self, batches: list) -> None:
+    def trl_sampling_metrics(self, batches: list) -> None:
         """Arm G on TRL's vLLM path: TRL's own ``sampling/*`` statistics of this generation, recomputed by TRL's
         definitions (``_generate_and_score_completions``) from G's old log-probs over the whole generation batch of
         this process, in place of the values TRL logged from the skipped pass's placeholder (difference 0,
         ratio 1)."""
-        if not (self.use_vllm and self.vllm_importance_sampling_correction):
+        if not (self.trainer.use_vllm and self.trainer.vllm_importance_sampling_correction):
             return
         from trl.trainer.utils import nanmax, nanmin
 
@@ -175,11 +181,11 @@ class StatsMixin:
         old, sampling = joined("old_per_token_logps"), joined("sampling_per_token_logps")
         ratio = joined("importance_sampling_ratio")
         mask = torch.cat([completion_mask(b) for b in batches], dim=0).bool()
-        zero = torch.tensor(0.0, device=self.accelerator.device)
-        gather = self.accelerator.gather
+        zero = torch.tensor(0.0, device=self.trainer.accelerator.device)
+        gather = self.trainer.accelerator.gather
         delta = torch.abs(old - sampling)
         delta = delta[mask & ~torch.isnan(delta)]
-        sequence_level = self.vllm_importance_sampling_mode in ("sequence_mask", "sequence_truncate")
+        sequence_level = self.trainer.vllm_importance_sampling_mode in ("sequence_mask", "sequence_truncate")
         flat = ratio.flatten() if sequence_level else ratio[mask]
         values = {
             "sampling/sampling_logp_difference/mean": gather(torch.mean(delta) if delta.numel() > 0 else zero).mean().item(),
@@ -188,28 +194,27 @@ class StatsMixin:
             "sampling/importance_sampling_ratio/mean": gather(torch.mean(flat) if flat.numel() > 0 else zero).nanmean().item(),
             "sampling/importance_sampling_ratio/max": nanmax(gather(torch.max(flat) if flat.numel() > 0 else zero)).item(),
         }
-        metrics = self._metrics["train"]
+        metrics = self.trainer._metrics["train"]
         for key, value in values.items():
             if metrics.get(key):
                 metrics[key][-1] = value
 
-    # ------------------------------------------------------------------ reduction across processes
-    def _gap_reduce(self, values: Statistics) -> Statistics:
+    def reduce(self, values: Statistics) -> Statistics:
         """``values`` summed field by field over the processes (one process: ``values`` as they are, no device trip)."""
-        if self.accelerator.num_processes == 1:
+        if self.trainer.accelerator.num_processes == 1:
             return values
-        tensor = self.accelerator.reduce(values.to_tensor(self.accelerator.device), reduction="sum")
+        tensor = self.trainer.accelerator.reduce(values.to_tensor(self.trainer.accelerator.device), reduction="sum")
         return type(values).from_tensor(tensor)
 
-    def _gap_flush_generation(self) -> None:
+    def flush_generation(self) -> None:
         """Reduce one generation's statistics and log them (measured generations only), plus the fp16 fallbacks."""
-        state = self._gap_state
+        state = self.state
         local_sums, local_maxima = state.gen_sums, state.gen_maxima
         state.gen_sums = state.gen_maxima = None
         if local_sums is None or not state.measure_now:
             return
-        metrics = self._metrics["train"]
-        sums, maxima = self._gap_reduce_pair(local_sums, local_maxima)
+        metrics = self.trainer._metrics["train"]
+        sums, maxima = self.reduce_pair(local_sums, local_maxima)
         if sums.sampler_n > 0:
             metrics["gap/sampler/oob_frac"].append(sums.sampler_oob / sums.sampler_n)
             metrics["gap/sampler/abs_dlogp_mean"].append(sums.sampler_absd / sums.sampler_n)
@@ -235,21 +240,20 @@ class StatsMixin:
                          if plan is not None], default=0)
         new = fallbacks - state.fallbacks_seen
         state.fallbacks_seen = fallbacks
-        metrics["gap/fp16/fallbacks"].append(self._gap_reduce(FallbackCount(float(new))).new)
+        metrics["gap/fp16/fallbacks"].append(self.reduce(FallbackCount(float(new))).new)
 
-    # ------------------------------------------------------------------ loss-time metrics
-    def _gap_loss_metrics(self, inputs) -> None:
+    def loss_metrics(self, inputs) -> None:
         """Ratio, clip and old-vs-TRL statistics of one training micro-batch (new: the training forward's), computed on
         the device and read back with one transfer (each host read waits for the GPU)."""
-        state = self._gap_state
+        state = self.state
         new = state.new_logps
         state.new_logps = None
-        old = self._gap_old_of(inputs)
+        old = self.old_of(inputs)
         if new is None or old is None:
             return
-        local, local_max = self._gap_loss_sums(inputs, new.float(), old.to(new.device).float())
-        sums, maxima = self._gap_reduce_pair(local, local_max)
-        metrics = self._metrics["train"]
+        local, local_max = self.loss_sums(inputs, new.float(), old.to(new.device).float())
+        sums, maxima = self.reduce_pair(local, local_max)
+        metrics = self.trainer._metrics["train"]
         n = sums.tokens
         if n <= 0:
             return
@@ -265,23 +269,23 @@ class StatsMixin:
             metrics["gap/old_vs_trl/oob_frac"].append(sums.oob_vs_trl / n)
             metrics["gap/old_vs_trl/abs_dlogp_mean"].append(sums.abs_dlogp_vs_trl / n)
 
-    def _gap_reduce_pair(self, sums: Statistics, maxima: Statistics) -> tuple[Statistics, Statistics]:
+    def reduce_pair(self, sums: Statistics, maxima: Statistics) -> tuple[Statistics, Statistics]:
         """``sums`` summed and ``maxima`` maxed field by field over the processes (fields: numbers or 0-d device
         tensors), read back to the host once for both."""
-        device = self.accelerator.device
+        device = self.trainer.accelerator.device
         summed, maxed = sums.to_tensor(device), maxima.to_tensor(device)
-        if self.accelerator.num_processes > 1:
-            summed = self.accelerator.reduce(summed, reduction="sum")
-            maxed = self.accelerator.gather(maxed.unsqueeze(0)).max(dim=0).values
+        if self.trainer.accelerator.num_processes > 1:
+            summed = self.trainer.accelerator.reduce(summed, reduction="sum")
+            maxed = self.trainer.accelerator.gather(maxed.unsqueeze(0)).max(dim=0).values
         values = torch.cat([summed, maxed]).tolist()
         return type(sums)(*values[: len(sums)]), type(maxima)(*values[len(sums):])
 
-    def _gap_loss_sums(self, inputs: dict, new: torch.Tensor, old: torch.Tensor) -> tuple[LossSums, LossMaxima]:
+    def loss_sums(self, inputs: dict, new: torch.Tensor, old: torch.Tensor) -> tuple[LossSums, LossMaxima]:
         """This process's :class:`LossSums` and :class:`LossMaxima` of one micro-batch (fp32 ``[B, K]`` inputs), as 0-d
         device tensors, without a host read: masks multiply instead of selecting, and the probe rows' clip status is
         taken on every row and counted on the probe rows only (the status is per row, also at sequence level)."""
         mask = completion_mask(inputs).bool()
-        band = self._gap_state.config.band
+        band = self.state.config.band
         advantages = inputs["advantages"]
         trl_old = inputs.get("gap_trl_old_logps")
         local = LossSums(has_trl=float(trl_old is not None))
@@ -291,14 +295,14 @@ class StatsMixin:
         local.oob = _masked_sum(gap_metrics.out_of_band(new, old, band), mask)
         local.abs_dlogp = _masked_sum(absd, mask)
         local.exact = _masked_sum(dlogp == 0, mask)
-        clipped = self._gap_clip_status(new - old, advantages, mask)
+        clipped = self.clip_status(new - old, advantages, mask)
         probe = inputs.get("gap_probe_row")
         ref = inputs.get("gap_ref_logps")
         if clipped is not None:
             local.clipped = _masked_sum(clipped, mask)
             if probe is not None and ref is not None:
                 on_probe = mask & probe.to(mask.device).unsqueeze(-1)
-                clipped_ref = self._gap_clip_status(new - ref.to(new.device).float(), advantages, on_probe)
+                clipped_ref = self.clip_status(new - ref.to(new.device).float(), advantages, on_probe)
                 local.flips = _masked_sum(clipped != clipped_ref, on_probe)
                 local.probe_tokens = on_probe.sum(dtype=torch.float64)
         if trl_old is not None:
@@ -307,15 +311,15 @@ class StatsMixin:
             local.abs_dlogp_vs_trl = _masked_sum((old.double() - trl_old.double()).abs(), mask)
         return local, LossMaxima(abs_dlogp_max=_masked_max(absd, mask))
 
-    def _gap_probe_due(self) -> bool:
+    def probe_due(self) -> bool:
         """Whether this generation has probe rows (decided by :meth:`_gap_probe_scheduled` when it began)."""
-        return self._gap_state.probe_now
+        return self.state.probe_now
 
-    def _gap_probe_scheduled(self) -> bool:
+    def probe_scheduled(self) -> bool:
         """Whether the generation that begins gets probe rows (host-side, the same on every process): due every
         ``metrics_every * probe_every`` generations when ``probe_rows`` > 0, and within ``probe_budget`` (the probe's
         seconds so far at most that share of the training seconds so far, both reduced over processes)."""
-        state = self._gap_state
+        state = self.state
         gap = state.config
         due = gap.probe_rows > 0 and (state.generations - 1) % (gap.metrics_every * gap.probe_every) == 0
         if not due or gap.probe_budget <= 0:
@@ -323,7 +327,7 @@ class StatsMixin:
         return state.probe_total <= gap.probe_budget * state.wall_total
 
     @contextlib.contextmanager
-    def _gap_probe_timer(self, device: torch.device):
+    def probe_timer(self, device: torch.device):
         """Adds the seconds of the probe forwards inside to the step's probe time; waits for the device at the end
         (probe generations only), so the budget counts their GPU time, not only their launches."""
         started = time.perf_counter()
@@ -332,11 +336,11 @@ class StatsMixin:
         finally:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            self._gap_state.step_probe += time.perf_counter() - started
+            self.state.step_probe += time.perf_counter() - started
 
-    def _gap_clip_status(self, log_ratio, advantages, mask):
+    def clip_status(self, log_ratio, advantages, mask):
         """TRL's clip status ``[B, T]`` under this trainer's loss type, IS level, epsilons and delta (or None)."""
         return gap_metrics.trl_clip_status(
-            log_ratio, advantages, mask, loss_type=self.loss_type, level=self.importance_sampling_level,
-            eps_low=self.epsilon_low, eps_high=self.epsilon_high, delta=self.args.delta,
+            log_ratio, advantages, mask, loss_type=self.trainer.loss_type, level=self.trainer.importance_sampling_level,
+            eps_low=self.trainer.epsilon_low, eps_high=self.trainer.epsilon_high, delta=self.trainer.args.delta,
         )

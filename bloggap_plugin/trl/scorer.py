@@ -1,22 +1,20 @@
 """The adapter's scoring: precision plans, kept sets, and every forward the plugin runs itself.
 
-:class:`PlanMixin` is part of :class:`~bloggap_plugin.trl.mixin.GapMixin`. Modes (kept sets, renormalisation,
+:class:`Scorer` is owned by :class:`~bloggap_plugin.trl.session.GapSession` and reads its state. Modes (kept sets, renormalisation,
 the kept-mass capture) are arguments of these methods; nothing is flipped on the trainer around a call. Every
 extra forward runs under ``torch.no_grad`` inside ``torch.random.fork_rng``.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from bloggap_plugin.core.scoring import gather_logprobs, join_tiles, position_ids_from_mask, token_logprobs
 from bloggap_plugin.core.sharding import is_sharded, reshard
 from bloggap_plugin.recipes import RecipeError
-from bloggap_plugin.trl.state import fit_width
+from bloggap_plugin.trl.state import GapState, fit_width
 
-__all__ = ["PlanMixin", "fork_rng", "MULTIMODAL_KEYS"]
+__all__ = ["Scorer", "fork_rng", "MULTIMODAL_KEYS"]
 
 MULTIMODAL_KEYS = (
     "pixel_values",
@@ -38,25 +36,14 @@ def fork_rng(device: torch.device):
     return torch.random.fork_rng(devices=devices)
 
 
-class PlanMixin:
-    """Plans, kept sets and the plugin's own scoring (methods of the trainer; state in ``self._gap_state``)."""
+class Scorer:
+    """Plans, kept sets and the plugin's own scoring for one trainer (state: the session's :class:`GapState`)."""
 
-    def _gap_vllm_sampling(self) -> dict:
-        """``{top_k, top_p, min_p}`` that TRL's vLLM generation samples with (``generation_kwargs`` override last)."""
-        from bloggap_plugin.core.truncation import validate_sampling
+    def __init__(self, trainer, state: GapState):
+        self.trainer = trainer
+        self.state = state
 
-        source = getattr(self, "vllm_generation", None) or self
-        settings = {"top_k": getattr(source, "top_k", None), "top_p": getattr(source, "top_p", None),
-                    "min_p": getattr(source, "min_p", None)}
-        settings.update({k: v for k, v in (getattr(source, "generation_kwargs", None) or {}).items() if k in settings})
-        top_k = int(settings["top_k"] or 0)
-        clean = {"top_k": top_k if top_k > 0 else 0,
-                 "top_p": 1.0 if settings["top_p"] is None else float(settings["top_p"]),
-                 "min_p": float(settings["min_p"] or 0.0)}
-        validate_sampling(1.0, **clean)
-        return clean
-
-    def _gap_vllm_kept_sets(self, output: dict, ids, attn, logits_to_keep) -> None:
+    def vllm_kept_sets(self, output: dict, ids, attn, logits_to_keep) -> None:
         """Kept sets of vLLM's draws, re-derived from the trainer's logits: ``gap_kept_sizes`` ``[B, K]`` and the trainer's
         log kept mass ``gap_sampler_log_kept_mass`` ``[B, K]`` (vLLM's own mass is not returned by TRL 1.16).
 
@@ -68,7 +55,7 @@ class PlanMixin:
         from bloggap_plugin.core.plans import make_plan
         from bloggap_plugin.core.truncation import kept_mask, log_kept_mass
 
-        truncation = self._gap_state.vllm_truncation
+        truncation = self.state.vllm_truncation
         sizes_parts: list = []
         mass_parts: list = []
 
@@ -78,87 +65,66 @@ class PlanMixin:
             mass_parts.append((index, log_kept_mass(logits, kept)))
             return gather_logprobs(logits, targets)
 
-        if self._gap_state.plan is not None:
-            plan = self._gap_synced(self._gap_state.plan, "plan_step")
+        if self.state.plan is not None:
+            plan = self.synced(self.state.plan, "plan_step")
         else:
-            if self._gap_state.vllm_plan is None:  # TRL's own forward, as called
-                self._gap_state.vllm_plan = make_plan(self.model, "bf16", fp16_guard=False)
-            plan = self._gap_state.vllm_plan
-        with torch.no_grad(), fork_rng(self.accelerator.device):
-            plan.token_logprobs(ids, attn, logits_to_keep, batch_size=self.args.per_device_train_batch_size,
-                                positions=self._gap_state.positions, temperature=self.temperature, reduce=reduce,
-                                chunk_tokens=self._gap_state.config.score_chunk_tokens)
+            if self.state.vllm_plan is None:  # TRL's own forward, as called
+                self.state.vllm_plan = make_plan(self.trainer.model, "bf16", fp16_guard=False)
+            plan = self.state.vllm_plan
+        with torch.no_grad(), fork_rng(self.trainer.accelerator.device):
+            plan.token_logprobs(ids, attn, logits_to_keep, batch_size=self.trainer.args.per_device_train_batch_size,
+                                positions=self.state.positions, temperature=self.trainer.temperature, reduce=reduce,
+                                chunk_tokens=self.state.config.score_chunk_tokens)
         mask = output["completion_mask"]
         output["gap_kept_sizes"] = join_tiles(sizes_parts).round().to(torch.int32).to(mask.device) * mask.int()
         output["gap_sampler_log_kept_mass"] = join_tiles(mass_parts).to(mask.device) * mask
 
-    def _gap_check_vllm_fp16(self) -> None:
-        """Arm H samples in fp16: refuse a colocate engine built in another dtype; warn where it cannot be read."""
-        from bloggap_plugin.trl.vllm_colocate import colocate_engine_dtype
+    def policy(self):
+        return self.trainer.accelerator.unwrap_model(self.trainer.model)
 
-        if getattr(self, "vllm_mode", None) == "server":
-            warnings.warn(
-                "arm H with vLLM server mode: start the server in fp16 (`trl vllm-serve --dtype float16`); the trainer "
-                "cannot check the server's dtype (server mode is untested live)",
-                stacklevel=6,
-            )
-            return
-        dtype = colocate_engine_dtype(self)
-        if dtype is None:
-            warnings.warn("arm H: could not read the vLLM engine's dtype; make sure it samples in fp16", stacklevel=6)
-        elif dtype != torch.float16:
-            raise RecipeError(
-                f"arm H (fp16 everywhere) needs vLLM to sample in fp16, but TRL built the colocate engine in {dtype}: "
-                "use GapGRPOTrainer(..., gap=arm H), which builds it in fp16, or construct the GRPOTrainer inside "
-                "`with bloggap_plugin.trl.vllm_colocate_dtype('float16'):` before adding GapCallback"
-            )
-
-    def _gap_policy(self):
-        return self.accelerator.unwrap_model(self.model)
-
-    def _gap_make_plan(self, plan: str, **kwargs):
+    def make_plan(self, plan: str, **kwargs):
         """A scoring plan (a ``core.plans`` name) on the unwrapped policy, fp16 guard on, ``gap.tf32``."""
         from bloggap_plugin.core.plans import make_plan
 
-        policy = self._gap_policy()
+        policy = self.policy()
         if plan in ("fp32", "fp16", "vllm"):  # a shadow: on the trainer's device
-            kwargs["device"] = self.accelerator.device
+            kwargs["device"] = self.trainer.accelerator.device
         if plan == "vllm":  # arm I: its pieces (gap.i_pieces)
-            kwargs["pieces"] = self._gap_state.config.i_pieces
+            kwargs["pieces"] = self.state.config.i_pieces
         if plan != "guided":
             kwargs.pop("layers", None)
             kwargs.pop("k", None)
-        kwargs.setdefault("tf32", self._gap_state.config.tf32)
+        kwargs.setdefault("tf32", self.state.config.tf32)
         return make_plan(policy, plan, fp16_guard=True, **kwargs)
 
-    def _gap_weights_version(self) -> tuple:
+    def weights_version(self) -> tuple:
         """What identifies the policy's current weights: the optimizer step plus every parameter's identity and
         in-place version counter (bumped by the optimizer, ``load_state_dict`` on resume, any ``copy_``/``mul_``)."""
-        policy = self._gap_policy()
+        policy = self.policy()
         reshard(policy)  # FSDP2: read the shards' versions, not those of gathered copies (core.sharding)
-        return (self.state.global_step, tuple((id(p), p._version) for p in policy.parameters()))
+        return (self.trainer.state.global_step, tuple((id(p), p._version) for p in policy.parameters()))
 
-    def _gap_synced(self, plan, attr: str):
+    def synced(self, plan, attr: str):
         """``plan``, refreshed from the policy unless it already holds the current weights version (the state's
         ``attr``, ``"plan_step"`` or ``"ref_step"``, stores the version it was last synced at; ``None``, as after
         attach, always syncs)."""
         if plan is not None:
-            plan = self._gap_sharded_like_policy(plan)
-            version = self._gap_weights_version()
-            if getattr(self._gap_state, attr) != version:
-                plan.sync(self._gap_policy())
-                setattr(self._gap_state, attr, version)
+            plan = self.sharded_like_policy(plan)
+            version = self.weights_version()
+            if getattr(self.state, attr) != version:
+                plan.sync(self.policy())
+                setattr(self.state, attr, version)
         return plan
 
-    def _gap_sharded_like_policy(self, plan):
+    def sharded_like_policy(self, plan):
         """``plan``, or a new one in its place (the state's fields updated, the old one closed) when the policy was
         sharded since it was made: ``accelerator.prepare`` applies FSDP2's ``fully_shard`` after attach, and a plan
         made before would hold full copies (B, F) or the replaced parameters themselves (E, D)."""
-        if plan.name == "bf16" or plan.sharded == is_sharded(self._gap_policy()):
+        if plan.name == "bf16" or plan.sharded == is_sharded(self.policy()):
             return plan
         guided = {"layers": list(plan.layers), "k": len(plan.layers)} if plan.name == "guided" else {}
-        rebuilt = self._gap_make_plan(plan.name, tf32=plan.tf32_option, **guided)
-        state = self._gap_state
+        rebuilt = self.make_plan(plan.name, tf32=plan.tf32_option, **guided)
+        state = self.state
         for field, step in (("plan", "plan_step"), ("ref_plan", "ref_step")):
             if getattr(state, field) is plan:
                 setattr(state, field, rebuilt)
@@ -166,35 +132,35 @@ class PlanMixin:
         plan.close()
         return rebuilt
 
-    def _gap_reference_plan(self):
+    def reference_plan(self):
         """The fp32 batch-1 reference's plan (IEEE fp32), synced: the arm's own fp32 shadow where it is one."""
-        state = self._gap_state
+        state = self.state
         if state.ref_plan is None:
             if state.arm.plan == "fp32" and state.plan is not None and not state.plan.tf32:
                 state.ref_plan = state.plan
                 state.ref_step = state.plan_step
             else:  # the reference is IEEE fp32 whatever gap.tf32 says
-                state.ref_plan = self._gap_make_plan("fp32", tf32=False)
-                state.ref_step = self._gap_weights_version()
+                state.ref_plan = self.make_plan("fp32", tf32=False)
+                state.ref_step = self.weights_version()
         if state.ref_plan is state.plan:
-            return self._gap_synced(state.plan, "plan_step")
-        return self._gap_synced(state.ref_plan, "ref_step")
+            return self.synced(state.plan, "plan_step")
+        return self.synced(state.ref_plan, "ref_step")
 
-    def _gap_close(self) -> None:
-        state = self._gap_state
+    def close(self) -> None:
+        state = self.state
         plans = (state.plan, state.ref_plan, state.vllm_plan)
         for plan in {id(p): p for p in plans if p is not None}.values():
             plan.close()
 
-    def _gap_agree_layers(self, layers: list[int]) -> list[int]:
+    def agree_layers(self, layers: list[int]) -> list[int]:
         """Process 0's automatically chosen fp32 layers, on every process (each chose from its own rows)."""
-        if self.accelerator.num_processes <= 1:
+        if self.trainer.accelerator.num_processes <= 1:
             return layers
         from accelerate.utils import broadcast_object_list
 
         return list(broadcast_object_list([layers], from_process=0)[0])
 
-    def _gap_kept_from(self, batch: dict, rows=None):
+    def kept_from(self, batch: dict, rows=None):
         """``(kept_ids [B,K,S] | None, sizes [B,K])`` of a batch dict (optionally only ``rows``)."""
         sizes = batch.get("gap_kept_sizes")
         if sizes is None:
@@ -205,12 +171,12 @@ class PlanMixin:
             ids = ids[rows] if ids is not None else None
         return ids, sizes
 
-    def _gap_kept_from_record(self, record, width: int):
+    def kept_from_record(self, record, width: int):
         """Kept sets of the pending (pre-shuffle) sampler record, fitted to completion width ``width``."""
         ids = record.kept_ids_tensor()
         return (fit_width(ids, width, -1) if ids is not None else None), fit_width(record.kept_sizes, width)
 
-    def _gap_reducer(self, kept, capture: list | None = None, renormalize: bool = False):
+    def reducer(self, kept, capture: list | None = None, renormalize: bool = False):
         """A ``token_logprobs`` reduce: renormalised over ``kept`` (``renormalize``) or full; captures log kept mass.
 
         ``capture`` receives ``(index, log kept mass [b, t])`` per scored tile; a tile scored again (the fp16
@@ -240,20 +206,20 @@ class PlanMixin:
 
         return reduce
 
-    def _gap_trl_scores(self, input_ids, attention_mask, logits_to_keep, batch_size, kept=None, *,
+    def trl_scores(self, input_ids, attention_mask, logits_to_keep, batch_size, kept=None, *,
                         renormalize: bool | None = None, capture: list | None = None):
         """TRL's own old-logprob computation (the training forward's path), grad-free, ``[B, K]`` fp32.
 
         ``kept``: kept sets to renormalise over when ``renormalize`` (default: the state's mode); ``capture``
         receives the log kept mass per tile (see :meth:`_gap_reducer`)."""
         if renormalize is None:
-            renormalize = self._gap_state.renormalize
-        with torch.no_grad(), fork_rng(self.accelerator.device):
-            logps, _, _ = self._gap_policy_logps(self.model, input_ids, attention_mask, logits_to_keep, batch_size,
+            renormalize = self.state.renormalize
+        with torch.no_grad(), fork_rng(self.trainer.accelerator.device):
+            logps, _, _ = self.policy_logps(self.trainer.model, input_ids, attention_mask, logits_to_keep, batch_size,
                                                  kept=kept, renormalize=renormalize, capture=capture)
         return logps.float()
 
-    def _gap_policy_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+    def policy_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                           compute_entropy=False, compute_aux_loss=False, *, kept=None, renormalize=False,
                           capture=None, **kwargs):
         """``(logps, entropies, aux)`` of TRL's forward as the plugin runs it: renormalised over ``kept`` or
@@ -264,57 +230,57 @@ class PlanMixin:
                 raise RecipeError("gap.kept: renormalize supports text-only models")
             if compute_aux_loss:
                 raise RecipeError("gap.kept: renormalize does not support MoE aux loss (router_aux_loss_coef)")
-            logps, entropies = self._gap_unfused(model, input_ids, attention_mask, logits_to_keep, batch_size,
+            logps, entropies = self.unfused(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                                  compute_entropy, kept, capture, renormalize)
             return logps, entropies, None
-        if self._gap_state.positions == "mask" and not multimodal:
-            return self._gap_fused_with_positions(model, input_ids, attention_mask, logits_to_keep, batch_size,
+        if self.state.positions == "mask" and not multimodal:
+            return self.fused_with_positions(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                                   compute_entropy, compute_aux_loss)
-        return self._gap_next("_get_per_token_logps_and_entropies", model, input_ids, attention_mask,
+        return self.trainer._gap_next("_get_per_token_logps_and_entropies", model, input_ids, attention_mask,
                               logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **kwargs)
 
-    def _gap_plan_scores(self, plan, input_ids, attention_mask, logits_to_keep, batch_size, kept=None, capture=None):
+    def plan_scores(self, plan, input_ids, attention_mask, logits_to_keep, batch_size, kept=None, capture=None):
         """The old log-probs ``[B, K]`` fp32 of ``plan`` (renormalised per the state's mode; ``capture`` as above)."""
-        state = self._gap_state
+        state = self.state
         renormalize = state.renormalize
-        reduce = self._gap_reducer(kept, capture, renormalize) if kept is not None and (renormalize or capture is not None) else None
+        reduce = self.reducer(kept, capture, renormalize) if kept is not None and (renormalize or capture is not None) else None
         if state.config.score_rows:  # fewer rows per forward bounds an fp32 body's activations (gap.score_rows)
             batch_size = min(batch_size, state.config.score_rows) if batch_size else state.config.score_rows
         elif batch_size != 1 and plan.rows_per_forward(input_ids.shape[1]) is not None:  # the probe's b1 stays b1
             batch_size = max(batch_size or 0, plan.rows_per_forward(input_ids.shape[1]))
-        with torch.no_grad(), fork_rng(self.accelerator.device):
+        with torch.no_grad(), fork_rng(self.trainer.accelerator.device):
             return plan.token_logprobs(
                 input_ids,
                 attention_mask,
                 logits_to_keep,
                 batch_size=batch_size,
-                positions=self._gap_state.positions,
-                temperature=self.temperature,
+                positions=self.state.positions,
+                temperature=self.trainer.temperature,
                 reduce=reduce,
-                chunk_tokens=self._gap_state.config.score_chunk_tokens,
+                chunk_tokens=self.state.config.score_chunk_tokens,
             ).float()
 
-    def _gap_arm_scores(self, input_ids, attention_mask, logits_to_keep, batch_size, kept=None):
+    def arm_scores(self, input_ids, attention_mask, logits_to_keep, batch_size, kept=None):
         """The arm's old log-probs ``[B, K]`` for a pre-shuffle batch (arms A-F, H)."""
-        if self._gap_state.arm.takes_layers and self._gap_state.plan is None:
+        if self.state.arm.takes_layers and self.state.plan is None:
             # guided without layer ids: choose the top-k layers on the first generation batch
             from bloggap_plugin.core import divergence
 
-            n_layers = int(getattr(self._gap_policy().config, "num_hidden_layers", self._gap_state.config.k))
-            profile = divergence.divergence_profile(self._gap_policy(), input_ids[:8], attention_mask[:8])
+            n_layers = int(getattr(self.policy().config, "num_hidden_layers", self.state.config.k))
+            profile = divergence.divergence_profile(self.policy(), input_ids[:8], attention_mask[:8])
             # every process profiled its own rows: process 0's choice, agreed before any fp32 copy is made (under
             # FSDP2 the copies are gathered from shards, a collective over the same layers on every process)
-            chosen = self._gap_agree_layers(profile.top_k(min(self._gap_state.config.k, n_layers)))
-            plan = self._gap_make_plan("guided", layers=chosen, k=len(chosen))
+            chosen = self.agree_layers(profile.top_k(min(self.state.config.k, n_layers)))
+            plan = self.make_plan("guided", layers=chosen, k=len(chosen))
             plan.profile = profile
-            self._gap_state.plan = plan
-            self._gap_state.plan_step = self._gap_weights_version()
-        if self._gap_state.plan is None:
-            return self._gap_trl_scores(input_ids, attention_mask, logits_to_keep, batch_size, kept)
-        plan = self._gap_synced(self._gap_state.plan, "plan_step")
-        return self._gap_plan_scores(plan, input_ids, attention_mask, logits_to_keep, batch_size, kept)
+            self.state.plan = plan
+            self.state.plan_step = self.weights_version()
+        if self.state.plan is None:
+            return self.trl_scores(input_ids, attention_mask, logits_to_keep, batch_size, kept)
+        plan = self.synced(self.state.plan, "plan_step")
+        return self.plan_scores(plan, input_ids, attention_mask, logits_to_keep, batch_size, kept)
 
-    def _gap_fused_with_positions(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
+    def fused_with_positions(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
                                   compute_entropy, compute_aux_loss):
         """TRL 1.16's text-only loop, plus ``position_ids`` from the attention mask (as ``generate`` uses)."""
         batch_size = batch_size or input_ids.size(0)
@@ -327,7 +293,7 @@ class PlanMixin:
                 model_inputs["output_router_logits"] = True
             labels = ids.masked_fill(mask == 0, -100)
             labels[:, :-logits_to_keep] = -100
-            with self.accelerator.autocast():
+            with self.trainer.accelerator.autocast():
                 outputs = model(**model_inputs, labels=labels, fused_lm_head=True)
             all_logps.append(outputs.log_probs[:, -logits_to_keep:])
             if compute_entropy:
@@ -339,11 +305,11 @@ class PlanMixin:
         aux = torch.stack(all_aux).mean() if compute_aux_loss else None
         return logps, entropies, aux
 
-    def _gap_unfused(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, kept,
+    def unfused(self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, kept,
                      capture, renormalize):
         """Non-fused forward through ``token_logprobs`` with the kept-set reducer (logits in tiles of positions)."""
         entropy_parts: list = []
-        reducer = self._gap_reducer(kept, capture, renormalize)
+        reducer = self.reducer(kept, capture, renormalize)
 
         def reduce(logits, targets, index):
             if compute_entropy:
@@ -352,30 +318,30 @@ class PlanMixin:
             return reducer(logits, targets, index)
 
         def forward(**model_kwargs):
-            with self.accelerator.autocast():
+            with self.trainer.accelerator.autocast():
                 return model(**model_kwargs)  # the fused head's non-fused path: the model's own forward
 
         logps = token_logprobs(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
-                               positions=self._gap_state.positions, temperature=self.temperature, reduce=reduce,
-                               forward=forward, chunk_tokens=self._gap_state.config.score_chunk_tokens)
+                               positions=self.state.positions, temperature=self.trainer.temperature, reduce=reduce,
+                               forward=forward, chunk_tokens=self.state.config.score_chunk_tokens)
         entropies = join_tiles(entropy_parts) if compute_entropy else None
         return logps, entropies
 
-    def _gap_trainer_log_mass(self, batch, ids, attn, logits_to_keep, capture) -> torch.Tensor | None:
+    def trainer_log_mass(self, batch, ids, attn, logits_to_keep, capture) -> torch.Tensor | None:
         """The trainer's own log kept mass of the batch's kept sets ``[B, K]`` (one extra scoring, under the arm);
         ``None`` for a batch without kept sets (the same scoring, taken so that every process takes it)."""
-        kept = self._gap_kept_from(batch)
-        batch_size = self.args.per_device_train_batch_size
-        if self._gap_state.plan is not None:
-            plan = self._gap_synced(self._gap_state.plan, "plan_step")
-            self._gap_plan_scores(plan, ids, attn, logits_to_keep, batch_size, kept, capture)
+        kept = self.kept_from(batch)
+        batch_size = self.trainer.args.per_device_train_batch_size
+        if self.state.plan is not None:
+            plan = self.synced(self.state.plan, "plan_step")
+            self.plan_scores(plan, ids, attn, logits_to_keep, batch_size, kept, capture)
         else:  # TRL's forward, full vocabulary: the capture holds its log kept mass
-            self._gap_trl_scores(ids, attn, logits_to_keep, batch_size, kept, renormalize=False, capture=capture)
+            self.trl_scores(ids, attn, logits_to_keep, batch_size, kept, renormalize=False, capture=capture)
         return join_tiles(capture).to(ids.device) if kept is not None else None
 
-    def _gap_probe_b1(self, batch, ids, attn, logits_to_keep, rows) -> torch.Tensor:
-        kept = self._gap_kept_from(batch, rows)
-        if self._gap_state.plan is None:
-            return self._gap_trl_scores(ids, attn, logits_to_keep, 1, kept)
-        plan = self._gap_synced(self._gap_state.plan, "plan_step")
-        return self._gap_plan_scores(plan, ids, attn, logits_to_keep, 1, kept)
+    def probe_b1(self, batch, ids, attn, logits_to_keep, rows) -> torch.Tensor:
+        kept = self.kept_from(batch, rows)
+        if self.state.plan is None:
+            return self.trl_scores(ids, attn, logits_to_keep, 1, kept)
+        plan = self.synced(self.state.plan, "plan_step")
+        return self.plan_scores(plan, ids, attn, logits_to_keep, 1, kept)
