@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 
 import torch
 
@@ -28,6 +29,9 @@ class GapSession:
     """The adapter's state and logic for one trainer (made at attach, after every check has passed)."""
 
     def __init__(self, trainer, state: GapState):
+        # a weak proxy: the trainer holds the session, so a strong reference back would keep a finished trainer (its
+        # model, optimizer and progress bar) alive until the garbage collector's next cycle pass
+        trainer = weakref.proxy(trainer)
         self.trainer = trainer
         self.state = state
         self.scorer = Scorer(trainer, state)
