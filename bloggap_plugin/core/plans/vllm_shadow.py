@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model_parts import model_device as _model_device
-from ..model_parts import tensor_bytes as _tensor_bytes
+from ..model_parts import model_device, tensor_bytes
 from ..scoring import ScoringOptions, TileIndex, unwrap_model
 from ..vllm_form import (
     Kernels,
@@ -38,7 +37,7 @@ from ..vllm_form import (
     torch_varlen_attention,
     vllm_cos_sin_cache,
 )
-from .shadow import ShadowPlan as _ShadowPlan
+from .shadow import ShadowPlan
 
 __all__ = ["VllmFormLM", "VllmFormPlan", "SUPPORTED_MODEL_TYPES"]
 
@@ -106,7 +105,7 @@ class VllmFormLM(nn.Module):
         self.lm_head = _Head(shadow.get_output_embeddings().weight, linear)
         self._fused: list[dict[str, torch.Tensor]] = []
         self.refresh()
-        device = _model_device(shadow)
+        device = model_device(shadow)
         theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", 10000.0)))
         self.cos_sin_cache = vllm_cos_sin_cache(self.head_dim, theta, int(config.max_position_embeddings),
                                                 torch.bfloat16, device)
@@ -240,7 +239,7 @@ batch-invariant, so the rows per forward set the host's launches per scored row,
 bf16 activations of one forward (the head's logits are tiled apart)."""
 
 
-class VllmFormPlan(_ShadowPlan):
+class VllmFormPlan(ShadowPlan):
     """Arm I: a bf16 shadow (the fp32/fp16 shadows' machinery) scored through :class:`VllmFormLM`, with autocast off
     and ``kernels.scope()`` around the whole scoring call (so the log-softmax of the head's tiles runs under vLLM's
     overrides too)."""
@@ -288,7 +287,7 @@ class VllmFormPlan(_ShadowPlan):
 
     def _bytes(self) -> int:
         extra = [] if self.model is None else [*self.model.fused_tensors(), self.model.cos_sin_cache]
-        return super()._bytes() + _tensor_bytes(extra)
+        return super()._bytes() + tensor_bytes(extra)
 
     def stats(self) -> dict:
         """The base plan's stats plus ``pieces`` (:meth:`VllmForm.describe`) and ``kernels`` (their source)."""
