@@ -377,15 +377,18 @@ def load_model(
     dtype: str | torch.dtype = "fp32",
     device: str | torch.device = "cpu",
     attn_implementation: str | None = None,
+    checked: bool = False,
 ):
     """Load ``(model, tokenizer)`` for ``spec`` in ``dtype`` on ``device``, in eval mode.
 
     Raises :class:`ModelSpecError` naming what is accepted when ``spec`` matches nothing, and naming the file
     when what it names cannot be read (corrupt GGUF, invalid config.json, missing from the offline cache).
+    ``checked``: the caller has already run :func:`check_model_spec` on ``spec``, so it is not run again.
     """
     torch_dtype = resolve_dtype(dtype)
     spec = str(spec)
-    check_model_spec(spec)
+    if not checked:
+        check_model_spec(spec)
     if spec == DEFAULT_MODEL:
         model, tokenizer = _load_smollm2(torch_dtype)
     elif spec in TINY_MODELS:

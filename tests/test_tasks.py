@@ -180,6 +180,22 @@ def test_prompts_follow_the_tokenizer():
     assert arith.SYSTEM_PROMPT in plain[0]["prompt"]
 
 
+def test_a_set_built_before_the_tokenizer_fits_it_as_if_built_with_it():
+    """for_tokenizer: what run_training does with the set prepare_run built (no tokenizer yet) equals get_task's set
+    for the tokenizer, with and without a chat template (the same object with one: nothing is rebuilt)."""
+    from bloggap_plugin.models import tiny_tokenizer
+    from bloggap_plugin.tasks import for_tokenizer, get_heldout
+
+    tokenizer = tiny_tokenizer()
+    early, _ = get_task("arith", None, n=3, seed=2)
+    assert for_tokenizer(early, tokenizer) is early
+    tokenizer.chat_template = None
+    for build in (lambda tok: get_task("arith", tok, n=3, seed=2)[0],
+                  lambda tok: get_heldout("arith", tok, seed=2, heldout_n=3, n=3)[0]):
+        fitted = for_tokenizer(build(None), tokenizer)
+        assert fitted.to_dict() == build(tokenizer).to_dict() and isinstance(fitted[0]["prompt"], str)
+
+
 # --------------------------------------------------------------------------------------------- the real GSM8K files
 
 

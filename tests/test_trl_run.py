@@ -25,6 +25,46 @@ def test_run_training_writes_jsonl_with_gap_keys(tmp_path):
     assert summary["mean/gap/ratio/exact_frac"] == 1.0  # matched arm: old == training forward, bit for bit
 
 
+def test_run_training_checks_and_builds_each_input_once(tmp_path, monkeypatch):
+    """prepare_run checks every input and builds what the run needs (settings, recipe, GRPOConfig, device, task data,
+    held-out set, model spec); the training after it uses that plan and does none of that work again."""
+    import sys
+
+    import bloggap_plugin.models as models
+    import bloggap_plugin.recipes as recipes
+    import bloggap_plugin.tasks as tasks
+    import bloggap_plugin.trl.train as train
+
+    calls: dict[str, list[str]] = {}
+
+    def spy(module, name):
+        original = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            calls.setdefault(name, []).append(sys._getframe(1).f_globals["__name__"])
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+
+    for module, names in ((train, ("train_config", "check_heldout_spec", "_check_report_to")),
+                          (recipes, ("load_recipe", "merge_grpo_config")),
+                          (models, ("resolve_device", "check_model_spec", "load_model")),
+                          (tasks, ("get_task", "get_heldout"))):
+        for name in names:
+            spy(module, name)
+    summary = train.run_training(ROOT / "recipes" / "arm_A.yaml", model="tiny-random-llama", max_steps=1,
+                                 output_dir=tmp_path / "out", extra_overrides=SMALL, heldout={"every": 1, "n": 2})
+    assert summary["steps"] == 1 and [r["heldout/n"] for r in summary["heldout"]] == [2]
+    by_train = {name: callers.count("bloggap_plugin.trl.train") for name, callers in calls.items()}
+    assert by_train == {name: 1 for name in ("train_config", "check_heldout_spec", "_check_report_to", "load_recipe",
+                                             "merge_grpo_config", "resolve_device", "check_model_spec", "load_model",
+                                             "get_task", "get_heldout")}
+    assert calls["check_model_spec"] == ["bloggap_plugin.trl.train"]  # load_model does not check the spec again
+    plan = train.prepare_run(ROOT / "recipes" / "arm_A.yaml", model="tiny-random-llama", output_dir=tmp_path / "o")
+    with pytest.raises(TypeError, match=r"give settings \['seed'\] to prepare_run"):
+        train.run_training(plan, seed=1)
+
+
 def test_train_command_reports_bad_recipe(tmp_path, capsys):
     from bloggap_plugin.cli import main
 

@@ -16,8 +16,8 @@ import os
 
 from bloggap_plugin.core.errors import UsageError
 
-__all__ = ["TASKS", "ARITH_HELDOUT_SEED", "HELDOUT_DEFAULT_N", "get_task", "get_heldout", "task_prompt", "prompt_fingerprint",
-           "prompt_token_ids"]
+__all__ = ["TASKS", "ARITH_HELDOUT_SEED", "HELDOUT_DEFAULT_N", "get_task", "get_heldout", "task_prompt", "for_tokenizer",
+           "prompt_fingerprint", "prompt_token_ids"]
 
 TASKS = ("gsm8k", "arith")
 
@@ -47,6 +47,18 @@ def task_prompt(messages: list[dict[str, str]], tokenizer=None) -> list[dict[str
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is not None:
         return messages
     return _as_text_prompt(messages)
+
+
+def for_tokenizer(dataset, tokenizer):
+    """``dataset``, built by :func:`get_task` or :func:`get_heldout` with ``tokenizer=None``, as they build it for
+    ``tokenizer``: the same rows, with plain-text prompts when ``tokenizer`` has no chat template (else ``dataset``
+    itself). The data are read and checked once, before the model (and so its tokenizer) loads."""
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is not None:
+        return dataset
+    import datasets
+
+    prompts = [task_prompt(messages, tokenizer) for messages in dataset["prompt"]]
+    return datasets.Dataset.from_dict({"prompt": prompts, "answer": dataset["answer"]})
 
 
 def get_task(

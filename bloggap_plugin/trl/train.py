@@ -10,7 +10,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 __all__ = ["run_training", "prepare_run", "summarize_history", "TrainConfig", "train_config", "RunPlan", "JsonlLogger",
            "HeldoutCallback", "HELDOUT_KEYS", "check_heldout_spec", "SEED_MAX", "reference_from_policy",
@@ -104,19 +104,21 @@ def check_heldout_spec(spec: dict | None, option: str = "--heldout") -> None:
             raise UsageError(f"{option}: {key} {value!r} must be a whole number >= 1")
 
 
-def HeldoutCallback(tokenizer, config: TrainConfig, log_jsonl: str | Path | None, max_tokens: int):  # noqa: N802
+def HeldoutCallback(tokenizer, config: TrainConfig, log_jsonl: str | Path | None, max_tokens: int,  # noqa: N802
+                    heldout_set: tuple | None = None):
     """A ``TrainerCallback`` that measures greedy accuracy on the task's held-out prompts
     (:func:`bloggap_plugin.tasks.get_heldout`) every ``config.heldout["every"]`` optimizer steps, with the policy as it
     is (no weights, mode or RNG state changed), and appends ``{"step", "heldout/accuracy", "heldout/correct",
-    "heldout/n", "heldout/seconds"}`` to ``log_jsonl`` (and to its ``records``)."""
+    "heldout/n", "heldout/seconds"}`` to ``log_jsonl`` (and to its ``records``). ``heldout_set``: those prompts
+    already built (:attr:`RunPlan.heldout`); ``None`` builds them here."""
     from transformers import TrainerCallback
 
     from bloggap_plugin.heldout_accuracy import heldout_accuracy
-    from bloggap_plugin.tasks import HELDOUT_DEFAULT_N, get_heldout
+    from bloggap_plugin.tasks import for_tokenizer
 
     spec = config.heldout
-    dataset, (reward,) = get_heldout(config.task, tokenizer, seed=config.seed, heldout_n=spec.get("n", HELDOUT_DEFAULT_N),
-                                     **(config.task_options() or {}))
+    dataset, (reward,) = _heldout_set(config) if heldout_set is None else heldout_set
+    dataset = for_tokenizer(dataset, tokenizer)
 
     class _HeldoutCallback(TrainerCallback):
         def __init__(self) -> None:
@@ -135,6 +137,15 @@ def HeldoutCallback(tokenizer, config: TrainConfig, log_jsonl: str | Path | None
                     handle.write(json.dumps(record) + "\n")
 
     return _HeldoutCallback()
+
+
+def _heldout_set(config: TrainConfig) -> tuple:
+    """``(dataset, reward_funcs)`` of the run's held-out prompts (``config.heldout["n"]`` of them), before the
+    tokenizer."""
+    from bloggap_plugin.tasks import HELDOUT_DEFAULT_N, get_heldout
+
+    return get_heldout(config.task, None, seed=config.seed, heldout_n=config.heldout.get("n", HELDOUT_DEFAULT_N),
+                       **(config.task_options() or {}))
 
 
 def _mapping(text: str) -> dict:
@@ -206,13 +217,31 @@ def train_config(recipe: str | Path | TrainConfig, **settings: Any) -> TrainConf
     return TrainConfig(recipe=recipe, **settings)
 
 
-class RunPlan(NamedTuple):
-    """What :func:`prepare_run` checked: the trainer arguments, the plugin's settings, device and weight dtype."""
+@dataclass(frozen=True)
+class RunPlan:
+    """What :func:`prepare_run` checked and built: everything :func:`run_training` needs before the model loads.
+    Nothing in it is checked or built again; the model's own checks (positions, weights) come once it loads."""
 
+    config: TrainConfig
+    """The run's settings, each checked (numbers, paths writable, model spec, task and its options)."""
     args: Any
+    """TRL's ``GRPOConfig``: the recipe's fields, the run's (output_dir, report_to, seed, max_steps, CPU settings),
+    then ``extra_overrides``; TRL's checks and the ``report_to`` integrations passed."""
     gap: Any
+    """The recipe's ``GapConfig`` with ``gap_overrides`` applied, validated."""
     device: str
+    """Where the policy trains: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``, present on this machine."""
     dtype: str
+    """The policy's weight dtype as loaded: ``"bf16"`` on CPU (``"fp32"`` for an arm that trains in fp16),
+    ``"fp32"`` on CUDA (master weights under the recipe's autocast)."""
+    train_dataset: Any
+    """The task's training set (``datasets.Dataset``: ``prompt`` as chat messages, ``answer``), built without a
+    tokenizer; :func:`~bloggap_plugin.tasks.for_tokenizer` fits it to the loaded one."""
+    reward_funcs: list
+    """The task's reward functions, TRL's signature."""
+    heldout: tuple | None
+    """``(dataset, reward_funcs)`` of the held-out prompts (``config.heldout["n"]`` of them, built like
+    ``train_dataset``), or ``None`` without ``heldout``."""
 
 
 def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
@@ -268,13 +297,12 @@ def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
     except RecipeError as err:
         raise RecipeError(f"{config.recipe}: {err}") from None
     _check_report_to(args.report_to)
-    get_task(config.task, None, seed=config.seed, **(config.task_options() or {}))  # name, options, data: before the model
-    if config.heldout:
-        from bloggap_plugin.tasks import get_heldout
-
-        get_heldout(config.task, None, seed=config.seed, heldout_n=1, **(config.task_options() or {}))
+    train_dataset, reward_funcs = get_task(config.task, None, seed=config.seed,  # name, options, data: before the model
+                                           **(config.task_options() or {}))
+    heldout = _heldout_set(config) if config.heldout else None
     check_model_spec(config.model)
-    return RunPlan(args=args, gap=gap, device=device, dtype=dtype)
+    return RunPlan(config=config, args=args, gap=gap, device=device, dtype=dtype, train_dataset=train_dataset,
+                   reward_funcs=reward_funcs, heldout=heldout)
 
 
 SEED_MAX = 2**32 - 1
@@ -356,11 +384,11 @@ def reference_from_policy(policy: Any, enabled: bool = True):
         grpo_trainer.create_model_from_path = original
 
 
-def run_training(recipe: str | Path | TrainConfig, **settings: Any) -> dict:
+def run_training(recipe: str | Path | TrainConfig | RunPlan, **settings: Any) -> dict:
     """Train GRPO with the recipe's GRPOConfig fields and ``gap:`` section; return a summary dict.
 
     ``recipe``: a recipe path (then ``settings`` are :class:`TrainConfig` fields, e.g. ``model=``, ``max_steps=``)
-    or a :class:`TrainConfig`. Offline: the model comes from :func:`bloggap_plugin.models.load_model` (default
+    or a :class:`TrainConfig`, or the :class:`RunPlan` that :func:`prepare_run` made of them. Offline: the model comes from :func:`bloggap_plugin.models.load_model` (default
     SmolLM2-135M-Instruct), the data and rewards from :func:`bloggap_plugin.tasks.get_task`. On CPU the run uses
     ``use_cpu``, no autocast, and bf16 weights (fp32 for arm H, whose fp16 autocast accelerate enables on CUDA
     only); on CUDA, fp32 master weights with the recipe's ``bf16``/``fp16`` autocast. ``extra_overrides`` are
@@ -368,11 +396,15 @@ def run_training(recipe: str | Path | TrainConfig, **settings: Any) -> dict:
     Each logged step goes to ``log_jsonl`` as one JSON line. Every input is checked by :func:`prepare_run`
     before the model loads; two runs into one ``output_dir`` at once are refused.
     """
-    config = train_config(recipe, **settings)
-    plan = prepare_run(config)
-    lock = _lock_output_dir(config.output_dir)
+    if isinstance(recipe, RunPlan):
+        if settings:
+            raise TypeError(f"run_training: a RunPlan is already checked; give settings {sorted(settings)} to prepare_run")
+        plan = recipe
+    else:
+        plan = prepare_run(recipe, **settings)
+    lock = _lock_output_dir(plan.config.output_dir)
     try:
-        return _train(config, plan)
+        return _train(plan)
     finally:
         lock.close()
 
@@ -392,19 +424,19 @@ def _lock_output_dir(output_dir: str | Path):
     return handle
 
 
-def _train(config: TrainConfig, plan: RunPlan) -> dict:
-    """:func:`run_training` once the inputs are checked and the output folder is held."""
+def _train(plan: RunPlan) -> dict:
+    """:func:`run_training` once the inputs are checked (``plan``) and the output folder is held."""
     from bloggap_plugin.models import load_model
     from bloggap_plugin.run_timing import plugin_time_share
-    from bloggap_plugin.tasks import get_task
+    from bloggap_plugin.tasks import for_tokenizer
     from bloggap_plugin.trl.callback import GapGRPOTrainer
 
-    args, gap, device = plan.args, plan.gap, plan.device
+    config, args, gap, device = plan.config, plan.args, plan.gap, plan.device
     model, seed, log_jsonl = config.model, config.seed, config.log_jsonl
-    policy, tokenizer = load_model(model, dtype=plan.dtype, device=device)
+    policy, tokenizer = load_model(model, dtype=plan.dtype, device=device, checked=True)
     _check_positions(policy, args, config)
     policy.train()
-    train_dataset, reward_funcs = get_task(config.task, tokenizer, seed=seed, **(config.task_options() or {}))
+    train_dataset, reward_funcs = for_tokenizer(plan.train_dataset, tokenizer), plan.reward_funcs
     callbacks = [] if config.max_steps is not None else [StepsAnnouncer()]
     logger = None
     if log_jsonl is not None:
@@ -417,7 +449,7 @@ def _train(config: TrainConfig, plan: RunPlan) -> dict:
                                      processing_class=tokenizer, callbacks=callbacks, gap=gap)
     heldout = None
     if config.heldout:
-        heldout = HeldoutCallback(tokenizer, config, log_jsonl, args.max_completion_length)
+        heldout = HeldoutCallback(tokenizer, config, log_jsonl, args.max_completion_length, heldout_set=plan.heldout)
         trainer.add_callback(heldout)
     start = time.perf_counter()
     interrupted = False
