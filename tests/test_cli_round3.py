@@ -443,3 +443,34 @@ def test_compare_plot_labels_reward_steps_and_shows_a_single_point(tmp_path, mon
     (axes,) = figures[0].axes
     assert axes.get_xlabel().startswith("reward step") and len(axes.get_lines()) == 2
     assert all(line.get_marker() not in (None, "None", "") for line in axes.get_lines())
+
+
+@pytest.mark.parametrize("flags", [("--report-to", "wandb", "nosuch"), ("--report-to", "wandb,nosuch"),
+                                   ("--report_to=tensorboard,nosuch",)])
+def test_report_to_takes_a_list_as_trl_does(bloggap, tmp_path, flags):
+    """TRL's report_to is a list: --report-to takes several integrations, space- or comma-separated; each is
+    checked before the model loads (here the unknown one is named, so the list was read past its first name)."""
+    _assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path, *flags),
+                           "--report-to nosuch", "unknown")
+
+
+def test_report_to_a_list_from_a_config_file(bloggap, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("report_to: [wandb, nosuch]\n")
+    _assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path, "--config",
+                                   config), "--report-to nosuch", "unknown")
+
+
+def test_report_to_two_integrations_writes_both_offline(tmp_path):
+    """`--report-to wandb tensorboard` with no wandb key: one run, a wandb offline run and tensorboard events."""
+    pytest.importorskip("wandb")
+    pytest.importorskip("tensorboard")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HF_HUB_OFFLINE="1", WANDB_DIR=str(tmp_path), HOME=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "bloggap_plugin.cli", "train", ARM_A, *TINY, "--max-steps", "1",
+                           "--output-dir", str(tmp_path / "o"), "--report-to", "wandb", "tensorboard"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["steps"] == 1
+    assert list(tmp_path.glob("wandb/offline-run-*")), "no offline wandb run was written"
+    assert list((tmp_path / "o").rglob("events.out.tfevents.*")), "no tensorboard events were written"

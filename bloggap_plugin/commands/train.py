@@ -112,6 +112,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.__class__ = _TrainParser  # flags on first use: see _TrainParser
 
 
+def _integrations(value: str | list) -> list[str]:
+    """``--report-to``'s names as TRL's ``report_to`` list: several flag values, a YAML list, or comma-separated
+    (``--report-to wandb tensorboard``, ``--report-to wandb,tensorboard``, ``report_to: [wandb, tensorboard]``)."""
+    items = [value] if isinstance(value, str) else value
+    return [name.strip() for item in items for name in str(item).split(",") if name.strip()]
+
+
 def train_config_from_args(args: argparse.Namespace):
     """The :class:`~bloggap_plugin.trl.train.TrainConfig` of parsed ``args``: the GRPOConfig flags given join
     ``extra_overrides`` (a flag wins over the same key there)."""
@@ -120,6 +127,8 @@ def train_config_from_args(args: argparse.Namespace):
     from bloggap_plugin.commands._config import config_from_args
     from bloggap_plugin.trl.train import TrainConfig
 
+    if isinstance(getattr(args, "report_to", None), (str, list)):
+        args.report_to = _integrations(args.report_to)
     config = config_from_args(TrainConfig, args)
     given = {name: getattr(args, name) for name in getattr(args, "_grpo_fields", ()) if hasattr(args, name)}
     if given:
