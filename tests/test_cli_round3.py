@@ -474,3 +474,25 @@ def test_report_to_two_integrations_writes_both_offline(tmp_path):
     assert json.loads(proc.stdout)["steps"] == 1
     assert list(tmp_path.glob("wandb/offline-run-*")), "no offline wandb run was written"
     assert list((tmp_path / "o").rglob("events.out.tfevents.*")), "no tensorboard events were written"
+
+
+def test_compare_progress_follows_the_run_through_training_and_evaluation(tmp_path):
+    """The progress line read "step 0/2" for a whole short run: 0 while the model loads, and 0 again once training
+    ended and the worker evaluated the held-out set (its step log had been renamed to the run's log). It says what
+    the run is doing: loading, step k/N, then the held-out evaluation."""
+    from types import SimpleNamespace
+
+    from bloggap_plugin.compare.logs import DONE_KEY
+    from bloggap_plugin.compare.sweep import _progress
+
+    part, log = tmp_path / "A_s0.x.part.jsonl", tmp_path / "A_s0.jsonl"
+    run = SimpleNamespace(log_jsonl=str(log))
+    config = SimpleNamespace(max_steps=8)
+    assert _progress(config, run, part, "train") == "loading (step 0/8)"
+    part.write_text("".join(json.dumps({"step": s, "loss": 0.1}) + "\n" for s in (1, 2, 3)))
+    assert _progress(config, run, part, "train") == "step 3/8"
+    text = part.read_text() + json.dumps({DONE_KEY: "done", "attempt": "x"}) + "\n"
+    part.unlink()
+    log.write_text(text)
+    assert _progress(config, run, part, "train") == "trained (step 3/8), evaluating held-out"
+    assert _progress(config, run, part, "evaluate") == "evaluating held-out"
