@@ -496,3 +496,19 @@ def test_compare_progress_follows_the_run_through_training_and_evaluation(tmp_pa
     log.write_text(text)
     assert _progress(config, run, part, "train") == "trained (step 3/8), evaluating held-out"
     assert _progress(config, run, part, "evaluate") == "evaluating held-out"
+
+
+def test_compare_help_shows_the_defaults(capsys):
+    """`bloggap compare --help` showed no defaults (train's flags come from dataclasses that say them): each flag
+    with a default says it once, in argparse's '(default: ...)' form; a help text that already names its default
+    is not given a second one."""
+    from bloggap_plugin.compare import CompareConfig
+
+    assert cli.main(["compare", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split()).split("options:", 1)[1]
+    defaults = CompareConfig(recipes=[])
+    for flag, value in (("--max-steps", defaults.max_steps), ("--parallel", defaults.parallel),
+                        ("--poll-s", defaults.poll_s), ("--task", defaults.task), ("--alpha", defaults.alpha)):
+        after = text.split(flag, 1)[1].split(" --", 1)[0]
+        assert f"(default: {value})" in after, (flag, after)
+    assert "(default: the task's default). (default:" not in text and "(default: None)" not in text
