@@ -512,3 +512,20 @@ def test_compare_help_shows_the_defaults(capsys):
         after = text.split(flag, 1)[1].split(" --", 1)[0]
         assert f"(default: {value})" in after, (flag, after)
     assert "(default: the task's default). (default:" not in text and "(default: None)" not in text
+
+
+@pytest.mark.parametrize("config_model, flags, offline", [("someorg/somemodel", (), "False"),
+                                                          ("tiny-random-llama", (), "True"),
+                                                          ("someorg/somemodel", ("--model", "tiny-random-llama"), "True")])
+def test_a_config_file_naming_a_hub_model_gets_the_hub_as_model_does(tmp_path, config_model, flags, offline):
+    """Offline was decided from argv's --model only: a --config file naming a hub model ran offline (and failed to
+    find it), one naming a built-in model is offline; the command line's --model wins over the file's, as for
+    every field."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {config_model}\n")
+    code = ("import sys; from bloggap_plugin import cli; rc = cli.main(sys.argv[1:]); "
+            "import huggingface_hub.constants as c; print('offline', c.HF_HUB_OFFLINE, rc)")
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
+    proc = subprocess.run([sys.executable, "-c", code, "train", ARM_A, "--config", str(config), *flags,
+                           "--max-steps=0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.stdout.strip().splitlines()[-1] == f"offline {offline} 2", proc.stdout + proc.stderr[-2000:]
