@@ -529,3 +529,9 @@ def test_a_config_file_naming_a_hub_model_gets_the_hub_as_model_does(tmp_path, c
     proc = subprocess.run([sys.executable, "-c", code, "train", ARM_A, "--config", str(config), *flags,
                            "--max-steps=0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.stdout.strip().splitlines()[-1] == f"offline {offline} 2", proc.stdout + proc.stderr[-2000:]
+
+
+def test_train_without_report_to_reports_to_none(bloggap, tmp_path):
+    """--report-to left out is TrainConfig's "none" (a list field's parser default would be None, refused)."""
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path)

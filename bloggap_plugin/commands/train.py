@@ -51,6 +51,8 @@ class _TrainParser(OneLineParser):
             from bloggap_plugin.trl.train import TrainConfig
 
             add_config_arguments(self, TrainConfig)
+            # report_to is str | list[str]: its flag takes a list, and argparse's list flag drops the field's "none"
+            self.set_defaults(report_to=TrainConfig.__dataclass_fields__["report_to"].default)
             self.add_argument("--help-all", action=_HelpAll, help="show every flag, GRPOConfig's fields included")
             self.set_defaults(_grpo_fields=_add_grpo_flags(self, taken={f.dest for f in self._actions}))
         rest = [line for line in printed.getvalue().splitlines() if line != _WANDB_OFFLINE_LINE]
