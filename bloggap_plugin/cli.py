@@ -77,6 +77,28 @@ def _model_in(argv: list[str]) -> str | None:
     return None
 
 
+def _model_named(argv: list[str]) -> str | None:
+    """The model the command will use, read before any parser is built: ``--model`` in ``argv``, else the
+    ``model:`` of its ``--config`` file (a file that does not read leaves None: its error is said later)."""
+    model = _model_in(argv)
+    if model is not None:
+        return model
+    try:
+        from bloggap_plugin.commands._config import config_file_path
+
+        path = config_file_path(argv)
+        if path is None:
+            return None
+        import yaml
+
+        with open(path) as handle:
+            values = yaml.safe_load(handle)
+    except Exception:  # noqa: BLE001 - any problem with the file is reported when it is applied
+        return None
+    model = values.get("model") if isinstance(values, dict) else None
+    return model if isinstance(model, str) else None
+
+
 def _is_hub_id(model: str | None) -> bool:
     """True when ``model`` is a Hugging Face hub id (``org/name`` that is not a local path)."""
     return bool(model) and model.count("/") == 1 and not os.path.exists(model) and not model.startswith((".", "/"))
@@ -86,9 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     from bloggap_plugin.core.errors import UsageError, one_line
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    # Offline by default, the hub reached only when the user names a hub model; set before the parser is built,
-    # since building it imports huggingface_hub (through TRL), which reads HF_HUB_OFFLINE once, at import
-    if not _is_hub_id(_model_in(argv)):
+    # Offline by default, the hub reached only when the user names a hub model (--model, or the --config file's
+    # model); set before the parser is built, since building it imports huggingface_hub (through TRL), which reads
+    # HF_HUB_OFFLINE once, at import
+    if not _is_hub_id(_model_named(argv)):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = build_parser(argv)
     try:

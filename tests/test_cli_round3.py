@@ -443,3 +443,95 @@ def test_compare_plot_labels_reward_steps_and_shows_a_single_point(tmp_path, mon
     (axes,) = figures[0].axes
     assert axes.get_xlabel().startswith("reward step") and len(axes.get_lines()) == 2
     assert all(line.get_marker() not in (None, "None", "") for line in axes.get_lines())
+
+
+@pytest.mark.parametrize("flags", [("--report-to", "wandb", "nosuch"), ("--report-to", "wandb,nosuch"),
+                                   ("--report_to=tensorboard,nosuch",)])
+def test_report_to_takes_a_list_as_trl_does(bloggap, tmp_path, flags):
+    """TRL's report_to is a list: --report-to takes several integrations, space- or comma-separated; each is
+    checked before the model loads (here the unknown one is named, so the list was read past its first name)."""
+    _assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path, *flags),
+                           "--report-to nosuch", "unknown")
+
+
+def test_report_to_a_list_from_a_config_file(bloggap, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("report_to: [wandb, nosuch]\n")
+    _assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path, "--config",
+                                   config), "--report-to nosuch", "unknown")
+
+
+def test_report_to_two_integrations_writes_both_offline(tmp_path):
+    """`--report-to wandb tensorboard` with no wandb key: one run, a wandb offline run and tensorboard events."""
+    pytest.importorskip("wandb")
+    pytest.importorskip("tensorboard")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HF_HUB_OFFLINE="1", WANDB_DIR=str(tmp_path), HOME=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "bloggap_plugin.cli", "train", ARM_A, *TINY, "--max-steps", "1",
+                           "--output-dir", str(tmp_path / "o"), "--report-to", "wandb", "tensorboard"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["steps"] == 1
+    assert list(tmp_path.glob("wandb/offline-run-*")), "no offline wandb run was written"
+    assert list((tmp_path / "o").rglob("events.out.tfevents.*")), "no tensorboard events were written"
+
+
+def test_compare_progress_follows_the_run_through_training_and_evaluation(tmp_path):
+    """The progress line read "step 0/2" for a whole short run: 0 while the model loads, and 0 again once training
+    ended and the worker evaluated the held-out set (its step log had been renamed to the run's log). It says what
+    the run is doing: loading, step k/N, then the held-out evaluation."""
+    from types import SimpleNamespace
+
+    from bloggap_plugin.compare.logs import DONE_KEY
+    from bloggap_plugin.compare.sweep import _progress
+
+    part, log = tmp_path / "A_s0.x.part.jsonl", tmp_path / "A_s0.jsonl"
+    run = SimpleNamespace(log_jsonl=str(log))
+    config = SimpleNamespace(max_steps=8)
+    assert _progress(config, run, part, "train") == "loading (step 0/8)"
+    part.write_text("".join(json.dumps({"step": s, "loss": 0.1}) + "\n" for s in (1, 2, 3)))
+    assert _progress(config, run, part, "train") == "step 3/8"
+    text = part.read_text() + json.dumps({DONE_KEY: "done", "attempt": "x"}) + "\n"
+    part.unlink()
+    log.write_text(text)
+    assert _progress(config, run, part, "train") == "trained (step 3/8), evaluating held-out"
+    assert _progress(config, run, part, "evaluate") == "evaluating held-out"
+
+
+def test_compare_help_shows_the_defaults(capsys):
+    """`bloggap compare --help` showed no defaults (train's flags come from dataclasses that say them): each flag
+    with a default says it once, in argparse's '(default: ...)' form; a help text that already names its default
+    is not given a second one."""
+    from bloggap_plugin.compare import CompareConfig
+
+    assert cli.main(["compare", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split()).split("options:", 1)[1]
+    defaults = CompareConfig(recipes=[])
+    for flag, value in (("--max-steps", defaults.max_steps), ("--parallel", defaults.parallel),
+                        ("--poll-s", defaults.poll_s), ("--task", defaults.task), ("--alpha", defaults.alpha)):
+        after = text.split(flag, 1)[1].split(" --", 1)[0]
+        assert f"(default: {value})" in after, (flag, after)
+    assert "(default: the task's default). (default:" not in text and "(default: None)" not in text
+
+
+@pytest.mark.parametrize("config_model, flags, offline", [("someorg/somemodel", (), "False"),
+                                                          ("tiny-random-llama", (), "True"),
+                                                          ("someorg/somemodel", ("--model", "tiny-random-llama"), "True")])
+def test_a_config_file_naming_a_hub_model_gets_the_hub_as_model_does(tmp_path, config_model, flags, offline):
+    """Offline was decided from argv's --model only: a --config file naming a hub model ran offline (and failed to
+    find it), one naming a built-in model is offline; the command line's --model wins over the file's, as for
+    every field."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {config_model}\n")
+    code = ("import sys; from bloggap_plugin import cli; rc = cli.main(sys.argv[1:]); "
+            "import huggingface_hub.constants as c; print('offline', c.HF_HUB_OFFLINE, rc)")
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
+    proc = subprocess.run([sys.executable, "-c", code, "train", ARM_A, "--config", str(config), *flags,
+                           "--max-steps=0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.stdout.strip().splitlines()[-1] == f"offline {offline} 2", proc.stdout + proc.stderr[-2000:]
+
+
+def test_train_without_report_to_reports_to_none(bloggap, tmp_path):
+    """--report-to left out is TrainConfig's "none" (a list field's parser default would be None, refused)."""
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path)

@@ -32,10 +32,23 @@ def _overrides(text: str | dict | list | None) -> dict:
     return value
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's ``(default: ...)`` after each flag's help, except where the help already names its default or
+    there is none to show (``None``, a switch that is off, an empty list or mapping)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        nothing = any(action.default is value for value in (None, False, argparse.SUPPRESS)) or action.default in ([], {})
+        if "default" in text.lower() or nothing or not action.option_strings:
+            return text
+        return super()._get_help_string(action)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     from bloggap_plugin.commands._config import add_config_arguments
     from bloggap_plugin.compare import CompareConfig
 
+    parser.formatter_class = _DefaultsFormatter
     add_config_arguments(parser, CompareConfig)
     parser.add_argument("--table-only", "--table_only", action="store_true", help="do not train: rebuild table, JSON and plot from the logs")
 

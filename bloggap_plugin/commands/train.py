@@ -51,6 +51,8 @@ class _TrainParser(OneLineParser):
             from bloggap_plugin.trl.train import TrainConfig
 
             add_config_arguments(self, TrainConfig)
+            # report_to is str | list[str]: its flag takes a list, and argparse's list flag drops the field's "none"
+            self.set_defaults(report_to=TrainConfig.__dataclass_fields__["report_to"].default)
             self.add_argument("--help-all", action=_HelpAll, help="show every flag, GRPOConfig's fields included")
             self.set_defaults(_grpo_fields=_add_grpo_flags(self, taken={f.dest for f in self._actions}))
         rest = [line for line in printed.getvalue().splitlines() if line != _WANDB_OFFLINE_LINE]
@@ -112,6 +114,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.__class__ = _TrainParser  # flags on first use: see _TrainParser
 
 
+def _integrations(value: str | list) -> list[str]:
+    """``--report-to``'s names as TRL's ``report_to`` list: several flag values, a YAML list, or comma-separated
+    (``--report-to wandb tensorboard``, ``--report-to wandb,tensorboard``, ``report_to: [wandb, tensorboard]``)."""
+    items = [value] if isinstance(value, str) else value
+    return [name.strip() for item in items for name in str(item).split(",") if name.strip()]
+
+
 def train_config_from_args(args: argparse.Namespace):
     """The :class:`~bloggap_plugin.trl.train.TrainConfig` of parsed ``args``: the GRPOConfig flags given join
     ``extra_overrides`` (a flag wins over the same key there)."""
@@ -120,6 +129,8 @@ def train_config_from_args(args: argparse.Namespace):
     from bloggap_plugin.commands._config import config_from_args
     from bloggap_plugin.trl.train import TrainConfig
 
+    if isinstance(getattr(args, "report_to", None), (str, list)):
+        args.report_to = _integrations(args.report_to)
     config = config_from_args(TrainConfig, args)
     given = {name: getattr(args, name) for name in getattr(args, "_grpo_fields", ()) if hasattr(args, name)}
     if given:

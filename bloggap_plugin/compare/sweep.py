@@ -130,6 +130,17 @@ def _launch(config: CompareConfig, run: RunSpec, lock_fd: int, mode: str = "trai
     return process, console, time.perf_counter(), attempt, part
 
 
+def _progress(config: CompareConfig, run: RunSpec, part: Path, mode: str) -> str:
+    """What a running attempt is doing, from its files: loading (no step logged yet), ``step k/N``, or evaluating
+    the held-out set (an evaluation attempt, or a training attempt whose step log became the run's log)."""
+    if mode == "evaluate":
+        return "evaluating held-out"
+    steps = count_logged_steps(part)
+    if steps == 0 and not Path(part).exists() and read_marker(run.log_jsonl) is not None:
+        return f"trained (step {count_logged_steps(run.log_jsonl)}/{config.max_steps}), evaluating held-out"
+    return f"step {steps}/{config.max_steps}" if steps else f"loading (step 0/{config.max_steps})"
+
+
 def _stop_all(processes: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
     """SIGTERM every process, wait up to ``timeout_s`` in all, then SIGKILL what is left."""
     for process in processes:
@@ -346,8 +357,7 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int) -> di
                 running, pending = {}, []
                 break
             if running and now - last_report >= max(10.0, config.poll_s):
-                states = ", ".join(f"{rid} evaluating" if entry[6] == "evaluate" else
-                                   f"{rid} step {count_logged_steps(entry[5])}/{config.max_steps}"
+                states = ", ".join(f"{rid} {_progress(config, entry[0], entry[5], entry[6])}"
                                    for rid, entry in running.items())
                 echo(f"[compare] {now - sweep_start:.0f} s: running {states}; {len(pending)} waiting")
                 last_report = now

@@ -182,7 +182,8 @@ class TrainConfig:
         "gsm8k: train on the problems with N (or LOW-HIGH) <<...>> calculation steps", metavar="N|LOW-HIGH"))
     max_steps: int | None = field(default=None, metadata=_help("optimizer steps, >= 1 (default: the recipe's)"))
     output_dir: str = field(default="bloggap-runs/train", metadata=_help("trainer output folder"))
-    report_to: str = field(default="none", metadata=_help("none, wandb, tensorboard, trackio ..."))
+    report_to: str | list[str] = field(default="none", metadata=_help(
+        "where to log, one or more (as GRPOConfig.report_to): none, wandb, tensorboard, trackio ...", metavar="NAME"))
     seed: int = field(default=0, metadata=_help("seed of the run (GRPOConfig.seed and the task's data)"))
     log_jsonl: str | None = field(default=None, metadata=_help("also write one JSON line per logged step here"))
     device: str | None = field(default=None, metadata=_help("cpu or cuda (default: cuda if available)"))
