@@ -129,8 +129,9 @@ def train_config_from_args(args: argparse.Namespace):
     from bloggap_plugin.commands._config import config_from_args
     from bloggap_plugin.trl.train import TrainConfig
 
-    if isinstance(getattr(args, "report_to", None), (str, list)):
-        args.report_to = _integrations(args.report_to)
+    report_to = getattr(args, "report_to", None)
+    if isinstance(report_to, list) or (isinstance(report_to, str) and "," in report_to):  # the default stays as is
+        args.report_to = _integrations(report_to)
     config = config_from_args(TrainConfig, args)
     given = {name: getattr(args, name) for name in getattr(args, "_grpo_fields", ()) if hasattr(args, name)}
     if given:
