@@ -64,7 +64,9 @@ def real_gsm8k_dir():
     else the folder ``$BLOGGAP_GSM8K_DATA`` named when the tests started; ``None`` when neither has the files."""
     from pathlib import Path
 
-    candidates = [Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"]
+    from _support import ROOT
+
+    candidates = [ROOT.parent / "shared" / "data" / "gsm8k"]
     if _GSM8K_ENV_AT_START:
         candidates.append(Path(_GSM8K_ENV_AT_START))
     for folder in candidates:

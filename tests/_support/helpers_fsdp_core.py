@@ -1,5 +1,5 @@
 """Precision plans on an FSDP2-sharded policy, 2 gloo processes: ``python -m torch.distributed.run
---nproc_per_node 2 tests/helpers_fsdp_core.py OUT`` (for ``tests/test_fsdp_core.py``).
+--nproc_per_node 2 tests/_support/helpers_fsdp_core.py OUT`` (for ``tests/core/test_fsdp_core.py``).
 
 tiny-random-llama fp32 with embedding row ``OVERFLOW_TOKEN`` set to 1e5 (beyond fp16's 65504: an fp16 copy holds
 inf there, an fp32 one normalises it), sharded by ``fully_shard`` (decoder layers, then the root). Process 0's

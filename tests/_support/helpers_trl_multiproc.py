@@ -1,6 +1,6 @@
-"""A tiny GapGRPOTrainer run for ``tests/test_trl_multiproc.py``; works alone or under ``accelerate launch``.
+"""A tiny GapGRPOTrainer run for ``tests/trl/test_trl_multiproc.py``; works alone or under ``accelerate launch``.
 
-``python tests/helpers_trl_multiproc.py OUT.json [--per-device-batch 4] [--grad-accum 2]`` trains
+``python tests/_support/helpers_trl_multiproc.py OUT.json [--per-device-batch 4] [--grad-accum 2]`` trains
 tiny-random-llama (fp32 unless ``--dtype``, CPU) for 2 GRPO steps with ``num_iterations 2``, arm C and top_p 0.8, and writes
 ``OUT.json`` from process 0: ``{"num_processes", "log_history", "reduces"}``. Every other process r writes
 ``OUT.json.rank<r>`` with its own ``reduces``. ``reduces`` lists, in call order, every cross-process reduction

@@ -1,4 +1,4 @@
-"""Launching ``tests/helpers_trl_multiproc.py`` as one process or under ``accelerate launch`` (gloo, CPU), for the
+"""Launching ``tests/_support/helpers_trl_multiproc.py`` as one process or under ``accelerate launch`` (gloo, CPU), for the
 multi-process TRL tests (test_trl_multiproc, test_trl_fsdp): the environment, a free port, the run itself with a
 time limit, and the per-rank JSON records it writes (``OUT`` for rank 0, ``OUT.rankN`` for the others)."""
 
@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-HELPER = Path(__file__).with_name("helpers_trl_multiproc.py")
-ROOT = HELPER.parent.parent
+from _support import ROOT, SUPPORT
+
+HELPER = SUPPORT / "helpers_trl_multiproc.py"
 
 
 def require_gloo() -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bloggap_plugin.results import ResultDocument
+from _support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+from bloggap_plugin.results import ResultDocument
 
 
 def _script():

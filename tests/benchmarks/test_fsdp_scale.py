@@ -7,14 +7,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from _support import ROOT
 
 from benchmarks import fsdp_scale
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -3,7 +3,7 @@ the single-process run's within 1e-6 + 1e-4 |value| (fp32 kernel noise; SmolLM2,
 benchmarks/fsdp_scale.py's equality piece). On 2 GPUs over NCCL; on 1 GPU with both processes on it over gloo
 (``--shared-gpu``). GPU machine only, trl/datasets/gguf importable and $BLOGGAP_GGUF set:
 
-    python -m pytest -m gpu tests/test_gpu_fsdp.py
+    python -m pytest -m gpu tests/benchmarks/test_gpu_fsdp.py
 
 ``BLOGGAP_FSDP_SCALE_OUT=DIR`` keeps the result JSON in DIR (``fsdp_scale.json`` / ``fsdp_scale_one_gpu.json``,
 which a later ``fsdp_scale.py --out DIR`` run merges into) instead of a temporary folder.
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _support import ROOT
 
 from benchmarks import fsdp_scale
 
 pytestmark = pytest.mark.gpu
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _equality_rows(out: Path, *flags: str) -> list[list]:
@@ -39,7 +39,7 @@ def _equality_rows(out: Path, *flags: str) -> list[list]:
 
 def _assert_equal_at_step_1(rows: list[list]) -> None:
     """Every logged value within 1e-6 + 1e-4 |value|: on the GPU the fp32 kernels depend on the row count (1
-    process scores 8 rows where each of 2 scores 4), so 1e-6 alone holds only on the CPU (tests/test_fsdp_scale.py)."""
+    process scores 8 rows where each of 2 scores 4), so 1e-6 alone holds only on the CPU (tests/benchmarks/test_fsdp_scale.py)."""
     assert [row[0] for row in rows] == ["B", "E", "G"]
     for arm, compared, worst, difference, _exact, noise, close in rows:
         assert close == "yes" and compared >= 15, (arm, worst, difference, noise)  # "missing": the arm failed

@@ -1,6 +1,6 @@
 """Live vLLM tests (GPU machine only): run with
 
-    BLOGGAP_VLLM_MODEL=/tmp/vx/smollm2 python -m pytest -m gpu tests/test_gpu_vllm.py
+    BLOGGAP_VLLM_MODEL=/tmp/vx/smollm2 python -m pytest -m gpu tests/benchmarks/test_gpu_vllm.py
 
 after installing vLLM 0.26 there (README, "GPU tests"). They skip cleanly without CUDA, vLLM or the model folder.
 Each live run is a subprocess of ``python -m benchmarks.vllm_live`` (vLLM and TRL's colocate mode own process-wide state);
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _support import ROOT
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,7 +26,6 @@ pytestmark = [
     pytest.mark.skipif(not os.environ.get("BLOGGAP_VLLM_MODEL"), reason="set BLOGGAP_VLLM_MODEL to a HF model folder"),
 ]
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_arm_i_matches_the_sampler_live_in_trl_colocate(tmp_path):
     T16-armI-live). ``BLOGGAP_ARM_I_LIVE_RUNS`` chooses the runs (``ENTRY_I_ni<K>``, comma-separated; default one
     per entry point); ``BLOGGAP_ARM_I_LIVE_OUT`` keeps their logs in that folder."""
     pytest.importorskip("vllm")
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     model = os.environ["BLOGGAP_VLLM_MODEL"]
     runs = os.environ.get("BLOGGAP_ARM_I_LIVE_RUNS", "train_I_ni2,callback_I_ni1")
     out = Path(os.environ.get("BLOGGAP_ARM_I_LIVE_OUT") or tmp_path)

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import re
 import tarfile
-from pathlib import Path
 
 import pytest
+from _support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 MACHINE_PATH = re.compile(r"(?<![\w.<$])/(?:tmp|root|work|opt|home|usr/lib/python\d|usr/local/lib/python\d)/[^\s\"'<>)]*")
 ARCHIVES = (".tar.xz", ".tgz", ".tar.gz", ".tar")

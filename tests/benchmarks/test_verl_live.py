@@ -11,11 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _support import ROOT
 
 from benchmarks import verl_live
 from benchmarks._lib import verl_records
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_run_composes_against_verls_config(tmp_path):

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import _no_model, cli_runner
+from _support import ROOT
+from _support.fixtures import _no_model, cli_runner
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = ROOT / "recipes"
 ARM_A = (RECIPES / "arm_A.yaml").read_text()
 
 

@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
+from _support import ROOT
 from test_cli_errors import RECIPES, _assert_one_line_error
 
 from bloggap_plugin import cli
 
-ROOT = Path(__file__).resolve().parents[1]
 ARM_A = str(RECIPES / "arm_A.yaml")
 TINY = ("--model", "tiny-random-llama")
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _support import ROOT
 
 from bloggap_plugin.compare import (
     DONE_KEY,
@@ -650,7 +651,7 @@ def test_two_arms_one_seed_two_steps_on_a_tiny_model(tmp_path):
     train = pytest.importorskip("bloggap_plugin.trl.train", reason="run_training (bloggap_plugin.trl.train) has not landed")
     pytest.importorskip("matplotlib")
     assert hasattr(train, "run_training")
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
     recipes = [str(root / "recipes" / "arm_A.yaml"), str(root / "recipes" / "arm_F.yaml")]
     config = CompareConfig(recipes=recipes, seeds=[0], task="arith", max_steps=2, model="tiny-random-llama",
                            output_dir=str(tmp_path / "out"), parallel=2, last_n=30, n=16, poll_s=0.5, heldout_n=6)

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
+from _support import ROOT
 from test_compare import FAKE_TRAIN, _cli, _recipes
 
 from bloggap_plugin.compare import CompareConfig, CompareError, run_compare
@@ -220,7 +221,7 @@ def test_the_decisive_sweep_config_meets_the_issue_and_passes_every_check_but_th
     from bloggap_plugin.commands._config import config_from_args
     from bloggap_plugin.compare import validate_config
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     recipes = [str(root / "recipes" / f"arm_{arm}.yaml") for arm in "ABEFGH"]
     argv = ["compare", "--config", str(root / "benchmarks" / "compare_sweep.yaml"), *recipes]
     parser = build_parser(argv)
@@ -250,7 +251,7 @@ def test_the_sweep_script_builds_a_command_that_passes_every_check_up_to_vllm(tm
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here: the script would start the sweep")
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # this venv's python
@@ -271,7 +272,7 @@ def test_the_gsm8k_demonstration_config_reads_the_real_data_and_passes_every_che
     from bloggap_plugin.commands._config import config_from_args
     from bloggap_plugin.compare import validate_config
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     real = root.parent / "shared" / "data" / "gsm8k"
     if not (real / "test.jsonl").exists():
         pytest.skip("the real GSM8K is not beside the repository")
@@ -304,7 +305,7 @@ def test_the_gsm8k_call_script_runs_both_steps_to_their_vllm_check(tmp_path):
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here: the script would run")
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     real = root.parent / "shared" / "data" / "gsm8k"
     if not (real / "test.jsonl").exists():
         pytest.skip("the real GSM8K is not beside the repository")

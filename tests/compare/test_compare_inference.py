@@ -6,9 +6,9 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from pathlib import Path
 
 import pytest
+from _support import ROOT
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
@@ -16,7 +16,6 @@ from bloggap_plugin.compare.inference import MIN_SEEDS, compare_with_baseline, h
 
 pytestmark = pytest.mark.unit  # pure maths and units: `make test-fast` runs these
 
-ROOT = Path(__file__).resolve().parents[1]
 SWEEP = ROOT / "benchmarks" / "results" / "h200" / "compare_sweep.json"
 
 

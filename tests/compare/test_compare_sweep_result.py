@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import tarfile
-from pathlib import Path
 
 import pytest
+from _support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULT = ROOT / "benchmarks" / "results" / "h200" / "compare_sweep.json"
 RUNS = ROOT / "benchmarks" / "results" / "h200" / "compare_sweep" / "runs.tar.xz"
 

@@ -1,4 +1,4 @@
-"""The fp16 guard on an FSDP2-sharded policy (2 gloo processes, ``tests/helpers_fsdp_core.py``): a chunk that
+"""The fp16 guard on an FSDP2-sharded policy (2 gloo processes, ``tests/_support/helpers_fsdp_core.py``): a chunk that
 overflows in fp16 on one process only is re-scored in fp32 by both (the fp32 shadow's forward is a collective),
 and only the process that overflowed keeps the re-score."""
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _support import ROOT, SUPPORT
 
-HELPER = Path(__file__).with_name("helpers_fsdp_core.py")
-ROOT = HELPER.parent.parent
+HELPER = SUPPORT / "helpers_fsdp_core.py"
 
 
 def _free_port() -> int:

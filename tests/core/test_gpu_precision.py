@@ -1,6 +1,6 @@
 """Fused sync and the TF32 plan option on a CUDA GPU (GPU machine only; skipped without CUDA):
 
-    python -m pytest -m gpu tests/test_gpu_precision.py
+    python -m pytest -m gpu tests/core/test_gpu_precision.py
 
 On a CPU the TF32 setting computes nothing differently and cuBLAS's check of the two TF32 APIs never runs; here the
 plan's forward really runs cuBLAS fp32 matmuls under the caller's states that torch >= 2.9 can reach.

@@ -1,5 +1,5 @@
 """The batch-shape probe (bloggap_plugin.core.probe), its comparisons table and the recommendation (the doctor's
-CLI: tests/test_cli.py)."""
+CLI: tests/cli/test_cli.py)."""
 
 from __future__ import annotations
 

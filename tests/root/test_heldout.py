@@ -95,12 +95,12 @@ def test_heldout_accuracy_counts_the_reward_and_gives_the_wilson_interval(tiny):
 def test_run_training_evaluates_every_k_steps_without_changing_the_run_and_saves_the_final_policy(tmp_path):
     """heldout: {every: 1} adds a held-out record after each step and leaves the training itself (losses, rewards)
     exactly as without it; save_final writes a policy (and tokenizer) that load_model reads back."""
-    from pathlib import Path
+    from _support import ROOT
 
     from bloggap_plugin.models import load_model
     from bloggap_plugin.trl.train import run_training
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     small = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=8)
     logs = {}
     for name, extra in (("plain", {}), ("heldout", {"heldout": {"every": 1, "n": 6, "max_tokens": 3},
@@ -121,12 +121,12 @@ def test_run_training_evaluates_every_k_steps_without_changing_the_run_and_saves
 
 
 def test_heldout_spec_is_checked_before_the_model_loads(tmp_path):
-    from pathlib import Path
+    from _support import ROOT
 
     from bloggap_plugin.core.errors import UsageError
     from bloggap_plugin.trl.train import prepare_run
 
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "arm_A.yaml"
+    recipe = ROOT / "recipes" / "arm_A.yaml"
     for spec, problem in (({"n": 4}, "give 'every'"), ({"every": 0}, "every 0 must be"), ({"every": 2, "size": 3},
                                                                                        "unknown key(s) size")):
         with pytest.raises(UsageError, match=problem.replace("(", r"\(").replace(")", r"\)")):

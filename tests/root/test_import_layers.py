@@ -8,7 +8,9 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "bloggap_plugin"
+from _support import ROOT
+
+PACKAGE = ROOT / "bloggap_plugin"
 ROOT = "bloggap_plugin"
 
 LAYERS: tuple[tuple[str, ...], ...] = (

@@ -6,13 +6,12 @@ import ast
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from _support import ROOT
 
 import bloggap_plugin
 
-ROOT = Path(__file__).resolve().parents[1]
 PUBLIC = ["GapCallback", "GapConfig", "GapGRPOTrainer", "GapMixin", "load_model", "load_recipe", "make_plan",
           "token_logprobs"]
 

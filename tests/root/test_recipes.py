@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from _support import ROOT
 
 from bloggap_plugin.recipes import (
     ARMS,
@@ -18,7 +17,7 @@ from bloggap_plugin.recipes import (
 
 pytestmark = pytest.mark.unit  # pure maths and units: `make test-fast` runs these
 
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = ROOT / "recipes"
 
 
 @pytest.mark.parametrize("arm", ARMS)

@@ -10,12 +10,12 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
+from _support import ROOT
 
 from bloggap_plugin.report_builder import REFERENCE_PATH, ReportError, build_report, load_reference
 
 pytestmark = pytest.mark.unit  # pure maths and units: `make test-fast` runs these
 
-ROOT = Path(__file__).resolve().parent.parent
 # The reference study's text, where the workplace keeps it beside the repository (../shared); not part of the repo.
 REFERENCE_MD = Path(os.environ.get("BLOGGAP_REFERENCE_MD", ROOT.parent / "shared" / "reference" / "reference_study.md"))
 # A number as a reader sees it: not part of a word or path component (T1, h200, sm_89 are names, not numbers).

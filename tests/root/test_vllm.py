@@ -239,9 +239,10 @@ def test_committed_vllm_live_result_rebuilds_from_its_committed_parts(tmp_path):
     import subprocess
     import sys
     import tarfile
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    from _support import ROOT
+
+    root = ROOT
     parts = root / "benchmarks" / "results" / "h200" / "vllm_live_parts"
     with tarfile.open(parts / "work_call4_trunc_trl.tgz") as archive:
         archive.extractall(tmp_path / "trunc", filter="data")

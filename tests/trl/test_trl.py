@@ -347,10 +347,10 @@ def test_bad_attach_errors(tmp_path):
 
 
 def test_callback_recipe_warns_about_grpo_fields(tmp_path):
-    from pathlib import Path
+    from _support import ROOT
 
     trainer = make(tmp_path, None, mode="plain")
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "arm_G.yaml"
+    recipe = ROOT / "recipes" / "arm_G.yaml"
     with pytest.warns(UserWarning, match=r"only the gap: section applies.*per_device_train_batch_size"):
         callback = GapCallback(trainer, recipe=recipe)
     assert callback.gap.arm == "G"

@@ -51,7 +51,7 @@ def test_kept_off_runs_no_extra_forward_and_logs_no_kept_metrics(tmp_path):
 
 # ------------------------------------------------------------------ item 8: fp16 fallback with kept metrics
 def overflowing_model_dir(tmp_path, token: str = "Z"):
-    """tests/test_precision.py's overflowing policy, saved: a bf16 tiny llama whose embedding row of ``token``
+    """tests/core/test_precision.py's overflowing policy, saved: a bf16 tiny llama whose embedding row of ``token``
     exceeds fp16's max (65504), so an fp16 forward of a row containing it is non-finite (bf16 holds it)."""
     from bloggap_plugin.models import load_model
 

@@ -1,6 +1,6 @@
 """GapGRPOTrainer under ``accelerate launch --num_processes 2`` on CPU (gloo) against single-process runs.
 
-Three runs of ``tests/helpers_trl_multiproc.py`` (tiny-random-llama fp32, arm C, top_p 0.8, 2 steps,
+Three runs of ``tests/_support/helpers_trl_multiproc.py`` (tiny-random-llama fp32, arm C, top_p 0.8, 2 steps,
 num_iterations 2, gradient accumulation 2):
 
 - ``two``: 2 processes x per-device batch 4 (16 rows per generation, 8 per process);
@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
-from multiproc_launch import accelerate_launch, read_records, require_gloo, run_helper  # noqa: E402
+from _support.multiproc_launch import accelerate_launch, read_records, require_gloo, run_helper  # noqa: E402
 
 from bloggap_plugin.trl.state import GenerationSums  # noqa: E402
 

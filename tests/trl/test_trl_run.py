@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import pytest
+from _support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=8)
 
 

@@ -7,8 +7,9 @@ import torch
 
 pytest.importorskip("trl")
 
+from test_trl import logs_of, make  # noqa: E402
+
 from bloggap_plugin.recipes import GapConfig  # noqa: E402
-from tests.test_trl import logs_of, make  # noqa: E402
 
 VOCAB = 104  # the tiny models' character vocabulary
 
@@ -53,10 +54,10 @@ def min_p_model(model) -> None:
 
 def test_model_generation_config_min_p_is_recorded_as_sampled(tmp_path):
     """TRL leaves min_p None, so generate samples with the model's min_p 0.3: the recorder must model exactly that."""
+    from test_trl import _Spy
     from transformers import MinPLogitsWarper
 
     from bloggap_plugin.models import load_model
-    from tests.test_trl import _Spy
 
     trainer = make(tmp_path, GapConfig(arm="A", probe_rows=0), dtype="fp32", trainer_cls=_Spy, prepare=min_p_model,
                    max_steps=1)

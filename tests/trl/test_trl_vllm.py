@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from fake_vllm import use_fake_vllm  # noqa: E402
+from _support.fake_vllm import use_fake_vllm  # noqa: E402
 from test_trl import count_no_grad_scoring_rows, logs_of, make  # noqa: E402
 from test_trl_configs import saved_model_dir  # noqa: E402
 

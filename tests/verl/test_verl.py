@@ -14,6 +14,7 @@ import types
 
 import pytest
 import torch
+from _support import ROOT
 
 verl = pytest.importorskip("verl")
 
@@ -29,7 +30,7 @@ from bloggap_plugin.core.truncation import kept_mask, log_kept_mass, log_kept_ma
 from bloggap_plugin.verl.correction import AllRejectedError, infer_preset, trainer_step  # noqa: E402
 from bloggap_plugin.verl.engine import fp32_output_head, log_kept_mass_rows  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(ROOT)
 B, T, V = 48, 96, 400
 NOISE = 0.004  # nats of trainer/rollout numerical mismatch per token
 
