@@ -25,7 +25,7 @@ scored row, so a time limit keeps what finished (``$OUT/arm_i_work/`` holds the 
    enables the mode itself without an engine (recorded as ``process_batch_invariant``).
 
 ``--smoke --out DIR`` (the ``smoke`` command; CPU, no vLLM, seconds): a tiny random Llama, the fp32 scores as the "sampler", the same steps; the
-pieces that need vLLM's kernels are recorded as refused with the plugin's message (tests/test_arm_i_bench.py).
+pieces that need vLLM's kernels are recorded as refused with the plugin's message (tests/benchmarks/test_arm_i_bench.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """bloggap: find and remove the importance ratio that should be 1 and is not.
 
 Public API, imported lazily so that ``import bloggap_plugin`` stays cheap and imports neither torch, TRL, verl
-nor transformers (``tests/test_package.py`` checks it):
+nor transformers (``tests/root/test_package.py`` checks it):
 
 - TRL: :class:`GapCallback`, :class:`GapGRPOTrainer`, :class:`GapMixin`; recipes: :class:`GapConfig`,
   :func:`load_recipe`

@@ -4,5 +4,5 @@ Scoring (:mod:`.scoring`), the scoring plans (:mod:`.plans`) and the model parts
 :mod:`.sharding`), metrics, truncation, the doctor's probe maths (:mod:`.probe`, :mod:`.comparisons`,
 :mod:`.recommend`), per-layer divergence (:mod:`.divergence`), arm I's forms and kernels (:mod:`.vllm_form`,
 :mod:`.vllm_kernels`), and the arm records (:mod:`.arms`) and the error type (:mod:`.errors`) that all of them use.
-``tests/test_import_layers.py`` holds the layer order.
+``tests/root/test_import_layers.py`` holds the layer order.
 """

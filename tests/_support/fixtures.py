@@ -1,0 +1,171 @@
+"""Shared test set-up: offline, single-threaded torch, a per-session model cache, shared fixtures."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("CI", "true")  # TRL sends no telemetry under CI
+# Tests never inherit the user's GSM8K path (it would change what get_task("gsm8k") loads); a folder it names is
+# still used to find the real data when ../shared is not beside the repository (see gsm8k_dir below).
+_GSM8K_ENV_AT_START = os.environ.pop("BLOGGAP_GSM8K_DATA", None)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16():
+    """The real default model (SmolLM2-135M-Instruct) in bf16, loaded once per session."""
+    from bloggap_plugin.models import load_model
+
+    return load_model("smollm2", dtype="bf16")
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32():
+    """The real default model in fp32, loaded once per session."""
+    from bloggap_plugin.models import load_model
+
+    return load_model("smollm2", dtype="fp32")
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """``tiny_model(spec="tiny-random-llama", dtype="fp32")`` -> ``(model, tokenizer)`` on CPU, in eval mode: the
+    one tiny random model of that spec and dtype for the whole session (seeded, so identical to a fresh
+    ``load_model(spec)``). Shared: a test that changes a model's weights or configs loads its own copy."""
+    from bloggap_plugin.models import load_model
+
+    cache: dict[tuple[str, str], tuple] = {}
+
+    def load(spec: str = "tiny-random-llama", dtype: str = "fp32"):
+        if (spec, dtype) not in cache:
+            cache[(spec, dtype)] = load_model(spec, dtype=dtype)
+        return cache[(spec, dtype)]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_model):
+    """The default tiny model: ``(model, tokenizer)`` of tiny-random-llama in fp32 (2 layers, hidden 32)."""
+    return tiny_model()
+
+
+def real_gsm8k_dir():
+    """The real GSM8K folder (train.jsonl, test.jsonl): ``../shared/data/gsm8k`` beside the repository (as in CI),
+    else the folder ``$BLOGGAP_GSM8K_DATA`` named when the tests started; ``None`` when neither has the files."""
+    from pathlib import Path
+
+    from _support import ROOT
+
+    candidates = [ROOT.parent / "shared" / "data" / "gsm8k"]
+    if _GSM8K_ENV_AT_START:
+        candidates.append(Path(_GSM8K_ENV_AT_START))
+    for folder in candidates:
+        if (folder / "train.jsonl").is_file() and (folder / "test.jsonl").is_file():
+            return folder
+    return None
+
+
+@pytest.fixture
+def gsm8k_dir():
+    """The real GSM8K folder, or skip: the data lives outside the package (../shared/data/gsm8k)."""
+    folder = real_gsm8k_dir()
+    if folder is None:
+        pytest.skip("real GSM8K data not found: expected ../shared/data/gsm8k beside the repository (train.jsonl, "
+                    "test.jsonl), or set BLOGGAP_GSM8K_DATA to that folder")
+    return folder
+
+
+def _row_invariant_linear(x, weight, bias=None):
+    """``F.linear`` as a product and a sum over the input features: each output element is reduced in the
+    same order whatever the number of rows in the call (a BLAS matmul may pick another kernel for another
+    row count, which changes the last bit: the noise this project measures)."""
+    out = (x.unsqueeze(-2) * weight).sum(-1)
+    return out if bias is None else out + bias
+
+
+@pytest.fixture
+def row_invariant_linear(monkeypatch):
+    """Every ``nn.Linear`` / ``F.linear`` in the test computes row-count invariantly (see above), so tiled and
+    untiled scoring can be compared bit for bit on any tile shape."""
+    monkeypatch.setattr(torch.nn.functional, "linear", _row_invariant_linear)
+
+
+class LargestVocabTensor:
+    """Context manager recording the largest tensor (numel) any torch op allocates whose last dimension is
+    ``vocab``: the logits-sized tensors of a scoring call. Outputs sharing storage with an input (views:
+    slices, reshapes, the head weight's transpose) allocate nothing and are not counted."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self.largest = 0
+        self._mode = None
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        probe = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                inputs = {
+                    t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                    if isinstance(t, torch.Tensor)
+                }
+                for t in tree_flatten(out)[0]:
+                    if not isinstance(t, torch.Tensor) or not t.dim() or t.shape[-1] != probe.vocab:
+                        continue
+                    if t.untyped_storage().data_ptr() not in inputs:  # a view of an input allocates nothing
+                        probe.largest = max(probe.largest, t.numel())
+                return out
+
+        self.largest = 0
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+
+@pytest.fixture
+def largest_vocab_tensor():
+    """``largest_vocab_tensor(vocab)``: a :class:`LargestVocabTensor` probe."""
+    return LargestVocabTensor
+
+
+def _no_model(*args, **kwargs):
+    raise AssertionError("a model was loaded before the bad input was reported")
+
+
+@pytest.fixture
+def bloggap(monkeypatch, capsys):
+    """Run ``bloggap ARGS`` in this process; fail if a model loads; return ``(exit code, stdout, stderr)``."""
+    import bloggap_plugin.models as models
+
+    monkeypatch.setattr(models, "load_model", _no_model)
+    return cli_runner(capsys)
+
+
+def cli_runner(capsys):
+    """``run(*argv) -> (exit code, stdout, stderr)`` of ``bloggap ARGV`` in this process."""
+    from bloggap_plugin import cli
+
+    def run(*argv) -> tuple[int, str, str]:
+        code = cli.main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

@@ -1,0 +1,123 @@
+"""benchmarks.arm_i --smoke: the GPU script's trainer side on CPU without vLLM (the lead runs the GPU phases)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from _support import ROOT
+
+from bloggap_plugin.results import ResultDocument
+
+
+def _script():
+    import benchmarks.arm_i
+
+    return benchmarks.arm_i
+
+
+def test_smoke_scores_every_step_and_records_the_refused_pieces(tmp_path):
+    script = _script()
+    script.main(["--smoke", "--out", str(tmp_path), "--prompts", "4", "--tokens", "4"])
+    doc = ResultDocument.read(tmp_path / "arm_i.json")
+    rows = doc.results["rows"]
+    hf_rows = ["HF forward, bf16 weights, sdpa (padded)", "HF forward, bf16 weights, vLLM FA via AttentionInterface"]
+    assert [r["scorer"] for r in rows] == ["arm A (TRL's pass)", *hf_rows] + [label for label, _ in script.STEPS]
+    assert rows[0]["x_arm_a"] == 1 and rows[0]["tokens"] == 16 and "kernels" not in rows[0]
+    assert 0 <= rows[0]["b1_vs_b8_bitwise_pct"] <= 100
+    assert len(doc.tables[0]["rows"]) == len(rows) and doc.tables[0]["columns"] == script.COLUMNS
+    measured = {r["pieces"]: r for r in rows[1:] if "refused" not in r}
+    assert list(measured) == ["hf forward, attention=sdpa", "hf", "hf,rope=torch", "hf,rope=torch,norm=torch", "torch"]
+    for row in measured.values():
+        assert 0 <= row["oob_pct"] <= 100 and 0 <= row["bitwise_pct"] <= 100 and row["x_arm_a"] > 0
+        assert 0 <= row["abs_dlogp_mean"] <= row["abs_dlogp_max"] and row["kernels"] == "torch"
+        assert row["bytes_added"] > 0 and row["sync_s"] >= 0 and 0 <= row["b1_vs_b8_bitwise_pct"] <= 100
+    # without batch invariance vLLM's norms round where HF's do: the norm step changes no number
+    assert measured["hf,rope=torch,norm=torch"]["abs_dlogp_max"] == measured["hf,rope=torch"]["abs_dlogp_max"]
+    refused = [r for r in rows[1:] if "refused" in r]
+    assert [r["pieces"] for r in refused] == ["hf forward, attention=vllm_fa", *(p for _, p in script.STEPS[4:])]
+    assert all("the plan runs on cpu" in r["refused"] and "gap.i_pieces: torch" in r["refused"] for r in refused)
+
+
+def test_all_records_a_failed_phase_with_its_log_and_keeps_a_valid_document(tmp_path):
+    """Where a phase cannot run (here: no vLLM, no GPU), ``all`` records its exit code and log tail under
+    ``results.errors`` and the document stays valid, so the lead's one call always returns something readable."""
+    script = _script()
+    script.main(["all", "--model", str(tmp_path / "no-model"), "--out", str(tmp_path), "--budget-s", "120"])
+    doc = ResultDocument.read(tmp_path / "arm_i.json")
+    errors = doc.results["errors"]
+    assert set(errors) == {"colocated", "scoped"} and all(e["code"] != 0 for e in errors.values())
+    assert any("vllm" in line for line in errors["colocated"]["log_tail"])
+    assert any("gen.pt" in line for line in errors["scoped"]["log_tail"])
+    assert doc.results["rows"] == [] and doc.params["steps"][0] == ["I0 bf16 weights, packed tokens, HF maths", "hf"]
+
+
+def test_rope_diagnostic_compares_values_not_layouts():
+    """On the H200 the colocated phase read HF's RoPE cos 0.23 away from vLLM's cache. Without vLLM's process-wide
+    bmm override (here, CPU) the diagnostic must read at most one bf16 step near 1 (2^-8) for the cos and fp32
+    rounding for the angles (TF32 inputs would be off by up to ~0.25 rad at position 511), so a large value on the
+    GPU is the override's, not a layout mismatch (HF's duplicated halves against vLLM's cos|sin cache)."""
+    import torch
+
+    from bloggap_plugin.models import _load_tiny
+
+    model, _ = _load_tiny("tiny-random-llama", torch.float32)
+    diagnostics = _script()._rope_diagnostics(model, torch.device("cpu"))
+    assert diagnostics["hf_rope_cos_vs_vllm_cache_max_abs"] <= 2.0 ** -8
+    assert diagnostics["fp32_bmm_rope_angle_max_abs_err"] <= 1e-4
+
+
+def _live_script():
+    import benchmarks.arm_i_live
+
+    return benchmarks.arm_i_live
+
+
+def test_arm_i_live_document_rebuilds_the_committed_results_from_their_run_logs(tmp_path):
+    """``arm_i_live.py document`` recomputes every row of the committed T16-armI-live results from the packed JSONL
+    logs: the files say what the logs hold. The sampler columns are recomputed here by hand as well."""
+    import json
+    import shutil
+    import statistics
+    import tarfile
+
+    script = _live_script()
+    results = ROOT / "benchmarks" / "results" / "h200"
+    for name, logs in (("arm_i_live.json", "runs_final.tar.xz"),
+                       ("arm_i_live_prompt_first.json", "runs_prompt_first.tar.xz"),
+                       ("arm_i_live_v2_sampler.json", "runs_v2_sampler.tar.xz"),
+                       ("arm_i_live_log_softmax.json", "runs_log_softmax.tar.xz"),
+                       ("arm_i_live_packed_attention.json", "runs_packed_attention.tar.xz")):
+        copy = tmp_path / name
+        shutil.copy(results / name, copy)
+        assert script.main(["document", str(copy), "--logs", str(results / "arm_i_live" / logs)]) == 0
+        assert json.loads(copy.read_text()) == json.loads((results / name).read_text())
+        ResultDocument.read(copy)
+        with tarfile.open(results / "arm_i_live" / logs, "r:xz") as tar:
+            packed = set(tar.getnames())
+            for label, row in json.loads(copy.read_text())["results"].items():
+                if f"{label}.jsonl" not in packed:  # a run whose log did not come back: its row says so
+                    assert "JSONL not kept" in row["note"]
+                    continue
+                text = tar.extractfile(f"{label}.jsonl").read().decode()
+                records = [json.loads(line) for line in text.splitlines()]
+                sampler = [r["gap/sampler/oob_frac"] for r in records if r.get("gap/sampler/oob_frac") is not None]
+                assert row["generations"] == len(sampler) and row["steps"] == len(records)
+                assert row["sampler_oob_mean"] == statistics.fmean(sampler[1:])
+                assert row["sampler_oob_max"] == max(sampler[1:])
+
+
+def test_arm_i_live_labels_and_command_lines():
+    script = _live_script()
+    assert script.parse_label("callback_I_ni1") == {"entry": "callback", "arm": "I", "num_iterations": 1}
+    for bad in ("train_I", "serve_I_ni2", "train_I_2"):
+        try:
+            script.parse_label(bad)
+        except ValueError as err:
+            assert "ENTRY_ARM_ni<K>" in str(err)
+        else:
+            raise AssertionError(bad)
+    argv = script.train_argv("train_I_ni2", "M", 30, Path("x.jsonl"), 0.25)
+    assert argv[1:5] == ["-m", "bloggap_plugin.cli", "train", "recipes/arm_I.yaml"]
+    assert argv[argv.index("--vllm_mode") + 1] == "colocate" and argv[argv.index("--num_iterations") + 1] == "2"
+    assert script.train_argv("callback_A_ni1", "M", 30, Path("x.jsonl"), 0.25)[1:4] == ["-m", "benchmarks.arm_i_live",
+                                                                                       "callback"]

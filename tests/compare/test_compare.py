@@ -1,0 +1,797 @@
+"""bloggap compare: the sweep runner (resume, crash, kill), the T10 table maths, outputs, and a real tiny run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from _support import ROOT
+
+from bloggap_plugin.compare import (
+    DONE_KEY,
+    CompareConfig,
+    CompareError,
+    build_results,
+    paired_interval,
+    plan_runs,
+    plugin_time_share,
+    read_log,
+    run_compare,
+    run_settings,
+    summarize_run,
+    write_outputs,
+)
+
+# A stand-in for run_training with the same signature: rewards are a closed form of (arm, seed, step), so the
+# expected table is known without running the code under test. FAKE_HANG=<run id> makes that run hang after
+# its first line (to be killed); FAKE_SLOW=<run id> makes it sleep 0.5 s after each step; FAKE_CRASH=<run id>
+# makes it raise. Every call is recorded in FAKE_CALLS (with its pid). Like the real JsonlLogger it opens the log
+# by path for every line (so a process that outlives its sweep keeps appending to whatever file has that name).
+FAKE_TRAIN = '''
+import json, os, time, yaml
+
+ARM_BASE = {"A": 0.25, "B": 0.5, "C": 0.0}
+
+def run_training(recipe_path, *, model, task, max_steps, output_dir, report_to="none", seed, log_jsonl,
+                 extra_overrides, task_kwargs=None):
+    arm = yaml.safe_load(open(recipe_path))["gap"]["arm"]
+    run_id = f"{arm}_s{seed}"
+    with open(os.environ["FAKE_CALLS"], "a") as f:
+        f.write(json.dumps({"run": run_id, "overrides": extra_overrides, "task": task, "model": model,
+                            "task_kwargs": task_kwargs, "max_steps": max_steps, "pid": os.getpid()}) + "\\n")
+    if os.environ.get("FAKE_CRASH") == run_id:
+        raise RuntimeError("fake crash")
+    for step in range(1, max_steps + 1):
+        reward = ARM_BASE[arm] + 0.125 * seed + (0.25 if step % 2 else 0.0)
+        with open(log_jsonl, "a") as log:
+            log.write(json.dumps({"step": step, "reward": reward, "clip_ratio/region_mean": 0.01 * step,
+                                  "gap/ratio/oob_frac": 0.5 if arm == "B" else 0.0, "step_time": 2.0}) + "\\n")
+        if os.environ.get("FAKE_HANG") == run_id:
+            time.sleep(600)
+        if os.environ.get("FAKE_SLOW") == run_id:
+            time.sleep(0.5)
+    return {"arm": arm, "steps": max_steps}
+'''
+
+
+def _recipes(tmp_path: Path, arms=("A", "B")) -> list[str]:
+    paths = []
+    for arm in arms:
+        path = tmp_path / f"arm_{arm}.yaml"
+        path.write_text(f"learning_rate: 1.0e-6\ngap:\n  arm: {arm}\n")
+        paths.append(str(path))
+    return paths
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    module_dir = tmp_path / "fake_pkg"
+    module_dir.mkdir()
+    (module_dir / "fake_train.py").write_text(FAKE_TRAIN)
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("FAKE_CALLS", str(calls))
+    monkeypatch.syspath_prepend(str(module_dir))  # for the sweep's own check of --run-fn
+    monkeypatch.delenv("FAKE_HANG", raising=False)
+    monkeypatch.delenv("FAKE_CRASH", raising=False)
+    monkeypatch.delenv("FAKE_SLOW", raising=False)
+    return {"dir": str(module_dir), "calls": calls, "run_fn": "fake_train:run_training"}
+
+
+def _calls(fake, key="run") -> list:
+    if not fake["calls"].exists():
+        return []
+    return [json.loads(line)[key] for line in fake["calls"].read_text().splitlines()]
+
+
+def _alive(pid: int) -> bool:
+    """True while process ``pid`` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return state not in ("Z", "X")
+
+
+def _config(tmp_path, fake, **kw) -> CompareConfig:
+    base = dict(
+        recipes=_recipes(tmp_path),
+        seeds=[0, 1],
+        task="arith",
+        max_steps=4,
+        model="tiny-random-llama",
+        output_dir=str(tmp_path / "out"),
+        parallel=2,
+        last_n=2,
+        run_fn=fake["run_fn"],
+        pythonpath=[fake["dir"]],
+        poll_s=0.1,
+        extra_overrides={"num_iterations": 2},
+    )
+    base.update(kw)
+    return CompareConfig(**base)
+
+
+# --------------------------------------------------------------------------------------------- statistics
+
+
+def test_paired_interval_by_hand():
+    out = paired_interval([0.1, 0.3, 0.2, 0.4, 0.0])
+    # mean 0.2, sd = sqrt(0.1 / 4) = 0.158114, half = t(0.975, 4) 2.776445 (printed tables) * 0.158114 / sqrt(5)
+    assert out["mean"] == pytest.approx(0.2)
+    assert out["sd"] == pytest.approx(math.sqrt(0.025))
+    assert out["half_width"] == pytest.approx(2.776445 * math.sqrt(0.025) / math.sqrt(5), abs=1e-6)
+    assert out["low"] == pytest.approx(0.2 - out["half_width"])
+    two = paired_interval([0.1, 0.3])  # a t interval from 2 values (1 df) is not given
+    assert two["n"] == 2 and two["mean"] == pytest.approx(0.2) and two["half_width"] is None and two["low"] is None
+    one = paired_interval([0.5])
+    assert one["n"] == 1 and one["mean"] == 0.5 and one["half_width"] is None
+
+
+def test_summarize_run_on_constructed_log():
+    # Reward only on generating steps (as TRL logs with num_iterations 2); clip and gap on every step.
+    records = [
+        {"step": 1, "reward": 0.0, "clip_ratio/region_mean": 0.0, "gap/ratio/oob_frac": 0.1, "step_time": 3.0},
+        {"step": 2, "clip_ratio/region_mean": 0.2, "gap/ratio/oob_frac": 0.3, "step_time": 1.0},
+        {"step": 3, "reward": 0.5, "clip_ratio/region_mean": 0.1, "step_time": 3.0},
+        {"step": 4, "clip_ratio/region_mean": 0.1, "step_time": 1.0},
+        {"step": 5, "reward": 1.0, "step_time": 2.0},
+    ]
+    s = summarize_run(records, {DONE_KEY: "done", "wall_s": 20.0}, last_n=2)
+    assert s["steps"] == 5 and s["reward_steps"] == 3
+    assert s["rewards"] == [0.0, 0.5, 1.0]
+    assert s["reward_last"] == pytest.approx(0.75)
+    assert s["reward_mean"] == pytest.approx(0.5)
+    assert s["reward_sd_steps"] == pytest.approx(0.5)  # sd of 0, .5, 1 with n-1
+    assert s["reward_sd_last"] == pytest.approx(math.sqrt(0.125))
+    assert s["clip"] == pytest.approx(0.1)  # (0 + .2 + .1 + .1) / 4
+    assert s["gap"] == {"gap/ratio/oob_frac": pytest.approx(0.2)}
+    assert s["s_per_step"] == pytest.approx(2.0) and s["s_per_step_source"] == "step_time"
+    no_time = summarize_run([{"step": 1, "reward": 1.0}, {"step": 2}], {DONE_KEY: "done", "wall_s": 8.0})
+    assert no_time["s_per_step"] == pytest.approx(4.0) and no_time["s_per_step_source"] == "wall"
+
+
+def test_plugin_time_share_is_time_weighted_not_a_mean_of_step_fractions():
+    # One long probe step (0.5 s of plugin time in a 1.0 s step) and one short step without plugin time: the
+    # plugin took 0.5 s of 1.1 s of training (45.45%); the mean of the per-step fractions (50% and 0%) says 25%.
+    records = [
+        {"step": 1, "step_time": 1.0, "gap/time/scoring_s": 0.5, "gap/time/overhead_frac": 0.5},
+        {"step": 2, "step_time": 0.1, "gap/time/scoring_s": 0.0, "gap/time/overhead_frac": 0.0},
+        {"step": 3, "reward": 1.0},  # a record without timing is not counted
+    ]
+    assert plugin_time_share(records) == 0.5 / 1.1
+    s = summarize_run(records, {DONE_KEY: "done", "wall_s": 2.0})
+    assert s["plugin_share"] == 0.5 / 1.1
+    assert s["gap"]["gap/time/overhead_frac"] == pytest.approx(0.25)  # the logged per-step metric, unchanged
+    assert plugin_time_share([{"step": 1, "reward": 1.0}]) is None
+
+
+def _write_log(config, run, rewards, extra=None, done=True):
+    path = Path(run.log_jsonl)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for i, r in enumerate(rewards, 1):
+            f.write(json.dumps({"step": i, "reward": r, **(extra or {})}) + "\n")
+        if done:
+            marker = {DONE_KEY: "done", "wall_s": 10.0 * len(rewards), "settings": run_settings(config, run)}
+            f.write(json.dumps(marker) + "\n")
+
+
+def test_table_maths_on_constructed_logs(tmp_path):
+    config = CompareConfig(recipes=_recipes(tmp_path, ("A", "B", "C")), seeds=[0, 1], output_dir=str(tmp_path / "o"),
+                           last_n=2, max_steps=4)
+    runs = {r.run_id: r for r in plan_runs(config)}
+    assert list(runs) == ["A_s0", "B_s0", "C_s0", "A_s1", "B_s1", "C_s1"]
+    logs = {
+        "A_s0": [0.0, 0.5, 0.5, 0.5],   # last-2 0.5, mean 0.375
+        "A_s1": [0.5, 0.0, 1.0, 0.0],   # last-2 0.5, mean 0.375
+        "B_s0": [0.0, 0.0, 1.0, 1.0],   # last-2 1.0 -> delta +0.5
+        "B_s1": [0.0, 0.0, 0.5, 1.0],   # last-2 0.75 -> delta +0.25
+        "C_s0": [0.25, 0.25, 0.25, 0.25],  # delta -0.25
+    }
+    for run_id, rewards in logs.items():
+        _write_log(config, runs[run_id], rewards, {"clip_ratio/region_mean": 0.01})
+    _write_log(config, runs["C_s1"], [1.0, 1.0], done=False)  # unfinished: left out
+    res = build_results(config, list(runs.values()))
+    assert res["baseline"] == "A" and res["last_k"] == 2
+    a, b, c = res["arms"]["A"], res["arms"]["B"], res["arms"]["C"]
+    assert a["reward_last"] == pytest.approx(0.5) and a["reward_mean"] == pytest.approx(0.375)
+    assert b["delta_vs_base"] == {0: pytest.approx(0.5), 1: pytest.approx(0.25)}
+    assert b["reward_last"] == pytest.approx(0.875)
+    # C_s1 unfinished: the declared analysis (planned seeds 0, 1) is interim, means only
+    assert res["analysis"]["status"] == "interim" and res["analysis"]["planned_done"] == 1
+    assert b["delta_interval"] == {"n": 2, "mean": pytest.approx(0.375)}
+    assert c["seeds"] == [0] and c["delta_vs_base"] == {0: pytest.approx(-0.25)}
+    assert c["delta_interval"] == {"n": 1, "mean": pytest.approx(-0.25)}
+    assert a["clip"] == pytest.approx(0.01)
+    # Resolution: per-run sd over the last-2 window, pooled as the root mean variance.
+    sds_last = {"A_s0": 0.0, "A_s1": math.sqrt(0.5), "B_s0": 0.0, "B_s1": math.sqrt(0.125), "C_s0": 0.0}
+    pooled = math.sqrt(sum(v * v for v in sds_last.values()) / 5)
+    r = res["resolution"]
+    assert r["step_sd_last"] == pytest.approx(pooled)
+    assert r["se_last_mean"] == pytest.approx(pooled / math.sqrt(2))
+    # two arms compared at alpha 0.05: 2.5% two-sided each; z(0.9875) = 2.241403, z(0.8) = 0.841621 (tables)
+    assert r["mdd_step_noise"] == pytest.approx((2.241403 + 0.841621) * pooled * math.sqrt(2 / (2 * 2)), rel=1e-5)
+    assert r["detectable_per_arm"] is None  # interim
+    table = res["tables"][0]
+    assert table["reference"] == "T10" and table["columns"][2] == "reward last-2"
+    assert table["title"].startswith("Interim: ") and "INTERIM: 1 of 2 planned seeds" in table["notes"]
+    rows = {row[0]: row for row in table["rows"]}
+    assert rows["B"][2] == 0.875 and rows["B"][4] == "+0.500 / +0.250"
+    assert rows["B"][5] == "+0.375 (interim: no interval)" and rows["B"][6] is None and rows["B"][7] is None
+    assert rows["C"][5].startswith("-0.250 (interim")
+
+
+def test_declared_analysis_is_final_only_with_every_planned_seed(tmp_path):
+    """Three seeds planned and finished: the final analysis of the primary (last-k) and the secondary (whole-run
+    mean) compares B and C with A at alpha 0.05 over two arms, as scipy computes it here; declaring a fourth seed
+    turns the same logs into an interim table without intervals or p-values."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    config = CompareConfig(recipes=_recipes(tmp_path, ("A", "B", "C")), seeds=[0, 1, 2], output_dir=str(tmp_path / "o"),
+                           last_n=2, max_steps=4, secondary=["reward_mean"])
+    runs = {r.run_id: r for r in plan_runs(config)}
+    base = [0.0, 0.5, 0.5, 0.5]
+    shifts = {"A": [0.0, 0.0, 0.0], "B": [0.1, 0.3, 0.2], "C": [-0.05, 0.05, 0.1]}
+    for run in runs.values():
+        shift = shifts[run.arm][run.seed]
+        _write_log(config, run, [r + shift + 0.01 * run.seed for r in base])
+    res = build_results(config, list(runs.values()))
+    analysis = res["analysis"]
+    assert analysis["status"] == "final" and analysis["declared"]["planned_seeds"] == [0, 1, 2]
+    for metric in ("reward_last", "reward_mean"):
+        for arm in ("B", "C"):
+            row, values = analysis["metrics"][metric]["arms"][arm], shifts[arm]
+            mean, sd = sum(values) / 3, math.sqrt(sum((v - sum(values) / 3) ** 2 for v in values) / 2)
+            half = scipy_stats.t.ppf(1 - 0.025 / 2, 2) * sd / math.sqrt(3)
+            assert row["mean"] == pytest.approx(mean) and row["half_width"] == pytest.approx(half)
+            assert row["p_t"] == pytest.approx(scipy_stats.ttest_1samp(values, 0.0).pvalue)
+    b = res["arms"]["B"]["delta_interval"]
+    assert b is analysis["metrics"]["reward_last"]["arms"]["B"]
+    rows = {row[0]: row for row in res["tables"][0]["rows"]}
+    assert rows["B"][5] == f"+0.200 [{b['low']:+.3f}, {b['high']:+.3f}]" and rows["B"][6] == round(b["p_t_holm"], 4)
+    assert not res["tables"][0]["title"].startswith("Interim")
+    assert "simultaneous 95% CI" in res["tables"][0]["columns"][5]
+    assert res["resolution"]["detectable_per_arm"] == {arm: analysis["metrics"]["reward_last"]["arms"][arm]["detectable"]
+                                                       for arm in ("B", "C")}
+    analysis_rows = [t for t in res["tables"] if t["id"] == "T10-analysis"][0]["rows"]
+    assert [r[:3] for r in analysis_rows] == [["reward_last", "primary", "B"], ["reward_last", "primary", "C"],
+                                              ["reward_mean", "secondary", "B"], ["reward_mean", "secondary", "C"]]
+    assert "covers every reward step" not in res["tables"][0]["notes"]  # last-2 of 4 reward steps
+    whole = build_results(dataclasses.replace(config, last_n=4), list(runs.values()))
+    assert "The last-4 window covers every reward step of these runs" in whole["tables"][0]["notes"]
+    later = dataclasses.replace(config, planned_seeds=[0, 1, 2, 3])
+    interim = build_results(later, list(runs.values()))
+    assert interim["analysis"]["status"] == "interim" and interim["analysis"]["planned_done"] == 3
+    assert interim["arms"]["B"]["delta_interval"] == {"n": 3, "mean": pytest.approx(0.2)}
+    assert all(r[5] is None and r[8] is None for r in [t for t in interim["tables"] if t["id"] == "T10-analysis"][0]["rows"])
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"primary": "loss"}, "--primary loss: not a metric"),
+    ({"secondary": ["reward_last"]}, "--secondary lists the primary metric"),
+    ({"alpha": 0.9}, "--alpha 0.9: must be a number in"),
+    ({"planned_seeds": [0]}, "--seeds 1: not among --planned-seeds 0"),
+    ({"planned_seeds": [0, 1, 1]}, "--planned-seeds 0 1 1: a seed is repeated"),
+])
+def test_a_bad_declared_analysis_is_refused_naming_the_flag(tmp_path, settings, message):
+    from bloggap_plugin.compare import validate_config
+
+    config = CompareConfig(recipes=_recipes(tmp_path), seeds=[0, 1], output_dir=str(tmp_path / "o"), **settings)
+    with pytest.raises(CompareError, match=message):
+        validate_config(config, training=False)
+
+
+def test_read_log_tolerates_a_cut_last_line_but_not_a_bad_middle_line(tmp_path):
+    log = tmp_path / "x.jsonl"
+    log.write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "rew')
+    records, marker = read_log(log)
+    assert records == [{"step": 1, "reward": 0.5}] and marker is None
+    log.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"x.jsonl:2: not a JSON line"):
+        read_log(log)
+
+
+def test_plan_rejects_bad_input(tmp_path):
+    recipes = _recipes(tmp_path)
+    with pytest.raises(ValueError, match="distinct"):
+        plan_runs(CompareConfig(recipes=recipes, seeds=[0, 0]))
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        plan_runs(CompareConfig(recipes=[str(tmp_path / "nope.yaml")]))
+    with pytest.raises(ValueError, match="baseline arm 'Z'"):
+        build_results(CompareConfig(recipes=recipes, baseline="Z", output_dir=str(tmp_path)), plan_runs(CompareConfig(recipes=recipes)))
+
+
+# --------------------------------------------------------------------------------------------- the sweep
+
+
+def test_sweep_with_fake_runs_writes_table_json_plot_and_resumes(tmp_path, fake):
+    pytest.importorskip("matplotlib")
+    config = _config(tmp_path, fake)
+    messages = []
+    res = run_compare(config, echo=messages.append)
+    assert res["failed"] == {}
+    assert sorted(_calls(fake)) == ["A_s0", "A_s1", "B_s0", "B_s1"]
+    calls = [json.loads(line) for line in fake["calls"].read_text().splitlines()]
+    assert all(c["overrides"] == {"num_iterations": 2} and c["task"] == "arith" and c["task_kwargs"] is None for c in calls)
+    out = Path(config.output_dir)
+    # Fake rewards: A = 0.25 + 0.125 seed + 0.25 on odd steps; B = A + 0.25. last-2 (steps 3, 4) = base + .125 s + .125
+    arms = res["arms"]
+    assert arms["A"]["reward_last_per_seed"] == {0: pytest.approx(0.375), 1: pytest.approx(0.5)}
+    assert arms["B"]["delta_vs_base"] == {0: pytest.approx(0.25), 1: pytest.approx(0.25)}
+    assert arms["B"]["delta_interval"] == {"n": 2, "mean": pytest.approx(0.25), "sd": None, "t": None, "p_t": None,
+                                          "p_sign_flip": None, "low": None, "high": None, "half_width": None,
+                                          "detectable": None, "p_t_holm": None, "p_sign_flip_holm": None}
+    assert arms["B"]["gap"]["gap/ratio/oob_frac"] == pytest.approx(0.5)
+    assert arms["A"]["s_per_step"] == pytest.approx(2.0)
+    document = json.loads((out / "compare.json").read_text())
+    assert document["schema_version"] == 1 and document["benchmark"] == "compare"
+    assert [t["id"] for t in document["tables"]] == ["T10", "T10-analysis", "T10-gap", "T10-resolution"]
+    from bloggap_plugin.report_builder import validate_result
+
+    validate_result(json.loads((out / "compare.json").read_text(), parse_float=__import__("decimal").Decimal), "compare.json", {"T10"})
+    md = (out / "compare.md").read_text()
+    assert "| B | 2 | 0.6875 |" in md and "gap/ratio/oob_frac %" in md and "Per-step reward sd" in md
+    png = (out / "reward_curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    # Second call: everything finished, nothing runs again, same table.
+    again = run_compare(config, echo=messages.append)
+    assert sorted(_calls(fake)) == ["A_s0", "A_s1", "B_s0", "B_s1"]
+    assert again["tables"][0]["rows"] == res["tables"][0]["rows"]
+
+
+def test_a_crashed_run_does_not_stop_the_sweep(tmp_path, fake, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("FAKE_CRASH", "B_s0")
+    config = _config(tmp_path, fake, seeds=[0], parallel=1)
+    messages = []
+    res = run_compare(config, echo=messages.append)
+    assert res["failed"] and list(res["failed"]) == ["B_s0"]
+    assert any("B_s0: FAILED" in m and "fake crash" in m for m in messages)
+    assert list(res["runs"]) == ["A_s0"]
+    monkeypatch.delenv("FAKE_CRASH")
+    res = run_compare(config, echo=messages.append)  # retry: only the crashed run runs again
+    assert _calls(fake) == ["A_s0", "B_s0", "B_s0"] and res["failed"] == {}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=["SIGKILL", "SIGTERM", "SIGINT"])
+def test_a_killed_sweep_leaves_no_worker_and_resumes_counting_each_step_once(tmp_path, fake, sig):
+    """Kill only the sweep process (an OOM kill or ``kill PID``); its runs must not outlive it, and the resume must
+    count each step once: a run that outlived its sweep used to keep appending to the log a resumed run writes."""
+    pytest.importorskip("matplotlib")
+    recipes = _recipes(tmp_path)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "bloggap_plugin.cli", "compare", *recipes, "--seeds", "0", "--max-steps", "8",
+               "--model", "tiny-random-llama", "--output-dir", str(out), "--parallel", "2", "--last-n", "2",
+               "--run-fn", fake["run_fn"]]
+    env = dict(os.environ, FAKE_SLOW="B_s0", PYTHONPATH=os.pathsep.join([fake["dir"], os.environ.get("PYTHONPATH", "")]))
+    # Ctrl-C's default action in the sweep, as in a terminal: pytest started as a background job inherits SIGINT
+    # ignored (POSIX shells ignore it for asynchronous commands), and so would the sweep.
+    sweep = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 60
+    try:
+        # A finishes at once; B logs a step every 0.5 s: kill the sweep after B's first step.
+        while not (out / "runs" / "A_s0.jsonl").exists() or len(_calls(fake)) < 2:
+            assert sweep.poll() is None, "sweep ended early: " + sweep.communicate()[1]
+            assert time.time() < deadline, "runs never started"
+            time.sleep(0.1)
+        time.sleep(0.3)
+        assert not (out / "runs" / "B_s0.jsonl").exists()  # a run writes only its own file until it is complete
+        os.kill(sweep.pid, sig)  # the sweep process alone, not its group
+        _, stderr = sweep.communicate(timeout=60)
+    finally:
+        if sweep.poll() is None:
+            os.killpg(sweep.pid, signal.SIGKILL)
+            sweep.wait()
+    worker = dict(zip(_calls(fake), _calls(fake, "pid")))["B_s0"]
+    deadline = time.time() + 1.5  # B alone would need about 3.5 s more
+    while _alive(worker) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker), "the run outlived its sweep"
+    if sig != signal.SIGKILL:  # stopped by a signal it can catch: one line, no traceback, 128 + signal
+        assert sweep.returncode == 128 + sig, stderr
+        assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
+        assert "stopped 1 run" in stderr and "re-run the same command to resume" in stderr
+    env.pop("FAKE_SLOW")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "A_s0: finished earlier, skipped" in done.stdout
+    assert sorted(_calls(fake)) == ["A_s0", "B_s0", "B_s0"]  # A not run again, B started over once
+    time.sleep(1.0)  # a run that outlived the sweep would have appended more steps by now
+    for run in ("A_s0", "B_s0"):
+        records, marker = read_log(out / "runs" / f"{run}.jsonl")
+        assert marker is not None and [r["step"] for r in records] == list(range(1, 9)), run
+    runs = json.loads((out / "compare.json").read_text())["results"]["runs"]
+    assert {k: (v["steps"], v["reward_steps"]) for k, v in runs.items()} == {"A_s0": (8, 8), "B_s0": (8, 8)}
+    assert (out / "runs" / "B_s0.jsonl.partial").exists()  # the killed attempt's log, kept aside
+
+
+def test_task_kwargs_need_a_run_function_that_takes_them(tmp_path, fake):
+    (Path(fake["dir"]) / "narrow_train.py").write_text(textwrap.dedent('''
+        def run_training(recipe_path, *, model, task, max_steps, output_dir, report_to, seed, log_jsonl, extra_overrides):
+            raise AssertionError("must not be called")
+    '''))
+    config = _config(tmp_path, fake, seeds=[0], recipes=_recipes(tmp_path, ("A",)), run_fn="narrow_train:run_training",
+                     difficulty=3)
+    with pytest.raises(CompareError, match=r"--run-fn narrow_train:run_training takes no task_kwargs, so \['difficulty'\]"):
+        run_compare(config, echo=lambda m: None)
+    assert not Path(config.output_dir).exists()  # refused before anything ran
+
+
+def test_resume_runs_again_when_its_settings_changed(tmp_path, fake):
+    """A finished run counts only for the settings it was trained with: other --max-steps, --model, --override or
+    recipe content train it again (the old log kept aside), and the table never labels old logs with new settings."""
+    pytest.importorskip("matplotlib")
+    config = _config(tmp_path, fake, seeds=[0], parallel=2)
+    run_compare(config, echo=lambda m: None)
+    assert sorted(_calls(fake)) == ["A_s0", "B_s0"]
+    messages = []
+    res = run_compare(_config(tmp_path, fake, seeds=[0], max_steps=6), echo=messages.append)
+    assert sorted(_calls(fake)[2:]) == ["A_s0", "B_s0"] and sorted(_calls(fake, "max_steps")[2:]) == [6, 6]
+    assert any("A_s0" in m and "other settings (max_steps 4 -> 6)" in m for m in messages), messages
+    assert {k: v["steps"] for k, v in res["runs"].items()} == {"A_s0": 6, "B_s0": 6}
+    assert (Path(config.output_dir) / "runs" / "A_s0.jsonl.stale").exists()
+    first_stale = (Path(config.output_dir) / "runs" / "A_s0.jsonl.stale").read_text()
+    # Other overrides, then another model: both runs again each time.
+    run_compare(_config(tmp_path, fake, seeds=[0], max_steps=6, extra_overrides={}), echo=messages.append)
+    assert _calls(fake, "overrides")[4:] == [{}, {}]
+    # the second change keeps the first run's log too: nothing set aside is overwritten
+    runs_dir = Path(config.output_dir) / "runs"
+    assert (runs_dir / "A_s0.jsonl.stale").read_text() == first_stale
+    assert (runs_dir / "A_s0.jsonl.stale.1").exists() and any("kept as A_s0.jsonl.stale.1" in m for m in messages)
+    assert any('extra_overrides {"num_iterations": 2} -> {}' in m for m in messages)
+    run_compare(_config(tmp_path, fake, seeds=[0], max_steps=6, extra_overrides={}, model="tiny-random-gpt2"),
+                echo=messages.append)
+    assert _calls(fake, "model")[6:] == ["tiny-random-gpt2", "tiny-random-gpt2"]
+    # The recipe file of B changes: B alone runs again.
+    final = _config(tmp_path, fake, seeds=[0], max_steps=6, extra_overrides={}, model="tiny-random-gpt2")
+    recipe_b = Path(final.recipes[1])
+    recipe_b.write_text(recipe_b.read_text().replace("1.0e-6", "2.0e-6"))
+    run_compare(final, echo=messages.append)
+    assert _calls(fake)[8:] == ["B_s0"]
+    assert any("B_s0" in m and "the recipe file's content" in m for m in messages)
+    # Same settings: nothing runs.
+    run_compare(final, echo=messages.append)
+    assert len(_calls(fake)) == 9
+    # --table-only with settings the logs were not trained with: those runs are set aside, not relabelled.
+    other = dataclasses.replace(final, max_steps=4)
+    res = build_results(other, plan_runs(other))
+    assert res["runs"] == {} and sorted(res["set_aside"]) == ["A_s0", "B_s0"]
+    assert "max_steps 6 -> 4" in res["set_aside"]["A_s0"]
+
+
+def test_a_failed_output_write_keeps_the_previous_files(tmp_path, fake, monkeypatch):
+    import errno
+
+    pytest.importorskip("matplotlib")
+    config = _config(tmp_path, fake, seeds=[0])
+    run_compare(config, echo=lambda m: None)
+    out = Path(config.output_dir)
+    before = {name: (out / name).read_bytes() for name in ("compare.json", "compare.md", "reward_curves.png")}
+    other = _config(tmp_path, fake, seeds=[0], last_n=3)  # a different table: the new files would differ
+    results = build_results(other, plan_runs(other))
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(CompareError, match=r"compare\.json: cannot write \(No space left on device\); the previous "
+                       r"file is unchanged .* --table-only"):
+        write_outputs(other, results)
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+    monkeypatch.undo()
+    write_outputs(other, results)  # the disk has room again: all three are replaced
+    assert (out / "compare.md").read_bytes() != before["compare.md"] and "reward last-3" in (out / "compare.md").read_text()
+
+
+def _cli(args, capsys) -> tuple[int, str, str]:
+    from bloggap_plugin.cli import main
+
+    code = main(["compare", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize(
+    "args, problem",
+    [
+        (["--parallel", "0"], "--parallel 0: must be a whole number >= 1"),
+        (["--max-steps", "0"], "--max-steps 0: must be a whole number >= 1"),
+        (["--max-steps", "-1"], "--max-steps -1: must be a whole number >= 1"),
+        (["--last-n", "0"], "--last-n 0: must be a whole number >= 1"),
+        (["--seeds", "0", "1", "0"], "--seeds 0 1 0: seed 0 is repeated; give each seed once"),
+        (["--baseline", "Z"], "--baseline Z names no arm; the arms are A, B"),
+        (["--difficulty", "9"], "--difficulty: arith difficulty must be one of [1, 2, 3, 4, 5]"),
+        (["--override", "[1]"], "--override must be a mapping of GRPOConfig fields"),
+        (["--override", "{beta: [}"], "--override must be a mapping of GRPOConfig fields"),
+    ],
+)
+def test_bad_compare_input_fails_in_one_line_before_anything_runs(tmp_path, fake, capsys, args, problem):
+    out = tmp_path / "out"
+    code, stdout, stderr = _cli([*_recipes(tmp_path), "--seeds", "0", "--max-steps", "2", "--output-dir", str(out),
+                                 "--run-fn", "fake_train:run_training", *args], capsys)
+    assert code == 2 and stderr.startswith(f"bloggap compare: {problem}"), stderr
+    assert len(stderr.strip().splitlines()) == 1 and not out.exists() and _calls(fake) == []
+
+
+@pytest.mark.parametrize(
+    "override, problem",
+    [
+        ('{"num_iteration": 2}', "--override: unknown key 'num_iteration' (did you mean 'num_iterations'?)"),
+        ('{"num_generations": 3}', 'with --override {"num_generations": 3}: GRPOConfig rejects it: '),
+    ],
+)
+def test_overrides_are_checked_once_against_grpo_config_before_any_run(tmp_path, capsys, override, problem):
+    """With the real training function the recipes and --override make each arm's GRPOConfig up front (today this
+    failed inside every run, after its model loaded)."""
+    pytest.importorskip("trl")
+    out = tmp_path / "out"
+    code, _, stderr = _cli([*_recipes(tmp_path), "--seeds", "0", "--max-steps", "2", "--output-dir", str(out),
+                            "--model", "tiny-random-llama", "--override", override], capsys)
+    assert code == 2 and problem in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert not out.exists()
+
+
+def test_every_compare_config_field_is_a_flag_with_its_help(capsys):
+    from bloggap_plugin.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["compare", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for item in dataclasses.fields(CompareConfig):
+        help_text = " ".join(item.metadata["help"].split())
+        assert help_text in text, item.name
+        if item.name != "recipes":
+            assert f"--{item.name}" in text, item.name
+    for flag in ("--max-steps", "--output-dir", "--last-n", "--calc-steps", "--use-vllm", "--override", "--run-fn",
+                 "--table-only", "--config"):
+        assert flag in text
+
+
+def test_compare_switches_take_no_value_so_recipes_may_follow_them():
+    """--use-vllm and --table-only are switches, as before the config dataclass: a recipe after one is a recipe."""
+    from bloggap_plugin.cli import build_parser
+
+    args = build_parser().parse_args(["compare", "--table-only", "--use-vllm", "a.yaml", "b.yaml", "--seeds", "3"])
+    assert (args.use_vllm, args.table_only, args.recipes, args.seeds) == (True, True, ["a.yaml", "b.yaml"], [3])
+    args = build_parser().parse_args(["compare", "a.yaml"])
+    assert (args.use_vllm, args.table_only, args.recipes) == (False, False, ["a.yaml"])
+
+
+@pytest.mark.parametrize(
+    "yaml_text, args, problem",
+    [
+        ("parallel: 0\n", [], "--parallel 0: must be a whole number >= 1"),
+        ("parallel: 0\nbaseline: Z\n", ["--parallel", "1"], "--baseline Z names no arm; the arms are A, B"),
+        ("extra_overrides: [1]\n", [], "--override must be a mapping of GRPOConfig fields"),
+        ("seeds: [3, 3]\n", [], "--seeds 3 3: seed 3 is repeated"),
+    ],
+)
+def test_compare_config_file_sets_fields_and_the_command_line_wins(tmp_path, fake, capsys, yaml_text, args, problem):
+    config = tmp_path / "compare.yaml"
+    config.write_text(yaml_text)
+    out = tmp_path / "out"
+    code, _, stderr = _cli([*_recipes(tmp_path), "--max-steps", "2", "--output-dir", str(out),
+                            "--run-fn", "fake_train:run_training", "--config", str(config), *args], capsys)
+    assert code == 2 and stderr.startswith(f"bloggap compare: {problem}"), stderr
+    assert not out.exists() and _calls(fake) == []
+
+
+def test_compare_config_file_mapping_override_reaches_the_runs(tmp_path, fake, capsys):
+    pytest.importorskip("matplotlib")
+    config = tmp_path / "compare.yaml"
+    config.write_text("seeds: [0]\nmax_steps: 2\nlast_n: 1\nextra_overrides:\n  num_iterations: 2\n")
+    out = tmp_path / "out"
+    code, stdout, stderr = _cli([*_recipes(tmp_path), "--output-dir", str(out), "--run-fn", "fake_train:run_training",
+                                 "--pythonpath", fake["dir"], "--config", str(config)], capsys)
+    assert code == 0, stdout + stderr
+    document = json.loads((out / "compare.json").read_text())
+    assert document["params"]["extra_overrides"] == {"num_iterations": 2} and document["params"]["seeds"] == [0]
+    assert sorted(document["results"]["runs"]) == ["A_s0", "B_s0"]
+    assert sorted(_calls(fake)) == ["A_s0", "B_s0"] and _calls(fake, "max_steps") == [2, 2]
+    assert _calls(fake, "overrides") == [{"num_iterations": 2}] * 2
+
+
+def test_a_second_sweep_on_the_same_folder_is_refused_in_one_line(tmp_path, fake, capsys):
+    import fcntl
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / ".compare.lock", "w") as held:  # a sweep (or a run it started) holds the folder
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        code, _, stderr = _cli([*_recipes(tmp_path), "--seeds", "0", "--output-dir", str(out),
+                                "--run-fn", "fake_train:run_training"], capsys)
+    assert code == 2 and "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
+    assert stderr.startswith(f"bloggap compare: another bloggap compare (or a run it started) is using {out}")
+    assert _calls(fake) == []
+
+
+def test_a_corrupted_log_line_sets_that_run_aside_naming_file_and_line(tmp_path, fake, capsys):
+    pytest.importorskip("matplotlib")
+    config = _config(tmp_path, fake)
+    run_compare(config, echo=lambda m: None)
+    log = Path(config.output_dir) / "runs" / "A_s1.jsonl"
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join([lines[0], '{"step": 2, "rew', *lines[2:]]) + "\n")
+    code, stdout, stderr = _cli([*config.recipes, "--seeds", "0", "1", "--max-steps", "4", "--output-dir",
+                                 config.output_dir, "--last-n", "2", "--override", '{"num_iterations": 2}',
+                                 "--model", config.model, "--run-fn", config.run_fn, "--table-only"], capsys)
+    assert code == 1 and "Traceback" not in stderr, stderr
+    assert f"A_s1: set aside: {log}:2: not a JSON line" in stdout
+    document = json.loads((Path(config.output_dir) / "compare.json").read_text())
+    assert sorted(document["results"]["runs"]) == ["A_s0", "B_s0", "B_s1"]
+    assert document["results"]["arms"]["B"]["delta_vs_base"] == {"0": pytest.approx(0.25)}  # no A for seed 1
+    messages = []
+    res = run_compare(config, echo=messages.append)  # a sweep trains it again, keeping the corrupt log aside
+    assert _calls(fake)[4:] == ["A_s1"] and res["set_aside"] == {} and res["failed"] == {}
+    assert any(f"{log}:2: not a JSON line" in m and "kept as A_s1.jsonl.corrupt" in m for m in messages)
+    assert (log.parent / "A_s1.jsonl.corrupt").read_text().count("\n") == 5
+
+
+# --------------------------------------------------------------------------------------------- real training
+
+
+def test_two_arms_one_seed_two_steps_on_a_tiny_model(tmp_path):
+    """The real run_training (TRL engineer's) end to end: table, JSON and plot."""
+    train = pytest.importorskip("bloggap_plugin.trl.train", reason="run_training (bloggap_plugin.trl.train) has not landed")
+    pytest.importorskip("matplotlib")
+    assert hasattr(train, "run_training")
+    root = ROOT
+    recipes = [str(root / "recipes" / "arm_A.yaml"), str(root / "recipes" / "arm_F.yaml")]
+    config = CompareConfig(recipes=recipes, seeds=[0], task="arith", max_steps=2, model="tiny-random-llama",
+                           output_dir=str(tmp_path / "out"), parallel=2, last_n=30, n=16, poll_s=0.5, heldout_n=6)
+    res = run_compare(config, echo=print)
+    assert res["failed"] == {}, res["failed"]
+    assert set(res["arms"]) == {"A", "F"}
+    for summary in res["runs"].values():
+        assert summary["steps"] == 2 and summary["reward_steps"] >= 1
+        assert all(0.0 <= r <= 1.0 for r in summary["rewards"])
+        held = summary["heldout"]  # the real evaluation: 6 held-out prompts, greedy, the recipes' 32 new tokens
+        assert (held["n"], held["max_tokens"], held["engine"], held["dtype"]) == (6, 32, "HF generate", "fp32")
+        assert held["correct"] == round(6 * held["accuracy"])
+    out = Path(config.output_dir)
+    tables = json.loads((out / "compare.json").read_text())["tables"]
+    assert [row[0] for row in tables[0]["rows"]] == ["A", "F"]
+    assert tables[1]["id"] == "T10-heldout" and [row[0] for row in tables[1]["rows"]] == ["A", "F"]
+    assert not list(out.glob("trainer/*/final"))  # each saved policy is deleted once its result is written
+    assert (out / "reward_curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# --------------------------------------------------------------------------------------------- GSM8K and --use-vllm
+
+
+def test_use_vllm_reaches_every_run_and_is_part_of_the_run_settings(tmp_path, fake):
+    """--use-vllm adds TRL's colocate fields to each run's overrides, with the GPU's memory divided among the runs
+    in flight; a resume with the other value trains again, a resume with another --parallel does not."""
+    pytest.importorskip("matplotlib")
+    config = _config(tmp_path, fake, seeds=[0], parallel=2, use_vllm=True)
+    run_compare(config, echo=lambda m: None)
+    # 0.75 of the GPU for the engines together, 2 runs in flight: 0.375 each
+    expected = {"num_iterations": 2, "use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.375}
+    assert _calls(fake, "overrides") == [expected, expected]
+    document = json.loads((Path(config.output_dir) / "compare.json").read_text())
+    assert document["params"]["use_vllm"] is True and "generation: vLLM colocate" in document["tables"][0]["notes"]
+    run_compare(_config(tmp_path, fake, seeds=[0], parallel=1, use_vllm=True), echo=lambda m: None)
+    assert len(_calls(fake)) == 2  # another --parallel changes the memory share, not the result: nothing reruns
+    messages = []
+    run_compare(_config(tmp_path, fake, seeds=[0], parallel=2), echo=messages.append)
+    assert _calls(fake, "overrides")[2:] == [{"num_iterations": 2}] * 2
+    assert any("A_s0" in m and "use_vllm true -> null" in m for m in messages), messages
+    mine = {"num_iterations": 2, "vllm_gpu_memory_utilization": 0.2}
+    run_compare(_config(tmp_path, fake, seeds=[0], parallel=2, use_vllm=True, extra_overrides=mine), echo=lambda m: None)
+    assert _calls(fake, "overrides")[4:] == [{**expected, "vllm_gpu_memory_utilization": 0.2}] * 2  # --override wins
+
+
+@pytest.mark.parametrize(
+    "override, problem",
+    [
+        ('{"use_vllm": false}', "--use-vllm with --override use_vllm=false: drop one of them"),
+        ('{"vllm_mode": "server"}', "--use-vllm runs TRL's colocated engine, but --override sets vllm_mode=\"server\""),
+        ('{"vllm_gpu_memory_utilization": 1.5}', "--override vllm_gpu_memory_utilization=1.5: must be a fraction"),
+    ],
+)
+def test_use_vllm_with_a_contradicting_override_is_refused(tmp_path, fake, capsys, override, problem):
+    out = tmp_path / "out"
+    code, _, stderr = _cli([*_recipes(tmp_path), "--seeds", "0", "--output-dir", str(out), "--use-vllm",
+                            "--run-fn", "fake_train:run_training", "--override", override], capsys)
+    assert code == 2 and stderr.startswith(f"bloggap compare: {problem}"), stderr
+    assert len(stderr.strip().splitlines()) == 1 and not out.exists() and _calls(fake) == []
+
+
+def test_use_vllm_is_refused_without_vllm_or_cuda_before_anything_loads(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    import torch
+
+    import bloggap_plugin.compare as compare
+    import bloggap_plugin.models as models
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before --use-vllm was refused")
+
+    monkeypatch.setattr(models, "load_model", no_model)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
+    out = tmp_path / "out"
+    args = [*_recipes(tmp_path), "--seeds", "0", "--output-dir", str(out), "--model", "tiny-random-llama", "--use-vllm"]
+    code, _, stderr = _cli(args, capsys)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1 and not out.exists(), stderr
+    assert stderr.startswith("bloggap compare: --use-vllm: vLLM is not installed here; run the sweep on a machine "
+                             "with a CUDA GPU and vLLM"), stderr
+    # vLLM present (pretended), no CUDA: the other reason; both present: nothing to refuse.
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real_find_spec(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert compare.vllm_unavailable_reason() == f"CUDA is not available here (torch {torch.__version__})"
+    code, _, stderr = _cli(args, capsys)
+    assert code == 2 and "--use-vllm: CUDA is not available here" in stderr and not out.exists()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert compare.vllm_unavailable_reason() is None
+
+
+def test_gsm8k_options_reach_the_runs_and_the_data_in_effect_is_a_setting(tmp_path, fake, monkeypatch):
+    """--task gsm8k: --data (or $BLOGGAP_GSM8K_DATA) and --calc-steps reach each run; the absolute data path in
+    effect is recorded, so a resume on other data trains again."""
+    from bloggap_plugin.tasks.gsm8k import DATA_ENV, SAMPLE_PATH
+
+    pytest.importorskip("matplotlib")
+    copy = tmp_path / "my_gsm8k.jsonl"
+    copy.write_bytes(SAMPLE_PATH.read_bytes())
+    monkeypatch.chdir(tmp_path)
+    config = _config(tmp_path, fake, seeds=[0], task="gsm8k", data="my_gsm8k.jsonl", calc_steps="2")
+    run_compare(config, echo=lambda m: None)
+    expected = {"data": str(copy), "calc_steps": "2"}  # the worker passes the options that are set
+    assert _calls(fake, "task_kwargs") == [expected, expected] and _calls(fake, "task") == ["gsm8k", "gsm8k"]
+    monkeypatch.setenv(DATA_ENV, str(copy))  # the same file through the variable: nothing reruns
+    run_compare(dataclasses.replace(config, data=None), echo=lambda m: None)
+    assert len(_calls(fake)) == 2
+    other = tmp_path / "other.jsonl"
+    other.write_bytes(SAMPLE_PATH.read_bytes())
+    monkeypatch.setenv(DATA_ENV, str(other))
+    messages = []
+    run_compare(dataclasses.replace(config, data=None), echo=messages.append)
+    assert [kw["data"] for kw in _calls(fake, "task_kwargs")[2:]] == [str(other)] * 2
+    assert any("other settings (task_kwargs" in m for m in messages), messages
+
+
+def test_gsm8k_data_and_calc_steps_are_checked_before_anything_runs(tmp_path, fake, capsys, gsm8k_dir):
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "train.jsonl").write_text("".join((gsm8k_dir / "train.jsonl").read_text().splitlines(keepends=True)[1:]))
+    out = tmp_path / "out"
+    base = [*_recipes(tmp_path), "--seeds", "0", "--output-dir", str(out), "--run-fn", "fake_train:run_training",
+            "--task", "gsm8k"]
+    for extra, problem in (
+        (["--data", str(cut)], f"--data: GSM8K file {cut / 'train.jsonl'} has 7,472 rows, the published train.jsonl has 7,473"),
+        (["--data", str(gsm8k_dir), "--calc-steps", "3-1"], "--calc-steps: calc_steps '3-1': give a number >= 0"),
+        (["--data", str(gsm8k_dir), "--calc-steps", "99"], "--calc-steps: no GSM8K row has 99 calculation step(s)"),
+    ):
+        code, _, stderr = _cli([*base, *extra], capsys)
+        assert code == 2 and stderr.startswith(f"bloggap compare: {problem}"), stderr
+        assert len(stderr.strip().splitlines()) == 1 and not out.exists() and _calls(fake) == []
+
+
+
+def test_compare_override_takes_yaml_as_train_does(tmp_path, fake, capsys):
+    """--override reads a YAML mapping like train's --extra-overrides (JSON is YAML too): one syntax for both."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    code, stdout, stderr = _cli([*_recipes(tmp_path), "--seeds", "0", "--max-steps", "2", "--output-dir", str(out),
+                                 "--model", "tiny-random-llama", "--run-fn", "fake_train:run_training", "--pythonpath",
+                                 fake["dir"], "--last-n", "1", "--override", "{num_iterations: 2}"], capsys)
+    assert code == 0, stdout[-2000:] + stderr
+    assert _calls(fake, "overrides") == [{"num_iterations": 2}, {"num_iterations": 2}]

@@ -1,0 +1,182 @@
+"""The package's import graph, read from the source with ``ast`` (imports inside functions and under
+``TYPE_CHECKING`` included): ``core`` imports nothing above it, no module imports from a higher layer, no
+import circle, no private name imported across modules, no module file name in two places."""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+from _support import ROOT
+
+PACKAGE = ROOT / "bloggap_plugin"
+ROOT = "bloggap_plugin"
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("core",),  # torch maths, the scoring plans, and the vocabulary they share (arms, errors)
+    ("_io", "envinfo"),
+    ("results", "models", "recipes", "sampling", "tasks", "vllm", "run_timing"),
+    ("report_builder", "heldout_accuracy"),
+    ("measure", "verl", "trl"),  # measurements and the trainer adapters
+    ("compare",),  # sweeps of training runs (it runs trl's run_training)
+    ("commands",),
+    ("cli",),
+    ("__init__",),  # the public face: lazy re-exports of a few names
+)
+"""Top-level units of the package (a subpackage or a root module), from the ground up; a unit may import
+its own layer's units and those below, never above."""
+
+SHARED_FILE_NAMES = {
+    "config": "compare/config.py and verl/config.py: each feature's own settings, no feature of their own",
+    "train": "commands/train.py is `bloggap train` (cli.py loads commands/<subcommand>.py); trl/train.py is "
+             "named in result files as compare's default run_fn (bloggap_plugin.trl.train:run_training)",
+}
+"""File names allowed in more than one folder, and why."""
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, str]]:
+    """``(imported module, imported name or "")`` for every import of the package in ``path``'s source."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, "") for alias in node.names if alias.name.split(".")[0] == ROOT]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source.split(".")[0] != ROOT:
+                continue
+            for alias in node.names:
+                submodule = f"{source}.{alias.name}"
+                found.append((submodule, "") if submodule in modules else (source, alias.name))
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, including the packages a submodule import runs (``a.b.c``
+    runs ``a.b``'s ``__init__``), except the importer's own packages and the root package's ``__version__``."""
+    modules = _modules()
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        for target, imported in _imports(name, path, modules):
+            if target == ROOT and imported == "__version__":  # a constant; the root is loaded before any submodule
+                continue
+            parts = target.split(".")
+            for depth in range(2, len(parts) + 1):
+                module = ".".join(parts[:depth])
+                if module in modules and module != name and not name.startswith(module + "."):
+                    graph[name].add(module)
+            if target == ROOT:
+                graph[name].add(ROOT)
+    return {name: graph.get(name, set()) for name in modules}
+
+
+def unit_of(module: str) -> str:
+    """The top-level unit of ``module``: ``core`` for ``bloggap_plugin.core.plans.base``, ``__init__`` for the root."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def upward_imports(graph: dict[str, set[str]], layers: tuple[tuple[str, ...], ...]) -> list[str]:
+    """``"a -> b"`` for every import from a unit to a unit of a higher layer."""
+    layer = {unit: level for level, units in enumerate(layers) for unit in units}
+    return [f"{source} -> {target}" for source, targets in sorted(graph.items()) for target in sorted(targets)
+            if layer[unit_of(target)] > layer[unit_of(source)]]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_graph_is_read():
+    graph = import_graph()
+    assert "bloggap_plugin.core.arms" in graph["bloggap_plugin.core.plans.registry"]
+    # an import inside a function counts: commands.doctor imports measure.doctor_matrix in its run()
+    assert "bloggap_plugin.measure.doctor_matrix" in graph["bloggap_plugin.commands.doctor"]
+    # a submodule import runs its package's __init__
+    assert "bloggap_plugin.compare" in graph["bloggap_plugin.commands.compare"]
+
+
+def test_every_unit_has_a_layer():
+    units = {unit_of(module) for module in import_graph()}
+    placed = [unit for units_ in LAYERS for unit in units_]
+    assert len(placed) == len(set(placed)), "a unit is in two layers"
+    assert units == set(placed), f"place these in LAYERS: {sorted(units - set(placed))}; gone: {sorted(set(placed) - units)}"
+
+
+def test_core_imports_nothing_outside_core():
+    outside = [f"{source} -> {target}" for source, targets in sorted(import_graph().items())
+               if unit_of(source) == "core" for target in sorted(targets) if unit_of(target) != "core"]
+    assert outside == []
+
+
+def test_no_import_from_a_lower_layer_to_a_higher_one():
+    assert upward_imports(import_graph(), LAYERS) == []
+
+
+def test_no_import_circle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_checks_catch_what_they_look_for():
+    planted = {"bloggap_plugin.core.a": {"bloggap_plugin.trl.b"}, "bloggap_plugin.trl.b": {"bloggap_plugin.core.a"}}
+    assert cycles(planted) == [["bloggap_plugin.core.a", "bloggap_plugin.trl.b"]]
+    assert upward_imports(planted, (("core",), ("trl",))) == ["bloggap_plugin.core.a -> bloggap_plugin.trl.b"]
+
+
+def test_no_private_name_is_imported_across_modules():
+    modules = _modules()
+    private = [f"{_module_name(path)} imports {source}.{imported}" for path in modules.values()
+               for source, imported in _imports(_module_name(path), path, modules)
+               if imported.startswith("_") and not imported.startswith("__")]
+    assert private == []
+
+
+def test_one_file_name_per_feature():
+    places = defaultdict(list)
+    for path in PACKAGE.rglob("*.py"):
+        if path.stem not in ("__init__", "__main__"):
+            places[path.stem].append(str(path.relative_to(PACKAGE)))
+    repeated = {stem: sorted(paths) for stem, paths in places.items() if len(paths) > 1}
+    assert set(repeated) == set(SHARED_FILE_NAMES), repeated
