@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from _support import ROOT
+from _support.cli import RECIPES, assert_one_line_error
 from _support.fixtures import _no_model, cli_runner
 
-RECIPES = ROOT / "recipes"
 ARM_A = (RECIPES / "arm_A.yaml").read_text()
 
 
@@ -26,18 +25,6 @@ def _unwritable_folder() -> Path | None:
                 return candidate
             (candidate / ".bloggap-write-test").unlink()
     return None
-
-
-def _assert_one_line_error(result, *needles: str) -> str:
-    code, out, err = result
-    assert code == 2, (code, out, err)
-    assert "Traceback" not in err and "Traceback" not in out
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("bloggap: error: "), lines[0]
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 def _recipe(tmp_path, text: str, name: str = "recipe.yaml") -> Path:
@@ -56,24 +43,24 @@ def _train(bloggap, tmp_path, recipe, *extra):
 
 def test_train_num_generations_not_an_integer(bloggap, tmp_path):
     recipe = _recipe(tmp_path, ARM_A.replace("num_generations: 8", 'num_generations: "eight"'))
-    _assert_one_line_error(_train(bloggap, tmp_path, recipe), "num_generations must be an integer", "'eight'")
+    assert_one_line_error(_train(bloggap, tmp_path, recipe), "num_generations must be an integer", "'eight'")
 
 
 def test_train_num_generations_not_dividing_the_batch(bloggap, tmp_path):
     recipe = _recipe(tmp_path, ARM_A.replace("num_generations: 8", "num_generations: 3"))
-    line = _assert_one_line_error(_train(bloggap, tmp_path, recipe), "generation_batch_size (16)",
+    line = assert_one_line_error(_train(bloggap, tmp_path, recipe), "generation_batch_size (16)",
                                   "num_generations (3)")
     assert "one of 2, 4, 8, 16" in line  # 8 rows x 2 accumulation steps: the divisors of 16
 
 
 def test_train_negative_learning_rate(bloggap, tmp_path):
     recipe = _recipe(tmp_path, ARM_A.replace("learning_rate: 2.0e-6", "learning_rate: -1"))
-    _assert_one_line_error(_train(bloggap, tmp_path, recipe), "learning_rate", "must be >= 0", "got -1")
+    assert_one_line_error(_train(bloggap, tmp_path, recipe), "learning_rate", "must be >= 0", "got -1")
 
 
 def test_train_zero_temperature(bloggap, tmp_path):
     recipe = _recipe(tmp_path, ARM_A.replace("temperature: 1.0", "temperature: 0"))
-    _assert_one_line_error(_train(bloggap, tmp_path, recipe), "temperature", "must be > 0")
+    assert_one_line_error(_train(bloggap, tmp_path, recipe), "temperature", "must be > 0")
 
 
 def test_recipe_float_written_without_a_dot_is_a_number(tmp_path):
@@ -86,13 +73,13 @@ def test_recipe_float_written_without_a_dot_is_a_number(tmp_path):
 def test_train_binary_recipe(bloggap, tmp_path):
     recipe = tmp_path / "binary.yaml"
     recipe.write_bytes(bytes(range(256)) * 4)
-    _assert_one_line_error(_train(bloggap, tmp_path, recipe), "not a text file")
+    assert_one_line_error(_train(bloggap, tmp_path, recipe), "not a text file")
 
 
 def test_train_empty_recipe_is_refused(bloggap, tmp_path):
     for text in ("", "# only a comment\n", "{}\n"):
         recipe = _recipe(tmp_path, text)
-        _assert_one_line_error(_train(bloggap, tmp_path, recipe), "is empty", "recipes/arm_A.yaml")
+        assert_one_line_error(_train(bloggap, tmp_path, recipe), "is empty", "recipes/arm_A.yaml")
 
 
 def test_recipe_without_gap_section_warns_arm_a(tmp_path):
@@ -105,7 +92,7 @@ def test_recipe_without_gap_section_warns_arm_a(tmp_path):
 
 def test_train_duplicate_gap_sections(bloggap, tmp_path):
     recipe = _recipe(tmp_path, ARM_A + "gap:\n  arm: B\n")
-    line = _assert_one_line_error(_train(bloggap, tmp_path, recipe), "'gap' appears twice")
+    line = assert_one_line_error(_train(bloggap, tmp_path, recipe), "'gap' appears twice")
     lines = ARM_A.splitlines()
     assert f"lines {lines.index('gap:') + 1} and {len(lines) + 1}" in line  # both places named
 
@@ -123,19 +110,19 @@ def test_duplicate_key_inside_gap_section(tmp_path):
 def test_train_missing_model_path(bloggap, tmp_path):
     result = bloggap("train", RECIPES / "arm_A.yaml", "--model", tmp_path / "no-such-model", "--device", "cpu",
                      "--output-dir", tmp_path / "out")
-    _assert_one_line_error(result, "no-such-model", "no such file or folder")
+    assert_one_line_error(result, "no-such-model", "no such file or folder")
 
 
 def test_train_hub_id_offline(bloggap, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     result = bloggap("train", RECIPES / "arm_A.yaml", "--model", "bloggap-nobody/no-such-model", "--device", "cpu",
                      "--output-dir", tmp_path / "out")
-    _assert_one_line_error(result, "'bloggap-nobody/no-such-model' is not in the local Hugging Face cache",
+    assert_one_line_error(result, "'bloggap-nobody/no-such-model' is not in the local Hugging Face cache",
                            "HF_HUB_OFFLINE")
 
 
 def test_train_unknown_task(bloggap, tmp_path):
-    _assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--task", "foo"),
+    assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--task", "foo"),
                            "unknown task 'foo'", "gsm8k, arith")
 
 
@@ -143,17 +130,17 @@ def test_train_unknown_task(bloggap, tmp_path):
 def test_train_cuda_without_cuda(bloggap, tmp_path):
     result = bloggap("train", RECIPES / "arm_A.yaml", "--model", "tiny-random-llama", "--device", "cuda",
                      "--output-dir", tmp_path / "out")
-    _assert_one_line_error(result, "--device cuda but CUDA is not available", "--device cpu")
+    assert_one_line_error(result, "--device cuda but CUDA is not available", "--device cpu")
 
 
 def test_train_bad_device_name(bloggap, tmp_path):
     result = bloggap("train", RECIPES / "arm_A.yaml", "--model", "tiny-random-llama", "--device", "gpu0",
                      "--output-dir", tmp_path / "out")
-    _assert_one_line_error(result, "--device 'gpu0' is not a device")
+    assert_one_line_error(result, "--device 'gpu0' is not a device")
 
 
 def test_train_log_jsonl_is_a_directory(bloggap, tmp_path):
-    _assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--log-jsonl", tmp_path),
+    assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--log-jsonl", tmp_path),
                            "--log-jsonl", "is a directory")
 
 
@@ -162,7 +149,7 @@ def test_train_output_dir_is_a_file(bloggap, tmp_path):
     a_file.write_text("x")
     result = bloggap("train", RECIPES / "arm_A.yaml", "--model", "tiny-random-llama", "--device", "cpu",
                      "--output-dir", a_file)
-    _assert_one_line_error(result, "--output-dir", "is a file, not a folder")
+    assert_one_line_error(result, "--output-dir", "is a file, not a folder")
 
 
 def test_train_outputs_not_writable(bloggap, tmp_path):
@@ -171,14 +158,14 @@ def test_train_outputs_not_writable(bloggap, tmp_path):
         pytest.skip("no unwritable folder on this machine")
     result = bloggap("train", RECIPES / "arm_A.yaml", "--model", "tiny-random-llama", "--device", "cpu",
                      "--output-dir", folder / "runs")
-    _assert_one_line_error(result, "--output-dir", "is not writable")
-    _assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--log-jsonl", folder / "log.jsonl"),
+    assert_one_line_error(result, "--output-dir", "is not writable")
+    assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--log-jsonl", folder / "log.jsonl"),
                            "--log-jsonl", "is not writable")
 
 
 @pytest.mark.parametrize("steps", ["0", "-1"])
 def test_train_max_steps_not_positive(bloggap, tmp_path, steps):
-    _assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--max-steps", steps),
+    assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--max-steps", steps),
                            "--max-steps must be an integer >= 1", f"got {steps}")
 
 
@@ -195,9 +182,9 @@ def test_train_gsm8k_offline_names_the_data_option(bloggap, tmp_path, monkeypatc
         return real_load(path, *args, **kwargs)
 
     monkeypatch.setattr(datasets, "load_dataset", offline_load)
-    _assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--task", "gsm8k"),
+    assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--task", "gsm8k"),
                            "openai/gsm8k", "--data PATH")
-    _assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--task", "gsm8k", "--data",
+    assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--task", "gsm8k", "--data",
                                   tmp_path / "absent.jsonl"), "absent.jsonl does not exist")
 
 
@@ -223,9 +210,9 @@ def test_train_gsm8k_data_from_the_environment_variable(bloggap, gsm8k_dir, tmp_
     short.mkdir()
     (short / "train.jsonl").write_text("".join((gsm8k_dir / "train.jsonl").read_text().splitlines(keepends=True)[:-2]))
     monkeypatch.setenv("BLOGGAP_GSM8K_DATA", str(short))
-    _assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--task", "gsm8k"),
+    assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--task", "gsm8k"),
                            f"{short / 'train.jsonl'} has 7,471 rows", "point $BLOGGAP_GSM8K_DATA at another copy")
-    _assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--task", "gsm8k", "--data", gsm8k_dir,
+    assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--task", "gsm8k", "--data", gsm8k_dir,
                                   "--calc-steps", "2-1"), "calc_steps '2-1'")
     monkeypatch.setenv("BLOGGAP_GSM8K_DATA", str(gsm8k_dir))
     monkeypatch.setattr(models, "load_model", _no_model)
@@ -261,7 +248,7 @@ def test_corrupt_model_files_are_one_line_errors(bloggap, tmp_path, command):
             argv = ("train", RECIPES / "arm_A.yaml", "--output-dir", tmp_path / "out")
         else:
             argv = (command,)
-        _assert_one_line_error(bloggap(*argv, "--model", spec, "--device", "cpu"), str(spec), phrase)
+        assert_one_line_error(bloggap(*argv, "--model", spec, "--device", "cpu"), str(spec), phrase)
 
 
 @pytest.fixture
@@ -292,7 +279,7 @@ def test_unreadable_model_files_fail_at_load_as_one_line(bloggap_measuring_fails
     }))
     for spec, what in ((truncated, "cannot load GGUF file"), (unknown, "cannot load model folder"),
                        (no_weights, "cannot load model folder")):
-        line = _assert_one_line_error(bloggap_measuring_fails("attribute", "--model", spec, "--device", "cpu"),
+        line = assert_one_line_error(bloggap_measuring_fails("attribute", "--model", spec, "--device", "cpu"),
                                       f"{what} {spec}", "re-download them or choose another --model")
         assert len(line) < 500
 
@@ -305,31 +292,31 @@ def _doctor(bloggap, *extra):
 
 
 def test_doctor_json_to_a_directory_is_refused_before_measuring(bloggap, tmp_path):
-    _assert_one_line_error(_doctor(bloggap, "--json", tmp_path), "--json", "is a directory")
+    assert_one_line_error(_doctor(bloggap, "--json", tmp_path), "--json", "is a directory")
 
 
 def test_doctor_json_to_an_unwritable_folder_is_refused_before_measuring(bloggap, tmp_path):
     folder = _unwritable_folder()
     if folder is None:
         pytest.skip("no unwritable folder on this machine")
-    _assert_one_line_error(_doctor(bloggap, "--json", folder / "doctor.json"), "--json", "is not writable")
+    assert_one_line_error(_doctor(bloggap, "--json", folder / "doctor.json"), "--json", "is not writable")
 
 
 @pytest.mark.parametrize("band", ["2", "1", "0", "-0.1", "nan"])
 def test_doctor_band_outside_0_1(bloggap, band):
-    _assert_one_line_error(_doctor(bloggap, "--band", band), "--band must be in (0, 1)", f"got {band}")
+    assert_one_line_error(_doctor(bloggap, "--band", band), "--band must be in (0, 1)", f"got {band}")
 
 
 @pytest.mark.parametrize("option", ["--num-seqs", "--max-new-tokens", "--gen-batch-size", "--fp16-rows"])
 @pytest.mark.parametrize("value", ["0", "-3"])
 def test_doctor_non_positive_counts(bloggap, option, value):
-    _assert_one_line_error(_doctor(bloggap, option, value), f"{option} must be >= 1", f"got {value}")
+    assert_one_line_error(_doctor(bloggap, option, value), f"{option} must be >= 1", f"got {value}")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_doctor_cuda_without_cuda(bloggap):
     result = bloggap("doctor", "--model", "tiny-random-llama", "--device", "cuda", "--no-progress")
-    _assert_one_line_error(result, "--device cuda but CUDA is not available")
+    assert_one_line_error(result, "--device cuda but CUDA is not available")
 
 
 def test_doctor_json_write_failure_keeps_the_previous_file(tmp_path, monkeypatch):
@@ -352,13 +339,13 @@ def test_doctor_json_write_failure_keeps_the_previous_file(tmp_path, monkeypatch
 
 
 def test_ladder_non_positive_k_is_refused_before_loading(bloggap):
-    _assert_one_line_error(bloggap("ladder", "--model", "tiny-random-llama", "--device", "cpu", "--k", "0", "99"),
+    assert_one_line_error(bloggap("ladder", "--model", "tiny-random-llama", "--device", "cpu", "--k", "0", "99"),
                            "--k 0", ">= 1")
 
 
 def test_ladder_k_beyond_the_layers_is_refused_before_measuring(bloggap_measuring_fails):
     result = bloggap_measuring_fails("ladder", "--model", "tiny-random-llama", "--device", "cpu", "--k", "1", "99")
-    _assert_one_line_error(result, "--k 99 out of range", "2 decoder layers", "1..2")
+    assert_one_line_error(result, "--k 99 out of range", "2 decoder layers", "1..2")
 
 
 def test_ladder_default_k_is_capped_at_the_layers():
@@ -371,24 +358,24 @@ def test_ladder_default_k_is_capped_at_the_layers():
 
 def test_attribute_k_beyond_the_layers_is_refused_before_measuring(bloggap_measuring_fails):
     result = bloggap_measuring_fails("attribute", "--model", "tiny-random-llama", "--device", "cpu", "--k", "3")
-    _assert_one_line_error(result, "--k 3 is out of range", "2 decoder layers", "1..2")
+    assert_one_line_error(result, "--k 3 is out of range", "2 decoder layers", "1..2")
 
 
 @pytest.mark.parametrize("command", ["ladder", "attribute"])
 def test_ladder_attribute_bad_options_before_loading(bloggap, tmp_path, command):
     base = (command, "--model", "tiny-random-llama", "--device", "cpu")
-    _assert_one_line_error(bloggap(*base, "--json", tmp_path), "--json", "is a directory")
-    _assert_one_line_error(bloggap(*base, "--rows", "0"), "--rows must be >= 1")
-    _assert_one_line_error(bloggap(*base, "--new-tokens", "-1"), "--new-tokens must be >= 1")
-    _assert_one_line_error(bloggap(*base, "--device", "cuda:99" if torch.cuda.is_available() else "cuda"),
+    assert_one_line_error(bloggap(*base, "--json", tmp_path), "--json", "is a directory")
+    assert_one_line_error(bloggap(*base, "--rows", "0"), "--rows must be >= 1")
+    assert_one_line_error(bloggap(*base, "--new-tokens", "-1"), "--new-tokens must be >= 1")
+    assert_one_line_error(bloggap(*base, "--device", "cuda:99" if torch.cuda.is_available() else "cuda"),
                            "--device cuda")
 
 
 def test_train_report_to_unknown_or_missing(bloggap, tmp_path, monkeypatch):
     import transformers.integrations as integrations
 
-    _assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--report-to", "wandbb"),
+    assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--report-to", "wandbb"),
                            "--report-to wandbb: unknown", "tensorboard")
     monkeypatch.setattr(integrations, "get_available_reporting_integrations", lambda: [])  # as if not installed
-    _assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--report-to", "tensorboard"),
+    assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--report-to", "tensorboard"),
                            "--report-to tensorboard: the tensorboard package is not installed")

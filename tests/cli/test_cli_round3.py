@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from _support import ROOT
-from test_cli_errors import RECIPES, _assert_one_line_error
+from _support.cli import RECIPES, assert_one_line_error
 
 from bloggap_plugin import cli
 
@@ -25,7 +25,7 @@ TINY = ("--model", "tiny-random-llama")
 
 @pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e400"])
 def test_a_non_finite_grpo_setting_on_the_command_line_is_refused(bloggap, tmp_path, value):
-    line = _assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path,
+    line = assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path,
                                           f"--learning_rate={value}"), "learning_rate")
     assert "finite" in line
 
@@ -35,7 +35,7 @@ def test_a_non_finite_value_in_a_recipe_is_refused(bloggap, tmp_path, text):
     recipe = tmp_path / "r.yaml"
     recipe.write_text((RECIPES / "arm_A.yaml").read_text().replace("learning_rate: 2.0e-6", f"learning_rate: {text}"))
     assert f"learning_rate: {text}" in recipe.read_text()
-    line = _assert_one_line_error(bloggap("train", recipe, *TINY, "--max-steps", "1", "--output-dir", tmp_path / "o"),
+    line = assert_one_line_error(bloggap("train", recipe, *TINY, "--max-steps", "1", "--output-dir", tmp_path / "o"),
                                   "learning_rate")
     assert "finite" in line
 
@@ -45,13 +45,13 @@ def test_a_non_finite_gap_field_is_refused(bloggap, tmp_path, field, value):
     recipe = tmp_path / "r.yaml"
     recipe.write_text((RECIPES / "arm_A.yaml").read_text().replace("  band: 0.1\n", f"  band: 0.1\n  {field}: {value}\n")
                       if field != "band" else (RECIPES / "arm_A.yaml").read_text().replace("band: 0.1", f"band: {value}"))
-    _assert_one_line_error(bloggap("train", recipe, *TINY, "--max-steps", "1", "--output-dir", tmp_path / "o"),
+    assert_one_line_error(bloggap("train", recipe, *TINY, "--max-steps", "1", "--output-dir", tmp_path / "o"),
                            f"gap.{field}")
 
 
 @pytest.mark.parametrize("seed", ["-1", str(2**32)])
 def test_a_seed_outside_numpys_range_is_refused(bloggap, tmp_path, seed):
-    line = _assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path,
+    line = assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path,
                                           f"--seed={seed}"), "--seed")
     assert "4294967295" in line
 
@@ -67,11 +67,11 @@ def test_an_unknown_flag_is_one_line_not_the_usage(capsys):
 def test_an_existing_log_is_not_appended_to(bloggap, tmp_path):
     log = tmp_path / "run.jsonl"
     log.write_text('{"step": 1, "loss": 0.5}\n')
-    _assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path / "o",
+    assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path / "o",
                                    "--log-jsonl", log), str(log), "exists")
     recipe = tmp_path / "arm_A.yaml"
     recipe.write_text((RECIPES / "arm_A.yaml").read_text())
-    _assert_one_line_error(bloggap("train", recipe, *TINY, "--max-steps", "1", "--output-dir", tmp_path / "o",
+    assert_one_line_error(bloggap("train", recipe, *TINY, "--max-steps", "1", "--output-dir", tmp_path / "o",
                                    "--log-jsonl", recipe), "exists")
     assert recipe.read_text() == (RECIPES / "arm_A.yaml").read_text()  # the recipe is untouched
 
@@ -136,7 +136,7 @@ def test_report_to_wandb_without_an_api_key_runs_offline(tmp_path):
 
 
 def test_a_text_value_for_a_number_field_is_refused(bloggap, tmp_path):
-    _assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path,
+    assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path,
                                    "--extra-overrides", "{beta: high}"), "beta", "'high'")
 
 
@@ -164,7 +164,7 @@ def test_a_gsm8k_file_with_a_line_that_is_not_json_is_named_with_its_line(blogga
     else:
         path = bad = tmp_path / name
     bad.write_text("\n".join(rows) + "\n")
-    _assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path / "o",
+    assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path / "o",
                                    "--task", "gsm8k", "--data", path), f"{bad}:3", "not a JSON")
 
 
@@ -283,7 +283,7 @@ def test_a_bloggap_cache_that_is_a_file_is_refused_before_dequantising(bloggap, 
     blocker = tmp_path / "cache-file"
     blocker.write_text("not a folder")
     monkeypatch.setenv("BLOGGAP_CACHE", str(blocker))
-    _assert_one_line_error(bloggap("train", ARM_A, "--max-steps", "1", "--output-dir", tmp_path / "o"),
+    assert_one_line_error(bloggap("train", ARM_A, "--max-steps", "1", "--output-dir", tmp_path / "o"),
                            "BLOGGAP_CACHE", "not a folder")
 
 
@@ -339,7 +339,7 @@ def test_a_stored_doctor_result_with_wrong_or_impossible_values_is_refused(blogg
     edit(stored)
     path = tmp_path / "d.json"
     path.write_text(json.dumps(stored))
-    _assert_one_line_error(bloggap("doctor", "--from-json", path), "--from-json", *needles)
+    assert_one_line_error(bloggap("doctor", "--from-json", path), "--from-json", *needles)
     good = tmp_path / "good.json"
     good.write_text(json.dumps(_stored_doctor()))
     assert bloggap("doctor", "--from-json", good)[0] == 0
@@ -355,7 +355,7 @@ def test_two_trains_into_one_output_folder_are_refused(bloggap, tmp_path):
     held = try_lock(out / ".bloggap-train.lock")
     assert held is not None
     try:
-        _assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", out),
+        assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", out),
                                str(out), "another bloggap train")
     finally:
         held.close()
@@ -405,7 +405,7 @@ def test_bloggap_gguf_is_not_ignored_once_a_cache_exists(bloggap, tmp_path, monk
     other.write_bytes(b"GGUF" + b"\0" * 20)
     monkeypatch.setenv("BLOGGAP_CACHE", str(cache))
     monkeypatch.setenv("BLOGGAP_GGUF", str(other))
-    _assert_one_line_error(bloggap("train", ARM_A, "--max-steps", "1", "--output-dir", tmp_path / "o"),
+    assert_one_line_error(bloggap("train", ARM_A, "--max-steps", "1", "--output-dir", tmp_path / "o"),
                            "BLOGGAP_GGUF", str(other), "old.gguf", str(dense))
     (dense / "bloggap_source.json").write_text(json.dumps({"gguf": str(other), "size": other.stat().st_size}))
     monkeypatch.setattr("bloggap_plugin.models._check_model_folder", lambda path: None)
@@ -450,14 +450,14 @@ def test_compare_plot_labels_reward_steps_and_shows_a_single_point(tmp_path, mon
 def test_report_to_takes_a_list_as_trl_does(bloggap, tmp_path, flags):
     """TRL's report_to is a list: --report-to takes several integrations, space- or comma-separated; each is
     checked before the model loads (here the unknown one is named, so the list was read past its first name)."""
-    _assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path, *flags),
+    assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path, *flags),
                            "--report-to nosuch", "unknown")
 
 
 def test_report_to_a_list_from_a_config_file(bloggap, tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("report_to: [wandb, nosuch]\n")
-    _assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path, "--config",
+    assert_one_line_error(bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path, "--config",
                                    config), "--report-to nosuch", "unknown")
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from _support import ROOT
+from _support.compare_runs import FAKE_TRAIN, compare_cli, write_recipes
 
 from bloggap_plugin.compare import (
     DONE_KEY,
@@ -30,46 +31,6 @@ from bloggap_plugin.compare import (
     summarize_run,
     write_outputs,
 )
-
-# A stand-in for run_training with the same signature: rewards are a closed form of (arm, seed, step), so the
-# expected table is known without running the code under test. FAKE_HANG=<run id> makes that run hang after
-# its first line (to be killed); FAKE_SLOW=<run id> makes it sleep 0.5 s after each step; FAKE_CRASH=<run id>
-# makes it raise. Every call is recorded in FAKE_CALLS (with its pid). Like the real JsonlLogger it opens the log
-# by path for every line (so a process that outlives its sweep keeps appending to whatever file has that name).
-FAKE_TRAIN = '''
-import json, os, time, yaml
-
-ARM_BASE = {"A": 0.25, "B": 0.5, "C": 0.0}
-
-def run_training(recipe_path, *, model, task, max_steps, output_dir, report_to="none", seed, log_jsonl,
-                 extra_overrides, task_kwargs=None):
-    arm = yaml.safe_load(open(recipe_path))["gap"]["arm"]
-    run_id = f"{arm}_s{seed}"
-    with open(os.environ["FAKE_CALLS"], "a") as f:
-        f.write(json.dumps({"run": run_id, "overrides": extra_overrides, "task": task, "model": model,
-                            "task_kwargs": task_kwargs, "max_steps": max_steps, "pid": os.getpid()}) + "\\n")
-    if os.environ.get("FAKE_CRASH") == run_id:
-        raise RuntimeError("fake crash")
-    for step in range(1, max_steps + 1):
-        reward = ARM_BASE[arm] + 0.125 * seed + (0.25 if step % 2 else 0.0)
-        with open(log_jsonl, "a") as log:
-            log.write(json.dumps({"step": step, "reward": reward, "clip_ratio/region_mean": 0.01 * step,
-                                  "gap/ratio/oob_frac": 0.5 if arm == "B" else 0.0, "step_time": 2.0}) + "\\n")
-        if os.environ.get("FAKE_HANG") == run_id:
-            time.sleep(600)
-        if os.environ.get("FAKE_SLOW") == run_id:
-            time.sleep(0.5)
-    return {"arm": arm, "steps": max_steps}
-'''
-
-
-def _recipes(tmp_path: Path, arms=("A", "B")) -> list[str]:
-    paths = []
-    for arm in arms:
-        path = tmp_path / f"arm_{arm}.yaml"
-        path.write_text(f"learning_rate: 1.0e-6\ngap:\n  arm: {arm}\n")
-        paths.append(str(path))
-    return paths
 
 
 @pytest.fixture
@@ -109,7 +70,7 @@ def _alive(pid: int) -> bool:
 
 def _config(tmp_path, fake, **kw) -> CompareConfig:
     base = dict(
-        recipes=_recipes(tmp_path),
+        recipes=write_recipes(tmp_path),
         seeds=[0, 1],
         task="arith",
         max_steps=4,
@@ -192,7 +153,7 @@ def _write_log(config, run, rewards, extra=None, done=True):
 
 
 def test_table_maths_on_constructed_logs(tmp_path):
-    config = CompareConfig(recipes=_recipes(tmp_path, ("A", "B", "C")), seeds=[0, 1], output_dir=str(tmp_path / "o"),
+    config = CompareConfig(recipes=write_recipes(tmp_path, ("A", "B", "C")), seeds=[0, 1], output_dir=str(tmp_path / "o"),
                            last_n=2, max_steps=4)
     runs = {r.run_id: r for r in plan_runs(config)}
     assert list(runs) == ["A_s0", "B_s0", "C_s0", "A_s1", "B_s1", "C_s1"]
@@ -241,7 +202,7 @@ def test_declared_analysis_is_final_only_with_every_planned_seed(tmp_path):
     mean) compares B and C with A at alpha 0.05 over two arms, as scipy computes it here; declaring a fourth seed
     turns the same logs into an interim table without intervals or p-values."""
     scipy_stats = pytest.importorskip("scipy.stats")
-    config = CompareConfig(recipes=_recipes(tmp_path, ("A", "B", "C")), seeds=[0, 1, 2], output_dir=str(tmp_path / "o"),
+    config = CompareConfig(recipes=write_recipes(tmp_path, ("A", "B", "C")), seeds=[0, 1, 2], output_dir=str(tmp_path / "o"),
                            last_n=2, max_steps=4, secondary=["reward_mean"])
     runs = {r.run_id: r for r in plan_runs(config)}
     base = [0.0, 0.5, 0.5, 0.5]
@@ -290,7 +251,7 @@ def test_declared_analysis_is_final_only_with_every_planned_seed(tmp_path):
 def test_a_bad_declared_analysis_is_refused_naming_the_flag(tmp_path, settings, message):
     from bloggap_plugin.compare import validate_config
 
-    config = CompareConfig(recipes=_recipes(tmp_path), seeds=[0, 1], output_dir=str(tmp_path / "o"), **settings)
+    config = CompareConfig(recipes=write_recipes(tmp_path), seeds=[0, 1], output_dir=str(tmp_path / "o"), **settings)
     with pytest.raises(CompareError, match=message):
         validate_config(config, training=False)
 
@@ -306,7 +267,7 @@ def test_read_log_tolerates_a_cut_last_line_but_not_a_bad_middle_line(tmp_path):
 
 
 def test_plan_rejects_bad_input(tmp_path):
-    recipes = _recipes(tmp_path)
+    recipes = write_recipes(tmp_path)
     with pytest.raises(ValueError, match="distinct"):
         plan_runs(CompareConfig(recipes=recipes, seeds=[0, 0]))
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
@@ -372,7 +333,7 @@ def test_a_killed_sweep_leaves_no_worker_and_resumes_counting_each_step_once(tmp
     """Kill only the sweep process (an OOM kill or ``kill PID``); its runs must not outlive it, and the resume must
     count each step once: a run that outlived its sweep used to keep appending to the log a resumed run writes."""
     pytest.importorskip("matplotlib")
-    recipes = _recipes(tmp_path)
+    recipes = write_recipes(tmp_path)
     out = tmp_path / "out"
     command = [sys.executable, "-m", "bloggap_plugin.cli", "compare", *recipes, "--seeds", "0", "--max-steps", "8",
                "--model", "tiny-random-llama", "--output-dir", str(out), "--parallel", "2", "--last-n", "2",
@@ -425,7 +386,7 @@ def test_task_kwargs_need_a_run_function_that_takes_them(tmp_path, fake):
         def run_training(recipe_path, *, model, task, max_steps, output_dir, report_to, seed, log_jsonl, extra_overrides):
             raise AssertionError("must not be called")
     '''))
-    config = _config(tmp_path, fake, seeds=[0], recipes=_recipes(tmp_path, ("A",)), run_fn="narrow_train:run_training",
+    config = _config(tmp_path, fake, seeds=[0], recipes=write_recipes(tmp_path, ("A",)), run_fn="narrow_train:run_training",
                      difficulty=3)
     with pytest.raises(CompareError, match=r"--run-fn narrow_train:run_training takes no task_kwargs, so \['difficulty'\]"):
         run_compare(config, echo=lambda m: None)
@@ -499,14 +460,6 @@ def test_a_failed_output_write_keeps_the_previous_files(tmp_path, fake, monkeypa
     assert (out / "compare.md").read_bytes() != before["compare.md"] and "reward last-3" in (out / "compare.md").read_text()
 
 
-def _cli(args, capsys) -> tuple[int, str, str]:
-    from bloggap_plugin.cli import main
-
-    code = main(["compare", *args])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 @pytest.mark.parametrize(
     "args, problem",
     [
@@ -523,7 +476,7 @@ def _cli(args, capsys) -> tuple[int, str, str]:
 )
 def test_bad_compare_input_fails_in_one_line_before_anything_runs(tmp_path, fake, capsys, args, problem):
     out = tmp_path / "out"
-    code, stdout, stderr = _cli([*_recipes(tmp_path), "--seeds", "0", "--max-steps", "2", "--output-dir", str(out),
+    code, stdout, stderr = compare_cli([*write_recipes(tmp_path), "--seeds", "0", "--max-steps", "2", "--output-dir", str(out),
                                  "--run-fn", "fake_train:run_training", *args], capsys)
     assert code == 2 and stderr.startswith(f"bloggap compare: {problem}"), stderr
     assert len(stderr.strip().splitlines()) == 1 and not out.exists() and _calls(fake) == []
@@ -541,7 +494,7 @@ def test_overrides_are_checked_once_against_grpo_config_before_any_run(tmp_path,
     failed inside every run, after its model loaded)."""
     pytest.importorskip("trl")
     out = tmp_path / "out"
-    code, _, stderr = _cli([*_recipes(tmp_path), "--seeds", "0", "--max-steps", "2", "--output-dir", str(out),
+    code, _, stderr = compare_cli([*write_recipes(tmp_path), "--seeds", "0", "--max-steps", "2", "--output-dir", str(out),
                             "--model", "tiny-random-llama", "--override", override], capsys)
     assert code == 2 and problem in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert not out.exists()
@@ -586,7 +539,7 @@ def test_compare_config_file_sets_fields_and_the_command_line_wins(tmp_path, fak
     config = tmp_path / "compare.yaml"
     config.write_text(yaml_text)
     out = tmp_path / "out"
-    code, _, stderr = _cli([*_recipes(tmp_path), "--max-steps", "2", "--output-dir", str(out),
+    code, _, stderr = compare_cli([*write_recipes(tmp_path), "--max-steps", "2", "--output-dir", str(out),
                             "--run-fn", "fake_train:run_training", "--config", str(config), *args], capsys)
     assert code == 2 and stderr.startswith(f"bloggap compare: {problem}"), stderr
     assert not out.exists() and _calls(fake) == []
@@ -597,7 +550,7 @@ def test_compare_config_file_mapping_override_reaches_the_runs(tmp_path, fake, c
     config = tmp_path / "compare.yaml"
     config.write_text("seeds: [0]\nmax_steps: 2\nlast_n: 1\nextra_overrides:\n  num_iterations: 2\n")
     out = tmp_path / "out"
-    code, stdout, stderr = _cli([*_recipes(tmp_path), "--output-dir", str(out), "--run-fn", "fake_train:run_training",
+    code, stdout, stderr = compare_cli([*write_recipes(tmp_path), "--output-dir", str(out), "--run-fn", "fake_train:run_training",
                                  "--pythonpath", fake["dir"], "--config", str(config)], capsys)
     assert code == 0, stdout + stderr
     document = json.loads((out / "compare.json").read_text())
@@ -614,7 +567,7 @@ def test_a_second_sweep_on_the_same_folder_is_refused_in_one_line(tmp_path, fake
     out.mkdir()
     with open(out / ".compare.lock", "w") as held:  # a sweep (or a run it started) holds the folder
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        code, _, stderr = _cli([*_recipes(tmp_path), "--seeds", "0", "--output-dir", str(out),
+        code, _, stderr = compare_cli([*write_recipes(tmp_path), "--seeds", "0", "--output-dir", str(out),
                                 "--run-fn", "fake_train:run_training"], capsys)
     assert code == 2 and "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
     assert stderr.startswith(f"bloggap compare: another bloggap compare (or a run it started) is using {out}")
@@ -628,7 +581,7 @@ def test_a_corrupted_log_line_sets_that_run_aside_naming_file_and_line(tmp_path,
     log = Path(config.output_dir) / "runs" / "A_s1.jsonl"
     lines = log.read_text().splitlines()
     log.write_text("\n".join([lines[0], '{"step": 2, "rew', *lines[2:]]) + "\n")
-    code, stdout, stderr = _cli([*config.recipes, "--seeds", "0", "1", "--max-steps", "4", "--output-dir",
+    code, stdout, stderr = compare_cli([*config.recipes, "--seeds", "0", "1", "--max-steps", "4", "--output-dir",
                                  config.output_dir, "--last-n", "2", "--override", '{"num_iterations": 2}',
                                  "--model", config.model, "--run-fn", config.run_fn, "--table-only"], capsys)
     assert code == 1 and "Traceback" not in stderr, stderr
@@ -707,7 +660,7 @@ def test_use_vllm_reaches_every_run_and_is_part_of_the_run_settings(tmp_path, fa
 )
 def test_use_vllm_with_a_contradicting_override_is_refused(tmp_path, fake, capsys, override, problem):
     out = tmp_path / "out"
-    code, _, stderr = _cli([*_recipes(tmp_path), "--seeds", "0", "--output-dir", str(out), "--use-vllm",
+    code, _, stderr = compare_cli([*write_recipes(tmp_path), "--seeds", "0", "--output-dir", str(out), "--use-vllm",
                             "--run-fn", "fake_train:run_training", "--override", override], capsys)
     assert code == 2 and stderr.startswith(f"bloggap compare: {problem}"), stderr
     assert len(stderr.strip().splitlines()) == 1 and not out.exists() and _calls(fake) == []
@@ -728,8 +681,8 @@ def test_use_vllm_is_refused_without_vllm_or_cuda_before_anything_loads(tmp_path
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
     out = tmp_path / "out"
-    args = [*_recipes(tmp_path), "--seeds", "0", "--output-dir", str(out), "--model", "tiny-random-llama", "--use-vllm"]
-    code, _, stderr = _cli(args, capsys)
+    args = [*write_recipes(tmp_path), "--seeds", "0", "--output-dir", str(out), "--model", "tiny-random-llama", "--use-vllm"]
+    code, _, stderr = compare_cli(args, capsys)
     assert code == 2 and len(stderr.strip().splitlines()) == 1 and not out.exists(), stderr
     assert stderr.startswith("bloggap compare: --use-vllm: vLLM is not installed here; run the sweep on a machine "
                              "with a CUDA GPU and vLLM"), stderr
@@ -737,7 +690,7 @@ def test_use_vllm_is_refused_without_vllm_or_cuda_before_anything_loads(tmp_path
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real_find_spec(name, *a))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert compare.vllm_unavailable_reason() == f"CUDA is not available here (torch {torch.__version__})"
-    code, _, stderr = _cli(args, capsys)
+    code, _, stderr = compare_cli(args, capsys)
     assert code == 2 and "--use-vllm: CUDA is not available here" in stderr and not out.exists()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert compare.vllm_unavailable_reason() is None
@@ -773,14 +726,14 @@ def test_gsm8k_data_and_calc_steps_are_checked_before_anything_runs(tmp_path, fa
     cut.mkdir()
     (cut / "train.jsonl").write_text("".join((gsm8k_dir / "train.jsonl").read_text().splitlines(keepends=True)[1:]))
     out = tmp_path / "out"
-    base = [*_recipes(tmp_path), "--seeds", "0", "--output-dir", str(out), "--run-fn", "fake_train:run_training",
+    base = [*write_recipes(tmp_path), "--seeds", "0", "--output-dir", str(out), "--run-fn", "fake_train:run_training",
             "--task", "gsm8k"]
     for extra, problem in (
         (["--data", str(cut)], f"--data: GSM8K file {cut / 'train.jsonl'} has 7,472 rows, the published train.jsonl has 7,473"),
         (["--data", str(gsm8k_dir), "--calc-steps", "3-1"], "--calc-steps: calc_steps '3-1': give a number >= 0"),
         (["--data", str(gsm8k_dir), "--calc-steps", "99"], "--calc-steps: no GSM8K row has 99 calculation step(s)"),
     ):
-        code, _, stderr = _cli([*base, *extra], capsys)
+        code, _, stderr = compare_cli([*base, *extra], capsys)
         assert code == 2 and stderr.startswith(f"bloggap compare: {problem}"), stderr
         assert len(stderr.strip().splitlines()) == 1 and not out.exists() and _calls(fake) == []
 
@@ -790,7 +743,7 @@ def test_compare_override_takes_yaml_as_train_does(tmp_path, fake, capsys):
     """--override reads a YAML mapping like train's --extra-overrides (JSON is YAML too): one syntax for both."""
     pytest.importorskip("matplotlib")
     out = tmp_path / "out"
-    code, stdout, stderr = _cli([*_recipes(tmp_path), "--seeds", "0", "--max-steps", "2", "--output-dir", str(out),
+    code, stdout, stderr = compare_cli([*write_recipes(tmp_path), "--seeds", "0", "--max-steps", "2", "--output-dir", str(out),
                                  "--model", "tiny-random-llama", "--run-fn", "fake_train:run_training", "--pythonpath",
                                  fake["dir"], "--last-n", "1", "--override", "{num_iterations: 2}"], capsys)
     assert code == 0, stdout[-2000:] + stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from _support import ROOT
-from test_compare import FAKE_TRAIN, _cli, _recipes
+from _support.compare_runs import FAKE_TRAIN, compare_cli, write_recipes
 
 from bloggap_plugin.compare import CompareConfig, CompareError, run_compare
 
@@ -74,7 +74,7 @@ def _calls(fake, key: str) -> list:
 
 
 def _config(tmp_path, fake, **kw) -> CompareConfig:
-    base = dict(recipes=_recipes(tmp_path), seeds=[0, 1], task="arith", max_steps=4, model="tiny-random-llama",
+    base = dict(recipes=write_recipes(tmp_path), seeds=[0, 1], task="arith", max_steps=4, model="tiny-random-llama",
                 output_dir=str(tmp_path / "out"), parallel=2, last_n=2, run_fn="fake_saving:run_training",
                 heldout_fn="fake_saving:evaluate", heldout_n=40, pythonpath=[fake["dir"]], poll_s=0.1)
     base.update(kw)
@@ -149,7 +149,7 @@ def test_time_budget_stops_runs_in_flight_and_starts_none_that_would_not_finish(
     marker = json.loads(lines[-1])
     log.write_text("\n".join([*lines[:-1], json.dumps({**marker, "wall_s": 1000.0})]) + "\n")
     out = str(Path(config.output_dir))
-    code, stdout, stderr = _cli([*config.recipes, "--seeds", "0", "1", "--max-steps", "4", "--output-dir", out, "--model", "tiny-random-llama",
+    code, stdout, stderr = compare_cli([*config.recipes, "--seeds", "0", "1", "--max-steps", "4", "--output-dir", out, "--model", "tiny-random-llama",
                                  "--run-fn", "fake_saving:run_training", "--pythonpath", fake["dir"], "--heldout-n",
                                  "0", "--last-n", "2", "--time-budget-s", "100"], capsys)
     assert code == 3 and "2 not started" in stdout, (stdout, stderr)
@@ -184,7 +184,7 @@ def test_time_budget_starts_the_next_run_when_one_finishes_and_the_next_fits(tmp
 )
 def test_bad_heldout_input_fails_in_one_line_before_anything_runs(tmp_path, fake, capsys, args, problem):
     out = tmp_path / "out"
-    code, _, stderr = _cli([*_recipes(tmp_path), "--seeds", "0", "--max-steps", "2", "--output-dir", str(out),
+    code, _, stderr = compare_cli([*write_recipes(tmp_path), "--seeds", "0", "--max-steps", "2", "--output-dir", str(out),
                             "--run-fn", "fake_saving:run_training", "--pythonpath", fake["dir"], *args], capsys)
     assert code == 2 and stderr.startswith(f"bloggap compare: {problem}"), stderr
     assert len(stderr.strip().splitlines()) == 1 and not out.exists() and _calls(fake, "run") == []
@@ -193,7 +193,7 @@ def test_bad_heldout_input_fails_in_one_line_before_anything_runs(tmp_path, fake
 def test_gsm8k_from_one_file_has_no_test_split_to_hold_out(tmp_path, fake, capsys):
     from bloggap_plugin.tasks.gsm8k import SAMPLE_PATH
 
-    code, _, stderr = _cli([*_recipes(tmp_path), "--seeds", "0", "--output-dir", str(tmp_path / "out"), "--task",
+    code, _, stderr = compare_cli([*write_recipes(tmp_path), "--seeds", "0", "--output-dir", str(tmp_path / "out"), "--task",
                             "gsm8k", "--data", str(SAMPLE_PATH), "--run-fn", "fake_saving:run_training",
                             "--pythonpath", fake["dir"]], capsys)
     assert code == 2 and "held-out evaluation: GSM8K data" in stderr and "is one file" in stderr, stderr
@@ -233,7 +233,7 @@ def test_the_decisive_sweep_config_meets_the_issue_and_passes_every_check_but_th
     assert config.last_n <= config.max_steps // config.extra_overrides["num_iterations"]
     runs = validate_config(dataclasses.replace(config, use_vllm=False, output_dir=str(tmp_path / "out")))
     assert sorted({run.arm for run in runs}) == list("ABEFGH") and len(runs) == 6 * len(config.seeds)
-    code, _, stderr = _cli(["--config", str(root / "benchmarks" / "compare_sweep.yaml"), "--output-dir",
+    code, _, stderr = compare_cli(["--config", str(root / "benchmarks" / "compare_sweep.yaml"), "--output-dir",
                             str(tmp_path / "out"), *recipes], capsys)
     if stderr:  # this machine has no CUDA or no vLLM: the one line names it, before anything runs
         assert code == 2 and stderr.startswith("bloggap compare: --use-vllm: ") and not (tmp_path / "out").exists()
@@ -286,7 +286,7 @@ def test_the_gsm8k_demonstration_config_reads_the_real_data_and_passes_every_che
     assert 0 < config.time_budget_s <= 540 and config.max_steps // config.extra_overrides["num_iterations"] >= config.last_n
     runs = validate_config(dataclasses.replace(config, use_vllm=False, output_dir=str(tmp_path / "out")))
     assert [run.arm for run in runs] == ["A", "H"]
-    code, _, stderr = _cli(["--config", str(root / "benchmarks" / "gsm8k_demo.yaml"), "--data", str(real),
+    code, _, stderr = compare_cli(["--config", str(root / "benchmarks" / "gsm8k_demo.yaml"), "--data", str(real),
                             "--output-dir", str(tmp_path / "out"), *recipes], capsys)
     if stderr:  # no CUDA or no vLLM here: one line names it (no datasets bars while reading GSM8K), nothing ran
         assert code == 2 and stderr.startswith("bloggap compare: --use-vllm: ") and not (tmp_path / "out").exists()

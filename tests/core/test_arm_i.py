@@ -283,7 +283,7 @@ def test_trl_arm_i_trains_on_its_plan_and_refuses_kernel_pieces_on_cpu(tmp_path)
     import math
     import warnings
 
-    from test_trl import logs_of, make
+    from _support.trl_runs import logs_of, make
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -10,16 +10,15 @@ import torch
 
 pytest.importorskip("trl")
 
-from datasets import Dataset  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from _support.trl_runs import Spy, count_no_grad_scoring_rows, first_log, logs_of, make  # noqa: E402
+from trl import GRPOTrainer  # noqa: E402
 
 from bloggap_plugin.core.scoring import token_logprobs  # noqa: E402
 from bloggap_plugin.models import load_model  # noqa: E402
 from bloggap_plugin.recipes import GapConfig, RecipeError  # noqa: E402
-from bloggap_plugin.trl import GapCallback, GapGRPOTrainer, UnsupportedTRLError, check_trl  # noqa: E402
+from bloggap_plugin.trl import GapCallback, UnsupportedTRLError, check_trl  # noqa: E402
 from bloggap_plugin.trl.mixin import is_ratio  # noqa: E402
 
-PROMPTS = ["1+1=", "12+30=", "4+40=", "100+200="]  # 4, 6, 5 and 8 tokens: distinct prompts are left-padded
 ALWAYS = [
     "gap/ratio/oob_frac", "gap/ratio/abs_dlogp_mean", "gap/ratio/abs_dlogp_max", "gap/clip/flip_frac",
     "gap/clip/clipped_frac", "gap/probe/oob_b1_vs_bN", "gap/sampler/oob_frac", "gap/sampler/abs_dlogp_mean",
@@ -31,63 +30,12 @@ KEPT = [
 ]
 
 
-def reward(completions, **kwargs):
-    return [float(len(c) % 3) for c in completions]
-
-
-def grpo_args(tmp_path, **overrides) -> GRPOConfig:
-    kwargs = dict(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
-        gradient_accumulation_steps=2, max_completion_length=8, max_steps=2, logging_steps=1, report_to="none",
-        use_cpu=True, bf16=False, save_strategy="no", num_iterations=2, seed=0, learning_rate=1e-3,
-    )
-    kwargs.update(overrides)
-    return GRPOConfig(**kwargs)
-
-
-def make(tmp_path, gap=None, mode="trainer", dtype="fp32", trainer_cls=None, model_name="tiny-random-llama",
-         prompts=PROMPTS, peft_config=None, prepare=None, **overrides):
-    """A GRPO trainer on a tiny model (``model_name``: a tiny spec or a saved folder): plain, GapCallback or class;
-    ``prepare(model)`` edits the model first (e.g. sharpens its logits)."""
-    model, tokenizer = load_model(model_name, dtype=dtype)
-    if prepare is not None:
-        prepare(model)
-    dataset = Dataset.from_dict({"prompt": list(prompts) * 4})
-    common = dict(model=model, args=grpo_args(tmp_path, **overrides), train_dataset=dataset, reward_funcs=reward,
-                  processing_class=tokenizer)
-    if peft_config is not None:
-        common["peft_config"] = peft_config
-    if mode == "plain" or mode == "callback":
-        trainer = GRPOTrainer(**common)
-        if mode == "callback":
-            trainer.add_callback(GapCallback(trainer, gap=gap))
-        return trainer
-    return (trainer_cls or GapGRPOTrainer)(**common, gap=gap)
-
-
-def logs_of(trainer):
-    return [h for h in trainer.state.log_history if "loss" in h]
-
-
-def first_log(trainer) -> dict:
-    return logs_of(trainer)[0]
-
-
-class _Spy(GapGRPOTrainer):
-    """Records the generation batches after the plugin (what the loss will read)."""
-
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        self.spied = getattr(self, "spied", []) + [{k: v for k, v in output.items() if torch.is_tensor(v)}]
-        return output
-
-
 @pytest.mark.parametrize("arm", ["A", "B", "C", "D", "E", "F", "G", "H"])
 def test_every_arm_trains_with_all_metrics(tmp_path, arm):
     gap = GapConfig(arm=arm, probe_rows=8, layers=[1] if arm == "D" else None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = make(tmp_path, gap, dtype="bf16" if arm != "F" else "fp32", fp16=arm == "H", trainer_cls=_Spy)
+        trainer = make(tmp_path, gap, dtype="bf16" if arm != "F" else "fp32", fp16=arm == "H", trainer_cls=Spy)
         trainer.train()
     assert any((batch["prompt_mask"] == 0).any() for batch in trainer.spied)  # left-padded prompts
     logs = logs_of(trainer)
@@ -141,7 +89,7 @@ def test_arm_A_with_metrics_is_bitwise_plain_trl(tmp_path):
 @pytest.mark.parametrize(("arm", "dtype"), [("B", "fp32"), ("F", "fp16"), ("E", None)])
 def test_old_logprobs_equal_independent_recomputation(tmp_path, arm, dtype):
     gap = GapConfig(arm=arm, probe_rows=0, sampler=False)
-    trainer = make(tmp_path, gap, dtype="bf16", trainer_cls=_Spy, max_steps=1)
+    trainer = make(tmp_path, gap, dtype="bf16", trainer_cls=Spy, max_steps=1)
     trainer.train()
     batch = trainer.spied[0]
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
@@ -174,18 +122,6 @@ def test_arm_G_ratio_exactly_one_in_fp32(tmp_path):
     other = make(tmp_path / "c", GapConfig(arm="C", probe_rows=4), dtype="fp32", max_steps=1)
     other.train()
     assert first_log(other)["gap/ratio/exact_frac"] < 1.0
-
-
-def count_no_grad_scoring_rows(trainer) -> list:
-    """Append, per grad-free teacher-forced forward of the policy (TRL's old pass, the plugin's scoring), its rows."""
-    rows: list = []
-
-    def hook(module, args, kwargs):
-        if not torch.is_grad_enabled() and ("labels" in kwargs or kwargs.get("use_cache") is False):
-            rows.append(int(kwargs["input_ids"].shape[0]))
-
-    trainer.model.register_forward_pre_hook(hook, with_kwargs=True)
-    return rows
 
 
 def run_G(tmp_path, skip: bool, monkeypatch, mode="trainer", **overrides):

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from test_trl import _Spy, first_log, logs_of, make  # noqa: E402
+from _support.trl_runs import Spy, first_log, logs_of, make, saved_model_dir  # noqa: E402
 
 from bloggap_plugin.recipes import GapConfig  # noqa: E402
 from bloggap_plugin.trl import GapGRPOTrainer  # noqa: E402
@@ -36,7 +36,7 @@ def test_kept_off_runs_no_extra_forward_and_logs_no_kept_metrics(tmp_path):
     for kept in ("plain", "off", "measure"):
         gap = None if kept == "plain" else GapConfig(arm="A", probe_rows=0, kept=kept)
         trainer = make(tmp_path / kept, gap, mode="plain" if gap is None else "trainer",
-                       trainer_cls=_Spy, top_p=0.8, max_steps=1)
+                       trainer_cls=Spy, top_p=0.8, max_steps=1)
         calls = count_scoring_forwards(trainer.model)
         trainer.train()
         counts[kept], logs[kept] = len(calls), first_log(trainer)
@@ -114,7 +114,7 @@ def test_resume_scores_with_the_checkpoint_weights(tmp_path, arm):
     first = make(tmp_path, gap, dtype="bf16", max_steps=2, save_strategy="steps", save_steps=2)
     first.train()
     checkpoint = tmp_path / "out" / "checkpoint-2"
-    resumed = make(tmp_path, gap, dtype="bf16", trainer_cls=_Spy, max_steps=3, save_strategy="no")
+    resumed = make(tmp_path, gap, dtype="bf16", trainer_cls=Spy, max_steps=3, save_strategy="no")
     resumed.train(resume_from_checkpoint=str(checkpoint))
     independent, _ = load_model("tiny-random-llama", dtype="bf16")  # built as the policy was, then the checkpoint
     independent.load_state_dict(load_file(checkpoint / "model.safetensors"))
@@ -126,7 +126,7 @@ def test_resume_scores_with_the_checkpoint_weights(tmp_path, arm):
 def test_weights_changed_after_construction_are_scored(tmp_path):
     from bloggap_plugin.models import load_model
 
-    trainer = make(tmp_path, GapConfig(arm="B", probe_rows=0, sampler=False), dtype="bf16", trainer_cls=_Spy,
+    trainer = make(tmp_path, GapConfig(arm="B", probe_rows=0, sampler=False), dtype="bf16", trainer_cls=Spy,
                    max_steps=1)
     with torch.no_grad():
         for param in trainer.model.parameters():
@@ -143,7 +143,7 @@ def test_weights_changed_after_construction_are_scored(tmp_path):
 # ------------------------------------------------------------------ item 5: the reference model's positions
 
 
-class _RefSpy(_Spy):
+class _RefSpy(Spy):
     """Also records, per micro-batch, the training forward's log-probs next to TRL's reference log-probs."""
 
     def _gap_attach(self, *args, **kwargs):
@@ -164,17 +164,6 @@ def _spy_loss_metrics(trainer, record) -> None:
         return loss_metrics(inputs)
 
     stats.loss_metrics = spied
-
-
-def saved_model_dir(tmp_path, name: str = "tiny-random-llama", dtype: str = "fp32") -> str:
-    """A tiny model saved to a folder: TRL builds its reference model from the policy's ``name_or_path``."""
-    from bloggap_plugin.models import load_model
-
-    model, tokenizer = load_model(name, dtype=dtype)
-    folder = tmp_path / f"saved-{name}"
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 def assert_reference_equals_policy_at_step_zero(trainer) -> None:
@@ -342,7 +331,7 @@ def test_peft_shadow_arms_score_with_the_trained_adapter(tmp_path, arm):
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = make(tmp_path, GapConfig(arm=arm, probe_rows=0, sampler=False), trainer_cls=_Spy, dtype="bf16",
+        trainer = make(tmp_path, GapConfig(arm=arm, probe_rows=0, sampler=False), trainer_cls=Spy, dtype="bf16",
                        peft_config=lora, max_steps=3, learning_rate=0.05)
         trainer.train()
     batch = trainer.spied[-1]  # generated after two optimizer steps: the adapter is no longer zero
@@ -377,7 +366,7 @@ def test_score_rows_bounds_the_rows_per_forward_of_the_arms_plan(tmp_path):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                trainer = make(tmp_path / str(rows), GapConfig(arm="B", probe_rows=0, score_rows=rows), trainer_cls=_Spy,
+                trainer = make(tmp_path / str(rows), GapConfig(arm="B", probe_rows=0, score_rows=rows), trainer_cls=Spy,
                                max_steps=1)
                 trainer.train()
         finally:

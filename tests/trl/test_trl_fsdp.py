@@ -24,7 +24,7 @@ pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
 from _support.multiproc_launch import ROOT, accelerate_launch, read_records, require_gloo, run_helper  # noqa: E402
-from test_trl_multiproc import GENERATION_FIELDS, gen_index  # noqa: E402
+from _support.trl_runs import GENERATION_FIELDS, gen_index  # noqa: E402
 
 FSDP_CONFIG = ROOT / "benchmarks" / "gpu" / "accelerate_fsdp2.yaml"
 ARMS = ("A", "B", "E", "F", "G")

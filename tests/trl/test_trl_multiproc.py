@@ -18,7 +18,6 @@ the first update are bit-identical to the single-process run on the same rows.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 
@@ -28,8 +27,7 @@ pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
 from _support.multiproc_launch import accelerate_launch, read_records, require_gloo, run_helper  # noqa: E402
-
-from bloggap_plugin.trl.state import GenerationSums  # noqa: E402
+from _support.trl_runs import GENERATION_FIELDS, gen_index  # noqa: E402
 
 FRACTIONS = [
     "gap/ratio/oob_frac", "gap/ratio/exact_frac", "gap/clip/clipped_frac", "gap/clip/flip_frac",
@@ -42,14 +40,6 @@ EXPECTED = FRACTIONS + [
     "gap/kept/ratio_after_mean", "gap/old_vs_trl/abs_dlogp_mean", "gap/fp16/fallbacks", "gap/time/scoring_s",
 ]
 # Reduced sums of Stats.flush_generation, in the mixin's order: (metric, numerator index, denominator index).
-GENERATION_FIELDS = [f.name for f in dataclasses.fields(GenerationSums)]
-"""GenerationSums' fields in reduction order (a generation's sums are the reduce of exactly this many values)."""
-
-
-def gen_index(name: str) -> int:
-    return GENERATION_FIELDS.index(name)
-
-
 GENERATION_SUMS = [(key, gen_index(num), gen_index(den)) for key, num, den in (
     ("gap/sampler/oob_frac", "sampler_oob", "sampler_n"), ("gap/sampler/abs_dlogp_mean", "sampler_absd", "sampler_n"),
     ("gap/sampler/exact_frac", "sampler_exact", "sampler_n"), ("gap/probe/oob_b1_vs_bN", "probe_oob", "probe_n"),

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from test_trl import logs_of, make  # noqa: E402
+from _support.trl_runs import logs_of, make  # noqa: E402
 
 from bloggap_plugin.recipes import GapConfig  # noqa: E402
 
@@ -54,12 +54,12 @@ def min_p_model(model) -> None:
 
 def test_model_generation_config_min_p_is_recorded_as_sampled(tmp_path):
     """TRL leaves min_p None, so generate samples with the model's min_p 0.3: the recorder must model exactly that."""
-    from test_trl import _Spy
+    from _support.trl_runs import Spy
     from transformers import MinPLogitsWarper
 
     from bloggap_plugin.models import load_model
 
-    trainer = make(tmp_path, GapConfig(arm="A", probe_rows=0), dtype="fp32", trainer_cls=_Spy, prepare=min_p_model,
+    trainer = make(tmp_path, GapConfig(arm="A", probe_rows=0), dtype="fp32", trainer_cls=Spy, prepare=min_p_model,
                    max_steps=1)
     trainer.train()
     batch = trainer.spied[0]

@@ -16,8 +16,12 @@ import torch
 pytest.importorskip("trl")
 
 from _support.fake_vllm import use_fake_vllm  # noqa: E402
-from test_trl import count_no_grad_scoring_rows, logs_of, make  # noqa: E402
-from test_trl_configs import saved_model_dir  # noqa: E402
+from _support.trl_runs import (  # noqa: E402
+    count_no_grad_scoring_rows,
+    logs_of,
+    make,
+    saved_model_dir,  # noqa: E402
+)
 
 from bloggap_plugin.recipes import GapConfig, RecipeError  # noqa: E402
 from bloggap_plugin.trl import GapCallback  # noqa: E402

@@ -1,0 +1,53 @@
+"""What the compare tests share: a stand-in for run_training, recipe files, and the CLI called in-process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# A stand-in for run_training with the same signature: rewards are a closed form of (arm, seed, step), so the
+# expected table is known without running the code under test. FAKE_HANG=<run id> makes that run hang after
+# its first line (to be killed); FAKE_SLOW=<run id> makes it sleep 0.5 s after each step; FAKE_CRASH=<run id>
+# makes it raise. Every call is recorded in FAKE_CALLS (with its pid). Like the real JsonlLogger it opens the log
+# by path for every line (so a process that outlives its sweep keeps appending to whatever file has that name).
+FAKE_TRAIN = '''
+import json, os, time, yaml
+
+ARM_BASE = {"A": 0.25, "B": 0.5, "C": 0.0}
+
+def run_training(recipe_path, *, model, task, max_steps, output_dir, report_to="none", seed, log_jsonl,
+                 extra_overrides, task_kwargs=None):
+    arm = yaml.safe_load(open(recipe_path))["gap"]["arm"]
+    run_id = f"{arm}_s{seed}"
+    with open(os.environ["FAKE_CALLS"], "a") as f:
+        f.write(json.dumps({"run": run_id, "overrides": extra_overrides, "task": task, "model": model,
+                            "task_kwargs": task_kwargs, "max_steps": max_steps, "pid": os.getpid()}) + "\\n")
+    if os.environ.get("FAKE_CRASH") == run_id:
+        raise RuntimeError("fake crash")
+    for step in range(1, max_steps + 1):
+        reward = ARM_BASE[arm] + 0.125 * seed + (0.25 if step % 2 else 0.0)
+        with open(log_jsonl, "a") as log:
+            log.write(json.dumps({"step": step, "reward": reward, "clip_ratio/region_mean": 0.01 * step,
+                                  "gap/ratio/oob_frac": 0.5 if arm == "B" else 0.0, "step_time": 2.0}) + "\\n")
+        if os.environ.get("FAKE_HANG") == run_id:
+            time.sleep(600)
+        if os.environ.get("FAKE_SLOW") == run_id:
+            time.sleep(0.5)
+    return {"arm": arm, "steps": max_steps}
+'''
+
+
+def write_recipes(tmp_path: Path, arms=("A", "B")) -> list[str]:
+    paths = []
+    for arm in arms:
+        path = tmp_path / f"arm_{arm}.yaml"
+        path.write_text(f"learning_rate: 1.0e-6\ngap:\n  arm: {arm}\n")
+        paths.append(str(path))
+    return paths
+
+
+def compare_cli(args, capsys) -> tuple[int, str, str]:
+    from bloggap_plugin.cli import main
+
+    code = main(["compare", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
