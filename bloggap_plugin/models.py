@@ -39,9 +39,10 @@ __all__ = [
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Tiny random models for tests: 2 layers, hidden 32, 4 heads, sized for the tiny character tokenizer.
+# Tiny random models for tests: 2 layers, hidden 32, 4 heads, sized for the tiny character tokenizer: one token per
+# character makes the tasks' chat prompts hundreds of tokens long, so prompt plus completion need 2048 positions.
 _TINY_SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                   max_position_embeddings=512)
+                   max_position_embeddings=2048)
 # kind -> (transformers config class, fields beyond the shape); tiny-random-qwen2 alone ties its embeddings
 _TINY_KINDS = {
     "llama": ("LlamaConfig", {"num_key_value_heads": 2, "tie_word_embeddings": False}),

@@ -200,10 +200,10 @@ def _run_in_process(capsys, *argv) -> tuple[int, str, str]:
 
 def test_a_completion_length_beyond_the_models_positions_is_refused(capsys, tmp_path):
     code, out, err = _run_in_process(capsys, "train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path,
-                                     "--max_completion_length", "600")
+                                     "--max_completion_length", "2100")
     lines = [line for line in err.strip().splitlines() if line.startswith("bloggap")]
     assert code == 2 and "Traceback" not in err and len(lines) == 1, err[-2000:]
-    assert "max_completion_length 600" in lines[0] and "max_position_embeddings 512" in lines[0]
+    assert "max_completion_length 2100" in lines[0] and "max_position_embeddings 2048" in lines[0]
 
 
 def test_a_model_with_non_finite_weights_is_refused_naming_it(capsys, tmp_path):
@@ -535,3 +535,12 @@ def test_train_without_report_to_reports_to_none(bloggap, tmp_path):
     """--report-to left out is TrainConfig's "none" (a list field's parser default would be None, refused)."""
     with pytest.raises(AssertionError, match="a model was loaded"):
         bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path)
+
+
+def test_a_tiny_model_run_of_the_default_task_stays_within_its_positions(tmp_path):
+    """The tiny models' character tokenizer makes the task's chat prompts long: prompt plus completion must fit the
+    model's positions, so transformers' "exceeded the model's predefined maximum length" reminder never fires."""
+    proc = _train_subprocess(tmp_path, "--max-steps", "1")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "predefined maximum length" not in err, err[-3000:]
