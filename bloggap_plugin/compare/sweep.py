@@ -50,7 +50,6 @@ def _spec_for(config: CompareConfig, run: RunSpec, attempt: str, part: Path, mod
         "trained_attempt": trained_attempt,
         "heldout": heldout_spec(config, run),
         "run_fn": config.run_fn,
-        "pythonpath": list(config.pythonpath),
         "arm": run.arm,
         "recipe": run.recipe,
         "model": config.model,
@@ -79,10 +78,13 @@ def worker_environment(config: CompareConfig, environ: dict | None = None, ports
     a fixed vLLM KV cache (``BLOGGAP_VLLM_KV_CACHE_GIB`` = 2, unless set: vLLM's free-memory profiling fails when a
     neighbour frees memory while an engine starts) and a ``MASTER_PORT`` of the run's own, free now and not in
     ``ports_in_use`` (the runs in flight): TRL's colocate engine otherwise takes the first free of 29500, 23456, ...,
-    which runs starting together all see free, and all but one then fail with EADDRINUSE."""
+    which runs starting together all see free, and all but one then fail with EADDRINUSE. The sweep's extra import
+    paths (``config.pythonpath``, for the user's run and held-out functions) go first on ``PYTHONPATH``."""
     from bloggap_plugin.trl.vllm_colocate import KV_CACHE_ENV
 
     env = dict(os.environ if environ is None else environ)
+    if config.pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([*config.pythonpath, *filter(None, [env.get("PYTHONPATH")])])
     if config.use_vllm and int(config.parallel) > 1:
         env.setdefault(KV_CACHE_ENV, "2")
         env.setdefault("MASTER_ADDR", "localhost")

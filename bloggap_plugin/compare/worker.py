@@ -49,8 +49,6 @@ def _worker(spec_path: str) -> int:
     policy training attempt ``trained_attempt`` saved)."""
     spec = json.loads(Path(spec_path).read_text())
     _die_with_parent(int(spec["parent_pid"]))
-    for extra in spec.get("pythonpath", []):
-        sys.path.insert(0, extra)
     heldout = spec.get("heldout")
     attempt = spec["attempt"]
     if spec.get("mode") == "evaluate":

@@ -139,7 +139,7 @@ def test_compare_runs_get_a_fixed_kv_cache_when_several_share_the_gpu():
     from bloggap_plugin.trl.vllm_colocate import KV_CACHE_ENV
 
     def config(**kw):
-        return types.SimpleNamespace(**{"use_vllm": True, "parallel": 2, **kw})
+        return types.SimpleNamespace(**{"use_vllm": True, "parallel": 2, "pythonpath": [], **kw})
 
     assert worker_environment(config(), {})[KV_CACHE_ENV] == "2"
     assert worker_environment(config(), {KV_CACHE_ENV: "3"})[KV_CACHE_ENV] == "3"
@@ -158,7 +158,7 @@ def test_parallel_colocate_runs_each_get_their_own_free_master_port():
     from bloggap_plugin.compare import worker_environment
 
     def config(**kw):
-        return types.SimpleNamespace(**{"use_vllm": True, "parallel": 12, **kw})
+        return types.SimpleNamespace(**{"use_vllm": True, "parallel": 12, "pythonpath": [], **kw})
 
     ports = []
     for _ in range(12):
