@@ -381,6 +381,7 @@ def cmd_phase(args) -> None:
 
     from bloggap_plugin.core.vllm_kernels import vllm_batch_invariant_active
     from bloggap_plugin.envinfo import environment_record
+    from bloggap_plugin.trl.vllm_colocate import engine_model_runner
 
     device = torch.device("cuda")
     work = Path(args.work)
@@ -390,7 +391,7 @@ def cmd_phase(args) -> None:
         gen = _generate(args)
         torch.save({k: gen[k] for k in ("prompt_ids", "tokens", "sampled", "pad_id")}, work / "gen.pt")
         results.update(engine_start_s=gen["engine_start_s"], generate_s=gen["generate_s"],
-                       model_runner=_model_runner(gen["llm"]))
+                       model_runner=engine_model_runner(getattr(gen["llm"], "llm_engine", None)))
     else:
         gen = torch.load(work / "gen.pt", weights_only=False)
     state["env"] = environment_record(device)
@@ -410,14 +411,6 @@ def cmd_phase(args) -> None:
         state = _read(Path(args.json))
         state["results"][args.phase]["profile"] = _profile(model, ids, mask, gen["sampled"].shape[1])
         _write(Path(args.json), state)
-
-
-def _model_runner(llm) -> str | None:
-    """``"v1"``/``"v2"``: the engine's model runner (``vllm_config.use_v2_model_runner``), ``None`` if unreadable."""
-    try:
-        return "v2" if llm.llm_engine.vllm_config.use_v2_model_runner else "v1"
-    except Exception:  # noqa: BLE001 - another vLLM layout: not recorded
-        return None
 
 
 def _profile(model, ids, mask, width: int, rows: int = 15) -> dict:

@@ -246,8 +246,8 @@ class Scorer:
         reduce = self.reducer(kept, capture, renormalize) if kept is not None and (renormalize or capture is not None) else None
         if state.config.score_rows:  # fewer rows per forward bounds an fp32 body's activations (gap.score_rows)
             batch_size = min(batch_size, state.config.score_rows) if batch_size else state.config.score_rows
-        elif batch_size != 1 and plan.rows_per_forward(input_ids.shape[1]) is not None:  # the probe's b1 stays b1
-            batch_size = max(batch_size or 0, plan.rows_per_forward(input_ids.shape[1]))
+        elif batch_size != 1 and (chosen := plan.rows_per_forward(input_ids.shape[1])) is not None:  # probe b1 stays
+            batch_size = max(batch_size or 0, chosen)
         with torch.no_grad(), fork_rng(self.trainer.accelerator.device):
             return plan.token_logprobs(
                 input_ids,

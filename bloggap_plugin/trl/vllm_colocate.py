@@ -128,12 +128,17 @@ def engine_kwargs_for(gap: Any, environ: dict | None = None) -> dict:
     return kwargs
 
 
+def _colocate_engine(trainer: Any) -> Any:
+    """A GRPOTrainer's colocate ``LLMEngine`` (``trainer.vllm_generation.llm.llm_engine``), or ``None``."""
+    generation = getattr(trainer, "vllm_generation", None)
+    return getattr(getattr(generation, "llm", None), "llm_engine", None)
+
+
 def colocate_engine_setting(trainer: Any, name: str) -> Any:
     """The value of ``LLM(...)`` keyword ``name`` in a GRPOTrainer's colocate engine as built (read from vLLM's
     config objects, on the engine or its ``vllm_config``), or ``None`` when it cannot be read (no engine, server
     mode, another vLLM layout)."""
-    generation = getattr(trainer, "vllm_generation", None)
-    engine = getattr(getattr(generation, "llm", None), "llm_engine", None)
+    engine = _colocate_engine(trainer)
     for holder in (engine, getattr(engine, "vllm_config", None)):
         for part in ("model_config", "cache_config", "scheduler_config", "parallel_config"):
             config = getattr(holder, part, None)
@@ -171,10 +176,13 @@ def check_colocate_engine(trainer: Any, gap: Any, environ: dict | None = None) -
 
 
 def colocate_model_runner(trainer: Any) -> str | None:
-    """``"v1"`` or ``"v2"``: the model runner of a GRPOTrainer's colocate engine (vLLM's
-    ``vllm_config.use_v2_model_runner``), or ``None`` when it cannot be read."""
-    generation = getattr(trainer, "vllm_generation", None)
-    engine = getattr(getattr(generation, "llm", None), "llm_engine", None)
+    """``"v1"`` or ``"v2"``: the model runner of a GRPOTrainer's colocate engine (:func:`engine_model_runner`)."""
+    return engine_model_runner(_colocate_engine(trainer))
+
+
+def engine_model_runner(engine: Any) -> str | None:
+    """``"v1"`` or ``"v2"``: the model runner of a vLLM ``LLMEngine`` (``vllm_config.use_v2_model_runner``), or
+    ``None`` when it cannot be read."""
     try:
         uses_v2 = getattr(getattr(engine, "vllm_config", None), "use_v2_model_runner", None)
     except Exception:  # noqa: BLE001 - a config vLLM cannot evaluate here: not readable
