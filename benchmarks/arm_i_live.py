@@ -4,13 +4,16 @@
 console log under ``--out``; after each run it rewrites ``--out/arm_i_live.json`` (table ``T16-armI-live``), so a
 time limit keeps what finished. ``document`` rebuilds that document from the JSONL logs (here, from a packed copy).
 
-Runs (``--runs``, comma-separated ``LABEL``; each is ``ENTRY_ARM_ni<K>``):
+Runs (``--runs``, comma-separated ``LABEL``; each is ``ENTRY_ARM_ni<K>[_b<N>]``):
 
 - entry ``train``: ``bloggap train recipes/arm_<ARM>.yaml --use_vllm --vllm_mode colocate`` (``GapGRPOTrainer``
   builds the engine with the arm's settings);
 - entry ``callback``: a plain ``GRPOTrainer`` built inside ``vllm_colocate_engine(**engine_kwargs_for(gap))``, then
   ``GapCallback`` (the user's own script);
-- ``ni<K>``: ``num_iterations`` K (1: TRL computes no old log-probs; 2: the arm's old log-probs drive the ratio).
+- ``ni<K>``: ``num_iterations`` K (1: TRL computes no old log-probs; 2: the arm's old log-probs drive the ratio);
+- ``b<N>`` (optional): ``per_device_train_batch_size`` N (the recipe's 8 otherwise; with its gradient accumulation 2
+  a generation holds 2N completions, and 32 completions of the arithmetic task's prompts exceed TRL's 4096 tokens
+  per engine step).
 
 What a row reports, from the JSONL (``gap/*`` metrics are logged on generating steps, or every step for the ratio):
 sampler out-of-band share and bit-identical share (``gap/sampler/oob_frac``, ``gap/sampler/exact_frac``) over the
@@ -45,11 +48,18 @@ ARM_I_ENV = {"VLLM_BATCH_INVARIANT": "1", "TRITON_F32_DEFAULT": "ieee"}
 
 
 def parse_label(label: str) -> dict:
-    """``{"entry", "arm", "num_iterations"}`` from ``ENTRY_ARM_ni<K>`` (e.g. ``train_I_ni2``)."""
+    """``{"entry", "arm", "num_iterations"[, "per_device_train_batch_size"]}`` from ``ENTRY_ARM_ni<K>[_b<N>]`` (e.g.
+    ``train_I_ni2``; ``_b16``: per_device_train_batch_size 16 instead of the recipe's)."""
     parts = label.split("_")
-    if len(parts) != 3 or parts[0] not in ("train", "callback") or not parts[2].startswith("ni"):
-        raise ValueError(f"run label {label!r}: expected ENTRY_ARM_ni<K>, ENTRY train or callback (e.g. train_I_ni2)")
-    return {"entry": parts[0], "arm": parts[1].upper(), "num_iterations": int(parts[2][2:])}
+    batch = parts[3] if len(parts) == 4 else "b0"
+    if (len(parts) not in (3, 4) or parts[0] not in ("train", "callback") or not parts[2].startswith("ni")
+            or not batch.startswith("b") or not batch[1:].isdigit()):
+        raise ValueError(f"run label {label!r}: expected ENTRY_ARM_ni<K>[_b<N>], ENTRY train or callback (e.g. "
+                         "train_I_ni2, train_I_ni2_b16)")
+    spec = {"entry": parts[0], "arm": parts[1].upper(), "num_iterations": int(parts[2][2:])}
+    if len(parts) == 4:
+        spec["per_device_train_batch_size"] = int(batch[1:])
+    return spec
 
 
 def train_argv(label: str, model: str, steps: int, log_jsonl: Path, memory: float) -> list[str]:
@@ -57,6 +67,8 @@ def train_argv(label: str, model: str, steps: int, log_jsonl: Path, memory: floa
     spec = parse_label(label)
     common = ["--model", model, "--max_steps", str(steps), "--log_jsonl", str(log_jsonl),
               "--num_iterations", str(spec["num_iterations"])]
+    if "per_device_train_batch_size" in spec:
+        common += ["--per_device_train_batch_size", str(spec["per_device_train_batch_size"])]
     recipe = f"recipes/arm_{spec['arm']}.yaml"
     if spec["entry"] == "train":
         return [sys.executable, "-m", "bloggap_plugin.cli", "train", recipe, *common, "--use_vllm", "true",
@@ -79,6 +91,8 @@ def callback_main(args: argparse.Namespace) -> int:
                  "num_iterations": args.num_iterations}
     if args.learning_rate is not None:
         overrides["learning_rate"] = args.learning_rate
+    if args.per_device_train_batch_size is not None:
+        overrides["per_device_train_batch_size"] = args.per_device_train_batch_size
     plan = prepare_run(args.recipe, model=args.model, max_steps=args.max_steps, log_jsonl=args.log_jsonl,
                        extra_overrides=overrides)
     policy, tokenizer = load_model(args.model, dtype=plan.dtype, device=plan.device)
@@ -321,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     cb.add_argument("--num_iterations", type=int, required=True)
     cb.add_argument("--memory", type=float, default=0.25)
     cb.add_argument("--learning_rate", type=float, default=None)
+    cb.add_argument("--per_device_train_batch_size", type=int, default=None)
     cb.add_argument("--dump", default=None, help="save the first generation batches here (torch.save)")
     cb.add_argument("--dump_generations", type=int, default=6)
     doc = sub.add_parser("document", help="rebuild the rows from JSONL logs")

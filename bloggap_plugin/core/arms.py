@@ -54,6 +54,10 @@ class ArmSpec:
     """Settings the arm needs in TRL's colocate vLLM engine, as ``(LLM keyword, value)`` pairs: the engine
     :class:`~bloggap_plugin.trl.GapGRPOTrainer` builds gets them, and attaching to a trainer whose engine differs
     is refused, naming each one."""
+    prefill_in_one_step: bool = False
+    """The arm computes a generation's prompts as one prefill launch: the colocate engine must prefill every prompt
+    of a generation in its first step (``max_num_batched_tokens`` of at least ``max_num_seqs x max_model_len``),
+    not in chunks mixed with decode steps."""
     aliases: tuple[str, ...] = ()
     """Other names a recipe may use for this arm (lower case)."""
 
@@ -78,8 +82,9 @@ _RECORDS = (
             "FlashAttention, norms, RoPE; gap.i_pieces)", plan="vllm", copies_weights=True, aliases=("vllm",),
             # eager: vLLM's compiled forward (torch.compile, CUDA graphs) fuses the norms and activations into kernels
             # arm I does not run; no prefix caching: a cache hit changes a prefill's launch size, which sets the
-            # RMSNorm kernel's summation order for every prompt token's keys and values
-            vllm_engine=(("enforce_eager", True), ("enable_prefix_caching", False))),
+            # RMSNorm kernel's summation order for every prompt token's keys and values; one prefill step: TRL's
+            # 4096 tokens per step chunk a larger generation's prompts into steps mixed with decodes
+            vllm_engine=(("enforce_eager", True), ("enable_prefix_caching", False)), prefill_in_one_step=True),
 )
 
 ARMS: dict[str, ArmSpec] = {arm.letter: arm for arm in _RECORDS}

@@ -173,6 +173,8 @@ class GapSession:
         if (self.trainer.use_vllm and state.kept_on and output.get("sampling_per_token_logps") is not None
                 and (state.renormalize or measure)):
             self.scorer.vllm_kept_sets(output, ids, attn, logits_to_keep)
+        if state.arm.prefill_in_one_step and self.trainer.use_vllm:
+            self.check_one_step_prefill(output)
         trl_old = output.get("old_per_token_logps")
         state.drives = trl_old is not None or gap.force_old_logprobs
         self.probe_rows(output, ids, attn, logits_to_keep)
@@ -191,6 +193,17 @@ class GapSession:
                 self.stats.generation_metrics(output, ids, attn, logits_to_keep)
         state.time += time.perf_counter() - start
         return output
+
+    def check_one_step_prefill(self, output: dict) -> None:
+        """Refuse (``RecipeError``) a generation whose prompts the colocate engine prefilled in more than one step
+        (:func:`~bloggap_plugin.trl.vllm_colocate.prefill_refusal`); an engine whose budget cannot be read passes."""
+        from bloggap_plugin.recipes import RecipeError
+        from bloggap_plugin.trl.vllm_colocate import colocate_engine_setting, prefill_refusal
+
+        budget = colocate_engine_setting(self.trainer, "max_num_batched_tokens")
+        refusal = prefill_refusal(int(output["prompt_mask"].sum()), budget)
+        if refusal:
+            raise RecipeError(refusal)
 
     def probe_rows(self, output: dict, ids, attn, logits_to_keep: int) -> None:
         """``gap_probe_row`` ``[B]`` (rows drawn with the private generator on due generations) and, for those rows,

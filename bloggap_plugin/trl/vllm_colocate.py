@@ -25,18 +25,50 @@ from typing import Any
 import torch
 
 __all__ = ["vllm_colocate_dtype", "vllm_colocate_engine", "colocate_engine_dtype", "engine_kwargs_from_env", "KV_CACHE_ENV",
-           "engine_kwargs_for", "colocate_engine_setting", "check_colocate_engine", "BATCH_INVARIANT_ENV"]
+           "engine_kwargs_for", "colocate_engine_setting", "check_colocate_engine", "BATCH_INVARIANT_ENV",
+           "one_step_prefill_tokens", "prefill_refusal"]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+def one_step_prefill_tokens(max_num_seqs: int, max_model_len: int) -> int:
+    """Tokens per engine step that prefill every prompt of a generation at once: ``max_num_seqs`` sequences (TRL
+    sets it to the generation's size) of at most ``max_model_len`` tokens each."""
+    return int(max_num_seqs) * int(max_model_len)
+
+
+def _model_max_len(model: Any) -> int | None:
+    """``max_position_embeddings`` of ``model``'s HF config (a folder, or a hub id already cached), else ``None``."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(model))
+    except Exception:  # noqa: BLE001 - an unreadable config leaves TRL's setting; the per-generation check remains
+        return None
+    value = getattr(config, "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+def _prefill_in_one_step(args: tuple, kwargs: dict) -> None:
+    """Raise the call's ``max_num_batched_tokens`` to :func:`one_step_prefill_tokens` (in place), where the call's
+    ``max_num_seqs`` and its ``max_model_len`` (else the model config's) are known."""
+    seqs = kwargs.get("max_num_seqs")
+    length = kwargs.get("max_model_len") or _model_max_len(kwargs.get("model", args[0] if args else None))
+    if seqs and length:
+        needed = one_step_prefill_tokens(seqs, length)
+        kwargs["max_num_batched_tokens"] = max(int(kwargs.get("max_num_batched_tokens") or 0), needed)
+
+
 @contextlib.contextmanager
-def vllm_colocate_engine(**engine_kwargs: Any) -> Iterator[None]:
+def vllm_colocate_engine(*, prefill_in_one_step: bool = False, **engine_kwargs: Any) -> Iterator[None]:
     """While active, TRL's colocate ``LLM(...)`` gets ``engine_kwargs`` (each unless the call already sets it).
 
     E.g. ``dtype="float16"`` (arm H) or ``kv_cache_memory_bytes=2 << 30`` (several engines on one GPU: a fixed KV
     cache skips vLLM's free-memory profiling, which fails when a neighbour frees memory while an engine starts).
-    Restores TRL's ``LLM`` on exit.
+    ``prefill_in_one_step`` (arm I) replaces TRL's ``max_num_batched_tokens`` (4096) with
+    :func:`one_step_prefill_tokens` of the call's ``max_num_seqs`` and ``max_model_len`` (the model config's
+    ``max_position_embeddings`` when the call passes none), so that a generation's prompts are prefilled in one
+    step. Restores TRL's ``LLM`` on exit.
     """
     from trl.generation import vllm_generation
 
@@ -50,6 +82,8 @@ def vllm_colocate_engine(**engine_kwargs: Any) -> Iterator[None]:
     def llm_with_kwargs(*args: Any, **kwargs: Any):
         for key, value in engine_kwargs.items():
             kwargs.setdefault(key, value)
+        if prefill_in_one_step:
+            _prefill_in_one_step(args, kwargs)
         return original(*args, **kwargs)
 
     llm_with_kwargs.__wrapped__ = original  # type: ignore[attr-defined]
@@ -118,14 +152,29 @@ BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 def engine_kwargs_for(gap: Any, environ: dict | None = None) -> dict:
     """The ``LLM(...)`` keyword arguments the plugin gives TRL's colocate engine for ``gap`` (a GapConfig): the
     arm's :attr:`~bloggap_plugin.core.arms.ArmSpec.vllm_engine` settings, ``dtype="float16"`` for an arm that trains in
-    fp16, and :data:`KV_CACHE_ENV`'s fixed KV cache. With :class:`~bloggap_plugin.trl.GapCallback` the user builds
-    the trainer inside ``vllm_colocate_engine(**engine_kwargs_for(gap))``."""
+    fp16, ``prefill_in_one_step=True`` for an arm that computes a generation's prompts as one prefill, and
+    :data:`KV_CACHE_ENV`'s fixed KV cache. With :class:`~bloggap_plugin.trl.GapCallback` the user builds the trainer
+    inside ``vllm_colocate_engine(**engine_kwargs_for(gap))``."""
     spec = gap.arm_spec
     kwargs = engine_kwargs_from_env(environ)
     kwargs.update(dict(spec.vllm_engine))
+    if spec.prefill_in_one_step:
+        kwargs["prefill_in_one_step"] = True
     if spec.needs_fp16_training:
         kwargs["dtype"] = "float16"  # arm H: vLLM samples in fp16 too
     return kwargs
+
+
+def prefill_refusal(prompt_tokens: int, budget: int | None) -> str | None:
+    """Why arm I cannot score a generation whose prompts hold ``prompt_tokens`` tokens in an engine that computes
+    ``budget`` tokens per step (``max_num_batched_tokens``): its prompts were prefilled in chunks mixed with decode
+    steps. ``None`` when they fit, or when the budget cannot be read."""
+    if budget is None or prompt_tokens <= budget:
+        return None
+    return (f"arm I: this generation's prompts hold {prompt_tokens} prompt tokens and the colocate engine computes "
+            f"max_num_batched_tokens={budget} per step, so it prefilled them in chunks mixed with decode steps, which "
+            "arm I does not compute; build the engine with vllm_colocate_engine(..., prefill_in_one_step=True) (what "
+            "GapGRPOTrainer and bloggap train do), or lower per_device_train_batch_size x steps_per_generation")
 
 
 def _colocate_engine(trainer: Any) -> Any:
@@ -160,8 +209,14 @@ def check_colocate_engine(trainer: Any, gap: Any, environ: dict | None = None) -
         have = colocate_engine_setting(trainer, name)
         if have is not None and have != wanted:
             wrong.append(f"{name}={wanted!r} (the engine has {have!r})")
+    if spec.prefill_in_one_step:
+        budget, seqs, length = (colocate_engine_setting(trainer, name)
+                                for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"))
+        if None not in (budget, seqs, length) and budget < one_step_prefill_tokens(seqs, length):
+            wrong.append(f"max_num_batched_tokens >= {one_step_prefill_tokens(seqs, length)} (max_num_seqs {seqs} x "
+                         f"max_model_len {length}; the engine has {budget})")
     if wrong:
-        settings = ", ".join(f"{name}={value!r}" for name, value in spec.vllm_engine)
+        settings = ", ".join(f"{name}={value!r}" for name, value in engine_kwargs_for(gap, {}).items())
         raise RecipeError(
             f"arm {spec.letter} computes the old log-probs as vLLM's engine computes them, and TRL's colocate "
             f"engine was built without {'; '.join(wrong)}: use GapGRPOTrainer (or bloggap train), which builds it "

@@ -109,7 +109,9 @@ def test_arm_i_live_document_rebuilds_the_committed_results_from_their_run_logs(
 def test_arm_i_live_labels_and_command_lines():
     script = _live_script()
     assert script.parse_label("callback_I_ni1") == {"entry": "callback", "arm": "I", "num_iterations": 1}
-    for bad in ("train_I", "serve_I_ni2", "train_I_2"):
+    assert script.parse_label("train_I_ni2_b16") == {"entry": "train", "arm": "I", "num_iterations": 2,
+                                                     "per_device_train_batch_size": 16}
+    for bad in ("train_I", "serve_I_ni2", "train_I_2", "train_I_ni2_16"):
         try:
             script.parse_label(bad)
         except ValueError as err:
@@ -121,3 +123,7 @@ def test_arm_i_live_labels_and_command_lines():
     assert argv[argv.index("--vllm_mode") + 1] == "colocate" and argv[argv.index("--num_iterations") + 1] == "2"
     assert script.train_argv("callback_A_ni1", "M", 30, Path("x.jsonl"), 0.25)[1:4] == ["-m", "benchmarks.arm_i_live",
                                                                                        "callback"]
+    for label in ("train_I_ni2_b16", "callback_I_ni2_b16"):  # a generation of 32 completions (gradient accumulation 2)
+        argv = script.train_argv(label, "M", 30, Path("x.jsonl"), 0.25)
+        assert argv[argv.index("--per_device_train_batch_size") + 1] == "16"
+    assert "--per_device_train_batch_size" not in script.train_argv("train_I_ni2", "M", 30, Path("x.jsonl"), 0.25)

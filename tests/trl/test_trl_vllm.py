@@ -248,3 +248,25 @@ def test_sampler_exact_frac_counts_bit_identical_old_logprobs(tmp_path):
         exact += int(((old == sampler) & mask).sum())
         tokens += int(mask.sum())
     assert 0 < exact < tokens and first["gap/sampler/exact_frac"] == exact / tokens
+
+
+def test_arm_i_refuses_a_generation_its_engine_prefilled_in_chunks(tmp_path):
+    """Arm I reads the colocate engine's tokens per step on every generation: prompts that hold more tokens than one
+    step were prefilled in chunks mixed with decode steps, so its scores would not be the sampler's. The step stops
+    with the error naming both numbers; with a budget that holds them the same run trains."""
+    import types
+
+    def engine(budget):
+        scheduler = types.SimpleNamespace(max_num_batched_tokens=budget)
+        return types.SimpleNamespace(llm_engine=types.SimpleNamespace(
+            vllm_config=types.SimpleNamespace(scheduler_config=scheduler)))
+
+    gap = GapConfig(arm="I", i_pieces="torch", positions="mask", probe_rows=0)
+    trainer, fake = vllm_run(tmp_path / "small", gap, {}, train=False, max_steps=1)
+    fake.llm = engine(8)
+    with pytest.raises(RecipeError, match=r"prompt tokens and the colocate engine computes max_num_batched_tokens=8"):
+        trainer.train()
+    trainer, fake = vllm_run(tmp_path / "large", gap, {}, train=False, max_steps=1)
+    fake.llm = engine(1 << 20)
+    trainer.train()
+    assert logs_of(trainer)[0]["gap/sampler/oob_frac"] is not None

@@ -242,7 +242,8 @@ def test_attaching_arm_i_to_a_compiled_or_prefix_caching_engine_is_refused(monke
     check_colocate_engine(_engine_trainer(eager=True, prefix=False), gap)
     check_colocate_engine(default, GapConfig(arm="A"))  # arm A needs nothing of the engine
     check_colocate_engine(types.SimpleNamespace(), gap)  # settings that cannot be read are not refused
-    assert engine_kwargs_for(gap) == {"enforce_eager": True, "enable_prefix_caching": False}
+    assert engine_kwargs_for(gap) == {"enforce_eager": True, "enable_prefix_caching": False,
+                                      "prefill_in_one_step": True}
     monkeypatch.setattr(vllm_kernels, "vllm_batch_invariant_active", lambda: False)
     with pytest.raises(RecipeError, match="VLLM_BATCH_INVARIANT=1"):
         check_colocate_engine(_engine_trainer(eager=True, prefix=False), gap)
@@ -268,3 +269,67 @@ def test_arm_i_logprobs_piece_must_match_the_engines_model_runner(monkeypatch):
     with pytest.raises(RecipeError, match=r"model runner V2.*logprobs=v2_sampler"):
         check_colocate_engine(v2, GapConfig(arm="I", positions="mask", i_pieces="all,logprobs=log_softmax"))
     check_colocate_engine(v1, GapConfig(arm="A"))
+
+
+def test_gap_grpo_trainer_gives_arm_i_one_prefill_step_for_a_generations_prompts(fake_llm, monkeypatch, tmp_path):
+    """TRL 1.16 builds its colocate engine with max_num_batched_tokens=4096: a generation whose prompts hold more
+    tokens is prefilled in chunks mixed with decode steps, launches arm I does not compute (on the H200, 32 arith
+    prompts of 194 tokens: 36.6% bit-identical at 4096). For arm I the engine gets max_num_seqs x max_model_len
+    (the model's max_position_embeddings when TRL passes no max_model_len); the other arms keep TRL's 4096."""
+    import json
+
+    from trl import GRPOTrainer
+
+    from bloggap_plugin.recipes import GapConfig
+    from bloggap_plugin.trl.callback import GapGRPOTrainer
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 2048}))
+    module, _, calls = fake_llm
+    trl_call = {"max_num_seqs": 16, "max_num_batched_tokens": 4096}
+    monkeypatch.setattr(GRPOTrainer, "__init__", lambda self, *a, **k: module.LLM(**self._trl_call))
+    monkeypatch.setattr(GapMixin, "_gap_attach", lambda self, *a, **k: None)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    vllm_args = types.SimpleNamespace(use_vllm=True, vllm_mode="colocate")
+    for extra, gap in (({"max_model_len": 1024}, GapConfig(arm="I", positions="mask")), ({}, GapConfig(arm="I", positions="mask")),
+                       ({"max_model_len": 1024}, GapConfig(arm="A"))):
+        monkeypatch.setattr(GapGRPOTrainer, "_trl_call", {"model": str(tmp_path), **trl_call, **extra}, raising=False)
+        GapGRPOTrainer(args=vllm_args, gap=gap)
+    assert [c["max_num_batched_tokens"] for c in calls] == [16 * 1024, 16 * 2048, 4096]
+    assert "prefill_in_one_step" not in calls[0]
+
+
+def test_attaching_arm_i_to_an_engine_that_chunks_a_generations_prefill_is_refused(monkeypatch):
+    """GapCallback on an engine built with TRL's 4096 tokens per step: refused, naming max_num_batched_tokens, what
+    it must reach (max_num_seqs x max_model_len) and vllm_colocate_engine(..., prefill_in_one_step=True)."""
+    import bloggap_plugin.core.vllm_kernels as vllm_kernels
+    from bloggap_plugin.recipes import GapConfig
+    from bloggap_plugin.trl.vllm_colocate import check_colocate_engine, engine_kwargs_for
+
+    monkeypatch.setattr(vllm_kernels, "vllm_batch_invariant_active", lambda: True)
+    gap = GapConfig(arm="I", positions="mask")
+    assert engine_kwargs_for(gap) == {"enforce_eager": True, "enable_prefix_caching": False,
+                                      "prefill_in_one_step": True}
+
+    def engine(budget):
+        trainer = _engine_trainer(eager=True, prefix=False)
+        config = trainer.vllm_generation.llm.llm_engine.vllm_config
+        config.scheduler_config = types.SimpleNamespace(max_num_batched_tokens=budget, max_num_seqs=16)
+        config.model_config.max_model_len = 1024
+        return trainer
+
+    with pytest.raises(RecipeError, match=r"max_num_batched_tokens >= 16384 \(max_num_seqs 16 x max_model_len 1024; "
+                                          r"the engine has 4096\).*prefill_in_one_step=True"):
+        check_colocate_engine(engine(4096), gap)
+    check_colocate_engine(engine(16384), gap)
+    check_colocate_engine(engine(4096), GapConfig(arm="A"))
+
+
+def test_a_generation_whose_prompts_exceed_the_engines_step_is_refused_by_arm_i():
+    """The check the scorer makes on every generation: more prompt tokens than the engine prefills in one step is an
+    error naming both numbers and the fix; within the step (or an engine whose budget cannot be read) it passes."""
+    from bloggap_plugin.trl.vllm_colocate import prefill_refusal
+
+    message = prefill_refusal(6202, 4096)
+    assert "6202 prompt tokens" in message and "max_num_batched_tokens=4096" in message
+    assert "prefill_in_one_step=True" in message
+    assert prefill_refusal(4096, 4096) is None and prefill_refusal(6202, None) is None
