@@ -4,7 +4,8 @@
 
 Each engine variant runs in its own process (``VLLM_BATCH_INVARIANT=1``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the
 engine in the process, as TRL's colocate mode builds it) and writes one entry of ``$OUT/arm_i_engine.json``
-(rewritten after each variant, so a time limit keeps what finished). A variant's engine samples ``--prompts`` x
+(rewritten after each variant, so a time limit keeps what finished); ``collect`` merges the documents of several
+device calls into the committed ``benchmarks/results/h200/arm_i_engine.json`` (table ``T16-armI-engine``). A variant's engine samples ``--prompts`` x
 ``--tokens`` forced tokens of the task's chat prompts at temperature 1, untruncated, ``processed_logprobs`` (TRL's
 setting), with TRL 1.16's ``max_num_batched_tokens`` (4096); then three scorers give the log-prob of every sampled
 token, each compared with the sampler's own (bit-identical share, share with ``exp(d)`` outside [0.9, 1.1], max |d|):
@@ -197,6 +198,60 @@ def cmd_all(args) -> None:
         print(f"variant {variant}: exit {code}", flush=True)
 
 
+TABLE_ID = "T16-armI-engine"
+COLUMNS = ["variant", "engine settings (beyond TRL's)", "engine start s", "generate s",
+           "arm I bit-identical %", "arm I oob %", "engine re-read bit-identical %", "engine re-read oob %",
+           "arm A oob %", "arm I pass s", "engine re-read s", "revision"]
+
+
+def table(results: dict) -> dict:
+    """The ``T16-armI-engine`` table from a document's ``results`` (variant -> entry)."""
+    rows = []
+    for variant, entry in results.items():
+        settings = ", ".join(f"{k}={v}" for k, v in entry["engine_kwargs"].items()) or "none (TRL's engine)"
+        rows.append([variant, settings, entry["engine_start_s"], entry["generate_s"],
+                     entry["arm_i"]["bitwise_pct"], entry["arm_i"]["oob_pct"], entry["engine"]["bitwise_pct"],
+                     entry["engine"]["oob_pct"], entry["arm_a"]["oob_pct"], entry["arm_i"]["pass_s"],
+                     entry["engine"]["pass_s"], entry.get("revision")])
+    return {"id": TABLE_ID, "title": "Arm I against vLLM engine settings (harness): which engine arm I matches",
+            "columns": COLUMNS, "rows": rows, "reference": None, "random_init": False,
+            "notes": "benchmarks/arm_i_engine.py, one process per variant with VLLM_BATCH_INVARIANT=1 and "
+                     "TRITON_F32_DEFAULT=ieee; 32 arithmetic chat prompts x 32 forced tokens at T=1, untruncated, "
+                     "processed_logprobs, TRL 1.16's max_num_batched_tokens=4096 unless the variant sets it. Each "
+                     "scorer's log-prob of every sampled token against the sampler's: bit-identical share, share "
+                     "with exp(d) outside [0.9, 1.1]. Engine re-read: the same engine given each row as a prompt "
+                     "(prompt_logprobs=0). generate s: the 32 completions after a warm-up generation."}
+
+
+def cmd_collect(args) -> None:
+    """One committed document from ``--part`` documents (later parts' variants replace earlier ones'), each
+    variant stamped with its part's revision, machine paths replaced, the variants' logs packed into ``--pack``."""
+    import io
+    import tarfile
+
+    from benchmarks._lib.publish import console_lines, strip_paths
+
+    merged: dict = {}
+    for part in args.part:
+        doc = json.loads(Path(part).read_text())
+        merged.setdefault("env", doc["env"])
+        merged.setdefault("params", {k: v for k, v in doc["params"].items() if k != "revision"})
+        for variant, entry in doc["results"].items():
+            merged.setdefault("results", {})[variant] = {**entry, "revision": doc["params"].get("revision")}
+    document = {"benchmark": "arm_i_engine", "schema_version": 1, "env": merged["env"], "params": merged["params"],
+                "results": merged["results"], "tables": [table(merged["results"])]}
+    text = strip_paths(json.dumps(document, indent=1) + "\n", args.model_path, "<SmolLM2 dense folder>")
+    Path(args.result).write_text(text)
+    if args.pack:
+        with tarfile.open(args.pack, "w:xz") as tar:
+            for log in args.logs:
+                data = console_lines(strip_paths(Path(log).read_text(errors="replace"), args.model_path,
+                                                 "<SmolLM2 dense folder>")).encode()
+                info = tarfile.TarInfo(Path(log).name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -215,8 +270,14 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--prompts", type=int, default=32)
         p.add_argument("--tokens", type=int, default=32)
         p.add_argument("--gpu-mem", type=float, default=0.3)
+    col = sub.add_parser("collect", help="one committed document from the documents of several device calls")
+    col.add_argument("result")
+    col.add_argument("--part", action="append", required=True, help="a document that `all` wrote (repeat)")
+    col.add_argument("--logs", nargs="*", default=[], help="the variants' console logs to pack")
+    col.add_argument("--pack", default=None, help="tar.xz for the logs")
+    col.add_argument("--model-path", default="/tmp/vx/smollm2", help="the model folder on the GPU machine")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    {"all": cmd_all, "variant": cmd_variant}[args.cmd](args)
+    {"all": cmd_all, "variant": cmd_variant, "collect": cmd_collect}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ def test_arm_i_live_document_rebuilds_the_committed_results_from_their_run_logs(
     script = _live_script()
     results = ROOT / "benchmarks" / "results" / "h200"
     for name, logs in (("arm_i_live.json", "runs_final.tar.xz"),
+                       ("arm_i_live_rows_per_forward.json", "runs_rows_per_forward.tar.xz"),
                        ("arm_i_live_prompt_first.json", "runs_prompt_first.tar.xz"),
                        ("arm_i_live_v2_sampler.json", "runs_v2_sampler.tar.xz"),
                        ("arm_i_live_log_softmax.json", "runs_log_softmax.tar.xz"),
@@ -127,3 +128,20 @@ def test_arm_i_live_labels_and_command_lines():
         argv = script.train_argv(label, "M", 30, Path("x.jsonl"), 0.25)
         assert argv[argv.index("--per_device_train_batch_size") + 1] == "16"
     assert "--per_device_train_batch_size" not in script.train_argv("train_I_ni2", "M", 30, Path("x.jsonl"), 0.25)
+
+
+def test_arm_i_engine_table_is_built_from_its_results():
+    """T16-armI-engine in the committed document is what ``table`` builds from its ``results``, and it holds the
+    comparison that located the chunked-prefill defect: the same eager engine at TRL's 4096 tokens per step and with
+    every prompt prefilled in one step (arm I bit-identical only in the latter)."""
+    import json
+
+    import benchmarks.arm_i_engine as script
+
+    doc = json.loads((ROOT / "benchmarks" / "results" / "h200" / "arm_i_engine.json").read_text())
+    ResultDocument.read(ROOT / "benchmarks" / "results" / "h200" / "arm_i_engine.json")
+    assert doc["tables"] == [json.loads(json.dumps(script.table(doc["results"])))]
+    results = doc["results"]
+    assert results["eager_one_prefill"]["arm_i"]["bitwise_pct"] == 100.0
+    assert results["eager"]["arm_i"]["bitwise_pct"] < 60.0
+    assert results["eager"]["engine_kwargs"] == {k: v for k, v in script.VARIANTS["eager"].items()}

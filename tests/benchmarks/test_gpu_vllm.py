@@ -105,12 +105,13 @@ def test_arm_i_matches_the_sampler_live_in_trl_colocate(tmp_path):
     """Arm I through the product (``bloggap train``, GapGRPOTrainer builds the eager engine) and through GapCallback,
     30 steps each, vLLM's batch-invariant mode on: every generation's old log-probs within the clip band of vLLM's
     sampled ones bit for bit (gap/sampler/exact_frac 1, abs_dlogp_max 0: the V2 model runner's log-prob kernel,
-    T16-armI-live). ``BLOGGAP_ARM_I_LIVE_RUNS`` chooses the runs (``ENTRY_I_ni<K>``, comma-separated; default one
-    per entry point); ``BLOGGAP_ARM_I_LIVE_OUT`` keeps their logs in that folder."""
+    T16-armI-live). ``BLOGGAP_ARM_I_LIVE_RUNS`` chooses the runs (``ENTRY_I_ni<K>[_b<N>]``, comma-separated; default
+    one per entry point, the train run with generations of 32 completions, whose prompts exceed TRL's 4096 tokens per
+    engine step unless the plugin's engine prefills them in one step); ``BLOGGAP_ARM_I_LIVE_OUT`` keeps their logs."""
     pytest.importorskip("vllm")
     root = ROOT
     model = os.environ["BLOGGAP_VLLM_MODEL"]
-    runs = os.environ.get("BLOGGAP_ARM_I_LIVE_RUNS", "train_I_ni2,callback_I_ni1")
+    runs = os.environ.get("BLOGGAP_ARM_I_LIVE_RUNS", "train_I_ni2_b16,callback_I_ni1")
     out = Path(os.environ.get("BLOGGAP_ARM_I_LIVE_OUT") or tmp_path)
     code = subprocess.call([sys.executable, "-m", "benchmarks.arm_i_live", "run", "--model", model, "--out", str(out),
                             "--steps", "30", "--runs", runs], timeout=900, cwd=root)
