@@ -273,8 +273,8 @@ def test_arm_i_logprobs_piece_must_match_the_engines_model_runner(monkeypatch):
 
 def test_gap_grpo_trainer_gives_arm_i_one_prefill_step_for_a_generations_prompts(fake_llm, monkeypatch, tmp_path):
     """TRL 1.16 builds its colocate engine with max_num_batched_tokens=4096: a generation whose prompts hold more
-    tokens is prefilled in chunks mixed with decode steps, launches arm I does not compute (on the H200, 32 arith
-    prompts of 194 tokens: 36.6% bit-identical at 4096). For arm I the engine gets max_num_seqs x max_model_len
+    tokens is prefilled in chunks mixed with decode steps, launches arm I does not compute (T16-armI-engine, variants
+    eager and eager_one_prefill). For arm I the engine gets max_num_seqs x max_model_len
     (the model's max_position_embeddings when TRL passes no max_model_len); the other arms keep TRL's 4096."""
     import json
 
