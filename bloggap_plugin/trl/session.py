@@ -189,6 +189,10 @@ class GapSession:
                 if trl_old is not None:
                     output["gap_trl_old_logps"] = trl_old
             self.stats.install_old(output, old)
+            if trl_old is not None and state.drives and old is not trl_old:
+                # TRL logged sampling/* from the pass just replaced: recompute them from the old log-probs (and IS
+                # ratio) the loss reads
+                self.stats.trl_sampling_metrics([output])
             if measure:
                 self.stats.generation_metrics(output, ids, attn, logits_to_keep)
         state.time += time.perf_counter() - start

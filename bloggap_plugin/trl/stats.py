@@ -167,10 +167,11 @@ class Stats:
         sums.kept_oob_after += _masked_sum(gap_metrics.out_of_band(after, sampler, band), mask)
 
     def trl_sampling_metrics(self, batches: list) -> None:
-        """Arm G on TRL's vLLM path: TRL's own ``sampling/*`` statistics of this generation, recomputed by TRL's
-        definitions (``_generate_and_score_completions``) from G's old log-probs over the whole generation batch of
-        this process, in place of the values TRL logged from the skipped pass's placeholder (difference 0,
-        ratio 1)."""
+        """TRL's own ``sampling/*`` statistics of this generation (TRL's vLLM path), recomputed by TRL's definitions
+        (``_generate_and_score_completions``) from the arm's old log-probs and IS ratio over the whole generation
+        batch of this process (``batches``: its micro-batches, or the one generation output), in place of the values
+        TRL logged from its own pass: G's skipped pass's placeholder (difference 0, ratio 1), or the pass a planned
+        arm's old log-probs replaced."""
         if not (self.trainer.use_vllm and self.trainer.vllm_importance_sampling_correction):
             return
         from trl.trainer.utils import nanmax, nanmin

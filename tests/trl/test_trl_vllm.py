@@ -137,10 +137,12 @@ def test_kept_measure_finds_the_kept_mass_and_leaves_training_alone(tmp_path):
 
 def test_kept_renormalize_brings_the_is_ratio_to_one(tmp_path):
     """renormalize: the arm's old log-probs are renormalised over the re-truncated kept set, so the IS ratio TRL then
-    applies is 1 per sequence (TRL's default sequence_mask), where TRL alone weights every sequence by S^T."""
+    applies is 1 per sequence (TRL's default sequence_mask), where TRL alone weights every sequence by S^T. TRL's
+    logged sampling/* describe the ratio the loss applies; the ratio before renormalising is gap/kept/*'s."""
     trainer, _ = vllm_run(tmp_path, GapConfig(arm="A", kept="renormalize"), {"top_p": 0.8}, prompts=EQUAL)
     first = logs_of(trainer)[0]
-    assert first["sampling/importance_sampling_ratio/mean"] < 0.5  # TRL's own, computed before the plugin
+    assert first["gap/kept/ratio_before_mean"] < 0.9  # per token: the kept mass S (TRL alone: S^T per sequence)
+    assert first["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)
     assert first["gap/sampler/is_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     assert first["gap/sampler/is_ratio_min"] == pytest.approx(1.0, abs=1e-4)
     assert first["gap/sampler/oob_frac"] == 0.0
@@ -270,3 +272,20 @@ def test_arm_i_refuses_a_generation_its_engine_prefilled_in_chunks(tmp_path):
     fake.llm = engine(1 << 20)
     trainer.train()
     assert logs_of(trainer)[0]["gap/sampler/oob_frac"] is not None
+
+
+@pytest.mark.parametrize("arm", ["F", "I"])
+def test_trls_sampling_metrics_describe_the_old_log_probs_the_loss_uses(tmp_path, arm):
+    """A planned arm replaces TRL's old log-probs after TRL's pass and recomputes the IS ratio the loss reads from
+    them; TRL's logged sampling/* statistics must then be those of the arm's old log-probs (what gap/sampler/*
+    measures), not of the pass whose result was replaced."""
+    extra = {"i_pieces": "torch", "positions": "mask"} if arm == "I" else {}
+    trainer, fake = vllm_run(tmp_path, GapConfig(arm=arm, kept="off", probe_rows=0, **extra), {"top_p": 0.8})
+    checked = 0
+    for row in logs_of(trainer):
+        if "sampling/sampling_logp_difference/mean" not in row:
+            continue
+        for ours, theirs in PAIRS:
+            assert abs(row[ours] - row[theirs]) <= 1e-6 * max(1.0, abs(row[theirs])), (ours, row[ours], row[theirs])
+            checked += 1
+    assert checked == len(PAIRS) and fake.calls == 1
