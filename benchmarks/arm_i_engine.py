@@ -201,7 +201,7 @@ def cmd_all(args) -> None:
 TABLE_ID = "T16-armI-engine"
 COLUMNS = ["variant", "engine settings (beyond TRL's)", "engine start s", "generate s",
            "arm I bit-identical %", "arm I oob %", "engine re-read bit-identical %", "engine re-read oob %",
-           "arm A oob %", "arm I pass s", "engine re-read s", "revision"]
+           "arm A oob %", "arm I pass s", "arm A pass s", "engine re-read s", "revision"]
 
 
 def table(results: dict) -> dict:
@@ -212,7 +212,7 @@ def table(results: dict) -> dict:
         rows.append([variant, settings, entry["engine_start_s"], entry["generate_s"],
                      entry["arm_i"]["bitwise_pct"], entry["arm_i"]["oob_pct"], entry["engine"]["bitwise_pct"],
                      entry["engine"]["oob_pct"], entry["arm_a"]["oob_pct"], entry["arm_i"]["pass_s"],
-                     entry["engine"]["pass_s"], entry.get("revision")])
+                     entry["arm_a"]["pass_s"], entry["engine"]["pass_s"], entry.get("revision")])
     return {"id": TABLE_ID, "title": "Arm I against vLLM engine settings (harness): which engine arm I matches",
             "columns": COLUMNS, "rows": rows, "reference": None, "random_init": False,
             "notes": "benchmarks/arm_i_engine.py, one process per variant with VLLM_BATCH_INVARIANT=1 and "
@@ -220,7 +220,9 @@ def table(results: dict) -> dict:
                      "processed_logprobs, TRL 1.16's max_num_batched_tokens=4096 unless the variant sets it. Each "
                      "scorer's log-prob of every sampled token against the sampler's: bit-identical share, share "
                      "with exp(d) outside [0.9, 1.1]. Engine re-read: the same engine given each row as a prompt "
-                     "(prompt_logprobs=0). generate s: the 32 completions after a warm-up generation."}
+                     "(prompt_logprobs=0). generate s: the 32 completions after a warm-up generation. pass s: one "
+                     "scoring of the 32 rows (median of 3 after a warm-up); arm A's in chunks of 8 rows as TRL's "
+                     "old-logprob pass, arm I's in one forward (its rows per forward)."}
 
 
 def cmd_collect(args) -> None:

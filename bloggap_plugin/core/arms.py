@@ -41,6 +41,9 @@ class ArmSpec:
     old log-probs are used where TRL computes them."""
     scores_after_shuffle: bool = False
     """Scores each buffered training micro-batch after TRL's shuffle, as one chunk, in place of TRL's own pass."""
+    replaces_trl_old_pass: bool = False
+    """Where TRL runs its own old-logprob pass, it is skipped (a placeholder stands in) and the arm's scores take
+    its place; the replacing pass's time is TRL's cost (``gap/time/old_pass_s``), not the plugin's."""
     needs_fp16_training: bool = False
     """Rollout, old log-probs and training all in fp16 (``GRPOConfig.fp16: true``; vLLM samples in fp16)."""
     scores_above_fp16: bool = False
@@ -75,7 +78,7 @@ _RECORDS = (
             copies_weights=True, aliases=("fp32_head",)),
     ArmSpec("F", "fp16 shadow copy of the policy", plan="fp16", copies_weights=True, aliases=("fp16",)),
     ArmSpec("G", "matched: each buffered training micro-batch scored as one chunk after TRL's shuffle",
-            scores_after_shuffle=True, aliases=("matched",)),
+            scores_after_shuffle=True, replaces_trl_old_pass=True, aliases=("matched",)),
     ArmSpec("H", "fp16 everywhere: rollout, old log-probs and training in fp16 autocast with loss scaling",
             keeps_trl_forward=True, needs_fp16_training=True),
     ArmSpec("I", "vLLM's numbers: bf16 shadow scored the way vLLM computes (batch-invariant kernels, its "
@@ -84,7 +87,8 @@ _RECORDS = (
             # arm I does not run; no prefix caching: a cache hit changes a prefill's launch size, which sets the
             # RMSNorm kernel's summation order for every prompt token's keys and values; one prefill step: TRL's
             # 4096 tokens per step chunk a larger generation's prompts into steps mixed with decodes
-            vllm_engine=(("enforce_eager", True), ("enable_prefix_caching", False)), prefill_in_one_step=True),
+            vllm_engine=(("enforce_eager", True), ("enable_prefix_caching", False)), prefill_in_one_step=True,
+            replaces_trl_old_pass=True),
 )
 
 ARMS: dict[str, ArmSpec] = {arm.letter: arm for arm in _RECORDS}

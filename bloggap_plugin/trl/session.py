@@ -150,8 +150,9 @@ class GapSession:
     def generate_and_score_completions(self, inputs):
         state = self.state
         training = self.trainer.model.training
-        # arm G: G's per-micro-batch scores (``_prepare_inputs``) take the place of TRL's old-logprob pass
-        state.skip_old = training and state.arm.scores_after_shuffle and self.stats.trl_computes_old()
+        # arms G and I: the arm's scores (G: per micro-batch in ``_prepare_inputs``; I: below) take the place of
+        # TRL's old-logprob pass
+        state.skip_old = training and state.arm.replaces_trl_old_pass and self.stats.trl_computes_old()
         state.old_skipped = False
         try:
             output = self.trainer._gap_next("_generate_and_score_completions", inputs)
@@ -175,27 +176,33 @@ class GapSession:
             self.scorer.vllm_kept_sets(output, ids, attn, logits_to_keep)
         if state.arm.prefill_in_one_step and self.trainer.use_vllm:
             self.check_one_step_prefill(output)
-        trl_old = output.get("old_per_token_logps")
-        state.drives = trl_old is not None or gap.force_old_logprobs
+        skipped = state.old_skipped and not state.arm.scores_after_shuffle  # arm I: TRL's pass left a placeholder
+        trl_old = None if skipped else output.get("old_per_token_logps")
+        state.drives = trl_old is not None or skipped or gap.force_old_logprobs
         self.probe_rows(output, ids, attn, logits_to_keep)
+        replaced = 0.0
         if not state.arm.scores_after_shuffle:
             # TRL's own old pass ran before the vLLM kept sets existed: renormalising re-scores it
             if state.arm.keeps_trl_forward and trl_old is not None and not (self.trainer.use_vllm and state.renormalize):
                 old = trl_old.float()
             else:
                 batch_size = self.trainer.args.per_device_train_batch_size
+                scored = time.perf_counter()
                 old = self.scorer.arm_scores(ids, attn, logits_to_keep, batch_size, self.scorer.kept_from(output))
                 old = old.to(ids.device)
+                if skipped:  # in place of TRL's skipped pass: TRL's cost, logged apart (gap/time/old_pass_s)
+                    replaced = time.perf_counter() - scored
                 if trl_old is not None:
                     output["gap_trl_old_logps"] = trl_old
             self.stats.install_old(output, old)
-            if trl_old is not None and state.drives and old is not trl_old:
-                # TRL logged sampling/* from the pass just replaced: recompute them from the old log-probs (and IS
-                # ratio) the loss reads
+            if state.drives and (skipped or (trl_old is not None and old is not trl_old)):
+                # TRL logged sampling/* from the pass just replaced (or its placeholder): recompute them from the
+                # old log-probs (and IS ratio) the loss reads
                 self.stats.trl_sampling_metrics([output])
             if measure:
                 self.stats.generation_metrics(output, ids, attn, logits_to_keep)
-        state.time += time.perf_counter() - start
+        state.time += time.perf_counter() - start - replaced
+        state.replaced_time += replaced
         return output
 
     def check_one_step_prefill(self, output: dict) -> None:
@@ -282,10 +289,10 @@ class GapSession:
             return self.trainer._gap_next("_get_per_token_logps_and_entropies", model, input_ids, attention_mask,
                                   logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **kwargs)
         if is_policy and state.skip_old and not torch.is_grad_enabled() and not state.in_loss:
-            # TRL's old-logprob pass under arm G: the first grad-free policy call inside TRL's
-            # _generate_and_score_completions. A NaN placeholder of the same shape stands in (TRL's IS ratio from it
-            # is 1, its sampling/* statistics are recomputed from G's scores in _prepare_inputs); every micro-batch
-            # gets G's scores before any loss reads them.
+            # TRL's old-logprob pass under an arm that replaces it (G, I): the first grad-free policy call inside
+            # TRL's _generate_and_score_completions. A NaN placeholder of the same shape stands in (TRL's IS ratio and
+            # sampling/* statistics from it are recomputed from the arm's scores: I's right after TRL's function
+            # returns, G's in _prepare_inputs); every micro-batch gets the arm's scores before any loss reads them.
             state.skip_old = False
             state.old_skipped = True
             placeholder = torch.full((input_ids.shape[0], logits_to_keep), float("nan"), dtype=torch.float32,
@@ -349,8 +356,8 @@ class GapSession:
             metrics = self.trainer._metrics["train"]
             metrics["gap/time/scoring_s"].append(times.plugin / procs)
             metrics["gap/time/overhead_frac"].append(times.plugin / times.wall if times.wall > 0 else 0.0)
-            if state.arm.scores_after_shuffle:
-                # G's old-logprob pass in place of TRL's (0 on steps that reuse a generation)
+            if state.arm.replaces_trl_old_pass:
+                # the arm's old-logprob pass in place of TRL's (0 on steps that reuse a generation)
                 metrics["gap/time/old_pass_s"].append(times.replaced / procs)
             state.step_wall = state.step_plugin = state.replaced_time = state.step_probe = 0.0
         return output

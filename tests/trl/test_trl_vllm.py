@@ -289,3 +289,44 @@ def test_trls_sampling_metrics_describe_the_old_log_probs_the_loss_uses(tmp_path
             assert abs(row[ours] - row[theirs]) <= 1e-6 * max(1.0, abs(row[theirs])), (ours, row[ours], row[theirs])
             checked += 1
     assert checked == len(PAIRS) and fake.calls == 1
+
+
+def test_arm_i_replaces_trls_old_pass_on_vllm_path(tmp_path, monkeypatch):
+    """TRL's vLLM path runs its own old pass (IS correction) only for the plugin to replace its result under arm I:
+    it is skipped (no grad-free forward of the policy at all), arm I's scores take its place, and the run's losses,
+    gradient norms, IS ratios and TRL's sampling/* are bitwise those of the run that kept TRL's pass; the replacing
+    pass's seconds are gap/time/old_pass_s, outside gap/time/overhead_frac."""
+    gap = GapConfig(arm="I", i_pieces="torch", positions="mask", kept="off", probe_rows=0)
+    runs = {}
+    for name in ("before", "after"):
+        with monkeypatch.context() as patch:
+            if name == "before":
+                patch.setattr(Stats, "trl_computes_old", lambda self: False)
+            trainer, _ = vllm_run(tmp_path / name, gap, {"top_p": 0.8}, train=False, max_steps=4,
+                                  num_iterations=2)
+            rows = count_no_grad_scoring_rows(trainer)
+            batches: list = []
+            prepare = trainer._prepare_inputs
+
+            def spy(generation_batch, prepare=prepare, batches=batches):
+                inputs = prepare(generation_batch)
+                batches.append({k: v.clone() for k, v in inputs.items() if torch.is_tensor(v)})
+                return inputs
+
+            trainer._prepare_inputs = spy
+            trainer.train()
+        runs[name] = (trainer, rows, batches)
+    (before, before_rows, before_batches), (after, after_rows, after_batches) = runs["before"], runs["after"]
+    assert sum(before_rows) > 0 and after_rows == []
+    assert [(h["loss"], h["grad_norm"]) for h in logs_of(after)] == [
+        (h["loss"], h["grad_norm"]) for h in logs_of(before)]
+    for batch, ref in zip(after_batches, before_batches, strict=True):
+        assert torch.equal(batch["old_per_token_logps"], ref["old_per_token_logps"])
+        assert torch.equal(batch["importance_sampling_ratio"], ref["importance_sampling_ratio"])
+    generating = [h for h in logs_of(after) if "sampling/sampling_logp_difference/mean" in h]
+    assert generating and all(h["gap/time/old_pass_s"] > 0 for h in generating)
+    assert not any("gap/old_vs_trl/oob_frac" in h for h in logs_of(after))
+    for got, ref in zip(logs_of(after), logs_of(before), strict=True):
+        for _, key in PAIRS:
+            if key in ref:
+                assert got[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-7), key
