@@ -43,7 +43,8 @@ TABLE_ID = "T16-armI-live"
 RESULT_NAME = "arm_i_live.json"
 COLUMNS = ["run", "entry", "arm", "num_iterations", "steps", "generations", "sampler oob % (mean)",
            "sampler oob % (worst generation)", "sampler max |dlogp| (all generations)", "sampler bit-identical % (mean)", "ratio oob % (first iteration, mean)",
-           "plugin % of a generating step (median, step 1 apart)", "plugin % at step 1", "generating step s (median)"]
+           "plugin % of a generating step (median, step 1 apart)", "plugin % at step 1", "generating step s (median)",
+           "old pass in place of TRL's, % of a generating step (median)"]
 ARM_I_ENV = {"VLLM_BATCH_INVARIANT": "1", "TRITON_F32_DEFAULT": "ieee"}
 
 
@@ -152,6 +153,8 @@ def summarize(label: str, records: list[dict]) -> dict:
     ratio = [r["gap/ratio/oob_frac"] for r in generating if r.get("gap/ratio/oob_frac") is not None]
     overhead = [r["gap/time/overhead_frac"] for r in generating[1:] if r.get("gap/time/overhead_frac") is not None]
     step_time = [r["step_time"] for r in generating[1:] if isinstance(r.get("step_time"), (int, float))]
+    old_pass = [r["gap/time/old_pass_s"] / r["step_time"] for r in generating[1:]
+                if r.get("gap/time/old_pass_s") is not None and r.get("step_time")]
     first = generating[0] if generating else {}
     return {
         **spec,
@@ -167,6 +170,7 @@ def summarize(label: str, records: list[dict]) -> dict:
         "overhead_median": statistics.median(overhead) if overhead else None,
         "overhead_step1": first.get("gap/time/overhead_frac"),
         "generating_step_s_median": statistics.median(step_time) if step_time else None,
+        "old_pass_median": statistics.median(old_pass) if old_pass else None,
         "per_generation": [{k: r.get(k) for k in ("step", "gap/sampler/oob_frac", "gap/sampler/exact_frac",
                                                    "gap/ratio/oob_frac", "gap/time/overhead_frac", "step_time")}
                            for r in generating],
@@ -185,12 +189,15 @@ def table(rows: dict) -> dict:
                      _pct(row["sampler_exact_mean"], 2),
                      _pct(row["ratio_oob_first_iteration_mean"]), _pct(row["overhead_median"], 2),
                      _pct(row["overhead_step1"], 1),
-                     None if row["generating_step_s_median"] is None else round(row["generating_step_s_median"], 3)])
+                     None if row["generating_step_s_median"] is None else round(row["generating_step_s_median"], 3),
+                     _pct(row.get("old_pass_median"), 2)])
     return {"id": TABLE_ID, "title": "Arm I live: TRL 1.16 GRPO, vLLM 0.26 colocate, through bloggap train / GapCallback",
             "columns": COLUMNS, "rows": body, "reference": None, "random_init": False,
             "notes": "Sampler columns over the generations after the first (the first is in per_generation); ratio "
                     "out-of-band on the first iteration of each generation (num_iterations 1: the ratio is new/new). "
-                    "Plugin share of a generating step: gap/time/overhead_frac, steps after the first."
+                    "Plugin share of a generating step: gap/time/overhead_frac, steps after the first. Old pass in "
+                    "place of TRL's: gap/time/old_pass_s over the step time, where the arm replaces TRL's own "
+                    "old-logprob pass (TRL's cost, outside the plugin's share; empty where it ran both)."
                     + "".join(f" {label}: {row['note']}." for label, row in rows.items() if row.get("note"))}
 
 
