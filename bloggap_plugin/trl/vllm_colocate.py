@@ -26,15 +26,21 @@ import torch
 
 __all__ = ["vllm_colocate_dtype", "vllm_colocate_engine", "colocate_engine_dtype", "engine_kwargs_from_env", "KV_CACHE_ENV",
            "engine_kwargs_for", "colocate_engine_setting", "check_colocate_engine", "BATCH_INVARIANT_ENV",
-           "one_step_prefill_tokens", "prefill_refusal"]
+           "one_step_prefill_tokens", "prefill_refusal", "ONE_STEP_PREFILL_CAP"]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+ONE_STEP_PREFILL_CAP = 65536
+"""The most tokens per engine step :func:`one_step_prefill_tokens` asks for: vLLM sizes its start-up memory profile
+(activations of one step) by ``max_num_batched_tokens``, so a long-context model's ``max_num_seqs x max_model_len``
+could leave no memory for the KV cache; a generation whose prompts exceed the cap is refused (:func:`prefill_refusal`)."""
+
+
 def one_step_prefill_tokens(max_num_seqs: int, max_model_len: int) -> int:
     """Tokens per engine step that prefill every prompt of a generation at once: ``max_num_seqs`` sequences (TRL
-    sets it to the generation's size) of at most ``max_model_len`` tokens each."""
-    return int(max_num_seqs) * int(max_model_len)
+    sets it to the generation's size) of at most ``max_model_len`` tokens each, at most :data:`ONE_STEP_PREFILL_CAP`."""
+    return min(int(max_num_seqs) * int(max_model_len), ONE_STEP_PREFILL_CAP)
 
 
 def _model_max_len(model: Any) -> int | None:
@@ -174,7 +180,9 @@ def prefill_refusal(prompt_tokens: int, budget: int | None) -> str | None:
     return (f"arm I: this generation's prompts hold {prompt_tokens} prompt tokens and the colocate engine computes "
             f"max_num_batched_tokens={budget} per step, so it prefilled them in chunks mixed with decode steps, which "
             "arm I does not compute; build the engine with vllm_colocate_engine(..., prefill_in_one_step=True) (what "
-            "GapGRPOTrainer and bloggap train do), or lower per_device_train_batch_size x steps_per_generation")
+            "GapGRPOTrainer and bloggap train do; it gives max_num_seqs x max_model_len tokens per step, at most "
+            f"{ONE_STEP_PREFILL_CAP}), set vllm_max_model_length, or lower per_device_train_batch_size x "
+            "steps_per_generation")
 
 
 def _colocate_engine(trainer: Any) -> Any:
@@ -214,7 +222,7 @@ def check_colocate_engine(trainer: Any, gap: Any, environ: dict | None = None) -
                                 for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"))
         if None not in (budget, seqs, length) and budget < one_step_prefill_tokens(seqs, length):
             wrong.append(f"max_num_batched_tokens >= {one_step_prefill_tokens(seqs, length)} (max_num_seqs {seqs} x "
-                         f"max_model_len {length}; the engine has {budget})")
+                         f"max_model_len {length}, at most {ONE_STEP_PREFILL_CAP}; the engine has {budget})")
     if wrong:
         settings = ", ".join(f"{name}={value!r}" for name, value in engine_kwargs_for(gap, {}).items())
         raise RecipeError(

@@ -317,8 +317,8 @@ def test_attaching_arm_i_to_an_engine_that_chunks_a_generations_prefill_is_refus
         config.model_config.max_model_len = 1024
         return trainer
 
-    with pytest.raises(RecipeError, match=r"max_num_batched_tokens >= 16384 \(max_num_seqs 16 x max_model_len 1024; "
-                                          r"the engine has 4096\).*prefill_in_one_step=True"):
+    with pytest.raises(RecipeError, match=r"max_num_batched_tokens >= 16384 \(max_num_seqs 16 x max_model_len 1024, "
+                                          r"at most 65536; the engine has 4096\).*prefill_in_one_step=True"):
         check_colocate_engine(engine(4096), gap)
     check_colocate_engine(engine(16384), gap)
     check_colocate_engine(engine(4096), GapConfig(arm="A"))
@@ -333,3 +333,22 @@ def test_a_generation_whose_prompts_exceed_the_engines_step_is_refused_by_arm_i(
     assert "6202 prompt tokens" in message and "max_num_batched_tokens=4096" in message
     assert "prefill_in_one_step=True" in message
     assert prefill_refusal(4096, 4096) is None and prefill_refusal(6202, None) is None
+
+
+def test_arm_is_one_step_prefill_budget_is_capped_and_the_cap_is_what_attach_expects(monkeypatch):
+    """A long-context model (max_position_embeddings 32768) with 32 sequences a generation would ask vLLM for a
+    million tokens per step, which its start-up memory profile sizes activations by: the budget stops at
+    ONE_STEP_PREFILL_CAP (a generation beyond it is refused by the per-generation check), and attaching to an engine
+    built with the capped budget passes."""
+    import bloggap_plugin.core.vllm_kernels as vllm_kernels
+    from bloggap_plugin.recipes import GapConfig
+    from bloggap_plugin.trl.vllm_colocate import ONE_STEP_PREFILL_CAP, check_colocate_engine, one_step_prefill_tokens
+
+    assert one_step_prefill_tokens(16, 1024) == 16 * 1024
+    assert one_step_prefill_tokens(32, 32768) == ONE_STEP_PREFILL_CAP < 32 * 32768
+    monkeypatch.setattr(vllm_kernels, "vllm_batch_invariant_active", lambda: True)
+    trainer = _engine_trainer(eager=True, prefix=False)
+    config = trainer.vllm_generation.llm.llm_engine.vllm_config
+    config.scheduler_config = types.SimpleNamespace(max_num_batched_tokens=ONE_STEP_PREFILL_CAP, max_num_seqs=32)
+    config.model_config.max_model_len = 32768
+    check_colocate_engine(trainer, GapConfig(arm="I", positions="mask"))
