@@ -27,10 +27,10 @@ the worker evaluates it greedily on prompts no training set holds (:func:`blogga
 evaluated is evaluated on resume from its saved policy (:mod:`.heldout`). ``time_budget_s`` ends a call cleanly: no
 run starts that would not finish in time, the runs in flight at the limit are stopped, the outputs are written.
 
-Layout: :mod:`.config` (settings, plan, checks), :mod:`.logs` (run logs, resume), :mod:`.worker` (the run
-subprocess), :mod:`.sweep` (processes, lock, signals, time budget), :mod:`.statistics` (summaries, intervals,
-resolution), :mod:`.outputs` (tables, plot, JSON, Markdown), :mod:`.heldout` (the held-out evaluation's files and
-resume); every public name is importable from ``bloggap_plugin.compare``.
+Layout: :mod:`.sweep_config` (settings, plan, checks), :mod:`.logs` (run logs, resume), :mod:`.worker` (the
+run subprocess), :mod:`.sweep` (processes, lock, signals, time budget), :mod:`.statistics` (summaries,
+intervals, resolution), :mod:`.outputs` (tables, plot, JSON, Markdown), :mod:`.heldout` (the held-out
+evaluation's files and resume); every public name is importable from ``bloggap_plugin.compare``.
 
 Outputs in ``output_dir``: ``runs/<arm>_s<seed>.jsonl`` (+ ``.out`` with the run's console output),
 ``compare.json`` (a :class:`bloggap_plugin.results.ResultDocument`: params, raw per-run results, tables), ``compare.md`` and
@@ -54,7 +54,17 @@ sweep refuses it up front on a machine without vLLM or CUDA.
 
 from __future__ import annotations
 
-from bloggap_plugin.compare.config import (
+from bloggap_plugin.compare.heldout import evaluate_saved, heldout_path, heldout_state, read_heldout
+from bloggap_plugin.compare.logs import read_log, run_is_done, run_settings, run_state
+from bloggap_plugin.compare.outputs import (
+    plot_reward_curves,
+    print_table,
+    resolution_statement,
+    write_outputs,
+)
+from bloggap_plugin.compare.statistics import build_results, heldout_by_arm, paired_interval, summarize_run
+from bloggap_plugin.compare.sweep import SweepStopped, run_compare, worker_environment
+from bloggap_plugin.compare.sweep_config import (
     DEFAULT_HELDOUT_FN,
     DEFAULT_RUN_FN,
     DONE_KEY,
@@ -68,16 +78,6 @@ from bloggap_plugin.compare.config import (
     validate_config,
     vllm_unavailable_reason,
 )
-from bloggap_plugin.compare.heldout import evaluate_saved, heldout_path, heldout_state, read_heldout
-from bloggap_plugin.compare.logs import read_log, run_is_done, run_settings, run_state
-from bloggap_plugin.compare.outputs import (
-    plot_reward_curves,
-    print_table,
-    resolution_statement,
-    write_outputs,
-)
-from bloggap_plugin.compare.statistics import build_results, heldout_by_arm, paired_interval, summarize_run
-from bloggap_plugin.compare.sweep import SweepStopped, run_compare, worker_environment
 from bloggap_plugin.run_timing import plugin_time_share, timed_steps
 
 __all__ = [

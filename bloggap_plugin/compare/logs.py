@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from bloggap_plugin.compare.config import DONE_KEY, CompareConfig, RunSpec, run_task_kwargs
+from bloggap_plugin.compare.sweep_config import DONE_KEY, CompareConfig, RunSpec, run_task_kwargs
 
 __all__ = [
     "read_log",

@@ -28,7 +28,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 its own layer's units and those below, never above."""
 
 SHARED_FILE_NAMES = {
-    "config": "compare/config.py and verl/config.py: each feature's own settings, no feature of their own",
     "train": "commands/train.py is `bloggap train` (cli.py loads commands/<subcommand>.py); trl/train.py is "
              "named in result files as compare's default run_fn (bloggap_plugin.trl.train:run_training)",
 }
