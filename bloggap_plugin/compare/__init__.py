@@ -3,7 +3,7 @@
 Every arm runs with the same seeds, so for one seed all arms see the same prompts in the same order and the
 same sampling seeds; they differ only in what the recipe changes (the old-logprob pass). Each run is a
 subprocess (``python -m bloggap_plugin.compare --worker SPEC``) that calls the training function
-(default :func:`bloggap_plugin.trl.train.run_training`), which writes one JSONL record per logged step into a
+(default :func:`bloggap_plugin.trl.run.run_training`), which writes one JSONL record per logged step into a
 log of its own (``runs/<run>.<attempt>.part.jsonl``). When the function returns, the worker appends a
 completion marker ``{"_compare": "done", "attempt": ..., "settings": {...}, ...}`` and renames that log to
 ``runs/<run>.jsonl``: the run's log exists only complete, and only one process ever writes a given file.
@@ -68,6 +68,7 @@ from bloggap_plugin.compare.sweep_config import (
     DEFAULT_HELDOUT_FN,
     DEFAULT_RUN_FN,
     DONE_KEY,
+    RENAMED_RUN_FNS,
     VLLM_GPU_SHARE,
     CompareConfig,
     CompareError,
@@ -90,6 +91,7 @@ __all__ = [
     "RunSpec",
     "DONE_KEY",
     "DEFAULT_RUN_FN",
+    "RENAMED_RUN_FNS",
     "DEFAULT_HELDOUT_FN",
     "heldout_count",
     "heldout_path",
