@@ -86,7 +86,7 @@ def callback_main(args: argparse.Namespace) -> int:
     from bloggap_plugin.models import load_model
     from bloggap_plugin.tasks import get_task
     from bloggap_plugin.trl import GapCallback, engine_kwargs_for, vllm_colocate_engine
-    from bloggap_plugin.trl.train import JsonlLogger, prepare_run
+    from bloggap_plugin.trl.run import JsonlLogger, prepare_run
 
     overrides = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": args.memory,
                  "num_iterations": args.num_iterations}

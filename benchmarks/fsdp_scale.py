@@ -195,7 +195,7 @@ def _train_arm(args, arm: str, device: str, gathers: list[int]) -> dict:
     from bloggap_plugin.models import load_model
     from bloggap_plugin.tasks import get_task
     from bloggap_plugin.trl.callback import GapGRPOTrainer
-    from bloggap_plugin.trl.train import prepare_run
+    from bloggap_plugin.trl.run import prepare_run
 
     overrides, gap_overrides = trainer_overrides(args, int(os.environ.get("WORLD_SIZE", "1")))
     plan = prepare_run(arm_recipe(arm), model="tiny-random-llama" if args.smoke else "smollm2",

@@ -82,7 +82,7 @@ def arm_recipe_for(arm: str, quick: bool, tmp: str) -> Path:
 def train_arm(arm: str, settings: dict, run: dict, tmp: str) -> dict:
     """Train one arm with the gap ``settings`` for ``run["steps"]`` steps and return its summary with the
     per-step records (``history``) and wall seconds; raises what training raises."""
-    from bloggap_plugin.trl.train import run_training
+    from bloggap_plugin.trl.run import run_training
 
     slug = arm + "".join(f"_{key.split('_')[1]}{value}" for key, value in settings.items())  # A_every8
     recipe = arm_recipe_for(arm, run["quick"], tmp)

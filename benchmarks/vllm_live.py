@@ -13,7 +13,7 @@ because vLLM profiles free GPU memory while it starts):
    ``gen``: 64 raw prompts (the probe's grid) x 128 forced tokens, temperature 1, ``processed_logprobs``, top-20
    log-probs per token (top-25 for top_k 20, so the rejected tokens' ``-inf`` shows), untruncated and with top_p 0.8,
    top_k 20, min_p 0.05; :func:`bloggap_plugin.vllm.kept_sets_from_processed_logprobs` runs on the real
-   ``CompletionOutput`` objects. ``trl``: ``bloggap_plugin.trl.train.run_training`` with ``recipes/arm_X.yaml`` and
+   ``CompletionOutput`` objects. ``trl``: ``bloggap_plugin.trl.run.run_training`` with ``recipes/arm_X.yaml`` and
    ``use_vllm=True, vllm_mode="colocate"``: the plugin's ``gap/*`` next to TRL's ``sampling/*`` on every step.
 2. ``score`` (in process, no vLLM): the trainer's old-logprob pass in each scoring arm (bf16 autocast over fp32 master
    weights as TRL runs it, fp32 head, fp16 shadow, fp32 shadow; plans from :func:`bloggap_plugin.core.precision.make_plan`)
@@ -153,7 +153,7 @@ def cmd_gen(args) -> None:
 def cmd_trl(args) -> None:
     """One TRL GRPO colocate run of ``recipes/arm_{arm}.yaml`` with the plugin; every logged row to JSON."""
     import bloggap_plugin.trl.callback as callback_module
-    from bloggap_plugin.trl.train import run_training
+    from bloggap_plugin.trl.run import run_training
     from bloggap_plugin.trl.vllm_colocate import colocate_engine_dtype
 
     engine = {}

@@ -1,6 +1,6 @@
 """``bloggap train RECIPE``: GRPO with a recipe (GRPOConfig fields + gap: section), offline, live gap/* metrics.
 
-The flags are the fields of :class:`bloggap_plugin.trl.train.TrainConfig` (``--config FILE.yaml`` sets any of them)
+The flags are the fields of :class:`bloggap_plugin.trl.run.TrainConfig` (``--config FILE.yaml`` sets any of them)
 plus, as ``trl grpo`` does, every ``GRPOConfig`` field (``--learning_rate 1e-6``, ``--beta 0.04``, ...), applied
 after the recipe. Both need TRL imported, so they are added to the parser on its first use (parsing or ``--help``):
 ``bloggap --help`` and the other commands stay fast.
@@ -48,7 +48,7 @@ class _TrainParser(OneLineParser):
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             from bloggap_plugin.commands._config import add_config_arguments
-            from bloggap_plugin.trl.train import TrainConfig
+            from bloggap_plugin.trl.run import TrainConfig
 
             add_config_arguments(self, TrainConfig)
             # report_to is str | list[str]: its flag takes a list, and argparse's list flag drops the field's "none"
@@ -122,12 +122,12 @@ def _integrations(value: str | list) -> list[str]:
 
 
 def train_config_from_args(args: argparse.Namespace):
-    """The :class:`~bloggap_plugin.trl.train.TrainConfig` of parsed ``args``: the GRPOConfig flags given join
+    """The :class:`~bloggap_plugin.trl.run.TrainConfig` of parsed ``args``: the GRPOConfig flags given join
     ``extra_overrides`` (a flag wins over the same key there)."""
     import dataclasses
 
     from bloggap_plugin.commands._config import config_from_args
-    from bloggap_plugin.trl.train import TrainConfig
+    from bloggap_plugin.trl.run import TrainConfig
 
     report_to = getattr(args, "report_to", None)
     if isinstance(report_to, list) or (isinstance(report_to, str) and "," in report_to):  # the default stays as is
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     stdout carries the summary JSON alone (``bloggap train ... > summary.json``); the per-step logs go to stderr.
     Ctrl-C (SIGINT) stops training at once: the summary of the steps that finished is printed, exit 130."""
     from bloggap_plugin.core.errors import UsageError
-    from bloggap_plugin.trl.train import run_training
+    from bloggap_plugin.trl.run import run_training
 
     config = train_config_from_args(args)
     if config.log_jsonl is not None:

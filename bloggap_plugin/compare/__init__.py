@@ -3,7 +3,7 @@
 Every arm runs with the same seeds, so for one seed all arms see the same prompts in the same order and the
 same sampling seeds; they differ only in what the recipe changes (the old-logprob pass). Each run is a
 subprocess (``python -m bloggap_plugin.compare --worker SPEC``) that calls the training function
-(default :func:`bloggap_plugin.trl.train.run_training`), which writes one JSONL record per logged step into a
+(default :func:`bloggap_plugin.trl.run.run_training`), which writes one JSONL record per logged step into a
 log of its own (``runs/<run>.<attempt>.part.jsonl``). When the function returns, the worker appends a
 completion marker ``{"_compare": "done", "attempt": ..., "settings": {...}, ...}`` and renames that log to
 ``runs/<run>.jsonl``: the run's log exists only complete, and only one process ever writes a given file.
@@ -27,10 +27,10 @@ the worker evaluates it greedily on prompts no training set holds (:func:`blogga
 evaluated is evaluated on resume from its saved policy (:mod:`.heldout`). ``time_budget_s`` ends a call cleanly: no
 run starts that would not finish in time, the runs in flight at the limit are stopped, the outputs are written.
 
-Layout: :mod:`.config` (settings, plan, checks), :mod:`.logs` (run logs, resume), :mod:`.worker` (the run
-subprocess), :mod:`.sweep` (processes, lock, signals, time budget), :mod:`.statistics` (summaries, intervals,
-resolution), :mod:`.outputs` (tables, plot, JSON, Markdown), :mod:`.heldout` (the held-out evaluation's files and
-resume); every public name is importable from ``bloggap_plugin.compare``.
+Layout: :mod:`.sweep_config` (settings, plan, checks), :mod:`.logs` (run logs, resume), :mod:`.worker` (the
+run subprocess), :mod:`.sweep` (processes, lock, signals, time budget), :mod:`.statistics` (summaries,
+intervals, resolution), :mod:`.outputs` (tables, plot, JSON, Markdown), :mod:`.heldout` (the held-out
+evaluation's files and resume); every public name is importable from ``bloggap_plugin.compare``.
 
 Outputs in ``output_dir``: ``runs/<arm>_s<seed>.jsonl`` (+ ``.out`` with the run's console output),
 ``compare.json`` (a :class:`bloggap_plugin.results.ResultDocument`: params, raw per-run results, tables), ``compare.md`` and
@@ -54,20 +54,6 @@ sweep refuses it up front on a machine without vLLM or CUDA.
 
 from __future__ import annotations
 
-from bloggap_plugin.compare.config import (
-    DEFAULT_HELDOUT_FN,
-    DEFAULT_RUN_FN,
-    DONE_KEY,
-    VLLM_GPU_SHARE,
-    CompareConfig,
-    CompareError,
-    RunSpec,
-    effective_overrides,
-    heldout_count,
-    plan_runs,
-    validate_config,
-    vllm_unavailable_reason,
-)
 from bloggap_plugin.compare.heldout import evaluate_saved, heldout_path, heldout_state, read_heldout
 from bloggap_plugin.compare.logs import read_log, run_is_done, run_settings, run_state
 from bloggap_plugin.compare.outputs import (
@@ -78,6 +64,21 @@ from bloggap_plugin.compare.outputs import (
 )
 from bloggap_plugin.compare.statistics import build_results, heldout_by_arm, paired_interval, summarize_run
 from bloggap_plugin.compare.sweep import SweepStopped, run_compare, worker_environment
+from bloggap_plugin.compare.sweep_config import (
+    DEFAULT_HELDOUT_FN,
+    DEFAULT_RUN_FN,
+    DONE_KEY,
+    RENAMED_RUN_FNS,
+    VLLM_GPU_SHARE,
+    CompareConfig,
+    CompareError,
+    RunSpec,
+    effective_overrides,
+    heldout_count,
+    plan_runs,
+    validate_config,
+    vllm_unavailable_reason,
+)
 from bloggap_plugin.run_timing import plugin_time_share, timed_steps
 
 __all__ = [
@@ -90,6 +91,7 @@ __all__ = [
     "RunSpec",
     "DONE_KEY",
     "DEFAULT_RUN_FN",
+    "RENAMED_RUN_FNS",
     "DEFAULT_HELDOUT_FN",
     "heldout_count",
     "heldout_path",

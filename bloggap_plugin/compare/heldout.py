@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from bloggap_plugin.compare.config import CompareConfig, RunSpec, heldout_count
+from bloggap_plugin.compare.sweep_config import CompareConfig, RunSpec, heldout_count
 
 __all__ = [
     "ATTEMPT_FILE",
@@ -130,7 +130,7 @@ def evaluate_run(spec: dict, attempt: str) -> dict:
     import shutil
 
     from bloggap_plugin._io import atomic_write_text
-    from bloggap_plugin.compare.config import resolve_function
+    from bloggap_plugin.compare.sweep_config import resolve_function
     from bloggap_plugin.results import jsonable
 
     heldout = spec["heldout"]

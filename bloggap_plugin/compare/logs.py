@@ -7,7 +7,13 @@ import json
 import os
 from pathlib import Path
 
-from bloggap_plugin.compare.config import DONE_KEY, CompareConfig, RunSpec, run_task_kwargs
+from bloggap_plugin.compare.sweep_config import (
+    DONE_KEY,
+    CompareConfig,
+    RunSpec,
+    current_run_fn,
+    run_task_kwargs,
+)
 
 __all__ = [
     "read_log",
@@ -81,6 +87,8 @@ def run_state(config: CompareConfig, run: RunSpec) -> tuple[str, str]:
     stored = marker.get("settings")
     if not isinstance(stored, dict):
         return "changed", f"{log} records no settings (written by an older bloggap)"
+    if isinstance(stored.get("run_fn"), str):  # a renamed training function is the same function
+        stored = {**stored, "run_fn": current_run_fn(stored["run_fn"])}
     changes = _settings_changes(stored, run_settings(config, run))
     if changes:
         return "changed", f"{log} was trained with other settings ({changes})"
@@ -102,7 +110,7 @@ def run_settings(config: CompareConfig, run: RunSpec) -> dict:
     resume with other settings does not reuse it. ``use_vllm`` appears only when set (and the vLLM fields it
     derives, which depend on ``--parallel``, not at all), so logs of sweeps from before the option stay valid."""
     settings = {
-        "run_fn": config.run_fn,
+        "run_fn": current_run_fn(config.run_fn),
         "arm": run.arm,
         "recipe_sha256": hashlib.sha256(Path(run.recipe).read_bytes()).hexdigest(),
         "model": config.model,

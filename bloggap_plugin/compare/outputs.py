@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 
 from bloggap_plugin._io import atomic_write_text
-from bloggap_plugin.compare.config import ANALYSIS_METRICS, CompareConfig, CompareError
 from bloggap_plugin.compare.inference import MIN_SEEDS, POWER
+from bloggap_plugin.compare.sweep_config import ANALYSIS_METRICS, CompareConfig, CompareError
 from bloggap_plugin.results import ResultDocument
 
 __all__ = [

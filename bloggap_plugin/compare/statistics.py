@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 
-from bloggap_plugin.compare.config import CompareConfig, RunSpec
 from bloggap_plugin.compare.heldout import read_heldout
 from bloggap_plugin.compare.inference import POWER, arm_statistics, compare_with_baseline
 from bloggap_plugin.compare.logs import read_log, run_state
 from bloggap_plugin.compare.outputs import compare_tables
+from bloggap_plugin.compare.sweep_config import CompareConfig, RunSpec
 from bloggap_plugin.run_timing import plugin_time_share
 
 __all__ = [

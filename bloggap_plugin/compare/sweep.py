@@ -15,7 +15,11 @@ import time
 from pathlib import Path
 
 from bloggap_plugin._io import atomic_write_text
-from bloggap_plugin.compare.config import (
+from bloggap_plugin.compare.heldout import heldout_path, heldout_spec, heldout_state, read_heldout
+from bloggap_plugin.compare.logs import count_logged_steps, read_marker, run_settings, run_state
+from bloggap_plugin.compare.outputs import write_outputs
+from bloggap_plugin.compare.statistics import build_results
+from bloggap_plugin.compare.sweep_config import (
     CompareConfig,
     CompareError,
     RunSpec,
@@ -23,10 +27,6 @@ from bloggap_plugin.compare.config import (
     run_task_kwargs,
     validate_config,
 )
-from bloggap_plugin.compare.heldout import heldout_path, heldout_spec, heldout_state, read_heldout
-from bloggap_plugin.compare.logs import count_logged_steps, read_marker, run_settings, run_state
-from bloggap_plugin.compare.outputs import write_outputs
-from bloggap_plugin.compare.statistics import build_results
 
 __all__ = [
     "SweepStopped",

@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from bloggap_plugin.compare.config import DONE_KEY, resolve_function
+from bloggap_plugin.compare.sweep_config import DONE_KEY, resolve_function
 from bloggap_plugin.results import jsonable
 
 _PR_SET_PDEATHSIG = 1

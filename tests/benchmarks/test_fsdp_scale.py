@@ -111,7 +111,7 @@ def test_shared_gpu_maps_every_process_to_gpu_0_over_gloo_and_the_config_takes_i
     """--shared-gpu (a one-GPU machine): rank 1 scores on cuda:0 as accelerate places it; a 2-process launch asks
     for gloo and the shorter collective timeout, a 1-process run for no backend (transformers would look for a
     process group; its GRPOConfig builds); without the flag neither is set."""
-    from bloggap_plugin.trl.train import prepare_run
+    from bloggap_plugin.trl.run import prepare_run
 
     assert [fsdp_scale.worker_device(rank, 1, smoke=False) for rank in (0, 1)] == ["cuda:0", "cuda:0"]
     assert [fsdp_scale.worker_device(rank, 2, smoke=False) for rank in (0, 1)] == ["cuda:0", "cuda:1"]

@@ -191,7 +191,7 @@ def test_train_gsm8k_offline_names_the_data_option(bloggap, tmp_path, monkeypatc
 def test_prepare_run_accepts_local_gsm8k_data(tmp_path, monkeypatch):
     import bloggap_plugin.models as models
     from bloggap_plugin.tasks.gsm8k import SAMPLE_PATH
-    from bloggap_plugin.trl.train import prepare_run
+    from bloggap_plugin.trl.run import prepare_run
 
     monkeypatch.setattr(models, "load_model", _no_model)
     plan = prepare_run(RECIPES / "arm_A.yaml", model="tiny-random-llama", task="gsm8k", max_steps=3,
@@ -204,7 +204,7 @@ def test_train_gsm8k_data_from_the_environment_variable(bloggap, gsm8k_dir, tmp_
     """$BLOGGAP_GSM8K_DATA stands in for --data: a cut copy is refused in one line naming the variable, before the
     model loads; the real folder is accepted (with --calc-steps) by the same checks."""
     import bloggap_plugin.models as models
-    from bloggap_plugin.trl.train import prepare_run
+    from bloggap_plugin.trl.run import prepare_run
 
     short = tmp_path / "short"
     short.mkdir()

@@ -77,7 +77,7 @@ def test_an_existing_log_is_not_appended_to(bloggap, tmp_path):
 
 
 def test_the_summary_counts_non_finite_steps_instead_of_hiding_them():
-    from bloggap_plugin.trl.train import summarize_history
+    from bloggap_plugin.trl.run import summarize_history
 
     history = [{"loss": 0.5, "grad_norm": 1.0, "reward": 0.25}, {"loss": float("nan"), "grad_norm": float("nan"),
                                                                   "reward": 0.5}]
@@ -230,7 +230,7 @@ def test_a_log_write_that_fails_warns_once_and_training_goes_on(tmp_path):
     in the logger's records, and nothing raises into the trainer."""
     import warnings
 
-    from bloggap_plugin.trl.train import JsonlLogger
+    from bloggap_plugin.trl.run import JsonlLogger
 
     if not Path("/dev/full").exists():
         pytest.skip("no /dev/full here")

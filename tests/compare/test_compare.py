@@ -28,6 +28,7 @@ from bloggap_plugin.compare import (
     read_log,
     run_compare,
     run_settings,
+    run_state,
     summarize_run,
     write_outputs,
 )
@@ -596,14 +597,53 @@ def test_a_corrupted_log_line_sets_that_run_aside_naming_file_and_line(tmp_path,
     assert (log.parent / "A_s1.jsonl.corrupt").read_text().count("\n") == 5
 
 
+# --------------------------------------------------------------------------------------------- renamed run functions
+
+
+OLD_DEFAULT_RUN_FN = "bloggap_plugin.trl.train:run_training"
+"""The default training function as committed result files and run logs record it (its module was renamed)."""
+
+
+def test_the_recorded_old_default_run_fn_resolves_to_the_renamed_function():
+    """Run specs, logs and result files name the training function by ``module:function``; the name they recorded
+    before the module was renamed still loads the function, and new runs record the new name."""
+    pytest.importorskip("trl")
+    from bloggap_plugin.compare import DEFAULT_RUN_FN, RENAMED_RUN_FNS
+    from bloggap_plugin.compare.sweep_config import resolve_function
+    from bloggap_plugin.trl.run import run_training
+
+    assert DEFAULT_RUN_FN == "bloggap_plugin.trl.run:run_training"
+    assert RENAMED_RUN_FNS == {OLD_DEFAULT_RUN_FN: DEFAULT_RUN_FN}
+    assert resolve_function(OLD_DEFAULT_RUN_FN) is run_training
+    assert resolve_function(DEFAULT_RUN_FN) is run_training
+
+
+def test_a_log_that_records_the_old_default_run_fn_is_not_trained_again(tmp_path):
+    """Resume (and ``--table-only``) read a log whose settings name the old default as trained with the same
+    function; a sweep given the old name records the new one."""
+    config = CompareConfig(recipes=write_recipes(tmp_path, ("A",)), seeds=[0], output_dir=str(tmp_path / "o"),
+                           max_steps=2)
+    run = plan_runs(config)[0]
+    settings = run_settings(config, run)
+    assert settings["run_fn"] == "bloggap_plugin.trl.run:run_training"
+    Path(run.log_jsonl).parent.mkdir(parents=True)
+    marker = {DONE_KEY: "done", "wall_s": 1.0, "settings": {**settings, "run_fn": OLD_DEFAULT_RUN_FN}}
+    Path(run.log_jsonl).write_text(json.dumps({"step": 1, "reward": 0.5}) + "\n" + json.dumps(marker) + "\n")
+    assert run_state(config, run) == ("done", "")
+    old_name = dataclasses.replace(config, run_fn=OLD_DEFAULT_RUN_FN)
+    assert run_settings(old_name, run) == settings and run_state(old_name, run) == ("done", "")
+    other = dataclasses.replace(config, run_fn="fake_train:run_training")  # any other function is other settings
+    assert run_state(other, run)[0] == "changed"
+
+
 # --------------------------------------------------------------------------------------------- real training
 
 
 def test_two_arms_one_seed_two_steps_on_a_tiny_model(tmp_path):
     """The real run_training (TRL engineer's) end to end: table, JSON and plot."""
-    train = pytest.importorskip("bloggap_plugin.trl.train", reason="run_training (bloggap_plugin.trl.train) has not landed")
+    run = pytest.importorskip("bloggap_plugin.trl.run", reason="run_training (bloggap_plugin.trl.run) has not landed")
     pytest.importorskip("matplotlib")
-    assert hasattr(train, "run_training")
+    assert hasattr(run, "run_training")
     root = ROOT
     recipes = [str(root / "recipes" / "arm_A.yaml"), str(root / "recipes" / "arm_F.yaml")]
     config = CompareConfig(recipes=recipes, seeds=[0], task="arith", max_steps=2, model="tiny-random-llama",

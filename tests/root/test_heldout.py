@@ -98,7 +98,7 @@ def test_run_training_evaluates_every_k_steps_without_changing_the_run_and_saves
     from _support import ROOT
 
     from bloggap_plugin.models import load_model
-    from bloggap_plugin.trl.train import run_training
+    from bloggap_plugin.trl.run import run_training
 
     root = ROOT
     small = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=8)
@@ -124,7 +124,7 @@ def test_heldout_spec_is_checked_before_the_model_loads(tmp_path):
     from _support import ROOT
 
     from bloggap_plugin.core.errors import UsageError
-    from bloggap_plugin.trl.train import prepare_run
+    from bloggap_plugin.trl.run import prepare_run
 
     recipe = ROOT / "recipes" / "arm_A.yaml"
     for spec, problem in (({"n": 4}, "give 'every'"), ({"every": 0}, "every 0 must be"), ({"every": 2, "size": 3},

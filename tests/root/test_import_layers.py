@@ -27,13 +27,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 """Top-level units of the package (a subpackage or a root module), from the ground up; a unit may import
 its own layer's units and those below, never above."""
 
-SHARED_FILE_NAMES = {
-    "config": "compare/config.py and verl/config.py: each feature's own settings, no feature of their own",
-    "train": "commands/train.py is `bloggap train` (cli.py loads commands/<subcommand>.py); trl/train.py is "
-             "named in result files as compare's default run_fn (bloggap_plugin.trl.train:run_training)",
-}
-"""File names allowed in more than one folder, and why."""
-
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
@@ -179,4 +172,4 @@ def test_one_file_name_per_feature():
         if path.stem not in ("__init__", "__main__"):
             places[path.stem].append(str(path.relative_to(PACKAGE)))
     repeated = {stem: sorted(paths) for stem, paths in places.items() if len(paths) > 1}
-    assert set(repeated) == set(SHARED_FILE_NAMES), repeated
+    assert repeated == {}

@@ -12,7 +12,7 @@ SMALL = dict(per_device_train_batch_size=4, num_generations=4, max_completion_le
 
 
 def test_run_training_writes_jsonl_with_gap_keys(tmp_path):
-    from bloggap_plugin.trl.train import run_training
+    from bloggap_plugin.trl.run import run_training
 
     log = tmp_path / "log.jsonl"
     summary = run_training(ROOT / "recipes" / "arm_G.yaml", model="tiny-random-llama", max_steps=2,
@@ -32,7 +32,7 @@ def test_run_training_checks_and_builds_each_input_once(tmp_path, monkeypatch):
     import bloggap_plugin.models as models
     import bloggap_plugin.recipes as recipes
     import bloggap_plugin.tasks as tasks
-    import bloggap_plugin.trl.train as train
+    import bloggap_plugin.trl.run as run
 
     calls: dict[str, list[str]] = {}
 
@@ -45,23 +45,23 @@ def test_run_training_checks_and_builds_each_input_once(tmp_path, monkeypatch):
 
         monkeypatch.setattr(module, name, counted)
 
-    for module, names in ((train, ("train_config", "check_heldout_spec", "_check_report_to")),
+    for module, names in ((run, ("train_config", "check_heldout_spec", "_check_report_to")),
                           (recipes, ("load_recipe", "merge_grpo_config")),
                           (models, ("resolve_device", "check_model_spec", "load_model")),
                           (tasks, ("get_task", "get_heldout"))):
         for name in names:
             spy(module, name)
-    summary = train.run_training(ROOT / "recipes" / "arm_A.yaml", model="tiny-random-llama", max_steps=1,
+    summary = run.run_training(ROOT / "recipes" / "arm_A.yaml", model="tiny-random-llama", max_steps=1,
                                  output_dir=tmp_path / "out", extra_overrides=SMALL, heldout={"every": 1, "n": 2})
     assert summary["steps"] == 1 and [r["heldout/n"] for r in summary["heldout"]] == [2]
-    by_train = {name: callers.count("bloggap_plugin.trl.train") for name, callers in calls.items()}
-    assert by_train == {name: 1 for name in ("train_config", "check_heldout_spec", "_check_report_to", "load_recipe",
+    by_run = {name: callers.count("bloggap_plugin.trl.run") for name, callers in calls.items()}
+    assert by_run == {name: 1 for name in ("train_config", "check_heldout_spec", "_check_report_to", "load_recipe",
                                              "merge_grpo_config", "resolve_device", "check_model_spec", "load_model",
                                              "get_task", "get_heldout")}
-    assert calls["check_model_spec"] == ["bloggap_plugin.trl.train"]  # load_model does not check the spec again
-    plan = train.prepare_run(ROOT / "recipes" / "arm_A.yaml", model="tiny-random-llama", output_dir=tmp_path / "o")
+    assert calls["check_model_spec"] == ["bloggap_plugin.trl.run"]  # load_model does not check the spec again
+    plan = run.prepare_run(ROOT / "recipes" / "arm_A.yaml", model="tiny-random-llama", output_dir=tmp_path / "o")
     with pytest.raises(TypeError, match=r"give settings \['seed'\] to prepare_run"):
-        train.run_training(plan, seed=1)
+        run.run_training(plan, seed=1)
 
 
 def test_train_command_reports_bad_recipe(tmp_path, capsys):
@@ -105,7 +105,7 @@ def test_wandb_offline_run_contains_gap_keys(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     from wandb.sdk import wandb_run
 
-    from bloggap_plugin.trl.train import run_training
+    from bloggap_plugin.trl.run import run_training
 
     logged: list[dict] = []
     original = wandb_run.Run.log
@@ -128,7 +128,7 @@ def test_train_flags_are_train_config_fields_plus_grpo_config_overrides(tmp_path
     flag overrides the recipe, one left out keeps the recipe's value; run_training's keyword call still works."""
     from bloggap_plugin.cli import build_parser
     from bloggap_plugin.commands.train import train_config_from_args
-    from bloggap_plugin.trl.train import TrainConfig, prepare_run, train_config
+    from bloggap_plugin.trl.run import TrainConfig, prepare_run, train_config
 
     parser = build_parser()
     command = parser.get_default("_subparsers")["train"]

@@ -19,6 +19,7 @@ __all__ = [
     "RunSpec",
     "DONE_KEY",
     "DEFAULT_RUN_FN",
+    "RENAMED_RUN_FNS",
     "DEFAULT_HELDOUT_FN",
     "heldout_count",
     "VLLM_GPU_SHARE",
@@ -32,7 +33,13 @@ __all__ = [
 DONE_KEY = "_compare"
 
 
-DEFAULT_RUN_FN = "bloggap_plugin.trl.train:run_training"
+DEFAULT_RUN_FN = "bloggap_plugin.trl.run:run_training"
+
+
+RENAMED_RUN_FNS = {"bloggap_plugin.trl.train:run_training": DEFAULT_RUN_FN}
+"""Training functions whose module was renamed: the ``module:function`` that run logs, specs and result files
+recorded -> the current one. :func:`resolve_function` loads the current function for a recorded name, and a resume
+counts a log recorded under the old name as trained with the same function (:func:`current_run_fn`)."""
 
 
 DEFAULT_HELDOUT_FN = "bloggap_plugin.compare.heldout:evaluate_saved"
@@ -119,7 +126,7 @@ class CompareConfig:
                 "train's --extra-overrides (in a --config file: a mapping).", "aliases": ["--override"], "parse": str,
         "metavar": "YAML"})
     run_fn: str = field(default=DEFAULT_RUN_FN, metadata={
-        "help": "module:function that trains one run (signature of bloggap_plugin.trl.train.run_training)."})
+        "help": "module:function that trains one run (signature of bloggap_plugin.trl.run.run_training)."})
     pythonpath: list[str] = field(default_factory=list, metadata={
         "help": "Extra import paths for the run function's module (used by tests)."})
     smooth: int = field(default=5, metadata={
@@ -224,7 +231,7 @@ def validate_config(config: CompareConfig, training: bool = True) -> list[RunSpe
 
     Raises :class:`CompareError` naming the option and the fix. ``training=False`` (``--table-only``) checks only
     what the table needs. With the default training function the recipes and ``extra_overrides`` are checked by
-    building each arm's ``GRPOConfig`` (as :func:`bloggap_plugin.trl.train.run_training` does on CPU), and the task
+    building each arm's ``GRPOConfig`` (as :func:`bloggap_plugin.trl.run.run_training` does on CPU), and the task
     settings by building one prompt of the task.
     """
     if not config.recipes:
@@ -451,9 +458,15 @@ def _check_grpo_settings(config: CompareConfig, runs: list[RunSpec]) -> None:
             raise CompareError(f"{where}: GRPOConfig rejects it: {str(err).strip().splitlines()[0]}") from None
 
 
+def current_run_fn(run_fn: str) -> str:
+    """The current name of the ``module:function`` a log or result file recorded (:data:`RENAMED_RUN_FNS`)."""
+    return RENAMED_RUN_FNS.get(run_fn, run_fn)
+
+
 def resolve_function(run_fn: str) -> Callable:
-    """The function a ``module:function`` string names (imported on the current ``sys.path``)."""
-    module_name, _, attr = run_fn.partition(":")
+    """The function a ``module:function`` string names (imported on the current ``sys.path``); a recorded name of
+    a renamed function loads the function under its current name."""
+    module_name, _, attr = current_run_fn(run_fn).partition(":")
     if not attr:
         raise ValueError(f"run function must be 'module:function', got {run_fn!r}")
     return getattr(importlib.import_module(module_name), attr)
