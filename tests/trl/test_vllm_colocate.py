@@ -342,7 +342,11 @@ def test_arm_is_one_step_prefill_budget_is_capped_and_the_cap_is_what_attach_exp
     built with the capped budget passes."""
     import bloggap_plugin.core.vllm_kernels as vllm_kernels
     from bloggap_plugin.recipes import GapConfig
-    from bloggap_plugin.trl.vllm_colocate import ONE_STEP_PREFILL_CAP, check_colocate_engine, one_step_prefill_tokens
+    from bloggap_plugin.trl.vllm_colocate import (
+        ONE_STEP_PREFILL_CAP,
+        check_colocate_engine,
+        one_step_prefill_tokens,
+    )
 
     assert one_step_prefill_tokens(16, 1024) == 16 * 1024
     assert one_step_prefill_tokens(32, 32768) == ONE_STEP_PREFILL_CAP < 32 * 32768
