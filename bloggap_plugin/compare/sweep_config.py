@@ -135,6 +135,9 @@ class CompareConfig:
     lock_wait_s: float = field(default=2.0, metadata={
         "help": "Seconds to wait for the folder's lock (runs of a sweep that was just killed take a moment to end)."})
 
+    def __post_init__(self) -> None:
+        self.run_fn = current_run_fn(self.run_fn)  # a recorded old name is the function it was renamed to
+
 
 @dataclass
 class RunSpec:

@@ -636,6 +636,14 @@ def test_a_log_that_records_the_old_default_run_fn_is_not_trained_again(tmp_path
     assert run_state(other, run)[0] == "changed"
 
 
+def test_a_sweep_given_the_old_default_run_fn_by_hand_is_the_default_sweep(tmp_path):
+    """``--run-fn`` with the recorded old name is the default training function: the config holds the new name,
+    so the default run's checks (model, vLLM, GRPOConfig settings) apply to it as to a sweep that named none."""
+    config = CompareConfig(recipes=write_recipes(tmp_path, ("A",)), seeds=[0], output_dir=str(tmp_path / "o"),
+                           max_steps=2, run_fn=OLD_DEFAULT_RUN_FN)
+    assert config.run_fn == "bloggap_plugin.trl.run:run_training"
+
+
 # --------------------------------------------------------------------------------------------- real training
 
 
