@@ -4,6 +4,8 @@ before anything trains (:func:`validate_config`, :class:`CompareError`)."""
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import inspect
 import json
 import sys
@@ -325,14 +327,20 @@ def run_task_kwargs(config: CompareConfig) -> dict:
 
 
 def _resolve_with_path(config: CompareConfig, function_path: str):
-    """``module:function`` imported with the sweep's extra import paths (``config.pythonpath``)."""
-    added = [extra for extra in config.pythonpath if extra not in sys.path]
-    sys.path[:0] = added
-    try:
-        return resolve_function(function_path)
-    finally:
-        for extra in added:
-            sys.path.remove(extra)
+    """``module:function`` imported, its top-level module looked up first in the sweep's extra import paths
+    (``config.pythonpath``, which the workers get through ``PYTHONPATH``), without changing ``sys.path``."""
+    top = current_run_fn(function_path).partition(":")[0].split(".")[0]
+    if config.pythonpath and top and top not in sys.modules:
+        spec = importlib.machinery.PathFinder.find_spec(top, [str(extra) for extra in config.pythonpath])
+        if spec is not None and spec.loader is not None:
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[top] = module  # as an import registers it: submodules and re-imports find it
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[top]
+                raise
+    return resolve_function(function_path)
 
 
 def _accepts(function_path: str, config: CompareConfig, name: str) -> bool:

@@ -796,3 +796,28 @@ def test_compare_override_takes_yaml_as_train_does(tmp_path, fake, capsys):
                                  fake["dir"], "--last-n", "1", "--override", "{num_iterations: 2}"], capsys)
     assert code == 0, stdout[-2000:] + stderr
     assert _calls(fake, "overrides") == [{"num_iterations": 2}, {"num_iterations": 2}]
+
+
+def test_a_run_function_on_the_sweeps_own_import_paths_loads_without_editing_sys_path(tmp_path):
+    """``--pythonpath`` reaches the workers through PYTHONPATH; the in-process check of the run function finds its
+    module in those folders without adding them to this process's ``sys.path`` (the module records whether its
+    folder was on ``sys.path`` while it was imported)."""
+    import sys
+
+    from bloggap_plugin.compare.sweep_config import _resolve_with_path
+
+    folder = tmp_path / "extra"
+    (folder / "extra_pkg").mkdir(parents=True)
+    (folder / "extra_pkg" / "__init__.py").write_text("")
+    (folder / "extra_pkg" / "runs.py").write_text(
+        f"import sys\nON_PATH = {str(folder)!r} in sys.path\n\ndef run_training(**kwargs):\n    return kwargs\n")
+    (folder / "extra_top.py").write_text(
+        f"import sys\nON_PATH = {str(folder)!r} in sys.path\n\ndef run_training(**kwargs):\n    return kwargs\n")
+    config = CompareConfig(recipes=write_recipes(tmp_path, ("A",)), seeds=[0], output_dir=str(tmp_path / "o"),
+                           max_steps=2, pythonpath=[str(folder)])
+    before = list(sys.path)
+    for name in ("extra_top:run_training", "extra_pkg.runs:run_training"):
+        function = _resolve_with_path(config, name)
+        assert function(a=1) == {"a": 1}
+        assert sys.modules[function.__module__].ON_PATH is False
+    assert sys.path == before
