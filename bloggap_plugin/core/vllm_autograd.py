@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .vllm_form import Kernels, torch_paged_attention, torch_paged_varlen_attention, torch_varlen_attention
+from .vllm_form import Kernels, torch_paged_attention, torch_varlen_attention
 
 __all__ = [
     "autograd_kernels",
@@ -74,8 +74,31 @@ def flash_formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
 def flash_paged_formula(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
                         max_seqlen_q: int, max_seqlen_k: int, scale: float) -> torch.Tensor:  # noqa: ARG001
-    """The paged varlen call with query and key lengths apart: the :attr:`Kernels.flash_paged` signature."""
-    return torch_paged_varlen_attention(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table, scale)
+    """The paged varlen call with query and key lengths apart (the :attr:`Kernels.flash_paged` signature), computed
+    per sequence rather than per entry: the entries that share a block table (a sequence's decode steps, one query
+    each) attend in one call with a mask, each query to the keys ``< seqused_k - n + r + 1`` of its entry (``n``
+    queries, ``r`` its index), which is what the kernel computes entry by entry. ``q [Tq, nq, d]`` -> ``[Tq, nq, d]``."""
+    page, groups = key_cache.shape[1], q.shape[1] // key_cache.shape[2]
+    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    entry = torch.repeat_interleave(torch.arange(counts.numel(), device=q.device), counts)
+    within = torch.arange(q.shape[0], device=q.device) - cu_seqlens_q[:-1].long()[entry]
+    limit = seqused_k.long()[entry] - counts[entry] + within + 1
+    tables, sequence = torch.unique(block_table, dim=0, return_inverse=True)
+    keys_flat, values_flat = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
+    order, parts = [], []
+    for index in range(tables.shape[0]):
+        queries = (sequence[entry] == index).nonzero().squeeze(-1)
+        n_k = int(limit[queries].max())
+        j = torch.arange(n_k, device=q.device)
+        slot = tables[index, j // page].long() * page + j % page
+        keys = keys_flat[slot].transpose(0, 1).repeat_interleave(groups, dim=0)[None]
+        values = values_flat[slot].transpose(0, 1).repeat_interleave(groups, dim=0)[None]
+        visible = j[None, :] < limit[queries][:, None]
+        attended = F.scaled_dot_product_attention(q[queries].transpose(0, 1)[None], keys, values, attn_mask=visible,
+                                                  scale=scale)
+        order.append(queries)
+        parts.append(attended[0].transpose(0, 1))
+    return torch.cat(parts).index_select(0, torch.argsort(torch.cat(order)))
 
 
 def token_logprobs_formula(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
