@@ -80,3 +80,15 @@ def test_arm_j_refuses_peft(tmp_path):
         warnings.simplefilter("ignore")
         make(tmp_path, mode="callback", gap=GapConfig(arm="J", i_pieces="torch", probe_rows=0),
              gradient_checkpointing=False, peft_config=config)
+
+
+def test_arm_j_through_gap_grpo_trainer_on_hf_generate(tmp_path):
+    """The other entry point (``GapGRPOTrainer``, what ``bloggap train`` builds), sampling with HF ``generate``: the
+    same training forward, so the first iteration's ratio is bitwise 1 there too."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = make(tmp_path, GapConfig(arm="J", i_pieces="torch", probe_rows=0), gradient_checkpointing=False,
+                       max_steps=2)
+        trainer.train()
+    logs = logs_of(trainer)
+    assert logs[0]["gap/ratio/exact_frac"] == 1.0 and math.isfinite(logs[0]["loss"])
