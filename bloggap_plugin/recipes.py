@@ -41,7 +41,7 @@ __all__ = [
     "ARMS",
 ]
 
-ARMS = ARM_LETTERS  # the letters A..I, in order (records: bloggap_plugin.core.arms.ARMS)
+ARMS = ARM_LETTERS  # the letters A..J, in order (records: bloggap_plugin.core.arms.ARMS)
 KEPT_MODES = ("renormalize", "measure", "off")
 POSITION_MODES = ("mask", "arange")
 REFERENCES = ("fp32_b1",)
@@ -61,10 +61,10 @@ class GapConfig:
     does; its annotation is the type a recipe must give (checked by :func:`gap_config_from_dict`)."""
 
     arm: str = field(default="A", metadata=_help(
-        """Old-logprob arm, one of A-I (bloggap_plugin.core.arms; aliases bf16=C, fp32=B, fp16=F, fp32_head=E, guided=D,
-        matched=G, default=A, vllm=I). A and H keep TRL's own old log-probs; B-F score them with a precision plan; G
-        scores each training micro-batch exactly as the training forward will see it; I scores them the way vLLM
-        computes (``i_pieces``)."""))
+        """Old-logprob arm, one of A-J (bloggap_plugin.core.arms; aliases bf16=C, fp32=B, fp16=F, fp32_head=E, guided=D,
+        matched=G, default=A, vllm=I, onpolicy=J). A and H keep TRL's own old log-probs; B-F score them with a precision
+        plan; G scores each training micro-batch exactly as the training forward will see it; I scores them the way
+        vLLM computes (``i_pieces``); J scores them as I does and computes the training forward the same way."""))
     band: float = field(default=0.1, metadata=_help(
         """Half-width ``b`` of the ratio band: a token is out of band when ``exp(dlogp)`` is outside
         ``[1-b, 1+b]``."""))
@@ -137,8 +137,8 @@ class GapConfig:
         its cost, and whether it still removes the batch-shape noise). Arms A, C, G and H have no
         fp32 plan; the fp32 batch-1 reference of the probe rows always computes in IEEE fp32."""))
     i_pieces: str = field(default="all", metadata=_help(
-        """Arm I: which pieces of its old-logprob forward follow vLLM: a preset (``all``: every piece with vLLM's own
-        kernels, needs vLLM and CUDA; ``torch``: vLLM's maths in plain torch; ``hf``: HF's maths) then
+        """Arms I and J: which pieces of the vLLM-form forward (I: old log-probs; J: old log-probs and training)
+        follow vLLM: a preset (``all``: every piece with vLLM's own kernels, needs vLLM and CUDA; ``torch``: vLLM's maths in plain torch; ``hf``: HF's maths) then
         ``piece=value`` overrides, e.g. ``torch,attention=vllm_fa`` (docs/arm_i.md lists the pieces)."""))
     strict_version: bool = field(default=True, metadata=_help(
         """Refuse to attach to a TRL outside the supported range (1.16.x); ``False`` downgrades that to a warning
@@ -190,7 +190,7 @@ class GapConfig:
 
     def _validate_i_pieces(self, spec: ArmSpec) -> None:
         if self.i_pieces != "all" and spec.plan != "vllm":
-            raise RecipeError(f"gap.i_pieces only applies to arm I; arm is {self.arm}: drop it")
+            raise RecipeError(f"gap.i_pieces only applies to arm I; arm is {self.arm}: drop it (or use arm I or J)")
         if spec.plan == "vllm" and self.positions != "mask":
             raise RecipeError("arm I scores with vLLM's positions (0.. from each sequence's first token): "
                               "set gap.positions: mask")

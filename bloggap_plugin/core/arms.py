@@ -1,4 +1,4 @@
-"""The arm registry: one frozen record per old-logprob arm A..I, read by recipes, precision plans and the adapters.
+"""The arm registry: one frozen record per old-logprob arm A..J, read by recipes, precision plans and the adapters.
 
 An *arm* is how the plugin obtains the old log-probs of a GRPO step (DESIGN notes in README/docs). Code decides
 arm behaviour by reading an :class:`ArmSpec`'s fields, never by comparing letters::
@@ -10,10 +10,10 @@ Pure Python (no torch, no TRL): the plans and everything above them read it.
 
 Two vocabularies share the names, and both resolve here:
 
-- **arm names** (:func:`get_arm`): the letters A..I, case-insensitive, or an arm's aliases (``bf16`` = C,
-  ``fp32`` = B, ``fp16`` = F, ``fp32_head`` = E, ``guided`` = D, ``matched`` = G, ``default`` = A, ``vllm`` = I);
+- **arm names** (:func:`get_arm`): the letters A..J, case-insensitive, or an arm's aliases (``bf16`` = C,
+  ``fp32`` = B, ``fp16`` = F, ``fp32_head`` = E, ``guided`` = D, ``matched`` = G, ``default`` = A, ``vllm`` = I, ``onpolicy`` = J);
 - **precision-plan names** (:func:`plan_name`, what ``core.plans.make_plan`` accepts): the plan names
-  :data:`PLAN_NAMES`, or the letter of an arm that has a plan (B, C, D, E, F, I -> its ``plan``). ``make_plan``
+  :data:`PLAN_NAMES`, or the letter of an arm that has a plan (B, C, D, E, F, I, J -> its ``plan``). ``make_plan``
   also keeps accepting ``A`` for the ``bf16`` plan (:data:`PLAN_ALIASES`): arm A itself builds no plan and
   keeps TRL's forward, which is the policy run as called, exactly what the ``bf16`` plan does.
 """
@@ -30,7 +30,7 @@ class ArmSpec:
     """What one arm does; every field is read by the code that branches on it."""
 
     letter: str
-    """``A`` .. ``I``."""
+    """``A`` .. ``J``."""
     description: str
     """What the arm does in the old-logprob pass (one line)."""
     plan: str | None = None
@@ -61,6 +61,11 @@ class ArmSpec:
     """The arm computes a generation's prompts as one prefill launch: the colocate engine must prefill every prompt
     of a generation in its first step (``max_num_batched_tokens`` of at least ``max_num_seqs x max_model_len``),
     not in chunks mixed with decode steps."""
+    onpolicy_forward: bool = False
+    """The policy's training forward (TRL's ``_get_per_token_logps_and_entropies`` inside the loss) is the arm's
+    vLLM-form forward over the policy's own parameters (:class:`~bloggap_plugin.core.plans.vllm_shadow.OnPolicyForward`)
+    instead of TRL's: the new log-probs are computed as the old ones are, so the PPO ratio is exactly 1 at each
+    generation's first iteration."""
     aliases: tuple[str, ...] = ()
     """Other names a recipe may use for this arm (lower case)."""
 
@@ -89,10 +94,16 @@ _RECORDS = (
             # 4096 tokens per step chunk a larger generation's prompts into steps mixed with decodes
             vllm_engine=(("enforce_eager", True), ("enable_prefix_caching", False)), prefill_in_one_step=True,
             replaces_trl_old_pass=True),
+    ArmSpec("J", "exactly on-policy: old log-probs and the training forward in vLLM's numbers", plan="vllm",
+            copies_weights=True, aliases=("onpolicy",), onpolicy_forward=True,
+            # arm I's old log-probs, engine and replaced TRL pass (its reasons above); the training forward in the
+            # same form
+            vllm_engine=(("enforce_eager", True), ("enable_prefix_caching", False)), prefill_in_one_step=True,
+            replaces_trl_old_pass=True),
 )
 
 ARMS: dict[str, ArmSpec] = {arm.letter: arm for arm in _RECORDS}
-"""Letter -> record, in order A..I."""
+"""Letter -> record, in order A..J."""
 ARM_LETTERS: tuple[str, ...] = tuple(ARMS)
 PLAN_NAMES: tuple[str, ...] = ("bf16", "fp32", "fp16", "fp32_head", "guided", "vllm")
 """The precision plans ``core.plans.make_plan`` builds."""

@@ -42,6 +42,7 @@ def attach_state(trainer: Any, gap: GapConfig, grpo_kwargs: dict | None, source:
     _check_precision(trainer, gap)
     _check_zero3(trainer, gap)
     _check_vllm(trainer, gap)
+    _check_onpolicy(trainer, gap, policy)
     settings = _sampler_settings(trainer, gap, policy)
     clip_applies = _check_loss(trainer, gap)
     generator = torch.Generator(device="cpu")
@@ -146,6 +147,41 @@ def _check_vllm(trainer: Any, gap: GapConfig) -> None:
             "VLLM_BATCH_INVARIANT",
             stacklevel=_STACK,
         )
+
+
+def _check_onpolicy(trainer: Any, gap: GapConfig, policy: Any) -> None:
+    """What an arm whose training forward is its vLLM-form forward over the policy's parameters (arm J) cannot train
+    with, each refusal naming the fix."""
+    arm = gap.arm_spec
+    if not arm.onpolicy_forward:
+        return
+    args, config = trainer.args, getattr(policy, "config", None)
+    problems = []
+    if getattr(policy, "peft_config", None) is not None:
+        problems.append("a PEFT model (the forward reads the base weights, not the adapters): train the full model")
+    if args.gradient_checkpointing or getattr(policy, "is_gradient_checkpointing", False):
+        problems.append("gradient checkpointing (the forward keeps its activations): set gradient_checkpointing: "
+                        "false")
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+        problems.append("DeepSpeed or FSDP (the forward reads whole parameters outside the wrapper's gathering): "
+                        "train on one process without them")
+    elif trainer.accelerator.num_processes > 1:
+        problems.append(f"{trainer.accelerator.num_processes} processes (the forward runs outside the "
+                        "DistributedDataParallel wrapper, which would not all-reduce its gradients): train on one "
+                        "process")
+    if gap.kept == "renormalize":
+        problems.append("gap.kept: renormalize (the forward scores the full vocabulary, as vLLM's sampler does): "
+                        "use gap.kept: measure or off")
+    if args.beta != 0.0:
+        problems.append(f"beta {args.beta} (the reference model would be scored by TRL's forward, not in vLLM's "
+                        "numbers, so KL would not be 0 at the reference): set beta: 0")
+    if getattr(trainer, "aux_loss_enabled", False):
+        problems.append("the MoE aux loss (router_aux_loss_coef != 0): set router_aux_loss_coef: 0.0")
+    if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+        problems.append("attention dropout (the forward has none): set the model's attention_dropout to 0")
+    if problems:
+        raise RecipeError(f"arm {arm.letter} ({arm.description}) computes the policy's training forward in "
+                          f"vLLM's form and does not support {'; '.join(problems)}")
 
 
 def _sampler_settings(trainer: Any, gap: GapConfig, policy: Any) -> dict | None:

@@ -97,6 +97,21 @@ class Scorer:
         kwargs.setdefault("tf32", self.state.config.tf32)
         return make_plan(policy, plan, fp16_guard=True, **kwargs)
 
+    def make_onpolicy_forward(self):
+        """Arm J's training forward: the plan's form and kernels over the policy's own parameters (no copy)."""
+        from bloggap_plugin.core.plans.vllm_shadow import OnPolicyForward
+
+        plan = self.state.plan
+        return OnPolicyForward(self.policy(), plan.form, plan.kernels)
+
+    def onpolicy_logps(self, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False):
+        """``(logps [B, K] fp32, entropies [B, K] | None)`` of arm J's training forward, with gradients to the policy;
+        the entropies are of the same logits, detached."""
+        return self.state.onpolicy.token_logprobs(
+            input_ids, attention_mask, logits_to_keep, batch_size, temperature=self.trainer.temperature,
+            chunk_tokens=self.state.config.score_chunk_tokens, compute_entropy=compute_entropy,
+        )
+
     def weights_version(self) -> tuple:
         """What identifies the policy's current weights: the optimizer step plus every parameter's identity and
         in-place version counter (bumped by the optimizer, ``load_state_dict`` on resume, any ``copy_``/``mul_``)."""

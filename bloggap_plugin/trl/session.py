@@ -39,6 +39,8 @@ class GapSession:
         gap = state.config
         if state.arm.plan is not None and not (state.arm.takes_layers and gap.layers is None):
             state.plan = self.scorer.make_plan(state.arm.plan, layers=gap.layers, k=gap.k)
+        if state.arm.onpolicy_forward:
+            state.onpolicy = self.scorer.make_onpolicy_forward()
 
     def close(self) -> None:
         """Close the session's plans (their weight copies and hooks)."""
@@ -298,6 +300,12 @@ class GapSession:
             placeholder = torch.full((input_ids.shape[0], logits_to_keep), float("nan"), dtype=torch.float32,
                                      device=input_ids.device)
             return placeholder, None, None
+        if is_policy and state.in_loss and state.onpolicy is not None:
+            # arm J: the training forward in the old log-probs' form (vLLM's numbers), over the policy's parameters
+            logps, entropies = self.scorer.onpolicy_logps(input_ids, attention_mask, logits_to_keep, batch_size,
+                                                          compute_entropy)
+            state.new_logps = logps.detach()
+            return logps, entropies, None
         kept = state.loss_kept if is_policy else None
         record = state.pending_record
         if (kept is None and state.renormalize and not state.in_loss and record is not None

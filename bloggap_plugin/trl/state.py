@@ -107,6 +107,8 @@ class GapState:
     plan: Any = None
     ref_plan: Any = None
     vllm_plan: Any = None
+    onpolicy: Any = None
+    """Arm J's training forward (:class:`~bloggap_plugin.core.plans.vllm_shadow.OnPolicyForward` over the policy)."""
     plan_step: tuple | None = None
     ref_step: tuple | None = None
     fallbacks_seen: int = 0

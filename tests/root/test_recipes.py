@@ -120,22 +120,24 @@ def test_arm_registry_is_the_one_vocabulary():
     from bloggap_plugin.core.arms import ARMS as RECORDS
     from bloggap_plugin.core.arms import PLAN_NAMES, get_arm, plan_name
 
-    assert tuple(RECORDS) == ARMS == ("A", "B", "C", "D", "E", "F", "G", "H", "I")
+    assert tuple(RECORDS) == ARMS == ("A", "B", "C", "D", "E", "F", "G", "H", "I", "J")
     plans = {"A": None, "B": "fp32", "C": "bf16", "D": "guided", "E": "fp32_head", "F": "fp16", "G": None, "H": None,
-             "I": "vllm"}
+             "I": "vllm", "J": "vllm"}
     assert {letter: arm.plan for letter, arm in RECORDS.items()} == plans
     assert {letter for letter, arm in RECORDS.items() if arm.keeps_trl_forward} == {"A", "H"}
     assert {letter for letter, arm in RECORDS.items() if arm.scores_after_shuffle} == {"G"}
     assert {letter for letter, arm in RECORDS.items() if arm.needs_fp16_training} == {"H"}
     assert {letter for letter, arm in RECORDS.items() if arm.takes_layers} == {"D"}
+    assert {letter for letter, arm in RECORDS.items() if arm.onpolicy_forward} == {"J"}
+    assert RECORDS["J"].vllm_engine == RECORDS["I"].vllm_engine and RECORDS["J"].prefill_in_one_step
     for alias, letter in (("bf16", "C"), ("FP32", "B"), ("fp16", "F"), ("fp32_head", "E"), ("guided", "D"),
-                          ("matched", "G"), ("default", "A"), ("h", "H"), ("vllm", "I")):
+                          ("matched", "G"), ("default", "A"), ("h", "H"), ("vllm", "I"), ("onpolicy", "J")):
         assert get_arm(alias).letter == letter == GapConfig(arm=alias).arm
         assert GapConfig(arm=alias).plan_arm == plans[letter]
     # make_plan's vocabulary: plan names, planned letters, and A for the policy as called
     assert [plan_name(p) for p in PLAN_NAMES] == list(PLAN_NAMES)
     assert {letter: plan_name(letter) for letter in "ABCDEFI"} == {"A": "bf16", **{k: plans[k] for k in "BCDEFI"}}
-    with pytest.raises(ValueError, match=r"unknown arm 'Q'; use one of A, B, C, D, E, F, G, H, I \(or an alias: "):
+    with pytest.raises(ValueError, match=r"unknown arm 'Q'; use one of A, B, C, D, E, F, G, H, I, J \(or an alias: "):
         get_arm("Q")
     for letter in "GH":
         with pytest.raises(ValueError, match="unknown scoring arm"):

@@ -19,7 +19,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model_parts import model_device, tensor_bytes
-from ..scoring import ScoringOptions, TileIndex, unwrap_model
+from ..scoring import (
+    DEFAULT_CHUNK_TOKENS,
+    LogprobReducer,
+    ScoringOptions,
+    TileIndex,
+    gather_logprobs,
+    join_tiles,
+    token_logprobs,
+    unwrap_model,
+)
+from ..vllm_autograd import autograd_kernels
 from ..vllm_form import (
     Kernels,
     VllmForm,
@@ -39,7 +49,7 @@ from ..vllm_form import (
 )
 from .shadow import ShadowPlan
 
-__all__ = ["VllmFormLM", "VllmFormPlan", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["VllmFormLM", "VllmFormPlan", "OnPolicyForward", "sampler_reduce", "SUPPORTED_MODEL_TYPES"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -50,15 +60,17 @@ class _Output:
 
 
 class _Head(nn.Module):
-    """The LM head through the form's linear (vLLM's Triton persistent matmul under ``batch_invariant``)."""
+    """The LM head through the form's linear (vLLM's Triton persistent matmul under ``batch_invariant``), on the
+    bf16 weight: ``cast`` (set by :meth:`VllmFormLM.forward` for one forward) or ``weight`` itself."""
 
     def __init__(self, weight: torch.Tensor, linear: Callable[..., torch.Tensor]) -> None:
         super().__init__()
         self.weight = weight
         self._linear = linear
+        self.cast: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._linear(hidden, self.weight, None)
+        return self._linear(hidden, self.weight if self.cast is None else self.cast, None)
 
 
 def _check_supported(model: nn.Module) -> None:
@@ -82,19 +94,26 @@ def _check_supported(model: nn.Module) -> None:
 
 class VllmFormLM(nn.Module):
     """A causal-LM-shaped forward (``input_ids, attention_mask, position_ids, logits_to_keep`` -> ``.logits``) over
-    the weights of ``shadow`` (a bf16 HF Llama-family model), computed per ``form`` with ``kernels``.
+    the weights of ``source`` (an HF Llama-family model), computed per ``form`` with ``kernels``.
+
+    ``over_parameters=False`` (arm I's scorer): ``source`` is a bf16 shadow; the fused q/k/v and gate/up weights are
+    built once and refreshed in place (:meth:`refresh`). ``over_parameters=True`` (the on-policy training forward):
+    every weight is read from ``source``'s parameters at each forward through a differentiable cast to bf16 (the
+    fused weights concatenated inside the graph), so gradients reach them; the cast gives each weight the bits a
+    bf16 shadow of ``source`` holds, so both modes compute the same values.
 
     Tokens run packed (no padding rows in any matmul); the hidden states of the last ``logits_to_keep`` positions
     go back to the padded ``[B, keep, H]`` layout (zeros at padding) and through ``lm_head``, the module that
     ``token_logprobs`` tiles. Positions: ``position_ids`` at the real tokens, else ``0..n-1`` per row (vLLM's)."""
 
-    def __init__(self, shadow: nn.Module, form: VllmForm, kernels: Kernels) -> None:
+    def __init__(self, source: nn.Module, form: VllmForm, kernels: Kernels, *, over_parameters: bool = False) -> None:
         super().__init__()
-        _check_supported(shadow)
-        self._shadow = [shadow]  # not a submodule: the plan owns and syncs it
+        _check_supported(source)
+        self._shadow = [source]  # not a submodule: its owner (the plan, or the trainer) holds and syncs it
+        self.over_parameters = over_parameters
         self.form = form
         self.kernels = kernels
-        config = shadow.config
+        config = source.config
         self.config = config
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
@@ -102,10 +121,11 @@ class VllmFormLM(nn.Module):
         self.scale = self.head_dim ** -0.5
         linear = kernels.linear if form.batch_invariant else F.linear
         self._linear = linear
-        self.lm_head = _Head(shadow.get_output_embeddings().weight, linear)
+        self.lm_head = _Head(source.get_output_embeddings().weight, linear)
+        self._head = [self.lm_head]  # the head itself, also while token_logprobs tiles it
         self._fused: list[dict[str, torch.Tensor]] = []
         self.refresh()
-        device = model_device(shadow)
+        device = model_device(source)
         theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", 10000.0)))
         self.cos_sin_cache = vllm_cos_sin_cache(self.head_dim, theta, int(config.max_position_embeddings),
                                                 torch.bfloat16, device)
@@ -113,16 +133,34 @@ class VllmFormLM(nn.Module):
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head
 
+    @staticmethod
+    def _bf16(weight: torch.Tensor | None) -> torch.Tensor | None:
+        """``weight`` as vLLM holds it: cast to bf16 inside the graph (the tensor itself when already bf16)."""
+        return None if weight is None else weight.to(torch.bfloat16)
+
+    @staticmethod
+    def _fused_parts(layer: nn.Module) -> dict[str, list[torch.Tensor] | None]:
+        attn, mlp = layer.self_attn, layer.mlp
+        biases = [getattr(m, "bias", None) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        return {"qkv": [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
+                "qkv_bias": biases if all(b is not None for b in biases) else None,
+                "gate_up": [mlp.gate_proj.weight, mlp.up_proj.weight]}
+
+    def _fused_weight(self, index: int, key: str) -> torch.Tensor | None:
+        """Layer ``index``'s fused ``qkv`` / ``qkv_bias`` / ``gate_up`` weight in bf16: the refreshed copy, or (over
+        the parameters) the concatenation of their bf16 casts, inside the graph."""
+        if not self.over_parameters:
+            return self._fused[index][key]
+        parts = self._fused_parts(self._shadow[0].model.layers[index])[key]
+        return None if parts is None else torch.cat([self._bf16(p) for p in parts])
+
     def refresh(self) -> None:
-        """Refresh the fused q/k/v and gate/up weights from the shadow (after the plan's sync), in place once built."""
-        if not self.form.fused_proj:
+        """Refresh the fused q/k/v and gate/up weights from the shadow (after the plan's sync), in place once built.
+        Over the parameters nothing is kept: each forward reads them."""
+        if not self.form.fused_proj or self.over_parameters:
             return
         for index, layer in enumerate(self._shadow[0].model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            biases = [getattr(m, "bias", None) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
-            parts = {"qkv": [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
-                     "qkv_bias": biases if all(b is not None for b in biases) else None,
-                     "gate_up": [mlp.gate_proj.weight, mlp.up_proj.weight]}
+            parts = self._fused_parts(layer)
             if index == len(self._fused):
                 self._fused.append({k: None if v is None else torch.cat(v) for k, v in parts.items()})
                 continue
@@ -136,15 +174,16 @@ class VllmFormLM(nn.Module):
     # -- pieces
     def _norm(self, x: torch.Tensor, module: nn.Module, first: bool, packed) -> torch.Tensor:
         eps = float(getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6)))
+        weight = self._bf16(module.weight)
         if self.form.norm == "kernel":
             kernel = self.kernels.rms_norm if first else self.kernels.add_rms_norm
             # layer 0's first norm in batch-invariant mode is vLLM's Triton kernel: no launch-size dependence
             if self.form.norm_launch == "steps" and packed.launches is not None and not (first and self.form.batch_invariant):
-                return norm_in_step_launches(kernel, x, module.weight, eps, packed.launches)
-            return kernel(x, module.weight, eps)
+                return norm_in_step_launches(kernel, x, weight, eps, packed.launches)
+            return kernel(x, weight, eps)
         if self.form.norm == "torch" and first and self.form.batch_invariant:
-            return rms_norm_vllm_triton(x, module.weight, eps)
-        return rms_norm_hf(x, module.weight, eps)
+            return rms_norm_vllm_triton(x, weight, eps)
+        return rms_norm_hf(x, weight, eps)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor, rotary: nn.Module) -> torch.Tensor:
         if self.form.rope == "hf":
@@ -170,22 +209,24 @@ class VllmFormLM(nn.Module):
 
     def _qkv(self, x: torch.Tensor, index: int, attn: nn.Module):
         if self.form.fused_proj:
-            fused = self._fused[index]
             q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-            return self._linear(x, fused["qkv"], fused["qkv_bias"]).split([q_size, kv_size, kv_size], dim=-1)
-        return tuple(self._linear(x, m.weight, getattr(m, "bias", None)) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+            qkv = self._linear(x, self._fused_weight(index, "qkv"), self._fused_weight(index, "qkv_bias"))
+            return qkv.split([q_size, kv_size, kv_size], dim=-1)
+        return tuple(self._linear(x, self._bf16(m.weight), self._bf16(getattr(m, "bias", None)))
+                     for m in (attn.q_proj, attn.k_proj, attn.v_proj))
 
     def _mlp(self, x: torch.Tensor, index: int, mlp: nn.Module) -> torch.Tensor:
         if self.form.fused_proj:
-            gate_up = self._linear(x, self._fused[index]["gate_up"], None)
+            gate_up = self._linear(x, self._fused_weight(index, "gate_up"), None)
         else:
-            gate_up = torch.cat([self._linear(x, mlp.gate_proj.weight, None), self._linear(x, mlp.up_proj.weight, None)], -1)
+            gate_up = torch.cat([self._linear(x, self._bf16(mlp.gate_proj.weight), None),
+                                 self._linear(x, self._bf16(mlp.up_proj.weight), None)], -1)
         if self.form.act == "kernel":
             hidden = self.kernels.silu_and_mul(gate_up)
         else:
             half = gate_up.shape[-1] // 2
             hidden = F.silu(gate_up[..., :half]) * gate_up[..., half:]
-        return self._linear(hidden, mlp.down_proj.weight, None)
+        return self._linear(hidden, self._bf16(mlp.down_proj.weight), None)
 
     def _layer(self, index: int, layer: nn.Module, h: torch.Tensor, residual: torch.Tensor | None, packed, rotary):
         """vLLM's ``LlamaDecoderLayer.forward``: ``(h, residual)`` -> ``(h, residual)``, all bf16 ``[T, H]``."""
@@ -198,7 +239,7 @@ class VllmFormLM(nn.Module):
         v = v.reshape(tokens, self.kv_heads, self.head_dim)
         attn = self._attention(q, k, v, packed).reshape(tokens, self.heads * self.head_dim)
         o_proj = layer.self_attn.o_proj
-        h = self._linear(attn, o_proj.weight, getattr(o_proj, "bias", None))
+        h = self._linear(attn, self._bf16(o_proj.weight), self._bf16(getattr(o_proj, "bias", None)))
         residual = residual + h
         x = self._norm(residual, layer.post_attention_layernorm, first=False, packed=packed)
         return self._mlp(x, index, layer.mlp), residual
@@ -220,7 +261,7 @@ class VllmFormLM(nn.Module):
                 packed = prompt_first(packed)  # step-sized launches become contiguous slices
             elif self.form.norm == "kernel" and self.form.norm_launch == "steps":
                 packed.launches = step_launches(packed.generated)
-        h = F.embedding(packed.tokens, base.embed_tokens.weight)
+        h = F.embedding(packed.tokens, base.embed_tokens.weight).to(torch.bfloat16)  # = bf16(table)[tokens]
         residual = None
         for index, layer in enumerate(base.layers):
             h, residual = self._layer(index, layer, h, residual, packed, base.rotary_emb)
@@ -230,7 +271,68 @@ class VllmFormLM(nn.Module):
         hidden = final.new_zeros((*packed.where.shape, final.shape[-1]))
         hidden[packed.where] = final
         keep = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-        return _Output(logits=self.lm_head(keep))
+        head = self._head[0]
+        head.cast = self._bf16(head.weight) if self.over_parameters else None  # one cast for all of the head's tiles
+        try:
+            return _Output(logits=self.lm_head(keep))
+        finally:
+            head.cast = None
+
+
+def sampler_reduce(kernels: Kernels) -> LogprobReducer:
+    """The ``logprobs=v2_sampler`` reduce: ``[b, t]`` from the fp32 temperature-scaled logits ``[b, t, V]`` rounded to
+    bf16 (exact at temperature 1, where they are the head's bf16 values; vLLM's in-place bf16 temperature otherwise),
+    then ``kernels.token_logprobs`` (the sampler's kernel)."""
+
+    def reduce(logits: torch.Tensor, targets: torch.Tensor, index: TileIndex) -> torch.Tensor:  # noqa: ARG001
+        flat = logits.to(torch.bfloat16).reshape(-1, logits.shape[-1])
+        return kernels.token_logprobs(flat, targets.reshape(-1)).view(targets.shape)
+
+    return reduce
+
+
+class OnPolicyForward:
+    """The exactly on-policy training forward: arm I's :class:`VllmFormLM` over the policy's own parameters
+    (``over_parameters=True``) with every kernel piece given a backward (:func:`~bloggap_plugin.core.vllm_autograd.
+    autograd_kernels`), so its log-probs are the values :class:`VllmFormPlan` scores on a bf16 shadow of the same
+    weights, bit for bit, and gradients reach the policy's (fp32 master) parameters.
+
+    It keeps no copy of the weights (each forward casts them inside the graph) and never changes them. Autocast is
+    off inside it (the form sets every dtype itself); ``kernels.scope()`` surrounds the forward, not the backward."""
+
+    def __init__(self, policy: nn.Module, form: VllmForm, kernels: Kernels) -> None:
+        policy = unwrap_model(policy)
+        self.form = form
+        self.kernels = kernels
+        self.model = VllmFormLM(policy, form, autograd_kernels(kernels), over_parameters=True)
+        self._device = model_device(policy)
+
+    def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                       batch_size: int | None = None, *, temperature: float = 1.0,
+                       chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS, compute_entropy: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(logps [B, logits_to_keep] fp32, entropies [B, logits_to_keep] | None)`` of the last ``logits_to_keep``
+        tokens, with gradients to the policy's parameters when grad is enabled (positions: vLLM's, from the mask).
+        ``entropies`` (``compute_entropy``): of the same fp32 temperature-scaled logits, detached."""
+        entropy_parts: list[tuple[TileIndex, torch.Tensor]] = []
+        scored = sampler_reduce(self.model.kernels) if self.form.logprobs == "v2_sampler" else gather_logprobs
+
+        def reduce(logits: torch.Tensor, targets: torch.Tensor, index: TileIndex) -> torch.Tensor:
+            if compute_entropy:
+                with torch.no_grad():
+                    logp = torch.log_softmax(logits, dim=-1)
+                    entropy_parts.append((index, -(logp.exp() * logp).sum(-1)))
+            return scored(logits, targets, index)
+
+        with contextlib.ExitStack() as stack:
+            for device_type in {self._device.type, "cpu"}:
+                stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+            if self.form.batch_invariant:
+                stack.enter_context(self.kernels.scope())
+            logps = token_logprobs(self.model, input_ids.to(self._device), attention_mask.to(self._device),
+                                   logits_to_keep, batch_size=batch_size, positions="mask", temperature=temperature,
+                                   reduce=reduce, chunk_tokens=chunk_tokens)
+        return logps, (join_tiles(entropy_parts) if compute_entropy else None)
 
 
 TOKENS_PER_FORWARD = 16384
@@ -269,10 +371,7 @@ class VllmFormPlan(ShadowPlan):
         return super().token_logprobs(input_ids, attention_mask, logits_to_keep, batch_size, **options)
 
     def _sampler_reduce(self, logits: torch.Tensor, targets: torch.Tensor, index: TileIndex) -> torch.Tensor:
-        """``[b, t]``: the fp32 temperature-scaled logits ``[b, t, V]`` rounded to bf16 (exact at temperature 1, where
-        they are the head's bf16 values; vLLM's in-place bf16 temperature otherwise), then the sampler's kernel."""
-        flat = logits.to(torch.bfloat16).reshape(-1, logits.shape[-1])
-        return self.kernels.token_logprobs(flat, targets.reshape(-1)).view(targets.shape)
+        return sampler_reduce(self.kernels)(logits, targets, index)
 
     def _scoring_context(self) -> contextlib.AbstractContextManager:
         stack = super()._scoring_context()

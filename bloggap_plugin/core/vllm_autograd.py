@@ -1,0 +1,199 @@
+"""Backward passes for arm I's kernel pieces, so that its forward can train (the exactly on-policy arm).
+
+vLLM's kernels (:class:`~bloggap_plugin.core.vllm_form.Kernels`: the batch-invariant linear, the RMSNorm kernels,
+``rotary_embedding``, ``silu_and_mul``, FlashAttention, the V2 sampler's log-prob) have no backward. Each is wrapped
+here in a ``torch.autograd.Function`` whose forward calls the kernel unchanged (the values are the kernel's, bit for
+bit) and whose backward recomputes the same piece with torch's formula in fp32 at the saved inputs and
+differentiates that: straight-through across the kernel's bf16 roundings, as vLLM + TorchTitan's bit-wise
+on-policy RL does. Each input's gradient is returned in its own dtype (autograd rounds an fp32 gradient of a bf16
+input to bf16).
+
+Contract of a wrapped kernel: it returns a new tensor and leaves its inputs as they were
+(:mod:`bloggap_plugin.core.vllm_kernels`' wrappers clone what vLLM's ops modify in place); a kernel that changes an
+input it was given is an error at the call (its saved inputs would no longer be the ones it read). Torch only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .vllm_form import Kernels, torch_paged_attention, torch_varlen_attention
+
+__all__ = [
+    "autograd_kernels",
+    "PIECE_FORMULAS",
+    "linear_formula",
+    "rms_norm_formula",
+    "rotary_formula",
+    "silu_and_mul_formula",
+    "flash_formula",
+    "flash_paged_formula",
+    "token_logprobs_formula",
+]
+
+
+# ------------------------------------------------------------------------------------- torch's formulas, fp32
+def linear_formula(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``. ``x [..., in]``, ``weight [out, in]`` -> ``[..., out]``."""
+    return F.linear(x, weight, bias)
+
+
+def rms_norm_formula(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim (every RMSNorm kernel's maths, no rounding)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rotary_formula(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Neox-style RoPE from vLLM's ``cos_sin_cache`` (cos | sin per position): ``[x1 cos - x2 sin, x2 cos + x1
+    sin]``. ``x [T, heads, d]``, ``positions [T]``."""
+    cos, sin = cache.index_select(0, positions).to(x.dtype).chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def silu_and_mul_formula(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x = [gate | up]`` ``[T, 2I]`` -> ``[T, I]``."""
+    half = x.shape[-1] // 2
+    return F.silu(x[..., :half]) * x[..., half:]
+
+
+def flash_formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,  # noqa: ARG001
+                  scale: float, block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention per packed row (``k``/``v`` the paged caches when ``block_table`` is given): the
+    :attr:`Kernels.flash` signature."""
+    if block_table is None:
+        return torch_varlen_attention(q, k, v, cu_seqlens, scale)
+    return torch_paged_attention(q, k, v, block_table, cu_seqlens, scale)
+
+
+def flash_paged_formula(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
+                        max_seqlen_q: int, max_seqlen_k: int, scale: float) -> torch.Tensor:  # noqa: ARG001
+    """The paged varlen call with query and key lengths apart (the :attr:`Kernels.flash_paged` signature), computed
+    per sequence rather than per entry: the entries that share a block table (a sequence's decode steps, one query
+    each) attend in one call with a mask, each query to the keys ``< seqused_k - n + r + 1`` of its entry (``n``
+    queries, ``r`` its index), which is what the kernel computes entry by entry. ``q [Tq, nq, d]`` -> ``[Tq, nq, d]``."""
+    page, groups = key_cache.shape[1], q.shape[1] // key_cache.shape[2]
+    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    entry = torch.repeat_interleave(torch.arange(counts.numel(), device=q.device), counts)
+    within = torch.arange(q.shape[0], device=q.device) - cu_seqlens_q[:-1].long()[entry]
+    limit = seqused_k.long()[entry] - counts[entry] + within + 1
+    tables, sequence = torch.unique(block_table, dim=0, return_inverse=True)
+    keys_flat, values_flat = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
+    order, parts = [], []
+    for index in range(tables.shape[0]):
+        queries = (sequence[entry] == index).nonzero().squeeze(-1)
+        n_k = int(limit[queries].max())
+        j = torch.arange(n_k, device=q.device)
+        slot = tables[index, j // page].long() * page + j % page
+        keys = keys_flat[slot].transpose(0, 1).repeat_interleave(groups, dim=0)[None]
+        values = values_flat[slot].transpose(0, 1).repeat_interleave(groups, dim=0)[None]
+        visible = j[None, :] < limit[queries][:, None]
+        attended = F.scaled_dot_product_attention(q[queries].transpose(0, 1)[None], keys, values, attn_mask=visible,
+                                                  scale=scale)
+        order.append(queries)
+        parts.append(attended[0].transpose(0, 1))
+    return torch.cat(parts).index_select(0, torch.argsort(torch.cat(order)))
+
+
+def token_logprobs_formula(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)[tokens]``: ``logits [N, V]``, ``tokens [N]`` -> ``[N]``."""
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+PIECE_FORMULAS: dict[str, Callable[..., torch.Tensor]] = {
+    "linear": linear_formula,
+    "rms_norm": rms_norm_formula,
+    "add_rms_norm": rms_norm_formula,
+    "rotary": rotary_formula,
+    "silu_and_mul": silu_and_mul_formula,
+    "flash": flash_formula,
+    "flash_paged": flash_paged_formula,
+    "token_logprobs": token_logprobs_formula,
+}
+"""The torch formula each wrapped :class:`Kernels` field is differentiated with (same signature as the field)."""
+
+
+# ------------------------------------------------------------------------------------------------ the Function
+class _KernelPiece(torch.autograd.Function):
+    """``forward``: ``kernel(*args)``; ``backward``: the gradient of ``formula(*args)`` in fp32 at the saved
+    floating-point inputs (the others pass through as they were given)."""
+
+    @staticmethod
+    def forward(ctx, name: str, kernel: Callable[..., torch.Tensor], formula: Callable[..., torch.Tensor],
+                spec: tuple, *tensors: torch.Tensor) -> torch.Tensor:
+        args = _rebuild(spec, tensors)
+        versions = [t._version for t in tensors]
+        out = kernel(*args)
+        if [t._version for t in tensors] != versions:
+            raise RuntimeError(f"the {name} kernel changed one of its inputs in place; wrap it so that it works on a "
+                               "copy (vllm_kernels does for vLLM's in-place ops)")
+        ctx.formula, ctx.spec = formula, spec
+        ctx.save_for_backward(*tensors)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        tensors = ctx.saved_tensors
+        wanted = [i for i, t in enumerate(tensors) if ctx.needs_input_grad[4 + i]]
+        grads: list[torch.Tensor | None] = [None] * len(tensors)
+        if wanted:
+            with torch.enable_grad():
+                inputs = [t.detach().float().requires_grad_(i in wanted) if t.is_floating_point() else t
+                          for i, t in enumerate(tensors)]
+                out = ctx.formula(*_rebuild(ctx.spec, inputs))
+                found = torch.autograd.grad(out, [inputs[i] for i in wanted], grad.float(), allow_unused=True)
+            for i, g in zip(wanted, found):
+                grads[i] = None if g is None else g.to(tensors[i].dtype)
+        return (None, None, None, None, *grads)
+
+
+def _split(args: Sequence) -> tuple[tuple, tuple[torch.Tensor, ...]]:
+    """``args`` as ``(spec, tensors)``: ``spec`` holds each argument, a tensor's place marked by its index."""
+    spec, tensors = [], []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            spec.append(_Slot(len(tensors)))
+            tensors.append(arg)
+        else:
+            spec.append(arg)
+    return tuple(spec), tuple(tensors)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    index: int
+
+
+def _rebuild(spec: tuple, tensors: Sequence[torch.Tensor]) -> list:
+    return [tensors[a.index] if isinstance(a, _Slot) else a for a in spec]
+
+
+def _wrap(name: str, kernel: Callable[..., torch.Tensor], formula: Callable[..., torch.Tensor],
+          keywords: tuple[str, ...] = ()) -> Callable[..., torch.Tensor]:
+    def piece(*args, **kwargs):
+        # keyword arguments of the signature (``block_table=`` of flash) become positional, in order
+        args = (*args, *(kwargs.pop(k) for k in keywords if k in kwargs))
+        if kwargs:
+            raise TypeError(f"{name}: unexpected keyword arguments {sorted(kwargs)}")
+        spec, tensors = _split(args)
+        if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+            return kernel(*args)
+        return _KernelPiece.apply(name, kernel, formula, spec, *tensors)
+
+    piece.__name__ = f"{name}_with_backward"
+    return piece
+
+
+def autograd_kernels(kernels: Kernels) -> Kernels:
+    """``kernels`` with every function piece (:data:`PIECE_FORMULAS`) differentiable: the forward values are the
+    kernel's, the backward is torch's fp32 formula of the piece. ``scope`` and ``source`` are kept; grad-free calls
+    (or inputs that need no gradient) call the kernel directly."""
+    wrapped = {name: _wrap(name, getattr(kernels, name), formula, ("block_table",) if name == "flash" else ())
+               for name, formula in PIECE_FORMULAS.items()}
+    return dataclasses.replace(kernels, **wrapped)

@@ -1,0 +1,289 @@
+"""The exactly on-policy training forward (arm I's form over the policy's own parameters) and the backward passes of
+arm I's kernel pieces, on CPU with the plain-torch stand-ins for vLLM's kernels (``TORCH_KERNELS``).
+
+Bounds, and why:
+
+- a wrapped piece's gradient is torch's fp32 gradient of the same formula at the same (bf16) inputs, rounded to the
+  input's dtype (bf16) when autograd hands it on: per element within half a bf16 ulp, ``2^-8`` relative (plus fp32
+  noise where the reference is computed in another order: ``1e-6`` of the largest element);
+- the whole forward's parameter gradients against the fp32 policy's own HF forward under torch autograd (the exact
+  maths, without vLLM's bf16 roundings): within 2% relative (L2 over all parameters) and 4% per parameter tensor,
+  a few bf16 unit roundoffs (``2^-8``) accumulated through the bf16 activations; and within 1% of torch's own
+  autograd through the same bf16 forward (the stand-ins are plain torch, so torch can differentiate them directly:
+  the two differ only in where the backward rounds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bloggap_plugin.core.plans.vllm_shadow import OnPolicyForward, VllmFormLM, VllmFormPlan, sampler_reduce
+from bloggap_plugin.core.scoring import token_logprobs
+from bloggap_plugin.core.vllm_autograd import PIECE_FORMULAS, autograd_kernels
+from bloggap_plugin.core.vllm_form import (
+    TORCH_KERNELS,
+    Kernels,
+    pack,
+    parse_form,
+    prompt_first,
+    stepwise_attention,
+    vllm_cos_sin_cache,
+)
+
+HALF_ULP = 2.0 ** -8
+FORMS = ["all", "all,attention_launch=packed,norm_launch=packed,page_size=0", "all,attention_launch=packed",
+         "torch", "hf"]
+
+
+def _rows(batch: int = 6, width: int = 40, seed: int = 0):
+    """TRL's layout: left-padded prompts of different lengths, right-padded completions (early EOS)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 90, (batch, width), generator=gen)
+    mask = torch.ones(batch, width, dtype=torch.long)
+    mask[0, :7] = 0
+    mask[1, :3] = 0
+    mask[3, -4:] = 0
+    mask[4, :2] = 0
+    mask[4, -9:] = 0
+    return ids, mask
+
+
+def _private(tiny_model, spec: str = "tiny-random-llama"):
+    model, _ = tiny_model(spec)
+    return type(model)(model.config)  # a private copy: these tests write gradients
+
+
+@pytest.mark.parametrize("spec", FORMS)
+@pytest.mark.parametrize("keep", [16, 1])
+def test_training_forward_equals_arm_is_scorer_bit_for_bit(tiny_model, spec, keep):
+    """Over the policy's fp32 parameters (cast to bf16 inside the graph, fused weights concatenated there) and with
+    every kernel piece wrapped for autograd, the training forward's log-probs are the no-grad scorer's (arm I's plan
+    on its bf16 shadow of the same weights) bit for bit, on a padded TRL batch, for any logits_to_keep; gradients
+    reach every parameter in fp32."""
+    model = _private(tiny_model)
+    ids, mask = _rows()
+    form = parse_form(spec)
+    old = VllmFormPlan(model, form, TORCH_KERNELS).token_logprobs(ids, mask, keep, batch_size=4, positions="mask")
+    new, _ = OnPolicyForward(model, form, TORCH_KERNELS).token_logprobs(ids, mask, keep, batch_size=4)
+    assert new.requires_grad and torch.equal(new.detach(), old)
+    (new * mask[:, -keep:]).sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_training_forward_with_qkv_bias_and_tiles(tiny_model):
+    """Qwen2 (q/k/v biases, fused bias concatenated in the graph) with the head in one-position tiles: still the
+    scorer's bits; entropies come detached, from the same logits."""
+    model = _private(tiny_model, "tiny-random-qwen2")
+    ids, mask = _rows()
+    form = parse_form("all")
+    old = VllmFormPlan(model, form, TORCH_KERNELS).token_logprobs(ids, mask, 12, positions="mask", chunk_tokens=1)
+    new, entropy = OnPolicyForward(model, form, TORCH_KERNELS).token_logprobs(ids, mask, 12, chunk_tokens=1,
+                                                                              compute_entropy=True)
+    assert torch.equal(new.detach(), old)
+    assert entropy.shape == new.shape and not entropy.requires_grad and (entropy >= 0).all()
+    new.sum().backward()
+    assert model.model.layers[0].self_attn.q_proj.bias.grad is not None
+
+
+def test_training_forward_changes_neither_policy_nor_shadow(tiny_model):
+    """Forward and backward leave the policy's weights and the scorer's shadow (and its fused copies) as they were,
+    bit for bit; the scorer still scores what it scored."""
+    model = _private(tiny_model)
+    ids, mask = _rows()
+    form = parse_form("all")
+    plan = VllmFormPlan(model, form, TORCH_KERNELS)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    shadow = {k: v.clone() for k, v in plan.shadow.state_dict().items()}
+    fused = [t.clone() for t in plan.model.fused_tensors()]
+    old = plan.token_logprobs(ids, mask, 16, positions="mask")
+    new, _ = OnPolicyForward(model, form, TORCH_KERNELS).token_logprobs(ids, mask, 16)
+    new.sum().backward()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(shadow[k], v) for k, v in plan.shadow.state_dict().items())
+    assert all(torch.equal(a, b) for a, b in zip(fused, plan.model.fused_tensors(), strict=True))
+    assert torch.equal(plan.token_logprobs(ids, mask, 16, positions="mask"), old)
+
+
+# ------------------------------------------------------------------------------------------ each piece's gradient
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(True)
+
+
+def _check_piece(wrapped, kernel, reference, args: list, grad_args: list[int], seed: int = 0):
+    """``wrapped(*args)`` returns the kernel's bits; its gradients for ``grad_args`` are within half a bf16 ulp of
+    torch autograd of ``reference`` (independent fp32 maths) at the same values under the same upstream gradient."""
+    bf = [_leaf(a) if i in grad_args else a for i, a in enumerate(args)]
+    out = wrapped(*bf)
+    assert torch.equal(out.detach(), kernel(*args))
+    gen = torch.Generator().manual_seed(seed)
+    upstream = torch.randn(out.shape, generator=gen).to(out.dtype)
+    got = torch.autograd.grad(out, [bf[i] for i in grad_args], upstream)
+    fp = [_leaf(a.float()) if i in grad_args else a for i, a in enumerate(args)]
+    want = torch.autograd.grad(reference(*fp), [fp[i] for i in grad_args], upstream.float())
+    for i, g, w in zip(grad_args, got, want, strict=True):
+        assert g.dtype == args[i].dtype
+        bound = HALF_ULP * w.abs() + 1e-6 * w.abs().max()
+        assert ((g.float() - w).abs() <= bound).all(), (i, (g.float() - w).abs().max())
+
+
+def _dense_causal(q, k, v, lengths, scale):
+    """Attention over packed rows with a dense block-diagonal causal mask, in fp32 (no sdpa): ``[T, nq, d]``."""
+    row = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    index = torch.arange(q.shape[0])
+    visible = (row[:, None] == row[None, :]) & (index[None, :] <= index[:, None])
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.einsum("thd,shd->hts", q, k) * scale
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("hts,shd->thd", weights, v)
+
+
+def test_each_wrapped_piece_has_torchs_fp32_gradient():
+    kernels = autograd_kernels(TORCH_KERNELS)
+    gen = torch.Generator().manual_seed(5)
+
+    def bf(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+
+    x, weight, bias = bf(24, 16), bf(12, 16, scale=0.3), bf(12, scale=0.1)
+    _check_piece(kernels.linear, TORCH_KERNELS.linear, lambda a, w, b: a @ w.T + b, [x, weight, bias], [0, 1, 2])
+    norm_weight = (1 + 0.2 * torch.randn(16, generator=gen)).to(torch.bfloat16)
+    exact_norm = lambda a, w, eps: a / torch.sqrt((a * a).mean(-1, keepdim=True) + eps) * w  # noqa: E731
+    for name in ("rms_norm", "add_rms_norm"):
+        _check_piece(getattr(kernels, name), getattr(TORCH_KERNELS, name), exact_norm, [x * 3, norm_weight, 1e-6],
+                     [0, 1])
+    cache = vllm_cos_sin_cache(8, 10000.0, 64, torch.bfloat16, torch.device("cpu"))
+    positions = torch.randint(0, 64, (24,), generator=gen)
+
+    def exact_rope(a, pos, table):
+        cos, sin = (c.float().repeat(1, 2)[:, None, :] for c in table[pos].chunk(2, dim=-1))
+        half = a.shape[-1] // 2
+        return a * cos + torch.cat((-a[..., half:], a[..., :half]), dim=-1) * sin
+
+    _check_piece(kernels.rotary, TORCH_KERNELS.rotary, exact_rope, [bf(24, 3, 8), positions, cache], [0])
+    _check_piece(kernels.silu_and_mul, TORCH_KERNELS.silu_and_mul,
+                 lambda a: a[:, :10] * torch.sigmoid(a[:, :10]) * a[:, 10:], [bf(24, 20)], [0])
+    logits = bf(24, 50, scale=3)
+    tokens = torch.randint(0, 50, (24,), generator=gen)
+    _check_piece(kernels.token_logprobs, TORCH_KERNELS.token_logprobs,
+                 lambda z, t: z.gather(-1, t[:, None])[:, 0] - torch.logsumexp(z, -1), [logits, tokens], [0])
+    lengths = [5, 11, 8]
+    cu = torch.tensor([0, 5, 16, 24], dtype=torch.int32)
+    q, k, v = bf(24, 4, 8), bf(24, 2, 8), bf(24, 2, 8)
+    _check_piece(kernels.flash, TORCH_KERNELS.flash,
+                 lambda *a: _dense_causal(a[0], a[1], a[2], lengths, 0.35), [q, k, v, cu, 11, 0.35], [0, 1, 2])
+
+
+@pytest.mark.parametrize("page", [16, 3])
+def test_paged_attention_pieces_have_torchs_fp32_gradient(page):
+    """The paged calls (``flash`` with a block table; ``flash_paged`` in vLLM's steps: a prefill call over the prompts,
+    one query per generated token) differentiated through the paged cache's layout back to the packed K/V: torch's
+    fp32 gradients of dense causal attention over the same rows. One call: within half a bf16 ulp. In steps, a key's
+    gradient is the bf16 sum of the two calls' rounded gradients (autograd accumulates in the cache's dtype): within
+    half an ulp of each call's part and of the sum."""
+    from bloggap_plugin.core.vllm_form import paged_kv
+
+    kernels = autograd_kernels(TORCH_KERNELS)
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.zeros(3, 14, dtype=torch.long)
+    mask = torch.ones(3, 14, dtype=torch.long)
+    mask[0, :4] = 0
+    mask[2, -3:] = 0
+    packed = pack(ids, mask)
+    generated = torch.zeros(mask.shape, dtype=torch.bool)
+    generated[:, -6:] = True
+    packed.generated = generated[packed.where]
+    ordered = prompt_first(packed)
+    total = packed.tokens.numel()
+    q, k, v = ((torch.randn(total, h, 8, generator=gen)).to(torch.bfloat16) for h in (4, 2, 2))
+    upstream = torch.randn(total, 4, 8, generator=gen).to(torch.bfloat16)
+
+    def exact(up):
+        fp = [_leaf(t.float()) for t in (q, k, v)]
+        return torch.autograd.grad(_dense_causal(*fp, packed.lengths, 0.35), fp, up.float())
+
+    want = exact(upstream)
+    prompt_part = exact(upstream * ~packed.generated[:, None, None])
+    decode_part = exact(upstream * packed.generated[:, None, None])
+
+    def check(got, parts):
+        for g, w, *split in zip(got, want, *parts, strict=True):
+            assert g.dtype == torch.bfloat16
+            scale = w.abs() + sum(part.abs() for part in split)
+            excess = (g.float() - w).abs() - HALF_ULP * (1 + 1e-3) * scale - 1e-6 * w.abs().max()
+            assert (excess <= 0).all(), excess.max()
+
+    leaves = [_leaf(t) for t in (q, k, v)]
+    key_cache, value_cache, table = paged_kv(leaves[1], leaves[2], packed.lengths, page)
+    out = kernels.flash(leaves[0], key_cache, value_cache, packed.cu_seqlens, 14, 0.35, block_table=table)
+    check(torch.autograd.grad(out, leaves, upstream), [])
+    leaves = [_leaf(t[ordered.order]) for t in (q, k, v)]  # prompt_first: the steps' order
+    out = stepwise_attention(*leaves, ordered, page, kernels.flash_paged, 0.35)
+    back = torch.empty_like(ordered.order)
+    back[ordered.order] = torch.arange(total)
+    got = torch.autograd.grad(out, leaves, upstream[ordered.order])
+    check([g[back] for g in got], [prompt_part, decode_part])
+
+
+def test_a_kernel_that_changes_its_input_is_refused():
+    """A kernel that writes into an input it was given (vLLM's rotary and fused add-norm ops do, unwrapped) would
+    leave the backward other inputs than it read: refused at the call."""
+
+    def in_place_rotary(x, positions, cache):
+        return x.mul_(2)
+
+    kernels = autograd_kernels(dataclasses.replace(TORCH_KERNELS, rotary=in_place_rotary))
+    x = torch.randn(4, 2, 8, requires_grad=True).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="rotary kernel changed one of its inputs in place"):
+        kernels.rotary(x, torch.arange(4), torch.zeros(8, 8))
+    assert set(PIECE_FORMULAS) == {f.name for f in dataclasses.fields(Kernels)} - {"scope", "source"}
+
+
+# ----------------------------------------------------------------------------------------- the whole forward
+@pytest.mark.parametrize("spec", ["all", "torch"])
+def test_parameter_gradients_within_bounds_of_torch_autograd(tiny_model, spec):
+    """Parameter gradients of a weighted sum of the training forward's log-probs, against (1) the fp32 policy's own HF
+    forward under torch autograd (the exact maths): within 2% (L2 over all parameters) and 4% per tensor; (2) torch's
+    own autograd through the same bf16 forward (the stand-in pieces unwrapped): within 1%."""
+    model = _private(tiny_model)
+    ids, mask = _rows()
+    keep = 16
+    gen = torch.Generator().manual_seed(7)
+    weights = torch.randn(ids.shape[0], keep, generator=gen) * mask[:, -keep:]
+    form = parse_form(spec)
+
+    def grads(logps):
+        model.zero_grad()
+        (logps * weights).sum().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    def rel(got, want):
+        total = sum(((got[n] - want[n]) ** 2).sum() for n in want) / sum((want[n] ** 2).sum() for n in want)
+        return float(total.sqrt()), max(float((got[n] - want[n]).norm() / want[n].norm()) for n in want)
+
+    exact = grads(token_logprobs(model, ids, mask, keep, positions="mask"))
+    ours = grads(OnPolicyForward(model, form, TORCH_KERNELS).token_logprobs(ids, mask, keep)[0])
+    plain_lm = VllmFormLM(model, form, TORCH_KERNELS, over_parameters=True)
+    reduce = sampler_reduce(TORCH_KERNELS) if form.logprobs == "v2_sampler" else None
+    plain = grads(token_logprobs(plain_lm, ids, mask, keep, positions="mask", reduce=reduce))
+    total, worst = rel(ours, exact)
+    assert total <= 0.02 and worst <= 0.04, (total, worst)
+    assert rel(ours, plain)[0] <= 0.01
+    assert all(float(g.norm()) > 0 for g in ours.values())
+    assert not torch.equal(torch.cat([g.flatten() for g in ours.values()]),
+                           torch.cat([g.flatten() for g in exact.values()]))  # not the fp32 forward itself
+
+
+def test_grad_free_calls_run_the_kernel_alone(tiny_model):
+    """Under ``torch.no_grad`` (or with no input needing a gradient) a wrapped piece is the kernel's call, no graph."""
+    kernels = autograd_kernels(TORCH_KERNELS)
+    x = torch.randn(4, 6).to(torch.bfloat16)
+    w = torch.randn(3, 6, requires_grad=True)
+    with torch.no_grad():
+        out = kernels.linear(x, w.to(torch.bfloat16), None)
+    assert out.grad_fn is None and torch.equal(out, F.linear(x, w.detach().to(torch.bfloat16)))
+    assert kernels.linear(x, w.detach().to(torch.bfloat16), None).grad_fn is None
