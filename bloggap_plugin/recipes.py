@@ -407,7 +407,7 @@ def load_recipe(path: str | Path) -> tuple[dict, GapConfig]:
 
     path = Path(path)
     if not path.is_file():
-        raise RecipeError(f"recipe {path} does not exist (recipes ship in recipes/arm_A.yaml .. arm_H.yaml)")
+        raise RecipeError(f"recipe {path} does not exist (recipes ship in recipes/arm_A.yaml .. arm_J.yaml)")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:

@@ -16,7 +16,7 @@ import sys
 
 from bloggap_plugin.commands._config import OneLineParser
 
-HELP = "Train GRPO with a recipe (recipes/arm_A.yaml .. arm_H.yaml) and live gap/* metrics."
+HELP = "Train GRPO with a recipe (recipes/arm_A.yaml .. arm_J.yaml) and live gap/* metrics."
 GRPO_GROUP = "GRPOConfig overrides"
 _WANDB_OFFLINE_LINE = "[INFO] Running in WANDB offline mode"
 """What transformers prints on import when WANDB_MODE=offline (the plugin's default), on stdout."""
