@@ -19,7 +19,8 @@ default engine (torch.compile, CUDA graphs, prefix caching); ``compiled_kernels`
 enabled (``compilation_config.custom_ops=["all"]``), so the compiled graph calls the kernels arm I runs (without
 prefix caching; ``compiled_kernels_prefix_cache`` with it, TRL's default). ``eager_one_prefill`` is ``eager`` with
 16384 tokens per step, so that every prompt is prefilled in the first step (TRL's 4096 chunk 32 prompts of the
-arithmetic task, about 194 tokens each, into steps mixed with decodes).
+arithmetic task, about 194 tokens each, into steps mixed with decodes); ``compiled_kernels_one_prefill`` is route 1
+under the same condition.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ VARIANTS: dict[str, dict] = {
     "compiled_kernels": {"compilation_config": {"custom_ops": ["all"]}, "enable_prefix_caching": False},
     "compiled_kernels_prefix_cache": {"compilation_config": {"custom_ops": ["all"]}},
     "eager_one_prefill": {"enforce_eager": True, "enable_prefix_caching": False, "max_num_batched_tokens": 16384},
+    "compiled_kernels_one_prefill": {"compilation_config": {"custom_ops": ["all"]}, "enable_prefix_caching": False,
+                                     "max_num_batched_tokens": 16384},
 }
 """Variant name -> the ``LLM(...)`` keyword arguments it adds to TRL's colocate settings."""
 TRL_ENGINE = {"dtype": "bfloat16", "logprobs_mode": "processed_logprobs", "max_num_batched_tokens": 4096,

@@ -22,7 +22,7 @@ generations after the first, as the mean over generations and the worst generati
 (``gap/time/overhead_frac``) without step 1 (set-up) and step 1's apart; the median generating-step time.
 
 Environment for arm I (its pieces call vLLM's batch-invariant matmuls): ``VLLM_BATCH_INVARIANT=1`` and
-``TRITON_F32_DEFAULT=ieee``; ``run`` sets both for arm I runs and neither for the others.
+``TRITON_F32_DEFAULT=ieee``; ``run`` sets both for arm I and J runs and neither for the others.
 """
 
 from __future__ import annotations
@@ -220,6 +220,17 @@ def _env() -> dict:
     return environment_record("cuda", vllm=version, **{k: os.environ.get(k) for k in ARM_I_ENV})
 
 
+def run_env(label: str, environ: dict) -> dict:
+    """The environment of run ``label``: ``environ`` with :data:`ARM_I_ENV` for an arm whose plan computes vLLM's
+    numbers (I, J), without it for any other arm."""
+    from bloggap_plugin.core.arms import get_arm
+
+    env = {k: v for k, v in environ.items() if k not in ARM_I_ENV}
+    if get_arm(parse_label(label)["arm"]).plan == "vllm":
+        env.update(ARM_I_ENV)
+    return env
+
+
 def run_main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -230,9 +241,7 @@ def run_main(args: argparse.Namespace) -> int:
         spec = parse_label(label)
         log_jsonl = out / f"{label}.jsonl"
         argv = train_argv(label, args.model, args.steps, log_jsonl, args.memory)
-        child_env = {k: v for k, v in os.environ.items() if k not in ARM_I_ENV}
-        if spec["arm"] == "I":
-            child_env.update(ARM_I_ENV)
+        child_env = run_env(label, os.environ)
         started = time.perf_counter()
         with open(out / f"{label}.log", "w") as console:
             code = subprocess.call(argv, cwd=ROOT, env=child_env, stdout=console, stderr=subprocess.STDOUT)

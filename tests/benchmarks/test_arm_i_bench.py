@@ -145,3 +145,15 @@ def test_arm_i_engine_table_is_built_from_its_results():
     assert results["eager_one_prefill"]["arm_i"]["bitwise_pct"] == 100.0
     assert results["eager"]["arm_i"]["bitwise_pct"] < 60.0
     assert results["eager"]["engine_kwargs"] == {k: v for k, v in script.VARIANTS["eager"].items()}
+
+
+def test_arm_i_live_runs_the_vllm_form_arms_in_vllms_batch_invariant_mode():
+    """Arms I and J (the plan that computes vLLM's numbers) run with VLLM_BATCH_INVARIANT=1 and IEEE fp32 Triton
+    dots; any other arm runs without them, whatever the caller's environment holds."""
+    script = _live_script()
+    caller = {"PATH": "/bin", "VLLM_BATCH_INVARIANT": "1", "TRITON_F32_DEFAULT": "tf32"}
+    for label in ("train_I_ni2", "callback_J_ni1", "train_J_ni2_b16"):
+        env = script.run_env(label, caller)
+        assert env["VLLM_BATCH_INVARIANT"] == "1" and env["TRITON_F32_DEFAULT"] == "ieee" and env["PATH"] == "/bin"
+    env = script.run_env("train_A_ni2", caller)
+    assert "VLLM_BATCH_INVARIANT" not in env and "TRITON_F32_DEFAULT" not in env and env["PATH"] == "/bin"
