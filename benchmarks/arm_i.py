@@ -34,12 +34,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchmarks._lib.launch import module_command, repo_env
+from benchmarks._lib.launch import module_command, repo_env, run_logged
 
 STEPS = [
     # (label, gap.i_pieces): each step adds one piece to the one before
@@ -475,13 +474,7 @@ def cmd_all(args) -> None:
                               "--gpu-mem", str(args.gpu_mem))
         argv += ["--task-prompts", args.task_prompts] if args.task_prompts else []
         argv += ["--profile"] if args.profile else []
-        with open(work / f"{phase}.log", "w") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=repo_env({**os.environ, **env}))
-            try:
-                code = proc.wait(timeout=max(1.0, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = "timeout"
+        code = run_logged(argv, work / f"{phase}.log", repo_env({**os.environ, **env}), deadline)
         if code != 0:
             current = _read(path)
             lines = (work / f"{phase}.log").read_text(errors="replace").splitlines()

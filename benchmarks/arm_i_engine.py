@@ -29,12 +29,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchmarks._lib.launch import module_command, repo_env
+from benchmarks._lib.launch import module_command, repo_env, run_logged
 
 VARIANTS: dict[str, dict] = {
     "eager": {"enforce_eager": True, "enable_prefix_caching": False},
@@ -184,15 +183,8 @@ def cmd_all(args) -> None:
         argv = module_command("benchmarks.arm_i_engine", "variant", variant, "--model", args.model, "--json",
                               str(path), "--prompts", str(args.prompts), "--tokens", str(args.tokens), "--task",
                               args.task, "--gpu-mem", str(args.gpu_mem))
-        env = repo_env({**os.environ, **PROCESS_ENV})
         log_path = out / f"arm_i_engine_{variant}.log"
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-            try:
-                code = proc.wait(timeout=max(1.0, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = "timeout"
+        code = run_logged(argv, log_path, repo_env({**os.environ, **PROCESS_ENV}), deadline)
         if code != 0:
             state = json.loads(path.read_text())
             state["errors"][variant] = {"code": code,
@@ -231,10 +223,7 @@ def table(results: dict) -> dict:
 def cmd_collect(args) -> None:
     """One committed document from ``--part`` documents (later parts' variants replace earlier ones'), each
     variant stamped with its part's revision, machine paths replaced, the variants' logs packed into ``--pack``."""
-    import io
-    import tarfile
-
-    from benchmarks._lib.publish import console_lines, strip_paths
+    from benchmarks._lib.publish import pack_text_files, strip_paths
 
     merged: dict = {}
     for part in args.part:
@@ -248,13 +237,7 @@ def cmd_collect(args) -> None:
     text = strip_paths(json.dumps(document, indent=1) + "\n", args.model_path, "<SmolLM2 dense folder>")
     Path(args.result).write_text(text)
     if args.pack:
-        with tarfile.open(args.pack, "w:xz") as tar:
-            for log in args.logs:
-                data = console_lines(strip_paths(Path(log).read_text(errors="replace"), args.model_path,
-                                                 "<SmolLM2 dense folder>")).encode()
-                info = tarfile.TarInfo(Path(log).name)
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
+        pack_text_files([Path(log) for log in args.logs], Path(args.pack), args.model_path, "<SmolLM2 dense folder>")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -297,20 +297,11 @@ def _collect_rows(folders: list[Path], fallback: dict, notes: dict) -> dict:
 def _pack_logs(folders: list[Path], labels: list[str], pack: Path, model_path: str) -> None:
     """``LABEL.jsonl`` and ``LABEL.log`` of ``labels`` into ``pack`` (tar.xz), machine paths replaced and console
     logs without progress bars."""
-    import io
+    from benchmarks._lib.publish import pack_text_files
 
-    from benchmarks._lib.publish import console_lines, strip_paths
-
-    with tarfile.open(pack, "w:xz") as tar:
-        for folder in folders:
-            for path in sorted(folder.iterdir()):
-                if path.stem not in labels or path.suffix not in (".jsonl", ".log"):
-                    continue
-                text = strip_paths(path.read_text(errors="replace"), model_path, "<SmolLM2 dense folder>")
-                data = (console_lines(text) if path.suffix == ".log" else text).encode()
-                info = tarfile.TarInfo(path.name)
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
+    files = [path for folder in folders for path in sorted(folder.iterdir())
+             if path.stem in labels and path.suffix in (".jsonl", ".log")]
+    pack_text_files(files, pack, model_path, "<SmolLM2 dense folder>")
 
 
 def collect_main(args: argparse.Namespace) -> int:

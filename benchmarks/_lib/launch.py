@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 from collections.abc import Mapping
+from pathlib import Path
 
 from benchmarks._lib.paths import ROOT
 
@@ -20,3 +23,15 @@ def repo_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     return env
+
+
+def run_logged(argv: list[str], log_path: Path, env: Mapping[str, str], deadline: float) -> int | str:
+    """Run ``argv`` with its output into ``log_path`` until the wall-clock ``deadline`` (``time.time()``); its exit
+    code, or ``"timeout"`` when it was killed at the deadline."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(env))
+        try:
+            return proc.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return "timeout"

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import re
+import tarfile
+from collections.abc import Iterable
+from pathlib import Path
 
 MACHINE_PATHS = (
     ("/opt/torch/.venv/lib/python3.12/site-packages/", "<image-site-packages>/"),
@@ -34,3 +38,15 @@ def console_lines(text: str) -> str:
     kept = [line.rstrip() for line in re.split(r"[\r\n]", text)]
     kept = [line for line in kept if line.strip() and not _PROGRESS.search(line) and not _LOG_DICT.match(line)]
     return "\n".join(kept) + "\n"
+
+
+def pack_text_files(files: Iterable[Path], pack: Path, model_path: str, model_name: str) -> None:
+    """``files`` into ``pack`` (a tar.xz, each under its own name), the model's folder and the machine's paths
+    replaced (:func:`strip_paths`), console logs (``.log``) without progress bars (:func:`console_lines`)."""
+    with tarfile.open(pack, "w:xz") as tar:
+        for path in files:
+            text = strip_paths(Path(path).read_text(errors="replace"), model_path, model_name)
+            data = (console_lines(text) if Path(path).suffix == ".log" else text).encode()
+            info = tarfile.TarInfo(Path(path).name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))

@@ -58,6 +58,31 @@ def vllm_run(tmp_path, gap, sampling, train=True, **overrides):
     return trainer, fake
 
 
+def _runs_with_and_without_trls_pass(tmp_path, monkeypatch, gaps: dict, **overrides) -> dict:
+    """Name -> ``(trainer, grad-free policy forward rows, the training micro-batches as the loss read them)`` of one
+    fake-vLLM run per ``gaps`` entry (name -> GapConfig or None); the run named ``before`` believes TRL computes no
+    old log-probs, so an arm that replaces TRL's pass keeps it there."""
+    runs = {}
+    for name, gap in gaps.items():
+        with monkeypatch.context() as patch:
+            if name == "before":
+                patch.setattr(Stats, "trl_computes_old", lambda self: False)
+            trainer, _ = vllm_run(tmp_path / name, gap, {"top_p": 0.8}, train=False, **overrides)
+            rows = count_no_grad_scoring_rows(trainer)
+            batches: list = []
+            prepare = trainer._prepare_inputs
+
+            def spy(generation_batch, prepare=prepare, batches=batches):
+                inputs = prepare(generation_batch)
+                batches.append({k: v.clone() for k, v in inputs.items() if torch.is_tensor(v)})
+                return inputs
+
+            trainer._prepare_inputs = spy
+            trainer.train()
+        runs[name] = (trainer, rows, batches)
+    return runs
+
+
 @pytest.mark.parametrize("arm", ["A", "G"])
 def test_sampler_metrics_equal_trls_on_the_same_step(tmp_path, arm):
     """A and G keep TRL's old log-probs at generation time: gap/sampler/* and TRL's sampling/* measure the same."""
@@ -76,25 +101,9 @@ def test_arm_G_replaces_trls_old_pass_on_vllm_path(tmp_path, monkeypatch):
     """TRL's vLLM path always runs its old pass (IS correction): under G it is skipped and G's per-micro-batch scores
     take its place: as many grad-free rows as plain TRL, the IS ratio recomputed per micro-batch from G's scores,
     losses bitwise those of the run that kept TRL's pass, and TRL's sampling/* statistics recomputed from G's scores."""
-    runs = {}
-    for name in ("plain", "before", "after"):
-        with monkeypatch.context() as patch:
-            if name == "before":
-                patch.setattr(Stats, "trl_computes_old", lambda self: False)
-            gap = None if name == "plain" else GapConfig(arm="G", kept="off", probe_rows=0)
-            trainer, _ = vllm_run(tmp_path / name, gap, {"top_p": 0.8}, train=False, max_steps=4)
-            rows = count_no_grad_scoring_rows(trainer)
-            batches: list = []
-            prepare = trainer._prepare_inputs
-
-            def spy(generation_batch, prepare=prepare, batches=batches):
-                inputs = prepare(generation_batch)
-                batches.append({k: v.clone() for k, v in inputs.items() if torch.is_tensor(v)})
-                return inputs
-
-            trainer._prepare_inputs = spy
-            trainer.train()
-        runs[name] = (trainer, rows, batches)
+    gaps = {"plain": None, "before": GapConfig(arm="G", kept="off", probe_rows=0)}
+    gaps["after"] = gaps["before"]
+    runs = _runs_with_and_without_trls_pass(tmp_path, monkeypatch, gaps, max_steps=4)
     plain, before, after = (runs[n] for n in ("plain", "before", "after"))
     assert sum(plain[1]) == 2 * 8 and after[1] == plain[1] and sum(before[1]) == 2 * sum(plain[1])
     assert [(h["loss"], h["grad_norm"]) for h in logs_of(after[0])] == [
@@ -297,25 +306,8 @@ def test_arm_i_replaces_trls_old_pass_on_vllm_path(tmp_path, monkeypatch):
     gradient norms, IS ratios and TRL's sampling/* are bitwise those of the run that kept TRL's pass; the replacing
     pass's seconds are gap/time/old_pass_s, outside gap/time/overhead_frac."""
     gap = GapConfig(arm="I", i_pieces="torch", positions="mask", kept="off", probe_rows=0)
-    runs = {}
-    for name in ("before", "after"):
-        with monkeypatch.context() as patch:
-            if name == "before":
-                patch.setattr(Stats, "trl_computes_old", lambda self: False)
-            trainer, _ = vllm_run(tmp_path / name, gap, {"top_p": 0.8}, train=False, max_steps=4,
-                                  num_iterations=2)
-            rows = count_no_grad_scoring_rows(trainer)
-            batches: list = []
-            prepare = trainer._prepare_inputs
-
-            def spy(generation_batch, prepare=prepare, batches=batches):
-                inputs = prepare(generation_batch)
-                batches.append({k: v.clone() for k, v in inputs.items() if torch.is_tensor(v)})
-                return inputs
-
-            trainer._prepare_inputs = spy
-            trainer.train()
-        runs[name] = (trainer, rows, batches)
+    runs = _runs_with_and_without_trls_pass(tmp_path, monkeypatch, {"before": gap, "after": gap}, max_steps=4,
+                                            num_iterations=2)
     (before, before_rows, before_batches), (after, after_rows, after_batches) = runs["before"], runs["after"]
     assert sum(before_rows) > 0 and after_rows == []
     assert [(h["loss"], h["grad_norm"]) for h in logs_of(after)] == [
