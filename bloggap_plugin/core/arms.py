@@ -95,9 +95,9 @@ _RECORDS = (
             vllm_engine=(("enforce_eager", True), ("enable_prefix_caching", False)), prefill_in_one_step=True,
             replaces_trl_old_pass=True),
     ArmSpec("J", "exactly on-policy: old log-probs and the training forward in vLLM's numbers", plan="vllm",
-            copies_weights=True, aliases=("onpolicy",), onpolicy_forward=True,
-            # arm I's old log-probs, engine and replaced TRL pass (its reasons above); the training forward in the
-            # same form
+            aliases=("onpolicy",), onpolicy_forward=True,
+            # arm I's old log-probs (scored over the policy's own parameters: no copy), engine and replaced TRL pass
+            # (its reasons above); the training forward in the same form
             vllm_engine=(("enforce_eager", True), ("enable_prefix_caching", False)), prefill_in_one_step=True,
             replaces_trl_old_pass=True),
 )

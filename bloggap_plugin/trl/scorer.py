@@ -89,8 +89,10 @@ class Scorer:
         policy = self.policy()
         if plan in ("fp32", "fp16", "vllm"):  # a shadow: on the trainer's device
             kwargs["device"] = self.trainer.accelerator.device
-        if plan == "vllm":  # arm I: its pieces (gap.i_pieces)
+        if plan == "vllm":  # arms I and J: their pieces (gap.i_pieces); J scores its parameters (no shadow)
             kwargs["pieces"] = self.state.config.i_pieces
+            if self.state.arm.onpolicy_forward:
+                kwargs["over_parameters"] = True
         if plan != "guided":
             kwargs.pop("layers", None)
             kwargs.pop("k", None)

@@ -263,8 +263,10 @@ def test_refusals_name_the_problem_and_the_fix(tiny_model):
         parse_form("torch,norm=fast")
     with pytest.raises(ValueError, match="fused_proj takes true or false"):
         parse_form("torch,fused_proj=1")
-    with pytest.raises(ValueError, match="pieces= chooses arm I's vLLM pieces"):
+    with pytest.raises(ValueError, match="pieces= and over_parameters= are arm I's plan options; arm 'fp32' has none"):
         make_plan(model, "fp32", pieces="torch")
+    with pytest.raises(ValueError, match="over_parameters= are arm I's plan options; arm 'fp16'"):
+        make_plan(model, "fp16", over_parameters=True)
     neox, _ = tiny_model("tiny-random-gpt_neox")
     with pytest.raises(ValueError, match=r"model_type 'gpt_neox' \(supported: llama, qwen2\)"):
         make_plan(neox, "vllm", pieces="torch")

@@ -287,3 +287,32 @@ def test_grad_free_calls_run_the_kernel_alone(tiny_model):
         out = kernels.linear(x, w.to(torch.bfloat16), None)
     assert out.grad_fn is None and torch.equal(out, F.linear(x, w.detach().to(torch.bfloat16)))
     assert kernels.linear(x, w.detach().to(torch.bfloat16), None).grad_fn is None
+
+
+@pytest.mark.parametrize("spec", ["all", "torch"])
+def test_arm_js_old_log_prob_plan_scores_over_the_parameters_without_a_shadow(tiny_model, spec):
+    """``make_plan(policy, "vllm", over_parameters=True)`` (arm J's old log-probs) keeps no copy of the weights and
+    has nothing to sync: it scores the policy's own parameters cast to bf16, the values arm I's plan scores on its
+    bf16 shadow bit for bit, before and after the weights change."""
+    from bloggap_plugin.core.plans import make_plan
+    from bloggap_plugin.core.plans.vllm_shadow import VllmFormParamsPlan
+
+    model = _private(tiny_model)
+    ids, mask = _rows()
+    form = parse_form(spec)
+    shadowed = VllmFormPlan(model, form, TORCH_KERNELS)
+    plan = VllmFormParamsPlan(model, form, TORCH_KERNELS)
+    cache = plan.model.cos_sin_cache
+    weights_bf16 = 2 * sum(p.numel() for p in model.parameters())
+    assert plan.stats()["bytes_added"] == cache.numel() * cache.element_size()  # the RoPE cache only
+    assert shadowed.stats()["bytes_added"] >= weights_bf16
+    assert torch.equal(plan.token_logprobs(ids, mask, 16, positions="mask"),
+                       shadowed.token_logprobs(ids, mask, 16, positions="mask"))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1.01)
+    shadowed.sync(model)
+    assert torch.equal(plan.token_logprobs(ids, mask, 16, positions="mask"),
+                       shadowed.token_logprobs(ids, mask, 16, positions="mask"))
+    if spec == "torch":
+        assert type(make_plan(model, "vllm", pieces=spec, over_parameters=True)) is VllmFormParamsPlan

@@ -24,7 +24,7 @@ from .base import ScoringPlan
 from .policy import PolicyPlan
 from .shadow import SHADOW_DTYPES, ShadowPlan
 from .upcast import UpcastPlan
-from .vllm_shadow import VllmFormPlan
+from .vllm_shadow import VllmFormParamsPlan, VllmFormPlan
 
 __all__ = ["PLANS", "PlanOptions", "make_plan", "guided_layers"]
 
@@ -40,6 +40,7 @@ class PlanOptions:
     fp16_guard: bool = True
     tf32: bool | str = False
     pieces: str | Any | None = None
+    over_parameters: bool = False
 
 
 def make_plan(
@@ -53,6 +54,7 @@ def make_plan(
     fp16_guard: bool = True,
     tf32: bool | str = False,
     pieces: str | Any | None = None,
+    over_parameters: bool = False,
 ) -> ScoringPlan:
     """A :class:`ScoringPlan` scoring with ``policy`` as plan ``name`` (built by :data:`PLANS`).
 
@@ -76,6 +78,8 @@ def make_plan(
         pieces: ``vllm`` (arm I) only: which pieces of its forward follow vLLM
             (:func:`bloggap_plugin.core.vllm_form.parse_form`; default ``"all"``). Pieces that call vLLM's kernels
             need vLLM and CUDA (:func:`bloggap_plugin.core.vllm_kernels.load_kernels` refuses otherwise).
+        over_parameters: ``vllm`` only: score the policy's own parameters, each cast to bf16 in the forward, instead
+            of a bf16 shadow (no copy, nothing to sync; arm J, whose training forward reads them the same way).
     """
     name = plan_name(name)
     if not (tf32 is True or tf32 is False or tf32 == "auto"):
@@ -84,8 +88,8 @@ def make_plan(
         raise TypeError(f"policy must be a torch.nn.Module, got {type(policy).__name__}")
     if name != "guided" and (layers is not None or calibration is not None):
         raise ValueError(f"layers=/calibration= choose fp32 layers for arm 'guided' only, not {name!r}")
-    if pieces is not None and name != "vllm":
-        raise ValueError(f"pieces= chooses arm I's vLLM pieces; arm {name!r} has none")
+    if (pieces is not None or over_parameters) and name != "vllm":
+        raise ValueError(f"pieces= and over_parameters= are arm I's plan options; arm {name!r} has none")
     if device is not None and name not in (*SHADOW_DTYPES, "vllm"):
         raise ValueError(f"device= places an fp32/fp16 shadow; arm {name!r} runs on the policy's own device")
     if name != "bf16" and is_partitioned(policy):
@@ -94,7 +98,7 @@ def make_plan(
             "gathered only inside a forward: use FSDP2 (plans shard their copies like the policy), ZeRO stage 1 "
             "or 2, or the 'bf16' plan"
         )
-    options = PlanOptions(device, layers, k, calibration, fp16_guard, tf32, pieces)
+    options = PlanOptions(device, layers, k, calibration, fp16_guard, tf32, pieces, over_parameters)
     return PLANS[name](policy, name, options)
 
 
@@ -116,12 +120,16 @@ def _upcast_plan(policy: nn.Module, name: str, options: PlanOptions) -> UpcastPl
     return plan
 
 
-def _vllm_plan(policy: nn.Module, name: str, options: PlanOptions) -> VllmFormPlan:
-    """Arm I: the form parsed and its kernels loaded before the bf16 shadow is built."""
+def _vllm_plan(policy: nn.Module, name: str, options: PlanOptions) -> VllmFormPlan | VllmFormParamsPlan:
+    """Arms I and J: the form parsed and its kernels loaded before the bf16 shadow is built (or, over the
+    parameters, on the policy's device)."""
     form = parse_form("all" if options.pieces is None else options.pieces)
-    device = options.device
+    device = None if options.over_parameters else options.device
     target = torch.device(device) if device is not None else model_device(unwrap_model(policy))
-    return VllmFormPlan(policy, form, load_kernels(form, target), target)
+    kernels = load_kernels(form, target)
+    if options.over_parameters:
+        return VllmFormParamsPlan(policy, form, kernels)
+    return VllmFormPlan(policy, form, kernels, target)
 
 
 PLANS: dict[str, Callable[[nn.Module, str, PlanOptions], ScoringPlan]] = {

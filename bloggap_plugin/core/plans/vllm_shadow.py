@@ -47,9 +47,11 @@ from ..vllm_form import (
     torch_varlen_attention,
     vllm_cos_sin_cache,
 )
+from .base import ScoringPlan
 from .shadow import ShadowPlan
 
-__all__ = ["VllmFormLM", "VllmFormPlan", "OnPolicyForward", "sampler_reduce", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["VllmFormLM", "VllmFormPlan", "VllmFormParamsPlan", "OnPolicyForward", "sampler_reduce",
+           "SUPPORTED_MODEL_TYPES"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -341,19 +343,13 @@ batch-invariant, so the rows per forward set the host's launches per scored row,
 bf16 activations of one forward (the head's logits are tiled apart)."""
 
 
-class VllmFormPlan(ShadowPlan):
-    """Arm I: a bf16 shadow (the fp32/fp16 shadows' machinery) scored through :class:`VllmFormLM`, with autocast off
-    and ``kernels.scope()`` around the whole scoring call (so the log-softmax of the head's tiles runs under vLLM's
-    overrides too)."""
+class _VllmFormScoring:
+    """What arm I's plans share: rows per forward by a token budget, the V2 sampler's log-prob per tile, vLLM's
+    batch-invariant overrides around the whole scoring call, and the pieces in their stats."""
 
-    def __init__(self, policy: nn.Module, form: VllmForm, kernels: Kernels, device: torch.device | None = None) -> None:
-        _check_supported(unwrap_model(policy))
-        self.form = form
-        self.kernels = kernels
-        self.model: VllmFormLM | None = None
-        super().__init__(policy, "vllm", torch.bfloat16, device, fp16_guard=False, tf32=False)
-        with torch.no_grad():
-            self.model = VllmFormLM(self.shadow, form, kernels)
+    form: VllmForm
+    kernels: Kernels
+    model: VllmFormLM | None
 
     def _score_model(self) -> Callable[..., Any]:
         return self.model
@@ -379,6 +375,29 @@ class VllmFormPlan(ShadowPlan):
             stack.enter_context(self.kernels.scope())
         return stack
 
+    def stats(self) -> dict:
+        """The base plan's stats plus ``pieces`` (:meth:`VllmForm.describe`) and ``kernels`` (their source)."""
+        return {**super().stats(), "pieces": self.form.describe(), "kernels": self.kernels.source}
+
+    def close(self) -> None:
+        super().close()
+        self.model = None
+
+
+class VllmFormPlan(_VllmFormScoring, ShadowPlan):
+    """Arm I: a bf16 shadow (the fp32/fp16 shadows' machinery) scored through :class:`VllmFormLM`, with autocast off
+    and ``kernels.scope()`` around the whole scoring call (so the log-softmax of the head's tiles runs under vLLM's
+    overrides too)."""
+
+    def __init__(self, policy: nn.Module, form: VllmForm, kernels: Kernels, device: torch.device | None = None) -> None:
+        _check_supported(unwrap_model(policy))
+        self.form = form
+        self.kernels = kernels
+        self.model: VllmFormLM | None = None
+        super().__init__(policy, "vllm", torch.bfloat16, device, fp16_guard=False, tf32=False)
+        with torch.no_grad():
+            self.model = VllmFormLM(self.shadow, form, kernels)
+
     def _sync(self, source: nn.Module) -> None:
         super()._sync(source)
         if self.model is not None:
@@ -388,10 +407,30 @@ class VllmFormPlan(ShadowPlan):
         extra = [] if self.model is None else [*self.model.fused_tensors(), self.model.cos_sin_cache]
         return super()._bytes() + tensor_bytes(extra)
 
-    def stats(self) -> dict:
-        """The base plan's stats plus ``pieces`` (:meth:`VllmForm.describe`) and ``kernels`` (their source)."""
-        return {**super().stats(), "pieces": self.form.describe(), "kernels": self.kernels.source}
 
-    def close(self) -> None:
-        super().close()
-        self.model = None
+class VllmFormParamsPlan(_VllmFormScoring, ScoringPlan):
+    """Arm J's old log-probs: :class:`VllmFormLM` over the policy's own parameters (each cast to bf16 inside the
+    forward), so no copy of the weights and nothing to sync; its values are those :class:`VllmFormPlan` scores on a
+    bf16 shadow of the same weights, bit for bit, and those of :class:`OnPolicyForward` (the same forward with
+    gradients). Autocast off and ``kernels.scope()`` around the whole scoring call, as arm I's plan."""
+
+    def __init__(self, policy: nn.Module, form: VllmForm, kernels: Kernels) -> None:
+        _check_supported(unwrap_model(policy))
+        super().__init__(policy, "vllm", fp16_guard=False, tf32=False)
+        self.form = form
+        self.kernels = kernels
+        self.model: VllmFormLM | None = VllmFormLM(self._source, form, kernels, over_parameters=True)
+
+    def _scoring_context(self) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        for device_type in {self._device().type, "cpu"}:
+            stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+        if self.form.batch_invariant:
+            stack.enter_context(self.kernels.scope())
+        return stack
+
+    def _bytes(self) -> int:
+        return 0 if self.model is None else tensor_bytes([self.model.cos_sin_cache])
+
+    def _fp32_share(self) -> float:
+        return 0.0  # bf16 weights, as the shadow's
