@@ -49,7 +49,7 @@ def _rows(device):
 
 @pytest.mark.parametrize("spec", FORMS)
 def test_training_forward_with_vllms_kernels_is_the_scorer_bit_for_bit(policy, spec):
-    from bloggap_plugin.core.plans.vllm_shadow import OnPolicyForward, VllmFormPlan
+    from bloggap_plugin.core.plans.vllm_shadow import OnPolicyForward, VllmFormParamsPlan, VllmFormPlan
     from bloggap_plugin.core.vllm_form import parse_form
     from bloggap_plugin.core.vllm_kernels import load_kernels
 
@@ -59,6 +59,8 @@ def test_training_forward_with_vllms_kernels_is_the_scorer_bit_for_bit(policy, s
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     plan = VllmFormPlan(policy, form, kernels)
     old = plan.token_logprobs(ids, mask, 48, positions="mask")
+    over_parameters = VllmFormParamsPlan(policy, form, kernels).token_logprobs(ids, mask, 48, positions="mask")
+    assert torch.equal(over_parameters, old)  # arm J's old log-probs (no shadow) are arm I's
     forward = OnPolicyForward(policy, form, kernels)
     new, _ = forward.token_logprobs(ids, mask, 48)
     assert torch.equal(new.detach(), old), float((new.detach() - old).abs().max())
