@@ -266,12 +266,10 @@ def _generate(args) -> dict:
     if getattr(args, "task_prompts", None):
         # the task's conversational prompts as TRL renders them (chat template, generation prompt): the prompts
         # bloggap train sends to vLLM
-        from bloggap_plugin.tasks import get_task
+        from bloggap_plugin.tasks import get_task, prompt_token_ids
 
         dataset, _ = get_task(args.task_prompts, tokenizer, seed=0)
-        prompt_ids = [tokenizer.apply_chat_template(dataset[i]["prompt"], add_generation_prompt=True, tokenize=True,
-                                                    return_dict=False) for i in range(args.prompts)]
-        prompt_ids = [list(p["input_ids"]) if isinstance(p, dict) else list(p) for p in prompt_ids]
+        prompt_ids = [prompt_token_ids(dataset[i]["prompt"], tokenizer) for i in range(args.prompts)]
     else:
         prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in builtin_prompts(args.prompts)]
     t0 = time.perf_counter()

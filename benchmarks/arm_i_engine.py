@@ -81,18 +81,14 @@ def _timed(call, repeats: int = 3):
 
 
 def _prompts(model: str, task: str, count: int) -> list[list[int]]:
+    """The token ids of the task's first ``count`` prompts as TRL renders them for generation."""
     from transformers import AutoTokenizer
 
-    from bloggap_plugin.tasks import get_task
+    from bloggap_plugin.tasks import get_task, prompt_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     dataset, _ = get_task(task, tokenizer, seed=0)
-    out = []
-    for i in range(count):
-        ids = tokenizer.apply_chat_template(dataset[i]["prompt"], add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
-        out.append(list(ids["input_ids"]) if isinstance(ids, dict) else list(ids))
-    return out
+    return [prompt_token_ids(dataset[i]["prompt"], tokenizer) for i in range(count)]
 
 
 def _engine_scores(llm, prompt_ids, tokens) -> list[list[float]]:
