@@ -185,7 +185,9 @@ class GapSession:
         replaced = 0.0
         if not state.arm.scores_after_shuffle:
             # TRL's own old pass ran before the vLLM kept sets existed: renormalising re-scores it
-            if state.arm.keeps_trl_forward and trl_old is not None and not (self.trainer.use_vllm and state.renormalize):
+            from_arm = not (state.arm.keeps_trl_forward and trl_old is not None
+                            and not (self.trainer.use_vllm and state.renormalize))
+            if not from_arm:
                 old = trl_old.float()
             else:
                 batch_size = self.trainer.args.per_device_train_batch_size
@@ -197,7 +199,7 @@ class GapSession:
                 if trl_old is not None:
                     output["gap_trl_old_logps"] = trl_old
             self.stats.install_old(output, old)
-            if state.drives and (skipped or (trl_old is not None and old is not trl_old)):
+            if from_arm and (skipped or trl_old is not None):
                 # TRL logged sampling/* from the pass just replaced (or its placeholder): recompute them from the
                 # old log-probs (and IS ratio) the loss reads
                 self.stats.trl_sampling_metrics([output])
