@@ -293,6 +293,17 @@ def sampler_reduce(kernels: Kernels) -> LogprobReducer:
     return reduce
 
 
+def _form_context(device: torch.device, form: VllmForm, kernels: Kernels) -> contextlib.ExitStack:
+    """Autocast off (the form sets every dtype itself) and, for a batch-invariant form, ``kernels.scope()``: the
+    context of a forward over the policy's parameters, scored with or without gradients."""
+    stack = contextlib.ExitStack()
+    for device_type in {device.type, "cpu"}:
+        stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+    if form.batch_invariant:
+        stack.enter_context(kernels.scope())
+    return stack
+
+
 class OnPolicyForward:
     """The exactly on-policy training forward: arm I's :class:`VllmFormLM` over the policy's own parameters
     (``over_parameters=True``) with every kernel piece given a backward (:func:`~bloggap_plugin.core.vllm_autograd.
@@ -326,11 +337,7 @@ class OnPolicyForward:
                     entropy_parts.append((index, -(logp.exp() * logp).sum(-1)))
             return scored(logits, targets, index)
 
-        with contextlib.ExitStack() as stack:
-            for device_type in {self._device.type, "cpu"}:
-                stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
-            if self.form.batch_invariant:
-                stack.enter_context(self.kernels.scope())
+        with _form_context(self._device, self.form, self.kernels):
             logps = token_logprobs(self.model, input_ids.to(self._device), attention_mask.to(self._device),
                                    logits_to_keep, batch_size=batch_size, positions="mask", temperature=temperature,
                                    reduce=reduce, chunk_tokens=chunk_tokens)
@@ -422,12 +429,7 @@ class VllmFormParamsPlan(_VllmFormScoring, ScoringPlan):
         self.model: VllmFormLM | None = VllmFormLM(self._source, form, kernels, over_parameters=True)
 
     def _scoring_context(self) -> contextlib.AbstractContextManager:
-        stack = contextlib.ExitStack()
-        for device_type in {self._device().type, "cpu"}:
-            stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
-        if self.form.batch_invariant:
-            stack.enter_context(self.kernels.scope())
-        return stack
+        return _form_context(self._device(), self.form, self.kernels)
 
     def _bytes(self) -> int:
         return 0 if self.model is None else tensor_bytes([self.model.cos_sin_cache])
