@@ -59,8 +59,8 @@ class ArmSpec:
     is refused, naming each one."""
     prefill_in_one_step: bool = False
     """The arm computes a generation's prompts as one prefill launch: the colocate engine must prefill every prompt
-    of a generation in its first step (``max_num_batched_tokens`` of at least ``max_num_seqs x max_model_len``),
-    not in chunks mixed with decode steps."""
+    of a generation in its first step (``max_num_batched_tokens`` of ``max_num_seqs x max_model_len``, capped by the
+    TRL adapter), not in chunks mixed with decode steps."""
     onpolicy_forward: bool = False
     """The policy's training forward (TRL's ``_get_per_token_logps_and_entropies`` inside the loss) is the arm's
     vLLM-form forward over the policy's own parameters (:class:`~bloggap_plugin.core.plans.vllm_shadow.OnPolicyForward`)
@@ -69,6 +69,16 @@ class ArmSpec:
     aliases: tuple[str, ...] = ()
     """Other names a recipe may use for this arm (lower case)."""
 
+
+_VLLM_FORM = dict(
+    # eager: vLLM's compiled forward (torch.compile, CUDA graphs) fuses the norms and activations into kernels the
+    # vLLM-form forward does not run; no prefix caching: a cache hit changes a prefill's launch size, which sets the
+    # RMSNorm kernel's summation order for every prompt token's keys and values; one prefill step: TRL's 4096 tokens
+    # per step chunk a larger generation's prompts into steps mixed with decodes
+    vllm_engine=(("enforce_eager", True), ("enable_prefix_caching", False)), prefill_in_one_step=True,
+    replaces_trl_old_pass=True,
+)
+"""What arms I and J (old log-probs computed as vLLM computes them) need of TRL's engine and pass."""
 
 _RECORDS = (
     ArmSpec("A", "trainer default: TRL's own old log-probs (bf16 autocast, chunks of per_device_train_batch_size)",
@@ -88,18 +98,12 @@ _RECORDS = (
             keeps_trl_forward=True, needs_fp16_training=True),
     ArmSpec("I", "vLLM's numbers: bf16 shadow scored the way vLLM computes (batch-invariant kernels, its "
             "FlashAttention, norms, RoPE; gap.i_pieces)", plan="vllm", copies_weights=True, aliases=("vllm",),
-            # eager: vLLM's compiled forward (torch.compile, CUDA graphs) fuses the norms and activations into kernels
-            # arm I does not run; no prefix caching: a cache hit changes a prefill's launch size, which sets the
-            # RMSNorm kernel's summation order for every prompt token's keys and values; one prefill step: TRL's
-            # 4096 tokens per step chunk a larger generation's prompts into steps mixed with decodes
-            vllm_engine=(("enforce_eager", True), ("enable_prefix_caching", False)), prefill_in_one_step=True,
-            replaces_trl_old_pass=True),
+            **_VLLM_FORM),
     ArmSpec("J", "exactly on-policy: old log-probs and the training forward in vLLM's numbers", plan="vllm",
             aliases=("onpolicy",), onpolicy_forward=True,
-            # arm I's old log-probs (scored over the policy's own parameters: no copy), engine and replaced TRL pass
-            # (its reasons above); the training forward in the same form
-            vllm_engine=(("enforce_eager", True), ("enable_prefix_caching", False)), prefill_in_one_step=True,
-            replaces_trl_old_pass=True),
+            # arm I's old log-probs (scored over the policy's own parameters: no copy), engine and replaced TRL pass;
+            # the training forward in the same form
+            **_VLLM_FORM),
 )
 
 ARMS: dict[str, ArmSpec] = {arm.letter: arm for arm in _RECORDS}
