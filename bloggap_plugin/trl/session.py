@@ -216,7 +216,7 @@ class GapSession:
         from bloggap_plugin.trl.vllm_colocate import colocate_engine_setting, prefill_refusal
 
         budget = colocate_engine_setting(self.trainer, "max_num_batched_tokens")
-        refusal = prefill_refusal(int(output["prompt_mask"].sum()), budget)
+        refusal = prefill_refusal(int(output["prompt_mask"].sum()), budget, self.state.arm.letter)
         if refusal:
             raise RecipeError(refusal)
 

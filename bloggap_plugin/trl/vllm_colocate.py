@@ -171,15 +171,15 @@ def engine_kwargs_for(gap: Any, environ: dict | None = None) -> dict:
     return kwargs
 
 
-def prefill_refusal(prompt_tokens: int, budget: int | None) -> str | None:
-    """Why arm I cannot score a generation whose prompts hold ``prompt_tokens`` tokens in an engine that computes
-    ``budget`` tokens per step (``max_num_batched_tokens``): its prompts were prefilled in chunks mixed with decode
-    steps. ``None`` when they fit, or when the budget cannot be read."""
+def prefill_refusal(prompt_tokens: int, budget: int | None, arm: str = "I") -> str | None:
+    """Why ``arm`` (I or J) cannot score a generation whose prompts hold ``prompt_tokens`` tokens in an engine that
+    computes ``budget`` tokens per step (``max_num_batched_tokens``): its prompts were prefilled in chunks mixed with
+    decode steps. ``None`` when they fit, or when the budget cannot be read."""
     if budget is None or prompt_tokens <= budget:
         return None
-    return (f"arm I: this generation's prompts hold {prompt_tokens} prompt tokens and the colocate engine computes "
+    return (f"arm {arm}: this generation's prompts hold {prompt_tokens} prompt tokens and the colocate engine computes "
             f"max_num_batched_tokens={budget} per step, so it prefilled them in chunks mixed with decode steps, which "
-            "arm I does not compute; build the engine with vllm_colocate_engine(..., prefill_in_one_step=True) (what "
+            f"arm {arm} does not compute; build the engine with vllm_colocate_engine(..., prefill_in_one_step=True) (what "
             "GapGRPOTrainer and bloggap train do; it gives max_num_seqs x max_model_len tokens per step, at most "
             f"{ONE_STEP_PREFILL_CAP}), set vllm_max_model_length, or lower per_device_train_batch_size x "
             "steps_per_generation")
