@@ -33,12 +33,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 from benchmarks._lib.launch import module_command, repo_env, run_logged
+from benchmarks._lib.logprobs import logprob_gap, median_time, teacher_forced_batch
 
 STEPS = [
     # (label, gap.i_pieces): each step adds one piece to the one before
@@ -97,35 +97,6 @@ def _read(path: Path) -> dict:
     return {"env": doc["env"], "params": doc["params"], "rows": results.pop("rows", []), "results": results}
 
 
-def _gap(trainer, sampler) -> dict:
-    import torch
-
-    from bloggap_plugin.core.metrics import abs_dlogp_stats, oob_count
-
-    trainer, sampler = trainer.float().cpu(), sampler.float().cpu()
-    stats = abs_dlogp_stats(trainer, sampler)
-    out, n = oob_count(trainer, sampler, band=BAND)
-    return {"oob_pct": round(100.0 * out / n, 3), "abs_dlogp_mean": stats["mean"], "abs_dlogp_max": stats["max"],
-            "bitwise_pct": round(100.0 * float(torch.eq(trainer, sampler).double().mean()), 3), "tokens": n}
-
-
-def _timed(score, device) -> tuple:
-    """``(result, median seconds of 3 runs after a warm-up)``."""
-    import torch
-
-    result = score()
-    times = []
-    for _ in range(3):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        result = score()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return result, statistics.median(times)
-
-
 def _measure(state: dict, out: Path, row: dict, build, sampler, base_s: float | None, model=None) -> float | None:
     """One row: ``build()`` -> ``(score, plan | None, extra fields)`` (``UsageError``: the row is refused; anything
     else: failed), then the pass timed and compared with ``sampler``; ``out`` rewritten. Returns the pass's seconds
@@ -144,8 +115,8 @@ def _measure(state: dict, out: Path, row: dict, build, sampler, base_s: float | 
         score, plan = None, None
     try:
         if score is not None:
-            logps, seconds = _timed(score, sampler.device)
-            row.update(_gap(logps, sampler), pass_s=round(seconds, 4),
+            logps, seconds = median_time(score, sampler.device)
+            row.update(logprob_gap(logps, sampler, BAND), pass_s=round(seconds, 4),
                        x_arm_a=1.0 if base_s is None else round(seconds / base_s, 3))
             if plan is not None:
                 row.setdefault("kernels", plan.stats()["kernels"])
@@ -241,17 +212,6 @@ def _trainer_model(path: str, device):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
-
-
-def _batch(prompt_ids, tokens, pad_id, device):
-    """TRL's layout: prompts left-padded, completions (all of the forced length) appended."""
-    import torch
-
-    from bloggap_plugin.core.probe import left_pad
-
-    ids, mask = left_pad(prompt_ids, pad_id)
-    return (torch.cat([ids, tokens], dim=1).to(device),
-            torch.cat([mask, torch.ones_like(tokens)], dim=1).to(device))
 
 
 def _generate(args) -> dict:
@@ -401,7 +361,7 @@ def cmd_phase(args) -> None:
                                   else _rope_diagnostics(model, device))
     except Exception as err:  # noqa: BLE001 - diagnostics never stop the measurement
         results["diagnostics"] = {"error": f"{type(err).__name__}: {err}"}
-    ids, mask = _batch(gen["prompt_ids"], gen["tokens"], gen["pad_id"], device)
+    ids, mask = teacher_forced_batch(gen["prompt_ids"], gen["tokens"], gen["pad_id"], device)
     results["tokens"] = int(gen["tokens"].numel())
     score_rows(model, ids, mask, gen["sampled"], args.phase, state, Path(args.json))
     if args.profile:

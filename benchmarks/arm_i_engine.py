@@ -28,12 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 from benchmarks._lib.launch import module_command, repo_env, run_logged
+from benchmarks._lib.logprobs import logprob_gap, median_time, teacher_forced_batch
 
 VARIANTS: dict[str, dict] = {
     "eager": {"enforce_eager": True, "enable_prefix_caching": False},
@@ -52,32 +52,6 @@ BAND = 0.1
 PROCESS_ENV = {"VLLM_BATCH_INVARIANT": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TRITON_F32_DEFAULT": "ieee"}
 """Every variant's process: vLLM's batch-invariant mode, the engine in the process, and IEEE fp32 in Triton's dots
 (the batch-invariant ``bmm`` builds the engine's RoPE cache; arm I's recipe sets the same)."""
-
-
-def _compare(scores, sampled) -> dict:
-    import torch
-
-    scores, sampled = scores.float().cpu(), sampled.float().cpu()
-    diff = scores - sampled
-    ratio = diff.exp()
-    return {"bitwise_pct": round(100.0 * float(torch.eq(scores, sampled).double().mean()), 3),
-            "oob_pct": round(100.0 * float(((ratio < 1 - BAND) | (ratio > 1 + BAND)).double().mean()), 3),
-            "abs_dlogp_max": float(diff.abs().max()), "abs_dlogp_mean": float(diff.abs().mean())}
-
-
-def _timed(call, repeats: int = 3):
-    """``(result, median seconds of ``repeats`` calls after one warm-up)``."""
-    import torch
-
-    result = call()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        result = call()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return result, statistics.median(times)
 
 
 def _prompts(model: str, task: str, count: int) -> list[list[int]]:
@@ -111,7 +85,6 @@ def cmd_variant(args) -> None:
     from vllm import LLM, SamplingParams
 
     from bloggap_plugin.core.plans import make_plan
-    from bloggap_plugin.core.probe import left_pad
     from bloggap_plugin.envinfo import environment_record
     from bloggap_plugin.trl.vllm_colocate import engine_model_runner
 
@@ -131,21 +104,19 @@ def cmd_variant(args) -> None:
     entry["generate_s"] = round(time.perf_counter() - start, 4)
     tokens = [list(c.token_ids) for c in outputs]
     sampled = torch.tensor([[d[t].logprob for t, d in zip(c.token_ids, c.logprobs)] for c in outputs])
-    engine, seconds = _timed(lambda: _engine_scores(llm, prompt_ids, tokens))
-    entry["engine"] = {**_compare(torch.tensor(engine), sampled), "pass_s": round(seconds, 4)}
+    engine, seconds = median_time(lambda: _engine_scores(llm, prompt_ids, tokens), device)
+    entry["engine"] = {**logprob_gap(torch.tensor(engine), sampled, BAND), "pass_s": round(seconds, 4)}
     print(f"[{args.variant}] engine rescore: {entry['engine']}", flush=True)
 
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).eval()
-    ids, mask = left_pad(prompt_ids, 0)
     completion = torch.tensor(tokens)
-    ids = torch.cat([ids, completion], 1).to(device)
-    mask = torch.cat([mask, torch.ones_like(completion)], 1).to(device)
+    ids, mask = teacher_forced_batch(prompt_ids, completion, 0, device)
     width = completion.shape[1]
     plan = make_plan(model, "vllm", pieces="all", device=device)
-    scores, seconds = _timed(lambda: plan.token_logprobs(ids, mask, width, positions="mask"))
-    entry["arm_i"] = {**_compare(scores, sampled), "pass_s": round(seconds, 4)}
+    scores, seconds = median_time(lambda: plan.token_logprobs(ids, mask, width, positions="mask"), device)
+    entry["arm_i"] = {**logprob_gap(scores, sampled, BAND), "pass_s": round(seconds, 4)}
     plan.close()
     print(f"[{args.variant}] arm I: {entry['arm_i']}", flush=True)
     base = make_plan(model, "bf16")
@@ -154,8 +125,8 @@ def cmd_variant(args) -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             return base.token_logprobs(ids, mask, width, batch_size=8, positions="arange")
 
-    scores, seconds = _timed(arm_a)
-    entry["arm_a"] = {**_compare(scores, sampled), "pass_s": round(seconds, 4)}
+    scores, seconds = median_time(arm_a, device)
+    entry["arm_a"] = {**logprob_gap(scores, sampled, BAND), "pass_s": round(seconds, 4)}
     print(f"[{args.variant}] arm A: {entry['arm_a']}", flush=True)
     path = Path(args.json)
     state = json.loads(path.read_text())

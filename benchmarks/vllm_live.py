@@ -37,6 +37,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks._lib.launch import module_command, repo_env
+from benchmarks._lib.logprobs import teacher_forced_batch
 from benchmarks._lib.paths import arm_recipe
 
 TRUNCATIONS = {
@@ -262,18 +263,6 @@ SCORERS = [
 ]
 
 
-def _batch(prompt_ids, tokens, pad_id, device):
-    """TRL's layout: prompts left-padded, completions (all of equal forced length) appended."""
-    import torch
-
-    from bloggap_plugin.core.probe import left_pad
-
-    ids, mask = left_pad(prompt_ids, pad_id)
-    ids = torch.cat([ids, tokens], dim=1).to(device)
-    mask = torch.cat([mask, torch.ones_like(tokens)], dim=1).to(device)
-    return ids, mask
-
-
 def _gap(trainer, sampler, band=0.1) -> dict:
     from bloggap_plugin.core.metrics import abs_dlogp_stats, oob_count
 
@@ -403,7 +392,7 @@ def cmd_score(gen_files: list[Path], model_path: str, band: float = 0.1) -> dict
         label = f"vLLM {meta['dtype'].replace('torch.', '')}, batch-invariant {meta['batch_invariant']}"
         for set_name, data in saved["sets"].items():
             tokens = data["tokens"]
-            ids, mask = _batch(saved["prompt_ids"], tokens, pad_id, device)
+            ids, mask = teacher_forced_batch(saved["prompt_ids"], tokens, pad_id, device)
             batch = (ids, mask, tokens.shape[1])
             if set_name == "untruncated":
                 table += _score_untruncated(plans, batch, data["sampled"], label, band)
