@@ -16,12 +16,13 @@ input it was given is an error at the call (its saved inputs would no longer be 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .vllm_form import Kernels, torch_paged_attention, torch_varlen_attention
+from .vllm_form import NORM_LARGE_LAUNCH, Kernels, norm_in_step_launches
 
 __all__ = [
     "autograd_kernels",
@@ -32,6 +33,7 @@ __all__ = [
     "silu_and_mul_formula",
     "flash_formula",
     "flash_paged_formula",
+    "padded_entry_attention",
     "token_logprobs_formula",
 ]
 
@@ -62,43 +64,81 @@ def silu_and_mul_formula(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :half]) * x[..., half:]
 
 
-def flash_formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,  # noqa: ARG001
+ENTRY_BLOCK_ELEMENTS = 1 << 26
+"""Elements (entries x query rows x heads x keys, or x head dim) one padded attention block of
+:func:`padded_entry_attention` may hold in fp32; more entries are computed in blocks of this size."""
+
+
+def padded_entry_attention(q: torch.Tensor, keys: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                           cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                           scale: float) -> torch.Tensor:
+    """Causal attention of varlen entries, all entries in one padded ``scaled_dot_product_attention`` per block:
+    entry ``i`` has the queries ``q[cu_seqlens_q[i]:cu_seqlens_q[i + 1]]`` (``n`` of them, the last ``n`` positions
+    of its sequence) and ``seqused_k[i]`` keys; query ``r`` sees the keys ``< seqused_k[i] - n + r + 1``.
+    ``keys(j [max_k])`` gives each entry's key and value at index ``j`` (``[E, max_k, nkv, d]`` each; indices past
+    an entry's keys may hold anything, they are masked). No host read: the bounds are ``max_seqlen_q/k``.
+    ``q [Tq, nq, d]`` -> ``[Tq, nq, d]``."""
+    entries, heads, dim = cu_seqlens_q.numel() - 1, q.shape[1], q.shape[2]
+    device = q.device
+    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    entry = torch.repeat_interleave(torch.arange(entries, device=device), counts, output_size=q.shape[0])
+    within = torch.arange(q.shape[0], device=device) - cu_seqlens_q[:-1].long()[entry]
+    padded = q.new_zeros(entries, max_seqlen_q, heads, dim).index_put((entry, within), q)
+    j = torch.arange(max_seqlen_k, device=device)
+    rows = torch.arange(max_seqlen_q, device=device)
+    limit = seqused_k.long()[:, None] - counts[:, None] + rows[None, :] + 1  # [E, max_q]
+    visible = j[None, None, :] < limit[:, :, None]
+    visible[:, :, 0] = True  # padded query rows see one key (their outputs are dropped): no all-masked softmax
+    key, value = keys(j)
+    groups = heads // key.shape[2]
+    per_entry = max_seqlen_k * heads * max(dim, max_seqlen_q)
+    block = max(1, ENTRY_BLOCK_ELEMENTS // max(1, per_entry))
+    parts = []
+    for start in range(0, entries, block):
+        part = slice(start, start + block)
+        parts.append(F.scaled_dot_product_attention(
+            padded[part].transpose(1, 2), key[part].transpose(1, 2).repeat_interleave(groups, dim=1),
+            value[part].transpose(1, 2).repeat_interleave(groups, dim=1), attn_mask=visible[part, None],
+            scale=scale).transpose(1, 2))
+    out = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return out[entry, within]
+
+
+def _cache_rows(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor):
+    """``keys(j)`` for :func:`padded_entry_attention` reading row ``i``'s K/V through ``block_table[i]``."""
+    page = key_cache.shape[1]
+    keys_flat, values_flat = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
+
+    def keys(j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        block = (j // page).clamp(max=block_table.shape[1] - 1)
+        slot = block_table[:, block].long() * page + j % page  # [E, max_k]
+        return keys_flat[slot], values_flat[slot]
+
+    return keys
+
+
+def flash_formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
                   scale: float, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention per packed row (``k``/``v`` the paged caches when ``block_table`` is given): the
     :attr:`Kernels.flash` signature."""
-    if block_table is None:
-        return torch_varlen_attention(q, k, v, cu_seqlens, scale)
-    return torch_paged_attention(q, k, v, block_table, cu_seqlens, scale)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    if block_table is not None:
+        keys = _cache_rows(k, v, block_table)
+    else:
+        def keys(j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            index = (cu_seqlens[:-1].long()[:, None] + j[None, :]).clamp(max=k.shape[0] - 1)
+            return k[index], v[index]
+    return padded_entry_attention(q, keys, cu_seqlens, lengths, max_seqlen, max_seqlen, scale)
 
 
 def flash_paged_formula(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
-                        max_seqlen_q: int, max_seqlen_k: int, scale: float) -> torch.Tensor:  # noqa: ARG001
-    """The paged varlen call with query and key lengths apart (the :attr:`Kernels.flash_paged` signature), computed
-    per sequence rather than per entry: the entries that share a block table (a sequence's decode steps, one query
-    each) attend in one call with a mask, each query to the keys ``< seqused_k - n + r + 1`` of its entry (``n``
-    queries, ``r`` its index), which is what the kernel computes entry by entry. ``q [Tq, nq, d]`` -> ``[Tq, nq, d]``."""
-    page, groups = key_cache.shape[1], q.shape[1] // key_cache.shape[2]
-    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    entry = torch.repeat_interleave(torch.arange(counts.numel(), device=q.device), counts)
-    within = torch.arange(q.shape[0], device=q.device) - cu_seqlens_q[:-1].long()[entry]
-    limit = seqused_k.long()[entry] - counts[entry] + within + 1
-    tables, sequence = torch.unique(block_table, dim=0, return_inverse=True)
-    keys_flat, values_flat = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
-    order, parts = [], []
-    for index in range(tables.shape[0]):
-        queries = (sequence[entry] == index).nonzero().squeeze(-1)
-        n_k = int(limit[queries].max())
-        j = torch.arange(n_k, device=q.device)
-        slot = tables[index, j // page].long() * page + j % page
-        keys = keys_flat[slot].transpose(0, 1).repeat_interleave(groups, dim=0)[None]
-        values = values_flat[slot].transpose(0, 1).repeat_interleave(groups, dim=0)[None]
-        visible = j[None, :] < limit[queries][:, None]
-        attended = F.scaled_dot_product_attention(q[queries].transpose(0, 1)[None], keys, values, attn_mask=visible,
-                                                  scale=scale)
-        order.append(queries)
-        parts.append(attended[0].transpose(0, 1))
-    return torch.cat(parts).index_select(0, torch.argsort(torch.cat(order)))
+                        max_seqlen_q: int, max_seqlen_k: int, scale: float) -> torch.Tensor:
+    """The paged varlen call with query and key lengths apart (the :attr:`Kernels.flash_paged` signature): entry
+    ``i``'s queries against the keys its block table reads, each query ``r`` of ``n`` to the keys ``< seqused_k - n +
+    r + 1``, all entries in one padded call. ``q [Tq, nq, d]`` -> ``[Tq, nq, d]``."""
+    return padded_entry_attention(q, _cache_rows(key_cache, value_cache, block_table), cu_seqlens_q, seqused_k,
+                                  max_seqlen_q, max_seqlen_k, scale)
 
 
 def token_logprobs_formula(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -187,13 +227,29 @@ def _wrap(name: str, kernel: Callable[..., torch.Tensor], formula: Callable[...,
         return _KernelPiece.apply(name, kernel, formula, spec, *tensors)
 
     piece.__name__ = f"{name}_with_backward"
+    if name in _NORMS:
+        # every launch of norm_in_step_launches in one piece: the formula is row-wise, so one fp32 recompute over
+        # all the rows is each launch's, and the backward costs one piece instead of one per launch
+        piece.in_step_launches = _wrap(f"{name}_in_step_launches", functools.partial(norm_in_step_launches, kernel),
+                                       _norm_over_launches(formula))
     return piece
+
+
+_NORMS = ("rms_norm", "add_rms_norm")
+
+
+def _norm_over_launches(formula: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def over_launches(x: torch.Tensor, weight: torch.Tensor, eps: float, launches, large: int = NORM_LARGE_LAUNCH):  # noqa: ARG001
+        return formula(x, weight, eps)
+
+    return over_launches
 
 
 def autograd_kernels(kernels: Kernels) -> Kernels:
     """``kernels`` with every function piece (:data:`PIECE_FORMULAS`) differentiable: the forward values are the
     kernel's, the backward is torch's fp32 formula of the piece. ``scope`` and ``source`` are kept; grad-free calls
-    (or inputs that need no gradient) call the kernel directly."""
+    (or inputs that need no gradient) call the kernel directly. The norms also carry ``in_step_launches(x, weight,
+    eps, launches)``: :func:`~bloggap_plugin.core.vllm_form.norm_in_step_launches` of the kernel as one piece."""
     wrapped = {name: _wrap(name, getattr(kernels, name), formula, ("block_table",) if name == "flash" else ())
                for name, formula in PIECE_FORMULAS.items()}
     return dataclasses.replace(kernels, **wrapped)

@@ -316,3 +316,35 @@ def test_arm_js_old_log_prob_plan_scores_over_the_parameters_without_a_shadow(ti
                        shadowed.token_logprobs(ids, mask, 16, positions="mask"))
     if spec == "torch":
         assert type(make_plan(model, "vllm", pieces=spec, over_parameters=True)) is VllmFormParamsPlan
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "add_rms_norm"])
+def test_a_norm_in_step_launches_is_one_piece_with_each_launchs_values_and_gradient(name):
+    """``in_step_launches`` runs every launch of ``norm_in_step_launches`` (the kernel's values, bit for bit) and
+    differentiates the row-wise formula once over all rows: the same gradient as one piece per launch, within fp32
+    noise (both are torch's fp32 gradient rounded once to bf16)."""
+    from bloggap_plugin.core.vllm_form import norm_in_step_launches, step_launches
+
+    kernel = getattr(autograd_kernels(TORCH_KERNELS), name)
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(40, 16, generator=gen) * 3).to(torch.bfloat16)
+    weight = (1 + 0.2 * torch.randn(16, generator=gen)).to(torch.bfloat16)
+    generated = torch.zeros(40, dtype=torch.bool)
+    generated[[3, 4, 9, 20, 21, 22, 30, 39]] = True
+    launches = step_launches(generated, large=4)  # the decode tokens in three launches
+    upstream = torch.randn(40, 16, generator=gen).to(torch.bfloat16)
+    one = [_leaf(x), _leaf(weight)]
+    out_one = kernel.in_step_launches(one[0], one[1], 1e-6, launches, 4)
+    per = [_leaf(x), _leaf(weight)]
+    out_per = norm_in_step_launches(kernel, per[0], per[1], 1e-6, launches, 4)
+    assert torch.equal(out_one, norm_in_step_launches(getattr(TORCH_KERNELS, name), x, weight, 1e-6, launches, 4))
+    assert torch.equal(out_one, out_per)
+    got = torch.autograd.grad(out_one, one, upstream)
+    want = torch.autograd.grad(out_per, per, upstream)
+    assert torch.equal(got[0], want[0])  # a row's input gradient is the same fp32 formula over the same row
+    # the weight's: torch's fp32 gradient over all rows rounded once (one launch per piece rounds each launch's part
+    # to bf16 and autograd sums them in bf16: further from it)
+    exact = [_leaf(x.float()), _leaf(weight.float())]
+    fp32 = torch.autograd.grad(exact[0] * torch.rsqrt(exact[0].pow(2).mean(-1, keepdim=True) + 1e-6) * exact[1],
+                               exact, upstream.float())[1]
+    assert ((got[1].float() - fp32).abs() <= HALF_ULP * fp32.abs() + 1e-6 * fp32.abs().max()).all()

@@ -181,6 +181,9 @@ class VllmFormLM(nn.Module):
             kernel = self.kernels.rms_norm if first else self.kernels.add_rms_norm
             # layer 0's first norm in batch-invariant mode is vLLM's Triton kernel: no launch-size dependence
             if self.form.norm_launch == "steps" and packed.launches is not None and not (first and self.form.batch_invariant):
+                launched = getattr(kernel, "in_step_launches", None)  # a differentiable kernel: one piece
+                if launched is not None:
+                    return launched(x, weight, eps, packed.launches)
                 return norm_in_step_launches(kernel, x, weight, eps, packed.launches)
             return kernel(x, weight, eps)
         if self.form.norm == "torch" and first and self.form.batch_invariant:
