@@ -20,7 +20,10 @@ enabled (``compilation_config.custom_ops=["all"]``), so the compiled graph calls
 prefix caching; ``compiled_kernels_prefix_cache`` with it, TRL's default). ``eager_one_prefill`` is ``eager`` with
 16384 tokens per step, so that every prompt is prefilled in the first step (TRL's 4096 chunk 32 prompts of the
 arithmetic task, about 194 tokens each, into steps mixed with decodes); ``compiled_kernels_one_prefill`` is route 1
-under the same condition.
+under the same condition. ``graphs_one_prefill`` runs the eager engine's kernels (no torch.compile:
+``compilation_config.mode`` 0) with full CUDA graphs for decode steps (``cudagraph_mode=FULL_DECODE_ONLY``): the
+kernels arm I computes, launched from captured graphs (in batch-invariant mode FlashAttention runs with one split
+either way).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ VARIANTS: dict[str, dict] = {
     "eager_one_prefill": {"enforce_eager": True, "enable_prefix_caching": False, "max_num_batched_tokens": 16384},
     "compiled_kernels_one_prefill": {"compilation_config": {"custom_ops": ["all"]}, "enable_prefix_caching": False,
                                      "max_num_batched_tokens": 16384},
+    "graphs_one_prefill": {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
+                           "enable_prefix_caching": False, "max_num_batched_tokens": 16384},
 }
 """Variant name -> the ``LLM(...)`` keyword arguments it adds to TRL's colocate settings."""
 TRL_ENGINE = {"dtype": "bfloat16", "logprobs_mode": "processed_logprobs", "max_num_batched_tokens": 4096,

@@ -1,0 +1,243 @@
+"""Arm J's training forward piece by piece (issue 29 item 2): what each of vLLM's pieces costs in a forward and
+backward, against arm A's (TRL's bf16 autocast forward). ONE device call, after the vLLM bundle's ``env.sh``:
+
+    python -m benchmarks.arm_j_pieces run --model /tmp/vx/smollm2 --out $OUT
+
+A TRL-shaped micro-batch (``--rows`` arithmetic chat prompts, left-padded, with ``--tokens`` completion tokens drawn
+from the vocabulary) goes through :class:`~bloggap_plugin.core.plans.vllm_shadow.OnPolicyForward` in arm J's form
+(``all``) and in forms with one piece put back to torch (:data:`FORMS`), each on the fp32 policy. Per form: the
+forward (with gradients) and the backward of ``sum(logps)``, median seconds of ``--repeats`` after a warm-up; whether
+the training forward's log-probs equal arm J's old log-probs in the same form (``VllmFormParamsPlan``) bit for bit;
+the total against arm A's. For arm J's form, each piece's backward seconds (the device synchronised around each
+piece, so the sum exceeds the plain backward). ``$OUT/arm_j_pieces.json`` (table ``T16-armJ-pieces``) is rewritten
+after each form, so a time limit keeps what finished.
+
+The process sets ``VLLM_BATCH_INVARIANT=1`` and ``TRITON_F32_DEFAULT=ieee`` before vLLM is imported (arm J's
+recipe asks the user to export both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+TABLE_ID = "T16-armJ-pieces"
+RESULT_NAME = "arm_j_pieces.json"
+FORMS: dict[str, str] = {
+    "J (all)": "all",
+    "attention in one launch per row": "all,attention_launch=packed",
+    "norms in one launch": "all,norm_launch=packed",
+    "torch attention (sdpa)": "all,attention=sdpa",
+    "torch norms": "all,norm=torch",
+    "torch RoPE": "all,rope=torch",
+    "torch activation": "all,act=torch",
+    "log_softmax log-prob": "all,logprobs=log_softmax",
+    "no batch-invariant kernels": "all,batch_invariant=false",
+    "vLLM's maths in torch": "torch",
+    "HF's maths, packed": "hf",
+}
+"""Row label -> arm I form (``core.vllm_form.parse_form``): arm J's, then one piece back to torch at a time."""
+PROCESS_ENV = {"VLLM_BATCH_INVARIANT": "1", "TRITON_F32_DEFAULT": "ieee"}
+COLUMNS = ["form", "pieces (core.vllm_form)", "forward s", "backward s", "total s", "x arm A", "equals the old log-probs"]
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if getattr(device, "type", device) == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(call: Callable[[], Any], device: Any) -> tuple[Any, float]:
+    _sync(device)
+    started = time.perf_counter()
+    out = call()
+    _sync(device)
+    return out, time.perf_counter() - started
+
+
+def time_forward_backward(forward: Callable[[], Any], device: Any, repeats: int) -> dict:
+    """``forward()`` -> log-probs ``[B, K]`` with gradients; median forward and backward seconds of ``repeats`` runs
+    after a warm-up (the gradients set to ``None`` between runs), and the last run's log-probs (detached)."""
+    times: dict[str, list[float]] = {"forward_s": [], "backward_s": []}
+    logps = None
+    for run in range(repeats + 1):
+        logps, forward_s = _timed(forward, device)
+        _, backward_s = _timed(logps.sum().backward, device)
+        if run:
+            times["forward_s"].append(forward_s)
+            times["backward_s"].append(backward_s)
+    out = {k: statistics.median(v) for k, v in times.items()}
+    out["total_s"] = out["forward_s"] + out["backward_s"]
+    return {**out, "logps": logps.detach()}
+
+
+def backward_by_piece(forward: Callable[[], Any], device: Any) -> dict:
+    """Seconds of each wrapped piece's backward in one backward of ``forward()`` (the device synchronised around
+    each piece: the sum exceeds a plain backward), keyed by the piece's formula; ``calls`` per piece."""
+    from bloggap_plugin.core import vllm_autograd
+
+    seconds: dict[str, float] = collections.defaultdict(float)
+    calls: dict[str, int] = collections.Counter()
+    original = vllm_autograd._KernelPiece.backward
+
+    def timed(ctx, grad):
+        _sync(device)
+        started = time.perf_counter()
+        out = original(ctx, grad)
+        _sync(device)
+        name = getattr(ctx.formula, "__name__", str(ctx.formula))
+        seconds[name] += time.perf_counter() - started
+        calls[name] += 1
+        return out
+
+    logps = forward()
+    vllm_autograd._KernelPiece.backward = staticmethod(timed)
+    try:
+        _, total = _timed(lambda: logps.sum().backward(), device)
+    finally:
+        vllm_autograd._KernelPiece.backward = staticmethod(original)
+    return {"total_s": total, "seconds": dict(seconds), "calls": dict(calls)}
+
+
+def measure_form(policy: Any, ids: Any, mask: Any, keep: int, spec: str, kernels: Any, repeats: int,
+                 device: Any, by_piece: bool = False) -> dict:
+    """One form's row: forward/backward seconds of arm J's training forward in form ``spec`` over ``policy``, and
+    whether its log-probs equal the same form's grad-free old log-probs (``VllmFormParamsPlan``) bit for bit."""
+    import torch
+
+    from bloggap_plugin.core.plans.vllm_shadow import OnPolicyForward, VllmFormParamsPlan
+    from bloggap_plugin.core.vllm_form import parse_form
+
+    form = parse_form(spec)
+    training = OnPolicyForward(policy, form, kernels)
+    row = time_forward_backward(lambda: training.token_logprobs(ids, mask, keep)[0], device, repeats)
+    policy.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        old = VllmFormParamsPlan(policy, form, kernels).token_logprobs(ids, mask, keep, positions="mask")
+    logps = row.pop("logps")
+    row["equals_old_logprobs"] = bool(torch.equal(logps, old))
+    row["spec"], row["pieces"] = spec, form.describe()
+    if by_piece:
+        row["backward_by_piece"] = backward_by_piece(lambda: training.token_logprobs(ids, mask, keep)[0], device)
+        policy.zero_grad(set_to_none=True)
+    return row
+
+
+def measure_arm_a(policy: Any, ids: Any, mask: Any, keep: int, repeats: int, device: Any) -> dict:
+    """Arm A's row: TRL's training forward (the fp32 policy under bf16 autocast, positions from ``arange``)."""
+    import torch
+
+    from bloggap_plugin.core.scoring import token_logprobs
+
+    device_type = getattr(device, "type", str(device))
+
+    def forward():
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            return token_logprobs(policy, ids, mask, keep, positions="arange")
+
+    row = time_forward_backward(forward, device, repeats)
+    row.pop("logps")
+    policy.zero_grad(set_to_none=True)
+    return row
+
+
+def table(results: dict) -> dict:
+    """``T16-armJ-pieces`` from the results (arm A's row first)."""
+    base = results.get("arm A", {}).get("total_s")
+    rows = []
+    for label, row in results.items():
+        ratio = None if not base or row.get("total_s") is None else round(row["total_s"] / base, 2)
+        rows.append([label, row.get("spec", "TRL's forward, bf16 autocast"), round(row["forward_s"], 4),
+                     round(row["backward_s"], 4), round(row["total_s"], 4), ratio, row.get("equals_old_logprobs")])
+    return {"id": TABLE_ID, "title": "Arm J's training forward and backward, piece by piece, against arm A's",
+            "columns": COLUMNS, "rows": rows, "reference": None, "random_init": False,
+            "notes": "One TRL micro-batch (rows x (prompt + completion) tokens, params); forward with gradients and "
+                     "backward of sum(logps), median of the repeats after a warm-up. Each form after J puts one "
+                     "piece back to torch (core.vllm_form). equals the old log-probs: the training forward's "
+                     "log-probs bit for bit the same form's grad-free old log-probs. Arm J's backward by piece: "
+                     "results['J (all)']['backward_by_piece'] (synchronised per piece)."}
+
+
+def document(results: dict, params: dict, env: dict) -> dict:
+    return {"benchmark": "arm_j_pieces", "schema_version": 1, "env": env, "params": params, "results": results,
+            "tables": [table(results)]}
+
+
+def _batch(model: str, rows: int, tokens: int, device: Any) -> tuple:
+    import torch
+    from transformers import AutoTokenizer
+
+    from benchmarks._lib.logprobs import teacher_forced_batch
+    from bloggap_plugin.tasks import get_task, prompt_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    dataset, _ = get_task("arith", tokenizer, seed=0)
+    prompts = [prompt_token_ids(dataset[i]["prompt"], tokenizer) for i in range(rows)]
+    completion = torch.randint(5, len(tokenizer), (rows, tokens), generator=torch.Generator().manual_seed(0))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return teacher_forced_batch(prompts, completion, pad, device)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    for key, value in PROCESS_ENV.items():
+        os.environ.setdefault(key, value)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bloggap_plugin.core.vllm_form import parse_form
+    from bloggap_plugin.core.vllm_kernels import load_kernels
+    from bloggap_plugin.envinfo import environment_record
+
+    device = torch.device("cuda")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    policy = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(device).train()
+    ids, mask = _batch(args.model, args.rows, args.tokens, device)
+    params = {"model": "<SmolLM2 dense folder>", "task": "arith", "rows": args.rows, "tokens": args.tokens,
+              "width": ids.shape[1], "repeats": args.repeats, "revision": args.revision,
+              "process_env": {k: os.environ.get(k) for k in PROCESS_ENV}}
+    results: dict = {"arm A": measure_arm_a(policy, ids, mask, args.tokens, args.repeats, device)}
+    env = environment_record(device)
+    labels = list(FORMS) if args.forms is None else args.forms.split(",")
+    for label in labels:
+        spec = FORMS[label]
+        started = time.perf_counter()
+        try:
+            kernels = load_kernels(parse_form(spec), device)
+            results[label] = measure_form(policy, ids, mask, args.tokens, spec, kernels, args.repeats, device,
+                                          by_piece=spec == "all")
+        except Exception as error:  # a form that fails is recorded, the others still run
+            results[label] = {"pieces": spec, "error": f"{type(error).__name__}: {error}"[:2000]}
+        print(label, f"{time.perf_counter() - started:.1f} s", {k: v for k, v in results[label].items()
+                                                                   if k != "backward_by_piece"}, flush=True)
+        ok = {k: v for k, v in results.items() if "error" not in v}
+        doc = document(ok, {**params, "errors": {k: v for k, v in results.items() if "error" in v}}, env)
+        (out / RESULT_NAME).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="measure every form (GPU, vLLM)")
+    run.add_argument("--model", required=True)
+    run.add_argument("--out", required=True)
+    run.add_argument("--rows", type=int, default=8, help="rows of the micro-batch (the recipes' 8)")
+    run.add_argument("--tokens", type=int, default=32, help="completion tokens (the recipes' 32)")
+    run.add_argument("--repeats", type=int, default=5)
+    run.add_argument("--forms", default=None, help=f"comma-separated labels of {list(FORMS)} (default: all)")
+    run.add_argument("--revision", default=None, help="the commit that runs (recorded)")
+    args = parser.parse_args(argv)
+    return {"run": cmd_run}[args.command](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
