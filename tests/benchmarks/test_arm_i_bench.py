@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from _support import ROOT
@@ -145,6 +146,37 @@ def test_arm_i_engine_table_is_built_from_its_results():
     assert results["eager_one_prefill"]["arm_i"]["bitwise_pct"] == 100.0
     assert results["eager"]["arm_i"]["bitwise_pct"] < 60.0
     assert results["eager"]["engine_kwargs"] == {k: v for k, v in script.VARIANTS["eager"].items()}
+
+
+def _engine_entry(**extra) -> dict:
+    gap = {"oob_pct": 1.0, "abs_dlogp_mean": 0.1, "abs_dlogp_max": 0.5, "bitwise_pct": 50.0, "tokens": 4,
+           "pass_s": 0.1}
+    return {"engine_kwargs": {"enforce_eager": True}, "engine_start_s": 1.0, "generate_s": 0.5, "engine": gap,
+            "arm_i": gap, "arm_a": gap, **extra}
+
+
+def test_arm_i_engine_collect_keeps_an_entrys_revision_where_its_part_names_none(tmp_path):
+    """``collect`` stamps each variant with its part's ``params.revision``; a part without one (the committed
+    document itself, whose entries carry their own, or a call run without ``--revision``) keeps each entry's own
+    instead of overwriting it with null."""
+    import benchmarks.arm_i_engine as script
+
+    params = {"model": "<SmolLM2 dense folder>", "prompts": 4}
+    committed = {"benchmark": "arm_i_engine", "schema_version": 1, "env": {"gpu": "X"}, "params": params,
+                 "results": {"eager": _engine_entry(revision="aaa"), "compiled": _engine_entry(revision="bbb")},
+                 "tables": []}
+    new = {"benchmark": "arm_i_engine", "schema_version": 1, "env": {"gpu": "Y"}, "params": {**params,
+           "revision": "ccc"}, "results": {"compiled_kernels": _engine_entry()}, "errors": {}}
+    unstamped = {**new, "params": {**params, "revision": None}, "results": {"eager_one_prefill": _engine_entry()}}
+    for name, doc in (("committed", committed), ("new", new), ("unstamped", unstamped)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    result = tmp_path / "merged.json"
+    script.main(["collect", str(result), *(f"--part={tmp_path / n}.json" for n in ("committed", "new", "unstamped"))])
+    merged = json.loads(result.read_text())
+    assert {v: e.get("revision") for v, e in merged["results"].items()} == {
+        "eager": "aaa", "compiled": "bbb", "compiled_kernels": "ccc", "eager_one_prefill": None}
+    assert merged["env"] == {"gpu": "X"} and "revision" not in merged["params"]
+    assert [row[-1] for row in merged["tables"][0]["rows"]] == ["aaa", "bbb", "ccc", None]
 
 
 def test_arm_i_live_runs_the_vllm_form_arms_in_vllms_batch_invariant_mode():
