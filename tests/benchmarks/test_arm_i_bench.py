@@ -207,6 +207,11 @@ def test_arm_i_engine_table_is_built_from_its_results():
     assert results["eager_one_prefill"]["arm_i"]["bitwise_pct"] == 100.0
     assert results["eager"]["arm_i"]["bitwise_pct"] < 60.0
     assert results["eager"]["engine_kwargs"] == {k: v for k, v in script.VARIANTS["eager"].items()}
+    # route 1 under the same condition: the compiled engine with every custom op and one-step prefill
+    assert results["compiled_kernels_one_prefill"]["engine_kwargs"] == script.VARIANTS["compiled_kernels_one_prefill"]
+    assert {v: e["revision"] for v, e in results.items()} == {
+        "eager": "d49905d", "compiled_kernels": "d49905d", "compiled_kernels_prefix_cache": "d49905d",
+        "compiled": "d49905d", "eager_one_prefill": "2169212", "compiled_kernels_one_prefill": "24e5d62"}
 
 
 def _engine_entry(**extra) -> dict:
