@@ -194,7 +194,8 @@ def table(results: dict) -> dict:
 
 def cmd_collect(args) -> None:
     """One committed document from ``--part`` documents (later parts' variants replace earlier ones'), each
-    variant stamped with its part's revision, machine paths replaced, the variants' logs packed into ``--pack``."""
+    variant stamped with its part's ``params.revision`` (a part without one, such as the committed document whose
+    entries carry their own, keeps each entry's), machine paths replaced, the variants' logs packed into ``--pack``."""
     from benchmarks._lib.publish import pack_text_files, strip_paths
 
     merged: dict = {}
@@ -202,8 +203,10 @@ def cmd_collect(args) -> None:
         doc = json.loads(Path(part).read_text())
         merged.setdefault("env", doc["env"])
         merged.setdefault("params", {k: v for k, v in doc["params"].items() if k != "revision"})
+        revision = doc["params"].get("revision")
         for variant, entry in doc["results"].items():
-            merged.setdefault("results", {})[variant] = {**entry, "revision": doc["params"].get("revision")}
+            merged.setdefault("results", {})[variant] = {**entry, "revision": revision if revision is not None
+                                                         else entry.get("revision")}
     document = {"benchmark": "arm_i_engine", "schema_version": 1, "env": merged["env"], "params": merged["params"],
                 "results": merged["results"], "tables": [table(merged["results"])]}
     text = strip_paths(json.dumps(document, indent=1) + "\n", args.model_path, "<SmolLM2 dense folder>")

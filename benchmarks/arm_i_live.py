@@ -20,6 +20,8 @@ sampler out-of-band share and bit-identical share (``gap/sampler/oob_frac``, ``g
 generations after the first, as the mean over generations and the worst generation;
 ``gap/ratio/oob_frac`` on the first iteration of each generation; the plugin's share of a generating step
 (``gap/time/overhead_frac``) without step 1 (set-up) and step 1's apart; the median generating-step time.
+Where the runs include arm J and arm A, a second table (``T16-armJ-live``, :func:`onpolicy_table`) compares them:
+``gap/ratio/exact_frac`` per iteration, step times as a multiple of arm A's, reward and grad_norm.
 
 Environment for arm I (its pieces call vLLM's batch-invariant matmuls): ``VLLM_BATCH_INVARIANT=1`` and
 ``TRITON_F32_DEFAULT=ieee``; ``run`` sets both for arm I and J runs and neither for the others.
@@ -45,6 +47,12 @@ COLUMNS = ["run", "entry", "arm", "num_iterations", "steps", "generations", "sam
            "sampler oob % (worst generation)", "sampler max |dlogp| (all generations)", "sampler bit-identical % (mean)", "ratio oob % (first iteration, mean)",
            "plugin % of a generating step (median, step 1 apart)", "plugin % at step 1", "generating step s (median)",
            "old pass in place of TRL's, % of a generating step (median)"]
+ONPOLICY_TABLE_ID = "T16-armJ-live"
+ONPOLICY_COLUMNS = ["run", "arm", "steps", "sampler oob % (mean)", "sampler bit-identical % (mean)",
+                    "ratio exact_frac, first iteration (min)", "ratio exact_frac, first iteration (mean)",
+                    "ratio exact_frac, second iteration (mean)", "step s (median, after step 1)", "step x arm A",
+                    "generating step s (median)", "generating step x arm A", "other step s (median)",
+                    "other step x arm A", "reward (mean)", "reward (mean, last 20 steps)", "grad_norm (median)"]
 ARM_I_ENV = {"VLLM_BATCH_INVARIANT": "1", "TRITON_F32_DEFAULT": "ieee"}
 
 
@@ -143,10 +151,24 @@ def _pct(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(100 * value, digits)
 
 
+def _values(records: list[dict], key: str) -> list[float]:
+    return [r[key] for r in records if isinstance(r.get(key), (int, float))]
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
 def summarize(label: str, records: list[dict]) -> dict:
-    """One row's numbers from a run's JSONL records (see the module docstring)."""
+    """One row's numbers from a run's JSONL records (see the module docstring); the only reader of the records."""
     spec = parse_label(label)
     generating = [r for r in records if r.get("gap/sampler/oob_frac") is not None]
+    others = [r for r in records[1:] if r.get("gap/sampler/oob_frac") is None]
+    ratio_exact_first = _values(generating, "gap/ratio/exact_frac")
     later = generating[1:] if len(generating) > 1 else generating
     sampler = [r["gap/sampler/oob_frac"] for r in later]
     exact = [r["gap/sampler/exact_frac"] for r in later if r.get("gap/sampler/exact_frac") is not None]
@@ -171,6 +193,14 @@ def summarize(label: str, records: list[dict]) -> dict:
         "overhead_step1": first.get("gap/time/overhead_frac"),
         "generating_step_s_median": statistics.median(step_time) if step_time else None,
         "old_pass_median": statistics.median(old_pass) if old_pass else None,
+        "ratio_exact_first_iteration_min": min(ratio_exact_first) if ratio_exact_first else None,
+        "ratio_exact_first_iteration_mean": _mean(ratio_exact_first),
+        "ratio_exact_later_iterations_mean": _mean(_values(others, "gap/ratio/exact_frac")),
+        "step_s_median": _median(_values(records[1:], "step_time")),
+        "other_step_s_median": _median(_values(others, "step_time")),
+        "reward_mean": _mean(_values(records, "reward")),
+        "reward_last20_mean": _mean(_values(records[-20:], "reward")),
+        "grad_norm_median": _median(_values(records, "grad_norm")),
         "per_generation": [{k: r.get(k) for k in ("step", "gap/sampler/oob_frac", "gap/sampler/exact_frac",
                                                    "gap/ratio/oob_frac", "gap/time/overhead_frac", "step_time")}
                            for r in generating],
@@ -201,11 +231,59 @@ def table(rows: dict) -> dict:
                     + "".join(f" {label}: {row['note']}." for label, row in rows.items() if row.get("note"))}
 
 
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _times(value: float | None, reference: float | None) -> float | None:
+    return None if value is None or not reference else round(value / reference, 3)
+
+
+def onpolicy_table(rows: dict) -> dict | None:
+    """``T16-armJ-live``: arm J (the exactly on-policy arm) against arm A on the same runs' JSONL, one row per arm A
+    or J run; step times also as a multiple of the first arm A row's. ``None`` unless ``rows`` hold an arm J and an
+    arm A row that ran."""
+    ran = {label: row for label, row in rows.items() if "error" not in row and row.get("arm") in ("A", "J")}
+    reference = next(((label, row) for label, row in ran.items() if row["arm"] == "A"), None)
+    if reference is None or not any(row["arm"] == "J" for row in ran.values()):
+        return None
+    base = reference[1]
+    body = []
+    for label, row in ran.items():
+        body.append([label, row["arm"], row["steps"], _pct(row["sampler_oob_mean"]), _pct(row["sampler_exact_mean"], 2),
+                     _round(row.get("ratio_exact_first_iteration_min"), 4),
+                     _round(row.get("ratio_exact_first_iteration_mean"), 4),
+                     _round(row.get("ratio_exact_later_iterations_mean"), 4),
+                     _round(row.get("step_s_median"), 3), _times(row.get("step_s_median"), base.get("step_s_median")),
+                     _round(row["generating_step_s_median"], 3),
+                     _times(row["generating_step_s_median"], base["generating_step_s_median"]),
+                     _round(row.get("other_step_s_median"), 3),
+                     _times(row.get("other_step_s_median"), base.get("other_step_s_median")),
+                     _round(row.get("reward_mean"), 4), _round(row.get("reward_last20_mean"), 4),
+                     _round(row.get("grad_norm_median"), 3)])
+    return {"id": ONPOLICY_TABLE_ID,
+            "title": "Arm J live (training forward in vLLM's numbers) against arm A: exact ratio, step time, reward",
+            "columns": ONPOLICY_COLUMNS, "rows": body, "reference": None, "random_init": False,
+            "plot": {"kind": "bar", "x": "run", "y": ["step x arm A", "generating step x arm A", "other step x arm A"],
+                     "title": "Step time as a multiple of arm A's", "ylabel": "x arm A"},
+            "notes": "From each run's JSONL. Sampler columns over the generations after the first. ratio exact_frac: "
+                     "gap/ratio/exact_frac (share of completion tokens whose new log-prob equals the old one bit "
+                     "for bit), on the first iteration of each generation (the generating steps) and on the steps "
+                     "that do not generate (num_iterations 2: the second iteration, after an optimizer step). Step "
+                     "times: medians of step_time over every step after step 1, over the generating steps after "
+                     "step 1 and over the other steps; 'x arm A': divided by the same median of "
+                     f"{reference[0]}. Reward: the generating steps' reward, over the whole run and over its last 20 "
+                     "steps. grad_norm: median over all steps."}
+
+
 def document(rows: dict, params: dict, env: dict) -> dict:
+    """The result document: ``T16-armI-live`` over every row, and ``T16-armJ-live`` where the rows hold arm J and
+    arm A runs (:func:`onpolicy_table`)."""
     from bloggap_plugin.results import SCHEMA_VERSION
 
+    onpolicy = onpolicy_table(rows)
     return {"benchmark": "arm_i_live", "schema_version": SCHEMA_VERSION, "env": env, "params": params, "results": rows,
-            "tables": [table(rows)]}
+            "tables": [table(rows)] + ([onpolicy] if onpolicy is not None else [])}
 
 
 def _env() -> dict:

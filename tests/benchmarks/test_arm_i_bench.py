@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from _support import ROOT
 
-from bloggap_plugin.results import ResultDocument
+from bloggap_plugin.results import ResultDocument, validate_result
 
 
 def _script():
@@ -83,6 +84,8 @@ def test_arm_i_live_document_rebuilds_the_committed_results_from_their_run_logs(
     script = _live_script()
     results = ROOT / "benchmarks" / "results" / "h200"
     for name, logs in (("arm_i_live.json", "runs_final.tar.xz"),
+                       ("arm_j_live.json", "runs_arm_j.tar.xz"),
+                       ("arm_i_live_two_passes.json", "runs_two_passes.tar.xz"),
                        ("arm_i_live_rows_per_forward.json", "runs_rows_per_forward.tar.xz"),
                        ("arm_i_live_prompt_first.json", "runs_prompt_first.tar.xz"),
                        ("arm_i_live_v2_sampler.json", "runs_v2_sampler.tar.xz"),
@@ -105,6 +108,65 @@ def test_arm_i_live_document_rebuilds_the_committed_results_from_their_run_logs(
                 assert row["generations"] == len(sampler) and row["steps"] == len(records)
                 assert row["sampler_oob_mean"] == statistics.fmean(sampler[1:])
                 assert row["sampler_oob_max"] == max(sampler[1:])
+
+
+def _synthetic_run(arm: str) -> list[dict]:
+    """24 steps, odd steps generating (num_iterations 2), with numbers chosen so that every T16-armJ-live cell has
+    one hand-computed value (see the test below)."""
+    records = []
+    for step in range(1, 25):
+        generating = step % 2 == 1
+        record = {"step": step, "grad_norm": float(step) if arm == "A" else 2.0 * step}
+        if arm == "A":
+            record["step_time"] = 9.0 if step == 1 else 1.0 if generating else 0.5 if step <= 12 else 0.7
+        else:
+            record["step_time"] = 20.0 if step == 1 else 3.0 if generating else 1.25
+        if generating:
+            record["reward"] = (0.0 if step in (1, 3) else 0.5) if arm == "A" else 0.25
+            record["gap/sampler/oob_frac"] = (0.5 if step == 1 else 0.02) if arm == "A" else 0.0
+            record["gap/sampler/exact_frac"] = 0.0 if arm == "A" else 1.0
+            record["gap/ratio/exact_frac"] = 0.5 if (arm == "A" and step == 3) else 1.0
+            record["gap/ratio/oob_frac"] = 0.0
+        else:
+            record["gap/ratio/exact_frac"] = 0.0 if arm == "A" else 0.01
+        records.append(record)
+    return records
+
+
+def test_arm_j_live_table_from_synthetic_logs():
+    """T16-armJ-live: per run, the sampler, the exact ratio at each iteration, the step times and their ratio to arm
+    A's run, reward and grad_norm, all from the JSONL records (hand-computed values for fixed records)."""
+    script = _live_script()
+    rows = {label: script.summarize(label, _synthetic_run(label.split("_")[1]))
+            for label in ("train_A_ni2", "train_J_ni2")}
+    doc = script.document(rows, {}, {})
+    assert [t["id"] for t in doc["tables"]] == ["T16-armI-live", "T16-armJ-live"]
+    table = doc["tables"][1]
+    assert table == json.loads(json.dumps(table))  # plain JSON
+    assert table["columns"] == script.ONPOLICY_COLUMNS
+    cells = [dict(zip(table["columns"], row)) for row in table["rows"]]
+    a, j = cells
+    # A: all steps after step 1 are 6 x 0.5, 6 x 0.7 and 11 x 1.0 s (median 0.7); generating 1.0; the others 0.6
+    assert a == {"run": "train_A_ni2", "arm": "A", "steps": 24, "sampler oob % (mean)": 2.0,
+                 "sampler bit-identical % (mean)": 0.0, "ratio exact_frac, first iteration (min)": 0.5,
+                 "ratio exact_frac, first iteration (mean)": 0.9583, "ratio exact_frac, second iteration (mean)": 0.0,
+                 "step s (median, after step 1)": 0.7, "step x arm A": 1.0, "generating step s (median)": 1.0,
+                 "generating step x arm A": 1.0, "other step s (median)": 0.6, "other step x arm A": 1.0,
+                 "reward (mean)": 0.4167, "reward (mean, last 20 steps)": 0.5, "grad_norm (median)": 12.5}
+    # J: 12 x 1.25 and 11 x 3.0 s after step 1 (median 1.25, / 0.7); generating 3.0 / 1.0; others 1.25 / 0.6
+    assert j == {"run": "train_J_ni2", "arm": "J", "steps": 24, "sampler oob % (mean)": 0.0,
+                 "sampler bit-identical % (mean)": 100.0, "ratio exact_frac, first iteration (min)": 1.0,
+                 "ratio exact_frac, first iteration (mean)": 1.0, "ratio exact_frac, second iteration (mean)": 0.01,
+                 "step s (median, after step 1)": 1.25, "step x arm A": 1.786, "generating step s (median)": 3.0,
+                 "generating step x arm A": 3.0, "other step s (median)": 1.25, "other step x arm A": 2.083,
+                 "reward (mean)": 0.25, "reward (mean, last 20 steps)": 0.25, "grad_norm (median)": 25.0}
+    assert "train_A_ni2" in table["notes"]
+    validate_result(json.loads(json.dumps(doc)), "arm_j_live.json")  # what `bloggap report` reads (plot hint included)
+    # without an arm A row (or without an arm J row) there is nothing to compare: one table
+    assert [t["id"] for t in script.document({"train_J_ni2": rows["train_J_ni2"]}, {}, {})["tables"]] == [
+        "T16-armI-live"]
+    assert [t["id"] for t in script.document({"train_A_ni2": rows["train_A_ni2"]}, {}, {})["tables"]] == [
+        "T16-armI-live"]
 
 
 def test_arm_i_live_labels_and_command_lines():
@@ -145,6 +207,42 @@ def test_arm_i_engine_table_is_built_from_its_results():
     assert results["eager_one_prefill"]["arm_i"]["bitwise_pct"] == 100.0
     assert results["eager"]["arm_i"]["bitwise_pct"] < 60.0
     assert results["eager"]["engine_kwargs"] == {k: v for k, v in script.VARIANTS["eager"].items()}
+    # route 1 under the same condition: the compiled engine with every custom op and one-step prefill
+    assert results["compiled_kernels_one_prefill"]["engine_kwargs"] == script.VARIANTS["compiled_kernels_one_prefill"]
+    assert {v: e["revision"] for v, e in results.items()} == {
+        "eager": "d49905d", "compiled_kernels": "d49905d", "compiled_kernels_prefix_cache": "d49905d",
+        "compiled": "d49905d", "eager_one_prefill": "2169212", "compiled_kernels_one_prefill": "24e5d62"}
+
+
+def _engine_entry(**extra) -> dict:
+    gap = {"oob_pct": 1.0, "abs_dlogp_mean": 0.1, "abs_dlogp_max": 0.5, "bitwise_pct": 50.0, "tokens": 4,
+           "pass_s": 0.1}
+    return {"engine_kwargs": {"enforce_eager": True}, "engine_start_s": 1.0, "generate_s": 0.5, "engine": gap,
+            "arm_i": gap, "arm_a": gap, **extra}
+
+
+def test_arm_i_engine_collect_keeps_an_entrys_revision_where_its_part_names_none(tmp_path):
+    """``collect`` stamps each variant with its part's ``params.revision``; a part without one (the committed
+    document itself, whose entries carry their own, or a call run without ``--revision``) keeps each entry's own
+    instead of overwriting it with null."""
+    import benchmarks.arm_i_engine as script
+
+    params = {"model": "<SmolLM2 dense folder>", "prompts": 4}
+    committed = {"benchmark": "arm_i_engine", "schema_version": 1, "env": {"gpu": "X"}, "params": params,
+                 "results": {"eager": _engine_entry(revision="aaa"), "compiled": _engine_entry(revision="bbb")},
+                 "tables": []}
+    new = {"benchmark": "arm_i_engine", "schema_version": 1, "env": {"gpu": "Y"}, "params": {**params,
+           "revision": "ccc"}, "results": {"compiled_kernels": _engine_entry()}, "errors": {}}
+    unstamped = {**new, "params": {**params, "revision": None}, "results": {"eager_one_prefill": _engine_entry()}}
+    for name, doc in (("committed", committed), ("new", new), ("unstamped", unstamped)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    result = tmp_path / "merged.json"
+    script.main(["collect", str(result), *(f"--part={tmp_path / n}.json" for n in ("committed", "new", "unstamped"))])
+    merged = json.loads(result.read_text())
+    assert {v: e.get("revision") for v, e in merged["results"].items()} == {
+        "eager": "aaa", "compiled": "bbb", "compiled_kernels": "ccc", "eager_one_prefill": None}
+    assert merged["env"] == {"gpu": "X"} and "revision" not in merged["params"]
+    assert [row[-1] for row in merged["tables"][0]["rows"]] == ["aaa", "bbb", "ccc", None]
 
 
 def test_arm_i_live_runs_the_vllm_form_arms_in_vllms_batch_invariant_mode():
