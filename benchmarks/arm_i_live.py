@@ -57,17 +57,23 @@ ARM_I_ENV = {"VLLM_BATCH_INVARIANT": "1", "TRITON_F32_DEFAULT": "ieee"}
 
 
 def parse_label(label: str) -> dict:
-    """``{"entry", "arm", "num_iterations"[, "per_device_train_batch_size"]}`` from ``ENTRY_ARM_ni<K>[_b<N>]`` (e.g.
-    ``train_I_ni2``; ``_b16``: per_device_train_batch_size 16 instead of the recipe's)."""
+    """``{"entry", "arm", "num_iterations"[, "per_device_train_batch_size"][, "vllm_launch"]}`` from
+    ``ENTRY_ARM_ni<K>[_b<N>][_graphs]`` (e.g. ``train_I_ni2``; ``_b16``: per_device_train_batch_size 16 instead of
+    the recipe's; ``_graphs``: ``gap.vllm_launch: decode_graphs``)."""
     parts = label.split("_")
-    batch = parts[3] if len(parts) == 4 else "b0"
-    if (len(parts) not in (3, 4) or parts[0] not in ("train", "callback") or not parts[2].startswith("ni")
-            or not batch.startswith("b") or not batch[1:].isdigit()):
-        raise ValueError(f"run label {label!r}: expected ENTRY_ARM_ni<K>[_b<N>], ENTRY train or callback (e.g. "
-                         "train_I_ni2, train_I_ni2_b16)")
+    options = parts[3:]
+    batch = options.pop(0) if options and options[0].startswith("b") else None
+    graphs = options.pop(0) == "graphs" if options else False
+    if (len(parts) < 3 or parts[0] not in ("train", "callback") or not parts[2].startswith("ni")
+            or not parts[2][2:].isdigit() or (batch is not None and not batch[1:].isdigit()) or options
+            or (len(parts) > 3 + (batch is not None) + graphs)):
+        raise ValueError(f"run label {label!r}: expected ENTRY_ARM_ni<K>[_b<N>][_graphs], ENTRY train or callback "
+                         "(e.g. train_I_ni2, train_I_ni2_b16, train_J_ni2_graphs)")
     spec = {"entry": parts[0], "arm": parts[1].upper(), "num_iterations": int(parts[2][2:])}
-    if len(parts) == 4:
+    if batch is not None:
         spec["per_device_train_batch_size"] = int(batch[1:])
+    if graphs:
+        spec["vllm_launch"] = "decode_graphs"
     return spec
 
 
@@ -80,9 +86,12 @@ def train_argv(label: str, model: str, steps: int, log_jsonl: Path, memory: floa
         common += ["--per_device_train_batch_size", str(spec["per_device_train_batch_size"])]
     recipe = f"recipes/arm_{spec['arm']}.yaml"
     if spec["entry"] == "train":
-        return [sys.executable, "-m", "bloggap_plugin.cli", "train", recipe, *common, "--use_vllm", "true",
+        launch = ["--gap_overrides", f"{{vllm_launch: {spec['vllm_launch']}}}"] if "vllm_launch" in spec else []
+        return [sys.executable, "-m", "bloggap_plugin.cli", "train", recipe, *common, *launch, "--use_vllm", "true",
                 "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", str(memory)]
-    return [sys.executable, "-m", "benchmarks.arm_i_live", "callback", recipe, *common, "--memory", str(memory)]
+    launch = ["--vllm_launch", spec["vllm_launch"]] if "vllm_launch" in spec else []
+    return [sys.executable, "-m", "benchmarks.arm_i_live", "callback", recipe, *common, *launch, "--memory",
+            str(memory)]
 
 
 def callback_main(args: argparse.Namespace) -> int:
@@ -103,7 +112,8 @@ def callback_main(args: argparse.Namespace) -> int:
     if args.per_device_train_batch_size is not None:
         overrides["per_device_train_batch_size"] = args.per_device_train_batch_size
     plan = prepare_run(args.recipe, model=args.model, max_steps=args.max_steps, log_jsonl=args.log_jsonl,
-                       extra_overrides=overrides)
+                       extra_overrides=overrides,
+                       gap_overrides={"vllm_launch": args.vllm_launch} if args.vllm_launch else None)
     policy, tokenizer = load_model(args.model, dtype=plan.dtype, device=plan.device)
     policy.train()
     dataset, rewards = get_task("arith", tokenizer, seed=0)
@@ -421,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     cb.add_argument("--memory", type=float, default=0.25)
     cb.add_argument("--learning_rate", type=float, default=None)
     cb.add_argument("--per_device_train_batch_size", type=int, default=None)
+    cb.add_argument("--vllm_launch", default=None, help="gap.vllm_launch (arms I and J)")
     cb.add_argument("--dump", default=None, help="save the first generation batches here (torch.save)")
     cb.add_argument("--dump_generations", type=int, default=6)
     doc = sub.add_parser("document", help="rebuild the rows from JSONL logs")

@@ -45,6 +45,8 @@ ARMS = ARM_LETTERS  # the letters A..J, in order (records: bloggap_plugin.core.a
 KEPT_MODES = ("renormalize", "measure", "off")
 POSITION_MODES = ("mask", "arange")
 REFERENCES = ("fp32_b1",)
+VLLM_LAUNCHES = ("eager", "decode_graphs")
+"""``gap.vllm_launch`` values (bloggap_plugin.trl.vllm_colocate.VLLM_LAUNCH_SETTINGS: the engine settings of each)."""
 
 
 class RecipeError(UsageError):
@@ -140,6 +142,10 @@ class GapConfig:
         """Arms I and J: which pieces of the vLLM-form forward (I: old log-probs; J: old log-probs and training)
         follow vLLM: a preset (``all``: every piece with vLLM's own kernels, needs vLLM and CUDA; ``torch``: vLLM's maths in plain torch; ``hf``: HF's maths) then
         ``piece=value`` overrides, e.g. ``torch,attention=vllm_fa`` (docs/arm_i.md lists the pieces)."""))
+    vllm_launch: str = field(default="eager", metadata=_help(
+        """Arms I and J with vLLM colocate: how the engine the plugin builds launches vLLM's eager kernels (the ones
+        arm I computes): ``eager``, one launch per kernel; ``decode_graphs``, no torch.compile and every decode step
+        replayed from a full CUDA graph, which generates faster (docs/arm_i.md: where each is measured)."""))
     strict_version: bool = field(default=True, metadata=_help(
         """Refuse to attach to a TRL outside the supported range (1.16.x); ``False`` downgrades that to a warning
         (missing private methods are always an error)."""))
@@ -180,6 +186,11 @@ class GapConfig:
         if self.layers is not None:
             self._validate_layers(spec)
         self._validate_i_pieces(spec)
+        if self.vllm_launch not in VLLM_LAUNCHES:
+            raise RecipeError(f"gap.vllm_launch must be one of {', '.join(VLLM_LAUNCHES)}, got {self.vllm_launch!r}")
+        if self.vllm_launch != "eager" and not dict(spec.vllm_engine).get("enforce_eager"):
+            raise RecipeError(f"gap.vllm_launch only applies to arms I and J (their engine runs vLLM's eager "
+                              f"kernels); arm is {self.arm}: drop it")
         if self.kept == "renormalize" and not self.sampler:
             raise RecipeError(
                 "gap.kept: renormalize needs a kept-set source: set gap.sampler: true (the HF generate path "

@@ -155,6 +155,25 @@ BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 """vLLM's process setting for its batch-invariant kernels, read when the engine starts."""
 
 
+VLLM_LAUNCH_SETTINGS: dict[str, dict[str, Any]] = {
+    "eager": {"enforce_eager": True},
+    "decode_graphs": {"enforce_eager": False, "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}},
+}
+"""``gap.vllm_launch`` -> the ``LLM(...)`` settings with which an arm that computes vLLM's eager kernels (I, J) has
+its engine launch them: ``eager`` one launch per kernel; ``decode_graphs`` no torch.compile (compilation mode 0,
+``NONE``) and decode steps replayed from full CUDA graphs (the same kernels; in batch-invariant mode FlashAttention
+runs one split either way)."""
+
+
+def engine_settings_for(gap: Any) -> dict:
+    """The ``LLM(...)`` settings ``gap``'s arm needs of its engine: the arm's
+    :attr:`~bloggap_plugin.core.arms.ArmSpec.vllm_engine`, its eager launch as ``gap.vllm_launch`` says."""
+    settings = dict(gap.arm_spec.vllm_engine)
+    if settings.get("enforce_eager"):
+        settings.update(VLLM_LAUNCH_SETTINGS[gap.vllm_launch])
+    return settings
+
+
 def engine_kwargs_for(gap: Any, environ: dict | None = None) -> dict:
     """The ``LLM(...)`` keyword arguments the plugin gives TRL's colocate engine for ``gap`` (a GapConfig): the
     arm's :attr:`~bloggap_plugin.core.arms.ArmSpec.vllm_engine` settings, ``dtype="float16"`` for an arm that trains in
@@ -163,7 +182,7 @@ def engine_kwargs_for(gap: Any, environ: dict | None = None) -> dict:
     inside ``vllm_colocate_engine(**engine_kwargs_for(gap))``."""
     spec = gap.arm_spec
     kwargs = engine_kwargs_from_env(environ)
-    kwargs.update(dict(spec.vllm_engine))
+    kwargs.update(engine_settings_for(gap))
     if spec.prefill_in_one_step:
         kwargs["prefill_in_one_step"] = True
     if spec.needs_fp16_training:
@@ -204,6 +223,15 @@ def colocate_engine_setting(trainer: Any, name: str) -> Any:
     return None
 
 
+def colocate_compilation_mode(trainer: Any) -> int | None:
+    """The colocate engine's ``compilation_config.mode`` (0: no torch.compile; 3: vLLM's compile, vLLM's default),
+    or ``None`` when it cannot be read."""
+    engine = _colocate_engine(trainer)
+    config = getattr(getattr(engine, "vllm_config", None), "compilation_config", None)
+    mode = getattr(config, "mode", None)
+    return None if mode is None else int(mode)
+
+
 def check_colocate_engine(trainer: Any, gap: Any, environ: dict | None = None) -> None:
     """Refuse (``RecipeError``) a colocate engine that lacks a setting ``gap``'s arm needs, naming each setting and
     how to build the engine with it. A setting that cannot be read is not refused (the engine may be another
@@ -213,7 +241,12 @@ def check_colocate_engine(trainer: Any, gap: Any, environ: dict | None = None) -
 
     spec = gap.arm_spec
     wrong = []
-    for name, wanted in spec.vllm_engine:
+    for name, wanted in engine_settings_for(gap).items():
+        if name == "compilation_config":
+            mode = colocate_compilation_mode(trainer)
+            if mode is not None and mode != wanted["mode"]:
+                wrong.append(f"compilation_config mode {wanted['mode']} (the engine has mode {mode}: torch.compile)")
+            continue
         have = colocate_engine_setting(trainer, name)
         if have is not None and have != wanted:
             wrong.append(f"{name}={wanted!r} (the engine has {have!r})")

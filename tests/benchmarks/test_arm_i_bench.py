@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from _support import ROOT
 
 from bloggap_plugin.results import ResultDocument, validate_result
@@ -190,6 +191,18 @@ def test_arm_i_live_labels_and_command_lines():
         argv = script.train_argv(label, "M", 30, Path("x.jsonl"), 0.25)
         assert argv[argv.index("--per_device_train_batch_size") + 1] == "16"
     assert "--per_device_train_batch_size" not in script.train_argv("train_I_ni2", "M", 30, Path("x.jsonl"), 0.25)
+    # _graphs: the engine launches decode steps from CUDA graphs (gap.vllm_launch: decode_graphs), either entry
+    assert script.parse_label("train_J_ni2_b16_graphs") == {"entry": "train", "arm": "J", "num_iterations": 2,
+                                                           "per_device_train_batch_size": 16,
+                                                           "vllm_launch": "decode_graphs"}
+    argv = script.train_argv("train_J_ni2_graphs", "M", 30, Path("x.jsonl"), 0.25)
+    assert argv[argv.index("--gap_overrides") + 1] == "{vllm_launch: decode_graphs}"
+    argv = script.train_argv("callback_I_ni1_graphs", "M", 30, Path("x.jsonl"), 0.25)
+    assert argv[argv.index("--vllm_launch") + 1] == "decode_graphs"
+    assert "--gap_overrides" not in script.train_argv("train_J_ni2", "M", 30, Path("x.jsonl"), 0.25)
+    for bad in ("train_I_ni2_graph", "train_I_ni2_graphs_b16", "train_I_ni2_b16_b8"):
+        with pytest.raises(ValueError, match="ENTRY_ARM_ni<K>"):
+            script.parse_label(bad)
 
 
 def test_arm_i_engine_table_is_built_from_its_results():

@@ -192,6 +192,67 @@ def test_gap_grpo_trainer_builds_arm_i_an_eager_engine_without_prefix_caching(fa
                      {"model": "m", "enforce_eager": True, "enable_prefix_caching": False}]
 
 
+DECODE_GRAPHS = {"enforce_eager": False, "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
+
+
+def test_decode_graphs_launch_builds_arms_i_and_j_an_uncompiled_engine_with_decode_cuda_graphs(fake_llm, monkeypatch):
+    """``gap.vllm_launch: decode_graphs``: the engine runs the eager engine's kernels (no torch.compile: compilation
+    mode 0) and replays decode steps from full CUDA graphs (T16-armI-engine, variant graphs_one_prefill); prefix
+    caching stays off. Arm J gets the same engine; ``eager`` (the default) is unchanged."""
+    from trl import GRPOTrainer
+
+    from bloggap_plugin.recipes import GapConfig
+    from bloggap_plugin.trl.callback import GapGRPOTrainer
+    from bloggap_plugin.trl.vllm_colocate import engine_kwargs_for
+
+    module, _, calls = fake_llm
+    monkeypatch.setattr(GRPOTrainer, "__init__", lambda self, *a, **k: module.LLM(model="m"))
+    monkeypatch.setattr(GapMixin, "_gap_attach", lambda self, *a, **k: None)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    vllm_args = types.SimpleNamespace(use_vllm=True, vllm_mode="colocate")
+    for arm in ("I", "J"):
+        GapGRPOTrainer(args=vllm_args, gap=GapConfig(arm=arm, positions="mask", vllm_launch="decode_graphs"))
+    assert calls == [{"model": "m", "enable_prefix_caching": False, **DECODE_GRAPHS}] * 2
+    assert engine_kwargs_for(GapConfig(arm="J", vllm_launch="decode_graphs")) == {
+        "enable_prefix_caching": False, **DECODE_GRAPHS, "prefill_in_one_step": True}
+    assert engine_kwargs_for(GapConfig(arm="J")) == {"enforce_eager": True, "enable_prefix_caching": False,
+                                                     "prefill_in_one_step": True}
+
+
+def test_vllm_launch_is_checked_by_name():
+    from bloggap_plugin.recipes import GapConfig
+
+    with pytest.raises(RecipeError, match=r"gap.vllm_launch must be one of eager, decode_graphs, got 'graphs'"):
+        GapConfig(arm="I", vllm_launch="graphs")
+    with pytest.raises(RecipeError, match=r"gap.vllm_launch only applies to arms I and J.*arm is A"):
+        GapConfig(arm="A", vllm_launch="decode_graphs")
+    assert GapConfig(arm="A").vllm_launch == "eager"
+
+
+def test_attaching_decode_graphs_to_a_compiled_engine_is_refused(monkeypatch):
+    """GapCallback with ``vllm_launch: decode_graphs`` on TRL's default engine (torch.compile, mode 3): refused,
+    naming the compilation mode it needs and how to build it; an engine built so passes; so does one whose
+    compilation settings cannot be read."""
+    import bloggap_plugin.core.vllm_kernels as vllm_kernels
+    from bloggap_plugin.recipes import GapConfig
+    from bloggap_plugin.trl.vllm_colocate import check_colocate_engine, colocate_compilation_mode
+
+    monkeypatch.setattr(vllm_kernels, "vllm_batch_invariant_active", lambda: True)
+    gap = GapConfig(arm="J", vllm_launch="decode_graphs")
+    compiled = _engine_trainer(eager=False, prefix=False, mode=3)
+    assert colocate_compilation_mode(compiled) == 3
+    with pytest.raises(RecipeError, match=r"compilation_config mode 0 \(the engine has mode 3: torch\.compile\)"
+                                          r".*vllm_colocate_engine\(enforce_eager=False, enable_prefix_caching=False, "
+                                          r"compilation_config="):
+        check_colocate_engine(compiled, gap)
+    check_colocate_engine(_engine_trainer(eager=False, prefix=False, mode=0), gap)
+    check_colocate_engine(_engine_trainer(eager=False, prefix=False), gap)  # mode unreadable: not refused
+    with pytest.raises(RecipeError, match=r"enforce_eager=False \(the engine has True\)"):
+        check_colocate_engine(_engine_trainer(eager=True, prefix=False, mode=0), gap)
+    with pytest.raises(RecipeError, match=r"enforce_eager=True \(the engine has False\)"):
+        check_colocate_engine(_engine_trainer(eager=False, prefix=False, mode=0), GapConfig(arm="J"))
+
+
 def test_arm_i_with_batch_invariant_pieces_is_refused_before_the_engine_loads(fake_llm, monkeypatch):
     """Without VLLM_BATCH_INVARIANT=1 the engine's matmuls are cuBLAS's: arm I's default pieces are refused before
     TRL builds anything, naming the variable, TRITON_F32_DEFAULT and the piece to turn off; the torch pieces pass."""
@@ -217,6 +278,8 @@ def _engine_trainer(**settings):
                                         cache_config=types.SimpleNamespace(enable_prefix_caching=settings.get("prefix")))
     if "v2" in settings:
         vllm_config.use_v2_model_runner = settings["v2"]
+    if "mode" in settings:
+        vllm_config.compilation_config = types.SimpleNamespace(mode=settings["mode"])
     llm = types.SimpleNamespace(llm_engine=types.SimpleNamespace(vllm_config=vllm_config))
     return types.SimpleNamespace(vllm_generation=types.SimpleNamespace(llm=llm))
 
