@@ -77,8 +77,10 @@ def parse_label(label: str) -> dict:
     return spec
 
 
-def train_argv(label: str, model: str, steps: int, log_jsonl: Path, memory: float) -> list[str]:
-    """The command line of one run (``python -m ...``)."""
+def train_argv(label: str, model: str, steps: int, log_jsonl: Path, memory: float,
+               profile_steps: str | None = None) -> list[str]:
+    """The command line of one run (``python -m ...``); ``profile_steps`` (``FIRST-LAST``): a callback run also
+    writes a torch profile of those steps beside its log (``LABEL.profile.txt``; train runs take none)."""
     spec = parse_label(label)
     common = ["--model", model, "--max_steps", str(steps), "--log_jsonl", str(log_jsonl),
               "--num_iterations", str(spec["num_iterations"])]
@@ -90,6 +92,8 @@ def train_argv(label: str, model: str, steps: int, log_jsonl: Path, memory: floa
         return [sys.executable, "-m", "bloggap_plugin.cli", "train", recipe, *common, *launch, "--use_vllm", "true",
                 "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", str(memory)]
     launch = ["--vllm_launch", spec["vllm_launch"]] if "vllm_launch" in spec else []
+    if profile_steps:
+        launch += ["--profile", str(log_jsonl.with_suffix(".profile.txt")), "--profile-steps", profile_steps]
     return [sys.executable, "-m", "benchmarks.arm_i_live", "callback", recipe, *common, *launch, "--memory",
             str(memory)]
 
@@ -123,10 +127,24 @@ def callback_main(args: argparse.Namespace) -> int:
             trainer = GRPOTrainer(model=policy, reward_funcs=rewards, args=plan.args, train_dataset=dataset,
                                   processing_class=tokenizer, callbacks=[JsonlLogger(args.log_jsonl)])
     trainer.add_callback(GapCallback(trainer, gap=plan.gap))
+    if args.profile:
+        from benchmarks._lib.profile import StepProfiler
+
+        first, last = _step_range(args.profile_steps)
+        trainer.add_callback(StepProfiler(args.profile, first, last))
     if args.dump:
         _dump_generations(trainer, args.dump, args.dump_generations)
     trainer.train()
     return 0
+
+
+def _step_range(text: str) -> tuple[int, int]:
+    """``(first, last)`` from ``FIRST-LAST`` (or one step ``N``)."""
+    first, _, last = str(text).partition("-")
+    try:
+        return int(first), int(last or first)
+    except ValueError:
+        raise ValueError(f"--profile-steps {text!r}: expected FIRST-LAST, e.g. 10-11") from None
 
 
 def _dump_generations(trainer, path: str, limit: int) -> None:
@@ -328,7 +346,7 @@ def run_main(args: argparse.Namespace) -> int:
     for label in args.runs.split(","):
         spec = parse_label(label)
         log_jsonl = out / f"{label}.jsonl"
-        argv = train_argv(label, args.model, args.steps, log_jsonl, args.memory)
+        argv = train_argv(label, args.model, args.steps, log_jsonl, args.memory, args.profile_steps)
         child_env = run_env(label, os.environ)
         started = time.perf_counter()
         with open(out / f"{label}.log", "w") as console:
@@ -422,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--steps", type=int, default=30)
     run.add_argument("--runs", default="train_I_ni2,train_I_ni1,train_A_ni2")
     run.add_argument("--memory", type=float, default=0.25)
+    run.add_argument("--profile-steps", default=None, help="FIRST-LAST: callback runs write LABEL.profile.txt")
     cb = sub.add_parser("callback", help="one GapCallback run (what run starts for callback_* labels)")
     cb.add_argument("recipe")
     cb.add_argument("--model", required=True)
@@ -432,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     cb.add_argument("--learning_rate", type=float, default=None)
     cb.add_argument("--per_device_train_batch_size", type=int, default=None)
     cb.add_argument("--vllm_launch", default=None, help="gap.vllm_launch (arms I and J)")
+    cb.add_argument("--profile", default=None, help="write a torch profile of --profile-steps here")
+    cb.add_argument("--profile-steps", default="10-11", help="FIRST-LAST (optimizer steps, 1-based)")
     cb.add_argument("--dump", default=None, help="save the first generation batches here (torch.save)")
     cb.add_argument("--dump_generations", type=int, default=6)
     doc = sub.add_parser("document", help="rebuild the rows from JSONL logs")

@@ -200,6 +200,12 @@ def test_arm_i_live_labels_and_command_lines():
     argv = script.train_argv("callback_I_ni1_graphs", "M", 30, Path("x.jsonl"), 0.25)
     assert argv[argv.index("--vllm_launch") + 1] == "decode_graphs"
     assert "--gap_overrides" not in script.train_argv("train_J_ni2", "M", 30, Path("x.jsonl"), 0.25)
+    # --profile-steps: a callback run profiles those steps into LABEL.profile.txt; the CLI's train runs take none
+    argv = script.train_argv("callback_J_ni2", "M", 30, Path("o/callback_J_ni2.jsonl"), 0.25, "10-11")
+    assert argv[argv.index("--profile") + 1] == str(Path("o/callback_J_ni2.profile.txt"))
+    assert argv[argv.index("--profile-steps") + 1] == "10-11"
+    assert "--profile" not in script.train_argv("train_J_ni2", "M", 30, Path("x.jsonl"), 0.25, "10-11")
+    assert script._step_range("10-11") == (10, 11) and script._step_range("7") == (7, 7)
     for bad in ("train_I_ni2_graph", "train_I_ni2_graphs_b16", "train_I_ni2_b16_b8"):
         with pytest.raises(ValueError, match="ENTRY_ARM_ni<K>"):
             script.parse_label(bad)
