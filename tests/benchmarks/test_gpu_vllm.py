@@ -101,21 +101,16 @@ def test_arm_h_samples_in_fp16_with_vllm(live):
     assert any("gap/sampler/oob_frac" in row for row in run["rows"])
 
 
-def test_arm_i_matches_the_sampler_live_in_trl_colocate(tmp_path):
-    """Arm I through the product (``bloggap train``, GapGRPOTrainer builds the eager engine) and through GapCallback,
-    30 steps each, vLLM's batch-invariant mode on: every generation's old log-probs within the clip band of vLLM's
-    sampled ones bit for bit (gap/sampler/exact_frac 1, abs_dlogp_max 0: the V2 model runner's log-prob kernel,
-    T16-armI-live). ``BLOGGAP_ARM_I_LIVE_RUNS`` chooses the runs (``ENTRY_I_ni<K>[_b<N>]``, comma-separated; default
-    one per entry point, the train run with generations of 32 completions, whose prompts exceed TRL's 4096 tokens per
-    engine step unless the plugin's engine prefills them in one step); ``BLOGGAP_ARM_I_LIVE_OUT`` keeps their logs."""
+def _live_runs(tmp_path, runs: str, out_env: str) -> dict[str, list[dict]]:
+    """Run ``benchmarks.arm_i_live run`` for ``runs`` (30 steps each) and return each run's JSONL records; each run
+    logged 30 steps with a generation at least every other step, and its sampler gap is 0 bit for bit."""
     pytest.importorskip("vllm")
-    root = ROOT
     model = os.environ["BLOGGAP_VLLM_MODEL"]
-    runs = os.environ.get("BLOGGAP_ARM_I_LIVE_RUNS", "train_I_ni2_b16,callback_I_ni1")
-    out = Path(os.environ.get("BLOGGAP_ARM_I_LIVE_OUT") or tmp_path)
+    out = Path(os.environ.get(out_env) or tmp_path)
     code = subprocess.call([sys.executable, "-m", "benchmarks.arm_i_live", "run", "--model", model, "--out", str(out),
-                            "--steps", "30", "--runs", runs], timeout=900, cwd=root)
+                            "--steps", "30", "--runs", runs], timeout=900, cwd=ROOT)
     assert code == 0
+    logs = {}
     for label in runs.split(","):
         log = out / f"{label}.jsonl"
         assert log.exists(), (out / f"{label}.log").read_text()[-3000:]
@@ -125,3 +120,31 @@ def test_arm_i_matches_the_sampler_live_in_trl_colocate(tmp_path):
         assert max(r["gap/sampler/oob_frac"] for r in generations) == 0.0
         assert max(r["gap/sampler/abs_dlogp_max"] for r in generations) == 0.0
         assert min(r["gap/sampler/exact_frac"] for r in generations) == 1.0, label
+        logs[label] = records
+    return logs
+
+
+def test_arm_i_matches_the_sampler_live_in_trl_colocate(tmp_path):
+    """Arm I through the product (``bloggap train``, GapGRPOTrainer builds the eager engine) and through GapCallback,
+    30 steps each, vLLM's batch-invariant mode on: every generation's old log-probs within the clip band of vLLM's
+    sampled ones bit for bit (gap/sampler/exact_frac 1, abs_dlogp_max 0: the V2 model runner's log-prob kernel,
+    T16-armI-live). ``BLOGGAP_ARM_I_LIVE_RUNS`` chooses the runs (``ENTRY_I_ni<K>[_b<N>][_graphs]``, comma-separated;
+    default one per entry point, the train run with generations of 32 completions, whose prompts exceed TRL's 4096
+    tokens per engine step unless the plugin's engine prefills them in one step); ``BLOGGAP_ARM_I_LIVE_OUT`` keeps
+    their logs."""
+    _live_runs(tmp_path, os.environ.get("BLOGGAP_ARM_I_LIVE_RUNS", "train_I_ni2_b16,callback_I_ni1"),
+               "BLOGGAP_ARM_I_LIVE_OUT")
+
+
+def test_arm_j_is_exactly_on_policy_live_in_trl_colocate(tmp_path):
+    """Arm J through both entry points, 30 steps each: the sampler gap is 0 bit for bit (as arm I's), and the PPO
+    ratio new/old is exactly 1 on every token at each generation's first iteration (gap/ratio/exact_frac 1, nothing
+    out of band), since the training forward computes the old log-probs' numbers (T16-armJ-live).
+    ``BLOGGAP_ARM_J_LIVE_RUNS`` (``ENTRY_J_ni<K>[_b<N>][_graphs]``), ``BLOGGAP_ARM_J_LIVE_OUT`` as for arm I."""
+    logs = _live_runs(tmp_path, os.environ.get("BLOGGAP_ARM_J_LIVE_RUNS", "train_J_ni2,callback_J_ni1"),
+                      "BLOGGAP_ARM_J_LIVE_OUT")
+    for label, records in logs.items():
+        first_iterations = [r for r in records if r.get("gap/sampler/oob_frac") is not None]
+        assert min(r["gap/ratio/exact_frac"] for r in first_iterations) == 1.0, label
+        assert max(r["gap/ratio/oob_frac"] for r in first_iterations) == 0.0, label
+        assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records), label
