@@ -9,7 +9,8 @@ from the vocabulary) goes through :class:`~bloggap_plugin.core.plans.vllm_shadow
 forward (with gradients) and the backward of ``sum(logps)``, median seconds of ``--repeats`` after a warm-up; whether
 the training forward's log-probs equal arm J's old log-probs in the same form (``VllmFormParamsPlan``) bit for bit;
 the total against arm A's. For arm J's form, each piece's backward seconds (the device synchronised around each
-piece, so the sum exceeds the plain backward). ``$OUT/arm_j_pieces.json`` (table ``T16-armJ-pieces``) is rewritten
+piece, so the sum exceeds the plain backward). Last, the attention backward formula against a candidate
+(:func:`dense_cache_attention`) on one layer's calls (table ``T16-armJ-attention``). ``$OUT/arm_j_pieces.json`` (table ``T16-armJ-pieces``) is rewritten
 after each form, so a time limit keeps what finished.
 
 The process sets ``VLLM_BATCH_INVARIANT=1`` and ``TRITON_F32_DEFAULT=ieee`` before vLLM is imported (arm J's
@@ -149,6 +150,83 @@ def measure_arm_a(policy: Any, ids: Any, mask: Any, keep: int, repeats: int, dev
     return row
 
 
+def dense_cache_attention(q: Any, key_cache: Any, value_cache: Any, cu_seqlens_q: Any, seqused_k: Any,
+                          block_table: Any, max_seqlen_q: int, max_seqlen_k: int, scale: float) -> Any:
+    """A candidate for arm J's attention backward formula (the ``flash_paged`` signature): every query against the
+    whole paged cache in one ``scaled_dot_product_attention``, a ``[Tq, slots]`` mask marking the keys its entry
+    reads (through its block table, positions ``< seqused_k - n + r + 1``). No per-entry gather of the keys: their
+    gradients land in the cache directly. ``q [Tq, nq, d]`` -> ``[Tq, nq, d]``."""
+    import torch
+    import torch.nn.functional as F
+
+    page, heads = key_cache.shape[1], q.shape[1]
+    slots = key_cache.shape[0] * page
+    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    entry = torch.repeat_interleave(torch.arange(counts.numel(), device=q.device), counts, output_size=q.shape[0])
+    within = torch.arange(q.shape[0], device=q.device) - cu_seqlens_q[:-1].long()[entry]
+    limit = seqused_k.long()[entry] - counts[entry] + within + 1  # [Tq]
+    j = torch.arange(max_seqlen_k, device=q.device)
+    block = (j // page).clamp(max=block_table.shape[1] - 1)
+    slot = block_table.long()[entry][:, block] * page + j % page  # [Tq, max_k]
+    reads = torch.zeros(q.shape[0], slots, dtype=torch.int32, device=q.device)
+    reads.scatter_add_(1, slot, (j[None, :] < limit[:, None]).to(torch.int32))
+    groups = heads // key_cache.shape[2]
+    keys = key_cache.flatten(0, 1).transpose(0, 1).repeat_interleave(groups, dim=0)[None]
+    values = value_cache.flatten(0, 1).transpose(0, 1).repeat_interleave(groups, dim=0)[None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=(reads > 0)[None, None],
+                                         scale=scale)
+    return out[0].transpose(0, 1)
+
+
+ATTENTION_FORMULAS = {"padded entries (the plugin's)": "flash_paged_formula", "dense over the cache": "dense"}
+"""Label -> attention backward formula timed by :func:`attention_formula_rows`."""
+
+
+def attention_formula_rows(policy: Any, ids: Any, mask: Any, keep: int, device: Any, repeats: int) -> dict:
+    """The two paged calls of one layer of arm J's forward (the prefill over the prompts, the decode call with one
+    entry per generated token; this micro-batch's shapes, random bf16 q/k/v) through each candidate formula in
+    fp32, forward and backward timed as :func:`time_forward_backward` does; each candidate's output against the
+    plugin's (max |difference|)."""
+    import torch
+
+    from bloggap_plugin.core.vllm_autograd import flash_paged_formula
+    from bloggap_plugin.core.vllm_form import _step_calls, pack, paged_kv, prompt_first
+
+    config = policy.config
+    packed = pack(ids, mask)
+    generated = torch.zeros(mask.shape, dtype=torch.bool, device=mask.device)
+    generated[:, -keep:] = True
+    packed.generated = generated[packed.where]
+    ordered = prompt_first(packed)
+    calls = _step_calls(ordered, 16, ids.device)
+    slot, block_table, blocks = ordered.paged[16]
+    layout = (slot[ordered.order], block_table, blocks)  # the cache slot of each token in prompt_first's order
+    total = int(ordered.cu_seqlens[-1])
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    gen = torch.Generator(device=ids.device).manual_seed(0)
+    q, k, v = (torch.randn(total, heads, head_dim, generator=gen, device=ids.device)
+               for heads in (config.num_attention_heads, config.num_key_value_heads, config.num_key_value_heads))
+    formulas = {"flash_paged_formula": flash_paged_formula, "dense": dense_cache_attention}
+    rows: dict = {}
+    for call_name, call in zip(("prefill", "decode"), calls):
+        index, arguments = call[0], call[1:]
+        reference = None
+        for label, key in ATTENTION_FORMULAS.items():
+            leaves = [q[index].clone().requires_grad_(True), k.clone().requires_grad_(True),
+                      v.clone().requires_grad_(True)]
+
+            def forward(leaves=leaves, formula=formulas[key], arguments=arguments):
+                key_cache, value_cache, _ = paged_kv(leaves[1], leaves[2], ordered.lengths, 16, layout)
+                return formula(leaves[0], key_cache, value_cache, *arguments, head_dim ** -0.5)
+
+            row = time_forward_backward(forward, device, repeats)
+            out = row.pop("logps")
+            reference = out if reference is None else reference
+            row["max_abs_vs_plugin"] = float((out - reference).abs().max())
+            rows[f"{call_name}: {label}"] = row
+    return rows
+
+
 def table(results: dict) -> dict:
     """``T16-armJ-pieces`` from the results (arm A's row first)."""
     base = results.get("arm A", {}).get("total_s")
@@ -166,9 +244,27 @@ def table(results: dict) -> dict:
                      "results['J (all)']['backward_by_piece'] (synchronised per piece)."}
 
 
-def document(results: dict, params: dict, env: dict) -> dict:
-    return {"benchmark": "arm_j_pieces", "schema_version": 1, "env": env, "params": params, "results": results,
-            "tables": [table(results)]}
+ATTENTION_TABLE_ID = "T16-armJ-attention"
+
+
+def attention_table(rows: dict) -> dict:
+    """``T16-armJ-attention`` from :func:`attention_formula_rows`' rows."""
+    body = [[label, round(row["forward_s"], 5), round(row["backward_s"], 5), round(row["total_s"], 5),
+             float(f"{row['max_abs_vs_plugin']:.3g}")] for label, row in rows.items()]
+    return {"id": ATTENTION_TABLE_ID, "title": "Arm J's attention backward formula: candidates on one layer's calls",
+            "columns": ["call: formula", "forward s", "backward s", "total s", "max |out - plugin's|"],
+            "rows": body, "reference": None, "random_init": False,
+            "notes": "fp32 formula (what arm J's backward differentiates) on one layer's two paged calls of the "
+                     "micro-batch in params, random q/k/v; median of the repeats after a warm-up."}
+
+
+def document(results: dict, params: dict, env: dict, attention: dict | None = None) -> dict:
+    doc = {"benchmark": "arm_j_pieces", "schema_version": 1, "env": env, "params": params, "results": results,
+           "tables": [table(results)]}
+    if attention:
+        doc["attention_formulas"] = attention
+        doc["tables"].append(attention_table(attention))
+    return doc
 
 
 def _batch(model: str, rows: int, tokens: int, device: Any) -> tuple:
@@ -218,10 +314,17 @@ def cmd_run(args: argparse.Namespace) -> int:
             results[label] = {"pieces": spec, "error": f"{type(error).__name__}: {error}"[:2000]}
         print(label, f"{time.perf_counter() - started:.1f} s", {k: v for k, v in results[label].items()
                                                                    if k != "backward_by_piece"}, flush=True)
-        ok = {k: v for k, v in results.items() if "error" not in v}
-        doc = document(ok, {**params, "errors": {k: v for k, v in results.items() if "error" in v}}, env)
-        (out / RESULT_NAME).write_text(json.dumps(doc, indent=1) + "\n")
+        _write(out, results, params, env)
+    attention = attention_formula_rows(policy, ids, mask, args.tokens, device, args.repeats)
+    print("attention formulas", attention, flush=True)
+    _write(out, results, params, env, attention)
     return 0
+
+
+def _write(out: Path, results: dict, params: dict, env: dict, attention: dict | None = None) -> None:
+    ok = {k: v for k, v in results.items() if "error" not in v}
+    doc = document(ok, {**params, "errors": {k: v for k, v in results.items() if "error" in v}}, env, attention)
+    (out / RESULT_NAME).write_text(json.dumps(doc, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
