@@ -402,12 +402,13 @@ def _collect_rows(folders: list[Path], fallback: dict, notes: dict) -> dict:
 
 def _pack_logs(folders: list[Path], labels: list[str], pack: Path, model_path: str) -> None:
     """``LABEL.jsonl`` and ``LABEL.log`` of ``labels`` into ``pack`` (tar.xz), machine paths replaced and console
-    logs without progress bars."""
+    logs without progress bars. A later folder's file replaces an earlier one's of the same name, as its run
+    replaces the row (:func:`_collect_rows`): the pack holds the logs of the rows, each name once."""
     from benchmarks._lib.publish import pack_text_files
 
-    files = [path for folder in folders for path in sorted(folder.iterdir())
-             if path.stem in labels and path.suffix in (".jsonl", ".log")]
-    pack_text_files(files, pack, model_path, "<SmolLM2 dense folder>")
+    files = {path.name: path for folder in folders for path in sorted(folder.iterdir())
+             if path.stem in labels and path.suffix in (".jsonl", ".log")}
+    pack_text_files(files.values(), pack, model_path, "<SmolLM2 dense folder>")
 
 
 def collect_main(args: argparse.Namespace) -> int:

@@ -274,3 +274,32 @@ def test_arm_i_live_runs_the_vllm_form_arms_in_vllms_batch_invariant_mode():
         assert env["VLLM_BATCH_INVARIANT"] == "1" and env["TRITON_F32_DEFAULT"] == "ieee" and env["PATH"] == "/bin"
     env = script.run_env("train_A_ni2", caller)
     assert "VLLM_BATCH_INVARIANT" not in env and "TRITON_F32_DEFAULT" not in env and env["PATH"] == "/bin"
+
+
+def test_arm_i_live_collect_takes_a_later_folders_run_for_the_row_and_the_pack(tmp_path):
+    """``collect --runs EARLY --runs LATE``: a label in both folders gets LATE's row and LATE's logs in the pack,
+    each file once (an earlier call's run of the same label is not packed beside it)."""
+    import tarfile
+
+    script = _live_script()
+    early, late = tmp_path / "early", tmp_path / "late"
+    for folder, arms in ((early, ("A", "J")), (late, ("J",))):
+        folder.mkdir()
+        for arm in arms:
+            records = _synthetic_run(arm)
+            if folder is late:
+                records = records[:12]
+            (folder / f"train_{arm}_ni2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+            (folder / f"train_{arm}_ni2.log").write_text(f"{folder.name} /tmp/vx/smollm2\n")
+    env = tmp_path / "run.json"
+    env.write_text(json.dumps({"env": {"gpu": "X"}, "params": {"memory": 0.25}, "results": {}}))
+    result, pack = tmp_path / "live.json", tmp_path / "runs.tar.xz"
+    assert script.main(["collect", str(result), "--runs", str(early), "--runs", str(late), "--env", str(env),
+                        "--revision", "abc", "--pack", str(pack)]) == 0
+    rows = json.loads(result.read_text())["results"]
+    assert list(rows) == ["train_A_ni2", "train_J_ni2"] and rows["train_J_ni2"]["steps"] == 12
+    with tarfile.open(pack, "r:xz") as tar:
+        names = tar.getnames()
+        assert sorted(names) == ["train_A_ni2.jsonl", "train_A_ni2.log", "train_J_ni2.jsonl", "train_J_ni2.log"]
+        assert tar.extractfile("train_J_ni2.log").read().decode() == "late <SmolLM2 dense folder>\n"
+        assert len(tar.extractfile("train_J_ni2.jsonl").read().decode().splitlines()) == 12
