@@ -269,8 +269,10 @@ def _times(value: float | None, reference: float | None) -> float | None:
 
 def onpolicy_table(rows: dict) -> dict | None:
     """``T16-armJ-live``: arm J (the exactly on-policy arm) against arm A on the same runs' JSONL, one row per arm A
-    or J run; step times also as a multiple of the first arm A row's. ``None`` unless ``rows`` hold an arm J and an
-    arm A row that ran."""
+    or J run; step times also as a multiple of the first arm A row's: the generating step's for every row, the
+    median over all steps only for a row with the arm A row's ``num_iterations`` (with 1 every step generates, so its
+    median is a generating step's, not comparable with a median that mixes both kinds). ``None`` unless ``rows``
+    hold an arm J and an arm A row that ran."""
     ran = {label: row for label, row in rows.items() if "error" not in row and row.get("arm") in ("A", "J")}
     reference = next(((label, row) for label, row in ran.items() if row["arm"] == "A"), None)
     if reference is None or not any(row["arm"] == "J" for row in ran.values()):
@@ -278,11 +280,13 @@ def onpolicy_table(rows: dict) -> dict | None:
     base = reference[1]
     body = []
     for label, row in ran.items():
+        comparable = row.get("num_iterations") == base.get("num_iterations")
         body.append([label, row["arm"], row["steps"], _pct(row["sampler_oob_mean"]), _pct(row["sampler_exact_mean"], 2),
                      _round(row.get("ratio_exact_first_iteration_min"), 4),
                      _round(row.get("ratio_exact_first_iteration_mean"), 4),
                      _round(row.get("ratio_exact_later_iterations_mean"), 4),
-                     _round(row.get("step_s_median"), 3), _times(row.get("step_s_median"), base.get("step_s_median")),
+                     _round(row.get("step_s_median"), 3),
+                     _times(row.get("step_s_median") if comparable else None, base.get("step_s_median")),
                      _round(row["generating_step_s_median"], 3),
                      _times(row["generating_step_s_median"], base["generating_step_s_median"]),
                      _round(row.get("other_step_s_median"), 3),
@@ -300,8 +304,9 @@ def onpolicy_table(rows: dict) -> dict | None:
                      "that do not generate (num_iterations 2: the second iteration, after an optimizer step). Step "
                      "times: medians of step_time over every step after step 1, over the generating steps after "
                      "step 1 and over the other steps; 'x arm A': divided by the same median of "
-                     f"{reference[0]}. Reward: the generating steps' reward, over the whole run and over its last 20 "
-                     "steps. grad_norm: median over all steps."}
+                     f"{reference[0]}; 'step x arm A' only for a run with its num_iterations (with 1 every step "
+                     "generates). Reward: the generating steps' reward, over the whole run and over its last 20 "
+                     "steps (compare runs of the same length). grad_norm: median over all steps."}
 
 
 def document(rows: dict, params: dict, env: dict) -> dict:

@@ -163,6 +163,18 @@ def test_arm_j_live_table_from_synthetic_logs():
                  "reward (mean)": 0.25, "reward (mean, last 20 steps)": 0.25, "grad_norm (median)": 25.0}
     assert "train_A_ni2" in table["notes"]
     validate_result(json.loads(json.dumps(doc)), "arm_j_live.json")  # what `bloggap report` reads (plot hint included)
+    # a second arm J row with num_iterations 1 (every step generates): its generating step against A's, but not its
+    # median over all steps (A's mixes generating and other steps), and no other steps
+    rows["callback_J_ni1"] = script.summarize("callback_J_ni1", [
+        {**r, "gap/sampler/oob_frac": 0.0, "step_time": r["step_time"] if r["step"] == 1 else 3.0}
+        for r in _synthetic_run("J")])
+    table = script.document(rows, {}, {})["tables"][1]
+    cells = {row[0]: dict(zip(table["columns"], row)) for row in table["rows"]}
+    assert list(cells) == ["train_A_ni2", "train_J_ni2", "callback_J_ni1"] and cells["train_J_ni2"] == j
+    ni1 = cells["callback_J_ni1"]
+    assert ni1["step s (median, after step 1)"] == 3.0 and ni1["step x arm A"] is None
+    assert ni1["generating step s (median)"] == 3.0 and ni1["generating step x arm A"] == 3.0
+    assert ni1["other step s (median)"] is None and ni1["other step x arm A"] is None
     # without an arm A row (or without an arm J row) there is nothing to compare: one table
     assert [t["id"] for t in script.document({"train_J_ni2": rows["train_J_ni2"]}, {}, {})["tables"]] == [
         "T16-armI-live"]
