@@ -3,15 +3,18 @@ backward, against arm A's (TRL's bf16 autocast forward). ONE device call, after 
 
     python -m benchmarks.arm_j_pieces run --model /tmp/vx/smollm2 --out $OUT
 
+then here ``python -m benchmarks.arm_j_pieces document $OUT/arm_j_pieces.json benchmarks/results/h200/arm_j_pieces.json``.
+
 A TRL-shaped micro-batch (``--rows`` arithmetic chat prompts, left-padded, with ``--tokens`` completion tokens drawn
 from the vocabulary) goes through :class:`~bloggap_plugin.core.plans.vllm_shadow.OnPolicyForward` in arm J's form
 (``all``) and in forms with one piece put back to torch (:data:`FORMS`), each on the fp32 policy. Per form: the
 forward (with gradients) and the backward of ``sum(logps)``, median seconds of ``--repeats`` after a warm-up; whether
 the training forward's log-probs equal arm J's old log-probs in the same form (``VllmFormParamsPlan``) bit for bit;
 the total against arm A's. For arm J's form, each piece's backward seconds (the device synchronised around each
-piece, so the sum exceeds the plain backward). Last, the attention backward formula against a candidate
-(:func:`dense_cache_attention`) on one layer's calls (table ``T16-armJ-attention``). ``$OUT/arm_j_pieces.json`` (table ``T16-armJ-pieces``) is rewritten
-after each form, so a time limit keeps what finished.
+piece, so the sum exceeds the plain backward; table ``T16-armJ-backward``). Last, the attention backward formula
+against a candidate (:func:`dense_cache_attention`) on one layer's calls (table ``T16-armJ-attention``).
+``$OUT/arm_j_pieces.json`` (table ``T16-armJ-pieces``) is rewritten after each form, so a time limit keeps what
+finished.
 
 The process sets ``VLLM_BATCH_INVARIANT=1`` and ``TRITON_F32_DEFAULT=ieee`` before vLLM is imported (arm J's
 recipe asks the user to export both).
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 TABLE_ID = "T16-armJ-pieces"
+BACKWARD_TABLE_ID = "T16-armJ-backward"
 RESULT_NAME = "arm_j_pieces.json"
 FORMS: dict[str, str] = {
     "J (all)": "all",
@@ -47,6 +51,18 @@ FORMS: dict[str, str] = {
 """Row label -> arm I form (``core.vllm_form.parse_form``): arm J's, then one piece back to torch at a time."""
 PROCESS_ENV = {"VLLM_BATCH_INVARIANT": "1", "TRITON_F32_DEFAULT": "ieee"}
 COLUMNS = ["form", "pieces (core.vllm_form)", "forward s", "backward s", "total s", "x arm A", "equals the old log-probs"]
+BACKWARD_PIECES: dict[str, str] = {
+    "flash_paged_formula": "attention (paged FlashAttention, per call)",
+    "flash_formula": "attention (contiguous FlashAttention)",
+    "linear_formula": "linear (q/k/v, o, gate/up, down, head)",
+    "over_launches": "RMSNorm in step launches (one piece per norm)",
+    "rotary_formula": "RoPE",
+    "silu_and_mul_formula": "activation (silu and mul)",
+    "rms_norm_formula": "RMSNorm in one launch",
+    "token_logprobs_formula": "log-prob of the sampled token",
+}
+"""Backward formula (``core.vllm_autograd``) -> the piece of arm J's forward it differentiates."""
+BACKWARD_COLUMNS = ["piece", "backward formula", "calls", "backward s (synchronised per piece)", "% of the backward"]
 
 
 def _sync(device: Any) -> None:
@@ -241,7 +257,31 @@ def table(results: dict) -> dict:
                      "backward of sum(logps), median of the repeats after a warm-up. Each form after J puts one "
                      "piece back to torch (core.vllm_form). equals the old log-probs: the training forward's "
                      "log-probs bit for bit the same form's grad-free old log-probs. Arm J's backward by piece: "
-                     "results['J (all)']['backward_by_piece'] (synchronised per piece)."}
+                     "T16-armJ-backward."}
+
+
+def backward_table(results: dict) -> dict | None:
+    """``T16-armJ-backward``: arm J's backward by piece (``results['J (all)']['backward_by_piece']``), the largest
+    first, then what ran outside the wrapped pieces (the backward's total less their sum: casts, concatenations,
+    gathers, the embedding); ``None`` where arm J's row has no breakdown."""
+    by_piece = results.get("J (all)", {}).get("backward_by_piece")
+    if not by_piece:
+        return None
+    total = by_piece["total_s"]
+    rows = [[BACKWARD_PIECES.get(name, name), name, by_piece["calls"].get(name), round(seconds, 4),
+             round(100 * seconds / total, 1)]
+            for name, seconds in sorted(by_piece["seconds"].items(), key=lambda item: -item[1])]
+    outside = total - sum(by_piece["seconds"].values())
+    rows.append(["outside the wrapped pieces", None, None, round(outside, 4), round(100 * outside / total, 1)])
+    return {"id": BACKWARD_TABLE_ID, "title": "Arm J's backward by piece (one micro-batch, T16-armJ-pieces' form J)",
+            "columns": BACKWARD_COLUMNS, "rows": rows, "reference": None, "random_init": False,
+            "plot": {"kind": "bar", "x": "piece", "y": ["% of the backward"],
+                     "title": "Arm J's backward by piece", "ylabel": "% of the backward"},
+            "notes": "One backward of sum(logps) in arm J's form over T16-armJ-pieces' micro-batch, the device "
+                     "synchronised before and after each wrapped piece's backward (core.vllm_autograd: torch's fp32 "
+                     f"formula of the piece at its saved inputs), so its total ({round(total, 4)} s) exceeds the "
+                     "plain backward of T16-armJ-pieces. calls: the piece's backward calls in that backward. "
+                     "Outside the wrapped pieces: the total less the pieces' sum."}
 
 
 ATTENTION_TABLE_ID = "T16-armJ-attention"
@@ -259,8 +299,11 @@ def attention_table(rows: dict) -> dict:
 
 
 def document(results: dict, params: dict, env: dict, attention: dict | None = None) -> dict:
+    """The result document: ``T16-armJ-pieces``, ``T16-armJ-backward`` where arm J's row has its breakdown, and
+    ``T16-armJ-attention`` where ``attention`` (:func:`attention_formula_rows`) is given."""
+    backward = backward_table(results)
     doc = {"benchmark": "arm_j_pieces", "schema_version": 1, "env": env, "params": params, "results": results,
-           "tables": [table(results)]}
+           "tables": [table(results)] + ([backward] if backward is not None else [])}
     if attention:
         doc["attention_formulas"] = attention
         doc["tables"].append(attention_table(attention))
@@ -327,6 +370,19 @@ def _write(out: Path, results: dict, params: dict, env: dict, attention: dict | 
     (out / RESULT_NAME).write_text(json.dumps(doc, indent=1) + "\n")
 
 
+def cmd_document(args: argparse.Namespace) -> int:
+    """The committed document from a ``run`` document: its tables rebuilt from its ``results`` (and its attention
+    formulas' rows, where it has them) by this code, the machine's paths replaced
+    (``benchmarks._lib.publish.strip_paths``)."""
+    from benchmarks._lib.publish import strip_paths
+
+    raw = json.loads(Path(args.raw).read_text())
+    doc = document(raw["results"], raw["params"], raw["env"], raw.get("attention_formulas"))
+    text = strip_paths(json.dumps(doc, indent=1) + "\n", args.model_path, "<SmolLM2 dense folder>")
+    Path(args.result).write_text(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -338,8 +394,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--repeats", type=int, default=5)
     run.add_argument("--forms", default=None, help=f"comma-separated labels of {list(FORMS)} (default: all)")
     run.add_argument("--revision", default=None, help="the commit that runs (recorded)")
+    doc = sub.add_parser("document", help="the committed document from a run's (tables rebuilt, paths replaced)")
+    doc.add_argument("raw", help="arm_j_pieces.json as run wrote it")
+    doc.add_argument("result", help="where the committed document goes")
+    doc.add_argument("--model-path", default="/tmp/vx/smollm2", help="the model folder on the GPU machine")
     args = parser.parse_args(argv)
-    return {"run": cmd_run}[args.command](args)
+    return {"run": cmd_run, "document": cmd_document}[args.command](args)
 
 
 if __name__ == "__main__":

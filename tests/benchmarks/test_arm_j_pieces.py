@@ -100,3 +100,21 @@ def test_the_attention_table_is_built_from_its_rows(script):
     assert doc["tables"][1]["id"] == "T16-armJ-attention"
     assert doc["tables"][1]["rows"] == [["decode: dense over the cache", 0.001, 0.002, 0.003, 1.5e-07]]
     assert len(script.document({}, {}, {})["tables"]) == 1
+
+
+def test_backward_table_gives_each_piece_largest_first_and_what_ran_outside_them(script):
+    results = {"arm A": {"forward_s": 0.1, "backward_s": 0.3, "total_s": 0.4},
+               "J (all)": {"forward_s": 0.2, "backward_s": 0.7, "total_s": 0.9, "spec": "all",
+                           "equals_old_logprobs": True,
+                           "backward_by_piece": {"total_s": 1.0, "seconds": {"linear_formula": 0.25,
+                                                                             "flash_paged_formula": 0.5},
+                                                 "calls": {"linear_formula": 9, "flash_paged_formula": 4}}}}
+    table = script.backward_table(results)
+    assert table["id"] == "T16-armJ-backward" and table["columns"] == script.BACKWARD_COLUMNS
+    assert table["rows"] == [[script.BACKWARD_PIECES["flash_paged_formula"], "flash_paged_formula", 4, 0.5, 50.0],
+                             [script.BACKWARD_PIECES["linear_formula"], "linear_formula", 9, 0.25, 25.0],
+                             ["outside the wrapped pieces", None, None, 0.25, 25.0]]
+    assert [t["id"] for t in script.document(results, {}, {})["tables"]] == ["T16-armJ-pieces", "T16-armJ-backward"]
+    del results["J (all)"]["backward_by_piece"]
+    assert [t["id"] for t in script.document(results, {}, {})["tables"]] == ["T16-armJ-pieces"]
+
