@@ -3,8 +3,11 @@ piece-by-piece backward (one wrapped piece per kernel call of the forward), and 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from _support import ROOT
 
 from bloggap_plugin.core.vllm_form import TORCH_KERNELS, parse_form
 
@@ -118,3 +121,17 @@ def test_backward_table_gives_each_piece_largest_first_and_what_ran_outside_them
     del results["J (all)"]["backward_by_piece"]
     assert [t["id"] for t in script.document(results, {}, {})["tables"]] == ["T16-armJ-pieces"]
 
+
+def test_committed_tables_are_built_from_their_results(script):
+    """benchmarks/results/h200/arm_j_pieces.json: the tables are what this code builds from the document's results
+    (generated, never typed); arm J's form equals its old log-probs bit for bit, and every wrapped piece of the
+    forward has a backward row."""
+    from bloggap_plugin.results import ResultDocument
+
+    path = ROOT / "benchmarks" / "results" / "h200" / "arm_j_pieces.json"
+    ResultDocument.read(path)
+    doc = json.loads(path.read_text())
+    assert doc["tables"] == json.loads(json.dumps(script.document(doc["results"], {}, {})["tables"]))
+    assert doc["tables"][0] == json.loads(json.dumps(script.table(doc["results"])))
+    assert doc["results"]["J (all)"]["equals_old_logprobs"] is True and doc["params"]["revision"] == "b01b450"
+    assert set(doc["results"]["J (all)"]["backward_by_piece"]["seconds"]) <= set(script.BACKWARD_PIECES)
