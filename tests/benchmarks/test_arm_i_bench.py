@@ -241,9 +241,13 @@ def test_arm_i_engine_table_is_built_from_its_results():
     assert results["eager"]["engine_kwargs"] == {k: v for k, v in script.VARIANTS["eager"].items()}
     # route 1 under the same condition: the compiled engine with every custom op and one-step prefill
     assert results["compiled_kernels_one_prefill"]["engine_kwargs"] == script.VARIANTS["compiled_kernels_one_prefill"]
+    # the eager engine's kernels launched from full decode CUDA graphs: arm I bit-identical again
+    assert results["graphs_one_prefill"]["engine_kwargs"] == script.VARIANTS["graphs_one_prefill"]
+    assert results["graphs_one_prefill"]["arm_i"]["bitwise_pct"] == 100.0
     assert {v: e["revision"] for v, e in results.items()} == {
         "eager": "d49905d", "compiled_kernels": "d49905d", "compiled_kernels_prefix_cache": "d49905d",
-        "compiled": "d49905d", "eager_one_prefill": "2169212", "compiled_kernels_one_prefill": "24e5d62"}
+        "compiled": "d49905d", "eager_one_prefill": "2169212", "compiled_kernels_one_prefill": "24e5d62",
+        "graphs_one_prefill": "b01b450"}
 
 
 def _engine_entry(**extra) -> dict:
