@@ -253,6 +253,8 @@ def table(results: dict) -> dict:
                      round(row["backward_s"], 4), round(row["total_s"], 4), ratio, row.get("equals_old_logprobs")])
     return {"id": TABLE_ID, "title": "Arm J's training forward and backward, piece by piece, against arm A's",
             "columns": COLUMNS, "rows": rows, "reference": None, "random_init": False,
+            "plot": {"kind": "bar", "x": "form", "y": ["forward s", "backward s"],
+                     "title": "One micro-batch's training forward and backward by form", "ylabel": "s"},
             "notes": "One TRL micro-batch (rows x (prompt + completion) tokens, params); forward with gradients and "
                      "backward of sum(logps), median of the repeats after a warm-up. Each form after J puts one "
                      "piece back to torch (core.vllm_form). equals the old log-probs: the training forward's "
