@@ -159,6 +159,58 @@ PIECE_FORMULAS: dict[str, Callable[..., torch.Tensor]] = {
 """The torch formula each wrapped :class:`Kernels` field is differentiated with (same signature as the field)."""
 
 
+# ------------------------------------------------------------------------- the formulas' gradients, closed form
+def linear_gradient(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """:func:`linear_formula`'s gradients ``(d x, d weight, d bias)`` for the output's gradient ``grad``."""
+    flat_grad, flat_x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+    return grad @ weight, flat_grad.T @ flat_x, None if bias is None else flat_grad.sum(0)
+
+
+def rms_norm_gradient(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, *rest):
+    """:func:`rms_norm_formula`'s ``(d x, d weight, None, ...)``: with ``r = rsqrt(mean(x^2) + eps)`` and ``g = grad
+    * weight``, ``d x = r g - x r^3 mean(g x)`` and ``d weight`` the sum over rows of ``grad x r``."""
+    rsqrt = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    scaled = grad * weight
+    dx = rsqrt * scaled - x * rsqrt.pow(3) * (scaled * x).mean(-1, keepdim=True)
+    return (dx, (grad * x * rsqrt).reshape(-1, x.shape[-1]).sum(0), None, *(None for _ in rest))
+
+
+def rotary_gradient(grad: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor):
+    """:func:`rotary_formula`'s ``(d x, None, None)``: the rotation by the opposite angle."""
+    cos, sin = cache.index_select(0, positions).to(x.dtype).chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    g1, g2 = grad.chunk(2, dim=-1)
+    return torch.cat((g1 * cos + g2 * sin, g2 * cos - g1 * sin), dim=-1), None, None
+
+
+def silu_and_mul_gradient(grad: torch.Tensor, x: torch.Tensor):
+    """:func:`silu_and_mul_formula`'s ``(d x,)``: ``d gate = grad up s (1 + gate (1 - s))`` with ``s =
+    sigmoid(gate)``, ``d up = grad silu(gate)``."""
+    half = x.shape[-1] // 2
+    gate, up = x[..., :half], x[..., half:]
+    sigmoid = torch.sigmoid(gate)
+    return (torch.cat((grad * up * sigmoid * (1 + gate * (1 - sigmoid)), grad * gate * sigmoid), dim=-1),)
+
+
+def token_logprobs_gradient(grad: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor):
+    """:func:`token_logprobs_formula`'s ``(d logits, None)``: ``grad (onehot(tokens) - softmax(logits))``."""
+    dlogits = torch.softmax(logits, dim=-1) * -grad[:, None]
+    dlogits.scatter_add_(-1, tokens.long()[:, None], grad[:, None])
+    return dlogits, None
+
+
+PIECE_GRADIENTS: dict[Callable[..., torch.Tensor], Callable[..., tuple]] = {
+    linear_formula: linear_gradient,
+    rms_norm_formula: rms_norm_gradient,
+    rotary_formula: rotary_gradient,
+    silu_and_mul_formula: silu_and_mul_gradient,
+    token_logprobs_formula: token_logprobs_gradient,
+}
+"""Formula -> its gradients in closed form ``gradient(grad, *args)`` (one entry per argument, ``None`` where there is
+none), computed instead of differentiating the formula (no fp32 recompute of the piece's output, no inner autograd
+graph); a formula without an entry (the attention's) is differentiated by autograd."""
+
+
 # ------------------------------------------------------------------------------------------------ the Function
 class _KernelPiece(torch.autograd.Function):
     """``forward``: ``kernel(*args)``; ``backward``: the gradient of ``formula(*args)`` in fp32 at the saved
@@ -182,7 +234,14 @@ class _KernelPiece(torch.autograd.Function):
         tensors = ctx.saved_tensors
         wanted = [i for i, t in enumerate(tensors) if ctx.needs_input_grad[4 + i]]
         grads: list[torch.Tensor | None] = [None] * len(tensors)
-        if wanted:
+        gradient = PIECE_GRADIENTS.get(ctx.formula)
+        if wanted and gradient is not None:
+            inputs = [t.detach().float() if t.is_floating_point() else t for t in tensors]
+            by_argument = gradient(grad.float(), *_rebuild(ctx.spec, inputs))
+            by_tensor = {slot.index: g for slot, g in zip(ctx.spec, by_argument) if isinstance(slot, _Slot)}
+            for i in wanted:
+                grads[i] = None if by_tensor.get(i) is None else by_tensor[i].to(tensors[i].dtype)
+        elif wanted:
             with torch.enable_grad():
                 inputs = [t.detach().float().requires_grad_(i in wanted) if t.is_floating_point() else t
                           for i, t in enumerate(tensors)]
@@ -231,18 +290,21 @@ def _wrap(name: str, kernel: Callable[..., torch.Tensor], formula: Callable[...,
         # every launch of norm_in_step_launches in one piece: the formula is row-wise, so one fp32 recompute over
         # all the rows is each launch's, and the backward costs one piece instead of one per launch
         piece.in_step_launches = _wrap(f"{name}_in_step_launches", functools.partial(norm_in_step_launches, kernel),
-                                       _norm_over_launches(formula))
+                                       rms_norm_over_launches)
     return piece
 
 
 _NORMS = ("rms_norm", "add_rms_norm")
 
 
-def _norm_over_launches(formula: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    def over_launches(x: torch.Tensor, weight: torch.Tensor, eps: float, launches, large: int = NORM_LARGE_LAUNCH):  # noqa: ARG001
-        return formula(x, weight, eps)
+def rms_norm_over_launches(x: torch.Tensor, weight: torch.Tensor, eps: float, launches,  # noqa: ARG001
+                           large: int = NORM_LARGE_LAUNCH) -> torch.Tensor:  # noqa: ARG001
+    """:func:`rms_norm_formula` over every row, with ``norm_in_step_launches``' signature (the formula is row-wise:
+    one fp32 recompute over all the rows is each launch's)."""
+    return rms_norm_formula(x, weight, eps)
 
-    return over_launches
+
+PIECE_GRADIENTS[rms_norm_over_launches] = rms_norm_gradient
 
 
 def autograd_kernels(kernels: Kernels) -> Kernels:

@@ -47,7 +47,7 @@ def test_arm_js_row_equals_its_old_log_probs_and_times_one_backward_piece_per_ke
     # each one piece), then the final norm, the head and the log-prob
     assert row["backward_by_piece"]["calls"] == {
         "linear_formula": 4 * layers + 1, "rotary_formula": 2 * layers, "flash_paged_formula": 2 * layers,
-        "silu_and_mul_formula": layers, "rms_norm_formula": 1, "over_launches": 2 * layers,
+        "silu_and_mul_formula": layers, "rms_norm_formula": 1, "rms_norm_over_launches": 2 * layers,
         "token_logprobs_formula": 1}
     assert all(p.grad is None for p in model.parameters())  # the benchmark leaves no gradients behind
 

@@ -348,3 +348,48 @@ def test_a_norm_in_step_launches_is_one_piece_with_each_launchs_values_and_gradi
     fp32 = torch.autograd.grad(exact[0] * torch.rsqrt(exact[0].pow(2).mean(-1, keepdim=True) + 1e-6) * exact[1],
                                exact, upstream.float())[1]
     assert ((got[1].float() - fp32).abs() <= HALF_ULP * fp32.abs() + 1e-6 * fp32.abs().max()).all()
+
+
+def test_closed_form_gradients_are_torchs_gradients_of_the_formulas():
+    """Each piece's gradient in closed form (``PIECE_GRADIENTS``: what the backward computes, without recomputing
+    the piece) equals torch's autograd of the same fp32 formula, to fp32 rounding; every formula but the attention's
+    has one."""
+    from bloggap_plugin.core.vllm_autograd import (
+        PIECE_GRADIENTS,
+        linear_formula,
+        rms_norm_formula,
+        rms_norm_over_launches,
+        rotary_formula,
+        silu_and_mul_formula,
+        token_logprobs_formula,
+    )
+
+    assert set(PIECE_GRADIENTS) == {linear_formula, rms_norm_formula, rms_norm_over_launches, rotary_formula,
+                                    silu_and_mul_formula, token_logprobs_formula}
+    gen = torch.Generator().manual_seed(21)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen) * scale
+
+    cache = vllm_cos_sin_cache(8, 10000.0, 64, torch.bfloat16, torch.device("cpu"))
+    cases = [
+        (linear_formula, [randn(3, 5, 16), randn(12, 16, scale=0.3), randn(12, scale=0.1)]),
+        (linear_formula, [randn(24, 16), randn(12, 16, scale=0.3), None]),
+        (rms_norm_formula, [randn(24, 16, scale=3), 1 + 0.2 * randn(16), 1e-6]),
+        (rms_norm_over_launches, [randn(24, 16, scale=3), 1 + 0.2 * randn(16), 1e-6, ("launches",)]),
+        (rotary_formula, [randn(24, 3, 8), torch.randint(0, 64, (24,), generator=gen), cache]),
+        (silu_and_mul_formula, [randn(24, 20, scale=2)]),
+        (token_logprobs_formula, [randn(24, 50, scale=3), torch.randint(0, 50, (24,), generator=gen)]),
+    ]
+    for formula, args in cases:
+        leaves = [a.clone().requires_grad_(True) if torch.is_tensor(a) and a.is_floating_point() and a.dtype ==
+                  torch.float32 else a for a in args]
+        out = formula(*leaves)
+        upstream = randn(*out.shape)
+        differentiable = [a for a in leaves if torch.is_tensor(a) and a.requires_grad]
+        want = torch.autograd.grad(out, differentiable, upstream)
+        got = [g for a, g in zip(leaves, PIECE_GRADIENTS[formula](upstream, *args))
+               if torch.is_tensor(a) and a.requires_grad]
+        assert len(got) == len(want), formula.__name__
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6 * float(w.abs().max()), msg=formula.__name__)
