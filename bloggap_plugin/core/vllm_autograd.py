@@ -3,9 +3,9 @@
 vLLM's kernels (:class:`~bloggap_plugin.core.vllm_form.Kernels`: the batch-invariant linear, the RMSNorm kernels,
 ``rotary_embedding``, ``silu_and_mul``, FlashAttention, the V2 sampler's log-prob) have no backward. Each is wrapped
 here in a ``torch.autograd.Function`` whose forward calls the kernel unchanged (the values are the kernel's, bit for
-bit) and whose backward recomputes the same piece with torch's formula in fp32 at the saved inputs and
-differentiates that: straight-through across the kernel's bf16 roundings, as vLLM + TorchTitan's bit-wise
-on-policy RL does. Each input's gradient is returned in its own dtype (autograd rounds an fp32 gradient of a bf16
+bit) and whose backward is the gradient of the same piece's torch formula in fp32 at the saved inputs: in closed
+form where :data:`PIECE_GRADIENTS` has it, else by differentiating the formula with autograd (the attention's);
+straight-through across the kernel's bf16 roundings, as vLLM + TorchTitan's bit-wise on-policy RL does. Each input's gradient is returned in its own dtype (autograd rounds an fp32 gradient of a bf16
 input to bf16).
 
 Contract of a wrapped kernel: it returns a new tensor and leaves its inputs as they were
