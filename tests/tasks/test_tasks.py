@@ -293,6 +293,33 @@ def test_calc_steps_on_the_fixture_and_bad_values():
         get_task("arith", None, calc_steps=1)
 
 
+def test_worked_solution_removes_calculator_marks_and_ends_on_the_gold():
+    """The supervised target: marks gone (the text beside them keeps the result), '#### <gold>' without commas."""
+    answer = "Half is 48/2 = <<48/2=24>>24.\nShe pays $<<1000*1=1000>>1,000 in all.\n#### 1,000"
+    assert gsm8k.worked_solution(answer) == "Half is 48/2 = 24.\nShe pays $1,000 in all.\n#### 1000"
+    assert gsm8k.worked_solution(answer, calc_marks=True) == (
+        "Half is 48/2 = <<48/2=24>>24.\nShe pays $<<1000*1=1000>>1,000 in all.\n#### 1000")
+    with pytest.raises(gsm8k.GSM8KDataError):
+        gsm8k.worked_solution("no final line")
+
+
+def _targets_full_reward(rows: list[dict]) -> bool:
+    targets = [gsm8k.worked_solution(row["answer"]) for row in rows]
+    golds = [gsm8k.gold_answer(row["answer"]) for row in rows]
+    return (gsm8k.accuracy_reward(targets, answer=golds) == [1.0] * len(rows)
+            and gsm8k.strict_accuracy_reward(targets, answer=golds) == [1.0] * len(rows))
+
+
+def test_every_worked_solution_of_the_fixture_scores_full_reward():
+    rows = [json.loads(line) for line in gsm8k.SAMPLE_PATH.read_text().splitlines() if line.strip()]
+    assert _targets_full_reward(rows)
+
+
+def test_every_worked_solution_of_the_real_train_split_scores_full_reward(gsm8k_dir):
+    rows = [json.loads(line) for line in (gsm8k_dir / "train.jsonl").read_text().splitlines() if line.strip()]
+    assert len(rows) == 7473 and _targets_full_reward(rows)
+
+
 # --------------------------------------------------------------------------------------------- T15 baseline script
 
 
