@@ -344,6 +344,7 @@ def train(args, model_spec: str, rows: list[dict], device: str, curve: list, on_
     from bloggap_plugin.models import load_model
 
     model, tokenizer = load_model(model_spec, dtype="fp32", device="cpu")
+    use_cache = model.config.use_cache  # the Trainer sets it to its args.use_cache (False) for training
     examples = [training_example(row["question"], row["answer"], tokenizer) for row in rows]
     check_examples(examples)
     callback = _CurveCallback(curve, on_log)
@@ -363,6 +364,7 @@ def train(args, model_spec: str, rows: list[dict], device: str, curve: list, on_
         raise Refused(f"the trainer's tokenized examples are not the gsm8k prompt plus the target: {checked}")
     t0 = time.perf_counter()
     output = trainer.train()
+    trainer.model.config.use_cache = use_cache  # the checkpoint generates as the model it started from
     metrics = dict(output.metrics)
     shutil.rmtree(output_dir, ignore_errors=True)
     return trainer, {"format_check": checked, "metrics": metrics, "steps": trainer.state.global_step,

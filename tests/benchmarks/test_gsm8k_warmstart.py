@@ -85,6 +85,7 @@ def test_smoke_run_writes_every_phase_and_tables_made_from_its_results(smoke, sm
     ckpt = out / "checkpoint"
     assert results["checkpoint"]["sha256"] == module.checkpoint_sha256(ckpt)
     assert set(results["checkpoint"]["files"]) == {p.name for p in ckpt.iterdir()}
+    assert json.loads((ckpt / "config.json").read_text())["use_cache"] is True  # as the model it started from
     for phase, folder in module.EVALUATIONS:
         evaluated = json.loads((out / folder / "gsm8k_baseline.json").read_text())
         assert evaluated["params"]["decodings"] == ["greedy"] and evaluated["params"]["rows"] == 4
