@@ -270,3 +270,36 @@ def test_checkpoint_hash_is_stable_and_changes_with_any_byte(tmp_path, capsys):
     (folder / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="config.json"):
         module.checkpoint_sha256(folder)
+
+
+def test_the_gpu_call_script_reaches_the_vllm_check_and_fits_one_device_call(tmp_path, smoke_data):
+    """benchmarks/gpu/gsm8k_warmstart_call.sh on a machine without vLLM: the run stops at the vLLM check in one line
+    (in the log it tees), the script passes its exit on; its time limit leaves room in one 10-minute device call for
+    the model's conversion before it."""
+    import importlib.util
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from _support import ROOT
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: the script would run")
+    script = ROOT / "benchmarks" / "gpu" / "gsm8k_warmstart_call.sh"
+    (limit,) = [int(x) for x in re.findall(r"_S:-(\d+)", script.read_text())]
+    assert limit <= 540
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bindir / "python3").chmod(0o755)
+    out = tmp_path / "out"
+    environ = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "OUT": str(out), "DATA": str(smoke_data),
+               "MODEL": "tiny-random-llama", "CKPT": str(tmp_path / "ckpt")}
+    done = subprocess.run(["bash", str(script)], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == "gsm8k_warmstart_call: exit 2"
+    assert len(lines) == 2 and lines[0].startswith("gsm8k_warmstart: vLLM is not installed here"), done.stdout
+    assert (out / "gsm8k_warmstart.log").read_text().strip() == lines[0]
+    assert sorted(p.name for p in out.iterdir()) == ["gsm8k_warmstart.log"] and not (tmp_path / "ckpt").exists()
