@@ -80,7 +80,12 @@ class WarmstartError(ValueError):
 
 
 class Refused(RuntimeError):
-    """A data check failed: the run stops before training (exit 3)."""
+    """A data check failed: the run stops before training (exit 3). ``details``: what the check found, for the
+    result document."""
+
+    def __init__(self, message: str, details: dict | None = None) -> None:
+        super().__init__(message)
+        self.details = details
 
 
 # ----------------------------------------------------------------------------------------------------- data
@@ -290,8 +295,9 @@ def format_check(prepared, examples: list[dict], tokenizer, max_length: int | No
 
     Counts the rows whose ``input_ids`` start with exactly those ids (``prompt_prefix``), whose labels are -100 on
     the prompt and equal ``input_ids`` on every later token (``labels_completion_only``), whose completion holds the
-    tokenizer's end-of-turn token (``completion_has_eos``), and that ``max_length`` may have cut (``at_max_length``). ``ok``: the
-    row counts agree and every row passes the first three. ``example``: row 0's completion, decoded."""
+    tokenizer's end-of-turn token (``completion_has_eos``), and that ``max_length`` may have cut
+    (``at_max_length``). ``ok``: the row counts agree and every row passes the first three. ``example``: row 0's
+    completion, decoded."""
     from bloggap_plugin.tasks import prompt_token_ids
 
     eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
@@ -316,21 +322,26 @@ def format_check(prepared, examples: list[dict], tokenizer, max_length: int | No
     return counts
 
 
-class _CurveCallback:
-    """Appends each logged training step (loss, learning rate, ...) to ``curve`` and calls ``on_log``."""
+CURVE_KEYS = ("loss", "grad_norm", "learning_rate", "mean_token_accuracy", "entropy", "num_tokens")
+"""What a point of the training curve keeps of a logged step (besides ``step`` and ``epoch``)."""
 
-    KEYS = ("loss", "grad_norm", "learning_rate", "mean_token_accuracy", "entropy", "num_tokens")
 
-    def __init__(self, curve: list, on_log) -> None:
-        self.curve, self.on_log = curve, on_log
+def curve_callback(curve: list, on_log):
+    """A ``TrainerCallback`` appending each logged training step (``{"step", "epoch", *CURVE_KEYS}``) to ``curve``,
+    then calling ``on_log()``; log events without a loss (the final summary) are left out."""
+    from transformers import TrainerCallback
 
-    def __call__(self, state, logs: dict) -> None:
-        if "loss" not in logs:
-            return
-        point = {"step": state.global_step, "epoch": logs.get("epoch", state.epoch)}
-        point.update({key: logs[key] for key in self.KEYS if key in logs})
-        self.curve.append(point)
-        self.on_log()
+    class CurveCallback(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logs = logs or {}
+            if "loss" not in logs:
+                return
+            point = {"step": state.global_step, "epoch": logs.get("epoch", state.epoch)}
+            point.update({key: logs[key] for key in CURVE_KEYS if key in logs})
+            curve.append(point)
+            on_log()
+
+    return CurveCallback()
 
 
 def train(args, model_spec: str, rows: list[dict], device: str, curve: list, on_log, check_examples) -> tuple:
@@ -339,7 +350,7 @@ def train(args, model_spec: str, rows: list[dict], device: str, curve: list, on_
     ``(trainer, summary)``, the summary holding the trainer's final metrics and :func:`format_check` of its
     tokenized data. ``curve`` gets each logged step; ``on_log()`` is called after each."""
     import datasets
-    from transformers import TrainerCallback
+    from trl import SFTTrainer
 
     from bloggap_plugin.models import load_model
 
@@ -347,26 +358,22 @@ def train(args, model_spec: str, rows: list[dict], device: str, curve: list, on_
     use_cache = model.config.use_cache  # the Trainer sets it to its args.use_cache (False) for training
     examples = [training_example(row["question"], row["answer"], tokenizer) for row in rows]
     check_examples(examples)
-    callback = _CurveCallback(curve, on_log)
-
-    class Logged(TrainerCallback):
-        def on_log(self, _args, state, control, logs=None, **kwargs):
-            callback(state, logs or {})
-
-    from trl import SFTTrainer
-
     dataset = datasets.Dataset.from_list(examples)
-    output_dir = tempfile.mkdtemp(prefix="gsm8k_warmstart_trainer_")
-    trainer = SFTTrainer(model=model, args=sft_config(args, output_dir, device), train_dataset=dataset,
-                         processing_class=tokenizer, callbacks=[Logged()])
-    checked = format_check(trainer.train_dataset, examples, tokenizer, args.max_length)
-    if not checked["ok"]:
-        raise Refused(f"the trainer's tokenized examples are not the gsm8k prompt plus the target: {checked}")
-    t0 = time.perf_counter()
-    output = trainer.train()
+    output_dir = tempfile.mkdtemp(prefix="gsm8k_warmstart_trainer_")  # the trainer saves nothing (save_strategy no)
+    try:
+        trainer = SFTTrainer(model=model, args=sft_config(args, output_dir, device), train_dataset=dataset,
+                             processing_class=tokenizer, callbacks=[curve_callback(curve, on_log)])
+        checked = format_check(trainer.train_dataset, examples, tokenizer, args.max_length)
+        if not checked["ok"]:
+            counts = {k: v for k, v in checked.items() if k != "example"}
+            raise Refused(f"the trainer's tokenized examples are not the gsm8k prompt plus the target: {counts}",
+                          checked)
+        t0 = time.perf_counter()
+        output = trainer.train()
+    finally:
+        shutil.rmtree(output_dir, ignore_errors=True)
     trainer.model.config.use_cache = use_cache  # the checkpoint generates as the model it started from
     metrics = dict(output.metrics)
-    shutil.rmtree(output_dir, ignore_errors=True)
     return trainer, {"format_check": checked, "metrics": metrics, "steps": trainer.state.global_step,
                      "train_s": round(time.perf_counter() - t0, 2), "device": str(trainer.args.device)}
 
@@ -638,6 +645,7 @@ def run(args) -> int:
     try:
         trainer, summary = train(args, args.model, rows, device, results["train"]["curve"], write, check_examples)
     except Refused as err:
+        results["train"]["format_check"] = err.details
         write()
         print(f"gsm8k_warmstart: refused: {err}", file=sys.stderr)
         return 3

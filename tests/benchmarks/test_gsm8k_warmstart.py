@@ -239,6 +239,25 @@ def test_a_run_cut_short_keeps_the_finished_phases(tmp_path, monkeypatch, smoke_
     assert payload["tables"][1]["rows"] == [] and payload["tables"][1]["plot"] is False
 
 
+def test_a_trainer_tokenization_other_than_the_generation_prompt_stops_the_run(tmp_path, monkeypatch, capsys,
+                                                                               smoke_data):
+    """When the trainer's tokens do not start with the generation prompt (here: a format check that says so), the
+    run stops before the first step (exit 3, one line) and the document keeps what the check found."""
+    module = _module()
+    real = module.format_check
+
+    def mismatched(*args, **kwargs):
+        return {**real(*args, **kwargs), "prompt_prefix": 0, "ok": False}
+
+    monkeypatch.setattr(module, "format_check", mismatched)
+    assert module.main(["run", "--smoke", "--data", str(smoke_data), "--out", str(tmp_path)]) == 3
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gsm8k_warmstart")]
+    assert len(err) == 1 and err[0].startswith("gsm8k_warmstart: refused: the trainer's tokenized examples")
+    results = json.loads((tmp_path / "gsm8k_warmstart.json").read_text())["results"]
+    assert results["done"] == ["data", "before"] and results["train"]["format_check"]["prompt_prefix"] == 0
+    assert results["train"]["curve"] == [] and not (tmp_path / "checkpoint").exists()
+
+
 def _fake_checkpoint(folder):
     import torch
     from safetensors.torch import save_file
