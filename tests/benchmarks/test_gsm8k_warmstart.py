@@ -258,6 +258,42 @@ def test_a_trainer_tokenization_other_than_the_generation_prompt_stops_the_run(t
     assert results["train"]["curve"] == [] and not (tmp_path / "checkpoint").exists()
 
 
+def test_the_vllm_evaluation_is_gsm8k_baseline_in_a_subprocess_with_arguments_it_accepts(tmp_path, monkeypatch,
+                                                                                         capsys, smoke_data):
+    """Without --hf the evaluation runs ``python -m benchmarks.gsm8k_baseline`` in a subprocess from the repository
+    root; gsm8k_baseline parses those arguments (here it stops at its own vLLM check, not at argparse) and the
+    summary is read from the document it writes."""
+    import argparse
+    import importlib.util
+    import subprocess
+    import sys
+
+    from _support import ROOT
+
+    from benchmarks import gsm8k_baseline
+
+    module = _module()
+    args = argparse.Namespace(**{**module.GPU_DEFAULTS, "seed": 3, "gpu_mem": 0.4, "eval_limit": 4})
+    folder = tmp_path / "eval_after"
+    argv = module.evaluation_argv("tiny-random-llama", folder, args, str(smoke_data))
+    assert "--hf" not in argv and argv[argv.index("--decodings") + 1] == "greedy"
+    assert argv[argv.index("--gpu-mem") + 1] == "0.4" and argv[argv.index("--seed") + 1] == "3"
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
+    assert gsm8k_baseline.main(argv) == 2
+    assert "vLLM is not installed here" in capsys.readouterr().err
+    calls = []
+
+    def call(command, cwd=None):
+        calls.append((command, cwd))
+        return 0
+
+    monkeypatch.setattr(subprocess, "call", call)
+    summary = module.evaluate("tiny-random-llama", folder, args, str(smoke_data))
+    assert calls == [([sys.executable, "-m", "benchmarks.gsm8k_baseline", *argv], ROOT)]
+    assert summary["exit_code"] == 0 and summary["subsets"] == {} and summary["document"] is None
+
+
 def _fake_checkpoint(folder):
     import torch
     from safetensors.torch import save_file
