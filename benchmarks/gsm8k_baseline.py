@@ -10,6 +10,9 @@ Two decodings, one completion per row and decoding, at most ``--max-tokens`` (25
   engine samples), seed ``--seed + row index`` per row (vLLM), or ``torch.manual_seed(--seed)`` before each batch
   (``--hf``).
 
+``--decodings greedy`` measures greedy alone (the sampled cells are then absent, and ``results.complete`` counts
+the greedy pieces only): the evaluation other scripts run through this one, e.g. :mod:`benchmarks.gsm8k_warmstart`.
+
 Correct = the training reward (:func:`bloggap_plugin.tasks.gsm8k.accuracy_reward`, the last number equals the gold
 answer); the strict count (``#### n``) is kept in ``results``. Subsets: all rows, and the rows whose reference solution
 has exactly 1 and exactly 2 ``<<...>>`` calculation steps. Interval: Wilson 95% (``core.metrics.wilson_interval``).
@@ -49,6 +52,16 @@ DECODINGS = ("greedy", "sampled")
 
 class BaselineError(ValueError):
     """Bad input, reported as one line before any model loads."""
+
+
+def parse_decodings(value: str) -> tuple[str, ...]:
+    """``"greedy,sampled"`` -> the named decodings in :data:`DECODINGS` order; :class:`BaselineError` for an unknown
+    name or none."""
+    names = [part.strip() for part in str(value).split(",") if part.strip()]
+    unknown = sorted(set(names) - set(DECODINGS))
+    if unknown or not names:
+        raise BaselineError(f"--decodings {value!r}: give one or more of {', '.join(DECODINGS)}, comma-separated")
+    return tuple(name for name in DECODINGS if name in names)
 
 
 def default_data() -> str | None:
@@ -131,9 +144,10 @@ def baseline_table(scored: dict, params: dict, random_init: bool) -> dict:
         f"{params['model']} on GSM8K {params['split']} ({params['rows']} rows{', --limit' if params['limit'] else ''}{', calc steps ' + params['calc_steps'] if params.get('calc_steps') else ''}), "
         f"{params['engine']}, at most {params['max_tokens']} new tokens, the gsm8k task's training prompt (system "
         "prompt asking for '#### <number>', chat template). correct = the training reward (last number equals the "
-        "gold answer). sampled: one completion per row, temperature "
-        f"{params['temperature']}, top_p 1, no top_k/min_p, seed {params['seed']}. 1-step / 2-step: rows whose "
-        "reference solution has exactly 1 / 2 <<...>> calculation steps. CI: Wilson 95%."
+        "gold answer). "
+        + (f"sampled: one completion per row, temperature {params['temperature']}, top_p 1, no top_k/min_p, seed "
+           f"{params['seed']}. " if "sampled" in params.get("decodings", DECODINGS) else "greedy only. ")
+        + "1-step / 2-step: rows whose reference solution has exactly 1 / 2 <<...>> calculation steps. CI: Wilson 95%."
     )
     return {"id": "T15-baseline", "title": f"GSM8K starting accuracy ({params['model']})",
             "columns": ["subset", "decoding", "rows", "correct", "accuracy %", "CI low %", "CI high %"],
@@ -214,6 +228,7 @@ def _check_args(args) -> Path:
     from bloggap_plugin._io import check_writable_dir, check_writable_file
     from bloggap_plugin.models import check_model_spec
 
+    args.decodings = parse_decodings(args.decodings)
     for option, value, low in (("--max-tokens", args.max_tokens, 1), ("--batch-size", args.batch_size, 1),
                                ("--limit", args.limit, 1)):
         if value is not None and value < low:
@@ -252,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the rows whose reference solution has N (or LOW-HIGH) <<...>> steps (default: all)")
     parser.add_argument("--max-tokens", type=int, default=256, help="new tokens per completion (default 256)")
     parser.add_argument("--temperature", type=float, default=1.0, help="the training temperature (default 1.0)")
+    parser.add_argument("--decodings", default=",".join(DECODINGS),
+                        help="which decodings to measure, comma-separated (default greedy,sampled)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf", action="store_true", help="HF generate instead of vLLM (e.g. a CPU smoke run)")
     parser.add_argument("--device", default=None, help="--hf: cpu or cuda (default: cuda if available)")
@@ -289,14 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     params = {"model": args.model, "model_folder": folder, "data": data or "openai/gsm8k", "split": args.split,
               "limit": args.limit, "calc_steps": args.calc_steps, "rows": len(rows), "engine": "HF generate" if args.hf else "vLLM",
               "dtype": args.dtype if not args.hf else hf_dtype, "max_tokens": args.max_tokens,
-              "temperature": args.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": args.seed,
+              "decodings": list(args.decodings), "temperature": args.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": args.seed,
               "batch_size": args.batch_size if args.hf else None, "gpu_mem": None if args.hf else args.gpu_mem,
               "reward": "lenient (last number), the gsm8k task's training reward",
               "prompt_tokens_mean": round(sum(map(len, prompt_ids)) / max(1, len(prompt_ids)), 1)}
     env = environment_record(device, model=args.model, engine=params["engine"])
-    completions: dict[str, list[str | None]] = {name: [None] * len(rows) for name in DECODINGS}
+    completions: dict[str, list[str | None]] = {name: [None] * len(rows) for name in args.decodings}
     done: list[str] = []
-    for name in DECODINGS:  # greedy for every subset first, then sampled: a time limit keeps whole decodings
+    for name in args.decodings:  # greedy for every subset first, then sampled: a time limit keeps whole decodings
         for piece, members in generation_order(rows):
             t1 = time.perf_counter()
             for i, text in zip(members, generate(name, members)):
@@ -319,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
 def _document(rows: list[dict], completions: dict, params: dict, env: dict, timing: dict, done: list[str],
               t_start: float):
     """The result document of what is generated so far (``results.done``: the decoding/piece pairs finished;
-    ``results.complete``: all of them)."""
+    ``results.complete``: all of them, for the decodings in ``completions``)."""
     from bloggap_plugin.models import TINY_MODELS
     from bloggap_plugin.results import ResultDocument
 
@@ -331,7 +348,7 @@ def _document(rows: list[dict], completions: dict, params: dict, env: dict, timi
         best = max(measured)
         verdict = {"easiest_subset": "1-step", "best_accuracy": best, "below_5pct": best < 0.05,
                    "decodings": [name for name in DECODINGS if name in easiest]}
-    complete = len(done) == len(DECODINGS) * len(generation_order(rows))
+    complete = len(done) == len(completions) * len(generation_order(rows))
     return ResultDocument(
         benchmark="gsm8k_baseline",
         env=env,
@@ -348,7 +365,7 @@ def _write_completions(path: str, rows: list[dict], completions: dict) -> None:
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps({"index": row["index"], "gold": row["gold"], "calc_steps": row["calc_steps"],
-                         **{name: completions[name][i] for name in DECODINGS}}) for i, row in enumerate(rows)]
+                         **{name: completions[name][i] for name in completions}}) for i, row in enumerate(rows)]
     atomic_write_text(path, "\n".join(lines) + "\n")
 
 

@@ -12,6 +12,9 @@ checked when a path resolves to a file of that name: its row count (7,473 / 1,31
 it lies, never copied into the package. :data:`SAMPLE_PATH` is a small fixture in GSM8K format, written for the
 tests (not GSM8K data).
 
+Supervised targets: :func:`worked_solution` turns a reference solution into an assistant turn (calculator marks
+removed, the final line ``#### <gold>``), a text that both reward functions score 1.0 against its gold answer.
+
 Difficulty: :func:`calc_steps` counts the ``<<...>>`` calculator marks of a reference solution (the number of
 calculation steps); :func:`filter_by_calc_steps` keeps the rows with a given number or range of them.
 
@@ -50,6 +53,7 @@ __all__ = [
     "parse_lenient",
     "parse_strict",
     "gold_answer",
+    "worked_solution",
     "completion_text",
     "load_gsm8k",
     "build_messages",
@@ -124,6 +128,24 @@ def gold_answer(answer: str) -> str:
     if parse_lenient(gold) != _normalise(gold):
         raise GSM8KDataError(f"GSM8K gold answer is not a number: {gold!r}")
     return _normalise(gold)
+
+
+def worked_solution(answer: str, calc_marks: bool = False) -> str:
+    """A GSM8K reference solution as the assistant's turn of a supervised example: its worked steps, then the final
+    line ``#### <gold>`` with the gold answer as :func:`gold_answer` gives it (commas removed: ``#### 1,000`` becomes
+    ``#### 1000``), surrounding whitespace stripped.
+
+    The ``<<a*b=c>>`` calculator marks are removed unless ``calc_marks``: they were written for a calculator tool
+    the model does not have when it answers, and the text beside each mark already states the result
+    (``48/2 = <<48/2=24>>24`` becomes ``48/2 = 24``). Raises :class:`GSM8KDataError` when ``answer`` has no
+    ``####`` line or its gold is not a number.
+    """
+    gold = gold_answer(answer)
+    steps = answer.rsplit("####", 1)[0]
+    if not calc_marks:
+        steps = _CALC_RE.sub("", steps)
+    steps = steps.strip()
+    return f"{steps}\n#### {gold}" if steps else f"#### {gold}"
 
 
 def completion_text(completion) -> str:

@@ -293,6 +293,33 @@ def test_calc_steps_on_the_fixture_and_bad_values():
         get_task("arith", None, calc_steps=1)
 
 
+def test_worked_solution_removes_calculator_marks_and_ends_on_the_gold():
+    """The supervised target: marks gone (the text beside them keeps the result), '#### <gold>' without commas."""
+    answer = "Half is 48/2 = <<48/2=24>>24.\nShe pays $<<1000*1=1000>>1,000 in all.\n#### 1,000"
+    assert gsm8k.worked_solution(answer) == "Half is 48/2 = 24.\nShe pays $1,000 in all.\n#### 1000"
+    assert gsm8k.worked_solution(answer, calc_marks=True) == (
+        "Half is 48/2 = <<48/2=24>>24.\nShe pays $<<1000*1=1000>>1,000 in all.\n#### 1000")
+    with pytest.raises(gsm8k.GSM8KDataError):
+        gsm8k.worked_solution("no final line")
+
+
+def _targets_full_reward(rows: list[dict]) -> bool:
+    targets = [gsm8k.worked_solution(row["answer"]) for row in rows]
+    golds = [gsm8k.gold_answer(row["answer"]) for row in rows]
+    return (gsm8k.accuracy_reward(targets, answer=golds) == [1.0] * len(rows)
+            and gsm8k.strict_accuracy_reward(targets, answer=golds) == [1.0] * len(rows))
+
+
+def test_every_worked_solution_of_the_fixture_scores_full_reward():
+    rows = [json.loads(line) for line in gsm8k.SAMPLE_PATH.read_text().splitlines() if line.strip()]
+    assert _targets_full_reward(rows)
+
+
+def test_every_worked_solution_of_the_real_train_split_scores_full_reward(gsm8k_dir):
+    rows = [json.loads(line) for line in (gsm8k_dir / "train.jsonl").read_text().splitlines() if line.strip()]
+    assert len(rows) == 7473 and _targets_full_reward(rows)
+
+
 # --------------------------------------------------------------------------------------------- T15 baseline script
 
 
@@ -386,6 +413,8 @@ def test_gsm8k_baseline_refuses_bad_input_in_one_line(tmp_path, capsys, monkeypa
         (["--hf", "--model", "tiny-random-llama", "--data", str(gsm8k.SAMPLE_PATH), "--calc-steps", "3-1"],
          "calc_steps '3-1': give a number >= 0 or a range low-high with low <= high"),
         (["--hf", "--model", "tiny-random-llama", "--data", str(tmp_path / "none.jsonl")], "does not exist"),
+        (["--hf", "--model", "tiny-random-llama", "--decodings", "greedy,beam"],
+         "--decodings 'greedy,beam': give one or more of greedy, sampled"),
     ):
         assert module.main([*argv, "--out", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err
@@ -489,6 +518,25 @@ def test_gsm8k_baseline_stopped_after_the_first_decoding_keeps_it_in_valid_json(
     written = [json.loads(line) for line in (tmp_path / "c.jsonl").read_text().splitlines()]
     assert all(isinstance(w["greedy"], str) and w["sampled"] is None for w in written) and len(written) == 6
     assert payload["results"]["verdict"]["decodings"] == ["greedy"]
+
+
+def test_gsm8k_baseline_greedy_alone_is_a_complete_run(tmp_path):
+    """--decodings greedy: only greedy cells and completions, every piece done, the run complete; the greedy cells
+    equal those of a run that also samples (the same rows, the same greedy texts)."""
+    module = _baseline_module()
+    common = ["--hf", "--model", "tiny-random-llama", "--device", "cpu", "--data", str(gsm8k.SAMPLE_PATH), "--limit",
+              "4", "--max-tokens", "4", "--batch-size", "4"]
+    assert module.main([*common, "--decodings", "greedy", "--out", str(tmp_path / "g"),
+                        "--completions", str(tmp_path / "g.jsonl")]) == 0
+    assert module.main([*common, "--out", str(tmp_path / "both")]) == 0
+    alone = json.loads((tmp_path / "g" / "gsm8k_baseline.json").read_text())
+    both = json.loads((tmp_path / "both" / "gsm8k_baseline.json").read_text())
+    assert alone["params"]["decodings"] == ["greedy"] and alone["results"]["complete"] is True
+    assert [row[1] for row in alone["tables"][0]["rows"]] == ["greedy"] * 3
+    assert alone["tables"][0]["rows"] == [row for row in both["tables"][0]["rows"] if row[1] == "greedy"]
+    assert "greedy only" in alone["tables"][0]["notes"]
+    written = [json.loads(line) for line in (tmp_path / "g.jsonl").read_text().splitlines()]
+    assert len(written) == 4 and all(set(w) == {"index", "gold", "calc_steps", "greedy"} for w in written)
 
 
 def test_reading_local_gsm8k_prints_no_progress_bars_and_leaves_the_setting_alone(gsm8k_dir, tmp_path, monkeypatch,
