@@ -55,7 +55,8 @@ BACKWARD_PIECES: dict[str, str] = {
     "flash_paged_formula": "attention (paged FlashAttention, per call)",
     "flash_formula": "attention (contiguous FlashAttention)",
     "linear_formula": "linear (q/k/v, o, gate/up, down, head)",
-    "over_launches": "RMSNorm in step launches (one piece per norm)",
+    "rms_norm_over_launches": "RMSNorm in step launches (one piece per norm)",
+    "over_launches": "RMSNorm in step launches (one piece per norm)",  # its name until ffb4913 (b01b450's document)
     "rotary_formula": "RoPE",
     "silu_and_mul_formula": "activation (silu and mul)",
     "rms_norm_formula": "RMSNorm in one launch",

@@ -122,16 +122,19 @@ def test_backward_table_gives_each_piece_largest_first_and_what_ran_outside_them
     assert [t["id"] for t in script.document(results, {}, {})["tables"]] == ["T16-armJ-pieces"]
 
 
-def test_committed_tables_are_built_from_their_results(script):
-    """benchmarks/results/h200/arm_j_pieces.json: the tables are what this code builds from the document's results
+@pytest.mark.parametrize(("name", "revision"), [("arm_j_pieces.json", "111a0cf"),
+                                                ("arm_j_pieces_b01b450.json", "b01b450")])
+def test_committed_tables_are_built_from_their_results(script, name, revision):
+    """benchmarks/results/h200/arm_j_pieces*.json: the tables are what this code builds from the document's results
     (generated, never typed); arm J's form equals its old log-probs bit for bit, and every wrapped piece of the
     forward has a backward row."""
     from bloggap_plugin.results import ResultDocument
 
-    path = ROOT / "benchmarks" / "results" / "h200" / "arm_j_pieces.json"
+    path = ROOT / "benchmarks" / "results" / "h200" / name
     ResultDocument.read(path)
     doc = json.loads(path.read_text())
-    assert doc["tables"] == json.loads(json.dumps(script.document(doc["results"], {}, {})["tables"]))
+    rebuilt = script.document(doc["results"], {}, {}, doc.get("attention_formulas"))["tables"]
+    assert doc["tables"] == json.loads(json.dumps(rebuilt))
     assert doc["tables"][0] == json.loads(json.dumps(script.table(doc["results"])))
-    assert doc["results"]["J (all)"]["equals_old_logprobs"] is True and doc["params"]["revision"] == "b01b450"
+    assert doc["results"]["J (all)"]["equals_old_logprobs"] is True and doc["params"]["revision"] == revision
     assert set(doc["results"]["J (all)"]["backward_by_piece"]["seconds"]) <= set(script.BACKWARD_PIECES)
