@@ -11,8 +11,9 @@ from the vocabulary) goes through :class:`~bloggap_plugin.core.plans.vllm_shadow
 forward (with gradients) and the backward of ``sum(logps)``, median seconds of ``--repeats`` after a warm-up; whether
 the training forward's log-probs equal arm J's old log-probs in the same form (``VllmFormParamsPlan``) bit for bit;
 the total against arm A's. For arm J's form, each piece's backward seconds (the device synchronised around each
-piece, so the sum exceeds the plain backward; table ``T16-armJ-backward``). Last, the attention backward formula
-against a candidate (:func:`dense_cache_attention`) on one layer's calls (table ``T16-armJ-attention``).
+piece, so the sum exceeds the plain backward; table ``T16-armJ-backward``). Last, the two attention backward
+formulas (``core.vllm_autograd``: padded entries, dense over the cache) on one layer's calls (table
+``T16-armJ-attention``).
 ``$OUT/arm_j_pieces.json`` (table ``T16-armJ-pieces``) is rewritten after each form, so a time limit keeps what
 finished.
 
@@ -167,46 +168,24 @@ def measure_arm_a(policy: Any, ids: Any, mask: Any, keep: int, repeats: int, dev
     return row
 
 
-def dense_cache_attention(q: Any, key_cache: Any, value_cache: Any, cu_seqlens_q: Any, seqused_k: Any,
-                          block_table: Any, max_seqlen_q: int, max_seqlen_k: int, scale: float) -> Any:
-    """A candidate for arm J's attention backward formula (the ``flash_paged`` signature): every query against the
-    whole paged cache in one ``scaled_dot_product_attention``, a ``[Tq, slots]`` mask marking the keys its entry
-    reads (through its block table, positions ``< seqused_k - n + r + 1``). No per-entry gather of the keys: their
-    gradients land in the cache directly. ``q [Tq, nq, d]`` -> ``[Tq, nq, d]``."""
-    import torch
-    import torch.nn.functional as F
-
-    page, heads = key_cache.shape[1], q.shape[1]
-    slots = key_cache.shape[0] * page
-    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    entry = torch.repeat_interleave(torch.arange(counts.numel(), device=q.device), counts, output_size=q.shape[0])
-    within = torch.arange(q.shape[0], device=q.device) - cu_seqlens_q[:-1].long()[entry]
-    limit = seqused_k.long()[entry] - counts[entry] + within + 1  # [Tq]
-    j = torch.arange(max_seqlen_k, device=q.device)
-    block = (j // page).clamp(max=block_table.shape[1] - 1)
-    slot = block_table.long()[entry][:, block] * page + j % page  # [Tq, max_k]
-    reads = torch.zeros(q.shape[0], slots, dtype=torch.int32, device=q.device)
-    reads.scatter_add_(1, slot, (j[None, :] < limit[:, None]).to(torch.int32))
-    groups = heads // key_cache.shape[2]
-    keys = key_cache.flatten(0, 1).transpose(0, 1).repeat_interleave(groups, dim=0)[None]
-    values = value_cache.flatten(0, 1).transpose(0, 1).repeat_interleave(groups, dim=0)[None]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=(reads > 0)[None, None],
-                                         scale=scale)
-    return out[0].transpose(0, 1)
-
-
-ATTENTION_FORMULAS = {"padded entries (the plugin's)": "flash_paged_formula", "dense over the cache": "dense"}
-"""Label -> attention backward formula timed by :func:`attention_formula_rows`."""
+ATTENTION_FORMULAS = {"padded entries": "padded_paged_attention",
+                      "dense over the cache": "dense_cache_attention"}
+"""Label -> attention backward formula (``core.vllm_autograd``) timed by :func:`attention_formula_rows`,
+padded entries first (the others' outputs are compared with its)."""
+PLUGINS = " (the plugin's)"
+"""Appended to a row's label where ``flash_paged_formula`` takes that formula for that call
+(``core.vllm_autograd.paged_attention_formula``)."""
 
 
 def attention_formula_rows(policy: Any, ids: Any, mask: Any, keep: int, device: Any, repeats: int) -> dict:
     """The two paged calls of one layer of arm J's forward (the prefill over the prompts, the decode call with one
-    entry per generated token; this micro-batch's shapes, random bf16 q/k/v) through each candidate formula in
-    fp32, forward and backward timed as :func:`time_forward_backward` does; each candidate's output against the
-    plugin's (max |difference|)."""
+    entry per generated token; this micro-batch's shapes, random fp32 q/k/v) through each formula of
+    :data:`ATTENTION_FORMULAS` in fp32, forward and backward timed as :func:`time_forward_backward` does; each
+    formula's output against padded entries' (max |difference|). The row of the formula the plugin takes for
+    the call is labelled :data:`PLUGINS`."""
     import torch
 
-    from bloggap_plugin.core.vllm_autograd import flash_paged_formula
+    from bloggap_plugin.core import vllm_autograd
     from bloggap_plugin.core.vllm_form import _step_calls, pack, paged_kv, prompt_first
 
     config = policy.config
@@ -223,24 +202,27 @@ def attention_formula_rows(policy: Any, ids: Any, mask: Any, keep: int, device: 
     gen = torch.Generator(device=ids.device).manual_seed(0)
     q, k, v = (torch.randn(total, heads, head_dim, generator=gen, device=ids.device)
                for heads in (config.num_attention_heads, config.num_key_value_heads, config.num_key_value_heads))
-    formulas = {"flash_paged_formula": flash_paged_formula, "dense": dense_cache_attention}
+    cache = paged_kv(k, v, ordered.lengths, 16, layout)[0]
     rows: dict = {}
     for call_name, call in zip(("prefill", "decode"), calls):
         index, arguments = call[0], call[1:]
+        max_seqlen_q = arguments[3]  # (cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
+        plugins = vllm_autograd.paged_attention_formula(q[index], cache, max_seqlen_q)
         reference = None
-        for label, key in ATTENTION_FORMULAS.items():
+        for label, name in ATTENTION_FORMULAS.items():
+            formula = getattr(vllm_autograd, name)
             leaves = [q[index].clone().requires_grad_(True), k.clone().requires_grad_(True),
                       v.clone().requires_grad_(True)]
 
-            def forward(leaves=leaves, formula=formulas[key], arguments=arguments):
+            def forward(leaves=leaves, formula=formula, arguments=arguments):
                 key_cache, value_cache, _ = paged_kv(leaves[1], leaves[2], ordered.lengths, 16, layout)
                 return formula(leaves[0], key_cache, value_cache, *arguments, head_dim ** -0.5)
 
             row = time_forward_backward(forward, device, repeats)
             out = row.pop("logps")
             reference = out if reference is None else reference
-            row["max_abs_vs_plugin"] = float((out - reference).abs().max())
-            rows[f"{call_name}: {label}"] = row
+            row["max_abs_vs_padded"] = float((out - reference).abs().max())
+            rows[f"{call_name}: {label}{PLUGINS if formula is plugins else ''}"] = row
     return rows
 
 
@@ -291,14 +273,17 @@ ATTENTION_TABLE_ID = "T16-armJ-attention"
 
 
 def attention_table(rows: dict) -> dict:
-    """``T16-armJ-attention`` from :func:`attention_formula_rows`' rows."""
+    """``T16-armJ-attention`` from :func:`attention_formula_rows`' rows (where a row has no
+    ``max_abs_vs_padded``, an earlier run's ``max_abs_vs_plugin``: also against padded entries)."""
     body = [[label, round(row["forward_s"], 5), round(row["backward_s"], 5), round(row["total_s"], 5),
-             float(f"{row['max_abs_vs_plugin']:.3g}")] for label, row in rows.items()]
-    return {"id": ATTENTION_TABLE_ID, "title": "Arm J's attention backward formula: candidates on one layer's calls",
-            "columns": ["call: formula", "forward s", "backward s", "total s", "max |out - plugin's|"],
+             float(f"{row.get('max_abs_vs_padded', row.get('max_abs_vs_plugin')):.3g}")]
+            for label, row in rows.items()]
+    return {"id": ATTENTION_TABLE_ID, "title": "Arm J's attention backward formulas on one layer's calls",
+            "columns": ["call: formula", "forward s", "backward s", "total s", "max |out - padded entries'|"],
             "rows": body, "reference": None, "random_init": False,
             "notes": "fp32 formula (what arm J's backward differentiates) on one layer's two paged calls of the "
-                     "micro-batch in params, random q/k/v; median of the repeats after a warm-up."}
+                     "micro-batch in params, random q/k/v; median of the repeats after a warm-up. (the "
+                     "plugin's): the formula flash_paged_formula took for that call at the run's revision."}
 
 
 def document(results: dict, params: dict, env: dict, attention: dict | None = None) -> dict:

@@ -33,6 +33,10 @@ __all__ = [
     "silu_and_mul_formula",
     "flash_formula",
     "flash_paged_formula",
+    "paged_attention_formula",
+    "padded_paged_attention",
+    "dense_cache_attention",
+    "DENSE_MASK_ELEMENTS",
     "padded_entry_attention",
     "token_logprobs_formula",
 ]
@@ -131,14 +135,72 @@ def flash_formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     return padded_entry_attention(q, keys, cu_seqlens, lengths, max_seqlen, max_seqlen, scale)
 
 
+def padded_paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, scale: float) -> torch.Tensor:
+    """The paged varlen call (the :attr:`Kernels.flash_paged` signature) as padded entries: entry ``i``'s queries
+    against the keys its block table reads, each query ``r`` of ``n`` to the keys ``< seqused_k - n + r + 1``, all
+    entries in one padded call (:func:`padded_entry_attention`; the keys gathered per entry). ``q [Tq, nq, d]``,
+    ``key_cache/value_cache [blocks, page, nkv, d]`` -> ``[Tq, nq, d]``."""
+    return padded_entry_attention(q, _cache_rows(key_cache, value_cache, block_table), cu_seqlens_q, seqused_k,
+                                  max_seqlen_q, max_seqlen_k, scale)
+
+
+def dense_cache_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
+                          max_seqlen_q: int, max_seqlen_k: int, scale: float) -> torch.Tensor:  # noqa: ARG001
+    """The paged varlen call (the :attr:`Kernels.flash_paged` signature) dense over the cache: every query against
+    the whole paged cache in one ``scaled_dot_product_attention``, a ``[Tq, slots]`` mask marking the keys its entry
+    reads (through its block table, positions ``< seqused_k - n + r + 1``). No per-entry gather of the keys: their
+    gradients land in the cache directly. ``q [Tq, nq, d]``, ``key_cache/value_cache [blocks, page, nkv, d]``
+    (``slots = blocks * page``) -> ``[Tq, nq, d]``. No host read: the bound is ``max_seqlen_k``."""
+    page, heads = key_cache.shape[1], q.shape[1]
+    slots = key_cache.shape[0] * page
+    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    entry = torch.repeat_interleave(torch.arange(counts.numel(), device=q.device), counts, output_size=q.shape[0])
+    within = torch.arange(q.shape[0], device=q.device) - cu_seqlens_q[:-1].long()[entry]
+    limit = seqused_k.long()[entry] - counts[entry] + within + 1  # [Tq]
+    j = torch.arange(max_seqlen_k, device=q.device)
+    block = (j // page).clamp(max=block_table.shape[1] - 1)
+    slot = block_table.long()[entry][:, block] * page + j % page  # [Tq, max_k]
+    reads = torch.zeros(q.shape[0], slots, dtype=torch.int32, device=q.device)
+    reads.scatter_add_(1, slot, (j[None, :] < limit[:, None]).to(torch.int32))
+    groups = heads // key_cache.shape[2]
+    keys = key_cache.flatten(0, 1).transpose(0, 1).repeat_interleave(groups, dim=0)[None]
+    values = value_cache.flatten(0, 1).transpose(0, 1).repeat_interleave(groups, dim=0)[None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=(reads > 0)[None, None],
+                                         scale=scale)
+    return out[0].transpose(0, 1)
+
+
+DENSE_MASK_ELEMENTS = 1 << 26
+"""Elements (query rows ``Tq`` x cache slots) of the ``[Tq, slots]`` mask :func:`dense_cache_attention` builds (an
+int32 count and a bool mask of that shape, broadcast over the heads by SDPA): :func:`paged_attention_formula` takes
+the dense formula only for a call whose mask has at most this many, else padded entries."""
+
+
+def paged_attention_formula(q: torch.Tensor, key_cache: torch.Tensor,
+                            max_seqlen_q: int) -> Callable[..., torch.Tensor]:
+    """The formula :func:`flash_paged_formula` differentiates for one call (table T16-armJ-attention compared both on
+    arm J's calls): :func:`dense_cache_attention` for a decode call (``max_seqlen_q == 1``: one query per entry)
+    whose ``[Tq, slots]`` mask is at most :data:`DENSE_MASK_ELEMENTS`, else :func:`padded_paged_attention` (the
+    prefill, a query per prompt token). Reads shapes and the int ``max_seqlen_q`` only: no host read of a device
+    tensor."""
+    slots = key_cache.shape[0] * key_cache.shape[1]
+    if max_seqlen_q == 1 and q.shape[0] * slots <= DENSE_MASK_ELEMENTS:
+        return dense_cache_attention
+    return padded_paged_attention
+
+
 def flash_paged_formula(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
                         max_seqlen_q: int, max_seqlen_k: int, scale: float) -> torch.Tensor:
     """The paged varlen call with query and key lengths apart (the :attr:`Kernels.flash_paged` signature): entry
     ``i``'s queries against the keys its block table reads, each query ``r`` of ``n`` to the keys ``< seqused_k - n +
-    r + 1``, all entries in one padded call. ``q [Tq, nq, d]`` -> ``[Tq, nq, d]``."""
-    return padded_entry_attention(q, _cache_rows(key_cache, value_cache, block_table), cu_seqlens_q, seqused_k,
-                                  max_seqlen_q, max_seqlen_k, scale)
+    r + 1``. Per call, dense over the cache or padded entries (:func:`paged_attention_formula`; both compute the same
+    attention). ``q [Tq, nq, d]`` -> ``[Tq, nq, d]``."""
+    formula = paged_attention_formula(q, key_cache, max_seqlen_q)
+    return formula(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale)
 
 
 def token_logprobs_formula(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

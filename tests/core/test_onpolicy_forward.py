@@ -229,6 +229,83 @@ def test_paged_attention_pieces_have_torchs_fp32_gradient(page):
     check([g[back] for g in got], [prompt_part, decode_part])
 
 
+def _arm_j_paged_calls(page: int = 4, keep: int = 16, seed: int = 3):
+    """arm J's two paged calls on :func:`_rows` (entries of different lengths, GQA 4:2 heads), built as its forward
+    builds them (``prompt_first`` order, ``_step_calls``, ``paged_kv``): ``{"prefill" | "decode": (q, key_cache,
+    value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)}``, fp32 random q/k/v."""
+    from bloggap_plugin.core.vllm_form import _step_calls, paged_kv
+
+    ids, mask = _rows()
+    packed = pack(ids, mask)
+    generated = torch.zeros(mask.shape, dtype=torch.bool)
+    generated[:, -keep:] = True
+    packed.generated = generated[packed.where]
+    ordered = prompt_first(packed)
+    total = int(ordered.cu_seqlens[-1])
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(total, 4, 8, generator=gen)
+    k, v = torch.randn(total, 2, 8, generator=gen), torch.randn(total, 2, 8, generator=gen)
+    key_cache, value_cache, _ = paged_kv(k, v, ordered.lengths, page)
+    calls = {}
+    for name, (index, *arguments) in zip(("prefill", "decode"), _step_calls(ordered, page, torch.device("cpu"))):
+        calls[name] = (q[index], key_cache, value_cache, *arguments)
+    return calls
+
+
+@pytest.mark.parametrize("call", ["prefill", "decode"])
+def test_dense_cache_attention_is_the_padded_entries_formula(call):
+    """The two attention backward formulas (T16-armJ-attention): dense over the cache and padded entries give the
+    same attention and the same gradients of q, key_cache and value_cache (fp32, to rounding) on arm J's prefill
+    call (several queries per entry) and its decode call (one per entry, entries sharing blocks)."""
+    from bloggap_plugin.core.vllm_autograd import dense_cache_attention, padded_paged_attention
+
+    q, key_cache, value_cache, cu, seqused, table, max_q, max_k = _arm_j_paged_calls()[call]
+    assert (max_q == 1) == (call == "decode") and cu.numel() - 1 > 2 and seqused.unique().numel() > 2
+    upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(4))
+    results = []
+    for formula in (padded_paged_attention, dense_cache_attention):
+        leaves = [t.clone().requires_grad_(True) for t in (q, key_cache, value_cache)]
+        out = formula(*leaves, cu, seqused, table, max_q, max_k, 0.3)
+        results.append([out, *torch.autograd.grad(out, leaves, upstream)])
+    for padded, dense in zip(*results, strict=True):
+        torch.testing.assert_close(dense, padded, rtol=1e-5, atol=1e-5)
+
+
+def test_flash_paged_formula_takes_dense_for_decode_and_padded_for_prefill_or_a_large_mask(monkeypatch):
+    """``flash_paged_formula`` chooses per call from shapes and ints alone: dense over the cache for a decode call
+    (``max_seqlen_q == 1``) whose ``[Tq, slots]`` mask is within ``DENSE_MASK_ELEMENTS``, padded entries for the
+    prefill call and for a decode call past the cap."""
+    from bloggap_plugin.core import vllm_autograd
+
+    ran = []
+
+    def spy(name, formula):
+        def call(*args):
+            ran.append(name)
+            return formula(*args)
+        return call
+
+    monkeypatch.setattr(vllm_autograd, "dense_cache_attention", spy("dense", vllm_autograd.dense_cache_attention))
+    monkeypatch.setattr(vllm_autograd, "padded_paged_attention", spy("padded", vllm_autograd.padded_paged_attention))
+    calls = _arm_j_paged_calls()
+    for name in ("prefill", "decode"):
+        vllm_autograd.flash_paged_formula(*calls[name], 0.3)
+    assert ran == ["padded", "dense"]
+    q, key_cache = calls["decode"][:2]
+    elements = q.shape[0] * key_cache.shape[0] * key_cache.shape[1]
+    monkeypatch.setattr(vllm_autograd, "DENSE_MASK_ELEMENTS", elements)
+    vllm_autograd.flash_paged_formula(*calls["decode"], 0.3)
+    monkeypatch.setattr(vllm_autograd, "DENSE_MASK_ELEMENTS", elements - 1)
+    vllm_autograd.flash_paged_formula(*calls["decode"], 0.3)
+    assert ran[2:] == ["dense", "padded"]
+    # no host read of a device tensor: the choice works on meta tensors (shapes only)
+    meta = [torch.empty(t.shape, device="meta") for t in (q, key_cache)]
+    assert vllm_autograd.paged_attention_formula(*meta, 1) is vllm_autograd.padded_paged_attention
+    monkeypatch.setattr(vllm_autograd, "DENSE_MASK_ELEMENTS", elements)
+    assert vllm_autograd.paged_attention_formula(*meta, 1) is vllm_autograd.dense_cache_attention
+    assert vllm_autograd.paged_attention_formula(*meta, 2) is vllm_autograd.padded_paged_attention
+
+
 def test_a_kernel_that_changes_its_input_is_refused():
     """A kernel that writes into an input it was given (vLLM's rotary and fused add-norm ops do, unwrapped) would
     leave the backward other inputs than it read: refused at the call."""
