@@ -4,7 +4,7 @@
 console log under ``--out``; after each run it rewrites ``--out/arm_i_live.json`` (table ``T16-armI-live``), so a
 time limit keeps what finished. ``document`` rebuilds that document from the JSONL logs (here, from a packed copy).
 
-Runs (``--runs``, comma-separated ``LABEL``; each is ``ENTRY_ARM_ni<K>[_b<N>]``):
+Runs (``--runs``, comma-separated ``LABEL``; each is ``ENTRY_ARM_ni<K>[_b<N>][_graphs|_eager]``):
 
 - entry ``train``: ``bloggap train recipes/arm_<ARM>.yaml --use_vllm --vllm_mode colocate`` (``GapGRPOTrainer``
   builds the engine with the arm's settings);
@@ -13,7 +13,9 @@ Runs (``--runs``, comma-separated ``LABEL``; each is ``ENTRY_ARM_ni<K>[_b<N>]``)
 - ``ni<K>``: ``num_iterations`` K (1: TRL computes no old log-probs; 2: the arm's old log-probs drive the ratio);
 - ``b<N>`` (optional): ``per_device_train_batch_size`` N (the recipe's 8 otherwise; with its gradient accumulation 2
   a generation holds 2N completions, and 32 completions of the arithmetic task's prompts exceed TRL's 4096 tokens
-  per engine step).
+  per engine step);
+- ``graphs`` / ``eager`` (optional, arms I and J): ``gap.vllm_launch`` ``decode_graphs`` / ``eager``; neither: the
+  recipe's default (decode graphs for arms I and J; in documents written before that default, the eager engine).
 
 What a row reports, from the JSONL (``gap/*`` metrics are logged on generating steps, or every step for the ratio):
 sampler out-of-band share and bit-identical share (``gap/sampler/oob_frac``, ``gap/sampler/exact_frac``) over the
@@ -56,24 +58,34 @@ ONPOLICY_COLUMNS = ["run", "arm", "steps", "sampler oob % (mean)", "sampler bit-
 ARM_I_ENV = {"VLLM_BATCH_INVARIANT": "1", "TRITON_F32_DEFAULT": "ieee"}
 
 
+LAUNCH_SUFFIXES = {"graphs": "decode_graphs", "eager": "eager"}
+"""Run label suffix -> ``gap.vllm_launch`` (arms I and J)."""
+
+
 def parse_label(label: str) -> dict:
     """``{"entry", "arm", "num_iterations"[, "per_device_train_batch_size"][, "vllm_launch"]}`` from
-    ``ENTRY_ARM_ni<K>[_b<N>][_graphs]`` (e.g. ``train_I_ni2``; ``_b16``: per_device_train_batch_size 16 instead of
-    the recipe's; ``_graphs``: ``gap.vllm_launch: decode_graphs``)."""
+    ``ENTRY_ARM_ni<K>[_b<N>][_graphs|_eager]`` (e.g. ``train_I_ni2``; ``_b16``: per_device_train_batch_size 16
+    instead of the recipe's; ``_graphs``: ``gap.vllm_launch: decode_graphs``; ``_eager``: ``gap.vllm_launch:
+    eager``; neither: the recipe's default, ``auto``, which for arms I and J is decode graphs).
+
+    Arm I and J labels without a launch suffix in result documents written before ``auto`` became the default
+    (e.g. ``callback_I_ni2`` in ``results/h200/arm_i_live.json``, ``train_J_ni2`` in ``arm_j_live_eager.json``) ran
+    the eager engine, the default then; those documents keep their labels."""
     parts = label.split("_")
     options = parts[3:]
     batch = options.pop(0) if options and options[0].startswith("b") else None
-    graphs = options.pop(0) == "graphs" if options else False
+    launch = LAUNCH_SUFFIXES.get(options.pop(0)) if options else None
     if (len(parts) < 3 or parts[0] not in ("train", "callback") or not parts[2].startswith("ni")
             or not parts[2][2:].isdigit() or (batch is not None and not batch[1:].isdigit()) or options
-            or (len(parts) > 3 + (batch is not None) + graphs)):
-        raise ValueError(f"run label {label!r}: expected ENTRY_ARM_ni<K>[_b<N>][_graphs], ENTRY train or callback "
-                         "(e.g. train_I_ni2, train_I_ni2_b16, train_J_ni2_graphs)")
+            or (len(parts) > 3 + (batch is not None) + (launch is not None))):
+        raise ValueError(f"run label {label!r}: expected ENTRY_ARM_ni<K>[_b<N>][_graphs|_eager], ENTRY train or "
+                         "callback (e.g. train_I_ni2, train_I_ni2_b16, train_J_ni2_eager; no launch suffix: the "
+                         "recipe's default, decode graphs for arms I and J)")
     spec = {"entry": parts[0], "arm": parts[1].upper(), "num_iterations": int(parts[2][2:])}
     if batch is not None:
         spec["per_device_train_batch_size"] = int(batch[1:])
-    if graphs:
-        spec["vllm_launch"] = "decode_graphs"
+    if launch is not None:
+        spec["vllm_launch"] = launch
     return spec
 
 

@@ -45,8 +45,18 @@ ARMS = ARM_LETTERS  # the letters A..J, in order (records: bloggap_plugin.core.a
 KEPT_MODES = ("renormalize", "measure", "off")
 POSITION_MODES = ("mask", "arange")
 REFERENCES = ("fp32_b1",)
-VLLM_LAUNCHES = ("eager", "decode_graphs")
-"""``gap.vllm_launch`` values (bloggap_plugin.trl.vllm_colocate.VLLM_LAUNCH_SETTINGS: the engine settings of each)."""
+VLLM_LAUNCHES = ("auto", "eager", "decode_graphs")
+"""``gap.vllm_launch`` values: ``auto`` (:data:`AUTO_VLLM_LAUNCH` for an arm whose engine runs vLLM's eager kernels,
+nothing for any other arm) and the launches of bloggap_plugin.trl.vllm_colocate.VLLM_LAUNCH_SETTINGS (the engine
+settings of each)."""
+AUTO_VLLM_LAUNCH = "decode_graphs"
+"""The launch ``gap.vllm_launch: auto`` (the default) gives an arm whose engine runs vLLM's eager kernels (I, J)."""
+
+
+def _runs_vllm_eager_kernels(spec: ArmSpec) -> bool:
+    """Whether ``spec``'s engine runs vLLM's eager kernels (its :attr:`~ArmSpec.vllm_engine` has ``enforce_eager``:
+    arms I and J), the arms ``gap.vllm_launch`` applies to."""
+    return bool(dict(spec.vllm_engine).get("enforce_eager"))
 
 
 class RecipeError(UsageError):
@@ -142,10 +152,13 @@ class GapConfig:
         """Arms I and J: which pieces of the vLLM-form forward (I: old log-probs; J: old log-probs and training)
         follow vLLM: a preset (``all``: every piece with vLLM's own kernels, needs vLLM and CUDA; ``torch``: vLLM's maths in plain torch; ``hf``: HF's maths) then
         ``piece=value`` overrides, e.g. ``torch,attention=vllm_fa`` (docs/arm_i.md lists the pieces)."""))
-    vllm_launch: str = field(default="eager", metadata=_help(
+    vllm_launch: str = field(default="auto", metadata=_help(
         """Arms I and J with vLLM colocate: how the engine the plugin builds launches vLLM's eager kernels (the ones
         arm I computes): ``eager``, one launch per kernel; ``decode_graphs``, no torch.compile and every decode step
-        replayed from a full CUDA graph, which generates faster (docs/arm_i.md: where each is measured)."""))
+        replayed from a full CUDA graph, the same kernels, generating faster; ``auto`` (the default),
+        ``decode_graphs`` for arms I and J and nothing for any other arm (TRL's engine untouched). An engine built
+        eager is accepted for arms I and J only with ``eager`` set (docs/arm_i.md, tables T16-armI-live and
+        T16-armJ-live: each launch measured live)."""))
     strict_version: bool = field(default=True, metadata=_help(
         """Refuse to attach to a TRL outside the supported range (1.16.x); ``False`` downgrades that to a warning
         (missing private methods are always an error)."""))
@@ -188,7 +201,7 @@ class GapConfig:
         self._validate_i_pieces(spec)
         if self.vllm_launch not in VLLM_LAUNCHES:
             raise RecipeError(f"gap.vllm_launch must be one of {', '.join(VLLM_LAUNCHES)}, got {self.vllm_launch!r}")
-        if self.vllm_launch != "eager" and not dict(spec.vllm_engine).get("enforce_eager"):
+        if self.vllm_launch != "auto" and not _runs_vllm_eager_kernels(spec):
             raise RecipeError(f"gap.vllm_launch only applies to arms I and J (their engine runs vLLM's eager "
                               f"kernels); arm is {self.arm}: drop it")
         if self.kept == "renormalize" and not self.sampler:
@@ -239,6 +252,16 @@ class GapConfig:
     def arm_spec(self) -> ArmSpec:
         """The arm's record (:mod:`bloggap_plugin.core.arms`)."""
         return ARM_RECORDS[self.arm]
+
+    @property
+    def resolved_vllm_launch(self) -> str | None:
+        """The launch (a key of bloggap_plugin.trl.vllm_colocate.VLLM_LAUNCH_SETTINGS) the arm's engine runs vLLM's
+        eager kernels with: ``vllm_launch``, ``auto`` read as :data:`AUTO_VLLM_LAUNCH`; ``None`` for an arm whose
+        engine runs no eager kernels (TRL's engine untouched). What the engine settings are built from
+        (bloggap_plugin.trl.vllm_colocate.engine_settings_for)."""
+        if not _runs_vllm_eager_kernels(self.arm_spec):
+            return None
+        return AUTO_VLLM_LAUNCH if self.vllm_launch == "auto" else self.vllm_launch
 
     @property
     def plan_arm(self) -> str | None:

@@ -159,18 +159,21 @@ VLLM_LAUNCH_SETTINGS: dict[str, dict[str, Any]] = {
     "eager": {"enforce_eager": True},
     "decode_graphs": {"enforce_eager": False, "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}},
 }
-"""``gap.vllm_launch`` -> the ``LLM(...)`` settings with which an arm that computes vLLM's eager kernels (I, J) has
-its engine launch them: ``eager`` one launch per kernel; ``decode_graphs`` no torch.compile (compilation mode 0,
+"""``gap.vllm_launch`` (as :attr:`~bloggap_plugin.recipes.GapConfig.resolved_vllm_launch` reads it: ``auto`` is
+``decode_graphs``) -> the ``LLM(...)`` settings with which an arm that computes vLLM's eager kernels (I, J) has its
+engine launch them: ``eager`` one launch per kernel; ``decode_graphs`` no torch.compile (compilation mode 0,
 ``NONE``) and decode steps replayed from full CUDA graphs (the same kernels; in batch-invariant mode FlashAttention
 runs one split either way)."""
 
 
 def engine_settings_for(gap: Any) -> dict:
     """The ``LLM(...)`` settings ``gap``'s arm needs of its engine: the arm's
-    :attr:`~bloggap_plugin.core.arms.ArmSpec.vllm_engine`, its eager launch as ``gap.vllm_launch`` says."""
+    :attr:`~bloggap_plugin.core.arms.ArmSpec.vllm_engine`, its eager kernels launched as
+    :attr:`~bloggap_plugin.recipes.GapConfig.resolved_vllm_launch` says."""
     settings = dict(gap.arm_spec.vllm_engine)
-    if settings.get("enforce_eager"):
-        settings.update(VLLM_LAUNCH_SETTINGS[gap.vllm_launch])
+    launch = gap.resolved_vllm_launch
+    if launch is not None:
+        settings.update(VLLM_LAUNCH_SETTINGS[launch])
     return settings
 
 
@@ -235,7 +238,9 @@ def colocate_compilation_mode(trainer: Any) -> int | None:
 def check_colocate_engine(trainer: Any, gap: Any, environ: dict | None = None) -> None:
     """Refuse (``RecipeError``) a colocate engine that lacks a setting ``gap``'s arm needs, naming each setting and
     how to build the engine with it. A setting that cannot be read is not refused (the engine may be another
-    layout); vLLM's batch-invariant mode is read from vLLM itself."""
+    layout); vLLM's batch-invariant mode is read from vLLM itself. An engine built eager is what arms I and J need
+    only with ``gap.vllm_launch: eager`` set: under ``auto`` (the default, decode graphs) it is refused, and the
+    error names that setting."""
     from bloggap_plugin.core import vllm_kernels
     from bloggap_plugin.recipes import RecipeError
 
@@ -261,14 +266,27 @@ def check_colocate_engine(trainer: Any, gap: Any, environ: dict | None = None) -
         raise RecipeError(
             f"arm {spec.letter} computes the old log-probs as vLLM's engine computes them, and TRL's colocate "
             f"engine was built without {'; '.join(wrong)}: use GapGRPOTrainer (or bloggap train), which builds it "
-            f"so, or build the trainer inside `with bloggap_plugin.trl.vllm_colocate_engine({settings}):` before "
-            "adding GapCallback"
+            f"so, or build the trainer inside `with bloggap_plugin.trl.vllm_colocate_engine({settings}):` "
+            f"(what vllm_colocate_engine(**engine_kwargs_for(gap)) gives) before adding GapCallback"
+            f"{_eager_engine_hint(trainer, gap)}"
         )
     if needs_batch_invariant(gap) and not vllm_kernels.vllm_batch_invariant_active():
         raise RecipeError(batch_invariant_refusal(gap))
     refusal = model_runner_refusal(gap, colocate_model_runner(trainer))
     if refusal:
         raise RecipeError(refusal)
+
+
+def _eager_engine_hint(trainer: Any, gap: Any) -> str:
+    """For an engine built eager (``enforce_eager=True``) under ``gap.vllm_launch: auto``, which asks arms I and J
+    for decode graphs: how to keep that engine instead (set ``eager`` explicitly); else ``""``."""
+    launch = gap.resolved_vllm_launch
+    if gap.vllm_launch != "auto" or launch in (None, "eager"):
+        return ""
+    if colocate_engine_setting(trainer, "enforce_eager") is not True:
+        return ""
+    return (f"; the engine is eager, and gap.vllm_launch: auto (the default) gives arm {gap.arm_spec.letter} "
+            f"{launch}: to keep an eager engine set gap.vllm_launch: eager")
 
 
 def colocate_model_runner(trainer: Any) -> str | None:

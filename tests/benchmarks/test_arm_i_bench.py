@@ -205,23 +205,37 @@ def test_arm_i_live_labels_and_command_lines():
         argv = script.train_argv(label, "M", 30, Path("x.jsonl"), 0.25)
         assert argv[argv.index("--per_device_train_batch_size") + 1] == "16"
     assert "--per_device_train_batch_size" not in script.train_argv("train_I_ni2", "M", 30, Path("x.jsonl"), 0.25)
-    # _graphs: the engine launches decode steps from CUDA graphs (gap.vllm_launch: decode_graphs), either entry
+    # _graphs: the engine launches decode steps from CUDA graphs (gap.vllm_launch: decode_graphs), either entry;
+    # _eager: one launch per kernel (gap.vllm_launch: eager); neither: the recipe's default (auto: decode graphs)
     assert script.parse_label("train_J_ni2_b16_graphs") == {"entry": "train", "arm": "J", "num_iterations": 2,
                                                            "per_device_train_batch_size": 16,
                                                            "vllm_launch": "decode_graphs"}
+    assert script.parse_label("callback_I_ni2_b16_eager") == {"entry": "callback", "arm": "I", "num_iterations": 2,
+                                                             "per_device_train_batch_size": 16,
+                                                             "vllm_launch": "eager"}
+    assert script.parse_label("train_J_ni2_eager") == {"entry": "train", "arm": "J", "num_iterations": 2,
+                                                       "vllm_launch": "eager"}
+    assert script.parse_label("train_J_ni2") == {"entry": "train", "arm": "J", "num_iterations": 2}
     argv = script.train_argv("train_J_ni2_graphs", "M", 30, Path("x.jsonl"), 0.25)
     assert argv[argv.index("--gap_overrides") + 1] == "{vllm_launch: decode_graphs}"
+    argv = script.train_argv("train_J_ni2_eager", "M", 30, Path("x.jsonl"), 0.25)
+    assert argv[argv.index("--gap_overrides") + 1] == "{vllm_launch: eager}"
     argv = script.train_argv("callback_I_ni1_graphs", "M", 30, Path("x.jsonl"), 0.25)
     assert argv[argv.index("--vllm_launch") + 1] == "decode_graphs"
-    assert "--gap_overrides" not in script.train_argv("train_J_ni2", "M", 30, Path("x.jsonl"), 0.25)
+    argv = script.train_argv("callback_I_ni1_eager", "M", 30, Path("x.jsonl"), 0.25)
+    assert argv[argv.index("--vllm_launch") + 1] == "eager"
+    for label in ("train_J_ni2", "callback_J_ni2"):  # the recipe's default: no launch on the command line
+        argv = script.train_argv(label, "M", 30, Path("x.jsonl"), 0.25)
+        assert "--gap_overrides" not in argv and "--vllm_launch" not in argv
     # --profile-steps: a callback run profiles those steps into LABEL.profile.txt; the CLI's train runs take none
     argv = script.train_argv("callback_J_ni2", "M", 30, Path("o/callback_J_ni2.jsonl"), 0.25, "10-11")
     assert argv[argv.index("--profile") + 1] == str(Path("o/callback_J_ni2.profile.txt"))
     assert argv[argv.index("--profile-steps") + 1] == "10-11"
     assert "--profile" not in script.train_argv("train_J_ni2", "M", 30, Path("x.jsonl"), 0.25, "10-11")
     assert script._step_range("10-11") == (10, 11) and script._step_range("7") == (7, 7)
-    for bad in ("train_I_ni2_graph", "train_I_ni2_graphs_b16", "train_I_ni2_b16_b8"):
-        with pytest.raises(ValueError, match="ENTRY_ARM_ni<K>"):
+    for bad in ("train_I_ni2_graph", "train_I_ni2_graphs_b16", "train_I_ni2_b16_b8", "train_I_ni2_eager_graphs",
+                "train_I_ni2_graphs_eager", "train_I_ni2_auto", "train_I_ni2_eager_b16"):
+        with pytest.raises(ValueError, match=r"ENTRY_ARM_ni<K>\[_b<N>\]\[_graphs\|_eager\]"):
             script.parse_label(bad)
 
 

@@ -125,13 +125,13 @@ def _live_runs(tmp_path, runs: str, out_env: str) -> dict[str, list[dict]]:
 
 
 def test_arm_i_matches_the_sampler_live_in_trl_colocate(tmp_path):
-    """Arm I through the product (``bloggap train``, GapGRPOTrainer builds the eager engine) and through GapCallback,
+    """Arm I through the product (``bloggap train``, GapGRPOTrainer builds the arm's engine) and through GapCallback,
     30 steps each, vLLM's batch-invariant mode on: every generation's old log-probs within the clip band of vLLM's
     sampled ones bit for bit (gap/sampler/exact_frac 1, abs_dlogp_max 0: the V2 model runner's log-prob kernel,
-    T16-armI-live). ``BLOGGAP_ARM_I_LIVE_RUNS`` chooses the runs (``ENTRY_I_ni<K>[_b<N>][_graphs]``, comma-separated;
-    default one per entry point, the train run with generations of 32 completions, whose prompts exceed TRL's 4096
-    tokens per engine step unless the plugin's engine prefills them in one step); ``BLOGGAP_ARM_I_LIVE_OUT`` keeps
-    their logs."""
+    T16-armI-live). ``BLOGGAP_ARM_I_LIVE_RUNS`` chooses the runs (``ENTRY_I_ni<K>[_b<N>][_graphs|_eager]``,
+    comma-separated; default one per entry point, the recipe's engine launch, the train run with generations of 32
+    completions, whose prompts exceed TRL's 4096 tokens per engine step unless the plugin's engine prefills them in
+    one step); ``BLOGGAP_ARM_I_LIVE_OUT`` keeps their logs."""
     _live_runs(tmp_path, os.environ.get("BLOGGAP_ARM_I_LIVE_RUNS", "train_I_ni2_b16,callback_I_ni1"),
                "BLOGGAP_ARM_I_LIVE_OUT")
 
@@ -140,7 +140,7 @@ def test_arm_j_is_exactly_on_policy_live_in_trl_colocate(tmp_path):
     """Arm J through both entry points, 30 steps each: the sampler gap is 0 bit for bit (as arm I's), and the PPO
     ratio new/old is exactly 1 on every token at each generation's first iteration (gap/ratio/exact_frac 1, nothing
     out of band), since the training forward computes the old log-probs' numbers (T16-armJ-live).
-    ``BLOGGAP_ARM_J_LIVE_RUNS`` (``ENTRY_J_ni<K>[_b<N>][_graphs]``), ``BLOGGAP_ARM_J_LIVE_OUT`` as for arm I."""
+    ``BLOGGAP_ARM_J_LIVE_RUNS`` (``ENTRY_J_ni<K>[_b<N>][_graphs|_eager]``), ``BLOGGAP_ARM_J_LIVE_OUT`` as for arm I."""
     logs = _live_runs(tmp_path, os.environ.get("BLOGGAP_ARM_J_LIVE_RUNS", "train_J_ni2,callback_J_ni1"),
                       "BLOGGAP_ARM_J_LIVE_OUT")
     for label, records in logs.items():

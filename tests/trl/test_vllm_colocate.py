@@ -172,12 +172,16 @@ def test_parallel_colocate_runs_each_get_their_own_free_master_port():
     assert "MASTER_PORT" not in worker_environment(config(use_vllm=False), {})
 
 
-def test_gap_grpo_trainer_builds_arm_i_an_eager_engine_without_prefix_caching(fake_llm, monkeypatch):
-    """Arm I computes vLLM's eager kernels and each prefill's launch size: GapGRPOTrainer builds TRL's colocate engine
-    with enforce_eager=True and enable_prefix_caching=False for arm I only (the other arms keep TRL's engine)."""
+EAGER = {"enforce_eager": True}
+DECODE_GRAPHS = {"enforce_eager": False, "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
+GRAPHS_ENGINE = {"eager": False, "prefix": False, "mode": 0}
+"""The engine arms I and J get by default (gap.vllm_launch: auto), as ``_engine_trainer`` settings."""
+
+
+def _gap_grpo_engine_calls(fake_llm, monkeypatch, gaps):
+    """The ``LLM(...)`` keyword arguments of the colocate engine GapGRPOTrainer builds for each of ``gaps``."""
     from trl import GRPOTrainer
 
-    from bloggap_plugin.recipes import GapConfig
     from bloggap_plugin.trl.callback import GapGRPOTrainer
 
     module, _, calls = fake_llm
@@ -185,72 +189,160 @@ def test_gap_grpo_trainer_builds_arm_i_an_eager_engine_without_prefix_caching(fa
     monkeypatch.setattr(GapMixin, "_gap_attach", lambda self, *a, **k: None)
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     vllm_args = types.SimpleNamespace(use_vllm=True, vllm_mode="colocate")
-    GapGRPOTrainer(args=vllm_args, gap=GapConfig(arm="I", positions="mask"))
-    GapGRPOTrainer(args=vllm_args, gap=GapConfig(arm="A"))
-    GapGRPOTrainer(args=vllm_args, gap=GapConfig(arm="I", positions="mask", i_pieces="torch"))
-    assert calls == [{"model": "m", "enforce_eager": True, "enable_prefix_caching": False}, {"model": "m"},
-                     {"model": "m", "enforce_eager": True, "enable_prefix_caching": False}]
+    for gap in gaps:
+        GapGRPOTrainer(args=vllm_args, gap=gap)
+    return calls
 
 
-DECODE_GRAPHS = {"enforce_eager": False, "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
-
-
-def test_decode_graphs_launch_builds_arms_i_and_j_an_uncompiled_engine_with_decode_cuda_graphs(fake_llm, monkeypatch):
-    """``gap.vllm_launch: decode_graphs``: the engine runs the eager engine's kernels (no torch.compile: compilation
-    mode 0) and replays decode steps from full CUDA graphs (T16-armI-engine, variant graphs_one_prefill); prefix
-    caching stays off. Arm J gets the same engine; ``eager`` (the default) is unchanged."""
-    from trl import GRPOTrainer
-
+def test_gap_grpo_trainer_builds_arm_i_an_engine_without_prefix_caching_and_leaves_other_arms_alone(
+        fake_llm, monkeypatch):
+    """Arm I computes vLLM's eager kernels and each prefill's launch size: GapGRPOTrainer builds TRL's colocate engine
+    without prefix caching and with those kernels' launch (by default decode CUDA graphs, no torch.compile) for arm I
+    only (arm A keeps TRL's engine)."""
     from bloggap_plugin.recipes import GapConfig
-    from bloggap_plugin.trl.callback import GapGRPOTrainer
+
+    calls = _gap_grpo_engine_calls(fake_llm, monkeypatch, [
+        GapConfig(arm="I", positions="mask"), GapConfig(arm="A"),
+        GapConfig(arm="I", positions="mask", i_pieces="torch")])
+    assert calls == [{"model": "m", "enable_prefix_caching": False, **DECODE_GRAPHS}, {"model": "m"},
+                     {"model": "m", "enable_prefix_caching": False, **DECODE_GRAPHS}]
+
+
+def test_arms_i_and_j_launch_decode_graphs_by_default_and_eager_when_set(fake_llm, monkeypatch):
+    """``gap.vllm_launch`` defaults to ``auto``: ``decode_graphs`` for arms I and J, whose engine runs vLLM's eager
+    kernels (no torch.compile: compilation mode 0, decode steps replayed from full CUDA graphs; T16-armI-engine,
+    variant graphs_one_prefill; live in T16-armI-live / T16-armJ-live); prefix caching stays off. ``eager`` set
+    explicitly gives the eager engine; ``auto`` and ``decode_graphs`` set explicitly give the default's."""
+    from bloggap_plugin.recipes import GapConfig
     from bloggap_plugin.trl.vllm_colocate import engine_kwargs_for
 
-    module, _, calls = fake_llm
-    monkeypatch.setattr(GRPOTrainer, "__init__", lambda self, *a, **k: module.LLM(model="m"))
-    monkeypatch.setattr(GapMixin, "_gap_attach", lambda self, *a, **k: None)
-    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
-    vllm_args = types.SimpleNamespace(use_vllm=True, vllm_mode="colocate")
+    calls = _gap_grpo_engine_calls(fake_llm, monkeypatch, [
+        GapConfig(arm="I", positions="mask"), GapConfig(arm="J"), GapConfig(arm="J", vllm_launch="auto"),
+        GapConfig(arm="J", vllm_launch="decode_graphs"), GapConfig(arm="I", vllm_launch="eager"),
+        GapConfig(arm="J", vllm_launch="eager")])
+    assert calls == ([{"model": "m", "enable_prefix_caching": False, **DECODE_GRAPHS}] * 4
+                     + [{"model": "m", "enable_prefix_caching": False, **EAGER}] * 2)
     for arm in ("I", "J"):
-        GapGRPOTrainer(args=vllm_args, gap=GapConfig(arm=arm, positions="mask", vllm_launch="decode_graphs"))
-    assert calls == [{"model": "m", "enable_prefix_caching": False, **DECODE_GRAPHS}] * 2
-    assert engine_kwargs_for(GapConfig(arm="J", vllm_launch="decode_graphs")) == {
-        "enable_prefix_caching": False, **DECODE_GRAPHS, "prefill_in_one_step": True}
-    assert engine_kwargs_for(GapConfig(arm="J")) == {"enforce_eager": True, "enable_prefix_caching": False,
-                                                     "prefill_in_one_step": True}
+        gap = GapConfig(arm=arm)
+        assert (gap.vllm_launch, gap.resolved_vllm_launch) == ("auto", "decode_graphs")
+        assert engine_kwargs_for(gap, {}) == {"enforce_eager": False, "enable_prefix_caching": False,
+                                              "compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
+                                              "prefill_in_one_step": True}
+        for launch in ("auto", "decode_graphs"):
+            assert engine_kwargs_for(GapConfig(arm=arm, vllm_launch=launch), {}) == engine_kwargs_for(gap, {})
+        eager = GapConfig(arm=arm, vllm_launch="eager")
+        assert eager.resolved_vllm_launch == "eager"
+        assert engine_kwargs_for(eager, {}) == {"enforce_eager": True, "enable_prefix_caching": False,
+                                                "prefill_in_one_step": True}
 
 
-def test_vllm_launch_is_checked_by_name():
-    from bloggap_plugin.recipes import GapConfig
+def test_vllm_launch_is_checked_by_name_and_auto_leaves_other_arms_engines_alone():
+    """``auto`` on any arm but I and J asks nothing of the engine; an explicit launch there is refused."""
+    from bloggap_plugin.recipes import ARMS, GapConfig
+    from bloggap_plugin.trl.vllm_colocate import engine_kwargs_for, engine_settings_for
 
-    with pytest.raises(RecipeError, match=r"gap.vllm_launch must be one of eager, decode_graphs, got 'graphs'"):
+    with pytest.raises(RecipeError, match=r"gap.vllm_launch must be one of auto, eager, decode_graphs, got 'graphs'"):
         GapConfig(arm="I", vllm_launch="graphs")
-    with pytest.raises(RecipeError, match=r"gap.vllm_launch only applies to arms I and J.*arm is A"):
-        GapConfig(arm="A", vllm_launch="decode_graphs")
-    assert GapConfig(arm="A").vllm_launch == "eager"
+    for launch in ("eager", "decode_graphs"):
+        with pytest.raises(RecipeError, match=r"gap.vllm_launch only applies to arms I and J.*arm is A: drop it"):
+            GapConfig(arm="A", vllm_launch=launch)
+    assert GapConfig(arm="A").vllm_launch == "auto" and GapConfig(arm="A").resolved_vllm_launch is None
+    assert engine_kwargs_for(GapConfig(arm="A"), {}) == {}
+    assert engine_kwargs_for(GapConfig(arm="A", vllm_launch="auto"), {}) == {}
+    assert engine_kwargs_for(GapConfig(arm="H"), {}) == {"dtype": "float16"}
+    for arm in ARMS:
+        if arm in ("I", "J"):
+            continue
+        gap = GapConfig(arm=arm)
+        assert gap.resolved_vllm_launch is None, arm
+        assert engine_settings_for(gap) == {}, arm
+
+
+def test_arm_i_and_j_recipes_load_with_the_decode_graphs_default():
+    from _support import ROOT
+
+    from bloggap_plugin.recipes import load_recipe
+    from bloggap_plugin.trl.vllm_colocate import engine_kwargs_for
+
+    for arm in ("I", "J"):
+        _, gap = load_recipe(ROOT / "recipes" / f"arm_{arm}.yaml")
+        assert (gap.arm, gap.vllm_launch, gap.resolved_vllm_launch) == (arm, "auto", "decode_graphs")
+        assert engine_kwargs_for(gap, {}) == {"enable_prefix_caching": False, **DECODE_GRAPHS,
+                                              "prefill_in_one_step": True}
+
+
+def test_bloggap_train_gap_overrides_still_select_the_eager_engine(tmp_path):
+    """``bloggap train recipes/arm_I.yaml --gap_overrides "{vllm_launch: eager}"``: the eager engine; without the
+    override, the recipe's default (decode graphs)."""
+    from _support import ROOT
+
+    from bloggap_plugin.cli import build_parser
+    from bloggap_plugin.commands.train import train_config_from_args
+    from bloggap_plugin.trl.run import prepare_run
+    from bloggap_plugin.trl.vllm_colocate import engine_kwargs_for
+
+    parser = build_parser()
+    common = ["train", str(ROOT / "recipes" / "arm_I.yaml"), "--model", "tiny-random-llama", "--device", "cpu",
+              "--output-dir", str(tmp_path / "out")]
+    eager = prepare_run(train_config_from_args(parser.parse_args([*common, "--gap_overrides", "{vllm_launch: eager}"])))
+    assert (eager.gap.arm, eager.gap.vllm_launch, eager.gap.resolved_vllm_launch) == ("I", "eager", "eager")
+    assert engine_kwargs_for(eager.gap, {}) == {"enforce_eager": True, "enable_prefix_caching": False,
+                                                "prefill_in_one_step": True}
+    default = prepare_run(train_config_from_args(parser.parse_args(common)))
+    assert (default.gap.vllm_launch, default.gap.resolved_vllm_launch) == ("auto", "decode_graphs")
+    assert engine_kwargs_for(default.gap, {}) == {"enable_prefix_caching": False, **DECODE_GRAPHS,
+                                                  "prefill_in_one_step": True}
 
 
 def test_attaching_decode_graphs_to_a_compiled_engine_is_refused(monkeypatch):
-    """GapCallback with ``vllm_launch: decode_graphs`` on TRL's default engine (torch.compile, mode 3): refused,
-    naming the compilation mode it needs and how to build it; an engine built so passes; so does one whose
-    compilation settings cannot be read."""
+    """GapCallback with ``vllm_launch: decode_graphs`` (or the default, ``auto``) on TRL's default engine
+    (torch.compile, mode 3): refused, naming the compilation mode it needs and how to build it; an engine built so
+    passes; so does one whose compilation settings cannot be read. ``eager`` set explicitly refuses that engine."""
     import bloggap_plugin.core.vllm_kernels as vllm_kernels
     from bloggap_plugin.recipes import GapConfig
     from bloggap_plugin.trl.vllm_colocate import check_colocate_engine, colocate_compilation_mode
 
     monkeypatch.setattr(vllm_kernels, "vllm_batch_invariant_active", lambda: True)
-    gap = GapConfig(arm="J", vllm_launch="decode_graphs")
     compiled = _engine_trainer(eager=False, prefix=False, mode=3)
     assert colocate_compilation_mode(compiled) == 3
-    with pytest.raises(RecipeError, match=r"compilation_config mode 0 \(the engine has mode 3: torch\.compile\)"
-                                          r".*vllm_colocate_engine\(enforce_eager=False, enable_prefix_caching=False, "
-                                          r"compilation_config="):
-        check_colocate_engine(compiled, gap)
-    check_colocate_engine(_engine_trainer(eager=False, prefix=False, mode=0), gap)
-    check_colocate_engine(_engine_trainer(eager=False, prefix=False), gap)  # mode unreadable: not refused
-    with pytest.raises(RecipeError, match=r"enforce_eager=False \(the engine has True\)"):
-        check_colocate_engine(_engine_trainer(eager=True, prefix=False, mode=0), gap)
+    for gap in (GapConfig(arm="J", vllm_launch="decode_graphs"), GapConfig(arm="J")):
+        with pytest.raises(RecipeError, match=r"compilation_config mode 0 \(the engine has mode 3: torch\.compile\)"
+                                              r".*vllm_colocate_engine\(enforce_eager=False, "
+                                              r"enable_prefix_caching=False, compilation_config=") as refused:
+            check_colocate_engine(compiled, gap)
+        assert "set gap.vllm_launch: eager" not in str(refused.value)  # the engine is not eager
+        check_colocate_engine(_engine_trainer(**GRAPHS_ENGINE), gap)
+        check_colocate_engine(_engine_trainer(eager=False, prefix=False), gap)  # mode unreadable: not refused
     with pytest.raises(RecipeError, match=r"enforce_eager=True \(the engine has False\)"):
-        check_colocate_engine(_engine_trainer(eager=False, prefix=False, mode=0), GapConfig(arm="J"))
+        check_colocate_engine(_engine_trainer(**GRAPHS_ENGINE), GapConfig(arm="J", vllm_launch="eager"))
+
+
+@pytest.mark.parametrize("arm", ["I", "J"])
+def test_an_eager_engine_is_accepted_only_with_vllm_launch_eager_set(monkeypatch, arm):
+    """A user who built the engine eager (``vllm_colocate_engine(enforce_eager=True, ...)``, or engine_kwargs_for of
+    a gap set to eager) and attaches arm I or J: with ``gap.vllm_launch: eager`` it passes; with the default
+    ``auto`` (decode graphs) it is refused, the error naming ``gap.vllm_launch: eager`` to keep that engine and
+    engine_kwargs_for to build the default's; with ``decode_graphs`` set explicitly it is refused without that
+    hint (the user asked for decode graphs)."""
+    import bloggap_plugin.core.vllm_kernels as vllm_kernels
+    from bloggap_plugin.recipes import GapConfig
+    from bloggap_plugin.trl.vllm_colocate import check_colocate_engine
+
+    monkeypatch.setattr(vllm_kernels, "vllm_batch_invariant_active", lambda: True)
+    eager = _engine_trainer(eager=True, prefix=False, mode=0)
+    check_colocate_engine(eager, GapConfig(arm=arm, vllm_launch="eager"))
+    with pytest.raises(RecipeError) as refused:
+        check_colocate_engine(eager, GapConfig(arm=arm))
+    message = str(refused.value)
+    assert f"arm {arm} computes the old log-probs" in message
+    assert "built without enforce_eager=False (the engine has True):" in message
+    assert "vllm_colocate_engine(**engine_kwargs_for(gap))" in message
+    assert message.endswith(f"before adding GapCallback; the engine is eager, and gap.vllm_launch: auto (the "
+                            f"default) gives arm {arm} decode_graphs: to keep an eager engine set "
+                            "gap.vllm_launch: eager")
+    with pytest.raises(RecipeError, match=r"enforce_eager=False \(the engine has True\)") as refused:
+        check_colocate_engine(eager, GapConfig(arm=arm, vllm_launch="decode_graphs"))
+    assert str(refused.value).endswith("before adding GapCallback")
 
 
 def test_arm_i_with_batch_invariant_pieces_is_refused_before_the_engine_loads(fake_llm, monkeypatch):
@@ -286,7 +378,8 @@ def _engine_trainer(**settings):
 
 def test_attaching_arm_i_to_a_compiled_or_prefix_caching_engine_is_refused(monkeypatch):
     """GapCallback on a trainer whose engine TRL built with vLLM's defaults (compiled, prefix caching on): refused,
-    naming each setting the engine has and how to build it; an engine built with arm I's settings passes."""
+    naming each setting the engine has and how to build it (by default decode graphs; with ``vllm_launch: eager``
+    the eager engine); an engine built with arm I's settings passes."""
     import bloggap_plugin.core.vllm_kernels as vllm_kernels
     from bloggap_plugin.recipes import GapConfig
     from bloggap_plugin.trl.vllm_colocate import (
@@ -297,19 +390,25 @@ def test_attaching_arm_i_to_a_compiled_or_prefix_caching_engine_is_refused(monke
 
     monkeypatch.setattr(vllm_kernels, "vllm_batch_invariant_active", lambda: True)
     gap = GapConfig(arm="I", positions="mask")
-    default = _engine_trainer(eager=False, prefix=True)
+    default = _engine_trainer(eager=False, prefix=True, mode=3)
     assert colocate_engine_setting(default, "enforce_eager") is False
-    with pytest.raises(RecipeError, match=r"enforce_eager=True \(the engine has False\); enable_prefix_caching=False "
-                                          r"\(the engine has True\).*vllm_colocate_engine\(enforce_eager=True"):
+    with pytest.raises(RecipeError, match=r"built without enable_prefix_caching=False \(the engine has True\); "
+                                          r"compilation_config mode 0 \(the engine has mode 3: torch\.compile\): .*"
+                                          r"vllm_colocate_engine\(enforce_eager=False, enable_prefix_caching=False"):
         check_colocate_engine(default, gap)
-    check_colocate_engine(_engine_trainer(eager=True, prefix=False), gap)
+    eager = GapConfig(arm="I", positions="mask", vllm_launch="eager")
+    with pytest.raises(RecipeError, match=r"built without enforce_eager=True \(the engine has False\); "
+                                          r"enable_prefix_caching=False \(the engine has True\): .*"
+                                          r"vllm_colocate_engine\(enforce_eager=True"):
+        check_colocate_engine(default, eager)
+    check_colocate_engine(_engine_trainer(**GRAPHS_ENGINE), gap)
+    check_colocate_engine(_engine_trainer(eager=True, prefix=False), eager)
     check_colocate_engine(default, GapConfig(arm="A"))  # arm A needs nothing of the engine
     check_colocate_engine(types.SimpleNamespace(), gap)  # settings that cannot be read are not refused
-    assert engine_kwargs_for(gap) == {"enforce_eager": True, "enable_prefix_caching": False,
-                                      "prefill_in_one_step": True}
+    assert engine_kwargs_for(gap) == {"enable_prefix_caching": False, **DECODE_GRAPHS, "prefill_in_one_step": True}
     monkeypatch.setattr(vllm_kernels, "vllm_batch_invariant_active", lambda: False)
     with pytest.raises(RecipeError, match="VLLM_BATCH_INVARIANT=1"):
-        check_colocate_engine(_engine_trainer(eager=True, prefix=False), gap)
+        check_colocate_engine(_engine_trainer(**GRAPHS_ENGINE), gap)
 
 
 def test_arm_i_logprobs_piece_must_match_the_engines_model_runner(monkeypatch):
@@ -321,10 +420,10 @@ def test_arm_i_logprobs_piece_must_match_the_engines_model_runner(monkeypatch):
     from bloggap_plugin.trl.vllm_colocate import check_colocate_engine, colocate_model_runner
 
     monkeypatch.setattr(vllm_kernels, "vllm_batch_invariant_active", lambda: True)
-    v1 = _engine_trainer(eager=True, prefix=False, v2=False)
-    v2 = _engine_trainer(eager=True, prefix=False, v2=True)
+    v1 = _engine_trainer(**GRAPHS_ENGINE, v2=False)
+    v2 = _engine_trainer(**GRAPHS_ENGINE, v2=True)
     assert colocate_model_runner(v1) == "v1" and colocate_model_runner(v2) == "v2"
-    assert colocate_model_runner(_engine_trainer(eager=True, prefix=False)) is None
+    assert colocate_model_runner(_engine_trainer(**GRAPHS_ENGINE)) is None
     check_colocate_engine(v2, GapConfig(arm="I", positions="mask"))
     with pytest.raises(RecipeError, match=r"model runner V1.*gap\.i_pieces: all,logprobs=log_softmax"):
         check_colocate_engine(v1, GapConfig(arm="I", positions="mask"))
@@ -370,11 +469,10 @@ def test_attaching_arm_i_to_an_engine_that_chunks_a_generations_prefill_is_refus
 
     monkeypatch.setattr(vllm_kernels, "vllm_batch_invariant_active", lambda: True)
     gap = GapConfig(arm="I", positions="mask")
-    assert engine_kwargs_for(gap) == {"enforce_eager": True, "enable_prefix_caching": False,
-                                      "prefill_in_one_step": True}
+    assert engine_kwargs_for(gap) == {"enable_prefix_caching": False, **DECODE_GRAPHS, "prefill_in_one_step": True}
 
     def engine(budget):
-        trainer = _engine_trainer(eager=True, prefix=False)
+        trainer = _engine_trainer(**GRAPHS_ENGINE)
         config = trainer.vllm_generation.llm.llm_engine.vllm_config
         config.scheduler_config = types.SimpleNamespace(max_num_batched_tokens=budget, max_num_seqs=16)
         config.model_config.max_model_len = 1024
@@ -414,7 +512,7 @@ def test_arm_is_one_step_prefill_budget_is_capped_and_the_cap_is_what_attach_exp
     assert one_step_prefill_tokens(16, 1024) == 16 * 1024
     assert one_step_prefill_tokens(32, 32768) == ONE_STEP_PREFILL_CAP < 32 * 32768
     monkeypatch.setattr(vllm_kernels, "vllm_batch_invariant_active", lambda: True)
-    trainer = _engine_trainer(eager=True, prefix=False)
+    trainer = _engine_trainer(**GRAPHS_ENGINE)
     config = trainer.vllm_generation.llm.llm_engine.vllm_config
     config.scheduler_config = types.SimpleNamespace(max_num_batched_tokens=ONE_STEP_PREFILL_CAP, max_num_seqs=32)
     config.model_config.max_model_len = 32768
