@@ -85,6 +85,9 @@ def parse_label(label: str) -> dict:
     if batch is not None:
         spec["per_device_train_batch_size"] = int(batch[1:])
     if launch is not None:
+        if spec["arm"] not in ("I", "J"):
+            raise ValueError(f"run label {label!r}: a launch suffix (_graphs, _eager) is only for arms I and J "
+                             f"(gap.vllm_launch), arm {spec['arm']} runs TRL's engine: drop the suffix")
         spec["vllm_launch"] = launch
     return spec
 

@@ -237,6 +237,9 @@ def test_arm_i_live_labels_and_command_lines():
                 "train_I_ni2_graphs_eager", "train_I_ni2_auto", "train_I_ni2_eager_b16"):
         with pytest.raises(ValueError, match=r"ENTRY_ARM_ni<K>\[_b<N>\]\[_graphs\|_eager\]"):
             script.parse_label(bad)
+    for other_arm in ("train_A_ni2_graphs", "callback_H_ni1_eager"):  # a launch only arms I and J have
+        with pytest.raises(ValueError, match=r"a launch suffix .* only for arms I and J"):
+            script.parse_label(other_arm)
 
 
 def test_arm_i_engine_table_is_built_from_its_results():
