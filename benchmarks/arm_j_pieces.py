@@ -172,7 +172,7 @@ ATTENTION_FORMULAS = {"padded entries": "padded_paged_attention",
                       "dense over the cache": "dense_cache_attention"}
 """Label -> attention backward formula (``core.vllm_autograd``) timed by :func:`attention_formula_rows`,
 padded entries first (the others' outputs are compared with its)."""
-PLUGINS = " (the plugin's)"
+PLUGIN_MARK = " (the plugin's)"
 """Appended to a row's label where ``flash_paged_formula`` takes that formula for that call
 (``core.vllm_autograd.paged_attention_formula``)."""
 
@@ -182,7 +182,7 @@ def attention_formula_rows(policy: Any, ids: Any, mask: Any, keep: int, device: 
     entry per generated token; this micro-batch's shapes, random fp32 q/k/v) through each formula of
     :data:`ATTENTION_FORMULAS` in fp32, forward and backward timed as :func:`time_forward_backward` does; each
     formula's output against padded entries' (max |difference|). The row of the formula the plugin takes for
-    the call is labelled :data:`PLUGINS`."""
+    the call is labelled :data:`PLUGIN_MARK`."""
     import torch
 
     from bloggap_plugin.core import vllm_autograd
@@ -207,7 +207,7 @@ def attention_formula_rows(policy: Any, ids: Any, mask: Any, keep: int, device: 
     for call_name, call in zip(("prefill", "decode"), calls):
         index, arguments = call[0], call[1:]
         max_seqlen_q = arguments[3]  # (cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
-        plugins = vllm_autograd.paged_attention_formula(q[index], cache, max_seqlen_q)
+        plugin_formula = vllm_autograd.paged_attention_formula(q[index], cache, max_seqlen_q)
         reference = None
         for label, name in ATTENTION_FORMULAS.items():
             formula = getattr(vllm_autograd, name)
@@ -222,7 +222,7 @@ def attention_formula_rows(policy: Any, ids: Any, mask: Any, keep: int, device: 
             out = row.pop("logps")
             reference = out if reference is None else reference
             row["max_abs_vs_padded"] = float((out - reference).abs().max())
-            rows[f"{call_name}: {label}{PLUGINS if formula is plugins else ''}"] = row
+            rows[f"{call_name}: {label}{PLUGIN_MARK if formula is plugin_formula else ''}"] = row
     return rows
 
 

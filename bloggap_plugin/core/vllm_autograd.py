@@ -127,11 +127,11 @@ def flash_formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     :attr:`Kernels.flash` signature."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     if block_table is not None:
-        keys = _cache_rows(k, v, block_table)
-    else:
-        def keys(j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            index = (cu_seqlens[:-1].long()[:, None] + j[None, :]).clamp(max=k.shape[0] - 1)
-            return k[index], v[index]
+        return padded_paged_attention(q, k, v, cu_seqlens, lengths, block_table, max_seqlen, max_seqlen, scale)
+
+    def keys(j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        index = (cu_seqlens[:-1].long()[:, None] + j[None, :]).clamp(max=k.shape[0] - 1)
+        return k[index], v[index]
     return padded_entry_attention(q, keys, cu_seqlens, lengths, max_seqlen, max_seqlen, scale)
 
 

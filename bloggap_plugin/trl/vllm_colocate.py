@@ -281,7 +281,7 @@ def _eager_engine_hint(trainer: Any, gap: Any) -> str:
     """For an engine built eager (``enforce_eager=True``) under ``gap.vllm_launch: auto``, which asks arms I and J
     for decode graphs: how to keep that engine instead (set ``eager`` explicitly); else ``""``."""
     launch = gap.resolved_vllm_launch
-    if gap.vllm_launch != "auto" or launch in (None, "eager"):
+    if gap.vllm_launch != "auto" or launch is None:
         return ""
     if colocate_engine_setting(trainer, "enforce_eager") is not True:
         return ""
