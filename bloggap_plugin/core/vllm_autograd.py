@@ -222,41 +222,75 @@ PIECE_FORMULAS: dict[str, Callable[..., torch.Tensor]] = {
 
 
 # ------------------------------------------------------------------------- the formulas' gradients, closed form
-def linear_gradient(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """:func:`linear_formula`'s gradients ``(d x, d weight, d bias)`` for the output's gradient ``grad``."""
-    flat_grad, flat_x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-    return grad @ weight, flat_grad.T @ flat_x, None if bias is None else flat_grad.sum(0)
+# Each takes the piece's inputs as the kernel was given them (bf16, or fp32) and computes in fp32: a bf16 input is
+# cast once where an op would otherwise compute in bf16, and elsewhere enters an op beside an fp32 operand, which
+# promotes it exactly (bf16 -> fp32 is exact), so no cast is launched for it. ``needs`` (one flag per argument, all by
+# default) names the gradients wanted; the others are returned as ``None`` without being computed.
+def _wants(needs: Sequence[bool] | None, index: int) -> bool:
+    return needs is None or (index < len(needs) and bool(needs[index]))
 
 
-def rms_norm_gradient(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, *rest):
-    """:func:`rms_norm_formula`'s ``(d x, d weight, None, ...)``: with ``r = rsqrt(mean(x^2) + eps)`` and ``g = grad
-    * weight``, ``d x = r g - x r^3 mean(g x)`` and ``d weight`` the sum over rows of ``grad x r``."""
-    rsqrt = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    scaled = grad * weight
-    dx = rsqrt * scaled - x * rsqrt.pow(3) * (scaled * x).mean(-1, keepdim=True)
-    return (dx, (grad * x * rsqrt).reshape(-1, x.shape[-1]).sum(0), None, *(None for _ in rest))
+def linear_gradient(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    needs: Sequence[bool] | None = None):
+    """:func:`linear_formula`'s gradients ``(d x, d weight, d bias)`` for the output's gradient ``grad`` (fp32
+    matmuls of the fp32 casts), each only if wanted."""
+    grad = grad.float()
+    flat_grad = grad.reshape(-1, grad.shape[-1])
+    dx = grad @ weight.float() if _wants(needs, 0) else None
+    dweight = flat_grad.T @ x.reshape(-1, x.shape[-1]).float() if _wants(needs, 1) else None
+    dbias = flat_grad.sum(0) if bias is not None and _wants(needs, 2) else None
+    return dx, dweight, dbias
 
 
-def rotary_gradient(grad: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor):
-    """:func:`rotary_formula`'s ``(d x, None, None)``: the rotation by the opposite angle."""
-    cos, sin = cache.index_select(0, positions).to(x.dtype).chunk(2, dim=-1)
+def rms_norm_gradient(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, *rest,
+                      needs: Sequence[bool] | None = None):
+    """:func:`rms_norm_formula`'s ``(d x, d weight, None, ...)``: with ``r = rsqrt(mean(x^2) + eps)``, ``n = x r`` and
+    ``g = grad * weight``, ``d x = r (g - n mean(g n))`` (``= r g - x r^3 mean(g x)``) and ``d weight`` the sum over
+    rows of ``grad n``."""
+    x32 = x.float()
+    rsqrt = x32.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
+    normed = x32.mul_(rsqrt) if x.dtype != torch.float32 else x * rsqrt  # in place on the cast's copy
+    dx = dweight = None
+    if _wants(needs, 0):
+        scaled = grad * weight.float()
+        dx = torch.addcmul(scaled, normed, (scaled * normed).mean(-1, keepdim=True), value=-1).mul_(rsqrt)
+    if _wants(needs, 1):
+        dweight = (grad * normed).reshape(-1, x.shape[-1]).sum(0)
+    return (dx, dweight, None, *(None for _ in rest))
+
+
+def rotary_gradient(grad: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, *,  # noqa: ARG001
+                    needs: Sequence[bool] | None = None):  # noqa: ARG001
+    """:func:`rotary_formula`'s ``(d x, None, None)``: the rotation by the opposite angle, ``[g1 cos + g2 sin,
+    g2 cos - g1 sin]`` (``x`` is not read: the rotation is linear)."""
+    cos, sin = cache.index_select(0, positions).float().chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     g1, g2 = grad.chunk(2, dim=-1)
-    return torch.cat((g1 * cos + g2 * sin, g2 * cos - g1 * sin), dim=-1), None, None
+    dx = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
+    d1, d2 = dx.chunk(2, dim=-1)
+    torch.mul(g1, cos, out=d1).addcmul_(g2, sin)
+    torch.mul(g2, cos, out=d2).addcmul_(g1, sin, value=-1)
+    return dx, None, None
 
 
-def silu_and_mul_gradient(grad: torch.Tensor, x: torch.Tensor):
-    """:func:`silu_and_mul_formula`'s ``(d x,)``: ``d gate = grad up s (1 + gate (1 - s))`` with ``s =
-    sigmoid(gate)``, ``d up = grad silu(gate)``."""
+def silu_and_mul_gradient(grad: torch.Tensor, x: torch.Tensor, *, needs: Sequence[bool] | None = None):  # noqa: ARG001
+    """:func:`silu_and_mul_formula`'s ``(d x,)``: with ``s = sigmoid(gate)``, ``d gate = grad up s (1 + gate (1 -
+    s)) = grad up (silu + s (1 - silu))`` and ``d up = grad silu(gate)``."""
     half = x.shape[-1] // 2
-    gate, up = x[..., :half], x[..., half:]
+    gate, up = x[..., :half].float(), x[..., half:]
     sigmoid = torch.sigmoid(gate)
-    return (torch.cat((grad * up * sigmoid * (1 + gate * (1 - sigmoid)), grad * gate * sigmoid), dim=-1),)
+    silu = gate.mul_(sigmoid) if x.dtype != torch.float32 else gate * sigmoid  # in place on the cast's copy
+    dx = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    torch.mul(grad, silu, out=dx[..., half:])
+    torch.mul(torch.addcmul(silu, sigmoid, 1 - silu).mul_(up), grad, out=dx[..., :half])
+    return (dx,)
 
 
-def token_logprobs_gradient(grad: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor):
+def token_logprobs_gradient(grad: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, *,
+                            needs: Sequence[bool] | None = None):  # noqa: ARG001
     """:func:`token_logprobs_formula`'s ``(d logits, None)``: ``grad (onehot(tokens) - softmax(logits))``."""
-    dlogits = torch.softmax(logits, dim=-1) * -grad[:, None]
+    grad = grad.float()
+    dlogits = torch.softmax(logits, dim=-1, dtype=torch.float32).mul_(-grad[:, None])
     dlogits.scatter_add_(-1, tokens.long()[:, None], grad[:, None])
     return dlogits, None
 
@@ -268,9 +302,10 @@ PIECE_GRADIENTS: dict[Callable[..., torch.Tensor], Callable[..., tuple]] = {
     silu_and_mul_formula: silu_and_mul_gradient,
     token_logprobs_formula: token_logprobs_gradient,
 }
-"""Formula -> its gradients in closed form ``gradient(grad, *args)`` (one entry per argument, ``None`` where there is
-none), computed instead of differentiating the formula (no fp32 recompute of the piece's output, no inner autograd
-graph); a formula without an entry (the attention's) is differentiated by autograd."""
+"""Formula -> its gradients in closed form ``gradient(grad, *args, needs=None)`` (one entry per argument, ``None``
+where there is none or ``needs``, a flag per argument, does not want it), computed in fp32 from the arguments as the
+kernel was given them (bf16 or fp32) instead of differentiating the formula (no fp32 recompute of the piece's output,
+no inner autograd graph); a formula without an entry (the attention's) is differentiated by autograd."""
 
 
 # ------------------------------------------------------------------------------------------------ the Function
@@ -281,9 +316,8 @@ class _KernelPiece(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name: str, kernel: Callable[..., torch.Tensor], formula: Callable[..., torch.Tensor],
                 spec: tuple, *tensors: torch.Tensor) -> torch.Tensor:
-        args = _rebuild(spec, tensors)
         versions = [t._version for t in tensors]
-        out = kernel(*args)
+        out = kernel(*_rebuild(spec, tensors))
         if [t._version for t in tensors] != versions:
             raise RuntimeError(f"the {name} kernel changed one of its inputs in place; wrap it so that it works on a "
                                "copy (vllm_kernels does for vLLM's in-place ops)")
@@ -294,36 +328,35 @@ class _KernelPiece(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         tensors = ctx.saved_tensors
-        wanted = [i for i, t in enumerate(tensors) if ctx.needs_input_grad[4 + i]]
+        needs = ctx.needs_input_grad[4:]
         grads: list[torch.Tensor | None] = [None] * len(tensors)
+        if not any(needs):
+            return (None, None, None, None, *grads)
         gradient = PIECE_GRADIENTS.get(ctx.formula)
-        if wanted and gradient is not None:
-            inputs = [t.detach().float() if t.is_floating_point() else t for t in tensors]
-            by_argument = gradient(grad.float(), *_rebuild(ctx.spec, inputs))
-            by_tensor = {slot.index: g for slot, g in zip(ctx.spec, by_argument) if isinstance(slot, _Slot)}
+        if gradient is not None:
+            # the closed form reads the saved inputs as they are (it casts what it computes with); under
+            # create_graph it is not itself differentiated
+            inputs = [t.detach() for t in tensors] if torch.is_grad_enabled() else tensors
+            spec = ctx.spec
+            by_argument = gradient(grad, *_rebuild(spec, inputs),
+                                   needs=[type(a) is _Slot and needs[a.index] for a in spec])
+            for slot, g in zip(spec, by_argument):
+                if g is not None and type(slot) is _Slot and needs[slot.index]:
+                    dtype = tensors[slot.index].dtype
+                    grads[slot.index] = g if g.dtype == dtype else g.to(dtype)
+            return (None, None, None, None, *grads)
+        wanted = [i for i, n in enumerate(needs) if n]
+        with torch.no_grad():  # fresh fp32 leaves (a bf16 input's cast is a copy: no detach needed)
+            inputs = [(t.float() if t.dtype != torch.float32 else t.detach()) if t.is_floating_point() else t
+                      for t in tensors]
+        with torch.enable_grad():
             for i in wanted:
-                grads[i] = None if by_tensor.get(i) is None else by_tensor[i].to(tensors[i].dtype)
-        elif wanted:
-            with torch.enable_grad():
-                inputs = [t.detach().float().requires_grad_(i in wanted) if t.is_floating_point() else t
-                          for i, t in enumerate(tensors)]
-                out = ctx.formula(*_rebuild(ctx.spec, inputs))
-                found = torch.autograd.grad(out, [inputs[i] for i in wanted], grad.float(), allow_unused=True)
-            for i, g in zip(wanted, found):
-                grads[i] = None if g is None else g.to(tensors[i].dtype)
+                inputs[i].requires_grad_(True)
+            out = ctx.formula(*_rebuild(ctx.spec, inputs))
+            found = torch.autograd.grad(out, [inputs[i] for i in wanted], grad.float(), allow_unused=True)
+        for i, g in zip(wanted, found):
+            grads[i] = None if g is None else g.to(tensors[i].dtype)
         return (None, None, None, None, *grads)
-
-
-def _split(args: Sequence) -> tuple[tuple, tuple[torch.Tensor, ...]]:
-    """``args`` as ``(spec, tensors)``: ``spec`` holds each argument, a tensor's place marked by its index."""
-    spec, tensors = [], []
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            spec.append(_Slot(len(tensors)))
-            tensors.append(arg)
-        else:
-            spec.append(arg)
-    return tuple(spec), tuple(tensors)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,8 +364,25 @@ class _Slot:
     index: int
 
 
+_SLOTS = tuple(_Slot(i) for i in range(16))
+"""Shared slot markers (a slot is immutable): no new object per tensor per call."""
+
+
+def _split(args: Sequence) -> tuple[tuple, tuple[torch.Tensor, ...]]:
+    """``args`` as ``(spec, tensors)``: ``spec`` holds each argument, a tensor's place marked by its index."""
+    spec, tensors = [], []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            n = len(tensors)
+            spec.append(_SLOTS[n] if n < len(_SLOTS) else _Slot(n))
+            tensors.append(arg)
+        else:
+            spec.append(arg)
+    return tuple(spec), tuple(tensors)
+
+
 def _rebuild(spec: tuple, tensors: Sequence[torch.Tensor]) -> list:
-    return [tensors[a.index] if isinstance(a, _Slot) else a for a in spec]
+    return [tensors[a.index] if type(a) is _Slot else a for a in spec]
 
 
 def _wrap(name: str, kernel: Callable[..., torch.Tensor], formula: Callable[..., torch.Tensor],

@@ -470,3 +470,42 @@ def test_closed_form_gradients_are_torchs_gradients_of_the_formulas():
         assert len(got) == len(want), formula.__name__
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6 * float(w.abs().max()), msg=formula.__name__)
+
+
+def test_a_pieces_backward_dispatches_only_what_its_formula_needs():
+    """Host work of the closed-form backwards (arm J's step is host-bound on the GPU): a gradient not wanted is not
+    computed (a linear whose weight needs none runs one matmul, for ``d x``; one whose input needs none, one for
+    ``d weight``), an input the gradient does not read is not cast (RoPE's ``x``, its whole cos/sin cache), and a
+    bf16 input is cast to fp32 only where an op would otherwise compute in bf16. Counted with
+    ``benchmarks.arm_j_host_ops.OpCounter`` (every aten op dispatched) around one piece's backward."""
+    from benchmarks.arm_j_host_ops import OpCounter
+
+    kernels = autograd_kernels(TORCH_KERNELS)
+    gen = torch.Generator().manual_seed(13)
+
+    def bf(*shape):
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+    def backward_ops(out, inputs):
+        upstream = bf(*out.shape)
+        with OpCounter() as counter:
+            torch.autograd.grad(out, inputs, upstream)
+        return counter.counts, counter.summary()["launching"]
+
+    x, weight = bf(24, 16), bf(12, 16)
+    for wants in ("x", "weight"):
+        leaves = [_leaf(x) if wants == "x" else x, _leaf(weight) if wants == "weight" else weight]
+        counts, _ = backward_ops(kernels.linear(*leaves, None), [t for t in leaves if t.requires_grad])
+        # one fp32 matmul; casts: the upstream gradient and the one input it reads to fp32, the result back to bf16
+        assert counts["mm"] == 1 and counts["_to_copy"] == 3, (wants, dict(counts))
+    leaves = [_leaf(x), _leaf(bf(16))]
+    counts, launching = backward_ops(kernels.rms_norm(*leaves, 1e-6), leaves)
+    # casts: x (read by bf16-unsafe ops) and the weight to fp32, d x and d weight back to bf16; the upstream
+    # gradient enters ops beside fp32 operands. r = rsqrt(mean(x^2) + eps): 4 ops, n = x r, g = grad w, mean(g n),
+    # d x = r (g - n mean(g n)): 5, d weight = sum(grad n): 2
+    assert counts["_to_copy"] == 4 and launching <= 4 + 12, (dict(counts), launching)
+    cache = vllm_cos_sin_cache(8, 10000.0, 64, torch.bfloat16, torch.device("cpu"))
+    leaf = _leaf(bf(24, 3, 8))
+    counts, launching = backward_ops(kernels.rotary(leaf, torch.randint(0, 64, (24,), generator=gen), cache), [leaf])
+    # the rows of the cache read (one gather, one cast), two products and two fused multiply-adds, d x to bf16
+    assert counts["_to_copy"] == 2 and launching <= 7, (dict(counts), launching)
