@@ -388,12 +388,15 @@ def _rebuild(spec: tuple, tensors: Sequence[torch.Tensor]) -> list:
 def _wrap(name: str, kernel: Callable[..., torch.Tensor], formula: Callable[..., torch.Tensor],
           keywords: tuple[str, ...] = ()) -> Callable[..., torch.Tensor]:
     def piece(*args, **kwargs):
-        # keyword arguments of the signature (``block_table=`` of flash) become positional, in order
-        args = (*args, *(kwargs.pop(k) for k in keywords if k in kwargs))
         if kwargs:
-            raise TypeError(f"{name}: unexpected keyword arguments {sorted(kwargs)}")
+            # keyword arguments of the signature (``block_table=`` of flash) become positional, in order
+            args = (*args, *(kwargs.pop(k) for k in keywords if k in kwargs))
+            if kwargs:
+                raise TypeError(f"{name}: unexpected keyword arguments {sorted(kwargs)}")
+        if not torch.is_grad_enabled():
+            return kernel(*args)
         spec, tensors = _split(args)
-        if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+        if not any(t.requires_grad for t in tensors):
             return kernel(*args)
         return _KernelPiece.apply(name, kernel, formula, spec, *tensors)
 
