@@ -224,7 +224,9 @@ PIECE_FORMULAS: dict[str, Callable[..., torch.Tensor]] = {
 # ------------------------------------------------------------------------- the formulas' gradients, closed form
 # Each takes the piece's inputs as the kernel was given them (bf16, or fp32) and computes in fp32: a bf16 input is
 # cast once where an op would otherwise compute in bf16, and elsewhere enters an op beside an fp32 operand, which
-# promotes it exactly (bf16 -> fp32 is exact), so no cast is launched for it. ``needs`` (one flag per argument, all by
+# promotes it exactly (bf16 -> fp32 is exact), so no cast is launched for it. A gradient is returned in fp32, or in
+# its input's dtype where the last elementwise op stores it so (computed in fp32, rounded once on the store: the bits
+# the backward's cast of the fp32 result would give, without its launch). ``needs`` (one flag per argument, all by
 # default) names the gradients wanted; the others are returned as ``None`` without being computed.
 def _wants(needs: Sequence[bool] | None, index: int) -> bool:
     return needs is None or (index < len(needs) and bool(needs[index]))
@@ -253,7 +255,8 @@ def rms_norm_gradient(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     dx = dweight = None
     if _wants(needs, 0):
         scaled = grad * weight.float()
-        dx = torch.addcmul(scaled, normed, (scaled * normed).mean(-1, keepdim=True), value=-1).mul_(rsqrt)
+        dx = torch.mul(torch.addcmul(scaled, normed, (scaled * normed).mean(-1, keepdim=True), value=-1), rsqrt,
+                       out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
     if _wants(needs, 1):
         dweight = (grad * normed).reshape(-1, x.shape[-1]).sum(0)
     return (dx, dweight, None, *(None for _ in rest))
@@ -266,10 +269,10 @@ def rotary_gradient(grad: torch.Tensor, x: torch.Tensor, positions: torch.Tensor
     cos, sin = cache.index_select(0, positions).float().chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     g1, g2 = grad.chunk(2, dim=-1)
-    dx = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
+    dx = torch.empty(grad.shape, dtype=x.dtype, device=grad.device)
     d1, d2 = dx.chunk(2, dim=-1)
-    torch.mul(g1, cos, out=d1).addcmul_(g2, sin)
-    torch.mul(g2, cos, out=d2).addcmul_(g1, sin, value=-1)
+    torch.addcmul(torch.mul(g1, cos), g2, sin, out=d1)
+    torch.addcmul(torch.mul(g2, cos), g1, sin, value=-1, out=d2)
     return dx, None, None
 
 
@@ -280,7 +283,7 @@ def silu_and_mul_gradient(grad: torch.Tensor, x: torch.Tensor, *, needs: Sequenc
     gate, up = x[..., :half].float(), x[..., half:]
     sigmoid = torch.sigmoid(gate)
     silu = gate.mul_(sigmoid) if x.dtype != torch.float32 else gate * sigmoid  # in place on the cast's copy
-    dx = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     torch.mul(grad, silu, out=dx[..., half:])
     torch.mul(torch.addcmul(silu, sigmoid, 1 - silu).mul_(up), grad, out=dx[..., :half])
     return (dx,)
