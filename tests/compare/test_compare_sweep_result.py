@@ -34,7 +34,7 @@ def test_the_committed_tables_are_rebuilt_from_the_committed_run_logs(tmp_path, 
     params = document["params"]
     with tarfile.open(RUNS) as archive:
         archive.extractall(tmp_path, filter="data")
-    assert len(list((tmp_path / "runs").glob("*.jsonl"))) == len(params["recipes"]) * len(params["seeds"]) == 30
+    assert len(list((tmp_path / "runs").glob("*.jsonl"))) == len(params["recipes"]) * len(params["seeds"]) == 60
     code = main(["compare", *[str(ROOT / r) for r in params["recipes"]], "--config",
                  str(ROOT / "benchmarks" / "compare_sweep.yaml"), "--model", params["model"], "--seeds",
                  *map(str, params["seeds"]), "--output-dir", str(tmp_path), "--table-only"])
@@ -46,13 +46,14 @@ def test_the_committed_tables_are_rebuilt_from_the_committed_run_logs(tmp_path, 
         assert len(committed) == len(again)
         for row, row_again in zip(committed, again):
             assert all(_close(a, b) for a, b in zip(row, row_again, strict=True)), (table_id, row, row_again)
-    # declared: 10 planned seeds, 5 finished: interim, so no interval and no p-value anywhere
-    assert document["results"]["analysis"]["status"] == "interim" and document["params"]["planned_seeds"] == list(range(10))
+    # declared: 10 planned seeds, all 10 finished: final, so every arm but the baseline has its interval and p-values
+    assert document["results"]["analysis"]["status"] == "final" and document["params"]["planned_seeds"] == list(range(10))
     t10 = next(t for t in document["tables"] if t["id"] == "T10")
-    assert t10["title"].startswith("Interim: ") and all(row[6] is None and row[7] is None for row in t10["rows"])
+    assert not t10["title"].startswith("Interim")
+    assert all((row[6] is None) == (row[0] == "A") and (row[7] is None) == (row[0] == "A") for row in t10["rows"])
     start = {row[0]: row for row in _rows(document, "start")}
     firsts = [run["rewards"][0] for run in rebuilt["results"]["runs"].values()]
-    assert start["all"][1] == 30 and start["all"][2] == pytest.approx(sum(firsts) / 30, abs=5e-5)
+    assert start["all"][1] == 60 and start["all"][2] == pytest.approx(sum(firsts) / 60, abs=5e-5)
     assert 0.2 <= start["all"][2] <= 0.5  # the starting window
 
 
