@@ -1,4 +1,4 @@
-"""Corrected inference for a sweep's arms against its baseline (scipy): paired t-tests with Holm-adjusted p-values,
+"""Corrected inference for a sweep's arms against its baseline: paired t-tests (scipy) with Holm-adjusted p-values,
 simultaneous Bonferroni intervals, exact sign-flip permutation p-values and each arm's detectable difference.
 
 Every arm is compared with the baseline on its per-seed paired differences (same seed: same prompts and sampling
@@ -33,6 +33,10 @@ def holm(p_values: dict[str, float], family: int | None = None) -> dict[str, flo
     return adjusted
 
 
+SIGN_FLIP_MAX_SEEDS = 20
+"""Most paired differences :func:`sign_flip_p` enumerates (``2^20`` sign patterns)."""
+
+
 def sign_flip_p(differences: list[float]) -> float:
     """Exact two-sided sign-flip permutation p-value of the mean of ``differences``: the share of all ``2^n`` sign
     patterns whose |mean| is at least the observed one, ties included. Its floor is ``2 / 2^n`` (0.0625 for 5 seeds).
@@ -49,10 +53,6 @@ def sign_flip_p(differences: list[float]) -> float:
     means = np.abs(signs @ data) / data.size
     tolerance = 1e-9 * float(np.abs(data).max(initial=0.0))
     return float(np.mean(means >= abs(data.mean()) - tolerance))
-
-
-SIGN_FLIP_MAX_SEEDS = 20
-"""Most paired differences :func:`sign_flip_p` enumerates (``2^20`` sign patterns)."""
 
 
 def arm_statistics(differences: list[float], level: float, power: float = POWER) -> dict:

@@ -367,17 +367,12 @@ class _Slot:
     index: int
 
 
-_SLOTS = tuple(_Slot(i) for i in range(16))
-"""Shared slot markers (a slot is immutable): no new object per tensor per call."""
-
-
 def _split(args: Sequence) -> tuple[tuple, tuple[torch.Tensor, ...]]:
     """``args`` as ``(spec, tensors)``: ``spec`` holds each argument, a tensor's place marked by its index."""
     spec, tensors = [], []
     for arg in args:
         if isinstance(arg, torch.Tensor):
-            n = len(tensors)
-            spec.append(_SLOTS[n] if n < len(_SLOTS) else _Slot(n))
+            spec.append(_Slot(len(tensors)))
             tensors.append(arg)
         else:
             spec.append(arg)
