@@ -169,12 +169,36 @@ def measure_arm_a(policy: Any, ids: Any, mask: Any, keep: int, repeats: int, dev
 
 
 ATTENTION_FORMULAS = {"padded entries": "padded_paged_attention",
-                      "dense over the cache": "dense_cache_attention"}
-"""Label -> attention backward formula (``core.vllm_autograd``) timed by :func:`attention_formula_rows`,
-padded entries first (the others' outputs are compared with its)."""
+                      "dense over the cache": "dense_cache_attention",
+                      "closed form, dense over the cache": "paged_attention_gradient"}
+"""Label -> attention backward (``core.vllm_autograd``) timed by :func:`attention_formula_rows`, padded entries first
+(the others' outputs are compared with its): the two formulas differentiated by autograd, and the closed-form
+gradient (a wrapped piece whose forward is the dense formula without gradients)."""
 PLUGIN_MARK = " (the plugin's)"
-"""Appended to a row's label where ``flash_paged_formula`` takes that formula for that call
-(``core.vllm_autograd.paged_attention_formula``)."""
+"""Appended to a row's label where arm J's backward takes that route for that call: the closed form within
+``DENSE_GRADIENT_ELEMENTS``, else autograd of the formula ``core.vllm_autograd.paged_attention_formula`` picks."""
+
+
+def plugin_attention_backward(q: Any, key_cache: Any, max_seqlen_q: int) -> str:
+    """The :data:`ATTENTION_FORMULAS` name arm J's backward uses for one paged call (shapes only)."""
+    from bloggap_plugin.core import vllm_autograd
+
+    slots = key_cache.shape[0] * key_cache.shape[1]
+    if q.shape[0] * q.shape[1] * slots <= vllm_autograd.DENSE_GRADIENT_ELEMENTS:
+        return "paged_attention_gradient"
+    return vllm_autograd.paged_attention_formula(q, key_cache, max_seqlen_q).__name__
+
+
+def _closed_form_piece() -> Callable[..., Any]:
+    """A paged attention piece whose forward is the dense formula (fp32, no gradients) and whose backward is arm J's
+    closed form (``core.vllm_autograd.paged_attention_gradient``)."""
+    import dataclasses
+
+    from bloggap_plugin.core import vllm_autograd
+    from bloggap_plugin.core.vllm_form import TORCH_KERNELS
+
+    kernels = dataclasses.replace(TORCH_KERNELS, flash_paged=vllm_autograd.dense_cache_attention)
+    return vllm_autograd.autograd_kernels(kernels).flash_paged
 
 
 def attention_formula_rows(policy: Any, ids: Any, mask: Any, keep: int, device: Any, repeats: int) -> dict:
@@ -207,10 +231,10 @@ def attention_formula_rows(policy: Any, ids: Any, mask: Any, keep: int, device: 
     for call_name, call in zip(("prefill", "decode"), calls):
         index, arguments = call[0], call[1:]
         max_seqlen_q = arguments[3]  # (cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
-        plugin_formula = vllm_autograd.paged_attention_formula(q[index], cache, max_seqlen_q)
+        plugin_route = plugin_attention_backward(q[index], cache, max_seqlen_q)
         reference = None
         for label, name in ATTENTION_FORMULAS.items():
-            formula = getattr(vllm_autograd, name)
+            formula = _closed_form_piece() if name == "paged_attention_gradient" else getattr(vllm_autograd, name)
             leaves = [q[index].clone().requires_grad_(True), k.clone().requires_grad_(True),
                       v.clone().requires_grad_(True)]
 
@@ -222,7 +246,7 @@ def attention_formula_rows(policy: Any, ids: Any, mask: Any, keep: int, device: 
             out = row.pop("logps")
             reference = out if reference is None else reference
             row["max_abs_vs_padded"] = float((out - reference).abs().max())
-            rows[f"{call_name}: {label}{PLUGIN_MARK if formula is plugin_formula else ''}"] = row
+            rows[f"{call_name}: {label}{PLUGIN_MARK if name == plugin_route else ''}"] = row
     return rows
 
 
@@ -275,15 +299,22 @@ ATTENTION_TABLE_ID = "T16-armJ-attention"
 def attention_table(rows: dict) -> dict:
     """``T16-armJ-attention`` from :func:`attention_formula_rows`' rows (where a row has no
     ``max_abs_vs_padded``, an earlier run's ``max_abs_vs_plugin``: also against padded entries)."""
+    if any("closed form" in label for label in rows):
+        notes = ("fp32, on one layer's two paged calls of the micro-batch in params, random q/k/v; median of the "
+                 "repeats after a warm-up. Padded entries and dense over the cache: the formula differentiated by "
+                 "autograd; closed form: paged_attention_gradient as the backward of the dense formula's forward. "
+                 "(the plugin's): what arm J's backward took for that call at the run's revision.")
+    else:  # a document from before the closed form (111a0cf)
+        notes = ("fp32 formula (what arm J's backward differentiates) on one layer's two paged calls of the "
+                 "micro-batch in params, random q/k/v; median of the repeats after a warm-up. (the plugin's): the "
+                 "formula flash_paged_formula took for that call at the run's revision.")
     body = [[label, round(row["forward_s"], 5), round(row["backward_s"], 5), round(row["total_s"], 5),
              float(f"{row.get('max_abs_vs_padded', row.get('max_abs_vs_plugin')):.3g}")]
             for label, row in rows.items()]
     return {"id": ATTENTION_TABLE_ID, "title": "Arm J's attention backward formulas on one layer's calls",
             "columns": ["call: formula", "forward s", "backward s", "total s", "max |out - padded entries'|"],
             "rows": body, "reference": None, "random_init": False,
-            "notes": "fp32 formula (what arm J's backward differentiates) on one layer's two paged calls of the "
-                     "micro-batch in params, random q/k/v; median of the repeats after a warm-up. (the "
-                     "plugin's): the formula flash_paged_formula took for that call at the run's revision."}
+            "notes": notes}
 
 
 def document(results: dict, params: dict, env: dict, attention: dict | None = None) -> dict:

@@ -4,9 +4,10 @@ vLLM's kernels (:class:`~bloggap_plugin.core.vllm_form.Kernels`: the batch-invar
 ``rotary_embedding``, ``silu_and_mul``, FlashAttention, the V2 sampler's log-prob) have no backward. Each is wrapped
 here in a ``torch.autograd.Function`` whose forward calls the kernel unchanged (the values are the kernel's, bit for
 bit) and whose backward is the gradient of the same piece's torch formula in fp32 at the saved inputs: in closed
-form where :data:`PIECE_GRADIENTS` has it, else by differentiating the formula with autograd (the attention's);
-straight-through across the kernel's bf16 roundings, as vLLM + TorchTitan's bit-wise on-policy RL does. Each input's gradient is returned in its own dtype (autograd rounds an fp32 gradient of a bf16
-input to bf16).
+form where :data:`PIECE_GRADIENTS` has it, else by differentiating the formula with autograd (the contiguous
+attention's, and a paged call past :data:`DENSE_GRADIENT_ELEMENTS`); straight-through across the kernel's bf16
+roundings, as vLLM + TorchTitan's bit-wise on-policy RL does. Each input's gradient is returned in its own dtype
+(autograd rounds an fp32 gradient of a bf16 input to bf16).
 
 Contract of a wrapped kernel: it returns a new tensor and leaves its inputs as they were
 (:mod:`bloggap_plugin.core.vllm_kernels`' wrappers clone what vLLM's ops modify in place); a kernel that changes an
@@ -15,8 +16,10 @@ input it was given is an error at the call (its saved inputs would no longer be 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -37,6 +40,10 @@ __all__ = [
     "padded_paged_attention",
     "dense_cache_attention",
     "DENSE_MASK_ELEMENTS",
+    "DENSE_GRADIENT_ELEMENTS",
+    "paged_unread_slots",
+    "formula_gradient",
+    "paged_attention_gradient",
     "padded_entry_attention",
     "token_logprobs_formula",
 ]
@@ -146,29 +153,65 @@ def padded_paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
                                   max_seqlen_q, max_seqlen_k, scale)
 
 
+def paged_unread_slots(cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
+                       max_seqlen_k: int, queries: int, slots: int, page: int) -> torch.Tensor:
+    """``[queries, slots]`` bool, True where query ``t`` does **not** read cache slot ``s`` in the paged varlen call
+    (the :attr:`Kernels.flash_paged` metadata): query ``r`` of entry ``i``'s ``n`` reads the slots its block table
+    maps positions ``< seqused_k[i] - n + r + 1`` to. No host read: the bound is ``max_seqlen_k``."""
+    device = cu_seqlens_q.device
+    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    entry = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts, output_size=queries)
+    within = torch.arange(queries, device=device) - cu_seqlens_q[:-1].long()[entry]
+    limit = seqused_k.long()[entry] - counts[entry] + within + 1  # [Tq]
+    j = torch.arange(max_seqlen_k, device=device)
+    block = (j // page).clamp(max=block_table.shape[1] - 1)
+    slot = block_table.long()[entry][:, block] * page + j % page  # [Tq, max_k]
+    reads = torch.zeros(queries, slots, dtype=torch.int32, device=device)
+    reads.scatter_add_(1, slot, (j[None, :] < limit[:, None]).to(torch.int32))
+    return reads == 0
+
+
+_UNREAD_MEMO: collections.OrderedDict = collections.OrderedDict()
+_UNREAD_MEMO_SIZE = 8
+
+
+def _memo_unread_slots(cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
+                       max_seqlen_k: int, queries: int, slots: int, page: int) -> torch.Tensor:
+    """:func:`paged_unread_slots`, computed once per call's metadata: every layer's call of a forward passes the same
+    ``cu_seqlens_q``/``seqused_k``/``block_table`` tensors (``vllm_form._step_calls``), so the mask is built for the
+    first layer's backward and reused by the others. An entry holds weak references to the three tensors and their
+    versions: a tensor freed, replaced or changed in place is a miss (the mask is rebuilt); at most
+    ``_UNREAD_MEMO_SIZE`` entries."""
+    metadata = (cu_seqlens_q, seqused_k, block_table)
+    key = (*(id(t) for t in metadata), max_seqlen_k, queries, slots, page)
+    held = _UNREAD_MEMO.get(key)
+    if held is not None:
+        refs, versions, mask = held
+        if all(ref() is t for ref, t in zip(refs, metadata)) and versions == tuple(t._version for t in metadata):
+            _UNREAD_MEMO.move_to_end(key)
+            return mask
+    mask = paged_unread_slots(cu_seqlens_q, seqused_k, block_table, max_seqlen_k, queries, slots, page)
+    _UNREAD_MEMO[key] = (tuple(weakref.ref(t) for t in metadata), tuple(t._version for t in metadata), mask)
+    while len(_UNREAD_MEMO) > _UNREAD_MEMO_SIZE:
+        _UNREAD_MEMO.popitem(last=False)
+    return mask
+
+
 def dense_cache_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
                           max_seqlen_q: int, max_seqlen_k: int, scale: float) -> torch.Tensor:  # noqa: ARG001
     """The paged varlen call (the :attr:`Kernels.flash_paged` signature) dense over the cache: every query against
     the whole paged cache in one ``scaled_dot_product_attention``, a ``[Tq, slots]`` mask marking the keys its entry
-    reads (through its block table, positions ``< seqused_k - n + r + 1``). No per-entry gather of the keys: their
-    gradients land in the cache directly. ``q [Tq, nq, d]``, ``key_cache/value_cache [blocks, page, nkv, d]``
-    (``slots = blocks * page``) -> ``[Tq, nq, d]``. No host read: the bound is ``max_seqlen_k``."""
+    reads (:func:`paged_unread_slots`). No per-entry gather of the keys: their gradients land in the cache directly.
+    ``q [Tq, nq, d]``, ``key_cache/value_cache [blocks, page, nkv, d]`` (``slots = blocks * page``) -> ``[Tq, nq,
+    d]``. No host read: the bound is ``max_seqlen_k``."""
     page, heads = key_cache.shape[1], q.shape[1]
-    slots = key_cache.shape[0] * page
-    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    entry = torch.repeat_interleave(torch.arange(counts.numel(), device=q.device), counts, output_size=q.shape[0])
-    within = torch.arange(q.shape[0], device=q.device) - cu_seqlens_q[:-1].long()[entry]
-    limit = seqused_k.long()[entry] - counts[entry] + within + 1  # [Tq]
-    j = torch.arange(max_seqlen_k, device=q.device)
-    block = (j // page).clamp(max=block_table.shape[1] - 1)
-    slot = block_table.long()[entry][:, block] * page + j % page  # [Tq, max_k]
-    reads = torch.zeros(q.shape[0], slots, dtype=torch.int32, device=q.device)
-    reads.scatter_add_(1, slot, (j[None, :] < limit[:, None]).to(torch.int32))
+    unread = paged_unread_slots(cu_seqlens_q, seqused_k, block_table, max_seqlen_k, q.shape[0],
+                                key_cache.shape[0] * page, page)
     groups = heads // key_cache.shape[2]
     keys = key_cache.flatten(0, 1).transpose(0, 1).repeat_interleave(groups, dim=0)[None]
     values = value_cache.flatten(0, 1).transpose(0, 1).repeat_interleave(groups, dim=0)[None]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=(reads > 0)[None, None],
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=~unread[None, None],
                                          scale=scale)
     return out[0].transpose(0, 1)
 
@@ -298,17 +341,131 @@ def token_logprobs_gradient(grad: torch.Tensor, logits: torch.Tensor, tokens: to
     return dlogits, None
 
 
+def formula_gradient(formula: Callable[..., torch.Tensor], grad: torch.Tensor, *args,
+                     needs: Sequence[bool] | None = None) -> tuple:
+    """The gradients of ``formula(*args)`` for the output's gradient ``grad`` by torch's autograd in fp32: each
+    floating-point tensor argument is cast to an fp32 leaf, the formula recomputed and differentiated; one entry per
+    argument (``None`` where there is none or ``needs`` does not want it), in fp32."""
+    wanted = [i for i, a in enumerate(args)
+              if isinstance(a, torch.Tensor) and a.is_floating_point() and _wants(needs, i)]
+    with torch.no_grad():  # fresh fp32 leaves (a bf16 input's cast is a copy: no detach needed)
+        inputs = [(a.float() if a.dtype != torch.float32 else a.detach())
+                  if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    grads: list[torch.Tensor | None] = [None] * len(args)
+    if not wanted:
+        return tuple(grads)
+    with torch.enable_grad():
+        for i in wanted:
+            inputs[i].requires_grad_(True)
+        out = formula(*inputs)
+        found = torch.autograd.grad(out, [inputs[i] for i in wanted], grad.float(), allow_unused=True)
+    for i, g in zip(wanted, found):
+        grads[i] = g
+    return tuple(grads)
+
+
+DENSE_GRADIENT_ELEMENTS = 1 << 26
+"""Elements (query heads x query rows x cache slots) of one fp32 score matrix in :func:`paged_attention_gradient`'s
+closed form, which holds about three of them at once; a larger call is differentiated through
+:func:`flash_paged_formula` by autograd (:func:`formula_gradient`)."""
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """``alpha * a @ b`` for 3-d tensors through ``baddbmm`` with ``beta`` 0 (its input ignored): vLLM's
+    batch-invariant mode replaces ``aten::bmm`` process-wide with a Triton kernel, not ``baddbmm``."""
+    return torch.baddbmm(a.new_empty(()), a, b, beta=0, alpha=alpha)
+
+
+def _heads_major(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``x [T, kv_heads * groups, d]`` (any float dtype) as fp32 ``[kv_heads, groups * T, d]``, query head ``h``
+    under key/value head ``h // groups`` (one cast-and-permute copy)."""
+    rows, heads, dim = x.shape
+    groups = heads // kv_heads
+    out = torch.empty(kv_heads, groups, rows, dim, dtype=torch.float32, device=x.device)
+    out.copy_(x.view(rows, kv_heads, groups, dim).permute(1, 2, 0, 3))
+    return out.view(kv_heads, groups * rows, dim)
+
+
+def _rows_major(x: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_heads_major`'s inverse: ``[kv_heads, groups * rows, d]`` -> ``[rows, kv_heads * groups, d]`` in
+    ``dtype`` (one cast-and-permute copy, rounding once)."""
+    kv_heads, _, dim = x.shape
+    groups = x.shape[1] // rows
+    out = torch.empty(rows, kv_heads * groups, dim, dtype=dtype, device=x.device)
+    out.view(rows, kv_heads, groups, dim).copy_(x.view(kv_heads, groups, rows, dim).permute(2, 0, 1, 3))
+    return out
+
+
+def _cache_heads_major(cache: torch.Tensor) -> torch.Tensor:
+    """A paged cache ``[blocks, page, nkv, d]`` as fp32 ``[nkv, blocks * page, d]`` (one cast-and-permute copy)."""
+    blocks, page, kv_heads, dim = cache.shape
+    out = torch.empty(kv_heads, blocks * page, dim, dtype=torch.float32, device=cache.device)
+    return out.copy_(cache.view(blocks * page, kv_heads, dim).transpose(0, 1))
+
+
+def _cache_layout(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """:func:`_cache_heads_major`'s inverse: ``[nkv, slots, d]`` -> ``cache``'s shape and dtype (rounding once)."""
+    out = torch.empty(cache.shape, dtype=cache.dtype, device=cache.device)
+    out.view(-1, *cache.shape[2:]).copy_(x.transpose(0, 1))
+    return out
+
+
+def paged_attention_gradient(grad: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                             cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
+                             max_seqlen_q: int, max_seqlen_k: int, scale: float, *,
+                             needs: Sequence[bool] | None = None) -> tuple:
+    """:func:`flash_paged_formula`'s ``(d q, d key_cache, d value_cache, None, ...)`` in closed form, dense over the
+    cache: with ``S = scale q K^T`` masked to the slots each query reads (:func:`paged_unread_slots`, built once per
+    call's metadata), ``P = softmax(S)`` and ``dP = grad V^T``: ``d V = P^T grad``, ``dS = P (dP - rowsum(dP P))``,
+    ``d q = scale dS K``, ``d K = scale dS^T q``, each key/value head shared by its query heads (GQA) without copying
+    the cache per head. In fp32 from the inputs as given, each gradient rounded once to its input's dtype. A call whose
+    ``heads x Tq x slots`` exceeds :data:`DENSE_GRADIENT_ELEMENTS` goes through :func:`formula_gradient`.
+    ``q [Tq, nq, d]``, ``key_cache/value_cache [blocks, page, nkv, d]``."""
+    queries, heads, dim = q.shape
+    blocks, page, kv_heads, _ = key_cache.shape
+    slots = blocks * page
+    if heads * queries * slots > DENSE_GRADIENT_ELEMENTS:
+        return formula_gradient(flash_paged_formula, grad, q, key_cache, value_cache, cu_seqlens_q, seqused_k,
+                                block_table, max_seqlen_q, max_seqlen_k, scale, needs=needs)
+    want_q, want_keys, want_values = (_wants(needs, i) for i in range(3))
+    unread = _memo_unread_slots(cu_seqlens_q, seqused_k, block_table, max_seqlen_k, queries, slots, page)
+    groups = heads // kv_heads
+    query = _heads_major(q, kv_heads)  # [nkv, groups * Tq, d]
+    keys = _cache_heads_major(key_cache)  # [nkv, slots, d]
+    values = _cache_heads_major(value_cache)
+    upstream = _heads_major(grad, kv_heads)
+    probs = _bmm(query, keys.transpose(1, 2), scale)  # [nkv, groups * Tq, slots]
+    probs.view(kv_heads, groups, queries, slots).masked_fill_(unread, float("-inf"))
+    probs.sub_(probs.amax(-1, keepdim=True)).exp_()
+    probs.div_(probs.sum(-1, keepdim=True))
+    dq = dkeys = dvalues = None
+    if want_values:
+        dvalues = _bmm(probs.transpose(1, 2), upstream)  # [nkv, slots, d]
+    if want_q or want_keys:
+        dscores = _bmm(upstream, values.transpose(1, 2))
+        dscores.sub_((dscores * probs).sum(-1, keepdim=True)).mul_(probs)
+        if want_q:
+            dq = _rows_major(_bmm(dscores, keys, scale), queries, q.dtype)
+        if want_keys:
+            dkeys = _bmm(dscores.transpose(1, 2), query, scale)
+    dkeys = None if dkeys is None else _cache_layout(dkeys, key_cache)
+    dvalues = None if dvalues is None else _cache_layout(dvalues, value_cache)
+    return dq, dkeys, dvalues, None, None, None, None, None, None
+
+
 PIECE_GRADIENTS: dict[Callable[..., torch.Tensor], Callable[..., tuple]] = {
     linear_formula: linear_gradient,
     rms_norm_formula: rms_norm_gradient,
     rotary_formula: rotary_gradient,
     silu_and_mul_formula: silu_and_mul_gradient,
     token_logprobs_formula: token_logprobs_gradient,
+    flash_paged_formula: paged_attention_gradient,
 }
 """Formula -> its gradients in closed form ``gradient(grad, *args, needs=None)`` (one entry per argument, ``None``
 where there is none or ``needs``, a flag per argument, does not want it), computed in fp32 from the arguments as the
 kernel was given them (bf16 or fp32) instead of differentiating the formula (no fp32 recompute of the piece's output,
-no inner autograd graph); a formula without an entry (the attention's) is differentiated by autograd."""
+no inner autograd graph); a formula without an entry (the contiguous attention's) is differentiated by autograd
+(:func:`formula_gradient`)."""
 
 
 # ------------------------------------------------------------------------------------------------ the Function
@@ -336,29 +493,17 @@ class _KernelPiece(torch.autograd.Function):
         if not any(needs):
             return (None, None, None, None, *grads)
         gradient = PIECE_GRADIENTS.get(ctx.formula)
-        if gradient is not None:
-            # the closed form reads the saved inputs as they are (it casts what it computes with); under
-            # create_graph it is not itself differentiated
-            inputs = [t.detach() for t in tensors] if torch.is_grad_enabled() else tensors
-            spec = ctx.spec
-            by_argument = gradient(grad, *_rebuild(spec, inputs),
-                                   needs=[type(a) is _Slot and needs[a.index] for a in spec])
-            for slot, g in zip(spec, by_argument):
-                if g is not None and type(slot) is _Slot and needs[slot.index]:
-                    dtype = tensors[slot.index].dtype
-                    grads[slot.index] = g if g.dtype == dtype else g.to(dtype)
-            return (None, None, None, None, *grads)
-        wanted = [i for i, n in enumerate(needs) if n]
-        with torch.no_grad():  # fresh fp32 leaves (a bf16 input's cast is a copy: no detach needed)
-            inputs = [(t.float() if t.dtype != torch.float32 else t.detach()) if t.is_floating_point() else t
-                      for t in tensors]
-        with torch.enable_grad():
-            for i in wanted:
-                inputs[i].requires_grad_(True)
-            out = ctx.formula(*_rebuild(ctx.spec, inputs))
-            found = torch.autograd.grad(out, [inputs[i] for i in wanted], grad.float(), allow_unused=True)
-        for i, g in zip(wanted, found):
-            grads[i] = None if g is None else g.to(tensors[i].dtype)
+        if gradient is None:  # no closed form: torch's autograd of the formula
+            gradient = functools.partial(formula_gradient, ctx.formula)
+        # the gradient reads the saved inputs as they are (it casts what it computes with); under create_graph it
+        # is not itself differentiated
+        inputs = [t.detach() for t in tensors] if torch.is_grad_enabled() else tensors
+        spec = ctx.spec
+        by_argument = gradient(grad, *_rebuild(spec, inputs), needs=[type(a) is _Slot and needs[a.index] for a in spec])
+        for slot, g in zip(spec, by_argument):
+            if g is not None and type(slot) is _Slot and needs[slot.index]:
+                dtype = tensors[slot.index].dtype
+                grads[slot.index] = g if g.dtype == dtype else g.to(dtype)
         return (None, None, None, None, *grads)
 
 

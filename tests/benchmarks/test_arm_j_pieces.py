@@ -62,19 +62,28 @@ def test_table_gives_each_form_against_arm_a(script):
                              ["J (all)", "all", 0.2, 0.7, 0.9, 2.25, True]]
 
 
-def test_the_attention_rows_time_both_formulas_and_mark_the_plugins_per_call(tiny_model, script):
-    """Both attention backward formulas on this micro-batch's prefill and decode calls: the rows carry their times
-    and the difference from padded entries (to fp32 rounding: the formulas' values and gradients are tested equal in
-    tests/core/test_onpolicy_forward.py); "(the plugin's)" marks padded entries for the prefill call and dense over
-    the cache for the decode call, as flash_paged_formula chooses."""
+def test_the_attention_rows_time_each_backward_and_mark_the_plugins_per_call(tiny_model, script, monkeypatch):
+    """The attention backwards on this micro-batch's prefill and decode calls (both formulas by autograd, and the
+    closed form): the rows carry their times and the difference from padded entries (to fp32 rounding: values and
+    gradients are tested equal in tests/core/test_onpolicy_forward.py); "(the plugin's)" marks the closed form for
+    both calls, and past DENSE_GRADIENT_ELEMENTS the formula flash_paged_formula picks (padded entries for the
+    prefill, dense over the cache for the decode call)."""
+    from bloggap_plugin.core import vllm_autograd
+
     model, _ = tiny_model()
     ids, mask = _batch()
+    assert list(script.ATTENTION_FORMULAS) == ["padded entries", "dense over the cache",
+                                               "closed form, dense over the cache"]
     rows = script.attention_formula_rows(model, ids, mask, 8, torch.device("cpu"), 1)
-    assert list(script.ATTENTION_FORMULAS) == ["padded entries", "dense over the cache"]
-    assert list(rows) == ["prefill: padded entries (the plugin's)", "prefill: dense over the cache",
-                          "decode: padded entries", "decode: dense over the cache (the plugin's)"]
+    assert list(rows) == ["prefill: padded entries", "prefill: dense over the cache",
+                          "prefill: closed form, dense over the cache (the plugin's)", "decode: padded entries",
+                          "decode: dense over the cache", "decode: closed form, dense over the cache (the plugin's)"]
     assert all(row["max_abs_vs_padded"] <= 1e-5 and row["total_s"] > 0 for row in rows.values())
-    assert rows["prefill: padded entries (the plugin's)"]["max_abs_vs_padded"] == 0.0
+    assert rows["prefill: padded entries"]["max_abs_vs_padded"] == 0.0
+    monkeypatch.setattr(vllm_autograd, "DENSE_GRADIENT_ELEMENTS", 0)
+    rows = script.attention_formula_rows(model, ids, mask, 8, torch.device("cpu"), 1)
+    assert [label for label in rows if label.endswith("(the plugin's)")] == [
+        "prefill: padded entries (the plugin's)", "decode: dense over the cache (the plugin's)"]
 
 
 def test_the_attention_table_is_built_from_its_rows(script):

@@ -429,10 +429,11 @@ def test_a_norm_in_step_launches_is_one_piece_with_each_launchs_values_and_gradi
 
 def test_closed_form_gradients_are_torchs_gradients_of_the_formulas():
     """Each piece's gradient in closed form (``PIECE_GRADIENTS``: what the backward computes, without recomputing
-    the piece) equals torch's autograd of the same fp32 formula, to fp32 rounding; every formula but the attention's
-    has one."""
+    the piece) equals torch's autograd of the same fp32 formula, to fp32 rounding; every formula but the contiguous
+    attention's has one (the paged attention's on arm J's prefill and decode calls: GQA, entries sharing blocks)."""
     from bloggap_plugin.core.vllm_autograd import (
         PIECE_GRADIENTS,
+        flash_paged_formula,
         linear_formula,
         rms_norm_formula,
         rms_norm_over_launches,
@@ -442,7 +443,7 @@ def test_closed_form_gradients_are_torchs_gradients_of_the_formulas():
     )
 
     assert set(PIECE_GRADIENTS) == {linear_formula, rms_norm_formula, rms_norm_over_launches, rotary_formula,
-                                    silu_and_mul_formula, token_logprobs_formula}
+                                    silu_and_mul_formula, token_logprobs_formula, flash_paged_formula}
     gen = torch.Generator().manual_seed(21)
 
     def randn(*shape, scale=1.0):
@@ -457,6 +458,7 @@ def test_closed_form_gradients_are_torchs_gradients_of_the_formulas():
         (rotary_formula, [randn(24, 3, 8), torch.randint(0, 64, (24,), generator=gen), cache]),
         (silu_and_mul_formula, [randn(24, 20, scale=2)]),
         (token_logprobs_formula, [randn(24, 50, scale=3), torch.randint(0, 50, (24,), generator=gen)]),
+        *((flash_paged_formula, [*call, 0.3]) for call in _arm_j_paged_calls().values()),
     ]
     for formula, args in cases:
         leaves = [a.clone().requires_grad_(True) if torch.is_tensor(a) and a.is_floating_point() and a.dtype ==
@@ -509,3 +511,87 @@ def test_a_pieces_backward_dispatches_only_what_its_formula_needs():
     counts, launching = backward_ops(kernels.rotary(leaf, torch.randint(0, 64, (24,), generator=gen), cache), [leaf])
     # the rows of the cache read (one gather, one cast), two products and two fused multiply-adds storing d x in bf16
     assert counts["_to_copy"] == 1 and launching <= 6, (dict(counts), launching)
+
+
+def _unread_by_loops(cu, seqused, table, max_k, queries, slots, page):
+    """Which cache slots each query does not read, entry by entry in Python (independent of the vectorised mask)."""
+    unread = torch.ones(queries, slots, dtype=torch.bool)
+    for entry in range(cu.numel() - 1):
+        start, end = int(cu[entry]), int(cu[entry + 1])
+        for r, query in enumerate(range(start, end)):
+            for position in range(min(max_k, int(seqused[entry]) - (end - start) + r + 1)):
+                unread[query, int(table[entry, position // page]) * page + position % page] = False
+    return unread
+
+
+@pytest.mark.parametrize("call", ["prefill", "decode"])
+def test_paged_unread_slots_and_its_memo(call):
+    """The mask of slots a query does not read equals an entry-by-entry loop; its memo (one mask per call's metadata,
+    shared by every layer) returns the same tensor for the same metadata and rebuilds it when the block table is
+    changed in place or replaced."""
+    from bloggap_plugin.core.vllm_autograd import _memo_unread_slots, paged_unread_slots
+
+    q, key_cache, _, cu, seqused, table, _, max_k = _arm_j_paged_calls()[call]
+    page = key_cache.shape[1]
+    shape = (q.shape[0], key_cache.shape[0] * page, page)
+    want = _unread_by_loops(cu, seqused, table, max_k, *shape)
+    assert torch.equal(paged_unread_slots(cu, seqused, table, max_k, *shape), want)
+    first = _memo_unread_slots(cu, seqused, table, max_k, *shape)
+    assert torch.equal(first, want) and _memo_unread_slots(cu, seqused, table, max_k, *shape) is first
+    table = table.clone()
+    assert _memo_unread_slots(cu, seqused, table, max_k, *shape) is not first  # another tensor, equal values
+    table[[0, -1]] = table[[-1, 0]].clone()  # in place: the first and last entries swap their blocks
+    changed = _memo_unread_slots(cu, seqused, table, max_k, *shape)
+    assert torch.equal(changed, _unread_by_loops(cu, seqused, table, max_k, *shape)) and not torch.equal(changed, want)
+
+
+def test_paged_attention_gradient_past_its_cap_is_autograds(monkeypatch):
+    """Past ``DENSE_GRADIENT_ELEMENTS`` (heads x queries x slots) the paged attention's gradient is torch's autograd
+    of ``flash_paged_formula``; at the cap, the closed form; both the same gradients to fp32 rounding."""
+    from bloggap_plugin.core import vllm_autograd
+
+    ran = []
+    original = vllm_autograd.formula_gradient
+    monkeypatch.setattr(vllm_autograd, "formula_gradient", lambda *a, **k: ran.append(a[0]) or original(*a, **k))
+    args = [*_arm_j_paged_calls()["decode"], 0.3]
+    q, key_cache = args[0], args[1]
+    upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(8))
+    elements = q.shape[0] * q.shape[1] * key_cache.shape[0] * key_cache.shape[1]
+    results = []
+    for cap in (elements, elements - 1):
+        monkeypatch.setattr(vllm_autograd, "DENSE_GRADIENT_ELEMENTS", cap)
+        results.append(vllm_autograd.paged_attention_gradient(upstream, *args)[:3])
+    assert ran == [vllm_autograd.flash_paged_formula]
+    for dense, autograd in zip(*results, strict=True):
+        torch.testing.assert_close(dense, autograd, rtol=1e-5, atol=1e-6 * float(autograd.abs().max()))
+
+
+def test_paged_attention_backward_dispatches_a_closed_form():
+    """Host work of the paged attention's backward (about half of arm J's backward on the H200, T16-armJ-backward):
+    in closed form, no recompute through autograd: five matmuls, the softmax and its gradient, one cast per input
+    and per gradient; with the call's mask already built (every layer after the first), nothing for it. Counted
+    with ``benchmarks.arm_j_host_ops.OpCounter``; only the gradients wanted are computed."""
+    from benchmarks.arm_j_host_ops import OpCounter
+
+    kernels = autograd_kernels(TORCH_KERNELS)
+    q, key_cache, value_cache, *metadata = _arm_j_paged_calls()["decode"]
+    q, key_cache, value_cache = (t.to(torch.bfloat16) for t in (q, key_cache, value_cache))
+    upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+
+    def backward_ops(wanted):
+        leaves = [_leaf(t) if i in wanted else t for i, t in enumerate((q, key_cache, value_cache))]
+        out = kernels.flash_paged(*leaves, *metadata, 0.3)
+        with OpCounter() as counter:
+            grads = torch.autograd.grad(out, [t for t in leaves if t.requires_grad], upstream)
+        assert all(g.dtype == torch.bfloat16 for g in grads)
+        return counter.counts, counter.summary()["launching"]
+
+    backward_ops({0, 1, 2})  # builds the call's mask
+    counts, launching = backward_ops({0, 1, 2})
+    assert counts["baddbmm"] == 5 and counts["scatter_add_"] == 0 and counts["_softmax"] == 0, dict(counts)
+    # casts q, K, V, grad in and d q, d K, d V out (7), scores' mask and softmax (6), its gradient (4), matmuls (5)
+    assert launching <= 24, (dict(counts), launching)
+    counts, _ = backward_ops({0})
+    assert counts["baddbmm"] == 3, dict(counts)  # S, dP, d q
+    counts, _ = backward_ops({2})
+    assert counts["baddbmm"] == 2, dict(counts)  # S, d V
