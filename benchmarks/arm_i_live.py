@@ -53,7 +53,7 @@ ONPOLICY_TABLE_ID = "T16-armJ-live"
 ONPOLICY_COLUMNS = ["run", "arm", "steps", "sampler oob % (mean)", "sampler bit-identical % (mean)",
                     "ratio exact_frac, first iteration (min)", "ratio exact_frac, first iteration (mean)",
                     "ratio exact_frac, second iteration (mean)", "step s (median, after step 1)", "step x arm A",
-                    "generating step s (median)", "generating step x arm A", "other step s (median)",
+                    "step s (mean, after step 1)", "mean step x arm A", "generating step s (median)", "generating step x arm A", "other step s (median)",
                     "other step x arm A", "reward (mean)", "reward (mean, last 20 steps)", "grad_norm (median)"]
 ARM_I_ENV = {"VLLM_BATCH_INVARIANT": "1", "TRITON_F32_DEFAULT": "ieee"}
 
@@ -240,6 +240,7 @@ def summarize(label: str, records: list[dict]) -> dict:
         "ratio_exact_first_iteration_mean": _mean(ratio_exact_first),
         "ratio_exact_later_iterations_mean": _mean(_values(others, "gap/ratio/exact_frac")),
         "step_s_median": _median(_values(records[1:], "step_time")),
+        "step_s_mean": _mean(_values(records[1:], "step_time")),
         "other_step_s_median": _median(_values(others, "step_time")),
         "reward_mean": _mean(_values(records, "reward")),
         "reward_last20_mean": _mean(_values(records[-20:], "reward")),
@@ -302,6 +303,8 @@ def onpolicy_table(rows: dict) -> dict | None:
                      _round(row.get("ratio_exact_later_iterations_mean"), 4),
                      _round(row.get("step_s_median"), 3),
                      _times(row.get("step_s_median") if comparable else None, base.get("step_s_median")),
+                     _round(row.get("step_s_mean"), 3),
+                     _times(row.get("step_s_mean") if comparable else None, base.get("step_s_mean")),
                      _round(row["generating_step_s_median"], 3),
                      _times(row["generating_step_s_median"], base["generating_step_s_median"]),
                      _round(row.get("other_step_s_median"), 3),
@@ -318,9 +321,11 @@ def onpolicy_table(rows: dict) -> dict | None:
                      "for bit), on the first iteration of each generation (the generating steps) and on the steps "
                      "that do not generate (num_iterations 2: the second iteration, after an optimizer step). Step "
                      "times: medians of step_time over every step after step 1, over the generating steps after "
-                     "step 1 and over the other steps; 'x arm A': divided by the same median of "
-                     f"{reference[0]}; 'step x arm A' only for a run with its num_iterations (with 1 every step "
-                     "generates). Reward: the generating steps' reward, over the whole run and over its last 20 "
+                     "step 1 and over the other steps, and the mean over every step after step 1 (the run's time "
+                     "for those steps over their number: its cost; with num_iterations 2 the steps take two sizes "
+                     "and the median over all of them can fall anywhere between the two); 'x arm A': divided by "
+                     f"the same statistic of {reference[0]}; 'step x arm A' and 'mean step x arm A' only for a run "
+                     "with its num_iterations (with 1 every step generates). Reward: the generating steps' reward, over the whole run and over its last 20 "
                      "steps (compare runs of the same length). grad_norm: median over all steps."}
 
 

@@ -150,18 +150,22 @@ def test_arm_j_live_table_from_synthetic_logs():
     assert table["columns"] == script.ONPOLICY_COLUMNS
     cells = [dict(zip(table["columns"], row)) for row in table["rows"]]
     a, j = cells
-    # A: all steps after step 1 are 6 x 0.5, 6 x 0.7 and 11 x 1.0 s (median 0.7); generating 1.0; the others 0.6
+    # A: all steps after step 1 are 6 x 0.5, 6 x 0.7 and 11 x 1.0 s (median 0.7, mean 18.2 / 23); generating 1.0;
+    # the others 0.6
     assert a == {"run": "train_A_ni2", "arm": "A", "steps": 24, "sampler oob % (mean)": 2.0,
                  "sampler bit-identical % (mean)": 0.0, "ratio exact_frac, first iteration (min)": 0.5,
                  "ratio exact_frac, first iteration (mean)": 0.9583, "ratio exact_frac, second iteration (mean)": 0.0,
-                 "step s (median, after step 1)": 0.7, "step x arm A": 1.0, "generating step s (median)": 1.0,
+                 "step s (median, after step 1)": 0.7, "step x arm A": 1.0, "step s (mean, after step 1)": 0.791,
+                 "mean step x arm A": 1.0, "generating step s (median)": 1.0,
                  "generating step x arm A": 1.0, "other step s (median)": 0.6, "other step x arm A": 1.0,
                  "reward (mean)": 0.4167, "reward (mean, last 20 steps)": 0.5, "grad_norm (median)": 12.5}
-    # J: 12 x 1.25 and 11 x 3.0 s after step 1 (median 1.25, / 0.7); generating 3.0 / 1.0; others 1.25 / 0.6
+    # J: 12 x 1.25 and 11 x 3.0 s after step 1 (median 1.25, / 0.7; mean 48 / 23, / (18.2 / 23) = 48 / 18.2);
+    # generating 3.0 / 1.0; others 1.25 / 0.6
     assert j == {"run": "train_J_ni2", "arm": "J", "steps": 24, "sampler oob % (mean)": 0.0,
                  "sampler bit-identical % (mean)": 100.0, "ratio exact_frac, first iteration (min)": 1.0,
                  "ratio exact_frac, first iteration (mean)": 1.0, "ratio exact_frac, second iteration (mean)": 0.01,
-                 "step s (median, after step 1)": 1.25, "step x arm A": 1.786, "generating step s (median)": 3.0,
+                 "step s (median, after step 1)": 1.25, "step x arm A": 1.786, "step s (mean, after step 1)": 2.087,
+                 "mean step x arm A": 2.637, "generating step s (median)": 3.0,
                  "generating step x arm A": 3.0, "other step s (median)": 1.25, "other step x arm A": 2.083,
                  "reward (mean)": 0.25, "reward (mean, last 20 steps)": 0.25, "grad_norm (median)": 25.0}
     assert "train_A_ni2" in table["notes"]
@@ -176,6 +180,7 @@ def test_arm_j_live_table_from_synthetic_logs():
     assert list(cells) == ["train_A_ni2", "train_J_ni2", "callback_J_ni1"] and cells["train_J_ni2"] == j
     ni1 = cells["callback_J_ni1"]
     assert ni1["step s (median, after step 1)"] == 3.0 and ni1["step x arm A"] is None
+    assert ni1["step s (mean, after step 1)"] == 3.0 and ni1["mean step x arm A"] is None
     assert ni1["generating step s (median)"] == 3.0 and ni1["generating step x arm A"] == 3.0
     assert ni1["other step s (median)"] is None and ni1["other step x arm A"] is None
     # without an arm A row (or without an arm J row) there is nothing to compare: one table
