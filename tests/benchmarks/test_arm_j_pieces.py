@@ -117,7 +117,8 @@ def test_backward_table_gives_each_piece_largest_first_and_what_ran_outside_them
 
 
 @pytest.mark.parametrize(("name", "revision"), [("arm_j_pieces.json", "111a0cf"),
-                                                ("arm_j_pieces_b01b450.json", "b01b450")])
+                                                ("arm_j_pieces_b01b450.json", "b01b450"),
+                                                ("arm_j_pieces_75f9295.json", "75f9295")])
 def test_committed_tables_are_built_from_their_results(script, name, revision):
     """benchmarks/results/h200/arm_j_pieces*.json: the tables are what this code builds from the document's results
     (generated, never typed); arm J's form equals its old log-probs bit for bit, and every wrapped piece of the
