@@ -17,10 +17,11 @@ input it was given is an error at the call (its saved inputs would no longer be 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -291,14 +292,16 @@ def rms_norm_gradient(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                       needs: Sequence[bool] | None = None):
     """:func:`rms_norm_formula`'s ``(d x, d weight, None, ...)``: with ``r = rsqrt(mean(x^2) + eps)``, ``n = x r`` and
     ``g = grad * weight``, ``d x = r (g - n mean(g n))`` (``= r g - x r^3 mean(g x)``) and ``d weight`` the sum over
-    rows of ``grad n``."""
+    rows of ``grad n``. The means are sums times ``1 / width``: vLLM's batch-invariant mode replaces ``aten::mean.dim``
+    process-wide with a Triton kernel, not ``aten::sum``."""
+    width = x.shape[-1]
     x32 = x.float()
-    rsqrt = x32.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
+    rsqrt = x32.square().sum(-1, keepdim=True).mul_(1 / width).add_(eps).rsqrt_()
     normed = x32.mul_(rsqrt) if x.dtype != torch.float32 else x * rsqrt  # in place on the cast's copy
     dx = dweight = None
     if _wants(needs, 0):
         scaled = grad * weight.float()
-        dx = torch.mul(torch.addcmul(scaled, normed, (scaled * normed).mean(-1, keepdim=True), value=-1), rsqrt,
+        dx = torch.mul(torch.addcmul(scaled, normed, (scaled * normed).sum(-1, keepdim=True), value=-1 / width), rsqrt,
                        out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
     if _wants(needs, 1):
         dweight = (grad * normed).reshape(-1, x.shape[-1]).sum(0)
@@ -469,6 +472,24 @@ no inner autograd graph); a formula without an entry (the contiguous attention's
 
 
 # ------------------------------------------------------------------------------------------------ the Function
+@contextlib.contextmanager
+def _cublas_for_backward() -> Iterator[None]:
+    """cuBLAS, not cuBLASLt, for a piece's backward where the process prefers cuBLASLt (vLLM's batch-invariant mode
+    sets that preference process-wide, and PyTorch asks cuBLASLt for an algorithm on the host at every call); the
+    preference is restored afterwards. The backward's values are not compared bit for bit with anything, so they need
+    no batch-invariant library."""
+    cuda = torch.backends.cuda
+    before = cuda.preferred_blas_library()
+    if before != torch._C._BlasBackend.Cublaslt:
+        yield
+        return
+    cuda.preferred_blas_library("cublas")
+    try:
+        yield
+    finally:
+        cuda.preferred_blas_library(before)
+
+
 class _KernelPiece(torch.autograd.Function):
     """``forward``: ``kernel(*args)``; ``backward``: the gradient of ``formula(*args)`` in fp32 at the saved
     floating-point inputs (the others pass through as they were given)."""
@@ -499,7 +520,9 @@ class _KernelPiece(torch.autograd.Function):
         # is not itself differentiated
         inputs = [t.detach() for t in tensors] if torch.is_grad_enabled() else tensors
         spec = ctx.spec
-        by_argument = gradient(grad, *_rebuild(spec, inputs), needs=[type(a) is _Slot and needs[a.index] for a in spec])
+        with _cublas_for_backward():
+            by_argument = gradient(grad, *_rebuild(spec, inputs),
+                                   needs=[type(a) is _Slot and needs[a.index] for a in spec])
         for slot, g in zip(spec, by_argument):
             if g is not None and type(slot) is _Slot and needs[slot.index]:
                 dtype = tensors[slot.index].dtype
