@@ -19,7 +19,8 @@ finished (``results.done``, ``results.complete``):
    equals a training question or is a substring of a training example's text (:func:`decontamination`).
 2. ``before``: greedy accuracy of ``--model`` on the test split, by :mod:`benchmarks.gsm8k_baseline`
    (``--decodings greedy``; vLLM in a subprocess, or HF ``generate`` in this process with ``--hf``), its document
-   and completions under ``<out>/eval_before/``.
+   and completions under ``<out>/eval_before/`` (``--before-from DOC``: an earlier run's evaluation with the same
+   settings stands for it, :func:`reused_evaluation`).
 3. ``train``: TRL's ``SFTTrainer`` (conversational prompt-completion data, loss on the completion tokens only,
    fp32 weights with bf16 autocast by default, AdamW, cosine schedule with warm-up, no gradient checkpointing,
    seeded); the loss curve of every logging step. The trainer's own tokenization is then checked row by row
@@ -414,6 +415,32 @@ def evaluate(model: str, folder: Path, args, data: str | None) -> dict:
     return summary
 
 
+def reused_evaluation(path: Path, args, test_rows: int) -> dict:
+    """``--before-from``: the greedy cells of an earlier run's evaluation of the same model (a gsm8k_baseline
+    document, e.g. ``eval_before/gsm8k_baseline.json``), refused with one line unless it finished and was made with
+    this run's evaluation settings (split, rows, decoding, token cap, engine, dtype, seed). Which model it evaluated is
+    the caller's word: the document names the model as its machine saw it."""
+    try:
+        payload = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise WarmstartError(f"--before-from {path}: not a readable JSON document ({err.__class__.__name__})") from None
+    if payload.get("benchmark") != "gsm8k_baseline":
+        raise WarmstartError(f"--before-from {path}: not a gsm8k_baseline document")
+    params, results = payload.get("params", {}), payload.get("results", {})
+    rows = args.eval_limit if args.eval_limit is not None else test_rows
+    wanted = {"split": "test", "rows": rows, "limit": args.eval_limit, "max_tokens": args.max_tokens,
+              "engine": "HF generate" if args.hf else "vLLM", "dtype": args.eval_dtype, "seed": args.seed}
+    differ = [f"{key} {params.get(key)!r} (this run: {value!r})" for key, value in wanted.items()
+              if params.get(key) != value]
+    if "greedy" not in params.get("decodings", []):
+        differ.append("no greedy decoding")
+    if differ or not results.get("complete"):
+        problems = differ + ([] if results.get("complete") else ["it did not finish"])
+        raise WarmstartError(f"--before-from {path}: made with other evaluation settings: {'; '.join(problems)}; "
+                             "drop --before-from to evaluate the model again")
+    return {**evaluation_summary(path), "reused_from": str(path), "exit_code": 0, "eval_s": 0.0}
+
+
 def evaluation_summary(path: Path) -> dict:
     """The greedy cells of a gsm8k_baseline document (``subsets``: subset -> rows, correct, strict_correct,
     accuracy, ci95), with its settings and progress; ``{"subsets": {}}`` when the file is missing."""
@@ -570,7 +597,8 @@ def _params(args, data: str | None, ckpt: Path, device: str) -> dict:
             "seed": args.seed, "device": device, "completion_only_loss": True, "gradient_checkpointing": False,
             "target": "gsm8k.worked_solution: <<...>> calculator marks removed, final line '#### <gold>'",
             "eval_engine": "HF generate" if args.hf else "vLLM", "eval_dtype": args.eval_dtype,
-            "eval_limit": args.eval_limit, "max_tokens": args.max_tokens, "checkpoint_dir": str(ckpt)}
+            "eval_limit": args.eval_limit, "max_tokens": args.max_tokens, "checkpoint_dir": str(ckpt),
+            **({"before_from": args.before_from} if args.before_from is not None else {})}
 
 
 def run(args) -> int:
@@ -585,6 +613,8 @@ def run(args) -> int:
         out, ckpt, data, device = _check(args)
         rows = load_train_rows(data, args.train_limit)
         test_questions = load_test_questions(data)
+        reused = None if args.before_from is None else reused_evaluation(Path(args.before_from), args,
+                                                                         len(test_questions))
     except (UsageError, WarmstartError) as err:
         print(f"gsm8k_warmstart: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
@@ -626,7 +656,7 @@ def run(args) -> int:
 
     # 2. greedy accuracy of the model as given
     t0 = time.perf_counter()
-    results["before"] = evaluate(args.model, out / "eval_before", args, data)
+    results["before"] = reused if reused is not None else evaluate(args.model, out / "eval_before", args, data)
     if results["before"]["exit_code"] == 0:
         phase_done("before", t0)
     else:
@@ -710,6 +740,8 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--max-length", type=int, default=None, help="token cap per example (default 1024)")
     go.add_argument("--precision", default=None, help="bf16 (autocast over fp32 weights; default) or fp32")
     go.add_argument("--seed", type=int, default=0)
+    go.add_argument("--before-from", default=None, help="an earlier run's eval_before/gsm8k_baseline.json of the "
+                    "same model and evaluation settings: its accuracy stands for phase 2 (no evaluation)")
     go.add_argument("--train-limit", type=int, default=None, help="only the first N training rows")
     go.add_argument("--eval-limit", type=int, default=None, help="only the first N test rows (default: all)")
     go.add_argument("--max-tokens", type=int, default=None, help="new tokens per test completion (default 256)")

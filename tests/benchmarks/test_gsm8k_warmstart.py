@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -358,3 +359,41 @@ def test_the_gpu_call_script_reaches_the_vllm_check_and_fits_one_device_call(tmp
     assert len(lines) == 2 and lines[0].startswith("gsm8k_warmstart: vLLM is not installed here"), done.stdout
     assert (out / "gsm8k_warmstart.log").read_text().strip() == lines[0]
     assert sorted(p.name for p in out.iterdir()) == ["gsm8k_warmstart.log"] and not (tmp_path / "ckpt").exists()
+
+
+def test_before_from_reuses_an_earlier_evaluation_and_refuses_other_settings(smoke, smoke_data, tmp_path, capsys,
+                                                                              monkeypatch):
+    """``--before-from``: the smoke run's own evaluation before training stands for phase 2 (only the evaluation
+    after training runs); a document made with other evaluation settings is refused with one line naming them,
+    before any model loads."""
+    import importlib.util
+
+    module = _module()
+    out, first = smoke
+    before = out / "eval_before" / "gsm8k_baseline.json"
+    ran = []
+    real_evaluate = module.evaluate
+    monkeypatch.setattr(module, "evaluate", lambda model, folder, *a: ran.append(folder.name) or
+                        real_evaluate(model, folder, *a))
+    assert module.main(["run", "--smoke", "--data", str(smoke_data), "--out", str(tmp_path / "again"),
+                        "--before-from", str(before)]) == 0
+    payload = json.loads((tmp_path / "again" / "gsm8k_warmstart.json").read_text())
+    assert ran == ["eval_after"] and not (tmp_path / "again" / "eval_before").exists()
+    reused = payload["results"]["before"]
+    assert reused["reused_from"] == str(before) and reused["subsets"] == first["results"]["before"]["subsets"]
+    assert payload["params"]["before_from"] == str(before) and payload["results"]["complete"] is True
+    # other settings: the smoke's token cap, and the H200 run's evaluation (vLLM, all 1,319 rows, 256 tokens)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
+    committed = (Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h200" / "gsm8k_warmstart" /
+                 "eval_before" / "gsm8k_baseline.json")
+    capsys.readouterr()  # the runs above
+    for argv, problems in ((["--max-tokens", "8", "--before-from", str(before)], ["max_tokens 16 (this run: 8)"]),
+                           (["--before-from", str(committed)], ["rows 1319 (this run: 4)", "max_tokens 256",
+                                                                "engine 'vLLM' (this run: 'HF generate')"]),
+                           (["--before-from", str(smoke_data / "train_part.jsonl")], ["not a readable JSON"])):
+        assert module.main(["run", "--smoke", "--data", str(smoke_data), "--out", str(tmp_path / "no"), *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("gsm8k_warmstart: --before-from ") and len(err.strip().splitlines()) == 1, err
+        assert all(problem in err for problem in problems), err
+    assert not (tmp_path / "no").exists()

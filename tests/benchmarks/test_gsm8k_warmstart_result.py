@@ -56,3 +56,16 @@ def test_accuracy_is_the_task_reward_recounted_from_the_completions(doc, phase):
     cell = doc["results"][phase]["subsets"]["all"]
     assert (cell["rows"], cell["correct"], cell["strict_correct"]) == (1319, int(correct), int(strict))
     assert cell["ci95"][0] < cell["accuracy"] == correct / 1319 < cell["ci95"][1]
+
+
+def test_the_committed_evaluation_before_stands_for_a_later_run_with_the_same_settings(doc):
+    """A later GPU run of another warm-start setting can reuse this run's evaluation of the base model
+    (``--before-from``): with the real run's evaluation settings it is accepted and gives the same cells."""
+    import argparse
+
+    from benchmarks import gsm8k_warmstart
+
+    args = argparse.Namespace(**{**gsm8k_warmstart.GPU_DEFAULTS, "seed": 0})
+    path = RESULTS / "gsm8k_warmstart" / "eval_before" / "gsm8k_baseline.json"
+    reused = gsm8k_warmstart.reused_evaluation(path, args, 1319)
+    assert reused["subsets"] == doc["results"]["before"]["subsets"] and reused["exit_code"] == 0
