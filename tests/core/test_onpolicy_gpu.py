@@ -71,10 +71,12 @@ def test_training_forward_with_vllms_kernels_is_the_scorer_bit_for_bit(policy, s
     policy.zero_grad()
 
 
-@pytest.mark.parametrize("spec", ["all", "all,attention_launch=packed"])
-def test_parameter_gradients_with_vllms_kernels_within_bounds(policy, spec):
+@pytest.mark.parametrize(("spec", "blas"), [("all", None), ("all,attention_launch=packed", None),
+                                          ("all", "cublaslt")])
+def test_parameter_gradients_with_vllms_kernels_within_bounds(policy, spec, blas):
     """Against the fp32 policy's HF forward under torch autograd (IEEE fp32 matmuls): within 2% (L2 over all
-    parameters) and 4% per tensor, as on CPU."""
+    parameters) and 4% per tensor, as on CPU. ``blas`` cuBLASLt: the process prefers it, as vLLM's batch-invariant
+    engine sets it in a colocated trainer; the pieces' backward runs on cuBLAS and gives the preference back."""
     from bloggap_plugin.core.plans.vllm_shadow import OnPolicyForward
     from bloggap_plugin.core.scoring import token_logprobs
     from bloggap_plugin.core.vllm_form import parse_form
@@ -99,8 +101,16 @@ def test_parameter_gradients_with_vllms_kernels_within_bounds(policy, spec):
         exact = grads(token_logprobs(policy, ids, mask, keep, positions="mask"))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    ours = grads(OnPolicyForward(policy, form, load_kernels(form, "cuda")).token_logprobs(ids, mask, keep)[0])
+    preferred = torch.backends.cuda.preferred_blas_library()
+    if blas is not None:
+        torch.backends.cuda.preferred_blas_library(blas)
+    try:
+        ours = grads(OnPolicyForward(policy, form, load_kernels(form, "cuda")).token_logprobs(ids, mask, keep)[0])
+        if blas is not None:
+            assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+    finally:
+        torch.backends.cuda.preferred_blas_library(preferred)
     total = sum(((ours[n] - exact[n]) ** 2).sum() for n in exact) / sum((exact[n] ** 2).sum() for n in exact)
     worst = max(float((ours[n] - exact[n]).norm() / exact[n].norm()) for n in exact)
-    print(f"{spec}: relative L2 {float(total.sqrt()):.5f}, worst tensor {worst:.5f}")
+    print(f"{spec} ({blas or 'default'} preferred): relative L2 {float(total.sqrt()):.5f}, worst tensor {worst:.5f}")
     assert float(total.sqrt()) <= 0.02 and worst <= 0.04
