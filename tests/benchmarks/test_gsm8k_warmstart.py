@@ -397,3 +397,48 @@ def test_before_from_reuses_an_earlier_evaluation_and_refuses_other_settings(smo
         assert err.startswith("gsm8k_warmstart: --before-from ") and len(err.strip().splitlines()) == 1, err
         assert all(problem in err for problem in problems), err
     assert not (tmp_path / "no").exists()
+
+
+def test_the_settings_script_runs_each_setting_packs_it_and_keeps_to_its_budget(tmp_path, smoke_data):
+    """benchmarks/gpu/gsm8k_warmstart_settings.sh on a machine without vLLM: each NAME=ARGUMENTS setting runs
+    gsm8k_warmstart (here it stops at the vLLM check, exit 2), is packed into OUT/NAME.tar.xz with its log, and
+    reported in one line; a setting that would start with less than MIN_S of BUDGET_S left is not started; a
+    malformed setting is refused before anything runs."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    import tarfile
+
+    from _support import ROOT
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: the script would run")
+    script = ROOT / "benchmarks" / "gpu" / "gsm8k_warmstart_settings.sh"
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bindir / "python3").chmod(0o755)
+    out, work = tmp_path / "out", tmp_path / "work"
+    environ = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "OUT": str(out), "WORK": str(work),
+               "DATA": str(smoke_data), "MODEL": "tiny-random-llama"}
+
+    def run(*settings, **extra):
+        return subprocess.run(["bash", str(script), *settings], cwd=ROOT, env={**environ, **extra},
+                              capture_output=True, text=True, timeout=300)
+
+    done = run("lr2e-4=--lr 2e-4", "e5=--epochs 5")
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["lr2e-4", "e5"]
+    assert all(": exit 2, " in line and "vLLM is not installed here" in line for line in lines), lines
+    assert sorted(p.name for p in out.iterdir()) == ["e5.tar.xz", "lr2e-4.tar.xz"]
+    with tarfile.open(out / "lr2e-4.tar.xz") as tar:
+        assert tar.getnames() == ["lr2e-4", "lr2e-4/gsm8k_warmstart.log"]
+        assert b"vLLM is not installed here" in tar.extractfile("lr2e-4/gsm8k_warmstart.log").read()
+    done = run("late=--lr 1e-4", BUDGET_S="100", MIN_S="240")
+    assert done.returncode == 1 and done.stdout.strip() == "late: not started (100 s left, a setting needs 240)"
+    for bad in ("nameonly", "bad/name=--lr 1e-4"):
+        done = run(bad)
+        assert done.returncode == 2 and f"bad setting '{bad}'" in done.stderr, done.stderr
+    assert run().returncode == 2
