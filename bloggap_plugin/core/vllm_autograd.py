@@ -181,18 +181,25 @@ def _memo_unread_slots(cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, bloc
     """:func:`paged_unread_slots`, computed once per call's metadata: every layer's call of a forward passes the same
     ``cu_seqlens_q``/``seqused_k``/``block_table`` tensors (``vllm_form._step_calls``), so the mask is built for the
     first layer's backward and reused by the others. An entry holds weak references to the three tensors and their
-    versions: a tensor freed, replaced or changed in place is a miss (the mask is rebuilt); at most
-    ``_UNREAD_MEMO_SIZE`` entries."""
+    versions: a tensor replaced or changed in place is a miss (the mask is rebuilt), and the entry goes when any of
+    them is freed; at most ``_UNREAD_MEMO_SIZE`` entries."""
     metadata = (cu_seqlens_q, seqused_k, block_table)
     key = (*(id(t) for t in metadata), max_seqlen_k, queries, slots, page)
     held = _UNREAD_MEMO.get(key)
     if held is not None:
         refs, versions, mask = held
         if all(ref() is t for ref, t in zip(refs, metadata)) and versions == tuple(t._version for t in metadata):
-            _UNREAD_MEMO.move_to_end(key)
+            with contextlib.suppress(KeyError):  # its metadata freed meanwhile
+                _UNREAD_MEMO.move_to_end(key)
             return mask
     mask = paged_unread_slots(cu_seqlens_q, seqused_k, block_table, max_seqlen_k, queries, slots, page)
-    _UNREAD_MEMO[key] = (tuple(weakref.ref(t) for t in metadata), tuple(t._version for t in metadata), mask)
+
+    def forget(_ref: weakref.ref, key: tuple = key) -> None:
+        held = _UNREAD_MEMO.get(key)
+        if held is not None and any(ref is _ref for ref in held[0]):
+            _UNREAD_MEMO.pop(key, None)
+
+    _UNREAD_MEMO[key] = (tuple(weakref.ref(t, forget) for t in metadata), tuple(t._version for t in metadata), mask)
     while len(_UNREAD_MEMO) > _UNREAD_MEMO_SIZE:
         _UNREAD_MEMO.popitem(last=False)
     return mask

@@ -628,3 +628,22 @@ def test_a_pieces_backward_runs_on_cublas_where_the_process_prefers_cublaslt(mon
     state.update(now=backends.Cublas, calls=[])
     torch.autograd.grad(kernels.linear(x, weight, None).sum(), [x, weight])
     assert seen[-1] == backends.Cublas and state["calls"] == []
+
+
+def test_the_unread_slots_memo_lets_a_mask_go_with_its_calls_metadata():
+    """A memo entry (a ``[Tq, slots]`` mask, device memory) does not outlive the call's metadata: once the forward's
+    ``cu_seqlens_q``/``seqused_k``/``block_table`` are freed, the entry is gone, before eight newer calls push it
+    out."""
+    import gc
+
+    from bloggap_plugin.core import vllm_autograd
+
+    q, key_cache, _, cu, seqused, table, _, max_k = _arm_j_paged_calls()["decode"]
+    cu, seqused, table = cu.clone(), seqused.clone(), table.clone()
+    page = key_cache.shape[1]
+    ids = (id(cu), id(seqused), id(table))
+    vllm_autograd._memo_unread_slots(cu, seqused, table, max_k, q.shape[0], key_cache.shape[0] * page, page)
+    assert any(key[:3] == ids for key in vllm_autograd._UNREAD_MEMO)
+    del cu, seqused, table
+    gc.collect()
+    assert not any(key[:3] == ids for key in vllm_autograd._UNREAD_MEMO)
