@@ -5,17 +5,13 @@
 #   . .dev/vllm/t/env.sh && python3 .dev/vllm/t/mk_smollm2.py && \
 #     bash benchmarks/gpu/gsm8k_warmstart_settings.sh "lr2e-4=--lr 2e-4" "lr1e-4-e5=--lr 1e-4 --epochs 5"
 #
-# Each argument is NAME=ARGUMENTS: benchmarks/gsm8k_warmstart.py with those arguments (seed $SEED), the base model's
-# evaluation taken from $BEFORE (--before-from; the committed H200 run's by default, so only training and the
-# evaluation after it run), its folder under $WORK/NAME and its checkpoint in $WORK/ckpt-NAME. A setting starts only
+# Each argument is NAME=ARGUMENTS: benchmarks/gpu/gsm8k_warmstart_call.sh with those arguments (its MODEL, DATA and
+# SEED), the base model's evaluation taken from $BEFORE (--before-from; the committed H200 run's by default, so only
+# training and the evaluation after it run), its folder under $WORK/NAME and its checkpoint in $WORK/ckpt-NAME. A setting starts only
 # while at least $MIN_S seconds of $BUDGET_S are left, and is given what is left. Each finished or stopped setting is
 # packed into $OUT/NAME.tar.xz (its gsm8k_warmstart.json, log and eval_after/; the device returns at most 8 files);
 # one line per setting on stdout. Exit 0 when every setting finished.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export PYTHONPATH="${PYTHONPATH:-}:$PWD"
-MODEL=${MODEL:-/tmp/vx/smollm2}
-DATA=${DATA:-.dev/gsm8k}
 OUT=${OUT:-.dev/gsm8k_warmstart_settings}
 WORK=${WORK:-/tmp/vx/warmstart_settings}
 BEFORE=${BEFORE:-benchmarks/results/h200/gsm8k_warmstart/eval_before/gsm8k_baseline.json}
@@ -47,9 +43,8 @@ for setting in "$@"; do
   rm -rf "${WORK:?}/$name" "${WORK:?}/ckpt-$name"
   mkdir -p "$WORK/$name"
   # shellcheck disable=SC2086 # the setting's arguments are words
-  timeout "$left" python3 -m benchmarks.gsm8k_warmstart run --model "$MODEL" --model-name SmolLM2-135M-Instruct \
-    --data "$DATA" --out "$WORK/$name" --ckpt "$WORK/ckpt-$name" --seed "${SEED:-0}" --before-from "$BEFORE" \
-    $arguments > "$WORK/$name/gsm8k_warmstart.log" 2>&1
+  OUT="$WORK/$name" CKPT="$WORK/ckpt-$name" WARMSTART_S=$left \
+    bash benchmarks/gpu/gsm8k_warmstart_call.sh --before-from "$BEFORE" $arguments > /dev/null 2>&1
   code=$?
   [ "$code" -eq 0 ] || status=1
   tar -C "$WORK" -cJf "$OUT/$name.tar.xz" "$name"
