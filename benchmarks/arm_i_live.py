@@ -287,13 +287,13 @@ def onpolicy_table(rows: dict) -> dict | None:
     """``T16-armJ-live``: arm J (the exactly on-policy arm) against arm A on the same runs' JSONL, one row per arm A
     or J run; step times also as a multiple of the first arm A row's: the generating step's for every row, the
     median over all steps only for a row with the arm A row's ``num_iterations`` (with 1 every step generates, so its
-    median is a generating step's, not comparable with a median that mixes both kinds). ``None`` unless ``rows``
-    hold an arm J and an arm A row that ran."""
+    median is a generating step's, not comparable with a median that mixes both kinds). Without an arm A row the
+    multiples are empty (arm J's own numbers stand). ``None`` unless ``rows`` hold an arm J row that ran."""
     ran = {label: row for label, row in rows.items() if "error" not in row and row.get("arm") in ("A", "J")}
     reference = next(((label, row) for label, row in ran.items() if row["arm"] == "A"), None)
-    if reference is None or not any(row["arm"] == "J" for row in ran.values()):
+    if not any(row["arm"] == "J" for row in ran.values()):
         return None
-    base = reference[1]
+    base = {} if reference is None else reference[1]
     body = []
     for label, row in ran.items():
         comparable = row.get("num_iterations") == base.get("num_iterations")
@@ -306,7 +306,7 @@ def onpolicy_table(rows: dict) -> dict | None:
                      _round(row.get("step_s_mean"), 3),
                      _times(row.get("step_s_mean") if comparable else None, base.get("step_s_mean")),
                      _round(row["generating_step_s_median"], 3),
-                     _times(row["generating_step_s_median"], base["generating_step_s_median"]),
+                     _times(row["generating_step_s_median"], base.get("generating_step_s_median")),
                      _round(row.get("other_step_s_median"), 3),
                      _times(row.get("other_step_s_median"), base.get("other_step_s_median")),
                      _round(row.get("reward_mean"), 4), _round(row.get("reward_last20_mean"), 4),
@@ -314,8 +314,9 @@ def onpolicy_table(rows: dict) -> dict | None:
     return {"id": ONPOLICY_TABLE_ID,
             "title": "Arm J live (training forward in vLLM's numbers) against arm A: exact ratio, step time, reward",
             "columns": ONPOLICY_COLUMNS, "rows": body, "reference": None, "random_init": False,
-            "plot": {"kind": "bar", "x": "run", "y": ["step x arm A", "generating step x arm A", "other step x arm A"],
-                     "title": "Step time as a multiple of arm A's", "ylabel": "x arm A"},
+            "plot": False if reference is None else {
+                "kind": "bar", "x": "run", "y": ["step x arm A", "generating step x arm A", "other step x arm A"],
+                "title": "Step time as a multiple of arm A's", "ylabel": "x arm A"},
             "notes": "From each run's JSONL. Sampler columns over the generations after the first. ratio exact_frac: "
                      "gap/ratio/exact_frac (share of completion tokens whose new log-prob equals the old one bit "
                      "for bit), on the first iteration of each generation (the generating steps) and on the steps "
@@ -324,8 +325,10 @@ def onpolicy_table(rows: dict) -> dict | None:
                      "step 1 and over the other steps, and the mean over every step after step 1 (the run's time "
                      "for those steps over their number: its cost; with num_iterations 2 the steps take two sizes "
                      "and the median over all of them can fall anywhere between the two); 'x arm A': divided by "
-                     f"the same statistic of {reference[0]}; 'step x arm A' and 'mean step x arm A' only for a run "
-                     "with its num_iterations (with 1 every step generates). Reward: the generating steps' reward, over the whole run and over its last 20 "
+                     + (f"the same statistic of {reference[0]}; 'step x arm A' and 'mean step x arm A' only for a "
+                        "run with its num_iterations (with 1 every step generates)." if reference is not None else
+                        "the same statistic of an arm A run of the same file: there is none here, so no multiple.")
+                     + " Reward: the generating steps' reward, over the whole run and over its last 20 "
                      "steps (compare runs of the same length). grad_norm: median over all steps."}
 
 

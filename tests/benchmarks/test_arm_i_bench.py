@@ -88,6 +88,7 @@ def test_arm_i_live_document_rebuilds_the_committed_results_from_their_run_logs(
                        ("arm_j_live.json", "runs_arm_j.tar.xz"),
                        ("arm_j_live_616bb98.json", "runs_arm_j_616bb98.tar.xz"),
                        ("arm_j_live_75f9295.json", "runs_arm_j_75f9295.tar.xz"),
+                       ("arm_j_live_755f947.json", "runs_arm_j_755f947.tar.xz"),
                        ("arm_j_live_eager.json", "runs_arm_j_eager.tar.xz"),
                        ("arm_j_live_loop_backward.json", "runs_arm_j_loop_backward.tar.xz"),
                        ("arm_i_live_two_passes.json", "runs_two_passes.tar.xz"),
@@ -184,9 +185,14 @@ def test_arm_j_live_table_from_synthetic_logs():
     assert ni1["step s (mean, after step 1)"] == 3.0 and ni1["mean step x arm A"] is None
     assert ni1["generating step s (median)"] == 3.0 and ni1["generating step x arm A"] == 3.0
     assert ni1["other step s (median)"] is None and ni1["other step x arm A"] is None
-    # without an arm A row (or without an arm J row) there is nothing to compare: one table
-    assert [t["id"] for t in script.document({"train_J_ni2": rows["train_J_ni2"]}, {}, {})["tables"]] == [
-        "T16-armI-live"]
+    # without an arm J row there is nothing to show: one table; without an arm A row, arm J's own numbers and no
+    # multiples
+    alone = script.document({"train_J_ni2": rows["train_J_ni2"]}, {}, {})["tables"]
+    assert [t["id"] for t in alone] == ["T16-armI-live", "T16-armJ-live"]
+    cells = dict(zip(alone[1]["columns"], alone[1]["rows"][0]))
+    assert {k: v for k, v in cells.items() if "x arm A" not in k} == {k: v for k, v in j.items() if "x arm A" not in k}
+    assert all(v is None for k, v in cells.items() if "x arm A" in k) and "there is none here" in alone[1]["notes"]
+    assert alone[1]["plot"] is False  # nothing to plot: the multiples are empty
     assert [t["id"] for t in script.document({"train_A_ni2": rows["train_A_ni2"]}, {}, {})["tables"]] == [
         "T16-armI-live"]
 
