@@ -53,8 +53,8 @@ ONPOLICY_TABLE_ID = "T16-armJ-live"
 ONPOLICY_COLUMNS = ["run", "arm", "steps", "sampler oob % (mean)", "sampler bit-identical % (mean)",
                     "ratio exact_frac, first iteration (min)", "ratio exact_frac, first iteration (mean)",
                     "ratio exact_frac, second iteration (mean)", "step s (median, after step 1)", "step x arm A",
-                    "step s (mean, after step 1)", "mean step x arm A", "generating step s (median)", "generating step x arm A", "other step s (median)",
-                    "other step x arm A", "reward (mean)", "reward (mean, last 20 steps)", "grad_norm (median)"]
+                    "step s (mean, after step 1)", "mean step x arm A", "generating step s (median)",
+                    "generating step x arm A", "other step s (median)", "other step x arm A", "reward (mean)", "reward (mean, last 20 steps)", "grad_norm (median)"]
 ARM_I_ENV = {"VLLM_BATCH_INVARIANT": "1", "TRITON_F32_DEFAULT": "ieee"}
 
 

@@ -183,8 +183,7 @@ def plugin_attention_backward(q: Any, key_cache: Any, max_seqlen_q: int) -> str:
     """The :data:`ATTENTION_FORMULAS` name arm J's backward uses for one paged call (shapes only)."""
     from bloggap_plugin.core import vllm_autograd
 
-    slots = key_cache.shape[0] * key_cache.shape[1]
-    if q.shape[0] * q.shape[1] * slots <= vllm_autograd.DENSE_GRADIENT_ELEMENTS:
+    if vllm_autograd.dense_gradient_fits(q, key_cache):
         return "paged_attention_gradient"
     return vllm_autograd.paged_attention_formula(q, key_cache, max_seqlen_q).__name__
 

@@ -7,8 +7,8 @@
 #
 # Each argument is NAME=ARGUMENTS: benchmarks/gpu/gsm8k_warmstart_call.sh with those arguments (its MODEL, DATA and
 # SEED), the base model's evaluation taken from $BEFORE (--before-from; the committed H200 run's by default, so only
-# training and the evaluation after it run), its folder under $WORK/NAME and its checkpoint in $WORK/ckpt-NAME. A setting starts only
-# while at least $MIN_S seconds of $BUDGET_S are left, and is given what is left. Each finished or stopped setting is
+# training and the evaluation after it run), its folder under $WORK/NAME and its checkpoint in $WORK/ckpt-NAME. A
+# setting starts only while at least $MIN_S seconds of $BUDGET_S are left, and is given what is left. Each finished or stopped setting is
 # packed into $OUT/NAME.tar.xz (its gsm8k_warmstart.json, log and eval_after/; the device returns at most 8 files);
 # one line per setting on stdout. Exit 0 when every setting finished.
 set -uo pipefail
@@ -24,7 +24,8 @@ fi
 for setting in "$@"; do
   name=${setting%%=*}
   if [ "$name" = "$setting" ] || ! [[ "$name" =~ ^[A-Za-z0-9._-]+$ ]]; then
-    echo "gsm8k_warmstart_settings: bad setting '$setting': expected NAME=ARGUMENTS, NAME of letters, digits, '.', '_', '-'" >&2
+    echo "gsm8k_warmstart_settings: bad setting '$setting': expected NAME=ARGUMENTS," \
+      "NAME of letters, digits, '.', '_', '-'" >&2
     exit 2
   fi
 done
@@ -48,7 +49,9 @@ for setting in "$@"; do
   code=$?
   [ "$code" -eq 0 ] || status=1
   tar -C "$WORK" -cJf "$OUT/$name.tar.xz" "$name"
-  summary=$(grep -E '^after SFT +\| all ' "$WORK/$name/gsm8k_warmstart.log" | tail -1)
-  echo "$name: exit $code, $((SECONDS - start)) s${summary:+; $summary}$( [ "$code" -eq 0 ] || tail -1 "$WORK/$name/gsm8k_warmstart.log" | sed 's/^/; /')"
+  log="$WORK/$name/gsm8k_warmstart.log"
+  summary=$(grep -E '^after SFT +\| all ' "$log" | tail -1)
+  last=$([ "$code" -eq 0 ] || tail -1 "$log")
+  echo "$name: exit $code, $((SECONDS - start)) s${summary:+; $summary}${last:+; $last}"
 done
 exit $status

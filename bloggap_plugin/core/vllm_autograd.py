@@ -45,6 +45,7 @@ __all__ = [
     "paged_unread_slots",
     "formula_gradient",
     "paged_attention_gradient",
+    "dense_gradient_fits",
     "padded_entry_attention",
     "token_logprobs_formula",
 ]
@@ -308,7 +309,8 @@ def rms_norm_gradient(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     dx = dweight = None
     if _wants(needs, 0):
         scaled = grad * weight.float()
-        dx = torch.mul(torch.addcmul(scaled, normed, (scaled * normed).sum(-1, keepdim=True), value=-1 / width), rsqrt,
+        summed = (scaled * normed).sum(-1, keepdim=True)  # width x mean(g n)
+        dx = torch.mul(torch.addcmul(scaled, normed, summed, value=-1 / width), rsqrt,
                        out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
     if _wants(needs, 1):
         dweight = (grad * normed).reshape(-1, x.shape[-1]).sum(0)
@@ -406,18 +408,11 @@ def _rows_major(x: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _cache_heads_major(cache: torch.Tensor) -> torch.Tensor:
-    """A paged cache ``[blocks, page, nkv, d]`` as fp32 ``[nkv, blocks * page, d]`` (one cast-and-permute copy)."""
-    blocks, page, kv_heads, dim = cache.shape
-    out = torch.empty(kv_heads, blocks * page, dim, dtype=torch.float32, device=cache.device)
-    return out.copy_(cache.view(blocks * page, kv_heads, dim).transpose(0, 1))
-
-
-def _cache_layout(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """:func:`_cache_heads_major`'s inverse: ``[nkv, slots, d]`` -> ``cache``'s shape and dtype (rounding once)."""
-    out = torch.empty(cache.shape, dtype=cache.dtype, device=cache.device)
-    out.view(-1, *cache.shape[2:]).copy_(x.transpose(0, 1))
-    return out
+def dense_gradient_fits(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether :func:`paged_attention_gradient` takes its closed form for a call with these shapes (query heads x
+    queries x cache slots within :data:`DENSE_GRADIENT_ELEMENTS`), else autograd of :func:`flash_paged_formula`.
+    Shapes only: no host read of a device tensor."""
+    return q.shape[1] * q.shape[0] * key_cache.shape[0] * key_cache.shape[1] <= DENSE_GRADIENT_ELEMENTS
 
 
 def paged_attention_gradient(grad: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -431,18 +426,19 @@ def paged_attention_gradient(grad: torch.Tensor, q: torch.Tensor, key_cache: tor
     the cache per head. In fp32 from the inputs as given, each gradient rounded once to its input's dtype. A call whose
     ``heads x Tq x slots`` exceeds :data:`DENSE_GRADIENT_ELEMENTS` goes through :func:`formula_gradient`.
     ``q [Tq, nq, d]``, ``key_cache/value_cache [blocks, page, nkv, d]``."""
+    if not dense_gradient_fits(q, key_cache):
+        return formula_gradient(flash_paged_formula, grad, q, key_cache, value_cache, cu_seqlens_q, seqused_k,
+                                block_table, max_seqlen_q, max_seqlen_k, scale, needs=needs)
     queries, heads, dim = q.shape
     blocks, page, kv_heads, _ = key_cache.shape
     slots = blocks * page
-    if heads * queries * slots > DENSE_GRADIENT_ELEMENTS:
-        return formula_gradient(flash_paged_formula, grad, q, key_cache, value_cache, cu_seqlens_q, seqused_k,
-                                block_table, max_seqlen_q, max_seqlen_k, scale, needs=needs)
     want_q, want_keys, want_values = (_wants(needs, i) for i in range(3))
     unread = _memo_unread_slots(cu_seqlens_q, seqused_k, block_table, max_seqlen_k, queries, slots, page)
     groups = heads // kv_heads
     query = _heads_major(q, kv_heads)  # [nkv, groups * Tq, d]
-    keys = _cache_heads_major(key_cache)  # [nkv, slots, d]
-    values = _cache_heads_major(value_cache)
+    # the caches [blocks, page, nkv, d] as [nkv, slots, d]: one "query head" per key/value head
+    keys = _heads_major(key_cache.view(slots, kv_heads, dim), kv_heads)
+    values = _heads_major(value_cache.view(slots, kv_heads, dim), kv_heads)
     upstream = _heads_major(grad, kv_heads)
     probs = _bmm(query, keys.transpose(1, 2), scale)  # [nkv, groups * Tq, slots]
     probs.view(kv_heads, groups, queries, slots).masked_fill_(unread, float("-inf"))
@@ -458,8 +454,8 @@ def paged_attention_gradient(grad: torch.Tensor, q: torch.Tensor, key_cache: tor
             dq = _rows_major(_bmm(dscores, keys, scale), queries, q.dtype)
         if want_keys:
             dkeys = _bmm(dscores.transpose(1, 2), query, scale)
-    dkeys = None if dkeys is None else _cache_layout(dkeys, key_cache)
-    dvalues = None if dvalues is None else _cache_layout(dvalues, value_cache)
+    dkeys = None if dkeys is None else _rows_major(dkeys, slots, key_cache.dtype).view(key_cache.shape)
+    dvalues = None if dvalues is None else _rows_major(dvalues, slots, value_cache.dtype).view(value_cache.shape)
     return dq, dkeys, dvalues, None, None, None, None, None, None
 
 
