@@ -46,7 +46,8 @@ from benchmarks._lib.paths import ROOT
 TABLE_ID = "T16-armI-live"
 RESULT_NAME = "arm_i_live.json"
 COLUMNS = ["run", "entry", "arm", "num_iterations", "steps", "generations", "sampler oob % (mean)",
-           "sampler oob % (worst generation)", "sampler max |dlogp| (all generations)", "sampler bit-identical % (mean)", "ratio oob % (first iteration, mean)",
+           "sampler oob % (worst generation)", "sampler max |dlogp| (all generations)",
+           "sampler bit-identical % (mean)", "ratio oob % (first iteration, mean)",
            "plugin % of a generating step (median, step 1 apart)", "plugin % at step 1", "generating step s (median)",
            "old pass in place of TRL's, % of a generating step (median)"]
 ONPOLICY_TABLE_ID = "T16-armJ-live"
@@ -54,7 +55,8 @@ ONPOLICY_COLUMNS = ["run", "arm", "steps", "sampler oob % (mean)", "sampler bit-
                     "ratio exact_frac, first iteration (min)", "ratio exact_frac, first iteration (mean)",
                     "ratio exact_frac, second iteration (mean)", "step s (median, after step 1)", "step x arm A",
                     "step s (mean, after step 1)", "mean step x arm A", "generating step s (median)",
-                    "generating step x arm A", "other step s (median)", "other step x arm A", "reward (mean)", "reward (mean, last 20 steps)", "grad_norm (median)"]
+                    "generating step x arm A", "other step s (median)", "other step x arm A", "reward (mean)",
+                    "reward (mean, last 20 steps)", "grad_norm (median)"]
 ARM_I_ENV = {"VLLM_BATCH_INVARIANT": "1", "TRITON_F32_DEFAULT": "ieee"}
 
 

@@ -8,9 +8,9 @@
 # Each argument is NAME=ARGUMENTS: benchmarks/gpu/gsm8k_warmstart_call.sh with those arguments (its MODEL, DATA and
 # SEED), the base model's evaluation taken from $BEFORE (--before-from; the committed H200 run's by default, so only
 # training and the evaluation after it run), its folder under $WORK/NAME and its checkpoint in $WORK/ckpt-NAME. A
-# setting starts only while at least $MIN_S seconds of $BUDGET_S are left, and is given what is left. Each finished or stopped setting is
-# packed into $OUT/NAME.tar.xz (its gsm8k_warmstart.json, log and eval_after/; the device returns at most 8 files);
-# one line per setting on stdout. Exit 0 when every setting finished.
+# setting starts only while at least $MIN_S seconds of $BUDGET_S are left, and is given what is left. Each finished
+# or stopped setting is packed into $OUT/NAME.tar.xz (its gsm8k_warmstart.json, log and eval_after/; the device
+# returns at most 8 files); one line per setting on stdout. Exit 0 when every setting finished.
 set -uo pipefail
 OUT=${OUT:-.dev/gsm8k_warmstart_settings}
 WORK=${WORK:-/tmp/vx/warmstart_settings}
