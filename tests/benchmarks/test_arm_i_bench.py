@@ -89,6 +89,7 @@ def test_arm_i_live_document_rebuilds_the_committed_results_from_their_run_logs(
                        ("arm_j_live_616bb98.json", "runs_arm_j_616bb98.tar.xz"),
                        ("arm_j_live_75f9295.json", "runs_arm_j_75f9295.tar.xz"),
                        ("arm_j_live_755f947.json", "runs_arm_j_755f947.tar.xz"),
+                       ("arm_j_live_656713e.json", "runs_arm_j_656713e.tar.xz"),
                        ("arm_j_live_eager.json", "runs_arm_j_eager.tar.xz"),
                        ("arm_j_live_loop_backward.json", "runs_arm_j_loop_backward.tar.xz"),
                        ("arm_i_live_two_passes.json", "runs_two_passes.tar.xz"),
