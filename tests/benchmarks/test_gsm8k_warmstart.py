@@ -442,3 +442,49 @@ def test_the_settings_script_runs_each_setting_packs_it_and_keeps_to_its_budget(
         done = run(bad)
         assert done.returncode == 2 and f"bad setting '{bad}'" in done.stderr, done.stderr
     assert run().returncode == 2
+
+
+def test_a_smoke_run_published_carries_its_numbers_and_no_machine_path(smoke, tmp_path):
+    """benchmarks/gsm8k_warmstart_publish.py on a real run folder (the smoke run's, with a console log as the call
+    script writes it): the document's numbers unchanged, its tables rebuilt, the run's folders as placeholders, the
+    completions compressed byte for byte, the log without progress bars."""
+    import lzma
+
+    from benchmarks import gsm8k_warmstart_publish as publish
+    from benchmarks._lib.publish import MACHINE_PATH
+
+    module = _module()
+    out, payload = smoke
+    params = payload["params"]
+    log = (f"{out}/eval_after: 50%|#####     | 1/2 [00:01<00:01]\n"
+           f"[gsm8k_warmstart] checkpoint {params['checkpoint_dir']} sha256 {payload['results']['checkpoint']['sha256']}\n"
+           f"/opt/torch/.venv/lib/python3.12/site-packages/x.py:1: UserWarning: w\n"
+           f"[gsm8k_warmstart] wrote {out}/gsm8k_warmstart.json\n")
+    folder = tmp_path / "run"
+    shutil.copytree(out, folder, ignore=shutil.ignore_patterns("checkpoint"))
+    (folder / "gsm8k_warmstart.log").write_text(log)
+    into = tmp_path / "results"
+    written = publish.publish_run(folder, "smoke", into)
+    assert sorted(str(p.relative_to(into)) for p in written) == sorted(
+        ["gsm8k_warmstart_smoke.json", "logs/gsm8k_warmstart_smoke.log",
+         *(f"gsm8k_warmstart_smoke/{e}/{f}" for e in ("eval_before", "eval_after")
+           for f in ("gsm8k_baseline.json", "completions.jsonl.xz"))])
+    published = json.loads((into / "gsm8k_warmstart_smoke.json").read_text())
+    assert (published["params"]["checkpoint_dir"], published["params"]["data"]) == ("$CKPT", "$DATA")
+    assert published["results"]["after"]["subsets"] == payload["results"]["after"]["subsets"]
+    assert published["results"]["train"]["curve"] == payload["results"]["train"]["curve"]
+    assert published["results"]["checkpoint"]["sha256"] == payload["results"]["checkpoint"]["sha256"]
+    assert published["tables"] == json.loads(json.dumps(module.document(
+        published["env"], published["params"], published["results"]).to_dict()["tables"]))
+    for evaluation in ("eval_before", "eval_after"):
+        packed = into / "gsm8k_warmstart_smoke" / evaluation / "completions.jsonl.xz"
+        assert lzma.decompress(packed.read_bytes()) == (out / evaluation / "completions.jsonl").read_bytes()
+    after = json.loads((into / "gsm8k_warmstart_smoke/eval_after/gsm8k_baseline.json").read_text())
+    assert after["params"]["model"] == "$CKPT"
+    console = (into / "logs/gsm8k_warmstart_smoke.log").read_text()
+    assert console.splitlines() == [
+        f"[gsm8k_warmstart] checkpoint $CKPT sha256 {payload['results']['checkpoint']['sha256']}",
+        "<image-site-packages>/x.py:1: UserWarning: w", "[gsm8k_warmstart] wrote $OUT/gsm8k_warmstart.json"]
+    for path in written:
+        data = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
+        assert not MACHINE_PATH.findall(data.decode()), path

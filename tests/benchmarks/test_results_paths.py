@@ -4,14 +4,14 @@ checkout's absolute path). Placeholders such as ``<vllm-cache>/`` or ``$OUT/`` t
 
 from __future__ import annotations
 
-import re
 import tarfile
 
 import pytest
 from _support import ROOT
 
+from benchmarks._lib.publish import MACHINE_PATH
+
 RESULTS = ROOT / "benchmarks" / "results"
-MACHINE_PATH = re.compile(r"(?<![\w.<$])/(?:tmp|root|work|opt|home|usr/lib/python\d|usr/local/lib/python\d)/[^\s\"'<>)]*")
 ARCHIVES = (".tar.xz", ".tgz", ".tar.gz", ".tar")
 BINARY = (".png", ".pt")
 

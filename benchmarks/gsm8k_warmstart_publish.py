@@ -1,0 +1,240 @@
+"""Publish GSM8K warm-start runs (issue 33 item 1): a run folder made commit-ready; T18-warmstart-settings.
+
+    python -m benchmarks.gsm8k_warmstart_publish run FOLDER --name NAME --into benchmarks/results/h200
+    python -m benchmarks.gsm8k_warmstart_publish settings \\
+        --out benchmarks/results/h200/gsm8k_warmstart_settings.json \\
+        benchmarks/results/h200/gsm8k_warmstart.json benchmarks/results/h200/gsm8k_warmstart_NAME.json ...
+
+``run`` takes a folder as :mod:`benchmarks.gsm8k_warmstart` left it (or one setting's pack of
+``benchmarks/gpu/gsm8k_warmstart_settings.sh``, unpacked): ``gsm8k_warmstart.json``, ``gsm8k_warmstart.log``
+where the call script wrote one, and ``eval_before/`` / ``eval_after/`` (``gsm8k_baseline.json``,
+``completions.jsonl``). It writes ``<into>/gsm8k_warmstart_NAME.json`` (its tables rebuilt by
+:func:`benchmarks.gsm8k_warmstart.document`), ``<into>/gsm8k_warmstart_NAME/eval_*/`` (the evaluation
+document, the completions xz-compressed) and ``<into>/logs/gsm8k_warmstart_NAME.log`` (console lines only).
+The machine's folders become ``$MODEL`` (the base model, when given as a folder), ``$DATA`` (GSM8K's folder,
+when absolute), ``$CKPT`` (the checkpoint) and ``$OUT`` (the run folder, read from the log's last ``wrote``
+line), and the GPU image's install paths their placeholders (:data:`benchmarks._lib.publish.MACHINE_PATHS`); a
+machine path left after that stops the publication before anything is written.
+
+``settings`` builds ``T18-warmstart-settings`` from published run documents: one row per run (its learning
+rate, length, last logged loss, greedy accuracy on the whole test split with its Wilson interval), and which
+run is the best against issue 33's floor and target (:data:`FLOOR_PCT`, :data:`TARGET_PCT`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import re
+import sys
+from pathlib import Path
+
+from benchmarks import gsm8k_warmstart
+from benchmarks._lib.publish import MACHINE_PATH, MACHINE_PATHS, console_lines
+
+SETTINGS_TABLE_ID = "T18-warmstart-settings"
+SETTINGS_DOCUMENT = "gsm8k_warmstart_settings.json"
+FLOOR_PCT = 10.0
+"""Issue 33's floor, greedy accuracy % on the whole test split: the issue stops at item 1 when the best run is
+under it."""
+TARGET_PCT = 15.0
+"""Issue 33's target, greedy accuracy % on the whole test split."""
+_WROTE = re.compile(r"\[gsm8k_warmstart\] wrote (\S+)/" + re.escape(gsm8k_warmstart.DOCUMENT))
+
+
+class PublishError(ValueError):
+    """A run folder that cannot be published as it is; the message names the problem and the fix."""
+
+
+def stem(name: str) -> str:
+    """The published file stem of run ``name`` (``""``: the first run's ``gsm8k_warmstart``)."""
+    if name and not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+        raise PublishError(f"bad run name {name!r}: use letters, digits, '.', '_', '-'")
+    return f"gsm8k_warmstart_{name}" if name else "gsm8k_warmstart"
+
+
+def machine_folders(params: dict, log: str) -> list[tuple[str, str]]:
+    """(folder as the GPU machine wrote it, its placeholder), longest first so that no folder's name is cut
+    inside a longer one's (``/tmp/vx/smollm2-gsm8k-sft`` before ``/tmp/vx/smollm2``)."""
+    pairs = {}
+    if params.get("model_spec", "").startswith("/"):
+        pairs[params["model_spec"]] = "$MODEL"
+    if params.get("data") and params["data"].startswith("/"):
+        pairs[params["data"]] = "$DATA"
+    if params.get("checkpoint_dir"):
+        pairs[params["checkpoint_dir"]] = "$CKPT"
+    wrote = _WROTE.findall(log)
+    if wrote:
+        pairs[wrote[-1]] = "$OUT"
+    return sorted(pairs.items(), key=lambda pair: -len(pair[0]))
+
+
+def _replace(text: str, folders: list[tuple[str, str]]) -> str:
+    for path, name in (*folders, *MACHINE_PATHS):
+        text = text.replace(path, name)
+    return text
+
+
+def run_files(folder: Path, name: str) -> dict[str, bytes]:
+    """The files :func:`publish_run` writes for ``folder``, relative path -> bytes; nothing is written here.
+
+    Raises :class:`PublishError` when the folder holds no document, or a machine path survives the
+    replacements."""
+    base = stem(name)
+    folder = Path(folder)
+    source = folder / gsm8k_warmstart.DOCUMENT
+    if not source.is_file():
+        raise PublishError(f"{folder}: no {gsm8k_warmstart.DOCUMENT}: pass the folder of one run (unpack a "
+                           "settings pack first: tar -xJf NAME.tar.xz)")
+    log_path = folder / "gsm8k_warmstart.log"
+    log = log_path.read_text(errors="replace") if log_path.is_file() else ""
+    payload = json.loads(source.read_text())
+    folders = machine_folders(payload["params"], log)
+    payload = json.loads(_replace(json.dumps(payload), folders))
+    document = gsm8k_warmstart.document(payload["env"], payload["params"], payload["results"]).to_dict()
+    files = {f"{base}.json": (json.dumps(document, indent=1, allow_nan=False) + "\n").encode()}
+    for _, evaluation in gsm8k_warmstart.EVALUATIONS:
+        summary = folder / evaluation / "gsm8k_baseline.json"
+        if summary.is_file():
+            text = _replace(summary.read_text(), folders)
+            files[f"{base}/{evaluation}/gsm8k_baseline.json"] = text.encode()
+        completions = folder / evaluation / "completions.jsonl"
+        if completions.is_file():
+            files[f"{base}/{evaluation}/completions.jsonl.xz"] = lzma.compress(
+                _replace(completions.read_text(), folders).encode())
+    if log:
+        files[f"logs/{base}.log"] = console_lines(_replace(log, folders)).encode()
+    for path, data in files.items():
+        text = lzma.decompress(data) if path.endswith(".xz") else data
+        left = MACHINE_PATH.findall(text.decode("utf-8", errors="replace"))
+        if left:
+            raise PublishError(f"{path} would carry the machine path(s) {sorted(set(left))[:3]}: add them to "
+                               "benchmarks/_lib/publish.py MACHINE_PATHS with a placeholder, then publish "
+                               "again")
+    return files
+
+
+def publish_run(folder: Path, name: str, into: Path) -> list[Path]:
+    """Write :func:`run_files` of ``folder`` under ``into``; returns the paths written."""
+    written = []
+    for relative, data in run_files(folder, name).items():
+        path = Path(into) / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        written.append(path)
+    return written
+
+
+# ------------------------------------------------------------------------------------------------- settings
+
+
+def setting_row(document_name: str, payload: dict) -> dict:
+    """One published run's settings and outcome (accuracy cells: rows, correct, strict_correct, accuracy,
+    ci95)."""
+    params, results = payload["params"], payload["results"]
+    train = results.get("train") or {}
+    curve = train.get("curve") or []
+    return {"document": document_name, "lr": params["lr"], "epochs": params["epochs"],
+            "max_steps": params["max_steps"], "steps": train.get("steps"), "seed": params["seed"],
+            "last_loss": curve[-1]["loss"] if curve else None,
+            "train_s": (results.get("timing") or {}).get("train_s"),
+            "complete": results.get("complete", False),
+            "before": ((results.get("before") or {}).get("subsets") or {}).get("all"),
+            "after": ((results.get("after") or {}).get("subsets") or {}).get("all"),
+            "checkpoint_sha256": (results.get("checkpoint") or {}).get("sha256")}
+
+
+def settings_results(documents: dict[str, dict]) -> dict:
+    """``documents`` (published name -> run document) as rows, and the best complete run by greedy accuracy
+    after the warm start, with where it stands against :data:`FLOOR_PCT` and :data:`TARGET_PCT`."""
+    rows = [setting_row(name, payload) for name, payload in documents.items()]
+    finished = [row for row in rows if row["complete"] and row["after"]]
+    best = max(finished, key=lambda row: row["after"]["accuracy"], default=None)
+
+    def reaches(pct: float) -> bool | None:  # counts, not rounded shares: 100 of 1,000 is exactly 10%
+        return None if best is None else 100 * best["after"]["correct"] >= pct * best["after"]["rows"]
+
+    return {"settings": rows, "best": None if best is None else best["document"], "floor_pct": FLOOR_PCT,
+            "target_pct": TARGET_PCT, "best_reaches_floor": reaches(FLOOR_PCT),
+            "best_reaches_target": reaches(TARGET_PCT)}
+
+
+def _pct(value) -> float | None:
+    return None if value is None else round(100.0 * value, 2)
+
+
+def settings_table(results: dict) -> dict:
+    """``T18-warmstart-settings`` from :func:`settings_results`."""
+    rows = []
+    for row in results["settings"]:
+        after, before = row["after"] or {}, row["before"] or {}
+        length = f"{row['max_steps']} steps" if row["max_steps"] else f"{row['epochs']:g} epochs"
+        rows.append([row["document"], row["lr"], length, row["steps"],
+                     None if row["last_loss"] is None else round(row["last_loss"], 4), row["train_s"],
+                     _pct(before.get("accuracy")), _pct(after.get("accuracy")),
+                     _pct((after.get("ci95") or [None])[0]), _pct((after.get("ci95") or [None, None])[1]),
+                     None if not after else _pct(after["strict_correct"] / after["rows"]),
+                     (row["checkpoint_sha256"] or "")[:16] or None])
+    best = results["best"]
+    verdict = ("no complete run" if best is None else
+               f"best: {best}, {'at or above' if results['best_reaches_floor'] else 'under'} the floor"
+               f"{', at or above the target' if results['best_reaches_target'] else ''}")
+    notes = ("One row per published warm-start run (its document first: T18-warmstart and "
+             "T18-warmstart-curve there). Greedy accuracy on the whole GSM8K test split, correct = the "
+             "training reward; CI: Wilson 95%; strict: the number after '####' equals the gold answer (the "
+             f"task's strict reward). Issue 33's floor {results['floor_pct']:g}% and target "
+             f"{results['target_pct']:g}% (accuracy after); {verdict}. Last loss: TRL's logged training loss "
+             "at the last logging step. Seeds as in each document.")
+    return {"id": SETTINGS_TABLE_ID, "title": "GSM8K warm-start settings: greedy accuracy after each",
+            "columns": ["document", "lr", "length", "optimizer steps", "last loss", "train s", "before %",
+                        "after %", "after CI low %", "after CI high %", "after strict %",
+                        "checkpoint sha256"],
+            "rows": rows, "notes": notes, "reference": None, "random_init": False,
+            "plot": {"kind": "bar", "x": "document", "y": ["after %"],
+                     "title": "Greedy accuracy after the warm start", "ylabel": "% of GSM8K test"}
+            if rows else False}
+
+
+def settings_document(paths: list[Path]):
+    """The ``gsm8k_warmstart_settings`` result document over the run documents at ``paths``."""
+    from bloggap_plugin.results import ResultDocument
+
+    documents = {Path(path).name: json.loads(Path(path).read_text()) for path in paths}
+    results = settings_results(documents)
+    envs = {name: {key: payload["env"].get(key) for key in ("gpu", "torch", "trl", "date")}
+            for name, payload in documents.items()}
+    return ResultDocument(benchmark="gsm8k_warmstart_settings", env={"runs": envs},
+                          params={"documents": list(documents), "floor_pct": FLOOR_PCT,
+                                  "target_pct": TARGET_PCT},
+                          results=results, tables=[settings_table(results)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    one = commands.add_parser("run", help="one run folder into commit-ready files")
+    one.add_argument("folder", help="the run's folder (gsm8k_warmstart.json, its log, eval_*/)")
+    one.add_argument("--name", required=True, help="published as gsm8k_warmstart_NAME ('' : gsm8k_warmstart)")
+    one.add_argument("--into", required=True, help="results folder, e.g. benchmarks/results/h200")
+    many = commands.add_parser("settings", help="T18-warmstart-settings from published run documents")
+    many.add_argument("documents", nargs="+", help="published gsm8k_warmstart*.json documents")
+    many.add_argument("--out", required=True, help="the settings document to write")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "run":
+            for path in publish_run(Path(args.folder), args.name, Path(args.into)):
+                print(f"wrote {path}")
+            return 0
+        missing = [path for path in args.documents if not Path(path).is_file()]
+        if missing:
+            raise PublishError(f"no such run document: {missing[0]}")
+        print(f"wrote {settings_document([Path(p) for p in args.documents]).write(args.out)}")
+        return 0
+    except PublishError as err:
+        print(f"gsm8k_warmstart_publish: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""benchmarks/gsm8k_warmstart_publish.py: T18-warmstart-settings from run documents (which run is best, where it
+stands against issue 33's floor and target), the folders a publication replaces, and its refusals. The smoke run's
+publication end to end is in test_gsm8k_warmstart.py (it trains)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import gsm8k_warmstart_publish as publish
+
+
+def _run(lr: float, correct: int, rows: int = 1000, complete: bool = True, max_steps=None, strict=None) -> dict:
+    """A run document with only what the settings table reads."""
+    cell = {"rows": rows, "correct": correct, "strict_correct": correct if strict is None else strict,
+            "accuracy": correct / rows, "ci95": [correct / rows / 2, min(1.0, correct / rows * 2)]}
+    before = {"rows": rows, "correct": 7, "strict_correct": 1, "accuracy": 7 / rows, "ci95": [0.001, 0.02]}
+    return {"env": {"gpu": "H", "torch": "t", "trl": "r", "date": "d", "cpu": "ignored"},
+            "params": {"lr": lr, "epochs": 3.0, "max_steps": max_steps, "seed": 0},
+            "results": {"complete": complete, "timing": {"train_s": 100.5},
+                        "train": {"steps": 351, "curve": [{"step": 5, "epoch": 0.04, "loss": 1.2},
+                                                           {"step": 351, "epoch": 3.0, "loss": 0.43219}]},
+                        "before": {"subsets": {"all": before}}, "after": {"subsets": {"all": cell}},
+                        "checkpoint": {"sha256": "ab" * 32}}}
+
+
+def test_the_best_run_is_the_most_accurate_complete_one_and_the_floor_counts_exactly():
+    results = publish.settings_results({"a.json": _run(5e-5, 55), "b.json": _run(2e-4, 100),
+                                        "c.json": _run(4e-4, 300, complete=False)})
+    # c is the most accurate but did not finish: b, exactly at the 10% floor, is the best
+    assert results["best"] == "b.json" and results["best_reaches_floor"] is True
+    assert results["best_reaches_target"] is False
+    results = publish.settings_results({"a.json": _run(5e-5, 55), "b.json": _run(2e-4, 99)})
+    assert results["best"] == "b.json" and results["best_reaches_floor"] is False
+    results = publish.settings_results({"a.json": _run(5e-5, 150)})
+    assert results["best_reaches_floor"] is True and results["best_reaches_target"] is True
+    none = publish.settings_results({"c.json": _run(4e-4, 300, complete=False)})
+    assert none["best"] is None and none["best_reaches_floor"] is None
+    assert "no complete run" in publish.settings_table(none)["notes"]
+
+
+def test_the_settings_table_rows_are_the_documents_cells_in_percent():
+    results = publish.settings_results({"a.json": _run(5e-5, 55, strict=50),
+                                        "b.json": _run(2e-4, 123, rows=1319, max_steps=200)})
+    table = publish.settings_table(results)
+    assert table["id"] == "T18-warmstart-settings"
+    rows = [dict(zip(table["columns"], row)) for row in table["rows"]]
+    assert rows[0] == {"document": "a.json", "lr": 5e-5, "length": "3 epochs", "optimizer steps": 351,
+                       "last loss": 0.4322, "train s": 100.5, "before %": 0.7, "after %": 5.5,
+                       "after CI low %": 2.75, "after CI high %": 11.0, "after strict %": 5.0,
+                       "checkpoint sha256": "ab" * 8}
+    assert rows[1]["length"] == "200 steps" and rows[1]["after %"] == round(100 * 123 / 1319, 2) == 9.33
+    assert "best: b.json, under the floor" in table["notes"] and "floor 10%" in table["notes"]
+
+
+def test_the_settings_document_is_written_from_the_documents_on_disk(tmp_path):
+    paths = []
+    for name, correct in (("gsm8k_warmstart.json", 55), ("gsm8k_warmstart_x.json", 120)):
+        paths.append(tmp_path / name)
+        paths[-1].write_text(json.dumps(_run(1e-4, correct)))
+    out = tmp_path / "settings.json"
+    assert publish.main(["settings", "--out", str(out), *map(str, paths)]) == 0
+    written = json.loads(out.read_text())
+    assert written["params"]["documents"] == ["gsm8k_warmstart.json", "gsm8k_warmstart_x.json"]
+    assert written["results"]["best"] == "gsm8k_warmstart_x.json"
+    assert written["env"]["runs"]["gsm8k_warmstart.json"] == {"gpu": "H", "torch": "t", "trl": "r", "date": "d"}
+    assert written["tables"] == [publish.settings_table(written["results"])]
+
+
+def test_machine_folders_are_replaced_longest_first_and_only_when_they_are_folders():
+    params = {"model_spec": "/tmp/vx/smollm2", "checkpoint_dir": "/tmp/vx/smollm2-gsm8k-sft", "data": ".dev/gsm8k"}
+    log = ("[gsm8k_warmstart] wrote /tmp/vx/o/gsm8k_warmstart.json\n"
+           "[gsm8k_warmstart] wrote /tmp/vx/w/r/gsm8k_warmstart.json")  # the last one counts
+    assert publish.machine_folders(params, log) == [("/tmp/vx/smollm2-gsm8k-sft", "$CKPT"),
+                                                    ("/tmp/vx/smollm2", "$MODEL"), ("/tmp/vx/w/r", "$OUT")]
+    text = publish._replace("/tmp/vx/smollm2-gsm8k-sft and /tmp/vx/smollm2/config.json",
+                            publish.machine_folders(params, log))
+    assert text == "$CKPT and $MODEL/config.json"
+    assert publish.machine_folders({"model_spec": "tiny-random-llama", "data": "/d/gsm8k"}, "") == [
+        ("/d/gsm8k", "$DATA")]
+
+
+def test_bad_input_is_one_line_naming_the_fix_and_writes_nothing(tmp_path, capsys):
+    into = tmp_path / "into"
+    assert publish.main(["run", str(tmp_path), "--name", "x", "--into", str(into)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gsm8k_warmstart_publish: ") and "no gsm8k_warmstart.json" in err and "tar -xJf" in err
+    assert publish.main(["run", str(tmp_path), "--name", "bad/name", "--into", str(into)]) == 2
+    assert "bad run name 'bad/name'" in capsys.readouterr().err
+    assert publish.main(["settings", "--out", str(into / "s.json"), str(tmp_path / "missing.json")]) == 2
+    assert "no such run document" in capsys.readouterr().err
+    assert not into.exists()
+
+
+def test_a_machine_path_left_after_the_replacements_stops_the_publication(tmp_path):
+    from benchmarks import gsm8k_warmstart
+
+    run = tmp_path / "run"
+    run.mkdir()
+    payload = _run(1e-4, 90)
+    payload["params"] = {**_ws_params(), "model_spec": "/tmp/vx/smollm2", "checkpoint_dir": "/tmp/vx/ckpt"}
+    payload["env"]["python_home"] = "/root/.local/lib/x"  # a path nothing replaces
+    payload["results"] = {**payload["results"], "done": []}
+    (run / gsm8k_warmstart.DOCUMENT).write_text(json.dumps(payload))
+    with pytest.raises(publish.PublishError, match=r"gsm8k_warmstart_n\.json would carry .*/root/\.local/lib/x"
+                                                   r".*MACHINE_PATHS"):
+        publish.publish_run(run, "n", tmp_path / "into")
+    assert not (tmp_path / "into").exists()
+    del payload["env"]["python_home"]
+    (run / gsm8k_warmstart.DOCUMENT).write_text(json.dumps(payload))
+    written = publish.publish_run(run, "n", tmp_path / "into")
+    assert [p.name for p in written] == ["gsm8k_warmstart_n.json"]
+    params = json.loads(written[0].read_text())["params"]
+    assert (params["model_spec"], params["checkpoint_dir"]) == ("$MODEL", "$CKPT")
+
+
+def _ws_params() -> dict:
+    """Every parameter benchmarks.gsm8k_warmstart's tables read."""
+    return {"model": "m", "model_spec": "m", "max_steps": None, "epochs": 3.0, "lr": 1e-4, "warmup": 0.03,
+            "batch": 64, "grad_accum": 1, "precision": "bf16", "seed": 0, "eval_limit": None, "max_tokens": 256,
+            "logging_steps": 5}
