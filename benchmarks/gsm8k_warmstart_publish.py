@@ -170,7 +170,7 @@ def settings_table(results: dict) -> dict:
     for row in results["settings"]:
         after, before = row["after"] or {}, row["before"] or {}
         length = f"{row['max_steps']} steps" if row["max_steps"] else f"{row['epochs']:g} epochs"
-        rows.append([row["document"], row["lr"], length, row["steps"],
+        rows.append([row["document"], row["complete"], row["lr"], length, row["steps"],
                      None if row["last_loss"] is None else round(row["last_loss"], 4), row["train_s"],
                      _pct(before.get("accuracy")), _pct(after.get("accuracy")),
                      _pct((after.get("ci95") or [None])[0]), _pct((after.get("ci95") or [None, None])[1]),
@@ -181,14 +181,14 @@ def settings_table(results: dict) -> dict:
                f"best: {best}, {'at or above' if results['best_reaches_floor'] else 'under'} the floor"
                f"{', at or above the target' if results['best_reaches_target'] else ''}")
     notes = ("One row per published warm-start run (its document first: T18-warmstart and "
-             "T18-warmstart-curve there). Greedy accuracy on the whole GSM8K test split, correct = the "
-             "training reward; CI: Wilson 95%; strict: the number after '####' equals the gold answer (the "
-             f"task's strict reward). Issue 33's floor {results['floor_pct']:g}% and target "
-             f"{results['target_pct']:g}% (accuracy after); {verdict}. Last loss: TRL's logged training loss "
-             "at the last logging step. Seeds as in each document.")
+             "T18-warmstart-curve there; finished: every phase ran, the only rows that can be best). Greedy "
+             "accuracy on the whole GSM8K test split, correct = the training reward; CI: Wilson 95%; strict: "
+             "the number after '####' equals the gold answer (the task's strict reward). Issue 33's floor "
+             f"{results['floor_pct']:g}% and target {results['target_pct']:g}% (accuracy after); {verdict}. "
+             "Last loss: TRL's logged training loss at the last logging step. Seeds as in each document.")
     return {"id": SETTINGS_TABLE_ID, "title": "GSM8K warm-start settings: greedy accuracy after each",
-            "columns": ["document", "lr", "length", "optimizer steps", "last loss", "train s", "before %",
-                        "after %", "after CI low %", "after CI high %", "after strict %",
+            "columns": ["document", "finished", "lr", "length", "optimizer steps", "last loss", "train s",
+                        "before %", "after %", "after CI low %", "after CI high %", "after strict %",
                         "checkpoint sha256"],
             "rows": rows, "notes": notes, "reference": None, "random_init": False,
             "plot": {"kind": "bar", "x": "document", "y": ["after %"],

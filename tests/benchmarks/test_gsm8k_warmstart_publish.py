@@ -46,12 +46,17 @@ def test_the_settings_table_rows_are_the_documents_cells_in_percent():
     table = publish.settings_table(results)
     assert table["id"] == "T18-warmstart-settings"
     rows = [dict(zip(table["columns"], row)) for row in table["rows"]]
-    assert rows[0] == {"document": "a.json", "lr": 5e-5, "length": "3 epochs", "optimizer steps": 351,
+    assert rows[0] == {"document": "a.json", "finished": True, "lr": 5e-5, "length": "3 epochs", "optimizer steps": 351,
                        "last loss": 0.4322, "train s": 100.5, "before %": 0.7, "after %": 5.5,
                        "after CI low %": 2.75, "after CI high %": 11.0, "after strict %": 5.0,
                        "checkpoint sha256": "ab" * 8}
     assert rows[1]["length"] == "200 steps" and rows[1]["after %"] == round(100 * 123 / 1319, 2) == 9.33
     assert "best: b.json, under the floor" in table["notes"] and "floor 10%" in table["notes"]
+    cut = _run(1e-4, 90, complete=False)
+    del cut["results"]["after"]  # stopped before its evaluation after: its row says so, with empty cells
+    row = dict(zip(table["columns"], publish.settings_table(publish.settings_results({"c": cut}))["rows"][0]))
+    assert row["finished"] is False and row["before %"] == 0.7
+    assert [row[c] for c in ("after %", "after CI low %", "after CI high %", "after strict %")] == [None] * 4
 
 
 def test_the_settings_document_is_written_from_the_documents_on_disk(tmp_path):
