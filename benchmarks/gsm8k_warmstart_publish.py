@@ -5,12 +5,12 @@
         --out benchmarks/results/h200/gsm8k_warmstart_settings.json \\
         benchmarks/results/h200/gsm8k_warmstart.json benchmarks/results/h200/gsm8k_warmstart_NAME.json ...
 
-``run`` takes a folder as :mod:`benchmarks.gsm8k_warmstart` left it (or one setting's pack of
-``benchmarks/gpu/gsm8k_warmstart_settings.sh``, unpacked): ``gsm8k_warmstart.json``, ``gsm8k_warmstart.log``
-where the call script wrote one, and ``eval_before/`` / ``eval_after/`` (``gsm8k_baseline.json``,
-``completions.jsonl``). It writes ``<into>/gsm8k_warmstart_NAME.json`` (its tables rebuilt by
-:func:`benchmarks.gsm8k_warmstart.document`), ``<into>/gsm8k_warmstart_NAME/eval_*/`` (the evaluation
-document, the completions xz-compressed) and ``<into>/logs/gsm8k_warmstart_NAME.log`` (console lines only).
+``run`` takes a folder as :mod:`benchmarks.gsm8k_warmstart` left it, or one setting's pack of
+``benchmarks/gpu/gsm8k_warmstart_settings.sh`` (``NAME.tar.xz``): ``gsm8k_warmstart.json``,
+``gsm8k_warmstart.log`` where the call script wrote one, and ``eval_before/`` / ``eval_after/``
+(``gsm8k_baseline.json``, ``completions.jsonl``). It writes ``<into>/gsm8k_warmstart_NAME.json`` (its tables
+rebuilt by :func:`benchmarks.gsm8k_warmstart.document`), ``<into>/gsm8k_warmstart_NAME/eval_*/`` (the
+evaluation document, the completions xz-compressed) and ``<into>/logs/gsm8k_warmstart_NAME.log`` (console lines only).
 The machine's folders become ``$MODEL`` (the base model, when given as a folder), ``$DATA`` (GSM8K's folder,
 when absolute), ``$CKPT`` (the checkpoint) and ``$OUT`` (the run folder, read from the log's last ``wrote``
 line), and the GPU image's install paths their placeholders (:data:`benchmarks._lib.publish.MACHINE_PATHS`); a
@@ -28,6 +28,8 @@ import json
 import lzma
 import re
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
 from benchmarks import gsm8k_warmstart
@@ -85,8 +87,8 @@ def run_files(folder: Path, name: str) -> dict[str, bytes]:
     folder = Path(folder)
     source = folder / gsm8k_warmstart.DOCUMENT
     if not source.is_file():
-        raise PublishError(f"{folder}: no {gsm8k_warmstart.DOCUMENT}: pass the folder of one run (unpack a "
-                           "settings pack first: tar -xJf NAME.tar.xz)")
+        raise PublishError(f"{folder}: no {gsm8k_warmstart.DOCUMENT}: pass the folder of one run or its "
+                           "settings pack (NAME.tar.xz)")
     log_path = folder / "gsm8k_warmstart.log"
     log = log_path.read_text(errors="replace") if log_path.is_file() else ""
     payload = json.loads(source.read_text())
@@ -115,8 +117,26 @@ def run_files(folder: Path, name: str) -> dict[str, bytes]:
     return files
 
 
+def _unpack(pack: Path, into: Path) -> Path:
+    """The run folder of a settings pack (``NAME.tar.xz`` holding ``NAME/...``), extracted under ``into``."""
+    try:
+        with tarfile.open(pack) as tar:
+            tops = sorted({Path(member.name).parts[0] for member in tar.getmembers()})
+            if len(tops) != 1:
+                raise PublishError(f"{pack}: a settings pack holds one run folder, this one {tops}")
+            tar.extractall(into, filter="data")
+    except tarfile.TarError as err:
+        raise PublishError(f"{pack}: not a readable pack ({err}): pass a run folder or a "
+                           "NAME.tar.xz") from err
+    return into / tops[0]
+
+
 def publish_run(folder: Path, name: str, into: Path) -> list[Path]:
-    """Write :func:`run_files` of ``folder`` under ``into``; returns the paths written."""
+    """Write :func:`run_files` of ``folder`` (a run folder, or a settings pack ``NAME.tar.xz``) under
+    ``into``; returns the paths written."""
+    if Path(folder).is_file():
+        with tempfile.TemporaryDirectory() as scratch:
+            return publish_run(_unpack(Path(folder), Path(scratch)), name, into)
     written = []
     for relative, data in run_files(folder, name).items():
         path = Path(into) / relative
@@ -214,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     one = commands.add_parser("run", help="one run folder into commit-ready files")
-    one.add_argument("folder", help="the run's folder (gsm8k_warmstart.json, its log, eval_*/)")
+    one.add_argument("folder", help="the run's folder (gsm8k_warmstart.json, its log, eval_*/) or its "
+                                    "settings pack NAME.tar.xz")
     one.add_argument("--name", required=True, help="published as gsm8k_warmstart_NAME ('' : gsm8k_warmstart)")
     one.add_argument("--into", required=True, help="results folder, e.g. benchmarks/results/h200")
     many = commands.add_parser("settings", help="T18-warmstart-settings from published run documents")

@@ -90,7 +90,11 @@ def test_bad_input_is_one_line_naming_the_fix_and_writes_nothing(tmp_path, capsy
     into = tmp_path / "into"
     assert publish.main(["run", str(tmp_path), "--name", "x", "--into", str(into)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("gsm8k_warmstart_publish: ") and "no gsm8k_warmstart.json" in err and "tar -xJf" in err
+    assert err.startswith("gsm8k_warmstart_publish: ") and "no gsm8k_warmstart.json" in err and "NAME.tar.xz" in err
+    junk = tmp_path / "junk.tar.xz"
+    junk.write_bytes(b"not a pack")
+    assert publish.main(["run", str(junk), "--name", "x", "--into", str(into)]) == 2
+    assert "junk.tar.xz: not a readable pack" in capsys.readouterr().err
     assert publish.main(["run", str(tmp_path), "--name", "bad/name", "--into", str(into)]) == 2
     assert "bad run name 'bad/name'" in capsys.readouterr().err
     assert publish.main(["settings", "--out", str(into / "s.json"), str(tmp_path / "missing.json")]) == 2
@@ -118,6 +122,32 @@ def test_a_machine_path_left_after_the_replacements_stops_the_publication(tmp_pa
     assert [p.name for p in written] == ["gsm8k_warmstart_n.json"]
     params = json.loads(written[0].read_text())["params"]
     assert (params["model_spec"], params["checkpoint_dir"]) == ("$MODEL", "$CKPT")
+
+
+def test_a_settings_pack_is_published_as_its_unpacked_folder_and_holds_one_run(tmp_path):
+    import tarfile
+
+    from benchmarks import gsm8k_warmstart
+
+    run = tmp_path / "lr9"
+    run.mkdir()
+    payload = _run(1e-4, 90)
+    payload["params"] = {**_ws_params(), "checkpoint_dir": "/tmp/vx/w/ckpt-lr9"}
+    payload["results"] = {**payload["results"], "done": []}
+    (run / gsm8k_warmstart.DOCUMENT).write_text(json.dumps(payload))
+    (run / "gsm8k_warmstart.log").write_text("[gsm8k_warmstart] wrote /tmp/vx/w/lr9/gsm8k_warmstart.json\n")
+    with tarfile.open(tmp_path / "lr9.tar.xz", "w:xz") as tar:
+        tar.add(run, arcname="lr9")
+    from_folder = publish.run_files(run, "lr9")
+    written = publish.publish_run(tmp_path / "lr9.tar.xz", "lr9", tmp_path / "into")
+    assert {str(p.relative_to(tmp_path / "into")): p.read_bytes() for p in written} == from_folder
+    assert b"$OUT/gsm8k_warmstart.json" in from_folder["logs/gsm8k_warmstart_lr9.log"]
+    with tarfile.open(tmp_path / "two.tar.xz", "w:xz") as tar:
+        tar.add(run, arcname="lr9")
+        tar.add(run, arcname="lr10")
+    with pytest.raises(publish.PublishError, match=r"two\.tar\.xz: a settings pack holds one run folder"):
+        publish.publish_run(tmp_path / "two.tar.xz", "x", tmp_path / "into2")
+    assert not (tmp_path / "into2").exists()
 
 
 def _ws_params() -> dict:
