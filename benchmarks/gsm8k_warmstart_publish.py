@@ -10,11 +10,12 @@
 ``gsm8k_warmstart.log`` where the call script wrote one, and ``eval_before/`` / ``eval_after/``
 (``gsm8k_baseline.json``, ``completions.jsonl``). It writes ``<into>/gsm8k_warmstart_NAME.json`` (its tables
 rebuilt by :func:`benchmarks.gsm8k_warmstart.document`), ``<into>/gsm8k_warmstart_NAME/eval_*/`` (the
-evaluation document, the completions xz-compressed) and ``<into>/logs/gsm8k_warmstart_NAME.log`` (console lines only).
-The machine's folders become ``$MODEL`` (the base model, when given as a folder), ``$DATA`` (GSM8K's folder,
-when absolute), ``$CKPT`` (the checkpoint) and ``$OUT`` (the run folder, read from the log's last ``wrote``
-line), and the GPU image's install paths their placeholders (:data:`benchmarks._lib.publish.MACHINE_PATHS`); a
-machine path left after that stops the publication before anything is written.
+evaluation document, the completions xz-compressed) and ``<into>/logs/gsm8k_warmstart_NAME.log`` (console
+lines only). The machine's folders become ``$MODEL`` (the base model, when given as a folder), ``$DATA``
+(GSM8K's folder, when absolute), ``$CKPT`` (the checkpoint) and ``$OUT`` (the run folder, read from the log's
+last ``wrote`` line), and the GPU image's install paths their placeholders
+(:data:`benchmarks._lib.publish.MACHINE_PATHS`); a machine path left after that stops the publication before
+anything is written.
 
 ``settings`` builds ``T18-warmstart-settings`` from published run documents: one row per run (its learning
 rate, length, last logged loss, greedy accuracy on the whole test split with its Wilson interval), and which
