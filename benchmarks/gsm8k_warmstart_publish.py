@@ -35,9 +35,10 @@ from pathlib import Path
 
 from benchmarks import gsm8k_warmstart
 from benchmarks._lib.publish import MACHINE_PATH, MACHINE_PATHS, console_lines
+from benchmarks.gsm8k_warmstart import _pct
+from bloggap_plugin.results import dumps
 
 SETTINGS_TABLE_ID = "T18-warmstart-settings"
-SETTINGS_DOCUMENT = "gsm8k_warmstart_settings.json"
 FLOOR_PCT = 10.0
 """Issue 33's floor, greedy accuracy % on the whole test split: the issue stops at item 1 when the best run is
 under it."""
@@ -54,7 +55,8 @@ def stem(name: str) -> str:
     """The published file stem of run ``name`` (``""``: the first run's ``gsm8k_warmstart``)."""
     if name and not re.fullmatch(r"[A-Za-z0-9._-]+", name):
         raise PublishError(f"bad run name {name!r}: use letters, digits, '.', '_', '-'")
-    return f"gsm8k_warmstart_{name}" if name else "gsm8k_warmstart"
+    first = Path(gsm8k_warmstart.DOCUMENT).stem
+    return f"{first}_{name}" if name else first
 
 
 def machine_folders(params: dict, log: str) -> list[tuple[str, str]]:
@@ -95,27 +97,25 @@ def run_files(folder: Path, name: str) -> dict[str, bytes]:
     payload = json.loads(source.read_text())
     folders = machine_folders(payload["params"], log)
     payload = json.loads(_replace(json.dumps(payload), folders))
-    document = gsm8k_warmstart.document(payload["env"], payload["params"], payload["results"]).to_dict()
-    files = {f"{base}.json": (json.dumps(document, indent=1, allow_nan=False) + "\n").encode()}
+    document = gsm8k_warmstart.document(payload["env"], payload["params"], payload["results"])
+    document.validate(f"{base}.json")
+    texts = {f"{base}.json": dumps(document.to_dict()) + "\n"}  # as ResultDocument.write writes it
     for _, evaluation in gsm8k_warmstart.EVALUATIONS:
-        summary = folder / evaluation / "gsm8k_baseline.json"
-        if summary.is_file():
-            text = _replace(summary.read_text(), folders)
-            files[f"{base}/{evaluation}/gsm8k_baseline.json"] = text.encode()
-        completions = folder / evaluation / "completions.jsonl"
-        if completions.is_file():
-            files[f"{base}/{evaluation}/completions.jsonl.xz"] = lzma.compress(
-                _replace(completions.read_text(), folders).encode())
+        for name_in_run, published in (("gsm8k_baseline.json", "gsm8k_baseline.json"),
+                                       ("completions.jsonl", "completions.jsonl.xz")):
+            path = folder / evaluation / name_in_run
+            if path.is_file():
+                texts[f"{base}/{evaluation}/{published}"] = _replace(path.read_text(), folders)
     if log:
-        files[f"logs/{base}.log"] = console_lines(_replace(log, folders)).encode()
-    for path, data in files.items():
-        text = lzma.decompress(data) if path.endswith(".xz") else data
-        left = MACHINE_PATH.findall(text.decode("utf-8", errors="replace"))
+        texts[f"logs/{base}.log"] = console_lines(_replace(log, folders))
+    for path, text in texts.items():
+        left = MACHINE_PATH.findall(text)
         if left:
             raise PublishError(f"{path} would carry the machine path(s) {sorted(set(left))[:3]}: add them to "
                                "benchmarks/_lib/publish.py MACHINE_PATHS with a placeholder, then publish "
                                "again")
-    return files
+    return {path: lzma.compress(text.encode()) if path.endswith(".xz") else text.encode()
+            for path, text in texts.items()}
 
 
 def _unpack(pack: Path, into: Path) -> Path:
@@ -181,20 +181,16 @@ def settings_results(documents: dict[str, dict]) -> dict:
             "best_reaches_target": reaches(TARGET_PCT)}
 
 
-def _pct(value) -> float | None:
-    return None if value is None else round(100.0 * value, 2)
-
-
 def settings_table(results: dict) -> dict:
     """``T18-warmstart-settings`` from :func:`settings_results`."""
     rows = []
     for row in results["settings"]:
         after, before = row["after"] or {}, row["before"] or {}
+        low, high = after.get("ci95") or (None, None)
         length = f"{row['max_steps']} steps" if row["max_steps"] else f"{row['epochs']:g} epochs"
         rows.append([row["document"], row["complete"], row["lr"], length, row["steps"],
                      None if row["last_loss"] is None else round(row["last_loss"], 4), row["train_s"],
-                     _pct(before.get("accuracy")), _pct(after.get("accuracy")),
-                     _pct((after.get("ci95") or [None])[0]), _pct((after.get("ci95") or [None, None])[1]),
+                     _pct(before.get("accuracy")), _pct(after.get("accuracy")), _pct(low), _pct(high),
                      None if not after else _pct(after["strict_correct"] / after["rows"]),
                      (row["checkpoint_sha256"] or "")[:16] or None])
     best = results["best"]
