@@ -26,7 +26,8 @@ Where the runs include arm J and arm A, a second table (``T16-armJ-live``, :func
 ``gap/ratio/exact_frac`` per iteration, step times as a multiple of arm A's, reward and grad_norm.
 
 Environment for arm I (its pieces call vLLM's batch-invariant matmuls): ``VLLM_BATCH_INVARIANT=1`` and
-``TRITON_F32_DEFAULT=ieee``; ``run`` sets both for arm I and J runs and neither for the others.
+``TRITON_F32_DEFAULT=ieee``; ``run`` sets both for arm I and J ``callback`` runs (the user's own script) and for no
+other run: ``bloggap train`` sets them itself for the arms that need them.
 """
 
 from __future__ import annotations
@@ -357,12 +358,14 @@ def _env() -> dict:
 
 
 def run_env(label: str, environ: dict) -> dict:
-    """The environment of run ``label``: ``environ`` with :data:`ARM_I_ENV` for an arm whose plan computes vLLM's
-    numbers (I, J), without it for any other arm."""
+    """The environment of run ``label``: ``environ`` without :data:`ARM_I_ENV`, to which a ``callback`` run (the
+    user's own script) of an arm whose plan computes vLLM's numbers (I, J) adds it, as its user would export it; a
+    ``train`` run gets neither, since ``bloggap train`` sets what its arm needs itself."""
     from bloggap_plugin.core.arms import get_arm
 
+    spec = parse_label(label)
     env = {k: v for k, v in environ.items() if k not in ARM_I_ENV}
-    if get_arm(parse_label(label)["arm"]).plan == "vllm":
+    if spec["entry"] == "callback" and get_arm(spec["arm"]).plan == "vllm":
         env.update(ARM_I_ENV)
     return env
 

@@ -14,7 +14,9 @@ Only :func:`load_kernels` is needed by callers; it refuses, naming the fix, wher
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -22,7 +24,8 @@ from bloggap_plugin.core.errors import UsageError
 from bloggap_plugin.core.vllm_form import TORCH_KERNELS, Kernels, VllmForm, padded_flash_attention
 
 __all__ = ["VllmFormUnavailable", "load_kernels", "batch_invariant_scope", "vllm_batch_invariant_active",
-           "register_hf_attention", "HF_ATTENTION_NAME"]
+           "register_hf_attention", "HF_ATTENTION_NAME", "MatmulSettings", "suspend_batch_invariant_mode",
+           "engine_batch_invariance"]
 
 HF_ATTENTION_NAME = "bloggap_vllm_fa"
 """The ``attn_implementation`` name :func:`register_hf_attention` registers with transformers."""
@@ -51,19 +54,17 @@ def vllm_batch_invariant_active() -> bool:
 @contextlib.contextmanager
 def batch_invariant_scope() -> Iterator[None]:
     """vLLM's batch-invariant aten overrides (``_log_softmax``, ``softmax``, ``_softmax``, ``mean.dim``, ``bmm`` on
-    CUDA) and its cuBLAS settings (no fp16/bf16 reduced-precision reductions, cuBLASLt) for the block only.
+    CUDA) and its matmul settings (no fp16/bf16 reduced-precision reductions, cuBLASLt, IEEE fp32) for the block only.
 
-    Where vLLM's engine already enabled the mode process-wide, this adds nothing (it cannot be scoped off there).
-    Not scoped: cuBLAS(Lt) workspace sizes (``CUBLAS_WORKSPACE_CONFIG``, ``CUBLASLT_WORKSPACE_SIZE``), which torch
-    reads once per process; vLLM sets them before its first matmul (docs/arm_i.md)."""
+    Where vLLM's engine has the mode on process-wide, this adds nothing. Not scoped: cuBLAS(Lt) workspace sizes
+    (``CUBLAS_WORKSPACE_CONFIG``, ``CUBLASLT_WORKSPACE_SIZE``), which torch reads once per process; vLLM sets them
+    before its first matmul (docs/arm_i.md)."""
     if vllm_batch_invariant_active():
         yield
         return
     from vllm.model_executor.layers import batch_invariant as bi
 
-    matmul = torch.backends.cuda.matmul
-    saved = (matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction,
-             torch.backends.cuda.preferred_blas_library())
+    saved = MatmulSettings.current()
     library = torch.library.Library("aten", "IMPL")
     try:
         library.impl("aten::_log_softmax", bi._log_softmax_batch_invariant, "CUDA")
@@ -71,16 +72,77 @@ def batch_invariant_scope() -> Iterator[None]:
         library.impl("aten::_softmax", bi.softmax_batch_invariant, "CUDA")
         library.impl("aten::mean.dim", bi.mean_batch_invariant, "CUDA")
         library.impl("aten::bmm", bi.bmm_batch_invariant, "CUDA", allow_override=True)
-        off = (False, False) if isinstance(saved[1], tuple) else False
-        matmul.allow_fp16_reduced_precision_reduction = off
-        matmul.allow_bf16_reduced_precision_reduction = off
-        torch.backends.cuda.preferred_blas_library("cublaslt")
+        off = (False, False) if isinstance(saved.bf16_reduced, tuple) else False
+        MatmulSettings(off, off, "cublaslt", None if saved.fp32_precision is None else "ieee").apply()
         yield
     finally:
         library._destroy()
-        matmul.allow_fp16_reduced_precision_reduction = saved[0]
-        matmul.allow_bf16_reduced_precision_reduction = saved[1]
-        torch.backends.cuda.preferred_blas_library(saved[2])
+        saved.apply()
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulSettings:
+    """The process-wide torch settings that vLLM's batch-invariant mode changes besides its aten overrides: fp16 and
+    bf16 reduced-precision reductions in cuBLAS, the preferred BLAS library, the fp32 matmul precision."""
+
+    fp16_reduced: Any
+    bf16_reduced: Any
+    blas: Any
+    fp32_precision: str | None
+
+    @classmethod
+    def current(cls) -> MatmulSettings:
+        """The settings in force now (e.g. before vLLM's engine starts)."""
+        matmul = torch.backends.cuda.matmul
+        return cls(matmul.allow_fp16_reduced_precision_reduction, matmul.allow_bf16_reduced_precision_reduction,
+                   torch.backends.cuda.preferred_blas_library(), getattr(matmul, "fp32_precision", None))
+
+    def apply(self) -> None:
+        """Put these settings in force."""
+        matmul = torch.backends.cuda.matmul
+        matmul.allow_fp16_reduced_precision_reduction = self.fp16_reduced
+        matmul.allow_bf16_reduced_precision_reduction = self.bf16_reduced
+        torch.backends.cuda.preferred_blas_library(self.blas)
+        if self.fp32_precision is not None:
+            matmul.fp32_precision = self.fp32_precision
+
+
+def suspend_batch_invariant_mode(plain: MatmulSettings) -> bool:
+    """Turn off vLLM's process-wide batch-invariant mode, which its colocated engine turned on at start-up for the
+    whole process (the trainer's forward and backward included): its aten overrides unregistered, ``torch.bmm``
+    restored, torch's matmul settings back to ``plain`` (as they were before the engine started). ``True`` if the
+    mode was on. Not undone: the cuBLAS(Lt) workspace sizes (torch reads them once per process).
+
+    :func:`batch_invariant_scope` then installs the overrides for arm I's and J's vLLM-form passes alone, and
+    :func:`engine_batch_invariance` for the engine's own steps."""
+    if not vllm_batch_invariant_active():
+        return False
+    from vllm.model_executor.layers import batch_invariant as bi
+
+    if bi._batch_invariant_LIB is not None:
+        bi._batch_invariant_LIB._destroy()
+    bi._batch_invariant_LIB = None
+    bi._batch_invariant_MODE = False
+    torch.bmm = torch._C._VariableFunctions.bmm  # vLLM also replaces the Python binding
+    plain.apply()
+    return True
+
+
+@contextlib.contextmanager
+def engine_batch_invariance(plain: MatmulSettings) -> Iterator[None]:
+    """vLLM's batch-invariant mode for the block, as its worker turns it on at start-up (``enable_batch_invariant_mode``
+    and fp32 matmuls in IEEE precision), then off again (:func:`suspend_batch_invariant_mode` with ``plain``): for the
+    colocated engine's own steps (generation) once the mode was suspended for the rest of the process."""
+    from vllm.model_executor.layers import batch_invariant as bi
+
+    bi.enable_batch_invariant_mode()
+    matmul = torch.backends.cuda.matmul
+    if getattr(matmul, "fp32_precision", None) is not None:
+        matmul.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        suspend_batch_invariant_mode(plain)
 
 
 def _norms(batch_invariant: bool):

@@ -70,6 +70,7 @@ def get_task(
     data: str | os.PathLike | None = None,
     parser: str = "lenient",
     calc_steps: int | str | tuple[int, int] | None = None,
+    reward: str = "accuracy",
 ):
     """``(train_dataset, reward_funcs)`` for task ``name``.
 
@@ -85,6 +86,8 @@ def get_task(
         data: GSM8K only: a local file or folder in GSM8K format; ``None``: ``$BLOGGAP_GSM8K_DATA``, else
             ``openai/gsm8k`` from the hub (see :func:`bloggap_plugin.tasks.gsm8k.load_gsm8k`).
         parser: GSM8K reward parser, ``"lenient"`` (last number) or ``"strict"`` (``#### n``).
+        reward: arith only: ``"accuracy"`` (default) or ``"length"`` (:func:`~bloggap_plugin.tasks.arith.length_reward`:
+            non-zero advantages on any model, for timing random-init shapes).
         calc_steps: GSM8K only: keep the problems whose reference solution has this many ``<<...>>`` calculation
             steps: a number (``1``: exactly one) or a range (``"1-2"``); ``None`` keeps all.
     """
@@ -92,6 +95,10 @@ def get_task(
 
     if n is not None and n < 1:
         raise UsageError(f"n must be >= 1 prompts, got {n}")
+    if reward not in ("accuracy", "length"):
+        raise UsageError(f"reward {reward!r} is not a reward of the tasks: choose accuracy or length")
+    if reward != "accuracy" and name != "arith":
+        raise UsageError(f"reward {reward!r} applies to the 'arith' task only (timing runs); {name} scores accuracy")
     if name == "gsm8k":
         from bloggap_plugin.tasks import gsm8k
 
@@ -119,7 +126,7 @@ def get_task(
         problems = arith.make_problems(ARITH_TRAIN_N if n is None else n, seed=seed, difficulty=level)
         messages = [arith.build_messages(p, level) for p in problems]
         answers = [str(p.answer) for p in problems]
-        reward = arith.accuracy_reward
+        reward = arith.accuracy_reward if reward == "accuracy" else arith.length_reward
     else:
         raise UsageError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
     prompts = [task_prompt(m, tokenizer) for m in messages]

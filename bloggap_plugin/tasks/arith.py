@@ -36,6 +36,8 @@ __all__ = [
     "make_problems",
     "build_messages",
     "accuracy_reward",
+    "length_reward",
+    "LENGTH_TARGET_CHARS",
     "score_text",
 ]
 
@@ -147,3 +149,14 @@ def score_text(text: str | None, gold: str | int) -> float:
 def accuracy_reward(completions: list, answer: list[str], **kwargs) -> list[float]:
     """TRL reward function: 1.0 where the last number of the completion equals ``answer``, else 0.0."""
     return [score_text(completion_text(c), gold) for c, gold in zip(completions, answer)]
+
+
+LENGTH_TARGET_CHARS = 64
+"""The completion length (characters) at which :func:`length_reward` is highest."""
+
+
+def length_reward(completions: list, **kwargs) -> list[float]:
+    """TRL reward function for timing runs: ``-|len(text) - 64| / 64`` per completion (``text`` its characters,
+    :data:`LENGTH_TARGET_CHARS`). It varies between the completions of a group on any model, random-init ones too,
+    so GRPO's advantages are non-zero and the backward does a real step's work."""
+    return [-abs(len(completion_text(c) or "") - LENGTH_TARGET_CHARS) / LENGTH_TARGET_CHARS for c in completions]

@@ -431,9 +431,11 @@ def _train(plan: RunPlan) -> dict:
     from bloggap_plugin.run_timing import plugin_time_share
     from bloggap_plugin.tasks import for_tokenizer
     from bloggap_plugin.trl.callback import GapGRPOTrainer
+    from bloggap_plugin.trl.vllm_colocate import own_batch_invariance_env
 
     config, args, gap, device = plan.config, plan.args, plan.gap, plan.device
     model, seed, log_jsonl = config.model, config.seed, config.log_jsonl
+    own_batch_invariance_env(gap, args)  # this process owns the run: arms I and J need nothing exported by hand
     policy, tokenizer = load_model(model, dtype=plan.dtype, device=device, checked=True)
     _check_positions(policy, args, config)
     policy.train()

@@ -26,7 +26,8 @@ import torch
 
 __all__ = ["vllm_colocate_dtype", "vllm_colocate_engine", "colocate_engine_dtype", "engine_kwargs_from_env", "KV_CACHE_ENV",
            "engine_kwargs_for", "colocate_engine_setting", "check_colocate_engine", "BATCH_INVARIANT_ENV",
-           "one_step_prefill_tokens", "prefill_refusal", "ONE_STEP_PREFILL_CAP"]
+           "one_step_prefill_tokens", "prefill_refusal", "ONE_STEP_PREFILL_CAP", "confine_batch_invariance",
+           "own_batch_invariance_env", "BATCH_INVARIANCE_SCOPE_ENV"]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -74,7 +75,8 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, **engine_kwargs: 
     ``prefill_in_one_step`` (arm I) replaces TRL's ``max_num_batched_tokens`` (4096) with
     :func:`one_step_prefill_tokens` of the call's ``max_num_seqs`` and ``max_model_len`` (the model config's
     ``max_position_embeddings`` when the call passes none), so that a generation's prompts are prefilled in one
-    step. Restores TRL's ``LLM`` on exit.
+    step. Restores TRL's ``LLM`` on exit. The engine keeps a record of torch's matmul settings from before its
+    start-up, which :func:`confine_batch_invariance` restores for the trainer.
     """
     from trl.generation import vllm_generation
 
@@ -90,7 +92,11 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, **engine_kwargs: 
             kwargs.setdefault(key, value)
         if prefill_in_one_step:
             _prefill_in_one_step(args, kwargs)
-        return original(*args, **kwargs)
+        plain = _matmul_settings()  # before the engine's start-up changes them (batch-invariant mode)
+        llm = original(*args, **kwargs)
+        with contextlib.suppress(AttributeError, TypeError):  # an object that takes no attributes: no record
+            llm._bloggap_plain_matmul = plain
+        return llm
 
     llm_with_kwargs.__wrapped__ = original  # type: ignore[attr-defined]
     vllm_generation.LLM = llm_with_kwargs
@@ -191,6 +197,71 @@ def engine_kwargs_for(gap: Any, environ: dict | None = None) -> dict:
     if spec.needs_fp16_training:
         kwargs["dtype"] = "float16"  # arm H: vLLM samples in fp16 too
     return kwargs
+
+
+BATCH_INVARIANCE_SCOPE_ENV = "BLOGGAP_VLLM_BATCH_INVARIANCE"
+"""Environment variable: ``process`` leaves vLLM's batch-invariant mode on for the whole process, as the colocated
+engine's start-up turns it on (the trainer's own forward and backward included); unset or ``engine`` (the default):
+:func:`confine_batch_invariance` confines it to the engine's steps and the arm's vLLM-form passes."""
+
+
+def _matmul_settings() -> Any:
+    from bloggap_plugin.core.vllm_kernels import MatmulSettings
+
+    return MatmulSettings.current()
+
+
+def batch_invariance_scope_setting(environ: dict | None = None) -> str:
+    """``"engine"`` or ``"process"`` from :data:`BATCH_INVARIANCE_SCOPE_ENV`; another value is an error naming it."""
+    from bloggap_plugin.core.errors import UsageError
+
+    raw = (os.environ if environ is None else environ).get(BATCH_INVARIANCE_SCOPE_ENV, "").strip().lower()
+    if raw in ("", "engine"):
+        return "engine"
+    if raw == "process":
+        return "process"
+    raise UsageError(f"{BATCH_INVARIANCE_SCOPE_ENV}={raw!r} is not valid: expected engine (the default) or process")
+
+
+def confine_batch_invariance(trainer: Any, environ: dict | None = None) -> bool:
+    """Confine vLLM's batch-invariant mode, which the colocated engine's start-up turned on for the whole process, to
+    the engine's generation calls (``llm.generate`` wrapped in
+    :func:`~bloggap_plugin.core.vllm_kernels.engine_batch_invariance`); the arm's vLLM-form passes install it for
+    themselves (:func:`~bloggap_plugin.core.vllm_kernels.batch_invariant_scope`), and the trainer's own forward and
+    backward run with torch's matmul settings from before the engine started. ``True`` where it was confined; nothing
+    changes where the mode is off, the engine was not built through :func:`vllm_colocate_engine` (no record of the
+    settings before it), or :data:`BATCH_INVARIANCE_SCOPE_ENV` is ``process``."""
+    from bloggap_plugin.core import vllm_kernels
+
+    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
+    plain = getattr(llm, "_bloggap_plain_matmul", None)
+    if (plain is None or batch_invariance_scope_setting(environ) == "process"
+            or not vllm_kernels.vllm_batch_invariant_active()):
+        return False
+    generate = llm.generate
+
+    def generate_batch_invariant(*args: Any, **kwargs: Any):
+        with vllm_kernels.engine_batch_invariance(plain):
+            return generate(*args, **kwargs)
+
+    generate_batch_invariant.__wrapped__ = generate  # type: ignore[attr-defined]
+    llm.generate = generate_batch_invariant
+    return vllm_kernels.suspend_batch_invariant_mode(plain)
+
+
+def own_batch_invariance_env(gap: Any, args: Any, environ: dict | None = None) -> dict:
+    """For a process that owns its run (``bloggap train``, a compare worker): set what ``gap``'s arm needs of vLLM
+    before the colocated engine loads, where the arm scores with vLLM's batch-invariant kernels and the variables
+    are unset: :data:`BATCH_INVARIANT_ENV` ``1`` and ``TRITON_F32_DEFAULT`` ``ieee`` (vLLM reads both when its engine
+    starts). Returns what it set; a value the user set is kept (and refused later if it contradicts the arm)."""
+    environ = os.environ if environ is None else environ
+    if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate"
+            and needs_batch_invariant(gap)):
+        return {}
+    wanted = {BATCH_INVARIANT_ENV: "1", "TRITON_F32_DEFAULT": "ieee"}
+    added = {name: value for name, value in wanted.items() if name not in environ}
+    environ.update(added)
+    return added
 
 
 def prefill_refusal(prompt_tokens: int, budget: int | None, arm: str = "I") -> str | None:

@@ -313,16 +313,18 @@ def test_arm_i_engine_collect_keeps_an_entrys_revision_where_its_part_names_none
     assert [row[-1] for row in merged["tables"][0]["rows"]] == ["aaa", "bbb", "ccc", None]
 
 
-def test_arm_i_live_runs_the_vllm_form_arms_in_vllms_batch_invariant_mode():
-    """Arms I and J (the plan that computes vLLM's numbers) run with VLLM_BATCH_INVARIANT=1 and IEEE fp32 Triton
-    dots; any other arm runs without them, whatever the caller's environment holds."""
+def test_arm_i_live_exports_the_vllm_form_arms_variables_for_callback_runs_only():
+    """Arms I and J as the user's own script (callback) run with VLLM_BATCH_INVARIANT=1 and IEEE fp32 Triton dots,
+    as its user exports them; train runs get neither whatever the caller's environment holds (bloggap train sets
+    what the arm needs), and nor does any other arm."""
     script = _live_script()
     caller = {"PATH": "/bin", "VLLM_BATCH_INVARIANT": "1", "TRITON_F32_DEFAULT": "tf32"}
-    for label in ("train_I_ni2", "callback_J_ni1", "train_J_ni2_b16"):
+    for label in ("callback_I_ni2", "callback_J_ni1"):
         env = script.run_env(label, caller)
         assert env["VLLM_BATCH_INVARIANT"] == "1" and env["TRITON_F32_DEFAULT"] == "ieee" and env["PATH"] == "/bin"
-    env = script.run_env("train_A_ni2", caller)
-    assert "VLLM_BATCH_INVARIANT" not in env and "TRITON_F32_DEFAULT" not in env and env["PATH"] == "/bin"
+    for label in ("train_A_ni2", "train_I_ni2", "train_J_ni2_b16", "callback_A_ni2"):
+        env = script.run_env(label, caller)
+        assert "VLLM_BATCH_INVARIANT" not in env and "TRITON_F32_DEFAULT" not in env and env["PATH"] == "/bin"
 
 
 def test_arm_i_live_collect_takes_a_later_folders_run_for_the_row_and_the_pack(tmp_path):

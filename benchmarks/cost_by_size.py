@@ -1,0 +1,261 @@
+"""Step cost by model size: arms A, H, I, J through ``bloggap train`` with TRL's colocate vLLM, as a user runs them.
+
+``shape NAME --tokenizer DIR --out DIR`` (GPU machine): a random-init model folder of shape ``NAME``
+(``benchmarks/_lib/shapes.py``, the ``-v49k`` shapes: SmolLM2's vocabulary) with the tokenizer of ``DIR`` (the SmolLM2
+folder), bf16 safetensors, eos = pad as in that folder. Random init is for time and exactness, not for gap rates.
+
+``run --model LABEL=DIR ... --arms A,I,J --repeats 3 --steps 30 --out OUT`` (GPU machine, vLLM installed): per model
+in the order given, ``repeats`` rounds over the arms (A I J A I J ...), each run a subprocess
+``bloggap train recipes/arm_X.yaml --use_vllm true --vllm_mode colocate`` with ``num_iterations`` 2 and the arith
+task's length reward (non-zero advantages on a random-init model, so the backward does a real step's work); its
+JSONL and console log go under ``OUT/LABEL/``, and ``OUT/cost_by_size.json`` is rewritten after each run, so a time
+limit keeps what finished. Nothing is exported for arms I and J: ``bloggap train`` sets what they need. An arm
+written ``I:process`` runs arm I with ``BLOGGAP_VLLM_BATCH_INVARIANCE=process`` (vLLM's batch-invariant mode left on
+for the whole process, as before the plugin confined it): the route's before. ``--budget-s``: a run is not started
+when the time left is under its expected length (the last run of that arm and model, else the longest so far).
+
+``collect OUT ... --out FILE --revision R``: the result document, table ``T19-cost-by-size`` (:func:`size_table`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from benchmarks import arm_i_live
+from benchmarks._lib.paths import ROOT
+
+TABLE_ID = "T19-cost-by-size"
+RESULT_NAME = "cost_by_size.json"
+SCOPE_ENV = "BLOGGAP_VLLM_BATCH_INVARIANCE"
+COLUMNS = ["model", "arm", "runs", "steps per run", "step 1 s (mean)", "step s (median)", "median step x arm A",
+           "median x A, runs (min-max)", "step s (mean)", "mean step x arm A", "mean x A, runs (min-max)",
+           "generating step x arm A (median)", "training-only step x arm A (median)",
+           "sampler bit-identical % (least run)", "ratio exact_frac, first iteration (least)"]
+
+
+def parse_arm(text: str) -> tuple[str, str | None]:
+    """``"I"`` -> ``("I", None)``; ``"I:process"`` -> ``("I", "process")`` (the batch-invariance scope to run with)."""
+    arm, _, scope = text.partition(":")
+    if arm not in ("A", "B", "C", "D", "E", "F", "G", "H", "I", "J") or scope not in ("", "process", "engine"):
+        raise ValueError(f"arm {text!r}: expected a letter A-J, optionally :process or :engine (e.g. I:process)")
+    return arm, scope or None
+
+
+def run_label(arm_text: str, repeat: int) -> str:
+    """The file stem of one run: ``J-2``, ``I_process-1``."""
+    return f"{arm_text.replace(':', '_')}-{repeat}"
+
+
+def run_argv(arm_text: str, model: str, steps: int, log_jsonl: Path, memory: float) -> list[str]:
+    """``bloggap train`` for one run (:func:`benchmarks.arm_i_live.train_argv`, plus the length reward)."""
+    arm, _ = parse_arm(arm_text)
+    argv = arm_i_live.train_argv(f"train_{arm}_ni2", model, steps, log_jsonl, memory)
+    return argv + ["--task_kwargs", "{reward: length}"]
+
+
+def run_environment(arm_text: str, environ: dict) -> dict:
+    """``environ`` without vLLM's batch-invariance variables (``bloggap train`` sets them) and, for ``ARM:SCOPE``,
+    with :data:`SCOPE_ENV` set to ``SCOPE``."""
+    _, scope = parse_arm(arm_text)
+    env = {k: v for k, v in environ.items() if k not in (*arm_i_live.ARM_I_ENV, SCOPE_ENV)}
+    if scope is not None:
+        env[SCOPE_ENV] = scope
+    return env
+
+
+def summarize_run(arm_text: str, records: list[dict]) -> dict:
+    """One run's numbers from its JSONL records (step 1 apart)."""
+    arm, _ = parse_arm(arm_text)
+    row = arm_i_live.summarize(f"train_{arm}_ni2", records)
+    first = records[0].get("step_time") if records else None
+    keep = ("steps", "generations", "step_s_median", "step_s_mean", "generating_step_s_median",
+            "other_step_s_median", "sampler_exact_mean", "sampler_abs_dlogp_max", "ratio_exact_first_iteration_min",
+            "ratio_exact_first_iteration_mean", "reward_mean", "grad_norm_median")
+    return {"arm": arm_text, **{k: row.get(k) for k in keep}, "step1_s": first}
+
+
+def _ratio_stats(values: list[float], reference: float | None) -> tuple:
+    if not values or not reference:
+        return None, None
+    ratios = [v / reference for v in values]
+    return round(statistics.fmean(values) / reference, 3), f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+
+def _mean_of(runs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+    return statistics.fmean(values) if values else None
+
+
+def size_table(models: dict) -> dict:
+    """``T19-cost-by-size``: per model and arm, the mean over its runs of each statistic and its multiple of arm A's
+    mean over arm A's runs of the same model (interleaved with them), the spread as each run's value over that mean."""
+    body = []
+    for model, runs in models.items():
+        ran = [r for r in runs.values() if "error" not in r]
+        base = {key: _mean_of([r for r in ran if r["arm"] == "A"], key)
+                for key in ("step_s_median", "step_s_mean", "generating_step_s_median", "other_step_s_median")}
+        for arm in dict.fromkeys(r["arm"] for r in runs.values()):
+            mine = [r for r in ran if r["arm"] == arm]
+            failed = [label for label, r in runs.items() if r["arm"] == arm and "error" in r]
+            if not mine:
+                body.append([model, arm, 0, None, None, None, None, f"failed: {', '.join(failed)}", *[None] * 7])
+                continue
+            medians = [r["step_s_median"] for r in mine if r.get("step_s_median") is not None]
+            means = [r["step_s_mean"] for r in mine if r.get("step_s_mean") is not None]
+            median_x, median_spread = _ratio_stats(medians, base["step_s_median"])
+            mean_x, mean_spread = _ratio_stats(means, base["step_s_mean"])
+            gen = _mean_of(mine, "generating_step_s_median")
+            other = _mean_of(mine, "other_step_s_median")
+            exact = [r["sampler_exact_mean"] for r in mine if r.get("sampler_exact_mean") is not None]
+            ratio_exact = [r["ratio_exact_first_iteration_min"] for r in mine
+                           if r.get("ratio_exact_first_iteration_min") is not None]
+            body.append([model, arm, len(mine), max(r["steps"] for r in mine), _round(_mean_of(mine, "step1_s"), 2),
+                         _round(statistics.fmean(medians), 3) if medians else None, median_x, median_spread,
+                         _round(statistics.fmean(means), 3) if means else None, mean_x, mean_spread,
+                         _times(gen, base["generating_step_s_median"]), _times(other, base["other_step_s_median"]),
+                         None if not exact else round(100 * min(exact), 2),
+                         None if not ratio_exact else round(min(ratio_exact), 4)])
+    return {"id": TABLE_ID, "title": "Step time x arm A by model size: bloggap train, TRL 1.16 colocate vLLM, one GPU",
+            "columns": COLUMNS, "rows": body, "reference": None, "random_init": True,
+            "plot": {"kind": "bar", "x": ["model", "arm"], "y": ["mean step x arm A", "median step x arm A"],
+                     "title": "Step time as a multiple of arm A's, by model size", "ylabel": "x arm A"},
+            "notes": "Each run: bloggap train recipes/arm_X.yaml --use_vllm true --vllm_mode colocate, num_iterations "
+                     "2, the arith task's length reward; runs of one model interleaved (A I J A I J ...) on one "
+                     "machine. Step statistics after step 1 (step 1 apart: set-up); per run the median and the mean "
+                     "of step_time, the median of the generating steps and of the others (training-only: the second "
+                     "iteration); a row is the mean over its runs, 'x arm A' that mean over the mean of the same "
+                     "model's arm A runs, '(min-max)' each run's value over that same arm A mean. ARM_process: vLLM's "
+                     "batch-invariant mode left on process-wide (BLOGGAP_VLLM_BATCH_INVARIANCE=process). Random-init "
+                     "weights except SmolLM2-135M: exactness columns hold, gap rates would not."}
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _times(value: float | None, reference: float | None) -> float | None:
+    return None if value is None or not reference else round(value / reference, 3)
+
+
+def document(models: dict, params: dict, env: dict) -> dict:
+    from bloggap_plugin.results import SCHEMA_VERSION
+
+    return {"benchmark": "cost_by_size", "schema_version": SCHEMA_VERSION, "env": env, "params": params,
+            "results": models, "tables": [size_table(models)]}
+
+
+def _expected_s(done: dict, model: str, arm_text: str) -> float:
+    same = [r["seconds"] for r in done.get(model, {}).values() if r["arm"] == arm_text]
+    every = [r["seconds"] for runs in done.values() for r in runs.values()]
+    return same[-1] if same else max(every, default=0.0)
+
+
+def run_main(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    models: dict = {}
+    params = {"steps": args.steps, "arms": args.arms, "repeats": args.repeats, "memory": args.memory,
+              "models": args.model, "skipped": []}
+    env = arm_i_live._env()
+    deadline = time.monotonic() + args.budget_s
+    for spec in args.model:
+        label, _, path = spec.partition("=")
+        folder = out / label
+        folder.mkdir(exist_ok=True)
+        models[label] = {}
+        for repeat in range(1, args.repeats + 1):
+            for arm_text in args.arms.split(","):
+                name = run_label(arm_text, repeat)
+                if time.monotonic() + _expected_s(models, label, arm_text) > deadline:
+                    params["skipped"].append(f"{label}/{name}")
+                    continue
+                log_jsonl = folder / f"{name}.jsonl"
+                argv = run_argv(arm_text, path, args.steps, log_jsonl, args.memory)
+                started = time.perf_counter()
+                with open(folder / f"{name}.log", "w") as console:
+                    code = subprocess.call(argv, cwd=ROOT, env=run_environment(arm_text, dict(os.environ)),
+                                           stdout=console, stderr=subprocess.STDOUT)
+                seconds = time.perf_counter() - started
+                if code != 0 or not log_jsonl.exists():
+                    row = {"arm": arm_text, "error": f"exit {code}",
+                           "log_tail": (folder / f"{name}.log").read_text()[-3000:]}
+                else:
+                    row = summarize_run(arm_text, arm_i_live._records(log_jsonl))
+                models[label][name] = {**row, "seconds": round(seconds, 1)}
+                (out / RESULT_NAME).write_text(json.dumps(document(models, params, env), indent=1))
+                print(label, name, "exit", code, f"{seconds:.0f} s", {k: v for k, v in row.items()
+                                                                      if k != "log_tail"}, flush=True)
+    return 0
+
+
+def shape_main(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from benchmarks._lib.shapes import build_shape
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    model = build_shape(args.name, torch.device(args.device), dtype=torch.bfloat16, seed=args.seed)
+    for config in (model.config, model.generation_config):
+        config.eos_token_id = tokenizer.eos_token_id
+        config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(args.out)
+    tokenizer.save_pretrained(args.out)
+    print("saved", args.out, args.name, f"{sum(p.numel() for p in model.parameters()) / 1e9:.3f}B parameters")
+    return 0
+
+
+def collect_main(args: argparse.Namespace) -> int:
+    """One document from the ``run`` folders of several device calls: their models' runs joined (a later folder's
+    run of a label replaces an earlier one's), the env of the first, ``--revision`` in the params."""
+    from benchmarks._lib.publish import strip_paths
+
+    models: dict = {}
+    params, env = None, None
+    for folder in args.runs:
+        source = json.loads((Path(folder) / RESULT_NAME).read_text())
+        params, env = params or source["params"], env or source["env"]
+        for model, runs in source["results"].items():
+            models.setdefault(model, {}).update(runs)
+    params = {**params, "revision": args.revision, "models": sorted({m for m in models})}
+    text = json.dumps(document(models, params, env), indent=1) + "\n"
+    for machine_path in args.machine_path:
+        text = strip_paths(text, machine_path, "<model folder>")
+    Path(args.out).write_text(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    shape = sub.add_parser("shape", help="write a random-init model folder of a named shape")
+    shape.add_argument("name")
+    shape.add_argument("--tokenizer", required=True)
+    shape.add_argument("--out", required=True)
+    shape.add_argument("--device", default="cuda")
+    shape.add_argument("--seed", type=int, default=0)
+    run = sub.add_parser("run", help="interleaved runs through bloggap train (GPU, vLLM)")
+    run.add_argument("--model", action="append", required=True, help="LABEL=FOLDER (repeat; run in this order)")
+    run.add_argument("--arms", default="A,I,J")
+    run.add_argument("--repeats", type=int, default=3)
+    run.add_argument("--steps", type=int, default=30)
+    run.add_argument("--memory", type=float, default=0.3)
+    run.add_argument("--budget-s", type=float, default=540.0)
+    run.add_argument("--out", required=True)
+    col = sub.add_parser("collect", help="one document from the run folders of several device calls")
+    col.add_argument("runs", nargs="+")
+    col.add_argument("--out", required=True)
+    col.add_argument("--revision", required=True)
+    col.add_argument("--machine-path", action="append", default=[], help="a model folder path to replace (repeat)")
+    args = parser.parse_args(argv)
+    return {"shape": shape_main, "run": run_main, "collect": collect_main}[args.command](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""The cost-by-size benchmark's pieces that need no GPU: labels, each run's environment, the table's arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import cost_by_size as bench
+
+pytestmark = pytest.mark.unit
+
+
+def test_arm_texts_and_labels():
+    assert bench.parse_arm("J") == ("J", None)
+    assert bench.parse_arm("I:process") == ("I", "process")
+    assert bench.run_label("I:process", 2) == "I_process-2"
+    for bad in ("K", "I:everywhere", "", "ij"):
+        with pytest.raises(ValueError, match="expected a letter A-J"):
+            bench.parse_arm(bad)
+
+
+def test_runs_export_nothing_for_the_arm_but_the_scope_asked_for():
+    caller = {"PATH": "/bin", "VLLM_BATCH_INVARIANT": "1", "TRITON_F32_DEFAULT": "ieee",
+              "BLOGGAP_VLLM_BATCH_INVARIANCE": "process"}
+    assert bench.run_environment("J", caller) == {"PATH": "/bin"}
+    assert bench.run_environment("J:process", caller) == {"PATH": "/bin", "BLOGGAP_VLLM_BATCH_INVARIANCE": "process"}
+
+
+def test_run_argv_is_bloggap_train_with_the_length_reward(tmp_path):
+    argv = bench.run_argv("I:process", "/m", 30, tmp_path / "x.jsonl", 0.3)
+    assert argv[2:5] == ["bloggap_plugin.cli", "train", "recipes/arm_I.yaml"]
+    assert argv[-2:] == ["--task_kwargs", "{reward: length}"]
+    assert argv[argv.index("--num_iterations") + 1] == "2" and argv[argv.index("--vllm_mode") + 1] == "colocate"
+
+
+def _run(arm, median, mean, generating, other, exact=1.0, ratio_exact=None, steps=30, step1=9.0):
+    return {"arm": arm, "steps": steps, "step_s_median": median, "step_s_mean": mean,
+            "generating_step_s_median": generating, "other_step_s_median": other, "sampler_exact_mean": exact,
+            "ratio_exact_first_iteration_min": ratio_exact, "step1_s": step1, "seconds": 60.0}
+
+
+def test_size_table_divides_by_the_mean_of_the_same_models_arm_a_runs():
+    models = {"m": {"A-1": _run("A", 1.0, 1.2, 2.0, 0.5, exact=0.9), "J-1": _run("J", 2.2, 2.4, 3.0, 1.0, 1.0, 1.0),
+                    "A-2": _run("A", 1.2, 1.2, 2.0, 0.5, exact=0.8), "J-2": _run("J", 2.2, 3.6, 5.0, 1.5, 1.0, 1.0),
+                    "I-1": {"arm": "I", "error": "exit 1", "seconds": 5.0}}}
+    table = bench.size_table(models)
+    rows = {row[1]: dict(zip(table["columns"], row)) for row in table["rows"]}
+    a, j, i = rows["A"], rows["J"], rows["I"]
+    assert a["runs"] == 2 and a["median step x arm A"] == 1.0 and a["median x A, runs (min-max)"] == "0.91-1.09"
+    assert a["sampler bit-identical % (least run)"] == 80.0
+    assert j["median step x arm A"] == 2.0 and j["median x A, runs (min-max)"] == "2.00-2.00"
+    assert j["mean step x arm A"] == 2.5 and j["mean x A, runs (min-max)"] == "2.00-3.00"
+    assert j["generating step x arm A (median)"] == 2.0 and j["training-only step x arm A (median)"] == 2.5
+    assert j["ratio exact_frac, first iteration (least)"] == 1.0 and j["step 1 s (mean)"] == 9.0
+    assert i["runs"] == 0 and i["median x A, runs (min-max)"] == "failed: I-1"
+
+
+def test_a_model_without_arm_a_runs_has_no_multiples():
+    table = bench.size_table({"m": {"J-1": _run("J", 2.0, 2.0, 3.0, 1.0)}})
+    row = dict(zip(table["columns"], table["rows"][0]))
+    assert row["step s (median)"] == 2.0 and row["median step x arm A"] is None and row["mean step x arm A"] is None
