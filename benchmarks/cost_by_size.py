@@ -12,7 +12,8 @@ JSONL and console log go under ``OUT/LABEL/``, and ``OUT/cost_by_size.json`` is 
 limit keeps what finished. Nothing is exported for arms I and J: ``bloggap train`` sets what they need. An arm
 written ``I:process`` runs arm I with ``BLOGGAP_VLLM_BATCH_INVARIANCE=process`` (vLLM's batch-invariant mode left on
 for the whole process, as before the plugin confined it): the route's before. ``--budget-s``: a run is not started
-when the time left is under its expected length (the last run of that arm and model, else the longest so far).
+when the time left is under its expected length (the last run of that arm and model, else the longest so far). A
+``run`` into an ``OUT`` that holds a document keeps its finished runs and starts only the others.
 
 ``collect OUT ... --out FILE --revision R``: the result document, table ``T19-cost-by-size`` (:func:`size_table`).
 """
@@ -160,6 +161,9 @@ def run_main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     models: dict = {}
+    if (out / RESULT_NAME).exists():  # a later call on the same machine: keep the runs that finished
+        models = {model: {name: row for name, row in runs.items() if "error" not in row}
+                  for model, runs in json.loads((out / RESULT_NAME).read_text())["results"].items()}
     params = {"steps": args.steps, "arms": args.arms, "repeats": args.repeats, "memory": args.memory,
               "models": args.model, "skipped": []}
     env = arm_i_live._env()
@@ -168,10 +172,12 @@ def run_main(args: argparse.Namespace) -> int:
         label, _, path = spec.partition("=")
         folder = out / label
         folder.mkdir(exist_ok=True)
-        models[label] = {}
+        models.setdefault(label, {})
         for repeat in range(1, args.repeats + 1):
             for arm_text in args.arms.split(","):
                 name = run_label(arm_text, repeat)
+                if name in models[label]:
+                    continue
                 if time.monotonic() + _expected_s(models, label, arm_text) > deadline:
                     params["skipped"].append(f"{label}/{name}")
                     continue
