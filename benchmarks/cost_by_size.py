@@ -34,7 +34,7 @@ from benchmarks._lib.paths import ROOT
 TABLE_ID = "T19-cost-by-size"
 RESULT_NAME = "cost_by_size.json"
 SCOPE_ENV = "BLOGGAP_VLLM_BATCH_INVARIANCE"
-COLUMNS = ["model", "arm", "runs", "steps per run", "step 1 s (mean)", "step s (median)", "median step x arm A",
+COLUMNS = ["arm @ model", "runs", "steps per run", "step 1 s (mean)", "step s (median)", "median step x arm A",
            "median x A, runs (min-max)", "step s (mean)", "mean step x arm A", "mean x A, runs (min-max)",
            "generating step x arm A (median)", "training-only step x arm A (median)",
            "sampler bit-identical % (least run)", "ratio exact_frac, first iteration (least)"]
@@ -105,7 +105,7 @@ def size_table(models: dict) -> dict:
             mine = [r for r in ran if r["arm"] == arm]
             failed = [label for label, r in runs.items() if r["arm"] == arm and "error" in r]
             if not mine:
-                body.append([model, arm, 0, None, None, None, None, f"failed: {', '.join(failed)}", *[None] * 7])
+                body.append([f"{arm} @ {model}", 0, None, None, None, None, f"failed: {', '.join(failed)}", *[None] * 7])
                 continue
             medians = [r["step_s_median"] for r in mine if r.get("step_s_median") is not None]
             means = [r["step_s_mean"] for r in mine if r.get("step_s_mean") is not None]
@@ -116,7 +116,7 @@ def size_table(models: dict) -> dict:
             exact = [r["sampler_exact_mean"] for r in mine if r.get("sampler_exact_mean") is not None]
             ratio_exact = [r["ratio_exact_first_iteration_min"] for r in mine
                            if r.get("ratio_exact_first_iteration_min") is not None]
-            body.append([model, arm, len(mine), max(r["steps"] for r in mine), _round(_mean_of(mine, "step1_s"), 2),
+            body.append([f"{arm} @ {model}", len(mine), max(r["steps"] for r in mine), _round(_mean_of(mine, "step1_s"), 2),
                          _round(statistics.fmean(medians), 3) if medians else None, median_x, median_spread,
                          _round(statistics.fmean(means), 3) if means else None, mean_x, mean_spread,
                          _times(gen, base["generating_step_s_median"]), _times(other, base["other_step_s_median"]),
@@ -124,7 +124,7 @@ def size_table(models: dict) -> dict:
                          None if not ratio_exact else round(min(ratio_exact), 4)])
     return {"id": TABLE_ID, "title": "Step time x arm A by model size: bloggap train, TRL 1.16 colocate vLLM, one GPU",
             "columns": COLUMNS, "rows": body, "reference": None, "random_init": True,
-            "plot": {"kind": "bar", "x": ["model", "arm"], "y": ["mean step x arm A", "median step x arm A"],
+            "plot": {"kind": "bar", "x": "arm @ model", "y": ["mean step x arm A", "median step x arm A"],
                      "title": "Step time as a multiple of arm A's, by model size", "ylabel": "x arm A"},
             "notes": "Each run: bloggap train recipes/arm_X.yaml --use_vllm true --vllm_mode colocate, num_iterations "
                      "2, the arith task's length reward; runs of one model interleaved (A I J A I J ...) on one "
@@ -219,21 +219,35 @@ def shape_main(args: argparse.Namespace) -> int:
 
 def collect_main(args: argparse.Namespace) -> int:
     """One document from the ``run`` folders of several device calls: their models' runs joined (a later folder's
-    run of a label replaces an earlier one's), the env of the first, ``--revision`` in the params."""
-    from benchmarks._lib.publish import strip_paths
+    run of a label replaces an earlier one's), the env of the first, ``--revision`` in the params; with
+    ``--pack-dir`` each model's JSONL and console logs packed as ``runs_LABEL.tar.xz`` (the later folder's file of a
+    name kept). ``--model-path LABEL=PATH``: the model's folder on the machine, written ``<LABEL folder>``;
+    ``--run-path PATH``: a ``run --out`` folder on the machine, written ``<run folder>`` in the packed logs."""
+    from benchmarks._lib.publish import pack_text_files, strip_paths
 
     models: dict = {}
-    params, env = None, None
-    for folder in args.runs:
-        source = json.loads((Path(folder) / RESULT_NAME).read_text())
-        params, env = params or source["params"], env or source["env"]
+    calls, env, logs = [], None, {}
+    for folder in map(Path, args.runs):
+        source = json.loads((folder / RESULT_NAME).read_text())
+        calls.append(source["params"])
+        env = env or source["env"]
         for model, runs in source["results"].items():
             models.setdefault(model, {}).update(runs)
-    params = {**params, "revision": args.revision, "models": sorted({m for m in models})}
+            for path in sorted((folder / model).glob("*")):
+                if path.suffix in (".jsonl", ".log") and path.stem in runs:
+                    logs.setdefault(model, {})[path.name] = path
+    paths = dict(spec.split("=", 1) for spec in args.model_path)
+    params = {"revision": args.revision, "models": sorted(models), "calls": calls}
     text = json.dumps(document(models, params, env), indent=1) + "\n"
-    for machine_path in args.machine_path:
-        text = strip_paths(text, machine_path, "<model folder>")
+    for label, path in paths.items():
+        text = strip_paths(text, path, f"<{label} folder>")
     Path(args.out).write_text(text)
+    if args.pack_dir:
+        Path(args.pack_dir).mkdir(parents=True, exist_ok=True)
+        for model, files in logs.items():
+            pack_text_files(files.values(), Path(args.pack_dir) / f"runs_{model}.tar.xz",
+                            paths.get(model, "<no model path>"), f"<{model} folder>",
+                            replace={f"{path.rstrip('/')}/": "<run folder>/" for path in args.run_path})
     return 0
 
 
@@ -258,7 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     col.add_argument("runs", nargs="+")
     col.add_argument("--out", required=True)
     col.add_argument("--revision", required=True)
-    col.add_argument("--machine-path", action="append", default=[], help="a model folder path to replace (repeat)")
+    col.add_argument("--model-path", action="append", default=[], help="LABEL=PATH: a model's folder (repeat)")
+    col.add_argument("--pack-dir", default=None, help="pack each model's logs here (runs_LABEL.tar.xz)")
+    col.add_argument("--run-path", action="append", default=[],
+                     help="a run's --out folder on the machine, written <run folder> in the packed logs (repeat)")
     args = parser.parse_args(argv)
     return {"shape": shape_main, "run": run_main, "collect": collect_main}[args.command](args)
 

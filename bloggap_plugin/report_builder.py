@@ -398,10 +398,26 @@ def load_headline_spec(path: str | os.PathLike) -> list[dict]:
         missing = [key for key in _HEADLINE_KEYS if not isinstance(row.get(key), str) or not row[key].strip()]
         if missing:
             raise ReportError(f"{where}: missing or empty text key(s) {', '.join(missing)}")
-        unknown = sorted(set(row) - set(_HEADLINE_KEYS) - {"unit"})
+        unknown = sorted(set(row) - set(_HEADLINE_KEYS) - {"unit", "cost"})
         if unknown:
             raise ReportError(f"{where}: unknown key(s) {', '.join(unknown)}")
+        _check_cost_cells(row.get("cost"), f"{where}: cost")
     return rows
+
+
+_COST_KEYS = ("label", "result", "table", "row", "column")
+
+
+def _check_cost_cells(cells, where: str) -> None:
+    """A row's optional ``cost``: a list of cited cells, each a mapping with the text keys :data:`_COST_KEYS`."""
+    if cells is None:
+        return
+    if not isinstance(cells, list) or not cells:
+        raise ReportError(f"{where}: expected a non-empty list of cited cells")
+    for index, cell in enumerate(cells):
+        if not isinstance(cell, dict) or sorted(cell) != sorted(_COST_KEYS) or not all(
+                isinstance(cell[key], str) and cell[key].strip() for key in _COST_KEYS):
+            raise ReportError(f"{where}[{index}]: expected a mapping with the text keys {', '.join(_COST_KEYS)}")
 
 
 def _cited_cell(row: dict, results: dict, where: str):
@@ -426,16 +442,33 @@ def _cited_cell(row: dict, results: dict, where: str):
 
 def render_headline(spec: list[dict], results: dict, benchmarks_link: str = "BENCHMARKS.md") -> list[str]:
     """The decision table's Markdown lines: situation, arm, the cited number, and the table id linked to its
-    benchmark's section of the report at ``benchmarks_link``. ``results`` is :func:`load_results`' mapping."""
+    benchmark's section of the report at ``benchmarks_link``; where any row has ``cost`` cells, a column of them
+    (``label value x``, the table id linked), ``–`` in a row without. ``results`` is :func:`load_results`' mapping."""
     anchors = _section_anchors(results)
-    lines = ["| situation | arm | headline number | table |", "|---|---|---|---|"]
+    with_cost = any("cost" in row for row in spec)
+    lines = ["| situation | arm | headline number | table |" + (" step x arm A |" if with_cost else ""),
+             "|---|---|---|---|" + ("---|" if with_cost else "")]
     for index, row in enumerate(spec):
         path, value = _cited_cell(row, results, f"headline rows[{index}]")
         number = f"**{format_cell(value)}{row.get('unit', '')}**"
         cited = f"[{row['table']}]({benchmarks_link}#{anchors[path]})"
         cells = [row["situation"], row["arm"], f"{row['says']} {number}", cited]
+        if with_cost:
+            cells.append(_cost_cell(row.get("cost"), results, anchors, benchmarks_link, f"headline rows[{index}]"))
         lines.append("| " + " | ".join(" ".join(c.split()) for c in cells) + " |")
     return lines
+
+
+def _cost_cell(cells: list | None, results: dict, anchors: dict, benchmarks_link: str, where: str) -> str:
+    """``label value x, ... ([table](link))`` of a row's ``cost`` cells, or ``–`` without."""
+    if not cells:
+        return "–"
+    parts, links = [], {}
+    for index, cell in enumerate(cells):
+        path, value = _cited_cell(cell, results, f"{where}: cost[{index}]")
+        parts.append(f"{cell['label']} {format_cell(value)}x")
+        links.setdefault(cell["table"], f"[{cell['table']}]({benchmarks_link}#{anchors[path]})")
+    return f"{', '.join(parts)} ({', '.join(links.values())})"
 
 
 def _section_anchors(results: dict) -> dict:

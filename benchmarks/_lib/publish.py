@@ -44,12 +44,17 @@ def console_lines(text: str) -> str:
     return "\n".join(kept) + "\n"
 
 
-def pack_text_files(files: Iterable[Path], pack: Path, model_path: str, model_name: str) -> None:
-    """``files`` into ``pack`` (a tar.xz, each under its own name), the model's folder and the machine's paths
-    replaced (:func:`strip_paths`), console logs (``.log``) without progress bars (:func:`console_lines`)."""
+def pack_text_files(files: Iterable[Path], pack: Path, model_path: str, model_name: str,
+                    replace: dict[str, str] | None = None) -> None:
+    """``files`` into ``pack`` (a tar.xz, each under its own name), ``replace``'s paths (machine path -> what the
+    file says instead), the model's folder and the machine's paths replaced (:func:`strip_paths`), console logs
+    (``.log``) without progress bars (:func:`console_lines`)."""
     with tarfile.open(pack, "w:xz") as tar:
         for path in files:
-            text = strip_paths(Path(path).read_text(errors="replace"), model_path, model_name)
+            text = Path(path).read_text(errors="replace")
+            for old, new in (replace or {}).items():
+                text = text.replace(old, new)
+            text = strip_paths(text, model_path, model_name)
             data = (console_lines(text) if Path(path).suffix == ".log" else text).encode()
             info = tarfile.TarInfo(Path(path).name)
             info.size = len(data)

@@ -43,7 +43,8 @@ def test_size_table_divides_by_the_mean_of_the_same_models_arm_a_runs():
                     "A-2": _run("A", 1.2, 1.2, 2.0, 0.5, exact=0.8), "J-2": _run("J", 2.2, 3.6, 5.0, 1.5, 1.0, 1.0),
                     "I-1": {"arm": "I", "error": "exit 1", "seconds": 5.0}}}
     table = bench.size_table(models)
-    rows = {row[1]: dict(zip(table["columns"], row)) for row in table["rows"]}
+    rows = {row[0].split(" @ ")[0]: dict(zip(table["columns"], row)) for row in table["rows"]}
+    assert [row[0] for row in table["rows"]] == ["A @ m", "J @ m", "I @ m"]
     a, j, i = rows["A"], rows["J"], rows["I"]
     assert a["runs"] == 2 and a["median step x arm A"] == 1.0 and a["median x A, runs (min-max)"] == "0.91-1.09"
     assert a["sampler bit-identical % (least run)"] == 80.0

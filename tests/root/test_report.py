@@ -432,6 +432,35 @@ def test_headline_links_follow_the_report_headings(tmp_path):
     assert headings == ["Benchmarks", "h200", "tables", "tables"]
 
 
+def test_headline_cost_cells_make_a_column_of_cited_multiples(tmp_path):
+    """A row's ``cost`` cells (e.g. a step multiple at each model size) render as one more column, read from the
+    JSON like the headline number; a row without cost cells shows a dash."""
+    results = tmp_path / "results"
+    _write(results, "h200", "tables", _result())
+    cost = [dict(label="135M", result="h200/tables.json", table="T1", row="SmolLM2-135M", column="fp16 b1v8"),
+            dict(label="1.5B", result="h200/tables.json", table="T1", row="SmolLM2-135M", column="bf16 b1v8")]
+    spec = _write_spec(tmp_path / "h.yaml", [dict(_SPEC_ROW, cost=cost), _SPEC_ROW])
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- bloggap:headline:start -->\n<!-- bloggap:headline:end -->\n")
+    build_report(results, tmp_path / "B.md", None, readme=readme, headline=spec)
+    lines = readme.read_text().splitlines()
+    assert lines[1] == "| situation | arm | headline number | table | step x arm A |"
+    assert lines[3] == "| fp16 is safe | H | out of band: **4.07%** | [T1](B.md#tables) | 135M 0.01x, 1.5B 4.07x ([T1](B.md#tables)) |"
+    assert lines[4].endswith("| [T1](B.md#tables) | – |")
+
+
+@pytest.mark.parametrize("cost", [[], "T19", [{"label": "x"}], [dict(label="x", result="h200/tables.json", table="T1",
+                                                                    row="SmolLM2-135M", column="bf16 b1v8", unit="x")]])
+def test_a_bad_cost_cell_is_refused_naming_the_row(tmp_path, cost):
+    results = tmp_path / "results"
+    _write(results, "h200", "tables", _result())
+    spec = _write_spec(tmp_path / "headline.yaml", [dict(_SPEC_ROW, cost=cost)])
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- bloggap:headline:start -->\n<!-- bloggap:headline:end -->\n")
+    with pytest.raises(ReportError, match=r"headline.yaml: rows\[0\]: cost"):
+        build_report(results, tmp_path / "B.md", None, readme=readme, headline=spec)
+
+
 @pytest.mark.parametrize(
     "change, problem",
     [

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# A later call on the same warm machine: cost_by_size runs into /tmp/NAME (resuming its finished runs) for BUDGET
+# seconds; usage: bash benchmarks/gpu/cost_by_size_more.sh NAME BUDGET RUN_FLAGS... (the bundle's t/ carried).
+set -u
+t0=$(date +%s); name=$1; budget=$2; shift 2
+. .dev/vllm/t/env.sh
+timeout $((budget + 40)) python3 -m benchmarks.cost_by_size run --budget-s "$budget" --out /tmp/$name "$@" 2>&1 \
+   | grep -v "^\s*$" | cut -c1-600
+tar -cJf "$OUT/$name.tar.xz" -C /tmp "$name"
+cp /tmp/$name/cost_by_size.json "$OUT/" 2>/dev/null
+echo "call total $(( $(date +%s) - t0 )) s"
