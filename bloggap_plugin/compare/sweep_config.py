@@ -431,10 +431,12 @@ def _check_vllm(config: CompareConfig) -> None:
     if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 < share <= 1:
         raise CompareError(f"--override vllm_gpu_memory_utilization={json.dumps(share)}: must be a fraction in (0, 1]")
     if config.run_fn == DEFAULT_RUN_FN:
+        from bloggap_plugin.core.vllm_compat import supported_text
+
         problem = vllm_unavailable_reason()
         if problem:
-            raise CompareError(f"--use-vllm: {problem}; run the sweep on a machine with a CUDA GPU and vLLM "
-                               "(TRL 1.16 takes vLLM 0.22-0.31), or drop --use-vllm to generate with HF generate")
+            raise CompareError(f"--use-vllm: {problem}; run the sweep on a machine with a CUDA GPU and "
+                               f"{supported_text()}, or drop --use-vllm to generate with HF generate")
 
 
 def _check_grpo_settings(config: CompareConfig, runs: list[RunSpec]) -> None:

@@ -36,9 +36,11 @@ class VllmFormUnavailable(UsageError):
 
 
 def _refuse(form: VllmForm, why: str) -> VllmFormUnavailable:
+    from bloggap_plugin.core.vllm_compat import form_install_hint
+
     return VllmFormUnavailable(
         f"arm I pieces {', '.join(form.needs_vllm())} call vLLM's CUDA kernels, but {why}: score on a CUDA GPU with "
-        "vLLM 0.26 installed (pip install vllm==0.26.0), or use gap.i_pieces: torch (vLLM's maths in plain torch)"
+        f"vLLM installed ({form_install_hint()}), or use gap.i_pieces: torch (vLLM's maths in plain torch)"
     )
 
 
@@ -221,6 +223,10 @@ def load_kernels(form: VllmForm, device: torch.device | str) -> Kernels:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise _refuse(form, f"the plan runs on {device}")
+    from bloggap_plugin.core.vllm_compat import installed_vllm, vllm_problem
+
+    if installed_vllm() is not None and vllm_problem(needs_form=True):
+        raise VllmFormUnavailable(f"arm I pieces {', '.join(form.needs_vllm())}: {vllm_problem(needs_form=True)}")
     try:
         import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
         from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
@@ -238,12 +244,13 @@ def _token_logprobs(form: VllmForm):
     the torch stand-in when the form does not use it. :class:`VllmFormUnavailable` when this vLLM has no V2 runner."""
     if form.logprobs != "v2_sampler":
         return TORCH_KERNELS.token_logprobs
+    from bloggap_plugin.core.vllm_compat import form_install_hint
     try:
         from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
     except Exception as err:  # noqa: BLE001 - any import failure is the same refusal
         raise VllmFormUnavailable(
             f"arm I piece logprobs=v2_sampler calls vLLM's model runner V2 log-prob kernel, which this vLLM lacks "
-            f"({type(err).__name__}: {err}): install vLLM 0.26 (pip install vllm==0.26.0), or, for an engine on the V1 "
+            f"({type(err).__name__}: {err}): {form_install_hint()}, or, for an engine on the V1 "
             "model runner, set gap.i_pieces: all,logprobs=log_softmax"
         ) from None
 

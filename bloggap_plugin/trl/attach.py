@@ -121,8 +121,9 @@ def _check_vllm(trainer: Any, gap: GapConfig) -> None:
     if gap.arm_spec.needs_fp16_training:
         check_vllm_fp16(trainer)
     if getattr(trainer.args, "vllm_mode", None) == "colocate":
-        from bloggap_plugin.trl.vllm_colocate import check_colocate_engine
+        from bloggap_plugin.trl.vllm_colocate import check_colocate_engine, check_engine_vllm
 
+        check_engine_vllm(trainer, gap)
         check_colocate_engine(trainer, gap)
     if gap.kept == "renormalize" and trainer.args.beta != 0.0:
         raise RecipeError(

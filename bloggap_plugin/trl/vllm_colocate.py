@@ -27,7 +27,7 @@ import torch
 __all__ = ["vllm_colocate_dtype", "vllm_colocate_engine", "colocate_engine_dtype", "engine_kwargs_from_env", "KV_CACHE_ENV",
            "engine_kwargs_for", "colocate_engine_setting", "check_colocate_engine", "BATCH_INVARIANT_ENV",
            "one_step_prefill_tokens", "prefill_refusal", "ONE_STEP_PREFILL_CAP", "confine_batch_invariance",
-           "own_batch_invariance_env", "BATCH_INVARIANCE_SCOPE_ENV"]
+           "own_batch_invariance_env", "BATCH_INVARIANCE_SCOPE_ENV", "check_engine_vllm"]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -80,11 +80,13 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, **engine_kwargs: 
     """
     from trl.generation import vllm_generation
 
+    from bloggap_plugin.core.vllm_compat import supported_text
+
     original = getattr(vllm_generation, "LLM", None)
     if original is None:
         raise RuntimeError(
             "trl.generation.vllm_generation has no LLM: vLLM is not installed (TRL imports it only when available); "
-            "install vLLM (TRL 1.16 accepts 0.22-0.31) to use vllm_mode='colocate'"
+            f"install {supported_text()} to use vllm_mode='colocate'"
         )
 
     def llm_with_kwargs(*args: Any, **kwargs: Any):
@@ -304,6 +306,25 @@ def colocate_compilation_mode(trainer: Any) -> int | None:
     config = getattr(getattr(engine, "vllm_config", None), "compilation_config", None)
     mode = getattr(config, "mode", None)
     return None if mode is None else int(mode)
+
+
+def check_engine_vllm(trainer: Any, gap: Any) -> None:
+    """Where the trainer has a real colocate engine, refuse (``RecipeError``, one line naming the installed and the
+    supported versions) a vLLM outside the supported range, or, for an arm that computes vLLM's kernels (I, J with
+    vLLM pieces), one whose kernels it was not read from (:mod:`bloggap_plugin.core.vllm_compat`)."""
+    from bloggap_plugin.core.vllm_compat import vllm_problem
+    from bloggap_plugin.recipes import RecipeError
+
+    if _colocate_engine(trainer) is None:
+        return
+    needs_form = False
+    if gap.arm_spec.plan == "vllm":
+        from bloggap_plugin.core.vllm_form import parse_form
+
+        needs_form = bool(parse_form(gap.i_pieces).needs_vllm())
+    problem = vllm_problem(needs_form=needs_form)
+    if problem:
+        raise RecipeError(f"arm {gap.arm_spec.letter}: {problem}")
 
 
 def check_colocate_engine(trainer: Any, gap: Any, environ: dict | None = None) -> None:
