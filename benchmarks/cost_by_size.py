@@ -30,6 +30,7 @@ from pathlib import Path
 
 from benchmarks import arm_i_live
 from benchmarks._lib.paths import ROOT
+from benchmarks.arm_i_live import _round, _times
 
 TABLE_ID = "T19-cost-by-size"
 RESULT_NAME = "cost_by_size.json"
@@ -105,7 +106,8 @@ def size_table(models: dict) -> dict:
             mine = [r for r in ran if r["arm"] == arm]
             failed = [label for label, r in runs.items() if r["arm"] == arm and "error" in r]
             if not mine:
-                body.append([f"{arm} @ {model}", 0, None, None, None, None, f"failed: {', '.join(failed)}", *[None] * 7])
+                body.append([f"{arm} @ {model}", 0, None, None, None, None, f"failed: {', '.join(failed)}",
+                             *[None] * 7])
                 continue
             medians = [r["step_s_median"] for r in mine if r.get("step_s_median") is not None]
             means = [r["step_s_mean"] for r in mine if r.get("step_s_mean") is not None]
@@ -116,7 +118,8 @@ def size_table(models: dict) -> dict:
             exact = [r["sampler_exact_mean"] for r in mine if r.get("sampler_exact_mean") is not None]
             ratio_exact = [r["ratio_exact_first_iteration_min"] for r in mine
                            if r.get("ratio_exact_first_iteration_min") is not None]
-            body.append([f"{arm} @ {model}", len(mine), max(r["steps"] for r in mine), _round(_mean_of(mine, "step1_s"), 2),
+            body.append([f"{arm} @ {model}", len(mine), max(r["steps"] for r in mine),
+                         _round(_mean_of(mine, "step1_s"), 2),
                          _round(statistics.fmean(medians), 3) if medians else None, median_x, median_spread,
                          _round(statistics.fmean(means), 3) if means else None, mean_x, mean_spread,
                          _times(gen, base["generating_step_s_median"]), _times(other, base["other_step_s_median"]),
@@ -134,14 +137,6 @@ def size_table(models: dict) -> dict:
                      "model's arm A runs, '(min-max)' each run's value over that same arm A mean. ARM_process: vLLM's "
                      "batch-invariant mode left on process-wide (BLOGGAP_VLLM_BATCH_INVARIANCE=process). Random-init "
                      "weights except SmolLM2-135M: exactness columns hold, gap rates would not."}
-
-
-def _round(value: float | None, digits: int) -> float | None:
-    return None if value is None else round(value, digits)
-
-
-def _times(value: float | None, reference: float | None) -> float | None:
-    return None if value is None or not reference else round(value / reference, 3)
 
 
 def document(models: dict, params: dict, env: dict) -> dict:
