@@ -27,6 +27,10 @@ README headline block: with ``readme``, the lines between ``<!-- bloggap:headlin
 ``docs/headline.yaml`` beside the README) specifies: per row a situation, an arm and the one result cell it cites
 (result file, table id, first-column value, column). The number itself is read from the result JSON, never from the
 specification, and the row links to the table's section of the Markdown report.
+
+Metric tables: with a README whose ``docs/trl.md`` exists beside it, the lines between
+``<!-- bloggap:metrics:<framework>:start -->`` and ``...:end -->`` of ``docs/trl.md`` and ``docs/verl.md`` are
+replaced by the adapter's ``gap/*`` metric table rendered from :mod:`bloggap_plugin.core.metric_specs`.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ __all__ = [
     "table_plot_spec",
     "save_figure",
     "HEADLINE_MARKERS",
+    "METRIC_DOCS",
+    "metric_docs_texts",
     "load_headline_spec",
     "render_headline",
     "replace_headline_block",
@@ -303,7 +309,8 @@ def build_report(
     """Write ``output`` (Markdown) and PNGs under ``plots_dir`` (``None``: no plots); returns what was written.
 
     ``readme``: also replace that file's headline block with the decision table specified by ``headline``
-    (default ``docs/headline.yaml`` beside the README); the new README text is built, and every cited cell found,
+    (default ``docs/headline.yaml`` beside the README), and, where ``docs/trl.md`` is beside it, the ``gap/*``
+    metric tables of the pages :data:`METRIC_DOCS` from the metric registry; the new README text is built, and every cited cell found,
     before anything is written. Where the output goes is checked before any result is read; every file is written
     atomically.
     """
@@ -312,9 +319,11 @@ def build_report(
     _check_destinations(output, plots_root)
     reference = load_reference(reference_path)
     results = load_results(results_dir, set(reference), require)
-    readme_text = None
+    readme_text, docs_texts = None, {}
     if readme is not None:
         readme = Path(readme)
+        if (readme.parent / "docs" / METRIC_DOCS["trl"]).exists():  # the repository's README: its docs beside it
+            docs_texts = metric_docs_texts(readme.parent / "docs")
         spec_path = Path(headline) if headline is not None else readme.parent / "docs" / "headline.yaml"
         link = Path(os.path.relpath(output, readme.parent if str(readme.parent) else ".")).as_posix()
         block = render_headline(load_headline_spec(spec_path), results, link)
@@ -352,8 +361,11 @@ def build_report(
     _write_text(output, "\n".join(lines).rstrip() + "\n")
     if readme_text is not None:
         _write_text(readme, readme_text)
+    for page, text in docs_texts.items():
+        _write_text(page, text)
     return {"markdown": str(output), "plots": plots, "devices": list(results),
-            "files": [str(p) for e in results.values() for p, _ in e], "readme": str(readme) if readme else None}
+            "files": [str(p) for e in results.values() for p, _ in e], "readme": str(readme) if readme else None,
+            "docs": [str(page) for page in docs_texts]}
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -491,16 +503,34 @@ def _section_anchors(results: dict) -> dict:
     return out
 
 
-def replace_headline_block(text: str, block: list[str], where: str | os.PathLike = "README") -> str:
-    """``text`` with the lines between the headline markers replaced by ``block`` (markers kept, everything
-    else unchanged). Each marker must stand alone on one line, once, start before end."""
+def replace_headline_block(text: str, block: list[str], where: str | os.PathLike = "README",
+                           markers: tuple[str, str] = HEADLINE_MARKERS) -> str:
+    """``text`` with the lines between ``markers`` (default: the headline's) replaced by ``block`` (markers kept,
+    everything else unchanged). Each marker must stand alone on one line, once, start before end."""
     lines = text.split("\n")
-    found = [[i for i, line in enumerate(lines) if line.strip() == marker] for marker in HEADLINE_MARKERS]
+    found = [[i for i, line in enumerate(lines) if line.strip() == marker] for marker in markers]
     if [len(f) for f in found] != [1, 1] or found[0][0] > found[1][0]:
-        raise ReportError(f"{where}: expected the line {HEADLINE_MARKERS[0]} once, then the line {HEADLINE_MARKERS[1]} "
+        raise ReportError(f"{where}: expected the line {markers[0]} once, then the line {markers[1]} "
                           f"once (found {len(found[0])} and {len(found[1])})")
     start, end = found[0][0], found[1][0]
     return "\n".join(lines[: start + 1] + block + lines[end:])
+
+
+METRIC_DOCS = {"trl": "trl.md", "verl": "verl.md"}
+"""The doc page (under the docs folder) that holds each adapter's generated ``gap/*`` metric table."""
+
+
+def metric_docs_texts(docs_dir: str | os.PathLike) -> dict[Path, str]:
+    """``{page: its text with the metric table between its markers regenerated from the registry}`` for each page
+    of :data:`METRIC_DOCS` under ``docs_dir`` (:func:`bloggap_plugin.core.metric_specs.metric_table`)."""
+    from bloggap_plugin.core.metric_specs import metric_table, metric_table_markers
+
+    out = {}
+    for framework, name in METRIC_DOCS.items():
+        page = Path(docs_dir) / name
+        out[page] = replace_headline_block(_read_text(page), metric_table(framework), page,
+                                           metric_table_markers(framework))
+    return out
 
 
 def _check_destinations(output: Path, plots_root: Path | None) -> None:

@@ -165,6 +165,9 @@ class GapSession:
         start = time.perf_counter()
         gap = state.config
         state.generations += 1
+        # every old log-prob of this generation (TRL's, the arm's here, arm G's after the shuffle) is computed before
+        # the next optimizer step: a loss pass at a later step sees the update (gap/update/*), not the gap
+        state.old_step = self.trainer.state.global_step
         state.probe_now = self.stats.probe_scheduled()
         state.gen_sums, state.gen_maxima = GenerationSums(), GenerationMaxima()
         state.measure_now = measure = (state.generations - 1) % gap.metrics_every == 0
@@ -363,11 +366,11 @@ class GapSession:
             state.probe_total += times.probe  # the probe budget's totals: reduced, so alike on every process
             state.wall_total += times.wall
             procs = self.trainer.accelerator.num_processes
-            metrics = self.trainer._metrics["train"]
-            metrics["gap/time/scoring_s"].append(times.plugin / procs)
-            metrics["gap/time/overhead_frac"].append(times.plugin / times.wall if times.wall > 0 else 0.0)
+            values = {"gap/time/scoring_s": times.plugin / procs,
+                      "gap/time/overhead_frac": times.plugin / times.wall if times.wall > 0 else 0.0}
             if state.arm.replaces_trl_old_pass:
                 # the arm's old-logprob pass in place of TRL's (0 on steps that reuse a generation)
-                metrics["gap/time/old_pass_s"].append(times.replaced / procs)
+                values["gap/time/old_pass_s"] = times.replaced / procs
+            self.stats.log(values)
             state.step_wall = state.step_plugin = state.replaced_time = state.step_probe = 0.0
         return output

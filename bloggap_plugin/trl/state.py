@@ -114,6 +114,8 @@ class GapState:
     fallbacks_seen: int = 0
     # one generation
     generations: int = 0
+    old_step: int = -1
+    """The trainer's ``global_step`` when this generation's old log-probs were computed (-1: none yet)."""
     gen_sums: GenerationSums | None = None
     gen_maxima: GenerationMaxima | None = None
     pending_record: Any = None

@@ -14,6 +14,7 @@ import time
 import torch
 
 from bloggap_plugin.core import metrics as gap_metrics
+from bloggap_plugin.core.metric_specs import ratio_name, registered
 from bloggap_plugin.core.sharding import all_ranks_true
 from bloggap_plugin.trl.scorer import Scorer
 from bloggap_plugin.trl.state import (
@@ -214,34 +215,43 @@ class Stats:
         state.gen_sums = state.gen_maxima = None
         if local_sums is None or not state.measure_now:
             return
-        metrics = self.trainer._metrics["train"]
         sums, maxima = self.reduce_pair(local_sums, local_maxima)
+        values: dict[str, float] = {}
         if sums.sampler_n > 0:
-            metrics["gap/sampler/oob_frac"].append(sums.sampler_oob / sums.sampler_n)
-            metrics["gap/sampler/abs_dlogp_mean"].append(sums.sampler_absd / sums.sampler_n)
-            metrics["gap/sampler/abs_dlogp_max"].append(maxima.sampler_absd_max)
-            metrics["gap/sampler/exact_frac"].append(sums.sampler_exact / sums.sampler_n)
+            values.update({"gap/sampler/oob_frac": sums.sampler_oob / sums.sampler_n,
+                           "gap/sampler/abs_dlogp_mean": sums.sampler_absd / sums.sampler_n,
+                           "gap/sampler/abs_dlogp_max": maxima.sampler_absd_max,
+                           "gap/sampler/exact_frac": sums.sampler_exact / sums.sampler_n})
         if sums.is_n > 0:
-            metrics["gap/sampler/is_ratio_mean"].append(sums.is_sum / sums.is_n)
-            metrics["gap/sampler/is_ratio_min"].append(-maxima.is_neg_min)
-            metrics["gap/sampler/is_ratio_max"].append(maxima.is_max)
+            values.update({"gap/sampler/is_ratio_mean": sums.is_sum / sums.is_n,
+                           "gap/sampler/is_ratio_min": -maxima.is_neg_min, "gap/sampler/is_ratio_max": maxima.is_max})
         if sums.probe_n > 0:
-            metrics["gap/probe/oob_b1_vs_bN"].append(sums.probe_oob / sums.probe_n)
+            values["gap/probe/oob_b1_vs_bN"] = sums.probe_oob / sums.probe_n
         if sums.kept_n > 0:
             n = sums.kept_n
-            metrics["gap/kept/mass_mean"].append(sums.kept_mass_sum / n)
-            metrics["gap/kept/mass_min"].append(-maxima.kept_mass_neg_min)
-            metrics["gap/kept/size_mean"].append(sums.kept_size_sum / n)
-            metrics["gap/kept/size_max"].append(maxima.kept_size_max)
-            metrics["gap/kept/ratio_before_mean"].append(sums.kept_ratio_before_sum / n)
-            metrics["gap/kept/ratio_after_mean"].append(sums.kept_ratio_after_sum / n)
-            metrics["gap/kept/oob_before"].append(sums.kept_oob_before / n)
-            metrics["gap/kept/oob_after"].append(sums.kept_oob_after / n)
+            values.update({"gap/kept/mass_mean": sums.kept_mass_sum / n, "gap/kept/mass_min": -maxima.kept_mass_neg_min,
+                           "gap/kept/size_mean": sums.kept_size_sum / n, "gap/kept/size_max": maxima.kept_size_max,
+                           "gap/kept/ratio_before_mean": sums.kept_ratio_before_sum / n,
+                           "gap/kept/ratio_after_mean": sums.kept_ratio_after_sum / n,
+                           "gap/kept/oob_before": sums.kept_oob_before / n, "gap/kept/oob_after": sums.kept_oob_after / n})
         fallbacks = max([int(getattr(plan, "fp16_fallbacks", 0) or 0) for plan in (state.plan, state.ref_plan)
                          if plan is not None], default=0)
         new = fallbacks - state.fallbacks_seen
         state.fallbacks_seen = fallbacks
-        metrics["gap/fp16/fallbacks"].append(self.reduce(FallbackCount(float(new))).new)
+        values["gap/fp16/fallbacks"] = self.reduce(FallbackCount(float(new))).new
+        self.log(values)
+
+    def log(self, values: dict[str, float]) -> None:
+        """Append each value to TRL's metric store under its name, which must be a registered TRL metric
+        (:mod:`bloggap_plugin.core.metric_specs`)."""
+        metrics = self.trainer._metrics["train"]
+        for name, value in values.items():
+            metrics[registered(name, "trl")].append(value)
+
+    def update_since_old(self) -> bool:
+        """Whether an optimizer step was taken since this generation's old log-probs were computed (then the ratio
+        new/old holds the policy update, logged as ``gap/update/*``; else the numerical gap, ``gap/ratio/*``)."""
+        return self.trainer.state.global_step != self.state.old_step
 
     def loss_metrics(self, inputs) -> None:
         """Ratio, clip and old-vs-TRL statistics of one training micro-batch (new: the training forward's), computed on
@@ -254,21 +264,22 @@ class Stats:
             return
         local, local_max = self.loss_sums(inputs, new.float(), old.to(new.device).float())
         sums, maxima = self.reduce_pair(local, local_max)
-        metrics = self.trainer._metrics["train"]
         n = sums.tokens
         if n <= 0:
             return
-        metrics["gap/ratio/oob_frac"].append(sums.oob / n)
-        metrics["gap/ratio/abs_dlogp_mean"].append(sums.abs_dlogp / n)
-        metrics["gap/ratio/abs_dlogp_max"].append(maxima.abs_dlogp_max)
-        metrics["gap/ratio/exact_frac"].append(sums.exact / n)
+        update = self.update_since_old()
+        values = {ratio_name("oob_frac", update, "trl"): sums.oob / n,
+                  ratio_name("abs_dlogp_mean", update, "trl"): sums.abs_dlogp / n,
+                  ratio_name("abs_dlogp_max", update, "trl"): maxima.abs_dlogp_max,
+                  ratio_name("exact_frac", update, "trl"): sums.exact / n}
         if state.clip_applies:
-            metrics["gap/clip/clipped_frac"].append(sums.clipped / n)
+            values["gap/clip/clipped_frac"] = sums.clipped / n
             if sums.probe_tokens > 0:  # a micro-batch without probe tokens has no share to average in
-                metrics["gap/clip/flip_frac"].append(sums.flips / sums.probe_tokens)
+                values["gap/clip/flip_frac"] = sums.flips / sums.probe_tokens
         if sums.has_trl > 0:
-            metrics["gap/old_vs_trl/oob_frac"].append(sums.oob_vs_trl / n)
-            metrics["gap/old_vs_trl/abs_dlogp_mean"].append(sums.abs_dlogp_vs_trl / n)
+            values["gap/old_vs_trl/oob_frac"] = sums.oob_vs_trl / n
+            values["gap/old_vs_trl/abs_dlogp_mean"] = sums.abs_dlogp_vs_trl / n
+        self.log(values)
 
     def reduce_pair(self, sums: Statistics, maxima: Statistics) -> tuple[Statistics, Statistics]:
         """``sums`` summed and ``maxima`` maxed field by field over the processes (fields: numbers or 0-d device

@@ -12,6 +12,8 @@ swallows ``Exception`` subclasses at DEBUG level, which would silently run witho
 this runs while ``verl/__init__`` is still executing):
 
 - ``verl.trainer.ppo.core_algos``: the policy loss ``gap_vanilla`` (:mod:`bloggap_plugin.verl.loss`);
+- ``verl.workers.engine_workers``: ``TrainingWorker.train_mini_batch`` counts its optimizer steps, so that
+  ``gap_vanilla`` logs the first mini-batch's ratio as ``gap/ratio/*`` and later ones' as ``gap/update/*``;
 - ``verl.trainer.ppo.rollout_corr_helper`` and ``verl.trainer.ppo.v1.trainer_base``: the kept-mass lift and the
   all-rejected guard around ``compute_rollout_correction_and_add_to_batch`` (:mod:`.correction`);
 - ``verl.trainer.ppo.ray_trainer``: the same for the legacy trainer;
@@ -104,6 +106,12 @@ def _patch_legacy(module) -> None:
     patch_legacy_trainer_module(module)
 
 
+def _patch_workers(module) -> None:
+    from bloggap_plugin.verl.loss import patch_training_worker
+
+    patch_training_worker(module)
+
+
 def _patch_engine(module) -> None:
     from bloggap_plugin.verl.engine import register_engine
 
@@ -153,6 +161,7 @@ HOOKS = (
     ("verl.trainer.ppo.v1.trainer_base", _patch_v1),
     ("verl.trainer.ppo.ray_trainer", _patch_legacy),
     ("verl.workers.engine.fsdp.transformer_impl", _patch_engine),
+    ("verl.workers.engine_workers", _patch_workers),
 )
 
 

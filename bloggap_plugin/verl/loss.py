@@ -1,29 +1,76 @@
 """``gap_vanilla``: verl's vanilla PPO policy loss plus ``gap/*`` ratio and clip-flip metrics.
 
 Select it with ``actor_rollout_ref.actor.policy_loss.loss_mode=gap_vanilla``. The loss value and gradient are
-exactly verl's ``vanilla``; only metrics are added (MEAN-aggregated over micro-batches by verl):
+exactly verl's ``vanilla``; only metrics are added (MEAN-aggregated over micro-batches by verl). The names and
+definitions are registered in :mod:`bloggap_plugin.core.metric_specs` (framework ``verl``):
 
-- ``gap/ratio/oob_frac``: share of response tokens whose ``exp(log_prob - old_log_prob)`` is outside
-  ``[1-b, 1+b]`` (b = ``BLOGGAP_VERL_BAND``, default 0.1);
-- ``gap/ratio/abs_dlogp_mean`` / ``gap/ratio/abs_dlogp_max``: ``|log_prob - old_log_prob|`` (nats);
+- ``gap/ratio/oob_frac``, ``gap/ratio/abs_dlogp_mean`` / ``_max``: the ratio ``exp(log_prob - old_log_prob)``
+  on the first mini-batch after the old-logprob pass, where no optimizer step lies between the two passes: it
+  should be exactly 1, so every out-of-band token there is the numerical gap (batch-shape noise, precision
+  mismatch between the old-logprob pass and the training forward: verl #6280);
+- ``gap/update/*``: the same statistics on later mini-batches and epochs, where the policy has moved: the update;
 - ``gap/clip/flip_frac``: share of tokens whose PPO clip status (A>0 and r>1+eps_high, or A<0 and r<1-eps_low)
   differs from the status at ratio 1 (never clipped), i.e. tokens the ratio's deviation from 1 clips;
 - ``gap/clip/clipped_frac``: share of tokens clipped (same rule).
 
-At the first inner epoch of an on-policy step (ppo_epochs=1, one mini-batch) the ratio should be exactly 1, so
-every out-of-band token and every flip there is spurious (batch-shape noise, precision mismatch between the
-old-log-prob pass and the training forward: verl #6280). At later mini-batches/epochs the policy has moved and
-the same numbers measure the real update.
+Which mini-batch a loss call belongs to is counted by a wrapper around verl's ``TrainingWorker.train_mini_batch``
+(:func:`patch_training_worker`): it counts the ``train_batch`` calls (one optimizer step each) since it began. A
+call outside that loop (the loss called directly) counts as the first mini-batch.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
+
 import torch
 
+from bloggap_plugin.core.metric_specs import ratio_name
 from bloggap_plugin.core.metrics import abs_dlogp_stats, clip_flip_fraction, clipped_fraction, oob_fraction
 from bloggap_plugin.verl.config import load_settings
 
 LOSS_NAME = "gap_vanilla"
+_STEPS = threading.local()
+"""``_STEPS.count``: optimizer steps (``train_batch`` calls) since this worker's ``train_mini_batch`` began, or
+absent outside it."""
+
+
+def optimizer_steps_since_old() -> int:
+    """Optimizer steps this process took since the old log-probs of the batch being trained (0 outside verl's
+    ``train_mini_batch``)."""
+    return getattr(_STEPS, "count", 0)
+
+
+def patch_training_worker(module) -> None:
+    """Wrap ``module.TrainingWorker.train_mini_batch`` (verl 0.9.1's ``verl.workers.engine_workers``) so that the
+    loss knows how many optimizer steps its mini-batch follows; idempotent, a module without the class is left
+    alone."""
+    worker = getattr(module, "TrainingWorker", None)
+    original = getattr(worker, "train_mini_batch", None)
+    if original is None or getattr(original, "_bloggap_counts_steps", False):
+        return
+
+    @functools.wraps(original)
+    def train_mini_batch(self, data):
+        train_batch = self.train_batch  # each call: one mini-batch, one optimizer step at its end
+
+        @functools.wraps(train_batch)
+        def counted(*args, **kwargs):
+            try:
+                return train_batch(*args, **kwargs)
+            finally:
+                _STEPS.count += 1
+
+        _STEPS.count = 0
+        self.train_batch = counted  # on the instance: the class's registered method stays as verl made it
+        try:
+            return original(self, data)
+        finally:
+            del self.train_batch
+            del _STEPS.count
+
+    train_mini_batch._bloggap_counts_steps = True
+    worker.train_mini_batch = train_mini_batch
 
 
 def gap_ratio_metrics(
@@ -34,8 +81,11 @@ def gap_ratio_metrics(
     eps_low: float,
     eps_high: float,
     band: float,
+    update: bool = False,
 ) -> dict[str, float]:
-    """The ``gap/*`` metrics for one micro-batch (all ``[B, T]`` inputs; empty mask -> empty dict)."""
+    """The ``gap/*`` metrics for one micro-batch (all ``[B, T]`` inputs; empty mask -> empty dict); the ratio's
+    statistics under ``gap/update/*`` when an optimizer step lies between the old log-probs and ``log_prob``
+    (``update``), else under ``gap/ratio/*``."""
     mask = response_mask.bool()
     if not bool(mask.any()):
         return {}
@@ -44,9 +94,9 @@ def gap_ratio_metrics(
     stats = abs_dlogp_stats(new, old, mask)
     ratio = torch.exp(new - old)
     return {
-        "gap/ratio/oob_frac": oob_fraction(new, old, mask, band),
-        "gap/ratio/abs_dlogp_mean": stats["mean"],
-        "gap/ratio/abs_dlogp_max": stats["max"],
+        ratio_name("oob_frac", update, "verl"): oob_fraction(new, old, mask, band),
+        ratio_name("abs_dlogp_mean", update, "verl"): stats["mean"],
+        ratio_name("abs_dlogp_max", update, "verl"): stats["max"],
         "gap/clip/flip_frac": clip_flip_fraction(ratio, torch.ones_like(ratio), advantages.detach(), mask, eps_low, eps_high),
         "gap/clip/clipped_frac": clipped_fraction(ratio, advantages.detach(), mask, eps_low, eps_high),
     }
@@ -79,7 +129,9 @@ def compute_policy_loss_gap_vanilla(
     band = load_settings().band  # BLOGGAP_VERL_BAND: the loss runs in workers, which see only the environment
     with torch.no_grad():
         metrics = dict(metrics)
-        metrics.update(gap_ratio_metrics(old_log_prob, log_prob, advantages, response_mask, eps_low, eps_high, band))
+        update = optimizer_steps_since_old() > 0
+        metrics.update(gap_ratio_metrics(old_log_prob, log_prob, advantages, response_mask, eps_low, eps_high, band,
+                                         update))
     return loss, metrics
 
 

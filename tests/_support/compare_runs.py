@@ -26,8 +26,10 @@ def run_training(recipe_path, *, model, task, max_steps, output_dir, report_to="
     for step in range(1, max_steps + 1):
         reward = ARM_BASE[arm] + 0.125 * seed + (0.25 if step % 2 else 0.0)
         with open(log_jsonl, "a") as log:
-            log.write(json.dumps({"step": step, "reward": reward, "clip_ratio/region_mean": 0.01 * step,
-                                  "gap/ratio/oob_frac": 0.5 if arm == "B" else 0.0, "step_time": 2.0}) + "\\n")
+            # num_iterations 2: odd steps are a generation's first iteration (the gap), even ones the update
+            ratio = {"gap/ratio/oob_frac": 0.5 if arm == "B" else 0.0} if step % 2 else {"gap/update/oob_frac": 0.75}
+            log.write(json.dumps({"step": step, "reward": reward, "clip_ratio/region_mean": 0.01 * step, **ratio,
+                                  "step_time": 2.0}) + "\\n")
         if os.environ.get("FAKE_HANG") == run_id:
             time.sleep(600)
         if os.environ.get("FAKE_SLOW") == run_id:

@@ -297,7 +297,8 @@ def test_sweep_with_fake_runs_writes_table_json_plot_and_resumes(tmp_path, fake)
     assert arms["B"]["delta_interval"] == {"n": 2, "mean": pytest.approx(0.25), "sd": None, "t": None, "p_t": None,
                                           "p_sign_flip": None, "low": None, "high": None, "half_width": None,
                                           "detectable": None, "p_t_holm": None, "p_sign_flip_holm": None}
-    assert arms["B"]["gap"]["gap/ratio/oob_frac"] == pytest.approx(0.5)
+    assert arms["B"]["gap"]["gap/ratio/oob_frac"] == pytest.approx(0.5)  # the first iterations' gap alone
+    assert arms["B"]["gap"]["gap/update/oob_frac"] == pytest.approx(0.75)  # the update, apart
     assert arms["A"]["s_per_step"] == pytest.approx(2.0)
     document = json.loads((out / "compare.json").read_text())
     assert document["schema_version"] == 1 and document["benchmark"] == "compare"
@@ -307,6 +308,9 @@ def test_sweep_with_fake_runs_writes_table_json_plot_and_resumes(tmp_path, fake)
     validate_result(json.loads((out / "compare.json").read_text(), parse_float=__import__("decimal").Decimal), "compare.json", {"T10"})
     md = (out / "compare.md").read_text()
     assert "| B | 2 | 0.6875 |" in md and "gap/ratio/oob_frac %" in md and "Per-step reward sd" in md
+    [gap_table] = [t for t in document["tables"] if t["id"] == "T10-gap"]
+    assert {"gap/ratio/oob_frac", "gap/update/oob_frac"} <= set(gap_table["columns"])
+    assert "gap/update/oob_frac %" not in md.split("T10-analysis")[0]  # not a headline column: the update
     png = (out / "reward_curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     # Second call: everything finished, nothing runs again, same table.

@@ -48,8 +48,8 @@ def test_every_arm_trains_with_all_metrics(tmp_path, arm):
         assert 0.0 <= first[key] <= 1.0, (key, first[key])
     assert first["gap/ratio/abs_dlogp_max"] >= first["gap/ratio/abs_dlogp_mean"] >= 0.0
     assert first["gap/fp16/fallbacks"] >= 0 and first["gap/time/scoring_s"] > 0
-    # second step: reused generation (num_iterations 2), only loss-time metrics
-    assert logs[1].get("gap/ratio/oob_frac") is not None
+    # second step: reused generation (num_iterations 2) after the first step's update: the update's ratio, apart
+    assert logs[1].get("gap/update/oob_frac") is not None and "gap/ratio/oob_frac" not in logs[1]
 
 
 def count_prompt_padding(trainer) -> list:
@@ -441,8 +441,9 @@ class _HostReads(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _expected_loss_metrics(trainer, inputs, new, old) -> dict:
-    """One micro-batch's loss-time metrics from their definitions (DESIGN.md), by boolean selection, in float64."""
+def _expected_loss_metrics(trainer, inputs, new, old, group: str = "ratio") -> dict:
+    """One micro-batch's loss-time metrics from their definitions (DESIGN.md), by boolean selection, in float64;
+    the ratio's statistics under ``gap/<group>/`` (ratio: no optimizer step since the old log-probs; update)."""
     from bloggap_plugin.core.metrics import trl_clip_status
 
     mask = inputs["completion_mask"].bool()
@@ -450,10 +451,10 @@ def _expected_loss_metrics(trainer, inputs, new, old) -> dict:
     d = new.double() - old.double()
     sel = d[mask]
     ratio = sel.exp()
-    out = {"gap/ratio/oob_frac": float(((ratio < 1 - band) | (ratio > 1 + band) | ~sel.isfinite()).sum()) / sel.numel(),
-           "gap/ratio/abs_dlogp_mean": float(sel.abs().sum()) / sel.numel(),
-           "gap/ratio/abs_dlogp_max": float(sel.abs().max()),
-           "gap/ratio/exact_frac": float((sel == 0).sum()) / sel.numel()}
+    out = {f"gap/{group}/oob_frac": float(((ratio < 1 - band) | (ratio > 1 + band) | ~sel.isfinite()).sum()) / sel.numel(),
+           f"gap/{group}/abs_dlogp_mean": float(sel.abs().sum()) / sel.numel(),
+           f"gap/{group}/abs_dlogp_max": float(sel.abs().max()),
+           f"gap/{group}/exact_frac": float((sel == 0).sum()) / sel.numel()}
 
     def clip(log_ratio, rows_mask, advantages):
         return trl_clip_status(log_ratio, advantages, rows_mask, loss_type=trainer.loss_type,
@@ -487,7 +488,8 @@ def test_loss_metrics_read_the_device_once_per_micro_batch_and_follow_their_defi
 
     def counted(self, inputs):
         new, old = self.state.new_logps, self.old_of(inputs)
-        expected = _expected_loss_metrics(self.trainer, inputs, new, old)
+        # calls 1-2: the generation's first iteration; 3-4: its second, after the first optimizer step
+        expected = _expected_loss_metrics(self.trainer, inputs, new, old, "ratio" if len(seen) < 2 else "update")
         before = {key: len(values) for key, values in self.trainer._metrics["train"].items()}
         with _HostReads() as mode:
             original(self, inputs)
@@ -501,7 +503,7 @@ def test_loss_metrics_read_the_device_once_per_micro_batch_and_follow_their_defi
     trainer.train()
     assert len(seen) == 4  # 2 optimizer steps x 2 micro-batches
     assert any("gap/clip/flip_frac" in expected for _, expected, _ in seen)
-    assert any(expected["gap/ratio/oob_frac"] > 0 for _, expected, _ in seen)
+    assert any(expected.get("gap/ratio/oob_frac", 0) > 0 for _, expected, _ in seen)
     for reads, expected, logged in seen:
         assert reads == ["tolist"], reads
         assert logged.keys() == expected.keys()

@@ -279,9 +279,9 @@ def test_clip_metrics_absent_where_the_loss_does_not_clip(tmp_path, loss_type):
     with pytest.warns(UserWarning, match=f"not logged with loss_type '{loss_type}'"):
         trainer = make(tmp_path, GapConfig(arm="A", probe_rows=4, probe_every=1), loss_type=loss_type)
     trainer.train()
-    for log in logs_of(trainer):
+    for step, log in enumerate(logs_of(trainer)):
         assert "gap/clip/clipped_frac" not in log and "gap/clip/flip_frac" not in log
-        assert log["gap/ratio/oob_frac"] is not None
+        assert log["gap/update/oob_frac" if step else "gap/ratio/oob_frac"] is not None  # step 2: num_iterations 2
 
 
 # ------------------------------------------------------------------ unsupported combinations: refused at attach

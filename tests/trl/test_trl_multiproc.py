@@ -29,18 +29,15 @@ pytest.importorskip("accelerate")
 from _support.multiproc_launch import accelerate_launch, read_records, require_gloo, run_helper  # noqa: E402
 from _support.trl_runs import GENERATION_FIELDS, gen_index  # noqa: E402
 
-FRACTIONS = [
-    "gap/ratio/oob_frac", "gap/ratio/exact_frac", "gap/clip/clipped_frac", "gap/clip/flip_frac",
-    "gap/probe/oob_b1_vs_bN", "gap/sampler/oob_frac", "gap/kept/oob_before", "gap/kept/oob_after",
-    "gap/old_vs_trl/oob_frac", "gap/time/overhead_frac",
-]
-EXPECTED = FRACTIONS + [
-    "gap/ratio/abs_dlogp_mean", "gap/ratio/abs_dlogp_max", "gap/sampler/abs_dlogp_mean", "gap/kept/mass_mean",
-    "gap/kept/mass_min", "gap/kept/size_mean", "gap/kept/size_max", "gap/kept/ratio_before_mean",
-    "gap/kept/ratio_after_mean", "gap/old_vs_trl/abs_dlogp_mean", "gap/fp16/fallbacks", "gap/time/scoring_s",
-]
+from bloggap_plugin.core.metric_specs import names, ratio_name, registered  # noqa: E402
+
+# What this run meets at its first step (registry conditions): the HF sampler recorded, truncated sampling with
+# kept sets, probe rows, TRL's own old pass (num_iterations 2) and a clipping loss; the second step follows an update.
+FIRST_STEP = {"sampler", "truncation", "probe", "trl_old", "clip"}
+EXPECTED = names("trl", needs=FIRST_STEP)
+FRACTIONS = names("trl", needs=FIRST_STEP, unit="fraction")
 # Reduced sums of Stats.flush_generation, in the mixin's order: (metric, numerator index, denominator index).
-GENERATION_SUMS = [(key, gen_index(num), gen_index(den)) for key, num, den in (
+GENERATION_SUMS = [(registered(key, "trl"), gen_index(num), gen_index(den)) for key, num, den in (
     ("gap/sampler/oob_frac", "sampler_oob", "sampler_n"), ("gap/sampler/abs_dlogp_mean", "sampler_absd", "sampler_n"),
     ("gap/sampler/exact_frac", "sampler_exact", "sampler_n"), ("gap/probe/oob_b1_vs_bN", "probe_oob", "probe_n"),
     ("gap/kept/mass_mean", "kept_mass_sum", "kept_n"), ("gap/kept/size_mean", "kept_size_sum", "kept_n"),
@@ -49,12 +46,13 @@ GENERATION_SUMS = [(key, gen_index(num), gen_index(den)) for key, num, den in (
     ("gap/kept/oob_after", "kept_oob_after", "kept_n"),
 )]
 # Reduced sums of Stats.loss_metrics: out-of-band, tokens, sum |dlogp|, exact, clipped, flips, probe tokens,
-# out-of-band vs TRL, sum |dlogp| vs TRL, processes with TRL old log-probs.
-LOSS_SUMS = [
-    ("gap/ratio/oob_frac", 0, 1), ("gap/ratio/abs_dlogp_mean", 2, 1), ("gap/ratio/exact_frac", 3, 1),
+# out-of-band vs TRL, sum |dlogp| vs TRL, processes with TRL old log-probs. The ratio's statistics go under
+# gap/ratio/ (no optimizer step since the generation) or gap/update/: (statistic, numerator, denominator).
+RATIO_SUMS = [("oob_frac", 0, 1), ("abs_dlogp_mean", 2, 1), ("exact_frac", 3, 1)]
+LOSS_SUMS = [(registered(key, "trl"), num, den) for key, num, den in (
     ("gap/clip/clipped_frac", 4, 1), ("gap/clip/flip_frac", 5, 6), ("gap/old_vs_trl/oob_frac", 7, 1),
     ("gap/old_vs_trl/abs_dlogp_mean", 8, 1),
-]
+)]
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +102,12 @@ def test_every_run_trains_with_all_metrics_in_range(runs, name):
     assert 1.0 <= first["gap/kept/size_mean"] <= first["gap/kept/size_max"]
     assert first["gap/ratio/abs_dlogp_max"] >= first["gap/ratio/abs_dlogp_mean"] >= 0.0
     assert first["gap/fp16/fallbacks"] == 0.0 and first["gap/time/scoring_s"] > 0.0
-    # second step reuses the generation (num_iterations 2): loss-time metrics only
-    assert logs[1].get("gap/ratio/oob_frac") is not None and logs[1].get("gap/sampler/oob_frac") is None
+    # second step reuses the generation (num_iterations 2) after the first step's update: loss-time metrics only,
+    # the ratio's under gap/update/
+    update = [n for n in names("trl") if n.startswith("gap/update/")]
+    assert update and all(logs[1].get(n) is not None for n in update)
+    assert not [k for k in logs[1] if k.startswith(("gap/ratio/", "gap/sampler/"))]
+    assert not [n for n in update if n in first]  # the first step has no update
 
 
 def test_reductions_are_exact_sums_and_maxima_of_both_processes(runs):
@@ -130,9 +132,12 @@ def _expected_logs(record: dict) -> dict[int, dict[str, float]]:
     procs = record["num_processes"]
     per_step: dict[int, dict[str, list[float]]] = {}
     reduces = record["reduces"]
+    generated_at = None
     for i, red in enumerate(reduces):
         values = per_step.setdefault(red["step"] + 1, {})
         sums = red["reduced"]
+        if red["site"] == "flush_generation":
+            generated_at = red["step"]
         if red["site"] == "flush_generation" and red["kind"] == "sum" and len(sums) == len(GENERATION_FIELDS):
             for key, num, den in GENERATION_SUMS:
                 if sums[den] > 0:
@@ -143,12 +148,14 @@ def _expected_logs(record: dict) -> dict[int, dict[str, float]]:
         elif red["site"] == "flush_generation" and red["kind"] == "sum" and len(sums) == 1:
             values.setdefault("gap/fp16/fallbacks", []).append(sums[0])
         elif red["site"] == "loss_metrics" and red["kind"] == "sum":
-            for key, num, den in LOSS_SUMS:
+            update = red["step"] != generated_at  # an optimizer step since this generation's old log-probs
+            ratio_sums = [(ratio_name(statistic, update, "trl"), num, den) for statistic, num, den in RATIO_SUMS]
+            for key, num, den in ratio_sums + LOSS_SUMS:
                 if key.startswith("gap/old_vs_trl/") and sums[9] == 0:
                     continue  # no process had TRL's own old log-probs
                 if sums[den] > 0:  # the plugin logs no share of zero tokens (flip_frac without probe tokens)
                     values.setdefault(key, []).append(sums[num] / sums[den])
-            values.setdefault("gap/ratio/abs_dlogp_max", []).append(reduces[i + 1]["reduced"][0])
+            values.setdefault(ratio_name("abs_dlogp_max", update, "trl"), []).append(reduces[i + 1]["reduced"][0])
         elif red["site"] == "training_step":
             plugin, wall, _g_old_pass, probe = sums  # arm G's pass in place of TRL's; the probe forwards' seconds
             assert 0 <= probe <= plugin  # the probe's time is part of the plugin's (probe_budget's numerator)

@@ -464,6 +464,74 @@ def test_gap_vanilla_is_vanilla_plus_metrics():
     assert metrics["gap/ratio/abs_dlogp_max"] == pytest.approx(0.3, abs=1e-7)
 
 
+class _StandInWorker:
+    """What verl's ``TrainingWorker.train_mini_batch`` reads of its worker, on one CPU process: its ``train_batch``
+    runs ``gap_vanilla`` on the mini-batch with the policy's log-probs ``old + shift`` and then takes its optimizer
+    step (``shift`` grows by 0.25 nats), so after k steps every token's ``|new - old|`` is exactly 0.25 k."""
+
+    class _Engine:
+        def get_data_parallel_size(self):
+            return 1
+
+        def get_data_parallel_rank(self):
+            return 0
+
+        def is_mp_src_rank_with_outputs(self):
+            return True
+
+        def train_mode(self, disable_auto_offload=False):
+            import contextlib
+
+            return contextlib.nullcontext()
+
+    class _Profiler:
+        def step(self):
+            pass
+
+    def __init__(self):
+        self.engine, self.profiler, self.shift, self.config = self._Engine(), self._Profiler(), 0.0, _gap_vanilla_actor_config()
+
+    def train_batch(self, data):
+        from verl.utils import tensordict_utils as tu
+
+        old = data["old_log_probs"]
+        loss_fn = get_policy_loss_fn("gap_vanilla")
+        _, metrics = loss_fn(old, old + self.shift, data["advantages"], data["response_mask"], "token-mean",
+                             self.config, None)
+        self.shift += 0.25  # the optimizer step at the end of the mini-batch
+        return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {k: [[v]] for k, v in metrics.items()}})  # [dp][micro]
+
+
+def test_verl_logs_the_first_mini_batch_as_the_gap_and_later_ones_as_the_update(monkeypatch):
+    """verl's own mini-batch loop (``train_mini_batch``, 2 mini-batches x 2 epochs): only the first mini-batch, with
+    no optimizer step since the old log-probs, logs ``gap/ratio/*`` (exactly 0 here: new == old); the three after
+    a step log ``gap/update/*``, each the shift its steps made (0.25, 0.5, 0.75 nats)."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers import engine_workers
+
+    from bloggap_plugin.verl.loss import optimizer_steps_since_old
+
+    _clear_bloggap_env(monkeypatch)
+    assert getattr(engine_workers.TrainingWorker.train_mini_batch, "_bloggap_counts_steps", False)  # by the plugin
+    rows = 8
+    data = TensorDict({"old_log_probs": torch.full((rows, 4), -1.0), "advantages": torch.ones(rows, 4),
+                       "response_mask": torch.ones(rows, 4)}, batch_size=[rows])
+    tu.assign_non_tensor(data, num_mini_batch=2, epochs=2)
+    worker = _StandInWorker()
+    output = engine_workers.TrainingWorker.train_mini_batch(worker, data)
+    metrics = tu.get(output, "metrics")  # per key: the values of the mini-batches that logged it, in order
+    assert metrics["gap/ratio/abs_dlogp_max"] == [0.0] and metrics["gap/ratio/oob_frac"] == [0.0]
+    assert metrics["gap/update/abs_dlogp_mean"] == pytest.approx([0.25, 0.5, 0.75], abs=1e-6)
+    assert metrics["gap/update/oob_frac"] == [1.0, 1.0, 1.0]  # exp(0.25) > 1.1
+    assert "train_batch" not in vars(worker) and optimizer_steps_since_old() == 0  # nothing outlives the loop
+    # outside verl's loop (the loss called directly) a pass counts as the first
+    loss_fn = get_policy_loss_fn("gap_vanilla")
+    _, direct = loss_fn(data["old_log_probs"], data["old_log_probs"], data["advantages"], data["response_mask"],
+                        "token-mean", _gap_vanilla_actor_config(), None)
+    assert direct["gap/ratio/oob_frac"] == 0.0 and not any(k.startswith("gap/update/") for k in direct)
+
+
 # ------------------------------------------------------------------------------------------------ engine
 
 
