@@ -209,6 +209,13 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def _update_values(records: list[dict], statistic: str) -> list[float]:
+    """The update's ratio ``statistic`` on steps after an optimizer step: ``gap/update/<statistic>``, or in logs
+    written before the plugin split the ratio, ``gap/ratio/<statistic>`` (then logged on every step)."""
+    values = [r.get(f"gap/update/{statistic}", r.get(f"gap/ratio/{statistic}")) for r in records]
+    return [v for v in values if isinstance(v, (int, float))]
+
+
 def summarize(label: str, records: list[dict]) -> dict:
     """One row's numbers from a run's JSONL records (see the module docstring); the only reader of the records."""
     spec = parse_label(label)
@@ -241,7 +248,7 @@ def summarize(label: str, records: list[dict]) -> dict:
         "old_pass_median": statistics.median(old_pass) if old_pass else None,
         "ratio_exact_first_iteration_min": min(ratio_exact_first) if ratio_exact_first else None,
         "ratio_exact_first_iteration_mean": _mean(ratio_exact_first),
-        "ratio_exact_later_iterations_mean": _mean(_values(others, "gap/ratio/exact_frac")),
+        "ratio_exact_later_iterations_mean": _mean(_update_values(others, "exact_frac")),
         "step_s_median": _median(_values(records[1:], "step_time")),
         "step_s_mean": _mean(_values(records[1:], "step_time")),
         "other_step_s_median": _median(_values(others, "step_time")),

@@ -11,10 +11,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from bloggap_plugin.core.comparisons import BATCH_SHAPE_COMPARISONS, HEADLINE, SAMPLER, TIMED
+from bloggap_plugin.core.metric_specs import registered
 from bloggap_plugin.core.probe import FP16_MAX
 
 __all__ = ["Measured", "Reason", "Recommendation", "decide", "render", "recommend"]
 
+_GAP_RATIO = registered("gap/ratio/oob_frac", "trl")  # the live metric the recommendations tell the user to watch
 REMOVES = 0.1  # a precision "removes" the gap when it leaves at most this share of bf16's rate on the same rows
 
 
@@ -259,7 +261,8 @@ def _arm_b_text(reason: Reason) -> str:
     return (
         f"{text}; {_removal_text(reason)}: arm B (fp32 shadow copy), {_cost_text(reason)}. "
         "It keeps the PPO ratio at 1 only if training also runs in fp32 (bf16: false); with bf16 training "
-        "the ratio carries the bf16-vs-fp32 difference (watch gap/ratio/oob_frac). `bloggap ladder` finds "
+        f"the ratio carries the bf16-vs-fp32 difference (watch {_GAP_RATIO}, the ratio where no optimizer step lies "
+        "between old and new). `bloggap ladder` finds "
         "cheaper rungs (fp32 head, guided fp32 layers: arms E, D)."
     )
 
@@ -301,7 +304,8 @@ _SENTENCES = {
         f"{_removal_text(r)}, {_cost_text(r)}: arm H (fp16 everywhere: rollout, old log-probs and training in fp16 "
         "with loss scaling). Arm F (fp16 old log-probs only) removes the noise from the old-logprob pass, but "
         "while training stays in bf16 the PPO ratio new/old then carries the bf16-vs-fp16 difference of every "
-        "token: watch gap/ratio/oob_frac against arm A before choosing it."
+        f"token: watch {_GAP_RATIO} (the ratio where no optimizer step lies between old and new) against arm A "
+        "before choosing it."
     ),
     "arm_b": _arm_b_text,
     "h_needs_cuda": lambda r: (

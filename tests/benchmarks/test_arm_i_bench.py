@@ -117,9 +117,10 @@ def test_arm_i_live_document_rebuilds_the_committed_results_from_their_run_logs(
                 assert row["sampler_oob_max"] == max(sampler[1:])
 
 
-def _synthetic_run(arm: str) -> list[dict]:
+def _synthetic_run(arm: str, split: bool = False) -> list[dict]:
     """24 steps, odd steps generating (num_iterations 2), with numbers chosen so that every T16-armJ-live cell has
-    one hand-computed value (see the test below)."""
+    one hand-computed value (see the test below). ``split``: the second iterations' ratio under gap/update/* as the
+    plugin logs it now; else under gap/ratio/* as in logs written before the split (the committed ones)."""
     records = []
     for step in range(1, 25):
         generating = step % 2 == 1
@@ -135,16 +136,18 @@ def _synthetic_run(arm: str) -> list[dict]:
             record["gap/ratio/exact_frac"] = 0.5 if (arm == "A" and step == 3) else 1.0
             record["gap/ratio/oob_frac"] = 0.0
         else:
-            record["gap/ratio/exact_frac"] = 0.0 if arm == "A" else 0.01
+            record["gap/update/exact_frac" if split else "gap/ratio/exact_frac"] = 0.0 if arm == "A" else 0.01
         records.append(record)
     return records
 
 
-def test_arm_j_live_table_from_synthetic_logs():
+@pytest.mark.parametrize("split", [False, True], ids=["logs-before-the-split", "gap-and-update-apart"])
+def test_arm_j_live_table_from_synthetic_logs(split):
     """T16-armJ-live: per run, the sampler, the exact ratio at each iteration, the step times and their ratio to arm
-    A's run, reward and grad_norm, all from the JSONL records (hand-computed values for fixed records)."""
+    A's run, reward and grad_norm, all from the JSONL records (hand-computed values for fixed records); the same
+    table from logs with the second iteration under gap/update/* and from older logs with it under gap/ratio/*."""
     script = _live_script()
-    rows = {label: script.summarize(label, _synthetic_run(label.split("_")[1]))
+    rows = {label: script.summarize(label, _synthetic_run(label.split("_")[1], split))
             for label in ("train_A_ni2", "train_J_ni2")}
     doc = script.document(rows, {}, {})
     assert [t["id"] for t in doc["tables"]] == ["T16-armI-live", "T16-armJ-live"]

@@ -417,6 +417,29 @@ def test_headline_block_is_replaced_from_the_json_and_the_rest_kept(tmp_path):
     assert "out of band: **3.5%**" in readme.read_text()
 
 
+def test_report_rewrites_the_metric_tables_of_the_docs_beside_the_readme(tmp_path):
+    """With docs/trl.md beside the README, `bloggap report` regenerates the gap/* metric tables of docs/trl.md and
+    docs/verl.md from the metric registry, between their markers, and leaves the rest of each page."""
+    from bloggap_plugin.core.metric_specs import metric_table, metric_table_markers
+
+    results = tmp_path / "results"
+    _write(results, "h200", "tables", _result())
+    spec = _write_spec(tmp_path / "headline.yaml", [_SPEC_ROW])
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- bloggap:headline:start -->\n<!-- bloggap:headline:end -->\n")
+    (tmp_path / "docs").mkdir()
+    pages = {}
+    for framework in ("trl", "verl"):
+        start, end = metric_table_markers(framework)
+        pages[framework] = tmp_path / "docs" / f"{framework}.md"
+        pages[framework].write_text(f"# {framework}\n{start}\n| stale |\n{end}\nafter\n")
+    written = build_report(results, tmp_path / "B.md", None, readme=readme, headline=spec)
+    assert sorted(written["docs"]) == sorted(str(p) for p in pages.values())
+    for framework, page in pages.items():
+        start, end = metric_table_markers(framework)
+        assert page.read_text() == "\n".join([f"# {framework}", start, *metric_table(framework), end, "after", ""])
+
+
 def test_headline_links_follow_the_report_headings(tmp_path):
     """Two files of one benchmark share a heading: the second file's section is GitHub's '-1' anchor."""
     results = tmp_path / "results"
