@@ -2,7 +2,9 @@
 statistics, and their reduction across processes (named :class:`~bloggap_plugin.trl.state.Statistics`).
 
 :class:`Stats` is owned by :class:`~bloggap_plugin.trl.session.GapSession` and reads its state. Every logged ``gap/*`` value is a
-global ratio: per-process sums are reduced (summed, or maxed) before dividing.
+global ratio: per-process sums are reduced (summed, or maxed) before dividing. Every name is a registered TRL metric
+(:mod:`bloggap_plugin.core.metric_specs`); the ratio new/old goes under ``gap/ratio/*`` where no optimizer step lies
+between the generation's old log-probs and the loss pass, else under ``gap/update/*``.
 """
 
 from __future__ import annotations
