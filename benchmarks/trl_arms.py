@@ -25,7 +25,8 @@ os.environ.setdefault("CI", "true")
 NAME = "trl_arms"
 ARMS = ("A", "B", "C", "D", "E", "F", "G", "H")
 COLUMNS = [
-    "arm", "ratio OOB %", "sampler OOB %", "clip flips %", "clipped %", "probe b1 vs bN OOB %", "exact ratio %",
+    "arm", "ratio OOB %", "gap: ratio OOB % (first iterations)", "update: ratio OOB % (later iterations)",
+    "sampler OOB %", "clip flips %", "clipped %", "probe b1 vs bN OOB %", "exact ratio %",
     "s/step", "plugin s/step", "plugin time %", "mean per-step overhead %", "G old pass s/step", "reward first",
     "reward last",
 ]
@@ -55,14 +56,35 @@ def _parser() -> argparse.ArgumentParser:
                         help="gap.probe_budget values (default: the recipe's); rows for every probe_every x budget")
     parser.add_argument("--name", default=NAME, help="result name: writes <out>/<name>.json")
     parser.add_argument("--quick", action="store_true", help="tiny random model, 2 steps, CPU-sized (< 60 s)")
+    parser.add_argument("--rebuild", default=None, metavar="FILE",
+                        help="rewrite FILE's tables from its own results (no runs)")
     return parser
+
+
+def gap_and_update(history: list[dict]) -> tuple[float | None, float | None]:
+    """The mean out-of-band share of the ratio new/old over the passes with no optimizer step since the old
+    log-probs (the gap) and over the others (the update), from a run's logged steps. Logs that split them carry
+    ``gap/update/*``; in older logs, where ``gap/ratio/*`` holds both, a generation's first iteration is a step that
+    logged the sampler's metrics (``gap/sampler/oob_frac``)."""
+    split = any("gap/update/oob_frac" in record for record in history)
+    gap, update = [], []
+    for record in history:
+        ratio = record.get("gap/ratio/oob_frac")
+        if split:
+            gap += [ratio] if ratio is not None else []
+            update += [record["gap/update/oob_frac"]] if record.get("gap/update/oob_frac") is not None else []
+        elif ratio is not None:
+            (gap if record.get("gap/sampler/oob_frac") is not None else update).append(ratio)
+    mean = lambda values: sum(values) / len(values) if values else None  # noqa: E731
+    return mean(gap), mean(update)
 
 
 def table_row(label: str, summary: dict) -> list:
     """One arm's row of ``COLUMNS`` from its training summary (means over logged steps)."""
     m = lambda key, s=summary: s.get(f"mean/{key}")  # noqa: E731
+    gap, update = gap_and_update(summary.get("history") or [])
     return [
-        label, _pct(m("gap/ratio/oob_frac")), _pct(m("gap/sampler/oob_frac")), _pct(m("gap/clip/flip_frac")),
+        label, _pct(m("gap/ratio/oob_frac")), _pct(gap), _pct(update), _pct(m("gap/sampler/oob_frac")), _pct(m("gap/clip/flip_frac")),
         _pct(m("gap/clip/clipped_frac")), _pct(m("gap/probe/oob_b1_vs_bN")), _pct(m("gap/ratio/exact_frac")),
         _num(m("step_time")), _num(m("gap/time/scoring_s")), _pct(summary.get("plugin_share")),
         _pct(m("gap/time/overhead_frac")),
@@ -110,7 +132,9 @@ def t12_table(name: str, run: dict, rows: list[list]) -> dict:
         "columns": COLUMNS,
         "rows": rows,
         "notes": (
-            "Means over logged steps. ratio OOB: arm's old log-probs vs the training forward outside [0.9, 1.1]; "
+            "Means over logged steps. ratio OOB: arm's old log-probs vs the training forward outside [0.9, 1.1], "
+            "over every logged step; split into the gap (first iterations: no optimizer step since the old "
+            "log-probs) and the update (later iterations: PPO's own movement after an optimizer step); "
             "sampler OOB: old log-probs vs HF generate's own (recorded) log-probs; clip flips: PPO clip status "
             "under the arm vs an fp32 batch-1 reference on probe rows; plugin time: the sum of the plugin's time "
             "over the sum of step times (what the plugin costs the run); mean per-step overhead: the mean of the "
@@ -123,8 +147,37 @@ def t12_table(name: str, run: dict, rows: list[list]) -> dict:
     }
 
 
+SPLIT_COLUMNS = COLUMNS[2:4]
+"""The gap and update columns (:func:`gap_and_update`), added after ``ratio OOB %``."""
+
+
+def rebuild(path: str | Path) -> None:
+    """Add :data:`SPLIT_COLUMNS` to the T12 table of the result document at ``path``, computed from each arm's
+    logged steps in its ``results``, every other cell as the document has it (documents written before the split)."""
+    import json
+
+    from bloggap_plugin.results import ResultDocument
+
+    data = json.loads(Path(path).read_text())
+    for table in data["tables"]:
+        if SPLIT_COLUMNS[0] in table["columns"]:
+            continue
+        at = table["columns"].index("ratio OOB %") + 1
+        table["columns"][at:at] = SPLIT_COLUMNS
+        for row in table["rows"]:
+            gap, update = gap_and_update(data["results"].get(row[0], {}).get("history") or [])
+            row[at:at] = [_pct(gap), _pct(update)]
+        table["notes"] += (" gap / update: the ratio's out-of-band share over the first iterations (no optimizer "
+                           "step since the old log-probs) and over the later iterations (after one), from the logged "
+                           "steps (added after the runs).")
+    ResultDocument.from_dict(data, path).write(path)
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.rebuild:
+        rebuild(args.rebuild)
+        return 0
 
     import torch
 
