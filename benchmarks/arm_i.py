@@ -350,7 +350,7 @@ def cmd_phase(args) -> None:
         results.update(engine_start_s=gen["engine_start_s"], generate_s=gen["generate_s"],
                        model_runner=engine_model_runner(getattr(gen["llm"], "llm_engine", None)))
     else:
-        gen = torch.load(work / "gen.pt", weights_only=False)
+        gen = torch.load(work / "gen.pt", weights_only=True)  # tensors and ints: nothing to unpickle
     state["env"] = environment_record(device)
     results["process_batch_invariant"] = vllm_batch_invariant_active()
     results["env_vars"] = {k: os.environ.get(k) for k in ("VLLM_BATCH_INVARIANT", "CUBLAS_WORKSPACE_CONFIG",

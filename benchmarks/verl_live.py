@@ -65,10 +65,10 @@ START_RACES = ("Error in memory profiling", "No available memory for the cache b
 
 def recipe_overrides(name: str) -> list[str]:
     """The ``overrides`` list of ``recipes/verl/<name>``."""
-    import yaml
+    from bloggap_plugin._input_files import load_yaml_file
 
-    with open(ROOT / "recipes" / "verl" / name) as handle:
-        return list(yaml.safe_load(handle)["overrides"])
+    path = ROOT / "recipes" / "verl" / name
+    return list(load_yaml_file(path, str(path), "give a verl recipe with an overrides: list")["overrides"])
 
 
 def overrides(run: str, model: str, data_dir: str | Path, out: str | Path, steps: int = 20,
@@ -421,7 +421,7 @@ def check_head(dump_paths: list[Path], model_dir: str, device: str = "cuda") -> 
     head_parts = []  # |fp32 head - bf16 head| of this forward
     flags = []
     for path in dump_paths:
-        dump = torch.load(path)
+        dump = torch.load(path, weights_only=True)
         flags.append(bool(dump["fp32_head"]))
         scored = score_rows_independently(model, dump["input_ids"], dump["offsets"])
         keep = torch.isfinite(scored["fp32_head"])

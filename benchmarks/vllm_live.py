@@ -387,7 +387,7 @@ def cmd_score(gen_files: list[Path], model_path: str, band: float = 0.1) -> dict
              for arm in ("bf16", "fp32_head", "fp16", "fp32")}
     table, truncation = [], []
     for path in gen_files:
-        saved = torch.load(path, weights_only=False)
+        saved = torch.load(path, weights_only=True)  # tensors, numbers, text: nothing to unpickle
         meta = json.loads(path.with_suffix(".json").read_text())
         label = f"vLLM {meta['dtype'].replace('torch.', '')}, batch-invariant {meta['batch_invariant']}"
         for set_name, data in saved["sets"].items():

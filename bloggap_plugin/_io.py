@@ -6,7 +6,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "check_writable_dir", "check_writable_file"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "check_writable_dir", "check_writable_file", "confined_path"]
 
 
 def try_lock(path: str | os.PathLike, wait_s: float = 0.0):
@@ -27,6 +27,17 @@ def try_lock(path: str | os.PathLike, wait_s: float = 0.0):
                 handle.close()
                 return None
             time.sleep(0.1)
+
+
+def confined_path(root: str | os.PathLike, relative: str) -> Path | None:
+    """``root/relative`` resolved (symbolic links followed), or None when it lands outside ``root``: an absolute
+    path, ``..`` parts or a link out of the folder. Every writer given a name read from a file (a patch's ``+++``
+    line) goes through this, so it writes only under the folder the user named."""
+    base = Path(root).resolve()
+    if os.path.isabs(relative):
+        return None
+    full = (base / relative).resolve()
+    return full if base in full.parents else None
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

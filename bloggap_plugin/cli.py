@@ -89,10 +89,9 @@ def _model_named(argv: list[str]) -> str | None:
         path = config_file_path(argv)
         if path is None:
             return None
-        import yaml
+        from bloggap_plugin._input_files import load_yaml_file
 
-        with open(path) as handle:
-            values = yaml.safe_load(handle)
+        values = load_yaml_file(path, "--config", "")  # bounded: a YAML alias bomb must not expand here
     except Exception:  # noqa: BLE001 - any problem with the file is reported when it is applied
         return None
     model = values.get("model") if isinstance(values, dict) else None

@@ -27,7 +27,7 @@ from typing import Any
 
 from bloggap_plugin.core.arms import ARM_LETTERS, ArmSpec, get_arm
 from bloggap_plugin.core.arms import ARMS as ARM_RECORDS
-from bloggap_plugin.core.errors import UsageError
+from bloggap_plugin.core.errors import UsageError, short_repr
 
 __all__ = [
     "GapConfig",
@@ -326,11 +326,11 @@ def gap_config_from_dict(section: dict | None, where: str = "gap") -> GapConfig:
             raise unknown_key_error(key, valid, where)
         types = _gap_field_types()[key]
         if isinstance(value, bool) and bool not in types:
-            raise RecipeError(f"{where}.{key} must be {' or '.join(t.__name__ for t in types)}, got {value!r}")
+            raise RecipeError(f"{where}.{key} must be {' or '.join(t.__name__ for t in types)}, got {short_repr(value)}")
         if not isinstance(value, types):
             raise RecipeError(
                 f"{where}.{key} must be {' or '.join(t.__name__ for t in types if t is not type(None))}, "
-                f"got {type(value).__name__} {value!r}"
+                f"got {type(value).__name__} {short_repr(value)}"
             )
     if "band" in section:
         section["band"] = float(section["band"])
@@ -384,7 +384,7 @@ def _check_grpo_types(data: dict, where: str) -> dict:
             kind is float and isinstance(value, int) and not isinstance(value, bool)
         )
         if not ok:
-            raise RecipeError(f"{where}: {key} must be {_TYPE_WORDS[kind]}, got {type(value).__name__} {value!r}")
+            raise RecipeError(f"{where}: {key} must be {_TYPE_WORDS[kind]}, got {type(value).__name__} {short_repr(value)}")
     return out
 
 
@@ -437,26 +437,17 @@ def load_recipe(path: str | Path) -> tuple[dict, GapConfig]:
     sections), unknown keys and wrong types. A recipe without a ``gap:`` section runs arm A (TRL's own old
     log-probs, metrics only) and says so with a warning.
     """
-    import yaml
+    from bloggap_plugin._input_files import display_name, load_yaml, read_text_file
 
     path = Path(path)
+    name = display_name(path)
     if not path.is_file():
-        raise RecipeError(f"recipe {path} does not exist (recipes ship in recipes/arm_A.yaml .. arm_J.yaml)")
+        raise RecipeError(f"recipe {name} does not exist (recipes ship in recipes/arm_A.yaml .. arm_J.yaml)")
+    text = read_text_file(path, f"recipe {name}", "give a YAML recipe such as recipes/arm_A.yaml", RecipeError)
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise RecipeError(
-            f"recipe {path} is not a text file (not UTF-8 at byte {err.start}); give a YAML recipe such as "
-            "recipes/arm_A.yaml"
-        ) from None
-    if "\x00" in text:
-        raise RecipeError(f"recipe {path} is not a text file (it holds NUL bytes); give a YAML recipe")
-    try:
-        data = yaml.load(text, Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader subclass
+        data = load_yaml(text, name, _unique_key_loader(), RecipeError)  # bounded size, depth and aliases
     except RecipeError as err:
-        raise RecipeError(f"{path}: {err}") from None
-    except yaml.YAMLError as err:
-        raise RecipeError(f"{path}: not valid YAML: {err}") from err
+        raise RecipeError(err if str(err).startswith(name) else f"{name}: {err}") from None
     if data is None or data == {}:
         raise RecipeError(
             f"recipe {path} is empty; give GRPOConfig fields and a 'gap:' section (start from recipes/arm_A.yaml)"

@@ -62,6 +62,8 @@ __all__ = [
     "validate_result",
     "render_table",
     "format_cell",
+    "markdown_text",
+    "plot_text",
     "build_report",
     "table_plot_spec",
     "save_figure",
@@ -148,6 +150,19 @@ def load_results(results_dir: str | os.PathLike, reference_ids=None, require: li
 # --------------------------------------------------------------------------------------------- markdown
 
 
+def markdown_text(value) -> str:
+    """Text read from a result file or a name, as inline Markdown that stays where it is put: one line (newlines
+    and runs of whitespace collapsed), HTML's ``< > &`` escaped, ``|`` escaped (a table cell), bytes of a file
+    name that are not UTF-8 shown as U+FFFD. Every text the generated Markdown takes from
+    a document or a file name goes through this."""
+    import html
+
+    from bloggap_plugin._input_files import display_name
+
+    text = " ".join(display_name(str(value)).split())
+    return html.escape(text, quote=False).replace("|", "\\|")
+
+
 def format_cell(value) -> str:
     """A table cell as Markdown text; numbers exactly as written in the JSON."""
     if value is None:
@@ -158,12 +173,12 @@ def format_cell(value) -> str:
         return str(value)
     if isinstance(value, float):
         return repr(value)
-    return str(value).replace("|", "\\|").replace("\n", " ")
+    return markdown_text(value)
 
 
 def render_table(table: dict) -> list[str]:
     """Markdown lines of one table: bold title, the table, then its notes."""
-    title = f"**{table['id']}: {table['title']}**"
+    title = f"**{markdown_text(table['id'])}: {markdown_text(table['title'])}**"
     if table.get("random_init"):
         title += " *(random-init weights: timing/shape only, not a measurement of a trained model)*"
     lines = [title, ""]
@@ -172,13 +187,13 @@ def render_table(table: dict) -> list[str]:
     for row in table["rows"]:
         lines.append("| " + " | ".join(format_cell(c) for c in row) + " |")
     if table.get("notes"):
-        lines += ["", table["notes"].replace("\n", " ")]
+        lines += ["", markdown_text(table["notes"])]
     return lines
 
 
 def _render_reference(table: dict) -> list[str]:
-    source = table.get("source", "")
-    lines = [f"<details><summary>Reference study, {table['id']} ({source})</summary>", ""]
+    source = markdown_text(table.get("source", ""))
+    lines = [f"<details><summary>Reference study, {markdown_text(table['id'])} ({source})</summary>", ""]
     body = render_table(table)
     lines += body
     lines += ["", "</details>"]
@@ -230,8 +245,18 @@ def table_plot_spec(table: dict) -> dict | None:
     return {"kind": "bar", "x": labels, "y": ys}
 
 
+def plot_text(value) -> str:
+    """Text from a result file or a name as a matplotlib label drawn as written: bytes of a file name that are not
+    UTF-8 shown as U+FFFD (the font renderer refuses them), ``$`` escaped (else mathtext parses it and may fail),
+    a leading ``_`` kept visible (matplotlib hides such legend labels)."""
+    from bloggap_plugin._input_files import display_name
+
+    text = " ".join(display_name(str(value)).split()).replace("$", r"\$")
+    return "\u200b" + text if text.startswith("_") else text
+
+
 def _short(value, width: int = 28) -> str:
-    text = str(value)
+    text = plot_text(value)
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
@@ -251,7 +276,7 @@ def _plot_table(table: dict, spec: dict, path: Path) -> None:
         for j, y in enumerate(ys):
             values = [_float(r[columns.index(y)]) for r in rows]
             positions = [i + (j - (len(ys) - 1) / 2) * width for i in range(len(rows))]
-            ax.bar(positions, [v if v is not None else 0.0 for v in values], width=width, label=y)
+            ax.bar(positions, [v if v is not None else 0.0 for v in values], width=width, label=plot_text(y))
         ax.set_xticks(range(len(rows)))
         ax.set_xticklabels(labels, rotation=30 if len(rows) > 3 else 0, ha="right" if len(rows) > 3 else "center", fontsize=8)
     else:
@@ -268,11 +293,11 @@ def _plot_table(table: dict, spec: dict, path: Path) -> None:
             for y in ys:
                 points = [(float(r[x_index]), _float(r[columns.index(y)])) for r in group]
                 points = [(x, v) for x, v in points if v is not None]
-                label = y if name is None else (f"{name}" if len(ys) == 1 else f"{name}: {y}")
+                label = plot_text(y if name is None else (f"{name}" if len(ys) == 1 else f"{name}: {y}"))
                 ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
-        ax.set_xlabel(spec["x"])
-    ax.set_ylabel(spec.get("ylabel", ys[0] if len(ys) == 1 else "value"))
-    ax.set_title(spec.get("title", f"{table['id']}: {table['title']}"), fontsize=9)
+        ax.set_xlabel(plot_text(spec["x"]))
+    ax.set_ylabel(plot_text(spec.get("ylabel", ys[0] if len(ys) == 1 else "value")))
+    ax.set_title(plot_text(spec.get("title", f"{table['id']}: {table['title']}")), fontsize=9)
     ax.grid(alpha=0.3)
     if len(ys) > 1 or spec.get("series"):
         ax.legend(fontsize=7)
@@ -338,9 +363,10 @@ def build_report(
     ]
     plots = []
     for device, entries in results.items():
-        lines += [f"## {device}", "", *_env_lines(entries), ""]
+        lines += [f"## {markdown_text(device)}", "", *_env_lines(entries), ""]
         for path, document in entries:
-            lines += [f"### {document['benchmark']}", "", f"Source: `{path.as_posix()}`.", ""]
+            lines += [f"### {markdown_text(document['benchmark'])}", "", f"Source: `{markdown_text(path.as_posix())}`.",
+                      ""]
             for table in document["tables"]:
                 lines += render_table(table) + [""]
                 spec = table_plot_spec(table)
@@ -393,13 +419,10 @@ def load_headline_spec(path: str | os.PathLike) -> list[dict]:
     mapping with the text keys ``situation``, ``arm``, ``says`` (what the number is) and the cell it cites:
     ``result`` (``<device>/<file>.json`` under the results folder), ``table`` (table id), ``row`` (the value of
     the table's first column) and ``column`` (column name); optional ``unit`` follows the number."""
-    import yaml
+    from bloggap_plugin._input_files import load_yaml
 
     path = Path(path)
-    try:
-        document = yaml.safe_load(_read_text(path))
-    except yaml.YAMLError as err:
-        raise ReportError(f"{path}: not valid YAML ({err})") from None
+    document = load_yaml(_read_text(path), str(path), error=ReportError)
     rows = document.get("rows") if isinstance(document, dict) else None
     if not isinstance(rows, list) or not rows:
         raise ReportError(f"{path}: expected a mapping with a non-empty 'rows' list")
@@ -462,12 +485,13 @@ def render_headline(spec: list[dict], results: dict, benchmarks_link: str = "BEN
              "|---|---|---|---|" + ("---|" if with_cost else "")]
     for index, row in enumerate(spec):
         path, value = _cited_cell(row, results, f"headline rows[{index}]")
-        number = f"**{format_cell(value)}{row.get('unit', '')}**"
-        cited = f"[{row['table']}]({benchmarks_link}#{anchors[path]})"
-        cells = [row["situation"], row["arm"], f"{row['says']} {number}", cited]
+        number = f"**{format_cell(value)}{markdown_text(row.get('unit', ''))}**"
+        cited = f"[{markdown_text(row['table'])}]({benchmarks_link}#{anchors[path]})"
+        cells = [markdown_text(row["situation"]), markdown_text(row["arm"]), f"{markdown_text(row['says'])} {number}",
+                 cited]
         if with_cost:
             cells.append(_cost_cell(row.get("cost"), results, anchors, benchmarks_link, f"headline rows[{index}]"))
-        lines.append("| " + " | ".join(" ".join(c.split()) for c in cells) + " |")
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -478,8 +502,8 @@ def _cost_cell(cells: list | None, results: dict, anchors: dict, benchmarks_link
     parts, links = [], {}
     for index, cell in enumerate(cells):
         path, value = _cited_cell(cell, results, f"{where}: cost[{index}]")
-        parts.append(f"{cell['label']} {format_cell(value)}x")
-        links.setdefault(cell["table"], f"[{cell['table']}]({benchmarks_link}#{anchors[path]})")
+        parts.append(f"{markdown_text(cell['label'])} {format_cell(value)}x")
+        links.setdefault(cell["table"], f"[{markdown_text(cell['table'])}]({benchmarks_link}#{anchors[path]})")
     return f"{', '.join(parts)} ({', '.join(links.values())})"
 
 

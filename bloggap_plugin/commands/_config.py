@@ -25,7 +25,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from bloggap_plugin.core.errors import UsageError
+from bloggap_plugin.core.errors import UsageError, short_repr
 
 _OWN_KEYS = ("parse", "positional")
 CONFIG_FLAG = "--config"
@@ -176,8 +176,8 @@ def check_values(config) -> None:
             continue
         if not _matches(value, hints[item.name]):
             if typing.get_origin(hints[item.name]) is typing.Literal:
-                raise UsageError(f"{flag} {value!r}: choose one of {', '.join(map(str, typing.get_args(hints[item.name])))}")
-            raise UsageError(f"{flag} {value!r}: expected {getattr(hints[item.name], '__name__', hints[item.name])}")
+                raise UsageError(f"{flag} {short_repr(value)}: choose one of {', '.join(map(str, typing.get_args(hints[item.name])))}")
+            raise UsageError(f"{flag} {short_repr(value)}: expected {getattr(hints[item.name], '__name__', hints[item.name])}")
 
 
 def config_file_path(argv: list[str]) -> str | None:
@@ -194,24 +194,26 @@ def config_file_path(argv: list[str]) -> str | None:
 
 def apply_config_file(parser: argparse.ArgumentParser, config_types: tuple[type, ...], path: str) -> dict:
     """Read ``path`` (YAML mapping of field names) and make its values ``parser``'s defaults; returns them."""
-    import yaml
+    from bloggap_plugin._input_files import display_name, load_yaml_file
 
     file = Path(path)
+    what = f"{CONFIG_FLAG} {display_name(path)}"
     if not file.is_file():
-        raise UsageError(f"{CONFIG_FLAG} {path}: no such file; give a YAML file of field: value lines")
-    try:
-        values = yaml.safe_load(file.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise UsageError(f"{CONFIG_FLAG} {path}: not valid YAML ({err}); fix the file") from None
+        raise UsageError(f"{what}: no such file; give a YAML file of field: value lines")
+    values = load_yaml_file(file, what, "give a YAML file of field: value lines") or {}
     if not isinstance(values, dict):
-        raise UsageError(f"{CONFIG_FLAG} {path}: expected a mapping of field: value lines, got {type(values).__name__}")
+        raise UsageError(f"{what}: expected a mapping of field: value lines, got {type(values).__name__}")
+    odd = [key for key in values if not isinstance(key, str)]
+    if odd:
+        raise UsageError(f"{what}: field name {short_repr(odd[0])} is a {type(odd[0]).__name__}, not a name; write "
+                         "field names as text (e.g. num_seqs: 8)")
     fields = {f.name: f for config_type in config_types for f in _fields(config_type)}
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise UsageError(f"{CONFIG_FLAG} {path}: unknown field(s) {', '.join(map(str, unknown))}; valid: "
+        raise UsageError(f"{what}: unknown field(s) {', '.join(map(str, unknown))}; valid: "
                          f"{', '.join(sorted(n for n, f in fields.items() if 'positional' not in f.metadata))}")
     positional = sorted(n for n in values if "positional" in fields[n].metadata)
     if positional:
-        raise UsageError(f"{CONFIG_FLAG} {path}: {', '.join(positional)} is given on the command line, not in the file")
+        raise UsageError(f"{what}: {', '.join(positional)} is given on the command line, not in the file")
     parser.set_defaults(**values)
     return values

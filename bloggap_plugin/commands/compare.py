@@ -12,8 +12,7 @@ HELP = "Run every recipe x seed (same prompts and sampling seeds), then the T10 
 def _overrides(text: str | dict | list | None) -> dict:
     """``--override`` (a YAML or JSON mapping, as train's ``--extra-overrides``) or ``extra_overrides`` from a
     ``--config`` file (a mapping) as a dict."""
-    import yaml
-
+    from bloggap_plugin._input_files import load_yaml
     from bloggap_plugin.compare import CompareError
 
     if text is None or text == "":
@@ -22,9 +21,9 @@ def _overrides(text: str | dict | list | None) -> dict:
     example = "e.g. '{num_iterations: 2}'"
     if isinstance(text, str):
         try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            reason = " ".join(str(err).split())[:120]
+            value = load_yaml(text, "--override", error=CompareError)
+        except CompareError as err:
+            reason = " ".join(str(err).split())[:200]
             raise CompareError(f"--override must be a mapping of GRPOConfig fields (YAML or JSON), {example} "
                                f"({reason})") from None
     if not isinstance(value, dict):

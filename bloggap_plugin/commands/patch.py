@@ -21,7 +21,8 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-from bloggap_plugin._io import atomic_write_bytes
+from bloggap_plugin._input_files import display_name, read_text_file
+from bloggap_plugin._io import atomic_write_bytes, confined_path
 
 HELP = "Check, apply or revert bloggap's patches to an installed package (verl: forward vLLM kept-set sizes)."
 
@@ -212,13 +213,17 @@ def load_targets(root: str, patch_paths: list[str]) -> list[Target]:
     targets: list[Target] = []
     seen: set[str] = set()
     for patch_path in patch_paths:
-        with open(patch_path, encoding="utf-8") as handle:
-            file_patches = parse_unified_diff(handle.read(), os.path.basename(patch_path))
+        text = read_text_file(patch_path, f"patch {display_name(patch_path)}",
+                              "give the unified diff as it ships in patches/")  # bad input: UsageError, exit 2
+        file_patches = parse_unified_diff(text, os.path.basename(patch_path))
         for file_patch in file_patches:
             if file_patch.path in seen:
                 raise PatchError(f"{file_patch.path} is patched twice; one patch per file is supported")
             seen.add(file_patch.path)
-            full = os.path.join(root, file_patch.path)
+            full = confined_path(root, file_patch.path)
+            if full is None:
+                raise PatchError(f"{display_name(patch_path)} names {file_patch.path!r}, outside --root {root}; "
+                                 "nothing changed. Fix: use a patch whose paths stay inside the package folder")
             if not os.path.isfile(full):
                 raise PatchError(
                     f"{file_patch.path} not found in {root}; --root must be the folder that contains the package"
@@ -226,7 +231,7 @@ def load_targets(root: str, patch_paths: list[str]) -> list[Target]:
             with open(full, "rb") as handle:
                 data = handle.read()
             reverse = [hunk.reversed() for hunk in file_patch.hunks]
-            targets.append(Target(file_patch.path, full, data, apply_hunks(data, file_patch.hunks), apply_hunks(data, reverse)))
+            targets.append(Target(file_patch.path, str(full), data, apply_hunks(data, file_patch.hunks), apply_hunks(data, reverse)))
     return targets
 
 

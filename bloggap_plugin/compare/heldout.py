@@ -53,11 +53,12 @@ def heldout_max_tokens(config: CompareConfig, run: RunSpec) -> int:
         return int(config.heldout_max_tokens)
     if "max_completion_length" in config.extra_overrides:
         return int(config.extra_overrides["max_completion_length"])
-    import yaml
+    from bloggap_plugin._input_files import load_yaml_file
+    from bloggap_plugin.core.errors import UsageError
 
     try:
-        recipe = yaml.safe_load(Path(run.recipe).read_text()) or {}
-    except (OSError, yaml.YAMLError):
+        recipe = load_yaml_file(run.recipe, f"recipe {run.recipe}", "") or {}
+    except UsageError:  # the recipe's own check (load_recipe) says what is wrong with it
         recipe = {}
     value = recipe.get("max_completion_length") if isinstance(recipe, dict) else None
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else 256

@@ -304,7 +304,7 @@ def plot_reward_curves(results: dict, path: str | os.PathLike, smooth: int = 5, 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from bloggap_plugin.report_builder import save_figure
+    from bloggap_plugin.report_builder import plot_text, save_figure
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     by_arm: dict[str, list[dict]] = {}
@@ -321,14 +321,14 @@ def plot_reward_curves(results: dict, path: str | os.PathLike, smooth: int = 5, 
         steps = list(range(1, length + 1))
         mean = [sum(c[i] for c in curves) / len(curves) for i in range(length)]
         marker = "o" if length <= 20 else None  # a curve of one point is no line: show the points of short runs
-        (line,) = ax.plot(steps, mean, marker=marker, label=f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+        (line,) = ax.plot(steps, mean, marker=marker, label=plot_text(f"{label} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"))
         if len(curves) > 1:
             low = [min(c[i] for c in curves) for i in range(length)]
             high = [max(c[i] for c in curves) for i in range(length)]
             ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
     ax.set_xlabel("reward step (the steps that logged a reward: generating steps with num_iterations > 1)")
     ax.set_ylabel("reward" + (f" (rolling mean, {smooth} steps)" if smooth > 1 else ""))
-    ax.set_title(title or "Reward by arm: mean over seeds, band = per-seed range")
+    ax.set_title(plot_text(title) if title else "Reward by arm: mean over seeds, band = per-seed range")
     ax.grid(alpha=0.3)
     if ax.get_lines():
         ax.legend(fontsize=8, ncol=2)
@@ -345,7 +345,7 @@ def write_outputs(config: CompareConfig, results: dict) -> dict[str, str]:
     non-finite numbers are written as ``null``.
     """
     from bloggap_plugin.envinfo import environment_record
-    from bloggap_plugin.report_builder import render_table
+    from bloggap_plugin.report_builder import markdown_text, render_table
 
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -358,8 +358,8 @@ def write_outputs(config: CompareConfig, results: dict) -> dict[str, str]:
         tables=results["tables"],
     )
     paths = {"json": str(out / "compare.json"), "markdown": str(out / "compare.md"), "plot": str(out / "reward_curves.png")}
-    lines = [f"# Reward comparison: {config.task}, {config.model}", ""]
-    lines += [f"Recipes: {', '.join(config.recipes)}; seeds {', '.join(map(str, config.seeds))}; "
+    lines = [f"# Reward comparison: {markdown_text(config.task)}, {markdown_text(config.model)}", ""]
+    lines += [f"Recipes: {markdown_text(', '.join(config.recipes))}; seeds {', '.join(map(str, config.seeds))}; "
               f"{config.max_steps} steps per run.", ""]
     for table in results["tables"]:
         lines += render_table(table) + [""]

@@ -161,14 +161,12 @@ class RunSpec:
 
 def _arm_label(recipe: Path) -> str:
     """The arm label of ``recipe``: its ``gap.arm``, else its file stem (the full recipe check comes later)."""
-    import yaml
+    from bloggap_plugin._input_files import display_name, load_yaml_file
 
     if not recipe.is_file():
-        raise FileNotFoundError(f"recipe {recipe} does not exist")
-    try:
-        gap = _mapping(yaml.safe_load(recipe.read_text())).get("gap")
-    except yaml.YAMLError as err:
-        raise ValueError(f"recipe {recipe} is not valid YAML: {err}") from err
+        raise FileNotFoundError(f"recipe {display_name(recipe)} does not exist")
+    gap = _mapping(load_yaml_file(recipe, f"recipe {display_name(recipe)}", "give a YAML recipe such as "
+                                  "recipes/arm_A.yaml", error=CompareError)).get("gap")
     arm = _mapping(gap).get("arm")
     return str(arm) if arm else recipe.stem
 

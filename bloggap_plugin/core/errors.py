@@ -6,7 +6,7 @@ with a message that names the problem and the fix, before any model loads or any
 
 from __future__ import annotations
 
-__all__ = ["UsageError", "one_line", "check_positive"]
+__all__ = ["UsageError", "one_line", "check_positive", "short_repr"]
 
 
 class UsageError(ValueError):
@@ -22,3 +22,16 @@ def check_positive(option: str, value: int | None) -> None:
     """Raise :class:`UsageError` if ``value`` (an integer option; ``None`` = its default) is below 1."""
     if value is not None and value < 1:
         raise UsageError(f"{option} must be >= 1, got {value}; leave it out for the default")
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """``repr(value)`` for an error message, at most about ``limit`` characters: a long or deeply nested value (a
+    YAML document's expansion, a pasted blob) is cut with ``...`` instead of printed whole."""
+    import reprlib
+
+    shorter = reprlib.Repr()
+    shorter.maxstring = shorter.maxother = shorter.maxlong = limit
+    shorter.maxlist = shorter.maxtuple = shorter.maxdict = shorter.maxset = 8
+    shorter.maxlevel = 3
+    text = shorter.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

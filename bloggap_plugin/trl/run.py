@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -152,14 +153,15 @@ def _mapping(text: str) -> dict:
     """A YAML/JSON mapping given on the command line, e.g. ``'{beta: 0.04}'``."""
     import argparse
 
-    import yaml
+    from bloggap_plugin._input_files import load_yaml
+    from bloggap_plugin.core.errors import UsageError, short_repr
 
     try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise argparse.ArgumentTypeError(f"not a YAML mapping: {err}") from None
+        value = load_yaml(text, "the mapping")
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a YAML mapping such as '{{key: value}}', got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a YAML mapping such as '{{key: value}}', got {short_repr(text)}")
     return value
 
 
@@ -405,9 +407,24 @@ def run_training(recipe: str | Path | TrainConfig | RunPlan, **settings: Any) ->
         plan = prepare_run(recipe, **settings)
     lock = _lock_output_dir(plan.config.output_dir)
     try:
-        return _train(plan)
+        with _integrations_under(plan.config.output_dir):
+            return _train(plan)
     finally:
         lock.close()
+
+
+@contextlib.contextmanager
+def _integrations_under(output_dir: str | Path):
+    """While active, a logging integration that writes its own folder (wandb's ``./wandb/``) writes it under
+    ``output_dir`` instead of the current folder (``WANDB_DIR``), unless the user set that variable."""
+    if os.environ.get("WANDB_DIR"):
+        yield
+        return
+    os.environ["WANDB_DIR"] = str(Path(output_dir).resolve())
+    try:
+        yield
+    finally:
+        os.environ.pop("WANDB_DIR", None)
 
 
 def _lock_output_dir(output_dir: str | Path):

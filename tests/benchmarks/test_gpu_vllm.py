@@ -58,7 +58,7 @@ def test_processed_logprobs_give_the_exact_kept_set_under_top_k(live):
     (bf16 logits tie often), so |S| >= 20: seen live, 23 at some positions."""
     work = _ok(live, "gen")
     meta = json.loads((work / "gen.json").read_text())
-    saved = torch.load(work / "gen.pt", weights_only=False)
+    saved = torch.load(work / "gen.pt", weights_only=True)
     top_k = meta["sets"]["top_k=20"]
     assert top_k["parser"]["ok"], top_k["parser"]
     assert top_k["parser"]["approximate"] is False and top_k["parser"]["covered_frac"] == 1.0
