@@ -37,6 +37,7 @@ from pathlib import Path
 
 from benchmarks._lib.launch import module_command, repo_env, run_logged
 from benchmarks._lib.logprobs import logprob_gap, median_time, teacher_forced_batch
+from bloggap_plugin._io import atomic_write_text
 
 VARIANTS: dict[str, dict] = {
     "eager": {"enforce_eager": True, "enable_prefix_caching": False},
@@ -137,7 +138,7 @@ def cmd_variant(args) -> None:
     state = json.loads(path.read_text())
     state["env"] = environment_record(device)
     state["results"][args.variant] = entry
-    path.write_text(json.dumps(state, indent=1) + "\n")
+    atomic_write_text(path, json.dumps(state, indent=1) + "\n")
 
 
 def cmd_all(args) -> None:
@@ -149,7 +150,7 @@ def cmd_all(args) -> None:
              "params": {"model": "<SmolLM2 dense folder>", "task": args.task, "prompts": args.prompts,
                         "tokens": args.tokens, "band": BAND, "trl_engine": TRL_ENGINE,
                         "revision": args.revision, "process_env": PROCESS_ENV}, "results": {}, "errors": {}}
-    path.write_text(json.dumps(state, indent=1) + "\n")
+    atomic_write_text(path, json.dumps(state, indent=1) + "\n")
     deadline = time.time() + args.budget_s
     for variant in args.variants.split(","):
         argv = module_command("benchmarks.arm_i_engine", "variant", variant, "--model", args.model, "--json",
@@ -161,7 +162,7 @@ def cmd_all(args) -> None:
             state = json.loads(path.read_text())
             state["errors"][variant] = {"code": code,
                                         "log_tail": log_path.read_text(errors="replace").splitlines()[-25:]}
-            path.write_text(json.dumps(state, indent=1) + "\n")
+            atomic_write_text(path, json.dumps(state, indent=1) + "\n")
         print(f"variant {variant}: exit {code}", flush=True)
 
 
@@ -210,7 +211,7 @@ def cmd_collect(args) -> None:
     document = {"benchmark": "arm_i_engine", "schema_version": 1, "env": merged["env"], "params": merged["params"],
                 "results": merged["results"], "tables": [table(merged["results"])]}
     text = strip_paths(json.dumps(document, indent=1) + "\n", args.model_path, "<SmolLM2 dense folder>")
-    Path(args.result).write_text(text)
+    atomic_write_text(Path(args.result), text)
     if args.pack:
         pack_text_files([Path(log) for log in args.logs], Path(args.pack), args.model_path, "<SmolLM2 dense folder>")
 

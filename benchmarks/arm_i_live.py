@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 from benchmarks._lib.paths import ROOT
+from bloggap_plugin._io import atomic_write_text
 
 TABLE_ID = "T16-armI-live"
 RESULT_NAME = "arm_i_live.json"
@@ -397,7 +398,7 @@ def run_main(args: argparse.Namespace) -> int:
                            "log_tail": (out / f"{label}.log").read_text()[-3000:]}
         else:
             rows[label] = {**summarize(label, _records(log_jsonl)), "seconds": seconds, "argv": argv[1:]}
-        (out / RESULT_NAME).write_text(json.dumps(document(rows, params, env), indent=1))
+        atomic_write_text(out / RESULT_NAME, json.dumps(document(rows, params, env), indent=1))
         print(label, "exit", code, f"{seconds:.0f} s", {k: v for k, v in rows[label].items()
                                                         if k not in ("per_generation", "log_tail", "argv")}, flush=True)
     return 0
@@ -422,7 +423,7 @@ def document_main(args: argparse.Namespace) -> int:
                            **{k: row[k] for k in ("seconds", "argv", "note") if k in row}}
         else:
             rows[label] = row
-    Path(args.result).write_text(json.dumps(document(rows, old["params"], old["env"]), indent=1) + "\n")
+    atomic_write_text(Path(args.result), json.dumps(document(rows, old["params"], old["env"]), indent=1) + "\n")
     return 0
 
 
@@ -466,7 +467,7 @@ def collect_main(args: argparse.Namespace) -> int:
     params = {"model": "SmolLM2-135M-Instruct", "steps": args.steps, "runs": ",".join(rows),
               "memory": source.get("params", {}).get("memory"), "revision": args.revision}
     document_text = json.dumps(document(rows, params, source["env"]), indent=1) + "\n"
-    Path(args.result).write_text(strip_paths(document_text, args.model_path, "<SmolLM2 dense folder>"))
+    atomic_write_text(Path(args.result), strip_paths(document_text, args.model_path, "<SmolLM2 dense folder>"))
     if args.pack:
         _pack_logs(folders, list(rows), Path(args.pack), args.model_path)
     return 0

@@ -33,6 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bloggap_plugin._io import atomic_write_text
+
 TABLE_ID = "T16-armJ-pieces"
 BACKWARD_TABLE_ID = "T16-armJ-backward"
 RESULT_NAME = "arm_j_pieces.json"
@@ -385,7 +387,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _write(out: Path, results: dict, params: dict, env: dict, attention: dict | None = None) -> None:
     ok = {k: v for k, v in results.items() if "error" not in v}
     doc = document(ok, {**params, "errors": {k: v for k, v in results.items() if "error" in v}}, env, attention)
-    (out / RESULT_NAME).write_text(json.dumps(doc, indent=1) + "\n")
+    atomic_write_text(out / RESULT_NAME, json.dumps(doc, indent=1) + "\n")
 
 
 def cmd_document(args: argparse.Namespace) -> int:
@@ -397,7 +399,7 @@ def cmd_document(args: argparse.Namespace) -> int:
     raw = json.loads(Path(args.raw).read_text())
     doc = document(raw["results"], raw["params"], raw["env"], raw.get("attention_formulas"))
     text = strip_paths(json.dumps(doc, indent=1) + "\n", args.model_path, "<SmolLM2 dense folder>")
-    Path(args.result).write_text(text)
+    atomic_write_text(Path(args.result), text)
     return 0
 
 

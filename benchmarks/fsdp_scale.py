@@ -60,6 +60,7 @@ import traceback
 from pathlib import Path
 
 from benchmarks._lib.paths import ROOT, arm_recipe
+from bloggap_plugin._io import atomic_write_text
 
 NAME = "fsdp_scale"
 ARMS = ("A", "B", "E", "F", "G", "H")
@@ -245,7 +246,7 @@ def worker(args) -> int:
             record = {"arm": arm, "rank": rank, "error": repr(err)[:2000],
                       "traceback": traceback.format_exc()[-6000:]}
             print(f"[{NAME}] rank {rank} arm {arm} failed: {err!r}", flush=True)
-        (out / f"{arm}.rank{rank}.json").write_text(json.dumps(record, default=str))
+        atomic_write_text(out / f"{arm}.rank{rank}.json", json.dumps(record, default=str))
         gc.collect()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()

@@ -36,6 +36,7 @@ from pathlib import Path
 from benchmarks import gsm8k_warmstart
 from benchmarks._lib.publish import MACHINE_PATH, MACHINE_PATHS, console_lines
 from benchmarks.gsm8k_warmstart import _pct
+from bloggap_plugin._io import atomic_write_bytes
 from bloggap_plugin.results import dumps
 
 SETTINGS_TABLE_ID = "T18-warmstart-settings"
@@ -142,7 +143,7 @@ def publish_run(folder: Path, name: str, into: Path) -> list[Path]:
     for relative, data in run_files(folder, name).items():
         path = Path(into) / relative
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
+        atomic_write_bytes(path, data)
         written.append(path)
     return written
 

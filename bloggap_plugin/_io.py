@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "check_writable_dir", "check_writable_file", "confined_path"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "check_writable_dir", "check_writable_file", "confined_path",
+           "foreign_file_problem", "write_output_text", "json_of", "OWN_FILE_MAX_BYTES"]
+
+OWN_FILE_MAX_BYTES = 64 << 20
+"""Largest existing file an output flag reads to tell whether the command wrote it (larger: not its own)."""
 
 
 def try_lock(path: str | os.PathLike, wait_s: float = 0.0):
@@ -38,6 +43,53 @@ def confined_path(root: str | os.PathLike, relative: str) -> Path | None:
         return None
     full = (base / relative).resolve()
     return full if base in full.parents else None
+
+
+def json_of(text: str):
+    """``text`` parsed as JSON, or None when it is not JSON (for the ``owned`` tests of :func:`write_output_text`)."""
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def foreign_file_problem(path: str | os.PathLike, what: str, owned: Callable[[str], bool]) -> str | None:
+    """A one-line refusal when ``path`` holds a file this command did not write, else None. ``owned(text)`` says
+    whether an existing file's text is the command's own output (then it may be replaced); a missing or empty
+    file is free; a file that is not UTF-8 text, or larger than :data:`OWN_FILE_MAX_BYTES`, is not its own."""
+    path = Path(path)
+    try:
+        if not path.is_file() or path.stat().st_size == 0:
+            return None
+        text = path.read_bytes().decode("utf-8") if path.stat().st_size <= OWN_FILE_MAX_BYTES else None
+    except (OSError, UnicodeDecodeError):
+        text = None
+    if text is not None and owned(text):
+        return None
+    return (f"{what} {os.fsencode(path).decode('utf-8', 'replace')}: that file exists and is not output of this "
+            "command, so it is not replaced; give a new path, or move the file away first")
+
+
+def write_output_text(path: str | os.PathLike, text: str, what: str, owned: Callable[[str], bool],
+                      error: type[Exception] | None = None) -> Path:
+    """The one writer of an output flag's file (``--json``, ``--output``): refuses (``error``, default
+    ``UsageError``) to replace a file :func:`foreign_file_problem` finds is not the command's own, writes through
+    :func:`atomic_write_text`, and turns a failed write (full disk, permissions) into one line saying the previous
+    file is unchanged."""
+    from bloggap_plugin.core.errors import UsageError
+
+    error = error or UsageError
+    problem = foreign_file_problem(path, what, owned)
+    if problem:
+        raise error(problem)
+    try:
+        return atomic_write_text(path, text)
+    except OSError as err:
+        raise error(f"{what} {os.fsencode(path).decode('utf-8', 'replace')}: cannot write "
+                    f"({err.strerror or err}); the previous file is unchanged: free space or choose another "
+                    "path") from None
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     from bloggap_plugin.core.errors import UsageError, one_line
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 prints escaped, never a traceback
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     # Offline by default, the hub reached only when the user names a hub model (--model, or the --config file's
     # model); set before the parser is built, since building it imports huggingface_hub (through TRL), which reads
     # HF_HUB_OFFLINE once, at import

@@ -52,32 +52,45 @@ class ModelOutputConfig:
         "help": "write JSON to PATH (stdout if no PATH)", "nargs": "?", "const": "-", "metavar": "PATH"})
 
 
-def check_json_option(path: str | None) -> None:
-    """Raise ``UsageError`` before measuring if ``--json PATH`` cannot be written (``-`` is stdout)."""
-    from bloggap_plugin._io import check_writable_file
+def check_json_option(path: str | None, command: str) -> None:
+    """Raise ``UsageError`` before measuring if ``--json PATH`` cannot be written (``-`` is stdout) or holds a file
+    that ``bloggap COMMAND --json`` did not write."""
+    from bloggap_plugin._io import check_writable_file, foreign_file_problem
     from bloggap_plugin.core.errors import UsageError
 
     if path and path != "-":
-        problem = check_writable_file(path, "--json")
+        problem = check_writable_file(path, "--json") or foreign_file_problem(path, "--json", _owned_by(command))
         if problem:
             raise UsageError(problem)
 
 
+def _owned_by(command: str):
+    """``owned(text)``: True when ``text`` is the ``--json`` output of ``bloggap COMMAND``."""
+    from bloggap_plugin._io import json_of
+
+    def owned(text: str) -> bool:
+        document = json_of(text)
+        return isinstance(document, dict) and document.get("command") == command and "results" in document
+
+    return owned
+
+
 def write_json_option(path: str, payload: dict) -> None:
-    """Write ``payload`` to ``--json PATH`` atomically (a failed write leaves the previous file whole)."""
-    from bloggap_plugin._io import atomic_write_text
+    """Write ``payload`` to ``--json PATH`` atomically, never over a file its command did not write (a failed
+    write leaves the previous file whole)."""
+    from bloggap_plugin._io import write_output_text
     from bloggap_plugin.results import dumps
 
-    atomic_write_text(path, dumps(payload, indent=2) + "\n")
+    write_output_text(path, dumps(payload, indent=2) + "\n", "--json", _owned_by(payload["command"]))
     print(f"wrote {path}")
 
 
-def load_for(config: ModelOutputConfig) -> tuple[str, object, object]:
-    """``(device, model, tokenizer)`` for ``config`` once ``--json``, ``--device`` and the model files passed their
-    checks (each a one-line ``UsageError`` before anything loads)."""
+def load_for(config: ModelOutputConfig, command: str) -> tuple[str, object, object]:
+    """``(device, model, tokenizer)`` for ``config`` of ``bloggap COMMAND`` once ``--json``, ``--device`` and the
+    model files passed their checks (each a one-line ``UsageError`` before anything loads)."""
     from bloggap_plugin.models import check_model_spec, load_model, resolve_device
 
-    check_json_option(config.json)
+    check_json_option(config.json, command)
     device = resolve_device(config.device)
     check_model_spec(config.model)
     model, tokenizer = load_model(config.model, dtype=config.dtype, device=device, attn_implementation=config.attn)

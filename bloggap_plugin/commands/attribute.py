@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from bloggap_plugin.measure.attribution import run_attribution
 
     config = checked_config(AttributeConfig, args, ("rows", "new_tokens", "batch_size", "k"))
-    device, model, tokenizer = load_for(config)
+    device, model, tokenizer = load_for(config, "attribute")
     result = run_attribution(
         model,
         tokenizer,

@@ -109,12 +109,13 @@ def format_table(cells: list[dict], dtypes: list[str], attns: list[str]) -> str:
 
 def _check(config: DoctorConfig) -> None:
     """Every check on the settings that needs no model (``UsageError``: one line, before anything loads)."""
-    from bloggap_plugin._io import check_writable_file
+    from bloggap_plugin._io import check_writable_file, foreign_file_problem
     from bloggap_plugin.commands._measured import check_counts
     from bloggap_plugin.core.errors import UsageError
 
     if config.json_path:  # before measuring: a bad path must not cost a run
-        problem = check_writable_file(config.json_path, "--json", create_parents=True)
+        problem = (check_writable_file(config.json_path, "--json", create_parents=True)
+                   or foreign_file_problem(config.json_path, "--json", is_doctor_json))
         if problem:
             raise UsageError(problem)
     if config.from_json:
@@ -191,15 +192,28 @@ def run(args: argparse.Namespace) -> int:
 
 def _write_json(result: dict, json_path: str | None) -> None:
     """``result`` as strict JSON (``bloggap_plugin.results.dumps``: non-finite -> null) to ``json_path``, if given."""
-    from bloggap_plugin._io import atomic_write_text
+    from bloggap_plugin._io import write_output_text
+    from bloggap_plugin.core.errors import UsageError
     from bloggap_plugin.results import dumps
 
     if json_path:
         path = Path(json_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # atomic: a failed write (full disk) leaves the previous file whole
-        atomic_write_text(path, dumps(result, indent=1) + "\n")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UsageError(f"--json {path}: cannot create its folder ({err.strerror or err}); choose another "
+                             "path") from None
+        # atomic, and never over a file the doctor did not write: a failed write leaves the previous file whole
+        write_output_text(path, dumps(result, indent=1) + "\n", "--json", is_doctor_json)
         print(f"wrote {path}")
+
+
+def is_doctor_json(text: str) -> bool:
+    """True when ``text`` is a ``bloggap doctor --json`` file (the only file ``--json`` may replace)."""
+    from bloggap_plugin._io import json_of
+
+    document = json_of(text)
+    return isinstance(document, dict) and document.get("benchmark") == "doctor" and "recommendation" in document
 
 
 def _print_result(result: dict) -> None:

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     config = checked_config(LadderConfig, args, ("rows", "calibration_rows", "new_tokens"))
     if config.k is not None and any(k < 1 for k in config.k):
         raise UsageError(f"--k {' '.join(str(k) for k in config.k if k < 1)}: layer counts must be >= 1")
-    device, model, tokenizer = load_for(config)
+    device, model, tokenizer = load_for(config, "ladder")
     gpu = device.startswith("cuda")
     result = run_ladder(  # checks --k against the model's layer count before sampling anything
         model,

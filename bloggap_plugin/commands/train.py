@@ -150,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
     """Train; bad input raises ``UsageError`` before the model loads (``bloggap: error: ...``, exit 2).
 
     stdout carries the summary JSON alone (``bloggap train ... > summary.json``); the per-step logs go to stderr.
-    Ctrl-C (SIGINT) stops training at once: the summary of the steps that finished is printed, exit 130."""
+    Ctrl-C (SIGINT) stops training at once: the summary of the steps that finished is printed, exit 130; SIGTERM
+    and SIGHUP do the same (exit 128 + the signal's number). A failed final save (``--save-final``) exits 1."""
     from bloggap_plugin.core.errors import UsageError
     from bloggap_plugin.trl.run import run_training
 
@@ -162,16 +163,61 @@ def run(args: argparse.Namespace) -> int:
         if log.is_file() and log.stat().st_size > 0:
             raise UsageError(f"--log-jsonl {log}: the file exists and is not empty; bloggap train does not append to "
                              "another file's lines: give a new path, or remove it first")
+    stopped_by: list[int] = []
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with _stop_signals_interrupt(stopped_by), contextlib.redirect_stdout(sys.stderr):
             summary = run_training(config)
             _finish_wandb()  # its closing lines now, on stderr, not after the summary at exit
     except KeyboardInterrupt:
-        print("bloggap train: interrupted before training started; nothing was trained", file=sys.stderr)
-        return 130
+        print(f"bloggap train: {_stop_words(stopped_by)} before training started; nothing was trained",
+              file=sys.stderr)
+        return _stop_code(stopped_by)
     print(json.dumps(summary, indent=2))
     if summary.get("interrupted"):
-        print(f"bloggap train: interrupted after {summary['steps']} optimizer step(s); the summary above covers "
-              "them (no final save)", file=sys.stderr)
-        return 130
+        print(f"bloggap train: {_stop_words(stopped_by)} after {summary['steps']} optimizer step(s); the summary "
+              "above covers them (no final save)", file=sys.stderr)
+        return _stop_code(stopped_by)
+    if summary.get("save_final_error"):
+        print(f"bloggap train: {summary['save_final_error']}", file=sys.stderr)
+        return 1
     return 0
+
+
+STOP_SIGNALS = ("SIGTERM", "SIGHUP")
+"""What job schedulers and closed terminals send: handled as Ctrl-C (SIGINT) is while ``bloggap train`` runs."""
+
+
+@contextlib.contextmanager
+def _stop_signals_interrupt(received: list[int]):
+    """While active (main thread only), :data:`STOP_SIGNALS` raise ``KeyboardInterrupt`` as SIGINT does, so
+    training stops the same way (the summary of the finished steps); each signal's number is appended to
+    ``received``."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):  # noqa: ARG001 - signal's handler signature
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    numbers = [getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)]
+    previous = {number: signal.signal(number, interrupt) for number in numbers}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _stop_words(received: list[int]) -> str:
+    import signal
+
+    return f"stopped by {signal.Signals(received[0]).name}" if received else "interrupted"
+
+
+def _stop_code(received: list[int]) -> int:
+    """128 + the signal's number: 130 for Ctrl-C, 143 for SIGTERM."""
+    return 128 + (received[0] if received else 2)

@@ -111,7 +111,7 @@ def _launch(config: CompareConfig, run: RunSpec, lock_fd: int, mode: str = "trai
     log = Path(run.log_jsonl)
     log.parent.mkdir(parents=True, exist_ok=True)
     for old in _part_logs(run):  # attempts of a sweep that was killed: no process writes them (we hold the lock)
-        os.replace(old, log.with_name(log.name + ".partial"))
+        os.replace(old, _free_name(log.with_name(log.name + ".partial")))  # never over an earlier one
     attempt = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6:06d}"
     part = log.with_name(f"{run.run_id}.{attempt}.part.jsonl")
     spec_path = log.with_name(f"{run.run_id}.spec.json")

@@ -280,7 +280,8 @@ def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
     device = resolve_device(config.device)
     check_heldout_spec(config.heldout)
     for problem in (check_writable_dir(config.output_dir, "--output-dir"),
-                    None if config.save_final is None else check_writable_dir(config.save_final, "--save-final"),
+                    None if config.save_final is None else (check_writable_dir(config.save_final, "--save-final")
+                                                            or foreign_save_problem(config.save_final)),
                     None if log_jsonl is None else check_writable_file(log_jsonl, "--log-jsonl", create_parents=True)):
         if problem:
             raise UsageError(problem)
@@ -406,11 +407,61 @@ def run_training(recipe: str | Path | TrainConfig | RunPlan, **settings: Any) ->
     else:
         plan = prepare_run(recipe, **settings)
     lock = _lock_output_dir(plan.config.output_dir)
+    save_lock = None
     try:
+        if plan.config.save_final is not None:
+            save_lock = _lock_folder(plan.config.save_final, "--save-final", "saves", ".bloggap-save.lock")
         with _integrations_under(plan.config.output_dir):
             return _train(plan)
     finally:
         lock.close()
+        if save_lock is not None:
+            save_lock.close()
+
+
+SAVE_MARKER = ".bloggap-save-final"
+"""The file :func:`save_final` writes last into a ``--save-final`` folder: the folder holds a complete save of a
+bloggap run (so a later run may replace it). Names starting with ``.bloggap`` are bloggap's own bookkeeping."""
+
+
+def foreign_save_problem(folder: str | Path) -> str | None:
+    """A one-line refusal when ``folder`` holds files that are not a bloggap save (a user's model, its
+    ``config.json``): a final save would overwrite them. An empty folder, or one holding a previous save, is free."""
+    folder = Path(folder)
+    if not folder.is_dir() or (folder / SAVE_MARKER).is_file():
+        return None
+    others = sorted(item.name for item in folder.iterdir() if not item.name.startswith(".bloggap"))
+    if not others:
+        return None
+    return (f"--save-final {folder}: the folder holds files a bloggap run did not save ({', '.join(others[:3])}"
+            f"{', ...' if len(others) > 3 else ''}); the final save would overwrite them: give a new or empty folder")
+
+
+def save_final(trainer: Any, folder: str | Path) -> str | None:
+    """Save the trained policy and tokenizer into ``folder`` whole or not at all: written into a temporary folder
+    inside it, then each file moved into place, then :data:`SAVE_MARKER`. Returns None, or the one-line reason the
+    save failed (full disk, permissions): then ``folder`` holds what it held before and no partial file."""
+    import shutil
+    import tempfile
+
+    folder = Path(folder)
+    tmp = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".bloggap-saving-", dir=folder))
+        trainer.save_model(str(tmp))
+        for item in sorted(tmp.iterdir()):
+            if (folder / item.name).is_dir():
+                shutil.rmtree(folder / item.name)
+            os.replace(item, folder / item.name)
+        (folder / SAVE_MARKER).write_text("a complete final save of a bloggap train run\n")
+    except OSError as err:
+        return (f"--save-final {folder}: the final save failed ({err.strerror or err}); nothing partial was left "
+                "there: free space or give another folder, and train again")
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return None
 
 
 @contextlib.contextmanager
@@ -430,15 +481,21 @@ def _integrations_under(output_dir: str | Path):
 def _lock_output_dir(output_dir: str | Path):
     """Hold ``output_dir/.bloggap-train.lock`` for the run, or raise ``UsageError``: two trains into one folder
     would interleave their logs and checkpoints, and the last final save would win."""
+    return _lock_folder(output_dir, "--output-dir", "logs and final saves", ".bloggap-train.lock")
+
+
+def _lock_folder(folder: str | Path, option: str, what: str, name: str):
+    """Hold ``folder/NAME`` (the folder created), or raise ``UsageError`` naming ``option`` when another bloggap
+    train holds it (its ``what`` would interleave)."""
     from bloggap_plugin._io import try_lock
     from bloggap_plugin.core.errors import UsageError
 
-    folder = Path(output_dir)
+    folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    handle = try_lock(folder / ".bloggap-train.lock")
+    handle = try_lock(folder / name)
     if handle is None:
-        raise UsageError(f"--output-dir {folder}: another bloggap train is writing into it (logs and final saves would "
-                         "interleave); wait for it to finish or give another --output-dir")
+        raise UsageError(f"{option} {folder}: another bloggap train is writing into it ({what} would interleave); "
+                         f"wait for it to finish or give another {option}")
     return handle
 
 
@@ -479,8 +536,9 @@ def _train(plan: RunPlan) -> dict:
         interrupted, output = True, None
     wall = time.perf_counter() - start
     trainer._gap_close()
+    save_error = None
     if config.save_final is not None and not interrupted:
-        trainer.save_model(str(config.save_final))
+        save_error = save_final(trainer, config.save_final)
     history = [h for h in trainer.state.log_history if "loss" in h]
     summary: dict = {
         "recipe": str(config.recipe),
@@ -495,6 +553,8 @@ def _train(plan: RunPlan) -> dict:
         "interrupted": interrupted,
         "log_jsonl": str(log_jsonl) if log_jsonl is not None else None,
     }
+    if save_error is not None:
+        summary["save_final_error"] = save_error
     summary.update(summarize_history(history))
     summary["plugin_share"] = plugin_time_share(history)  # time-weighted, not the mean of per-step fractions
     rewards = [h["reward"] for h in history if isinstance(h.get("reward"), (int, float))]

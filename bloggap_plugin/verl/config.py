@@ -28,6 +28,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from bloggap_plugin.core.errors import short_repr
+
 KEPT_SOURCES = ("auto", "support_size", "retruncate", "off")
 GUARD_MODES = ("warn", "raise", "off")
 ENV_PREFIX = "BLOGGAP_VERL_"
@@ -188,7 +190,7 @@ def _parse_setting(name: str, raw: Any, source: str) -> Any:
     try:
         return setting_parser(name)(raw)
     except (TypeError, ValueError):
-        raise SettingsError(f"{source}={raw!r} is not valid: expected {ALLOWED[name]}") from None
+        raise SettingsError(f"{source}={short_repr(raw)} is not valid: expected {ALLOWED[name]}") from None
 
 
 def env_name(field_name: str) -> str:
@@ -236,9 +238,12 @@ def load_settings(node: Any = None, environ: dict | None = None) -> BloggapVerlC
     """Settings from ``BLOGGAP_VERL_*`` environment variables, then the ``bloggap`` config node (wins)."""
     _, values = read_environment(environ)
     if node is not None:
-        items = dict(node.items()) if hasattr(node, "items") else dict(node)
+        if not callable(getattr(node, "items", None)):  # +bloggap=5, +bloggap=[...]: a value, not settings
+            raise SettingsError(f"bloggap={short_repr(node)} is not a group of settings: give each one as "
+                                "+bloggap.<setting>=<value> (e.g. +bloggap.band=0.05)")
+        items = dict(node.items())
         names = [f.name for f in dataclasses.fields(BloggapVerlConfig)]
-        unknown = sorted(set(items) - set(names))
+        unknown = sorted(set(items) - set(names), key=str)
         if unknown:
             raise SettingsError(f"unknown bloggap setting(s) {unknown}; valid: {sorted(names)}")
         for name, raw in items.items():

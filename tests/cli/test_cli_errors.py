@@ -321,17 +321,19 @@ def test_doctor_cuda_without_cuda(bloggap):
 
 def test_doctor_json_write_failure_keeps_the_previous_file(tmp_path, monkeypatch):
     from bloggap_plugin.commands.doctor import _write_json
+    from bloggap_plugin.core.errors import UsageError
 
     path = tmp_path / "doctor.json"
-    path.write_text('{"previous": "good"}\n')
+    previous = '{"benchmark": "doctor", "recommendation": {"arm": "F"}}\n'  # an earlier doctor --json
+    path.write_text(previous)
 
     def disk_full(fd):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", disk_full)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(UsageError, match="No space left on device.*the previous file is unchanged"):
         _write_json({"new": list(range(1000))}, str(path))
-    assert path.read_text() == '{"previous": "good"}\n'
+    assert path.read_text() == previous
     assert sorted(p.name for p in tmp_path.iterdir()) == ["doctor.json"]  # no temporary file left behind
 
 
