@@ -147,7 +147,9 @@ def evaluate_run(spec: dict, attempt: str) -> dict:
 
 def stamp_final(spec: dict, attempt: str) -> None:
     """Record in the saved-policy folder which training attempt saved it."""
+    from bloggap_plugin._io import atomic_write_text
+
     folder = Path(spec["heldout"]["final_dir"])
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / ATTEMPT_FILE).write_text(attempt)
+    atomic_write_text(folder / ATTEMPT_FILE, attempt)
 

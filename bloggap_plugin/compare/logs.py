@@ -34,17 +34,18 @@ def read_log(path: str | os.PathLike) -> tuple[list[dict], dict | None]:
     path = Path(path)
     if not path.is_file():
         return [], None
-    lines = path.read_text().splitlines()
+    lines = path.read_bytes().splitlines()  # each line decoded on its own: a bad byte names its line
     records, marker = [], None
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
+            record = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
             if number == len(lines):
                 break  # truncated final line of a killed run
-            raise ValueError(f"{path}:{number}: not a JSON line ({err.msg})") from err
+            reason = err.msg if isinstance(err, json.JSONDecodeError) else f"not UTF-8 at byte {err.start}"
+            raise ValueError(f"{path}:{number}: not a JSON line ({reason})") from None
         if not isinstance(record, dict):
             raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
         if record.get(DONE_KEY) == "done":

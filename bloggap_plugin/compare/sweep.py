@@ -302,7 +302,7 @@ def _stop_for_budget(config: CompareConfig, running: dict, pending: list, echo) 
     now = time.perf_counter()
     for run, _, _, started, _, _, mode, _ in running.values():
         if mode == "train":
-            _stopped_path(run).write_text(json.dumps({"seconds": now - started, "budget_s": config.time_budget_s}))
+            atomic_write_text(_stopped_path(run), json.dumps({"seconds": now - started, "budget_s": config.time_budget_s}))
     for entry in running.values():
         entry[2].close()
     echo(f"[compare] time budget of {config.time_budget_s:g} s: stopped {len(running)} run(s) in flight, "

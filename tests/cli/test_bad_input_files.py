@@ -116,3 +116,14 @@ def test_recipe_not_utf8_names_the_byte(bloggap, tmp_path):
     recipe.write_bytes((RECIPES / "arm_A.yaml").read_bytes() + b"# caf\xe9\n")
     assert_one_line_error(bloggap("train", recipe, "--model", "tiny-random-llama", "--device", "cpu",
                                   "--output-dir", tmp_path / "out"), "not a text file", "not UTF-8 at byte")
+
+
+def test_compare_log_with_a_byte_that_is_not_utf8_names_its_line(tmp_path):
+    """A run log with a stray byte is a malformed line named by file and line (the run is set aside and trained
+    again), not a UnicodeDecodeError from the whole file."""
+    from bloggap_plugin.compare import read_log
+
+    log = tmp_path / "A_s0.jsonl"
+    log.write_bytes(b'{"step": 1}\n{"step": \xff2}\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"A_s0\.jsonl:2: not a JSON line \(not UTF-8 at byte 9\)"):
+        read_log(log)

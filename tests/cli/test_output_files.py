@@ -137,7 +137,7 @@ class _Killed(Exception):
     """What SIGTERM raises in this test process outside ``bloggap train`` (instead of ending the test session)."""
 
 
-def test_sigterm_stops_train_as_ctrl_c_does(bloggap, tmp_path, monkeypatch):
+def test_sigterm_stops_train_as_ctrl_c_does(bloggap, tmp_path, monkeypatch, capsys):
     """SIGTERM (what job schedulers send) mid-training: the summary of the finished steps on stdout, a line saying
     what stopped it, exit 143, and the previous SIGTERM handler back afterwards (before: the process was killed with
     nothing printed; here the test's own handler raises instead)."""
@@ -157,6 +157,7 @@ def test_sigterm_stops_train_as_ctrl_c_does(bloggap, tmp_path, monkeypatch):
         return {"steps": 9, "interrupted": False}
 
     monkeypatch.setattr(run_module, "run_training", run_training)
+    capsys.readouterr()  # what importing TRL printed ("[INFO] Running in WANDB offline mode"): not the command's
     previous = signal.signal(signal.SIGTERM, killed)
     try:
         code, out, err = _train(bloggap, tmp_path)
