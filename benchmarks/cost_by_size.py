@@ -31,6 +31,7 @@ from pathlib import Path
 from benchmarks import arm_i_live
 from benchmarks._lib.paths import ROOT
 from benchmarks.arm_i_live import _round, _times
+from bloggap_plugin._io import atomic_write_text
 
 TABLE_ID = "T19-cost-by-size"
 RESULT_NAME = "cost_by_size.json"
@@ -189,7 +190,7 @@ def run_main(args: argparse.Namespace) -> int:
                 else:
                     row = summarize_run(arm_text, arm_i_live._records(log_jsonl))
                 models[label][name] = {**row, "seconds": round(seconds, 1)}
-                (out / RESULT_NAME).write_text(json.dumps(document(models, params, env), indent=1))
+                atomic_write_text(out / RESULT_NAME, json.dumps(document(models, params, env), indent=1))
                 print(label, name, "exit", code, f"{seconds:.0f} s", {k: v for k, v in row.items()
                                                                       if k != "log_tail"}, flush=True)
     return 0
@@ -236,7 +237,7 @@ def collect_main(args: argparse.Namespace) -> int:
     text = json.dumps(document(models, params, env), indent=1) + "\n"
     for label, path in paths.items():
         text = strip_paths(text, path, f"<{label} folder>")
-    Path(args.out).write_text(text)
+    atomic_write_text(Path(args.out), text)
     if args.pack_dir:
         Path(args.pack_dir).mkdir(parents=True, exist_ok=True)
         for model, files in logs.items():
