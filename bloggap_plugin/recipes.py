@@ -173,18 +173,15 @@ class GapConfig:
         except ValueError as err:
             raise RecipeError(f"gap.arm: {err}") from None
         self.arm = spec.letter
+        if self.kept is False:  # YAML reads an unquoted `kept: off` as false
+            self.kept = "off"
+        _check_gap_types({name: getattr(self, name) for name in _field_names(GapConfig)}, "gap")
         for name in _field_names(GapConfig):
             value = getattr(self, name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise RecipeError(f"gap.{name} must be a finite number, got {value!r}")
         if not 0.0 < float(self.band) < 1.0:
             raise RecipeError(f"gap.band must be in (0, 1), got {self.band}")
-        for name, types in _gap_field_types().items():
-            value = getattr(self, name)
-            if types == (int,) and (isinstance(value, bool) or not isinstance(value, int)):
-                raise RecipeError(f"gap.{name} must be an integer, got {value!r}")
-            if types == (bool,) and not isinstance(value, bool):
-                raise RecipeError(f"gap.{name} must be true or false, got {value!r}")
         for name, low, what in _GAP_LOWER_BOUNDS:
             if getattr(self, name) < low:
                 raise RecipeError(f"gap.{name} must be >= {low}{what}, got {getattr(self, name)}")
@@ -237,8 +234,12 @@ class GapConfig:
             raise RecipeError(f"gap.layers only applies to arm D (guided); arm is {self.arm}")
 
     def check_layers(self, num_layers: int) -> None:
-        """Raise :class:`RecipeError` if a ``layers`` id is not a decoder layer of a ``num_layers``-layer model."""
+        """Raise :class:`RecipeError` if a ``layers`` id is not a decoder layer of a ``num_layers``-layer model, or
+        (arm D choosing its layers) ``k`` is more layers than it has."""
         if self.layers is None:
+            if self.arm_spec.plan == "guided" and self.k > num_layers:
+                raise RecipeError(f"gap.k {self.k}: arm D would run {self.k} layers in fp32, and this model has "
+                                  f"{num_layers} decoder layers; give k in 1..{num_layers}")
             return
         bad = [i for i in self.layers if not 0 <= i < num_layers]
         if bad:
@@ -317,13 +318,11 @@ def unknown_key_error(key: str, valid: list[str], where: str) -> RecipeError:
     return RecipeError(f"{where}: unknown key {key!r}{hint}; valid keys: {', '.join(sorted(valid))}")
 
 
-def gap_config_from_dict(section: dict | None, where: str = "gap") -> GapConfig:
-    """Build a :class:`GapConfig` from a mapping, rejecting unknown keys and wrong types by name."""
-    section = dict(section or {})
-    valid = _field_names(GapConfig)
+def _check_gap_types(section: dict, where: str) -> None:
+    """Reject a ``gap`` value whose type its field's annotation does not take (an ``int`` for a ``float`` is
+    taken), naming the key: the one type check of a recipe's ``gap:`` section, ``--gap-overrides`` and
+    ``GapConfig(...)``."""
     for key, value in section.items():
-        if key not in valid:
-            raise unknown_key_error(key, valid, where)
         types = _gap_field_types()[key]
         if isinstance(value, bool) and bool not in types:
             raise RecipeError(f"{where}.{key} must be {' or '.join(t.__name__ for t in types)}, got {short_repr(value)}")
@@ -332,9 +331,31 @@ def gap_config_from_dict(section: dict | None, where: str = "gap") -> GapConfig:
                 f"{where}.{key} must be {' or '.join(t.__name__ for t in types if t is not type(None))}, "
                 f"got {type(value).__name__} {short_repr(value)}"
             )
+
+
+def gap_config_from_dict(section: dict | None, where: str = "gap") -> GapConfig:
+    """Build a :class:`GapConfig` from a mapping, rejecting unknown keys and wrong types by name."""
+    section = dict(section or {})
+    valid = _field_names(GapConfig)
+    for key in section:
+        if key not in valid:
+            raise unknown_key_error(key, valid, where)
+    if section.get("kept") is False:  # YAML reads an unquoted `kept: off` as false
+        section["kept"] = "off"
+    _check_gap_types(section, where)
     if "band" in section:
         section["band"] = float(section["band"])
     return GapConfig(**section)
+
+
+def replace_gap(gap: GapConfig, overrides: dict, where: str = "--gap-overrides") -> GapConfig:
+    """``gap`` with the fields of ``overrides`` replaced and validated; an unknown field is refused naming the
+    closest one (as in a recipe)."""
+    valid = _field_names(GapConfig)
+    for key in overrides:
+        if key not in valid:
+            raise unknown_key_error(key, valid, where)
+    return gap_config_from_dict({**gap.to_dict(), **overrides}, where)
 
 
 def grpo_field_names() -> list[str] | None:
@@ -510,7 +531,58 @@ _GRPO_RANGES = (
     ("max_completion_length", 1, True, None, False, "tokens per completion"),
     ("per_device_train_batch_size", 1, True, None, False, "rows per micro-batch"),
     ("gradient_accumulation_steps", 1, True, None, False, "micro-batches per optimizer step"),
+    ("num_train_epochs", 0, False, None, False, "passes over the training set"),
+    ("warmup_steps", 0, True, None, False, "learning-rate warm-up (steps, or a share of them below 1)"),
+    ("warmup_ratio", 0, True, 1, True, "the share of steps warming up"),
+    ("max_grad_norm", 0, True, None, False, "the gradient-norm clip (0 = off)"),
+    ("label_smoothing_factor", 0, True, 1, False, "label smoothing"),
+    ("logging_steps", 0, False, None, False, "steps between logs (a share of the run below 1)"),
+    ("save_steps", 0, False, None, False, "steps between checkpoints (a share of the run below 1)"),
+    ("eval_steps", 0, False, None, False, "steps between evaluations"),
+    ("seed", 0, True, 2**32 - 1, True, "the trainer's seed (numpy's seed range)"),
+    ("data_seed", 0, True, 2**32 - 1, True, "the data sampler's seed (numpy's seed range)"),
+    ("per_device_eval_batch_size", 1, True, None, False, "rows per evaluation batch"),
+    ("dataloader_num_workers", 0, True, None, False, "data-loading processes"),
+    ("save_total_limit", 0, True, None, False, "checkpoints kept"),
+    ("torch_empty_cache_steps", 1, True, None, False, "steps between CUDA cache releases"),
+    ("eval_accumulation_steps", 1, True, None, False, "evaluation steps accumulated"),
+    ("num_generations", 2, True, None, False, "completions per prompt (a group needs two to have an advantage)"),
+    ("num_generations_eval", 1, True, None, False, "completions per evaluation prompt"),
+    ("generation_batch_size", 1, True, None, False, "completions per generation"),
+    ("steps_per_generation", 1, True, None, False, "optimizer steps per generation"),
+    ("top_k", 0, True, None, False, "top-k sampling's kept tokens (0 = off)"),
+    ("repetition_penalty", 0, False, None, False, "the repetition penalty (1 = none)"),
+    ("beta", 0, True, None, False, "the KL coefficient (0 = no reference model)"),
+    ("epsilon", 0, True, None, False, "the PPO clip's lower half-width"),
+    ("epsilon_high", 0, True, None, False, "the PPO clip's upper half-width"),
+    ("delta", 0, False, None, False, "two-sided GRPO's upper clip"),
+    ("sapo_temperature_neg", 0, False, None, False, "SAPO's temperature for negative advantages"),
+    ("sapo_temperature_pos", 0, False, None, False, "SAPO's temperature for positive advantages"),
+    ("top_entropy_quantile", 0, True, 1, True, "the share of highest-entropy tokens trained"),
+    ("ref_model_mixup_alpha", 0, True, 1, True, "the reference model's mix-up weight"),
+    ("ref_model_sync_steps", 1, True, None, False, "steps between reference-model syncs"),
+    ("vllm_gpu_memory_utilization", 0, False, 1, True, "vLLM's share of the GPU's memory"),
+    ("vllm_tensor_parallel_size", 1, True, None, False, "vLLM's tensor-parallel GPUs"),
+    ("vllm_max_model_length", 1, True, None, False, "vLLM's context length"),
+    ("vllm_server_timeout", 0, False, None, False, "seconds to wait for the vLLM server"),
+    ("vllm_importance_sampling_clip_max", 0, False, None, False, "the IS correction's upper clip"),
+    ("vllm_importance_sampling_clip_min", 0, True, None, False, "the IS correction's lower clip"),
+    ("vllm_importance_sampling_cap", 0, False, None, False, "the IS correction's cap"),
+    ("num_completions_to_print", 0, True, None, False, "completions printed per step"),
+    ("max_tool_calling_iterations", 0, True, None, False, "tool-calling rounds per completion"),
 )
+
+# GRPOConfig's text fields with a fixed set of values that TRL accepts at construction and fails on (or ignores)
+# during training: field -> the values TRL's GRPOTrainer reads (scale_rewards also takes true/false).
+_GRPO_CHOICES = {
+    "loss_type": ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"),
+    "importance_sampling_level": ("token", "sequence"),
+    "scale_rewards": ("group", "batch", "none", True, False),
+    "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
+    "vllm_mode": ("server", "colocate"),
+    "vllm_model_impl": ("transformers", "vllm"),
+    "vllm_importance_sampling_mode": ("sequence_mask", "sequence_truncate", "token_mask", "token_truncate"),
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -539,6 +611,13 @@ def check_grpo_values(fields: dict) -> None:
                 raise RecipeError(f"{name} must be a number, got {value!r}") from None
         if isinstance(number, float) and not math.isfinite(number):
             raise RecipeError(f"{name} = {value!r} is not a finite number; give a finite value")
+    for name, accepted in _GRPO_CHOICES.items():
+        if name in fields and fields[name] not in accepted:
+            raise RecipeError(f"{name} must be one of {', '.join(str(a).lower() for a in accepted)}, got "
+                              f"{fields[name]!r}; fix it in the recipe")
+    max_steps = fields.get("max_steps")
+    if isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps != -1 and max_steps < 1:
+        raise RecipeError(f"max_steps (optimizer steps) must be >= 1 (or -1: the epochs decide), got {max_steps}")
     for name, low, low_inclusive, high, high_inclusive, what in _GRPO_RANGES:
         value = fields.get(name)
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):

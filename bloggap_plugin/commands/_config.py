@@ -9,7 +9,12 @@ that take no value (``--flag``, and ``--no-flag`` where the default is True), so
 - ``"parse"``: a function ``str -> value`` used instead of the annotated type (e.g. a comma list checker);
 - ``"positional"``: the field is a positional argument; its value is ``"?"``, ``"*"``, ``"+"`` or ``None``
   (argparse's ``nargs``);
-- ``"metavar"``, ``"choices"``: passed to argparse.
+- ``"metavar"``, ``"choices"``: passed to argparse;
+- ``"deprecated"``: old flag names still taken (a warning names the current one), on the command line and, without
+  the dashes, in a ``--config`` file;
+- ``"min"`` / ``"max"`` (inclusive) and ``"above"`` / ``"below"`` (exclusive): the valid range of a number field (or of each
+  number of a list field), checked by :func:`check_values` before anything loads. Every number field of a command
+  declares its range (``tests/cli/test_checked_first.py`` holds them to it).
 
 ``--config FILE.yaml`` (added to every such command) sets fields by name; the command line wins over the file,
 the file over the dataclass default; an unknown name is an error naming the valid ones. Positional fields come
@@ -27,7 +32,8 @@ from typing import Any
 
 from bloggap_plugin.core.errors import UsageError, short_repr
 
-_OWN_KEYS = ("parse", "positional")
+RANGE_KEYS = ("min", "max", "above", "below")
+_OWN_KEYS = ("parse", "positional", "deprecated", *RANGE_KEYS)
 CONFIG_FLAG = "--config"
 
 
@@ -98,6 +104,37 @@ def _add_switch(parser: argparse.ArgumentParser, field: dataclasses.Field) -> No
                             dest=field.name, help=f"turn off --{field.name.replace('_', '-')}")
 
 
+class _Deprecated(argparse.Action):
+    """An old flag name: stores as the current flag does, and says once on stderr which name to use."""
+
+    def __init__(self, option_strings, dest, current: str = "", **kwargs):
+        self.current = current
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import sys
+
+        print(f"{parser.prog}: warning: {option_string} is deprecated; use {self.current}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _add_deprecated(parser: argparse.ArgumentParser, field: dataclasses.Field) -> None:
+    """The ``"deprecated"`` names of ``field`` as flags that act as its current flag (a warning says to use it)."""
+    old = field.metadata.get("deprecated")
+    if not old:
+        return
+    current = next(a for a in parser._actions if a.dest == field.name and a.option_strings)
+    parser.add_argument(*old, dest=field.name, action=_Deprecated, current=current.option_strings[-1],
+                        type=current.type, choices=current.choices, nargs=current.nargs, default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)
+
+
+def deprecated_names(config_types: tuple[type, ...]) -> dict[str, str]:
+    """``{old field name: current field name}`` of the ``"deprecated"`` flags of ``config_types``."""
+    return {old.lstrip("-").replace("-", "_"): f.name for config_type in config_types for f in _fields(config_type)
+            for old in f.metadata.get("deprecated", ())}
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, *config_types: type) -> None:
     """One argument per field of each of ``config_types`` on ``parser``, plus ``--config FILE.yaml``."""
     from transformers import HfArgumentParser
@@ -121,6 +158,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, *config_types: type) -
                 for action in parser._actions:
                     if action.dest == field.name and action.option_strings and not action.option_strings[0].startswith("--no"):
                         action.type = parse
+            _add_deprecated(parser, field)
     if not any(CONFIG_FLAG in action.option_strings for action in parser._actions):
         parser.add_argument(CONFIG_FLAG, dest="_config_file", default=None, metavar="FILE.yaml",
                             help="YAML file setting any of these fields by name (the command line wins)")
@@ -159,12 +197,38 @@ def _matches(value, annotation) -> bool:
     return True
 
 
+def range_text(metadata) -> str:
+    """A field's declared range in words (``>= 1``, ``> 0``, ``in [0, 4294967295]``), or ``""``."""
+    low = (">", metadata["above"]) if "above" in metadata else (">=", metadata["min"]) if "min" in metadata else None
+    high = ("<", metadata["below"]) if "below" in metadata else ("<=", metadata["max"]) if "max" in metadata else None
+    if low is not None and high is not None:
+        return f"in {'(' if low[0] == '>' else '['}{low[1]}, {high[1]}{')' if high[0] == '<' else ']'}"
+    return " ".join(map(str, low or high or ()))
+
+
+def _out_of_range(value, metadata) -> bool:
+    numbers = value if isinstance(value, list) else [value]
+    for number in numbers:
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            continue
+        if ("min" in metadata and number < metadata["min"]) or ("max" in metadata and number > metadata["max"]) or (
+                "above" in metadata and number <= metadata["above"]) or ("below" in metadata and number >= metadata["below"]):
+            return True
+    return False
+
+
 def check_values(config) -> None:
     """The checks argparse gives a flag, for values that came from ``--config FILE.yaml`` (argparse checks neither
     a default's type nor its choices): each value fits its field's annotation, a ``"parse"`` field's value passes
-    its parser. One-line ``UsageError`` naming the flag."""
+    its parser; and each number lies in its field's declared range (``"min"``, ``"max"``, ``"above"``). One-line
+    ``UsageError`` naming the flag."""
     hints = typing.get_type_hints(type(config))
     for item in dataclasses.fields(config):
+        value = getattr(config, item.name)
+        if _out_of_range(value, item.metadata):
+            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+            raise UsageError(f"--{item.name.replace('_', '-')} {shown}: must be {range_text(item.metadata)}"
+                             f"{' (each)' if isinstance(value, list) else ''}")
         value, flag = getattr(config, item.name), "--" + item.name.replace("_", "-")
         parse = item.metadata.get("parse")
         if parse is not None:
@@ -208,6 +272,12 @@ def apply_config_file(parser: argparse.ArgumentParser, config_types: tuple[type,
         raise UsageError(f"{what}: field name {short_repr(odd[0])} is a {type(odd[0]).__name__}, not a name; write "
                          "field names as text (e.g. num_seqs: 8)")
     fields = {f.name: f for config_type in config_types for f in _fields(config_type)}
+    renamed = deprecated_names(config_types)
+    for old in [key for key in values if key in renamed and renamed[key] not in values]:
+        import sys
+
+        print(f"bloggap: warning: {CONFIG_FLAG} {path}: {old} is deprecated; use {renamed[old]}", file=sys.stderr)
+        values[renamed[old]] = values.pop(old)
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise UsageError(f"{what}: unknown field(s) {', '.join(map(str, unknown))}; valid: "

@@ -46,7 +46,8 @@ class ModelOutputConfig:
 
     model: str = field(default="smollm2", metadata={"help": "model spec (default: smollm2, offline)"})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, ... (default: cuda if available)"})
-    attn: str | None = field(default=None, metadata={"help": "attention implementation (default: the model's)"})
+    attn: Literal["sdpa", "eager", "flex_attention"] | None = field(default=None, metadata={
+        "help": "attention implementation: sdpa, eager or flex_attention (default: the model's)"})
     positions: Literal["mask", "arange"] = field(default="mask", metadata={"help": "position ids (mask)"})
     json: str | None = field(default=None, metadata={
         "help": "write JSON to PATH (stdout if no PATH)", "nargs": "?", "const": "-", "metavar": "PATH"})

@@ -48,12 +48,15 @@ class AttributeConfig(ModelOutputConfig):
     """``bloggap attribute``'s settings (each field is a flag; ``--config FILE.yaml`` sets any of them)."""
 
     dtype: Literal["bf16", "fp16", "fp32"] = field(default="bf16", metadata={"help": "model dtype (bf16)"})
-    rows: int = field(default=32, metadata={"help": "calibration rollouts (default 32)"})
-    new_tokens: int = field(default=48, metadata={"help": "tokens per rollout (default 48)"})
-    batch_size: int = field(default=8, metadata={"help": "rows per chunk on the batched side (8)"})
+    rows: int = field(default=32, metadata={"help": "calibration rollouts, at least --batch-size (default 32)", "min": 2,
+                                            "deprecated": ["--num-seqs", "--num_seqs"]})
+    new_tokens: int = field(default=48, metadata={"help": "tokens per rollout (default 48)", "min": 1,
+                                                  "deprecated": ["--max-new-tokens", "--max_new_tokens"]})
+    batch_size: int = field(default=8, metadata={"help": "rows per chunk on the batched side, at most --rows (8)",
+                                                 "min": 2})
     k: int | None = field(default=None, metadata={
-        "help": "layers for top-k and the window, in 1..layers of the model (default 8, capped at the layers)"})
-    seed: int = field(default=4321, metadata={"help": "sampling seed (default 4321)"})
+        "help": "layers for top-k and the window, in 1..layers of the model (default 8, capped at the layers)", "min": 1})
+    seed: int = field(default=4321, metadata={"help": "sampling seed (default 4321)", "min": 0, "max": 2**32 - 1})
 
 
 configure = configure_with(AttributeConfig)
@@ -65,6 +68,11 @@ def run(args: argparse.Namespace) -> int:
     from bloggap_plugin.measure.attribution import run_attribution
 
     config = checked_config(AttributeConfig, args, ("rows", "new_tokens", "batch_size", "k"))
+    if config.batch_size > config.rows:
+        from bloggap_plugin.core.errors import UsageError
+
+        raise UsageError(f"--batch-size {config.batch_size} is more than --rows {config.rows}: a chunk cannot hold more "
+                         "rows than are sampled; give --batch-size <= --rows")
     device, model, tokenizer = load_for(config, "attribute")
     result = run_attribution(
         model,

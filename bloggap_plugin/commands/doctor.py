@@ -22,6 +22,9 @@ from bloggap_plugin.core.comparisons import CPU_ROWS  # torch-free: `bloggap --h
 HELP = "Measure the batch-shape log-prob gap of a model on this machine and recommend an arm."
 DTYPES = ("bf16", "fp16", "fp32")
 ATTNS = ("sdpa", "eager", "flex_attention")
+CPU_SCALE = {"rows": 16, "new_tokens": 16, "attn": "sdpa"}
+"""What a run on a CPU measures when the flags leave it out (bf16 is emulated on most CPUs, about ten times slower
+than fp32): the doctor's default on a CPU finishes in minutes and says what it scaled down."""
 
 
 def _csv(choices):
@@ -49,17 +52,20 @@ class DoctorConfig:
                                                            "parse": _csv(DTYPES)})
     attn: str = field(default="sdpa,eager", metadata={
         "help": f"comma list of {', '.join(ATTNS)} (default sdpa,eager)", "parse": _csv(ATTNS)})
-    num_seqs: int | None = field(default=None, metadata={"help": "rollouts (default 64 on GPU, 32 on CPU)"})
-    max_new_tokens: int | None = field(default=None, metadata={"help": "tokens per rollout (default 64 GPU, 24 CPU)"})
-    seed: int = field(default=1234, metadata={"help": "sampling seed (default 1234)"})
-    sample_dtype: Literal["bf16", "fp16", "fp32"] = field(default="bf16", metadata={
-        "help": "dtype of the sampling model (bf16)"})
-    gen_batch_size: int = field(default=8, metadata={"help": "prompts per generate call (default 8)"})
+    rows: int | None = field(default=None, metadata={
+        "help": f"rollouts (default 64 on GPU, {CPU_SCALE['rows']} on CPU)", "min": 1, "deprecated": ["--num-seqs", "--num_seqs"]})
+    new_tokens: int | None = field(default=None, metadata={
+        "help": f"tokens per rollout (default 64 on GPU, {CPU_SCALE['new_tokens']} on CPU)", "min": 1,
+        "deprecated": ["--max-new-tokens", "--max_new_tokens"]})
+    seed: int = field(default=1234, metadata={"help": "sampling seed (default 1234)", "min": 0, "max": 2**32 - 1})
+    dtype: Literal["bf16", "fp16", "fp32"] = field(default="bf16", metadata={
+        "help": "dtype of the model that samples the rollouts (bf16)", "deprecated": ["--sample-dtype", "--sample_dtype"]})
+    gen_batch_size: int = field(default=8, metadata={"help": "prompts per generate call (default 8)", "min": 1})
     fp16_rows: int | None = field(default=None, metadata={
-        "help": f"rows scored in fp16 (default: all on GPU, {CPU_ROWS['fp16']} on CPU, where fp16 is slow)"})
+        "help": f"rows scored in fp16 (default: all on GPU, {CPU_ROWS['fp16']} on CPU, where fp16 is slow)", "min": 1})
     fp32_rows: int | None = field(default=None, metadata={
-        "help": f"rows scored in fp32 (default: all on GPU, {CPU_ROWS['fp32']} on CPU)"})
-    band: float = field(default=0.1, metadata={"help": "ratio band half-width (default 0.1)"})
+        "help": f"rows scored in fp32 (default: all on GPU, {CPU_ROWS['fp32']} on CPU)", "min": 1})
+    band: float = field(default=0.1, metadata={"help": "ratio band half-width (default 0.1)", "above": 0, "below": 1})
     json_path: str | None = field(default=None, metadata={"help": "write the results as JSON to this path",
                                                           "aliases": ["--json"], "metavar": "PATH"})
     no_progress: bool = field(default=False, metadata={"help": "no progress bars"})
@@ -120,7 +126,7 @@ def _check(config: DoctorConfig) -> None:
             raise UsageError(problem)
     if config.from_json:
         return
-    check_counts(config, ("num_seqs", "max_new_tokens", "gen_batch_size", "fp16_rows", "fp32_rows"))
+    check_counts(config, ("rows", "new_tokens", "gen_batch_size", "fp16_rows", "fp32_rows"))
     if not 0.0 < config.band < 1.0:
         raise UsageError(f"--band must be in (0, 1) (half-width b of the ratio band [1-b, 1+b]), got {config.band}")
 
@@ -157,12 +163,12 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(resolve_device(config.device))
     check_model_spec(config.model)
     on_cpu = device.type == "cpu"
-    num_seqs = config.num_seqs if config.num_seqs is not None else (32 if on_cpu else 64)
-    max_new = config.max_new_tokens if config.max_new_tokens is not None else (24 if on_cpu else 64)
+    num_seqs = config.rows if config.rows is not None else (CPU_SCALE["rows"] if on_cpu else 64)
+    max_new = config.new_tokens if config.new_tokens is not None else (CPU_SCALE["new_tokens"] if on_cpu else 64)
     rows_for = doctor_matrix.rows_per_dtype(num_seqs, config.fp16_rows, config.fp32_rows, on_cpu)
     started = time.perf_counter()
 
-    sampler_model, tokenizer = load_model(config.model, dtype=config.sample_dtype, device=device)
+    sampler_model, tokenizer = load_model(config.model, dtype=config.dtype, device=device)
     with tqdm(total=num_seqs, desc="sampling", unit="row", file=sys.stderr, disable=config.no_progress) as bar:
         rollouts = sampling.sample_rollouts(
             sampler_model, tokenizer, num_seqs=num_seqs, max_new_tokens=max_new, seed=config.seed,
@@ -172,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     total = doctor_matrix.total_passes(plan, config.attn)
     with tqdm(total=total, desc="scoring", unit="pass", file=sys.stderr, disable=config.no_progress) as bar:
         matrix = doctor_matrix.score_matrix(lambda dtype: load_model(config.model, dtype=dtype, device=device)[0],
-                                     plan, config.attn, sampler_model, config.sample_dtype, config.band, bar)
+                                     plan, config.attn, sampler_model, config.dtype, config.band, bar)
     matrix.notes[:0] = notes
     paired = doctor_matrix.all_paired_cells(matrix, rollouts, rows_for, config.dtypes, config.band)
     recommendation = recommend(matrix.cells, matrix.fp16_check, device.type, paired)
@@ -180,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         recommendation["notes"] = matrix.notes
     elapsed = time.perf_counter() - started
     params = {"model": config.model, "dtypes": config.dtypes, "attn": config.attn, "num_seqs": num_seqs,
-              "max_new_tokens": max_new, "seed": config.seed, "sample_dtype": config.sample_dtype,
+              "max_new_tokens": max_new, "seed": config.seed, "sample_dtype": config.dtype,
               "gen_batch_size": config.gen_batch_size, "band": config.band, "rows_per_dtype": rows_for}
     result = doctor_matrix.doctor_result(model=config.model, device=device, params=params, rollouts=rollouts,
                                   matrix=matrix, paired=paired, recommendation=recommendation, seconds=elapsed)
@@ -248,4 +254,4 @@ def _print_result(result: dict) -> None:
                  for c in paired if c["rows"] == rows and c["attn"] == attns[0]]
         print(f"bf16/{attns[0]} on the first {rows} rows (to compare with the scaled-down dtypes): " + "; ".join(parts))
     print()
-    print(f"recommendation: {recommendation['text']}")
+    print(f"recommendation: {recommendation['text']}")  # the arm and its reason first, the details below

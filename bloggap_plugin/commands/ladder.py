@@ -22,6 +22,8 @@ from bloggap_plugin.commands._measured import ModelOutputConfig, configure_with
 HELP = "Precision ladder: out-of-band rate b1 vs b8 for each scoring plan (bf16 ... all fp32)."
 
 SCHEMA_VERSION = 1
+BATCH = 8
+"""Rows per chunk on the batched side of every rung (``run_ladder``'s ``batch_size``)."""
 
 
 @dataclass
@@ -29,14 +31,19 @@ class LadderConfig(ModelOutputConfig):
     """``bloggap ladder``'s settings (each field is a flag; ``--config FILE.yaml`` sets any of them)."""
 
     dtype: Literal["bf16", "fp32"] = field(default="bf16", metadata={"help": "policy dtype (bf16)"})
-    rows: int | None = field(default=None, metadata={"help": "evaluation rollouts (default 128 GPU, 16 CPU)"})
-    calibration_rows: int | None = field(default=None, metadata={"help": "calibration rollouts (32 GPU, 8 CPU)"})
-    new_tokens: int | None = field(default=None, metadata={"help": "tokens per rollout (48 GPU, 24 CPU)"})
+    rows: int | None = field(default=None, metadata={
+        "help": f"evaluation rollouts, >= {BATCH} (the batched side scores chunks of {BATCH}; default 128 GPU, 16 CPU)",
+        "min": BATCH, "deprecated": ["--num-seqs", "--num_seqs"]})
+    calibration_rows: int | None = field(default=None, metadata={
+        "help": f"calibration rollouts, >= {BATCH} (32 GPU, 8 CPU)", "min": BATCH})
+    new_tokens: int | None = field(default=None, metadata={"help": "tokens per rollout (48 GPU, 24 CPU)", "min": 1,
+                                                           "deprecated": ["--max-new-tokens", "--max_new_tokens"]})
     k: list[int] | None = field(default=None, metadata={
-        "help": "layer counts, each in 1..layers of the model (default 4 8 12 GPU, 8 CPU, capped at the layers)"})
+        "help": "layer counts, each in 1..layers of the model (default 4 8 12 GPU, 8 CPU, capped at the layers)",
+        "min": 1})
     fp16: Literal["auto", "on", "off"] = field(default="auto", metadata={
         "help": "fp16 rungs (auto: off on CPU, where fp16 is slow)"})
-    seed: int = field(default=1234, metadata={"help": "sampling seed (default 1234)"})
+    seed: int = field(default=1234, metadata={"help": "sampling seed (default 1234)", "min": 0, "max": 2**32 - 1})
 
 
 configure = configure_with(LadderConfig)
@@ -62,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         ks=config.k or default_ks(model, gpu),
         positions=config.positions,
         fp16={"on": True, "off": False}.get(config.fp16, gpu),
+        batch_size=BATCH,
         seed=config.seed,
         progress=lambda msg: print(f"[ladder] {msg}", file=sys.stderr),
     )

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bloggap_plugin.core.errors import UsageError
+from bloggap_plugin.core.errors import SEED_MAX, UsageError
 
 __all__ = [
     "CompareConfig",
@@ -66,18 +66,18 @@ class CompareConfig:
 
     recipes: list[str] = field(metadata={"help": "Recipe files, one per arm (e.g. recipes/arm_*.yaml).",
                                          "positional": "+"})
-    seeds: list[int] = field(default_factory=lambda: [0, 1], metadata={
+    seeds: list[int] = field(default_factory=lambda: [0, 1], metadata={"min": 0, "max": SEED_MAX,
         "help": "Seeds; every arm runs once per seed, and arms with the same seed see the same prompts and sampling "
                 "seeds."})
     task: str = field(default="arith", metadata={"help": "Training task: 'arith' or 'gsm8k'.",
                                                  "choices": ["arith", "gsm8k"]})
-    max_steps: int = field(default=60, metadata={"help": "Optimizer steps per run."})
+    max_steps: int = field(default=60, metadata={"min": 1, "help": "Optimizer steps per run."})
     model: str = field(default="smollm2", metadata={"help": "Model spec for bloggap_plugin.models.load_model."})
     output_dir: str = field(default="compare_out", metadata={"help": "Folder for logs, table, JSON and plot."})
-    parallel: int = field(default=1, metadata={"help": "Runs in flight at once, each its own process."})
-    difficulty: int | None = field(default=None, metadata={
+    parallel: int = field(default=1, metadata={"min": 1, "help": "Runs in flight at once, each its own process."})
+    difficulty: int | None = field(default=None, metadata={"min": 1, "max": 5,
         "help": "Arithmetic task level 1-5 (default: the task's default)."})
-    n: int | None = field(default=None, metadata={
+    n: int | None = field(default=None, metadata={"min": 1,
         "help": "Number of prompts in the training set (default: the task's default)."})
     data: str | None = field(default=None, metadata={
         "help": "GSM8K only: a local file or folder in GSM8K format (.jsonl, .json, .parquet), e.g. "
@@ -89,24 +89,24 @@ class CompareConfig:
     use_vllm: bool = field(default=False, metadata={
         "help": "Generate with TRL's colocated vLLM engine (use_vllm=True, vllm_mode='colocate') instead of HF "
                 "generate; needs CUDA and vLLM, and the GPU's memory is divided among the parallel runs."})
-    heldout_n: int | None = field(default=None, metadata={
+    heldout_n: int | None = field(default=None, metadata={"min": 0,
         "help": "Held-out prompts evaluated greedily at the end of each run (GSM8K: the test split's first N with "
                 "the calc_steps filter; arith: questions no training set of the run holds); 0 = no held out "
                 "evaluation. Default: 512 with the default training function, 0 with a custom run_fn that takes no "
                 "save_final."})
-    heldout_every: int = field(default=0, metadata={"metavar": "K", "help": (
+    heldout_every: int = field(default=0, metadata={"min": 0, "metavar": "K", "help": (
         "Also evaluate the held-out prompts every K optimizer steps during training (0 = only at the end; needs the "
         "default training function).")})
-    heldout_max_tokens: int | None = field(default=None, metadata={"metavar": "T", "help": (
+    heldout_max_tokens: int | None = field(default=None, metadata={"min": 1, "metavar": "T", "help": (
         "New tokens per held-out completion (default: the run's max_completion_length).")})
-    heldout_batch_size: int = field(default=64, metadata={"help": "Held-out prompts per generate call."})
+    heldout_batch_size: int = field(default=64, metadata={"min": 1, "help": "Held-out prompts per generate call."})
     heldout_fn: str = field(default=DEFAULT_HELDOUT_FN, metadata={"metavar": "MODULE:FUNCTION", "help": (
         "Function that evaluates a run's saved policy (signature of bloggap_plugin.compare.heldout.evaluate_saved).")})
-    time_budget_s: float | None = field(default=None, metadata={"metavar": "S", "help": (
+    time_budget_s: float | None = field(default=None, metadata={"above": 0, "metavar": "S", "help": (
         "Seconds this call may take: no run starts that would not finish in time (its duration estimated from the "
         "runs finished so far), and at the limit the runs in flight are stopped and the outputs written (exit 3; run "
         "the command again to continue). Default: no limit.")})
-    last_n: int = field(default=30, metadata={"help": "Steps in the 'reward last-k' window."})
+    last_n: int = field(default=30, metadata={"min": 1, "help": "Steps in the 'reward last-k' window."})
     baseline: str | None = field(default=None, metadata={
         "help": "Arm the deltas are taken against (default: arm A if present, else the first recipe)."})
     primary: str = field(default="reward_last", metadata={"choices": list(ANALYSIS_METRICS), "help": (
@@ -116,10 +116,10 @@ class CompareConfig:
     secondary: list[str] = field(default_factory=lambda: ["reward_mean", "heldout"], metadata={"help": (
         "Declared secondary metrics (same choices as --primary), each tested with the same correction; heldout is "
         "skipped when no run evaluates held-out prompts.")})
-    alpha: float = field(default=0.05, metadata={"help": (
+    alpha: float = field(default=0.05, metadata={"above": 0, "max": 0.5, "help": (
         "Family-wise error rate over the arms compared with the baseline: intervals are simultaneous (Bonferroni, "
         "1 - alpha/m each for m arms) and p-values Holm-adjusted.")})
-    planned_seeds: list[int] = field(default_factory=list, metadata={"help": (
+    planned_seeds: list[int] = field(default_factory=list, metadata={"min": 0, "max": SEED_MAX, "help": (
         "Seeds declared before the sweep for its analysis (default: --seeds). Until every arm has finished all of "
         "them the tables are interim: means and per-seed differences, no interval or p-value, so a conclusion "
         "cannot depend on when someone looked.")})
@@ -131,10 +131,10 @@ class CompareConfig:
         "help": "module:function that trains one run (signature of bloggap_plugin.trl.run.run_training)."})
     pythonpath: list[str] = field(default_factory=list, metadata={
         "help": "Extra import paths for the run function's module (used by tests)."})
-    smooth: int = field(default=5, metadata={
+    smooth: int = field(default=5, metadata={"min": 1,
         "help": "Rolling-mean window (steps) of the reward curves in the plot (1 = raw)."})
-    poll_s: float = field(default=2.0, metadata={"help": "Seconds between progress checks."})
-    lock_wait_s: float = field(default=2.0, metadata={
+    poll_s: float = field(default=2.0, metadata={"above": 0, "help": "Seconds between progress checks."})
+    lock_wait_s: float = field(default=2.0, metadata={"min": 0,
         "help": "Seconds to wait for the folder's lock (runs of a sweep that was just killed take a moment to end)."})
 
     def __post_init__(self) -> None:
@@ -237,8 +237,14 @@ def validate_config(config: CompareConfig, training: bool = True) -> list[RunSpe
     building each arm's ``GRPOConfig`` (as :func:`bloggap_plugin.trl.run.run_training` does on CPU), and the task
     settings by building one prompt of the task.
     """
+    from bloggap_plugin.commands._config import check_values
+
     if not config.recipes:
         raise CompareError("give at least one recipe file, e.g. recipes/arm_A.yaml recipes/arm_F.yaml")
+    try:
+        check_values(config)  # each number in its field's range (the Python API gets the flags' checks)
+    except UsageError as err:
+        raise CompareError(str(err)) from None
     if not config.seeds:
         raise CompareError("--seeds: give at least one seed, e.g. --seeds 0 1")
     repeated = sorted({seed for seed in config.seeds if config.seeds.count(seed) > 1})
@@ -275,6 +281,7 @@ def validate_config(config: CompareConfig, training: bool = True) -> list[RunSpe
                 check_model_spec(config.model)
             except UsageError as err:
                 raise CompareError(f"--model {config.model}: {err}") from None
+        _check_override_conflicts(config)
         _check_vllm(config)
         _check_task(config)
         _check_heldout(config)
@@ -414,6 +421,22 @@ def effective_overrides(config: CompareConfig) -> dict:
     return {**vllm, **config.extra_overrides}
 
 
+SWEEP_FIELDS = {"max_steps": "--max-steps", "seed": "--seeds", "output_dir": "--output-dir", "report_to": None,
+                "data_seed": "--seeds"}
+"""GRPOConfig fields each run takes from the sweep (the flag that sets each; ``None``: fixed, each run logs to its JSONL;
+``data_seed`` follows the run's seed when unset):
+an ``--override`` of one would train what the tables do not report, so it is refused."""
+
+
+def _check_override_conflicts(config: CompareConfig) -> None:
+    """Refuse an ``--override`` of a field the sweep sets per run (:data:`SWEEP_FIELDS`)."""
+    for key, flag in SWEEP_FIELDS.items():
+        if key in config.extra_overrides:
+            fix = f"use {flag}" if flag else "each run logs to its own JSONL under --output-dir"
+            raise CompareError(f"--override {key}: each run's {key} comes from the sweep ({fix}); drop it from "
+                               "--override")
+
+
 def _check_vllm(config: CompareConfig) -> None:
     """``--use-vllm``: no ``--override`` contradicting it and, with the default training function, vLLM and CUDA
     here (a custom ``--run-fn`` gets the overrides and decides)."""
@@ -447,6 +470,8 @@ def _check_grpo_settings(config: CompareConfig, runs: list[RunSpec]) -> None:
         unknown_key_error,
     )
 
+    from bloggap_plugin.trl.run import run_overrides
+
     valid = grpo_field_names()
     if valid is not None:
         for key in config.extra_overrides:
@@ -459,9 +484,8 @@ def _check_grpo_settings(config: CompareConfig, runs: list[RunSpec]) -> None:
             grpo_kwargs, _ = load_recipe(run.recipe)
         except RecipeError as err:
             raise CompareError(str(err).splitlines()[0]) from None
-        fields = {"output_dir": run.output_dir, "report_to": "none", "seed": run.seed, "save_strategy": "no",
-                  "logging_steps": 1, "max_steps": config.max_steps, "use_cpu": True, "bf16": False,
-                  "fp16": bool(grpo_kwargs.get("fp16", False)), **effective}
+        fields = {**run_overrides(grpo_kwargs, output_dir=run.output_dir, report_to="none", seed=run.seed,
+                                  max_steps=config.max_steps, on_cpu=True), **effective}
         try:
             merge_grpo_config(grpo_kwargs, None, **fields)
         except Exception as err:  # noqa: BLE001 - TRL/transformers raise ValueError, TypeError, ...

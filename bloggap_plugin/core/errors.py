@@ -6,7 +6,10 @@ with a message that names the problem and the fix, before any model loads or any
 
 from __future__ import annotations
 
-__all__ = ["UsageError", "one_line", "check_positive", "short_repr"]
+__all__ = ["UsageError", "one_line", "check_positive", "short_repr", "SEED_MAX"]
+
+SEED_MAX = 2**32 - 1
+"""The largest seed numpy's legacy seeding (and so transformers' ``set_seed``) accepts."""
 
 
 class UsageError(ValueError):

@@ -334,6 +334,30 @@ _SENTENCES = {
 }
 
 
+def _short_removal(reason: Reason) -> str:
+    return (f"{reason.numbers['dtype']} takes bf16's {_pct(reason.cells['ref'])} out of band to "
+            f"{_pct(reason.cells['cell'])}")
+
+
+_B_WHY = {"cpu": "arm H would too, on a CUDA GPU", "unsafe": "fp16 is not safe for this model",
+          "unmeasured": "fp16 was not measured", "quiet_rows": "fp16 was not shown to help",
+          "leaves": "fp16 leaves too much of it"}
+
+_LEADS = {
+    "no_bf16": lambda r: "no arm: no bf16 cell was measured",
+    "no_gap": lambda r: f"arm A (metrics only): bf16 shows no batch-shape gap here ({_pct(r.cells['bf16'])})",
+    "arm_h": lambda r: f"arm H (fp16 everywhere: fp16: true): {_short_removal(r)}, {_cost_text(r)}",
+    "arm_b": lambda r: f"arm B (fp32 shadow copy): {_short_removal(r)}; {_B_WHY[r.numbers['why']]}",
+    "h_needs_cuda": lambda r: (f"no arm on this CPU: {_short_removal(r)}, but arm H (fp16 everywhere) runs on CUDA "
+                               "only: run the doctor on the GPU you will train on"),
+    "no_removal": lambda r: ("no arm: neither fp16 nor fp32 was shown to remove the gap; see `bloggap attribute` "
+                             "and `bloggap ladder`"),
+}
+
+
 def render(recommendation: Recommendation) -> str:
-    """The recommendation as one paragraph: one sentence group per reason, in order."""
-    return " ".join(_SENTENCES[reason.kind](reason) for reason in recommendation.reasons)
+    """The recommendation as text: a first line with the arm and its reason, then one line per finding (every
+    reason's sentences, in order)."""
+    lead = next((_LEADS[r.kind](r) for r in recommendation.reasons if r.kind in _LEADS), None)
+    details = [_SENTENCES[reason.kind](reason) for reason in recommendation.reasons]
+    return "\n".join(([lead + "."] if lead else []) + [f"  - {line}" for line in details])

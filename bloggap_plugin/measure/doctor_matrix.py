@@ -19,6 +19,7 @@ from bloggap_plugin.core.comparisons import (
     SAMPLER,
     scoring_passes,
 )
+from bloggap_plugin.core.errors import one_line
 from bloggap_plugin.core.probe import FP16_MAX, Rollouts, compare, compare_sampler, probe_model, skipped_cell
 from bloggap_plugin.core.recommend import recommend
 from bloggap_plugin.results import ResultDocument
@@ -238,7 +239,7 @@ def doctor_result(
         f"sampled once in {params['sample_dtype']}, seed {params['seed']}; share of completion tokens with "
         f"exp(dlogp) outside [{1 - band:.2f}, {1 + band:.2f}]; empty cells not measured. "
         + " ".join(f"Note: {n}." for n in matrix.notes)
-        + f" Recommendation: {recommendation['text']}"
+        + f" Recommendation: {one_line(recommendation['text'])}"
     )
     extra = {
         "model": model,
@@ -309,11 +310,18 @@ def check_stored(result) -> None:
     """Raise ``ValueError`` naming the field for a stored doctor result a recommendation cannot be derived from:
     missing keys, wrong types, or impossible values (a share outside [0, 1], a negative count, more tokens out of
     band than scored)."""
+    from bloggap_plugin.results import SUPPORTED_SCHEMA_VERSIONS
+
     if not isinstance(result, dict):
         raise ValueError(f"not a bloggap doctor JSON: a JSON object is needed, got {type(result).__name__}")
-    for key in ("cells", "fp16_check", "params", "recommendation"):
+    for key in ("benchmark", "schema_version", "cells", "fp16_check", "params", "recommendation"):
         if key not in result:
             raise ValueError(f"not a bloggap doctor JSON: missing key {key!r}")
+    if result["benchmark"] != "doctor":
+        raise ValueError(f"benchmark {result['benchmark']!r}: not a bloggap doctor JSON (benchmark 'doctor')")
+    if result["schema_version"] not in SUPPORTED_SCHEMA_VERSIONS:
+        raise ValueError(f"schema_version {result['schema_version']!r} is not one this version reads "
+                         f"({', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))})")
     for key in ("cells", "paired_cells"):
         if not isinstance(result.get(key, []), list):
             raise ValueError(f"{key} must be a list of cells, got {type(result[key]).__name__}")
@@ -348,6 +356,26 @@ def check_stored(result) -> None:
                 raise ValueError(f"fp16_check lacks {key!r} of the right type (got {check.get(key)!r})")
     if not isinstance(result["recommendation"], dict):
         raise ValueError(f"recommendation must be an object, got {type(result['recommendation']).__name__}")
+    _check_cell_keys(result, params)
+
+
+def _check_cell_keys(result: dict, params: dict) -> None:
+    """Each cell a known comparison, of a dtype and attention the run measured, and measured once (a repeated cell
+    would count twice in the recommendation)."""
+    for key, extra in (("cells", ()), ("paired_cells", ("rows",))):
+        seen = set()
+        for index, cell in enumerate(result.get(key, [])):
+            where = f"{key}[{index}]"
+            if cell["comparison"] not in COMPARISONS:
+                raise ValueError(f"{where}.comparison {cell['comparison']!r} is not a doctor comparison "
+                                 f"({', '.join(COMPARISONS)})")
+            if cell["dtype"] not in params["dtypes"] or cell["attn"] not in params["attn"]:
+                raise ValueError(f"{where} is {cell['dtype']}/{cell['attn']}, which params.dtypes "
+                                 f"{params['dtypes']} and params.attn {params['attn']} do not list")
+            ident = (cell["dtype"], cell["attn"], cell["comparison"], *(cell.get(name) for name in extra))
+            if ident in seen:
+                raise ValueError(f"{where} repeats the cell {'/'.join(map(str, ident))}; each cell is measured once")
+            seen.add(ident)
 
 
 def rerecommend(result: dict) -> dict:
@@ -373,5 +401,5 @@ def rerecommend(result: dict) -> dict:
     result["recommendation"] = new
     for table in result.get("tables", []):
         if table.get("id") == "DOCTOR" and " Recommendation: " in table.get("notes", ""):
-            table["notes"] = table["notes"].split(" Recommendation: ")[0] + f" Recommendation: {new['text']}"
+            table["notes"] = table["notes"].split(" Recommendation: ")[0] + f" Recommendation: {one_line(new['text'])}"
     return result

@@ -182,11 +182,14 @@ class TrainConfig:
         "$BLOGGAP_GSM8K_DATA, else openai/gsm8k from the Hugging Face hub or its cache)", metavar="PATH"))
     calc_steps: str | None = field(default=None, metadata=_help(
         "gsm8k: train on the problems with N (or LOW-HIGH) <<...>> calculation steps", metavar="N|LOW-HIGH"))
-    max_steps: int | None = field(default=None, metadata=_help("optimizer steps, >= 1 (default: the recipe's)"))
+    max_steps: int | None = field(default=None, metadata=_help("optimizer steps, >= 1 (default: the recipe's)", min=1))
     output_dir: str = field(default="bloggap-runs/train", metadata=_help("trainer output folder"))
-    report_to: str | list[str] = field(default="none", metadata=_help(
-        "where to log, one or more (as GRPOConfig.report_to): none, wandb, tensorboard, trackio ...", metavar="NAME"))
-    seed: int = field(default=0, metadata=_help("seed of the run (GRPOConfig.seed and the task's data)"))
+    report_to: str | list[str] | None = field(default=None, metadata=_help(
+        "where to log, one or more (as GRPOConfig.report_to): none, wandb, tensorboard, trackio ... (default: the "
+        "recipe's report_to, else none)", metavar="NAME"))
+    seed: int | None = field(default=None, metadata=_help(
+        "seed of the run (GRPOConfig.seed and the task's data; default: the recipe's seed, else 0)", min=0,
+        max=2**32 - 1))
     log_jsonl: str | None = field(default=None, metadata=_help("also write one JSON line per logged step here"))
     device: str | None = field(default=None, metadata=_help("cpu or cuda (default: cuda if available)"))
     extra_overrides: dict | None = field(default=None, metadata=_help(
@@ -260,7 +263,7 @@ def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
     from bloggap_plugin._io import check_writable_dir, check_writable_file
     from bloggap_plugin.core.errors import UsageError
     from bloggap_plugin.models import check_model_spec, resolve_device
-    from bloggap_plugin.recipes import RecipeError, load_recipe, merge_grpo_config
+    from bloggap_plugin.recipes import RecipeError, load_recipe, merge_grpo_config, replace_gap
     from bloggap_plugin.tasks import get_task
 
     config = train_config(recipe, **settings)
@@ -269,14 +272,16 @@ def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
         raise UsageError(f"--max-steps must be an integer >= 1, got {max_steps!r}; leave it out to use the "
                          "recipe's max_steps")
     seed = config.seed
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX):
         raise UsageError(f"--seed {seed!r}: must be a whole number in [0, {SEED_MAX}] (numpy's seed range)")
     grpo_kwargs, gap = load_recipe(config.recipe)
+    # a setting left out keeps the recipe's value (the command line wins only when given)
+    config = dataclasses.replace(config, seed=int(grpo_kwargs.get("seed", 0)) if seed is None else seed,
+                                 report_to=grpo_kwargs.get("report_to", "none") if config.report_to is None
+                                 else config.report_to)
     if config.gap_overrides:
-        try:
-            gap = dataclasses.replace(gap, **config.gap_overrides)  # __post_init__ validates the new values
-        except TypeError as err:
-            raise RecipeError(f"gap overrides {sorted(config.gap_overrides)}: {err}") from None
+        gap = replace_gap(gap, config.gap_overrides)
+    _check_override_names(config.extra_overrides)
     device = resolve_device(config.device)
     check_heldout_spec(config.heldout)
     for problem in (check_writable_dir(config.output_dir, "--output-dir"),
@@ -286,21 +291,16 @@ def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
         if problem:
             raise UsageError(problem)
     on_cpu = device.startswith("cpu")
-    overrides: dict = {"output_dir": str(config.output_dir), "report_to": config.report_to, "seed": int(config.seed),
-                       "save_strategy": "no", "logging_steps": 1}
-    if max_steps is not None:
-        overrides["max_steps"] = int(max_steps)
-    if on_cpu:
-        overrides.update(use_cpu=True, bf16=False, fp16=bool(grpo_kwargs.get("fp16", False)))
-        dtype = "fp32" if gap.arm_spec.needs_fp16_training else "bf16"
-    else:
-        dtype = "fp32"
+    dtype = "fp32" if not on_cpu or gap.arm_spec.needs_fp16_training else "bf16"
+    overrides = run_overrides(grpo_kwargs, output_dir=config.output_dir, report_to=config.report_to,
+                              seed=config.seed, max_steps=max_steps, on_cpu=on_cpu)
     overrides.update(config.extra_overrides or {})
     try:
         args = merge_grpo_config(grpo_kwargs, None, **overrides)
     except RecipeError as err:
         raise RecipeError(f"{config.recipe}: {err}") from None
     _check_report_to(args.report_to)
+    _check_vllm(args)
     train_dataset, reward_funcs = get_task(config.task, None, seed=config.seed,  # name, options, data: before the model
                                            **(config.task_options() or {}))
     heldout = _heldout_set(config) if config.heldout else None
@@ -309,8 +309,48 @@ def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
                    reward_funcs=reward_funcs, heldout=heldout)
 
 
-SEED_MAX = 2**32 - 1
-"""The largest seed numpy's legacy seeding (and so transformers' ``set_seed``) accepts."""
+from bloggap_plugin.core.errors import SEED_MAX  # noqa: E402 - re-exported: the range of --seed
+
+RUN_DEFAULTS = {"save_strategy": "no", "logging_steps": 1}
+"""GRPOConfig fields a run sets when the recipe does not: no checkpoints, a log line per step."""
+
+
+def run_overrides(grpo_kwargs: dict, *, output_dir: str | Path, report_to: str | list[str], seed: int,
+                  max_steps: int | None, on_cpu: bool) -> dict:
+    """The GRPOConfig fields a run sets over the recipe's ``grpo_kwargs``: where it writes and logs, its seed and
+    steps (``max_steps`` None: the recipe's), :data:`RUN_DEFAULTS` where the recipe leaves them out (a recipe's
+    ``save_steps`` keeps its ``save_strategy``), and on CPU no bf16 autocast."""
+    fields: dict = {"output_dir": str(output_dir), "report_to": report_to, "seed": int(seed)}
+    saves = {"save_strategy", "save_steps"} & set(grpo_kwargs)
+    fields.update({key: value for key, value in RUN_DEFAULTS.items()
+                   if key not in grpo_kwargs and not (key == "save_strategy" and saves)})
+    if max_steps is not None:
+        fields["max_steps"] = int(max_steps)
+    if on_cpu:
+        fields.update(use_cpu=True, bf16=False, fp16=bool(grpo_kwargs.get("fp16", False)))
+    return fields
+
+
+def _check_override_names(overrides: dict | None) -> None:
+    """Refuse an ``--extra-overrides`` key that is no GRPOConfig field, naming the closest one (as recipes do)."""
+    from bloggap_plugin.recipes import grpo_field_names, unknown_key_error
+
+    valid = grpo_field_names()
+    for key in overrides or {}:
+        if valid is not None and key not in valid:
+            raise unknown_key_error(key, valid, "--extra-overrides")
+
+
+def _check_vllm(args: Any) -> None:
+    """Raise ``UsageError`` for ``use_vllm`` where TRL's vLLM engine cannot run (the trainer would fail on it only
+    after the model loaded); the check ``bloggap compare --use-vllm`` makes."""
+    from bloggap_plugin.compare.sweep_config import vllm_unavailable_reason
+    from bloggap_plugin.core.errors import UsageError
+
+    problem = vllm_unavailable_reason() if getattr(args, "use_vllm", False) else None
+    if problem:
+        raise UsageError(f"use_vllm: {problem}; run on a machine with a CUDA GPU and vLLM (TRL 1.16 takes vLLM "
+                         "0.22-0.31), or drop use_vllm to generate with HF generate")
 
 
 def _check_report_to(report_to: list[str] | None) -> None:
@@ -321,6 +361,10 @@ def _check_report_to(report_to: list[str] | None) -> None:
     from bloggap_plugin.core.errors import UsageError
 
     available = set(get_available_reporting_integrations())
+    alone = [name for name in ("none", "all") if name in (report_to or [])]
+    if alone and len(report_to) > 1:
+        raise UsageError(f"--report-to {' '.join(report_to)}: {alone[0]} goes alone; give it, or the integrations "
+                         "to log to")
     for name in report_to or []:
         if name in ("none", "all"):
             continue
