@@ -451,6 +451,21 @@ def _unique_key_loader():
     return UniqueKeyLoader
 
 
+def check_recipe_path(path: str | Path) -> None:
+    """Raise :class:`RecipeError` unless ``path`` is a regular file, saying what it is instead (missing, a folder,
+    a pipe or other special file)."""
+    from bloggap_plugin._input_files import display_name
+
+    path = Path(path)
+    if path.is_file():
+        return
+    ships = "(recipes ship in recipes/arm_A.yaml .. arm_J.yaml)"
+    if not path.exists():
+        raise RecipeError(f"recipe {display_name(path)} does not exist {ships}")
+    what = "a folder" if path.is_dir() else "not a regular file (a pipe, socket or device)"
+    raise RecipeError(f"recipe {display_name(path)} is {what}; give a recipe YAML file {ships}")
+
+
 def load_recipe(path: str | Path) -> tuple[dict, GapConfig]:
     """Load a YAML recipe: ``(grpo_kwargs, gap)``. Errors name the file and the offending key.
 
@@ -462,8 +477,7 @@ def load_recipe(path: str | Path) -> tuple[dict, GapConfig]:
 
     path = Path(path)
     name = display_name(path)
-    if not path.is_file():
-        raise RecipeError(f"recipe {name} does not exist (recipes ship in recipes/arm_A.yaml .. arm_J.yaml)")
+    check_recipe_path(path)
     text = read_text_file(path, f"recipe {name}", "give a YAML recipe such as recipes/arm_A.yaml", RecipeError)
     try:
         data = load_yaml(text, name, _unique_key_loader(), RecipeError)  # bounded size, depth and aliases

@@ -240,6 +240,12 @@ def validate_result(document, path: str | os.PathLike, reference_ids=None) -> No
     """Raise :class:`ResultError` naming ``path`` and the problem unless ``document`` follows the result schema."""
     if not isinstance(document, dict):
         raise ResultError(f"{path}: expected a JSON object at the top, got {type(document).__name__}")
+    if "benchmark" not in document and isinstance(document.get("command"), str):
+        command = document["command"]
+        raise ResultError(f"{path}: the output of `bloggap {command} --json`, a measurement of one model, not a "
+                          f"benchmark result document (benchmark, schema_version, env, params, results, tables): move "
+                          f"it out of the results folder, or run the benchmark that records {command} "
+                          "(BENCHMARKS.md names each)")
     for key, kind in _TOP_KEYS.items():
         if key not in document:
             raise ResultError(f"{path}: missing key {key!r} (a result needs {', '.join(_TOP_KEYS)})")

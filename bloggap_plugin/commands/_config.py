@@ -45,6 +45,18 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
 
 
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's ``(default: ...)`` after each flag's help, except where the help already names its default or
+    there is none to show (``None``, a switch that is off, an empty list or mapping)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        nothing = any(action.default is value for value in (None, False, argparse.SUPPRESS)) or action.default in ([], {})
+        if "default" in text.lower() or nothing or not action.option_strings:
+            return text
+        return super()._get_help_string(action)
+
+
 def _fields(config_type: type) -> list[dataclasses.Field]:
     """The ``init`` fields of ``config_type`` with their annotations resolved (``field.type`` is a type)."""
     hints = typing.get_type_hints(config_type)
@@ -159,6 +171,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, *config_types: type) -
                     if action.dest == field.name and action.option_strings and not action.option_strings[0].startswith("--no"):
                         action.type = parse
             _add_deprecated(parser, field)
+    parser.formatter_class = DefaultsFormatter  # each flag's help shows its default
     if not any(CONFIG_FLAG in action.option_strings for action in parser._actions):
         parser.add_argument(CONFIG_FLAG, dest="_config_file", default=None, metavar="FILE.yaml",
                             help="YAML file setting any of these fields by name (the command line wins)")

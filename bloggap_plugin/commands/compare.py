@@ -31,23 +31,10 @@ def _overrides(text: str | dict | list | None) -> dict:
     return value
 
 
-class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """argparse's ``(default: ...)`` after each flag's help, except where the help already names its default or
-    there is none to show (``None``, a switch that is off, an empty list or mapping)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        nothing = any(action.default is value for value in (None, False, argparse.SUPPRESS)) or action.default in ([], {})
-        if "default" in text.lower() or nothing or not action.option_strings:
-            return text
-        return super()._get_help_string(action)
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     from bloggap_plugin.commands._config import add_config_arguments
     from bloggap_plugin.compare import CompareConfig
 
-    parser.formatter_class = _DefaultsFormatter
     add_config_arguments(parser, CompareConfig)
     parser.add_argument("--table-only", "--table_only", action="store_true", help="do not train: rebuild table, JSON and plot from the logs")
 
@@ -70,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
         config.extra_overrides = _overrides(config.extra_overrides)
         if args.table_only:
             results = build_results(config, validate_config(config, training=False))
+            if not results["runs"]:
+                raise CompareError(f"--table-only: no finished run of these recipes and seeds in {config.output_dir}"
+                                   "/runs, so the table would be empty; run the sweep first (without --table-only)")
             write_outputs(config, results)
             for run_id, why in results["set_aside"].items():
                 print(f"[compare] {run_id}: set aside: {why}")

@@ -125,10 +125,32 @@ def _check(config: DoctorConfig) -> None:
         if problem:
             raise UsageError(problem)
     if config.from_json:
+        _check_nothing_to_measure(config)
         return
     check_counts(config, ("rows", "new_tokens", "gen_batch_size", "fp16_rows", "fp32_rows"))
     if not 0.0 < config.band < 1.0:
         raise UsageError(f"--band must be in (0, 1) (half-width b of the ratio band [1-b, 1+b]), got {config.band}")
+
+
+_FROM_JSON_FLAGS = ("from_json", "json_path", "no_progress")
+"""The settings ``--from-json`` reads; every other one sets a measurement, which it does not make."""
+
+
+def _check_nothing_to_measure(config: DoctorConfig) -> None:
+    """With ``--from-json``, refuse a measurement setting (``--model``, ``--rows`` ...): it would be ignored."""
+    import dataclasses
+
+    from bloggap_plugin.core.errors import UsageError
+
+    def default(spec: dataclasses.Field):  # as argparse gives it: a text default through the field's parser
+        parse = spec.metadata.get("parse")
+        return parse(spec.default) if parse and isinstance(spec.default, str) else spec.default
+
+    given = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(DoctorConfig)
+             if f.name not in _FROM_JSON_FLAGS and getattr(config, f.name) not in (f.default, default(f))]
+    if given:
+        raise UsageError(f"--from-json re-reads a stored run and measures nothing, so {', '.join(given)} would be "
+                         "ignored: drop them, or drop --from-json to measure")
 
 
 def _from_json(config: DoctorConfig) -> int:

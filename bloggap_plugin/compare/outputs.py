@@ -144,6 +144,7 @@ def _reward_table(config: CompareConfig, results: dict) -> dict:
     generation = "vLLM colocate (TRL)" if config.use_vllm else "HF generate"
     task = config.task + (f" ({config.calc_steps} calculation steps)" if config.calc_steps is not None else "")
     notes = (
+        _not_in_effect_words(results) +
         f"{task}, {config.model}, {config.max_steps} steps, seeds {', '.join(map(str, config.seeds))}, "
         f"generation: {generation}. "
         f"reward last-{k}: mean of the logged reward over the final {k} steps that logged one (with num_iterations > 1 "
@@ -160,6 +161,16 @@ def _reward_table(config: CompareConfig, results: dict) -> dict:
         "reference": "T10",
         "random_init": config.model.startswith("tiny-random"),
     }
+
+
+def _not_in_effect_words(results: dict) -> str:
+    """A first sentence naming the runs whose arm did not take effect (their summary's ``arm_not_in_effect``, e.g.
+    arm H on a CPU, where it trains as arm A), or ``""``."""
+    why = {run_id: s["arm_not_in_effect"] for run_id, s in results["runs"].items() if s.get("arm_not_in_effect")}
+    if not why:
+        return ""
+    reasons = "; ".join(sorted(set(why.values())))
+    return f"NOT IN EFFECT in run(s) {', '.join(sorted(why))}: {reasons}; their rows do not measure the arm. "
 
 
 def _gap_table(config: CompareConfig, arms: dict, gap_keys: list[str]) -> dict:

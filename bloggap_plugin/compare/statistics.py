@@ -67,7 +67,9 @@ def summarize_run(records: list[dict], marker: dict | None, last_n: int = 30) ->
         s_per_step, s_source = wall_s / steps_logged, "wall"
     else:
         s_per_step, s_source = None, None
+    result = (marker or {}).get("result")
     return {
+        "arm_not_in_effect": result.get("arm_not_in_effect") if isinstance(result, dict) else None,
         "steps": steps_logged,
         "reward_steps": len(rewards),
         "reward_step_ids": [r.get("step", i + 1) for i, r in enumerate(reward_steps)],

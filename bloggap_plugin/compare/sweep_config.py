@@ -163,8 +163,9 @@ def _arm_label(recipe: Path) -> str:
     """The arm label of ``recipe``: its ``gap.arm``, else its file stem (the full recipe check comes later)."""
     from bloggap_plugin._input_files import display_name, load_yaml_file
 
-    if not recipe.is_file():
-        raise FileNotFoundError(f"recipe {display_name(recipe)} does not exist")
+    from bloggap_plugin.recipes import check_recipe_path
+
+    check_recipe_path(recipe)
     gap = _mapping(load_yaml_file(recipe, f"recipe {display_name(recipe)}", "give a YAML recipe such as "
                                   "recipes/arm_A.yaml", error=CompareError)).get("gap")
     arm = _mapping(gap).get("arm")
@@ -259,7 +260,7 @@ def validate_config(config: CompareConfig, training: bool = True) -> list[RunSpe
         raise CompareError(f"--n {config.n}: must be >= 1 prompts (or leave it out for the task's default)")
     try:
         runs = plan_runs(config)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError) as err:  # a RecipeError is a ValueError
         raise CompareError(str(err).splitlines()[0]) from None
     arms = list(dict.fromkeys(run.arm for run in runs))
     _check_analysis(config)

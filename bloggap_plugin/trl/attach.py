@@ -97,6 +97,16 @@ def _check_zero3(trainer: Any, gap: GapConfig) -> None:
         )
 
 
+def arm_not_in_effect(trainer: Any, gap: GapConfig) -> str | None:
+    """Why ``gap``'s arm does not take effect in ``trainer`` (arm H where accelerate runs no fp16 autocast, e.g. on
+    a CPU), or ``None``: what a run's summary and a comparison's table state beside its numbers."""
+    arm = gap.arm_spec
+    if arm.needs_fp16_training and not getattr(trainer.accelerator, "native_amp", True):
+        return (f"arm {arm.letter}: accelerate runs without fp16 autocast on this device (e.g. CPU), so rollout, old "
+                f"log-probs and training stay in the model's dtype; arm {arm.letter} takes effect on CUDA")
+    return None
+
+
 def _check_precision(trainer: Any, gap: GapConfig) -> None:
     """The arm's precision against the trainer's: fp16 training where the arm needs it, a warning where it
     scores above the fp16 it trains in."""
@@ -104,12 +114,9 @@ def _check_precision(trainer: Any, gap: GapConfig) -> None:
     if arm.needs_fp16_training and not args.fp16:
         raise RecipeError(f"gap.arm {arm.letter} (fp16 everywhere) needs fp16: true in the GRPOConfig (see "
                           f"recipes/arm_{arm.letter}.yaml)")
-    if arm.needs_fp16_training and not getattr(trainer.accelerator, "native_amp", True):
-        warnings.warn(
-            f"arm {arm.letter}: accelerate runs without fp16 autocast on this device (e.g. CPU), so rollout, old "
-            f"log-probs and training stay in the model's dtype; arm {arm.letter} takes effect on CUDA",
-            stacklevel=_STACK,
-        )
+    not_in_effect = arm_not_in_effect(trainer, gap)
+    if not_in_effect:
+        warnings.warn(not_in_effect, stacklevel=_STACK)
     if args.fp16 and arm.scores_above_fp16:
         warnings.warn(f"arm {arm.letter} scores old log-probs above fp16 while training runs in fp16",
                       stacklevel=_STACK)

@@ -548,6 +548,7 @@ def _train(plan: RunPlan) -> dict:
     from bloggap_plugin.models import load_model
     from bloggap_plugin.run_timing import plugin_time_share
     from bloggap_plugin.tasks import for_tokenizer
+    from bloggap_plugin.trl.attach import arm_not_in_effect
     from bloggap_plugin.trl.callback import GapGRPOTrainer
     from bloggap_plugin.trl.vllm_colocate import own_batch_invariance_env
 
@@ -606,4 +607,5 @@ def _train(plan: RunPlan) -> dict:
     summary["reward_last"] = rewards[-1] if rewards else None
     if heldout is not None:
         summary["heldout"] = heldout.records
+    summary["arm_not_in_effect"] = arm_not_in_effect(trainer, gap)  # e.g. arm H on a CPU: stated with the result
     return summary
