@@ -251,6 +251,8 @@ def check_values(config) -> None:
                 except (argparse.ArgumentTypeError, ValueError) as err:
                     raise UsageError(f"{flag}: {err}") from None
             continue
+        if value is None and item.default is None:  # a field left unset (None: "not given")
+            continue
         if not _matches(value, hints[item.name]):
             if typing.get_origin(hints[item.name]) is typing.Literal:
                 raise UsageError(f"{flag} {short_repr(value)}: choose one of {', '.join(map(str, typing.get_args(hints[item.name])))}")

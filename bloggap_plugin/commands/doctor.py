@@ -22,9 +22,11 @@ from bloggap_plugin.core.comparisons import CPU_ROWS  # torch-free: `bloggap --h
 HELP = "Measure the batch-shape log-prob gap of a model on this machine and recommend an arm."
 DTYPES = ("bf16", "fp16", "fp32")
 ATTNS = ("sdpa", "eager", "flex_attention")
-CPU_SCALE = {"rows": 16, "new_tokens": 16, "attn": "sdpa"}
-"""What a run on a CPU measures when the flags leave it out (bf16 is emulated on most CPUs, about ten times slower
-than fp32): the doctor's default on a CPU finishes in minutes and says what it scaled down."""
+GPU_ATTN = "sdpa,eager"
+CPU_SCALE = {"rows": 16, "new_tokens": 16, "attn": "sdpa", "skip": ("copy8_vs_alone",)}
+"""What a run on a CPU measures where the flags leave it to the doctor (bf16 is emulated on most CPUs, about ten
+times slower than fp32): fewer rollouts and tokens, one attention implementation, and no comparison that scores
+each row in a batch of its own copies (``skip``; ``--attn`` given keeps them). The run says what it scaled down."""
 
 
 def _csv(choices):
@@ -50,8 +52,9 @@ class DoctorConfig:
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, cuda:1 ... (default: cuda if available)"})
     dtypes: str = field(default=",".join(DTYPES), metadata={"help": "comma list (default bf16,fp16,fp32)",
                                                            "parse": _csv(DTYPES)})
-    attn: str = field(default="sdpa,eager", metadata={
-        "help": f"comma list of {', '.join(ATTNS)} (default sdpa,eager)", "parse": _csv(ATTNS)})
+    attn: str | None = field(default=None, metadata={
+        "help": f"comma list of {', '.join(ATTNS)} (default {GPU_ATTN} on GPU, {CPU_SCALE['attn']} on CPU)",
+        "parse": _csv(ATTNS)})
     rows: int | None = field(default=None, metadata={
         "help": f"rollouts (default 64 on GPU, {CPU_SCALE['rows']} on CPU)", "min": 1, "deprecated": ["--num-seqs", "--num_seqs"]})
     new_tokens: int | None = field(default=None, metadata={
@@ -185,8 +188,7 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(resolve_device(config.device))
     check_model_spec(config.model)
     on_cpu = device.type == "cpu"
-    num_seqs = config.rows if config.rows is not None else (CPU_SCALE["rows"] if on_cpu else 64)
-    max_new = config.new_tokens if config.new_tokens is not None else (CPU_SCALE["new_tokens"] if on_cpu else 64)
+    num_seqs, max_new, skip = _scaled_for(config, on_cpu)
     rows_for = doctor_matrix.rows_per_dtype(num_seqs, config.fp16_rows, config.fp32_rows, on_cpu)
     started = time.perf_counter()
 
@@ -196,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
             sampler_model, tokenizer, num_seqs=num_seqs, max_new_tokens=max_new, seed=config.seed,
             batch_size=config.gen_batch_size, progress=bar.update,
         )
-    plan, notes = doctor_matrix.scoring_plan(config.dtypes, rollouts, rows_for, on_cpu)
+    plan, notes = doctor_matrix.scoring_plan(config.dtypes, rollouts, rows_for, on_cpu, skip)
     total = doctor_matrix.total_passes(plan, config.attn)
     with tqdm(total=total, desc="scoring", unit="pass", file=sys.stderr, disable=config.no_progress) as bar:
         matrix = doctor_matrix.score_matrix(lambda dtype: load_model(config.model, dtype=dtype, device=device)[0],
@@ -216,6 +218,23 @@ def run(args: argparse.Namespace) -> int:
     print(f"({elapsed:.0f} s)")
     _write_json(result, config.json_path)
     return 0
+
+
+def _scaled_for(config: DoctorConfig, on_cpu: bool) -> tuple[int, int, tuple[str, ...]]:
+    """``(rollouts, tokens per rollout, comparisons skipped)`` of the run; ``config.attn`` set. On a CPU, what the
+    flags leave out is :data:`CPU_SCALE`, said in one line on stderr."""
+    scale = CPU_SCALE if on_cpu else {"rows": 64, "new_tokens": 64, "attn": GPU_ATTN, "skip": ()}
+    scaled = [f"--{name.replace('_', '-')} {scale[name]}" for name in ("rows", "new_tokens", "attn")
+              if getattr(config, name) is None]
+    skip = scale["skip"] if config.attn is None else ()
+    rows = config.rows if config.rows is not None else scale["rows"]
+    new_tokens = config.new_tokens if config.new_tokens is not None else scale["new_tokens"]
+    config.attn = config.attn if config.attn is not None else _csv(ATTNS)(scale["attn"])
+    if on_cpu and scaled:
+        print(f"bloggap doctor: on this CPU the default run is scaled down to {', '.join(scaled)} (GPU: 64 rollouts x "
+              f"64 tokens, {GPU_ATTN}){', without ' + ', '.join(skip) if skip else ''}, and fp16/fp32 on fewer rows; "
+              "give the flags to measure more", file=sys.stderr)
+    return rows, new_tokens, skip
 
 
 def _write_json(result: dict, json_path: str | None) -> None:

@@ -75,14 +75,17 @@ def rows_per_dtype(num_seqs: int, fp16_rows: int | None, fp32_rows: int | None, 
 
 
 def scoring_plan(
-    dtypes: list[str], rollouts: Rollouts, rows_for: dict[str, int], on_cpu: bool
+    dtypes: list[str], rollouts: Rollouts, rows_for: dict[str, int], on_cpu: bool, skip: tuple[str, ...] = ()
 ) -> tuple[list[DoctorPlan], list[str]]:
     """Each dtype's comparisons and rows, with a note for every dtype scaled down to fewer rows: fp16 on CPU
-    keeps only the comparisons marked ``cpu_fp16``; otherwise comparisons needing more rows are skipped."""
+    keeps only the comparisons marked ``cpu_fp16``; otherwise comparisons needing more rows are skipped; the
+    comparisons in ``skip`` are left out (a note says so)."""
     num_seqs = len(rollouts.rows)
     plan, notes = [], []
+    if skip:
+        notes.append(f"skipped {', '.join(skip)} to keep the run short on this CPU (give --attn to measure it)")
     for dtype in dtypes:
-        names = list(COMPARISONS)
+        names = [name for name in COMPARISONS if name not in skip]
         subset = rollouts
         rows = rows_for.get(dtype, num_seqs)
         if rows < num_seqs:

@@ -184,7 +184,8 @@ class TrainConfig:
         "gsm8k: train on the problems with N (or LOW-HIGH) <<...>> calculation steps", metavar="N|LOW-HIGH"))
     max_steps: int | None = field(default=None, metadata=_help("optimizer steps, >= 1 (default: the recipe's)", min=1))
     output_dir: str = field(default="bloggap-runs/train", metadata=_help("trainer output folder"))
-    report_to: str | list[str] | None = field(default=None, metadata=_help(
+    # None: not given (the annotation leaves None out: HfArgumentParser takes no three-way union)
+    report_to: str | list[str] = field(default=None, metadata=_help(
         "where to log, one or more (as GRPOConfig.report_to): none, wandb, tensorboard, trackio ... (default: the "
         "recipe's report_to, else none)", metavar="NAME"))
     seed: int | None = field(default=None, metadata=_help(
