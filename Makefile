@@ -21,6 +21,7 @@ $(VENV)/.stamp-setup: setup.cfg constraints.txt pyproject.toml
 
 demo: setup
 	$(BIN)/bloggap doctor
+	@echo "bloggap is $(BIN)/bloggap; '. $(BIN)/activate' puts it on your PATH"
 
 test: setup
 	$(BIN)/python -m pytest -q tests
