@@ -470,7 +470,6 @@ def _check_grpo_settings(config: CompareConfig, runs: list[RunSpec]) -> None:
         merge_grpo_config,
         unknown_key_error,
     )
-
     from bloggap_plugin.trl.run import run_overrides
 
     valid = grpo_field_names()

@@ -313,7 +313,7 @@ def _stored_doctor() -> dict:
         return {"dtype": dtype, "attn": "sdpa", "comparison": comparison, "oob": oob, "oob_count": round(oob * n),
                 "n": n, "abs_dlogp_mean": 0.0, "abs_dlogp_max": 0.0, "bitwise_equal": oob == 0}
 
-    return {"model": "m", "device": "h200", "rows": 8, "max_new_tokens": 4, "tokens": 1000, "band": 0.1,
+    return {"benchmark": "doctor", "schema_version": 1, "model": "m", "device": "h200", "rows": 8, "max_new_tokens": 4, "tokens": 1000, "band": 0.1,
             "cells": [cell("bf16", "b1_vs_b8_left_arange", 0.08), cell("fp16", "b1_vs_b8_left_arange", 0.0)],
             "paired_cells": [], "params": {"dtypes": ["bf16", "fp16"], "attn": ["sdpa"], "sample_dtype": "bf16",
                                            "seed": 1},

@@ -382,7 +382,9 @@ def test_recommendation_is_a_record_that_one_renderer_turns_into_the_text():
     assert decision.basis["bf16_headline"] == 0.08 and decision.basis["fp16_safe"] is True
     text = render(decision)
     assert text == recommend(cells, {"nonfinite_logprobs": 0, "max_abs_hidden": 100.0}, "cuda")["text"]
-    assert text.startswith("The forward is nondeterministic on this device (batch-1 rerun differs for bf16/sdpa)")
+    lead, first = text.splitlines()[:2]  # the arm and its reason first, then one line per finding
+    assert lead.startswith("arm H (fp16 everywhere: fp16: true): fp16 takes bf16's 8.00% out of band to 0.20%")
+    assert first.startswith("  - The forward is nondeterministic on this device (batch-1 rerun differs for bf16/sdpa)")
     assert "fp16 removes 7.80 of 8.00 pp (bf16 8.00% (80/1000 tokens, sdpa), fp16 0.20% (2/1000 tokens, sdpa))" in text
     with pytest.raises(dataclasses.FrozenInstanceError):
         decision.arm = "A"
