@@ -162,7 +162,6 @@ class RunSpec:
 def _arm_label(recipe: Path) -> str:
     """The arm label of ``recipe``: its ``gap.arm``, else its file stem (the full recipe check comes later)."""
     from bloggap_plugin._input_files import display_name, load_yaml_file
-
     from bloggap_plugin.recipes import check_recipe_path
 
     check_recipe_path(recipe)
