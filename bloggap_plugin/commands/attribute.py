@@ -52,8 +52,8 @@ class AttributeConfig(ModelOutputConfig):
                                             "deprecated": ["--num-seqs", "--num_seqs"]})
     new_tokens: int = field(default=48, metadata={"help": "tokens per rollout (default 48)", "min": 1,
                                                   "deprecated": ["--max-new-tokens", "--max_new_tokens"]})
-    batch_size: int = field(default=8, metadata={"help": "rows per chunk on the batched side, at most --rows (8)",
-                                                 "min": 2})
+    batch_size: int | None = field(default=None, metadata={
+        "help": "rows per chunk on the batched side, at most --rows (default 8, capped at --rows)", "min": 2})
     k: int | None = field(default=None, metadata={
         "help": "layers for top-k and the window, in 1..layers of the model (default 8, capped at the layers)", "min": 1})
     seed: int = field(default=4321, metadata={"help": "sampling seed (default 4321)", "min": 0, "max": 2**32 - 1})
@@ -68,18 +68,19 @@ def run(args: argparse.Namespace) -> int:
     from bloggap_plugin.measure.attribution import run_attribution
 
     config = checked_config(AttributeConfig, args, ("rows", "new_tokens", "batch_size", "k"))
-    if config.batch_size > config.rows:
+    if config.batch_size is not None and config.batch_size > config.rows:
         from bloggap_plugin.core.errors import UsageError
 
         raise UsageError(f"--batch-size {config.batch_size} is more than --rows {config.rows}: a chunk cannot hold more "
                          "rows than are sampled; give --batch-size <= --rows")
+    batch_size = config.batch_size if config.batch_size is not None else min(8, config.rows)
     device, model, tokenizer = load_for(config, "attribute")
     result = run_attribution(
         model,
         tokenizer,
         rows=config.rows,
         new_tokens=config.new_tokens,
-        batch_size=config.batch_size,
+        batch_size=batch_size,
         k=config.k if config.k is not None else min(8, len(decoder_layers(model))),
         positions=config.positions,
         seed=config.seed,

@@ -29,7 +29,7 @@ def stored_doctor_json() -> dict:
     cells = [cell(d, "b1_vs_b8_left_arange", oob) for d, oob in (("bf16", 0.08), ("fp16", 0.0))]
     cells += [cell(d, "b1_vs_b8_left_mask", 0.0, seconds=1.0, tokens_forwarded=1000) for d in ("bf16", "fp16")]
     return {
-        "benchmark": "doctor", "model": "m", "device": "h200", "rows": 8, "max_new_tokens": 4, "tokens": 1000,
+        "benchmark": "doctor", "schema_version": 1, "model": "m", "device": "h200", "rows": 8, "max_new_tokens": 4, "tokens": 1000,
         "band": 0.1, "params": {"dtypes": ["bf16", "fp16"], "attn": ["sdpa"], "sample_dtype": "bf16", "seed": 1},
         "cells": cells, "paired_cells": [], "fp16_check": {"nonfinite_logprobs": 0, "max_abs_hidden": 1.0,
                                                            "rows": 8, "attn": "sdpa", "n": 1000, "ok": True},

@@ -166,7 +166,7 @@ def test_train_outputs_not_writable(bloggap, tmp_path):
 @pytest.mark.parametrize("steps", ["0", "-1"])
 def test_train_max_steps_not_positive(bloggap, tmp_path, steps):
     assert_one_line_error(_train(bloggap, tmp_path, RECIPES / "arm_A.yaml", "--max-steps", steps),
-                           "--max-steps must be an integer >= 1", f"got {steps}")
+                           f"--max-steps {steps}: must be >= 1")
 
 
 def test_train_gsm8k_offline_names_the_data_option(bloggap, tmp_path, monkeypatch):
@@ -304,13 +304,13 @@ def test_doctor_json_to_an_unwritable_folder_is_refused_before_measuring(bloggap
 
 @pytest.mark.parametrize("band", ["2", "1", "0", "-0.1", "nan"])
 def test_doctor_band_outside_0_1(bloggap, band):
-    assert_one_line_error(_doctor(bloggap, "--band", band), "--band must be in (0, 1)", f"got {band}")
+    assert_one_line_error(_doctor(bloggap, "--band", band), "--band ", "must be in (0, 1)")
 
 
-@pytest.mark.parametrize("option", ["--num-seqs", "--max-new-tokens", "--gen-batch-size", "--fp16-rows"])
+@pytest.mark.parametrize("option", ["--rows", "--new-tokens", "--gen-batch-size", "--fp16-rows"])
 @pytest.mark.parametrize("value", ["0", "-3"])
 def test_doctor_non_positive_counts(bloggap, option, value):
-    assert_one_line_error(_doctor(bloggap, option, value), f"{option} must be >= 1", f"got {value}")
+    assert_one_line_error(_doctor(bloggap, option, value), f"{option} {value}: must be >= 1")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -367,8 +367,8 @@ def test_attribute_k_beyond_the_layers_is_refused_before_measuring(bloggap_measu
 def test_ladder_attribute_bad_options_before_loading(bloggap, tmp_path, command):
     base = (command, "--model", "tiny-random-llama", "--device", "cpu")
     assert_one_line_error(bloggap(*base, "--json", tmp_path), "--json", "is a directory")
-    assert_one_line_error(bloggap(*base, "--rows", "0"), "--rows must be >= 1")
-    assert_one_line_error(bloggap(*base, "--new-tokens", "-1"), "--new-tokens must be >= 1")
+    assert_one_line_error(bloggap(*base, "--rows", "0"), "--rows 0: must be >= ")
+    assert_one_line_error(bloggap(*base, "--new-tokens", "-1"), "--new-tokens -1: must be >= 1")
     assert_one_line_error(bloggap(*base, "--device", "cuda:99" if torch.cuda.is_available() else "cuda"),
                            "--device cuda")
 

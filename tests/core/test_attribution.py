@@ -177,7 +177,7 @@ def test_ladder_command_json_on_tiny_model(tmp_path):
 
     assert not set(calibration_prompts()) & set(eval_prompts())
     out = tmp_path / "ladder.json"
-    assert main(["ladder", "--model", "tiny-random-qwen2", "--rows", "4", "--calibration-rows", "4",
+    assert main(["ladder", "--model", "tiny-random-qwen2", "--rows", "8", "--calibration-rows", "8",
                  "--new-tokens", "4", "--k", "1", "--fp16", "on", "--device", "cpu", "--json", str(out)]) == 0  # fmt: skip
     payload = json.loads(out.read_text())
     rungs = {r["name"]: r for r in payload["results"]["rungs"]}
@@ -189,7 +189,7 @@ def test_ladder_command_json_on_tiny_model(tmp_path):
     assert rungs["all fp32"]["fp32_param_share"] == 1.0 and rungs["bf16"]["fp32_param_share"] == 0.0
     assert rungs["fp16"]["fp32_param_share"] == 0.0 and rungs["fp16"]["base_dtype"] == "bfloat16"
     assert rungs["fp16 + guided-1 + head"]["base_dtype"] == "fp16"
-    assert all(r["n"] == 16 for r in rungs.values())
+    assert all(r["n"] == 8 * 4 for r in rungs.values())  # rows x new tokens (the batched side needs 8 rows)
     share = [rungs[n]["fp32_param_share"] for n in ("fp32 head", "first-1 + head", "all fp32")]
     assert 0 < share[0] < share[1] < share[2]
     table = payload["tables"][0]
