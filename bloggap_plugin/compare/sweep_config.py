@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bloggap_plugin.core.errors import SEED_MAX, UsageError
+from bloggap_plugin.core.vllm_compat import vllm_unavailable_reason
 
 __all__ = [
     "CompareConfig",
@@ -237,7 +238,7 @@ def validate_config(config: CompareConfig, training: bool = True) -> list[RunSpe
     building each arm's ``GRPOConfig`` (as :func:`bloggap_plugin.trl.run.run_training` does on CPU), and the task
     settings by building one prompt of the task.
     """
-    from bloggap_plugin.commands._config import check_values
+    from bloggap_plugin._fields import check_values
 
     if not config.recipes:
         raise CompareError("give at least one recipe file, e.g. recipes/arm_A.yaml recipes/arm_F.yaml")
@@ -394,20 +395,6 @@ def _check_heldout(config: CompareConfig) -> None:
         get_heldout(config.task, None, seed=config.seeds[0], heldout_n=1, **run_task_kwargs(config))
     except Exception as err:  # noqa: BLE001 - it would fail every run's evaluation: report it once
         raise CompareError(f"held-out evaluation: {str(err).splitlines()[0]}") from None
-
-
-def vllm_unavailable_reason() -> str | None:
-    """Why TRL's colocated vLLM engine cannot run here (``"vLLM is not installed here"``, ``"CUDA is not
-    available here ..."``), or ``None`` when it can."""
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed here"
-    import torch
-
-    if not torch.cuda.is_available():
-        return f"CUDA is not available here (torch {torch.__version__})"
-    return None
 
 
 def effective_overrides(config: CompareConfig) -> dict:

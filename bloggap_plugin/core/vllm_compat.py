@@ -8,7 +8,7 @@ measured against (:data:`VLLM_FORM_RELEASES`, docs/arm_i.md), so their vLLM piec
 from __future__ import annotations
 
 __all__ = ["TRL_VLLM_RANGE", "VLLM_FORM_RELEASES", "installed_vllm", "vllm_problem", "supported_text",
-           "form_install_hint"]
+           "form_install_hint", "vllm_unavailable_reason"]
 
 TRL_VLLM_RANGE = ("0.22.0", "0.31.0")
 """The vLLM releases TRL 1.16 accepts, both ends included."""
@@ -61,4 +61,18 @@ def vllm_problem(needs_form: bool = False, version: str | None = None) -> str | 
         return (f"vLLM {version} is installed, and arms I and J compute the kernels of vLLM "
                 f"{', '.join(VLLM_FORM_RELEASES)} (read from its wheel and measured there): {form_install_hint()}, or "
                 "set gap.i_pieces: torch (vLLM's maths in plain torch)")
+    return None
+
+
+def vllm_unavailable_reason() -> str | None:
+    """Why TRL's colocated vLLM engine cannot run here (``"vLLM is not installed here"``, ``"CUDA is not
+    available here ..."``), or ``None`` when it can."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed here"
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"CUDA is not available here (torch {torch.__version__})"
     return None

@@ -58,7 +58,7 @@ def test_every_number_field_of_every_command_declares_its_range(module, name):
     (("attribute", "--attn", "bogus"), ("bogus",)),
     (("ladder", "--attn", "bogus"), ("bogus",)),
     (("attribute", "--rows", "1"), ("--rows 1",)),
-    (("attribute", "--rows", "4"), ("--batch-size 8", "--rows 4")),
+    (("attribute", "--rows", "4", "--batch-size", "8"), ("--batch-size 8", "--rows 4")),  # the default caps at --rows
     (("attribute", "--batch-size", "99"), ("--batch-size 99", "--rows 32")),
     (("attribute", "--new-tokens", "0"), ("--new-tokens 0",)),
     (("ladder", "--rows", "1"), ("--rows 1", ">= 8")),

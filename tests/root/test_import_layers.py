@@ -15,7 +15,7 @@ ROOT = "bloggap_plugin"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("core",),  # torch maths, the scoring plans, and the vocabulary they share (arms, errors)
-    ("_io", "_input_files", "envinfo"),
+    ("_io", "_input_files", "_fields", "envinfo"),
     ("results", "models", "recipes", "sampling", "tasks", "vllm", "run_timing"),
     ("report_builder", "heldout_accuracy"),
     ("measure", "verl", "trl"),  # measurements and the trainer adapters
