@@ -86,7 +86,8 @@ class GapConfig:
     layers: list[int] | None = field(default=None, metadata=_help(
         """Arm D: decoder-layer ids to run in fp32; ``None`` lets the precision plan choose (guided, top ``k``)."""))
     k: int = field(default=8, metadata=_help(
-        """Arm D: number of layers the guided plan upcasts when ``layers`` is not given."""))
+        """Arm D: number of layers the guided plan upcasts when ``layers`` is not given (the default 8 is capped at
+        the model's layers, with a warning; a larger explicit value is refused)."""))
     positions: str = field(default="mask", metadata=_help(
         """Position ids of the plugin's scoring and, for arms B-G, of the training forward too: ``mask`` (as HF
         ``generate`` uses: cumsum of the attention mask) or ``arange`` (0..L-1, TRL's own scoring). Arms A and H
@@ -238,8 +239,12 @@ class GapConfig:
         (arm D choosing its layers) ``k`` is more layers than it has."""
         if self.layers is None:
             if self.arm_spec.plan == "guided" and self.k > num_layers:
-                raise RecipeError(f"gap.k {self.k}: arm D would run {self.k} layers in fp32, and this model has "
-                                  f"{num_layers} decoder layers; give k in 1..{num_layers}")
+                default = next(f.default for f in dataclasses.fields(self) if f.name == "k")
+                if self.k != default:
+                    raise RecipeError(f"gap.k {self.k}: arm D would run {self.k} layers in fp32, and this model has "
+                                      f"{num_layers} decoder layers; give k in 1..{num_layers}")
+                warnings.warn(f"gap.k {self.k} (the default) is more than this model's {num_layers} decoder layers: "
+                              f"arm D runs all {num_layers} in fp32", stacklevel=2)
             return
         bad = [i for i in self.layers if not 0 <= i < num_layers]
         if bad:

@@ -119,6 +119,8 @@ def test_arm_d_k_beyond_the_models_layers_is_refused_once_they_are_known():
     with pytest.raises(RecipeError, match="gap.k 50.*2 decoder layers"):
         GapConfig(arm="D", k=50).check_layers(2)
     GapConfig(arm="D", k=2).check_layers(2)
+    with pytest.warns(UserWarning, match=r"gap.k 8 \(the default\) is more than this model's 2 decoder layers"):
+        GapConfig(arm="D").check_layers(2)  # the default is capped at the layers, and said so
     GapConfig(arm="A", k=50).check_layers(2)  # k is arm D's alone
 
 
