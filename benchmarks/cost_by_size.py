@@ -91,8 +91,7 @@ def _ratio_stats(values: list[float], reference: float | None) -> tuple:
 
 
 def _mean_of(runs: list[dict], key: str) -> float | None:
-    values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
-    return statistics.fmean(values) if values else None
+    return arm_i_live._mean(arm_i_live._values(runs, key))
 
 
 def size_table(models: dict) -> dict:

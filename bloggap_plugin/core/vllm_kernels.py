@@ -225,8 +225,9 @@ def load_kernels(form: VllmForm, device: torch.device | str) -> Kernels:
         raise _refuse(form, f"the plan runs on {device}")
     from bloggap_plugin.core.vllm_compat import installed_vllm, vllm_problem
 
-    if installed_vllm() is not None and vllm_problem(needs_form=True):
-        raise VllmFormUnavailable(f"arm I pieces {', '.join(form.needs_vllm())}: {vllm_problem(needs_form=True)}")
+    problem = vllm_problem(needs_form=True) if installed_vllm() is not None else None
+    if problem:
+        raise VllmFormUnavailable(f"arm I pieces {', '.join(form.needs_vllm())}: {problem}")
     try:
         import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
         from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
