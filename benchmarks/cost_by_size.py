@@ -42,11 +42,20 @@ COLUMNS = ["arm @ model", "runs", "steps per run", "step 1 s (mean)", "step s (m
            "sampler bit-identical % (least run)", "ratio exact_frac, first iteration (least)"]
 
 
+VLLM_WORKSPACES = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
+"""The cuBLAS(Lt) workspace sizes vLLM 0.26's batch-invariant start-up sets on Hopper (``enable_batch_invariant_mode``):
+a run written ``ARM:vllm_workspaces`` exports them, so that torch sizes every cuBLAS matmul of the run with them (a
+harness variant: what arm I's trainer matmuls ran with before the plugin fixed the trainer's sizes first)."""
+
+
 def parse_arm(text: str) -> tuple[str, str | None]:
-    """``"I"`` -> ``("I", None)``; ``"I:process"`` -> ``("I", "process")`` (the batch-invariance scope to run with)."""
+    """``"I"`` -> ``("I", None)``; ``"I:process"`` -> ``("I", "process")`` (the batch-invariance scope to run with);
+    ``"A:vllm_workspaces"`` -> ``("A", "vllm_workspaces")`` (:data:`VLLM_WORKSPACES` exported)."""
     arm, _, scope = text.partition(":")
-    if arm not in ("A", "B", "C", "D", "E", "F", "G", "H", "I", "J") or scope not in ("", "process", "engine"):
-        raise ValueError(f"arm {text!r}: expected a letter A-J, optionally :process or :engine (e.g. I:process)")
+    if (arm not in ("A", "B", "C", "D", "E", "F", "G", "H", "I", "J")
+            or scope not in ("", "process", "engine", "vllm_workspaces")):
+        raise ValueError(f"arm {text!r}: expected a letter A-J, optionally :process, :engine or :vllm_workspaces "
+                         "(e.g. I:process)")
     return arm, scope or None
 
 
@@ -63,11 +72,14 @@ def run_argv(arm_text: str, model: str, steps: int, log_jsonl: Path, memory: flo
 
 
 def run_environment(arm_text: str, environ: dict) -> dict:
-    """``environ`` without vLLM's batch-invariance variables (``bloggap train`` sets them) and, for ``ARM:SCOPE``,
-    with :data:`SCOPE_ENV` set to ``SCOPE``."""
+    """``environ`` without vLLM's batch-invariance variables (``bloggap train`` sets them) or cuBLAS workspace
+    variables; for ``ARM:vllm_workspaces`` with :data:`VLLM_WORKSPACES`, for another ``ARM:SCOPE`` with
+    :data:`SCOPE_ENV` set to ``SCOPE``."""
     _, scope = parse_arm(arm_text)
-    env = {k: v for k, v in environ.items() if k not in (*arm_i_live.ARM_I_ENV, SCOPE_ENV)}
-    if scope is not None:
+    env = {k: v for k, v in environ.items() if k not in (*arm_i_live.ARM_I_ENV, SCOPE_ENV, *VLLM_WORKSPACES)}
+    if scope == "vllm_workspaces":
+        env.update(VLLM_WORKSPACES)
+    elif scope is not None:
         env[SCOPE_ENV] = scope
     return env
 

@@ -13,6 +13,7 @@ def test_arm_texts_and_labels():
     assert bench.parse_arm("J") == ("J", None)
     assert bench.parse_arm("I:process") == ("I", "process")
     assert bench.run_label("I:process", 2) == "I_process-2"
+    assert bench.parse_arm("A:vllm_workspaces") == ("A", "vllm_workspaces")
     for bad in ("K", "I:everywhere", "", "ij"):
         with pytest.raises(ValueError, match="expected a letter A-J"):
             bench.parse_arm(bad)
@@ -23,6 +24,9 @@ def test_runs_export_nothing_for_the_arm_but_the_scope_asked_for():
               "BLOGGAP_VLLM_BATCH_INVARIANCE": "process"}
     assert bench.run_environment("J", caller) == {"PATH": "/bin"}
     assert bench.run_environment("J:process", caller) == {"PATH": "/bin", "BLOGGAP_VLLM_BATCH_INVARIANCE": "process"}
+    assert bench.run_environment("A:vllm_workspaces", {**caller, "CUBLASLT_WORKSPACE_SIZE": "9"}) == {
+        "PATH": "/bin", "CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
+    assert bench.run_environment("A", {**caller, "CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == {"PATH": "/bin"}
 
 
 def test_run_argv_is_bloggap_train_with_the_length_reward(tmp_path):

@@ -1,11 +1,13 @@
 """Arm J's training forward with vLLM's own kernels (GPU machine with vLLM 0.26 only; skipped without CUDA or vLLM):
 
     python -m pytest -m gpu tests/core/test_onpolicy_gpu.py
+    BLOGGAP_GPU_TEST_MODEL=/path/to/llama-folder python -m pytest -m gpu tests/core/test_onpolicy_gpu.py
 
 The CPU tests (tests/core/test_onpolicy_forward.py) run the wiring with plain-torch stand-ins; here every kernel piece
 is vLLM's (preset ``all``: the batch-invariant matmul, the RMSNorm kernels, ``rotary_embedding``, ``silu_and_mul``,
-FlashAttention paged and in steps, the V2 sampler's log-prob) on a random Llama with vLLM-sized heads (64 dims).
-Bounds as on CPU (that file's docstring says why).
+FlashAttention paged and in steps, the V2 sampler's log-prob) on a random Llama with vLLM-sized heads (64 dims),
+or on the Llama-family model folder that ``BLOGGAP_GPU_TEST_MODEL`` names (loaded in fp32, e.g. the 1.56B shape of
+``python -m benchmarks.cost_by_size shape``). Bounds as on CPU (that file's docstring says why).
 """
 
 from __future__ import annotations
@@ -21,8 +23,13 @@ FORMS = ["all", "all,attention_launch=packed", "all,batch_invariant=false"]
 @pytest.fixture(scope="module")
 def policy():
     pytest.importorskip("vllm")
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import os
 
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    folder = os.environ.get("BLOGGAP_GPU_TEST_MODEL")
+    if folder:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to("cuda").eval()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
