@@ -121,3 +121,43 @@ def test_parameter_gradients_with_vllms_kernels_within_bounds(policy, spec, blas
     worst = max(float((ours[n] - exact[n]).norm() / exact[n].norm()) for n in exact)
     print(f"{spec} ({blas or 'default'} preferred): relative L2 {float(total.sqrt()):.5f}, worst tensor {worst:.5f}")
     assert float(total.sqrt()) <= 0.02 and worst <= 0.04
+
+
+def test_parameter_gradients_no_further_from_fp32_than_bf16_autocast(policy):
+    """Arm J's gradient against the fp32 policy's under torch autograd, next to the gradient arm A trains with (the
+    HF forward under bf16 autocast, TRL's ``bf16=True``) against the same reference: J's relative L2 error is at
+    most 1.5x autocast's (both are bf16 forwards; J's rounds where vLLM's kernels do)."""
+    from bloggap_plugin.core.plans.vllm_shadow import OnPolicyForward
+    from bloggap_plugin.core.scoring import token_logprobs
+    from bloggap_plugin.core.vllm_form import parse_form
+    from bloggap_plugin.core.vllm_kernels import load_kernels
+
+    form = parse_form("all")
+    ids, mask = _rows("cuda")
+    keep = 48
+    gen = torch.Generator().manual_seed(7)
+    weights = (torch.randn(ids.shape[0], keep, generator=gen)).to("cuda") * mask[:, -keep:]
+
+    def grads(logps):
+        policy.zero_grad()
+        (logps * weights).sum().backward()
+        out = {name: p.grad.clone() for name, p in policy.named_parameters()}
+        policy.zero_grad()
+        return out
+
+    def error(ours, exact):
+        return float((sum(((ours[n] - exact[n]) ** 2).sum() for n in exact)
+                      / sum((exact[n] ** 2).sum() for n in exact)).sqrt())
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        exact = grads(token_logprobs(policy, ids, mask, keep, positions="mask"))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        autocast = grads(token_logprobs(policy, ids, mask, keep, positions="mask"))
+    ours = grads(OnPolicyForward(policy, form, load_kernels(form, "cuda")).token_logprobs(ids, mask, keep)[0])
+    j_error, autocast_error = error(ours, exact), error(autocast, exact)
+    print(f"relative L2 to fp32 autograd: arm J {j_error:.5f}, bf16 autocast {autocast_error:.5f}")
+    assert j_error <= 1.5 * autocast_error
