@@ -106,8 +106,8 @@ def _mean_of(runs: list[dict], key: str) -> float | None:
     return arm_i_live._mean(arm_i_live._values(runs, key))
 
 
-def size_table(models: dict) -> dict:
-    """``T19-cost-by-size``: per model and arm, the mean over its runs of each statistic and its multiple of arm A's
+def size_table(models: dict, table_id: str = TABLE_ID) -> dict:
+    """``table_id`` (``T19-cost-by-size``): per model and arm, the mean over its runs of each statistic and its multiple of arm A's
     mean over arm A's runs of the same model (interleaved with them), the spread as each run's value over that mean."""
     body = []
     for model, runs in models.items():
@@ -137,7 +137,7 @@ def size_table(models: dict) -> dict:
                          _times(gen, base["generating_step_s_median"]), _times(other, base["other_step_s_median"]),
                          None if not exact else round(100 * min(exact), 2),
                          None if not ratio_exact else round(min(ratio_exact), 4)])
-    return {"id": TABLE_ID, "title": "Step time x arm A by model size: bloggap train, TRL 1.16 colocate vLLM, one GPU",
+    return {"id": table_id, "title": "Step time x arm A by model size: bloggap train, TRL 1.16 colocate vLLM, one GPU",
             "columns": COLUMNS, "rows": body, "reference": None, "random_init": True,
             "plot": {"kind": "bar", "x": "arm @ model", "y": ["mean step x arm A", "median step x arm A"],
                      "title": "Step time as a multiple of arm A's, by model size", "ylabel": "x arm A"},
@@ -147,15 +147,17 @@ def size_table(models: dict) -> dict:
                      "of step_time, the median of the generating steps and of the others (training-only: the second "
                      "iteration); a row is the mean over its runs, 'x arm A' that mean over the mean of the same "
                      "model's arm A runs, '(min-max)' each run's value over that same arm A mean. ARM_process: vLLM's "
-                     "batch-invariant mode left on process-wide (BLOGGAP_VLLM_BATCH_INVARIANCE=process). Random-init "
+                     "batch-invariant mode left on process-wide (BLOGGAP_VLLM_BATCH_INVARIANCE=process); ARM_vllm_workspaces: "
+                     "vLLM's cuBLAS(Lt) workspace sizes exported (CUBLAS_WORKSPACE_CONFIG=:16:8, "
+                     "CUBLASLT_WORKSPACE_SIZE=1), so torch sizes the run's cuBLAS matmuls with them. Random-init "
                      "weights except SmolLM2-135M: exactness columns hold, gap rates would not."}
 
 
-def document(models: dict, params: dict, env: dict) -> dict:
+def document(models: dict, params: dict, env: dict, table_id: str = TABLE_ID) -> dict:
     from bloggap_plugin.results import SCHEMA_VERSION
 
     return {"benchmark": "cost_by_size", "schema_version": SCHEMA_VERSION, "env": env, "params": params,
-            "results": models, "tables": [size_table(models)]}
+            "results": models, "tables": [size_table(models, table_id)]}
 
 
 def _expected_s(done: dict, model: str, arm_text: str) -> float:
@@ -245,7 +247,7 @@ def collect_main(args: argparse.Namespace) -> int:
                     logs.setdefault(model, {})[path.name] = path
     paths = dict(spec.split("=", 1) for spec in args.model_path)
     params = {"revision": args.revision, "models": sorted(models), "calls": calls}
-    text = json.dumps(document(models, params, env), indent=1) + "\n"
+    text = json.dumps(document(models, params, env, table_id=args.table_id), indent=1) + "\n"
     for label, path in paths.items():
         text = strip_paths(text, path, f"<{label} folder>")
     atomic_write_text(Path(args.out), text)
@@ -279,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     col.add_argument("runs", nargs="+")
     col.add_argument("--out", required=True)
     col.add_argument("--revision", required=True)
+    col.add_argument("--table-id", default=TABLE_ID, help=f"the table's id (default {TABLE_ID}); a new id for a "
+                     "document beside an earlier one at another revision")
     col.add_argument("--model-path", action="append", default=[], help="LABEL=PATH: a model's folder (repeat)")
     col.add_argument("--pack-dir", default=None, help="pack each model's logs here (runs_LABEL.tar.xz)")
     col.add_argument("--run-path", action="append", default=[],

@@ -286,13 +286,16 @@ def _wants(needs: Sequence[bool] | None, index: int) -> bool:
 
 def linear_gradient(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                     needs: Sequence[bool] | None = None):
-    """:func:`linear_formula`'s gradients ``(d x, d weight, d bias)`` for the output's gradient ``grad`` (fp32
-    matmuls of the fp32 casts), each only if wanted."""
-    grad = grad.float()
+    """:func:`linear_formula`'s gradients ``(d x, d weight, d bias)`` for the output's gradient ``grad``, each only if
+    wanted. Where ``x`` and ``weight`` share a 16-bit dtype, the matmuls run in it (``grad`` rounded to it; the
+    matmuls accumulate in fp32), as autocast's backward of a bf16 linear does; else fp32 matmuls of the fp32 casts.
+    ``d bias`` is an fp32 sum."""
+    dtype = x.dtype if x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    grad = grad.to(dtype)
     flat_grad = grad.reshape(-1, grad.shape[-1])
-    dx = grad @ weight.float() if _wants(needs, 0) else None
-    dweight = flat_grad.T @ x.reshape(-1, x.shape[-1]).float() if _wants(needs, 1) else None
-    dbias = flat_grad.sum(0) if bias is not None and _wants(needs, 2) else None
+    dx = grad @ weight.to(dtype) if _wants(needs, 0) else None
+    dweight = flat_grad.T @ x.reshape(-1, x.shape[-1]).to(dtype) if _wants(needs, 1) else None
+    dbias = flat_grad.float().sum(0) if bias is not None and _wants(needs, 2) else None
     return dx, dweight, dbias
 
 
