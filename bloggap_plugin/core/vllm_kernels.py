@@ -25,7 +25,7 @@ from bloggap_plugin.core.vllm_form import TORCH_KERNELS, Kernels, VllmForm, padd
 
 __all__ = ["VllmFormUnavailable", "load_kernels", "batch_invariant_scope", "vllm_batch_invariant_active",
            "register_hf_attention", "HF_ATTENTION_NAME", "MatmulSettings", "suspend_batch_invariant_mode",
-           "engine_batch_invariance", "CUBLAS_WORKSPACE_ENV", "fix_cublas_workspaces"]
+           "engine_batch_invariance"]
 
 HF_ATTENTION_NAME = "bloggap_vllm_fa"
 """The ``attn_implementation`` name :func:`register_hf_attention` registers with transformers."""
@@ -145,35 +145,6 @@ def engine_batch_invariance(plain: MatmulSettings) -> Iterator[None]:
         yield
     finally:
         suspend_batch_invariant_mode(plain)
-
-
-CUBLAS_WORKSPACE_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE")
-"""The variables that size torch's cuBLAS and cuBLASLt workspaces. torch reads each once per process, at the first
-matmul through that library; vLLM's batch-invariant start-up sets both very small on Hopper (no split-K), which
-then holds for every later cuBLAS matmul of the process, the trainer's forward and backward included."""
-
-
-def fix_cublas_workspaces(device: torch.device | str | int | None = None) -> bool:
-    """Have torch read its cuBLAS and cuBLASLt workspace sizes now, from the environment as it is (one tiny bf16
-    matmul through cuBLAS, one through cuBLASLt, on ``device``; the preferred BLAS library is put back), so that a
-    later change of :data:`CUBLAS_WORKSPACE_ENV` (vLLM's batch-invariant start-up) does not size the trainer's
-    matmuls. vLLM's batch-invariant matmuls are Triton kernels (``linear_batch_invariant``), which no cuBLAS
-    workspace reaches. ``False`` (nothing done) without CUDA."""
-    if not torch.cuda.is_available():
-        return False
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    a = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
-    bias = torch.zeros(16, dtype=torch.bfloat16, device=device)
-    preferred = torch.backends.cuda.preferred_blas_library()
-    try:
-        for library in ("cublas", "cublaslt"):
-            torch.backends.cuda.preferred_blas_library(library)
-            torch.mm(a, a)
-            torch.addmm(bias, a, a)  # a bias epilogue: cuBLASLt whichever library is preferred
-    finally:
-        torch.backends.cuda.preferred_blas_library(preferred)
-    torch.cuda.synchronize(device)
-    return True
 
 
 def _norms(batch_invariant: bool):

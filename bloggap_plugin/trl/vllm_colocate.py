@@ -76,8 +76,7 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, **engine_kwargs: 
     :func:`one_step_prefill_tokens` of the call's ``max_num_seqs`` and ``max_model_len`` (the model config's
     ``max_position_embeddings`` when the call passes none), so that a generation's prompts are prefilled in one
     step. Restores TRL's ``LLM`` on exit. The engine keeps a record of torch's matmul settings from before its
-    start-up, which :func:`confine_batch_invariance` restores for the trainer; where vLLM's batch-invariant mode
-    will start, :func:`fix_trainer_workspaces` first fixes the trainer's cuBLAS workspace sizes.
+    start-up, which :func:`confine_batch_invariance` restores for the trainer.
     """
     from trl.generation import vllm_generation
 
@@ -96,7 +95,6 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, **engine_kwargs: 
         if prefill_in_one_step:
             _prefill_in_one_step(args, kwargs)
         plain = _matmul_settings()  # before the engine's start-up changes them (batch-invariant mode)
-        fix_trainer_workspaces()
         llm = original(*args, **kwargs)
         with contextlib.suppress(AttributeError, TypeError):  # an object that takes no attributes: no record
             llm._bloggap_plain_matmul = plain
@@ -213,20 +211,6 @@ def _matmul_settings() -> Any:
     from bloggap_plugin.core.vllm_kernels import MatmulSettings
 
     return MatmulSettings.current()
-
-
-def fix_trainer_workspaces(environ: dict | None = None) -> bool:
-    """Before a colocated engine starts in batch-invariant mode (:data:`BATCH_INVARIANT_ENV` on) with the mode
-    confined (:data:`BATCH_INVARIANCE_SCOPE_ENV` ``engine``): have torch read its cuBLAS(Lt) workspace sizes from
-    the environment as it is (:func:`~bloggap_plugin.core.vllm_kernels.fix_cublas_workspaces`), so that the very
-    small sizes vLLM's start-up sets do not reach the trainer's forward and backward. ``True`` where they were read;
-    nothing is done with the scope ``process`` (vLLM's sizes for the whole process, as before) or the mode off."""
-    environ = os.environ if environ is None else environ
-    if environ.get(BATCH_INVARIANT_ENV, "0").strip() in ("", "0") or batch_invariance_scope_setting(environ) == "process":
-        return False
-    from bloggap_plugin.core.vllm_kernels import fix_cublas_workspaces
-
-    return fix_cublas_workspaces()
 
 
 def batch_invariance_scope_setting(environ: dict | None = None) -> str:

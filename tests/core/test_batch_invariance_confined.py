@@ -156,45 +156,6 @@ def test_the_colocate_engine_records_the_settings_from_before_its_start(monkeypa
     assert llm._bloggap_plain_matmul == before != MatmulSettings.current()
 
 
-@pytest.mark.parametrize(("environ", "fixed"), [
-    ({"VLLM_BATCH_INVARIANT": "1"}, True),
-    ({"VLLM_BATCH_INVARIANT": "1", vllm_colocate.BATCH_INVARIANCE_SCOPE_ENV: "engine"}, True),
-    ({"VLLM_BATCH_INVARIANT": "1", vllm_colocate.BATCH_INVARIANCE_SCOPE_ENV: "process"}, False),
-    ({"VLLM_BATCH_INVARIANT": "0"}, False),
-    ({}, False),
-])
-def test_the_trainers_cublas_workspaces_are_fixed_only_where_the_mode_is_confined(monkeypatch, environ, fixed):
-    calls: list = []
-    monkeypatch.setattr(vllm_kernels, "fix_cublas_workspaces", lambda device=None: calls.append(device) or True)
-    assert vllm_colocate.fix_trainer_workspaces(environ) is fixed
-    assert calls == ([None] if fixed else [])
-
-
-def test_the_workspaces_are_fixed_before_the_engine_starts(monkeypatch, fake_vllm):
-    from trl.generation import vllm_generation
-
-    events: list = []
-    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
-    monkeypatch.delenv(vllm_colocate.BATCH_INVARIANCE_SCOPE_ENV, raising=False)
-    monkeypatch.setattr(vllm_kernels, "fix_cublas_workspaces", lambda device=None: events.append("fixed") or True)
-
-    class LLM:
-        def __init__(self, *args, **kwargs):
-            events.append("engine")
-
-    monkeypatch.setattr(vllm_generation, "LLM", LLM, raising=False)
-    with vllm_colocate.vllm_colocate_engine():
-        vllm_generation.LLM(model="m")
-    assert events == ["fixed", "engine"]
-
-
-def test_fixing_the_workspaces_without_cuda_does_nothing(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    before = torch.backends.cuda.preferred_blas_library()
-    assert vllm_kernels.fix_cublas_workspaces() is False
-    assert torch.backends.cuda.preferred_blas_library() == before
-
-
 def _gap(arm: str):
     from bloggap_plugin.recipes import GapConfig
 
