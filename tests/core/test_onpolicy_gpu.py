@@ -83,7 +83,13 @@ def test_training_forward_with_vllms_kernels_is_the_scorer_bit_for_bit(policy, s
 def test_parameter_gradients_with_vllms_kernels_within_bounds(policy, spec, blas):
     """Against the fp32 policy's HF forward under torch autograd (IEEE fp32 matmuls): within 2% (L2 over all
     parameters) and 4% per tensor, as on CPU. ``blas`` cuBLASLt: the process prefers it, as vLLM's batch-invariant
-    engine sets it in a colocated trainer; the pieces' backward runs on cuBLAS and gives the preference back."""
+    engine sets it in a colocated trainer; the pieces' backward runs on cuBLAS and gives the preference back.
+    These bounds are the small random Llama's: a deeper model's bf16 forward is further from fp32 (plain bf16
+    autocast included), so with ``BLOGGAP_GPU_TEST_MODEL`` the bound is the autocast comparison below."""
+    import os
+
+    if os.environ.get("BLOGGAP_GPU_TEST_MODEL"):
+        pytest.skip("absolute bounds of the small random Llama; a named model is held to bf16 autocast's error")
     from bloggap_plugin.core.plans.vllm_shadow import OnPolicyForward
     from bloggap_plugin.core.scoring import token_logprobs
     from bloggap_plugin.core.vllm_form import parse_form
