@@ -26,7 +26,12 @@ README headline block: with ``readme``, the lines between ``<!-- bloggap:headlin
 ``<!-- bloggap:headline:end -->`` are replaced by the decision table that ``headline`` (a YAML file, default
 ``docs/headline.yaml`` beside the README) specifies: per row a situation, an arm and the one result cell it cites
 (result file, table id, first-column value, column). The number itself is read from the result JSON, never from the
-specification, and the row links to the table's section of the Markdown report.
+specification, and the row links to the cited file's section of the Markdown report (:func:`result_anchor`).
+
+Sections: one per result file, in file order per device, headed by the file name and anchored ``<device>/<file>``;
+a document whose ``superseded_by`` names the file beside it that replaces it is rendered after every current file,
+in the archive section. A reference study table is rendered under the first table that reproduces it, and linked
+from the later ones.
 
 Metric tables: with a README whose ``docs/trl.md`` exists beside it, the lines between
 ``<!-- bloggap:metrics:<framework>:start -->`` and ``...:end -->`` of ``docs/trl.md`` and ``docs/verl.md`` are
@@ -598,7 +603,7 @@ def _cited_cell(row: dict, results: dict, where: str):
 
 def render_headline(spec: list[dict], results: dict, benchmarks_link: str = "BENCHMARKS.md") -> list[str]:
     """The decision table's Markdown lines: situation, arm, the cited number, and the table id linked to its
-    benchmark's section of the report at ``benchmarks_link``; where any row has ``cost`` cells, a column of them
+    result file's section of the report at ``benchmarks_link``; where any row has ``cost`` cells, a column of them
     (``label value x``, the table id linked), ``–`` in a row without. ``results`` is :func:`load_results`' mapping."""
     anchors = _section_anchors(results)
     with_cost = any("cost" in row for row in spec)
