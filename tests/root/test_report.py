@@ -235,6 +235,18 @@ def test_repository_benchmarks_numbers_come_from_committed_json(tmp_path):
         _assert_numbers_sourced(shipped.read_text(), sources)
 
 
+def test_committed_benchmarks_md_is_what_report_generates(tmp_path, monkeypatch):
+    """BENCHMARKS.md is generated (its sections, anchors and archive are what README and docs link to): edit a result
+    file, then run `bloggap report`. The plots are not drawn here; their links are compared."""
+    import bloggap_plugin.report_builder as report_builder
+
+    monkeypatch.setattr(report_builder, "_plot_table", lambda table, spec, path: None)
+    output = tmp_path / "BENCHMARKS.md"
+    build_report(ROOT / "benchmarks" / "results", output, tmp_path / "benchmarks" / "plots")
+    expected = output.read_text().replace(str(ROOT / "benchmarks" / "results"), "benchmarks/results")
+    assert (ROOT / "BENCHMARKS.md").read_text() == expected, "BENCHMARKS.md drifted from the results: run `bloggap report`"
+
+
 def test_automatic_plot_picks_one_scale():
     from bloggap_plugin.report_builder import table_plot_spec
 
