@@ -405,7 +405,8 @@ def run_main(args: argparse.Namespace) -> int:
 
 
 def document_main(args: argparse.Namespace) -> int:
-    """Rebuild the rows from the JSONL logs in ``--logs`` (a folder or a ``.tar.xz``), keeping params and env."""
+    """Rebuild the rows from the JSONL logs in ``--logs`` (a folder or a ``.tar.xz``), keeping params, env and the
+    document's keys beyond the schema (``superseded_by``)."""
     old = json.loads(Path(args.result).read_text())
     logs = {}
     if str(args.logs).endswith(".tar.xz"):
@@ -423,7 +424,9 @@ def document_main(args: argparse.Namespace) -> int:
                            **{k: row[k] for k in ("seconds", "argv", "note") if k in row}}
         else:
             rows[label] = row
-    atomic_write_text(Path(args.result), json.dumps(document(rows, old["params"], old["env"]), indent=1) + "\n")
+    rebuilt = document(rows, old["params"], old["env"])
+    rebuilt.update({k: v for k, v in old.items() if k not in rebuilt})  # the file's own keys (superseded_by)
+    atomic_write_text(Path(args.result), json.dumps(rebuilt, indent=1) + "\n")
     return 0
 
 

@@ -79,7 +79,7 @@ def gen_sampling_kwargs(new_tokens: int, logprobs: int, seed: int, truncation: d
     """``SamplingParams`` of one ``gen`` rollout: exactly ``new_tokens`` tokens at temperature 1. The length is
     forced with ``ignore_eos``, not ``min_tokens``: vLLM's min-tokens processor sets the stop tokens' logits to -inf
     before processed log-probs are taken, which renormalised the sampler's log-probs without EOS (T13 until
-    2026-12-01, recorded with min_tokens; docs/arm_i.md)."""
+    2026-12-01, recorded with min_tokens; docs/history/arm_i.md)."""
     return {"temperature": 1.0, "max_tokens": new_tokens, "ignore_eos": True, "logprobs": logprobs, "seed": seed,
             "detokenize": False, **truncation}
 

@@ -8,7 +8,8 @@ Every producer (``bloggap compare``/``doctor``/``attribute``/``ladder`` and ``be
                  "plot": optional hint}]}
 
 plus, for some producers, further top-level keys of their own (the doctor's ``cells``, ``recommendation``, ...:
-:attr:`ResultDocument.extra`). Build one with :class:`ResultDocument`, check it with
+:attr:`ResultDocument.extra`), and optionally ``"superseded_by": "<file name>.json"``: the result file beside this
+one that replaces it (``bloggap report`` then lists this one in its archive section). Build one with :class:`ResultDocument`, check it with
 :meth:`ResultDocument.validate`, write it with :meth:`ResultDocument.write` (sanitised by :func:`jsonable`,
 validated, then written atomically through :func:`bloggap_plugin._io.atomic_write_text`: a failed write leaves the
 previous file whole) and read it back with :meth:`ResultDocument.read` (strict JSON: floats parsed as
@@ -39,6 +40,7 @@ from bloggap_plugin.core.errors import UsageError
 
 __all__ = [
     "SCHEMA_VERSION",
+    "SUPERSEDED_BY",
     "SUPPORTED_SCHEMA_VERSIONS",
     "ResultDocument",
     "ResultError",
@@ -60,6 +62,8 @@ SUPPORTED_SCHEMA_VERSIONS = (1,)
 """The versions :func:`validate_result` (and so ``bloggap report``) reads."""
 
 _TOP_KEYS = {"benchmark": str, "schema_version": int, "env": dict, "params": dict, "results": dict, "tables": list}
+SUPERSEDED_BY = "superseded_by"
+"""Optional top-level key: the name of the result file in the same folder that replaces this one."""
 _TABLE_KEYS = {"id": str, "title": str, "columns": list, "rows": list, "notes": str, "random_init": bool}
 _PLACEHOLDERS = {"", "-", "–", "—", "n/a", "na", "nan", "skipped"}
 
@@ -254,6 +258,7 @@ def validate_result(document, path: str | os.PathLike, reference_ids=None) -> No
     if document["schema_version"] not in SUPPORTED_SCHEMA_VERSIONS:
         supported = " or ".join(map(str, SUPPORTED_SCHEMA_VERSIONS))
         raise ResultError(f"{path}: schema_version {document['schema_version']} is not supported (expected {supported})")
+    _check_superseded_by(document, path)
     if not document["tables"]:
         raise ResultError(f"{path}: 'tables' is empty; a result must carry at least one table")
     ids = [t.get("id") if isinstance(t, dict) else None for t in document["tables"]]
@@ -262,6 +267,17 @@ def validate_result(document, path: str | os.PathLike, reference_ids=None) -> No
     duplicates = sorted({i for i in ids if ids.count(i) > 1 and i is not None})
     if duplicates:
         raise ResultError(f"{path}: table ids must be unique within a file; repeated: {duplicates}")
+
+
+def _check_superseded_by(document: dict, path: str | os.PathLike) -> None:
+    """``superseded_by``, where present, is a plain ``.json`` file name other than the document's own."""
+    if SUPERSEDED_BY not in document:
+        return
+    name = document[SUPERSEDED_BY]
+    if (not isinstance(name, str) or not name.endswith(".json") or "/" in name or "\\" in name
+            or name == Path(path).name):
+        raise ResultError(f"{path}: {SUPERSEDED_BY!r} must be the name of the result file beside this one that "
+                          f"replaces it, such as \"arm_i_live.json\" (got {name!r})")
 
 
 # --------------------------------------------------------------------------------------------- document

@@ -1,4 +1,4 @@
-"""Every figure in README.md and docs/*.md is held by a committed result file (issue 46 item 4).
+"""Every figure in README.md and docs/**/*.md is held by a committed result file (issue 46 item 4).
 
 A figure is a number in prose: a percentage, a multiple (2.6x), a time, a count. Each must equal, after the rounding
 the document prints, a number of the results its paragraph cites (a table id such as T12: every file holding that
@@ -188,7 +188,8 @@ def _allowed() -> list[dict]:
 
 
 def _docs() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    """README.md and every page under docs/, the history under docs/history/ included."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def _is_commit(text: str) -> bool:

@@ -235,6 +235,18 @@ def test_repository_benchmarks_numbers_come_from_committed_json(tmp_path):
         _assert_numbers_sourced(shipped.read_text(), sources)
 
 
+def test_committed_benchmarks_md_is_what_report_generates(tmp_path, monkeypatch):
+    """BENCHMARKS.md is generated (its sections, anchors and archive are what README and docs link to): edit a result
+    file, then run `bloggap report`. The plots are not drawn here; their links are compared."""
+    import bloggap_plugin.report_builder as report_builder
+
+    monkeypatch.setattr(report_builder, "_plot_table", lambda table, spec, path: None)
+    output = tmp_path / "BENCHMARKS.md"
+    build_report(ROOT / "benchmarks" / "results", output, tmp_path / "benchmarks" / "plots")
+    expected = output.read_text().replace(str(ROOT / "benchmarks" / "results"), "benchmarks/results")
+    assert (ROOT / "BENCHMARKS.md").read_text() == expected, "BENCHMARKS.md drifted from the results: run `bloggap report`"
+
+
 def test_automatic_plot_picks_one_scale():
     from bloggap_plugin.report_builder import table_plot_spec
 
@@ -351,15 +363,18 @@ def test_cli_report_help_lists_every_field(capsys):
 
 def test_two_files_of_one_benchmark_get_a_plot_each(tmp_path):
     """Two result files of the same benchmark and table ids (a re-run under another setting, e.g. arm_i.json and
-    arm_i_triton_ieee.json) must not write one plot over the other: the second is named after its file."""
+    arm_i_triton_ieee.json) must not write one plot over the other: each is named after its file, whatever the
+    order the files are read in."""
     pytest.importorskip("matplotlib")
     results = tmp_path / "results"
+    _write(results, "h200", "a_first", _result())  # read before tables.json, whose stem is the benchmark's name
     _write(results, "h200", "tables", _result())
     _write(results, "h200", "tables_rerun", _result())
     output = tmp_path / "BENCHMARKS.md"
     written = build_report(results, output, tmp_path / "plots")
     assert sorted(Path(p).name for p in written["plots"]) == [
-        "tables_T1.png", "tables_ladder.png", "tables_rerun_T1.png", "tables_rerun_ladder.png"]
+        "a_first_T1.png", "a_first_ladder.png", "tables_T1.png", "tables_ladder.png", "tables_rerun_T1.png",
+        "tables_rerun_ladder.png"]
     md = output.read_text()
     assert "](plots/h200/tables_T1.png)" in md and "](plots/h200/tables_rerun_T1.png)" in md
 
@@ -408,7 +423,7 @@ def test_headline_block_is_replaced_from_the_json_and_the_rest_kept(tmp_path):
     text = readme.read_text()
     assert written["readme"] == str(readme) and "9.99" not in text
     assert text.startswith("# x\n\nbefore\n<!-- bloggap:headline:start -->\n| situation | arm | headline number | table |")
-    assert "| fp16 is safe | H | out of band: **4.07%** | [T1](B.md#tables) |" in text
+    assert "| fp16 is safe | H | out of band: **4.07%** | [T1](B.md#h200/tables.json) |" in text
     assert text.endswith("<!-- bloggap:headline:end -->\nafter\n")
     build_report(results, tmp_path / "B.md", None, readme=readme, headline=spec)
     assert readme.read_text() == text  # regenerating changes nothing
@@ -441,8 +456,9 @@ def test_report_rewrites_the_metric_tables_of_the_docs_beside_the_readme(tmp_pat
         assert page.read_text() == "\n".join([f"# {framework}", start, *metric_table(framework), end, "after", ""])
 
 
-def test_headline_links_follow_the_report_headings(tmp_path):
-    """Two files of one benchmark share a heading: the second file's section is GitHub's '-1' anchor."""
+def test_each_result_file_has_its_own_section_anchored_by_its_file_name(tmp_path):
+    """Two files of one benchmark get a section each, headed by the file name and anchored by device and file name;
+    the README links there, and a file added before them moves neither anchor."""
     results = tmp_path / "results"
     _write(results, "h200", "tables", _result())
     _write(results, "h200", "tables_rerun", _result())
@@ -450,10 +466,55 @@ def test_headline_links_follow_the_report_headings(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("<!-- bloggap:headline:start -->\n<!-- bloggap:headline:end -->\n")
     build_report(results, tmp_path / "docs" / "B.md", None, readme=readme, headline=spec)
-    assert "(docs/B.md#tables) |" in readme.read_text() and "(docs/B.md#tables-1) |" in readme.read_text()
-    headings = [line.lstrip("#").strip() for line in (tmp_path / "docs" / "B.md").read_text().splitlines()
-                if line.startswith("#")]
-    assert headings == ["Benchmarks", "h200", "tables", "tables"]
+    links = re.findall(r"\]\((docs/B\.md#[^)]+)\)", readme.read_text())
+    assert links == ["docs/B.md#h200/tables.json", "docs/B.md#h200/tables_rerun.json"]
+    text = (tmp_path / "docs" / "B.md").read_text()
+    headings = [line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")]
+    assert headings == ["Benchmarks", "h200", "tables.json", "tables_rerun.json"]
+    anchors = re.findall(r'<a id="([^"]+)"></a>', text)
+    assert anchors[:2] == ["h200/tables.json", "reference-T1"] and "h200/tables_rerun.json" in anchors
+    _write(results, "cpu", "aaa", _result())
+    _write(results, "h200", "a_first", _result())
+    build_report(results, tmp_path / "docs" / "B.md", None, readme=readme, headline=spec)
+    assert re.findall(r"\]\((docs/B\.md#[^)]+)\)", readme.read_text()) == links
+
+
+def test_superseded_files_fold_into_the_archive_and_each_reference_table_is_rendered_once(tmp_path):
+    """A file whose document names ``superseded_by`` goes after every current file, under the archive heading,
+    linked both ways; the reference study's T1, reproduced by all three files, is rendered once and linked after."""
+    results = tmp_path / "results"
+    _write(results, "h200", "a_old", _result(superseded_by="tables.json"))
+    _write(results, "h200", "tables", _result())
+    _write(results, "h200", "z_other", _result())
+    output = tmp_path / "B.md"
+    build_report(results, output, None)
+    text = output.read_text()
+    headings = [line for line in text.splitlines() if line.startswith("#")]
+    assert headings == ["# Benchmarks", "## h200", "### tables.json", "### z_other.json",
+                        "## Archive: superseded result files", "### h200", "#### a_old.json"]
+    assert "Superseded by [h200/tables.json](#h200/tables.json)." in text
+    assert "Earlier files it replaces, in the archive: [h200/a_old.json](#h200/a_old.json)." in text
+    assert text.count("Reference study, T1 (RTX 4090)") == 1 and text.count("Reference study, T7 (RTX 4090)") == 1
+    assert text.index("Reference study, T1 (RTX 4090)") < text.index("### z_other.json")
+    assert text.count("Reference study, T1: [shown above](#reference-T1).") == 2
+    assert "- [Archive: superseded result files](#archive-superseded-result-files): 1 file(s)" in text
+
+
+@pytest.mark.parametrize("value", ["missing.json", "tables.json"])
+def test_superseded_by_must_name_another_file_beside_it(tmp_path, value):
+    results = tmp_path / "results"
+    _write(results, "h200", "tables", _result(superseded_by=value))
+    with pytest.raises(ReportError, match=r"tables\.json.*superseded_by"):
+        build_report(results, tmp_path / "B.md", None)
+
+
+@pytest.mark.parametrize("value", [3, "h200/tables.json", "tables"])
+def test_superseded_by_that_is_not_a_file_name_is_refused_naming_the_fix(tmp_path, value):
+    results = tmp_path / "results"
+    _write(results, "h200", "old", _result(superseded_by=value))
+    _write(results, "h200", "tables", _result())
+    with pytest.raises(ReportError, match=r"old\.json: 'superseded_by' must be the name of the result file beside"):
+        build_report(results, tmp_path / "B.md", None)
 
 
 def test_headline_cost_cells_make_a_column_of_cited_multiples(tmp_path):
@@ -469,8 +530,8 @@ def test_headline_cost_cells_make_a_column_of_cited_multiples(tmp_path):
     build_report(results, tmp_path / "B.md", None, readme=readme, headline=spec)
     lines = readme.read_text().splitlines()
     assert lines[1] == "| situation | arm | headline number | table | step x arm A |"
-    assert lines[3] == "| fp16 is safe | H | out of band: **4.07%** | [T1](B.md#tables) | 135M 0.01x, 1.5B 4.07x ([T1](B.md#tables)) |"
-    assert lines[4].endswith("| [T1](B.md#tables) | – |")
+    assert lines[3] == "| fp16 is safe | H | out of band: **4.07%** | [T1](B.md#h200/tables.json) | 135M 0.01x, 1.5B 4.07x ([T1](B.md#h200/tables.json)) |"
+    assert lines[4].endswith("| [T1](B.md#h200/tables.json) | – |")
 
 
 @pytest.mark.parametrize("cost", [[], "T19", [{"label": "x"}], [dict(label="x", result="h200/tables.json", table="T1",

@@ -223,7 +223,7 @@ def test_engine_and_request_settings():
 def test_vllm_live_gen_forces_length_without_masking_the_stop_tokens():
     """vLLM's min_tokens processor sets the stop tokens' logits to -inf before processed log-probs are taken, so a
     sampler log-prob read under min_tokens is renormalised without EOS while the trainer's covers the whole
-    vocabulary (docs/arm_i.md). The gap benchmark forces its length with ignore_eos, which masks nothing."""
+    vocabulary (docs/history/arm_i.md). The gap benchmark forces its length with ignore_eos, which masks nothing."""
     from benchmarks import vllm_live
 
     kwargs = vllm_live.gen_sampling_kwargs(new_tokens=128, logprobs=20, seed=1003, truncation={"top_p": 0.8})
