@@ -76,7 +76,7 @@ HASH_DEFINITION = ("sha256 over config.json and every *.safetensors file at the 
 GPU_DEFAULTS = {"model": "smollm2", "hf": False, "device": None, "precision": "bf16", "train_limit": None,
                 "epochs": 3.0, "max_steps": None, "lr": 5e-5, "batch": 64, "grad_accum": 1, "logging_steps": 5,
                 "warmup": 0.03, "max_length": 1024, "eval_limit": None, "max_tokens": 256, "eval_batch_size": 64,
-                "eval_dtype": "auto"}
+                "eval_dtype": "auto", "eval_split": "test"}
 """Settings of a real run: 3 epochs over 7,473 rows at 64 rows a step (351 optimizer steps), lr 5e-5."""
 SMOKE_DEFAULTS = {**GPU_DEFAULTS, "model": "tiny-random-llama", "hf": True, "device": "cpu", "precision": "fp32",
                   "train_limit": 8, "max_steps": 3, "batch": 2, "logging_steps": 1, "eval_limit": 4,
@@ -734,7 +734,8 @@ def _empty_cuda_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def main(argv: list[str] | None = None) -> int:
+def command_line() -> argparse.ArgumentParser:
+    """The command line: ``run`` and ``hash``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     go = commands.add_parser("run", help="train, evaluate before and after, write gsm8k_warmstart.json")
@@ -759,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--seed", type=int, default=0)
     go.add_argument("--before-from", default=None, help="an earlier run's eval_before/gsm8k_baseline.json of the "
                     "same model and evaluation settings: its accuracy stands for phase 2 (no evaluation)")
-    go.add_argument("--eval-split", default="test", choices=sorted(EVAL_SPLITS), help="the split both evaluations "
+    go.add_argument("--eval-split", default=None, choices=sorted(EVAL_SPLITS), help="the split both evaluations "
                     "score: test (default; training on all of train) or validation (training on train without it: "
                     "how a setting is chosen)")
     go.add_argument("--train-limit", type=int, default=None, help="only the first N training rows")
@@ -772,7 +773,32 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--gpu-mem", type=float, default=0.5, help="vLLM gpu_memory_utilization (default 0.5)")
     digest = commands.add_parser("hash", help="print a checkpoint folder's sha256 (checkpoint_sha256)")
     digest.add_argument("folder")
-    args = parser.parse_args(argv)
+    return parser
+
+
+SETTING_KEYS = ("model", "lr", "epochs", "max_steps", "batch", "grad_accum", "warmup", "max_length", "precision",
+                "seed", "train_limit", "eval_split", "eval_limit", "max_tokens")
+"""The ``params`` of a run document that a declared setting fixes (:func:`setting_params`)."""
+
+
+def setting_params(arguments: list[str]) -> dict:
+    """What the ``run`` arguments ``arguments`` set of :data:`SETTING_KEYS`, defaults filled as a run fills them
+    (``--model`` as the document's ``model_spec``: left out, it is not compared). Raises :class:`WarmstartError`
+    for arguments ``run`` does not take."""
+    try:
+        args = command_line().parse_args(["run", "--out", "unused", *arguments])
+    except SystemExit:
+        raise WarmstartError(f"{' '.join(arguments)!r}: not arguments of gsm8k_warmstart run") from None
+    given_model = args.model is not None
+    _resolve(args)
+    params = {key: getattr(args, key) for key in SETTING_KEYS}
+    if not given_model:
+        del params["model"]
+    return params
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = command_line().parse_args(argv)
     if args.command == "hash":
         try:
             print(checkpoint_sha256(args.folder))

@@ -539,3 +539,40 @@ def test_a_validation_question_in_the_training_rows_stops_the_run(gsm8k_dir, tmp
     assert len(err) == 1 and "refused before training: 1 validation question(s) appear" in err[0]
     payload = json.loads((out / "gsm8k_warmstart.json").read_text())
     assert payload["results"]["decontamination_validation"]["matches"] == [{"test": 3, "train": 0, "kind": "exact"}]
+
+
+def test_the_settings_script_runs_declared_settings_by_name_and_refuses_others(tmp_path, smoke_data):
+    """``DECLARED=FILE``: the names given pick declared settings (all of them with none given), run with the
+    declaration's arguments; a name the file does not declare stops the script before anything runs."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    from _support import ROOT
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: the script would run")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bindir / "python3").chmod(0o755)
+    declared = tmp_path / "declared.yaml"
+    declared.write_text("eval_arguments: [--eval-split, validation]\nsettings: {a.1: [--lr, '2e-4'], b: []}\n")
+    out = tmp_path / "out"
+    environ = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "OUT": str(out), "WORK": str(tmp_path / "w"),
+               "DATA": str(smoke_data), "MODEL": "tiny-random-llama", "DECLARED": str(declared)}
+
+    def run(*names):
+        return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "gsm8k_warmstart_settings.sh"), *names],
+                              cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300)
+
+    refused = run("a.1", "c")
+    assert refused.returncode == 2 and "setting 'c' is not declared in" in refused.stderr and not out.exists()
+    assert run("a1").returncode == 2  # '.' is matched literally
+    done = run("a.1")
+    assert [line.split(":")[0] for line in done.stdout.strip().splitlines()] == ["a.1"]
+    assert "vLLM is not installed here" in done.stdout  # the run got past its arguments to the vLLM check
+    assert sorted(p.name for p in out.iterdir()) == ["a.1.tar.xz"]
+    done = run()
+    assert [line.split(":")[0] for line in done.stdout.strip().splitlines()] == ["a.1", "b"]
