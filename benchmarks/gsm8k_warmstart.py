@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import os
 import shutil
@@ -58,6 +57,7 @@ from bisect import bisect_right
 from pathlib import Path
 
 from benchmarks._lib.paths import ROOT
+from bloggap_plugin.checkpoint import HASH_DEFINITION, checkpoint_sha256, file_sha256
 
 TABLE_ID = "T18-warmstart"
 CURVE_TABLE_ID = "T18-warmstart-curve"
@@ -68,10 +68,6 @@ EVAL_SPLITS = {"test": "train", "validation": "train_minus_validation"}
 EVALUATIONS = (("before", "eval_before"), ("after", "eval_after"))
 """(phase, sub-folder of ``--out`` holding that evaluation's gsm8k_baseline document and completions)."""
 SUBSETS = ("all", "1-step", "2-step")
-HASHED_FILES = ("config.json",)
-"""Files besides the ``*.safetensors`` weights that :func:`checkpoint_sha256` covers."""
-HASH_DEFINITION = ("sha256 over config.json and every *.safetensors file at the top of the checkpoint folder, in sorted "
-                   "name order, each fed as its name (UTF-8), a NUL byte, its size (8 bytes, big endian) and its bytes")
 
 GPU_DEFAULTS = {"model": "smollm2", "hf": False, "device": None, "precision": "bf16", "train_limit": None,
                 "epochs": 3.0, "max_steps": None, "lr": 5e-5, "batch": 64, "grad_accum": 1, "logging_steps": 5,
@@ -217,44 +213,16 @@ def data_file_hashes(data: str | None, split: str) -> dict[str, str] | None:
         files = [p for p in found if p.name.startswith(split)] or found
     else:
         files = [path]
-    return {str(p.relative_to(path)) if path.is_dir() else p.name: _sha256_file(p) for p in files}
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return {str(p.relative_to(path)) if path.is_dir() else p.name: file_sha256(p) for p in files}
 
 
 # ----------------------------------------------------------------------------------------------------- checkpoint
 
 
-def checkpoint_sha256(folder: str | os.PathLike) -> str:
-    """sha256 of a saved checkpoint's weights and config: over ``config.json`` and every ``*.safetensors`` file of
-    ``folder`` (top level), in sorted name order, each fed as its name (UTF-8), a NUL byte, its size (8 bytes, big
-    endian) and its bytes. Equal files give an equal hash; any changed byte, renamed or added weight file changes
-    it. Tokenizer and generation-config files are not covered (``checkpoint_files`` lists every file's own sha256).
-    Raises ``FileNotFoundError`` when the folder holds no ``*.safetensors`` file or no ``config.json``."""
-    folder = Path(folder)
-    weights = sorted(p.name for p in folder.glob("*.safetensors") if p.is_file())
-    if not weights or not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder}: a checkpoint needs config.json and *.safetensors weights")
-    digest = hashlib.sha256()
-    for name in sorted([*weights, *HASHED_FILES]):
-        path = folder / name
-        digest.update(name.encode() + b"\x00" + path.stat().st_size.to_bytes(8, "big"))
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
-
-
 def checkpoint_files(folder: str | os.PathLike) -> dict[str, dict]:
     """``{name: {"bytes", "sha256"}}`` of every file at the top of ``folder``."""
     folder = Path(folder)
-    return {p.name: {"bytes": p.stat().st_size, "sha256": _sha256_file(p)}
+    return {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
             for p in sorted(folder.iterdir()) if p.is_file()}
 
 

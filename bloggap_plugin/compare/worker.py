@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+from bloggap_plugin.compare.logs import MODEL_SHA256_KEY
 from bloggap_plugin.compare.sweep_config import DONE_KEY, resolve_function
 from bloggap_plugin.results import jsonable
 
@@ -93,7 +94,8 @@ def _train(spec: dict, heldout: dict | None) -> None:
 
         stamp_final(spec, spec["attempt"])
     marker = {DONE_KEY: "done", "arm": spec["arm"], "seed": spec["seed"], "attempt": spec["attempt"],
-              "settings": spec["settings"], "wall_s": wall_s, "result": jsonable(result)}
+              "settings": spec["settings"], MODEL_SHA256_KEY: spec.get(MODEL_SHA256_KEY), "wall_s": wall_s,
+              "result": jsonable(result)}
     with open(part, "a") as handle:
         handle.write(json.dumps(marker) + "\n")
         handle.flush()
