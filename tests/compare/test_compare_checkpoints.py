@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 from _support.compare_runs import FAKE_TRAIN, compare_cli, write_recipes
 
-from bloggap_plugin.compare import DONE_KEY, CompareConfig, CompareError, build_results, plan_runs, run_compare, run_settings
+from bloggap_plugin.compare import (
+    DONE_KEY,
+    CompareConfig,
+    CompareError,
+    build_results,
+    plan_runs,
+    run_compare,
+    run_settings,
+)
 
 
 @pytest.fixture

@@ -166,8 +166,9 @@ def test_train_from_a_folder_records_the_sha256_of_its_weights_once(tmp_path, ca
     import hashlib
     from pathlib import Path
 
-    import bloggap_plugin.checkpoint as checkpoint
     from _support.trl_runs import saved_model_dir
+
+    import bloggap_plugin.checkpoint as checkpoint
     from bloggap_plugin.cli import main
 
     folder = Path(saved_model_dir(tmp_path))
