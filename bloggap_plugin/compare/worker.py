@@ -89,6 +89,11 @@ def _train(spec: dict, heldout: dict | None) -> None:
     start = time.perf_counter()
     result = run_fn(spec["recipe"], **kwargs)
     wall_s = time.perf_counter() - start
+    own = result.get(MODEL_SHA256_KEY) if isinstance(result, dict) else None
+    if own is not None and own != spec.get(MODEL_SHA256_KEY):  # the folder's weights changed while the sweep ran
+        raise RuntimeError(f"the run hashed {spec['model']} as {own[:12]}..., the sweep as "
+                           f"{str(spec.get(MODEL_SHA256_KEY))[:12]}...: its weights changed during the sweep; keep the "
+                           "model folder unchanged until the sweep ends, then run the sweep again")
     if heldout:
         from bloggap_plugin.compare.heldout import stamp_final
 

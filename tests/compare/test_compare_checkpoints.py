@@ -29,7 +29,7 @@ def fake(tmp_path, monkeypatch):
     (module_dir / "fake_train.py").write_text(FAKE_TRAIN)
     monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
     monkeypatch.syspath_prepend(str(module_dir))
-    for name in ("FAKE_HANG", "FAKE_CRASH", "FAKE_SLOW"):
+    for name in ("FAKE_HANG", "FAKE_CRASH", "FAKE_SLOW", "FAKE_SHA"):
         monkeypatch.delenv(name, raising=False)
     return {"dir": str(module_dir), "run_fn": "fake_train:run_training"}
 
@@ -149,3 +149,18 @@ def test_the_analysis_refuses_to_pair_runs_of_one_seed_from_different_checkpoint
     _write_run(config, runs[3], [0.5, 0.75], "a" * 64)
     fixed = build_results(config, runs)
     assert not fixed["set_aside"] and fixed["analysis"]["status"] == "final"
+
+
+def test_a_run_that_hashed_other_weights_than_the_sweep_fails_and_is_not_marked_done(tmp_path, fake, monkeypatch):
+    """run_training hashes the folder it loads; a hash other than the sweep's (the folder changed while the sweep
+    ran) fails that run, so no log of it carries the marker; the run's own matching hash passes."""
+    folder = _checkpoint(tmp_path / "ckpt", b"weights one")
+    config = _config(tmp_path, fake, folder, [0])
+    monkeypatch.setenv("FAKE_SHA", "f" * 64)
+    results = run_compare(config, echo=lambda *_: None)
+    assert sorted(results["failed"]) == ["A_s0", "B_s0"] and not results["runs"]
+    out = (Path(config.output_dir) / "runs" / "A_s0.out").read_text()
+    assert "its weights changed during the sweep" in out
+    monkeypatch.setenv("FAKE_SHA", _expected_sha(folder))
+    again = run_compare(config, echo=lambda *_: None)
+    assert not again["failed"] and sorted(again["runs"]) == ["A_s0", "B_s0"]
