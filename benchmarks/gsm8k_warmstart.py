@@ -30,6 +30,12 @@ finished (``results.done``, ``results.complete``):
    machine put it outside ``$OUT``, which returns at most 8 files), and :func:`checkpoint_sha256`.
 5. ``after``: greedy accuracy of the checkpoint, as in 2, under ``<out>/eval_after/``.
 
+``--eval-split validation`` (the way a setting is chosen, :mod:`benchmarks.gsm8k_warmstart_publish` ``select``):
+training takes its rows from ``train_minus_validation`` (train without the fixed validation rows,
+:func:`bloggap_plugin.tasks.gsm8k.validation_rows`), both evaluations score the validation split, and the data
+check also refuses a validation question in the training examples. ``--eval-split test`` (the default) trains on the
+whole train split and scores test, as the published runs did.
+
 Output: ``<out>/gsm8k_warmstart.json`` (benchmark result schema; tables ``T18-warmstart`` and
 ``T18-warmstart-curve``, built by :func:`table` and :func:`curve_table` from ``results`` and ``params``). Exit 0 when
 every phase finished, 2 on bad input (one line, before any model loads), 3 when the data checks refuse, 1 when an
@@ -40,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import os
 import shutil
@@ -52,23 +57,22 @@ from bisect import bisect_right
 from pathlib import Path
 
 from benchmarks._lib.paths import ROOT
+from bloggap_plugin.checkpoint import HASH_DEFINITION, checkpoint_sha256, file_sha256
 
 TABLE_ID = "T18-warmstart"
 CURVE_TABLE_ID = "T18-warmstart-curve"
 DOCUMENT = "gsm8k_warmstart.json"
 PHASES = ("data", "before", "train", "checkpoint", "after")
+EVAL_SPLITS = {"test": "train", "validation": "train_minus_validation"}
+"""``--eval-split`` -> the split the training rows come from (never one holding an evaluated row)."""
 EVALUATIONS = (("before", "eval_before"), ("after", "eval_after"))
 """(phase, sub-folder of ``--out`` holding that evaluation's gsm8k_baseline document and completions)."""
 SUBSETS = ("all", "1-step", "2-step")
-HASHED_FILES = ("config.json",)
-"""Files besides the ``*.safetensors`` weights that :func:`checkpoint_sha256` covers."""
-HASH_DEFINITION = ("sha256 over config.json and every *.safetensors file at the top of the checkpoint folder, in sorted "
-                   "name order, each fed as its name (UTF-8), a NUL byte, its size (8 bytes, big endian) and its bytes")
 
 GPU_DEFAULTS = {"model": "smollm2", "hf": False, "device": None, "precision": "bf16", "train_limit": None,
                 "epochs": 3.0, "max_steps": None, "lr": 5e-5, "batch": 64, "grad_accum": 1, "logging_steps": 5,
                 "warmup": 0.03, "max_length": 1024, "eval_limit": None, "max_tokens": 256, "eval_batch_size": 64,
-                "eval_dtype": "auto"}
+                "eval_dtype": "auto", "eval_split": "test"}
 """Settings of a real run: 3 epochs over 7,473 rows at 64 rows a step (351 optimizer steps), lr 5e-5."""
 SMOKE_DEFAULTS = {**GPU_DEFAULTS, "model": "tiny-random-llama", "hf": True, "device": "cpu", "precision": "fp32",
                   "train_limit": 8, "max_steps": 3, "batch": 2, "logging_steps": 1, "eval_limit": 4,
@@ -92,21 +96,22 @@ class Refused(RuntimeError):
 # ----------------------------------------------------------------------------------------------------- data
 
 
-def load_train_rows(data: str | None, limit: int | None) -> list[dict]:
-    """``[{index, question, answer, gold}]`` for the first ``limit`` rows of the train split (file order)."""
+def load_train_rows(data: str | None, limit: int | None, split: str = "train") -> list[dict]:
+    """``[{index, question, answer, gold}]`` for the first ``limit`` rows of ``split`` (``train`` or
+    ``train_minus_validation``; file order; ``index``: the row's position in ``split``)."""
     from bloggap_plugin.tasks import gsm8k
 
-    dataset = gsm8k.load_gsm8k(data, split="train")
+    dataset = gsm8k.load_gsm8k(data, split=split)
     rows = [{"index": i, "question": q, "answer": a, "gold": gsm8k.gold_answer(a)}
             for i, (q, a) in enumerate(zip(dataset["question"], dataset["answer"]))]
     return rows if limit is None else rows[:limit]
 
 
-def load_test_questions(data: str | None) -> list[str]:
-    """Every question of the test split (the decontamination check reads all of them)."""
+def load_test_questions(data: str | None, split: str = "test") -> list[str]:
+    """Every question of ``split`` (the test split by default; the decontamination check reads all of them)."""
     from bloggap_plugin.tasks import gsm8k
 
-    return list(gsm8k.load_gsm8k(data, split="test")["question"])
+    return list(gsm8k.load_gsm8k(data, split=split)["question"])
 
 
 def training_example(question: str, answer: str, tokenizer=None) -> dict:
@@ -208,44 +213,16 @@ def data_file_hashes(data: str | None, split: str) -> dict[str, str] | None:
         files = [p for p in found if p.name.startswith(split)] or found
     else:
         files = [path]
-    return {str(p.relative_to(path)) if path.is_dir() else p.name: _sha256_file(p) for p in files}
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return {str(p.relative_to(path)) if path.is_dir() else p.name: file_sha256(p) for p in files}
 
 
 # ----------------------------------------------------------------------------------------------------- checkpoint
 
 
-def checkpoint_sha256(folder: str | os.PathLike) -> str:
-    """sha256 of a saved checkpoint's weights and config: over ``config.json`` and every ``*.safetensors`` file of
-    ``folder`` (top level), in sorted name order, each fed as its name (UTF-8), a NUL byte, its size (8 bytes, big
-    endian) and its bytes. Equal files give an equal hash; any changed byte, renamed or added weight file changes
-    it. Tokenizer and generation-config files are not covered (``checkpoint_files`` lists every file's own sha256).
-    Raises ``FileNotFoundError`` when the folder holds no ``*.safetensors`` file or no ``config.json``."""
-    folder = Path(folder)
-    weights = sorted(p.name for p in folder.glob("*.safetensors") if p.is_file())
-    if not weights or not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder}: a checkpoint needs config.json and *.safetensors weights")
-    digest = hashlib.sha256()
-    for name in sorted([*weights, *HASHED_FILES]):
-        path = folder / name
-        digest.update(name.encode() + b"\x00" + path.stat().st_size.to_bytes(8, "big"))
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
-
-
 def checkpoint_files(folder: str | os.PathLike) -> dict[str, dict]:
     """``{name: {"bytes", "sha256"}}`` of every file at the top of ``folder``."""
     folder = Path(folder)
-    return {p.name: {"bytes": p.stat().st_size, "sha256": _sha256_file(p)}
+    return {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
             for p in sorted(folder.iterdir()) if p.is_file()}
 
 
@@ -383,8 +360,9 @@ def train(args, model_spec: str, rows: list[dict], device: str, curve: list, on_
 
 
 def evaluation_argv(model: str, folder: Path, args, data: str | None) -> list[str]:
-    """gsm8k_baseline's arguments for one greedy evaluation of ``model`` on the test split, written to ``folder``."""
-    argv = ["--model", model, "--split", "test", "--decodings", "greedy", "--max-tokens", str(args.max_tokens),
+    """gsm8k_baseline's arguments for one greedy evaluation of ``model`` on ``args.eval_split``, written to
+    ``folder``."""
+    argv = ["--model", model, "--split", args.eval_split, "--decodings", "greedy", "--max-tokens", str(args.max_tokens),
             "--seed", str(args.seed), "--dtype", args.eval_dtype, "--out", str(folder),
             "--completions", str(folder / "completions.jsonl")]
     if data is not None:
@@ -428,7 +406,7 @@ def reused_evaluation(path: Path, args, test_rows: int) -> dict:
         raise WarmstartError(f"--before-from {path}: not a gsm8k_baseline document")
     params, results = payload.get("params", {}), payload.get("results", {})
     rows = args.eval_limit if args.eval_limit is not None else test_rows
-    wanted = {"split": "test", "rows": rows, "limit": args.eval_limit, "max_tokens": args.max_tokens,
+    wanted = {"split": args.eval_split, "rows": rows, "limit": args.eval_limit, "max_tokens": args.max_tokens,
               "engine": "HF generate" if args.hf else "vLLM", "dtype": args.eval_dtype, "seed": args.seed}
     differ = [f"{key} {params.get(key)!r} (this run: {value!r})" for key, value in wanted.items()
               if params.get(key) != value]
@@ -487,7 +465,7 @@ def table(results: dict, params: dict) -> dict:
         f"and the final line '#### <gold>'; loss on the completion only), {length} "
         f"({train.get('steps', '?')} done), lr {params['lr']:g} cosine with {params['warmup']:g} warm-up, "
         f"{params['batch']} x {params['grad_accum']} rows per step, {params['precision']}, seed {params['seed']}. "
-        f"Greedy accuracy on GSM8K test ({evaluation.get('rows', '?')} rows"
+        f"Greedy accuracy on GSM8K {params.get('eval_split', 'test')} ({evaluation.get('rows', '?')} rows"
         f"{', --eval-limit' if params['eval_limit'] else ''}) by gsm8k_baseline ({evaluation.get('engine', '?')}, at "
         f"most {params['max_tokens']} new tokens); correct = the training reward (last number equals the gold answer); "
         "1-step / 2-step: rows whose reference solution has exactly 1 / 2 calculation steps. CI: Wilson 95%. "
@@ -598,6 +576,7 @@ def _params(args, data: str | None, ckpt: Path, device: str) -> dict:
             "target": "gsm8k.worked_solution: <<...>> calculator marks removed, final line '#### <gold>'",
             "eval_engine": "HF generate" if args.hf else "vLLM", "eval_dtype": args.eval_dtype,
             "eval_limit": args.eval_limit, "max_tokens": args.max_tokens, "checkpoint_dir": str(ckpt),
+            "eval_split": args.eval_split, "train_split": EVAL_SPLITS[args.eval_split],
             **({"before_from": args.before_from} if args.before_from is not None else {})}
 
 
@@ -611,10 +590,11 @@ def run(args) -> int:
     _resolve(args)
     try:
         out, ckpt, data, device = _check(args)
-        rows = load_train_rows(data, args.train_limit)
+        rows = load_train_rows(data, args.train_limit, EVAL_SPLITS[args.eval_split])
         test_questions = load_test_questions(data)
-        reused = None if args.before_from is None else reused_evaluation(Path(args.before_from), args,
-                                                                         len(test_questions))
+        validation = load_test_questions(data, "validation") if args.eval_split == "validation" else None
+        evaluated = len(test_questions) if validation is None else len(validation)
+        reused = None if args.before_from is None else reused_evaluation(Path(args.before_from), args, evaluated)
     except (UsageError, WarmstartError) as err:
         print(f"gsm8k_warmstart: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
@@ -640,11 +620,15 @@ def run(args) -> int:
                        "files": {"train": data_file_hashes(data, "train"), "test": data_file_hashes(data, "test")},
                        "targets": target_rewards(rows, examples)}
     results["decontamination"] = decontamination(examples, test_questions)
+    if validation is not None:
+        results["data"]["validation_questions"] = len(validation)
+        results["decontamination_validation"] = decontamination(examples, validation)
     problems = []
-    if results["decontamination"]["contaminated"]:
-        clean = results["decontamination"]
-        problems.append(f"{clean['substring']} test question(s) appear in the training examples "
-                        f"({clean['exact']} exactly), e.g. {clean['matches'][:2]}")
+    for key, split in (("decontamination", "test"), ("decontamination_validation", "validation")):
+        clean = results.get(key)
+        if clean and clean["contaminated"]:
+            problems.append(f"{clean['substring']} {split} question(s) appear in the training examples "
+                            f"({clean['exact']} exactly), e.g. {clean['matches'][:2]}")
     if not results["data"]["targets"]["all_full_reward"]:
         problems.append(f"training targets that the gsm8k reward does not score 1.0: rows "
                         f"{results['data']['targets']['failing']}")
@@ -668,9 +652,10 @@ def run(args) -> int:
     def check_examples(final: list[dict]) -> None:
         if final == examples:  # the tokenizer has a chat template: the examples checked above
             return
-        again = results["decontamination_plain_text"] = decontamination(final, test_questions)
+        again = results["decontamination_plain_text"] = decontamination(final, test_questions + (validation or []))
         if again["contaminated"]:
-            raise Refused(f"{again['substring']} test question(s) appear in the plain-text training examples")
+            raise Refused(f"{again['substring']} test or validation question(s) appear in the plain-text training "
+                          "examples")
 
     try:
         trainer, summary = train(args, args.model, rows, device, results["train"]["curve"], write, check_examples)
@@ -717,7 +702,8 @@ def _empty_cuda_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def main(argv: list[str] | None = None) -> int:
+def command_line() -> argparse.ArgumentParser:
+    """The command line: ``run`` and ``hash``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     go = commands.add_parser("run", help="train, evaluate before and after, write gsm8k_warmstart.json")
@@ -742,8 +728,11 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--seed", type=int, default=0)
     go.add_argument("--before-from", default=None, help="an earlier run's eval_before/gsm8k_baseline.json of the "
                     "same model and evaluation settings: its accuracy stands for phase 2 (no evaluation)")
+    go.add_argument("--eval-split", default=None, choices=sorted(EVAL_SPLITS), help="the split both evaluations "
+                    "score: test (default; training on all of train) or validation (training on train without it: "
+                    "how a setting is chosen)")
     go.add_argument("--train-limit", type=int, default=None, help="only the first N training rows")
-    go.add_argument("--eval-limit", type=int, default=None, help="only the first N test rows (default: all)")
+    go.add_argument("--eval-limit", type=int, default=None, help="only the first N evaluated rows (default: all)")
     go.add_argument("--max-tokens", type=int, default=None, help="new tokens per test completion (default 256)")
     go.add_argument("--hf", action="store_true", default=None, help="evaluate with HF generate, not vLLM")
     go.add_argument("--device", default=None, help="--hf: cpu or cuda (default: cuda if available)")
@@ -752,7 +741,32 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--gpu-mem", type=float, default=0.5, help="vLLM gpu_memory_utilization (default 0.5)")
     digest = commands.add_parser("hash", help="print a checkpoint folder's sha256 (checkpoint_sha256)")
     digest.add_argument("folder")
-    args = parser.parse_args(argv)
+    return parser
+
+
+SETTING_KEYS = ("model", "lr", "epochs", "max_steps", "batch", "grad_accum", "warmup", "max_length", "precision",
+                "seed", "train_limit", "eval_split", "eval_limit", "max_tokens")
+"""The ``params`` of a run document that a declared setting fixes (:func:`setting_params`)."""
+
+
+def setting_params(arguments: list[str]) -> dict:
+    """What the ``run`` arguments ``arguments`` set of :data:`SETTING_KEYS`, defaults filled as a run fills them
+    (``--model`` as the document's ``model_spec``: left out, it is not compared). Raises :class:`WarmstartError`
+    for arguments ``run`` does not take."""
+    try:
+        args = command_line().parse_args(["run", "--out", "unused", *arguments])
+    except SystemExit:
+        raise WarmstartError(f"{' '.join(arguments)!r}: not arguments of gsm8k_warmstart run") from None
+    given_model = args.model is not None
+    _resolve(args)
+    params = {key: getattr(args, key) for key in SETTING_KEYS}
+    if not given_model:
+        del params["model"]
+    return params
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = command_line().parse_args(argv)
     if args.command == "hash":
         try:
             print(checkpoint_sha256(args.folder))

@@ -17,6 +17,11 @@ last ``wrote`` line), and the GPU image's install paths their placeholders
 (:data:`benchmarks._lib.publish.MACHINE_PATHS`); a machine path left after that stops the publication before
 anything is written.
 
+``declared`` prints the settings a declaration file (``benchmarks/gsm8k_warmstart_declared.yaml``) fixes, one
+``NAME=ARGUMENTS`` line each, for ``benchmarks/gpu/gsm8k_warmstart_settings.sh``. ``select`` chooses the warm-start
+setting of issue 45 from run documents of those settings: by greedy accuracy on the validation split
+(:func:`select_setting`), refusing any run scored on test.
+
 ``settings`` builds ``T18-warmstart-settings`` from published run documents: one row per run (its learning
 rate, length, last logged loss, greedy accuracy on the whole test split with its Wilson interval), and which
 run is the best against issue 33's floor and target (:data:`FLOOR_PCT`, :data:`TARGET_PCT`).
@@ -228,6 +233,100 @@ def settings_document(paths: list[Path]):
                           results=results, tables=[settings_table(results)])
 
 
+# ------------------------------------------------------------------------------------------- declared, select
+
+SELECTION_SPLIT = "validation"
+"""The only split :func:`select_setting` chooses on."""
+MAX_DECLARED = 6
+"""Most settings a declaration may list: issue 33's four plus at most two (issue 45)."""
+
+
+def declared_settings(path: Path) -> dict[str, list[str]]:
+    """``{name: full run arguments}`` of a declaration file: each setting's arguments, then ``eval_arguments``.
+    Raises :class:`PublishError` (one line) for a file that does not read, a bad name, more than
+    :data:`MAX_DECLARED` settings, arguments ``gsm8k_warmstart run`` does not take, or a setting not scored on
+    :data:`SELECTION_SPLIT`."""
+    from bloggap_plugin._input_files import load_yaml_file
+
+    try:
+        payload = load_yaml_file(path, "declared settings", "give benchmarks/gsm8k_warmstart_declared.yaml",
+                                 error=PublishError)
+    except PublishError as err:
+        raise PublishError(str(err).splitlines()[0]) from None
+    settings = payload.get("settings") if isinstance(payload, dict) else None
+    common = payload.get("eval_arguments", []) if isinstance(payload, dict) else None
+    if not isinstance(settings, dict) or not settings or not isinstance(common, list):
+        raise PublishError(f"{path}: expected 'settings' (name: [arguments]) and 'eval_arguments' ([arguments])")
+    if len(settings) > MAX_DECLARED:
+        raise PublishError(f"{path}: {len(settings)} settings declared; at most {MAX_DECLARED}")
+    declared = {}
+    for name, arguments in settings.items():
+        stem(str(name))  # letters, digits, '.', '_', '-'
+        if not isinstance(arguments, list):
+            raise PublishError(f"{path}: setting {name}: give its arguments as a list, e.g. [--lr, '2e-4']")
+        argv = [str(a) for a in arguments] + [str(a) for a in common]
+        try:
+            params = gsm8k_warmstart.setting_params(argv)
+        except gsm8k_warmstart.WarmstartError as err:
+            raise PublishError(f"{path}: setting {name}: {err}") from None
+        if params["eval_split"] != SELECTION_SPLIT:
+            raise PublishError(f"{path}: setting {name} is scored on {params['eval_split']}: a setting is chosen on "
+                               f"{SELECTION_SPLIT} only (--eval-split {SELECTION_SPLIT})")
+        declared[str(name)] = argv
+    return declared
+
+
+def _document_setting(name: str, payload: dict, declared: dict[str, list[str]]) -> str:
+    """The declared setting whose arguments give ``payload``'s params; :class:`PublishError` for a run scored on
+    another split than validation or one no declared setting describes."""
+    params = payload.get("params", {})
+    split = params.get("eval_split", "test")  # documents from before --eval-split scored test
+    if split != SELECTION_SPLIT:
+        raise PublishError(f"{name} is scored on the {split} split: the warm start is chosen on {SELECTION_SPLIT} "
+                           f"only; run the declared settings with --eval-split {SELECTION_SPLIT}")
+    for setting, argv in declared.items():
+        wanted = gsm8k_warmstart.setting_params(argv)
+        if "model" in wanted:
+            wanted["model_spec"] = wanted.pop("model")
+        if all(params.get(key) == value for key, value in wanted.items()):
+            return setting
+    raise PublishError(f"{name}: its settings are none of the declared ones ({', '.join(declared)}); only declared "
+                       "settings take part in the choice")
+
+
+def select_setting(documents: dict[str, dict], declared: dict[str, list[str]]) -> dict:
+    """The declared setting with the most validation rows correct after the warm start (ties: the first declared),
+    from ``documents`` (name -> run document), one finished run per declared setting. Returns ``{"chosen",
+    "arguments", "document", "checkpoint_sha256", "settings": [{setting, document, rows, correct, accuracy, ci95,
+    checkpoint_sha256}]}``. Raises :class:`PublishError` for a run scored on test, an undeclared or repeated setting,
+    an unfinished run, a declared setting without a run, or runs scored on different row counts."""
+    found: dict[str, tuple[str, dict]] = {}
+    for name, payload in documents.items():
+        setting = _document_setting(name, payload, declared)
+        if setting in found:
+            raise PublishError(f"{name} and {found[setting][0]} are both runs of setting {setting}: give one")
+        if not payload.get("results", {}).get("complete"):
+            raise PublishError(f"{name} did not finish (results.complete false): run setting {setting} again")
+        found[setting] = (name, payload)
+    missing = [setting for setting in declared if setting not in found]
+    if missing:
+        raise PublishError(f"declared setting(s) {', '.join(missing)} have no run: every declared setting runs "
+                           "before one is chosen")
+    rows = []
+    for setting in declared:
+        name, payload = found[setting]
+        after = payload["results"]["after"]["subsets"]["all"]
+        rows.append({"setting": setting, "document": name, "rows": after["rows"], "correct": after["correct"],
+                     "accuracy": after["accuracy"], "ci95": after["ci95"],
+                     "checkpoint_sha256": payload["results"]["checkpoint"]["sha256"]})
+    if len({row["rows"] for row in rows}) != 1:
+        raise PublishError(f"the runs scored different numbers of validation rows ({sorted({r['rows'] for r in rows})})"
+                           ": run every setting on the same rows (no --eval-limit)")
+    best = max(rows, key=lambda row: row["correct"])  # max keeps the first of equals: declaration order
+    return {"chosen": best["setting"], "arguments": declared[best["setting"]], "document": best["document"],
+            "checkpoint_sha256": best["checkpoint_sha256"], "split": SELECTION_SPLIT, "settings": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -239,8 +338,20 @@ def main(argv: list[str] | None = None) -> int:
     many = commands.add_parser("settings", help="T18-warmstart-settings from published run documents")
     many.add_argument("documents", nargs="+", help="published gsm8k_warmstart*.json documents")
     many.add_argument("--out", required=True, help="the settings document to write")
+    listed = commands.add_parser("declared", help="print each declared setting as NAME=ARGUMENTS")
+    listed.add_argument("--file", default="benchmarks/gsm8k_warmstart_declared.yaml")
+    choose = commands.add_parser("select", help="choose the declared setting by validation accuracy")
+    choose.add_argument("documents", nargs="+", help="run documents (gsm8k_warmstart.json) of the declared settings")
+    choose.add_argument("--file", default="benchmarks/gsm8k_warmstart_declared.yaml")
+    choose.add_argument("--out", required=True, help="the selection JSON to write")
     args = parser.parse_args(argv)
     try:
+        if args.command == "declared":
+            for name, arguments in declared_settings(Path(args.file)).items():
+                print(f"{name}={' '.join(arguments)}")
+            return 0
+        if args.command == "select":
+            return _select(args)
         if args.command == "run":
             for path in publish_run(Path(args.folder), args.name, Path(args.into)):
                 print(f"wrote {path}")
@@ -253,6 +364,22 @@ def main(argv: list[str] | None = None) -> int:
     except PublishError as err:
         print(f"gsm8k_warmstart_publish: {err}", file=sys.stderr)
         return 2
+
+
+def _select(args) -> int:
+    declared = declared_settings(Path(args.file))
+    documents = {}
+    for path in args.documents:
+        try:
+            documents[str(path)] = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as err:
+            raise PublishError(f"{path}: not a readable run document ({err.__class__.__name__})") from None
+    chosen = select_setting(documents, declared)
+    chosen["declared_file"] = str(args.file)
+    atomic_write_bytes(Path(args.out), (dumps(chosen) + "\n").encode())
+    print(f"chosen: {chosen['chosen']} ({' '.join(chosen['arguments'])}), checkpoint sha256 "
+          f"{chosen['checkpoint_sha256']}; wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -11,10 +11,30 @@
 # setting starts only while at least $MIN_S seconds of $BUDGET_S are left, and is given what is left. Each finished
 # or stopped setting is packed into $OUT/NAME.tar.xz (its gsm8k_warmstart.json, log and eval_after/; the device
 # returns at most 8 files); one line per setting on stdout. Exit 0 when every setting finished.
+#
+# DECLARED=FILE (issue 45): the settings declared in FILE (benchmarks/gsm8k_warmstart_declared.yaml), each with
+# its arguments there (scored on the validation split); NAME arguments pick some of them (default: all), and a name
+# FILE does not declare is refused. Each setting then evaluates the base model itself (set BEFORE to a validation
+# evaluation of it, e.g. the first setting's eval_before/gsm8k_baseline.json, to reuse that one).
 set -uo pipefail
 OUT=${OUT:-.dev/gsm8k_warmstart_settings}
 WORK=${WORK:-/tmp/vx/warmstart_settings}
-BEFORE=${BEFORE:-benchmarks/results/h200/gsm8k_warmstart/eval_before/gsm8k_baseline.json}
+if [ -n "${DECLARED:-}" ]; then
+  BEFORE=${BEFORE:-}
+  declared=$(python3 -m benchmarks.gsm8k_warmstart_publish declared --file "$DECLARED") || exit 2
+  picked=()
+  for name in "$@"; do
+    line=$(printf '%s\n' "$declared" | grep -E "^${name//./\\.}=" | head -1)
+    if [ -z "$line" ]; then
+      echo "gsm8k_warmstart_settings: setting '$name' is not declared in $DECLARED" >&2
+      exit 2
+    fi
+    picked+=("$line")
+  done
+  if [ "$#" -eq 0 ]; then mapfile -t picked <<< "$declared"; fi
+  set -- "${picked[@]}"
+fi
+BEFORE=${BEFORE-benchmarks/results/h200/gsm8k_warmstart/eval_before/gsm8k_baseline.json}
 BUDGET_S=${BUDGET_S:-540}
 MIN_S=${MIN_S:-240}
 if [ "$#" -eq 0 ]; then
@@ -45,7 +65,7 @@ for setting in "$@"; do
   mkdir -p "$WORK/$name"
   # shellcheck disable=SC2086 # the setting's arguments are words
   OUT="$WORK/$name" CKPT="$WORK/ckpt-$name" WARMSTART_S=$left \
-    bash benchmarks/gpu/gsm8k_warmstart_call.sh --before-from "$BEFORE" $arguments > /dev/null 2>&1
+    bash benchmarks/gpu/gsm8k_warmstart_call.sh ${BEFORE:+--before-from "$BEFORE"} $arguments > /dev/null 2>&1
   code=$?
   [ "$code" -eq 0 ] || status=1
   tar -C "$WORK" -cJf "$OUT/$name.tar.xz" "$name"

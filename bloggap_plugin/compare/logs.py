@@ -10,6 +10,7 @@ from pathlib import Path
 from bloggap_plugin.compare.sweep_config import (
     DONE_KEY,
     CompareConfig,
+    CompareError,
     RunSpec,
     current_run_fn,
     run_task_kwargs,
@@ -22,7 +23,15 @@ __all__ = [
     "run_settings",
     "read_marker",
     "count_logged_steps",
+    "MODEL_SHA256_KEY",
+    "finished_checkpoints",
+    "checkpoint_mismatches",
+    "check_resume_checkpoint",
 ]
+
+MODEL_SHA256_KEY = "model_sha256"
+"""Key of a run's completion marker holding the sha256 of the model folder it started from
+(:func:`bloggap_plugin.checkpoint.model_sha256`; ``None``, or absent in older logs, for a named or tiny model)."""
 
 
 def read_log(path: str | os.PathLike) -> tuple[list[dict], dict | None]:
@@ -132,3 +141,45 @@ def read_marker(path: str | os.PathLike) -> dict | None:
         return read_log(path)[1]
     except ValueError:
         return None
+
+
+def finished_checkpoints(config: CompareConfig, runs: list[RunSpec]) -> dict[int, dict[str, str | None]]:
+    """``{seed: {run id: model sha256}}`` of the finished runs (log complete, same settings), from their markers."""
+    found: dict[int, dict[str, str | None]] = {}
+    for run in runs:
+        if run_state(config, run)[0] == "done":
+            marker = read_marker(run.log_jsonl) or {}
+            found.setdefault(run.seed, {})[run.run_id] = marker.get(MODEL_SHA256_KEY)
+    return found
+
+
+def _short(sha: str | None) -> str:
+    return "no recorded hash" if sha is None else f"{sha[:12]}..."
+
+
+def checkpoint_mismatches(by_seed: dict[int, dict[str, str | None]]) -> dict[int, str]:
+    """``{seed: why}`` for each seed whose runs started from different checkpoints (``by_seed`` as
+    :func:`finished_checkpoints` gives it): no comparison may pair them."""
+    out = {}
+    for seed, hashes in sorted(by_seed.items()):
+        if len(set(hashes.values())) > 1:
+            runs = ", ".join(f"{run_id} {_short(sha)}" for run_id, sha in sorted(hashes.items()))
+            out[seed] = (f"seed {seed}: its runs started from different checkpoints ({runs}), so they are not compared; "
+                         "move the logs of one checkpoint's runs aside and run them again from the other (--model its "
+                         "folder)")
+    return out
+
+
+def check_resume_checkpoint(config: CompareConfig, runs: list[RunSpec], model_sha: str | None) -> None:
+    """Refuse (:class:`CompareError`) to start runs of a seed whose finished runs started from another checkpoint
+    than ``model_sha`` (``--model``'s): the seed's arms would not be comparable. Seeds with every run finished, or
+    none, are free."""
+    pending = {run.seed for run in runs if run_state(config, run)[0] != "done"}
+    for seed, hashes in sorted(finished_checkpoints(config, runs).items()):
+        other = sorted(run_id for run_id, sha in hashes.items() if sha != model_sha)
+        if seed in pending and other:
+            raise CompareError(f"--model {config.model} ({_short(model_sha)}): seed {seed}'s finished run(s) "
+                               f"{', '.join(other)} started from another checkpoint ({_short(hashes[other[0]])}), so "
+                               f"its runs left would not be comparable with them; give --model the checkpoint they "
+                               f"started from, or move runs/{other[0]}.jsonl (and the seed's other finished logs) aside "
+                               "to run the whole seed from this one")

@@ -6,7 +6,13 @@ import math
 
 from bloggap_plugin.compare.heldout import read_heldout
 from bloggap_plugin.compare.inference import POWER, arm_statistics, compare_with_baseline
-from bloggap_plugin.compare.logs import read_log, run_state
+from bloggap_plugin.compare.logs import (
+    MODEL_SHA256_KEY,
+    checkpoint_mismatches,
+    finished_checkpoints,
+    read_log,
+    run_state,
+)
 from bloggap_plugin.compare.outputs import compare_tables
 from bloggap_plugin.compare.sweep_config import CompareConfig, RunSpec
 from bloggap_plugin.run_timing import plugin_time_share
@@ -104,11 +110,15 @@ def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
     """Per-run summaries, per-arm aggregates, deltas vs the baseline, resolution and the tables (JSON-ready).
 
     Runs whose log is unfinished are left out; runs whose log is corrupt or was trained with other settings are
-    left out and listed in ``set_aside`` (run id -> why, naming the file and line or the settings).
+    left out and listed in ``set_aside`` (run id -> why, naming the file and line or the settings), and so are all
+    runs of a seed whose runs started from different checkpoints (``checkpoints``: each finished run's recorded
+    model sha256 by seed, and the seeds set aside for it).
     """
     arms = list(dict.fromkeys(r.arm for r in runs))
     base = _baseline(config, arms)
     per_run, set_aside = {}, {}
+    checkpoints = finished_checkpoints(config, runs)
+    mismatched = checkpoint_mismatches(checkpoints)
     for run in runs:
         state, why = run_state(config, run)
         if state in ("corrupt", "changed"):
@@ -116,8 +126,12 @@ def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
             continue
         if state != "done":
             continue  # unfinished: left out of the table
+        if run.seed in mismatched:  # no comparison pairs runs that started from different weights
+            set_aside[run.run_id] = mismatched[run.seed]
+            continue
         records, marker = read_log(run.log_jsonl)
         summary = summarize_run(records, marker, config.last_n)
+        summary[MODEL_SHA256_KEY] = (marker or {}).get(MODEL_SHA256_KEY)
         summary.update(arm=run.arm, seed=run.seed, recipe=run.recipe,
                        heldout=read_heldout(config, run, (marker or {}).get("attempt")))
         per_run[run.run_id] = summary
@@ -166,7 +180,8 @@ def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
             row["delta_interval"] = held["arms"].get(label) if held is not None and label != base else None
     resolution = _resolution(per_run, arm_rows, k, analysis)
     results = {"baseline": base, "arms": arm_rows, "runs": per_run, "set_aside": set_aside, "last_k": k,
-               "resolution": resolution, "heldout": heldout, "analysis": analysis}
+               "resolution": resolution, "heldout": heldout, "analysis": analysis,
+               "checkpoints": {"by_seed": checkpoints, "mismatched_seeds": sorted(mismatched)}}
     results["tables"] = compare_tables(config, results)
     return results
 

@@ -16,7 +16,14 @@ from pathlib import Path
 
 from bloggap_plugin._io import atomic_write_text
 from bloggap_plugin.compare.heldout import heldout_path, heldout_spec, heldout_state, read_heldout
-from bloggap_plugin.compare.logs import count_logged_steps, read_marker, run_settings, run_state
+from bloggap_plugin.compare.logs import (
+    MODEL_SHA256_KEY,
+    check_resume_checkpoint,
+    count_logged_steps,
+    read_marker,
+    run_settings,
+    run_state,
+)
 from bloggap_plugin.compare.outputs import write_outputs
 from bloggap_plugin.compare.statistics import build_results
 from bloggap_plugin.compare.sweep_config import (
@@ -44,8 +51,9 @@ class SweepStopped(Exception):
 
 
 def _spec_for(config: CompareConfig, run: RunSpec, attempt: str, part: Path, mode: str = "train",
-              trained_attempt: str | None = None) -> dict:
+              trained_attempt: str | None = None, model_sha: str | None = None) -> dict:
     return {
+        MODEL_SHA256_KEY: model_sha,
         "mode": mode,
         "trained_attempt": trained_attempt,
         "heldout": heldout_spec(config, run),
@@ -104,7 +112,7 @@ def _free_port(avoid: set) -> int:
 
 
 def _launch(config: CompareConfig, run: RunSpec, lock_fd: int, mode: str = "train", trained_attempt: str | None = None,
-            ports_in_use: set | None = None):
+            ports_in_use: set | None = None, model_sha: str | None = None):
     """Start one attempt of ``run``: a fresh log only it writes, its console output, and the lock inherited, so that
     no other sweep can use the folder while the attempt lives (even if this process dies first). ``mode``
     ``"evaluate"``: only the held-out evaluation of the policy training attempt ``trained_attempt`` saved."""
@@ -115,7 +123,7 @@ def _launch(config: CompareConfig, run: RunSpec, lock_fd: int, mode: str = "trai
     attempt = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{time.monotonic_ns() % 10**6:06d}"
     part = log.with_name(f"{run.run_id}.{attempt}.part.jsonl")
     spec_path = log.with_name(f"{run.run_id}.spec.json")
-    atomic_write_text(spec_path, json.dumps(_spec_for(config, run, attempt, part, mode, trained_attempt), indent=1))
+    atomic_write_text(spec_path, json.dumps(_spec_for(config, run, attempt, part, mode, trained_attempt, model_sha), indent=1))
     console_path = log.with_name(f"{run.run_id}.out")
     fresh = console_path.with_name(f".{run.run_id}.{attempt}.out")
     console = open(fresh, "w")  # noqa: SIM115 - closed when the process ends
@@ -188,6 +196,7 @@ def run_compare(config: CompareConfig, echo=print) -> dict:
     :func:`_die_with_parent`).
     """
     runs = validate_config(config)
+    model_sha = _model_sha256(config)  # once per call: every run of it starts from these weights
     out = Path(config.output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -200,7 +209,8 @@ def run_compare(config: CompareConfig, echo=print) -> dict:
         for signum in (signal.SIGTERM, signal.SIGHUP):
             handlers[signum] = signal.signal(signum, _raise_stopped)
     try:
-        return _sweep(config, runs, echo, lock.fileno())
+        check_resume_checkpoint(config, runs, model_sha)
+        return _sweep(config, runs, echo, lock.fileno(), model_sha)
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
@@ -310,7 +320,19 @@ def _stop_for_budget(config: CompareConfig, running: dict, pending: list, echo) 
     return {"stopped": sorted(running), "not_started": [run.run_id for run, *_ in pending]}
 
 
-def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int) -> dict:
+def _model_sha256(config: CompareConfig) -> str | None:
+    """:func:`~bloggap_plugin.checkpoint.model_sha256` of ``--model`` (``None`` unless a folder), as a
+    :class:`CompareError` when the folder's weights cannot be hashed."""
+    from bloggap_plugin.checkpoint import model_sha256
+    from bloggap_plugin.core.errors import UsageError
+
+    try:
+        return model_sha256(config.model)
+    except UsageError as err:
+        raise CompareError(str(err)) from None
+
+
+def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int, model_sha: str | None = None) -> dict:
     pending = _plan_pending(config, runs, echo)
     _check_budget_progress(config, pending)
     total, failed, durations = len(pending), {}, []
@@ -332,7 +354,8 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int) -> di
                         break
                 pending.pop(0)
                 ports = {int(entry[1].master_port) for entry in running.values() if entry[1].master_port}
-                running[run.run_id] = (run, *_launch(config, run, lock_fd, mode, trained, ports), mode, trained)
+                running[run.run_id] = (run, *_launch(config, run, lock_fd, mode, trained, ports, model_sha), mode,
+                                       trained)
                 what = "evaluating" if mode == "evaluate" else f"started ({run.recipe}, seed {run.seed})"
                 echo(f"[compare] {run.run_id}: {what}")
             for run_id, (run, process, console, started, attempt, _, mode, trained) in list(running.items()):

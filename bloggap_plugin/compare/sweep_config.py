@@ -87,6 +87,10 @@ class CompareConfig:
     calc_steps: str | None = field(default=None, metadata={
         "help": "GSM8K only: only problems with N (or LOW-HIGH) <<...>> calculation steps, e.g. 1 or 1-2.",
         "metavar": "N|LOW-HIGH"})
+    train_split: str | None = field(default=None, metadata={
+        "help": "GSM8K only: the split the training prompts come from: train (the default: every row) or "
+                "train_minus_validation (train without the fixed validation rows a warm start is chosen on).",
+        "choices": ["train", "train_minus_validation"]})
     use_vllm: bool = field(default=False, metadata={
         "help": "Generate with TRL's colocated vLLM engine (use_vllm=True, vllm_mode='colocate') instead of HF "
                 "generate; needs CUDA and vLLM, and the GPU's memory is divided among the parallel runs."})
@@ -300,7 +304,7 @@ def _check_task(config: CompareConfig) -> None:
     if config.task not in TASKS:
         raise CompareError(f"--task {config.task}: unknown task; choose one of {', '.join(TASKS)}")
     kwargs = run_task_kwargs(config)
-    if config.task != "gsm8k" and all(kwargs.get(key) is None for key in ("difficulty", "data", "calc_steps")):
+    if config.task != "gsm8k" and all(kwargs.get(key) is None for key in ("difficulty", "data", "calc_steps", "train_split")):
         return
     try:
         get_task(config.task, None, seed=config.seeds[0], **{**kwargs, "n": 1})
@@ -312,6 +316,8 @@ def _check_task(config: CompareConfig) -> None:
             option = "--calc-steps"
         elif config.data is not None and "--data" in message:
             option = "--data"
+        elif config.train_split is not None and "train_split" in message:
+            option = "--train-split"
         else:
             option = "--task"
         raise CompareError(f"{option}: {message}") from None
@@ -319,7 +325,8 @@ def _check_task(config: CompareConfig) -> None:
 
 def run_task_kwargs(config: CompareConfig) -> dict:
     """The task options every run gets: ``difficulty``, ``n``, ``data`` (GSM8K: the local path in effect, absolute,
-    from ``--data`` or ``$BLOGGAP_GSM8K_DATA``; ``None`` = the hub) and, when set, ``calc_steps``."""
+    from ``--data`` or ``$BLOGGAP_GSM8K_DATA``; ``None`` = the hub) and, when set, ``calc_steps`` and
+    ``train_split``."""
     data = config.data
     if config.task == "gsm8k":
         from bloggap_plugin.tasks.gsm8k import resolve_data
@@ -329,6 +336,8 @@ def run_task_kwargs(config: CompareConfig) -> dict:
     kwargs: dict = {"difficulty": config.difficulty, "n": config.n, "data": data}
     if config.calc_steps is not None:  # only when set: logs of sweeps from before the option keep their settings
         kwargs["calc_steps"] = str(config.calc_steps)
+    if config.train_split is not None:  # likewise
+        kwargs["train_split"] = config.train_split
     return kwargs
 
 

@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+from bloggap_plugin.compare.logs import MODEL_SHA256_KEY
 from bloggap_plugin.compare.sweep_config import DONE_KEY, resolve_function
 from bloggap_plugin.results import jsonable
 
@@ -88,12 +89,18 @@ def _train(spec: dict, heldout: dict | None) -> None:
     start = time.perf_counter()
     result = run_fn(spec["recipe"], **kwargs)
     wall_s = time.perf_counter() - start
+    own = result.get(MODEL_SHA256_KEY) if isinstance(result, dict) else None
+    if own is not None and own != spec.get(MODEL_SHA256_KEY):  # the folder's weights changed while the sweep ran
+        raise RuntimeError(f"the run hashed {spec['model']} as {own[:12]}..., the sweep as "
+                           f"{str(spec.get(MODEL_SHA256_KEY))[:12]}...: its weights changed during the sweep; keep the "
+                           "model folder unchanged until the sweep ends, then run the sweep again")
     if heldout:
         from bloggap_plugin.compare.heldout import stamp_final
 
         stamp_final(spec, spec["attempt"])
     marker = {DONE_KEY: "done", "arm": spec["arm"], "seed": spec["seed"], "attempt": spec["attempt"],
-              "settings": spec["settings"], "wall_s": wall_s, "result": jsonable(result)}
+              "settings": spec["settings"], MODEL_SHA256_KEY: spec.get(MODEL_SHA256_KEY), "wall_s": wall_s,
+              "result": jsonable(result)}
     with open(part, "a") as handle:
         handle.write(json.dumps(marker) + "\n")
         handle.flush()

@@ -16,7 +16,7 @@ import os
 
 from bloggap_plugin.core.errors import UsageError
 
-__all__ = ["TASKS", "ARITH_HELDOUT_SEED", "HELDOUT_DEFAULT_N", "get_task", "get_heldout", "task_prompt", "for_tokenizer",
+__all__ = ["TASKS", "TRAIN_SPLITS", "ARITH_HELDOUT_SEED", "HELDOUT_DEFAULT_N", "get_task", "get_heldout", "task_prompt", "for_tokenizer",
            "prompt_fingerprint", "prompt_token_ids"]
 
 TASKS = ("gsm8k", "arith")
@@ -27,6 +27,9 @@ against the run's training problems anyway (:func:`get_heldout`), so the two set
 
 HELDOUT_DEFAULT_N = 512
 """Held-out prompts per evaluation by default (GSM8K: fewer when the filtered test split has fewer rows)."""
+
+TRAIN_SPLITS = ("train", "train_minus_validation")
+"""GSM8K splits a training set may come from (:func:`get_task`'s ``train_split``)."""
 
 ARITH_TRAIN_N = 1024
 """Prompts of the arithmetic training set when ``n`` is not given."""
@@ -71,6 +74,7 @@ def get_task(
     parser: str = "lenient",
     calc_steps: int | str | tuple[int, int] | None = None,
     reward: str = "accuracy",
+    train_split: str | None = None,
 ):
     """``(train_dataset, reward_funcs)`` for task ``name``.
 
@@ -90,6 +94,9 @@ def get_task(
             non-zero advantages on any model, for timing random-init shapes).
         calc_steps: GSM8K only: keep the problems whose reference solution has this many ``<<...>>`` calculation
             steps: a number (``1``: exactly one) or a range (``"1-2"``); ``None`` keeps all.
+        train_split: GSM8K only: the split the prompts come from, ``"train"`` (``None``: the default, every row) or
+            ``"train_minus_validation"`` (train without the fixed validation rows,
+            :func:`~bloggap_plugin.tasks.gsm8k.validation_rows`); never validation or test.
     """
     import datasets
 
@@ -108,7 +115,11 @@ def get_task(
         if parser not in ("lenient", "strict"):
             raise UsageError(f"parser must be 'lenient' or 'strict', got {parser!r}")
         gsm8k.parse_calc_steps(calc_steps)  # a bad value fails before the data loads
-        raw = gsm8k.filter_by_calc_steps(gsm8k.load_gsm8k(data, split="train"), calc_steps).shuffle(seed=seed)
+        split = "train" if train_split is None else train_split
+        if split not in TRAIN_SPLITS:
+            raise UsageError(f"train_split {train_split!r}: GSM8K trains on {' or '.join(TRAIN_SPLITS)}; validation "
+                             "and test are for evaluation only")
+        raw = gsm8k.filter_by_calc_steps(gsm8k.load_gsm8k(data, split=split), calc_steps).shuffle(seed=seed)
         if n is not None:
             raw = raw.select(range(min(n, len(raw))))
         messages = [gsm8k.build_messages(q) for q in raw["question"]]
@@ -122,6 +133,8 @@ def get_task(
         if calc_steps is not None:
             raise UsageError("calc_steps (<<...>> calculation steps) applies to 'gsm8k' only; the 'arith' task has "
                              "--difficulty")
+        if train_split is not None:
+            raise UsageError("train_split applies to 'gsm8k' only; the 'arith' task generates its problems")
         level = arith.DEFAULT_DIFFICULTY if difficulty is None else difficulty
         problems = arith.make_problems(ARITH_TRAIN_N if n is None else n, seed=seed, difficulty=level)
         messages = [arith.build_messages(p, level) for p in problems]

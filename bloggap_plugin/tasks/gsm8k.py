@@ -15,6 +15,11 @@ tests (not GSM8K data).
 Supervised targets: :func:`worked_solution` turns a reference solution into an assistant turn (calculator marks
 removed, the final line ``#### <gold>``), a text that both reward functions score 1.0 against its gold answer.
 
+Splits: ``"train"`` and ``"test"`` as published; ``"validation"``, :data:`VALIDATION_N` rows held out of train by a
+fixed rule (:func:`validation_rows`), and ``"train_minus_validation"``, the rest of train: a warm start trained on
+the rest can choose its setting on validation without touching test. The rule's rows for the published train file
+are recorded in :data:`VALIDATION_FILE` and checked against it whenever the split is made from that file.
+
 Difficulty: :func:`calc_steps` counts the ``<<...>>`` calculator marks of a reference solution (the number of
 calculation steps); :func:`filter_by_calc_steps` keeps the rows with a given number or range of them.
 
@@ -56,6 +61,11 @@ __all__ = [
     "worked_solution",
     "completion_text",
     "load_gsm8k",
+    "SPLITS",
+    "VALIDATION_N",
+    "VALIDATION_SALT",
+    "VALIDATION_FILE",
+    "validation_rows",
     "build_messages",
     "accuracy_reward",
     "strict_accuracy_reward",
@@ -79,6 +89,19 @@ KNOWN_FILES: dict[str, tuple[int, str]] = {
     "test.jsonl": (1319, "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14"),
 }
 """File name -> (rows, sha256) of the published GSM8K files (openai/grade-school-math at commit 3101c7d)."""
+
+SPLITS = ("train", "test", "validation", "train_minus_validation")
+"""Split names :func:`load_gsm8k` takes: the two published ones and the two made from train."""
+
+VALIDATION_N = 500
+"""Rows of the published train split held out as the validation split."""
+
+VALIDATION_SALT = "bloggap-gsm8k-validation-v1"
+"""Prefix of the text hashed to rank train rows for the validation split (:func:`validation_rows`)."""
+
+VALIDATION_FILE = Path(__file__).resolve().parent.parent / "data" / "gsm8k_validation.json"
+"""The validation rows of the published train.jsonl (0-based line indices), recorded once from
+:func:`validation_rows`; :func:`load_gsm8k` refuses a split that differs from them."""
 
 _CALC_RE = re.compile(r"<<.*?>>")
 
@@ -279,16 +302,59 @@ def _no_progress_bars(datasets) -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
+def validation_rows(questions: list[str], n: int = VALIDATION_N) -> list[int]:
+    """Indices (ascending) of the ``n`` rows of ``questions`` held out as validation: the rows whose
+    ``sha256(VALIDATION_SALT + "\\n" + question)`` (UTF-8, hex) sorts lowest, ties by index. The rule reads only each
+    question's text, so it does not depend on file order, library versions or a random generator. Raises
+    :class:`GSM8KDataError` when there are not more than ``n`` rows (nothing would be left to train on)."""
+    import hashlib
+
+    if len(questions) <= n:
+        raise GSM8KDataError(f"the validation split holds {n} rows of GSM8K train, which has only {len(questions)}: "
+                             "use the published train split (e.g. --data ../shared/data/gsm8k)")
+    keys = sorted((hashlib.sha256(f"{VALIDATION_SALT}\n{q}".encode()).hexdigest(), i) for i, q in enumerate(questions))
+    return sorted(i for _, i in keys[:n])
+
+
+def _recorded_validation_rows() -> tuple[int, list[int]]:
+    """``(train rows, validation rows)`` recorded in :data:`VALIDATION_FILE`."""
+    import json
+
+    recorded = json.loads(VALIDATION_FILE.read_text())
+    return int(recorded["train_rows"]), [int(i) for i in recorded["rows"]]
+
+
+def _split_train(dataset, split: str):
+    """``split`` (``validation`` or ``train_minus_validation``) of the train split ``dataset``; checked against
+    :data:`VALIDATION_FILE` when ``dataset`` has the published train split's row count."""
+    held = validation_rows(list(dataset["question"]))
+    train_rows, recorded = _recorded_validation_rows()
+    if len(dataset) == train_rows and held != recorded:
+        raise GSM8KDataError(f"the validation rows of this GSM8K train split ({len(dataset):,} rows) differ from those "
+                             f"recorded in {VALIDATION_FILE.name}: the data is not the published train split; point "
+                             "--data at an unchanged copy (../shared/data/gsm8k)")
+    if split == "validation":
+        return dataset.select(held)
+    kept = sorted(set(range(len(dataset))) - set(held))
+    return dataset.select(kept)
+
+
 def load_gsm8k(data: str | os.PathLike | None = None, split: str = "train"):
     """GSM8K as a ``datasets.Dataset`` with ``question`` and ``answer`` columns.
 
     ``data`` is a local path (see the module docstring); ``None`` means ``$BLOGGAP_GSM8K_DATA``, and without that
     ``datasets.load_dataset("openai/gsm8k", "main", split=split)``. A folder holding ``<split>.jsonl`` reads that
-    file; ``train.jsonl`` / ``test.jsonl`` are checked against the published row counts and sha256. Raises
-    :class:`GSM8KDataError` with instructions when the data is unavailable, altered or not in GSM8K format.
+    file; ``train.jsonl`` / ``test.jsonl`` are checked against the published row counts and sha256. ``split``: one of
+    :data:`SPLITS`; ``validation`` and ``train_minus_validation`` are made from train (:func:`validation_rows`), in
+    train's file order. Raises :class:`GSM8KDataError` with instructions when the data is unavailable, altered or not
+    in GSM8K format.
     """
     import datasets
 
+    if split not in SPLITS:
+        raise GSM8KDataError(f"GSM8K split {split!r}: choose one of {', '.join(SPLITS)}")
+    if split in ("validation", "train_minus_validation"):
+        return _split_train(load_gsm8k(data, "train"), split)
     option = "--data" if data is not None and str(data) != "" else f"${DATA_ENV}"
     data = resolve_data(data)
     if data is None:

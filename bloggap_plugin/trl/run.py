@@ -249,6 +249,9 @@ class RunPlan:
     heldout: tuple | None
     """``(dataset, reward_funcs)`` of the held-out prompts (``config.heldout["n"]`` of them, built like
     ``train_dataset``), or ``None`` without ``heldout``."""
+    model_sha256: str | None = None
+    """:func:`~bloggap_plugin.checkpoint.model_sha256` of ``config.model``: the weights a folder holds, hashed once
+    before the model loads (``None`` for a named or tiny model)."""
 
 
 def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
@@ -262,6 +265,7 @@ def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
     the optimizer or ``generate`` would reject later), the task and its data, and the model spec.
     """
     from bloggap_plugin._io import check_writable_dir, check_writable_file
+    from bloggap_plugin.checkpoint import model_sha256
     from bloggap_plugin.core.errors import UsageError
     from bloggap_plugin.models import check_model_spec, resolve_device
     from bloggap_plugin.recipes import RecipeError, load_recipe, merge_grpo_config, replace_gap
@@ -307,7 +311,7 @@ def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
     heldout = _heldout_set(config) if config.heldout else None
     check_model_spec(config.model)
     return RunPlan(config=config, args=args, gap=gap, device=device, dtype=dtype, train_dataset=train_dataset,
-                   reward_funcs=reward_funcs, heldout=heldout)
+                   reward_funcs=reward_funcs, heldout=heldout, model_sha256=model_sha256(config.model))
 
 
 from bloggap_plugin.core.errors import SEED_MAX  # noqa: E402 - re-exported: the range of --seed
@@ -590,6 +594,7 @@ def _train(plan: RunPlan) -> dict:
         "recipe": str(config.recipe),
         "arm": gap.arm,
         "model": model,
+        "model_sha256": plan.model_sha256,
         "task": config.task,
         "seed": seed,
         "device": str(device),

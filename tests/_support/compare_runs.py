@@ -7,8 +7,9 @@ from pathlib import Path
 # A stand-in for run_training with the same signature: rewards are a closed form of (arm, seed, step), so the
 # expected table is known without running the code under test. FAKE_HANG=<run id> makes that run hang after
 # its first line (to be killed); FAKE_SLOW=<run id> makes it sleep 0.5 s after each step; FAKE_CRASH=<run id>
-# makes it raise. Every call is recorded in FAKE_CALLS (with its pid). Like the real JsonlLogger it opens the log
-# by path for every line (so a process that outlives its sweep keeps appending to whatever file has that name).
+# makes it raise; FAKE_SHA=<hex> makes it report that model sha256. Every call is recorded in FAKE_CALLS (with its
+# pid). Like the real JsonlLogger it opens the log by path for every line (so a process that outlives its sweep
+# keeps appending to whatever file has that name).
 FAKE_TRAIN = '''
 import json, os, time, yaml
 
@@ -34,6 +35,8 @@ def run_training(recipe_path, *, model, task, max_steps, output_dir, report_to="
             time.sleep(600)
         if os.environ.get("FAKE_SLOW") == run_id:
             time.sleep(0.5)
+    if os.environ.get("FAKE_SHA"):  # the hash run_training records of a model folder
+        return {"arm": arm, "steps": max_steps, "model_sha256": os.environ["FAKE_SHA"]}
     return {"arm": arm, "steps": max_steps}
 '''
 

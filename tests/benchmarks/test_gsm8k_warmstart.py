@@ -488,3 +488,91 @@ def test_a_smoke_run_published_carries_its_numbers_and_no_machine_path(smoke, tm
     for path in written:
         data = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
         assert not MACHINE_PATH.findall(data.decode()), path
+
+
+def test_a_validation_run_trains_without_the_validation_rows_and_scores_only_them(gsm8k_dir, tmp_path):
+    """``--eval-split validation`` on the real data (tiny model, 8 rows, 3 steps): the training rows are the first
+    of train_minus_validation, both evaluations score the first validation rows, and neither the validation nor the
+    test split shares a question with the training examples."""
+    module = _module()
+    out = tmp_path / "out"
+    code = module.main(["run", "--smoke", "--data", str(gsm8k_dir), "--out", str(out), "--eval-split", "validation"])
+    assert code == 0
+    payload = json.loads((out / "gsm8k_warmstart.json").read_text())
+    params, results = payload["params"], payload["results"]
+    assert params["eval_split"] == "validation" and params["train_split"] == "train_minus_validation"
+    train = [json.loads(line) for line in (gsm8k_dir / "train.jsonl").read_text().splitlines()]
+    held = json.loads(gsm8k.VALIDATION_FILE.read_text())["rows"]
+    assert results["data"]["train_rows"] == 8 and results["data"]["validation_questions"] == 500
+    assert results["decontamination"]["contaminated"] is False
+    assert results["decontamination_validation"] == {**results["decontamination_validation"], "test_questions": 500,
+                                                     "exact": 0, "substring": 0, "contaminated": False}
+    for phase in ("eval_before", "eval_after"):
+        evaluation = json.loads((out / phase / "gsm8k_baseline.json").read_text())
+        assert evaluation["params"]["split"] == "validation" and evaluation["params"]["rows"] == 4
+        assert results[phase.split("_")[1]]["subsets"]["all"]["rows"] == 4
+    assert results["complete"] is True
+    completions = [json.loads(line) for line in (out / "eval_after" / "completions.jsonl").read_text().splitlines()]
+    golds = [gsm8k.gold_answer(train[i]["answer"]) for i in held[:4]]  # the first 4 validation rows, in train order
+    assert [row["index"] for row in completions] == [0, 1, 2, 3] and [row["gold"] for row in completions] == golds
+
+
+def test_a_validation_question_in_the_training_rows_stops_the_run(gsm8k_dir, tmp_path, capsys, monkeypatch):
+    import bloggap_plugin.models as models
+
+    module = _module()
+    train = [json.loads(line) for line in (gsm8k_dir / "train.jsonl").read_text().splitlines()]
+    planted = train[json.loads(gsm8k.VALIDATION_FILE.read_text())["rows"][3]]
+    real = module.load_train_rows
+
+    def with_planted(data, limit, split="train"):
+        rows = real(data, limit, split)
+        return [{"index": -1, "question": planted["question"], "answer": planted["answer"],
+                 "gold": gsm8k.gold_answer(planted["answer"])}] + rows
+
+    monkeypatch.setattr(module, "load_train_rows", with_planted)
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    out = tmp_path / "out"
+    assert module.main(["run", "--smoke", "--data", str(gsm8k_dir), "--out", str(out),
+                        "--eval-split", "validation"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "refused before training: 1 validation question(s) appear" in err[0]
+    payload = json.loads((out / "gsm8k_warmstart.json").read_text())
+    assert payload["results"]["decontamination_validation"]["matches"] == [{"test": 3, "train": 0, "kind": "exact"}]
+
+
+def test_the_settings_script_runs_declared_settings_by_name_and_refuses_others(tmp_path, smoke_data):
+    """``DECLARED=FILE``: the names given pick declared settings (all of them with none given), run with the
+    declaration's arguments; a name the file does not declare stops the script before anything runs."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    from _support import ROOT
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: the script would run")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bindir / "python3").chmod(0o755)
+    declared = tmp_path / "declared.yaml"
+    declared.write_text("eval_arguments: [--eval-split, validation]\nsettings: {a.1: [--lr, '2e-4'], b: []}\n")
+    out = tmp_path / "out"
+    environ = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "OUT": str(out), "WORK": str(tmp_path / "w"),
+               "DATA": str(smoke_data), "MODEL": "tiny-random-llama", "DECLARED": str(declared)}
+
+    def run(*names):
+        return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "gsm8k_warmstart_settings.sh"), *names],
+                              cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300)
+
+    refused = run("a.1", "c")
+    assert refused.returncode == 2 and "setting 'c' is not declared in" in refused.stderr and not out.exists()
+    assert run("a1").returncode == 2  # '.' is matched literally
+    done = run("a.1")
+    assert [line.split(":")[0] for line in done.stdout.strip().splitlines()] == ["a.1"]
+    assert "vLLM is not installed here" in done.stdout  # the run got past its arguments to the vLLM check
+    assert sorted(p.name for p in out.iterdir()) == ["a.1.tar.xz"]
+    done = run()
+    assert [line.split(":")[0] for line in done.stdout.strip().splitlines()] == ["a.1", "b"]

@@ -155,3 +155,115 @@ def _ws_params() -> dict:
     return {"model": "m", "model_spec": "m", "max_steps": None, "epochs": 3.0, "lr": 1e-4, "warmup": 0.03,
             "batch": 64, "grad_accum": 1, "precision": "bf16", "seed": 0, "eval_limit": None, "max_tokens": 256,
             "logging_steps": 5}
+
+
+# ------------------------------------------------------------------------------------------- declared, select
+
+DECLARED = "benchmarks/gsm8k_warmstart_declared.yaml"
+
+
+def _declared_run(lr: float, correct: int, epochs: float = 3.0, split: str = "validation", rows: int = 500,
+                  complete: bool = True) -> dict:
+    """A run document as gsm8k_warmstart writes one for a declared setting (its default settings, ``lr``,
+    ``epochs``, scored on ``split``)."""
+    from benchmarks import gsm8k_warmstart
+
+    params = {**{k: v for k, v in gsm8k_warmstart.GPU_DEFAULTS.items() if k != "model"}, "lr": lr,
+              "epochs": epochs, "seed": 0, "eval_split": split, "model_spec": "/tmp/vx/smollm2"}
+    document = _run(lr, correct, rows=rows, complete=complete)
+    document["params"] = params
+    document["results"]["checkpoint"] = {"sha256": f"{correct:064x}"}
+    return document
+
+
+def _all_declared(**correct) -> dict:
+    counts = {"lr5e-5": 30, "lr2e-4": 44, "lr1e-4-e5": 40, "lr4e-4": 47, "lr8e-4": 45, **correct}
+    settings = {"lr5e-5": (5e-5, 3.0), "lr2e-4": (2e-4, 3.0), "lr1e-4-e5": (1e-4, 5.0), "lr4e-4": (4e-4, 3.0),
+                "lr8e-4": (8e-4, 3.0)}
+    return {f"{name}.json": _declared_run(lr, counts[name], epochs) for name, (lr, epochs) in settings.items()}
+
+
+def test_the_committed_declaration_lists_issue_33s_settings_plus_one_all_on_validation():
+    from pathlib import Path
+
+    from _support import ROOT
+
+    declared = publish.declared_settings(ROOT / DECLARED)
+    assert list(declared) == ["lr5e-5", "lr2e-4", "lr1e-4-e5", "lr4e-4", "lr8e-4"]
+    assert declared["lr1e-4-e5"] == ["--lr", "1e-4", "--epochs", "5", "--eval-split", "validation", "--seed", "0"]
+    assert all(argv[-4:] == ["--eval-split", "validation", "--seed", "0"] for argv in declared.values())
+    assert Path(ROOT / DECLARED).is_file()
+
+
+def test_select_chooses_the_most_validation_rows_correct_ties_to_the_first_declared():
+    declared = publish.declared_settings(_root() / DECLARED)
+    chosen = publish.select_setting(_all_declared(), declared)
+    assert chosen["chosen"] == "lr4e-4" and chosen["document"] == "lr4e-4.json" and chosen["split"] == "validation"
+    assert chosen["checkpoint_sha256"] == f"{47:064x}" and chosen["arguments"][:2] == ["--lr", "4e-4"]
+    assert [row["correct"] for row in chosen["settings"]] == [30, 44, 40, 47, 45]
+    tie = publish.select_setting(_all_declared(**{"lr8e-4": 47}), declared)
+    assert tie["chosen"] == "lr4e-4"  # declared before lr8e-4
+    assert publish.select_setting(_all_declared(**{"lr8e-4": 48}), declared)["chosen"] == "lr8e-4"
+
+
+def _root():
+    from _support import ROOT
+
+    return ROOT
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda docs: docs["lr4e-4.json"]["params"].update(eval_split="test"),
+     "lr4e-4.json is scored on the test split: the warm start is chosen on validation only"),
+    (lambda docs: docs["lr4e-4.json"]["params"].pop("eval_split"),
+     "lr4e-4.json is scored on the test split"),  # a document from before --eval-split
+    (lambda docs: docs["lr4e-4.json"]["params"].update(lr=3e-4),
+     "lr4e-4.json: its settings are none of the declared ones"),
+    (lambda docs: docs.pop("lr8e-4.json"), r"declared setting\(s\) lr8e-4 have no run"),
+    (lambda docs: docs["lr8e-4.json"]["results"].update(complete=False), "lr8e-4.json did not finish"),
+    (lambda docs: docs.update({"again.json": json.loads(json.dumps(docs["lr2e-4.json"]))}),
+     "again.json and lr2e-4.json are both runs of setting lr2e-4"),
+    (lambda docs: docs["lr2e-4.json"]["results"]["after"]["subsets"]["all"].update(rows=400),
+     "different numbers of validation rows"),
+])
+def test_select_refuses_test_undeclared_missing_unfinished_and_unequal_runs(change, message):
+    documents = _all_declared()
+    change(documents)
+    with pytest.raises(publish.PublishError, match=message):
+        publish.select_setting(documents, publish.declared_settings(_root() / DECLARED))
+
+
+def test_a_declaration_scored_on_test_or_too_long_or_malformed_is_refused(tmp_path):
+    cases = {
+        "eval_arguments: [--eval-split, test]\nsettings: {a: []}\n": "setting a is scored on test",
+        "settings: {a: []}\n": "setting a is scored on test",  # the run's default split is test
+        "eval_arguments: [--eval-split, validation]\nsettings: {a: [--lr, '0.1'], b: [--nope]}\n":
+            "setting b: '--nope --eval-split validation': not arguments of gsm8k_warmstart run",
+        "eval_arguments: [--eval-split, validation]\nsettings: {" + ", ".join(f"s{i}: []" for i in range(7)) + "}\n":
+            "7 settings declared; at most 6",
+        "settings: [a]\n": "expected 'settings'",
+        "eval_arguments: []\nsettings: {'bad/name': []}\n": "bad run name",
+    }
+    for number, (text, message) in enumerate(cases.items()):
+        path = tmp_path / f"d{number}.yaml"
+        path.write_text(text)
+        with pytest.raises(publish.PublishError, match=message):
+            publish.declared_settings(path)
+
+
+def test_the_select_command_writes_the_choice_and_refuses_test_in_one_line(tmp_path, capsys):
+    paths = []
+    for name, document in _all_declared().items():
+        path = tmp_path / name
+        path.write_text(json.dumps(document))
+        paths.append(str(path))
+    out = tmp_path / "selection.json"
+    assert publish.main(["select", *paths, "--file", str(_root() / DECLARED), "--out", str(out)]) == 0
+    written = json.loads(out.read_text())
+    assert written["chosen"] == "lr4e-4" and written["declared_file"].endswith("gsm8k_warmstart_declared.yaml")
+    assert capsys.readouterr().out.startswith("chosen: lr4e-4 (--lr 4e-4 --eval-split validation --seed 0)")
+    committed = _root() / "benchmarks" / "results" / "h200" / "gsm8k_warmstart_lr4e-4.json"
+    assert publish.main(["select", str(committed), "--file", str(_root() / DECLARED), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is scored on the test split" in err[0]
+    assert json.loads(out.read_text()) == written  # nothing written on refusal

@@ -341,3 +341,76 @@ def test_a_budget_shorter_than_a_stopped_run_is_refused_instead_of_restarting_it
     res = run_compare(dataclasses.replace(config, time_budget_s=60.0), echo=lambda m: None)
     assert sorted(res["runs"]) == ["A_s0", "B_s0"] and res["time_budget"]["stopped"] == []
     assert not list((Path(config.output_dir) / "runs").glob("*.stopped.json"))  # finished: the record is gone
+
+
+def _gsm8k_compare_config(argv):
+    from bloggap_plugin.cli import _apply_config_file, build_parser
+    from bloggap_plugin.commands._config import config_from_args
+
+    parser = build_parser(argv)
+    _apply_config_file(parser, argv)
+    return config_from_args(CompareConfig, parser.parse_args(argv))
+
+
+def test_the_gsm8k_comparison_plan_is_the_declared_one_and_passes_every_check_but_the_gpu(tmp_path, gsm8k_dir):
+    """benchmarks/gsm8k_compare.yaml (issue 45): 5 planned seeds, primary held-out accuracy on all 1,319 test rows
+    (greedy, 256 tokens), secondary the final-window and whole-run reward, baseline A, alpha 0.05 over the four
+    arms; prompts from train_minus_validation; the call script's arms are A B F H J. With the real GSM8K every setting
+    passes the sweep's checks with the real training function (vLLM aside)."""
+    import re
+
+    from bloggap_plugin.compare import validate_config
+    from bloggap_plugin.compare.sweep_config import run_task_kwargs
+    from bloggap_plugin.tasks import get_heldout, get_task, gsm8k
+
+    script = (ROOT / "benchmarks" / "gpu" / "gsm8k_compare_call.sh").read_text()
+    arms = re.search(r'ARMS=\$\{ARMS:-"([A-Z ]+)"\}', script).group(1).split()
+    assert arms == ["A", "B", "F", "H", "J"]
+    recipes = [str(ROOT / "recipes" / f"arm_{arm}.yaml") for arm in arms]
+    argv = ["compare", "--config", str(ROOT / "benchmarks" / "gsm8k_compare.yaml"), *recipes, "--data",
+            str(gsm8k_dir), "--model", "tiny-random-llama"]
+    config = _gsm8k_compare_config(argv)
+    assert config.seeds == config.planned_seeds == [0, 1, 2, 3, 4] and config.baseline == "A" and config.alpha == 0.05
+    assert config.primary == "heldout" and config.secondary == ["reward_last", "reward_mean"]
+    assert config.heldout_n == 1319 and config.heldout_max_tokens == config.extra_overrides["max_completion_length"]
+    assert config.task == "gsm8k" and config.train_split == "train_minus_validation" and config.use_vllm
+    assert config.calc_steps is None and 0 < config.time_budget_s <= 540 and config.parallel == len(arms)
+    assert config.max_steps // config.extra_overrides["num_iterations"] >= config.last_n
+    runs = validate_config(dataclasses.replace(config, use_vllm=False, output_dir=str(tmp_path / "out")))
+    assert [run.arm for run in runs[:5]] == arms and len(runs) == 25  # seed-major: a wave of 5 is one seed
+    heldout, _ = get_heldout("gsm8k", None, seed=0, heldout_n=config.heldout_n, **run_task_kwargs(config))
+    assert len(heldout) == 1319  # the whole test split
+    train, _ = get_task("gsm8k", None, seed=0, **{**run_task_kwargs(config), "n": None})
+    validation = set(gsm8k.load_gsm8k(gsm8k_dir, split="validation")["question"])
+    assert len(train) == 7473 - 500 and not {p[-1]["content"] for p in train["prompt"]} & validation
+
+
+def test_the_gsm8k_compare_call_script_needs_a_selection_and_reaches_the_vllm_check(tmp_path, gsm8k_dir):
+    """benchmarks/gpu/gsm8k_compare_call.sh without vLLM: with no checkpoint and no SELECTION it stops in one line;
+    with a checkpoint folder it builds a compare command that parses and stops at the vLLM check."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    from _support.trl_runs import saved_model_dir
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: the script would run")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bindir / "python3").chmod(0o755)
+    environ = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "DATA": str(gsm8k_dir),
+               "OUT": str(tmp_path / "out"), "SWEEP": str(tmp_path / "sweep"), "CKPT": str(tmp_path / "none")}
+
+    def run(**extra):
+        return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "gsm8k_compare_call.sh")], cwd=ROOT,
+                              env={**environ, **extra}, capture_output=True, text=True, timeout=300)
+
+    done = run()
+    assert done.returncode == 2 and "no checkpoint in" in done.stderr and "set SELECTION" in done.stderr
+    done = run(CKPT=saved_model_dir(tmp_path))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("bloggap compare: --use-vllm: "), done.stderr
+    assert "gsm8k_compare_call: compare exit 2" in done.stdout

@@ -124,3 +124,18 @@ def test_the_committed_sweeps_declared_analysis_agrees_with_scipy_on_its_ten_see
         assert stored[arm]["low"] == pytest.approx(d.mean() - half, abs=1e-12)
         assert stored[arm]["high"] == pytest.approx(d.mean() + half, abs=1e-12)
         assert stored[arm]["p_sign_flip"] == pytest.approx(np.mean(flips), abs=1e-12)
+
+
+def test_four_arms_five_seeds_sign_flip_and_holm_by_hand():
+    """The GSM8K plan's family (four arms against A, five seeds), counted by hand. With |d| = .1 .. .5 the signed
+    sum is 1.5 - 2 x (the |d| made negative): F's observed 1.1 is reached or passed by 3 sets of negatives with sum
+    <= .2 ({}, {.1}, {.2}) and their 3 complements, so 6 of 32; B and J (one sign throughout) 2 of 32; H (all zero)
+    32 of 32. Holm over four: .0625 x 4 = .25, .0625 x 3 -> .25, .1875 x 2 = .375, 1 x 1 = 1."""
+    differences = {"B": [0.1, 0.2, 0.3, 0.4, 0.5], "F": [0.1, -0.2, 0.3, 0.4, 0.5], "H": [0.0] * 5,
+                   "J": [-0.1, -0.2, -0.3, -0.4, -0.5]}
+    out = compare_with_baseline(differences, alpha=0.05)
+    assert out["family"] == 4 and out["level_per_arm"] == 0.0125
+    assert {arm: row["p_sign_flip"] for arm, row in out["arms"].items()} == {"B": 2 / 32, "F": 6 / 32, "H": 1.0,
+                                                                              "J": 2 / 32}
+    assert {arm: row["p_sign_flip_holm"] for arm, row in out["arms"].items()} == {"B": 0.25, "F": 0.375, "H": 1.0,
+                                                                                   "J": 0.25}

@@ -157,3 +157,38 @@ def test_train_flags_are_train_config_fields_plus_grpo_config_overrides(tmp_path
     assert train_config(config, seed=5).seed == 5
     with pytest.raises(TypeError, match="max_step"):
         prepare_run(recipe, max_step=3)
+
+
+def test_train_from_a_folder_records_the_sha256_of_its_weights_once(tmp_path, capsys, monkeypatch):
+    """``bloggap train --model FOLDER``: the summary on stdout carries the folder's checkpoint_sha256 (an
+    independent sha256 of config.json and the weights, as its definition says), hashed once per run; a tiny model
+    spec records None; a folder without safetensors weights is refused in one line before any model loads."""
+    import hashlib
+    from pathlib import Path
+
+    from _support.trl_runs import saved_model_dir
+
+    import bloggap_plugin.checkpoint as checkpoint
+    from bloggap_plugin.cli import main
+
+    folder = Path(saved_model_dir(tmp_path))
+    digest = hashlib.sha256()
+    for name in sorted(["config.json", *(p.name for p in folder.glob("*.safetensors"))]):
+        data = (folder / name).read_bytes()
+        digest.update(name.encode() + b"\x00" + len(data).to_bytes(8, "big") + data)
+    calls = []
+    real = checkpoint.checkpoint_sha256
+    monkeypatch.setattr(checkpoint, "checkpoint_sha256", lambda f: calls.append(f) or real(f))
+    flags = ["--max-steps", "1", "--device", "cpu", "--per_device_train_batch_size", "4", "--num_generations", "4",
+             "--max_completion_length", "4"]
+    assert main(["train", str(ROOT / "recipes" / "arm_A.yaml"), "--model", str(folder), "--output-dir",
+                 str(tmp_path / "out"), *flags]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out[out.index("\n{") + 1:] if not out.startswith("{") else out)
+    assert summary["model_sha256"] == digest.hexdigest() and len(calls) == 1
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()
+    assert main(["train", str(ROOT / "recipes" / "arm_A.yaml"), "--model", str(folder), "--output-dir",
+                 str(tmp_path / "out2"), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the folder holds no config.json and *.safetensors weights to hash" in err[0], err
