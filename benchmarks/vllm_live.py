@@ -12,7 +12,7 @@ because vLLM profiles free GPU memory while it starts):
 1. ``gen`` x 4 (vLLM bf16 / fp16, ``VLLM_BATCH_INVARIANT`` 0 / 1) and ``trl`` x 8 (arms A-H) side by side.
    ``gen``: 64 raw prompts (the probe's grid) x 128 forced tokens, temperature 1, ``processed_logprobs``, top-20
    log-probs per token (top-25 for top_k 20, so the rejected tokens' ``-inf`` shows), untruncated and with top_p 0.8,
-   top_k 20, min_p 0.05; :func:`bloggap_plugin.vllm.kept_sets_from_processed_logprobs` runs on the real
+   top_k 20, min_p 0.05; :func:`bloggap_plugin.vllm_kept_sets.kept_sets_from_processed_logprobs` runs on the real
    ``CompletionOutput`` objects. ``trl``: ``bloggap_plugin.trl.run.run_training`` with ``recipes/arm_X.yaml`` and
    ``use_vllm=True, vllm_mode="colocate"``: the plugin's ``gap/*`` next to TRL's ``sampling/*`` on every step.
 2. ``score`` (in process, no vLLM): the trainer's old-logprob pass in each scoring arm (bf16 autocast over fp32 master
@@ -91,7 +91,7 @@ def cmd_gen(args) -> None:
     from vllm import LLM, SamplingParams
 
     from bloggap_plugin.core.probe import builtin_prompts
-    from bloggap_plugin.vllm import kept_sets_from_processed_logprobs
+    from bloggap_plugin.vllm_kept_sets import kept_sets_from_processed_logprobs
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     prompts = builtin_prompts(args.num_prompts)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from bloggap_plugin.core.truncation import kept_mask, kept_reducer, log_kept_mass
-from bloggap_plugin.vllm import (
+from bloggap_plugin.vllm_kept_sets import (
     DEFAULT_TOP_K_CAP,
     colocate_engine_kwargs,
     kept_sets_from_processed_logprobs,
