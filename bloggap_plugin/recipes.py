@@ -38,6 +38,8 @@ __all__ = [
     "merge_grpo_config",
     "check_grpo_values",
     "config_differences",
+    "gap_field_table",
+    "GAP_FIELD_TABLE_MARKERS",
     "ARMS",
 ]
 
@@ -112,7 +114,7 @@ class GapConfig:
         """Memory bound of the plugin's scoring (old log-probs, kept mass, probes, renormalised forwards): the LM
         head, fp32 cast and log-softmax run in tiles of about this many scored tokens (rows x completion
         positions; at least one position per tile), so the largest vocabulary-wide tensor is ``tile x V`` fp32
-        instead of ``rows x completion_length x V`` (256 x 152k: 156 MB; 8 x 4096 x 152k untiled: 20 GB). 0
+        instead of ``rows x completion_length x V`` (docs/precision.md, "Memory", works out both sizes). 0
         scores each chunk of rows untiled. Default: ``core.scoring.DEFAULT_CHUNK_TOKENS``."""))
     score_rows: int = field(default=0, metadata=_help(
         """Rows per forward of the arm's own old-logprob scoring (arms B-F); 0 = the micro-batch, as TRL scores.
@@ -276,6 +278,35 @@ class GapConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+GAP_FIELD_TABLE_MARKERS = ("<!-- bloggap:gap-fields:start -->", "<!-- bloggap:gap-fields:end -->")
+"""The lines that enclose the generated ``gap:`` field table in docs/trl.md (:func:`gap_field_table`)."""
+
+
+def gap_field_table(config_class: type = GapConfig) -> list[str]:
+    """The Markdown lines of the ``gap:`` field table: one row per field of ``config_class`` (a dataclass; default
+    :class:`GapConfig`) with its annotation, its default as a recipe writes it (YAML) and its ``metadata["help"]``.
+    A field without a help text raises ``ValueError`` naming it."""
+    lines = ["| field | type | default | meaning |", "|---|---|---|---|"]
+    for spec in dataclasses.fields(config_class):
+        text = spec.metadata.get("help")
+        if not text:
+            raise ValueError(f"{config_class.__name__}.{spec.name} has no help text: give it "
+                             "field(..., metadata={'help': ...}) so the gap: field table documents it")
+        default = spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
+        cells = [f"`{spec.name}`", f"`{spec.type}`", f"`{_yaml_scalar(default)}`", text]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return lines
+
+
+def _yaml_scalar(value: Any) -> str:
+    """``value`` as a recipe writes it: ``true``/``false``/``null`` for booleans and None, else ``str``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 # (field, lowest valid value, what it means): checked after the types

@@ -33,9 +33,11 @@ a document whose ``superseded_by`` names the file beside it that replaces it is 
 in the archive section. A reference study table is rendered under the first table that reproduces it, and linked
 from the later ones.
 
-Metric tables: with a README whose ``docs/trl.md`` exists beside it, the lines between
+Generated doc tables: with a README whose ``docs/trl.md`` exists beside it, the lines between
 ``<!-- bloggap:metrics:<framework>:start -->`` and ``...:end -->`` of ``docs/trl.md`` and ``docs/verl.md`` are
-replaced by the adapter's ``gap/*`` metric table rendered from :mod:`bloggap_plugin.core.metric_specs`.
+replaced by the adapter's ``gap/*`` metric table rendered from :mod:`bloggap_plugin.core.metric_specs`, and those
+between ``<!-- bloggap:gap-fields:start -->`` and ``...:end -->`` of ``docs/trl.md`` by the ``gap:`` field table
+rendered from ``GapConfig``'s field help (:func:`bloggap_plugin.recipes.gap_field_table`).
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ __all__ = [
     "save_figure",
     "HEADLINE_MARKERS",
     "METRIC_DOCS",
-    "metric_docs_texts",
+    "GAP_FIELDS_DOC",
+    "generated_docs_texts",
     "load_headline_spec",
     "render_headline",
     "result_anchor",
@@ -352,10 +355,10 @@ def build_report(
     rendered once, under the first table that reproduces it; later ones link to it.
 
     ``readme``: also replace that file's headline block with the decision table specified by ``headline``
-    (default ``docs/headline.yaml`` beside the README), and, where ``docs/trl.md`` is beside it, the ``gap/*``
-    metric tables of the pages :data:`METRIC_DOCS` from the metric registry; the new README text is built, and every cited cell found,
-    before anything is written. Where the output goes is checked before any result is read; every file is written
-    atomically.
+    (default ``docs/headline.yaml`` beside the README), and, where ``docs/trl.md`` is beside it, the generated
+    tables of the docs (:func:`generated_docs_texts`: the ``gap/*`` metric tables, the ``gap:`` field table); the
+    new README text is built, and every cited cell found, before anything is written. Where the output goes is
+    checked before any result is read; every file is written atomically.
     """
     output = Path(output)
     plots_root = Path(plots_dir) if plots_dir is not None else None
@@ -367,7 +370,7 @@ def build_report(
     if readme is not None:
         readme = Path(readme)
         if (readme.parent / "docs" / METRIC_DOCS["trl"]).exists():  # the repository's README: its docs beside it
-            docs_texts = metric_docs_texts(readme.parent / "docs")
+            docs_texts = generated_docs_texts(readme.parent / "docs")
         spec_path = Path(headline) if headline is not None else readme.parent / "docs" / "headline.yaml"
         link = Path(os.path.relpath(output, readme.parent if str(readme.parent) else ".")).as_posix()
         block = render_headline(load_headline_spec(spec_path), results, link)
@@ -653,18 +656,24 @@ def replace_headline_block(text: str, block: list[str], where: str | os.PathLike
 
 METRIC_DOCS = {"trl": "trl.md", "verl": "verl.md"}
 """The doc page (under the docs folder) that holds each adapter's generated ``gap/*`` metric table."""
+GAP_FIELDS_DOC = "trl.md"
+"""The doc page (under the docs folder) that holds the generated ``gap:`` field table."""
 
 
-def metric_docs_texts(docs_dir: str | os.PathLike) -> dict[Path, str]:
-    """``{page: its text with the metric table between its markers regenerated from the registry}`` for each page
-    of :data:`METRIC_DOCS` under ``docs_dir`` (:func:`bloggap_plugin.core.metric_specs.metric_table`)."""
+def generated_docs_texts(docs_dir: str | os.PathLike) -> dict[Path, str]:
+    """``{page: its text with every generated table between its markers regenerated}`` for the pages under
+    ``docs_dir``: each of :data:`METRIC_DOCS` (:func:`bloggap_plugin.core.metric_specs.metric_table`) and
+    :data:`GAP_FIELDS_DOC` (:func:`bloggap_plugin.recipes.gap_field_table`, from ``GapConfig``'s field help)."""
     from bloggap_plugin.core.metric_specs import metric_table, metric_table_markers
+    from bloggap_plugin.recipes import GAP_FIELD_TABLE_MARKERS, gap_field_table
 
-    out = {}
-    for framework, name in METRIC_DOCS.items():
+    blocks = [(name, metric_table(framework), metric_table_markers(framework))
+              for framework, name in METRIC_DOCS.items()]
+    blocks.append((GAP_FIELDS_DOC, gap_field_table(), GAP_FIELD_TABLE_MARKERS))
+    out: dict[Path, str] = {}
+    for name, table, markers in blocks:
         page = Path(docs_dir) / name
-        out[page] = replace_headline_block(_read_text(page), metric_table(framework), page,
-                                           metric_table_markers(framework))
+        out[page] = replace_headline_block(out[page] if page in out else _read_text(page), table, page, markers)
     return out
 
 

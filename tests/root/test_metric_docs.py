@@ -19,7 +19,12 @@ from bloggap_plugin.core.metric_specs import (
     ratio_name,
     registered,
 )
-from bloggap_plugin.report_builder import METRIC_DOCS, ReportError, metric_docs_texts, replace_headline_block
+from bloggap_plugin.report_builder import (
+    METRIC_DOCS,
+    ReportError,
+    generated_docs_texts,
+    replace_headline_block,
+)
 
 # the modules that write gap/* metrics, by adapter
 WRITERS = {"trl": ["trl/stats.py", "trl/session.py"], "verl": ["verl/loss.py", "verl/correction.py"]}
@@ -43,7 +48,7 @@ def test_the_docs_metric_table_is_what_the_registry_renders(framework):
 
 
 def test_regenerating_the_docs_changes_nothing_else():
-    for page, text in metric_docs_texts(ROOT / "docs").items():
+    for page, text in generated_docs_texts(ROOT / "docs").items():
         assert text == page.read_text(encoding="utf-8"), page
 
 
@@ -51,7 +56,7 @@ def test_a_page_without_its_markers_fails_naming_them(tmp_path):
     (tmp_path / "trl.md").write_text("# no table\n")
     (tmp_path / "verl.md").write_text("x\n")
     with pytest.raises(ReportError, match=r"trl\.md: expected the line <!-- bloggap:metrics:trl:start --> once"):
-        metric_docs_texts(tmp_path)
+        generated_docs_texts(tmp_path)
     start, end = metric_table_markers("verl")
     assert replace_headline_block(f"a\n{start}\nold\n{end}\nb", ["new"], "x", (start, end)) == f"a\n{start}\nnew\n{end}\nb"
 

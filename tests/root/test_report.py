@@ -435,8 +435,10 @@ def test_headline_block_is_replaced_from_the_json_and_the_rest_kept(tmp_path):
 
 def test_report_rewrites_the_metric_tables_of_the_docs_beside_the_readme(tmp_path):
     """With docs/trl.md beside the README, `bloggap report` regenerates the gap/* metric tables of docs/trl.md and
-    docs/verl.md from the metric registry, between their markers, and leaves the rest of each page."""
+    docs/verl.md from the metric registry, and docs/trl.md's gap: field table from GapConfig's field help, between
+    their markers, and leaves the rest of each page."""
     from bloggap_plugin.core.metric_specs import metric_table, metric_table_markers
+    from bloggap_plugin.recipes import GAP_FIELD_TABLE_MARKERS, gap_field_table
 
     results = tmp_path / "results"
     _write(results, "h200", "tables", _result())
@@ -444,16 +446,20 @@ def test_report_rewrites_the_metric_tables_of_the_docs_beside_the_readme(tmp_pat
     readme = tmp_path / "README.md"
     readme.write_text("<!-- bloggap:headline:start -->\n<!-- bloggap:headline:end -->\n")
     (tmp_path / "docs").mkdir()
+    fields_start, fields_end = GAP_FIELD_TABLE_MARKERS
     pages = {}
     for framework in ("trl", "verl"):
         start, end = metric_table_markers(framework)
         pages[framework] = tmp_path / "docs" / f"{framework}.md"
-        pages[framework].write_text(f"# {framework}\n{start}\n| stale |\n{end}\nafter\n")
+        fields = f"{fields_start}\n| stale |\n{fields_end}\n" if framework == "trl" else ""
+        pages[framework].write_text(f"# {framework}\n{start}\n| stale |\n{end}\nafter\n{fields}")
     written = build_report(results, tmp_path / "B.md", None, readme=readme, headline=spec)
     assert sorted(written["docs"]) == sorted(str(p) for p in pages.values())
     for framework, page in pages.items():
         start, end = metric_table_markers(framework)
-        assert page.read_text() == "\n".join([f"# {framework}", start, *metric_table(framework), end, "after", ""])
+        fields = [fields_start, *gap_field_table(), fields_end] if framework == "trl" else []
+        assert page.read_text() == "\n".join([f"# {framework}", start, *metric_table(framework), end, "after",
+                                              *fields, ""])
 
 
 def test_each_result_file_has_its_own_section_anchored_by_its_file_name(tmp_path):
