@@ -23,11 +23,14 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bloggap_plugin.core.arms import ARM_LETTERS, ArmSpec, get_arm
 from bloggap_plugin.core.arms import ARMS as ARM_RECORDS
 from bloggap_plugin.core.errors import UsageError, short_repr
+
+if TYPE_CHECKING:
+    from bloggap_plugin.core.vllm_form import VllmForm
 
 __all__ = [
     "GapConfig",
@@ -218,12 +221,25 @@ class GapConfig:
         if spec.plan == "vllm" and self.positions != "mask":
             raise RecipeError("arm I scores with vLLM's positions (0.. from each sequence's first token): "
                               "set gap.positions: mask")
+        self._parse_i_pieces()
+
+    def _parse_i_pieces(self) -> VllmForm:
+        """Parse ``i_pieces`` and keep the result with the text it was parsed from (:attr:`i_form`)."""
         from bloggap_plugin.core.vllm_form import parse_form
 
         try:
-            parse_form(self.i_pieces)
+            form = parse_form(self.i_pieces)
         except ValueError as err:
             raise RecipeError(f"gap.i_pieces: {err}") from None
+        self._i_form = (self.i_pieces, form)
+        return form
+
+    @property
+    def i_form(self) -> VllmForm:
+        """``i_pieces`` parsed (:func:`bloggap_plugin.core.vllm_form.parse_form`): the one parsed value every reader
+        of the pieces uses, parsed when the config is validated (again only if ``i_pieces`` is reassigned)."""
+        text, form = getattr(self, "_i_form", (None, None))
+        return form if text == self.i_pieces and form is not None else self._parse_i_pieces()
 
     def _validate_layers(self, spec: ArmSpec) -> None:
         if not isinstance(self.layers, (list, tuple)) or not all(

@@ -319,9 +319,7 @@ def check_engine_vllm(trainer: Any, gap: Any) -> None:
         return
     needs_form = False
     if gap.arm_spec.plan == "vllm":
-        from bloggap_plugin.core.vllm_form import parse_form
-
-        needs_form = bool(parse_form(gap.i_pieces).needs_vllm())
+        needs_form = bool(gap.i_form.needs_vllm())
     problem = vllm_problem(needs_form=needs_form)
     if problem:
         raise RecipeError(f"arm {gap.arm_spec.letter}: {problem}")
@@ -401,10 +399,8 @@ def model_runner_refusal(gap: Any, runner: str | None) -> str | None:
     :func:`colocate_model_runner`), else ``None``: the runners compute the sampled token's log-prob differently."""
     if gap.arm_spec.plan != "vllm" or runner is None:
         return None
-    from bloggap_plugin.core.vllm_form import parse_form
-
     wanted = "v2_sampler" if runner == "v2" else "log_softmax"
-    if parse_form(gap.i_pieces).logprobs == wanted:
+    if gap.i_form.logprobs == wanted:
         return None
     fix = ("gap.i_pieces: all,logprobs=log_softmax" if runner == "v1"
            else "logprobs=v2_sampler in gap.i_pieces (the default of preset all)")
@@ -418,9 +414,7 @@ def needs_batch_invariant(gap: Any) -> bool:
     equal the sampler's only if the engine runs in vLLM's batch-invariant mode."""
     if gap.arm_spec.plan != "vllm":
         return False
-    from bloggap_plugin.core.vllm_form import parse_form
-
-    return parse_form(gap.i_pieces).batch_invariant
+    return gap.i_form.batch_invariant
 
 
 def batch_invariant_refusal(gap: Any) -> str:
