@@ -83,17 +83,19 @@ class Scorer:
         return self.trainer.accelerator.unwrap_model(self.trainer.model)
 
     def make_plan(self, plan: str, **kwargs):
-        """A scoring plan (a ``core.plans`` name) on the unwrapped policy, fp16 guard on, ``gap.tf32``."""
-        from bloggap_plugin.core.plans import make_plan
+        """A scoring plan (a ``core.plans`` name) on the unwrapped policy, fp16 guard on, ``gap.tf32``; what else it
+        is given follows its registry entry (:class:`~bloggap_plugin.core.plans.PlanEntry`)."""
+        from bloggap_plugin.core.plans import make_plan, plan_entry
 
         policy = self.policy()
-        if plan in ("fp32", "fp16", "vllm"):  # a shadow: on the trainer's device
+        entry = plan_entry(plan)
+        if entry.takes_device:  # a copy of its own (a shadow): on the trainer's device
             kwargs["device"] = self.trainer.accelerator.device
-        if plan == "vllm":  # arms I and J: their pieces (gap.i_pieces); J scores its parameters (no shadow)
-            kwargs["pieces"] = self.state.config.i_pieces
+        if entry.takes_pieces:  # arms I and J: their pieces (gap.i_pieces); J scores its parameters (no shadow)
+            kwargs["pieces"] = self.state.config.i_form
             if self.state.arm.onpolicy_forward:
                 kwargs["over_parameters"] = True
-        if plan != "guided":
+        if not entry.takes_layers:
             kwargs.pop("layers", None)
             kwargs.pop("k", None)
         kwargs.setdefault("tf32", self.state.config.tf32)
@@ -137,10 +139,13 @@ class Scorer:
         """``plan``, or a new one in its place (the state's fields updated, the old one closed) when the policy was
         sharded since it was made: ``accelerator.prepare`` applies FSDP2's ``fully_shard`` after attach, and a plan
         made before would hold full copies (B, F) or the replaced parameters themselves (E, D)."""
-        if plan.name == "bf16" or plan.sharded == is_sharded(self.policy()):
+        from bloggap_plugin.core.plans import plan_entry
+
+        entry = plan_entry(plan.name)
+        if not entry.copies_weights or plan.sharded == is_sharded(self.policy()):
             return plan
-        guided = {"layers": list(plan.layers), "k": len(plan.layers)} if plan.name == "guided" else {}
-        rebuilt = self.make_plan(plan.name, tf32=plan.tf32_option, **guided)
+        layers = {"layers": list(plan.layers), "k": len(plan.layers)} if entry.takes_layers else {}
+        rebuilt = self.make_plan(plan.name, tf32=plan.tf32_option, **layers)
         state = self.state
         for field, step in (("plan", "plan_step"), ("ref_plan", "ref_step")):
             if getattr(state, field) is plan:
@@ -151,13 +156,15 @@ class Scorer:
 
     def reference_plan(self):
         """The fp32 batch-1 reference's plan (IEEE fp32), synced: the arm's own fp32 shadow where it is one."""
+        from bloggap_plugin.core.plans import REFERENCE_PLAN, plan_entry
+
         state = self.state
         if state.ref_plan is None:
-            if state.arm.plan == "fp32" and state.plan is not None and not state.plan.tf32:
+            if state.plan is not None and plan_entry(state.plan.name).fp32_everywhere and not state.plan.tf32:
                 state.ref_plan = state.plan
                 state.ref_step = state.plan_step
             else:  # the reference is IEEE fp32 whatever gap.tf32 says
-                state.ref_plan = self.make_plan("fp32", tf32=False)
+                state.ref_plan = self.make_plan(REFERENCE_PLAN, tf32=False)
                 state.ref_step = self.weights_version()
         if state.ref_plan is state.plan:
             return self.synced(state.plan, "plan_step")
@@ -288,7 +295,7 @@ class Scorer:
             # every process profiled its own rows: process 0's choice, agreed before any fp32 copy is made (under
             # FSDP2 the copies are gathered from shards, a collective over the same layers on every process)
             chosen = self.agree_layers(profile.top_k(min(self.state.config.k, n_layers)))
-            plan = self.make_plan("guided", layers=chosen, k=len(chosen))
+            plan = self.make_plan(self.state.arm.plan, layers=chosen, k=len(chosen))
             plan.profile = profile
             self.state.plan = plan
             self.state.plan_step = self.weights_version()

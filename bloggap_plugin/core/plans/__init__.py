@@ -3,7 +3,8 @@
 ``make_plan(policy, name)`` returns a :class:`ScoringPlan`; ``plan.token_logprobs(...)`` scores through
 :func:`bloggap_plugin.core.scoring.token_logprobs` (the one scoring function) and returns ``[B, K]`` fp32.
 
-Plans (:data:`PLANS`; recipes may use the arm letters, :mod:`bloggap_plugin.core.arms`), one module each:
+Plans (:data:`PLANS`: each entry's builder and capabilities, :class:`PlanEntry`; recipes may use the arm letters,
+:mod:`bloggap_plugin.core.arms`), one module each:
 
 - ``bf16`` (:mod:`.policy`, arm A/C): the policy as is, whatever dtype / autocast it runs in. Adds nothing.
 - ``fp32`` / ``fp16`` (:mod:`.shadow`, arms B/F): a clean copy of the policy in that dtype, refreshed in place.
@@ -25,7 +26,8 @@ parameters, gradients, optimizer state or tied embeddings.
 """
 
 from .base import ScoringPlan
-from .registry import PLANS, PlanOptions, make_plan
+from .registry import PLANS, REFERENCE_PLAN, PlanEntry, PlanOptions, make_plan, plan_entry
 from .tf32 import TF32_MODES, cuda_matmul_tf32, resolve_tf32
 
-__all__ = ["PLANS", "TF32_MODES", "PlanOptions", "ScoringPlan", "cuda_matmul_tf32", "make_plan", "resolve_tf32"]
+__all__ = ["PLANS", "REFERENCE_PLAN", "TF32_MODES", "PlanEntry", "PlanOptions", "ScoringPlan", "cuda_matmul_tf32",
+           "make_plan", "plan_entry", "resolve_tf32"]

@@ -1,7 +1,9 @@
-"""The plan registry: plan name -> the builder of its class, and :func:`make_plan`, which checks the options.
+"""The plan registry: plan name -> :class:`PlanEntry` (the builder of its class and what the plan takes and
+does), and :func:`make_plan`, which checks the options against the entry.
 
 Each builder takes ``(policy, name, options)`` and returns the plan; it does what the class needs before it is
-built (a ``guided`` plan's layer choice, arm I's form and kernels).
+built (a ``guided`` plan's layer choice, arm I's form and kernels). Code that treats plans differently asks the
+entry (:func:`plan_entry`) for a capability, never compares plan names.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from .shadow import SHADOW_DTYPES, ShadowPlan
 from .upcast import UpcastPlan
 from .vllm_shadow import VllmFormParamsPlan, VllmFormPlan
 
-__all__ = ["PLANS", "PlanOptions", "make_plan", "guided_layers"]
+__all__ = ["PLANS", "PlanEntry", "PlanOptions", "REFERENCE_PLAN", "make_plan", "plan_entry", "guided_layers"]
 
 
 @dataclass(frozen=True)
@@ -86,20 +88,31 @@ def make_plan(
         raise ValueError(f"tf32 must be True, False or 'auto', got {tf32!r}")
     if not isinstance(policy, nn.Module):
         raise TypeError(f"policy must be a torch.nn.Module, got {type(policy).__name__}")
-    if name != "guided" and (layers is not None or calibration is not None):
-        raise ValueError(f"layers=/calibration= choose fp32 layers for arm 'guided' only, not {name!r}")
-    if (pieces is not None or over_parameters) and name != "vllm":
+    entry = PLANS[name]
+    if not entry.takes_layers and (layers is not None or calibration is not None):
+        raise ValueError(f"layers=/calibration= choose fp32 layers for arm {_with('takes_layers')} only, not {name!r}")
+    if (pieces is not None or over_parameters) and not entry.takes_pieces:
         raise ValueError(f"pieces= and over_parameters= are arm I's plan options; arm {name!r} has none")
-    if device is not None and name not in (*SHADOW_DTYPES, "vllm"):
+    if device is not None and not entry.takes_device:
         raise ValueError(f"device= places an fp32/fp16 shadow; arm {name!r} runs on the policy's own device")
-    if name != "bf16" and is_partitioned(policy):
+    if entry.copies_weights and is_partitioned(policy):
         raise ValueError(
             f"plan {name!r} copies the policy's weights, but its parameters are DeepSpeed ZeRO-3 slices (ds_id), "
             "gathered only inside a forward: use FSDP2 (plans shard their copies like the policy), ZeRO stage 1 "
             "or 2, or the 'bf16' plan"
         )
     options = PlanOptions(device, layers, k, calibration, fp16_guard, tf32, pieces, over_parameters)
-    return PLANS[name](policy, name, options)
+    return entry.build(policy, name, options)
+
+
+def plan_entry(name: str) -> PlanEntry:
+    """The registry entry of plan ``name`` (a plan name or an arm letter with a plan, :func:`plan_name`)."""
+    return PLANS[plan_name(name)]
+
+
+def _with(capability: str) -> str:
+    """The quoted names of the plans whose entry has ``capability`` (for error messages)."""
+    return ", ".join(repr(name) for name, entry in PLANS.items() if getattr(entry, capability))
 
 
 def _policy_plan(policy: nn.Module, name: str, options: PlanOptions) -> PolicyPlan:
@@ -132,15 +145,39 @@ def _vllm_plan(policy: nn.Module, name: str, options: PlanOptions) -> VllmFormPl
     return VllmFormPlan(policy, form, kernels, target)
 
 
-PLANS: dict[str, Callable[[nn.Module, str, PlanOptions], ScoringPlan]] = {
-    "bf16": _policy_plan,
-    "fp32": _shadow_plan,
-    "fp16": _shadow_plan,
-    "fp32_head": _upcast_plan,
-    "guided": _upcast_plan,
-    "vllm": _vllm_plan,
+@dataclass(frozen=True)
+class PlanEntry:
+    """One plan of :data:`PLANS`: how it is built and what it takes and does (what callers ask, not its name)."""
+
+    build: Callable[[nn.Module, str, PlanOptions], ScoringPlan]
+    """``(policy, name, options) -> plan``."""
+    takes_device: bool = False
+    """Holds its copy of the policy's weights where ``device=`` says (an fp32/fp16 shadow, arm I's bf16 shadow);
+    otherwise it runs on the policy's own device and refuses ``device=``."""
+    takes_layers: bool = False
+    """``layers=`` / ``k=`` / ``calibration=`` choose the decoder layers it runs in fp32."""
+    takes_pieces: bool = False
+    """``pieces=`` (which pieces of its forward follow vLLM; vLLM's own kernels need vLLM and CUDA) and
+    ``over_parameters=`` (score the policy's parameters instead of a shadow)."""
+    copies_weights: bool = True
+    """Builds weights of its own from the policy's parameters (a shadow, fp32 islands, fused projections): refused
+    under DeepSpeed ZeRO-3, and rebuilt when the policy is sharded after it was made. ``False``: the policy as
+    called, nothing of its own."""
+    fp32_everywhere: bool = False
+    """Every weight and activation in fp32: with ``tf32=False`` it scores as the IEEE fp32 reference does."""
+
+
+PLANS: dict[str, PlanEntry] = {
+    "bf16": PlanEntry(_policy_plan, copies_weights=False),
+    "fp32": PlanEntry(_shadow_plan, takes_device=True, fp32_everywhere=True),
+    "fp16": PlanEntry(_shadow_plan, takes_device=True),
+    "fp32_head": PlanEntry(_upcast_plan),
+    "guided": PlanEntry(_upcast_plan, takes_layers=True),
+    "vllm": PlanEntry(_vllm_plan, takes_device=True, takes_pieces=True),
 }
-"""Plan name (:data:`bloggap_plugin.core.arms.PLAN_NAMES`, same order) -> the builder of its plan."""
+"""Plan name (:data:`bloggap_plugin.core.arms.PLAN_NAMES`, same order) -> its entry."""
+REFERENCE_PLAN = "fp32"
+"""The plan of the fp32 batch-1 reference (built with ``tf32=False``: IEEE fp32)."""
 
 
 def guided_layers(
