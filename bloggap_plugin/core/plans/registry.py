@@ -124,8 +124,9 @@ def _shadow_plan(policy: nn.Module, name: str, options: PlanOptions) -> ShadowPl
 
 
 def _upcast_plan(policy: nn.Module, name: str, options: PlanOptions) -> UpcastPlan:
-    """``fp32_head``: no layer; ``guided``: the given layers or those chosen on the calibration rows."""
-    if name == "fp32_head":
+    """``fp32_head``: no layer; ``guided`` (its entry takes layers): the given layers or those chosen on the
+    calibration rows."""
+    if not PLANS[name].takes_layers:
         return UpcastPlan(policy, name, [], options.fp16_guard, options.tf32)
     ids, profile = guided_layers(policy, options.layers, options.k, options.calibration)
     plan = UpcastPlan(policy, name, ids, options.fp16_guard, options.tf32)
