@@ -26,9 +26,10 @@ demo: setup
 test: setup
 	$(BIN)/python -m pytest -q tests
 
-# Pure maths and unit tests (marker `unit`): no training run, no real model, no subprocess CLI run.
+# Every test that trains no model, starts no subprocess and loads no real model (the markers come from the fixtures
+# `trains`, `spawns`, `real_model` a test requests; a test doing one of these without its fixture fails).
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "unit and not slow and not gpu and not cli" tests
+	$(BIN)/python -m pytest -q -m "not trains and not spawns and not real_model and not gpu" tests
 
 lint: setup
 	$(BIN)/ruff check bloggap_plugin tests benchmarks

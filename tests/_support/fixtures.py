@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -19,9 +20,126 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+# --- tiers by speed ---------------------------------------------------------------------------------------------
+# A test that trains, starts Python in a subprocess, or loads the real default model requests the fixture of that
+# name (directly or through a fixture that does): the request marks it, and `make test-fast` leaves the marked tests
+# out. The marks cannot drift: a test that does one of these without the fixture fails at once, naming it (so the
+# fast tier passing shows that no test in it trains, spawns or loads the real model).
+
+TIERS = {
+    "trains": "runs a training loop (transformers' Trainer.train)",
+    "spawns": "starts a subprocess (the CLI, a script, a multi-process launch: Python and torch load again)",
+    "real_model": "loads the real default model (SmolLM2-135M)",
+}
+"""Marker (and fixture) name -> what a test that carries it does."""
+
 
 @pytest.fixture(scope="session")
-def smollm2_bf16():
+def trains():
+    """Requested by a test or fixture that trains: marks the test ``trains`` (left out of ``make test-fast``)."""
+
+
+@pytest.fixture(scope="session")
+def spawns():
+    """Requested by a test or fixture that starts a subprocess: marks the test ``spawns``."""
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """Requested by a test or fixture that loads the real default model: marks the test ``real_model``."""
+
+
+def pytest_configure(config):
+    for name, what in TIERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}; set by requesting the `{name}` fixture")
+    _guard_tiers()
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for name in TIERS:
+            if name in getattr(item, "fixturenames", ()):
+                item.add_marker(name)
+
+
+_RUNNING: dict = {"item": None, "missing": []}
+"""The test being run (set-up, call and teardown) and the tier fixtures it used without requesting them."""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _RUNNING.update(item=item, missing=[])
+    try:
+        return (yield)
+    finally:
+        _RUNNING["item"] = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    result = yield
+    if _RUNNING["missing"]:
+        names = sorted(set(_RUNNING["missing"]))
+        pytest.fail(f"this test {'; '.join(TIERS[n] for n in names)} without requesting the fixture "
+                    f"{', '.join(f'`{n}`' for n in names)}: request it, so the test is marked for the tiers",
+                    pytrace=False)
+    return result
+
+
+class TierError(AssertionError):
+    """A test trained, spawned or loaded the real model without requesting that fixture."""
+
+
+def _require(name: str) -> None:
+    """Stop (and remember, in case the test catches it) what a test does without requesting fixture ``name``."""
+    item = _RUNNING["item"]
+    if item is not None and name not in item.fixturenames:
+        _RUNNING["missing"].append(name)
+        raise TierError(f"this test {TIERS[name]} without requesting the `{name}` fixture")
+
+
+def _subprocess_audit(event: str, args) -> None:
+    if event != "subprocess.Popen":
+        return
+    executable, argv = args[0], args[1]
+    program = executable or (argv if isinstance(argv, (str, bytes)) else argv[0])
+    if Path(os.fsdecode(program)).name != "git":  # git answers at once
+        _require("spawns")
+
+
+def _guard_tiers() -> None:
+    """Stop a training run, a subprocess or a real-model load in a test that did not request its fixture (once per
+    process: a pytest session run inside a test must not wrap them twice)."""
+    import sys
+
+    import transformers
+
+    if getattr(transformers.Trainer.train, "tier_guard", False):
+        return
+
+    import bloggap_plugin.models as models
+
+    train = transformers.Trainer.train
+
+    def guarded_train(self, *args, **kwargs):
+        _require("trains")
+        return train(self, *args, **kwargs)
+
+    guarded_train.tier_guard = True
+    transformers.Trainer.train = guarded_train
+    load_smollm2 = models._load_smollm2
+
+    def guarded_load_smollm2(*args, **kwargs):
+        _require("real_model")
+        return load_smollm2(*args, **kwargs)
+
+    models._load_smollm2 = guarded_load_smollm2
+    sys.addaudithook(_subprocess_audit)
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16(real_model):
     """The real default model (SmolLM2-135M-Instruct) in bf16, loaded once per session."""
     from bloggap_plugin.models import load_model
 
@@ -29,7 +147,7 @@ def smollm2_bf16():
 
 
 @pytest.fixture(scope="session")
-def smollm2_fp32():
+def smollm2_fp32(real_model):
     """The real default model in fp32, loaded once per session."""
     from bloggap_plugin.models import load_model
 

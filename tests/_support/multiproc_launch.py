@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from _support import ROOT, SUPPORT
+from _support.events import HANG_S
 
 HELPER = SUPPORT / "helpers_trl_multiproc.py"
 
@@ -38,7 +39,7 @@ def accelerate_launch(processes: int, *options: str) -> list[str]:
             "--main_process_port", str(free_port())]
 
 
-def run_helper(prefix: list[str], out: Path, *helper_args: str, timeout: int = 600) -> None:
+def run_helper(prefix: list[str], out: Path, *helper_args: str) -> None:
     """Run the helper as ``PREFIX HELPER OUT ARGS`` (``PREFIX``: ``[sys.executable]`` or :func:`accelerate_launch`)
     offline with one thread per process; fails the test on a non-zero exit, and names a hang (a collective taken by
     one process only leaves the other waiting) when the time limit passes."""
@@ -46,9 +47,9 @@ def run_helper(prefix: list[str], out: Path, *helper_args: str, timeout: int = 6
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [*prefix, str(HELPER), str(out), *helper_args]
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
     except subprocess.TimeoutExpired as err:
-        pytest.fail(f"{' '.join(cmd)} hung for {timeout} s (a forward or reduction taken by one process only?)\n"
+        pytest.fail(f"{' '.join(cmd)} hung for {HANG_S} s (a forward or reduction taken by one process only?)\n"
                     f"{(err.stderr or b'')[-3000:]!r}")
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 

@@ -6,8 +6,6 @@ import pytest
 
 from benchmarks import cost_by_size as bench
 
-pytestmark = pytest.mark.unit
-
 
 def test_arm_texts_and_labels():
     assert bench.parse_arm("J") == ("J", None)

@@ -11,18 +11,19 @@ import sys
 import pytest
 import torch
 from _support import ROOT
+from _support.events import HANG_S
 
 from benchmarks import fsdp_scale
 
 
-def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _run(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "benchmarks.fsdp_scale", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=HANG_S)
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
+def smoke(tmp_path_factory, spawns):
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     out = tmp_path_factory.mktemp("fsdp_scale")
@@ -58,11 +59,11 @@ def test_smoke_equality_piece_writes_the_step_1_comparison(smoke):
     assert two["0"]["shadow_sharded"]["plan"] is True
 
 
-def test_document_rebuilds_the_tables_from_the_results_and_keeps_the_machine(smoke, tmp_path):
+def test_document_rebuilds_the_tables_from_the_results_and_keeps_the_machine(smoke, tmp_path, spawns):
     stale = dict(smoke, env=dict(smoke["env"], gpu="the machine it ran on"))
     stale["tables"] = [dict(table, rows=[]) for table in smoke["tables"]]
     (tmp_path / "fsdp_scale.json").write_text(json.dumps(stale))
-    proc = _run("document", "--smoke", "--out", str(tmp_path), timeout=60)
+    proc = _run("document", "--smoke", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rebuilt = json.loads((tmp_path / "fsdp_scale.json").read_text())
     assert rebuilt["tables"] == smoke["tables"] and rebuilt["results"] == smoke["results"]
@@ -98,8 +99,8 @@ def test_equality_rows_report_the_largest_difference_and_ignore_timing():
     assert row[4] == row[6] == "no ['gap/kept/mass_mean']"
 
 
-def test_an_unknown_piece_is_refused_in_one_line(tmp_path):
-    proc = _run("--smoke", "--pieces", "fsdp3", "--out", str(tmp_path), timeout=60)
+def test_an_unknown_piece_is_refused_in_one_line(tmp_path, spawns):
+    proc = _run("--smoke", "--pieces", "fsdp3", "--out", str(tmp_path))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == ("unknown piece(s) ['fsdp3']; use a comma list of "
                                    "fsdp2, equality, ddp, single, mem1b")
@@ -129,9 +130,8 @@ def test_shared_gpu_maps_every_process_to_gpu_0_over_gloo_and_the_config_takes_i
     assert "ddp_backend" not in plain and "ddp_timeout" not in plain
 
 
-def test_shared_gpu_writes_its_own_file_and_says_its_timings_are_not_two_gpus(tmp_path):
-    proc = _run("--smoke", "--shared-gpu", "--pieces", "equality", "--budget", "30", "--out", str(tmp_path),
-                timeout=120)
+def test_shared_gpu_writes_its_own_file_and_says_its_timings_are_not_two_gpus(tmp_path, spawns):
+    proc = _run("--smoke", "--shared-gpu", "--pieces", "equality", "--budget", "30", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fsdp_scale_one_gpu.json"]
     document = json.loads((tmp_path / "fsdp_scale_one_gpu.json").read_text())
@@ -141,8 +141,8 @@ def test_shared_gpu_writes_its_own_file_and_says_its_timings_are_not_two_gpus(tm
         assert table["notes"].startswith(fsdp_scale.SHARED_GPU_NOTE)
 
 
-def test_pieces_that_no_longer_fit_the_budget_are_skipped_and_said(tmp_path):
-    proc = _run("--smoke", "--pieces", "fsdp2,equality", "--budget", "30", "--out", str(tmp_path), timeout=120)
+def test_pieces_that_no_longer_fit_the_budget_are_skipped_and_said(tmp_path, spawns):
+    proc = _run("--smoke", "--pieces", "fsdp2,equality", "--budget", "30", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     skipped = [line.split(",")[0] for line in proc.stdout.splitlines() if "of the budget left" in line]
     assert skipped == ["[fsdp_scale] fsdp2: skipped", "[fsdp_scale] equal_one: skipped",

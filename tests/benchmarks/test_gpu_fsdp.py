@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from _support import ROOT
+from _support.events import HANG_S
 
 from benchmarks import fsdp_scale
 
@@ -30,7 +31,7 @@ def _equality_rows(out: Path, *flags: str) -> list[list]:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.fsdp_scale", "--pieces", "equality",
                            "--out", str(out), *flags], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     document = json.loads((out / f"{fsdp_scale.result_name('--shared-gpu' in flags)}.json").read_text())
     assert document["params"]["shared_gpu"] is ("--shared-gpu" in flags)
@@ -50,10 +51,10 @@ def _out(tmp_path: Path) -> Path:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (nvidia-h200-x2)")
-def test_two_fsdp2_gpus_log_the_single_gpu_values_at_step_1(tmp_path):
+def test_two_fsdp2_gpus_log_the_single_gpu_values_at_step_1(tmp_path, spawns):
     _assert_equal_at_step_1(_equality_rows(_out(tmp_path)))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_two_fsdp2_processes_sharing_one_gpu_log_the_single_process_values_at_step_1(tmp_path):
+def test_two_fsdp2_processes_sharing_one_gpu_log_the_single_process_values_at_step_1(tmp_path, spawns):
     _assert_equal_at_step_1(_equality_rows(_out(tmp_path), "--shared-gpu"))

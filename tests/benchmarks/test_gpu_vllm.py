@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from _support import ROOT
+from _support.events import HANG_S
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,7 +30,7 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
+def live(tmp_path_factory, spawns):
     pytest.importorskip("vllm")
     model = os.environ["BLOGGAP_VLLM_MODEL"]
     work = tmp_path_factory.mktemp("vllm_live")
@@ -41,7 +42,7 @@ def live(tmp_path_factory):
     }
     procs = {name: subprocess.Popen([sys.executable, "-m", "benchmarks.vllm_live", *argv], cwd=ROOT,
                                     stdout=open(work / f"{name}.log", "w"), stderr=subprocess.STDOUT) for name, argv in runs.items()}
-    codes = {name: proc.wait(timeout=400) for name, proc in procs.items()}
+    codes = {name: proc.wait(timeout=HANG_S) for name, proc in procs.items()}
     return work, codes
 
 
@@ -108,7 +109,7 @@ def _live_runs(tmp_path, runs: str, out_env: str) -> dict[str, list[dict]]:
     model = os.environ["BLOGGAP_VLLM_MODEL"]
     out = Path(os.environ.get(out_env) or tmp_path)
     code = subprocess.call([sys.executable, "-m", "benchmarks.arm_i_live", "run", "--model", model, "--out", str(out),
-                            "--steps", "30", "--runs", runs], timeout=900, cwd=ROOT)
+                            "--steps", "30", "--runs", runs], timeout=HANG_S, cwd=ROOT)
     assert code == 0
     logs = {}
     for label in runs.split(","):
@@ -124,7 +125,7 @@ def _live_runs(tmp_path, runs: str, out_env: str) -> dict[str, list[dict]]:
     return logs
 
 
-def test_arm_i_matches_the_sampler_live_in_trl_colocate(tmp_path):
+def test_arm_i_matches_the_sampler_live_in_trl_colocate(tmp_path, spawns):
     """Arm I through the product (``bloggap train``, GapGRPOTrainer builds the arm's engine) and through GapCallback,
     30 steps each, vLLM's batch-invariant mode on: every generation's old log-probs within the clip band of vLLM's
     sampled ones bit for bit (gap/sampler/exact_frac 1, abs_dlogp_max 0: the V2 model runner's log-prob kernel,
@@ -136,7 +137,7 @@ def test_arm_i_matches_the_sampler_live_in_trl_colocate(tmp_path):
                "BLOGGAP_ARM_I_LIVE_OUT")
 
 
-def test_arm_j_is_exactly_on_policy_live_in_trl_colocate(tmp_path):
+def test_arm_j_is_exactly_on_policy_live_in_trl_colocate(tmp_path, spawns):
     """Arm J through both entry points, 30 steps each: the sampler gap is 0 bit for bit (as arm I's), and the PPO
     ratio new/old is exactly 1 on every token at each generation's first iteration (gap/ratio/exact_frac 1, nothing
     out of band), since the training forward computes the old log-probs' numbers (T16-armJ-live).

@@ -9,10 +9,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from _support.events import HANG_S
 
 from bloggap_plugin.tasks import gsm8k, task_prompt
-
-pytestmark = pytest.mark.slow  # trains (a tiny model, a few steps)
 
 
 def _module():
@@ -328,7 +327,7 @@ def test_checkpoint_hash_is_stable_and_changes_with_any_byte(tmp_path, capsys):
         module.checkpoint_sha256(folder)
 
 
-def test_the_gpu_call_script_reaches_the_vllm_check_and_fits_one_device_call(tmp_path, smoke_data):
+def test_the_gpu_call_script_reaches_the_vllm_check_and_fits_one_device_call(tmp_path, smoke_data, spawns):
     """benchmarks/gpu/gsm8k_warmstart_call.sh on a machine without vLLM: the run stops at the vLLM check in one line
     (in the log it tees), the script passes its exit on; its time limit leaves room in one 10-minute device call for
     the model's conversion before it."""
@@ -352,7 +351,7 @@ def test_the_gpu_call_script_reaches_the_vllm_check_and_fits_one_device_call(tmp
     out = tmp_path / "out"
     environ = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "OUT": str(out), "DATA": str(smoke_data),
                "MODEL": "tiny-random-llama", "CKPT": str(tmp_path / "ckpt")}
-    done = subprocess.run(["bash", str(script)], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(["bash", str(script)], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 2, done.stdout + done.stderr
     lines = done.stdout.strip().splitlines()
     assert lines[-1] == "gsm8k_warmstart_call: exit 2"
@@ -399,7 +398,7 @@ def test_before_from_reuses_an_earlier_evaluation_and_refuses_other_settings(smo
     assert not (tmp_path / "no").exists()
 
 
-def test_the_settings_script_runs_each_setting_packs_it_and_keeps_to_its_budget(tmp_path, smoke_data):
+def test_the_settings_script_runs_each_setting_packs_it_and_keeps_to_its_budget(tmp_path, smoke_data, spawns):
     """benchmarks/gpu/gsm8k_warmstart_settings.sh on a machine without vLLM: each NAME=ARGUMENTS setting runs
     gsm8k_warmstart (here it stops at the vLLM check, exit 2), is packed into OUT/NAME.tar.xz with its log, and
     reported in one line; a setting that would start with less than MIN_S of BUDGET_S left is not started; a
@@ -425,7 +424,7 @@ def test_the_settings_script_runs_each_setting_packs_it_and_keeps_to_its_budget(
 
     def run(*settings, **extra):
         return subprocess.run(["bash", str(script), *settings], cwd=ROOT, env={**environ, **extra},
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=HANG_S)
 
     done = run("lr2e-4=--lr 2e-4", "e5=--epochs 5")
     assert done.returncode == 1, done.stdout + done.stderr

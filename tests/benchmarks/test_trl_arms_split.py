@@ -9,8 +9,6 @@ import pytest
 
 from benchmarks import trl_arms
 
-pytestmark = pytest.mark.unit
-
 OLD_LAYOUT = [{"step": 1, "gap/sampler/oob_frac": 0.04, "gap/ratio/oob_frac": 0.0},
               {"step": 2, "gap/ratio/oob_frac": 0.4},
               {"step": 3, "gap/sampler/oob_frac": 0.01, "gap/ratio/oob_frac": 0.02},

@@ -134,7 +134,7 @@ def test_entry_point_is_found_by_importlib(tmp_path):
     assert eps == [("verl.plugins", "bloggap", "bloggap_plugin.verl")]
 
 
-def test_dry_run_prints_commands_and_bad_run_name_is_one_line(tmp_path):
+def test_dry_run_prints_commands_and_bad_run_name_is_one_line(tmp_path, spawns):
     script = [sys.executable, "-m", "benchmarks.verl_live"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([*script, "run", "--model", "/m", "--out", str(tmp_path), "--dry-run",

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from _support.events import HANG_S
 
 from bloggap_plugin import cli
 from bloggap_plugin.commands.attribute import AttributeConfig
@@ -245,7 +246,7 @@ def test_config_file_values_are_checked_like_flags(bloggap, tmp_path, command, t
     _one_line_error(bloggap(command, "--config", config, "--model", "tiny-random-llama", "--device", "cpu"), *needles)
 
 
-def test_top_level_help_builds_no_command_flags_and_imports_no_transformers():
+def test_top_level_help_builds_no_command_flags_and_imports_no_transformers(spawns):
     """``bloggap --help`` lists the commands without building their flags (HfArgumentParser imports transformers);
     a named command gets its flags."""
     import subprocess
@@ -258,7 +259,7 @@ def test_top_level_help_builds_no_command_flags_and_imports_no_transformers():
             "d = build_parser(['doctor', '--num-seqs', '3']).get_default('_subparsers'); "
             "assert any('--num_seqs' in a.option_strings for a in d['doctor']._actions); "
             "assert len(d['ladder']._actions) == 1; print('ok')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 

@@ -12,8 +12,6 @@ import pytest
 from bloggap_plugin.commands._config import add_config_arguments, apply_config_file, config_from_args
 from bloggap_plugin.core.errors import UsageError
 
-pytestmark = pytest.mark.unit  # pure maths and units: `make test-fast` runs these
-
 
 def _csv(text: str) -> list[str]:
     items = [t for t in text.split(",") if t]

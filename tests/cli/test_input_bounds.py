@@ -94,7 +94,7 @@ def test_patch_apply_never_writes_outside_root(tmp_path, capsys, name):
 # --- outputs stay under --output-dir ---------------------------------------------------------------------------
 
 
-def test_report_to_wandb_writes_under_output_dir(tmp_path, monkeypatch):
+def test_report_to_wandb_writes_under_output_dir(tmp_path, monkeypatch, trains):
     """The trainer's wandb folder goes under --output-dir (WANDB_DIR), not into the current folder; a WANDB_DIR the
     user set is kept; nothing is left set after the run."""
     pytest.importorskip("wandb")

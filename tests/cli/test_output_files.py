@@ -80,7 +80,7 @@ def test_save_final_refuses_a_folder_holding_other_files(bloggap, tmp_path):
     assert (folder / "config.json").read_text() == '{"user": true}'
 
 
-def test_save_final_folder_is_locked_against_a_second_train(tmp_path, monkeypatch):
+def test_save_final_folder_is_locked_against_a_second_train(tmp_path, monkeypatch, trains):
     from bloggap_plugin._io import try_lock
     from bloggap_plugin.core.errors import UsageError
     from bloggap_plugin.trl import run as run_module

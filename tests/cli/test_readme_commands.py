@@ -12,6 +12,7 @@ import sys
 
 import pytest
 from _support import ROOT
+from _support.events import HANG_S
 
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"^```(\w*)\n(.*?)^```", README, flags=re.S | re.M)
@@ -35,10 +36,10 @@ def test_the_readme_names_the_commands_this_test_runs():
     assert [lang for lang, _ in BLOCKS].count("python") == 1
 
 
-def test_the_readmes_stored_doctor_command_runs_as_written():
+def test_the_readmes_stored_doctor_command_runs_as_written(spawns):
     (argv,) = [a for a in _commands("bloggap doctor") if "--from-json" in a]
     proc = subprocess.run([sys.executable, "-m", "bloggap_plugin.cli", *argv], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "recommend" in proc.stdout.lower(), proc.stdout[-2000:]
 
@@ -61,12 +62,12 @@ def test_the_readmes_train_and_compare_commands_pass_their_checks(bloggap, tmp_p
         bloggap(*argv)
 
 
-def test_the_readmes_callback_snippet_runs_as_written(tmp_path):
+def test_the_readmes_callback_snippet_runs_as_written(tmp_path, spawns):
     """The Python block, verbatim, in a fresh folder holding the recipes: two steps on the tiny offline model."""
     (snippet,) = [block for lang, block in BLOCKS if lang == "python"]
     (tmp_path / "recipes").symlink_to(ROOT / "recipes")
     (tmp_path / "snippet.py").write_text(snippet)
     proc = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                          timeout=600)
+                          timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "gap/ratio/" in proc.stdout + proc.stderr

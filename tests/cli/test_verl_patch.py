@@ -14,8 +14,6 @@ from bloggap_plugin.cli import main
 from bloggap_plugin.commands import patch as patch_cmd
 from bloggap_plugin.commands.patch import package_root, patch_files
 
-pytestmark = pytest.mark.unit  # pure maths and units: `make test-fast` runs these
-
 pytest.importorskip("verl")
 
 FILES = (

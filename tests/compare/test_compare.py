@@ -11,12 +11,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 from _support import ROOT
 from _support.compare_runs import FAKE_TRAIN, compare_cli, write_recipes
+from _support.events import HANG_S, complete_lines, restore_sigint, wait_for
 
 from bloggap_plugin.compare import (
     DONE_KEY,
@@ -336,7 +336,7 @@ def test_a_crashed_run_does_not_stop_the_sweep(tmp_path, fake, monkeypatch):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=["SIGKILL", "SIGTERM", "SIGINT"])
-def test_a_killed_sweep_leaves_no_worker_and_resumes_counting_each_step_once(tmp_path, fake, sig):
+def test_a_killed_sweep_leaves_no_worker_and_resumes_counting_each_step_once(tmp_path, fake, sig, spawns):
     """Kill only the sweep process (an OOM kill or ``kill PID``); its runs must not outlive it, and the resume must
     count each step once: a run that outlived its sweep used to keep appending to the log a resumed run writes."""
     pytest.importorskip("matplotlib")
@@ -345,41 +345,42 @@ def test_a_killed_sweep_leaves_no_worker_and_resumes_counting_each_step_once(tmp
     command = [sys.executable, "-m", "bloggap_plugin.cli", "compare", *recipes, "--seeds", "0", "--max-steps", "8",
                "--model", "tiny-random-llama", "--output-dir", str(out), "--parallel", "2", "--last-n", "2",
                "--run-fn", fake["run_fn"]]
-    env = dict(os.environ, FAKE_SLOW="B_s0", PYTHONPATH=os.pathsep.join([fake["dir"], os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, FAKE_HANG="B_s0", PYTHONPATH=os.pathsep.join([fake["dir"], os.environ.get("PYTHONPATH", "")]))
     # Ctrl-C's default action in the sweep, as in a terminal: pytest started as a background job inherits SIGINT
     # ignored (POSIX shells ignore it for asynchronous commands), and so would the sweep.
     sweep = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.time() + 60
+                             start_new_session=True, preexec_fn=restore_sigint)
+    runs = out / "runs"
     try:
-        # A finishes at once; B logs a step every 0.5 s: kill the sweep after B's first step.
-        while not (out / "runs" / "A_s0.jsonl").exists() or len(_calls(fake)) < 2:
-            assert sweep.poll() is None, "sweep ended early: " + sweep.communicate()[1]
-            assert time.time() < deadline, "runs never started"
-            time.sleep(0.1)
-        time.sleep(0.3)
-        assert not (out / "runs" / "B_s0.jsonl").exists()  # a run writes only its own file until it is complete
+        # A finishes at once; B logs its first step, then hangs (FAKE_HANG): kill the sweep once A's worker has
+        # ended and B has logged that step.
+        def a_done_b_started() -> bool:
+            pids = dict(zip(_calls(fake), _calls(fake, "pid")))
+            return ((runs / "A_s0.jsonl").exists() and "A_s0" in pids and not _alive(pids["A_s0"])
+                    and any(complete_lines(p) for p in runs.glob("B_s0.*.part.jsonl")))
+
+        wait_for(a_done_b_started, sweep, "A's end and B's first step")
+        assert not (runs / "B_s0.jsonl").exists()  # a run writes only its own file until it is complete
         os.kill(sweep.pid, sig)  # the sweep process alone, not its group
-        _, stderr = sweep.communicate(timeout=60)
+        _, stderr = sweep.communicate(timeout=HANG_S)
     finally:
         if sweep.poll() is None:
             os.killpg(sweep.pid, signal.SIGKILL)
             sweep.wait()
     worker = dict(zip(_calls(fake), _calls(fake, "pid")))["B_s0"]
-    deadline = time.time() + 1.5  # B alone would need about 3.5 s more
-    while _alive(worker) and time.time() < deadline:
-        time.sleep(0.1)
-    assert not _alive(worker), "the run outlived its sweep"
+    # B outliving its sweep would sleep out FAKE_HANG's 600 s and then log its other 7 steps (the hang guard is longer)
+    wait_for(lambda: not _alive(worker), what="the end of the sweep's run B")
+    (part,) = runs.glob("B_s0.*.part.jsonl")
+    assert len(complete_lines(part)) == 1, "the run outlived its sweep"
     if sig != signal.SIGKILL:  # stopped by a signal it can catch: one line, no traceback, 128 + signal
         assert sweep.returncode == 128 + sig, stderr
         assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
         assert "stopped 1 run" in stderr and "re-run the same command to resume" in stderr
-    env.pop("FAKE_SLOW")
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    env.pop("FAKE_HANG")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "A_s0: finished earlier, skipped" in done.stdout
     assert sorted(_calls(fake)) == ["A_s0", "B_s0", "B_s0"]  # A not run again, B started over once
-    time.sleep(1.0)  # a run that outlived the sweep would have appended more steps by now
     for run in ("A_s0", "B_s0"):
         records, marker = read_log(out / "runs" / f"{run}.jsonl")
         assert marker is not None and [r["step"] for r in records] == list(range(1, 9)), run

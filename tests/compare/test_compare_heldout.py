@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from _support import ROOT
 from _support.compare_runs import FAKE_TRAIN, compare_cli, write_recipes
+from _support.events import HANG_S
 
 from bloggap_plugin.compare import CompareConfig, CompareError, run_compare
 
@@ -240,7 +241,7 @@ def test_the_decisive_sweep_config_meets_the_issue_and_passes_every_check_but_th
 
 
 @pytest.mark.parametrize("env", [{"SMOKE": "1"}, {"SEEDS": "0 1"}, {}], ids=["smoke", "seeds", "full"])
-def test_the_sweep_script_builds_a_command_that_passes_every_check_up_to_vllm(tmp_path, env):
+def test_the_sweep_script_builds_a_command_that_passes_every_check_up_to_vllm(tmp_path, env, spawns):
     """benchmarks/compare_sweep.sh on a machine without vLLM: the command it builds parses and passes every check
     but the last (vLLM), so it fails in that one line, not in argparse (as it did with --seeds before the recipes)."""
     import importlib.util
@@ -259,7 +260,7 @@ def test_the_sweep_script_builds_a_command_that_passes_every_check_up_to_vllm(tm
     environ = {**os.environ, **env, "PATH": f"{bindir}:{os.environ['PATH']}", "PYTHONPATH": str(root)}
     environ.pop("OUT", None)
     done = subprocess.run(["bash", str(root / "benchmarks" / "compare_sweep.sh")], cwd=root, env=environ,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 2 and done.stderr.startswith("bloggap compare: --use-vllm: "), done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and shutil.which("bash")
 
@@ -293,7 +294,7 @@ def test_the_gsm8k_demonstration_config_reads_the_real_data_and_passes_every_che
         assert len(stderr.strip().splitlines()) == 1, stderr
 
 
-def test_the_gsm8k_call_script_runs_both_steps_to_their_vllm_check(tmp_path):
+def test_the_gsm8k_call_script_runs_both_steps_to_their_vllm_check(tmp_path, spawns):
     """benchmarks/gpu/gsm8k_call.sh on a machine without vLLM, with the real GSM8K: the baseline and the
     demonstration each get past argument parsing and the data checks and stop at the vLLM check in one line; the
     script says both exits and fails; its time limits fit one 10-minute device call."""
@@ -317,7 +318,7 @@ def test_the_gsm8k_call_script_runs_both_steps_to_their_vllm_check(tmp_path):
     (bindir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     (bindir / "python3").chmod(0o755)
     environ = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"), "DATA": str(real)}
-    done = subprocess.run(["bash", str(script)], cwd=root, env=environ, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(["bash", str(script)], cwd=root, env=environ, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 1 and done.stdout.strip().endswith("gsm8k_call: baseline exit 2, demo exit 2")
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 2, done.stderr
@@ -338,7 +339,7 @@ def test_a_budget_shorter_than_a_stopped_run_is_refused_instead_of_restarting_it
     with pytest.raises(CompareError, match=r"--time-budget-s 1: run A_s0 was stopped unfinished after \d+(\.\d+)? s"):
         run_compare(config, echo=lambda m: None)
     assert len(_calls(fake, "run")) == calls  # nothing started
-    res = run_compare(dataclasses.replace(config, time_budget_s=60.0), echo=lambda m: None)
+    res = run_compare(dataclasses.replace(config, time_budget_s=float(HANG_S)), echo=lambda m: None)
     assert sorted(res["runs"]) == ["A_s0", "B_s0"] and res["time_budget"]["stopped"] == []
     assert not list((Path(config.output_dir) / "runs").glob("*.stopped.json"))  # finished: the record is gone
 

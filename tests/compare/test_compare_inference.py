@@ -14,8 +14,6 @@ scipy_stats = pytest.importorskip("scipy.stats")
 
 from bloggap_plugin.compare.inference import MIN_SEEDS, compare_with_baseline, holm, sign_flip_p  # noqa: E402
 
-pytestmark = pytest.mark.unit  # pure maths and units: `make test-fast` runs these
-
 SWEEP = ROOT / "benchmarks" / "results" / "h200" / "compare_sweep.json"
 
 

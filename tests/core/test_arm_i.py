@@ -279,7 +279,7 @@ def test_refusals_name_the_problem_and_the_fix(tiny_model):
     assert GapConfig(arm="I", i_pieces="torch,rope=hf").plan_arm == "vllm"
 
 
-def test_trl_arm_i_trains_on_its_plan_and_refuses_kernel_pieces_on_cpu(tmp_path):
+def test_trl_arm_i_trains_on_its_plan_and_refuses_kernel_pieces_on_cpu(tmp_path, trains):
     """GRPO in TRL with arm I: the old log-probs come from the arm's plan (vLLM's maths in torch on CPU) and two
     a step trains with a finite loss; the default pieces (vLLM's kernels) refuse at attach, before any step."""
     import math

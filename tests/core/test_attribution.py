@@ -128,7 +128,6 @@ def test_hooks_removed_and_policy_unchanged():
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
-@pytest.mark.slow
 def test_smollm2_bf16_left_padding_divergence(smollm2_bf16):
     model, tok = smollm2_bf16
     texts = [

@@ -19,8 +19,6 @@ from bloggap_plugin.core.errors import UsageError
 from bloggap_plugin.core.vllm_kernels import MatmulSettings
 from bloggap_plugin.trl import vllm_colocate
 
-pytestmark = pytest.mark.unit
-
 
 def _zeros_bmm(a, b, *, out=None):
     return torch.zeros(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype)

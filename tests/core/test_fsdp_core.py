@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from _support import ROOT, SUPPORT
+from _support.events import HANG_S
 
 HELPER = SUPPORT / "helpers_fsdp_core.py"
 
@@ -26,7 +27,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks(tmp_path_factory, spawns):
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     out = tmp_path_factory.mktemp("fsdp_core") / "guard"
@@ -34,7 +35,7 @@ def ranks(tmp_path_factory):
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            str(HELPER), str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(2)]
 

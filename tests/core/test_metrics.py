@@ -19,8 +19,6 @@ from bloggap_plugin.core.metrics import (
     wilson_interval,
 )
 
-pytestmark = pytest.mark.unit  # pure maths and units: `make test-fast` runs these
-
 
 def f64(values) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64)

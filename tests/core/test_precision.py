@@ -115,7 +115,6 @@ def test_registry_builds_each_plan_class_under_its_name():
 # ------------------------------------------------------------------------------- bit-for-bit vs independent
 
 
-@pytest.mark.slow
 def test_fp32_plan_equals_independent_fp32_model_bitwise(smollm2_bf16):
     policy, tok = smollm2_bf16
     ids, mask = _rows(tok)
@@ -255,7 +254,6 @@ def test_guided_with_every_layer_equals_fp32_plan(spec):
     assert (head_only - fp32).abs().max().item() > 1e-6  # the layers matter: the comparison can fail
 
 
-@pytest.mark.slow
 def test_guided_every_layer_equals_fp32_on_smollm2(smollm2_bf16):
     policy, tok = smollm2_bf16
     ids, mask = _rows(tok)
@@ -269,7 +267,6 @@ def test_guided_every_layer_equals_fp32_on_smollm2(smollm2_bf16):
     assert plan.stats()["fp32_param_share"] == pytest.approx((total - embed + embed) / (total + embed))
 
 
-@pytest.mark.slow
 def test_fp32_head_accounting_on_tied_smollm2(smollm2_bf16):
     policy, _ = smollm2_bf16
     plan = make_plan(policy, "E")

@@ -17,8 +17,6 @@ from bloggap_plugin.core.scoring import (
 )
 from bloggap_plugin.core.truncation import kept_reducer
 
-pytestmark = pytest.mark.unit  # pure maths and units: `make test-fast` runs these
-
 
 def left_padded_batch(tokenizer, completion_len: int = 5):
     """Three rows of different prompt lengths (two left-padded) plus equal-length completions."""

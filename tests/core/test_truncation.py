@@ -19,8 +19,6 @@ from bloggap_plugin.core.truncation import (
     renormalized_logprobs,
 )
 
-pytestmark = pytest.mark.unit  # pure maths and units: `make test-fast` runs these
-
 
 def reference_kept(row: list[float], temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> set[int]:
     """One row, python floats, vLLM order; ties at a boundary kept (top-k rule, also applied to top-p)."""

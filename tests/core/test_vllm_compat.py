@@ -10,8 +10,6 @@ from bloggap_plugin.core import vllm_compat
 from bloggap_plugin.recipes import GapConfig, RecipeError
 from bloggap_plugin.trl import vllm_colocate
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.mark.parametrize("version", ["0.22.0", "0.26.0", "0.28.1", "0.31.0", "0.26.0.dev3+gabc123"])
 def test_a_vllm_in_trls_range_serves_any_vllm_path(version):

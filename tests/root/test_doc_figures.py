@@ -19,11 +19,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
-import pytest
 import yaml
 from _support import ROOT
-
-pytestmark = pytest.mark.unit  # reads files only: `make test-fast` runs it
 
 RESULTS = ROOT / "benchmarks" / "results"
 ALLOWED = Path(__file__).with_name("doc_figures_allowed.yaml")

@@ -92,7 +92,7 @@ def test_heldout_accuracy_counts_the_reward_and_gives_the_wilson_interval(tiny):
 # --------------------------------------------------------------------------------------------- during training
 
 
-def test_run_training_evaluates_every_k_steps_without_changing_the_run_and_saves_the_final_policy(tmp_path):
+def test_run_training_evaluates_every_k_steps_without_changing_the_run_and_saves_the_final_policy(tmp_path, trains):
     """heldout: {every: 1} adds a held-out record after each step and leaves the training itself (losses, rewards)
     exactly as without it; save_final writes a policy (and tokenizer) that load_model reads back."""
     from _support import ROOT

@@ -7,8 +7,6 @@ import torch
 
 from bloggap_plugin.models import TINY_MODELS, ModelSpecError, load_model, resolve_dtype
 
-pytestmark = pytest.mark.unit  # pure maths and units: `make test-fast` runs these
-
 ARCHITECTURES = {
     "tiny-random-llama": "LlamaForCausalLM",
     "tiny-random-qwen2": "Qwen2ForCausalLM",
@@ -94,7 +92,6 @@ def test_resolve_dtype():
         resolve_dtype("int8")
 
 
-@pytest.mark.slow  # loads the real default model
 def test_smollm2_tokenizer_and_flags(smollm2_bf16):
     model, tokenizer = smollm2_bf16
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 from _support import ROOT
+from _support.events import HANG_S
 
 import bloggap_plugin
 
@@ -19,20 +20,20 @@ PUBLIC = ["GapCallback", "GapConfig", "GapGRPOTrainer", "GapMixin", "load_model"
 def _modules_after(statement: str) -> set[str]:
     """Top-level names in ``sys.modules`` after running ``statement`` in a fresh interpreter on this checkout."""
     code = f"import sys, json; {statement}; print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}})))"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=HANG_S,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 0, run.stderr
     return set(json.loads(run.stdout.strip().splitlines()[-1]))
 
 
-def test_import_bloggap_plugin_imports_neither_trl_nor_verl_nor_transformers():
+def test_import_bloggap_plugin_imports_neither_trl_nor_verl_nor_transformers(spawns):
     loaded = _modules_after("import bloggap_plugin; bloggap_plugin.__version__")
     assert "bloggap_plugin" in loaded
     heavy = loaded & {"trl", "verl", "transformers", "vllm", "torch"}
     assert not heavy, sorted(heavy)
 
 
-def test_the_check_sees_a_heavy_import():
+def test_the_check_sees_a_heavy_import(spawns):
     """The subprocess check above can fail: asking for a public name imports its module (and torch) then."""
     loaded = _modules_after("import bloggap_plugin; bloggap_plugin.token_logprobs")
     assert {"torch", "bloggap_plugin"} <= loaded and "trl" not in loaded

@@ -15,8 +15,6 @@ from bloggap_plugin.recipes import (
     parse_recipe,
 )
 
-pytestmark = pytest.mark.unit  # pure maths and units: `make test-fast` runs these
-
 RECIPES = ROOT / "recipes"
 
 

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 from _support import ROOT
+from _support.events import HANG_S
 
 from bloggap_plugin.report_builder import REFERENCE_PATH, ReportError, build_report, load_reference
-
-pytestmark = pytest.mark.unit  # pure maths and units: `make test-fast` runs these
 
 # The reference study's text, where the workplace keeps it beside the repository (../shared); not part of the repo.
 REFERENCE_MD = Path(os.environ.get("BLOGGAP_REFERENCE_MD", ROOT.parent / "shared" / "reference" / "reference_study.md"))
@@ -166,13 +165,12 @@ def test_missing_results_fail(tmp_path):
         build_report(tmp_path / "r", tmp_path / "B.md", None, require=["tables", "ladder"])
 
 
-@pytest.mark.cli
-def test_cli_reports_errors_without_a_traceback(tmp_path):
+def test_cli_reports_errors_without_a_traceback(tmp_path, spawns):
     import sys
 
     _write(tmp_path / "r", "h200", "x", "{")
     done = subprocess.run([sys.executable, "-m", "bloggap_plugin.cli", "report", "--results", str(tmp_path / "r"),
-                           "--output", str(tmp_path / "B.md"), "--no-plots"], capture_output=True, text=True, timeout=120)
+                           "--output", str(tmp_path / "B.md"), "--no-plots"], capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 2 and "x.json: not valid JSON" in done.stderr and "Traceback" not in done.stderr
 
 
@@ -317,19 +315,18 @@ def test_a_failed_write_keeps_the_previous_report(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["B.md", "results"]  # no temporary file left
 
 
-@pytest.mark.cli
-def test_cli_bad_output_and_binary_input_fail_in_one_line(tmp_path):
+def test_cli_bad_output_and_binary_input_fail_in_one_line(tmp_path, spawns):
     import sys
 
     _write(tmp_path / "r", "h200", "tables", _result())
     (tmp_path / "dir.md").mkdir()
     done = subprocess.run([sys.executable, "-m", "bloggap_plugin.cli", "report", "--results", str(tmp_path / "r"),
-                           "--output", str(tmp_path / "dir.md"), "--no-plots"], capture_output=True, text=True, timeout=120)
+                           "--output", str(tmp_path / "dir.md"), "--no-plots"], capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().count("\n") == 0 and "is a directory" in done.stderr
     (tmp_path / "r" / "h200" / "b.json").write_bytes(b"\xff\xfe\x00")
     done = subprocess.run([sys.executable, "-m", "bloggap_plugin.cli", "report", "--results", str(tmp_path / "r"),
-                           "--output", str(tmp_path / "B.md"), "--no-plots"], capture_output=True, text=True, timeout=120)
+                           "--output", str(tmp_path / "B.md"), "--no-plots"], capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 2 and "Traceback" not in done.stderr and "b.json: not a text JSON file" in done.stderr
 
 

@@ -17,8 +17,6 @@ from bloggap_plugin.results import (
     text_table,
 )
 
-pytestmark = pytest.mark.unit  # pure maths and units: `make test-fast` runs these
-
 
 def _table(**kw) -> dict:
     table = {"id": "T1", "title": "t", "columns": ["arm", "OOB %"], "rows": [["A", 1.5], ["B", None]],

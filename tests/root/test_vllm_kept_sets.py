@@ -232,7 +232,7 @@ def test_vllm_live_gen_forces_length_without_masking_the_stop_tokens():
     assert kwargs["temperature"] == 1.0
 
 
-def test_committed_vllm_live_result_rebuilds_from_its_committed_parts(tmp_path):
+def test_committed_vllm_live_result_rebuilds_from_its_committed_parts(tmp_path, spawns):
     """benchmarks/results/h200/vllm_live.json is `python -m benchmarks.vllm_live merge` of the whole 'all' run of 2026-12-01 and the
     TRL truncation runs' work folder: merging the committed parts again gives the committed tables and results."""
     import json

@@ -7,8 +7,6 @@ import pytest
 from bloggap_plugin.core.errors import UsageError
 from bloggap_plugin.tasks import arith, get_task
 
-pytestmark = pytest.mark.unit
-
 
 def test_length_reward_is_minus_the_relative_distance_from_64_characters():
     texts = ["x" * 64, "x" * 32, "", "x" * 160]

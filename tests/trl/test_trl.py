@@ -31,7 +31,7 @@ KEPT = [
 
 
 @pytest.mark.parametrize("arm", ["A", "B", "C", "D", "E", "F", "G", "H"])
-def test_every_arm_trains_with_all_metrics(tmp_path, arm):
+def test_every_arm_trains_with_all_metrics(tmp_path, arm, trains):
     gap = GapConfig(arm=arm, probe_rows=8, layers=[1] if arm == "D" else None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -64,7 +64,7 @@ def count_prompt_padding(trainer) -> list:
     return padding
 
 
-def test_arm_A_with_metrics_is_bitwise_plain_trl(tmp_path):
+def test_arm_A_with_metrics_is_bitwise_plain_trl(tmp_path, trains):
     """Metrics on (sampler, probe rows, fp32 reference) must not change training at all."""
     runs = {}
     for mode in ("plain", "trainer", "callback"):
@@ -87,7 +87,7 @@ def test_arm_A_with_metrics_is_bitwise_plain_trl(tmp_path):
 
 
 @pytest.mark.parametrize(("arm", "dtype"), [("B", "fp32"), ("F", "fp16"), ("E", None)])
-def test_old_logprobs_equal_independent_recomputation(tmp_path, arm, dtype):
+def test_old_logprobs_equal_independent_recomputation(tmp_path, arm, dtype, trains):
     gap = GapConfig(arm=arm, probe_rows=0, sampler=False)
     trainer = make(tmp_path, gap, dtype="bf16", trainer_cls=Spy, max_steps=1)
     trainer.train()
@@ -112,7 +112,7 @@ def test_old_logprobs_equal_independent_recomputation(tmp_path, arm, dtype):
     assert not torch.equal(got[mask], trl_old[mask])  # it really replaced TRL's bf16 values
 
 
-def test_arm_G_ratio_exactly_one_in_fp32(tmp_path):
+def test_arm_G_ratio_exactly_one_in_fp32(tmp_path, trains):
     trainer = make(tmp_path, GapConfig(arm="G", probe_rows=4), dtype="fp32", max_steps=1)
     trainer.train()
     first = first_log(trainer)
@@ -140,7 +140,7 @@ def run_G(tmp_path, skip: bool, monkeypatch, mode="trainer", **overrides):
     return trainer, rows
 
 
-def test_arm_G_replaces_trls_old_pass(tmp_path, monkeypatch):
+def test_arm_G_replaces_trls_old_pass(tmp_path, monkeypatch, trains):
     """G scores each micro-batch in place of TRL's old-logprob pass: as many grad-free rows as plain TRL (no probe
     rows), where keeping TRL's pass doubled them; losses, grad norms and weights bitwise those of the double-pass run."""
     plain, plain_rows = run_G(tmp_path / "plain", True, monkeypatch, mode="plain")
@@ -159,7 +159,7 @@ def test_arm_G_replaces_trls_old_pass(tmp_path, monkeypatch):
     assert logs[0]["gap/time/old_pass_s"] > 0 and logs[1]["gap/time/old_pass_s"] == 0.0  # step 2 reuses the batch
 
 
-def test_arm_G_extra_passes_are_the_gated_probes(tmp_path, monkeypatch):
+def test_arm_G_extra_passes_are_the_gated_probes(tmp_path, monkeypatch, trains):
     """With probe rows, G's grad-free rows beyond plain TRL's are exactly the probe passes of probed generations:
     probe_every 2 probes generation 1 of 2: 4 rows of the live batch-1 probe on the policy, 4 rows of the fp32
     batch-1 reference on its own shadow."""
@@ -175,7 +175,7 @@ def test_arm_G_extra_passes_are_the_gated_probes(tmp_path, monkeypatch):
     assert reference_rows == [1, 1, 1, 1]
 
 
-def test_arm_G_measure_only_pass_follows_metrics_every(tmp_path, monkeypatch):
+def test_arm_G_measure_only_pass_follows_metrics_every(tmp_path, monkeypatch, trains):
     """TRL computes no old log-probs (num_iterations 1): G's scoring is a metrics pass, run on measured generations
     only (metrics_every 2: generations 1 and 3 of 4), and the loss is plain TRL's."""
     plain, plain_rows = run_G(tmp_path / "plain", True, monkeypatch, mode="plain", num_iterations=1)
@@ -199,7 +199,7 @@ def test_gap_tf32_reaches_the_arm_plan_not_the_reference(tmp_path, tf32):
     assert reference.tf32 is False and (reference is trainer._gap_session.state.plan) == (not expected)
 
 
-def test_measure_only_when_trl_computes_no_old_logprobs(tmp_path):
+def test_measure_only_when_trl_computes_no_old_logprobs(tmp_path, trains):
     """num_iterations 1 (ratio identically 1 in TRL): arm B measures but the loss is plain TRL's."""
     losses = []
     for gap in (None, GapConfig(arm="B", probe_rows=4), GapConfig(arm="B", probe_rows=4, force_old_logprobs=True)):
@@ -213,7 +213,7 @@ def test_measure_only_when_trl_computes_no_old_logprobs(tmp_path):
     assert losses[2] != losses[0]  # forced: the fp32 old log-probs enter the ratio
 
 
-def test_kept_renormalize_at_top_p(tmp_path):
+def test_kept_renormalize_at_top_p(tmp_path, trains):
     gap = GapConfig(arm="C", probe_rows=4, kept="renormalize")
     trainer = make(tmp_path, gap, dtype="fp32", top_p=0.8)
     trainer.train()
@@ -246,7 +246,7 @@ def test_is_ratio_matches_trl_formula():
     assert torch.equal(tok, torch.exp(diff).clamp(0.5, 2.0))
 
 
-def test_is_correction_on_hf_path_trains(tmp_path):
+def test_is_correction_on_hf_path_trains(tmp_path, trains):
     gap = GapConfig(arm="A", probe_rows=0, is_correction=True)
     trainer = make(tmp_path, gap, dtype="bf16", vllm_importance_sampling_mode="token_truncate", max_steps=1)
     trainer.train()
@@ -293,7 +293,7 @@ def test_callback_recipe_warns_about_grpo_fields(tmp_path):
 
 
 @pytest.mark.parametrize("probe_every, expected", [(1, [True, True]), (2, [True, False])])
-def test_probe_every_gates_the_extra_forwards(tmp_path, probe_every, expected):
+def test_probe_every_gates_the_extra_forwards(tmp_path, probe_every, expected, trains):
     """The fp32 reference and live probe run on generations 1, 1 + N, ...; the cheap metrics on every one."""
     gap = GapConfig(arm="A", probe_rows=4, probe_every=probe_every, probe_budget=0.0)
     trainer = make(tmp_path, gap, max_steps=4)  # num_iterations 2, accumulation 2: a new generation every 2 steps
@@ -325,7 +325,7 @@ def _probed_generations(trainer) -> list[bool]:
 
 
 @pytest.mark.parametrize("budget, expected", [(0.0, [True] * 4), (1.0, [True] * 4), (1e-12, [True, False, False, False])])
-def test_probe_budget_caps_the_probe_share_of_training_time(tmp_path, budget, expected):
+def test_probe_budget_caps_the_probe_share_of_training_time(tmp_path, budget, expected, trains):
     """gap.probe_budget: a due probe runs while the probe's time so far is within the budget's share of the
     training time so far; the first always runs; 0 = no cap. A probe costs far more than 1e-12 of a step and far
     less than all of it, so 1e-12 allows only the first and 1.0 all four."""
@@ -342,7 +342,7 @@ def test_probe_budget_must_not_be_negative():
         GapConfig(arm="A", probe_budget=-0.01).validate()
 
 
-def test_arm_d_auto_layers_follow_process_zero(tmp_path):
+def test_arm_d_auto_layers_follow_process_zero(tmp_path, trains):
     """Arm D without layer ids: every process uses the layers process 0 chose (here: a forced disagreement)."""
     gap = GapConfig(arm="D", probe_rows=0, k=1)
     trainer = make(tmp_path, gap, dtype="bf16", max_steps=1)
@@ -359,7 +359,7 @@ def test_arm_d_auto_layers_follow_process_zero(tmp_path):
 
 
 @pytest.mark.parametrize(("arm", "kept"), [("A", "measure"), ("B", "measure"), ("C", "renormalize")])
-def test_score_chunk_tokens_tiles_change_nothing(tmp_path, row_invariant_linear, arm, kept):
+def test_score_chunk_tokens_tiles_change_nothing(tmp_path, row_invariant_linear, arm, kept, trains):
     """gap.score_chunk_tokens tiles the plugin's scoring (A: the kept-mass pass through TRL's model; B: the
     plan's old log-probs and kept mass; C + renormalize: the old and the training forward, entropy included):
     with a row-count-invariant matmul (conftest) the run is identical to the untiled one, step for step."""
@@ -475,7 +475,7 @@ def _expected_loss_metrics(trainer, inputs, new, old, group: str = "ratio") -> d
     return out
 
 
-def test_loss_metrics_read_the_device_once_per_micro_batch_and_follow_their_definitions(tmp_path, monkeypatch):
+def test_loss_metrics_read_the_device_once_per_micro_batch_and_follow_their_definitions(tmp_path, monkeypatch, trains):
     """Each host read of a CUDA tensor waits for the GPU, and with several runs sharing one (the H200 reward sweep:
     8 at once) every wait is long: arm A's plugin time there was 0.11 s on optimizer steps with no generation at
     all (the loss-time metrics of two micro-batches). They are computed on the device and read with one transfer per
@@ -541,7 +541,7 @@ def test_generation_metrics_read_the_device_once_per_generation_off_probe_genera
         assert off_probe and all(n == 0 for n in off_probe), (arm, reads)
 
 
-def test_flip_frac_counts_the_probed_micro_batches_only(tmp_path):
+def test_flip_frac_counts_the_probed_micro_batches_only(tmp_path, trains):
     """One probe row per generation of 8 rows in two micro-batches: one micro-batch has no probe token. Its share is
     undefined and must not enter the logged mean (it made every such window NaN, logged as None); a window
     without any probed micro-batch logs no flip_frac at all."""

@@ -31,7 +31,7 @@ def count_scoring_forwards(model) -> list:
 
 
 # ------------------------------------------------------------------ item 7: gap.kept: off costs nothing
-def test_kept_off_runs_no_extra_forward_and_logs_no_kept_metrics(tmp_path):
+def test_kept_off_runs_no_extra_forward_and_logs_no_kept_metrics(tmp_path, trains):
     counts, logs, batches = {}, {}, {}
     for kept in ("plain", "off", "measure"):
         gap = None if kept == "plain" else GapConfig(arm="A", probe_rows=0, kept=kept)
@@ -65,7 +65,7 @@ def overflowing_model_dir(tmp_path, token: str = "Z"):
 
 
 @pytest.mark.parametrize("kept", ["measure", "renormalize"])
-def test_fp16_fallback_under_truncation_with_kept_metrics(tmp_path, kept):
+def test_fp16_fallback_under_truncation_with_kept_metrics(tmp_path, kept, trains):
     gap = GapConfig(arm="F", probe_rows=0, kept=kept)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -105,7 +105,7 @@ def spied_old_vs_independent(batch, independent) -> tuple[torch.Tensor, torch.Te
 
 
 @pytest.mark.parametrize("arm", ["B", "E"])
-def test_resume_scores_with_the_checkpoint_weights(tmp_path, arm):
+def test_resume_scores_with_the_checkpoint_weights(tmp_path, arm, trains):
     from safetensors.torch import load_file
 
     from bloggap_plugin.models import load_model
@@ -123,7 +123,7 @@ def test_resume_scores_with_the_checkpoint_weights(tmp_path, arm):
     assert torch.equal(got, expected)
 
 
-def test_weights_changed_after_construction_are_scored(tmp_path):
+def test_weights_changed_after_construction_are_scored(tmp_path, trains):
     from bloggap_plugin.models import load_model
 
     trainer = make(tmp_path, GapConfig(arm="B", probe_rows=0, sampler=False), dtype="bf16", trainer_cls=Spy,
@@ -177,7 +177,7 @@ def assert_reference_equals_policy_at_step_zero(trainer) -> None:
 
 @pytest.mark.parametrize("name", ["tiny-random-llama", "tiny-random-gpt_neox"])
 @pytest.mark.parametrize("arm", ["C", "G"])
-def test_kl_is_exactly_zero_at_step_zero_with_mask_positions(tmp_path, name, arm):
+def test_kl_is_exactly_zero_at_step_zero_with_mask_positions(tmp_path, name, arm, trains):
     trainer = make(tmp_path, GapConfig(arm=arm, probe_rows=0), model_name=saved_model_dir(tmp_path, name),
                    trainer_cls=_RefSpy, beta=0.04, max_steps=1)
     assert trainer.ref_model is not None
@@ -187,7 +187,7 @@ def test_kl_is_exactly_zero_at_step_zero_with_mask_positions(tmp_path, name, arm
 
 # ------------------------------------------------------------------ item 2: renormalize with beta > 0
 @pytest.mark.parametrize("peft", [False, True])
-def test_renormalized_reference_gives_zero_kl_at_step_zero(tmp_path, peft):
+def test_renormalized_reference_gives_zero_kl_at_step_zero(tmp_path, peft, trains):
     """The reference is renormalised over the sampler's kept sets like the policy: a separate reference model
     (beta > 0 without PEFT) and TRL's adapter-disabled pass of the policy (PEFT) both."""
     peft_config = None
@@ -246,7 +246,7 @@ CLIP_CONFIGS = {
 
 
 @pytest.mark.parametrize("config", list(CLIP_CONFIGS))
-def test_clipped_frac_follows_trls_rule(tmp_path, config):
+def test_clipped_frac_follows_trls_rule(tmp_path, config, trains):
     # tiny epsilons and step: the ratios are the bf16-vs-fp32 noise (|dlogp| ~ 4e-4), on both sides of 1 for every A
     overrides = {"epsilon": 1e-4, "epsilon_high": 1e-4, "learning_rate": 1e-7, **CLIP_CONFIGS[config]}
     with warnings.catch_warnings():
@@ -275,7 +275,7 @@ def test_clipped_frac_follows_trls_rule(tmp_path, config):
 
 
 @pytest.mark.parametrize("loss_type", ["sapo", "vespo"])
-def test_clip_metrics_absent_where_the_loss_does_not_clip(tmp_path, loss_type):
+def test_clip_metrics_absent_where_the_loss_does_not_clip(tmp_path, loss_type, trains):
     with pytest.warns(UserWarning, match=f"not logged with loss_type '{loss_type}'"):
         trainer = make(tmp_path, GapConfig(arm="A", probe_rows=4, probe_every=1), loss_type=loss_type)
     trainer.train()
@@ -323,7 +323,7 @@ def test_unsupported_combinations_are_refused_at_attach(tmp_path, case):
 
 # ------------------------------------------------------------------ PEFT: shadows hold the adapter
 @pytest.mark.parametrize("arm", ["B", "F"])
-def test_peft_shadow_arms_score_with_the_trained_adapter(tmp_path, arm):
+def test_peft_shadow_arms_score_with_the_trained_adapter(tmp_path, arm, trains):
     from peft import LoraConfig
 
     from bloggap_plugin.core.scoring import token_logprobs
@@ -347,7 +347,7 @@ def test_peft_shadow_arms_score_with_the_trained_adapter(tmp_path, arm):
 
 
 # ------------------------------------------------------------------ gap.score_rows: rows per scoring forward
-def test_score_rows_bounds_the_rows_per_forward_of_the_arms_plan(tmp_path):
+def test_score_rows_bounds_the_rows_per_forward_of_the_arms_plan(tmp_path, trains):
     """Arm B with gap.score_rows 2: the fp32 shadow scores 2 rows per forward (4 is the micro-batch) and the old
     log-probs equal the micro-batch-sized scoring to fp32 rounding."""
     from bloggap_plugin.core.plans import ScoringPlan

@@ -32,12 +32,11 @@ ARMS = ("A", "B", "E", "F", "G")
 NOT_EQUAL_BY_MATHS = {"gap/ratio/exact_frac", "gap/time/scoring_s", "gap/time/overhead_frac", "gap/time/old_pass_s"}
 
 
-def _launch(out: Path, *helper_args: str, processes: int = 2, timeout: int = 240) -> None:
+def _launch(out: Path, *helper_args: str, processes: int = 2) -> None:
     if processes == 1:
-        run_helper([sys.executable], out, *helper_args, timeout=timeout)
+        run_helper([sys.executable], out, *helper_args)
     else:
-        run_helper(accelerate_launch(processes, "--config_file", str(FSDP_CONFIG)), out, "--cpu-fsdp", *helper_args,
-                   timeout=timeout)
+        run_helper(accelerate_launch(processes, "--config_file", str(FSDP_CONFIG)), out, "--cpu-fsdp", *helper_args)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +46,7 @@ def base(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fsdp_runs(base):
+def fsdp_runs(base, spawns):
     out = base / "arms.json"
     _launch(out, "--arm", ",".join(ARMS))
     return {arm: read_records(base / f"arms_{arm}.json") for arm in ARMS}
@@ -104,11 +103,11 @@ def test_fp32_head_islands_are_full_copies_gathered_from_the_shards(fsdp_runs):
         assert record["plan_bytes"]["plan"] == expected
 
 
-def test_a_process_without_any_completion_token_still_takes_every_forward(base):
+def test_a_process_without_any_completion_token_still_takes_every_forward(base, spawns):
     """Process 1 has no completion token: the kept-set forward (top_p 0.8) and the reductions stay collective,
     and the logged kept statistics are process 0's alone."""
     out = base / "masked.json"
-    _launch(out, "--arm", "C", "--mask-rank", "1", "--steps", "1", "--num-iterations", "1", timeout=150)
+    _launch(out, "--arm", "C", "--mask-rank", "1", "--steps", "1", "--num-iterations", "1")
     records = read_records(out)
     first = _first_log(records[0])
     gen = [r for r in records[0]["reduces"] if r["site"] == "flush_generation" and len(r["local"]) == len(GENERATION_FIELDS)]
@@ -120,7 +119,7 @@ def test_a_process_without_any_completion_token_still_takes_every_forward(base):
 
 
 @pytest.fixture(scope="module")
-def equal_runs(base):
+def equal_runs(base, spawns):
     common = ["--arm", "B,E,G", "--top-k", "1", "--steps", "1", "--num-iterations", "1", "--grad-accum", "1"]
     one, two = base / "one.json", base / "two.json"
     _launch(one, *common, "--per-device-batch", "8", "--probe-rows", "8", processes=1)
@@ -146,22 +145,22 @@ def test_two_fsdp2_processes_log_the_single_process_values_at_step_1(equal_runs,
     assert single["completions/mean_length"] == pooled["completions/mean_length"]  # the same tokens
 
 
-def test_guided_layers_chosen_differently_are_agreed_before_any_fp32_copy(base):
+def test_guided_layers_chosen_differently_are_agreed_before_any_fp32_copy(base, spawns):
     """Arm D with automatic layers: each process profiles its own rows, so they may choose different layers; the
     fp32 copies are gathered from shards (collectives), so process 0's choice must be agreed before any is made."""
     out = base / "guided.json"
-    _launch(out, "--arm", "D", "--k", "1", "--disagree-layers", "--steps", "1", "--num-iterations", "1", timeout=150)
+    _launch(out, "--arm", "D", "--k", "1", "--disagree-layers", "--steps", "1", "--num-iterations", "1")
     records = read_records(out)
     assert records[0]["plan_layers"] == records[1]["plan_layers"] == [0]  # process 0 preferred layer 0
     assert math.isfinite(_first_log(records[0])["gap/ratio/oob_frac"])
 
 
-def test_shadows_and_islands_follow_the_sharded_weights_after_an_update(base):
+def test_shadows_and_islands_follow_the_sharded_weights_after_an_update(base, spawns):
     """Step 3 generates again after two optimizer steps: B's shadow (synced shard into shard) and E's islands
     (gathered) must hold the updated weights, so the training forward before the next update matches the old
     log-probs up to rounding (a stale copy would leave step 2's ~0.1 differences)."""
     out = base / "synced.json"
-    _launch(out, "--arm", "B,E", "--steps", "3", timeout=200)
+    _launch(out, "--arm", "B,E", "--steps", "3")
     for arm in ("B", "E"):
         logs = [h for h in read_records(base / f"synced_{arm}.json")[0]["log_history"] if "loss" in h]
         assert [h["step"] for h in logs] == [1, 2, 3]
@@ -170,11 +169,11 @@ def test_shadows_and_islands_follow_the_sharded_weights_after_an_update(base):
         assert logs[2]["gap/ratio/abs_dlogp_max"] < 1e-4, arm
 
 
-def test_a_process_whose_sampler_record_was_lost_still_takes_the_kept_set_forward(base):
+def test_a_process_whose_sampler_record_was_lost_still_takes_the_kept_set_forward(base, spawns):
     """Process 1 has no sampler record (no gap_kept_* keys, as after a SamplerRecordError warning): the kept-set
     pass is still taken by both processes; the logged kept statistics are process 0's alone."""
     out = base / "norecord.json"
-    _launch(out, "--arm", "C", "--drop-record-rank", "1", "--steps", "1", "--num-iterations", "1", timeout=150)
+    _launch(out, "--arm", "C", "--drop-record-rank", "1", "--steps", "1", "--num-iterations", "1")
     records = read_records(out)
     gen = [r for r in records[0]["reduces"] if r["site"] == "flush_generation" and len(r["local"]) == len(GENERATION_FIELDS)]
     gen1 = [r for r in records[1]["reduces"] if r["site"] == "flush_generation" and len(r["local"]) == len(GENERATION_FIELDS)]

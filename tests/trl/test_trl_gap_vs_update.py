@@ -58,7 +58,7 @@ def _plain_trl_micro_batches(tmp_path, monkeypatch, **overrides) -> list[dict[st
     {"num_iterations": 2},  # generation every 2 steps: steps 1, 3 first iteration; 2, 4 the second
     {"num_iterations": 1, "steps_per_generation": 4},  # one iteration over 2 optimizer steps: the second after a step
 ], ids=["two-iterations", "one-iteration-two-steps"])
-def test_first_iteration_gap_is_trls_own_pass_and_the_update_is_apart(tmp_path, monkeypatch, overrides):
+def test_first_iteration_gap_is_trls_own_pass_and_the_update_is_apart(tmp_path, monkeypatch, overrides, trains):
     common = dict(max_steps=4, gradient_accumulation_steps=2, **overrides)
     expected = _plain_trl_micro_batches(tmp_path / "plain", monkeypatch, **common)
     torch.manual_seed(7)
@@ -77,7 +77,7 @@ def test_first_iteration_gap_is_trls_own_pass_and_the_update_is_apart(tmp_path, 
     assert logs[1]["gap/update/abs_dlogp_max"] > 0  # the update moved the weights: not a zero column
 
 
-def test_one_iteration_per_step_logs_only_the_gap(tmp_path):
+def test_one_iteration_per_step_logs_only_the_gap(tmp_path, trains):
     """num_iterations 1, one optimizer step per generation (TRL runs no old pass: its ratio is 1): every loss pass
     measures the gap of arm A's own scoring; no update is ever logged."""
     torch.manual_seed(7)

@@ -56,7 +56,7 @@ LOSS_SUMS = [(registered(key, "trl"), num, den) for key, num, den in (
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, spawns):
     require_gloo()
     base = tmp_path_factory.mktemp("multiproc")
     launch = accelerate_launch(2, "--multi_gpu", "--num_machines", "1", "--mixed_precision", "no",

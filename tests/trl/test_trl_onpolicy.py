@@ -35,7 +35,7 @@ def _run(tmp_path, arm: str, **overrides):
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-def test_arm_j_ratio_is_exactly_one_at_each_generations_first_iteration(tmp_path, bf16):
+def test_arm_j_ratio_is_exactly_one_at_each_generations_first_iteration(tmp_path, bf16, trains):
     """Steps 1 and 3 are the first iteration of a generation (the weights are those the old log-probs were scored
     with): under arm J every token's new log-prob equals the old one bitwise (exact share 1, none out of band); the
     loss is finite and the weights train (fp32 masters, with and without TRL's bf16 autocast). Arm I (same run, TRL's
@@ -83,7 +83,7 @@ def test_arm_j_refuses_peft(tmp_path):
              gradient_checkpointing=False, peft_config=config)
 
 
-def test_arm_j_through_gap_grpo_trainer_on_hf_generate(tmp_path):
+def test_arm_j_through_gap_grpo_trainer_on_hf_generate(tmp_path, trains):
     """The other entry point (``GapGRPOTrainer``, what ``bloggap train`` builds), sampling with HF ``generate``: the
     same training forward, so the first iteration's ratio is bitwise 1 there too."""
     with warnings.catch_warnings():

@@ -11,7 +11,7 @@ from _support import ROOT
 SMALL = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=8)
 
 
-def test_run_training_writes_jsonl_with_gap_keys(tmp_path):
+def test_run_training_writes_jsonl_with_gap_keys(tmp_path, trains):
     from bloggap_plugin.trl.run import run_training
 
     log = tmp_path / "log.jsonl"
@@ -24,7 +24,7 @@ def test_run_training_writes_jsonl_with_gap_keys(tmp_path):
     assert summary["mean/gap/ratio/exact_frac"] == 1.0  # matched arm: old == training forward, bit for bit
 
 
-def test_run_training_checks_and_builds_each_input_once(tmp_path, monkeypatch):
+def test_run_training_checks_and_builds_each_input_once(tmp_path, monkeypatch, trains):
     """prepare_run checks every input and builds what the run needs (settings, recipe, GRPOConfig, device, task data,
     held-out set, model spec); the training after it uses that plan and does none of that work again."""
     import sys
@@ -98,7 +98,7 @@ def test_benchmark_quick(tmp_path):
     assert str(tmp_path) not in json.dumps(payload["results"]) and "/tmp" not in json.dumps(payload["results"])
 
 
-def test_wandb_offline_run_contains_gap_keys(tmp_path, monkeypatch):
+def test_wandb_offline_run_contains_gap_keys(tmp_path, monkeypatch, trains):
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))

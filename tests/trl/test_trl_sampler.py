@@ -34,7 +34,7 @@ def run(tmp_path, gap, mode, **overrides):
 @pytest.mark.parametrize(
     "truncation", [dict(top_p=0.9, min_p=0.1), dict(top_k=6, top_p=0.8)], ids=["top_p+min_p", "top_k+top_p"]
 )
-def test_arm_A_is_bitwise_plain_trl_with_combined_truncation(tmp_path, truncation):
+def test_arm_A_is_bitwise_plain_trl_with_combined_truncation(tmp_path, truncation, trains):
     """The recorder truncates in HF's order (top_k, top_p, then min_p), so it draws exactly what plain TRL draws."""
     _, plain = run(tmp_path, None, "plain", max_steps=2, **truncation)
     trainer, ours = run(tmp_path, GapConfig(arm="A", probe_rows=0), "trainer", max_steps=2, **truncation)
@@ -52,7 +52,7 @@ def min_p_model(model) -> None:
     model.generation_config.min_p = 0.3
 
 
-def test_model_generation_config_min_p_is_recorded_as_sampled(tmp_path):
+def test_model_generation_config_min_p_is_recorded_as_sampled(tmp_path, trains):
     """TRL leaves min_p None, so generate samples with the model's min_p 0.3: the recorder must model exactly that."""
     from _support.trl_runs import Spy
     from transformers import MinPLogitsWarper
@@ -101,7 +101,7 @@ def test_unmodelled_warper_in_generation_kwargs_is_refused(tmp_path):
         make(tmp_path, GapConfig(arm="A"), generation_kwargs={"typical_p": 0.8})
 
 
-def test_warper_added_after_attach_fails_at_generate(tmp_path):
+def test_warper_added_after_attach_fails_at_generate(tmp_path, trains):
     """The check runs on the config generate really uses (after transformers merges the model's)."""
     trainer = make(tmp_path, GapConfig(arm="A", probe_rows=0), max_steps=1)
     trainer.model.generation_config.typical_p = 0.9
@@ -110,7 +110,7 @@ def test_warper_added_after_attach_fails_at_generate(tmp_path):
 
 
 @pytest.mark.parametrize("generation_kwargs", [{"num_beams": 2}, {"do_sample": False}], ids=["beams", "greedy"])
-def test_unrecordable_generation_mode_turns_sampler_off_and_trains_like_plain_trl(tmp_path, generation_kwargs):
+def test_unrecordable_generation_mode_turns_sampler_off_and_trains_like_plain_trl(tmp_path, generation_kwargs, trains):
     import warnings
 
     _, plain = run(tmp_path, None, "plain", max_steps=1, generation_kwargs=generation_kwargs)
@@ -134,7 +134,7 @@ def test_unrecordable_mode_with_renormalize_is_refused(tmp_path):
         make(tmp_path, GapConfig(arm="C", kept="renormalize"), top_p=0.8, generation_kwargs={"num_beams": 2})
 
 
-def test_replaced_generate_drops_the_sampler_metrics_with_a_warning(tmp_path):
+def test_replaced_generate_drops_the_sampler_metrics_with_a_warning(tmp_path, trains):
     """A mocked generate never calls the recorder: that generation has no sampler metrics, training goes on."""
     trainer = make(tmp_path, GapConfig(arm="C", probe_rows=4), max_steps=2)
     calls = []
@@ -153,7 +153,7 @@ def test_replaced_generate_drops_the_sampler_metrics_with_a_warning(tmp_path):
     assert logs[0]["gap/ratio/oob_frac"] is not None  # the other metrics are unaffected
 
 
-def test_mode_changed_after_attach_drops_the_sampler_metrics(tmp_path):
+def test_mode_changed_after_attach_drops_the_sampler_metrics(tmp_path, trains):
     trainer = make(tmp_path, GapConfig(arm="A", probe_rows=0), max_steps=1)
     trainer.model.generation_config.num_beams = 2  # generate fills TRL's num_beams=None from here
     with pytest.warns(UserWarning, match="cannot record generation mode 'beam_sample'.*dropped for this generation"):
@@ -190,7 +190,7 @@ SUITE_ARMS = ("A", "C", "E", "G")
 
 @pytest.mark.parametrize("arm", SUITE_ARMS)
 @pytest.mark.parametrize("name", list(SUITE))
-def test_trl_suite_configuration_trains_with_the_plugin(tmp_path, name, arm):
+def test_trl_suite_configuration_trains_with_the_plugin(tmp_path, name, arm, trains):
     import functools
     import math
     import warnings

@@ -84,7 +84,7 @@ def _runs_with_and_without_trls_pass(tmp_path, monkeypatch, gaps: dict, **overri
 
 
 @pytest.mark.parametrize("arm", ["A", "G", "F", "I"])
-def test_sampler_metrics_equal_trls_on_the_same_step(tmp_path, arm):
+def test_sampler_metrics_equal_trls_on_the_same_step(tmp_path, arm, trains):
     """gap/sampler/* and TRL's sampling/* measure the old log-probs the loss reads: A keeps TRL's, G and I replace
     TRL's pass, F replaces TRL's old log-probs after its pass (and the IS ratio the loss reads with them), so TRL's
     logged sampling/* must be recomputed from the arm's, not left from the pass whose result was replaced."""
@@ -100,7 +100,7 @@ def test_sampler_metrics_equal_trls_on_the_same_step(tmp_path, arm):
     assert checked == len(PAIRS) and fake.calls == 1
 
 
-def test_arm_G_replaces_trls_old_pass_on_vllm_path(tmp_path, monkeypatch):
+def test_arm_G_replaces_trls_old_pass_on_vllm_path(tmp_path, monkeypatch, trains):
     """TRL's vLLM path always runs its old pass (IS correction): under G it is skipped and G's per-micro-batch scores
     take its place: as many grad-free rows as plain TRL, the IS ratio recomputed per micro-batch from G's scores,
     losses bitwise those of the run that kept TRL's pass, and TRL's sampling/* statistics recomputed from G's scores."""
@@ -130,7 +130,7 @@ def test_arm_G_replaces_trls_old_pass_on_vllm_path(tmp_path, monkeypatch):
         assert got["sampling/importance_sampling_ratio/mean"] < 0.99  # nor its ratio 1 (top_p truncation)
 
 
-def test_kept_measure_finds_the_kept_mass_and_leaves_training_alone(tmp_path):
+def test_kept_measure_finds_the_kept_mass_and_leaves_training_alone(tmp_path, trains):
     """Sampler = the trainer's own model: full-vocabulary old / processed sampler = the kept mass S per token, so the
     mean ratio before equals the mean kept mass and the ratio after renormalising is 1; training is plain TRL's."""
     plain, _ = vllm_run(tmp_path / "plain", None, {"top_p": 0.8}, prompts=EQUAL)
@@ -147,7 +147,7 @@ def test_kept_measure_finds_the_kept_mass_and_leaves_training_alone(tmp_path):
     assert [(h["loss"], h["grad_norm"]) for h in logs_of(trainer)] == [(h["loss"], h["grad_norm"]) for h in logs_of(plain)]
 
 
-def test_kept_renormalize_brings_the_is_ratio_to_one(tmp_path):
+def test_kept_renormalize_brings_the_is_ratio_to_one(tmp_path, trains):
     """renormalize: the arm's old log-probs are renormalised over the re-truncated kept set, so the IS ratio TRL then
     applies is 1 per sequence (TRL's default sequence_mask), where TRL alone weights every sequence by S^T. TRL's
     logged sampling/* describe the ratio the loss applies; the ratio before renormalising is gap/kept/*'s."""
@@ -166,19 +166,19 @@ def test_kept_renormalize_brings_the_is_ratio_to_one(tmp_path):
 @pytest.mark.parametrize("arm, sampling", [("C", {"top_k": 5}), ("C", {"min_p": 0.05}),
                                            ("C", {"top_p": 0.9, "min_p": 0.05}), ("G", {"top_p": 0.8}),
                                            ("E", {"top_p": 0.8})])
-def test_kept_renormalize_other_truncations_and_arms(tmp_path, arm, sampling):
+def test_kept_renormalize_other_truncations_and_arms(tmp_path, arm, sampling, trains):
     trainer, _ = vllm_run(tmp_path, GapConfig(arm=arm, kept="renormalize"), sampling, max_steps=1)
     first = logs_of(trainer)[0]
     assert first["gap/sampler/is_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     assert first["gap/kept/ratio_after_mean"] == pytest.approx(1.0, abs=1e-5)
 
 
-def test_kept_off_on_vllm_path_logs_no_kept_metrics(tmp_path):
+def test_kept_off_on_vllm_path_logs_no_kept_metrics(tmp_path, trains):
     trainer, _ = vllm_run(tmp_path, GapConfig(arm="A", kept="off"), {"top_p": 0.8}, max_steps=1)
     assert not any(k.startswith("gap/kept/") for h in logs_of(trainer) for k in h)
 
 
-def test_untruncated_vllm_path_logs_no_kept_metrics(tmp_path):
+def test_untruncated_vllm_path_logs_no_kept_metrics(tmp_path, trains):
     trainer, _ = vllm_run(tmp_path, GapConfig(arm="C", kept="measure"), {}, max_steps=1)
     first = logs_of(trainer)[0]
     assert not any(k.startswith("gap/kept/") for k in first)
@@ -186,7 +186,7 @@ def test_untruncated_vllm_path_logs_no_kept_metrics(tmp_path):
     assert first["gap/sampler/oob_frac"] == 0.0 and first["gap/sampler/abs_dlogp_max"] < 1e-4
 
 
-def test_renormalize_with_beta_on_vllm_path_is_refused(tmp_path):
+def test_renormalize_with_beta_on_vllm_path_is_refused(tmp_path, trains):
     with pytest.raises(RecipeError, match="renormalize.*beta.*vLLM"):
         vllm_run(tmp_path, GapConfig(arm="A", kept="renormalize"), {"top_p": 0.8}, train=False, beta=0.04,
                  model_name=saved_model_dir(tmp_path))
@@ -220,7 +220,7 @@ def test_colocated_batch_invariant_vllm_warns_about_rope(tmp_path, monkeypatch, 
         assert rope == []
 
 
-def test_kept_measure_on_vllm_path_follows_metrics_every(tmp_path):
+def test_kept_measure_on_vllm_path_follows_metrics_every(tmp_path, trains):
     """measure-only kept sets cost a pass on measured generations only (metrics_every 2: generations 1, 3, ...)."""
     trainer, fake = vllm_run(tmp_path, GapConfig(arm="A", kept="measure", metrics_every=2), {"top_p": 0.8},
                              train=False, max_steps=4, num_iterations=1, gradient_accumulation_steps=1)
@@ -233,7 +233,7 @@ def test_kept_measure_on_vllm_path_follows_metrics_every(tmp_path):
     assert fake.calls == len(generated) == 4 and len(with_kept) == 2 and len(passes) == 2
 
 
-def test_sampler_exact_frac_counts_bit_identical_old_logprobs(tmp_path):
+def test_sampler_exact_frac_counts_bit_identical_old_logprobs(tmp_path, trains):
     """gap/sampler/exact_frac: the share of completion tokens whose old log-prob equals the sampler's bit for bit,
     recomputed here from the batches the loss reads (same model, untruncated: some tokens equal, some differ in the
     last bits, so the share is strictly between 0 and 1 and must match the count, not a bound)."""
@@ -264,7 +264,7 @@ def test_sampler_exact_frac_counts_bit_identical_old_logprobs(tmp_path):
     assert 0 < exact < tokens and first["gap/sampler/exact_frac"] == exact / tokens
 
 
-def test_arm_i_refuses_a_generation_its_engine_prefilled_in_chunks(tmp_path):
+def test_arm_i_refuses_a_generation_its_engine_prefilled_in_chunks(tmp_path, trains):
     """Arm I reads the colocate engine's tokens per step on every generation: prompts that hold more tokens than one
     step were prefilled in chunks mixed with decode steps, so its scores would not be the sampler's. The step stops
     with the error naming both numbers; with a budget that holds them the same run trains."""
@@ -286,7 +286,7 @@ def test_arm_i_refuses_a_generation_its_engine_prefilled_in_chunks(tmp_path):
     assert logs_of(trainer)[0]["gap/sampler/oob_frac"] is not None
 
 
-def test_arm_i_replaces_trls_old_pass_on_vllm_path(tmp_path, monkeypatch):
+def test_arm_i_replaces_trls_old_pass_on_vllm_path(tmp_path, monkeypatch, trains):
     """TRL's vLLM path runs its own old pass (IS correction) only for the plugin to replace its result under arm I:
     it is skipped (no grad-free forward of the policy at all), arm I's scores take its place, and the run's losses,
     gradient norms, IS ratios and TRL's sampling/* are bitwise those of the run that kept TRL's pass; the replacing

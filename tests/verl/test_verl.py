@@ -15,6 +15,7 @@ import types
 import pytest
 import torch
 from _support import ROOT
+from _support.events import HANG_S
 
 verl = pytest.importorskip("verl")
 
@@ -101,14 +102,14 @@ def test_entry_point_group_is_the_one_verl_loads():
     assert bverl.is_registered()  # importing verl above loaded the entry point
 
 
-def test_entry_point_registers_in_a_fresh_process_and_env_var_disables():
+def test_entry_point_registers_in_a_fresh_process_and_env_var_disables(spawns):
     code = (
         "import torch; torch.set_num_threads(1); import verl, sys;"
         "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R;"
         "print('REG', 'bloggap_plugin.verl' in sys.modules, 'gap_vanilla' in R)"
     )
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=HANG_S)
     assert "REG True True" in run.stdout, run.stderr[-2000:]
     assert run.stderr.count("bloggap verl plugin registered") == 1
     off = subprocess.run(
@@ -116,7 +117,7 @@ def test_entry_point_registers_in_a_fresh_process_and_env_var_disables():
         capture_output=True,
         text=True,
         env=dict(env, BLOGGAP_VERL_DISABLE="1"),
-        timeout=60,
+        timeout=HANG_S,
     )
     assert "REG False" in off.stdout, off.stderr[-2000:]
 
@@ -300,14 +301,14 @@ def test_only_config_reads_bloggap_environment_variables():
             assert "os.environ" not in source and "getenv" not in source, name
 
 
-def test_import_verl_with_a_bad_value_exits_with_one_line(tmp_path):
+def test_import_verl_with_a_bad_value_exits_with_one_line(tmp_path, spawns):
     env = dict(os.environ, PYTHONWARNINGS="ignore", BLOGGAP_VERL_GUARD="loud")
     run = subprocess.run(
         [sys.executable, "-c", "import torch; torch.set_num_threads(1); import verl; print('TRAINED ANYWAY')"],
         capture_output=True,
         text=True,
         env=env,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert run.returncode != 0 and "TRAINED ANYWAY" not in run.stdout
     assert "Traceback" not in run.stderr, run.stderr[-2000:]
@@ -888,10 +889,10 @@ def _apply_monkey_patch_in_a_fresh_process(disable: str) -> subprocess.Completed
             "from verl.models.transformers.monkey_patch import apply_monkey_patch; "
             "apply_monkey_patch(model, ulysses_sp_size=1, use_remove_padding=False); print('patched')")
     env = {**os.environ, "BLOGGAP_VERL_DISABLE": disable, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=HANG_S)
 
 
-def test_verl_fsdp_monkey_patch_runs_beside_trl_1_16():
+def test_verl_fsdp_monkey_patch_runs_beside_trl_1_16(spawns):
     """verl 0.9.1's apply_monkey_patch (every FSDP actor's model build) imports AutoModelForCausalLMWithValueHead from
     trl.experimental.ppo or trl whenever TRL is importable; TRL 1.16 has neither, so the actor's init_model fails with
     ImportError (seen on the H200). With the plugin, verl skips that TRL-only patch and says why, once."""

@@ -1,0 +1,172 @@
+"""`bloggap train` as a user runs it, in its own process on the tiny model: stdout is the summary alone, Ctrl-C
+keeps the summary of what finished, a run without --max-steps says how long it will take, reporting integrations
+write offline, beta > 0 needs no hub, and the hub flag is set before huggingface_hub reads it. Each run is shared
+by the tests that check it (a module fixture); a subprocess is waited on by event (see ``_support.events``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from _support import ROOT
+from _support.cli import RECIPES
+from _support.events import HANG_S, complete_lines, restore_sigint, wait_for
+
+ARM_A = str(RECIPES / "arm_A.yaml")
+TINY = ("--model", "tiny-random-llama")
+
+
+def _train(folder: Path, *extra: str, env: dict | None = None, stderr=subprocess.PIPE) -> subprocess.Popen:
+    """``bloggap train`` on the tiny model in a subprocess that Ctrl-C stops (see :func:`restore_sigint`)."""
+    env = env or {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    return subprocess.Popen([sys.executable, "-m", "bloggap_plugin.cli", "train", ARM_A, *TINY, "--output-dir",
+                             str(folder / "o"), *extra], cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=restore_sigint)
+
+
+def _finish(proc: subprocess.Popen) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=HANG_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory, spawns):
+    """Two steps with beta 0.04 and a step log: the run's exit code, stdout, stderr and logged records."""
+    folder = tmp_path_factory.mktemp("two_steps")
+    log = folder / "run.jsonl"
+    proc = _train(folder, "--max-steps", "2", "--beta", "0.04", "--log-jsonl", str(log))
+    out, err = _finish(proc)
+    assert proc.returncode == 0, err[-3000:]
+    return SimpleNamespace(out=out, err=err, records=[json.loads(line) for line in complete_lines(log)])
+
+
+def test_stdout_is_the_summary_json_alone(two_steps):
+    summary = json.loads(two_steps.out)
+    assert summary["steps"] == 2 and summary["interrupted"] is False and "loss" in two_steps.err  # logs on stderr
+
+
+def test_beta_with_a_built_in_model_takes_the_reference_from_the_policy_offline(two_steps):
+    """beta > 0: TRL 1.16 rebuilds the reference model from the policy's name as a hub id (an OSError offline, for a
+    built-in or local model); bloggap train gives it a frozen copy of the policy as loaded instead, so the KL term
+    runs offline and starts at 0 (policy and reference equal before the first update)."""
+    records = two_steps.records
+    assert len(records) == 2 and records[0]["kl"] == 0.0 and all(math.isfinite(r["kl"]) for r in records)
+
+
+def test_a_tiny_model_run_of_the_default_task_stays_within_its_positions(two_steps):
+    """The tiny models' character tokenizer makes the task's chat prompts long: prompt plus completion must fit the
+    model's positions, so transformers' "exceeded the model's predefined maximum length" reminder never fires."""
+    assert "predefined maximum length" not in two_steps.err, two_steps.err[-3000:]
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory, spawns):
+    """A run without --max-steps (the recipe's epochs: thousands of steps), stopped by Ctrl-C once it has logged two
+    steps: its exit code, stdout, stderr and logged records."""
+    folder = tmp_path_factory.mktemp("interrupted")
+    log, err_path = folder / "run.jsonl", folder / "stderr.txt"
+    with err_path.open("w") as stderr:
+        proc = _train(folder, "--log-jsonl", str(log), stderr=stderr)
+        try:
+            wait_for(lambda: len(complete_lines(log)) >= 2, proc, "two logged steps")
+            proc.send_signal(signal.SIGINT)
+        finally:
+            out, _ = _finish(proc)
+    return SimpleNamespace(code=proc.returncode, out=out, err=err_path.read_text(),
+                           records=[json.loads(line) for line in complete_lines(log)])
+
+
+def _planned_steps(err: str) -> int:
+    planned = [line for line in err.splitlines() if "optimizer steps (no --max-steps" in line]
+    assert len(planned) == 1, err[-2000:]
+    return int(planned[0].split("bloggap train: ")[1].split()[0])
+
+
+def test_an_interrupted_train_prints_the_summary_of_what_finished(interrupted):
+    err = interrupted.err
+    assert interrupted.code == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    summary = json.loads(interrupted.out)
+    assert summary["interrupted"] is True and 1 <= summary["steps"] < _planned_steps(err)
+    assert summary["steps"] >= max(r["step"] for r in interrupted.records)
+    assert math.isfinite(summary["train_loss"]) if summary["train_loss"] is not None else True
+    assert "interrupted" in err.strip().splitlines()[-1]
+
+
+def test_leaving_out_max_steps_says_how_many_steps_and_how_long(interrupted):
+    """Without --max-steps the recipe (arm_A: no max_steps) trains for its epochs over the task's prompts, thousands
+    of steps: the run says how many, and after the first step about how long, on stderr; Ctrl-C still summarises."""
+    err = interrupted.err
+    assert interrupted.code == 130, err[-3000:]
+    assert _planned_steps(err) > 100
+    assert sum("the first step took" in line for line in err.splitlines()) == 1
+    assert json.loads(interrupted.out)["interrupted"] is True
+
+
+@pytest.fixture(scope="module")
+def reported(tmp_path_factory, spawns):
+    """One step with ``--report-to wandb tensorboard``, no wandb key, no login and WANDB_MODE unset."""
+    pytest.importorskip("wandb")
+    pytest.importorskip("tensorboard")
+    folder = tmp_path_factory.mktemp("reported")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HF_HUB_OFFLINE="1", WANDB_DIR=str(folder), HOME=str(folder))  # no netrc login either
+    proc = _train(folder, "--max-steps", "1", "--report-to", "wandb", "tensorboard", env=env)
+    out, err = _finish(proc)
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert json.loads(out)["steps"] == 1
+    return folder
+
+
+def test_report_to_wandb_without_an_api_key_runs_offline(reported):
+    """The README's wandb command with no key and WANDB_MODE unset: offline by default (the project's promise), not
+    wandb's UsageError after the model loaded."""
+    assert list(reported.glob("wandb/offline-run-*")), "no offline wandb run was written"
+
+
+def test_report_to_two_integrations_writes_both_offline(reported):
+    """`--report-to wandb tensorboard` with no wandb key: one run, a wandb offline run and tensorboard events."""
+    assert list(reported.glob("wandb/offline-run-*")), "no offline wandb run was written"
+    assert list((reported / "o").rglob("events.out.tfevents.*")), "no tensorboard events were written"
+
+
+_OFFLINE_PROBE = ("import sys; from bloggap_plugin import cli; rc = cli.main(sys.argv[1:]); "
+                  "import huggingface_hub.constants as c; print('offline', c.HF_HUB_OFFLINE, rc)")
+"""Runs ``bloggap ARGV`` (refused: --max-steps=0) and prints whether huggingface_hub came up offline."""
+
+
+def _hub_offline_after(*argv: str) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
+    proc = subprocess.run([sys.executable, "-c", _OFFLINE_PROBE, "train", ARM_A, *argv, "--max-steps=0"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=HANG_S)
+    return proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
+
+
+def test_train_is_offline_before_the_hub_library_reads_its_flag(spawns):
+    """huggingface_hub reads HF_HUB_OFFLINE once, when it is imported, which building train's parser does (TRL's
+    flags): the CLI must set it first, unless the user names a hub model."""
+    assert _hub_offline_after() == "offline True 2"
+    assert _hub_offline_after("--model", "someorg/somemodel") == "offline False 2"
+
+
+@pytest.mark.parametrize("config_model, flags, offline", [("someorg/somemodel", (), "False"),
+                                                          ("tiny-random-llama", (), "True"),
+                                                          ("someorg/somemodel", ("--model", "tiny-random-llama"), "True")])
+def test_a_config_file_naming_a_hub_model_gets_the_hub_as_model_does(tmp_path, config_model, flags, offline, spawns):
+    """Offline was decided from argv's --model only: a --config file naming a hub model ran offline (and failed to
+    find it), one naming a built-in model is offline; the command line's --model wins over the file's, as for
+    every field."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {config_model}\n")
+    assert _hub_offline_after("--config", str(config), *flags) == f"offline {offline} 2"
