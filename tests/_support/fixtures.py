@@ -78,13 +78,14 @@ def pytest_runtest_protocol(item, nextitem):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    result = yield
-    if _RUNNING["missing"]:
-        names = sorted(set(_RUNNING["missing"]))
-        pytest.fail(f"this test {'; '.join(TIERS[n] for n in names)} without requesting the fixture "
-                    f"{', '.join(f'`{n}`' for n in names)}: request it, so the test is marked for the tiers",
-                    pytrace=False)
-    return result
+    try:
+        return (yield)
+    finally:  # also when the test failed otherwise (it caught the guard's error and went on without the result)
+        if _RUNNING["missing"]:
+            names = sorted(set(_RUNNING["missing"]))
+            pytest.fail(f"this test {'; '.join(TIERS[n] for n in names)} without requesting the fixture "
+                        f"{', '.join(f'`{n}`' for n in names)}: request it, so the test is marked for the tiers",
+                        pytrace=False)
 
 
 class TierError(AssertionError):
@@ -99,12 +100,16 @@ def _require(name: str) -> None:
         raise TierError(f"this test {TIERS[name]} without requesting the `{name}` fixture")
 
 
+_LAUNCHERS = ("bash", "sh", "torchrun", "accelerate")
+"""Programs besides Python that a test starts to run Python (scripts, multi-process launches)."""
+
+
 def _subprocess_audit(event: str, args) -> None:
     if event != "subprocess.Popen":
         return
     executable, argv = args[0], args[1]
-    program = executable or (argv if isinstance(argv, (str, bytes)) else argv[0])
-    if Path(os.fsdecode(program)).name != "git":  # git answers at once
+    program = Path(os.fsdecode(executable or (argv if isinstance(argv, (str, bytes)) else argv[0])))
+    if program.name.startswith("python") or program.name in _LAUNCHERS:  # not git, uname (platform), nvidia-smi
         _require("spawns")
 
 

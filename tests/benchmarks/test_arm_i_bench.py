@@ -40,7 +40,7 @@ def test_smoke_scores_every_step_and_records_the_refused_pieces(tmp_path):
     assert all("the plan runs on cpu" in r["refused"] and "gap.i_pieces: torch" in r["refused"] for r in refused)
 
 
-def test_all_records_a_failed_phase_with_its_log_and_keeps_a_valid_document(tmp_path):
+def test_all_records_a_failed_phase_with_its_log_and_keeps_a_valid_document(tmp_path, spawns):
     """Where a phase cannot run (here: no vLLM, no GPU), ``all`` records its exit code and log tail under
     ``results.errors`` and the document stays valid, so the lead's one call always returns something readable."""
     script = _script()

@@ -47,7 +47,7 @@ def _smoke(data, out) -> tuple[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def smoke(smoke_data, tmp_path_factory):
+def smoke(smoke_data, tmp_path_factory, trains):
     out = tmp_path_factory.mktemp("smoke")
     code, payload = _smoke(smoke_data, out)
     assert code == 0
@@ -123,7 +123,7 @@ def test_training_example_is_the_task_prompt_plus_the_worked_solution(tiny):
         assert whole == prompt_text + target + tokenizer.eos_token + "\n"
 
 
-def test_the_trainers_tokens_are_the_generation_prompt_then_the_target_with_the_real_tokenizer(tmp_path):
+def test_the_trainers_tokens_are_the_generation_prompt_then_the_target_with_the_real_tokenizer(tmp_path, real_model):
     """SmolLM2's own chat template: TRL's tokenized example starts with exactly the prompt ids that gsm8k_baseline
     and TRL's GRPO generate from, and its labels cover the target and the end-of-turn token only."""
     import argparse

@@ -189,7 +189,7 @@ def test_a_bloggap_cache_that_is_a_file_is_refused_before_dequantising(bloggap, 
                            "BLOGGAP_CACHE", "not a folder")
 
 
-def test_a_cache_write_that_fails_leaves_no_temporary_folder(tmp_path, monkeypatch):
+def test_a_cache_write_that_fails_leaves_no_temporary_folder(tmp_path, monkeypatch, real_model):
     """A full disk while the dequantised copy is saved: a ModelSpecError naming the cache and the fix, and no
     half-written temporary folder left behind (the next load would not find one either)."""
     import errno

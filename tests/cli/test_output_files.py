@@ -172,7 +172,7 @@ def test_sigterm_stops_train_as_ctrl_c_does(bloggap, tmp_path, monkeypatch, caps
 # --- compare -----------------------------------------------------------------------------------------------------
 
 
-def test_compare_keeps_every_partial_log(tmp_path, monkeypatch):
+def test_compare_keeps_every_partial_log(tmp_path, monkeypatch, spawns):
     """Two killed attempts of one run, then a resume: both unfinished logs are kept (before: the second
     `.partial` replaced the first)."""
     pytest.importorskip("matplotlib")

@@ -282,7 +282,7 @@ def test_plan_rejects_bad_input(tmp_path):
 # --------------------------------------------------------------------------------------------- the sweep
 
 
-def test_sweep_with_fake_runs_writes_table_json_plot_and_resumes(tmp_path, fake):
+def test_sweep_with_fake_runs_writes_table_json_plot_and_resumes(tmp_path, fake, spawns):
     pytest.importorskip("matplotlib")
     config = _config(tmp_path, fake)
     messages = []
@@ -321,7 +321,7 @@ def test_sweep_with_fake_runs_writes_table_json_plot_and_resumes(tmp_path, fake)
     assert again["tables"][0]["rows"] == res["tables"][0]["rows"]
 
 
-def test_a_crashed_run_does_not_stop_the_sweep(tmp_path, fake, monkeypatch):
+def test_a_crashed_run_does_not_stop_the_sweep(tmp_path, fake, monkeypatch, spawns):
     pytest.importorskip("matplotlib")
     monkeypatch.setenv("FAKE_CRASH", "B_s0")
     config = _config(tmp_path, fake, seeds=[0], parallel=1)
@@ -401,7 +401,7 @@ def test_task_kwargs_need_a_run_function_that_takes_them(tmp_path, fake):
     assert not Path(config.output_dir).exists()  # refused before anything ran
 
 
-def test_resume_runs_again_when_its_settings_changed(tmp_path, fake):
+def test_resume_runs_again_when_its_settings_changed(tmp_path, fake, spawns):
     """A finished run counts only for the settings it was trained with: other --max-steps, --model, --override or
     recipe content train it again (the old log kept aside), and the table never labels old logs with new settings."""
     pytest.importorskip("matplotlib")
@@ -443,7 +443,7 @@ def test_resume_runs_again_when_its_settings_changed(tmp_path, fake):
     assert "max_steps 6 -> 4" in res["set_aside"]["A_s0"]
 
 
-def test_a_failed_output_write_keeps_the_previous_files(tmp_path, fake, monkeypatch):
+def test_a_failed_output_write_keeps_the_previous_files(tmp_path, fake, monkeypatch, spawns):
     import errno
 
     pytest.importorskip("matplotlib")
@@ -555,7 +555,7 @@ def test_compare_config_file_sets_fields_and_the_command_line_wins(tmp_path, fak
     assert not out.exists() and _calls(fake) == []
 
 
-def test_compare_config_file_mapping_override_reaches_the_runs(tmp_path, fake, capsys):
+def test_compare_config_file_mapping_override_reaches_the_runs(tmp_path, fake, capsys, spawns):
     pytest.importorskip("matplotlib")
     config = tmp_path / "compare.yaml"
     config.write_text("seeds: [0]\nmax_steps: 2\nlast_n: 1\nextra_overrides:\n  num_iterations: 2\n")
@@ -584,7 +584,7 @@ def test_a_second_sweep_on_the_same_folder_is_refused_in_one_line(tmp_path, fake
     assert _calls(fake) == []
 
 
-def test_a_corrupted_log_line_sets_that_run_aside_naming_file_and_line(tmp_path, fake, capsys):
+def test_a_corrupted_log_line_sets_that_run_aside_naming_file_and_line(tmp_path, fake, capsys, spawns):
     pytest.importorskip("matplotlib")
     config = _config(tmp_path, fake)
     run_compare(config, echo=lambda m: None)
@@ -656,7 +656,7 @@ def test_a_sweep_given_the_old_default_run_fn_by_hand_is_the_default_sweep(tmp_p
 # --------------------------------------------------------------------------------------------- real training
 
 
-def test_two_arms_one_seed_two_steps_on_a_tiny_model(tmp_path):
+def test_two_arms_one_seed_two_steps_on_a_tiny_model(tmp_path, spawns):
     """The real run_training (TRL engineer's) end to end: table, JSON and plot."""
     run = pytest.importorskip("bloggap_plugin.trl.run", reason="run_training (bloggap_plugin.trl.run) has not landed")
     pytest.importorskip("matplotlib")
@@ -685,7 +685,7 @@ def test_two_arms_one_seed_two_steps_on_a_tiny_model(tmp_path):
 # --------------------------------------------------------------------------------------------- GSM8K and --use-vllm
 
 
-def test_use_vllm_reaches_every_run_and_is_part_of_the_run_settings(tmp_path, fake):
+def test_use_vllm_reaches_every_run_and_is_part_of_the_run_settings(tmp_path, fake, spawns):
     """--use-vllm adds TRL's colocate fields to each run's overrides, with the GPU's memory divided among the runs
     in flight; a resume with the other value trains again, a resume with another --parallel does not."""
     pytest.importorskip("matplotlib")
@@ -755,7 +755,7 @@ def test_use_vllm_is_refused_without_vllm_or_cuda_before_anything_loads(tmp_path
     assert compare.vllm_unavailable_reason() is None
 
 
-def test_gsm8k_options_reach_the_runs_and_the_data_in_effect_is_a_setting(tmp_path, fake, monkeypatch):
+def test_gsm8k_options_reach_the_runs_and_the_data_in_effect_is_a_setting(tmp_path, fake, monkeypatch, spawns):
     """--task gsm8k: --data (or $BLOGGAP_GSM8K_DATA) and --calc-steps reach each run; the absolute data path in
     effect is recorded, so a resume on other data trains again."""
     from bloggap_plugin.tasks.gsm8k import DATA_ENV, SAMPLE_PATH
@@ -798,7 +798,7 @@ def test_gsm8k_data_and_calc_steps_are_checked_before_anything_runs(tmp_path, fa
 
 
 
-def test_compare_override_takes_yaml_as_train_does(tmp_path, fake, capsys):
+def test_compare_override_takes_yaml_as_train_does(tmp_path, fake, capsys, spawns):
     """--override reads a YAML mapping like train's --extra-overrides (JSON is YAML too): one syntax for both."""
     pytest.importorskip("matplotlib")
     out = tmp_path / "out"

@@ -82,7 +82,7 @@ def _config(tmp_path, fake, **kw) -> CompareConfig:
     return CompareConfig(**base)
 
 
-def test_heldout_accuracy_per_arm_with_paired_intervals_and_no_second_evaluation(tmp_path, fake):
+def test_heldout_accuracy_per_arm_with_paired_intervals_and_no_second_evaluation(tmp_path, fake, spawns):
     pytest.importorskip("matplotlib")
     config = _config(tmp_path, fake, seeds=[0, 1, 2])
     res = run_compare(config, echo=lambda m: None)
@@ -118,7 +118,7 @@ def test_heldout_accuracy_per_arm_with_paired_intervals_and_no_second_evaluation
     assert sum("saved policy is gone" in m for m in messages) == 6
 
 
-def test_a_run_trained_but_not_evaluated_is_evaluated_on_resume_without_training_again(tmp_path, fake, monkeypatch):
+def test_a_run_trained_but_not_evaluated_is_evaluated_on_resume_without_training_again(tmp_path, fake, monkeypatch, spawns):
     pytest.importorskip("matplotlib")
     monkeypatch.setenv("FAKE_EVAL_CRASH", "B_s0")
     config = _config(tmp_path, fake, seeds=[0])
@@ -134,7 +134,7 @@ def test_a_run_trained_but_not_evaluated_is_evaluated_on_resume_without_training
     assert res["failed"] == {} and res["heldout"]["arms"]["B"]["delta_vs_base"] == {0: pytest.approx(0.1)}
 
 
-def test_time_budget_stops_runs_in_flight_and_starts_none_that_would_not_finish(tmp_path, fake, monkeypatch, capsys):
+def test_time_budget_stops_runs_in_flight_and_starts_none_that_would_not_finish(tmp_path, fake, monkeypatch, capsys, spawns):
     pytest.importorskip("matplotlib")
     monkeypatch.setenv("FAKE_SLOW", "A_s0")  # 0.5 s per step: 2 s for 4 steps
     config = _config(tmp_path, fake, seeds=[0], parallel=1, heldout_n=0, time_budget_s=0.6)
@@ -158,7 +158,7 @@ def test_time_budget_stops_runs_in_flight_and_starts_none_that_would_not_finish(
     assert sorted(set(_calls(fake, "run"))) == ["A_s0", "B_s0"] and len(_calls(fake, "run")) in (2, 3)
 
 
-def test_time_budget_starts_the_next_run_when_one_finishes_and_the_next_fits(tmp_path, fake):
+def test_time_budget_starts_the_next_run_when_one_finishes_and_the_next_fits(tmp_path, fake, spawns):
     """One at a time under a budget that fits every run: when the run in flight ends, the next one starts. Found on
     the H200: with --parallel 1 the sweep stopped 'for the budget' 70 s into 280 s, right after the first run ended,
     because the budget check ran before the launcher had a turn."""
@@ -201,7 +201,7 @@ def test_gsm8k_from_one_file_has_no_test_split_to_hold_out(tmp_path, fake, capsy
     assert "--heldout-n 0" in stderr and len(stderr.strip().splitlines()) == 1
 
 
-def test_heldout_every_reaches_the_training_function_and_its_records_make_a_curve(tmp_path, fake):
+def test_heldout_every_reaches_the_training_function_and_its_records_make_a_curve(tmp_path, fake, spawns):
     from bloggap_plugin.compare import summarize_run
 
     pytest.importorskip("matplotlib")
@@ -326,7 +326,7 @@ def test_the_gsm8k_call_script_runs_both_steps_to_their_vllm_check(tmp_path, spa
     assert lines[1].startswith("bloggap compare: --use-vllm: vLLM is not installed here")
 
 
-def test_a_budget_shorter_than_a_stopped_run_is_refused_instead_of_restarting_it_forever(tmp_path, fake, monkeypatch):
+def test_a_budget_shorter_than_a_stopped_run_is_refused_instead_of_restarting_it_forever(tmp_path, fake, monkeypatch, spawns):
     """A run stopped unfinished by the budget records how long it ran. Calling again with a budget no longer than
     that would stop it at the same point and restart it from zero on every call: refused before anything starts,
     naming the run, the seconds and the fix. A longer budget lets it continue (and finish)."""

@@ -196,7 +196,7 @@ def test_ladder_command_json_on_tiny_model(tmp_path):
     assert len(table["rows"]) == 9 and all(len(r) == len(table["columns"]) for r in table["rows"])
 
 
-def test_ladder_benchmark_quick(tmp_path):
+def test_ladder_benchmark_quick(tmp_path, real_model):
     import json
 
     from benchmarks import ladder

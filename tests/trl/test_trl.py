@@ -124,12 +124,12 @@ def test_arm_G_ratio_exactly_one_in_fp32(tmp_path, trains):
     assert first_log(other)["gap/ratio/exact_frac"] < 1.0
 
 
-def run_G(tmp_path, skip: bool, monkeypatch, mode="trainer", **overrides):
+def run_G(tmp_path, skip: bool, mode="trainer", **overrides):
     """Arm G (probe_rows 0: no probe pass) with TRL's old pass skipped (the default) or kept (``skip=False``: the
     behaviour before G replaced it, where G's scores were installed over TRL's)."""
     from bloggap_plugin.trl.stats import Stats
 
-    with monkeypatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch:
         if not skip:
             patch.setattr(Stats, "trl_computes_old", lambda self: False)
         torch.manual_seed(1234)
@@ -140,12 +140,18 @@ def run_G(tmp_path, skip: bool, monkeypatch, mode="trainer", **overrides):
     return trainer, rows
 
 
-def test_arm_G_replaces_trls_old_pass(tmp_path, monkeypatch, trains):
+@pytest.fixture(scope="module")
+def plain_G_rows(tmp_path_factory, trains) -> list:
+    """The grad-free scoring rows of plain TRL in :func:`run_G`'s setting, shared by the arm G tests."""
+    return run_G(tmp_path_factory.mktemp("plain_G"), True, mode="plain")[1]
+
+
+def test_arm_G_replaces_trls_old_pass(tmp_path, plain_G_rows, trains):
     """G scores each micro-batch in place of TRL's old-logprob pass: as many grad-free rows as plain TRL (no probe
     rows), where keeping TRL's pass doubled them; losses, grad norms and weights bitwise those of the double-pass run."""
-    plain, plain_rows = run_G(tmp_path / "plain", True, monkeypatch, mode="plain")
-    after, after_rows = run_G(tmp_path / "after", True, monkeypatch)
-    before, before_rows = run_G(tmp_path / "before", False, monkeypatch)
+    plain_rows = plain_G_rows
+    after, after_rows = run_G(tmp_path / "after", True)
+    before, before_rows = run_G(tmp_path / "before", False)
     assert sum(plain_rows) == 2 * 8  # two generations of 8 rows (num_iterations 2, accumulation 2)
     assert sum(after_rows) == sum(plain_rows) and len(after_rows) == len(plain_rows)
     assert sum(before_rows) == 2 * sum(plain_rows)
@@ -159,11 +165,11 @@ def test_arm_G_replaces_trls_old_pass(tmp_path, monkeypatch, trains):
     assert logs[0]["gap/time/old_pass_s"] > 0 and logs[1]["gap/time/old_pass_s"] == 0.0  # step 2 reuses the batch
 
 
-def test_arm_G_extra_passes_are_the_gated_probes(tmp_path, monkeypatch, trains):
+def test_arm_G_extra_passes_are_the_gated_probes(tmp_path, plain_G_rows, trains):
     """With probe rows, G's grad-free rows beyond plain TRL's are exactly the probe passes of probed generations:
     probe_every 2 probes generation 1 of 2: 4 rows of the live batch-1 probe on the policy, 4 rows of the fp32
     batch-1 reference on its own shadow."""
-    _, plain_rows = run_G(tmp_path / "plain", True, monkeypatch, mode="plain")
+    plain_rows = plain_G_rows
     torch.manual_seed(1234)
     trainer = make(tmp_path / "g", GapConfig(arm="G", probe_rows=4, probe_every=2), dtype="fp32", max_steps=4)
     rows = count_no_grad_scoring_rows(trainer)
@@ -175,10 +181,10 @@ def test_arm_G_extra_passes_are_the_gated_probes(tmp_path, monkeypatch, trains):
     assert reference_rows == [1, 1, 1, 1]
 
 
-def test_arm_G_measure_only_pass_follows_metrics_every(tmp_path, monkeypatch, trains):
+def test_arm_G_measure_only_pass_follows_metrics_every(tmp_path, trains):
     """TRL computes no old log-probs (num_iterations 1): G's scoring is a metrics pass, run on measured generations
     only (metrics_every 2: generations 1 and 3 of 4), and the loss is plain TRL's."""
-    plain, plain_rows = run_G(tmp_path / "plain", True, monkeypatch, mode="plain", num_iterations=1)
+    plain, plain_rows = run_G(tmp_path / "plain", True, mode="plain", num_iterations=1)
     torch.manual_seed(1234)
     trainer = make(tmp_path / "g", GapConfig(arm="G", probe_rows=0, metrics_every=2), dtype="fp32", max_steps=4,
                    num_iterations=1)
@@ -511,7 +517,7 @@ def test_loss_metrics_read_the_device_once_per_micro_batch_and_follow_their_defi
             assert logged[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
 
 
-def test_generation_metrics_read_the_device_once_per_generation_off_probe_generations(tmp_path, monkeypatch):
+def test_generation_metrics_read_the_device_once_per_generation_off_probe_generations(tmp_path, monkeypatch, trains):
     """The generation-time statistics (sampler gap, IS ratio, kept sets) accumulate on the device and are read back
     once, when the generation is flushed; only generations with probe rows (1 in ``probe_every``) read more, to pick
     and score those rows. Arm A records generate's log-probs; arm G measures every micro-batch after the shuffle."""

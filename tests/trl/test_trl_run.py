@@ -74,7 +74,7 @@ def test_train_command_reports_bad_recipe(tmp_path, capsys):
     assert out == "" and err.startswith("bloggap: error: ") and "unknown key 'bnad'" in err  # on stderr
 
 
-def test_benchmark_quick(tmp_path):
+def test_benchmark_quick(tmp_path, trains):
     from benchmarks import trl_arms
 
     assert trl_arms.main(["--quick", "--arms", "A,G", "--out", str(tmp_path)]) == 0
