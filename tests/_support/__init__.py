@@ -1,6 +1,7 @@
 """What the tests share, kept out of the test folders: the repository's root, stand-in engines (``fake_vllm``),
-launch helpers for multi-process runs (``multiproc_launch`` and the scripts it starts), and the fixtures
-(``fixtures``, loaded by ``tests/conftest.py``). Importable as ``_support`` (pyproject's ``pythonpath`` names
+launch helpers for multi-process runs (``multiproc_launch`` and the scripts it starts), waits on a subprocess by
+event with one hang guard (``events``), and the fixtures and test tiers (``fixtures``, loaded by
+``tests/conftest.py``). Importable as ``_support`` (pyproject's ``pythonpath`` names
 ``tests``)."""
 
 from __future__ import annotations

@@ -584,7 +584,9 @@ def test_cost_benchmark_quick(tmp_path):
 
     from benchmarks import cost as module
 
-    assert module.main(["--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    seq = 16  # tokens a row, the last seq // 2 scored; one timed pass per bf16 arm (the fp32 arms keep their 2)
+    argv = ["--quick", "--passes", "1", "--seq", str(seq), "--device", "cpu", "--out", str(tmp_path)]
+    assert module.main(argv) == 0
     payload = json.loads((tmp_path / "cost.json").read_text())
     _check_tables(payload, "cost")
     for shape in payload["results"]["shapes"]:
@@ -609,11 +611,11 @@ def test_cost_benchmark_quick(tmp_path):
         assert arms["fp32 head"]["chunk_tokens"] == DEFAULT_CHUNK_TOKENS
         assert arms["fp32 head (untiled)"]["chunk_tokens"] == 0
         assert all(a["pass_peak_abs_gib"] is None and a["pass_peak_gib"] > 0 for a in shape["arms"])
-        # TRL's [min(N, 4096), 32768] bf16 tile buffer is live during its pass (N = 2 rows x 31 positions)
-        assert trl["pass_peak_gib"] * 2**30 >= 2 * 31 * 32768 * 2
-        # the untiled fp32-head pass holds the fp32 [2, K + 1, V] logits (K = 16 scored of 32) at least
+        # TRL's [min(N, 4096), 32768] bf16 tile buffer is live during its pass (N = 2 rows x (seq - 1) positions)
+        assert trl["pass_peak_gib"] * 2**30 >= 2 * (seq - 1) * 32768 * 2
+        # the untiled fp32-head pass holds the fp32 [2, K + 1, V] logits (K = seq // 2 scored) at least
         untiled_bytes = arms["fp32 head (untiled)"]["pass_peak_gib"] * 2**30
-        assert untiled_bytes >= 2 * 17 * shape["vocab"] * 4
+        assert untiled_bytes >= 2 * (seq // 2 + 1) * shape["vocab"] * 4
         # the CUDA memory model drops TRL's fp32 fold copies, never adds
         assert 0 < arms["TRL fused head, CUDA memory model"]["pass_peak_gib"] < trl["pass_peak_gib"]
     assert {"pass peak GiB", "pass peak vs TRL", "TF32", "sync loop ms"} <= set(payload["tables"][0]["columns"])
@@ -734,7 +736,7 @@ def test_cost_benchmark_memory_only(tmp_path):
 
     from benchmarks import cost as module
 
-    argv = ["--quick", "--memory-only", "--skip-fp16", "--shapes", "tiny-llama", "--layers", "2"]
+    argv = ["--quick", "--memory-only", "--skip-fp16", "--shapes", "tiny-llama", "--layers", "2", "--seq", "16"]
     assert module.main([*argv, "--device", "cpu", "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "cost_memory.json").read_text())
     _check_tables(payload, "cost_memory")
@@ -759,7 +761,7 @@ def test_cost_memory_without_matmul_arithmetic_measures_the_same_tensors(tmp_pat
 
     from benchmarks import cost as module
 
-    argv = ["--quick", "--memory-only", "--shapes", "tiny-qwen2-tied", "--layers", "2", "--device", "cpu"]
+    argv = ["--quick", "--memory-only", "--shapes", "tiny-qwen2-tied", "--layers", "2", "--seq", "16", "--device", "cpu"]
     peaks = {}
     for extra in ([], ["--skip-matmul-arithmetic"]):
         out = tmp_path / ("skip" if extra else "real")
