@@ -540,7 +540,7 @@ def test_a_validation_question_in_the_training_rows_stops_the_run(gsm8k_dir, tmp
     assert payload["results"]["decontamination_validation"]["matches"] == [{"test": 3, "train": 0, "kind": "exact"}]
 
 
-def test_the_settings_script_runs_declared_settings_by_name_and_refuses_others(tmp_path, smoke_data):
+def test_the_settings_script_runs_declared_settings_by_name_and_refuses_others(tmp_path, smoke_data, spawns):
     """``DECLARED=FILE``: the names given pick declared settings (all of them with none given), run with the
     declaration's arguments; a name the file does not declare stops the script before anything runs."""
     import importlib.util
@@ -564,7 +564,7 @@ def test_the_settings_script_runs_declared_settings_by_name_and_refuses_others(t
 
     def run(*names):
         return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "gsm8k_warmstart_settings.sh"), *names],
-                              cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300)
+                              cwd=ROOT, env=environ, capture_output=True, text=True, timeout=HANG_S)
 
     refused = run("a.1", "c")
     assert refused.returncode == 2 and "setting 'c' is not declared in" in refused.stderr and not out.exists()

@@ -7,8 +7,6 @@ import pytest
 
 from benchmarks import step_profile
 
-pytestmark = pytest.mark.unit
-
 _RULE = "-" * 55 + "  " + "  ".join(["-" * 12] * 10) + "  "
 
 

@@ -63,7 +63,7 @@ def _marker_sha(config, run_id) -> str | None:
     return json.loads(lines[-1])["model_sha256"]
 
 
-def test_every_run_records_the_folders_sha256_hashed_once_per_call(tmp_path, fake, monkeypatch):
+def test_every_run_records_the_folders_sha256_hashed_once_per_call(tmp_path, fake, monkeypatch, spawns):
     import bloggap_plugin.checkpoint as checkpoint
 
     first = _checkpoint(tmp_path / "ckpt", b"weights one")
@@ -85,13 +85,13 @@ def test_every_run_records_the_folders_sha256_hashed_once_per_call(tmp_path, fak
     assert again["runs"]["A_s2"]["model_sha256"] == _expected_sha(first)
 
 
-def test_a_named_model_records_none(tmp_path, fake):
+def test_a_named_model_records_none(tmp_path, fake, spawns):
     config = _config(tmp_path, fake, "tiny-random-llama", [0])
     run_compare(config, echo=lambda *_: None)
     assert _marker_sha(config, "A_s0") is None and _marker_sha(config, "B_s0") is None
 
 
-def test_a_seed_half_run_from_other_weights_is_not_finished_from_these(tmp_path, fake, capsys):
+def test_a_seed_half_run_from_other_weights_is_not_finished_from_these(tmp_path, fake, capsys, spawns):
     folder = _checkpoint(tmp_path / "ckpt", b"weights one")
     config = _config(tmp_path, fake, folder, [0])
     run_compare(config, echo=lambda *_: None)
@@ -151,7 +151,7 @@ def test_the_analysis_refuses_to_pair_runs_of_one_seed_from_different_checkpoint
     assert not fixed["set_aside"] and fixed["analysis"]["status"] == "final"
 
 
-def test_a_run_that_hashed_other_weights_than_the_sweep_fails_and_is_not_marked_done(tmp_path, fake, monkeypatch):
+def test_a_run_that_hashed_other_weights_than_the_sweep_fails_and_is_not_marked_done(tmp_path, fake, monkeypatch, spawns):
     """run_training hashes the folder it loads; a hash other than the sweep's (the folder changed while the sweep
     ran) fails that run, so no log of it carries the marker; the run's own matching hash passes."""
     folder = _checkpoint(tmp_path / "ckpt", b"weights one")

@@ -386,7 +386,7 @@ def test_the_gsm8k_comparison_plan_is_the_declared_one_and_passes_every_check_bu
     assert len(train) == 7473 - 500 and not {p[-1]["content"] for p in train["prompt"]} & validation
 
 
-def test_the_gsm8k_compare_call_script_needs_a_selection_and_reaches_the_vllm_check(tmp_path, gsm8k_dir):
+def test_the_gsm8k_compare_call_script_needs_a_selection_and_reaches_the_vllm_check(tmp_path, gsm8k_dir, spawns):
     """benchmarks/gpu/gsm8k_compare_call.sh without vLLM: with no checkpoint and no SELECTION it stops in one line;
     with a checkpoint folder it builds a compare command that parses and stops at the vLLM check."""
     import importlib.util
@@ -407,7 +407,7 @@ def test_the_gsm8k_compare_call_script_needs_a_selection_and_reaches_the_vllm_ch
 
     def run(**extra):
         return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "gsm8k_compare_call.sh")], cwd=ROOT,
-                              env={**environ, **extra}, capture_output=True, text=True, timeout=300)
+                              env={**environ, **extra}, capture_output=True, text=True, timeout=HANG_S)
 
     done = run()
     assert done.returncode == 2 and "no checkpoint in" in done.stderr and "set SELECTION" in done.stderr

@@ -10,8 +10,6 @@ from urllib.parse import unquote
 import pytest
 from _support import ROOT
 
-pytestmark = pytest.mark.unit  # reads files only: `make test-fast` runs it
-
 _LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 _INLINE_CODE = re.compile(r"`[^`\n]*`")
 _HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
