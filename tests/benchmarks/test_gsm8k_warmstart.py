@@ -489,7 +489,7 @@ def test_a_smoke_run_published_carries_its_numbers_and_no_machine_path(smoke, tm
         assert not MACHINE_PATH.findall(data.decode()), path
 
 
-def test_a_validation_run_trains_without_the_validation_rows_and_scores_only_them(gsm8k_dir, tmp_path):
+def test_a_validation_run_trains_without_the_validation_rows_and_scores_only_them(gsm8k_dir, tmp_path, trains):
     """``--eval-split validation`` on the real data (tiny model, 8 rows, 3 steps): the training rows are the first
     of train_minus_validation, both evaluations score the first validation rows, and neither the validation nor the
     test split shares a question with the training examples."""

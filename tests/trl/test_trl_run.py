@@ -159,7 +159,7 @@ def test_train_flags_are_train_config_fields_plus_grpo_config_overrides(tmp_path
         prepare_run(recipe, max_step=3)
 
 
-def test_train_from_a_folder_records_the_sha256_of_its_weights_once(tmp_path, capsys, monkeypatch):
+def test_train_from_a_folder_records_the_sha256_of_its_weights_once(tmp_path, capsys, monkeypatch, trains):
     """``bloggap train --model FOLDER``: the summary on stdout carries the folder's checkpoint_sha256 (an
     independent sha256 of config.json and the weights, as its definition says), hashed once per run; a tiny model
     spec records None; a folder without safetensors weights is refused in one line before any model loads."""
