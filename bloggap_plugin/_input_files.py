@@ -1,6 +1,9 @@
-"""Reading what a user hands in: one decoding rule for every text file and one bounded YAML loader.
+"""Reading what a user hands in: one decoding rule for every text file, one bounded YAML loader, one bounded JSON
+reader.
 
-Every recipe, ``--config``, ``--override`` mapping, headline spec and patch file is read through these, so a file
+Every recipe, ``--config``, ``--override`` mapping, headline spec and patch file, and every JSON file a command
+reads (``doctor --from-json``, ``report``'s result files, compare's run logs and records, a model folder's
+``config.json``) is read through these, so a file
 that is not UTF-8 text, holds NUL bytes, is too large, or is a YAML document that expands without bound (aliases,
 nesting) is refused with one line naming the file and the fix, before anything is built from it. Error messages
 never quote the value (its repr could be the expansion itself).
@@ -13,11 +16,14 @@ from pathlib import Path
 
 from bloggap_plugin.core.errors import UsageError
 
-__all__ = ["MAX_TEXT_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_ALIASES", "MAX_YAML_NODES", "read_text_file", "load_yaml",
-           "load_yaml_file", "display_name"]
+__all__ = ["MAX_TEXT_BYTES", "MAX_JSON_BYTES", "MAX_YAML_DEPTH", "MAX_YAML_ALIASES", "MAX_YAML_NODES",
+           "read_text_file", "check_file_size", "load_json_file", "load_yaml", "load_yaml_file", "display_name"]
 
 MAX_TEXT_BYTES = 1 << 20
 """Largest input text file or YAML text, in bytes (recipes and configs are a few hundred)."""
+MAX_JSON_BYTES = 64 << 20
+"""Largest JSON or JSON-lines file a command reads (result documents, doctor JSON, run logs, model configs), in
+bytes: far above any such file, far below what would exhaust memory."""
 MAX_YAML_DEPTH = 32
 """Deepest nesting of YAML sequences and mappings."""
 MAX_YAML_ALIASES = 100
@@ -32,13 +38,21 @@ def display_name(path: str | os.PathLike) -> str:
     return os.fsencode(path).decode("utf-8", "replace")
 
 
-def read_text_file(path: str | os.PathLike, what: str, fix: str, error: type[Exception] = UsageError) -> str:
-    """The text of the file ``path`` (UTF-8, no NUL bytes, at most :data:`MAX_TEXT_BYTES`); else ``error`` with
-    one line: ``what`` names the input (e.g. ``"--config x.yaml"``), ``fix`` says what to give instead."""
+def check_file_size(path: str | os.PathLike, what: str, fix: str, error: type[Exception] = UsageError,
+                    max_bytes: int = MAX_TEXT_BYTES, kind: str = "a settings file") -> None:
+    """``error`` with one line when the file ``path`` is larger than ``max_bytes`` (``kind``: what such a file is,
+    e.g. ``"a settings file"``); ``OSError`` as :meth:`Path.stat` raises it."""
+    if Path(path).stat().st_size > max_bytes:
+        raise error(f"{what}: larger than {max_bytes >> 20} MiB, not {kind}; {fix}")
+
+
+def read_text_file(path: str | os.PathLike, what: str, fix: str, error: type[Exception] = UsageError,
+                   max_bytes: int = MAX_TEXT_BYTES, kind: str = "a settings file") -> str:
+    """The text of the file ``path`` (UTF-8, no NUL bytes, at most ``max_bytes``); else ``error`` with one line:
+    ``what`` names the input (e.g. ``"--config x.yaml"``), ``fix`` says what to give instead."""
     path = Path(path)
     try:
-        if path.stat().st_size > MAX_TEXT_BYTES:
-            raise error(f"{what}: larger than {MAX_TEXT_BYTES >> 20} MiB, not a settings file; {fix}")
+        check_file_size(path, what, fix, error, max_bytes, kind)
         data = path.read_bytes()
     except OSError as err:
         raise error(f"{what}: cannot read ({err.strerror or err}); {fix}") from None
@@ -50,6 +64,20 @@ def read_text_file(path: str | os.PathLike, what: str, fix: str, error: type[Exc
     if "\x00" in text:
         raise error(f"{what}: not a text file (it holds NUL bytes); {fix}")
     return text
+
+
+def load_json_file(path: str | os.PathLike, what: str, fix: str, error: type[Exception] = UsageError,
+                   kind: str = "a bloggap JSON file", **loads):
+    """The JSON document in the file ``path``, read by :func:`read_text_file` with the limit :data:`MAX_JSON_BYTES`
+    (``loads``: keyword arguments of :func:`json.loads`); else ``error`` with one line (a syntax error names its
+    line and column)."""
+    import json
+
+    text = read_text_file(path, what, fix, error, MAX_JSON_BYTES, kind)
+    try:
+        return json.loads(text, **loads)
+    except json.JSONDecodeError as err:
+        raise error(f"{what}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); {fix}") from None
 
 
 def load_yaml(text: str, what: str, loader: type | None = None, error: type[Exception] = UsageError):

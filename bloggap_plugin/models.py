@@ -301,11 +301,10 @@ def _check_model_folder(path: Path) -> None:
     config = path / "config.json"
     if not config.is_file():
         raise ModelSpecError(f"{path} has no config.json; {_ACCEPTED}")
-    try:
-        data = json.loads(config.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as err:
-        raise ModelSpecError(f"{config} is not valid JSON ({' '.join(str(err).split())}); fix or replace the "
-                             "model folder") from None
+    from bloggap_plugin._input_files import display_name, load_json_file
+
+    data = load_json_file(config, display_name(config), "fix or replace the model folder", ModelSpecError,
+                          "a model config")
     if not isinstance(data, dict) or "model_type" not in data:
         raise ModelSpecError(f"{config} is not a transformers model config (no 'model_type' key); fix or replace "
                              "the model folder")

@@ -414,8 +414,10 @@ _ARCHIVE_HEADING = "Archive: superseded result files"
 
 def result_anchor(device: str, path: str | os.PathLike) -> str:
     """The anchor of a result file's section in the report: ``<device>/<file name>`` (``h200/trl_arms.json``),
-    which does not move when other files are added."""
-    return f"{device}/{Path(path).name}"
+    which does not move when other files are added; bytes of the name that are not UTF-8 shown as U+FFFD."""
+    from bloggap_plugin._input_files import display_name
+
+    return f"{device}/{display_name(Path(path).name)}"
 
 
 def _anchor_tag(anchor: str) -> str:

@@ -125,22 +125,14 @@ def _find_non_finite(value, where: str = "") -> tuple[str, str] | None:
 
 
 def load_json(path: str | os.PathLike):
-    """Parse ``path`` as strict JSON, floats as ``Decimal``; :class:`ResultError` names the file and the problem
-    (unreadable, not UTF-8, not JSON, or a NaN/Infinity and where it is)."""
+    """Parse ``path`` as strict JSON, floats as ``Decimal``, through the bounded reader
+    (:func:`~bloggap_plugin._input_files.load_json_file`); :class:`ResultError` names the file and the problem
+    (too large, unreadable, not UTF-8, not JSON, or a NaN/Infinity and where it is)."""
+    from bloggap_plugin._input_files import display_name, load_json_file
+
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise ResultError(f"{path}: cannot read ({err.strerror or err})") from err
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ResultError(f"{path}: not a text JSON file (bytes that are not UTF-8 at byte {err.start}); "
-                          "remove it from the results folder") from None
-    try:
-        document = json.loads(text, parse_float=Decimal, parse_constant=_NonFinite)
-    except json.JSONDecodeError as err:
-        raise ResultError(f"{path}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from err
+    document = load_json_file(path, display_name(path), "remove it from the results folder", ResultError,
+                              "a bloggap result document", parse_float=Decimal, parse_constant=_NonFinite)
     found = _find_non_finite(document)
     if found:
         raise ResultError(f"{path}: {found[0]} is {found[1]}, which JSON does not allow; write null for a value that "

@@ -9,7 +9,6 @@ table and a recommendation derived from the measured cells, and optionally write
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -158,12 +157,15 @@ def _check_nothing_to_measure(config: DoctorConfig) -> None:
 
 def _from_json(config: DoctorConfig) -> int:
     """Measure nothing: re-derive the recommendation of a stored doctor JSON, print it (and write it)."""
+    from bloggap_plugin._input_files import display_name, load_json_file
     from bloggap_plugin.core.errors import UsageError
     from bloggap_plugin.measure.doctor_matrix import rerecommend
 
+    document = load_json_file(config.from_json, f"--from-json {display_name(config.from_json)}",
+                              "give a bloggap doctor JSON", kind="a bloggap doctor JSON")
     try:
-        result = rerecommend(json.loads(Path(config.from_json).read_text()))
-    except (OSError, ValueError) as err:
+        result = rerecommend(document)
+    except ValueError as err:
         raise UsageError(f"cannot re-read --from-json {config.from_json}: {err}; give a bloggap doctor JSON") from None
     _print_result(result)
     _write_json(result, config.json_path)

@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     Ctrl-C (SIGINT) stops training at once: the summary of the steps that finished is printed, exit 130; SIGTERM
     and SIGHUP do the same (exit 128 + the signal's number). A failed final save (``--save-final``) exits 1."""
     from bloggap_plugin.core.errors import UsageError
-    from bloggap_plugin.trl.run import run_training
+    from bloggap_plugin.trl.run import run_training, stop_signals_interrupt
 
     config = train_config_from_args(args)
     if config.log_jsonl is not None:
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
                              "another file's lines: give a new path, or remove it first")
     stopped_by: list[int] = []
     try:
-        with _stop_signals_interrupt(stopped_by), contextlib.redirect_stdout(sys.stderr):
+        with stop_signals_interrupt(stopped_by), contextlib.redirect_stdout(sys.stderr):
             summary = run_training(config)
             _finish_wandb()  # its closing lines now, on stderr, not after the summary at exit
     except KeyboardInterrupt:
@@ -181,35 +181,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"bloggap train: {summary['save_final_error']}", file=sys.stderr)
         return 1
     return 0
-
-
-STOP_SIGNALS = ("SIGTERM", "SIGHUP")
-"""What job schedulers and closed terminals send: handled as Ctrl-C (SIGINT) is while ``bloggap train`` runs."""
-
-
-@contextlib.contextmanager
-def _stop_signals_interrupt(received: list[int]):
-    """While active (main thread only), :data:`STOP_SIGNALS` raise ``KeyboardInterrupt`` as SIGINT does, so
-    training stops the same way (the summary of the finished steps); each signal's number is appended to
-    ``received``."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):  # noqa: ARG001 - signal's handler signature
-        received.append(signum)
-        raise KeyboardInterrupt
-
-    numbers = [getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)]
-    previous = {number: signal.signal(number, interrupt) for number in numbers}
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
 
 
 def _stop_words(received: list[int]) -> str:

@@ -80,9 +80,12 @@ def heldout_spec(config: CompareConfig, run: RunSpec) -> dict | None:
 
 def read_heldout(config: CompareConfig, run: RunSpec, attempt: str | None) -> dict | None:
     """The run's held-out result if it evaluated training ``attempt`` with the current settings, else ``None``."""
+    from bloggap_plugin._input_files import load_json_file
+
+    path = heldout_path(run)
     try:
-        stored = json.loads(heldout_path(run).read_text())
-    except (OSError, ValueError):
+        stored = load_json_file(path, str(path), "evaluate again", ValueError, "a held-out record")
+    except ValueError:  # missing, too large, not UTF-8 or not JSON: no result, so the run is evaluated again
         return None
     if not isinstance(stored, dict) or stored.get("attempt") != attempt:
         return None

@@ -40,9 +40,12 @@ def read_log(path: str | os.PathLike) -> tuple[list[dict], dict | None]:
     A last line cut off mid-write (killed run) is ignored; a malformed line elsewhere raises ``ValueError``
     naming the file and line.
     """
+    from bloggap_plugin._input_files import MAX_JSON_BYTES, check_file_size
+
     path = Path(path)
     if not path.is_file():
         return [], None
+    check_file_size(path, str(path), "move it out of the output folder", ValueError, MAX_JSON_BYTES, "a run log")
     lines = path.read_bytes().splitlines()  # each line decoded on its own: a bad byte names its line
     records, marker = [], None
     for number, line in enumerate(lines, 1):

@@ -254,6 +254,14 @@ def _free_name(path: Path) -> Path:
     return candidate
 
 
+def _record(path: Path):
+    """A JSON record compare wrote in its output folder, through the bounded reader; ``ValueError`` when it is
+    missing, too large, not UTF-8 or not JSON."""
+    from bloggap_plugin._input_files import load_json_file
+
+    return load_json_file(path, str(path), "delete it", ValueError, "a compare record")
+
+
 def _prior_run_s(runs: list[RunSpec]) -> float | None:
     """Longest training plus evaluation time recorded by runs finished in earlier calls (their markers' ``wall_s``
     plus their held-out ``seconds``), or ``None``."""
@@ -262,8 +270,8 @@ def _prior_run_s(runs: list[RunSpec]) -> float | None:
         marker = read_marker(run.log_jsonl)
         if marker and isinstance(marker.get("wall_s"), (int, float)):
             try:
-                held = json.loads(heldout_path(run).read_text()).get("result", {}).get("seconds") or 0.0
-            except (OSError, ValueError, AttributeError):
+                held = (_record(heldout_path(run)).get("result", {}).get("seconds") or 0.0)
+            except (ValueError, AttributeError):
                 held = 0.0
             times.append(float(marker["wall_s"]) + float(held))
     return max(times) if times else None
@@ -294,8 +302,8 @@ def _check_budget_progress(config: CompareConfig, pending: list) -> None:
         if mode != "train" or not path.is_file():
             continue
         try:
-            seconds = float(json.loads(path.read_text())["seconds"])
-        except (OSError, ValueError, KeyError, TypeError):
+            seconds = float(_record(path)["seconds"])
+        except (ValueError, KeyError, TypeError):
             continue
         if float(config.time_budget_s) <= seconds:
             raise CompareError(

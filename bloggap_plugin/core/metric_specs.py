@@ -12,6 +12,9 @@ The ratio new/old is split by what lies between the two passes:
 - ``gap/update/*``: the same statistics on passes after an optimizer step (TRL's later iterations or later
   micro-batches of one generation, verl's later mini-batches and epochs): the policy update, PPO working.
 
+The clip statistics are split the same way: ``gap/clip/*`` on passes with no optimizer step since the old log-probs,
+``gap/update_clip/*`` on passes after one (where clipping is mostly PPO's own, the update moved the ratio).
+
 Pure Python: no torch, no TRL, no verl.
 """
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["MetricSpec", "METRIC_SPECS", "FRAMEWORKS", "NEEDS", "specs", "names", "registered", "ratio_name",
-           "metric_table", "metric_table_markers"]
+           "clip_name", "metric_table", "metric_table_markers"]
 
 FRAMEWORKS = ("trl", "verl")
 NEEDS = {
@@ -76,6 +79,27 @@ def _ratio_specs(group: str, framework: str, logged: str, needs: frozenset) -> l
     return out
 
 
+def _clip_specs(group: str, framework: str, logged: str, needs: frozenset) -> list[MetricSpec]:
+    """``gap/clip/*`` (``group`` clip: no optimizer step since the old log-probs) or ``gap/update_clip/*`` (``group``
+    update_clip: after one) of one adapter."""
+    if framework == "trl":
+        return [
+            MetricSpec(f"gap/{group}/clipped_frac", framework, "fraction",
+                       "share of tokens clipped by TRL's rule for the trainer's `loss_type`, `importance_sampling_level` "
+                       "and `delta` under the arm (see Supported combinations)", logged, needs),
+            MetricSpec(f"gap/{group}/flip_frac", framework, "fraction",
+                       "share of probe-row tokens whose clip status differs between the arm's old log-probs and an fp32 "
+                       "batch-1 reference", logged + ", holding probe rows", needs | _set("probe")),
+        ]
+    return [
+        MetricSpec(f"gap/{group}/flip_frac", framework, "fraction",
+                   "share of tokens whose PPO clip status (A>0 and r>1+eps_high, or A<0 and r<1-eps_low) differs from "
+                   "the status at ratio 1 (never clipped)", logged, needs),
+        MetricSpec(f"gap/{group}/clipped_frac", framework, "fraction", "share of tokens clipped (same rule)", logged,
+                   needs),
+    ]
+
+
 _TRL_FIRST = "per training micro-batch with no optimizer step since its generation's old log-probs"
 _TRL_LATER = "per training micro-batch after an optimizer step since its generation's old log-probs"
 _TRL_LOSS = "per training micro-batch"
@@ -93,12 +117,8 @@ def _set(*keys: str) -> frozenset:
 METRIC_SPECS: tuple[MetricSpec, ...] = (
     *_ratio_specs("ratio", "trl", _TRL_FIRST, _set()),
     *_ratio_specs("update", "trl", _TRL_LATER, _set("update")),
-    MetricSpec("gap/clip/clipped_frac", "trl", "fraction",
-               "share of tokens clipped by TRL's rule for the trainer's `loss_type`, `importance_sampling_level` and "
-               "`delta` under the arm (see Supported combinations)", _TRL_LOSS, _set("clip")),
-    MetricSpec("gap/clip/flip_frac", "trl", "fraction",
-               "share of probe-row tokens whose clip status differs between the arm's old log-probs and an fp32 "
-               "batch-1 reference", _TRL_LOSS + " holding probe rows", _set("clip", "probe")),
+    *_clip_specs("clip", "trl", _TRL_FIRST, _set("clip")),
+    *_clip_specs("update_clip", "trl", _TRL_LATER, _set("clip", "update")),
     MetricSpec("gap/old_vs_trl/oob_frac", "trl", "fraction",
                "share of tokens whose arm old log-prob is out of band against TRL's own", _TRL_LOSS, _set("trl_old")),
     MetricSpec("gap/old_vs_trl/abs_dlogp_mean", "trl", "nats", "mean `|old - TRL's old|`", _TRL_LOSS, _set("trl_old")),
@@ -141,10 +161,8 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
                "or where TRL runs no old pass; not in `overhead_frac`)", _TRL_STEP, _set("replaced_pass")),
     *_ratio_specs("ratio", "verl", _VERL_FIRST, _set()),
     *_ratio_specs("update", "verl", _VERL_LATER, _set("update")),
-    MetricSpec("gap/clip/flip_frac", "verl", "fraction",
-               "share of tokens whose PPO clip status (A>0 and r>1+eps_high, or A<0 and r<1-eps_low) differs from the "
-               "status at ratio 1 (never clipped)", "per micro-batch"),
-    MetricSpec("gap/clip/clipped_frac", "verl", "fraction", "share of tokens clipped (same rule)", "per micro-batch"),
+    *_clip_specs("clip", "verl", _VERL_FIRST, _set()),
+    *_clip_specs("update_clip", "verl", _VERL_LATER, _set("update")),
     MetricSpec("gap/verl/kept_source", "verl", "code",
                "where the kept mass came from: 0 none (not lifted), 1 kept-set sizes, 2 re-truncated, 3 supplied in "
                "the batch", _VERL_STEP, _set("correction")),
@@ -185,6 +203,11 @@ def registered(name: str, framework: str) -> str:
 def ratio_name(statistic: str, update: bool, framework: str) -> str:
     """``gap/ratio/<statistic>`` (no optimizer step since the old log-probs) or ``gap/update/<statistic>``."""
     return registered(f"gap/{'update' if update else 'ratio'}/{statistic}", framework)
+
+
+def clip_name(statistic: str, update: bool, framework: str) -> str:
+    """``gap/clip/<statistic>`` (no optimizer step since the old log-probs) or ``gap/update_clip/<statistic>``."""
+    return registered(f"gap/{'update_clip' if update else 'clip'}/{statistic}", framework)
 
 
 def metric_table_markers(framework: str) -> tuple[str, str]:

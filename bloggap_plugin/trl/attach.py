@@ -256,7 +256,7 @@ def _check_loss(trainer: Any, gap: GapConfig) -> bool:
     clip_applies = loss_type in gap_metrics.CLIP_RULE_LOSSES
     if not clip_applies:
         warnings.warn(
-            f"gap/clip/clipped_frac and gap/clip/flip_frac are not logged with loss_type {loss_type!r}: it "
+            f"gap/clip/* and gap/update_clip/* (clipped_frac, flip_frac) are not logged with loss_type {loss_type!r}: it "
             "does not clip the importance weight (sapo: soft gate; vespo: gamma weights)",
             stacklevel=_STACK,
         )

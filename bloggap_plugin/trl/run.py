@@ -15,7 +15,7 @@ from typing import Any
 
 __all__ = ["run_training", "prepare_run", "summarize_history", "TrainConfig", "train_config", "RunPlan", "JsonlLogger",
            "HeldoutCallback", "HELDOUT_KEYS", "check_heldout_spec", "SEED_MAX", "reference_from_policy",
-           "StepsAnnouncer"]
+           "StepsAnnouncer", "STOP_SIGNALS", "stop_signals_interrupt"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -448,6 +448,12 @@ def run_training(recipe: str | Path | TrainConfig | RunPlan, **settings: Any) ->
     GRPOConfig fields applied last; ``gap_overrides`` replace fields of the recipe's ``gap:`` section (validated).
     Each logged step goes to ``log_jsonl`` as one JSON line. Every input is checked by :func:`prepare_run`
     before the model loads; two runs into one ``output_dir`` at once are refused.
+
+    Stopping: Ctrl-C (``KeyboardInterrupt``) during training ends it and returns the summary of the finished steps
+    (``interrupted`` true, no final save). This function installs no signal handler (a library must not replace its
+    caller's), so SIGTERM and SIGHUP keep the caller's handling (Python's default: the process ends, no summary).
+    ``bloggap train`` runs it inside :func:`stop_signals_interrupt`, which makes them act as Ctrl-C; a Python caller
+    may do the same: ``with stop_signals_interrupt(): summary = run_training(...)``.
     """
     if isinstance(recipe, RunPlan):
         if settings:
@@ -466,6 +472,36 @@ def run_training(recipe: str | Path | TrainConfig | RunPlan, **settings: Any) ->
         lock.close()
         if save_lock is not None:
             save_lock.close()
+
+
+STOP_SIGNALS = ("SIGTERM", "SIGHUP")
+"""What job schedulers and closed terminals send: handled as Ctrl-C (SIGINT) inside :func:`stop_signals_interrupt`."""
+
+
+@contextlib.contextmanager
+def stop_signals_interrupt(received: list[int] | None = None):
+    """While active (main thread only; elsewhere it does nothing), :data:`STOP_SIGNALS` raise ``KeyboardInterrupt``
+    as SIGINT does, so :func:`run_training` stops the same way (the summary of the finished steps); each signal's
+    number is appended to ``received``. The previous handlers are restored on exit."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):  # noqa: ARG001 - signal's handler signature
+        if received is not None:
+            received.append(signum)
+        raise KeyboardInterrupt
+
+    numbers = [getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)]
+    previous = {number: signal.signal(number, interrupt) for number in numbers}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 SAVE_MARKER = ".bloggap-save-final"

@@ -3,8 +3,9 @@ statistics, and their reduction across processes (named :class:`~bloggap_plugin.
 
 :class:`Stats` is owned by :class:`~bloggap_plugin.trl.session.GapSession` and reads its state. Every logged ``gap/*`` value is a
 global ratio: per-process sums are reduced (summed, or maxed) before dividing. Every name is a registered TRL metric
-(:mod:`bloggap_plugin.core.metric_specs`); the ratio new/old goes under ``gap/ratio/*`` where no optimizer step lies
-between the generation's old log-probs and the loss pass, else under ``gap/update/*``.
+(:mod:`bloggap_plugin.core.metric_specs`); the ratio new/old goes under ``gap/ratio/*`` (its clip statistics under
+``gap/clip/*``) where no optimizer step lies between the generation's old log-probs and the loss pass, else under
+``gap/update/*`` (and ``gap/update_clip/*``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 import torch
 
 from bloggap_plugin.core import metrics as gap_metrics
-from bloggap_plugin.core.metric_specs import ratio_name, registered
+from bloggap_plugin.core.metric_specs import clip_name, ratio_name, registered
 from bloggap_plugin.core.sharding import all_ranks_true
 from bloggap_plugin.trl.scorer import Scorer
 from bloggap_plugin.trl.state import (
@@ -252,7 +253,8 @@ class Stats:
 
     def update_since_old(self) -> bool:
         """Whether an optimizer step was taken since this generation's old log-probs were computed (then the ratio
-        new/old holds the policy update, logged as ``gap/update/*``; else the numerical gap, ``gap/ratio/*``)."""
+        new/old holds the policy update, logged as ``gap/update/*`` and ``gap/update_clip/*``; else the numerical gap,
+        ``gap/ratio/*`` and ``gap/clip/*``)."""
         return self.trainer.state.global_step != self.state.old_step
 
     def loss_metrics(self, inputs) -> None:
@@ -275,9 +277,9 @@ class Stats:
                   ratio_name("abs_dlogp_max", update, "trl"): maxima.abs_dlogp_max,
                   ratio_name("exact_frac", update, "trl"): sums.exact / n}
         if state.clip_applies:
-            values["gap/clip/clipped_frac"] = sums.clipped / n
+            values[clip_name("clipped_frac", update, "trl")] = sums.clipped / n
             if sums.probe_tokens > 0:  # a micro-batch without probe tokens has no share to average in
-                values["gap/clip/flip_frac"] = sums.flips / sums.probe_tokens
+                values[clip_name("flip_frac", update, "trl")] = sums.flips / sums.probe_tokens
         if sums.has_trl > 0:
             values["gap/old_vs_trl/oob_frac"] = sums.oob_vs_trl / n
             values["gap/old_vs_trl/abs_dlogp_mean"] = sums.abs_dlogp_vs_trl / n

@@ -13,7 +13,8 @@ this runs while ``verl/__init__`` is still executing):
 
 - ``verl.trainer.ppo.core_algos``: the policy loss ``gap_vanilla`` (:mod:`bloggap_plugin.verl.loss`);
 - ``verl.workers.engine_workers``: ``TrainingWorker.train_mini_batch`` counts its optimizer steps, so that
-  ``gap_vanilla`` logs the first mini-batch's ratio as ``gap/ratio/*`` and later ones' as ``gap/update/*``;
+  ``gap_vanilla`` logs the first mini-batch's ratio as ``gap/ratio/*`` (clip: ``gap/clip/*``) and later ones' as
+  ``gap/update/*`` (``gap/update_clip/*``);
 - ``verl.trainer.ppo.rollout_corr_helper`` and ``verl.trainer.ppo.v1.trainer_base``: the kept-mass lift and the
   all-rejected guard around ``compute_rollout_correction_and_add_to_batch`` (:mod:`.correction`);
 - ``verl.trainer.ppo.ray_trainer``: the same for the legacy trainer;

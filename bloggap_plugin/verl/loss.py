@@ -10,8 +10,10 @@ definitions are registered in :mod:`bloggap_plugin.core.metric_specs` (framework
   mismatch between the old-logprob pass and the training forward: verl #6280);
 - ``gap/update/*``: the same statistics on later mini-batches and epochs, where the policy has moved: the update;
 - ``gap/clip/flip_frac``: share of tokens whose PPO clip status (A>0 and r>1+eps_high, or A<0 and r<1-eps_low)
-  differs from the status at ratio 1 (never clipped), i.e. tokens the ratio's deviation from 1 clips;
-- ``gap/clip/clipped_frac``: share of tokens clipped (same rule).
+  differs from the status at ratio 1 (never clipped), i.e. tokens the ratio's deviation from 1 clips, on the first
+  mini-batch;
+- ``gap/clip/clipped_frac``: share of tokens clipped (same rule), on the first mini-batch;
+- ``gap/update_clip/*``: both clip statistics on later mini-batches and epochs (the update's clipping).
 
 Which mini-batch a loss call belongs to is counted by a wrapper around verl's ``TrainingWorker.train_mini_batch``
 (:func:`patch_training_worker`): it counts the ``train_batch`` calls (one optimizer step each) since it began. A
@@ -25,7 +27,7 @@ import threading
 
 import torch
 
-from bloggap_plugin.core.metric_specs import ratio_name
+from bloggap_plugin.core.metric_specs import clip_name, ratio_name
 from bloggap_plugin.core.metrics import abs_dlogp_stats, clip_flip_fraction, clipped_fraction, oob_fraction
 from bloggap_plugin.verl.config import load_settings
 
@@ -84,8 +86,8 @@ def gap_ratio_metrics(
     update: bool = False,
 ) -> dict[str, float]:
     """The ``gap/*`` metrics for one micro-batch (all ``[B, T]`` inputs; empty mask -> empty dict); the ratio's
-    statistics under ``gap/update/*`` when an optimizer step lies between the old log-probs and ``log_prob``
-    (``update``), else under ``gap/ratio/*``."""
+    statistics under ``gap/update/*`` and its clip statistics under ``gap/update_clip/*`` when an optimizer step lies
+    between the old log-probs and ``log_prob`` (``update``), else under ``gap/ratio/*`` and ``gap/clip/*``."""
     mask = response_mask.bool()
     if not bool(mask.any()):
         return {}
@@ -97,8 +99,9 @@ def gap_ratio_metrics(
         ratio_name("oob_frac", update, "verl"): oob_fraction(new, old, mask, band),
         ratio_name("abs_dlogp_mean", update, "verl"): stats["mean"],
         ratio_name("abs_dlogp_max", update, "verl"): stats["max"],
-        "gap/clip/flip_frac": clip_flip_fraction(ratio, torch.ones_like(ratio), advantages.detach(), mask, eps_low, eps_high),
-        "gap/clip/clipped_frac": clipped_fraction(ratio, advantages.detach(), mask, eps_low, eps_high),
+        clip_name("flip_frac", update, "verl"): clip_flip_fraction(ratio, torch.ones_like(ratio), advantages.detach(),
+                                                                   mask, eps_low, eps_high),
+        clip_name("clipped_frac", update, "verl"): clipped_fraction(ratio, advantages.detach(), mask, eps_low, eps_high),
     }
 
 

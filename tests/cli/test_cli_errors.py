@@ -236,7 +236,7 @@ def _bad_models(tmp_path) -> dict[str, tuple[Path, str]]:
     (no_type / "config.json").write_text('["not", "a", "config"]')
     return {
         "gguf": (not_gguf, "is not a GGUF file"),
-        "json": (bad_json, "config.json is not valid JSON"),
+        "json": (bad_json, "config.json: not valid JSON"),
         "type": (no_type, "is not a transformers model config"),
     }
 

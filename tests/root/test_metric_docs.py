@@ -105,3 +105,21 @@ def test_the_trl_stats_refuse_an_unregistered_name():
     with pytest.raises(KeyError, match="'gap/ratio/typo' is not a registered trl"):
         stats.log({"gap/ratio/typo": 1.0})
     assert registered("gap/verl/all_rejected", "verl") == "gap/verl/all_rejected"
+
+
+def test_the_clip_statistics_split_like_the_ratio():
+    """``gap/clip/*`` (no optimizer step since the old log-probs) and ``gap/update_clip/*`` (after one) carry the same
+    statistics, the latter only with an optimizer step, in both adapters."""
+    from bloggap_plugin.core.metric_specs import clip_name
+
+    for framework in FRAMEWORKS:
+        first = [n.split("/")[-1] for n in names(framework) if n.startswith("gap/clip/")]
+        later = [n.split("/")[-1] for n in names(framework) if n.startswith("gap/update_clip/")]
+        assert first == later and sorted(first) == ["clipped_frac", "flip_frac"]
+        for name in names(framework):
+            if name.startswith("gap/update_clip/"):
+                assert "update" in next(s.needs for s in METRIC_SPECS if s.name == name and s.framework == framework)
+    assert clip_name("flip_frac", True, "trl") == "gap/update_clip/flip_frac"
+    assert clip_name("clipped_frac", False, "verl") == "gap/clip/clipped_frac"
+    with pytest.raises(KeyError, match="'gap/update_clip/typo' is not a registered trl"):
+        clip_name("typo", True, "trl")

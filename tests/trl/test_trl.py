@@ -50,6 +50,7 @@ def test_every_arm_trains_with_all_metrics(tmp_path, arm, trains):
     assert first["gap/fp16/fallbacks"] >= 0 and first["gap/time/scoring_s"] > 0
     # second step: reused generation (num_iterations 2) after the first step's update: the update's ratio, apart
     assert logs[1].get("gap/update/oob_frac") is not None and "gap/ratio/oob_frac" not in logs[1]
+    assert logs[1].get("gap/update_clip/clipped_frac") is not None and "gap/clip/clipped_frac" not in logs[1]
 
 
 def count_prompt_padding(trainer) -> list:
@@ -449,7 +450,8 @@ class _HostReads(torch.overrides.TorchFunctionMode):
 
 def _expected_loss_metrics(trainer, inputs, new, old, group: str = "ratio") -> dict:
     """One micro-batch's loss-time metrics from their definitions (DESIGN.md), by boolean selection, in float64;
-    the ratio's statistics under ``gap/<group>/`` (ratio: no optimizer step since the old log-probs; update)."""
+    the ratio's statistics under ``gap/<group>/`` (ratio: no optimizer step since the old log-probs; update), the
+    clip statistics under ``gap/clip/`` or ``gap/update_clip/`` alike."""
     from bloggap_plugin.core.metrics import trl_clip_status
 
     mask = inputs["completion_mask"].bool()
@@ -467,13 +469,14 @@ def _expected_loss_metrics(trainer, inputs, new, old, group: str = "ratio") -> d
                                level=trainer.importance_sampling_level, eps_low=trainer.epsilon_low,
                                eps_high=trainer.epsilon_high, delta=trainer.args.delta)
 
+    clip_group = "clip" if group == "ratio" else "update_clip"
     clipped = clip(new - old, mask, inputs["advantages"])
-    out["gap/clip/clipped_frac"] = float(clipped[mask].sum()) / sel.numel()
+    out[f"gap/{clip_group}/clipped_frac"] = float(clipped[mask].sum()) / sel.numel()
     rows = [i for i, chosen in enumerate(inputs["gap_probe_row"].tolist()) if chosen]
     if rows:
         ref = inputs["gap_ref_logps"][rows].float()
         status = clip(new[rows] - ref, mask[rows], inputs["advantages"][rows])
-        out["gap/clip/flip_frac"] = float((status != clipped[rows])[mask[rows]].sum()) / float(mask[rows].sum())
+        out[f"gap/{clip_group}/flip_frac"] = float((status != clipped[rows])[mask[rows]].sum()) / float(mask[rows].sum())
     trl_old = inputs["gap_trl_old_logps"].double()
     vs = old.double()[mask] - trl_old[mask]
     out["gap/old_vs_trl/oob_frac"] = float(((vs.exp() < 1 - band) | (vs.exp() > 1 + band)).sum()) / sel.numel()
@@ -508,7 +511,7 @@ def test_loss_metrics_read_the_device_once_per_micro_batch_and_follow_their_defi
     trainer = make(tmp_path, GapConfig(arm="B"), dtype="bf16", bf16=True, max_steps=2)
     trainer.train()
     assert len(seen) == 4  # 2 optimizer steps x 2 micro-batches
-    assert any("gap/clip/flip_frac" in expected for _, expected, _ in seen)
+    assert any("gap/clip/flip_frac" in expected or "gap/update_clip/flip_frac" in expected for _, expected, _ in seen)
     assert any(expected.get("gap/ratio/oob_frac", expected.get("gap/update/oob_frac")) > 0 for _, expected, _ in seen)
     for reads, expected, logged in seen:
         assert reads == ["tolist"], reads
@@ -555,5 +558,5 @@ def test_flip_frac_counts_the_probed_micro_batches_only(tmp_path, trains):
         warnings.simplefilter("ignore")
         trainer = make(tmp_path, GapConfig(arm="A", probe_rows=1), max_steps=4)
         trainer.train()
-    logged = [h["gap/clip/flip_frac"] for h in logs_of(trainer) if "gap/clip/flip_frac" in h]
+    logged = [h[key] for h in logs_of(trainer) for key in ("gap/clip/flip_frac", "gap/update_clip/flip_frac") if key in h]
     assert logged and all(value is not None and math.isfinite(value) for value in logged), logged

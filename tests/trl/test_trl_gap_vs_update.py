@@ -88,3 +88,22 @@ def test_one_iteration_per_step_logs_only_the_gap(tmp_path, trains):
     for log in logs:
         assert all(name in log for name in RATIO) and not any(name in log for name in UPDATE)
         assert 0.0 <= log["gap/ratio/oob_frac"] <= 1.0
+
+
+def test_clip_metrics_at_a_later_iteration_are_not_logged_as_the_gap(tmp_path):
+    """num_iterations 2 with tiny epsilons (arm A, probe rows every generation): the first iteration of each
+    generation logs its clip statistics under ``gap/clip/*``, the second (after the first's optimizer step) under
+    ``gap/update_clip/*`` only; each step's clipped share is TRL's own ``clip_ratio/region_mean`` for that step."""
+    torch.manual_seed(7)
+    trainer = make(tmp_path, GapConfig(arm="A", probe_rows=4, probe_every=1), max_steps=4, num_iterations=2,
+                   epsilon=1e-4, epsilon_high=1e-4)
+    trainer.train()
+    logs = logs_of(trainer)
+    assert len(logs) == 4
+    for step, log in enumerate(logs):
+        group, other = ("update_clip", "clip") if step % 2 else ("clip", "update_clip")
+        assert not any(key.startswith(f"gap/{other}/") for key in log), (step, sorted(log))
+        assert log[f"gap/{group}/clipped_frac"] == pytest.approx(log["clip_ratio/region_mean"], abs=1e-12)
+        assert 0.0 <= log.get(f"gap/{group}/flip_frac", 0.0) <= 1.0  # logged where a micro-batch held probe rows
+    assert logs[1]["gap/update_clip/clipped_frac"] > 0  # the premise: the update moved ratios past 1 +- 1e-4
+    assert any("gap/clip/flip_frac" in log for log in logs) and any("gap/update_clip/flip_frac" in log for log in logs)

@@ -29,7 +29,7 @@ pytest.importorskip("accelerate")
 from _support.multiproc_launch import accelerate_launch, read_records, require_gloo, run_helper  # noqa: E402
 from _support.trl_runs import GENERATION_FIELDS, gen_index  # noqa: E402
 
-from bloggap_plugin.core.metric_specs import names, ratio_name, registered  # noqa: E402
+from bloggap_plugin.core.metric_specs import clip_name, names, ratio_name, registered  # noqa: E402
 
 # What this run meets at its first step (registry conditions): the HF sampler recorded, truncated sampling with
 # kept sets, probe rows, TRL's own old pass (num_iterations 2) and a clipping loss; the second step follows an update.
@@ -47,11 +47,12 @@ GENERATION_SUMS = [(registered(key, "trl"), gen_index(num), gen_index(den)) for 
 )]
 # Reduced sums of Stats.loss_metrics: out-of-band, tokens, sum |dlogp|, exact, clipped, flips, probe tokens,
 # out-of-band vs TRL, sum |dlogp| vs TRL, processes with TRL old log-probs. The ratio's statistics go under
-# gap/ratio/ (no optimizer step since the generation) or gap/update/: (statistic, numerator, denominator).
+# gap/ratio/ (no optimizer step since the generation) or gap/update/, the clip statistics under gap/clip/ or
+# gap/update_clip/: (statistic, numerator, denominator).
 RATIO_SUMS = [("oob_frac", 0, 1), ("abs_dlogp_mean", 2, 1), ("exact_frac", 3, 1)]
+CLIP_SUMS = [("clipped_frac", 4, 1), ("flip_frac", 5, 6)]
 LOSS_SUMS = [(registered(key, "trl"), num, den) for key, num, den in (
-    ("gap/clip/clipped_frac", 4, 1), ("gap/clip/flip_frac", 5, 6), ("gap/old_vs_trl/oob_frac", 7, 1),
-    ("gap/old_vs_trl/abs_dlogp_mean", 8, 1),
+    ("gap/old_vs_trl/oob_frac", 7, 1), ("gap/old_vs_trl/abs_dlogp_mean", 8, 1),
 )]
 
 
@@ -103,10 +104,11 @@ def test_every_run_trains_with_all_metrics_in_range(runs, name):
     assert first["gap/ratio/abs_dlogp_max"] >= first["gap/ratio/abs_dlogp_mean"] >= 0.0
     assert first["gap/fp16/fallbacks"] == 0.0 and first["gap/time/scoring_s"] > 0.0
     # second step reuses the generation (num_iterations 2) after the first step's update: loss-time metrics only,
-    # the ratio's under gap/update/
+    # the ratio's under gap/update/, its clip statistics under gap/update_clip/
     update = [n for n in names("trl") if n.startswith("gap/update/")]
     assert update and all(logs[1].get(n) is not None for n in update)
-    assert not [k for k in logs[1] if k.startswith(("gap/ratio/", "gap/sampler/"))]
+    assert logs[1].get("gap/update_clip/clipped_frac") is not None
+    assert not [k for k in logs[1] if k.startswith(("gap/ratio/", "gap/sampler/", "gap/clip/"))]
     assert not [n for n in update if n in first]  # the first step has no update
 
 
@@ -150,7 +152,8 @@ def _expected_logs(record: dict) -> dict[int, dict[str, float]]:
         elif red["site"] == "loss_metrics" and red["kind"] == "sum":
             update = red["step"] != generated_at  # an optimizer step since this generation's old log-probs
             ratio_sums = [(ratio_name(statistic, update, "trl"), num, den) for statistic, num, den in RATIO_SUMS]
-            for key, num, den in ratio_sums + LOSS_SUMS:
+            clip_sums = [(clip_name(statistic, update, "trl"), num, den) for statistic, num, den in CLIP_SUMS]
+            for key, num, den in ratio_sums + clip_sums + LOSS_SUMS:
                 if key.startswith("gap/old_vs_trl/") and sums[9] == 0:
                     continue  # no process had TRL's own old log-probs
                 if sums[den] > 0:  # the plugin logs no share of zero tokens (flip_frac without probe tokens)

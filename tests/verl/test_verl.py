@@ -533,6 +533,25 @@ def test_verl_logs_the_first_mini_batch_as_the_gap_and_later_ones_as_the_update(
     assert direct["gap/ratio/oob_frac"] == 0.0 and not any(k.startswith("gap/update/") for k in direct)
 
 
+def test_verl_clip_metrics_of_the_first_mini_batch_apart_from_the_update(monkeypatch):
+    """The clip statistics split like the ratio's: verl's loop (2 mini-batches x 2 epochs, every advantage 1, clip
+    0.2) clips nothing on the first mini-batch (ratio exactly 1: ``gap/clip/*`` 0) and every token after a step
+    (ratio exp(0.25 k) > 1.2: ``gap/update_clip/*`` 1), and no later mini-batch writes under ``gap/clip/*``."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers import engine_workers
+
+    _clear_bloggap_env(monkeypatch)
+    rows = 8
+    data = TensorDict({"old_log_probs": torch.full((rows, 4), -1.0), "advantages": torch.ones(rows, 4),
+                       "response_mask": torch.ones(rows, 4)}, batch_size=[rows])
+    tu.assign_non_tensor(data, num_mini_batch=2, epochs=2)
+    metrics = tu.get(engine_workers.TrainingWorker.train_mini_batch(_StandInWorker(), data), "metrics")
+    assert metrics["gap/clip/clipped_frac"] == [0.0] and metrics["gap/clip/flip_frac"] == [0.0]
+    assert metrics["gap/update_clip/clipped_frac"] == [1.0, 1.0, 1.0]
+    assert metrics["gap/update_clip/flip_frac"] == [1.0, 1.0, 1.0]
+
+
 # ------------------------------------------------------------------------------------------------ engine
 
 
