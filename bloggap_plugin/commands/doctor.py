@@ -46,8 +46,8 @@ class DoctorConfig:
     ``dtypes`` and ``attn`` are written as comma lists and parsed into lists of names."""
 
     model: str = field(default="smollm2", metadata={"help": (
-        "model: smollm2 (default, offline), a local model folder with config.json, a .gguf file, a tiny-random-* "
-        "test model, or a hub id org/name")})
+        "model: smollm2 (default, offline), gemma3-270m (offline after `make gemma`; Gemma terms apply), a local "
+        "model folder with config.json, a .gguf file, a tiny-random-* test model, or a hub id org/name")})
     device: str | None = field(default=None, metadata={"help": "cpu, cuda, cuda:1 ... (default: cuda if available)"})
     dtypes: str = field(default=",".join(DTYPES), metadata={"help": "comma list (default bf16,fp16,fp32)",
                                                            "parse": _csv(DTYPES)})
