@@ -209,7 +209,8 @@ def _sampler_reason(cells: list[dict], paired: list[dict], basis: dict) -> Reaso
         parts.append((Measured.of(c), Measured.of(ref) if beside else None))
     best = min(sampler.values(), key=lambda c: c["oob"])
     return Reason("sampler", {"best": Measured.of(best)},
-                  {"parts": tuple(parts), "sampler_dtype": best.get("sampler", {}).get("dtype", "?")})
+                  {"parts": tuple(parts), "sampler_dtype": best.get("sampler", {}).get("dtype", "?"),
+                   "fp16_safe": basis.get("fp16_safe")})
 
 
 def recommend(*args, **kwargs) -> dict:
@@ -279,7 +280,9 @@ def _sampler_text(reason: Reason) -> str:
         return (
             f"Sampler (generate's own log-probs, {reason.numbers['sampler_dtype']}) vs teacher-forced batch 1: "
             f"{', '.join(parts)}. No scorer precision removes it (best {_pct(best)}): the sampler must change too "
-            "(arm H, fp16 everywhere), or correct it with importance sampling."
+            + ("(but not to fp16: the fp16 check failed on this model)" if reason.numbers.get("fp16_safe") is False
+               else "(arm H, fp16 everywhere)")
+            + ", or correct it with importance sampling."
         )
     return f"Sampler vs teacher-forced batch 1: {', '.join(parts)}."
 
