@@ -79,6 +79,11 @@ class DoctorConfig:
 configure = configure_with(DoctorConfig)
 
 
+def _nats(value: float | None) -> str:
+    """A |dlogp| statistic in nats; a stored run holds ``None`` where it was NaN (non-finite log-probs)."""
+    return "not finite" if value is None or value != value else f"{value:.2e}"
+
+
 def format_table(cells: list[dict], dtypes: list[str], attns: list[str]) -> str:
     """Comparisons as rows, dtype/attn as columns: out-of-band % and count (``-`` = skipped)."""
     from bloggap_plugin.core.comparisons import COMPARISONS, HEADLINE, SAMPLER
@@ -109,7 +114,7 @@ def format_table(cells: list[dict], dtypes: list[str], attns: list[str]) -> str:
         for name in (HEADLINE, SAMPLER):
             c = index.get((d, a, name))
             if c is not None and c.get("oob") is not None:
-                parts.append(f"{name} {c['abs_dlogp_mean']:.2e} / {c['abs_dlogp_max']:.2e}")
+                parts.append(f"{name} {_nats(c['abs_dlogp_mean'])} / {_nats(c['abs_dlogp_max'])}")
         if parts:
             out.append(f"  {d}/{a}: " + "; ".join(parts))
     return "\n".join(out)
