@@ -22,6 +22,7 @@ import os
 import shutil
 import string
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -209,16 +210,17 @@ def _check_cache_source(dense: Path) -> None:
                              f"delete {dense} to rebuild it from {wanted.name}, or unset BLOGGAP_GGUF")
 
 
-def _write_dense_cache(dense: Path, model, tokenizer, source: dict, what: str) -> None:
-    """Save ``model`` and ``tokenizer`` with ``source`` (:data:`SOURCE_RECORD`) as the cached folder ``dense``,
-    atomically: concurrent loaders never see a half-written copy. ``what`` names the model in errors."""
+def _write_dense_cache(dense: Path, model, tokenizer, source: Callable[[], dict], what: str) -> None:
+    """Save ``model`` and ``tokenizer`` with ``source()`` (:data:`SOURCE_RECORD`, asked for once both are saved) as
+    the cached folder ``dense``, atomically: concurrent loaders never see a half-written copy. ``what`` names the
+    model in errors."""
     _check_cache_folder(dense.parent)
     dense.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dense.name}-", dir=dense.parent))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / SOURCE_RECORD).write_text(json.dumps(source))
+        (tmp / SOURCE_RECORD).write_text(json.dumps(source()))
     except Exception as err:  # noqa: BLE001 - a full disk surfaces as OSError or safetensors' own error
         shutil.rmtree(tmp, ignore_errors=True)
         raise ModelSpecError(f"cannot write the {what}'s dequantised copy under {dense.parent} ({err}); free space "
@@ -238,7 +240,7 @@ def _load_smollm2(dtype: torch.dtype):
         _clear_quantizer(model)
         _fix_smollm2_tokenizer(tokenizer)
         _set_eos(model, tokenizer)
-        _write_dense_cache(dense, model, tokenizer, _source_of(gguf), "default model")
+        _write_dense_cache(dense, model, tokenizer, lambda: _source_of(gguf), "default model")
     model, tokenizer = _from_pretrained(f"the cached default model {dense} (delete that folder to rebuild it)",
                                         dense, dtype=dtype)
     _clear_quantizer(model)
@@ -294,7 +296,7 @@ def _load_gemma3(dtype: torch.dtype):
         _clear_quantizer(model)
         _set_eos(model, tokenizer)
         source = {"package": GEMMA3_PACKAGE, "version": GEMMA3_PACKAGE_VERSION, "sha256": package.EXPECTED_SHA256}
-        _write_dense_cache(dense, model, tokenizer, source, f"{GEMMA3_MODEL} model")
+        _write_dense_cache(dense, model, tokenizer, lambda: source, f"{GEMMA3_MODEL} model")
     model, tokenizer = _from_pretrained(f"the cached {GEMMA3_MODEL} model {dense} (delete that folder to rebuild it)",
                                         dense, dtype=dtype)
     _clear_quantizer(model)
