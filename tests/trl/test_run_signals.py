@@ -23,7 +23,7 @@ class _Terminated(Exception):
     """What the test's own SIGTERM handler raises."""
 
 
-def test_run_training_installs_no_signal_handler(tmp_path, monkeypatch):
+def test_run_training_installs_no_signal_handler(tmp_path, monkeypatch, trains):
     """A one-step run on a tiny model: ``signal.signal`` is never called, and the caller's handlers are the ones in
     force during training and after."""
     calls = []

@@ -90,7 +90,7 @@ def test_one_iteration_per_step_logs_only_the_gap(tmp_path, trains):
         assert 0.0 <= log["gap/ratio/oob_frac"] <= 1.0
 
 
-def test_clip_metrics_at_a_later_iteration_are_not_logged_as_the_gap(tmp_path):
+def test_clip_metrics_at_a_later_iteration_are_not_logged_as_the_gap(tmp_path, trains):
     """num_iterations 2 with tiny epsilons (arm A, probe rows every generation): the first iteration of each
     generation logs its clip statistics under ``gap/clip/*``, the second (after the first's optimizer step) under
     ``gap/update_clip/*`` only; each step's clipped share is TRL's own ``clip_ratio/region_mean`` for that step."""
