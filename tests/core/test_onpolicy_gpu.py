@@ -78,6 +78,42 @@ def test_training_forward_with_vllms_kernels_is_the_scorer_bit_for_bit(policy, s
     policy.zero_grad()
 
 
+KEEP = 48
+
+
+def _loss_weights(ids, mask):
+    """Per-token weights of the gradient tests' objective ``sum(logps * weights)``, ``[rows, KEEP]``."""
+    gen = torch.Generator().manual_seed(7)
+    return (torch.randn(ids.shape[0], KEEP, generator=gen)).to("cuda") * mask[:, -KEEP:]
+
+
+def _gradients(policy, logps, weights):
+    """``{name: d sum(logps * weights) / d parameter}``; the policy's ``.grad`` left cleared."""
+    policy.zero_grad()
+    (logps * weights).sum().backward()
+    out = {name: p.grad.clone() for name, p in policy.named_parameters()}
+    policy.zero_grad()
+    return out
+
+
+def _fp32_reference(policy, ids, mask, weights):
+    """The fp32 policy's HF forward under torch autograd with IEEE fp32 matmuls (TF32 off for the call)."""
+    from bloggap_plugin.core.scoring import token_logprobs
+
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return _gradients(policy, token_logprobs(policy, ids, mask, KEEP, positions="mask"), weights)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _relative_l2(ours, exact):
+    """L2 of ``ours - exact`` over all parameters, relative to ``exact``'s."""
+    return float((sum(((ours[n] - exact[n]) ** 2).sum() for n in exact)
+                  / sum((exact[n] ** 2).sum() for n in exact)).sqrt())
+
+
 @pytest.mark.parametrize(("spec", "blas"), [("all", None), ("all,attention_launch=packed", None),
                                           ("all", "cublaslt")])
 def test_parameter_gradients_with_vllms_kernels_within_bounds(policy, spec, blas):
@@ -91,42 +127,27 @@ def test_parameter_gradients_with_vllms_kernels_within_bounds(policy, spec, blas
     if os.environ.get("BLOGGAP_GPU_TEST_MODEL"):
         pytest.skip("absolute bounds of the small random Llama; a named model is held to bf16 autocast's error")
     from bloggap_plugin.core.plans.vllm_shadow import OnPolicyForward
-    from bloggap_plugin.core.scoring import token_logprobs
     from bloggap_plugin.core.vllm_form import parse_form
     from bloggap_plugin.core.vllm_kernels import load_kernels
 
     form = parse_form(spec)
     ids, mask = _rows("cuda")
-    keep = 48
-    gen = torch.Generator().manual_seed(7)
-    weights = (torch.randn(ids.shape[0], keep, generator=gen)).to("cuda") * mask[:, -keep:]
-
-    def grads(logps):
-        policy.zero_grad()
-        (logps * weights).sum().backward()
-        out = {name: p.grad.clone() for name, p in policy.named_parameters()}
-        policy.zero_grad()
-        return out
-
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        exact = grads(token_logprobs(policy, ids, mask, keep, positions="mask"))
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+    weights = _loss_weights(ids, mask)
+    exact = _fp32_reference(policy, ids, mask, weights)
     preferred = torch.backends.cuda.preferred_blas_library()
     if blas is not None:
         torch.backends.cuda.preferred_blas_library(blas)
     try:
-        ours = grads(OnPolicyForward(policy, form, load_kernels(form, "cuda")).token_logprobs(ids, mask, keep)[0])
+        ours = _gradients(policy, OnPolicyForward(policy, form, load_kernels(form, "cuda")).token_logprobs(
+            ids, mask, KEEP)[0], weights)
         if blas is not None:
             assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
     finally:
         torch.backends.cuda.preferred_blas_library(preferred)
-    total = sum(((ours[n] - exact[n]) ** 2).sum() for n in exact) / sum((exact[n] ** 2).sum() for n in exact)
+    total = _relative_l2(ours, exact)
     worst = max(float((ours[n] - exact[n]).norm() / exact[n].norm()) for n in exact)
-    print(f"{spec} ({blas or 'default'} preferred): relative L2 {float(total.sqrt()):.5f}, worst tensor {worst:.5f}")
-    assert float(total.sqrt()) <= 0.02 and worst <= 0.04
+    print(f"{spec} ({blas or 'default'} preferred): relative L2 {total:.5f}, worst tensor {worst:.5f}")
+    assert total <= 0.02 and worst <= 0.04
 
 
 def test_parameter_gradients_no_further_from_fp32_than_bf16_autocast(policy):
@@ -140,30 +161,12 @@ def test_parameter_gradients_no_further_from_fp32_than_bf16_autocast(policy):
 
     form = parse_form("all")
     ids, mask = _rows("cuda")
-    keep = 48
-    gen = torch.Generator().manual_seed(7)
-    weights = (torch.randn(ids.shape[0], keep, generator=gen)).to("cuda") * mask[:, -keep:]
-
-    def grads(logps):
-        policy.zero_grad()
-        (logps * weights).sum().backward()
-        out = {name: p.grad.clone() for name, p in policy.named_parameters()}
-        policy.zero_grad()
-        return out
-
-    def error(ours, exact):
-        return float((sum(((ours[n] - exact[n]) ** 2).sum() for n in exact)
-                      / sum((exact[n] ** 2).sum() for n in exact)).sqrt())
-
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        exact = grads(token_logprobs(policy, ids, mask, keep, positions="mask"))
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+    weights = _loss_weights(ids, mask)
+    exact = _fp32_reference(policy, ids, mask, weights)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        autocast = grads(token_logprobs(policy, ids, mask, keep, positions="mask"))
-    ours = grads(OnPolicyForward(policy, form, load_kernels(form, "cuda")).token_logprobs(ids, mask, keep)[0])
-    j_error, autocast_error = error(ours, exact), error(autocast, exact)
+        autocast = _gradients(policy, token_logprobs(policy, ids, mask, KEEP, positions="mask"), weights)
+    ours = _gradients(policy, OnPolicyForward(policy, form, load_kernels(form, "cuda")).token_logprobs(
+        ids, mask, KEEP)[0], weights)
+    j_error, autocast_error = _relative_l2(ours, exact), _relative_l2(autocast, exact)
     print(f"relative L2 to fp32 autograd: arm J {j_error:.5f}, bf16 autocast {autocast_error:.5f}")
     assert j_error <= 1.5 * autocast_error
