@@ -12,3 +12,14 @@ SUPPORT = Path(__file__).resolve().parent
 """This folder: the helper scripts that tests start in a subprocess live here."""
 ROOT = SUPPORT.parents[1]
 """The repository root (``bloggap_plugin/``, ``recipes/``, ``benchmarks/``)."""
+
+
+def python3_shim(bindir: Path) -> Path:
+    """``bindir/python3``: a script that runs this test interpreter (for a shell script that calls ``python3``, with
+    ``bindir`` put first on its PATH). Creates ``bindir``; returns it."""
+    import sys
+
+    bindir.mkdir()
+    (bindir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bindir / "python3").chmod(0o755)
+    return bindir

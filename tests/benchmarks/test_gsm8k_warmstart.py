@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from _support import python3_shim
 from _support.events import HANG_S
 
 from bloggap_plugin.tasks import gsm8k, task_prompt
@@ -335,7 +336,6 @@ def test_the_gpu_call_script_reaches_the_vllm_check_and_fits_one_device_call(tmp
     import os
     import re
     import subprocess
-    import sys
 
     from _support import ROOT
 
@@ -344,10 +344,7 @@ def test_the_gpu_call_script_reaches_the_vllm_check_and_fits_one_device_call(tmp
     script = ROOT / "benchmarks" / "gpu" / "gsm8k_warmstart_call.sh"
     (limit,) = [int(x) for x in re.findall(r"_S:-(\d+)", script.read_text())]
     assert limit <= 540
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    (bindir / "python3").chmod(0o755)
+    bindir = python3_shim(tmp_path / "bin")
     out = tmp_path / "out"
     environ = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "OUT": str(out), "DATA": str(smoke_data),
                "MODEL": "tiny-random-llama", "CKPT": str(tmp_path / "ckpt")}
@@ -406,7 +403,6 @@ def test_the_settings_script_runs_each_setting_packs_it_and_keeps_to_its_budget(
     import importlib.util
     import os
     import subprocess
-    import sys
     import tarfile
 
     from _support import ROOT
@@ -414,10 +410,7 @@ def test_the_settings_script_runs_each_setting_packs_it_and_keeps_to_its_budget(
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here: the script would run")
     script = ROOT / "benchmarks" / "gpu" / "gsm8k_warmstart_settings.sh"
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    (bindir / "python3").chmod(0o755)
+    bindir = python3_shim(tmp_path / "bin")
     out, work = tmp_path / "out", tmp_path / "work"
     environ = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "OUT": str(out), "WORK": str(work),
                "DATA": str(smoke_data), "MODEL": "tiny-random-llama"}
@@ -546,16 +539,12 @@ def test_the_settings_script_runs_declared_settings_by_name_and_refuses_others(t
     import importlib.util
     import os
     import subprocess
-    import sys
 
     from _support import ROOT
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here: the script would run")
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    (bindir / "python3").chmod(0o755)
+    bindir = python3_shim(tmp_path / "bin")
     declared = tmp_path / "declared.yaml"
     declared.write_text("eval_arguments: [--eval-split, validation]\nsettings: {a.1: [--lr, '2e-4'], b: []}\n")
     out = tmp_path / "out"

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
-from _support import ROOT
+from _support import ROOT, python3_shim
 from _support.compare_runs import FAKE_TRAIN, compare_cli, write_recipes
 from _support.events import HANG_S
 
@@ -248,15 +248,11 @@ def test_the_sweep_script_builds_a_command_that_passes_every_check_up_to_vllm(tm
     import os
     import shutil
     import subprocess
-    import sys
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here: the script would start the sweep")
     root = ROOT
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # this venv's python
-    (bindir / "python3").chmod(0o755)
+    bindir = python3_shim(tmp_path / "bin")
     environ = {**os.environ, **env, "PATH": f"{bindir}:{os.environ['PATH']}", "PYTHONPATH": str(root)}
     environ.pop("OUT", None)
     done = subprocess.run(["bash", str(root / "benchmarks" / "compare_sweep.sh")], cwd=root, env=environ,
@@ -302,7 +298,6 @@ def test_the_gsm8k_call_script_runs_both_steps_to_their_vllm_check(tmp_path, spa
     import os
     import re
     import subprocess
-    import sys
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here: the script would run")
@@ -313,10 +308,7 @@ def test_the_gsm8k_call_script_runs_both_steps_to_their_vllm_check(tmp_path, spa
     script = root / "benchmarks" / "gpu" / "gsm8k_call.sh"
     limits = [int(x) for x in re.findall(r"_S:-(\d+)", script.read_text())]
     assert len(limits) == 2 and sum(limits) <= 590
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    (bindir / "python3").chmod(0o755)
+    bindir = python3_shim(tmp_path / "bin")
     environ = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"), "DATA": str(real)}
     done = subprocess.run(["bash", str(script)], cwd=root, env=environ, capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 1 and done.stdout.strip().endswith("gsm8k_call: baseline exit 2, demo exit 2")
@@ -392,16 +384,12 @@ def test_the_gsm8k_compare_call_script_needs_a_selection_and_reaches_the_vllm_ch
     import importlib.util
     import os
     import subprocess
-    import sys
 
     from _support.trl_runs import saved_model_dir
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here: the script would run")
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    (bindir / "python3").chmod(0o755)
+    bindir = python3_shim(tmp_path / "bin")
     environ = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "DATA": str(gsm8k_dir),
                "OUT": str(tmp_path / "out"), "SWEEP": str(tmp_path / "sweep"), "CKPT": str(tmp_path / "none")}
 
