@@ -56,3 +56,24 @@ def compare_cli(args, capsys) -> tuple[int, str, str]:
     code = main(["compare", *args])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+FAKE_SWITCHES = ("FAKE_HANG", "FAKE_CRASH", "FAKE_SLOW", "FAKE_SHA", "FAKE_EVAL_CRASH")
+"""The environment variables that make the fake training (or its evaluation) misbehave: cleared for each test."""
+
+
+def install_fake_train(tmp_path: Path, monkeypatch, **modules: str) -> dict:
+    """``tmp_path/fake_pkg/fake_train.py`` (:data:`FAKE_TRAIN`) and any ``NAME=SOURCE`` modules beside it, on
+    ``sys.path``; ``FAKE_CALLS`` set to ``tmp_path/calls.jsonl``; :data:`FAKE_SWITCHES` cleared. Returns ``{"dir",
+    "calls", "run_fn"}`` (``run_fn``: ``fake_train:run_training``)."""
+    module_dir = tmp_path / "fake_pkg"
+    module_dir.mkdir()
+    (module_dir / "fake_train.py").write_text(FAKE_TRAIN)
+    for name, source in modules.items():
+        (module_dir / f"{name}.py").write_text(source)
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("FAKE_CALLS", str(calls))
+    monkeypatch.syspath_prepend(str(module_dir))  # for the sweep's own check of --run-fn
+    for name in FAKE_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    return {"dir": str(module_dir), "calls": calls, "run_fn": "fake_train:run_training"}

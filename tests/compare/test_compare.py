@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from _support import ROOT
-from _support.compare_runs import FAKE_TRAIN, compare_cli, write_recipes
+from _support.compare_runs import compare_cli, install_fake_train, write_recipes
 from _support.events import HANG_S, complete_lines, restore_sigint, wait_for
 
 from bloggap_plugin.compare import (
@@ -38,16 +38,7 @@ from bloggap_plugin.recipes import RecipeError
 
 @pytest.fixture
 def fake(tmp_path, monkeypatch):
-    module_dir = tmp_path / "fake_pkg"
-    module_dir.mkdir()
-    (module_dir / "fake_train.py").write_text(FAKE_TRAIN)
-    calls = tmp_path / "calls.jsonl"
-    monkeypatch.setenv("FAKE_CALLS", str(calls))
-    monkeypatch.syspath_prepend(str(module_dir))  # for the sweep's own check of --run-fn
-    monkeypatch.delenv("FAKE_HANG", raising=False)
-    monkeypatch.delenv("FAKE_CRASH", raising=False)
-    monkeypatch.delenv("FAKE_SLOW", raising=False)
-    return {"dir": str(module_dir), "calls": calls, "run_fn": "fake_train:run_training"}
+    return install_fake_train(tmp_path, monkeypatch)
 
 
 def _calls(fake, key="run") -> list:

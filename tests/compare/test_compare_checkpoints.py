@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _support.compare_runs import FAKE_TRAIN, compare_cli, write_recipes
+from _support.compare_runs import compare_cli, install_fake_train, write_recipes
 
 from bloggap_plugin.compare import (
     DONE_KEY,
@@ -24,14 +24,7 @@ from bloggap_plugin.compare import (
 
 @pytest.fixture
 def fake(tmp_path, monkeypatch):
-    module_dir = tmp_path / "fake_pkg"
-    module_dir.mkdir()
-    (module_dir / "fake_train.py").write_text(FAKE_TRAIN)
-    monkeypatch.setenv("FAKE_CALLS", str(tmp_path / "calls.jsonl"))
-    monkeypatch.syspath_prepend(str(module_dir))
-    for name in ("FAKE_HANG", "FAKE_CRASH", "FAKE_SLOW", "FAKE_SHA"):
-        monkeypatch.delenv(name, raising=False)
-    return {"dir": str(module_dir), "run_fn": "fake_train:run_training"}
+    return install_fake_train(tmp_path, monkeypatch)
 
 
 def _checkpoint(folder: Path, weights: bytes) -> Path:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from _support import ROOT, python3_shim
-from _support.compare_runs import FAKE_TRAIN, compare_cli, write_recipes
+from _support.compare_runs import compare_cli, install_fake_train, write_recipes
 from _support.events import HANG_S
 
 from bloggap_plugin.compare import CompareConfig, CompareError, run_compare
@@ -56,16 +56,7 @@ def evaluate(model_dir, *, task, task_kwargs, seed, heldout_n, max_tokens, batch
 
 @pytest.fixture
 def fake(tmp_path, monkeypatch):
-    module_dir = tmp_path / "fake_pkg"
-    module_dir.mkdir()
-    (module_dir / "fake_train.py").write_text(FAKE_TRAIN)
-    (module_dir / "fake_saving.py").write_text(FAKE_SAVING)
-    calls = tmp_path / "calls.jsonl"
-    monkeypatch.setenv("FAKE_CALLS", str(calls))
-    monkeypatch.syspath_prepend(str(module_dir))
-    for name in ("FAKE_HANG", "FAKE_CRASH", "FAKE_SLOW", "FAKE_EVAL_CRASH"):
-        monkeypatch.delenv(name, raising=False)
-    return {"dir": str(module_dir), "calls": calls}
+    return install_fake_train(tmp_path, monkeypatch, fake_saving=FAKE_SAVING)
 
 
 def _calls(fake, key: str) -> list:
