@@ -12,6 +12,10 @@
 # or stopped setting is packed into $OUT/NAME.tar.xz (its gsm8k_warmstart.json, log and eval_after/; the device
 # returns at most 8 files); one line per setting on stdout. Exit 0 when every setting finished.
 #
+# PARALLEL=N runs up to N settings at once (each started while MIN_S of the budget is left, given what is left at
+# its start; the lines come in the order the settings were given); GPU_MEM=F gives each setting's vLLM evaluations
+# that gpu_memory_utilization (gsm8k_warmstart --gpu-mem; default 0.5, which fits one evaluation at a time).
+#
 # DECLARED=FILE (issue 45): the settings declared in FILE (benchmarks/gsm8k_warmstart_declared.yaml), each with
 # its arguments there (scored on the validation split); NAME arguments pick some of them (default: all), and a name
 # FILE does not declare is refused. Each setting then evaluates the base model itself (set BEFORE to a validation
@@ -49,29 +53,53 @@ for setting in "$@"; do
     exit 2
   fi
 done
+PARALLEL=${PARALLEL:-1}
+if ! [[ "$PARALLEL" =~ ^[1-9][0-9]*$ ]]; then
+  echo "gsm8k_warmstart_settings: PARALLEL=$PARALLEL: expected a positive whole number of settings at once" >&2
+  exit 2
+fi
 mkdir -p "$OUT" "$WORK"
 start=$SECONDS
-status=0
-for setting in "$@"; do
-  name=${setting%%=*}
-  arguments=${setting#*=}
-  left=$((BUDGET_S - (SECONDS - start)))
-  if [ "$left" -lt "$MIN_S" ]; then
-    echo "$name: not started ($left s left, a setting needs $MIN_S)"
-    status=1
-    continue
-  fi
+
+run_setting() {  # NAME ARGUMENTS LEFT: one setting, packed; its line into $WORK/NAME.line, its exit code into .code
+  local name=$1 arguments=$2 left=$3 code log summary last
   rm -rf "${WORK:?}/$name" "${WORK:?}/ckpt-$name"
   mkdir -p "$WORK/$name"
   # shellcheck disable=SC2086 # the setting's arguments are words
   OUT="$WORK/$name" CKPT="$WORK/ckpt-$name" WARMSTART_S=$left \
-    bash benchmarks/gpu/gsm8k_warmstart_call.sh ${BEFORE:+--before-from "$BEFORE"} $arguments > /dev/null 2>&1
+    bash benchmarks/gpu/gsm8k_warmstart_call.sh ${BEFORE:+--before-from "$BEFORE"} ${GPU_MEM:+--gpu-mem "$GPU_MEM"} \
+    $arguments > /dev/null 2>&1
   code=$?
-  [ "$code" -eq 0 ] || status=1
   tar -C "$WORK" -cJf "$OUT/$name.tar.xz" "$name"
   log="$WORK/$name/gsm8k_warmstart.log"
   summary=$(grep -E '^after SFT +\| all ' "$log" | tail -1)
   last=$([ "$code" -eq 0 ] || tail -1 "$log")
-  echo "$name: exit $code, $((SECONDS - start)) s${summary:+; $summary}${last:+; $last}"
+  echo "$name: exit $code, $((SECONDS - start)) s${summary:+; $summary}${last:+; $last}" > "$WORK/$name.line"
+  echo "$code" > "$WORK/$name.code"
+}
+
+status=0
+names=()
+for setting in "$@"; do
+  name=${setting%%=*}
+  names+=("$name")
+  rm -f "$WORK/$name.line" "$WORK/$name.code"
+  while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n; done
+  left=$((BUDGET_S - (SECONDS - start)))
+  if [ "$left" -lt "$MIN_S" ]; then
+    echo "$name: not started ($left s left, a setting needs $MIN_S)" > "$WORK/$name.line"
+    echo 1 > "$WORK/$name.code"
+    continue
+  fi
+  if [ "$PARALLEL" -eq 1 ]; then
+    run_setting "$name" "${setting#*=}" "$left"
+  else
+    run_setting "$name" "${setting#*=}" "$left" &
+  fi
+done
+wait
+for name in "${names[@]}"; do
+  cat "$WORK/$name.line"
+  [ "$(cat "$WORK/$name.code")" = 0 ] || status=1
 done
 exit $status

@@ -428,6 +428,18 @@ def test_the_settings_script_runs_each_setting_packs_it_and_keeps_to_its_budget(
     with tarfile.open(out / "lr2e-4.tar.xz") as tar:
         assert tar.getnames() == ["lr2e-4", "lr2e-4/gsm8k_warmstart.log"]
         assert b"vLLM is not installed here" in tar.extractfile("lr2e-4/gsm8k_warmstart.log").read()
+    # PARALLEL=2: both settings at once, the lines in the order given; GPU_MEM reaches each setting's run
+    for name in ("lr2e-4", "e5"):
+        (out / f"{name}.tar.xz").unlink()
+    done = run("lr2e-4=--lr 2e-4", "e5=--epochs 5", PARALLEL="2")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert [line.split(":")[0] for line in done.stdout.strip().splitlines()] == ["lr2e-4", "e5"]
+    assert sorted(p.name for p in out.iterdir()) == ["e5.tar.xz", "lr2e-4.tar.xz"]
+    done = run("lr2e-4=--lr 2e-4", PARALLEL="2", GPU_MEM="1.5")
+    assert done.returncode == 1 and "--gpu-mem 1.5: must be a fraction in (0, 1]" in done.stdout, done.stdout
+    for bad in ("0", "two"):
+        done = run("lr2e-4=--lr 2e-4", PARALLEL=bad)
+        assert done.returncode == 2 and f"PARALLEL={bad}: expected a positive whole number" in done.stderr
     done = run("late=--lr 1e-4", BUDGET_S="100", MIN_S="240")
     assert done.returncode == 1 and done.stdout.strip() == "late: not started (100 s left, a setting needs 240)"
     for bad in ("nameonly", "bad/name=--lr 1e-4"):
