@@ -21,16 +21,20 @@ SHAPES = {
     "llama-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                                tie_word_embeddings=False, rms_norm_eps=1e-5, max_position_embeddings=8192)),
-    # Llama and Qwen2 shapes with SmolLM2's vocabulary and tokenizer (49152 tokens), for runs through bloggap train
+    # Llama and Qwen2 shapes with SmolLM2's vocabulary and tokenizer (49152 tokens), for runs through bloggap train;
+    # the name gives the parameter count (qwen2-1.39b is Qwen2.5-1.5B's widths with the smaller vocabulary)
     "llama-0.48b-v49k": ("llama", dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16,
                                        num_attention_heads=24, num_key_value_heads=8, vocab_size=49152,
                                        tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=8192)),
     "llama-1.56b-v49k": ("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
                                        num_attention_heads=32, num_key_value_heads=8, vocab_size=49152,
                                        tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=8192)),
-    "qwen2-1.5b-v49k": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+    "qwen2-1.39b-v49k": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                                       num_attention_heads=12, num_key_value_heads=2, vocab_size=49152,
                                       tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=8192)),
+    "llama-3b-v49k": ("llama", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                                    num_attention_heads=24, num_key_value_heads=8, vocab_size=49152,
+                                    tie_word_embeddings=True, rms_norm_eps=1e-5, max_position_embeddings=8192)),
     # CPU quick mode
     "tiny-llama": ("llama", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=10,
                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,

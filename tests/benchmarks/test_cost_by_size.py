@@ -61,3 +61,17 @@ def test_a_model_without_arm_a_runs_has_no_multiples():
     table = bench.size_table({"m": {"J-1": _run("J", 2.0, 2.0, 3.0, 1.0)}})
     row = dict(zip(table["columns"], table["rows"][0]))
     assert row["step s (median)"] == 2.0 and row["median step x arm A"] is None and row["mean step x arm A"] is None
+
+
+@pytest.mark.parametrize("name, billions", [("llama-0.48b-v49k", 0.48), ("llama-1.56b-v49k", 1.56),
+                                            ("qwen2-1.39b-v49k", 1.39), ("llama-3b-v49k", 3.0)])
+def test_each_v49k_shape_has_the_size_its_name_says(name, billions):
+    """The cost-by-size shapes, built on the meta device (no memory): parameters within 5% of the name's size."""
+    import torch
+
+    from benchmarks._lib.shapes import build_shape
+
+    model = build_shape(name, torch.device("meta"))
+    count = sum(p.numel() for p in model.parameters())
+    assert abs(count / 1e9 - billions) <= 0.05 * billions, count
+    assert model.config.vocab_size == 49152 and model.config.tie_word_embeddings
