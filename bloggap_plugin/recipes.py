@@ -30,7 +30,7 @@ from bloggap_plugin.core.arms import ARMS as ARM_RECORDS
 from bloggap_plugin.core.errors import UsageError, short_repr
 
 if TYPE_CHECKING:
-    from bloggap_plugin.core.vllm_form import VllmForm
+    from bloggap_plugin.core.vllm.form import VllmForm
 
 __all__ = [
     "GapConfig",
@@ -225,7 +225,7 @@ class GapConfig:
 
     def _parse_i_pieces(self) -> VllmForm:
         """Parse ``i_pieces`` and keep the result with the text it was parsed from (:attr:`i_form`)."""
-        from bloggap_plugin.core.vllm_form import parse_form
+        from bloggap_plugin.core.vllm.form import parse_form
 
         try:
             form = parse_form(self.i_pieces)
@@ -236,7 +236,7 @@ class GapConfig:
 
     @property
     def i_form(self) -> VllmForm:
-        """``i_pieces`` parsed (:func:`bloggap_plugin.core.vllm_form.parse_form`): the one parsed value every reader
+        """``i_pieces`` parsed (:func:`bloggap_plugin.core.vllm.form.parse_form`): the one parsed value every reader
         of the pieces uses, parsed when the config is validated (again only if ``i_pieces`` is reassigned)."""
         text, form = getattr(self, "_i_form", (None, None))
         return form if text == self.i_pieces and form is not None else self._parse_i_pieces()

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from bloggap_plugin.core import metrics as gap_metrics
-from bloggap_plugin.core import vllm_kernels
+from bloggap_plugin.core.vllm import kernels as vllm_kernels
 from bloggap_plugin.recipes import GapConfig, RecipeError, config_differences
 from bloggap_plugin.trl.state import GapState
 

@@ -80,7 +80,7 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, **engine_kwargs: 
     """
     from trl.generation import vllm_generation
 
-    from bloggap_plugin.core.vllm_compat import supported_text
+    from bloggap_plugin.core.vllm.versions import supported_text
 
     original = getattr(vllm_generation, "LLM", None)
     if original is None:
@@ -208,7 +208,7 @@ engine's start-up turns it on (the trainer's own forward and backward included);
 
 
 def _matmul_settings() -> Any:
-    from bloggap_plugin.core.vllm_kernels import MatmulSettings
+    from bloggap_plugin.core.vllm.kernels import MatmulSettings
 
     return MatmulSettings.current()
 
@@ -228,12 +228,12 @@ def batch_invariance_scope_setting(environ: dict | None = None) -> str:
 def confine_batch_invariance(trainer: Any, environ: dict | None = None) -> bool:
     """Confine vLLM's batch-invariant mode, which the colocated engine's start-up turned on for the whole process, to
     the engine's generation calls (``llm.generate`` wrapped in
-    :func:`~bloggap_plugin.core.vllm_kernels.engine_batch_invariance`); the arm's vLLM-form passes install it for
-    themselves (:func:`~bloggap_plugin.core.vllm_kernels.batch_invariant_scope`), and the trainer's own forward and
+    :func:`~bloggap_plugin.core.vllm.kernels.engine_batch_invariance`); the arm's vLLM-form passes install it for
+    themselves (:func:`~bloggap_plugin.core.vllm.kernels.batch_invariant_scope`), and the trainer's own forward and
     backward run with torch's matmul settings from before the engine started. ``True`` where it was confined; nothing
     changes where the mode is off, the engine was not built through :func:`vllm_colocate_engine` (no record of the
     settings before it), or :data:`BATCH_INVARIANCE_SCOPE_ENV` is ``process``."""
-    from bloggap_plugin.core import vllm_kernels
+    from bloggap_plugin.core.vllm import kernels as vllm_kernels
 
     llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
     plain = getattr(llm, "_bloggap_plain_matmul", None)
@@ -311,8 +311,8 @@ def colocate_compilation_mode(trainer: Any) -> int | None:
 def check_engine_vllm(trainer: Any, gap: Any) -> None:
     """Where the trainer has a real colocate engine, refuse (``RecipeError``, one line naming the installed and the
     supported versions) a vLLM outside the supported range, or, for an arm that computes vLLM's kernels (I, J with
-    vLLM pieces), one whose kernels it was not read from (:mod:`bloggap_plugin.core.vllm_compat`)."""
-    from bloggap_plugin.core.vllm_compat import vllm_problem
+    vLLM pieces), one whose kernels it was not read from (:mod:`bloggap_plugin.core.vllm.versions`)."""
+    from bloggap_plugin.core.vllm.versions import vllm_problem
     from bloggap_plugin.recipes import RecipeError
 
     if _colocate_engine(trainer) is None:
@@ -331,7 +331,7 @@ def check_colocate_engine(trainer: Any, gap: Any, environ: dict | None = None) -
     layout); vLLM's batch-invariant mode is read from vLLM itself. An engine built eager is what arms I and J need
     only with ``gap.vllm_launch: eager`` set: under ``auto`` (the default, decode graphs) it is refused, and the
     error names that setting."""
-    from bloggap_plugin.core import vllm_kernels
+    from bloggap_plugin.core.vllm import kernels as vllm_kernels
     from bloggap_plugin.recipes import RecipeError
 
     spec = gap.arm_spec

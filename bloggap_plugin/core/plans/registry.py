@@ -20,8 +20,8 @@ from ..divergence import DivergenceProfile, divergence_profile
 from ..model_parts import layer_list_path, model_device
 from ..scoring import unwrap_model
 from ..sharding import is_partitioned
-from ..vllm_form import parse_form
-from ..vllm_kernels import load_kernels
+from ..vllm.form import parse_form
+from ..vllm.kernels import load_kernels
 from .base import ScoringPlan
 from .policy import PolicyPlan
 from .shadow import SHADOW_DTYPES, ShadowPlan
@@ -78,8 +78,8 @@ def make_plan(
             re-score) in TF32 (``True``), IEEE fp32 (``False``), or TF32 on Ampere+ GPUs only (``"auto"``); set
             and restored around each call (:mod:`.tf32`). Ignored by plan ``bf16``.
         pieces: ``vllm`` (arm I) only: which pieces of its forward follow vLLM
-            (:func:`bloggap_plugin.core.vllm_form.parse_form`; default ``"all"``). Pieces that call vLLM's kernels
-            need vLLM and CUDA (:func:`bloggap_plugin.core.vllm_kernels.load_kernels` refuses otherwise).
+            (:func:`bloggap_plugin.core.vllm.form.parse_form`; default ``"all"``). Pieces that call vLLM's kernels
+            need vLLM and CUDA (:func:`bloggap_plugin.core.vllm.kernels.load_kernels` refuses otherwise).
         over_parameters: ``vllm`` only: score the policy's own parameters, each cast to bf16 in the forward, instead
             of a bf16 shadow (no copy, nothing to sync; arm J, whose training forward reads them the same way).
     """
