@@ -64,6 +64,14 @@ def _runs_vllm_eager_kernels(spec: ArmSpec) -> bool:
     return bool(dict(spec.vllm_engine).get("enforce_eager"))
 
 
+def _plan_takes_pieces(spec: ArmSpec) -> bool:
+    """Whether ``spec``'s plan takes ``pieces=`` (its registry entry, :class:`~bloggap_plugin.core.plans.PlanEntry`)."""
+    from bloggap_plugin.core.plans import arm_plan_entry
+
+    entry = arm_plan_entry(spec)
+    return entry is not None and entry.takes_pieces
+
+
 class RecipeError(UsageError):
     """A recipe (or GapConfig) names an unknown key, has a wrong type, or an invalid value."""
 
@@ -216,9 +224,10 @@ class GapConfig:
             raise RecipeError("gap.is_correction needs the sampler's log-probs: set gap.sampler: true")
 
     def _validate_i_pieces(self, spec: ArmSpec) -> None:
-        if self.i_pieces != "all" and spec.plan != "vllm":
+        takes_pieces = _plan_takes_pieces(spec)
+        if self.i_pieces != "all" and not takes_pieces:
             raise RecipeError(f"gap.i_pieces only applies to arm I; arm is {self.arm}: drop it (or use arm I or J)")
-        if spec.plan == "vllm" and self.positions != "mask":
+        if takes_pieces and self.positions != "mask":
             raise RecipeError("arm I scores with vLLM's positions (0.. from each sequence's first token): "
                               "set gap.positions: mask")
         self._parse_i_pieces()
@@ -256,7 +265,7 @@ class GapConfig:
         """Raise :class:`RecipeError` if a ``layers`` id is not a decoder layer of a ``num_layers``-layer model, or
         (arm D choosing its layers) ``k`` is more layers than it has."""
         if self.layers is None:
-            if self.arm_spec.plan == "guided" and self.k > num_layers:
+            if self.arm_spec.takes_layers and self.k > num_layers:
                 default = next(f.default for f in dataclasses.fields(self) if f.name == "k")
                 if self.k != default:
                     raise RecipeError(f"gap.k {self.k}: arm D would run {self.k} layers in fp32, and this model has "
@@ -286,6 +295,12 @@ class GapConfig:
         if not _runs_vllm_eager_kernels(self.arm_spec):
             return None
         return AUTO_VLLM_LAUNCH if self.vllm_launch == "auto" else self.vllm_launch
+
+    @property
+    def takes_pieces(self) -> bool:
+        """The arm's plan computes its forward piece by piece in vLLM's form (its registry entry takes ``pieces=``:
+        arms I and J), so :attr:`i_pieces` / :attr:`i_form` apply."""
+        return _plan_takes_pieces(self.arm_spec)
 
     @property
     def plan_arm(self) -> str | None:

@@ -77,7 +77,7 @@ class GapMixin:
         """Validate ``gap`` against this trainer and set up its session (``self._gap_session``)."""
         state = attach_state(self, gap, grpo_kwargs, source)
         self._gap_session = GapSession(self, state)
-        if state.arm.plan == "vllm":
+        if gap.takes_pieces:
             from bloggap_plugin.trl.vllm_colocate import confine_batch_invariance
 
             confine_batch_invariance(self)  # the trainer's own passes at plain speed (arms I, J)

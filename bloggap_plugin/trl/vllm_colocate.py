@@ -317,9 +317,7 @@ def check_engine_vllm(trainer: Any, gap: Any) -> None:
 
     if _colocate_engine(trainer) is None:
         return
-    needs_form = False
-    if gap.arm_spec.plan == "vllm":
-        needs_form = bool(gap.i_form.needs_vllm())
+    needs_form = bool(gap.takes_pieces and gap.i_form.needs_vllm())
     problem = vllm_problem(needs_form=needs_form)
     if problem:
         raise RecipeError(f"arm {gap.arm_spec.letter}: {problem}")
@@ -397,7 +395,7 @@ def engine_model_runner(engine: Any) -> str | None:
 def model_runner_refusal(gap: Any, runner: str | None) -> str | None:
     """The error text when arm I's ``logprobs`` piece is not the one of the engine's model runner (``runner``:
     :func:`colocate_model_runner`), else ``None``: the runners compute the sampled token's log-prob differently."""
-    if gap.arm_spec.plan != "vllm" or runner is None:
+    if not gap.takes_pieces or runner is None:
         return None
     wanted = "v2_sampler" if runner == "v2" else "log_softmax"
     if gap.i_form.logprobs == wanted:
@@ -412,9 +410,7 @@ def model_runner_refusal(gap: Any, runner: str | None) -> str | None:
 def needs_batch_invariant(gap: Any) -> bool:
     """Whether ``gap``'s old-logprob pass computes vLLM's batch-invariant matmuls (arm I with that piece on), which
     equal the sampler's only if the engine runs in vLLM's batch-invariant mode."""
-    if gap.arm_spec.plan != "vllm":
-        return False
-    return gap.i_form.batch_invariant
+    return gap.takes_pieces and gap.i_form.batch_invariant
 
 
 def batch_invariant_refusal(gap: Any) -> str:

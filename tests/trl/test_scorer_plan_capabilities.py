@@ -1,8 +1,10 @@
 """The TRL scorer treats plans by their registry entry's capabilities (core.plans.PlanEntry), not by their names: a
-plan registered under a new name gets the device, the pieces and the layers exactly as its entry says."""
+plan registered under a new name gets the device, the pieces and the layers exactly as its entry says; so do the
+recipe's checks and the colocate engine's (gap.i_pieces, its positions, batch-invariant mode, the model runner)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from types import SimpleNamespace
 
@@ -12,8 +14,9 @@ from torch import nn
 
 from bloggap_plugin.core import arms
 from bloggap_plugin.core.plans import PLANS, REFERENCE_PLAN, PlanEntry, PlanOptions, plan_entry
-from bloggap_plugin.recipes import GapConfig
+from bloggap_plugin.recipes import GapConfig, RecipeError
 from bloggap_plugin.trl.scorer import Scorer
+from bloggap_plugin.trl.vllm_colocate import model_runner_refusal, needs_batch_invariant
 
 DEVICE = torch.device("meta")  # the trainer's device: a value no plan would choose by itself
 
@@ -129,3 +132,30 @@ def test_the_registry_entries_say_what_the_built_in_plans_take():
     }
     assert plan_entry("D") is PLANS["guided"] and plan_entry("J") is PLANS["vllm"]
     assert PLANS[REFERENCE_PLAN].fp32_everywhere
+
+
+def test_an_arm_whose_plan_takes_pieces_gets_arm_i_s_settings_under_another_plan_name(register, monkeypatch):
+    register("vllm_like", takes_device=True, takes_pieces=True)
+    monkeypatch.setitem(arms.ARMS, "I", dataclasses.replace(arms.ARMS["I"], plan="vllm_like"))
+    gap = GapConfig(arm="I")  # i_pieces "all": batch-invariant matmuls, the V2 runner's log-probs
+    assert gap.takes_pieces and gap.i_form.batch_invariant
+    assert needs_batch_invariant(gap) is True
+    assert "model runner V1" in model_runner_refusal(gap, "v1")
+    assert GapConfig(arm="I", i_pieces="torch").i_form.norm == "torch"
+    with pytest.raises(RecipeError, match="set gap.positions: mask"):
+        GapConfig(arm="I", positions="arange")
+
+
+def test_an_arm_whose_plan_takes_no_pieces_refuses_them_whatever_its_plan_is_called(monkeypatch):
+    monkeypatch.setitem(PLANS, "vllm", dataclasses.replace(PLANS["vllm"], takes_pieces=False))
+    gap = GapConfig(arm="I", positions="arange")  # no positions demanded: the plan computes no vLLM form
+    assert not gap.takes_pieces and needs_batch_invariant(gap) is False and model_runner_refusal(gap, "v1") is None
+    with pytest.raises(RecipeError, match="gap.i_pieces only applies to arm I"):
+        GapConfig(arm="I", i_pieces="torch")
+
+
+def test_k_beyond_the_model_warns_for_an_arm_whose_plan_takes_layers_under_another_name(register, monkeypatch):
+    register("guided_like", takes_layers=True)
+    monkeypatch.setitem(arms.ARMS, "D", dataclasses.replace(arms.ARMS["D"], plan="guided_like"))
+    with pytest.warns(UserWarning, match="more than this model's 2 decoder layers: arm D runs all 2 in fp32"):
+        GapConfig(arm="D").check_layers(2)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..arms import plan_name
+from ..arms import ArmSpec, plan_name
 from ..divergence import DivergenceProfile, divergence_profile
 from ..model_parts import layer_list_path, model_device
 from ..scoring import unwrap_model
@@ -28,7 +28,8 @@ from .shadow import SHADOW_DTYPES, ShadowPlan
 from .upcast import UpcastPlan
 from .vllm_shadow import VllmFormParamsPlan, VllmFormPlan
 
-__all__ = ["PLANS", "PlanEntry", "PlanOptions", "REFERENCE_PLAN", "make_plan", "plan_entry", "guided_layers"]
+__all__ = ["PLANS", "PlanEntry", "PlanOptions", "REFERENCE_PLAN", "arm_plan_entry", "make_plan", "plan_entry",
+           "guided_layers"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,12 @@ def make_plan(
 def plan_entry(name: str) -> PlanEntry:
     """The registry entry of plan ``name`` (a plan name or an arm letter with a plan, :func:`plan_name`)."""
     return PLANS[plan_name(name)]
+
+
+def arm_plan_entry(arm: ArmSpec) -> PlanEntry | None:
+    """The registry entry of ``arm``'s plan (:attr:`~bloggap_plugin.core.arms.ArmSpec.plan`), or ``None`` for an arm
+    without one (TRL's forward scores its old log-probs): what code asks for a planned arm's capabilities."""
+    return None if arm.plan is None else PLANS[arm.plan]
 
 
 def _with(capability: str) -> str:
