@@ -92,7 +92,7 @@ class GapMixin:
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         session = getattr(self, "_gap_session", None)
-        if session is None or session.state.recorder is None or not self.model.training:
+        if session is None or session.state.resources.recorder is None or not self.model.training:
             return self._gap_next(
                 "_generate_single_turn", prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )

@@ -291,8 +291,8 @@ def test_trl_arm_i_trains_on_its_plan_and_refuses_kernel_pieces_on_cpu(tmp_path,
         warnings.simplefilter("ignore")
         trainer = make(tmp_path / "torch", GapConfig(arm="I", i_pieces="torch", probe_rows=4), dtype="bf16",
                        max_steps=1)
-        assert isinstance(trainer._gap_session.state.plan, VllmFormPlan)
-        assert trainer._gap_session.state.plan.stats()["pieces"] == parse_form("torch").describe()
+        assert isinstance(trainer._gap_session.state.resources.plan, VllmFormPlan)
+        assert trainer._gap_session.state.resources.plan.stats()["pieces"] == parse_form("torch").describe()
         trainer.train()
     logs = logs_of(trainer)
     assert len(logs) == 1 and math.isfinite(logs[0]["loss"])
@@ -646,7 +646,8 @@ def test_arm_i_scores_as_many_rows_per_forward_as_its_token_budget_holds(tiny_mo
 
     def trainer(score_rows: int):
         config = GapConfig(arm="I", positions="mask", i_pieces="torch", score_rows=score_rows)
-        state = types.SimpleNamespace(config=config, positions="mask", renormalize=False)
+        settings = types.SimpleNamespace(positions="mask", renormalize=False)
+        state = types.SimpleNamespace(config=config, settings=settings)
         trainer = types.SimpleNamespace(accelerator=types.SimpleNamespace(device=torch.device("cpu")), temperature=1.0)
         return types.SimpleNamespace(state=state, trainer=trainer, reducer=None)
 

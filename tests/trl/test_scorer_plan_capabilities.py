@@ -65,7 +65,7 @@ def _scorer(gap: GapConfig, plan: str = "fake", onpolicy_forward: bool = False) 
         accelerator=SimpleNamespace(device=DEVICE, unwrap_model=lambda model: model),
     )
     state = SimpleNamespace(config=gap, arm=SimpleNamespace(plan=plan, onpolicy_forward=onpolicy_forward),
-                            plan=None, ref_plan=None, plan_step=None, ref_step=None)
+                            resources=SimpleNamespace(plan=None, ref_plan=None, plan_step=None, ref_step=None))
     return Scorer(trainer, state)
 
 
@@ -96,14 +96,14 @@ def test_a_plan_with_vllm_s_capabilities_under_another_name_is_given_arm_i_s_pie
 def test_only_a_plan_that_copies_weights_is_rebuilt_for_a_policy_sharded_since(register, copies_weights):
     built = register("fake", copies_weights=copies_weights, takes_layers=True)
     scorer = _scorer(GapConfig())
-    old = scorer.state.plan = scorer.make_plan("fake", layers=[0, 4], k=2)
+    old = scorer.state.resources.plan = scorer.make_plan("fake", layers=[0, 4], k=2)
     current = scorer.sharded_like_policy(old)
     if not copies_weights:  # the policy as called: nothing of its own to shard
         assert current is old and len(built) == 1 and not old.closed
         return
-    assert built == [old, current] and old.closed and scorer.state.plan is current
+    assert built == [old, current] and old.closed and scorer.state.resources.plan is current
     assert (current.options.layers, current.options.k) == ([0, 4], 2)  # its layers kept, as its entry takes them
-    assert scorer.state.plan_step is None  # synced before its next use
+    assert scorer.state.resources.plan_step is None  # synced before its next use
 
 
 @pytest.mark.parametrize("fp32_everywhere", [False, True])
@@ -111,7 +111,7 @@ def test_the_reference_reuses_the_arms_plan_only_where_its_entry_computes_fp32_e
     register("fake", fp32_everywhere=fp32_everywhere, copies_weights=False)
     references = register(REFERENCE_PLAN, takes_device=True, fp32_everywhere=True, copies_weights=False)
     scorer = _scorer(GapConfig(tf32=True))
-    arm_plan = scorer.state.plan = scorer.make_plan("fake", tf32=False)
+    arm_plan = scorer.state.resources.plan = scorer.make_plan("fake", tf32=False)
     reference = scorer.reference_plan()
     if fp32_everywhere:
         assert reference is arm_plan and references == [] and arm_plan.syncs == 1
