@@ -155,8 +155,8 @@ def _hf_forward(model, ids, mask, width: int, attention: str):
 
     from bloggap_plugin.core.plans import make_plan
     from bloggap_plugin.core.scoring import token_logprobs
-    from bloggap_plugin.core.vllm_form import parse_form
-    from bloggap_plugin.core.vllm_kernels import load_kernels, register_hf_attention
+    from bloggap_plugin.core.vllm.form import parse_form
+    from bloggap_plugin.core.vllm.kernels import load_kernels, register_hf_attention
 
     device = ids.device
     name, kernels = "sdpa", "torch"
@@ -275,7 +275,7 @@ def _rope_cache(model, device):
     """``(head_dim, theta, cache)``: the model's RoPE settings and vLLM's bf16 ``cos_sin_cache`` built from them."""
     import torch
 
-    from bloggap_plugin.core.vllm_form import vllm_cos_sin_cache
+    from bloggap_plugin.core.vllm.form import vllm_cos_sin_cache
 
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -336,7 +336,7 @@ def cmd_phase(args) -> None:
     """One phase (``colocated`` generates first; ``scoped`` reads ``gen.pt``); writes ``--json`` after each row."""
     import torch
 
-    from bloggap_plugin.core.vllm_kernels import vllm_batch_invariant_active
+    from bloggap_plugin.core.vllm.kernels import vllm_batch_invariant_active
     from bloggap_plugin.envinfo import environment_record
     from bloggap_plugin.trl.vllm_colocate import engine_model_runner
 

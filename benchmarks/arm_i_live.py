@@ -370,10 +370,12 @@ def run_env(label: str, environ: dict) -> dict:
     user's own script) of an arm whose plan computes vLLM's numbers (I, J) adds it, as its user would export it; a
     ``train`` run gets neither, since ``bloggap train`` sets what its arm needs itself."""
     from bloggap_plugin.core.arms import get_arm
+    from bloggap_plugin.core.plans import arm_plan_entry
 
     spec = parse_label(label)
     env = {k: v for k, v in environ.items() if k not in ARM_I_ENV}
-    if spec["entry"] == "callback" and get_arm(spec["arm"]).plan == "vllm":
+    entry = arm_plan_entry(get_arm(spec["arm"]))
+    if spec["entry"] == "callback" and entry is not None and entry.takes_pieces:
         env.update(ARM_I_ENV)
     return env
 

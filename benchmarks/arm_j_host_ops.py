@@ -1,9 +1,9 @@
 """Host work of arm J's training forward and backward on CPU: aten ops dispatched and host wall time, before and
-after a change of ``bloggap_plugin/core/vllm_autograd.py``, in ONE run:
+after a change of ``bloggap_plugin/core/vllm/autograd.py``, in ONE run:
 
     python -m benchmarks.arm_j_host_ops [--base main] [--repeats 30] [--out benchmarks/results/arm_j_host_ops.json]
 
-``before`` is ``vllm_autograd.py`` as committed at ``--base`` (read with ``git show`` into a temporary module of
+``before`` is ``core/vllm/autograd.py`` as committed at ``--base`` (read with ``git show`` into a temporary module of
 the same package), ``after`` the working tree's; each wraps the plain-torch stand-ins for vLLM's kernels
 (``TORCH_KERNELS``) for :class:`~bloggap_plugin.core.plans.vllm_shadow.OnPolicyForward` in arm J's form (``all``) on
 the tiny random Llama of the CPU tests, over a TRL-shaped batch (left-padded prompts of different lengths, the
@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE = "bloggap_plugin/core/vllm_autograd.py"
+MODULE = "bloggap_plugin/core/vllm/autograd.py"
 RESULT = ROOT / "benchmarks" / "results" / "arm_j_host_ops.json"
 TOP = 15
 ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
@@ -72,22 +72,24 @@ class OpCounter(TorchDispatchMode):
 
 
 def load_base(ref: str) -> tuple[ModuleType, str]:
-    """``vllm_autograd`` as committed at ``ref`` (a module of ``bloggap_plugin.core``, so its relative imports
-    resolve), and ``ref``'s commit."""
+    """``core.vllm.autograd`` as committed at ``ref`` (a module of ``bloggap_plugin.core.vllm``, so its relative
+    imports resolve), and ``ref``'s commit. A ``ref`` from before the module moved into ``core/vllm/`` is refused."""
     commit = subprocess.run(["git", "rev-parse", ref], cwd=ROOT, capture_output=True, text=True,
                             check=True).stdout.strip()
-    source = subprocess.run(["git", "show", f"{commit}:{MODULE}"], cwd=ROOT, capture_output=True, text=True,
-                            check=True).stdout
-    name = f"bloggap_plugin.core._vllm_autograd_{commit[:12]}"
+    shown = subprocess.run(["git", "show", f"{commit}:{MODULE}"], cwd=ROOT, capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise SystemExit(f"--base {ref}: {MODULE} is not in that commit (it predates core/vllm/); give a later base")
+    source = shown.stdout
+    name = f"bloggap_plugin.core.vllm._autograd_{commit[:12]}"
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
-    module.__package__ = "bloggap_plugin.core"
+    module.__package__ = "bloggap_plugin.core.vllm"
     sys.modules[name] = module
     exec(compile(source, f"{ref}:{MODULE}", "exec"), module.__dict__)  # noqa: S102
     return module, commit
 
 
 def revision() -> str:
-    """HEAD's commit, ``+dirty`` when the working tree's ``vllm_autograd.py`` differs from it."""
+    """HEAD's commit, ``+dirty`` when the working tree's ``core/vllm/autograd.py`` differs from it."""
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout.strip()
     dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", MODULE], cwd=ROOT).returncode != 0
@@ -105,11 +107,11 @@ def batch(rows: int = 6, keep: int = 16, seed: int = 0) -> tuple[torch.Tensor, t
 
 
 class Arm:
-    """Arm J's training forward over ``model`` with one implementation of ``vllm_autograd``."""
+    """Arm J's training forward over ``model`` with one implementation of ``core.vllm.autograd``."""
 
     def __init__(self, module: ModuleType, model, ids, mask, keep: int, spec: str) -> None:
         from bloggap_plugin.core.plans import vllm_shadow
-        from bloggap_plugin.core.vllm_form import TORCH_KERNELS, parse_form
+        from bloggap_plugin.core.vllm.form import TORCH_KERNELS, parse_form
 
         original = vllm_shadow.autograd_kernels
         vllm_shadow.autograd_kernels = module.autograd_kernels  # OnPolicyForward wraps the kernels with it
@@ -193,7 +195,7 @@ class Arm:
 def piece_cases(gen: torch.Generator) -> dict:
     """Piece -> ``(kernels -> (wrapped piece, args, indices of the args wanting a gradient))`` on tiny bf16 inputs
     (the host's work dominates, as on the GPU): each closed-form piece as arm J's forward calls it."""
-    from bloggap_plugin.core.vllm_form import vllm_cos_sin_cache
+    from bloggap_plugin.core.vllm.form import vllm_cos_sin_cache
 
     def bf(*shape):
         return torch.randn(*shape, generator=gen).to(torch.bfloat16)
@@ -214,7 +216,7 @@ def piece_host_us(modules: dict[str, ModuleType], repeats: int, calls: int = 100
     """``{piece: {implementation: {"forward_us", "backward_us"}}}``: host microseconds per call of the wrapped
     piece's forward (with gradients) and of its backward alone (``retain_graph``, the same graph each call), the
     minimum over ``repeats`` rounds of ``calls`` calls, the implementations interleaved round by round."""
-    from bloggap_plugin.core.vllm_form import TORCH_KERNELS
+    from bloggap_plugin.core.vllm.form import TORCH_KERNELS
 
     out: dict = {}
     for piece, case in piece_cases(torch.Generator().manual_seed(0)).items():
@@ -242,7 +244,7 @@ def piece_host_us(modules: dict[str, ModuleType], repeats: int, calls: int = 100
 
 
 def run(base: str, repeats: int, spec: str = "all", keep: int = 16) -> dict:
-    from bloggap_plugin.core import vllm_autograd
+    from bloggap_plugin.core.vllm import autograd as vllm_autograd
     from bloggap_plugin.models import load_model
 
     torch.manual_seed(0)
@@ -303,7 +305,7 @@ def run(base: str, repeats: int, spec: str = "all", keep: int = 16) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", default="main", help="git revision of the 'before' vllm_autograd.py")
+    parser.add_argument("--base", default="main", help="git revision of the 'before' core/vllm/autograd.py")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the tests run single-threaded)")
     parser.add_argument("--out", default=str(RESULT))

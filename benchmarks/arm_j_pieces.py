@@ -12,7 +12,7 @@ forward (with gradients) and the backward of ``sum(logps)``, median seconds of `
 the training forward's log-probs equal arm J's old log-probs in the same form (``VllmFormParamsPlan``) bit for bit;
 the total against arm A's. For arm J's form, each piece's backward seconds (the device synchronised around each
 piece, so the sum exceeds the plain backward; table ``T16-armJ-backward``). Last, the two attention backward
-formulas (``core.vllm_autograd``: padded entries, dense over the cache) on one layer's calls (table
+formulas (``core.vllm.autograd``: padded entries, dense over the cache) on one layer's calls (table
 ``T16-armJ-attention``).
 ``$OUT/arm_j_pieces.json`` (table ``T16-armJ-pieces``) is rewritten after each form, so a time limit keeps what
 finished.
@@ -51,9 +51,9 @@ FORMS: dict[str, str] = {
     "vLLM's maths in torch": "torch",
     "HF's maths, packed": "hf",
 }
-"""Row label -> arm I form (``core.vllm_form.parse_form``): arm J's, then one piece back to torch at a time."""
+"""Row label -> arm I form (``core.vllm.form.parse_form``): arm J's, then one piece back to torch at a time."""
 PROCESS_ENV = {"VLLM_BATCH_INVARIANT": "1", "TRITON_F32_DEFAULT": "ieee"}
-COLUMNS = ["form", "pieces (core.vllm_form)", "forward s", "backward s", "total s", "x arm A", "equals the old log-probs"]
+COLUMNS = ["form", "pieces (core.vllm.form)", "forward s", "backward s", "total s", "x arm A", "equals the old log-probs"]
 BACKWARD_PIECES: dict[str, str] = {
     "flash_paged_formula": "attention (paged FlashAttention, per call)",
     "flash_formula": "attention (contiguous FlashAttention)",
@@ -65,7 +65,7 @@ BACKWARD_PIECES: dict[str, str] = {
     "rms_norm_formula": "RMSNorm in one launch",
     "token_logprobs_formula": "log-prob of the sampled token",
 }
-"""Backward formula (``core.vllm_autograd``) -> the piece of arm J's forward it differentiates."""
+"""Backward formula (``core.vllm.autograd``) -> the piece of arm J's forward it differentiates."""
 BACKWARD_COLUMNS = ["piece", "backward formula", "calls", "backward s (synchronised per piece)", "% of the backward"]
 
 
@@ -103,7 +103,7 @@ def time_forward_backward(forward: Callable[[], Any], device: Any, repeats: int)
 def backward_by_piece(forward: Callable[[], Any], device: Any) -> dict:
     """Seconds of each wrapped piece's backward in one backward of ``forward()`` (the device synchronised around
     each piece: the sum exceeds a plain backward), keyed by the piece's formula; ``calls`` per piece."""
-    from bloggap_plugin.core import vllm_autograd
+    from bloggap_plugin.core.vllm import autograd as vllm_autograd
 
     seconds: dict[str, float] = collections.defaultdict(float)
     calls: dict[str, int] = collections.Counter()
@@ -135,7 +135,7 @@ def measure_form(policy: Any, ids: Any, mask: Any, keep: int, spec: str, kernels
     import torch
 
     from bloggap_plugin.core.plans.vllm_shadow import OnPolicyForward, VllmFormParamsPlan
-    from bloggap_plugin.core.vllm_form import parse_form
+    from bloggap_plugin.core.vllm.form import parse_form
 
     form = parse_form(spec)
     training = OnPolicyForward(policy, form, kernels)
@@ -173,17 +173,17 @@ def measure_arm_a(policy: Any, ids: Any, mask: Any, keep: int, repeats: int, dev
 ATTENTION_FORMULAS = {"padded entries": "padded_paged_attention",
                       "dense over the cache": "dense_cache_attention",
                       "closed form, dense over the cache": "paged_attention_gradient"}
-"""Label -> attention backward (``core.vllm_autograd``) timed by :func:`attention_formula_rows`, padded entries first
+"""Label -> attention backward (``core.vllm.autograd``) timed by :func:`attention_formula_rows`, padded entries first
 (the others' outputs are compared with its): the two formulas differentiated by autograd, and the closed-form
 gradient (a wrapped piece whose forward is the dense formula without gradients)."""
 PLUGIN_MARK = " (the plugin's)"
 """Appended to a row's label where arm J's backward takes that route for that call: the closed form within
-``DENSE_GRADIENT_ELEMENTS``, else autograd of the formula ``core.vllm_autograd.paged_attention_formula`` picks."""
+``DENSE_GRADIENT_ELEMENTS``, else autograd of the formula ``core.vllm.autograd.paged_attention_formula`` picks."""
 
 
 def plugin_attention_backward(q: Any, key_cache: Any, max_seqlen_q: int) -> str:
     """The :data:`ATTENTION_FORMULAS` name arm J's backward uses for one paged call (shapes only)."""
-    from bloggap_plugin.core import vllm_autograd
+    from bloggap_plugin.core.vllm import autograd as vllm_autograd
 
     if vllm_autograd.dense_gradient_fits(q, key_cache):
         return "paged_attention_gradient"
@@ -192,11 +192,11 @@ def plugin_attention_backward(q: Any, key_cache: Any, max_seqlen_q: int) -> str:
 
 def _closed_form_piece() -> Callable[..., Any]:
     """A paged attention piece whose forward is the dense formula (fp32, no gradients) and whose backward is arm J's
-    closed form (``core.vllm_autograd.paged_attention_gradient``)."""
+    closed form (``core.vllm.autograd.paged_attention_gradient``)."""
     import dataclasses
 
-    from bloggap_plugin.core import vllm_autograd
-    from bloggap_plugin.core.vllm_form import TORCH_KERNELS
+    from bloggap_plugin.core.vllm import autograd as vllm_autograd
+    from bloggap_plugin.core.vllm.form import TORCH_KERNELS
 
     kernels = dataclasses.replace(TORCH_KERNELS, flash_paged=vllm_autograd.dense_cache_attention)
     return vllm_autograd.autograd_kernels(kernels).flash_paged
@@ -210,8 +210,8 @@ def attention_formula_rows(policy: Any, ids: Any, mask: Any, keep: int, device: 
     the call is labelled :data:`PLUGIN_MARK`."""
     import torch
 
-    from bloggap_plugin.core import vllm_autograd
-    from bloggap_plugin.core.vllm_form import _step_calls, pack, paged_kv, prompt_first
+    from bloggap_plugin.core.vllm import autograd as vllm_autograd
+    from bloggap_plugin.core.vllm.form import _step_calls, pack, paged_kv, prompt_first
 
     config = policy.config
     packed = pack(ids, mask)
@@ -265,7 +265,7 @@ def table(results: dict) -> dict:
                      "title": "One micro-batch's training forward and backward by form", "ylabel": "s"},
             "notes": "One TRL micro-batch (rows x (prompt + completion) tokens, params); forward with gradients and "
                      "backward of sum(logps), median of the repeats after a warm-up. Each form after J puts one "
-                     "piece back to torch (core.vllm_form). equals the old log-probs: the training forward's "
+                     "piece back to torch (core.vllm.form). equals the old log-probs: the training forward's "
                      "log-probs bit for bit the same form's grad-free old log-probs. Arm J's backward by piece: "
                      "T16-armJ-backward."}
 
@@ -288,7 +288,7 @@ def backward_table(results: dict) -> dict | None:
             "plot": {"kind": "bar", "x": "piece", "y": ["% of the backward"],
                      "title": "Arm J's backward by piece", "ylabel": "% of the backward"},
             "notes": "One backward of sum(logps) in arm J's form over T16-armJ-pieces' micro-batch, the device "
-                     "synchronised before and after each wrapped piece's backward (core.vllm_autograd: torch's fp32 "
+                     "synchronised before and after each wrapped piece's backward (core.vllm.autograd: torch's fp32 "
                      f"formula of the piece at its saved inputs), so its total ({round(total, 4)} s) exceeds the "
                      "plain backward of T16-armJ-pieces. calls: the piece's backward calls in that backward. "
                      "Outside the wrapped pieces: the total less the pieces' sum."}
@@ -351,8 +351,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from bloggap_plugin.core.vllm_form import parse_form
-    from bloggap_plugin.core.vllm_kernels import load_kernels
+    from bloggap_plugin.core.vllm.form import parse_form
+    from bloggap_plugin.core.vllm.kernels import load_kernels
     from bloggap_plugin.envinfo import environment_record
 
     device = torch.device("cuda")

@@ -148,7 +148,7 @@ def _rank_record(trainer, arm: str, wall: float, gathers: int, device: str) -> d
     from bloggap_plugin.core.sharding import is_dtensor
 
     state = trainer._gap_session.state
-    plans = {"plan": state.plan, "ref_plan": state.ref_plan}
+    plans = {"plan": state.resources.plan, "ref_plan": state.resources.ref_plan}
     history = [h for h in trainer.state.log_history if "loss" in h]
     means = {}
     for key in MEANS:

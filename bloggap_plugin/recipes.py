@@ -30,7 +30,7 @@ from bloggap_plugin.core.arms import ARMS as ARM_RECORDS
 from bloggap_plugin.core.errors import UsageError, short_repr
 
 if TYPE_CHECKING:
-    from bloggap_plugin.core.vllm_form import VllmForm
+    from bloggap_plugin.core.vllm.form import VllmForm
 
 __all__ = [
     "GapConfig",
@@ -62,6 +62,14 @@ def _runs_vllm_eager_kernels(spec: ArmSpec) -> bool:
     """Whether ``spec``'s engine runs vLLM's eager kernels (its :attr:`~ArmSpec.vllm_engine` has ``enforce_eager``:
     arms I and J), the arms ``gap.vllm_launch`` applies to."""
     return bool(dict(spec.vllm_engine).get("enforce_eager"))
+
+
+def _plan_takes_pieces(spec: ArmSpec) -> bool:
+    """Whether ``spec``'s plan takes ``pieces=`` (its registry entry, :class:`~bloggap_plugin.core.plans.PlanEntry`)."""
+    from bloggap_plugin.core.plans import arm_plan_entry
+
+    entry = arm_plan_entry(spec)
+    return entry is not None and entry.takes_pieces
 
 
 class RecipeError(UsageError):
@@ -216,16 +224,17 @@ class GapConfig:
             raise RecipeError("gap.is_correction needs the sampler's log-probs: set gap.sampler: true")
 
     def _validate_i_pieces(self, spec: ArmSpec) -> None:
-        if self.i_pieces != "all" and spec.plan != "vllm":
+        takes_pieces = _plan_takes_pieces(spec)
+        if self.i_pieces != "all" and not takes_pieces:
             raise RecipeError(f"gap.i_pieces only applies to arm I; arm is {self.arm}: drop it (or use arm I or J)")
-        if spec.plan == "vllm" and self.positions != "mask":
+        if takes_pieces and self.positions != "mask":
             raise RecipeError("arm I scores with vLLM's positions (0.. from each sequence's first token): "
                               "set gap.positions: mask")
         self._parse_i_pieces()
 
     def _parse_i_pieces(self) -> VllmForm:
         """Parse ``i_pieces`` and keep the result with the text it was parsed from (:attr:`i_form`)."""
-        from bloggap_plugin.core.vllm_form import parse_form
+        from bloggap_plugin.core.vllm.form import parse_form
 
         try:
             form = parse_form(self.i_pieces)
@@ -236,7 +245,7 @@ class GapConfig:
 
     @property
     def i_form(self) -> VllmForm:
-        """``i_pieces`` parsed (:func:`bloggap_plugin.core.vllm_form.parse_form`): the one parsed value every reader
+        """``i_pieces`` parsed (:func:`bloggap_plugin.core.vllm.form.parse_form`): the one parsed value every reader
         of the pieces uses, parsed when the config is validated (again only if ``i_pieces`` is reassigned)."""
         text, form = getattr(self, "_i_form", (None, None))
         return form if text == self.i_pieces and form is not None else self._parse_i_pieces()
@@ -256,7 +265,7 @@ class GapConfig:
         """Raise :class:`RecipeError` if a ``layers`` id is not a decoder layer of a ``num_layers``-layer model, or
         (arm D choosing its layers) ``k`` is more layers than it has."""
         if self.layers is None:
-            if self.arm_spec.plan == "guided" and self.k > num_layers:
+            if self.arm_spec.takes_layers and self.k > num_layers:
                 default = next(f.default for f in dataclasses.fields(self) if f.name == "k")
                 if self.k != default:
                     raise RecipeError(f"gap.k {self.k}: arm D would run {self.k} layers in fp32, and this model has "
@@ -286,6 +295,12 @@ class GapConfig:
         if not _runs_vllm_eager_kernels(self.arm_spec):
             return None
         return AUTO_VLLM_LAUNCH if self.vllm_launch == "auto" else self.vllm_launch
+
+    @property
+    def takes_pieces(self) -> bool:
+        """The arm's plan computes its forward piece by piece in vLLM's form (its registry entry takes ``pieces=``:
+        arms I and J), so :attr:`i_pieces` / :attr:`i_form` apply."""
+        return _plan_takes_pieces(self.arm_spec)
 
     @property
     def plan_arm(self) -> str | None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bloggap_plugin.core.errors import SEED_MAX, UsageError
-from bloggap_plugin.core.vllm_compat import vllm_unavailable_reason
+from bloggap_plugin.core.vllm.versions import vllm_unavailable_reason
 
 __all__ = [
     "CompareConfig",
@@ -448,7 +448,7 @@ def _check_vllm(config: CompareConfig) -> None:
     if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 < share <= 1:
         raise CompareError(f"--override vllm_gpu_memory_utilization={json.dumps(share)}: must be a fraction in (0, 1]")
     if config.run_fn == DEFAULT_RUN_FN:
-        from bloggap_plugin.core.vllm_compat import supported_text
+        from bloggap_plugin.core.vllm.versions import supported_text
 
         problem = vllm_unavailable_reason()
         if problem:

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from bloggap_plugin.core import metrics as gap_metrics
-from bloggap_plugin.core import vllm_kernels
+from bloggap_plugin.core.vllm import kernels as vllm_kernels
 from bloggap_plugin.recipes import GapConfig, RecipeError, config_differences
-from bloggap_plugin.trl.state import GapState
+from bloggap_plugin.trl.state import AttachSettings, GapState, Resources
 
 __all__ = ["attach_state", "check_vllm_fp16", "vllm_sampling", "KNOWN_LOSS_TYPES"]
 
@@ -47,12 +47,12 @@ def attach_state(trainer: Any, gap: GapConfig, grpo_kwargs: dict | None, source:
     clip_applies = _check_loss(trainer, gap)
     generator = torch.Generator(device="cpu")
     generator.manual_seed(int(trainer.args.seed) + 7919 * trainer.accelerator.process_index)
-    state = GapState(config=gap, arm=gap.arm_spec, generator=generator, trl_version=trl_version,
-                     clip_applies=clip_applies, sampler_on=settings is not None)
-    _set_truncation(trainer, state, settings)
+    truncation, recorder = _truncation(trainer, gap, settings)
     # Arms that keep TRL's forward score with positions 0..L-1; the others use gap.positions everywhere.
-    state.positions = "arange" if state.arm.keeps_trl_forward else gap.positions
-    return state
+    positions = "arange" if gap.arm_spec.keeps_trl_forward else gap.positions
+    fixed = AttachSettings(config=gap, trl_version=trl_version, clip_applies=clip_applies,
+                           sampler_on=settings is not None, positions=positions, **truncation)
+    return GapState(settings=fixed, resources=Resources(generator=generator, recorder=recorder))
 
 
 def _warn_recipe_differences(trainer: Any, grpo_kwargs: dict | None, source: str) -> None:
@@ -263,26 +263,28 @@ def _check_loss(trainer: Any, gap: GapConfig) -> bool:
     return clip_applies
 
 
-def _set_truncation(trainer: Any, state: GapState, settings: dict | None) -> None:
-    """The sampler recorder (HF path) or vLLM's truncation, and the kept-set modes that follow from them."""
-    gap = state.config
+def _truncation(trainer: Any, gap: GapConfig, settings: dict | None) -> tuple[dict, Any]:
+    """``(AttachSettings fields, sampler recorder or None)``: the sampler recorder (HF path) or vLLM's truncation, and
+    the kept-set modes that follow from them."""
+    recorder, vllm_truncation, truncating = None, None, False
     if settings is not None:
         from bloggap_plugin.sampling import SamplerRecorder
 
-        state.truncating = settings["top_k"] > 0 or settings["top_p"] < 1.0 or settings["min_p"] > 0.0
-        state.recorder = SamplerRecorder(**settings, truncate=state.truncating, order="hf",
-                                         store_ids_max=gap.store_ids_max if gap.kept != "off" else 0)
+        truncating = settings["top_k"] > 0 or settings["top_p"] < 1.0 or settings["min_p"] > 0.0
+        recorder = SamplerRecorder(**settings, truncate=truncating, order="hf",
+                                   store_ids_max=gap.store_ids_max if gap.kept != "off" else 0)
     if trainer.use_vllm:
         # what TRL sends to vLLM: VLLMGeneration's settings, generation_kwargs last
-        state.vllm_truncation = vllm_sampling(trainer)
-        truncation = state.vllm_truncation
-        state.truncating = truncation["top_k"] > 0 or truncation["top_p"] < 1.0 or truncation["min_p"] > 0.0
-    if gap.kept == "renormalize" and not state.truncating:
+        vllm_truncation = vllm_sampling(trainer)
+        truncating = (vllm_truncation["top_k"] > 0 or vllm_truncation["top_p"] < 1.0
+                      or vllm_truncation["min_p"] > 0.0)
+    if gap.kept == "renormalize" and not truncating:
         warnings.warn("gap.kept: renormalize with untruncated sampling (top_p 1, top_k 0, min_p 0) changes nothing",
                       stacklevel=_STACK)
-    state.renormalize = gap.kept == "renormalize" and state.truncating
     # gap.kept: off records no kept sets and runs no kept-mass scoring (the recorder still truncates: it samples)
-    state.kept_on = gap.kept != "off" and state.truncating
+    fields = {"truncating": truncating, "vllm_truncation": vllm_truncation,
+              "renormalize": gap.kept == "renormalize" and truncating, "kept_on": gap.kept != "off" and truncating}
+    return fields, recorder
 
 
 def vllm_sampling(trainer: Any) -> dict:

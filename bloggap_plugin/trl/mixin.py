@@ -77,7 +77,7 @@ class GapMixin:
         """Validate ``gap`` against this trainer and set up its session (``self._gap_session``)."""
         state = attach_state(self, gap, grpo_kwargs, source)
         self._gap_session = GapSession(self, state)
-        if state.arm.plan == "vllm":
+        if gap.takes_pieces:
             from bloggap_plugin.trl.vllm_colocate import confine_batch_invariance
 
             confine_batch_invariance(self)  # the trainer's own passes at plain speed (arms I, J)
@@ -92,7 +92,7 @@ class GapMixin:
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         session = getattr(self, "_gap_session", None)
-        if session is None or session.state.recorder is None or not self.model.training:
+        if session is None or session.state.resources.recorder is None or not self.model.training:
             return self._gap_next(
                 "_generate_single_turn", prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )

@@ -350,7 +350,7 @@ def _check_vllm(args: Any) -> None:
     """Raise ``UsageError`` for ``use_vllm`` where TRL's vLLM engine cannot run (the trainer would fail on it only
     after the model loaded); the check ``bloggap compare --use-vllm`` makes."""
     from bloggap_plugin.core.errors import UsageError
-    from bloggap_plugin.core.vllm_compat import vllm_unavailable_reason
+    from bloggap_plugin.core.vllm.versions import vllm_unavailable_reason
 
     problem = vllm_unavailable_reason() if getattr(args, "use_vllm", False) else None
     if problem:

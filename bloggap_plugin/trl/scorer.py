@@ -55,7 +55,7 @@ class Scorer:
         from bloggap_plugin.core.plans import make_plan
         from bloggap_plugin.core.truncation import kept_mask, log_kept_mass
 
-        truncation = self.state.vllm_truncation
+        truncation = self.state.settings.vllm_truncation
         sizes_parts: list = []
         mass_parts: list = []
 
@@ -65,16 +65,16 @@ class Scorer:
             mass_parts.append((index, log_kept_mass(logits, kept)))
             return gather_logprobs(logits, targets)
 
-        if self.state.plan is not None:
-            plan = self.synced(self.state.plan, "plan_step")
+        if self.state.resources.plan is not None:
+            plan = self.synced(self.state.resources.plan, "plan_step")
         else:
-            if self.state.vllm_plan is None:  # TRL's own forward, as called
-                self.state.vllm_plan = make_plan(self.trainer.model, "bf16", fp16_guard=False)
-            plan = self.state.vllm_plan
+            if self.state.resources.vllm_plan is None:  # TRL's own forward, as called
+                self.state.resources.vllm_plan = make_plan(self.trainer.model, "bf16", fp16_guard=False)
+            plan = self.state.resources.vllm_plan
         with torch.no_grad(), fork_rng(self.trainer.accelerator.device):
             plan.token_logprobs(ids, attn, logits_to_keep, batch_size=self.trainer.args.per_device_train_batch_size,
-                                positions=self.state.positions, temperature=self.trainer.temperature, reduce=reduce,
-                                chunk_tokens=self.state.config.score_chunk_tokens)
+                                positions=self.state.settings.positions, temperature=self.trainer.temperature,
+                                reduce=reduce, chunk_tokens=self.state.config.score_chunk_tokens)
         mask = output["completion_mask"]
         output["gap_kept_sizes"] = join_tiles(sizes_parts).round().to(torch.int32).to(mask.device) * mask.int()
         output["gap_sampler_log_kept_mass"] = join_tiles(mass_parts).to(mask.device) * mask
@@ -105,13 +105,13 @@ class Scorer:
         """Arm J's training forward: the plan's form and kernels over the policy's own parameters (no copy)."""
         from bloggap_plugin.core.plans.vllm_shadow import OnPolicyForward
 
-        plan = self.state.plan
+        plan = self.state.resources.plan
         return OnPolicyForward(self.policy(), plan.form, plan.kernels)
 
     def onpolicy_logps(self, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False):
         """``(logps [B, K] fp32, entropies [B, K] | None)`` of arm J's training forward, with gradients to the policy;
         the entropies are of the same logits, detached."""
-        return self.state.onpolicy.token_logprobs(
+        return self.state.resources.onpolicy.token_logprobs(
             input_ids, attention_mask, logits_to_keep, batch_size, temperature=self.trainer.temperature,
             chunk_tokens=self.state.config.score_chunk_tokens, compute_entropy=compute_entropy,
         )
@@ -130,9 +130,10 @@ class Scorer:
         if plan is not None:
             plan = self.sharded_like_policy(plan)
             version = self.weights_version()
-            if getattr(self.state, attr) != version:
+            resources = self.state.resources
+            if getattr(resources, attr) != version:
                 plan.sync(self.policy())
-                setattr(self.state, attr, version)
+                setattr(resources, attr, version)
         return plan
 
     def sharded_like_policy(self, plan):
@@ -146,11 +147,11 @@ class Scorer:
             return plan
         layers = {"layers": list(plan.layers), "k": len(plan.layers)} if entry.takes_layers else {}
         rebuilt = self.make_plan(plan.name, tf32=plan.tf32_option, **layers)
-        state = self.state
+        resources = self.state.resources
         for field, step in (("plan", "plan_step"), ("ref_plan", "ref_step")):
-            if getattr(state, field) is plan:
-                setattr(state, field, rebuilt)
-                setattr(state, step, None)
+            if getattr(resources, field) is plan:
+                setattr(resources, field, rebuilt)
+                setattr(resources, step, None)
         plan.close()
         return rebuilt
 
@@ -158,21 +159,21 @@ class Scorer:
         """The fp32 batch-1 reference's plan (IEEE fp32), synced: the arm's own fp32 shadow where it is one."""
         from bloggap_plugin.core.plans import REFERENCE_PLAN, plan_entry
 
-        state = self.state
-        if state.ref_plan is None:
-            if state.plan is not None and plan_entry(state.plan.name).fp32_everywhere and not state.plan.tf32:
-                state.ref_plan = state.plan
-                state.ref_step = state.plan_step
+        res = self.state.resources
+        if res.ref_plan is None:
+            if res.plan is not None and plan_entry(res.plan.name).fp32_everywhere and not res.plan.tf32:
+                res.ref_plan = res.plan
+                res.ref_step = res.plan_step
             else:  # the reference is IEEE fp32 whatever gap.tf32 says
-                state.ref_plan = self.make_plan(REFERENCE_PLAN, tf32=False)
-                state.ref_step = self.weights_version()
-        if state.ref_plan is state.plan:
-            return self.synced(state.plan, "plan_step")
-        return self.synced(state.ref_plan, "ref_step")
+                res.ref_plan = self.make_plan(REFERENCE_PLAN, tf32=False)
+                res.ref_step = self.weights_version()
+        if res.ref_plan is res.plan:
+            return self.synced(res.plan, "plan_step")
+        return self.synced(res.ref_plan, "ref_step")
 
     def close(self) -> None:
         state = self.state
-        plans = (state.plan, state.ref_plan, state.vllm_plan)
+        plans = (state.resources.plan, state.resources.ref_plan, state.resources.vllm_plan)
         for plan in {id(p): p for p in plans if p is not None}.values():
             plan.close()
 
@@ -237,7 +238,7 @@ class Scorer:
         ``kept``: kept sets to renormalise over when ``renormalize`` (default: the state's mode); ``capture``
         receives the log kept mass per tile (see :meth:`_gap_reducer`)."""
         if renormalize is None:
-            renormalize = self.state.renormalize
+            renormalize = self.state.settings.renormalize
         with torch.no_grad(), fork_rng(self.trainer.accelerator.device):
             logps, _, _ = self.policy_logps(self.trainer.model, input_ids, attention_mask, logits_to_keep, batch_size,
                                                  kept=kept, renormalize=renormalize, capture=capture)
@@ -257,7 +258,7 @@ class Scorer:
             logps, entropies = self.unfused(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                                  compute_entropy, kept, capture, renormalize)
             return logps, entropies, None
-        if self.state.positions == "mask" and not multimodal:
+        if self.state.settings.positions == "mask" and not multimodal:
             return self.fused_with_positions(model, input_ids, attention_mask, logits_to_keep, batch_size,
                                                   compute_entropy, compute_aux_loss)
         return self.trainer._gap_next("_get_per_token_logps_and_entropies", model, input_ids, attention_mask,
@@ -266,7 +267,7 @@ class Scorer:
     def plan_scores(self, plan, input_ids, attention_mask, logits_to_keep, batch_size, kept=None, capture=None):
         """The old log-probs ``[B, K]`` fp32 of ``plan`` (renormalised per the state's mode; ``capture`` as above)."""
         state = self.state
-        renormalize = state.renormalize
+        renormalize = state.settings.renormalize
         reduce = self.reducer(kept, capture, renormalize) if kept is not None and (renormalize or capture is not None) else None
         if state.config.score_rows:  # fewer rows per forward bounds an fp32 body's activations (gap.score_rows)
             batch_size = min(batch_size, state.config.score_rows) if batch_size else state.config.score_rows
@@ -278,7 +279,7 @@ class Scorer:
                 attention_mask,
                 logits_to_keep,
                 batch_size=batch_size,
-                positions=self.state.positions,
+                positions=self.state.settings.positions,
                 temperature=self.trainer.temperature,
                 reduce=reduce,
                 chunk_tokens=self.state.config.score_chunk_tokens,
@@ -286,7 +287,7 @@ class Scorer:
 
     def arm_scores(self, input_ids, attention_mask, logits_to_keep, batch_size, kept=None):
         """The arm's old log-probs ``[B, K]`` for a pre-shuffle batch (arms A-F, H)."""
-        if self.state.arm.takes_layers and self.state.plan is None:
+        if self.state.arm.takes_layers and self.state.resources.plan is None:
             # guided without layer ids: choose the top-k layers on the first generation batch
             from bloggap_plugin.core import divergence
 
@@ -297,11 +298,11 @@ class Scorer:
             chosen = self.agree_layers(profile.top_k(min(self.state.config.k, n_layers)))
             plan = self.make_plan(self.state.arm.plan, layers=chosen, k=len(chosen))
             plan.profile = profile
-            self.state.plan = plan
-            self.state.plan_step = self.weights_version()
-        if self.state.plan is None:
+            self.state.resources.plan = plan
+            self.state.resources.plan_step = self.weights_version()
+        if self.state.resources.plan is None:
             return self.trl_scores(input_ids, attention_mask, logits_to_keep, batch_size, kept)
-        plan = self.synced(self.state.plan, "plan_step")
+        plan = self.synced(self.state.resources.plan, "plan_step")
         return self.plan_scores(plan, input_ids, attention_mask, logits_to_keep, batch_size, kept)
 
     def fused_with_positions(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
@@ -346,8 +347,8 @@ class Scorer:
                 return model(**model_kwargs)  # the fused head's non-fused path: the model's own forward
 
         logps = token_logprobs(model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
-                               positions=self.state.positions, temperature=self.trainer.temperature, reduce=reduce,
-                               forward=forward, chunk_tokens=self.state.config.score_chunk_tokens)
+                               positions=self.state.settings.positions, temperature=self.trainer.temperature,
+                               reduce=reduce, forward=forward, chunk_tokens=self.state.config.score_chunk_tokens)
         entropies = join_tiles(entropy_parts) if compute_entropy else None
         return logps, entropies
 
@@ -356,8 +357,8 @@ class Scorer:
         ``None`` for a batch without kept sets (the same scoring, taken so that every process takes it)."""
         kept = self.kept_from(batch)
         batch_size = self.trainer.args.per_device_train_batch_size
-        if self.state.plan is not None:
-            plan = self.synced(self.state.plan, "plan_step")
+        if self.state.resources.plan is not None:
+            plan = self.synced(self.state.resources.plan, "plan_step")
             self.plan_scores(plan, ids, attn, logits_to_keep, batch_size, kept, capture)
         else:  # TRL's forward, full vocabulary: the capture holds its log kept mass
             self.trl_scores(ids, attn, logits_to_keep, batch_size, kept, renormalize=False, capture=capture)
@@ -365,7 +366,7 @@ class Scorer:
 
     def probe_b1(self, batch, ids, attn, logits_to_keep, rows) -> torch.Tensor:
         kept = self.kept_from(batch, rows)
-        if self.state.plan is None:
+        if self.state.resources.plan is None:
             return self.trl_scores(ids, attn, logits_to_keep, 1, kept)
-        plan = self.synced(self.state.plan, "plan_step")
+        plan = self.synced(self.state.resources.plan, "plan_step")
         return self.plan_scores(plan, ids, attn, logits_to_keep, 1, kept)

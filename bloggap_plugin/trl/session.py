@@ -38,16 +38,16 @@ class GapSession:
         self.stats = Stats(trainer, state, self.scorer)
         gap = state.config
         if state.arm.plan is not None and not (state.arm.takes_layers and gap.layers is None):
-            state.plan = self.scorer.make_plan(state.arm.plan, layers=gap.layers, k=gap.k)
+            state.resources.plan = self.scorer.make_plan(state.arm.plan, layers=gap.layers, k=gap.k)
         if state.arm.onpolicy_forward:
-            state.onpolicy = self.scorer.make_onpolicy_forward()
+            state.resources.onpolicy = self.scorer.make_onpolicy_forward()
 
     def close(self) -> None:
         """Close the session's plans (their weight copies and hooks)."""
         self.scorer.close()
 
     def generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        recorder = self.state.recorder
+        recorder = self.state.resources.recorder
         unwrapped = self.trainer.accelerator.unwrap_model(self.trainer.model_wrapped)
         had_own = "generate" in unwrapped.__dict__
         original_generate = unwrapped.generate
@@ -117,16 +117,17 @@ class GapSession:
         state = self.state
         start = time.perf_counter()
         try:
-            state.pending_record = recorder.finalize(sequences, prompt_width, eos_token_id=list(self.trainer.eos_token_ids))
-            state.pending_completion = sequences[:, prompt_width:]
+            state.generation.pending_record = recorder.finalize(sequences, prompt_width,
+                                                                eos_token_id=list(self.trainer.eos_token_ids))
+            state.generation.pending_completion = sequences[:, prompt_width:]
         except SamplerRecordError as err:  # generate replaced / mocked, or ran without the recorder
             warnings.warn(f"bloggap: {err}; gap/sampler metrics dropped for this generation", stacklevel=4)
-        state.time += time.perf_counter() - start
+        state.totals.time += time.perf_counter() - start
 
     def align_record(self, output: dict) -> None:
         """Put the sampler record, aligned to TRL's completion tensor, into ``output`` under gap_* keys."""
         state = self.state
-        record, state.pending_record = state.pending_record, None
+        record, state.generation.pending_record = state.generation.pending_record, None
         if record is None:
             return
         completion_ids = output["completion_ids"]
@@ -137,12 +138,12 @@ class GapSession:
             return
         device = completion_ids.device
         common = min(width, record.logps.shape[1])
-        seen = state.pending_completion[:, :common].to(device)
+        seen = state.generation.pending_completion[:, :common].to(device)
         if not torch.equal((seen * mask[:, :common]), (completion_ids[:, :common] * mask[:, :common])):
             raise RuntimeError("bloggap: the recorded sampler tokens differ from TRL's completions (alignment bug)")
         output["gap_sampler_logps"] = fit_width(record.processed_logps, width, device=device) * mask
         output["gap_sampler_full_logps"] = fit_width(record.logps, width, device=device) * mask
-        if state.kept_on:
+        if state.settings.kept_on:
             output["gap_kept_sizes"] = fit_width(record.kept_sizes, width, device=device) * mask
             output["gap_sampler_log_kept_mass"] = fit_width(record.log_kept_mass, width, device=device) * mask
             ids = record.kept_ids_tensor()
@@ -151,45 +152,41 @@ class GapSession:
 
     def generate_and_score_completions(self, inputs):
         state = self.state
-        training = self.trainer.model.training
+        if not self.trainer.model.training:  # evaluation: TRL's own; the training generation's values stay as they are
+            return self.trainer._gap_next("_generate_and_score_completions", inputs)
         # arms G and I: the arm's scores (G: per micro-batch in ``_prepare_inputs``; I: below) take the place of
         # TRL's old-logprob pass
-        state.skip_old = training and state.arm.replaces_trl_old_pass and self.stats.trl_computes_old()
-        state.old_skipped = False
-        try:
+        skip_old = state.arm.replaces_trl_old_pass and self.stats.trl_computes_old()
+        with state.trl_generation(skip_old) as generation:  # a fresh generation: nothing of the last one is visible
             output = self.trainer._gap_next("_generate_and_score_completions", inputs)
-        finally:
-            state.skip_old = False
-        if not training:
-            return output
         start = time.perf_counter()
         gap = state.config
-        state.generations += 1
+        state.totals.generations += 1
         # every old log-prob of this generation (TRL's, the arm's here, arm G's after the shuffle) is computed before
         # the next optimizer step: a loss pass at a later step sees the update (gap/update/*), not the gap
-        state.old_step = self.trainer.state.global_step
-        state.probe_now = self.stats.probe_scheduled()
-        state.gen_sums, state.gen_maxima = GenerationSums(), GenerationMaxima()
-        state.measure_now = measure = (state.generations - 1) % gap.metrics_every == 0
+        generation.old_step = self.trainer.state.global_step
+        generation.probe_now = self.stats.probe_scheduled()
+        generation.sums, generation.maxima = GenerationSums(), GenerationMaxima()
+        generation.measure_now = measure = (state.totals.generations - 1) % gap.metrics_every == 0
         self.align_record(output)
         ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attn = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         logits_to_keep = output["completion_ids"].shape[1]
         # vLLM kept sets: every generation when they renormalise, on measured generations when they only measure
-        if (self.trainer.use_vllm and state.kept_on and output.get("sampling_per_token_logps") is not None
-                and (state.renormalize or measure)):
+        if (self.trainer.use_vllm and state.settings.kept_on and output.get("sampling_per_token_logps") is not None
+                and (state.settings.renormalize or measure)):
             self.scorer.vllm_kept_sets(output, ids, attn, logits_to_keep)
         if state.arm.prefill_in_one_step and self.trainer.use_vllm:
             self.check_one_step_prefill(output)
-        skipped = state.old_skipped and not state.arm.scores_after_shuffle  # arm I: TRL's pass left a placeholder
+        skipped = generation.old_skipped and not state.arm.scores_after_shuffle  # arm I: TRL's pass left a placeholder
         trl_old = None if skipped else output.get("old_per_token_logps")
-        state.drives = trl_old is not None or skipped or gap.force_old_logprobs
+        generation.drives = trl_old is not None or skipped or gap.force_old_logprobs
         self.probe_rows(output, ids, attn, logits_to_keep)
         replaced = 0.0
         if not state.arm.scores_after_shuffle:
             # TRL's own old pass ran before the vLLM kept sets existed: renormalising re-scores it
             from_arm = not (state.arm.keeps_trl_forward and trl_old is not None
-                            and not (self.trainer.use_vllm and state.renormalize))
+                            and not (self.trainer.use_vllm and state.settings.renormalize))
             if not from_arm:
                 old = trl_old.float()
             else:
@@ -208,8 +205,8 @@ class GapSession:
                 self.stats.trl_sampling_metrics([output])
             if measure:
                 self.stats.generation_metrics(output, ids, attn, logits_to_keep)
-        state.time += time.perf_counter() - start - replaced
-        state.replaced_time += replaced
+        state.totals.time += time.perf_counter() - start - replaced
+        state.totals.replaced_time += replaced
         return output
 
     def check_one_step_prefill(self, output: dict) -> None:
@@ -231,7 +228,7 @@ class GapSession:
         n_rows = ids.shape[0]
         probe = torch.zeros(n_rows, dtype=torch.bool, device=ids.device)
         if self.stats.probe_due():
-            chosen = torch.randperm(n_rows, generator=state.generator)[: gap.probe_rows]
+            chosen = torch.randperm(n_rows, generator=state.resources.generator)[: gap.probe_rows]
             probe[chosen.to(ids.device)] = True
             rows = probe.nonzero().squeeze(-1)
             ref = torch.full((n_rows, logits_to_keep), float("nan"), device=ids.device)
@@ -252,13 +249,13 @@ class GapSession:
             return inputs
         start = time.perf_counter()
         replaced = 0.0
-        if state.arm.scores_after_shuffle and (state.drives or state.measure_now):
+        if state.arm.scores_after_shuffle and (state.generation.drives or state.generation.measure_now):
             # driving: its scores are the old log-probs (replacing TRL's skipped pass, or forced); measure-only (TRL
             # computes none): a metrics pass, gated by gap.metrics_every like the other generation-time metrics
             replaced = self.score_buffered(self.trainer._buffered_inputs)
         # the pass that replaces TRL's own is TRL's cost, not the plugin's: logged apart (gap/time/old_pass_s)
-        state.time += time.perf_counter() - start - replaced
-        state.replaced_time += replaced
+        state.totals.time += time.perf_counter() - start - replaced
+        state.totals.replaced_time += replaced
         self.stats.flush_generation()
         return inputs
 
@@ -271,16 +268,16 @@ class GapSession:
             ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
             attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
             logits_to_keep = batch["completion_ids"].shape[1]
-            if "old_per_token_logps" in batch and not state.old_skipped:
+            if "old_per_token_logps" in batch and not state.generation.old_skipped:
                 batch["gap_trl_old_logps"] = batch["old_per_token_logps"]
             scored = time.perf_counter()
             old = self.scorer.trl_scores(ids, attn, logits_to_keep, None, self.scorer.kept_from(batch))
-            if state.old_skipped:
+            if state.generation.old_skipped:
                 replaced += time.perf_counter() - scored
             self.stats.install_old(batch, old)
-            if state.measure_now:
+            if state.generation.measure_now:
                 self.stats.generation_metrics(batch, ids, attn, logits_to_keep)
-        if state.old_skipped:
+        if state.generation.old_skipped:
             self.stats.trl_sampling_metrics(batches)
         return replaced
 
@@ -295,43 +292,42 @@ class GapSession:
         if not (is_policy or is_reference):
             return self.trainer._gap_next("_get_per_token_logps_and_entropies", model, input_ids, attention_mask,
                                   logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **kwargs)
-        if is_policy and state.skip_old and not torch.is_grad_enabled() and not state.in_loss:
+        generation, loss = state.generation, state.loss  # loss: None outside TRL's _compute_loss
+        if is_policy and generation.skip_old and not torch.is_grad_enabled() and loss is None:
             # TRL's old-logprob pass under an arm that replaces it (G, I): the first grad-free policy call inside
             # TRL's _generate_and_score_completions. A NaN placeholder of the same shape stands in (TRL's IS ratio and
             # sampling/* statistics from it are recomputed from the arm's scores: I's right after TRL's function
             # returns, G's in _prepare_inputs); every micro-batch gets the arm's scores before any loss reads them.
-            state.skip_old = False
-            state.old_skipped = True
+            generation.skip_old = False
+            generation.old_skipped = True
             placeholder = torch.full((input_ids.shape[0], logits_to_keep), float("nan"), dtype=torch.float32,
                                      device=input_ids.device)
             return placeholder, None, None
-        if is_policy and state.in_loss and state.onpolicy is not None:
+        if is_policy and loss is not None and state.resources.onpolicy is not None:
             # arm J: the training forward in the old log-probs' form (vLLM's numbers), over the policy's parameters
             logps, entropies = self.scorer.onpolicy_logps(input_ids, attention_mask, logits_to_keep, batch_size,
                                                           compute_entropy)
-            state.new_logps = logps.detach()
+            loss.new_logps = logps.detach()
             return logps, entropies, None
-        kept = state.loss_kept if is_policy else None
-        record = state.pending_record
-        if (kept is None and state.renormalize and not state.in_loss and record is not None
+        kept = loss.kept if is_policy and loss is not None else None
+        record = generation.pending_record
+        if (kept is None and state.settings.renormalize and loss is None and record is not None
                 and record.logps.shape[0] == input_ids.shape[0]):
             # TRL's own old-logprob pass and its reference pass (separate model, or PEFT's adapter-disabled
             # policy): renormalised over the same kept sets as the training forward, so KL is 0 at theta_ref
             kept = self.scorer.kept_from_record(record, logits_to_keep)
         logps, entropies, aux = self.scorer.policy_logps(
             model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-            kept=kept, renormalize=state.renormalize, **kwargs,
+            kept=kept, renormalize=state.settings.renormalize, **kwargs,
         )
-        if state.in_loss and is_policy:
-            state.new_logps = logps.detach()
+        if loss is not None and is_policy:
+            loss.new_logps = logps.detach()
         return logps, entropies, aux
 
     def compute_loss(self, model, inputs):
         state = self.state
         start = time.perf_counter()
         loss_inputs = inputs
-        if state.renormalize:
-            state.loss_kept = self.scorer.kept_from(inputs)
         if state.config.is_correction and inputs.get("gap_is_ratio") is not None:
             # TRL multiplies the per-token loss by the IS ratio only with vLLM; every GRPO loss except vespo is
             # positively homogeneous in the advantage, so scaling A by w >= 0 is the same product.
@@ -340,31 +336,30 @@ class GapSession:
             if advantages.dim() == 1:
                 advantages = advantages.unsqueeze(1)
             loss_inputs["advantages"] = advantages * inputs["gap_is_ratio"]
-        state.in_loss = True  # TRL's _compute_loss calls the training forward back: it reads loss_kept, in_loss
-        state.new_logps = None
-        state.time += time.perf_counter() - start
-        try:
+        kept = self.scorer.kept_from(inputs) if state.settings.renormalize else None
+        # TRL's _compute_loss calls the training forward back: it reads the pass's kept sets and leaves its log-probs
+        # there for the loss-time metrics; none of it outlives the pass
+        with state.loss_pass(kept):
+            state.totals.time += time.perf_counter() - start
             loss = self.trainer._gap_next("_compute_loss", model, loss_inputs)
-        finally:
-            state.in_loss = False
-            state.loss_kept = None
-        start = time.perf_counter()
-        self.stats.loss_metrics(inputs)
-        state.time += time.perf_counter() - start
+            start = time.perf_counter()
+            self.stats.loss_metrics(inputs)
+            state.totals.time += time.perf_counter() - start
         return loss
 
     def training_step(self, *args, **kwargs):
         state = self.state
-        before = state.time
+        totals = state.totals
+        before = totals.time
         start = time.perf_counter()
         output = self.trainer._gap_next("training_step", *args, **kwargs)
-        state.step_wall += time.perf_counter() - start
-        state.step_plugin += state.time - before
+        totals.step_wall += time.perf_counter() - start
+        totals.step_plugin += totals.time - before
         if self.trainer._step % self.trainer.current_gradient_accumulation_steps == 0:
-            times = self.stats.reduce(StepTimes(state.step_plugin, state.step_wall, state.replaced_time,
-                                               state.step_probe))
-            state.probe_total += times.probe  # the probe budget's totals: reduced, so alike on every process
-            state.wall_total += times.wall
+            times = self.stats.reduce(StepTimes(totals.step_plugin, totals.step_wall, totals.replaced_time,
+                                                totals.step_probe))
+            totals.probe_total += times.probe  # the probe budget's totals: reduced, so alike on every process
+            totals.wall_total += times.wall
             procs = self.trainer.accelerator.num_processes
             values = {"gap/time/scoring_s": times.plugin / procs,
                       "gap/time/overhead_frac": times.plugin / times.wall if times.wall > 0 else 0.0}
@@ -372,5 +367,5 @@ class GapSession:
                 # the arm's old-logprob pass in place of TRL's (0 on steps that reuse a generation)
                 values["gap/time/old_pass_s"] = times.replaced / procs
             self.stats.log(values)
-            state.step_wall = state.step_plugin = state.replaced_time = state.step_probe = 0.0
+            totals.step_wall = totals.step_plugin = totals.replaced_time = totals.step_probe = 0.0
         return output

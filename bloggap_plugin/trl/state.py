@@ -1,5 +1,9 @@
 """The TRL adapter's state (:class:`GapState`, ``trainer._gap_session.state``) and its named statistics.
 
+The state is grouped by lifetime: :class:`AttachSettings` (fixed at attach, frozen), :class:`Resources` (plans,
+recorder, generator), :class:`GenerationPhase` (one generation's values, replaced whole when the next begins),
+:class:`LossPass` (one micro-batch's loss pass, set only inside :meth:`GapState.loss_pass`) and :class:`RunTotals`.
+
 Statistics that are reduced across processes are small dataclasses (:class:`Statistics`): their fields, in
 declaration order, are the values a process contributes; :meth:`Statistics.to_tensor` /
 :meth:`Statistics.from_tensor` carry them through one ``accelerator.reduce`` (sums) or ``gather`` + max.
@@ -7,8 +11,10 @@ declaration order, are the values a process contributes; :meth:`Statistics.to_te
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +23,8 @@ import torch
 from bloggap_plugin.core.arms import ArmSpec
 from bloggap_plugin.recipes import GapConfig
 
-__all__ = ["GapState", "Statistics", "LossSums", "LossMaxima", "GenerationSums", "GenerationMaxima", "StepTimes",
+__all__ = ["GapState", "AttachSettings", "Resources", "GenerationPhase", "LossPass", "RunTotals", "Statistics",
+           "LossSums", "LossMaxima", "GenerationSums", "GenerationMaxima", "StepTimes",
            "FallbackCount", "completion_mask", "fit_width"]
 
 
@@ -85,25 +92,35 @@ StepTimes = _statistics("StepTimes", "plugin wall replaced probe", 0.0,
 FallbackCount = _statistics("FallbackCount", "new", 0.0, "fp16 chunks re-scored in fp32 since the last flush.")
 
 
-@dataclass
-class GapState:
-    """Everything the adapter keeps between hook calls (``trainer._gap_session.state``, owned by the session)."""
+@dataclass(frozen=True)
+class AttachSettings:
+    """What attach decided, fixed for the trainer's life (``state.settings``)."""
 
     config: GapConfig
-    arm: ArmSpec
-    generator: torch.Generator
-    """Private generator of the probe rows (the trainer's RNG is never drawn from)."""
+    """The ``gap:`` section; the arm is its one field ``config.arm`` (its record: :attr:`GapState.arm`)."""
     trl_version: str = ""
     clip_applies: bool = True
+    """TRL's loss clips the importance weight (``gap/clip/*`` are logged)."""
     sampler_on: bool = False
-    recorder: Any = None
     truncating: bool = False
+    """Sampling keeps a subset of the vocabulary (top_k, top_p or min_p)."""
     vllm_truncation: dict | None = None
+    """``{top_k, top_p, min_p}`` TRL's vLLM generation samples with (``None``: HF generate)."""
     renormalize: bool = False
     """``gap.kept: renormalize`` with truncated sampling: the trainer's forwards renormalise over kept sets."""
     kept_on: bool = False
     positions: str = "arange"
-    # plans and the weights version they were last synced at
+    """The position ids of the plugin's scoring and of the training forward (``arange`` where the arm keeps TRL's)."""
+
+
+@dataclass
+class Resources:
+    """What the session builds and keeps (``state.resources``): the probe rows' generator, the sampler recorder, the
+    plans and the weights versions they were last synced at."""
+
+    generator: torch.Generator
+    """Private generator of the probe rows (the trainer's RNG is never drawn from)."""
+    recorder: Any = None
     plan: Any = None
     ref_plan: Any = None
     vllm_plan: Any = None
@@ -111,36 +128,119 @@ class GapState:
     """Arm J's training forward (:class:`~bloggap_plugin.core.plans.vllm_shadow.OnPolicyForward` over the policy)."""
     plan_step: tuple | None = None
     ref_step: tuple | None = None
-    fallbacks_seen: int = 0
-    # one generation
-    generations: int = 0
-    old_step: int = -1
-    """The trainer's ``global_step`` when this generation's old log-probs were computed (-1: none yet)."""
-    gen_sums: GenerationSums | None = None
-    gen_maxima: GenerationMaxima | None = None
+
+
+@dataclass
+class GenerationPhase:
+    """One training generation's values (``state.generation``), from TRL's ``_generate_and_score_completions`` until
+    the next one begins (its micro-batches' loss passes read them); each generation starts from a fresh one
+    (:meth:`GapState.trl_generation`), so nothing of the previous generation is visible."""
+
+    skip_old: bool = False
+    """Inside TRL's call only: its old-logprob pass is replaced by the arm's (a placeholder stands in)."""
+    old_skipped: bool = False
+    """TRL's old-logprob pass was replaced by a placeholder this generation."""
     pending_record: Any = None
+    """The sampler's record of this generation, until it is aligned to TRL's completions."""
     pending_completion: torch.Tensor | None = None
+    old_step: int = -1
+    """The trainer's ``global_step`` when this generation's old log-probs were computed (-1: not yet)."""
     measure_now: bool = False
     probe_now: bool = False
     """This generation has probe rows (decided once per generation: ``probe_every`` and ``probe_budget``)."""
     drives: bool = False
     """The arm's old log-probs go into the loss (else they are measured only)."""
-    skip_old: bool = False
-    old_skipped: bool = False
-    # one training micro-batch (TRL's _compute_loss calls back into the training forward)
-    in_loss: bool = False
-    loss_kept: Any = None
+    sums: GenerationSums | None = None
+    maxima: GenerationMaxima | None = None
+
+
+@dataclass
+class LossPass:
+    """One training micro-batch's loss pass (``state.loss`` inside :meth:`GapState.loss_pass`, else ``None``): TRL's
+    ``_compute_loss`` calls the training forward back, which reads ``kept`` and leaves ``new_logps`` here."""
+
+    kept: Any = None
+    """Kept sets the training forward renormalises over (``gap.kept: renormalize``), or ``None``."""
     new_logps: torch.Tensor | None = None
-    # timing
+    """The training forward's log-probs ``[B, K]``, detached (for the loss-time metrics)."""
+
+
+@dataclass
+class RunTotals:
+    """Counters and seconds summed since attach (``state.totals``)."""
+
+    generations: int = 0
+    fallbacks_seen: int = 0
+    """fp16 chunks re-scored in fp32 by the plans, as last logged."""
     time: float = 0.0
+    """Seconds of the plugin's own work since attach, this process."""
     replaced_time: float = 0.0
+    """Seconds of the arm's pass in place of TRL's own, since the last optimizer step."""
     step_wall: float = 0.0
     step_plugin: float = 0.0
     step_probe: float = 0.0
+    """Seconds of this optimizer step so far (``training_step``'s, the plugin's, the probe forwards'); reset at each
+    optimizer step."""
     probe_total: float = 0.0
     """Seconds of probe forwards since attach, summed over processes (at optimizer steps)."""
     wall_total: float = 0.0
     """Seconds of ``training_step`` since attach, summed over processes (at optimizer steps)."""
+
+
+@dataclass
+class GapState:
+    """Everything the adapter keeps between hook calls (``trainer._gap_session.state``, owned by the session), by
+    lifetime: ``settings`` fixed at attach, ``resources`` built by the session, ``generation`` one generation's values,
+    ``loss`` one loss pass's (``None`` outside it), ``totals`` summed since attach."""
+
+    settings: AttachSettings
+    resources: Resources
+    generation: GenerationPhase = dataclasses.field(default_factory=GenerationPhase)
+    loss: LossPass | None = None
+    totals: RunTotals = dataclasses.field(default_factory=RunTotals)
+
+    @property
+    def config(self) -> GapConfig:
+        """The ``gap:`` section (``settings.config``)."""
+        return self.settings.config
+
+    @property
+    def arm(self) -> ArmSpec:
+        """The arm's record, read from ``config.arm`` (the one place the arm is kept)."""
+        return self.settings.config.arm_spec
+
+    @property
+    def in_loss(self) -> bool:
+        """Inside a loss pass (:meth:`loss_pass`)."""
+        return self.loss is not None
+
+    @property
+    def new_logps(self) -> torch.Tensor | None:
+        """The current loss pass's training-forward log-probs (``None`` outside a loss pass or before the forward)."""
+        return None if self.loss is None else self.loss.new_logps
+
+    @contextlib.contextmanager
+    def loss_pass(self, kept: Any = None) -> Iterator[LossPass]:
+        """One micro-batch's loss pass: ``loss`` is a fresh :class:`LossPass` with ``kept`` inside, and ``None`` again
+        on exit, also on an exception, so nothing of it outlives the pass. Passes do not nest."""
+        if self.loss is not None:
+            raise RuntimeError("bloggap: a loss pass began inside another (TRL's _compute_loss re-entered)")
+        self.loss = LossPass(kept=kept)
+        try:
+            yield self.loss
+        finally:
+            self.loss = None
+
+    @contextlib.contextmanager
+    def trl_generation(self, skip_old: bool) -> Iterator[GenerationPhase]:
+        """TRL's ``_generate_and_score_completions`` of a training generation: ``generation`` is a fresh
+        :class:`GenerationPhase` from here on (the previous generation's values gone), with ``skip_old`` set inside
+        and ``False`` on exit, also on an exception."""
+        self.generation = GenerationPhase(skip_old=skip_old)
+        try:
+            yield self.generation
+        finally:
+            self.generation.skip_old = False
 
 
 def completion_mask(batch: dict) -> torch.Tensor:

@@ -72,7 +72,7 @@ class Stats:
 
     def install_old(self, batch: dict, old: torch.Tensor) -> None:
         """Put the arm's old log-probs where the loss reads them (or aside, measure-only) and redo IS ratios."""
-        if self.state.drives:
+        if self.state.generation.drives:
             batch["old_per_token_logps"] = old
         else:
             batch["gap_old_logps"] = old
@@ -86,7 +86,7 @@ class Stats:
 
     def old_of(self, batch: dict):
         """The arm's old log-probs in ``batch`` (where the loss reads them, or the measure-only key)."""
-        return batch.get("old_per_token_logps") if self.state.drives else batch.get("gap_old_logps")
+        return batch.get("old_per_token_logps") if self.state.generation.drives else batch.get("gap_old_logps")
 
     def trl_computes_old(self) -> bool:
         """Whether TRL 1.16 runs its own old-logprob pass this generation (``_generate_and_score_completions``)."""
@@ -97,7 +97,7 @@ class Stats:
     def generation_metrics(self, batch: dict, ids, attn, logits_to_keep) -> None:
         """Sampler, kept-set and probe statistics of one (pre- or post-shuffle) batch into the generation sums."""
         state = self.state
-        sums, maxima = state.gen_sums, state.gen_maxima
+        sums, maxima = state.generation.sums, state.generation.maxima
         old = self.old_of(batch)
         mask = completion_mask(batch).bool()
         band = state.config.band
@@ -117,7 +117,7 @@ class Stats:
         # token (e.g. mask_truncated_completions with every row truncated) or without kept sets (its sampler record
         # was lost, with a warning): such a process takes the same pass and adds nothing
         has_kept = "gap_kept_sizes" in batch
-        if state.kept_on and not all_ranks_true([not has_kept], self.scorer.policy())[0]:
+        if state.settings.kept_on and not all_ranks_true([not has_kept], self.scorer.policy())[0]:
             if has_kept:
                 self.kept_metrics(batch, ids, attn, logits_to_keep, old, sampler, mask)
             else:
@@ -141,7 +141,7 @@ class Stats:
         sequence_level = self.trainer.vllm_importance_sampling_mode in ("sequence_mask", "sequence_truncate")
         ratio = ratio.double()
         counted = torch.ones_like(ratio, dtype=torch.bool) if sequence_level else completion_mask(batch).bool()
-        sums, maxima = self.state.gen_sums, self.state.gen_maxima
+        sums, maxima = self.state.generation.sums, self.state.generation.maxima
         sums.is_sum += _masked_sum(ratio, counted)
         sums.is_n += counted.sum(dtype=torch.float64)
         maxima.raise_to(is_max=_masked_max(ratio, counted), is_neg_min=_masked_max(-ratio, counted))
@@ -149,12 +149,12 @@ class Stats:
     def kept_metrics(self, batch: dict, ids, attn, logits_to_keep, old, sampler, mask) -> None:
         """Kept mass and size, and the ratio to the sampler before (full vocabulary) and after renormalisation."""
         state = self.state
-        sums, maxima, band = state.gen_sums, state.gen_maxima, state.config.band
+        sums, maxima, band = state.generation.sums, state.generation.maxima, state.config.band
         log_mass = batch["gap_sampler_log_kept_mass"]
         sizes = batch["gap_kept_sizes"]
         # before: trainer full-vocabulary vs sampler; after: renormalised over the kept set
         capture: list = []
-        if state.renormalize:
+        if state.settings.renormalize:
             after = old
             before = old + self.scorer.trainer_log_mass(batch, ids, attn, logits_to_keep, capture)
         else:
@@ -214,9 +214,9 @@ class Stats:
     def flush_generation(self) -> None:
         """Reduce one generation's statistics and log them (measured generations only), plus the fp16 fallbacks."""
         state = self.state
-        local_sums, local_maxima = state.gen_sums, state.gen_maxima
-        state.gen_sums = state.gen_maxima = None
-        if local_sums is None or not state.measure_now:
+        local_sums, local_maxima = state.generation.sums, state.generation.maxima
+        state.generation.sums = state.generation.maxima = None
+        if local_sums is None or not state.generation.measure_now:
             return
         sums, maxima = self.reduce_pair(local_sums, local_maxima)
         values: dict[str, float] = {}
@@ -237,10 +237,11 @@ class Stats:
                            "gap/kept/ratio_before_mean": sums.kept_ratio_before_sum / n,
                            "gap/kept/ratio_after_mean": sums.kept_ratio_after_sum / n,
                            "gap/kept/oob_before": sums.kept_oob_before / n, "gap/kept/oob_after": sums.kept_oob_after / n})
-        fallbacks = max([int(getattr(plan, "fp16_fallbacks", 0) or 0) for plan in (state.plan, state.ref_plan)
+        plans = (state.resources.plan, state.resources.ref_plan)
+        fallbacks = max([int(getattr(plan, "fp16_fallbacks", 0) or 0) for plan in plans
                          if plan is not None], default=0)
-        new = fallbacks - state.fallbacks_seen
-        state.fallbacks_seen = fallbacks
+        new = fallbacks - state.totals.fallbacks_seen
+        state.totals.fallbacks_seen = fallbacks
         values["gap/fp16/fallbacks"] = self.reduce(FallbackCount(float(new))).new
         self.log(values)
 
@@ -255,14 +256,13 @@ class Stats:
         """Whether an optimizer step was taken since this generation's old log-probs were computed (then the ratio
         new/old holds the policy update, logged as ``gap/update/*`` and ``gap/update_clip/*``; else the numerical gap,
         ``gap/ratio/*`` and ``gap/clip/*``)."""
-        return self.trainer.state.global_step != self.state.old_step
+        return self.trainer.state.global_step != self.state.generation.old_step
 
     def loss_metrics(self, inputs) -> None:
         """Ratio, clip and old-vs-TRL statistics of one training micro-batch (new: the training forward's), computed on
         the device and read back with one transfer (each host read waits for the GPU)."""
         state = self.state
-        new = state.new_logps
-        state.new_logps = None
+        new = state.new_logps  # inside the loss pass (GapState.loss_pass), which drops it on exit
         old = self.old_of(inputs)
         if new is None or old is None:
             return
@@ -276,7 +276,7 @@ class Stats:
                   ratio_name("abs_dlogp_mean", update, "trl"): sums.abs_dlogp / n,
                   ratio_name("abs_dlogp_max", update, "trl"): maxima.abs_dlogp_max,
                   ratio_name("exact_frac", update, "trl"): sums.exact / n}
-        if state.clip_applies:
+        if state.settings.clip_applies:
             values[clip_name("clipped_frac", update, "trl")] = sums.clipped / n
             if sums.probe_tokens > 0:  # a micro-batch without probe tokens has no share to average in
                 values[clip_name("flip_frac", update, "trl")] = sums.flips / sums.probe_tokens
@@ -329,7 +329,7 @@ class Stats:
 
     def probe_due(self) -> bool:
         """Whether this generation has probe rows (decided by :meth:`_gap_probe_scheduled` when it began)."""
-        return self.state.probe_now
+        return self.state.generation.probe_now
 
     def probe_scheduled(self) -> bool:
         """Whether the generation that begins gets probe rows (host-side, the same on every process): due every
@@ -337,10 +337,10 @@ class Stats:
         seconds so far at most that share of the training seconds so far, both reduced over processes)."""
         state = self.state
         gap = state.config
-        due = gap.probe_rows > 0 and (state.generations - 1) % (gap.metrics_every * gap.probe_every) == 0
+        due = gap.probe_rows > 0 and (state.totals.generations - 1) % (gap.metrics_every * gap.probe_every) == 0
         if not due or gap.probe_budget <= 0:
             return due
-        return state.probe_total <= gap.probe_budget * state.wall_total
+        return state.totals.probe_total <= gap.probe_budget * state.totals.wall_total
 
     @contextlib.contextmanager
     def probe_timer(self, device: torch.device):
@@ -352,7 +352,7 @@ class Stats:
         finally:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            self.state.step_probe += time.perf_counter() - started
+            self.state.totals.step_probe += time.perf_counter() - started
 
     def clip_status(self, log_ratio, advantages, mask):
         """TRL's clip status ``[B, T]`` under this trainer's loss type, IS level, epsilons and delta (or None)."""

@@ -80,7 +80,7 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, **engine_kwargs: 
     """
     from trl.generation import vllm_generation
 
-    from bloggap_plugin.core.vllm_compat import supported_text
+    from bloggap_plugin.core.vllm.versions import supported_text
 
     original = getattr(vllm_generation, "LLM", None)
     if original is None:
@@ -208,7 +208,7 @@ engine's start-up turns it on (the trainer's own forward and backward included);
 
 
 def _matmul_settings() -> Any:
-    from bloggap_plugin.core.vllm_kernels import MatmulSettings
+    from bloggap_plugin.core.vllm.kernels import MatmulSettings
 
     return MatmulSettings.current()
 
@@ -228,12 +228,12 @@ def batch_invariance_scope_setting(environ: dict | None = None) -> str:
 def confine_batch_invariance(trainer: Any, environ: dict | None = None) -> bool:
     """Confine vLLM's batch-invariant mode, which the colocated engine's start-up turned on for the whole process, to
     the engine's generation calls (``llm.generate`` wrapped in
-    :func:`~bloggap_plugin.core.vllm_kernels.engine_batch_invariance`); the arm's vLLM-form passes install it for
-    themselves (:func:`~bloggap_plugin.core.vllm_kernels.batch_invariant_scope`), and the trainer's own forward and
+    :func:`~bloggap_plugin.core.vllm.kernels.engine_batch_invariance`); the arm's vLLM-form passes install it for
+    themselves (:func:`~bloggap_plugin.core.vllm.kernels.batch_invariant_scope`), and the trainer's own forward and
     backward run with torch's matmul settings from before the engine started. ``True`` where it was confined; nothing
     changes where the mode is off, the engine was not built through :func:`vllm_colocate_engine` (no record of the
     settings before it), or :data:`BATCH_INVARIANCE_SCOPE_ENV` is ``process``."""
-    from bloggap_plugin.core import vllm_kernels
+    from bloggap_plugin.core.vllm import kernels as vllm_kernels
 
     llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
     plain = getattr(llm, "_bloggap_plain_matmul", None)
@@ -311,15 +311,13 @@ def colocate_compilation_mode(trainer: Any) -> int | None:
 def check_engine_vllm(trainer: Any, gap: Any) -> None:
     """Where the trainer has a real colocate engine, refuse (``RecipeError``, one line naming the installed and the
     supported versions) a vLLM outside the supported range, or, for an arm that computes vLLM's kernels (I, J with
-    vLLM pieces), one whose kernels it was not read from (:mod:`bloggap_plugin.core.vllm_compat`)."""
-    from bloggap_plugin.core.vllm_compat import vllm_problem
+    vLLM pieces), one whose kernels it was not read from (:mod:`bloggap_plugin.core.vllm.versions`)."""
+    from bloggap_plugin.core.vllm.versions import vllm_problem
     from bloggap_plugin.recipes import RecipeError
 
     if _colocate_engine(trainer) is None:
         return
-    needs_form = False
-    if gap.arm_spec.plan == "vllm":
-        needs_form = bool(gap.i_form.needs_vllm())
+    needs_form = bool(gap.takes_pieces and gap.i_form.needs_vllm())
     problem = vllm_problem(needs_form=needs_form)
     if problem:
         raise RecipeError(f"arm {gap.arm_spec.letter}: {problem}")
@@ -331,7 +329,7 @@ def check_colocate_engine(trainer: Any, gap: Any, environ: dict | None = None) -
     layout); vLLM's batch-invariant mode is read from vLLM itself. An engine built eager is what arms I and J need
     only with ``gap.vllm_launch: eager`` set: under ``auto`` (the default, decode graphs) it is refused, and the
     error names that setting."""
-    from bloggap_plugin.core import vllm_kernels
+    from bloggap_plugin.core.vllm import kernels as vllm_kernels
     from bloggap_plugin.recipes import RecipeError
 
     spec = gap.arm_spec
@@ -397,7 +395,7 @@ def engine_model_runner(engine: Any) -> str | None:
 def model_runner_refusal(gap: Any, runner: str | None) -> str | None:
     """The error text when arm I's ``logprobs`` piece is not the one of the engine's model runner (``runner``:
     :func:`colocate_model_runner`), else ``None``: the runners compute the sampled token's log-prob differently."""
-    if gap.arm_spec.plan != "vllm" or runner is None:
+    if not gap.takes_pieces or runner is None:
         return None
     wanted = "v2_sampler" if runner == "v2" else "log_softmax"
     if gap.i_form.logprobs == wanted:
@@ -412,9 +410,7 @@ def model_runner_refusal(gap: Any, runner: str | None) -> str | None:
 def needs_batch_invariant(gap: Any) -> bool:
     """Whether ``gap``'s old-logprob pass computes vLLM's batch-invariant matmuls (arm I with that piece on), which
     equal the sampler's only if the engine runs in vLLM's batch-invariant mode."""
-    if gap.arm_spec.plan != "vllm":
-        return False
-    return gap.i_form.batch_invariant
+    return gap.takes_pieces and gap.i_form.batch_invariant
 
 
 def batch_invariant_refusal(gap: Any) -> str:

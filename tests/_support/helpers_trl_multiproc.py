@@ -173,10 +173,10 @@ def _write_record(trainer, out: str) -> None:
     reduces = [{**r, "local": [_nan_to_none(v) for v in r["local"]], "reduced": [_nan_to_none(v) for v in r["reduced"]]}
                for r in getattr(trainer, "gap_reduces", [])]
     state = trainer._gap_session.state
-    plans = {"plan": state.plan, "ref_plan": state.ref_plan}
+    plans = {"plan": state.resources.plan, "ref_plan": state.resources.ref_plan}
     record = {"num_processes": trainer.accelerator.num_processes, "rank": rank, "reduces": reduces,
               "distributed_type": str(trainer.accelerator.distributed_type),
-              "plan_layers": getattr(state.plan, "layers", None),
+              "plan_layers": getattr(state.resources.plan, "layers", None),
               "sharded_params": sum(is_dtensor(p) for p in trainer.model.parameters()),
               "policy_bytes": sum(p.to_local().nbytes if is_dtensor(p) else p.nbytes for p in trainer.model.parameters()),
               "policy_full_bytes": sum(p.nbytes for p in trainer.model.parameters()),

@@ -9,7 +9,7 @@ import pytest
 import torch
 from _support import ROOT
 
-from bloggap_plugin.core.vllm_form import TORCH_KERNELS, parse_form
+from bloggap_plugin.core.vllm.form import TORCH_KERNELS, parse_form
 
 
 @pytest.fixture()
@@ -68,7 +68,7 @@ def test_the_attention_rows_time_each_backward_and_mark_the_plugins_per_call(tin
     gradients are tested equal in tests/core/test_onpolicy_forward.py); "(the plugin's)" marks the closed form for
     both calls, and past DENSE_GRADIENT_ELEMENTS the formula flash_paged_formula picks (padded entries for the
     prefill, dense over the cache for the decode call)."""
-    from bloggap_plugin.core import vllm_autograd
+    from bloggap_plugin.core.vllm import autograd as vllm_autograd
 
     model, _ = tiny_model()
     ids, mask = _batch()

@@ -10,7 +10,7 @@ import torch
 from bloggap_plugin.core.plans import make_plan
 from bloggap_plugin.core.plans.vllm_shadow import VllmFormPlan
 from bloggap_plugin.core.scoring import token_logprobs
-from bloggap_plugin.core.vllm_form import (
+from bloggap_plugin.core.vllm.form import (
     TORCH_KERNELS,
     Kernels,
     VllmForm,
@@ -29,7 +29,7 @@ from bloggap_plugin.core.vllm_form import (
     torch_varlen_attention,
     vllm_cos_sin_cache,
 )
-from bloggap_plugin.core.vllm_kernels import VllmFormUnavailable, load_kernels
+from bloggap_plugin.core.vllm.kernels import VllmFormUnavailable, load_kernels
 from bloggap_plugin.recipes import GapConfig, RecipeError
 
 K = 8
@@ -291,8 +291,8 @@ def test_trl_arm_i_trains_on_its_plan_and_refuses_kernel_pieces_on_cpu(tmp_path,
         warnings.simplefilter("ignore")
         trainer = make(tmp_path / "torch", GapConfig(arm="I", i_pieces="torch", probe_rows=4), dtype="bf16",
                        max_steps=1)
-        assert isinstance(trainer._gap_session.state.plan, VllmFormPlan)
-        assert trainer._gap_session.state.plan.stats()["pieces"] == parse_form("torch").describe()
+        assert isinstance(trainer._gap_session.state.resources.plan, VllmFormPlan)
+        assert trainer._gap_session.state.resources.plan.stats()["pieces"] == parse_form("torch").describe()
         trainer.train()
     logs = logs_of(trainer)
     assert len(logs) == 1 and math.isfinite(logs[0]["loss"])
@@ -337,7 +337,7 @@ def test_batch_invariant_scope_registers_vllms_overrides_for_the_block_only(monk
     """Inside the scope vLLM's five aten overrides are the CUDA kernels and cuBLAS runs without reduced-precision
     reductions on cuBLASLt; after it (also after an error) the previous kernels and settings are back. Where vLLM's
     engine already enabled its mode process-wide, the scope registers nothing."""
-    from bloggap_plugin.core.vllm_kernels import batch_invariant_scope, vllm_batch_invariant_active
+    from bloggap_plugin.core.vllm.kernels import batch_invariant_scope, vllm_batch_invariant_active
 
     _fake_vllm_batch_invariant(monkeypatch, active=False)
     blas = {"backend": torch.backends.cuda.preferred_blas_library()}  # a CPU build refuses to select cuBLASLt
@@ -368,7 +368,7 @@ def test_batch_invariant_scope_registers_vllms_overrides_for_the_block_only(monk
 
 def _fake_vllm_kernels(monkeypatch, seen: dict):
     """vLLM 0.26's kernel entry points as plain-torch fakes with vLLM's signatures and in-place semantics, so the glue
-    in :mod:`bloggap_plugin.core.vllm_kernels` (argument order, keywords, reshapes) runs on CPU."""
+    in :mod:`bloggap_plugin.core.vllm.kernels` (argument order, keywords, reshapes) runs on CPU."""
     import sys
     import types
 
@@ -487,7 +487,7 @@ def test_hf_attention_interface_attends_as_the_packed_form(tiny_model):
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
-    from bloggap_plugin.core.vllm_kernels import register_hf_attention
+    from bloggap_plugin.core.vllm.kernels import register_hf_attention
 
     model, _ = tiny_model("tiny-random-llama")
     ids, mask = _rows()
@@ -510,7 +510,7 @@ def test_hf_attention_interface_attends_as_the_packed_form(tiny_model):
 def test_paged_varlen_reference_equals_contiguous_causal_attention():
     """The paged varlen reference with whole rows as entries is causal attention per row; with each row's last token
     as an entry of its own (one query, all keys up to it) it is that row's last output."""
-    from bloggap_plugin.core.vllm_form import torch_paged_varlen_attention
+    from bloggap_plugin.core.vllm.form import torch_paged_varlen_attention
 
     gen = torch.Generator().manual_seed(3)
     lengths = [7, 19, 3]
@@ -646,7 +646,8 @@ def test_arm_i_scores_as_many_rows_per_forward_as_its_token_budget_holds(tiny_mo
 
     def trainer(score_rows: int):
         config = GapConfig(arm="I", positions="mask", i_pieces="torch", score_rows=score_rows)
-        state = types.SimpleNamespace(config=config, positions="mask", renormalize=False)
+        settings = types.SimpleNamespace(positions="mask", renormalize=False)
+        state = types.SimpleNamespace(config=config, settings=settings)
         trainer = types.SimpleNamespace(accelerator=types.SimpleNamespace(device=torch.device("cpu")), temperature=1.0)
         return types.SimpleNamespace(state=state, trainer=trainer, reducer=None)
 
@@ -666,7 +667,7 @@ def test_prompt_first_order_computes_what_the_packed_order_computes(tiny_model, 
     and the paged attention stand-in, its log-probs equal, bit for bit, those of the same forward in packed order
     (launches gathered and scattered by index); its launches hold the same tokens."""
     import bloggap_plugin.core.plans.vllm_shadow as vllm_plan
-    from bloggap_plugin.core.vllm_form import prompt_first
+    from bloggap_plugin.core.vllm.form import prompt_first
 
     model, _ = tiny_model("tiny-random-llama")
     ids, mask = _rows(batch=6, width=120)

@@ -14,9 +14,9 @@ import types
 import pytest
 import torch
 
-from bloggap_plugin.core import vllm_kernels
 from bloggap_plugin.core.errors import UsageError
-from bloggap_plugin.core.vllm_kernels import MatmulSettings
+from bloggap_plugin.core.vllm import kernels as vllm_kernels
+from bloggap_plugin.core.vllm.kernels import MatmulSettings
 from bloggap_plugin.trl import vllm_colocate
 
 

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from bloggap_plugin.core.plans.vllm_shadow import OnPolicyForward, VllmFormLM, VllmFormPlan, sampler_reduce
 from bloggap_plugin.core.scoring import token_logprobs
-from bloggap_plugin.core.vllm_autograd import PIECE_FORMULAS, autograd_kernels
-from bloggap_plugin.core.vllm_form import (
+from bloggap_plugin.core.vllm.autograd import PIECE_FORMULAS, autograd_kernels
+from bloggap_plugin.core.vllm.form import (
     TORCH_KERNELS,
     Kernels,
     pack,
@@ -185,7 +185,7 @@ def test_paged_attention_pieces_have_torchs_fp32_gradient(page):
     fp32 gradients of dense causal attention over the same rows. One call: within half a bf16 ulp. In steps, a key's
     gradient is the bf16 sum of the two calls' rounded gradients (autograd accumulates in the cache's dtype): within
     half an ulp of each call's part and of the sum."""
-    from bloggap_plugin.core.vllm_form import paged_kv
+    from bloggap_plugin.core.vllm.form import paged_kv
 
     kernels = autograd_kernels(TORCH_KERNELS)
     gen = torch.Generator().manual_seed(6)
@@ -233,7 +233,7 @@ def _arm_j_paged_calls(page: int = 4, keep: int = 16, seed: int = 3):
     """arm J's two paged calls on :func:`_rows` (entries of different lengths, GQA 4:2 heads), built as its forward
     builds them (``prompt_first`` order, ``_step_calls``, ``paged_kv``): ``{"prefill" | "decode": (q, key_cache,
     value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)}``, fp32 random q/k/v."""
-    from bloggap_plugin.core.vllm_form import _step_calls, paged_kv
+    from bloggap_plugin.core.vllm.form import _step_calls, paged_kv
 
     ids, mask = _rows()
     packed = pack(ids, mask)
@@ -257,7 +257,7 @@ def test_dense_cache_attention_is_the_padded_entries_formula(call):
     """The two attention backward formulas (T16-armJ-attention): dense over the cache and padded entries give the
     same attention and the same gradients of q, key_cache and value_cache (fp32, to rounding) on arm J's prefill
     call (several queries per entry) and its decode call (one per entry, entries sharing blocks)."""
-    from bloggap_plugin.core.vllm_autograd import dense_cache_attention, padded_paged_attention
+    from bloggap_plugin.core.vllm.autograd import dense_cache_attention, padded_paged_attention
 
     q, key_cache, value_cache, cu, seqused, table, max_q, max_k = _arm_j_paged_calls()[call]
     assert (max_q == 1) == (call == "decode") and cu.numel() - 1 > 2 and seqused.unique().numel() > 2
@@ -275,7 +275,7 @@ def test_flash_paged_formula_takes_dense_for_decode_and_padded_for_prefill_or_a_
     """``flash_paged_formula`` chooses per call from shapes and ints alone: dense over the cache for a decode call
     (``max_seqlen_q == 1``) whose ``[Tq, slots]`` mask is within ``DENSE_MASK_ELEMENTS``, padded entries for the
     prefill call and for a decode call past the cap."""
-    from bloggap_plugin.core import vllm_autograd
+    from bloggap_plugin.core.vllm import autograd as vllm_autograd
 
     ran = []
 
@@ -400,7 +400,7 @@ def test_a_norm_in_step_launches_is_one_piece_with_each_launchs_values_and_gradi
     """``in_step_launches`` runs every launch of ``norm_in_step_launches`` (the kernel's values, bit for bit) and
     differentiates the row-wise formula once over all rows: the same gradient as one piece per launch, within fp32
     noise (both are torch's fp32 gradient rounded once to bf16)."""
-    from bloggap_plugin.core.vllm_form import norm_in_step_launches, step_launches
+    from bloggap_plugin.core.vllm.form import norm_in_step_launches, step_launches
 
     kernel = getattr(autograd_kernels(TORCH_KERNELS), name)
     gen = torch.Generator().manual_seed(11)
@@ -431,7 +431,7 @@ def test_closed_form_gradients_are_torchs_gradients_of_the_formulas():
     """Each piece's gradient in closed form (``PIECE_GRADIENTS``: what the backward computes, without recomputing
     the piece) equals torch's autograd of the same fp32 formula, to fp32 rounding; every formula but the contiguous
     attention's has one (the paged attention's on arm J's prefill and decode calls: GQA, entries sharing blocks)."""
-    from bloggap_plugin.core.vllm_autograd import (
+    from bloggap_plugin.core.vllm.autograd import (
         PIECE_GRADIENTS,
         flash_paged_formula,
         linear_formula,
@@ -531,7 +531,7 @@ def test_paged_unread_slots_and_its_memo(call):
     """The mask of slots a query does not read equals an entry-by-entry loop; its memo (one mask per call's metadata,
     shared by every layer) returns the same tensor for the same metadata and rebuilds it when the block table is
     changed in place or replaced."""
-    from bloggap_plugin.core.vllm_autograd import _memo_unread_slots, paged_unread_slots
+    from bloggap_plugin.core.vllm.autograd import _memo_unread_slots, paged_unread_slots
 
     q, key_cache, _, cu, seqused, table, _, max_k = _arm_j_paged_calls()[call]
     page = key_cache.shape[1]
@@ -550,7 +550,7 @@ def test_paged_unread_slots_and_its_memo(call):
 def test_paged_attention_gradient_past_its_cap_is_autograds(monkeypatch):
     """Past ``DENSE_GRADIENT_ELEMENTS`` (heads x queries x slots) the paged attention's gradient is torch's autograd
     of ``flash_paged_formula``; at the cap, the closed form; both the same gradients to fp32 rounding."""
-    from bloggap_plugin.core import vllm_autograd
+    from bloggap_plugin.core.vllm import autograd as vllm_autograd
 
     ran = []
     original = vllm_autograd.formula_gradient
@@ -603,7 +603,7 @@ def test_a_pieces_backward_runs_on_cublas_where_the_process_prefers_cublaslt(mon
     """vLLM's batch-invariant mode prefers cuBLASLt process-wide; a piece's backward (not compared bit for bit with
     anything) runs its matmuls on cuBLAS and gives the preference back afterwards; where the process does not prefer
     cuBLASLt the backward leaves the setting alone. (This CPU build cannot select cuBLASLt: the setting is a stand-in.)"""
-    from bloggap_plugin.core import vllm_autograd
+    from bloggap_plugin.core.vllm import autograd as vllm_autograd
 
     backends = torch._C._BlasBackend
     state = {"now": backends.Cublaslt, "calls": []}
@@ -637,7 +637,7 @@ def test_the_unread_slots_memo_lets_a_mask_go_with_its_calls_metadata():
     out."""
     import gc
 
-    from bloggap_plugin.core import vllm_autograd
+    from bloggap_plugin.core.vllm import autograd as vllm_autograd
 
     q, key_cache, _, cu, seqused, table, _, max_k = _arm_j_paged_calls()["decode"]
     cu, seqused, table = cu.clone(), seqused.clone(), table.clone()

@@ -57,8 +57,8 @@ def _rows(device):
 @pytest.mark.parametrize("spec", FORMS)
 def test_training_forward_with_vllms_kernels_is_the_scorer_bit_for_bit(policy, spec):
     from bloggap_plugin.core.plans.vllm_shadow import OnPolicyForward, VllmFormParamsPlan, VllmFormPlan
-    from bloggap_plugin.core.vllm_form import parse_form
-    from bloggap_plugin.core.vllm_kernels import load_kernels
+    from bloggap_plugin.core.vllm.form import parse_form
+    from bloggap_plugin.core.vllm.kernels import load_kernels
 
     form = parse_form(spec)
     kernels = load_kernels(form, "cuda")
@@ -127,8 +127,8 @@ def test_parameter_gradients_with_vllms_kernels_within_bounds(policy, spec, blas
     if os.environ.get("BLOGGAP_GPU_TEST_MODEL"):
         pytest.skip("absolute bounds of the small random Llama; a named model is held to bf16 autocast's error")
     from bloggap_plugin.core.plans.vllm_shadow import OnPolicyForward
-    from bloggap_plugin.core.vllm_form import parse_form
-    from bloggap_plugin.core.vllm_kernels import load_kernels
+    from bloggap_plugin.core.vllm.form import parse_form
+    from bloggap_plugin.core.vllm.kernels import load_kernels
 
     form = parse_form(spec)
     ids, mask = _rows("cuda")
@@ -156,8 +156,8 @@ def test_parameter_gradients_no_further_from_fp32_than_bf16_autocast(policy):
     most 1.5x autocast's (both are bf16 forwards; J's rounds where vLLM's kernels do)."""
     from bloggap_plugin.core.plans.vllm_shadow import OnPolicyForward
     from bloggap_plugin.core.scoring import token_logprobs
-    from bloggap_plugin.core.vllm_form import parse_form
-    from bloggap_plugin.core.vllm_kernels import load_kernels
+    from bloggap_plugin.core.vllm.form import parse_form
+    from bloggap_plugin.core.vllm.kernels import load_kernels
 
     form = parse_form("all")
     ids, mask = _rows("cuda")

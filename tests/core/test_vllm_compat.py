@@ -6,33 +6,33 @@ import types
 
 import pytest
 
-from bloggap_plugin.core import vllm_compat
+from bloggap_plugin.core.vllm import versions as vllm_versions
 from bloggap_plugin.recipes import GapConfig, RecipeError
 from bloggap_plugin.trl import vllm_colocate
 
 
 @pytest.mark.parametrize("version", ["0.22.0", "0.26.0", "0.28.1", "0.31.0", "0.26.0.dev3+gabc123"])
 def test_a_vllm_in_trls_range_serves_any_vllm_path(version):
-    assert vllm_compat.vllm_problem(needs_form=False, version=version) is None
+    assert vllm_versions.vllm_problem(needs_form=False, version=version) is None
 
 
 @pytest.mark.parametrize("version", ["0.21.9", "0.31.1", "1.0.0", "not-a-version"])
 def test_a_vllm_outside_the_range_is_named_with_the_range(version):
-    problem = vllm_compat.vllm_problem(version=version)
+    problem = vllm_versions.vllm_problem(version=version)
     assert problem == (f"vLLM {version} is installed and the plugin supports vLLM 0.22.0-0.31.0 (TRL 1.16's range): "
                        "install e.g. pip install vllm==0.26.0")
 
 
 def test_arms_i_and_j_kernels_need_the_release_they_were_read_from():
-    assert vllm_compat.vllm_problem(needs_form=True, version="0.26.0") is None
-    problem = vllm_compat.vllm_problem(needs_form=True, version="0.31.0")
+    assert vllm_versions.vllm_problem(needs_form=True, version="0.26.0") is None
+    problem = vllm_versions.vllm_problem(needs_form=True, version="0.31.0")
     assert problem.startswith("vLLM 0.31.0 is installed, and arms I and J compute the kernels of vLLM 0.26.0")
     assert problem.endswith("pip install vllm==0.26.0, or set gap.i_pieces: torch (vLLM's maths in plain torch)")
 
 
 def test_no_vllm_is_said_so(monkeypatch):
-    monkeypatch.setattr(vllm_compat, "installed_vllm", lambda: None)
-    assert vllm_compat.vllm_problem().startswith("vLLM is not installed here: install vLLM 0.22.0-0.31.0")
+    monkeypatch.setattr(vllm_versions, "installed_vllm", lambda: None)
+    assert vllm_versions.vllm_problem().startswith("vLLM is not installed here: install vLLM 0.22.0-0.31.0")
 
 
 def _trainer(with_engine: bool):
@@ -48,7 +48,7 @@ def _trainer(with_engine: bool):
     ("I", "all", "0.26.0", None),
 ])
 def test_attach_checks_the_engines_vllm_once(monkeypatch, arm, pieces, version, refused):
-    monkeypatch.setattr(vllm_compat, "installed_vllm", lambda: version)
+    monkeypatch.setattr(vllm_versions, "installed_vllm", lambda: version)
     gap = GapConfig(arm=arm, i_pieces=pieces) if arm in ("I", "J") else GapConfig(arm=arm)
     if refused is None:
         vllm_colocate.check_engine_vllm(_trainer(True), gap)
@@ -65,4 +65,4 @@ def test_setup_cfgs_vllm_extra_is_the_measured_release():
     config = configparser.ConfigParser()
     config.read(Path(__file__).resolve().parents[2] / "setup.cfg")
     pins = [line.strip() for line in config["options.extras_require"]["vllm"].splitlines() if line.strip()]
-    assert pins == [f"vllm=={release}" for release in vllm_compat.VLLM_FORM_RELEASES]
+    assert pins == [f"vllm=={release}" for release in vllm_versions.VLLM_FORM_RELEASES]

@@ -7,7 +7,8 @@ import types
 
 import pytest
 
-from bloggap_plugin.core import vllm_compat, vllm_form
+from bloggap_plugin.core.vllm import form as vllm_form
+from bloggap_plugin.core.vllm import versions as vllm_versions
 from bloggap_plugin.recipes import GapConfig, RecipeError
 from bloggap_plugin.trl import vllm_colocate
 from bloggap_plugin.trl.scorer import Scorer
@@ -25,7 +26,7 @@ PIECES = {
 
 @pytest.fixture
 def parses(monkeypatch) -> list[str]:
-    """Every text ``core.vllm_form.parse_form`` parses from here on."""
+    """Every text ``core.vllm.form.parse_form`` parses from here on."""
     seen: list[str] = []
     original = vllm_form.parse_form
 
@@ -55,7 +56,7 @@ def test_every_reader_of_the_pieces_agrees_with_the_one_parse(monkeypatch, parse
     for runner, wanted in (("v1", "log_softmax"), ("v2", "v2_sampler")):
         assert (vllm_colocate.model_runner_refusal(gap, runner) is None) is (logprobs == wanted), runner
     asked = []
-    monkeypatch.setattr(vllm_compat, "vllm_problem", lambda needs_form=False: asked.append(needs_form))
+    monkeypatch.setattr(vllm_versions, "vllm_problem", lambda needs_form=False: asked.append(needs_form))
     vllm_colocate.check_engine_vllm(_engine_trainer(), gap)
     assert asked == [calls_vllm]
 

@@ -201,9 +201,9 @@ def test_arm_G_measure_only_pass_follows_metrics_every(tmp_path, trains):
 def test_gap_tf32_reaches_the_arm_plan_not_the_reference(tmp_path, tf32):
     trainer = make(tmp_path, GapConfig(arm="B", tf32=tf32), dtype="bf16", max_steps=1)
     expected = tf32 is True  # auto on a CPU: IEEE fp32
-    assert trainer._gap_session.state.plan.tf32 is expected
+    assert trainer._gap_session.state.resources.plan.tf32 is expected
     reference = trainer._gap_session.scorer.reference_plan()
-    assert reference.tf32 is False and (reference is trainer._gap_session.state.plan) == (not expected)
+    assert reference.tf32 is False and (reference is trainer._gap_session.state.resources.plan) == (not expected)
 
 
 def test_measure_only_when_trl_computes_no_old_logprobs(tmp_path, trains):
@@ -362,7 +362,7 @@ def test_arm_d_auto_layers_follow_process_zero(tmp_path, trains):
     trainer._gap_session.scorer.agree_layers = agree
     trainer.train()
     assert len(seen) == 1
-    assert trainer._gap_session.state.plan.stats()["layers"] == ([1] if seen[0] != [1] else [0])
+    assert trainer._gap_session.state.resources.plan.stats()["layers"] == ([1] if seen[0] != [1] else [0])
 
 
 @pytest.mark.parametrize(("arm", "kept"), [("A", "measure"), ("B", "measure"), ("C", "renormalize")])
@@ -376,7 +376,7 @@ def test_score_chunk_tokens_tiles_change_nothing(tmp_path, row_invariant_linear,
         trainer = make(tmp_path / str(chunk), GapConfig(arm=arm, probe_rows=4, kept=kept, score_chunk_tokens=chunk),
                        dtype="fp32", top_p=0.8)
         widths = []
-        shadow = getattr(trainer._gap_session.state.plan, "shadow", None)  # arm B scores with its fp32 copy's head
+        shadow = getattr(trainer._gap_session.state.resources.plan, "shadow", None)  # arm B scores with its fp32 copy's head
         head = (shadow if shadow is not None else trainer.model).lm_head
         hook = head.register_forward_pre_hook(lambda mod, args, widths=widths: widths.append(args[0].shape[1]))
         trainer.train()

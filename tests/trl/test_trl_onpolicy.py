@@ -42,8 +42,8 @@ def test_arm_j_ratio_is_exactly_one_at_each_generations_first_iteration(tmp_path
     training forward) is not bitwise there."""
     trainer, logs, changed = _run(tmp_path / "J", "J", bf16=bf16)
     assert len(logs) == STEPS and changed
-    assert trainer._gap_session.state.onpolicy is not None
-    assert not hasattr(trainer._gap_session.state.plan, "shadow")  # old log-probs over the parameters: no copy
+    assert trainer._gap_session.state.resources.onpolicy is not None
+    assert not hasattr(trainer._gap_session.state.resources.plan, "shadow")  # old log-probs over the parameters: no copy
     for row in logs:
         assert math.isfinite(row["loss"])
     for row in logs[0::2]:

@@ -198,7 +198,7 @@ def test_colocated_batch_invariant_vllm_warns_about_rope(tmp_path, monkeypatch, 
     """vLLM's batch-invariant mode on in the trainer's process (colocate) replaces bmm, which transformers' RoPE
     uses: attaching warns and names the fixes; without the mode, or with Triton's fp32 dots in IEEE
     (TRITON_F32_DEFAULT=ieee, measured on the H200 to bring the angles back), no such warning."""
-    import bloggap_plugin.core.vllm_kernels as vllm_kernels
+    import bloggap_plugin.core.vllm.kernels as vllm_kernels
 
     monkeypatch.setattr(vllm_kernels, "vllm_batch_invariant_active", lambda: active)
     if f32_default is None:

@@ -298,7 +298,7 @@ def test_attaching_decode_graphs_to_a_compiled_engine_is_refused(monkeypatch):
     """GapCallback with ``vllm_launch: decode_graphs`` (or the default, ``auto``) on TRL's default engine
     (torch.compile, mode 3): refused, naming the compilation mode it needs and how to build it; an engine built so
     passes; so does one whose compilation settings cannot be read. ``eager`` set explicitly refuses that engine."""
-    import bloggap_plugin.core.vllm_kernels as vllm_kernels
+    import bloggap_plugin.core.vllm.kernels as vllm_kernels
     from bloggap_plugin.recipes import GapConfig
     from bloggap_plugin.trl.vllm_colocate import check_colocate_engine, colocate_compilation_mode
 
@@ -324,7 +324,7 @@ def test_an_eager_engine_is_accepted_only_with_vllm_launch_eager_set(monkeypatch
     ``auto`` (decode graphs) it is refused, the error naming ``gap.vllm_launch: eager`` to keep that engine and
     engine_kwargs_for to build the default's; with ``decode_graphs`` set explicitly it is refused without that
     hint (the user asked for decode graphs)."""
-    import bloggap_plugin.core.vllm_kernels as vllm_kernels
+    import bloggap_plugin.core.vllm.kernels as vllm_kernels
     from bloggap_plugin.recipes import GapConfig
     from bloggap_plugin.trl.vllm_colocate import check_colocate_engine
 
@@ -380,7 +380,7 @@ def test_attaching_arm_i_to_a_compiled_or_prefix_caching_engine_is_refused(monke
     """GapCallback on a trainer whose engine TRL built with vLLM's defaults (compiled, prefix caching on): refused,
     naming each setting the engine has and how to build it (by default decode graphs; with ``vllm_launch: eager``
     the eager engine); an engine built with arm I's settings passes."""
-    import bloggap_plugin.core.vllm_kernels as vllm_kernels
+    import bloggap_plugin.core.vllm.kernels as vllm_kernels
     from bloggap_plugin.recipes import GapConfig
     from bloggap_plugin.trl.vllm_colocate import (
         check_colocate_engine,
@@ -415,7 +415,7 @@ def test_arm_i_logprobs_piece_must_match_the_engines_model_runner(monkeypatch):
     """vLLM 0.26 runs dense decoders on its model runner V2, whose sampler computes the sampled token's log-prob with
     its own kernel over bf16 logits (``logprobs=v2_sampler``, arm I's default); the V1 runner log-softmaxes fp32 logits
     (``logprobs=log_softmax``). Attaching arm I with the piece of the other runner is refused, naming the piece."""
-    import bloggap_plugin.core.vllm_kernels as vllm_kernels
+    import bloggap_plugin.core.vllm.kernels as vllm_kernels
     from bloggap_plugin.recipes import GapConfig
     from bloggap_plugin.trl.vllm_colocate import check_colocate_engine, colocate_model_runner
 
@@ -463,7 +463,7 @@ def test_gap_grpo_trainer_gives_arm_i_one_prefill_step_for_a_generations_prompts
 def test_attaching_arm_i_to_an_engine_that_chunks_a_generations_prefill_is_refused(monkeypatch):
     """GapCallback on an engine built with TRL's 4096 tokens per step: refused, naming max_num_batched_tokens, what
     it must reach (max_num_seqs x max_model_len) and vllm_colocate_engine(..., prefill_in_one_step=True)."""
-    import bloggap_plugin.core.vllm_kernels as vllm_kernels
+    import bloggap_plugin.core.vllm.kernels as vllm_kernels
     from bloggap_plugin.recipes import GapConfig
     from bloggap_plugin.trl.vllm_colocate import check_colocate_engine, engine_kwargs_for
 
@@ -501,7 +501,7 @@ def test_arm_is_one_step_prefill_budget_is_capped_and_the_cap_is_what_attach_exp
     million tokens per step, which its start-up memory profile sizes activations by: the budget stops at
     ONE_STEP_PREFILL_CAP (a generation beyond it is refused by the per-generation check), and attaching to an engine
     built with the capped budget passes."""
-    import bloggap_plugin.core.vllm_kernels as vllm_kernels
+    import bloggap_plugin.core.vllm.kernels as vllm_kernels
     from bloggap_plugin.recipes import GapConfig
     from bloggap_plugin.trl.vllm_colocate import (
         ONE_STEP_PREFILL_CAP,

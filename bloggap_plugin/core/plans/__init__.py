@@ -26,8 +26,8 @@ parameters, gradients, optimizer state or tied embeddings.
 """
 
 from .base import ScoringPlan
-from .registry import PLANS, REFERENCE_PLAN, PlanEntry, PlanOptions, make_plan, plan_entry
+from .registry import PLANS, REFERENCE_PLAN, PlanEntry, PlanOptions, arm_plan_entry, make_plan, plan_entry
 from .tf32 import TF32_MODES, cuda_matmul_tf32, resolve_tf32
 
-__all__ = ["PLANS", "REFERENCE_PLAN", "TF32_MODES", "PlanEntry", "PlanOptions", "ScoringPlan", "cuda_matmul_tf32",
-           "make_plan", "plan_entry", "resolve_tf32"]
+__all__ = ["PLANS", "REFERENCE_PLAN", "TF32_MODES", "PlanEntry", "PlanOptions", "ScoringPlan", "arm_plan_entry",
+           "cuda_matmul_tf32", "make_plan", "plan_entry", "resolve_tf32"]

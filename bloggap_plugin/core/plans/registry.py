@@ -15,20 +15,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..arms import plan_name
+from ..arms import ArmSpec, plan_name
 from ..divergence import DivergenceProfile, divergence_profile
 from ..model_parts import layer_list_path, model_device
 from ..scoring import unwrap_model
 from ..sharding import is_partitioned
-from ..vllm_form import parse_form
-from ..vllm_kernels import load_kernels
+from ..vllm.form import parse_form
+from ..vllm.kernels import load_kernels
 from .base import ScoringPlan
 from .policy import PolicyPlan
 from .shadow import SHADOW_DTYPES, ShadowPlan
 from .upcast import UpcastPlan
 from .vllm_shadow import VllmFormParamsPlan, VllmFormPlan
 
-__all__ = ["PLANS", "PlanEntry", "PlanOptions", "REFERENCE_PLAN", "make_plan", "plan_entry", "guided_layers"]
+__all__ = ["PLANS", "PlanEntry", "PlanOptions", "REFERENCE_PLAN", "arm_plan_entry", "make_plan", "plan_entry",
+           "guided_layers"]
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,8 @@ def make_plan(
             re-score) in TF32 (``True``), IEEE fp32 (``False``), or TF32 on Ampere+ GPUs only (``"auto"``); set
             and restored around each call (:mod:`.tf32`). Ignored by plan ``bf16``.
         pieces: ``vllm`` (arm I) only: which pieces of its forward follow vLLM
-            (:func:`bloggap_plugin.core.vllm_form.parse_form`; default ``"all"``). Pieces that call vLLM's kernels
-            need vLLM and CUDA (:func:`bloggap_plugin.core.vllm_kernels.load_kernels` refuses otherwise).
+            (:func:`bloggap_plugin.core.vllm.form.parse_form`; default ``"all"``). Pieces that call vLLM's kernels
+            need vLLM and CUDA (:func:`bloggap_plugin.core.vllm.kernels.load_kernels` refuses otherwise).
         over_parameters: ``vllm`` only: score the policy's own parameters, each cast to bf16 in the forward, instead
             of a bf16 shadow (no copy, nothing to sync; arm J, whose training forward reads them the same way).
     """
@@ -108,6 +109,12 @@ def make_plan(
 def plan_entry(name: str) -> PlanEntry:
     """The registry entry of plan ``name`` (a plan name or an arm letter with a plan, :func:`plan_name`)."""
     return PLANS[plan_name(name)]
+
+
+def arm_plan_entry(arm: ArmSpec) -> PlanEntry | None:
+    """The registry entry of ``arm``'s plan (:attr:`~bloggap_plugin.core.arms.ArmSpec.plan`), or ``None`` for an arm
+    without one (TRL's forward scores its old log-probs): what code asks for a planned arm's capabilities."""
+    return None if arm.plan is None else PLANS[arm.plan]
 
 
 def _with(capability: str) -> str:

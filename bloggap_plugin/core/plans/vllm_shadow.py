@@ -1,4 +1,4 @@
-"""Arm I's scoring plan: a bf16 shadow of the policy run through :mod:`bloggap_plugin.core.vllm_form`'s forward.
+"""Arm I's scoring plan: a bf16 shadow of the policy run through :mod:`bloggap_plugin.core.vllm.form`'s forward.
 
 :class:`VllmFormPlan` holds a clean bf16 copy of the policy (vLLM holds bf16 weights; TRL's forward is bf16
 autocast over fp32 master weights) and scores with :class:`VllmFormLM`, a module with ``get_output_embeddings``
@@ -29,8 +29,8 @@ from ..scoring import (
     token_logprobs,
     unwrap_model,
 )
-from ..vllm_autograd import autograd_kernels
-from ..vllm_form import (
+from ..vllm.autograd import autograd_kernels
+from ..vllm.form import (
     Kernels,
     VllmForm,
     norm_in_step_launches,
@@ -309,7 +309,7 @@ def _form_context(device: torch.device, form: VllmForm, kernels: Kernels) -> con
 
 class OnPolicyForward:
     """The exactly on-policy training forward: arm I's :class:`VllmFormLM` over the policy's own parameters
-    (``over_parameters=True``) with every kernel piece given a backward (:func:`~bloggap_plugin.core.vllm_autograd.
+    (``over_parameters=True``) with every kernel piece given a backward (:func:`~bloggap_plugin.core.vllm.autograd.
     autograd_kernels`), so its log-probs are the values :class:`VllmFormPlan` scores on a bf16 shadow of the same
     weights, bit for bit, and gradients reach the policy's (fp32 master) parameters.
 

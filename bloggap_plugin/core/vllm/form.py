@@ -7,7 +7,7 @@ RMSNorm kernels, attends through FlashAttention over a paged KV cache, and turns
 log-probs. docs/arm_i.md gives the file references. This module is that forward in plain torch, with each piece
 either in HF's form, in vLLM's form written in torch (CPU-testable), or (``"kernel"``) delegated to a
 :class:`Kernels` object that the caller fills with vLLM's own CUDA/Triton functions
-(:mod:`bloggap_plugin.vllm_kernels`). Torch only: nothing here imports vLLM.
+(:mod:`bloggap_plugin.core.vllm.kernels`). Torch only: nothing here imports vLLM.
 
 Shapes: ``T`` packed tokens, ``H`` hidden size, ``nq``/``nkv`` query/key-value heads of ``d`` dims, ``B`` rows.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .scoring import position_ids_from_mask
+from ..scoring import position_ids_from_mask
 
 __all__ = [
     "VllmForm",
@@ -481,7 +481,7 @@ def _torch_flash(q, k, v, cu_seqlens, max_seqlen, scale, block_table=None):  # n
 
 @dataclass(frozen=True)
 class Kernels:
-    """The functions a ``kernel`` piece calls (vLLM's, from :mod:`bloggap_plugin.vllm_kernels`); the defaults
+    """The functions a ``kernel`` piece calls (vLLM's, from :mod:`bloggap_plugin.core.vllm.kernels`); the defaults
     are plain-torch stand-ins with the same signatures (used by CPU tests to check the wiring)."""
 
     linear: Callable[..., torch.Tensor] = F.linear

@@ -1,6 +1,6 @@
 """Backward passes for arm I's kernel pieces, so that its forward can train (the exactly on-policy arm).
 
-vLLM's kernels (:class:`~bloggap_plugin.core.vllm_form.Kernels`: the batch-invariant linear, the RMSNorm kernels,
+vLLM's kernels (:class:`~bloggap_plugin.core.vllm.form.Kernels`: the batch-invariant linear, the RMSNorm kernels,
 ``rotary_embedding``, ``silu_and_mul``, FlashAttention, the V2 sampler's log-prob) have no backward. Each is wrapped
 here in a ``torch.autograd.Function`` whose forward calls the kernel unchanged (the values are the kernel's, bit for
 bit) and whose backward is the gradient of the same piece's torch formula in fp32 at the saved inputs: in closed
@@ -10,7 +10,7 @@ roundings, as vLLM + TorchTitan's bit-wise on-policy RL does. Each input's gradi
 (autograd rounds an fp32 gradient of a bf16 input to bf16).
 
 Contract of a wrapped kernel: it returns a new tensor and leaves its inputs as they were
-(:mod:`bloggap_plugin.core.vllm_kernels`' wrappers clone what vLLM's ops modify in place); a kernel that changes an
+(:mod:`bloggap_plugin.core.vllm.kernels`' wrappers clone what vLLM's ops modify in place); a kernel that changes an
 input it was given is an error at the call (its saved inputs would no longer be the ones it read). Torch only.
 """
 
@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from .vllm_form import NORM_LARGE_LAUNCH, Kernels, norm_in_step_launches
+from .form import NORM_LARGE_LAUNCH, Kernels, norm_in_step_launches
 
 __all__ = [
     "autograd_kernels",
@@ -507,7 +507,7 @@ class _KernelPiece(torch.autograd.Function):
         out = kernel(*_rebuild(spec, tensors))
         if [t._version for t in tensors] != versions:
             raise RuntimeError(f"the {name} kernel changed one of its inputs in place; wrap it so that it works on a "
-                               "copy (vllm_kernels does for vLLM's in-place ops)")
+                               "copy (core.vllm.kernels does for vLLM's in-place ops)")
         ctx.formula, ctx.spec = formula, spec
         ctx.save_for_backward(*tensors)
         return out
@@ -598,7 +598,7 @@ def autograd_kernels(kernels: Kernels) -> Kernels:
     """``kernels`` with every function piece (:data:`PIECE_FORMULAS`) differentiable: the forward values are the
     kernel's, the backward is torch's fp32 formula of the piece. ``scope`` and ``source`` are kept; grad-free calls
     (or inputs that need no gradient) call the kernel directly. The norms also carry ``in_step_launches(x, weight,
-    eps, launches)``: :func:`~bloggap_plugin.core.vllm_form.norm_in_step_launches` of the kernel as one piece."""
+    eps, launches)``: :func:`~bloggap_plugin.core.vllm.form.norm_in_step_launches` of the kernel as one piece."""
     wrapped = {name: _wrap(name, getattr(kernels, name), formula, ("block_table",) if name == "flash" else ())
                for name, formula in PIECE_FORMULAS.items()}
     return dataclasses.replace(kernels, **wrapped)

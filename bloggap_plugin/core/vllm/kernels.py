@@ -1,4 +1,4 @@
-"""vLLM's own kernels for arm I's ``kernel`` pieces (:class:`bloggap_plugin.core.vllm_form.Kernels`).
+"""vLLM's own kernels for arm I's ``kernel`` pieces (:class:`bloggap_plugin.core.vllm.form.Kernels`).
 
 The functions are the ones vLLM 0.26's ``LlamaForCausalLM`` calls on CUDA (docs/arm_i.md has the file
 references): ``linear_batch_invariant`` (Triton persistent matmul) for every linear layer and the LM head when
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from bloggap_plugin.core.errors import UsageError
-from bloggap_plugin.core.vllm_form import TORCH_KERNELS, Kernels, VllmForm, padded_flash_attention
+from bloggap_plugin.core.vllm.form import TORCH_KERNELS, Kernels, VllmForm, padded_flash_attention
 
 __all__ = ["VllmFormUnavailable", "load_kernels", "batch_invariant_scope", "vllm_batch_invariant_active",
            "register_hf_attention", "HF_ATTENTION_NAME", "MatmulSettings", "suspend_batch_invariant_mode",
@@ -36,7 +36,7 @@ class VllmFormUnavailable(UsageError):
 
 
 def _refuse(form: VllmForm, why: str) -> VllmFormUnavailable:
-    from bloggap_plugin.core.vllm_compat import form_install_hint
+    from bloggap_plugin.core.vllm.versions import form_install_hint
 
     return VllmFormUnavailable(
         f"arm I pieces {', '.join(form.needs_vllm())} call vLLM's CUDA kernels, but {why}: score on a CUDA GPU with "
@@ -223,7 +223,7 @@ def load_kernels(form: VllmForm, device: torch.device | str) -> Kernels:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise _refuse(form, f"the plan runs on {device}")
-    from bloggap_plugin.core.vllm_compat import installed_vllm, vllm_problem
+    from bloggap_plugin.core.vllm.versions import installed_vllm, vllm_problem
 
     problem = vllm_problem(needs_form=True) if installed_vllm() is not None else None
     if problem:
@@ -245,7 +245,7 @@ def _token_logprobs(form: VllmForm):
     the torch stand-in when the form does not use it. :class:`VllmFormUnavailable` when this vLLM has no V2 runner."""
     if form.logprobs != "v2_sampler":
         return TORCH_KERNELS.token_logprobs
-    from bloggap_plugin.core.vllm_compat import form_install_hint
+    from bloggap_plugin.core.vllm.versions import form_install_hint
     try:
         from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
     except Exception as err:  # noqa: BLE001 - any import failure is the same refusal
