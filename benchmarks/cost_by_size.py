@@ -15,7 +15,10 @@ for the whole process, as before the plugin confined it): the route's before. ``
 when the time left is under its expected length (the last run of that arm and model, else the longest so far). A
 ``run`` into an ``OUT`` that holds a document keeps its finished runs and starts only the others.
 
-``collect OUT ... --out FILE --revision R``: the result document, table ``T19-cost-by-size`` (:func:`size_table`).
+``collect OUT ... --out FILE --revision R``: the result document, table ``T19-cost-by-size`` (:func:`size_table`);
+``--real LABEL`` (a model with real weights, e.g. ``smollm2-135m``) adds the live per-arm table of that model
+(:func:`live_arms_table`: sampler gap, first-iteration ratio gap, step multiple, and with ``--sweep FILE`` the
+reward verdict of a ``bloggap compare`` sweep's declared analysis).
 """
 
 from __future__ import annotations
@@ -91,7 +94,8 @@ def summarize_run(arm_text: str, records: list[dict]) -> dict:
     first = records[0].get("step_time") if records else None
     keep = ("steps", "generations", "step_s_median", "step_s_mean", "generating_step_s_median",
             "other_step_s_median", "sampler_exact_mean", "sampler_abs_dlogp_max", "ratio_exact_first_iteration_min",
-            "ratio_exact_first_iteration_mean", "reward_mean", "grad_norm_median")
+            "ratio_exact_first_iteration_mean", "reward_mean", "grad_norm_median", "sampler_oob_mean",
+            "ratio_oob_first_iteration_mean")
     return {"arm": arm_text, **{k: row.get(k) for k in keep}, "step1_s": first}
 
 
@@ -153,11 +157,77 @@ def size_table(models: dict, table_id: str = TABLE_ID) -> dict:
                      "weights except SmolLM2-135M: exactness columns hold, gap rates would not."}
 
 
-def document(models: dict, params: dict, env: dict, table_id: str = TABLE_ID) -> dict:
+LIVE_TABLE_ID = "T23-live-arms"
+LIVE_COLUMNS = ["arm", "runs", "sampler tokens out of band % (mean)", "sampler bit-identical % (least run)",
+                "ratio out of band at a first iteration % (mean)", "ratio exact_frac, first iteration (least)",
+                "mean step x arm A", "mean x A, runs (min-max)", "reward vs arm A (sweep)"]
+
+
+def sweep_verdicts(sweep: dict, name: str) -> dict[str, str]:
+    """Per arm, what a ``bloggap compare`` document's declared analysis (``results.analysis``, status ``final``)
+    says of its primary metric against the baseline: ``higher``/``lower than A`` where the simultaneous interval
+    excludes 0 and both Holm-adjusted p-values (t-test, exact sign-flip) are under alpha, else ``not distinguishable
+    from A``; the difference, interval and Holm p follow, then ``name`` (the sweep's table id). Empty when the
+    analysis is not final."""
+    analysis = sweep.get("results", {}).get("analysis") or {}
+    if analysis.get("status") != "final":
+        return {}
+    declared = analysis["declared"]
+    metric, baseline = declared["primary"], declared["baseline"]
+    block = analysis["metrics"][metric]
+    alpha = block.get("alpha", declared["alpha"])
+    verdicts = {baseline: f"baseline of {name}"}
+    for arm, row in block["arms"].items():
+        apart = (row["low"] > 0 or row["high"] < 0) and max(row["p_t_holm"], row["p_sign_flip_holm"]) < alpha
+        said = (f"{'higher' if row['mean'] > 0 else 'lower'} than {baseline}" if apart
+                else f"not distinguishable from {baseline}")
+        verdicts[arm] = (f"{said}: {metric} {row['mean']:+.3f} [{row['low']:+.3f}, {row['high']:+.3f}], "
+                         f"Holm p {row['p_t_holm']:.3g} (t) / {row['p_sign_flip_holm']:.3g} (sign-flip), {name}")
+    return verdicts
+
+
+def live_arms_table(model: str, runs: dict, verdicts: dict[str, str], table_id: str = LIVE_TABLE_ID) -> dict:
+    """``table_id``: the live per-arm decision table of one real-weights model's interleaved runs: per arm the mean
+    over its runs of the sampler's out-of-band share (generations after the first) and of the first-iteration
+    ratio's, the least run's bit-identical shares, the mean step's multiple of arm A's with each run's spread, and
+    the sweep's verdict (``verdicts``, :func:`sweep_verdicts`; arms it did not compare say so)."""
+    ran = [r for r in runs.values() if "error" not in r and ":" not in r["arm"]]
+    base = _mean_of([r for r in ran if r["arm"] == "A"], "step_s_mean")
+    body = []
+    for arm in sorted(dict.fromkeys(r["arm"] for r in ran)):
+        mine = [r for r in ran if r["arm"] == arm]
+        sampler, ratio = _mean_of(mine, "sampler_oob_mean"), _mean_of(mine, "ratio_oob_first_iteration_mean")
+        exact = [r["sampler_exact_mean"] for r in mine if r.get("sampler_exact_mean") is not None]
+        ratio_exact = [r["ratio_exact_first_iteration_min"] for r in mine
+                       if r.get("ratio_exact_first_iteration_min") is not None]
+        mean_x, spread = _ratio_stats([r["step_s_mean"] for r in mine if r.get("step_s_mean") is not None], base)
+        body.append([arm, len(mine), None if sampler is None else round(100 * sampler, 3),
+                     None if not exact else round(100 * min(exact), 2), None if ratio is None else round(100 * ratio, 3),
+                     None if not ratio_exact else round(min(ratio_exact), 4), mean_x, spread,
+                     verdicts.get(arm, "not in the sweep" if verdicts else "no sweep given")])
+    return {"id": table_id, "title": f"Every arm live on {model}: the gap it leaves and its price (bloggap train, "
+                                     "TRL 1.16 colocate vLLM, one GPU)",
+            "columns": LIVE_COLUMNS, "rows": body, "reference": None, "random_init": False,
+            "notes": "One set of interleaved runs (A B ... J A B ... J ...) through bloggap train recipes/arm_X.yaml "
+                     "--use_vllm true --vllm_mode colocate, num_iterations 2, the arith task's length reward. Sampler: "
+                     "gap/sampler/oob_frac (exp of the sampler's minus the old log-prob outside the clip band) over "
+                     "the generations after the first; ratio: gap/ratio/oob_frac at each generation's first "
+                     "iteration (no optimizer step between old and new log-probs: the gap, not the update); "
+                     "bit-identical: gap/sampler/exact_frac and gap/ratio/exact_frac. Mean step x arm A as in the "
+                     "size table. Reward verdict: the compare sweep's declared, Holm-corrected analysis of its "
+                     "primary metric (a difference not established is said to be not distinguishable)."}
+
+
+def document(models: dict, params: dict, env: dict, table_id: str = TABLE_ID, real: tuple[str, ...] = (),
+             verdicts: dict[str, str] | None = None, live_table_id: str = LIVE_TABLE_ID) -> dict:
     from bloggap_plugin.results import SCHEMA_VERSION
 
+    tables = [size_table(models, table_id)]
+    for model in real:
+        suffix = "" if len(real) == 1 else f"-{model}"
+        tables.append(live_arms_table(model, models[model], verdicts or {}, live_table_id + suffix))
     return {"benchmark": "cost_by_size", "schema_version": SCHEMA_VERSION, "env": env, "params": params,
-            "results": models, "tables": [size_table(models, table_id)]}
+            "results": models, "tables": tables}
 
 
 def _expected_s(done: dict, model: str, arm_text: str) -> float:
@@ -246,8 +316,19 @@ def collect_main(args: argparse.Namespace) -> int:
                 if path.suffix in (".jsonl", ".log") and path.stem in runs:
                     logs.setdefault(model, {})[path.name] = path
     paths = dict(spec.split("=", 1) for spec in args.model_path)
-    params = {"revision": args.revision, "models": sorted(models), "calls": calls}
-    text = json.dumps(document(models, params, env, table_id=args.table_id), indent=1) + "\n"
+    unknown = [label for label in args.real if label not in models]
+    if unknown:
+        raise SystemExit(f"cost_by_size collect: --real {', '.join(unknown)}: no runs of that model in "
+                         f"{', '.join(args.runs)} (models: {', '.join(sorted(models))})")
+    verdicts = {}
+    if args.sweep:
+        sweep = json.loads(Path(args.sweep).read_text())
+        name = next((t["id"] for t in sweep.get("tables", []) if t["id"].endswith("-analysis")), Path(args.sweep).stem)
+        verdicts = sweep_verdicts(sweep, name.removesuffix("-analysis"))
+    params = {"revision": args.revision, "models": sorted(models), "calls": calls, "real": list(args.real),
+              "sweep": args.sweep}
+    text = json.dumps(document(models, params, env, table_id=args.table_id, real=tuple(args.real),
+                               verdicts=verdicts, live_table_id=args.live_table_id), indent=1) + "\n"
     for label, path in paths.items():
         text = strip_paths(text, path, f"<{label} folder>")
     atomic_write_text(Path(args.out), text)
@@ -287,6 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     col.add_argument("--pack-dir", default=None, help="pack each model's logs here (runs_LABEL.tar.xz)")
     col.add_argument("--run-path", action="append", default=[],
                      help="a run's --out folder on the machine, written <run folder> in the packed logs (repeat)")
+    col.add_argument("--real", action="append", default=[],
+                     help="LABEL of a model with real weights: add its live per-arm table (repeat)")
+    col.add_argument("--sweep", default=None,
+                     help="a bloggap compare result document (e.g. benchmarks/results/h200/compare_sweep.json): its "
+                          "declared analysis gives the live table's reward verdicts")
+    col.add_argument("--live-table-id", default=LIVE_TABLE_ID, help=f"the live table's id (default {LIVE_TABLE_ID})")
     args = parser.parse_args(argv)
     return {"shape": shape_main, "run": run_main, "collect": collect_main}[args.command](args)
 

@@ -75,3 +75,69 @@ def test_each_v49k_shape_has_the_size_its_name_says(name, billions):
     count = sum(p.numel() for p in model.parameters())
     assert abs(count / 1e9 - billions) <= 0.05 * billions, count
     assert model.config.vocab_size == 49152 and model.config.tie_word_embeddings
+
+
+def _analysis(arms: dict, status: str = "final") -> dict:
+    return {"tables": [{"id": "T10-analysis"}], "results": {"analysis": {
+        "status": status, "declared": {"primary": "reward_last", "baseline": "A", "alpha": 0.05},
+        "metrics": {"reward_last": {"alpha": 0.05, "arms": arms}}}}}
+
+
+def _arm(mean, low, high, p_t, p_sign):
+    return {"mean": mean, "low": low, "high": high, "p_t_holm": p_t, "p_sign_flip_holm": p_sign}
+
+
+def test_sweep_verdicts_need_the_interval_and_both_holm_p_values():
+    """An arm is lower or higher than A only where its simultaneous interval excludes 0 and both Holm-adjusted
+    p-values are under alpha; an interval that excludes 0 with a sign-flip p over alpha is not enough."""
+    sweep = _analysis({"B": _arm(-0.02, -0.032, -0.008, 0.0013, 0.0098), "E": _arm(0.0, -0.009, 0.008, 1.0, 1.0),
+                       "H": _arm(0.004, 0.0001, 0.008, 0.04, 0.0762), "K": _arm(0.01, 0.002, 0.02, 0.01, 0.02)})
+    verdicts = bench.sweep_verdicts(sweep, "T10")
+    assert verdicts["A"] == "baseline of T10"
+    assert verdicts["B"] == ("lower than A: reward_last -0.020 [-0.032, -0.008], Holm p 0.0013 (t) / 0.0098 "
+                             "(sign-flip), T10")
+    assert verdicts["E"].startswith("not distinguishable from A: reward_last +0.000 [-0.009, +0.008]")
+    assert verdicts["H"].startswith("not distinguishable from A")  # sign-flip 0.0762 >= 0.05
+    assert verdicts["K"].startswith("higher than A")
+    assert bench.sweep_verdicts(_analysis({}, status="interim"), "T10") == {}
+
+
+def test_live_arms_table_means_the_gap_columns_and_keeps_the_least_exact_run():
+    def run(arm, mean, sampler, ratio, exact, ratio_exact):
+        return {**_run(arm, mean, mean, mean, mean, exact=exact, ratio_exact=ratio_exact),
+                "sampler_oob_mean": sampler, "ratio_oob_first_iteration_mean": ratio}
+
+    runs = {"A-1": run("A", 1.0, 0.04, 0.01, 0.0, 0.5), "B-1": run("B", 1.5, 0.03, 0.02, 0.0, 0.0),
+            "A-2": run("A", 1.2, 0.02, 0.03, 0.1, 0.7), "B-2": run("B", 1.8, 0.05, 0.04, 0.0, 0.0),
+            "J-1": run("J", 2.2, 0.0, 0.0, 1.0, 1.0), "J_process-1": run("J:process", 9.9, 0.0, 0.0, 1.0, 1.0),
+            "H-1": {"arm": "H", "error": "exit 1", "seconds": 5.0}}
+    table = bench.live_arms_table("smollm2-135m", runs, {"A": "baseline of T10", "B": "lower than A"})
+    rows = {row[0]: dict(zip(table["columns"], row)) for row in table["rows"]}
+    assert list(rows) == ["A", "B", "J"]  # failed runs and ARM:SCOPE variants are not arms of the table
+    a, b, j = rows["A"], rows["B"], rows["J"]
+    assert a["sampler tokens out of band % (mean)"] == 3.0 and a["ratio out of band at a first iteration % (mean)"] == 2.0
+    assert a["sampler bit-identical % (least run)"] == 0.0 and a["ratio exact_frac, first iteration (least)"] == 0.5
+    assert b["mean step x arm A"] == 1.5 and b["mean x A, runs (min-max)"] == "1.36-1.64"
+    assert b["reward vs arm A (sweep)"] == "lower than A" and j["reward vs arm A (sweep)"] == "not in the sweep"
+    assert j["sampler bit-identical % (least run)"] == 100.0 and j["mean step x arm A"] == 2.0
+    assert bench.live_arms_table("m", runs, {})["rows"][0][-1] == "no sweep given"
+
+
+def test_collect_adds_the_live_table_of_the_real_model_only(tmp_path):
+    import json
+
+    folder = tmp_path / "c1"
+    (folder / "smollm2-135m").mkdir(parents=True)
+    runs = {"A-1": {**_run("A", 1.0, 1.0, 1.0, 1.0), "sampler_oob_mean": 0.01, "ratio_oob_first_iteration_mean": 0.0}}
+    (folder / bench.RESULT_NAME).write_text(json.dumps({"params": {}, "env": {"gpu": "x"},
+                                                        "results": {"smollm2-135m": runs, "llama-1.56b": runs}}))
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps(_analysis({})))
+    out = tmp_path / "doc.json"
+    assert bench.main(["collect", str(folder), "--out", str(out), "--revision", "abc", "--real", "smollm2-135m",
+                       "--sweep", str(sweep)]) == 0
+    tables = json.loads(out.read_text())["tables"]
+    assert [t["id"] for t in tables] == [bench.TABLE_ID, bench.LIVE_TABLE_ID]
+    assert tables[1]["rows"][0][0] == "A" and tables[1]["rows"][0][-1] == "baseline of T10"
+    with pytest.raises(SystemExit, match="--real qwen: no runs of that model"):
+        bench.main(["collect", str(folder), "--out", str(out), "--revision", "abc", "--real", "qwen"])
