@@ -42,7 +42,8 @@ SCOPE_ENV = "BLOGGAP_VLLM_BATCH_INVARIANCE"
 COLUMNS = ["arm @ model", "runs", "steps per run", "step 1 s (mean)", "step s (median)", "median step x arm A",
            "median x A, runs (min-max)", "step s (mean)", "mean step x arm A", "mean x A, runs (min-max)",
            "generating step x arm A (median)", "training-only step x arm A (median)",
-           "sampler bit-identical % (least run)", "ratio exact_frac, first iteration (least)"]
+           "sampler bit-identical % (least run)", "ratio exact_frac, first iteration (least)",
+           "training-only step s (median)"]
 
 
 VLLM_WORKSPACES = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
@@ -123,7 +124,7 @@ def size_table(models: dict, table_id: str = TABLE_ID) -> dict:
             failed = [label for label, r in runs.items() if r["arm"] == arm and "error" in r]
             if not mine:
                 body.append([f"{arm} @ {model}", 0, None, None, None, None, f"failed: {', '.join(failed)}",
-                             *[None] * 7])
+                             *[None] * 8])
                 continue
             medians = [r["step_s_median"] for r in mine if r.get("step_s_median") is not None]
             means = [r["step_s_mean"] for r in mine if r.get("step_s_mean") is not None]
@@ -140,7 +141,7 @@ def size_table(models: dict, table_id: str = TABLE_ID) -> dict:
                          _round(statistics.fmean(means), 3) if means else None, mean_x, mean_spread,
                          _times(gen, base["generating_step_s_median"]), _times(other, base["other_step_s_median"]),
                          None if not exact else round(100 * min(exact), 2),
-                         None if not ratio_exact else round(min(ratio_exact), 4)])
+                         None if not ratio_exact else round(min(ratio_exact), 4), _round(other, 3)])
     return {"id": table_id, "title": "Step time x arm A by model size: bloggap train, TRL 1.16 colocate vLLM, one GPU",
             "columns": COLUMNS, "rows": body, "reference": None, "random_init": True,
             "plot": {"kind": "bar", "x": "arm @ model", "y": ["mean step x arm A", "median step x arm A"],

@@ -53,6 +53,7 @@ def test_size_table_divides_by_the_mean_of_the_same_models_arm_a_runs():
     assert j["median step x arm A"] == 2.0 and j["median x A, runs (min-max)"] == "2.00-2.00"
     assert j["mean step x arm A"] == 2.5 and j["mean x A, runs (min-max)"] == "2.00-3.00"
     assert j["generating step x arm A (median)"] == 2.0 and j["training-only step x arm A (median)"] == 2.5
+    assert j["training-only step s (median)"] == 1.25 and a["training-only step s (median)"] == 0.5
     assert j["ratio exact_frac, first iteration (least)"] == 1.0 and j["step 1 s (mean)"] == 9.0
     assert i["runs"] == 0 and i["median x A, runs (min-max)"] == "failed: I-1"
 
