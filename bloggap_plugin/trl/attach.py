@@ -42,6 +42,7 @@ def attach_state(trainer: Any, gap: GapConfig, grpo_kwargs: dict | None, source:
     _check_precision(trainer, gap)
     _check_zero3(trainer, gap)
     _check_vllm(trainer, gap)
+    _check_vllm_form_model(gap, policy)
     _check_onpolicy(trainer, gap, policy)
     settings = _sampler_settings(trainer, gap, policy)
     clip_applies = _check_loss(trainer, gap)
@@ -155,6 +156,19 @@ def _check_vllm(trainer: Any, gap: GapConfig) -> None:
             "VLLM_BATCH_INVARIANT",
             stacklevel=_STACK,
         )
+
+
+def _check_vllm_form_model(gap: GapConfig, policy: Any) -> None:
+    """Arms whose plan computes the forward in vLLM's form (I, J) refuse a model family they do not compute, at
+    attach (before any generation), naming what the model has that they lack."""
+    if not gap.takes_pieces:
+        return
+    from bloggap_plugin.core.plans.vllm_shadow import check_vllm_form_supported
+
+    try:
+        check_vllm_form_supported(policy)
+    except ValueError as err:
+        raise RecipeError(f"arm {gap.arm_spec.letter}: {err}") from None
 
 
 def _check_onpolicy(trainer: Any, gap: GapConfig, policy: Any) -> None:

@@ -12,6 +12,7 @@ ARCHITECTURES = {
     "tiny-random-qwen2": "Qwen2ForCausalLM",
     "tiny-random-gpt_neox": "GPTNeoXForCausalLM",
     "tiny-random-qwen2_moe": "Qwen2MoeForCausalLM",
+    "tiny-random-gemma3": "Gemma3ForCausalLM",
 }
 
 
@@ -31,7 +32,7 @@ def test_tiny_models_load_and_run(spec):
     assert torch.isfinite(logits).all()
 
 
-def test_tiny_models_are_seeded_and_tied_only_for_qwen2():
+def test_tiny_models_are_seeded_and_tied_only_for_qwen2_and_gemma3():
     first, _ = load_model("tiny-random-llama")
     second, _ = load_model("tiny-random-llama")
     for (name, a), b in zip(first.named_parameters(), second.parameters()):
@@ -39,6 +40,8 @@ def test_tiny_models_are_seeded_and_tied_only_for_qwen2():
     qwen, _ = load_model("tiny-random-qwen2")
     assert qwen.lm_head.weight is qwen.model.embed_tokens.weight
     assert first.lm_head.weight is not first.model.embed_tokens.weight
+    gemma, _ = load_model("tiny-random-gemma3")
+    assert gemma.lm_head.weight is gemma.model.embed_tokens.weight and gemma.config.model_type == "gemma3_text"
 
 
 def _assert_lists_accepted(err: ModelSpecError):

@@ -51,7 +51,7 @@ from .base import ScoringPlan
 from .shadow import ShadowPlan
 
 __all__ = ["VllmFormLM", "VllmFormPlan", "VllmFormParamsPlan", "OnPolicyForward", "sampler_reduce",
-           "SUPPORTED_MODEL_TYPES"]
+           "SUPPORTED_MODEL_TYPES", "FAMILY_PIECES_MISSING", "check_vllm_form_supported"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -75,11 +75,31 @@ class _Head(nn.Module):
         return self._linear(hidden, self.weight if self.cast is None else self.cast, None)
 
 
-def _check_supported(model: nn.Module) -> None:
+FAMILY_PIECES_MISSING = {
+    "gemma3_text": ("the GELU-tanh gated MLP (vLLM's GeluAndMul)", "Gemma's RMSNorm scaling by 1 + weight",
+                    "the q/k norms", "the norms after attention and after the MLP",
+                    "the embedding scaled by sqrt(hidden_size)", "sliding-window layers with their own RoPE base",
+                    "the attention scale from query_pre_attn_scalar"),
+    "gemma2": ("the GELU-tanh gated MLP (vLLM's GeluAndMul)", "Gemma's RMSNorm scaling by 1 + weight",
+               "the norms after attention and after the MLP", "the embedding scaled by sqrt(hidden_size)",
+               "sliding-window layers", "attention and final logit soft-capping"),
+}
+"""Per model family arms I and J do not compute: the pieces of vLLM's form of that decoder that the plugin has
+not built (its error names them)."""
+FAMILY_PIECES_MISSING["gemma3"] = FAMILY_PIECES_MISSING["gemma3_text"]
+
+
+def check_vllm_form_supported(model: nn.Module) -> None:
+    """Raise ``ValueError`` naming what ``model`` (an HF causal LM) has that arms I and J do not compute in vLLM's
+    form: another family (its missing pieces listed where :data:`FAMILY_PIECES_MISSING` knows them), a RoPE other
+    than the default, an MLP other than SiLU-gated without bias, sliding-window attention. Reads the config only."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     problems = []
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type in FAMILY_PIECES_MISSING:
+        problems.append(f"model_type {model_type!r}, whose decoder needs pieces arms I and J do not have: "
+                        f"{', '.join(FAMILY_PIECES_MISSING[model_type])}")
+    elif model_type not in SUPPORTED_MODEL_TYPES:
         problems.append(f"model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     else:
         rope = getattr(config, "rope_parameters", None) or {}
@@ -90,7 +110,7 @@ def _check_supported(model: nn.Module) -> None:
         if getattr(config, "use_sliding_window", False):
             problems.append("sliding-window attention")
     if problems:
-        raise ValueError(f"arm I computes Llama-family decoders the way vLLM does; {type(model).__name__} has "
+        raise ValueError(f"arms I and J compute Llama-family decoders the way vLLM does; {type(model).__name__} has "
                          f"{'; '.join(problems)}: use another arm (A-H) for this model")
 
 
@@ -110,7 +130,7 @@ class VllmFormLM(nn.Module):
 
     def __init__(self, source: nn.Module, form: VllmForm, kernels: Kernels, *, over_parameters: bool = False) -> None:
         super().__init__()
-        _check_supported(source)
+        check_vllm_form_supported(source)
         self._shadow = [source]  # not a submodule: its owner (the plan, or the trainer) holds and syncs it
         self.over_parameters = over_parameters
         self.form = form
@@ -400,7 +420,7 @@ class VllmFormPlan(_VllmFormScoring, ShadowPlan):
     overrides too)."""
 
     def __init__(self, policy: nn.Module, form: VllmForm, kernels: Kernels, device: torch.device | None = None) -> None:
-        _check_supported(unwrap_model(policy))
+        check_vllm_form_supported(unwrap_model(policy))
         self.form = form
         self.kernels = kernels
         self.model: VllmFormLM | None = None
@@ -425,7 +445,7 @@ class VllmFormParamsPlan(_VllmFormScoring, ScoringPlan):
     gradients). Autocast off and ``kernels.scope()`` around the whole scoring call, as arm I's plan."""
 
     def __init__(self, policy: nn.Module, form: VllmForm, kernels: Kernels) -> None:
-        _check_supported(unwrap_model(policy))
+        check_vllm_form_supported(unwrap_model(policy))
         super().__init__(policy, "vllm", fp16_guard=False, tf32=False)
         self.form = form
         self.kernels = kernels
