@@ -14,7 +14,7 @@ from bloggap_plugin.core.comparisons import BATCH_SHAPE_COMPARISONS, HEADLINE, S
 from bloggap_plugin.core.metric_specs import registered
 from bloggap_plugin.core.probe import FP16_MAX
 
-__all__ = ["Measured", "Reason", "Recommendation", "decide", "render", "recommend"]
+__all__ = ["Measured", "Reason", "Recommendation", "decide", "fp16_safe", "render", "recommend"]
 
 _GAP_RATIO = registered("gap/ratio/oob_frac", "trl")  # the live metric the recommendations tell the user to watch
 REMOVES = 0.1  # a precision "removes" the gap when it leaves at most this share of bf16's rate on the same rows
@@ -93,7 +93,9 @@ def _bf16_same_rows(cell: dict, pools: Sequence[list[dict]]) -> dict | None:
     return None
 
 
-def _fp16_safe(fp16_check: dict | None) -> bool | None:
+def fp16_safe(fp16_check: dict | None) -> bool | None:
+    """Whether the doctor's fp16 check (``fp16_check`` of its result) found fp16 safe: no non-finite log-prob and the
+    largest hidden value under half of fp16's max; ``None`` where the check is absent or was skipped."""
     if not fp16_check or fp16_check.get("skipped"):
         return None
     return fp16_check.get("nonfinite_logprobs", 1) == 0 and fp16_check.get("max_abs_hidden", FP16_MAX) < FP16_MAX / 2
@@ -155,7 +157,7 @@ def _decide_arm(cells, paired, bf16, fp16_check, device_type, basis) -> tuple[st
     for dtype in ("fp16", "fp32"):
         speed = _seconds_per_token(cells, dtype, bf16["attn"])
         costs[dtype] = basis[f"{dtype}_cost_vs_bf16"] = None if speed is None or not bf16_speed else speed / bf16_speed
-    fp16_safe = basis["fp16_safe"] = _fp16_safe(fp16_check)
+    fp16_ok = basis["fp16_safe"] = fp16_safe(fp16_check)
     if bf16["oob"] == 0 and bf16_worst["oob"] == 0:
         return "A", [Reason("no_gap", {"bf16": Measured.of(bf16)})]
     reasons = [Reason("gap", {"bf16": Measured.of(bf16), "worst": Measured.of(bf16_worst)})]
@@ -173,12 +175,12 @@ def _decide_arm(cells, paired, bf16, fp16_check, device_type, basis) -> tuple[st
         return Reason(kind, cited,
                       {"dtype": dtype, "cost": costs[dtype], "device_type": device_type, **numbers})
 
-    fp16_removes = "fp16" in removal and removal["fp16"][2] and fp16_safe is not False
+    fp16_removes = "fp16" in removal and removal["fp16"][2] and fp16_ok is not False
     if fp16_removes and device_type != "cpu":
         arm, reasons = "H", reasons + [removes("fp16", "arm_h")]
     elif "fp32" in removal and removal["fp32"][2]:
         fp16 = removal.get("fp16")
-        why = ("cpu" if fp16_removes else "unsafe" if fp16_safe is False else "unmeasured" if fp16 is None
+        why = ("cpu" if fp16_removes else "unsafe" if fp16_ok is False else "unmeasured" if fp16 is None
                else "quiet_rows" if fp16[1]["oob"] == 0 else "leaves")
         extra = {} if fp16 is None else {"fp16": Measured.of(fp16[0]), "fp16_ref": Measured.of(fp16[1])}
         arm, reasons = "B", reasons + [removes("fp32", "arm_b", extra, why=why)]

@@ -26,6 +26,7 @@ import os
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from bloggap_plugin.core.errors import short_repr
@@ -82,6 +83,9 @@ class BloggapVerlConfig:
         "Override of the rollout's top_k (default: actor_rollout_ref.rollout.top_k; -1/0 = off)."))
     min_p: float | None = setting(None, low=0.0, high=1.0, open_high=True, help=(
         "Override of the rollout's min_p (default: actor_rollout_ref.rollout.min_p if present, else 0)."))
+    fp16_doctor: Path | None = setting(None, help=(
+        "A `bloggap doctor --json` result of the actor's model: with an fp16 actor or rollout (arm H, F), the "
+        "trainer's constructor refuses the run where its fp16 check failed (bloggap_plugin.verl.fp16)."))
 
     def __post_init__(self) -> None:
         for item in dataclasses.fields(self):
@@ -130,10 +134,16 @@ def _choice(raw: Any, meta: Mapping[str, Any]) -> str:
     return text
 
 
+def _path(raw: Any, meta: Mapping[str, Any]) -> Path:  # noqa: ARG001 - the parsers' signature
+    if not isinstance(raw, (str, os.PathLike)) or not str(raw).strip():
+        raise ValueError(raw)
+    return Path(str(raw).strip())
+
+
 _BOOL_WORDS = ", ".join(w for pair in zip(TRUE_WORDS, FALSE_WORDS) for w in pair)
 # annotation's base type -> parser of a raw value (environment string or Hydra node value) under the field's metadata
 _TYPE_PARSERS: dict[type, Callable[[Any, Mapping[str, Any]], Any]] = {
-    bool: lambda raw, meta: _bool(raw), str: _choice, float: _number, int: _integer,
+    bool: lambda raw, meta: _bool(raw), str: _choice, float: _number, int: _integer, Path: _path,
 }
 
 
@@ -150,6 +160,8 @@ def _allowed(item: dataclasses.Field) -> str:
     meta = item.metadata
     if base is bool:
         words = f"one of {_BOOL_WORDS}"
+    elif base is Path:
+        words = "a file path"
     elif base is str:
         words = f"one of {', '.join(meta['choices'])}"
     elif base is int and meta["high"] is None:

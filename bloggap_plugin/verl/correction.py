@@ -35,6 +35,7 @@ from bloggap_plugin.verl.config import (
     sampling_from_trainer_config,
     settings_from_trainer_config,
 )
+from bloggap_plugin.verl.fp16 import check_fp16
 
 logger = logging.getLogger("bloggap.verl")
 
@@ -372,8 +373,9 @@ def engine_extra_info(context: StepContext) -> dict:
 
 
 def _validate_settings_at_construction(trainer_cls) -> None:
-    """Make ``trainer_cls.__init__`` check the ``bloggap`` config node first, so a bad ``+bloggap.*`` value fails
-    in the constructor, before the trainer starts workers or loads a model (``SettingsError``, one line)."""
+    """Make ``trainer_cls.__init__`` check the ``bloggap`` config node first, so a bad ``+bloggap.*`` value (or an
+    fp16 actor/rollout the doctor's result refuses: :func:`~bloggap_plugin.verl.fp16.check_fp16`) fails in the
+    constructor, before the trainer starts workers or loads a model (``SettingsError``, one line)."""
     init = trainer_cls.__init__
     if getattr(init, "__bloggap_wrapped__", False):
         return
@@ -381,7 +383,7 @@ def _validate_settings_at_construction(trainer_cls) -> None:
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):  # noqa: N807 - replaces the constructor
         config = kwargs.get("config", args[0] if args else None)
-        settings_from_trainer_config(config)
+        check_fp16(config, settings_from_trainer_config(config))
         return __init__.__bloggap_original__(self, *args, **kwargs)
 
     __init__.__bloggap_wrapped__ = True
