@@ -41,6 +41,15 @@ def _matches(value, annotation) -> bool:
     return True
 
 
+def _choices(annotation) -> tuple:
+    """The values of a ``Literal[...]`` annotation, also as ``Literal[...] | None``; ``()`` for any other."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Union or isinstance(annotation, types.UnionType):
+        return tuple(value for arg in typing.get_args(annotation) for value in _choices(arg))
+    return ()
+
+
 def range_text(metadata) -> str:
     """A field's declared range in words (``>= 1``, ``> 0``, ``in [0, 4294967295]``), or ``""``."""
     low = (">", metadata["above"]) if "above" in metadata else (">=", metadata["min"]) if "min" in metadata else None
@@ -85,6 +94,7 @@ def check_values(config) -> None:
         if value is None and item.default is None:  # a field left unset (None: "not given")
             continue
         if not _matches(value, hints[item.name]):
-            if typing.get_origin(hints[item.name]) is typing.Literal:
-                raise UsageError(f"{flag} {short_repr(value)}: choose one of {', '.join(map(str, typing.get_args(hints[item.name])))}")
+            choices = _choices(hints[item.name])
+            if choices:
+                raise UsageError(f"{flag} {short_repr(value)}: choose one of {', '.join(map(str, choices))}")
             raise UsageError(f"{flag} {short_repr(value)}: expected {getattr(hints[item.name], '__name__', hints[item.name])}")

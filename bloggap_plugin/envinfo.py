@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import datetime as _dt
 import platform
+from pathlib import Path
 
 import torch
 
-__all__ = ["environment_record", "device_tag"]
+__all__ = ["environment_record", "device_tag", "cpu_bf16_native", "BF16_CPU_FLAGS"]
 
 
 def device_tag(device: str | torch.device | None = None) -> str:
@@ -63,3 +64,28 @@ def environment_record(device: str | torch.device | None = None, **extra) -> dic
             record["driver"] = None
     record.update(extra)
     return record
+
+
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+"""CPU feature flags (``/proc/cpuinfo``: x86 ``flags``, Arm ``Features``) of bf16 arithmetic in hardware; without one,
+torch runs bf16 matrix products through conversions, several times slower than fp32."""
+
+
+def cpu_bf16_native(cpuinfo: str | Path = "/proc/cpuinfo") -> tuple[bool | None, str]:
+    """``(native, evidence)``: whether this CPU has bf16 arithmetic in hardware, read from its feature flags in
+    ``cpuinfo`` (``None`` when the file cannot be read, e.g. not Linux), and a phrase saying what was read."""
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        return None, f"no {cpuinfo} to read the CPU's feature flags from"
+    flags = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    if not flags:
+        return None, f"{cpuinfo} lists no feature flags"
+    found = [flag for flag in BF16_CPU_FLAGS if flag in flags]
+    if found:
+        return True, f"{', '.join(found)} in {cpuinfo}"
+    return False, f"none of {', '.join(BF16_CPU_FLAGS)} in {cpuinfo}"

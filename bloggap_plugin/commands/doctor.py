@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -22,10 +21,14 @@ HELP = "Measure the batch-shape log-prob gap of a model on this machine and reco
 DTYPES = ("bf16", "fp16", "fp32")
 ATTNS = ("sdpa", "eager", "flex_attention")
 GPU_ATTN = "sdpa,eager"
-CPU_SCALE = {"rows": 16, "new_tokens": 16, "attn": "sdpa", "skip": ("copy8_vs_alone",)}
-"""What a run on a CPU measures where the flags leave it to the doctor (bf16 is emulated on most CPUs, about ten
-times slower than fp32): fewer rollouts and tokens, one attention implementation, and no comparison that scores
-each row in a batch of its own copies (``skip``; ``--attn`` given keeps them). The run says what it scaled down."""
+GPU_SCALE = {"rows": 64, "new_tokens": 64, "attn": GPU_ATTN, "skip": ()}
+CPU_SCALE = {"rows": 8, "new_tokens": 16, "attn": "sdpa",
+             "skip": ("b1_vs_b8_right", "b1_vs_b8_equal_nopad", "copy8_vs_alone", "two_groupings_b8")}
+"""What a run on a CPU measures where the flags leave it to the doctor: fewer rollouts and tokens, one attention
+implementation, and only the comparisons the recommendation reads (``skip``: batch size without left padding, one
+row's copies, batch membership). On a CPU without bf16 in hardware it also samples in fp32 (:func:`_run_size`). The
+run says what it scaled down; ``--full`` measures the GPU size."""
+CPU_BF16 = ("auto", "native", "emulated")
 
 
 def _csv(choices):
@@ -60,8 +63,9 @@ class DoctorConfig:
         "help": f"tokens per rollout (default 64 on GPU, {CPU_SCALE['new_tokens']} on CPU)", "min": 1,
         "deprecated": ["--max-new-tokens", "--max_new_tokens"]})
     seed: int = field(default=1234, metadata={"help": "sampling seed (default 1234)", "min": 0, "max": 2**32 - 1})
-    dtype: Literal["bf16", "fp16", "fp32"] = field(default="bf16", metadata={
-        "help": "dtype of the model that samples the rollouts (bf16)", "deprecated": ["--sample-dtype", "--sample_dtype"]})
+    dtype: Literal["bf16", "fp16", "fp32"] | None = field(default=None, metadata={
+        "help": "dtype of the model that samples the rollouts (default bf16; fp32 on a CPU without bf16 in hardware, "
+                "see --cpu-bf16)", "deprecated": ["--sample-dtype", "--sample_dtype"]})
     gen_batch_size: int = field(default=8, metadata={"help": "prompts per generate call (default 8)", "min": 1})
     fp16_rows: int | None = field(default=None, metadata={
         "help": f"rows scored in fp16 (default: all on GPU, {CPU_ROWS['fp16']} on CPU, where fp16 is slow)", "min": 1})
@@ -71,6 +75,14 @@ class DoctorConfig:
     json_path: str | None = field(default=None, metadata={"help": "write the results as JSON to this path",
                                                           "aliases": ["--json"], "metavar": "PATH"})
     no_progress: bool = field(default=False, metadata={"help": "no progress bars"})
+    full: bool = field(default=False, metadata={
+        "help": "on a CPU too, measure the GPU size: 64 rollouts x 64 tokens, sdpa,eager, every comparison, every "
+                "row in every dtype, sampled in bf16 (slow on a CPU; flags given still win)"})
+    cpu_bf16: Literal["auto", "native", "emulated"] = field(default="auto", metadata={
+        "help": "whether this CPU runs bf16 in hardware (auto: read its feature flags in /proc/cpuinfo); where it is "
+                "emulated, the CPU run samples in fp32 unless --dtype is given"})
+    timings: bool = field(default=False, metadata={
+        "help": "print each phase's wall and CPU seconds and the load average (the JSON records them always)"})
     from_json: str | None = field(default=None, metadata={
         "help": "measure nothing: re-read a doctor JSON (yours or a colleague's), recompute the recommendation "
                 "from its cells with this version's logic, print it (and --json it)", "metavar": "PATH"})
@@ -139,7 +151,7 @@ def _check(config: DoctorConfig) -> None:
         raise UsageError(f"--band must be in (0, 1) (half-width b of the ratio band [1-b, 1+b]), got {config.band}")
 
 
-_FROM_JSON_FLAGS = ("from_json", "json_path", "no_progress")
+_FROM_JSON_FLAGS = ("from_json", "json_path", "no_progress", "timings")
 """The settings ``--from-json`` reads; every other one sets a measurement, which it does not make."""
 
 
@@ -172,21 +184,75 @@ def _from_json(config: DoctorConfig) -> int:
         result = rerecommend(document)
     except ValueError as err:
         raise UsageError(f"cannot re-read --from-json {config.from_json}: {err}; give a bloggap doctor JSON") from None
-    _print_result(result)
+    if result["params"].get("scaled_down"):
+        print(scaled_line(result["params"]["scaled_down"]))
+    _print_result(result, timings=config.timings)
     _write_json(result, config.json_path)
     return 0
 
 
+@dataclass(frozen=True)
+class RunSize:
+    """What one doctor run measures: ``rows`` rollouts of ``new_tokens`` tokens sampled in ``sample_dtype``,
+    scored with the attention implementations ``attn``, without the comparisons in ``skip``; ``scaled``: whether
+    the CPU scale-down applies (fp16 / fp32 on fewer rows), ``scaled_down``: what it left out, one phrase each,
+    and ``cpu_bf16``: on a CPU, whether bf16 runs in hardware and how that was found."""
+
+    rows: int
+    new_tokens: int
+    attn: list[str]
+    skip: tuple[str, ...]
+    sample_dtype: str
+    scaled: bool
+    scaled_down: tuple[str, ...] = ()
+    cpu_bf16: dict | None = None
+
+
+def _cpu_bf16(config: DoctorConfig) -> dict:
+    """``{"native": bool | None, "from": phrase}``: ``--cpu-bf16`` when given, else the CPU's feature flags."""
+    from bloggap_plugin.envinfo import cpu_bf16_native
+
+    if config.cpu_bf16 != "auto":
+        return {"native": config.cpu_bf16 == "native", "from": f"--cpu-bf16 {config.cpu_bf16}"}
+    native, evidence = cpu_bf16_native()
+    return {"native": native, "from": evidence}
+
+
+def _run_size(config: DoctorConfig, on_cpu: bool) -> RunSize:
+    """The run's size: the flags given, the rest from :data:`GPU_SCALE`, or on a CPU (without ``--full``) from
+    :data:`CPU_SCALE`, with sampling in fp32 where bf16 is not in hardware (``--dtype`` given wins). A scaled-down
+    run says what it left out in one line on stderr."""
+    scaled = on_cpu and not config.full
+    scale = CPU_SCALE if scaled else GPU_SCALE
+    rows = config.rows if config.rows is not None else scale["rows"]
+    new_tokens = config.new_tokens if config.new_tokens is not None else scale["new_tokens"]
+    attn = config.attn if config.attn is not None else _csv(ATTNS)(scale["attn"])
+    bf16 = _cpu_bf16(config) if on_cpu else None
+    emulated = bf16 is not None and not bf16["native"]
+    sample_dtype = config.dtype or ("fp32" if scaled and emulated else "bf16")
+    said = []
+    if scaled:
+        said = [f"{scale[key]} {name} (GPU {GPU_SCALE[key]})" for key, name in
+                (("rows", "rollouts"), ("new_tokens", "tokens per rollout"), ("attn", "attention")) if
+                getattr(config, key) is None]
+        said.append(f"without {', '.join(scale['skip'])}")
+        if (config.fp16_rows, config.fp32_rows) == (None, None) and CPU_ROWS["fp16"] < rows:
+            said.append(f"fp16 and fp32 on {CPU_ROWS['fp16']} rows")
+        if config.dtype is None and sample_dtype != "bf16":
+            said.append(f"sampled in {sample_dtype} (bf16 emulated: {bf16['from']})")
+        print(scaled_line(said))
+    return RunSize(rows, new_tokens, attn, scale["skip"], sample_dtype, scaled, tuple(said), bf16)
+
+
 def run(args: argparse.Namespace) -> int:
     """Measure (sample once, score the matrix), decide (the recommendation), render (print, write JSON)."""
+    from bloggap_plugin.phase_timer import PhaseTimer
+
+    timer = PhaseTimer()
     import torch
-    from tqdm.auto import tqdm
 
     from bloggap_plugin.commands._config import config_from_args
-    from bloggap_plugin.core.recommend import recommend
-    from bloggap_plugin.measure import doctor_matrix
-    from bloggap_plugin.measure import rollouts as sampling
-    from bloggap_plugin.models import check_model_spec, load_model, resolve_device
+    from bloggap_plugin.models import check_model_spec, resolve_device
 
     config = config_from_args(DoctorConfig, args)
     _check(config)
@@ -194,54 +260,62 @@ def run(args: argparse.Namespace) -> int:
         return _from_json(config)
     device = torch.device(resolve_device(config.device))
     check_model_spec(config.model)
-    on_cpu = device.type == "cpu"
-    num_seqs, max_new, skip = _scaled_for(config, on_cpu)
-    rows_for = doctor_matrix.rows_per_dtype(num_seqs, config.fp16_rows, config.fp32_rows, on_cpu)
-    started = time.perf_counter()
+    size = _run_size(config, device.type == "cpu")
+    config.attn = size.attn
+    timer.lap("start (imports, checks)")
+    result = _measure(config, device, size, timer)
+    _print_result(result, timings=config.timings)
+    spent = result["timings"]
+    print(f"({spent['wall_s']:.0f} s wall, {spent['cpu_s']:.0f} s CPU, load {spent['load_1min_start']} -> "
+          f"{spent['load_1min_end']}{'' if config.timings else '; --timings: each phase'})")
+    _write_json(result, config.json_path)
+    return 0
 
-    sampler_model, tokenizer = load_model(config.model, dtype=config.dtype, device=device)
-    with tqdm(total=num_seqs, desc="sampling", unit="row", file=sys.stderr, disable=config.no_progress) as bar:
+
+def scaled_line(scaled_down: list[str] | tuple[str, ...]) -> str:
+    """The one line saying what a CPU run left out (``params["scaled_down"]`` of its JSON)."""
+    return f"scaled down for this CPU (--full: the GPU size, slow here): {'; '.join(scaled_down)}"
+
+
+def _measure(config: DoctorConfig, device, size: RunSize, timer) -> dict:
+    """Sample once, score the matrix, recommend: the doctor's result record, its phases timed by ``timer``."""
+    from tqdm.auto import tqdm
+
+    from bloggap_plugin.core.recommend import recommend
+    from bloggap_plugin.measure import doctor_matrix
+    from bloggap_plugin.measure import rollouts as sampling
+    from bloggap_plugin.models import load_model
+
+    rows_for = doctor_matrix.rows_per_dtype(size.rows, config.fp16_rows, config.fp32_rows, size.scaled)
+    sampler_model, tokenizer = load_model(config.model, dtype=size.sample_dtype, device=device)
+    timer.lap(f"load {size.sample_dtype} (sampler)")
+    with tqdm(total=size.rows, desc="sampling", unit="row", file=sys.stderr, disable=config.no_progress) as bar:
         rollouts = sampling.sample_rollouts(
-            sampler_model, tokenizer, num_seqs=num_seqs, max_new_tokens=max_new, seed=config.seed,
+            sampler_model, tokenizer, num_seqs=size.rows, max_new_tokens=size.new_tokens, seed=config.seed,
             batch_size=config.gen_batch_size, progress=bar.update,
         )
-    plan, notes = doctor_matrix.scoring_plan(config.dtypes, rollouts, rows_for, on_cpu, skip)
-    total = doctor_matrix.total_passes(plan, config.attn)
+    timer.lap(f"sampling ({size.sample_dtype})")
+    plan, notes = doctor_matrix.scoring_plan(config.dtypes, rollouts, rows_for, size.scaled, size.skip)
+    total = doctor_matrix.total_passes(plan, size.attn)
     with tqdm(total=total, desc="scoring", unit="pass", file=sys.stderr, disable=config.no_progress) as bar:
         matrix = doctor_matrix.score_matrix(lambda dtype: load_model(config.model, dtype=dtype, device=device)[0],
-                                     plan, config.attn, sampler_model, config.dtype, config.band, bar)
+                                            plan, size.attn, sampler_model, size.sample_dtype, config.band, bar,
+                                            lap=timer.lap)
     matrix.notes[:0] = notes
     paired = doctor_matrix.all_paired_cells(matrix, rollouts, rows_for, config.dtypes, config.band)
     recommendation = recommend(matrix.cells, matrix.fp16_check, device.type, paired)
     if matrix.notes:
         recommendation["notes"] = matrix.notes
-    elapsed = time.perf_counter() - started
-    params = {"model": config.model, "dtypes": config.dtypes, "attn": config.attn, "num_seqs": num_seqs,
-              "max_new_tokens": max_new, "seed": config.seed, "sample_dtype": config.dtype,
-              "gen_batch_size": config.gen_batch_size, "band": config.band, "rows_per_dtype": rows_for}
-    result = doctor_matrix.doctor_result(model=config.model, device=device, params=params, rollouts=rollouts,
-                                  matrix=matrix, paired=paired, recommendation=recommendation, seconds=elapsed)
-    _print_result(result)
-    print(f"({elapsed:.0f} s)")
-    _write_json(result, config.json_path)
-    return 0
-
-
-def _scaled_for(config: DoctorConfig, on_cpu: bool) -> tuple[int, int, tuple[str, ...]]:
-    """``(rollouts, tokens per rollout, comparisons skipped)`` of the run; ``config.attn`` set. On a CPU, what the
-    flags leave out is :data:`CPU_SCALE`, said in one line on stderr."""
-    scale = CPU_SCALE if on_cpu else {"rows": 64, "new_tokens": 64, "attn": GPU_ATTN, "skip": ()}
-    scaled = [f"--{name.replace('_', '-')} {scale[name]}" for name in ("rows", "new_tokens", "attn")
-              if getattr(config, name) is None]
-    skip = scale["skip"] if config.attn is None else ()
-    rows = config.rows if config.rows is not None else scale["rows"]
-    new_tokens = config.new_tokens if config.new_tokens is not None else scale["new_tokens"]
-    config.attn = config.attn if config.attn is not None else _csv(ATTNS)(scale["attn"])
-    if on_cpu and scaled:
-        print(f"bloggap doctor: on this CPU the default run is scaled down to {', '.join(scaled)} (GPU: 64 rollouts x "
-              f"64 tokens, {GPU_ATTN}){', without ' + ', '.join(skip) if skip else ''}, and fp16/fp32 on fewer rows; "
-              "give the flags to measure more", file=sys.stderr)
-    return rows, new_tokens, skip
+    timer.lap("paired cells, recommendation")
+    params = {"model": config.model, "dtypes": config.dtypes, "attn": size.attn, "num_seqs": size.rows,
+              "max_new_tokens": size.new_tokens, "seed": config.seed, "sample_dtype": size.sample_dtype,
+              "gen_batch_size": config.gen_batch_size, "band": config.band, "rows_per_dtype": rows_for,
+              "scaled_down": list(size.scaled_down)}
+    if size.cpu_bf16 is not None:
+        params["cpu_bf16"] = size.cpu_bf16
+    return doctor_matrix.doctor_result(model=config.model, device=device, params=params, rollouts=rollouts,
+                                       matrix=matrix, paired=paired, recommendation=recommendation,
+                                       seconds=timer.elapsed(), timings=timer.record())
 
 
 def _write_json(result: dict, json_path: str | None) -> None:
@@ -270,8 +344,19 @@ def is_doctor_json(text: str) -> bool:
     return isinstance(document, dict) and document.get("benchmark") == "doctor" and "recommendation" in document
 
 
-def _print_result(result: dict) -> None:
-    """The human-readable doctor report of one result dict (fresh or read back from JSON)."""
+def format_timings(timings: dict) -> str:
+    """The run's phases (:meth:`bloggap_plugin.phase_timer.PhaseTimer.record`) as lines: wall and CPU seconds, the
+    1-minute load average at each phase's end, then the total."""
+    lines = [f"  {p['phase']:<44} {p['wall_s']:>7.1f} s wall {p['cpu_s']:>7.1f} s CPU  load {p['load_1min']}"
+             for p in timings["phases"]]
+    return "\n".join([f"phases ({timings['cpus']} CPUs; wall, CPU = user + system of this process, 1-minute load):"]
+                     + lines + [f"  {'total':<44} {timings['wall_s']:>7.1f} s wall {timings['cpu_s']:>7.1f} s CPU  load "
+                                f"{timings['load_1min_start']} -> {timings['load_1min_end']}"])
+
+
+def _print_result(result: dict, timings: bool = False) -> None:
+    """The human-readable doctor report of one result dict (fresh or read back from JSON); ``timings``: its phases
+    too (where the record has them)."""
     params = result["params"]
     cells, paired, fp16_check = result["cells"], result.get("paired_cells", []), result["fp16_check"]
     recommendation = result["recommendation"]
@@ -301,5 +386,7 @@ def _print_result(result: dict) -> None:
         parts = [f"{c['comparison']} {100 * c['oob']:.2f}% ({c['oob_count']}/{c['n']})"
                  for c in paired if c["rows"] == rows and c["attn"] == attns[0]]
         print(f"bf16/{attns[0]} on the first {rows} rows (to compare with the scaled-down dtypes): " + "; ".join(parts))
+    if timings and result.get("timings"):
+        print(format_timings(result["timings"]))
     print()
     print(f"recommendation: {recommendation['text']}")  # the arm and its reason first, the details below

@@ -110,9 +110,8 @@ TIMED = "b1_vs_b8_left_mask"  # the batch-8 pass whose seconds per token price e
 SAMPLER = "sampler_vs_b1"
 BATCH_SHAPE_COMPARISONS = tuple(c.name for c in _TABLE if c.batch_shape)
 CPU_FP16_COMPARISONS = tuple(c.name for c in _TABLE if c.cpu_fp16)
-# On CPU, fp16 has no fast kernels and fp32 costs more than bf16: the doctor scores both on fewer rows there
-# (fp16 only on CPU_FP16_COMPARISONS) so that its default run stays short on a small CPU.
-# bf16 always gets every row.
+# On a CPU, fp16 has no fast kernels (and fp32 costs more than bf16 where bf16 runs in hardware): a CPU run with more
+# rollouts than these scores both on its first rows only (fp16 only on CPU_FP16_COMPARISONS). bf16 gets every row.
 CPU_ROWS = {"fp16": 8, "fp32": 8}
 PAIRABLE = tuple(c.name for c in _TABLE if c.pairable)
 

@@ -7,6 +7,7 @@ scaled-down dtype (:func:`paired_cells`), and the result record (:func:`doctor_r
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -83,7 +84,7 @@ def scoring_plan(
     num_seqs = len(rollouts.rows)
     plan, notes = [], []
     if skip:
-        notes.append(f"skipped {', '.join(skip)} to keep the run short on this CPU (give --attn to measure it)")
+        notes.append(f"skipped {', '.join(skip)} to keep the run short on this CPU (--full measures them)")
     for dtype in dtypes:
         names = [name for name in COMPARISONS if name not in skip]
         subset = rollouts
@@ -119,8 +120,9 @@ def _fp16_check(hidden: dict, attn: str) -> dict:
     return check
 
 
-def _score_dtype(model, part: DoctorPlan, attns: list[str], band: float, matrix: Matrix, bar) -> None:
-    """Every attention implementation of one loaded model: cells (and skips) into ``matrix``."""
+def _score_dtype(model, part: DoctorPlan, attns: list[str], band: float, matrix: Matrix, bar, lap) -> None:
+    """Every attention implementation of one loaded model: cells (and skips) into ``matrix``; ``lap(name)`` after
+    every scoring pass."""
     dtype, names = part.dtype, list(part.names)
     for attn_index, attn in enumerate(attns):
         bar.set_postfix_str(f"{dtype}/{attn}")
@@ -132,9 +134,13 @@ def _score_dtype(model, part: DoctorPlan, attns: list[str], band: float, matrix:
             bar.update(scoring_passes(names))
             continue
         hidden = dtype == "fp16" and attn_index == 0
+
+        def scored(label: str, dtype=dtype, attn=attn, hidden=hidden) -> None:
+            lap(f"score {dtype}/{attn} {label}{' + fp16 check' if hidden and label == 'b1' else ''}")
+            bar.update(1)
+
         try:
-            found, extras = probe_model(model, part.rollouts, names, band=band, hidden_check=hidden,
-                                        progress=lambda label: bar.update(1))
+            found, extras = probe_model(model, part.rollouts, names, band=band, hidden_check=hidden, progress=scored)
         except Exception as err:  # noqa: BLE001 - e.g. a kernel missing for this dtype/device
             reason = f"{dtype}/{attn} failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
             matrix.cells += [skipped_cell(reason, dtype=dtype, attn=attn, comparison=n) for n in COMPARISONS]
@@ -154,17 +160,23 @@ def _score_dtype(model, part: DoctorPlan, attns: list[str], band: float, matrix:
 
 
 def score_matrix(
-    load, plan: list[DoctorPlan], attns: list[str], sampler_model, sample_dtype: str, band: float, bar=None
+    load, plan: list[DoctorPlan], attns: list[str], sampler_model, sample_dtype: str, band: float, bar=None,
+    lap: Callable[[str], object] | None = None,
 ) -> Matrix:
     """Score every (dtype, attention implementation) of ``plan``. ``load(dtype)`` loads the model in a dtype
     (the sampling model is reused for ``sample_dtype`` and its attention implementation restored); ``bar``
-    (tqdm-like: ``update``, ``set_postfix_str``) advances once per scoring pass."""
+    (tqdm-like: ``update``, ``set_postfix_str``) advances once per scoring pass; ``lap(phase)`` (a
+    :class:`~bloggap_plugin.phase_timer.PhaseTimer`'s) is called after each model load and each scoring pass."""
     bar = bar or _NoBar()
+    lap = lap or (lambda name: None)
     matrix = Matrix()
     sampler_attn = getattr(sampler_model.config, "_attn_implementation", None)
     for part in plan:
-        model = sampler_model if part.dtype == sample_dtype else load(part.dtype)
-        _score_dtype(model, part, attns, band, matrix, bar)
+        model = sampler_model
+        if part.dtype != sample_dtype:
+            model = load(part.dtype)
+            lap(f"load {part.dtype}")
+        _score_dtype(model, part, attns, band, matrix, bar, lap)
         if model is not sampler_model:
             del model
         if part.dtype == sample_dtype and sampler_attn:
@@ -228,10 +240,12 @@ def doctor_result(
     paired: list[dict],
     recommendation: dict,
     seconds: float,
+    timings: dict | None = None,
 ) -> dict:
     """The doctor's JSON record, a :class:`~bloggap_plugin.results.ResultDocument` (the six schema keys, then the
     doctor's own: cells, paired_cells, fp16_check, recommendation...) as a dict. ``params`` holds the
-    run's settings (``dtypes``, ``attn``, ``max_new_tokens``, ``seed``, ``sample_dtype``, ``band``...)."""
+    run's settings (``dtypes``, ``attn``, ``max_new_tokens``, ``seed``, ``sample_dtype``, ``band``...); ``timings``
+    the run's phases (:meth:`bloggap_plugin.phase_timer.PhaseTimer.record`)."""
     import transformers
 
     from bloggap_plugin.envinfo import device_tag, environment_record
@@ -261,6 +275,8 @@ def doctor_result(
         "recommendation": recommendation,
         "seconds": round(seconds, 1),
     }
+    if timings is not None:
+        extra["timings"] = timings
     # a benchmark result document, so `bloggap report` can render this file from benchmarks/results/<device>/
     return ResultDocument(
         benchmark="doctor",

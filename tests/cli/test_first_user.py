@@ -27,26 +27,62 @@ def test_the_readme_set_up_is_the_main_job_and_the_tests():
 
 
 def test_the_doctor_scales_itself_down_on_a_cpu_and_says_so(capsys):
-    from bloggap_plugin.commands.doctor import CPU_SCALE, DoctorConfig, _scaled_for
+    from bloggap_plugin.commands.doctor import CPU_SCALE, DoctorConfig, _run_size
 
-    config = DoctorConfig()
-    assert _scaled_for(config, on_cpu=True) == (CPU_SCALE["rows"], CPU_SCALE["new_tokens"], CPU_SCALE["skip"])
-    assert config.attn == ["sdpa"]
-    said = capsys.readouterr().err
-    assert "scaled down to --rows 16, --new-tokens 16, --attn sdpa" in said and "copy8_vs_alone" in said
-    given = DoctorConfig(rows=8, new_tokens=4, attn=["eager"])
-    assert _scaled_for(given, on_cpu=True) == (8, 4, ())
-    assert capsys.readouterr().err == ""
-    assert _scaled_for(DoctorConfig(), on_cpu=False) == (64, 64, ())
+    size = _run_size(DoctorConfig(cpu_bf16="emulated"), on_cpu=True)
+    assert (size.rows, size.new_tokens, size.attn, size.skip) == (8, 16, ["sdpa"], CPU_SCALE["skip"])
+    assert size.sample_dtype == "fp32" and size.scaled and size.cpu_bf16 == {"native": False,
+                                                                             "from": "--cpu-bf16 emulated"}
+    said = capsys.readouterr().out
+    assert said.count("\n") == 1 and said.startswith("scaled down for this CPU (--full: the GPU size")
+    for part in ("8 rollouts (GPU 64)", "16 tokens per rollout (GPU 64)", "sdpa attention (GPU sdpa,eager)",
+                 "without b1_vs_b8_right, b1_vs_b8_equal_nopad, copy8_vs_alone, two_groupings_b8",
+                 "sampled in fp32 (bf16 emulated: --cpu-bf16 emulated)"):
+        assert part in said and part in size.scaled_down, part
+    native = _run_size(DoctorConfig(cpu_bf16="native"), on_cpu=True)
+    assert native.sample_dtype == "bf16" and not any("sampled" in part for part in native.scaled_down)
+    capsys.readouterr()
+    given = _run_size(DoctorConfig(rows=8, new_tokens=4, attn=["eager"], dtype="bf16", cpu_bf16="emulated"), True)
+    assert (given.rows, given.new_tokens, given.attn, given.sample_dtype) == (8, 4, ["eager"], "bf16")
+    assert given.scaled_down == (f"without {', '.join(CPU_SCALE['skip'])}",)
 
 
-def test_the_recommendation_leads_with_the_arm_and_its_reason():
-    from bloggap_plugin.measure.doctor_matrix import rerecommend
+def test_full_restores_the_gpu_size_on_a_cpu_and_the_gpu_is_not_scaled(capsys):
+    from bloggap_plugin.commands.doctor import DoctorConfig, _run_size
 
-    text = rerecommend(json.loads(DOCTOR_JSON.read_text()))["recommendation"]["text"]
-    lead, *details = text.splitlines()
-    assert lead.startswith("arm H (fp16 everywhere") and len(lead) <= 160, lead
-    assert details and all(line.startswith("  - ") for line in details)
+    for size in (_run_size(DoctorConfig(full=True, cpu_bf16="emulated"), on_cpu=True),
+                 _run_size(DoctorConfig(), on_cpu=False)):
+        assert (size.rows, size.new_tokens, size.attn, size.skip) == (64, 64, ["sdpa", "eager"], ())
+        assert (size.sample_dtype, size.scaled, size.scaled_down) == ("bf16", False, ())
+    assert _run_size(DoctorConfig(), on_cpu=False).cpu_bf16 is None
+    assert capsys.readouterr().out == ""
+
+
+def test_auto_reads_the_cpu_feature_flags(monkeypatch):
+    import bloggap_plugin.envinfo as envinfo
+    from bloggap_plugin.commands.doctor import DoctorConfig, _run_size
+
+    for native in (True, False):
+        monkeypatch.setattr(envinfo, "cpu_bf16_native", lambda native=native: (native, "flags read"))
+        size = _run_size(DoctorConfig(), on_cpu=True)
+        assert size.cpu_bf16 == {"native": native, "from": "flags read"}
+        assert size.sample_dtype == ("bf16" if native else "fp32")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("flags\t\t: fpu sse2 avx2 avx512f\n", (False, "none of avx512_bf16, amx_bf16, bf16 in {}")),
+    ("flags\t\t: fpu avx2 avx512f avx512_bf16\nflags\t\t: fpu avx2\n", (True, "avx512_bf16 in {}")),
+    ("flags\t\t: fpu amx_bf16 amx_tile\n", (True, "amx_bf16 in {}")),
+    ("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n", (True, "bf16 in {}")),
+    ("processor\t: 0\n", (None, "{} lists no feature flags")),
+])
+def test_cpu_bf16_native_reads_the_feature_flags(tmp_path, text, expected):
+    from bloggap_plugin.envinfo import cpu_bf16_native
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(text)
+    assert cpu_bf16_native(cpuinfo) == (expected[0], expected[1].format(cpuinfo))
+    assert cpu_bf16_native(tmp_path / "none") == (None, f"no {tmp_path / 'none'} to read the CPU's feature flags from")
 
 
 def test_unquoted_kept_off_reads_as_off(tmp_path):
@@ -126,3 +162,57 @@ def test_a_folder_or_a_pipe_as_a_recipe_is_named_as_such(tmp_path):
 def test_an_empty_table_only_table_exits_non_zero(bloggap, tmp_path):
     code, _, err = bloggap("compare", ARM_A, "--table-only", "--output-dir", tmp_path / "o")
     assert code == 2 and "no finished run" in err and len(err.strip().splitlines()) == 1
+
+
+def _doctor(tmp_path, capsys, *flags) -> tuple[str, dict]:
+    from bloggap_plugin.cli import main
+
+    path = tmp_path / "doctor.json"
+    assert main(["doctor", "--model", "tiny-random-llama", "--device", "cpu", "--json", str(path), "--no-progress",
+                 "--cpu-bf16", "emulated", *flags]) == 0
+    return capsys.readouterr().out, json.loads(path.read_text())
+
+
+def test_a_default_cpu_run_says_and_records_what_it_scaled_down_and_times_its_phases(tmp_path, capsys):
+    out, result = _doctor(tmp_path, capsys, "--timings")
+    first, *_ = out.splitlines()
+    assert first == "scaled down for this CPU (--full: the GPU size, slow here): " + "; ".join(
+        result["params"]["scaled_down"])
+    assert "sampled in fp32 (bf16 emulated: --cpu-bf16 emulated)" in result["params"]["scaled_down"]
+    assert (result["rows"], result["max_new_tokens"], result["params"]["sample_dtype"]) == (8, 16, "fp32")
+    assert result["sampler"]["dtype"] == "float32"
+    timings = result["timings"]
+    names = [p["phase"] for p in timings["phases"]]
+    assert names[:3] == ["start (imports, checks)", "load fp32 (sampler)", "sampling (fp32)"]
+    assert names[3:6] == ["load bf16", "score bf16/sdpa b1", "score bf16/sdpa rerun_b1"]
+    assert "score fp16/sdpa b1 + fp16 check" in names and names[-1] == "paired cells, recommendation"
+    for key in ("wall_s", "cpu_s"):  # consecutive phases: they add up to the run (each rounded to 1 ms)
+        assert abs(sum(p[key] for p in timings["phases"]) - timings[key]) <= 0.001 * len(names)
+        assert all(p[key] >= 0 for p in timings["phases"])
+    assert timings["cpus"] == os.cpu_count() and "phases (" in out and f"  {'total':<44}" in out
+    assert out.rstrip().splitlines()[-2].startswith(f"({timings['wall_s']:.0f} s wall, {timings['cpu_s']:.0f} s CPU")
+    lead = out.split("\nrecommendation: ", 1)[1].splitlines()[0]
+    assert lead.startswith(f"arm {result['recommendation']['arm']} ") and len(lead) <= 160, lead
+
+
+def test_full_measures_every_comparison_on_every_row_sampled_in_bf16(tmp_path, capsys):
+    out, result = _doctor(tmp_path, capsys, "--full", "--rows", "16", "--new-tokens", "2", "--attn", "sdpa")
+    assert not out.startswith("scaled down") and result["params"]["scaled_down"] == []
+    assert result["params"]["sample_dtype"] == "bf16" and result["params"]["rows_per_dtype"] == {
+        "bf16": 16, "fp16": 16, "fp32": 16}
+    skipped = {(c["dtype"], c["comparison"]) for c in result["cells"] if c.get("skipped")}
+    assert skipped == {(d, n) for d in ("bf16", "fp16", "fp32") for n in ("b1_vs_b32_left_arange",
+                                                                          "b1_vs_b32_left_mask")}
+
+
+@pytest.mark.parametrize("cells, arm", [
+    ("h200", "arm H (fp16 everywhere"),
+    ("cpu_fp16_unsafe", "arm B (fp32 shadow copy)"),
+])
+def test_the_recommendation_leads_with_the_arm_in_one_short_line(cells, arm):
+    from bloggap_plugin.measure.doctor_matrix import rerecommend
+
+    path = DOCTOR_JSON if cells == "h200" else ROOT / "benchmarks" / "results" / "cpu" / "doctor_gemma3-270m.json"
+    lead, *details = rerecommend(json.loads(path.read_text()))["recommendation"]["text"].splitlines()
+    assert lead.startswith(arm) and len(lead) <= 160, lead
+    assert details and all(line.startswith("  - ") for line in details)

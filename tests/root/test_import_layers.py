@@ -16,7 +16,7 @@ ROOT = "bloggap_plugin"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("core",),  # torch maths, the scoring plans, and the vocabulary they share (arms, errors)
     ("_io", "_input_files", "_fields", "envinfo"),
-    ("results", "models", "recipes", "sampling", "tasks", "vllm_kept_sets", "run_timing", "checkpoint"),
+    ("results", "models", "recipes", "sampling", "tasks", "vllm_kept_sets", "run_timing", "phase_timer", "checkpoint"),
     ("report_builder", "heldout_accuracy"),
     ("measure", "verl", "trl"),  # measurements and the trainer adapters
     ("compare",),  # sweeps of training runs (it runs trl's run_training)
