@@ -284,7 +284,7 @@ def test_doctor_skips_and_names_the_comparisons_its_rows_cannot_support(capsys, 
     need two batches); the others are skipped for every dtype, and a note names them and why."""
     path = tmp_path / "d.json"
     code = cli.main(["doctor", "--model", "tiny-random-llama", "--num-seqs", str(rows), "--max-new-tokens", "3",
-                     "--device", "cpu", "--dtypes", "bf16", "--attn", "sdpa", "--json", str(path), "--no-progress"])
+                     "--device", "cpu", "--dtypes", "bf16", "--attn", "sdpa", "--full", "--json", str(path), "--no-progress"])
     out = capsys.readouterr().out
     assert code == 0, out[-2000:]
     result = json.loads(path.read_text())
