@@ -9,6 +9,7 @@ table and a recommendation derived from the measured cells, and optionally write
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -277,6 +278,22 @@ def scaled_line(scaled_down: list[str] | tuple[str, ...]) -> str:
     return f"scaled down for this CPU (--full: the GPU size, slow here): {'; '.join(scaled_down)}"
 
 
+@contextlib.contextmanager
+def _torch_threads(threads: int | None):
+    """torch's CPU threads set to ``threads`` inside the block (``None``: left as they are), restored after. On a CPU
+    the sampler runs on one: a decode step multiplies a few rows, too little to share, and threads that wait for
+    each other at every product of a step stall whenever another process holds a core."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _measure(config: DoctorConfig, device, size: RunSize, timer) -> dict:
     """Sample once, score the matrix, recommend: the doctor's result record, its phases timed by ``timer``."""
     from tqdm.auto import tqdm
@@ -289,7 +306,9 @@ def _measure(config: DoctorConfig, device, size: RunSize, timer) -> dict:
     rows_for = doctor_matrix.rows_per_dtype(size.rows, config.fp16_rows, config.fp32_rows, size.scaled)
     sampler_model, tokenizer = load_model(config.model, dtype=size.sample_dtype, device=device)
     timer.lap(f"load {size.sample_dtype} (sampler)")
-    with tqdm(total=size.rows, desc="sampling", unit="row", file=sys.stderr, disable=config.no_progress) as bar:
+    threads = 1 if device.type == "cpu" else None
+    with tqdm(total=size.rows, desc="sampling", unit="row", file=sys.stderr, disable=config.no_progress) as bar, \
+            _torch_threads(threads):
         rollouts = sampling.sample_rollouts(
             sampler_model, tokenizer, num_seqs=size.rows, max_new_tokens=size.new_tokens, seed=config.seed,
             batch_size=config.gen_batch_size, progress=bar.update,
@@ -310,7 +329,7 @@ def _measure(config: DoctorConfig, device, size: RunSize, timer) -> dict:
     params = {"model": config.model, "dtypes": config.dtypes, "attn": size.attn, "num_seqs": size.rows,
               "max_new_tokens": size.new_tokens, "seed": config.seed, "sample_dtype": size.sample_dtype,
               "gen_batch_size": config.gen_batch_size, "band": config.band, "rows_per_dtype": rows_for,
-              "scaled_down": list(size.scaled_down)}
+              "scaled_down": list(size.scaled_down), "sample_threads": threads}
     if size.cpu_bf16 is not None:
         params["cpu_bf16"] = size.cpu_bf16
     return doctor_matrix.doctor_result(model=config.model, device=device, params=params, rollouts=rollouts,

@@ -173,8 +173,17 @@ def _doctor(tmp_path, capsys, *flags) -> tuple[str, dict]:
     return capsys.readouterr().out, json.loads(path.read_text())
 
 
-def test_a_default_cpu_run_says_and_records_what_it_scaled_down_and_times_its_phases(tmp_path, capsys):
+def test_a_default_cpu_run_says_and_records_what_it_scaled_down_and_times_its_phases(tmp_path, capsys, monkeypatch):
+    import torch
+
+    import bloggap_plugin.measure.rollouts as rollouts
+
+    threads, sample = [], rollouts.sample_rollouts
+    monkeypatch.setattr(rollouts, "sample_rollouts", lambda *a, **k: threads.append(torch.get_num_threads()) or
+                        sample(*a, **k))
+    before = torch.get_num_threads()
     out, result = _doctor(tmp_path, capsys, "--timings")
+    assert threads == [1] and result["params"]["sample_threads"] == 1 and torch.get_num_threads() == before
     first, *_ = out.splitlines()
     assert first == "scaled down for this CPU (--full: the GPU size, slow here): " + "; ".join(
         result["params"]["scaled_down"])
