@@ -65,8 +65,8 @@ class DoctorConfig:
         "deprecated": ["--max-new-tokens", "--max_new_tokens"]})
     seed: int = field(default=1234, metadata={"help": "sampling seed (default 1234)", "min": 0, "max": 2**32 - 1})
     dtype: Literal["bf16", "fp16", "fp32"] | None = field(default=None, metadata={
-        "help": "dtype of the model that samples the rollouts (default bf16; fp32 on a CPU without bf16 in hardware, "
-                "see --cpu-bf16)", "deprecated": ["--sample-dtype", "--sample_dtype"]})
+        "help": "dtype of the model that samples the rollouts: bf16, fp16 or fp32 (default bf16; fp32 on a CPU without "
+                "bf16 in hardware, see --cpu-bf16)", "deprecated": ["--sample-dtype", "--sample_dtype"]})
     gen_batch_size: int = field(default=8, metadata={"help": "prompts per generate call (default 8)", "min": 1})
     fp16_rows: int | None = field(default=None, metadata={
         "help": f"rows scored in fp16 (default: all on GPU, {CPU_ROWS['fp16']} on CPU, where fp16 is slow)", "min": 1})
