@@ -79,10 +79,10 @@ def document(process: dict, doctor: dict, loads: dict, flags: list[str], loaded_
                "sample_dtype": doctor["params"]["sample_dtype"], "rows": doctor["rows"],
                "max_new_tokens": doctor["max_new_tokens"], "recommendation_arm": doctor["recommendation"]["arm"],
                "cpu_bf16": doctor["params"].get("cpu_bf16")}
-    rows = [[p["phase"], p["wall_s"], p["cpu_s"], p["load_1min"]] for p in timings["phases"]]
-    rows.append(["doctor total", timings["wall_s"], timings["cpu_s"], timings["load_1min_end"]])
-    rows.append(["process (time -v: wall, user + system)", process["wall_s"], process["user_s"] + process["system_s"],
-                 loads["after"]])
+    rows = [[p["phase"], round(p["wall_s"], 1), round(p["cpu_s"], 1), p["load_1min"]] for p in timings["phases"]]
+    rows.append(["doctor total", round(timings["wall_s"], 1), round(timings["cpu_s"], 1), timings["load_1min_end"]])
+    rows.append(["process (time -v: wall, user + system)", round(process["wall_s"], 1),
+                 round(process["user_s"] + process["system_s"], 1), loads["after"]])
     state = (f"loaded: the 1-minute load average reached {peak} on {timings['cpus']} CPUs (above {loaded_above}), so "
              "wall seconds include waiting for other processes" if results["loaded"] else
              f"quiet: the 1-minute load average stayed at or below {peak} on {timings['cpus']} CPUs")
@@ -91,7 +91,9 @@ def document(process: dict, doctor: dict, loads: dict, flags: list[str], loaded_
         "title": "make demo (bloggap doctor, default model, CPU defaults): seconds per phase",
         "columns": ["phase", "wall s", "CPU s", "load (1 min)"],
         "rows": rows,
-        "notes": (f"`bloggap doctor {' '.join(flags)}` once under /usr/bin/time -v; {state}. CPU s: user + system "
+        "notes": (f"`{' '.join(['bloggap', 'doctor', *flags])}` once under /usr/bin/time -v, "
+                  f"{process['wall_s']:.0f} s wall in all ({'within' if results['within_180_s'] else 'over'} the "
+                  f"180 s aim); {state}. CPU s: user + system "
                   "seconds of the process (all threads); load: the 1-minute load average at the phase's end. "
                   f"Scaled down: {'; '.join(results['scaled_down']) or 'nothing'}."),
         "reference": None,

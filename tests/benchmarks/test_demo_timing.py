@@ -47,3 +47,4 @@ def test_the_document_says_whether_the_run_was_loaded(loads, loaded):
     assert table["rows"][-1][1:3] == [155.5, 153.0] and table["rows"][-2][1:3] == [30.0, 28.5]
     assert ("loaded: the 1-minute load average reached" in table["notes"]) is loaded
     assert "Scaled down: 8 rollouts (GPU 64)." in table["notes"]
+    assert table["notes"].startswith("`bloggap doctor` once under /usr/bin/time -v, 156 s wall in all (within the")
