@@ -102,12 +102,22 @@ for k in "${sel[@]}"; do
   ln "$f" "$DEST/b/whl/"
 done
 [ -n "${NO_MODEL:-}" ] || ln "$cache/$MODEL_WHL" "$DEST/b/"
+python3 - "$DEST/b" "$DEST/t/manifest.json" "$CHUNK" "${sel[*]}" <<'PY'
+import json, os, sys
+b, out, chunk, keys = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4].split()
+files = {os.path.relpath(os.path.join(d, f), b): os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(b) for f in fs}
+total = sum(files.values())
+json.dump({"what": "vllm031_bundle.sh: members of the bundle tar (bytes), before tar headers", "carried_keys": keys,
+           "chunk_bytes": chunk, "members_bytes": dict(sorted(files.items())), "members_total_bytes": total,
+           "members_mb": {k: round(v / 1e6, 1) for k, v in sorted(files.items())}, "members_total_mb": round(total / 1e6, 1)}, open(out, "w"), indent=1)
+PY
 tar -cf "$DEST/bundle.tar" -C "$DEST/b" . && rm -rf "$DEST/b"
 sha256sum "$DEST/bundle.tar" | cut -d' ' -f1 > "$DEST/t/bundle.sha256"
 total=$(stat -c %s "$DEST/bundle.tar")
 (cd "$DEST" && split -b "$CHUNK" -d -a 2 bundle.tar part_ && rm bundle.tar)
 n=0; for f in "$DEST"/part_*; do n=$((n+1)); mkdir -p "$DEST/p$n"; mv "$f" "$DEST/p$n/"; done
 echo "$n" > "$DEST/t/nparts"
+python3 -c "import json, sys; m = json.load(open(sys.argv[1])); m.update(tar_bytes=int(sys.argv[2]), chunks=int(sys.argv[3]), device_calls=int(sys.argv[3])); json.dump(m, open(sys.argv[1], 'w'), indent=1)" "$DEST/t/manifest.json" "$total" "$n"
 printf '%s\n' "${sel[@]}" > "$DEST/t/carried"
 
 # 4. will each call fit? (64 MiB per call: the working tree + the carried chunk; the last call also carries t/)
