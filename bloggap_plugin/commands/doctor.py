@@ -22,9 +22,10 @@ HELP = "Measure the batch-shape log-prob gap of a model on this machine and reco
 DTYPES = ("bf16", "fp16", "fp32")
 ATTNS = ("sdpa", "eager", "flex_attention")
 GPU_ATTN = "sdpa,eager"
-GPU_SCALE = {"rows": 64, "new_tokens": 64, "attn": GPU_ATTN, "skip": ()}
+GPU_SCALE = {"rows": 64, "new_tokens": 64, "attn": GPU_ATTN, "skip": (), "skip_beyond_bf16": ()}
 CPU_SCALE = {"rows": 8, "new_tokens": 16, "attn": "sdpa",
-             "skip": ("b1_vs_b8_right", "b1_vs_b8_equal_nopad", "copy8_vs_alone", "two_groupings_b8")}
+             "skip": ("b1_vs_b8_right", "b1_vs_b8_equal_nopad", "copy8_vs_alone", "two_groupings_b8"),
+             "skip_beyond_bf16": ("rerun_b1",)}
 """What a run on a CPU measures where the flags leave it to the doctor: fewer rollouts and tokens, one attention
 implementation, and only the comparisons the recommendation reads (``skip``: batch size without left padding, one
 row's copies, batch membership). On a CPU without bf16 in hardware it also samples in fp32 (:func:`_run_size`). The
@@ -207,6 +208,8 @@ class RunSize:
     scaled: bool
     scaled_down: tuple[str, ...] = ()
     cpu_bf16: dict | None = None
+    skip_beyond_bf16: tuple[str, ...] = ()
+    """Comparisons fp16 and fp32 leave out (the rerun control: bf16's stands for the device's determinism)."""
 
 
 def _cpu_bf16(config: DoctorConfig) -> dict:
@@ -237,12 +240,14 @@ def _run_size(config: DoctorConfig, on_cpu: bool) -> RunSize:
                 (("rows", "rollouts"), ("new_tokens", "tokens per rollout"), ("attn", "attention")) if
                 getattr(config, key) is None]
         said.append(f"without {', '.join(scale['skip'])}")
+        said.append(f"fp16 and fp32 without {', '.join(scale['skip_beyond_bf16'])} (bf16's control stands)")
         if (config.fp16_rows, config.fp32_rows) == (None, None) and CPU_ROWS["fp16"] < rows:
             said.append(f"fp16 and fp32 on {CPU_ROWS['fp16']} rows")
         if config.dtype is None and sample_dtype != "bf16":
             said.append(f"sampled in {sample_dtype} (bf16 emulated: {bf16['from']})")
         print(scaled_line(said))
-    return RunSize(rows, new_tokens, attn, scale["skip"], sample_dtype, scaled, tuple(said), bf16)
+    return RunSize(rows, new_tokens, attn, scale["skip"], sample_dtype, scaled, tuple(said), bf16,
+                   scale["skip_beyond_bf16"])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -314,7 +319,8 @@ def _measure(config: DoctorConfig, device, size: RunSize, timer) -> dict:
             batch_size=config.gen_batch_size, progress=bar.update,
         )
     timer.lap(f"sampling ({size.sample_dtype})")
-    plan, notes = doctor_matrix.scoring_plan(config.dtypes, rollouts, rows_for, size.scaled, size.skip)
+    plan, notes = doctor_matrix.scoring_plan(config.dtypes, rollouts, rows_for, size.scaled, size.skip,
+                                             size.skip_beyond_bf16)
     total = doctor_matrix.total_passes(plan, size.attn)
     with tqdm(total=total, desc="scoring", unit="pass", file=sys.stderr, disable=config.no_progress) as bar:
         matrix = doctor_matrix.score_matrix(lambda dtype: load_model(config.model, dtype=dtype, device=device)[0],

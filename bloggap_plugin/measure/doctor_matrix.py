@@ -76,23 +76,29 @@ def rows_per_dtype(num_seqs: int, fp16_rows: int | None, fp32_rows: int | None, 
 
 
 def scoring_plan(
-    dtypes: list[str], rollouts: Rollouts, rows_for: dict[str, int], on_cpu: bool, skip: tuple[str, ...] = ()
+    dtypes: list[str], rollouts: Rollouts, rows_for: dict[str, int], on_cpu: bool, skip: tuple[str, ...] = (),
+    skip_beyond_bf16: tuple[str, ...] = (),
 ) -> tuple[list[DoctorPlan], list[str]]:
     """Each dtype's comparisons and rows, with a note for every dtype scaled down to fewer rows: fp16 on CPU
     keeps only the comparisons marked ``cpu_fp16``; otherwise comparisons needing more rows are skipped; the
-    comparisons in ``skip`` are left out (a note says so)."""
+    comparisons in ``skip`` are left out, and those in ``skip_beyond_bf16`` for every dtype but bf16 (a note says
+    so)."""
     num_seqs = len(rollouts.rows)
     plan, notes = [], []
     if skip:
         notes.append(f"skipped {', '.join(skip)} to keep the run short on this CPU (--full measures them)")
+    beyond = [d for d in dtypes if d != "bf16"] if skip_beyond_bf16 else []
+    if beyond:
+        notes.append(f"{' and '.join(beyond)}: skipped {', '.join(skip_beyond_bf16)} to keep the run short on this "
+                     "CPU (bf16's stands for the device; --full measures them)")
     for dtype in dtypes:
-        names = [name for name in COMPARISONS if name not in skip]
+        names = [name for name in COMPARISONS if name not in skip and (dtype == "bf16" or name not in skip_beyond_bf16)]
         subset = rollouts
         rows = rows_for.get(dtype, num_seqs)
         if rows < num_seqs:
             subset = rollouts.subset(rows)
             if dtype == "fp16" and on_cpu:
-                names = list(CPU_FP16_COMPARISONS)
+                names = [name for name in CPU_FP16_COMPARISONS if name not in skip_beyond_bf16]
                 notes.append(f"{dtype} scaled down on CPU: {rows} of {num_seqs} rows; skipped "
                              f"{', '.join(n for n in COMPARISONS if n not in names)} (this CPU has no native fp16 "
                              "kernels); the recommendation compares it with bf16 on the same rows")

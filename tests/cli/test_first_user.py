@@ -37,14 +37,17 @@ def test_the_doctor_scales_itself_down_on_a_cpu_and_says_so(capsys):
     assert said.count("\n") == 1 and said.startswith("scaled down for this CPU (--full: the GPU size")
     for part in ("8 rollouts (GPU 64)", "16 tokens per rollout (GPU 64)", "sdpa attention (GPU sdpa,eager)",
                  "without b1_vs_b8_right, b1_vs_b8_equal_nopad, copy8_vs_alone, two_groupings_b8",
-                 "sampled in fp32 (bf16 emulated: --cpu-bf16 emulated)"):
+                 "sampled in fp32 (bf16 emulated: --cpu-bf16 emulated)",
+                 "fp16 and fp32 without rerun_b1 (bf16's control stands)"):
         assert part in said and part in size.scaled_down, part
+    assert size.skip_beyond_bf16 == ("rerun_b1",)
     native = _run_size(DoctorConfig(cpu_bf16="native"), on_cpu=True)
     assert native.sample_dtype == "bf16" and not any("sampled" in part for part in native.scaled_down)
     capsys.readouterr()
     given = _run_size(DoctorConfig(rows=8, new_tokens=4, attn=["eager"], dtype="bf16", cpu_bf16="emulated"), True)
     assert (given.rows, given.new_tokens, given.attn, given.sample_dtype) == (8, 4, ["eager"], "bf16")
-    assert given.scaled_down == (f"without {', '.join(CPU_SCALE['skip'])}",)
+    assert given.scaled_down == (f"without {', '.join(CPU_SCALE['skip'])}",
+                                 "fp16 and fp32 without rerun_b1 (bf16's control stands)")
 
 
 def test_full_restores_the_gpu_size_on_a_cpu_and_the_gpu_is_not_scaled(capsys):
@@ -53,7 +56,7 @@ def test_full_restores_the_gpu_size_on_a_cpu_and_the_gpu_is_not_scaled(capsys):
     for size in (_run_size(DoctorConfig(full=True, cpu_bf16="emulated"), on_cpu=True),
                  _run_size(DoctorConfig(), on_cpu=False)):
         assert (size.rows, size.new_tokens, size.attn, size.skip) == (64, 64, ["sdpa", "eager"], ())
-        assert (size.sample_dtype, size.scaled, size.scaled_down) == ("bf16", False, ())
+        assert (size.sample_dtype, size.scaled, size.scaled_down, size.skip_beyond_bf16) == ("bf16", False, (), ())
     assert _run_size(DoctorConfig(), on_cpu=False).cpu_bf16 is None
     assert capsys.readouterr().out == ""
 
@@ -195,6 +198,10 @@ def test_a_default_cpu_run_says_and_records_what_it_scaled_down_and_times_its_ph
     assert names[:3] == ["start (imports, checks)", "load fp32 (sampler)", "sampling (fp32)"]
     assert names[3:6] == ["load bf16", "score bf16/sdpa b1", "score bf16/sdpa rerun_b1"]
     assert "score fp16/sdpa b1 + fp16 check" in names and names[-1] == "paired cells, recommendation"
+    # fp16 and fp32 without their rerun control on a CPU: bf16's stands, and their cells say they were left out
+    assert not [n for n in names if n.endswith("rerun_b1") and not n.startswith("score bf16")]
+    reruns = {c["dtype"]: c for c in result["cells"] if c["comparison"] == "rerun_b1"}
+    assert "skipped" not in reruns["bf16"] and reruns["fp16"].get("skipped") and reruns["fp32"].get("skipped")
     for key in ("wall_s", "cpu_s"):  # consecutive phases: they add up to the run (each rounded to 1 ms)
         assert abs(sum(p[key] for p in timings["phases"]) - timings[key]) <= 0.001 * len(names)
         assert all(p[key] >= 0 for p in timings["phases"])
