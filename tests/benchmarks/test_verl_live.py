@@ -212,8 +212,9 @@ def _fake_setup(tmp_path, script: str) -> tuple[Path, Path]:
     return fake, out
 
 
-def test_run_loop_writes_json_per_run_and_skips_past_budget(tmp_path):
+def test_run_loop_writes_json_per_run_and_skips_past_budget(tmp_path, monkeypatch):
     fake, out = _fake_setup(tmp_path, FAKE_MAIN_PPO)
+    monkeypatch.setattr(verl_live, "POLL_S", 0.05)  # the stand-in runs end at once
     argv = ["run", "--model", str(tmp_path / "model"), "--out", str(out), "--python", str(fake),
             "--runs", "geo_rs/nofix,geo_rs/fix", "--budget", "100"]
     verl_live.main(argv)
@@ -254,6 +255,7 @@ echo "main_ppo $tag RAY_ADDRESS=$RAY_ADDRESS" >> "$FAKE_LOG"
 def test_parallel_runs_get_their_own_cluster_and_survive_the_profiling_race(tmp_path, monkeypatch):
     fake, out = _fake_setup(tmp_path, FAKE_PARALLEL)
     monkeypatch.setenv("FAKE_LOG", str(tmp_path / "calls"))
+    monkeypatch.setattr(verl_live, "POLL_S", 0.05)  # the stand-in runs end within a second
     verl_live.main(["run", "--model", str(tmp_path / "model"), "--out", str(out), "--python", str(fake),
                     "--runs", "geo_rs/nofix,seq_mis/fix,arm_B", "--budget", "400", "--parallel", "2"])
     calls = (tmp_path / "calls").read_text().splitlines()
