@@ -29,7 +29,7 @@ demo: setup
 	@echo "bloggap is $(BIN)/bloggap; '. $(BIN)/activate' puts it on your PATH"
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 # Every test that trains no model, starts no subprocess and loads no real model (the markers come from the fixtures
 # `trains`, `spawns`, `real_model` a test requests; a test doing one of these without its fixture fails).

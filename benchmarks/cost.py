@@ -108,12 +108,13 @@ def pass_peak(fn, device, skip_arithmetic: bool = False) -> tuple[float, float |
     allocated just before (allocator statistics), and the peak itself. Other devices: the peak of live tensor
     bytes created during the call (``benchmarks._lib.memtrack.TensorPeak``: tensors only, no kernel scratch, see
     ``MEMORY_METHOD``) and ``None`` (no absolute figure); ``skip_arithmetic``: matmuls and attention return
-    zeros of their real size (``SkipMatmulArithmetic``; same tensors, meaningless values)."""
-    free_memory(device)
+    zeros of their real size (``SkipMatmulArithmetic``; same tensors, meaningless values). Garbage is collected
+    first on CUDA only, where the allocator's figures count it; ``TensorPeak`` counts only what the call creates."""
     if device.type != "cuda":
         with SkipMatmulArithmetic() if skip_arithmetic else contextlib.nullcontext(), TensorPeak() as peak:
             fn()
         return peak.peak_bytes / 2**30, None
+    free_memory(device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
@@ -322,7 +323,8 @@ def bench_shape(name: str, device: torch.device, args, log) -> dict:
     results = []
     fp16_plan = None
     for label, arm, options, use_tf32 in _arm_passes(name, guided, args, device.type == "cuda"):
-        free_memory(device)
+        if device.type == "cuda":  # the previous arm's plan out of the allocator before this one is built
+            free_memory(device)
         options = dict(options)
         chunk_tokens = options.pop("chunk_tokens", args.score_chunk_tokens)
         rows = options.pop("rows", args.batch)  # rows per forward
@@ -541,7 +543,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=None, help="rows per pass (8)")
     parser.add_argument("--seq", type=int, default=None, help="tokens per row (1024; quick 32)")
     parser.add_argument("--passes", type=int, default=5, help="timed passes (fp32 arms: 2 fewer)")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed passes before the timed ones (quick: 1 at most)")
     parser.add_argument(
         "--gen-rows", type=int, default=64, help="rows of a GRPO generation batch for the sync share"
     )
@@ -581,7 +583,7 @@ def main(argv=None) -> int:
     if args.quick:
         shapes = args.shapes or ["tiny-llama", "tiny-qwen2-tied"]
         args.batch, args.seq = args.batch or 2, args.seq or 32
-        args.passes, args.warmup = min(args.passes, 3), 1
+        args.passes, args.warmup = min(args.passes, 3), min(args.warmup, 1)
         args.tf32_rows, args.tf32_tokens = 16, 16
     else:
         shapes = args.shapes or [args.model, "qwen2.5-1.5b", "qwen2.5-7b", "llama-8b"]

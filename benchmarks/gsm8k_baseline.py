@@ -84,7 +84,7 @@ def load_rows(data: str | None, split: str, limit: int | None, calc_steps: str |
     wanted = gsm8k.parse_calc_steps(calc_steps)
     dataset = gsm8k.load_gsm8k(data, split=split)
     rows = [{"index": i, "question": q, "gold": gsm8k.gold_answer(a), "calc_steps": gsm8k.calc_steps(a)}
-            for i, (q, a) in enumerate(zip(dataset["question"], dataset["answer"]))]
+            for i, (q, a) in enumerate(zip(gsm8k.column(dataset, "question"), gsm8k.column(dataset, "answer")))]
     if wanted is not None:
         rows = [row for row in rows if wanted[0] <= row["calc_steps"] <= wanted[1]]
     return rows if limit is None else rows[:limit]

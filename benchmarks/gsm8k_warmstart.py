@@ -103,7 +103,7 @@ def load_train_rows(data: str | None, limit: int | None, split: str = "train") -
 
     dataset = gsm8k.load_gsm8k(data, split=split)
     rows = [{"index": i, "question": q, "answer": a, "gold": gsm8k.gold_answer(a)}
-            for i, (q, a) in enumerate(zip(dataset["question"], dataset["answer"]))]
+            for i, (q, a) in enumerate(zip(gsm8k.column(dataset, "question"), gsm8k.column(dataset, "answer")))]
     return rows if limit is None else rows[:limit]
 
 
@@ -111,7 +111,7 @@ def load_test_questions(data: str | None, split: str = "test") -> list[str]:
     """Every question of ``split`` (the test split by default; the decontamination check reads all of them)."""
     from bloggap_plugin.tasks import gsm8k
 
-    return list(gsm8k.load_gsm8k(data, split=split)["question"])
+    return gsm8k.column(gsm8k.load_gsm8k(data, split=split), "question")
 
 
 def training_example(question: str, answer: str, tokenizer=None) -> dict:

@@ -122,9 +122,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="output folder (default benchmarks/results/<device>)")
     parser.add_argument("--device", default=None, help="default: cuda if available")
     parser.add_argument("--model", default="smollm2", help="real-weights model for T7/T8 (smollm2)")
-    parser.add_argument("--rows", type=int, default=128, help="evaluation rollouts (128 -> 6,144 tokens)")
-    parser.add_argument("--calibration-rows", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--rows", type=int, default=None, help="evaluation rollouts (128 -> 6,144 tokens; quick 8)")
+    parser.add_argument("--calibration-rows", type=int, default=None, help="calibration rollouts (32; quick 8)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="tokens per rollout (48; quick 12)")
     parser.add_argument("--k", type=int, nargs="+", default=[4, 8, 12])
     parser.add_argument("--t9-shapes", nargs="+", default=None, help="default qwen2.5-3b qwen2.5-7b llama-8b")
     parser.add_argument("--t9-rows", type=int, default=8)
@@ -139,8 +139,11 @@ def main(argv=None) -> int:
     cuda = device.type == "cuda"
     if not cuda:
         torch.set_num_threads(1)
+    sizes = (8, 8, 12) if args.quick else (128, 32, 48)  # rows, calibration rows, new tokens unless given
+    args.rows, args.calibration_rows, args.new_tokens = (
+        given or default for given, default in zip((args.rows, args.calibration_rows, args.new_tokens), sizes))
     if args.quick:
-        args.rows, args.calibration_rows, args.new_tokens, args.k = 8, 8, 12, [8]
+        args.k = [8]
         t9 = args.t9_shapes or ["tiny-llama", "tiny-qwen2-tied"]
         args.t9_rows, args.t9_seq = 2, 32
     else:

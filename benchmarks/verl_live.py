@@ -58,6 +58,7 @@ DUMP_ENV = "BLOGGAP_VERL_DUMP_LOGPROBS"  # bloggap_plugin.verl.engine.DUMP_ENV (
 # ``ray.init()`` clusters would both bind the dashboard agent's fixed port 52365) and a smaller vLLM share of the GPU
 PARALLEL_GPU_MEMORY = 0.12  # x 139 GiB = 16.7 GiB per engine; SmolLM2-135M needs < 1 GiB of weights
 RAY_PORT_BASE = 20000  # slot k uses ports RAY_PORT_BASE + 1000 k ... + 999 (Ray's own defaults stay below 20000)
+POLL_S = 2.0  # seconds between looks at the running runs (each runs for minutes)
 # vLLM start-up failures caused by the other runs on the GPU, not by the run: its memory profiling saw another
 # process free memory, or counted another process's growth as its own and left no KV cache (seen at 5 runs x 0.12)
 START_RACES = ("Error in memory profiling", "No available memory for the cache blocks")
@@ -310,7 +311,7 @@ def _run_batch(batch: list[str], args, out: Path, result: dict, result_path: Pat
     attempts = dict.fromkeys(batch, 1)
     first_start = {run: job["start"] for run, job in jobs.items()}
     while jobs:
-        time.sleep(2)
+        time.sleep(POLL_S)
         for run, job in list(jobs.items()):
             rc = _wait(job)
             if rc == -1:
@@ -369,7 +370,7 @@ def cmd_run(args) -> None:
             continue
         job = _launch(run, args, out, None, min(args.run_timeout, left))
         while (rc := _wait(job)) == -1:
-            time.sleep(1)
+            time.sleep(POLL_S)
         _ray_stop(args.python)
         _record(run, out, rc, time.time() - job["start"], result, result_path)
 

@@ -122,8 +122,8 @@ def get_task(
         raw = gsm8k.filter_by_calc_steps(gsm8k.load_gsm8k(data, split=split), calc_steps).shuffle(seed=seed)
         if n is not None:
             raw = raw.select(range(min(n, len(raw))))
-        messages = [gsm8k.build_messages(q) for q in raw["question"]]
-        answers = [gsm8k.gold_answer(a) for a in raw["answer"]]
+        messages = [gsm8k.build_messages(q) for q in gsm8k.column(raw, "question")]
+        answers = [gsm8k.gold_answer(a) for a in gsm8k.column(raw, "answer")]
         reward = gsm8k.accuracy_reward if parser == "lenient" else gsm8k.strict_accuracy_reward
     elif name == "arith":
         from bloggap_plugin.tasks import arith
@@ -176,8 +176,8 @@ def get_heldout(name: str, tokenizer=None, seed: int = 0, heldout_n: int = HELDO
                              "held-out evaluation off (--heldout-n 0)")
         raw = gsm8k.filter_by_calc_steps(gsm8k.load_gsm8k(data, split="test"), calc_steps)
         raw = raw.select(range(min(heldout_n, len(raw))))
-        messages = [gsm8k.build_messages(q) for q in raw["question"]]
-        answers = [gsm8k.gold_answer(a) for a in raw["answer"]]
+        messages = [gsm8k.build_messages(q) for q in gsm8k.column(raw, "question")]
+        answers = [gsm8k.gold_answer(a) for a in gsm8k.column(raw, "answer")]
     else:
         import random
 

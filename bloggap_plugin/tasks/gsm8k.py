@@ -61,6 +61,7 @@ __all__ = [
     "worked_solution",
     "completion_text",
     "load_gsm8k",
+    "column",
     "SPLITS",
     "VALIDATION_N",
     "VALIDATION_SALT",
@@ -302,6 +303,12 @@ def _no_progress_bars(datasets) -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
+def column(dataset, name: str) -> list:
+    """Column ``name`` of a ``datasets.Dataset`` as a list, read in one call: iterating the lazy ``Column`` that
+    ``dataset[name]`` is (datasets >= 4) reads one row at a time, slowest after a ``shuffle`` or ``select``."""
+    return dataset[name][:]
+
+
 def validation_rows(questions: list[str], n: int = VALIDATION_N) -> list[int]:
     """Indices (ascending) of the ``n`` rows of ``questions`` held out as validation: the rows whose
     ``sha256(VALIDATION_SALT + "\\n" + question)`` (UTF-8, hex) sorts lowest, ties by index. The rule reads only each
@@ -327,7 +334,7 @@ def _recorded_validation_rows() -> tuple[int, list[int]]:
 def _split_train(dataset, split: str):
     """``split`` (``validation`` or ``train_minus_validation``) of the train split ``dataset``; checked against
     :data:`VALIDATION_FILE` when ``dataset`` has the published train split's row count."""
-    held = validation_rows(list(dataset["question"]))
+    held = validation_rows(column(dataset, "question"))
     train_rows, recorded = _recorded_validation_rows()
     if len(dataset) == train_rows and held != recorded:
         raise GSM8KDataError(f"the validation rows of this GSM8K train split ({len(dataset):,} rows) differ from those "
@@ -418,7 +425,7 @@ def filter_by_calc_steps(dataset, steps: int | str | tuple[int, int] | None):
     if bounds is None:
         return dataset
     low, high = bounds
-    keep = [i for i, answer in enumerate(dataset["answer"]) if low <= calc_steps(answer) <= high]
+    keep = [i for i, answer in enumerate(column(dataset, "answer")) if low <= calc_steps(answer) <= high]
     if not keep:
         wanted = str(low) if low == high else f"{low}-{high}"
         raise GSM8KDataError(f"no GSM8K row has {wanted} calculation step(s) (<<...>> marks) among {len(dataset)}; "

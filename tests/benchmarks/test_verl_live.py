@@ -12,59 +12,56 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _support import ROOT
+from _support.verl_config import compose_ppo_trainer
 
 from benchmarks import verl_live
 from benchmarks._lib import verl_records
 
 
 def test_every_run_composes_against_verls_config(tmp_path):
-    import verl
-    from hydra import compose, initialize_config_dir
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
     from bloggap_plugin.verl.config import load_settings
 
-    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        for run in verl_records.RUNS:
-            argv, env = verl_live.command(run, "/m/smollm2", tmp_path / "data", tmp_path, steps=25)
-            assert argv[1:3] == ["-m", "verl.trainer.main_ppo"]
-            cfg = compose(config_name="ppo_trainer", overrides=argv[3:])
-            load_settings(cfg.get("bloggap"))
-            # main_ppo's own checks before Ray starts (batch sizes against GPUs, micro-batch settings, ...)
-            validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
-            assert not need_reference_policy(cfg) and not need_critic(cfg) and cfg.trainer.use_v1
-            rollout, corr = cfg.actor_rollout_ref.rollout, cfg.algorithm.rollout_correction
-            assert cfg.actor_rollout_ref.model.path == "/m/smollm2" and rollout.name == "vllm"
-            assert cfg.trainer.total_training_steps == 25 and cfg.trainer.n_gpus_per_node == 1
-            assert list(cfg.trainer.logger) == ["console", "file"] and cfg.ray_kwargs.ray_init.include_dashboard is False
-            assert cfg.reward.custom_reward_function.path == "pkg://bloggap_plugin.tasks.verl_data"
-            assert cfg.data.train_files == str(tmp_path / "data" / "train.parquet")
-            # a run without the plugin cannot use the plugin's loss: verl refuses "gap_vanilla" when nothing
-            # registered it (seen on the H200, 2026-12-01); nofix runs use verl's own vanilla loss
-            disabled = env["BLOGGAP_VERL_DISABLE"] == "1"
-            assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == ("vanilla" if disabled else "gap_vanilla")
-            if disabled:
-                assert not [o for o in argv if "+bloggap." in o or "loss_mode=gap_" in o]
-            truncated = run.endswith(("/nofix", "/fix", "/guard"))
-            assert rollout.top_p == (0.8 if truncated else 1.0)
-            assert env["BLOGGAP_VERL_DISABLE"] == ("1" if run.endswith("/nofix") else "0")
-            if run.startswith("seq_mis/"):
-                assert (corr.rollout_is, corr.rollout_is_threshold, corr.rollout_rs, corr.rollout_rs_threshold) == (
-                    "sequence", 2.0, "seq_sum_k1", "0.5_2.0")
-            else:
-                assert (corr.rollout_is, corr.rollout_rs, corr.rollout_rs_threshold) == (None, "seq_mean_k1", "0.999_1.001")
-            if run.endswith("/fix"):
-                assert cfg.bloggap.kept_source == "retruncate" and cfg.actor_rollout_ref.model.use_fused_kernels is False
-            elif run.endswith("/guard"):  # the bug with the plugin on: no lift, so the guard meets it
-                assert cfg.bloggap.fix_truncation is False and load_settings(cfg.bloggap).guard == "warn"
-            else:
-                assert "bloggap" not in cfg or "kept_source" not in cfg.bloggap
-            if run == "arm_E":
-                assert cfg.bloggap.fp32_head is True
-            if run in ("arm_B", "arm_F"):
-                assert cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype == {"arm_B": "fp32", "arm_F": "fp16"}[run]
+    for run in verl_records.RUNS:
+        argv, env = verl_live.command(run, "/m/smollm2", tmp_path / "data", tmp_path, steps=25)
+        assert argv[1:3] == ["-m", "verl.trainer.main_ppo"]
+        cfg = compose_ppo_trainer(argv[3:])
+        load_settings(cfg.get("bloggap"))
+        # main_ppo's own checks before Ray starts (batch sizes against GPUs, micro-batch settings, ...)
+        validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+        assert not need_reference_policy(cfg) and not need_critic(cfg) and cfg.trainer.use_v1
+        rollout, corr = cfg.actor_rollout_ref.rollout, cfg.algorithm.rollout_correction
+        assert cfg.actor_rollout_ref.model.path == "/m/smollm2" and rollout.name == "vllm"
+        assert cfg.trainer.total_training_steps == 25 and cfg.trainer.n_gpus_per_node == 1
+        assert list(cfg.trainer.logger) == ["console", "file"] and cfg.ray_kwargs.ray_init.include_dashboard is False
+        assert cfg.reward.custom_reward_function.path == "pkg://bloggap_plugin.tasks.verl_data"
+        assert cfg.data.train_files == str(tmp_path / "data" / "train.parquet")
+        # a run without the plugin cannot use the plugin's loss: verl refuses "gap_vanilla" when nothing
+        # registered it (seen on the H200, 2026-12-01); nofix runs use verl's own vanilla loss
+        disabled = env["BLOGGAP_VERL_DISABLE"] == "1"
+        assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == ("vanilla" if disabled else "gap_vanilla")
+        if disabled:
+            assert not [o for o in argv if "+bloggap." in o or "loss_mode=gap_" in o]
+        truncated = run.endswith(("/nofix", "/fix", "/guard"))
+        assert rollout.top_p == (0.8 if truncated else 1.0)
+        assert env["BLOGGAP_VERL_DISABLE"] == ("1" if run.endswith("/nofix") else "0")
+        if run.startswith("seq_mis/"):
+            assert (corr.rollout_is, corr.rollout_is_threshold, corr.rollout_rs, corr.rollout_rs_threshold) == (
+                "sequence", 2.0, "seq_sum_k1", "0.5_2.0")
+        else:
+            assert (corr.rollout_is, corr.rollout_rs, corr.rollout_rs_threshold) == (None, "seq_mean_k1", "0.999_1.001")
+        if run.endswith("/fix"):
+            assert cfg.bloggap.kept_source == "retruncate" and cfg.actor_rollout_ref.model.use_fused_kernels is False
+        elif run.endswith("/guard"):  # the bug with the plugin on: no lift, so the guard meets it
+            assert cfg.bloggap.fix_truncation is False and load_settings(cfg.bloggap).guard == "warn"
+        else:
+            assert "bloggap" not in cfg or "kept_source" not in cfg.bloggap
+        if run == "arm_E":
+            assert cfg.bloggap.fp32_head is True
+        if run in ("arm_B", "arm_F"):
+            assert cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype == {"arm_B": "fp32", "arm_F": "fp16"}[run]
 
 
 def test_geo_rs_preset_matches_verls_dataclass(tmp_path):
@@ -160,18 +157,14 @@ def test_probe_reports_missing_and_present_modules():
 
 def test_verls_rl_dataset_reads_the_prepared_parquet(tmp_path):
     """verl's own RLHFDataset, with the data config the harness composes, reads what `prepare` writes."""
-    import verl
-    from hydra import compose, initialize_config_dir
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
     from bloggap_plugin.models import tiny_tokenizer
     from bloggap_plugin.tasks import arith
 
     verl_live.cmd_prepare(type("A", (), {"out": str(tmp_path), "n_train": 6})())
-    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        argv, _ = verl_live.command("geo_rs/fix", "/m", tmp_path / "data", tmp_path)
-        cfg = compose(config_name="ppo_trainer", overrides=argv[3:])
+    argv, _ = verl_live.command("geo_rs/fix", "/m", tmp_path / "data", tmp_path)
+    cfg = compose_ppo_trainer(argv[3:])
     cfg.data.dataloader_num_workers = 0
     tokenizer = tiny_tokenizer()
     dataset = RLHFDataset(cfg.data.train_files, tokenizer, cfg.data)
@@ -219,8 +212,9 @@ def _fake_setup(tmp_path, script: str) -> tuple[Path, Path]:
     return fake, out
 
 
-def test_run_loop_writes_json_per_run_and_skips_past_budget(tmp_path):
+def test_run_loop_writes_json_per_run_and_skips_past_budget(tmp_path, monkeypatch):
     fake, out = _fake_setup(tmp_path, FAKE_MAIN_PPO)
+    monkeypatch.setattr(verl_live, "POLL_S", 0.05)  # the stand-in runs end at once
     argv = ["run", "--model", str(tmp_path / "model"), "--out", str(out), "--python", str(fake),
             "--runs", "geo_rs/nofix,geo_rs/fix", "--budget", "100"]
     verl_live.main(argv)
@@ -261,6 +255,7 @@ echo "main_ppo $tag RAY_ADDRESS=$RAY_ADDRESS" >> "$FAKE_LOG"
 def test_parallel_runs_get_their_own_cluster_and_survive_the_profiling_race(tmp_path, monkeypatch):
     fake, out = _fake_setup(tmp_path, FAKE_PARALLEL)
     monkeypatch.setenv("FAKE_LOG", str(tmp_path / "calls"))
+    monkeypatch.setattr(verl_live, "POLL_S", 0.05)  # the stand-in runs end within a second
     verl_live.main(["run", "--model", str(tmp_path / "model"), "--out", str(out), "--python", str(fake),
                     "--runs", "geo_rs/nofix,seq_mis/fix,arm_B", "--budget", "400", "--parallel", "2"])
     calls = (tmp_path / "calls").read_text().splitlines()

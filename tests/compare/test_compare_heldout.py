@@ -365,8 +365,8 @@ def test_the_gsm8k_comparison_plan_is_the_declared_one_and_passes_every_check_bu
     heldout, _ = get_heldout("gsm8k", None, seed=0, heldout_n=config.heldout_n, **run_task_kwargs(config))
     assert len(heldout) == 1319  # the whole test split
     train, _ = get_task("gsm8k", None, seed=0, **{**run_task_kwargs(config), "n": None})
-    validation = set(gsm8k.load_gsm8k(gsm8k_dir, split="validation")["question"])
-    assert len(train) == 7473 - 500 and not {p[-1]["content"] for p in train["prompt"]} & validation
+    validation = set(gsm8k.column(gsm8k.load_gsm8k(gsm8k_dir, split="validation"), "question"))
+    assert len(train) == 7473 - 500 and not {p[-1]["content"] for p in gsm8k.column(train, "prompt")} & validation
 
 
 def test_the_gsm8k_compare_call_script_needs_a_selection_and_reaches_the_vllm_check(tmp_path, gsm8k_dir, spawns):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
+import pytest
 import yaml
 from _support import ROOT
 
@@ -155,9 +156,16 @@ class Sources:
         ids = sorted(set(self.by_table) | set(self.reference), key=len, reverse=True)
         self._table = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, ids)) + r")(?![\w]|-\w)")
         self._file = re.compile(r"([\w.-]+)\.json")
+        self._cited: dict[str, list[Decimal] | None] = {}
 
     def cited(self, passage: str) -> list[Decimal] | None:
-        """The numbers of the results `passage` cites, or None when it cites none."""
+        """The numbers of the results `passage` cites, or None when it cites none (worked out once per passage:
+        every figure of a paragraph asks for the same)."""
+        if passage not in self._cited:
+            self._cited[passage] = self._numbers_cited(passage)
+        return self._cited[passage]
+
+    def _numbers_cited(self, passage: str) -> list[Decimal] | None:
         tables = set(self._table.findall(passage))
         paths = {p for t in tables for p in self.by_table.get(t, ())}
         for stem in self._file.findall(passage):
@@ -208,9 +216,15 @@ def _paragraphs(raw: str) -> list[str]:
     return out
 
 
-def unheld_figures() -> list[Figure]:
+@pytest.fixture(scope="module")
+def sources() -> Sources:
+    """The committed results' numbers, read once for the tests of this file."""
+    return Sources()
+
+
+def unheld_figures(sources: Sources) -> list[Figure]:
     """Figures no result holds: in a paragraph that cites results, the cited ones; elsewhere, any committed one."""
-    sources, allowed, unheld = Sources(), _allowed(), []
+    allowed, unheld = _allowed(), []
     for path in _docs():
         raw = path.read_text()
         paragraphs = _paragraphs(raw)
@@ -221,8 +235,8 @@ def unheld_figures() -> list[Figure]:
     return unheld
 
 
-def test_every_figure_in_the_docs_is_held_by_a_result_file():
-    unheld = unheld_figures()
+def test_every_figure_in_the_docs_is_held_by_a_result_file(sources):
+    unheld = unheld_figures(sources)
     listing = "\n".join(f"{f.doc}:{f.line}: {f.text}{f.unit} in: {f.context[:120]}" for f in unheld)
     assert not unheld, (f"{len(unheld)} figure(s) in README/docs that no result file under benchmarks/results/ (nor "
                         f"BENCHMARKS.md) holds: cite the result, put it into one, or describe the mechanism "
@@ -251,9 +265,8 @@ def test_the_check_finds_unheld_figures_after_the_printed_rounding():
 
 
 
-def test_a_paragraph_that_cites_results_is_checked_against_those():
+def test_a_paragraph_that_cites_results_is_checked_against_those(sources):
     """Arm A's median step of the 656713e pair is in its file; the 616bb98 file's is not, though some file holds it."""
-    sources = Sources()
     pair, earlier = Figure("x.md", 1, "0.371", "", ""), Figure("x.md", 1, "0.292", "", "")
     cited = sources.cited("arm A's step in `arm_j_live_656713e.json`")
     assert is_held(pair, cited) and not is_held(earlier, cited) and is_held(earlier, sources.everything)

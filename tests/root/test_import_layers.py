@@ -8,6 +8,7 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
 from _support import ROOT
 
 PACKAGE = ROOT / "bloggap_plugin"
@@ -122,8 +123,13 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_graph_is_read():
-    graph = import_graph()
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    """The package's import graph (:func:`import_graph`), read once for the tests of this file (which only read it)."""
+    return import_graph()
+
+
+def test_the_graph_is_read(graph):
     assert "bloggap_plugin.core.arms" in graph["bloggap_plugin.core.plans.registry"]
     # an import inside a function counts: commands.doctor imports measure.doctor_matrix in its run()
     assert "bloggap_plugin.measure.doctor_matrix" in graph["bloggap_plugin.commands.doctor"]
@@ -131,25 +137,25 @@ def test_the_graph_is_read():
     assert "bloggap_plugin.compare" in graph["bloggap_plugin.commands.compare"]
 
 
-def test_every_unit_has_a_layer():
-    units = {unit_of(module) for module in import_graph()}
+def test_every_unit_has_a_layer(graph):
+    units = {unit_of(module) for module in graph}
     placed = [unit for units_ in LAYERS for unit in units_]
     assert len(placed) == len(set(placed)), "a unit is in two layers"
     assert units == set(placed), f"place these in LAYERS: {sorted(units - set(placed))}; gone: {sorted(set(placed) - units)}"
 
 
-def test_core_imports_nothing_outside_core():
-    outside = [f"{source} -> {target}" for source, targets in sorted(import_graph().items())
+def test_core_imports_nothing_outside_core(graph):
+    outside = [f"{source} -> {target}" for source, targets in sorted(graph.items())
                if unit_of(source) == "core" for target in sorted(targets) if unit_of(target) != "core"]
     assert outside == []
 
 
-def test_no_import_from_a_lower_layer_to_a_higher_one():
-    assert upward_imports(import_graph(), LAYERS) == []
+def test_no_import_from_a_lower_layer_to_a_higher_one(graph):
+    assert upward_imports(graph, LAYERS) == []
 
 
-def test_no_import_circle():
-    assert cycles(import_graph()) == []
+def test_no_import_circle(graph):
+    assert cycles(graph) == []
 
 
 def test_the_checks_catch_what_they_look_for():

@@ -41,20 +41,20 @@ def test_validation_and_the_rest_partition_train_in_file_order(gsm8k_dir):
     rows = _recorded()["rows"]
     validation = gsm8k.load_gsm8k(gsm8k_dir, split="validation")
     rest = gsm8k.load_gsm8k(gsm8k_dir, split="train_minus_validation")
-    assert list(validation["question"]) == [train[i]["question"] for i in rows]
+    assert gsm8k.column(validation, "question") == [train[i]["question"] for i in rows]
     held = set(rows)
-    assert list(rest["question"]) == [row["question"] for i, row in enumerate(train) if i not in held]
+    assert gsm8k.column(rest, "question") == [row["question"] for i, row in enumerate(train) if i not in held]
     assert len(validation) == 500 and len(rest) == 7473 - 500
-    assert not set(validation["question"]) & set(rest["question"])
+    assert not set(gsm8k.column(validation, "question")) & set(gsm8k.column(rest, "question"))
 
 
 def test_a_training_set_of_the_rest_never_holds_a_validation_question(gsm8k_dir):
-    validation = set(gsm8k.load_gsm8k(gsm8k_dir, split="validation")["question"])
+    validation = set(gsm8k.column(gsm8k.load_gsm8k(gsm8k_dir, split="validation"), "question"))
     dataset, _ = get_task("gsm8k", None, seed=4, data=str(gsm8k_dir), train_split="train_minus_validation")
-    questions = {prompt[-1]["content"] for prompt in dataset["prompt"]}
+    questions = {prompt[-1]["content"] for prompt in gsm8k.column(dataset, "prompt")}
     assert len(dataset) == 7473 - 500 and not questions & validation
     every, _ = get_task("gsm8k", None, seed=4, data=str(gsm8k_dir))  # the default keeps every train row
-    assert len(every) == 7473 and len({p[-1]["content"] for p in every["prompt"]} & validation) == 500
+    assert len(every) == 7473 and len({p[-1]["content"] for p in gsm8k.column(every, "prompt")} & validation) == 500
     heldout, _ = get_heldout("gsm8k", None, data=str(gsm8k_dir), train_split="train_minus_validation", heldout_n=3)
     test = _rows(gsm8k_dir / "test.jsonl")
     assert [p[-1]["content"] for p in heldout["prompt"]] == [row["question"] for row in test[:3]]

@@ -78,6 +78,13 @@ def test_sample_fixture_loads_in_every_local_form(tmp_path):
     assert gsm8k.load_gsm8k(saved)["question"] == from_jsonl["question"]
 
 
+def test_a_column_reads_as_the_list_of_its_rows_after_shuffle_and_select():
+    dataset = gsm8k.load_gsm8k(gsm8k.SAMPLE_PATH)
+    for view in (dataset, dataset.shuffle(seed=3), dataset.shuffle(seed=3).select([2, 0])):
+        got = gsm8k.column(view, "question")
+        assert type(got) is list and got == [view[i]["question"] for i in range(len(view))]
+
+
 def test_gsm8k_errors_say_how_to_provide_data(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

@@ -16,6 +16,7 @@ import pytest
 import torch
 from _support import ROOT
 from _support.events import HANG_S
+from _support.verl_config import compose_ppo_trainer
 
 verl = pytest.importorskip("verl")
 
@@ -688,24 +689,36 @@ def test_recipes_compose_against_verls_hydra_config():
     import glob
 
     import yaml
-    from hydra import compose, initialize_config_dir
 
     from bloggap_plugin.verl.config import load_settings
 
-    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
     recipes = sorted(glob.glob(os.path.join(ROOT, "recipes", "verl", "*.yaml")))
     assert {os.path.basename(r) for r in recipes} >= {"arm_A.yaml", "arm_B.yaml", "arm_E.yaml", "arm_F.yaml", "guard.yaml"}
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        for recipe in recipes:
-            cfg = compose(config_name="ppo_trainer", overrides=yaml.safe_load(open(recipe))["overrides"])
-            load_settings(cfg.get("bloggap"))  # the plugin accepts every node the recipes set
-            name = os.path.basename(recipe)
-            if name == "arm_B.yaml":
-                assert cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype == "fp32"
-            if name == "arm_E.yaml":
-                assert cfg.bloggap.fp32_head is True and cfg.actor_rollout_ref.model.use_fused_kernels is False
+    for recipe in recipes:
+        cfg = compose_ppo_trainer(yaml.safe_load(open(recipe))["overrides"])
+        load_settings(cfg.get("bloggap"))  # the plugin accepts every node the recipes set
+        name = os.path.basename(recipe)
+        if name == "arm_B.yaml":
+            assert cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype == "fp32"
+        if name == "arm_E.yaml":
+            assert cfg.bloggap.fp32_head is True and cfg.actor_rollout_ref.model.use_fused_kernels is False
     with pytest.raises(ValueError, match="unknown bloggap setting"):
         load_settings({"fp32head": True})
+
+
+def test_the_tests_verl_config_is_what_hydra_composes_from_verls_files():
+    """compose_ppo_trainer (tests/_support/verl_config.py, which parses each of verl's YAML files once per session)
+    gives the config Hydra composes reading every file, twice in a row (the second from the kept parse)."""
+    import yaml
+    from hydra import compose, initialize_config_dir
+
+    overrides = yaml.safe_load(open(os.path.join(ROOT, "recipes", "verl", "arm_E.yaml")))["overrides"]
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        plain = OmegaConf.to_container(compose(config_name="ppo_trainer", overrides=overrides))
+    assert plain["bloggap"]["fp32_head"] is True
+    for _ in range(2):
+        assert OmegaConf.to_container(compose_ppo_trainer(overrides)) == plain
 
 
 # ------------------------------------------------------------------------------------------------ differential
