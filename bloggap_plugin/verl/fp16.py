@@ -38,7 +38,8 @@ def _select(config: Any, dotted: str) -> Any:
 def fp16_parts(config: Any) -> list[str]:
     """The config keys of ``config`` (a verl trainer config) that put the actor or the rollout in fp16."""
     keys = ("actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype", "actor_rollout_ref.rollout.dtype")
-    return [f"{key}={_select(config, key)}" for key in keys if str(_select(config, key)).lower() in FP16_NAMES]
+    values = {key: _select(config, key) for key in keys}
+    return [f"{key}={value}" for key, value in values.items() if str(value).lower() in FP16_NAMES]
 
 
 def check_fp16(config: Any, settings: BloggapVerlConfig) -> None:
