@@ -15,8 +15,8 @@
 # PARALLEL=N runs up to N settings at once (each started while MIN_S of the budget is left, given what is left at
 # its start; the lines come in the order the settings were given); GPU_MEM=F gives each setting's vLLM evaluations
 # that gpu_memory_utilization (gsm8k_warmstart --gpu-mem; default 0.5, which fits one evaluation at a time).
-# Five SmolLM2 settings at once did not fit one H200 (an SFT process held 82 GiB; benchmarks/results/h200/logs/
-# gsm8k_warmstart_settings_parallel5_b06bb1d.log): the default is one at a time.
+# How many settings fit one GPU at once is measured, not assumed: the five at once ran out of memory on an H200
+# (benchmarks/results/h200/logs/gsm8k_warmstart_settings_parallel5_b06bb1d.log), so the default is one at a time.
 #
 # DECLARED=FILE (issue 45): the settings declared in FILE (benchmarks/gsm8k_warmstart_declared.yaml), each with
 # its arguments there (scored on the validation split); NAME arguments pick some of them (default: all), and a name
