@@ -211,7 +211,7 @@ def attention_formula_rows(policy: Any, ids: Any, mask: Any, keep: int, device: 
     import torch
 
     from bloggap_plugin.core.vllm import autograd as vllm_autograd
-    from bloggap_plugin.core.vllm.form import _step_calls, pack, paged_kv, prompt_first
+    from bloggap_plugin.core.vllm.form import pack, paged_kv, prompt_first, stepwise_calls
 
     config = policy.config
     packed = pack(ids, mask)
@@ -219,7 +219,7 @@ def attention_formula_rows(policy: Any, ids: Any, mask: Any, keep: int, device: 
     generated[:, -keep:] = True
     packed.generated = generated[packed.where]
     ordered = prompt_first(packed)
-    calls = _step_calls(ordered, 16, ids.device)
+    calls = stepwise_calls(ordered, 16)
     slot, block_table, blocks = ordered.paged[16]
     layout = (slot[ordered.order], block_table, blocks)  # the cache slot of each token in prompt_first's order
     total = int(ordered.cu_seqlens[-1])

@@ -15,6 +15,7 @@ the same value whatever the number of rows in the call (tested on CPU).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from typing import Any, TypedDict
@@ -32,6 +33,7 @@ __all__ = [
     "POSITION_MODES",
     "DEFAULT_CHUNK_TOKENS",
     "ScoringOptions",
+    "autocast_off",
 ]
 
 POSITION_MODES = ("mask", "arange")
@@ -137,6 +139,13 @@ def output_head(model: nn.Module) -> tuple[nn.Module, str, nn.Module]:
     )
 
 
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast disabled for ``device_type`` (a null context on a device without autocast, e.g. ``meta``)."""
+    if not torch.amp.is_autocast_available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, enabled=False)
+
+
 def _score(produce: Callable[[], torch.Tensor], targets: torch.Tensor, index: TileIndex, temperature: float,
            reduce: LogprobReducer) -> torch.Tensor:
     """``reduce`` of the fp32, temperature-scaled logits that ``produce()`` returns ``[b, t, V]``: ``[b, t]``.
@@ -145,7 +154,7 @@ def _score(produce: Callable[[], torch.Tensor], targets: torch.Tensor, index: Ti
     tiled), so a ``reduce`` computes in fp32 whatever context the caller scores in.
     """
     logits = produce()
-    with torch.autocast(device_type=logits.device.type, enabled=False):
+    with autocast_off(logits.device.type):
         logits = logits.float()  # the low-precision logits are freed here (only this frame holds them)
         if temperature != 1.0:
             logits = logits / temperature

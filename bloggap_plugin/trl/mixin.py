@@ -57,6 +57,7 @@ BATCH_KEYS = (
     "gap_probe_row",
     "gap_ref_logps",
     "gap_is_ratio",
+    "gap_host_mask",
 )
 
 

@@ -108,9 +108,14 @@ class Scorer:
         plan = self.state.resources.plan
         return OnPolicyForward(self.policy(), plan.form, plan.kernels)
 
-    def onpolicy_logps(self, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False):
+    def onpolicy_logps(self, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, *,
+                       host_mask: torch.Tensor | None = None):
         """``(logps [B, K] fp32, entropies [B, K] | None)`` of arm J's training forward, with gradients to the policy;
-        the entropies are of the same logits, detached."""
+        the entropies are of the same logits, detached. ``host_mask``: ``attention_mask``'s copy on the CPU (the
+        batch's ``gap_host_mask``), from which the forward lays out the rows without reading the device; used when
+        its shape is the mask's, else the device mask is read."""
+        if host_mask is not None and host_mask.shape == attention_mask.shape:
+            attention_mask = host_mask
         return self.state.resources.onpolicy.token_logprobs(
             input_ids, attention_mask, logits_to_keep, batch_size, temperature=self.trainer.temperature,
             chunk_tokens=self.state.config.score_chunk_tokens, compute_entropy=compute_entropy,

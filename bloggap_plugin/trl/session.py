@@ -205,6 +205,10 @@ class GapSession:
                 self.stats.trl_sampling_metrics([output])
             if measure:
                 self.stats.generation_metrics(output, ids, attn, logits_to_keep)
+        if state.resources.onpolicy is not None:
+            # arm J: the training forwards lay out their rows from a host copy of the mask, read here once per
+            # generation (shuffled and split with the batch), so no micro-batch's forward waits on the device
+            output["gap_host_mask"] = attn.cpu()
         state.totals.time += time.perf_counter() - start - replaced
         state.totals.replaced_time += replaced
         return output
@@ -306,7 +310,7 @@ class GapSession:
         if is_policy and loss is not None and state.resources.onpolicy is not None:
             # arm J: the training forward in the old log-probs' form (vLLM's numbers), over the policy's parameters
             logps, entropies = self.scorer.onpolicy_logps(input_ids, attention_mask, logits_to_keep, batch_size,
-                                                          compute_entropy)
+                                                          compute_entropy, host_mask=loss.host_mask)
             loss.new_logps = logps.detach()
             return logps, entropies, None
         kept = loss.kept if is_policy and loss is not None else None
@@ -339,7 +343,7 @@ class GapSession:
         kept = self.scorer.kept_from(inputs) if state.settings.renormalize else None
         # TRL's _compute_loss calls the training forward back: it reads the pass's kept sets and leaves its log-probs
         # there for the loss-time metrics; none of it outlives the pass
-        with state.loss_pass(kept):
+        with state.loss_pass(kept, host_mask=inputs.get("gap_host_mask")):
             state.totals.time += time.perf_counter() - start
             loss = self.trainer._gap_next("_compute_loss", model, loss_inputs)
             start = time.perf_counter()

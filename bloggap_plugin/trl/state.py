@@ -163,6 +163,9 @@ class LossPass:
     """Kept sets the training forward renormalises over (``gap.kept: renormalize``), or ``None``."""
     new_logps: torch.Tensor | None = None
     """The training forward's log-probs ``[B, K]``, detached (for the loss-time metrics)."""
+    host_mask: torch.Tensor | None = None
+    """Arm J: the micro-batch's attention mask ``[B, L]`` on the CPU (``gap_host_mask``, copied once per generation),
+    from which its training forward lays out the rows without reading the device."""
 
 
 @dataclass
@@ -220,12 +223,12 @@ class GapState:
         return None if self.loss is None else self.loss.new_logps
 
     @contextlib.contextmanager
-    def loss_pass(self, kept: Any = None) -> Iterator[LossPass]:
-        """One micro-batch's loss pass: ``loss`` is a fresh :class:`LossPass` with ``kept`` inside, and ``None`` again
-        on exit, also on an exception, so nothing of it outlives the pass. Passes do not nest."""
+    def loss_pass(self, kept: Any = None, host_mask: torch.Tensor | None = None) -> Iterator[LossPass]:
+        """One micro-batch's loss pass: ``loss`` is a fresh :class:`LossPass` with ``kept`` and ``host_mask`` inside,
+        and ``None`` again on exit, also on an exception, so nothing of it outlives the pass. Passes do not nest."""
         if self.loss is not None:
             raise RuntimeError("bloggap: a loss pass began inside another (TRL's _compute_loss re-entered)")
-        self.loss = LossPass(kept=kept)
+        self.loss = LossPass(kept=kept, host_mask=host_mask)
         try:
             yield self.loss
         finally:

@@ -231,9 +231,9 @@ def test_paged_attention_pieces_have_torchs_fp32_gradient(page):
 
 def _arm_j_paged_calls(page: int = 4, keep: int = 16, seed: int = 3):
     """arm J's two paged calls on :func:`_rows` (entries of different lengths, GQA 4:2 heads), built as its forward
-    builds them (``prompt_first`` order, ``_step_calls``, ``paged_kv``): ``{"prefill" | "decode": (q, key_cache,
+    builds them (``prompt_first`` order, ``stepwise_calls``, ``paged_kv``): ``{"prefill" | "decode": (q, key_cache,
     value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)}``, fp32 random q/k/v."""
-    from bloggap_plugin.core.vllm.form import _step_calls, paged_kv
+    from bloggap_plugin.core.vllm.form import paged_kv, stepwise_calls
 
     ids, mask = _rows()
     packed = pack(ids, mask)
@@ -247,7 +247,7 @@ def _arm_j_paged_calls(page: int = 4, keep: int = 16, seed: int = 3):
     k, v = torch.randn(total, 2, 8, generator=gen), torch.randn(total, 2, 8, generator=gen)
     key_cache, value_cache, _ = paged_kv(k, v, ordered.lengths, page)
     calls = {}
-    for name, (index, *arguments) in zip(("prefill", "decode"), _step_calls(ordered, page, torch.device("cpu"))):
+    for name, (index, *arguments) in zip(("prefill", "decode"), stepwise_calls(ordered, page)):
         calls[name] = (q[index], key_cache, value_cache, *arguments)
     return calls
 
@@ -353,6 +353,30 @@ def test_parameter_gradients_within_bounds_of_torch_autograd(tiny_model, spec):
     assert all(float(g.norm()) > 0 for g in ours.values())
     assert not torch.equal(torch.cat([g.flatten() for g in ours.values()]),
                            torch.cat([g.flatten() for g in exact.values()]))  # not the fp32 forward itself
+
+
+@pytest.mark.parametrize("spec", ["all", "all,attention_launch=packed"])
+def test_training_forward_and_backward_read_nothing_of_the_device_with_a_host_mask(tiny_model, spec):
+    """With the attention mask on the CPU and everything else on the meta device (which holds no values: any read of
+    a tensor's values there raises, as ``.item()``, ``.tolist()``, ``nonzero`` or a boolean-mask index would wait for
+    a GPU), arm J's training forward and its backward run through: the rows' layout is computed on the host and copied
+    over. The same forward with the mask on the device reads it (and raises there). The attention stand-ins are
+    autograd's formulas (TORCH_KERNELS' references loop over rows on the host, as vLLM's kernels do not); the vLLM
+    forms only (``sdpa`` attention loops over rows on the host by design)."""
+    from bloggap_plugin.core.vllm.autograd import flash_formula, flash_paged_formula
+
+    source = _private(tiny_model)
+    with torch.device("meta"):
+        model = type(source)(source.config)
+    kernels = dataclasses.replace(TORCH_KERNELS, flash=flash_formula, flash_paged=flash_paged_formula)
+    forward = OnPolicyForward(model, parse_form(spec), kernels)
+    ids, mask = _rows()
+    logps, _ = forward.token_logprobs(ids.to("meta"), mask, 16, batch_size=4)
+    assert logps.device.type == "meta" and logps.shape == (6, 16)
+    logps.sum().backward()
+    assert all(p.grad is not None and p.grad.device.type == "meta" for p in model.parameters())
+    with pytest.raises((RuntimeError, NotImplementedError), match="meta"):
+        forward.token_logprobs(ids.to("meta"), mask.to("meta"), 16, batch_size=4)
 
 
 def test_grad_free_calls_run_the_kernel_alone(tiny_model):

@@ -78,6 +78,30 @@ def test_training_forward_with_vllms_kernels_is_the_scorer_bit_for_bit(policy, s
     policy.zero_grad()
 
 
+@pytest.mark.parametrize("spec", FORMS[:2])
+def test_training_forward_with_a_host_mask_never_waits_for_the_gpu(policy, spec):
+    """With the mask on the host (what the trainer passes: ``gap_host_mask``) the training forward queues its kernels
+    without one synchronisation of the device (CUDA's sync debug mode raises on any), and its log-probs are those of
+    the same forward from the device mask, bit for bit."""
+    from bloggap_plugin.core.plans.vllm_shadow import OnPolicyForward
+    from bloggap_plugin.core.vllm.form import parse_form
+    from bloggap_plugin.core.vllm.kernels import load_kernels
+
+    form = parse_form(spec)
+    forward = OnPolicyForward(policy, form, load_kernels(form, "cuda"))
+    ids, mask = _rows("cuda")
+    host = mask.cpu()
+    from_device, _ = forward.token_logprobs(ids, mask, 48)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        from_host, _ = forward.token_logprobs(ids, host, 48)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(from_host.detach(), from_device.detach())
+    policy.zero_grad()
+
+
 KEEP = 48
 
 

@@ -21,6 +21,27 @@ from bloggap_plugin.trl import GapCallback  # noqa: E402
 STEPS = 4  # two generations (steps_per_generation 2, num_iterations 2)
 
 
+def _spy_on_masks(monkeypatch) -> list:
+    """Record, per arm J training forward, ``(TRL's attention mask, the batch's host mask, the mask the forward got)``."""
+    from bloggap_plugin.core.plans.vllm_shadow import OnPolicyForward
+    from bloggap_plugin.trl.scorer import Scorer
+
+    seen: list = []
+    onpolicy_logps, forward_logprobs = Scorer.onpolicy_logps, OnPolicyForward.token_logprobs
+
+    def spy_scorer(self, input_ids, attention_mask, *args, host_mask=None, **kwargs):
+        seen.append([attention_mask.clone(), host_mask, None])
+        return onpolicy_logps(self, input_ids, attention_mask, *args, host_mask=host_mask, **kwargs)
+
+    def spy_forward(self, input_ids, attention_mask, *args, **kwargs):
+        seen[-1][2] = attention_mask
+        return forward_logprobs(self, input_ids, attention_mask, *args, **kwargs)
+
+    monkeypatch.setattr(Scorer, "onpolicy_logps", spy_scorer)
+    monkeypatch.setattr(OnPolicyForward, "token_logprobs", spy_forward)
+    return seen
+
+
 def _run(tmp_path, arm: str, **overrides):
     torch.manual_seed(4321)
     trainer = make(tmp_path, mode="plain", max_steps=STEPS, gradient_checkpointing=False, **overrides)
@@ -35,13 +56,19 @@ def _run(tmp_path, arm: str, **overrides):
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-def test_arm_j_ratio_is_exactly_one_at_each_generations_first_iteration(tmp_path, bf16, trains):
+def test_arm_j_ratio_is_exactly_one_at_each_generations_first_iteration(tmp_path, bf16, trains, monkeypatch):
     """Steps 1 and 3 are the first iteration of a generation (the weights are those the old log-probs were scored
     with): under arm J every token's new log-prob equals the old one bitwise (exact share 1, none out of band); the
     loss is finite and the weights train (fp32 masters, with and without TRL's bf16 autocast). Arm I (same run, TRL's
-    training forward) is not bitwise there."""
+    training forward) is not bitwise there. Every training forward lays out its rows from the batch's host copy of
+    the mask (``gap_host_mask``, shuffled and split with the rows): equal to TRL's own mask of that micro-batch."""
+    seen = _spy_on_masks(monkeypatch)
     trainer, logs, changed = _run(tmp_path / "J", "J", bf16=bf16)
     assert len(logs) == STEPS and changed
+    assert len(seen) >= STEPS
+    for trl_mask, host_mask, given in seen:
+        assert host_mask is not None and host_mask.device.type == "cpu" and given is host_mask
+        assert torch.equal(host_mask, trl_mask.cpu())
     assert trainer._gap_session.state.resources.onpolicy is not None
     assert not hasattr(trainer._gap_session.state.resources.plan, "shadow")  # old log-probs over the parameters: no copy
     for row in logs:

@@ -24,6 +24,7 @@ from ..scoring import (
     LogprobReducer,
     ScoringOptions,
     TileIndex,
+    autocast_off,
     gather_logprobs,
     join_tiles,
     token_logprobs,
@@ -32,7 +33,9 @@ from ..scoring import (
 from ..vllm.autograd import autograd_kernels
 from ..vllm.form import (
     Kernels,
+    PackedBatch,
     VllmForm,
+    gather_tokens,
     norm_in_step_launches,
     pack,
     paged_kv,
@@ -44,6 +47,7 @@ from ..vllm.form import (
     rope_vllm,
     step_launches,
     stepwise_attention,
+    stepwise_calls,
     torch_varlen_attention,
     vllm_cos_sin_cache,
 )
@@ -269,10 +273,12 @@ class VllmFormLM(nn.Module):
         x = self._norm(residual, layer.post_attention_layernorm, first=False, packed=packed)
         return self._mlp(x, index, layer.mlp), residual
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
-                logits_to_keep: int = 0, **_: Any) -> _Output:
-        base = self._shadow[0].model
-        packed = pack(input_ids, attention_mask, position_ids)
+    def layout(self, attention_mask: torch.Tensor, position_ids: torch.Tensor | None, logits_to_keep: int
+               ) -> PackedBatch:
+        """Everything this form's pieces read of the rows' layout (:func:`~bloggap_plugin.core.vllm.form.pack`, which
+        tokens were generated, the step-sized launches and paged attention calls), computed where ``attention_mask``
+        lives, once per forward: with the mask on the CPU no piece reads the device back for it."""
+        packed = pack(None, attention_mask, position_ids)
         if int(packed.positions.max()) >= self.cos_sin_cache.shape[0]:
             raise ValueError(f"arm I: position {int(packed.positions.max())} beyond the model's "
                              f"max_position_embeddings ({self.cos_sin_cache.shape[0]})")
@@ -281,20 +287,35 @@ class VllmFormLM(nn.Module):
             # generated token by token; everything before it was the prompt's prefill
             columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
             generated = (columns >= attention_mask.shape[1] - (logits_to_keep - 1)).expand_as(packed.where)
-            packed.generated = generated[packed.where]
+            packed.generated = generated.flatten()[packed.flat]
             if self.form.attention == "vllm_fa" and self.form.attention_launch == "steps":
                 packed = prompt_first(packed)  # step-sized launches become contiguous slices
             elif self.form.norm == "kernel" and self.form.norm_launch == "steps":
                 packed.launches = step_launches(packed.generated)
+        if self.form.attention == "vllm_fa":
+            page = self.form.page_size or 16
+            if self.form.attention_launch == "steps":
+                stepwise_calls(packed, page)
+            elif self.form.page_size:
+                packed.paged[page] = paged_layout(packed.lengths, page, packed.flat.device)
+        return packed
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
+                logits_to_keep: int = 0, **_: Any) -> _Output:
+        """``.logits [B, logits_to_keep or L, V]`` of ``input_ids [B, L]``. ``attention_mask`` (and ``position_ids``)
+        may be on the CPU with ``input_ids`` on the device: the layout is then computed on the host and copied over
+        without waiting (:meth:`layout`), so the forward issues no host read of a device tensor."""
+        base = self._shadow[0].model
+        packed = gather_tokens(self.layout(attention_mask, position_ids, logits_to_keep), input_ids)
         h = F.embedding(packed.tokens, base.embed_tokens.weight).to(torch.bfloat16)  # = bf16(table)[tokens]
         residual = None
         for index, layer in enumerate(base.layers):
             h, residual = self._layer(index, layer, h, residual, packed, base.rotary_emb)
         final = self._norm(residual + h, base.norm, first=False, packed=packed)
-        if packed.order is not None:  # back to packed order
-            final = final.new_empty(final.shape).index_copy_(0, packed.order, final)
-        hidden = final.new_zeros((*packed.where.shape, final.shape[-1]))
-        hidden[packed.where] = final
+        rows, width = packed.where.shape
+        # back to the padded layout by each token's flat index (in the tokens' order, prompt_first's or packed)
+        hidden = final.new_zeros((rows * width, final.shape[-1])).index_copy(0, packed.flat, final)
+        hidden = hidden.view(rows, width, final.shape[-1])
         keep = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         head = self._head[0]
         head.cast = self._bf16(head.weight) if self.over_parameters else None  # one cast for all of the head's tiles
@@ -321,7 +342,7 @@ def _form_context(device: torch.device, form: VllmForm, kernels: Kernels) -> con
     context of a forward over the policy's parameters, scored with or without gradients."""
     stack = contextlib.ExitStack()
     for device_type in {device.type, "cpu"}:
-        stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+        stack.enter_context(autocast_off(device_type))
     if form.batch_invariant:
         stack.enter_context(kernels.scope())
     return stack
@@ -349,7 +370,9 @@ class OnPolicyForward:
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(logps [B, logits_to_keep] fp32, entropies [B, logits_to_keep] | None)`` of the last ``logits_to_keep``
         tokens, with gradients to the policy's parameters when grad is enabled (positions: vLLM's, from the mask).
-        ``entropies`` (``compute_entropy``): of the same fp32 temperature-scaled logits, detached."""
+        ``entropies`` (``compute_entropy``): of the same fp32 temperature-scaled logits, detached. ``attention_mask``
+        on the CPU (a host copy of the device mask) stays there: the rows' layout is computed from it, and the forward
+        and backward issue no host read of a device tensor for it."""
         entropy_parts: list[tuple[TileIndex, torch.Tensor]] = []
         scored = sampler_reduce(self.model.kernels) if self.form.logprobs == "v2_sampler" else gather_logprobs
 
@@ -361,7 +384,8 @@ class OnPolicyForward:
             return scored(logits, targets, index)
 
         with _form_context(self._device, self.form, self.kernels):
-            logps = token_logprobs(self.model, input_ids.to(self._device), attention_mask.to(self._device),
+            mask = attention_mask if attention_mask.device.type == "cpu" else attention_mask.to(self._device)
+            logps = token_logprobs(self.model, input_ids.to(self._device), mask,
                                    logits_to_keep, batch_size=batch_size, positions="mask", temperature=temperature,
                                    reduce=reduce, chunk_tokens=chunk_tokens)
         return logps, (join_tiles(entropy_parts) if compute_entropy else None)

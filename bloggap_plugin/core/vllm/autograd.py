@@ -180,7 +180,7 @@ _UNREAD_MEMO_SIZE = 8
 def _memo_unread_slots(cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
                        max_seqlen_k: int, queries: int, slots: int, page: int) -> torch.Tensor:
     """:func:`paged_unread_slots`, computed once per call's metadata: every layer's call of a forward passes the same
-    ``cu_seqlens_q``/``seqused_k``/``block_table`` tensors (``vllm_form._step_calls``), so the mask is built for the
+    ``cu_seqlens_q``/``seqused_k``/``block_table`` tensors (``form.stepwise_calls``), so the mask is built for the
     first layer's backward and reused by the others. An entry holds weak references to the three tensors and their
     versions: a tensor replaced or changed in place is a miss (the mask is rebuilt), and the entry goes when any of
     them is freed; at most ``_UNREAD_MEMO_SIZE`` entries."""

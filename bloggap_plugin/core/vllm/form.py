@@ -31,6 +31,7 @@ __all__ = [
     "TORCH_KERNELS",
     "PackedBatch",
     "pack",
+    "gather_tokens",
     "rms_norm_hf",
     "rms_norm_vllm_triton",
     "vllm_cos_sin_cache",
@@ -44,6 +45,7 @@ __all__ = [
     "NORM_LARGE_LAUNCH",
     "torch_paged_varlen_attention",
     "stepwise_attention",
+    "stepwise_calls",
     "step_launches",
     "norm_in_step_launches",
     "sampler_token_logprobs",
@@ -222,8 +224,8 @@ NORM_LARGE_LAUNCH = 256
 class PackedBatch:
     """Real tokens of ``B`` rows packed as vLLM lays them out: row ``i`` is ``tokens[cu[i]:cu[i+1]]``."""
 
-    tokens: torch.Tensor
-    """``[T]`` token ids."""
+    tokens: torch.Tensor | None
+    """``[T]`` token ids (``None`` in a layout not yet given its tokens: :func:`gather_tokens`)."""
     positions: torch.Tensor
     """``[T]`` int64 positions (0.. per row, or the caller's position ids at the real tokens)."""
     cu_seqlens: torch.Tensor
@@ -240,9 +242,36 @@ class PackedBatch:
     generated: torch.Tensor | None = None
     """``[T]`` bool: the tokens the sampler fed back one decode step at a time (``None``: unknown, all prefill)."""
     order: torch.Tensor | None = None
-    """``[T]`` int64 (:func:`prompt_first`): ``tokens`` and ``positions`` hold the packed tokens in this order (every
-    prompt token, then every generated one, each in row order); ``None``: packed order. ``generated`` and the row
-    fields stay in packed order."""
+    """``[T]`` int64 (:func:`prompt_first`): ``tokens``, ``positions`` and ``flat`` hold the packed tokens in this order
+    (every prompt token, then every generated one, each in row order); ``None``: packed order. ``generated`` and the
+    row fields stay in packed order."""
+    flat: torch.Tensor | None = None
+    """``[T]`` int64: where each of ``tokens`` sits in the flattened ``[B * L]`` padded layout (in ``tokens``' order):
+    tokens are gathered from it and hidden states put back by it, with no boolean-mask index (a host read)."""
+
+    def to(self, device: torch.device) -> PackedBatch:
+        """This layout with every tensor (also inside ``paged`` and ``launches``) on ``device``: from the CPU to CUDA
+        through pinned memory without waiting (the copies queue on the current stream: no host read of the device)."""
+        device = torch.device(device)
+        return dataclasses.replace(self, **{f.name: _moved(getattr(self, f.name), device)
+                                            for f in dataclasses.fields(self)})
+
+
+def _moved(value, device: torch.device):
+    """``value`` (a tensor, or tuples/lists/dicts of them among other values) with its tensors on ``device``."""
+    if isinstance(value, torch.Tensor):
+        if value.device == device:
+            return value
+        if value.device.type == "cpu" and device.type == "cuda":
+            return value.pin_memory().to(device, non_blocking=True)
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_moved(v, device) for v in value)
+    if isinstance(value, list):
+        return [_moved(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: _moved(v, device) for k, v in value.items()}
+    return value
 
 
 def prompt_first(packed: PackedBatch, large: int = NORM_LARGE_LAUNCH) -> PackedBatch:
@@ -254,14 +283,19 @@ def prompt_first(packed: PackedBatch, large: int = NORM_LARGE_LAUNCH) -> PackedB
     order = torch.cat([prompt, packed.generated.nonzero().squeeze(-1)])
     total, start = order.numel(), prompt.numel()
     chunks = [slice(a, min(a + large - 1, total)) for a in range(start, total, large - 1)]
-    return dataclasses.replace(packed, tokens=packed.tokens[order], positions=packed.positions[order], order=order,
+    return dataclasses.replace(packed, tokens=None if packed.tokens is None else packed.tokens[order],
+                               positions=packed.positions[order], flat=packed.flat[order], order=order,
                                launches=(slice(0, start), chunks))
 
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+def pack(input_ids: torch.Tensor | None, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
          ) -> PackedBatch:
     """Pack the real tokens (mask 1) of ``[B, L]`` rows; each row's real tokens must be one contiguous run (TRL's
-    layout: left-padded prompt, completion, right padding). ``ValueError`` otherwise or for an empty row."""
+    layout: left-padded prompt, completion, right padding). ``ValueError`` otherwise or for an empty row.
+
+    The layout (positions, offsets, lengths, ``flat``) is computed where ``attention_mask`` lives: with the mask on
+    the CPU it reads nothing back from the device, and :meth:`PackedBatch.to` moves it to the device.
+    ``input_ids`` ``None``: the layout alone (``tokens`` ``None``; :func:`gather_tokens` fills them)."""
     where = attention_mask.bool()
     lengths_t = where.sum(-1)
     if bool((lengths_t == 0).any()):
@@ -272,10 +306,24 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: to
     if not torch.equal(contiguous, where):
         raise ValueError("arm I scores rows whose real tokens form one contiguous run (as vLLM's sequences); "
                          "a row's attention_mask has a gap")
-    positions = position_ids_from_mask(attention_mask) if position_ids is None else position_ids  # 0..n-1 per row
+    if position_ids is None:
+        positions = position_ids_from_mask(attention_mask)  # 0..n-1 per row
+    else:
+        positions = position_ids.to(where.device)
     cu = torch.zeros(where.shape[0] + 1, dtype=torch.int32, device=where.device)
     cu[1:] = lengths_t.cumsum(0)
-    return PackedBatch(input_ids[where], positions[where].long(), cu, lengths_t.tolist(), where)
+    flat = where.flatten().nonzero().squeeze(-1)
+    packed = PackedBatch(None, positions.flatten()[flat].long(), cu, lengths_t.tolist(), where, flat=flat)
+    return packed if input_ids is None else gather_tokens(packed, input_ids)
+
+
+def gather_tokens(packed: PackedBatch, input_ids: torch.Tensor) -> PackedBatch:
+    """``packed`` with ``tokens`` read from ``input_ids [B, L]`` at ``packed.flat`` (on the ids' device: the layout
+    moved there first, so the index is a device tensor and nothing is read back)."""
+    if packed.flat.device != input_ids.device:
+        packed = packed.to(input_ids.device)
+    packed.tokens = input_ids.reshape(-1)[packed.flat]
+    return packed
 
 
 def step_launches(generated: torch.Tensor, large: int = NORM_LARGE_LAUNCH) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -395,13 +443,15 @@ def torch_paged_varlen_attention(q: torch.Tensor, key_cache: torch.Tensor, value
     return out
 
 
-def _step_calls(packed: PackedBatch, page: int, device: torch.device) -> tuple:
+def stepwise_calls(packed: PackedBatch, page: int) -> tuple:
     """The two paged calls of :func:`stepwise_attention` for ``packed``: ``(prefill, decode)``, each ``None`` or
-    ``(token index, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)``. The same for every layer of a
-    forward: computed once (and its host reads made once), kept in ``packed.paged``."""
+    ``(token index, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)``, and the cache slots of the
+    tokens in their order. The same for every layer of a forward: computed once where the layout lives (its host reads
+    made there: none of the device when it lives on the CPU), kept in ``packed.paged``."""
     key = ("steps", page)
     if key in packed.paged:
         return packed.paged[key]
+    device = packed.cu_seqlens.device
     layout = packed.paged.get(page)
     if layout is None:
         layout = packed.paged[page] = paged_layout(packed.lengths, page, device)
@@ -429,6 +479,8 @@ def _step_calls(packed: PackedBatch, page: int, device: torch.device) -> tuple:
         split = prompt.numel()
         prefill = None if prefill is None else (slice(0, split), *prefill[1:])
         decode = None if decode is None else (slice(split, total), *decode[1:])
+    if packed.order is not None:  # the cache slot of each token in prompt_first's order
+        packed.paged[("order", page)] = (layout[0][packed.order], *layout[1:])
     packed.paged[key] = (prefill, decode)
     return prefill, decode
 
@@ -439,11 +491,9 @@ def stepwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed
     tokens, then one call in which every generated token is an entry with one query against its row's K/V up to and
     including itself. ``paged(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q,
     max_seqlen_k, scale)`` is the paged varlen kernel. ``q [T, nq, d]``, ``k/v [T, nkv, d]`` -> ``[T, nq, d]``."""
-    calls = _step_calls(packed, page, q.device)
+    calls = stepwise_calls(packed, page)
     layout = packed.paged[page]
-    if packed.order is not None:  # the cache slot of each token in prompt_first's order
-        if ("order", page) not in packed.paged:
-            packed.paged[("order", page)] = (layout[0][packed.order], *layout[1:])
+    if packed.order is not None:  # the cache slots in prompt_first's order
         layout = packed.paged[("order", page)]
         key_cache, value_cache, _ = paged_kv(k, v, packed.lengths, page, layout)
         parts = [paged(q[call[0]], key_cache, value_cache, *call[1:], scale) for call in calls if call is not None]
