@@ -182,6 +182,9 @@ class GapSession:
         trl_old = None if skipped else output.get("old_per_token_logps")
         generation.drives = trl_old is not None or skipped or gap.force_old_logprobs
         self.probe_rows(output, ids, attn, logits_to_keep)
+        # arms I and J: the mask on the host, read once here: their old pass and arm J's training forwards lay out
+        # their rows from it (J's through the batch, shuffled and split with it), so none of them waits on the device
+        host_attn = attn.cpu() if getattr(state.resources.plan, "host_layout", False) else None
         replaced = 0.0
         if not state.arm.scores_after_shuffle:
             # TRL's own old pass ran before the vLLM kept sets existed: renormalising re-scores it
@@ -192,7 +195,8 @@ class GapSession:
             else:
                 batch_size = self.trainer.args.per_device_train_batch_size
                 scored = time.perf_counter()
-                old = self.scorer.arm_scores(ids, attn, logits_to_keep, batch_size, self.scorer.kept_from(output))
+                old = self.scorer.arm_scores(ids, attn if host_attn is None else host_attn, logits_to_keep,
+                                             batch_size, self.scorer.kept_from(output))
                 old = old.to(ids.device)
                 if skipped:  # in place of TRL's skipped pass: TRL's cost, logged apart (gap/time/old_pass_s)
                     replaced = time.perf_counter() - scored
@@ -206,9 +210,7 @@ class GapSession:
             if measure:
                 self.stats.generation_metrics(output, ids, attn, logits_to_keep)
         if state.resources.onpolicy is not None:
-            # arm J: the training forwards lay out their rows from a host copy of the mask, read here once per
-            # generation (shuffled and split with the batch), so no micro-batch's forward waits on the device
-            output["gap_host_mask"] = attn.cpu()
+            output["gap_host_mask"] = attn.cpu() if host_attn is None else host_attn
         state.totals.time += time.perf_counter() - start - replaced
         state.totals.replaced_time += replaced
         return output

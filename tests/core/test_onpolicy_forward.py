@@ -379,6 +379,27 @@ def test_training_forward_and_backward_read_nothing_of_the_device_with_a_host_ma
         forward.token_logprobs(ids.to("meta"), mask.to("meta"), 16, batch_size=4)
 
 
+@pytest.mark.parametrize("plan_class", ["VllmFormPlan", "VllmFormParamsPlan"])
+def test_arm_i_and_js_old_pass_reads_nothing_of_the_device_with_a_host_mask(tiny_model, plan_class):
+    """The old-log-prob plans of arms I (a bf16 shadow) and J (over the parameters) keep a mask given on the CPU there
+    (``host_layout``) and score the meta device's rows without reading a value; given the mask on the device, they
+    read it (and raise there)."""
+    from bloggap_plugin.core.plans import vllm_shadow
+    from bloggap_plugin.core.vllm.autograd import flash_formula, flash_paged_formula
+
+    source = _private(tiny_model)
+    with torch.device("meta"):
+        model = type(source)(source.config)
+    kernels = dataclasses.replace(TORCH_KERNELS, flash=flash_formula, flash_paged=flash_paged_formula)
+    plan = getattr(vllm_shadow, plan_class)(model, parse_form("all"), kernels)
+    assert plan.host_layout
+    ids, mask = _rows()
+    old = plan.token_logprobs(ids.to("meta"), mask, 16, batch_size=4, positions="mask")
+    assert old.device.type == "meta" and old.shape == (6, 16)
+    with pytest.raises((RuntimeError, NotImplementedError), match="meta"):
+        plan.token_logprobs(ids.to("meta"), mask.to("meta"), 16, batch_size=4, positions="mask")
+
+
 def test_grad_free_calls_run_the_kernel_alone(tiny_model):
     """Under ``torch.no_grad`` (or with no input needing a gradient) a wrapped piece is the kernel's call, no graph."""
     kernels = autograd_kernels(TORCH_KERNELS)

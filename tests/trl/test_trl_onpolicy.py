@@ -42,6 +42,28 @@ def _spy_on_masks(monkeypatch) -> list:
     return seen
 
 
+def _spy_on_old_pass(monkeypatch) -> tuple[list, list]:
+    """``(masks the old pass's plan scored with, each generation's batch host mask)``."""
+    from bloggap_plugin.core.plans.vllm_shadow import VllmFormParamsPlan
+    from bloggap_plugin.trl.session import GapSession
+
+    scored, batches = [], []
+    plan_logprobs, generate = VllmFormParamsPlan.token_logprobs, GapSession.generate_and_score_completions
+
+    def spy_plan(self, input_ids, attention_mask, *args, **kwargs):
+        scored.append(attention_mask)
+        return plan_logprobs(self, input_ids, attention_mask, *args, **kwargs)
+
+    def spy_generate(self, inputs):
+        output = generate(self, inputs)
+        batches.append(output.get("gap_host_mask"))
+        return output
+
+    monkeypatch.setattr(VllmFormParamsPlan, "token_logprobs", spy_plan)
+    monkeypatch.setattr(GapSession, "generate_and_score_completions", spy_generate)
+    return scored, batches
+
+
 def _run(tmp_path, arm: str, **overrides):
     torch.manual_seed(4321)
     trainer = make(tmp_path, mode="plain", max_steps=STEPS, gradient_checkpointing=False, **overrides)
@@ -61,14 +83,18 @@ def test_arm_j_ratio_is_exactly_one_at_each_generations_first_iteration(tmp_path
     with): under arm J every token's new log-prob equals the old one bitwise (exact share 1, none out of band); the
     loss is finite and the weights train (fp32 masters, with and without TRL's bf16 autocast). Arm I (same run, TRL's
     training forward) is not bitwise there. Every training forward lays out its rows from the batch's host copy of
-    the mask (``gap_host_mask``, shuffled and split with the rows): equal to TRL's own mask of that micro-batch."""
+    the mask (``gap_host_mask``, shuffled and split with the rows): equal to TRL's own mask of that micro-batch; the
+    old pass scored from the same copy."""
     seen = _spy_on_masks(monkeypatch)
+    old_pass, batches = _spy_on_old_pass(monkeypatch)
     trainer, logs, changed = _run(tmp_path / "J", "J", bf16=bf16)
     assert len(logs) == STEPS and changed
     assert len(seen) >= STEPS
     for trl_mask, host_mask, given in seen:
         assert host_mask is not None and host_mask.device.type == "cpu" and given is host_mask
         assert torch.equal(host_mask, trl_mask.cpu())
+    # the old pass scores from the same host copy (one per generation), before it goes into the batch
+    assert len(batches) == STEPS // 2 and [id(m) for m in old_pass] == [id(m) for m in batches]
     assert trainer._gap_session.state.resources.onpolicy is not None
     assert not hasattr(trainer._gap_session.state.resources.plan, "shadow")  # old log-probs over the parameters: no copy
     for row in logs:

@@ -29,6 +29,9 @@ class ScoringPlan:
 
     name: str = ""
     """The plan name (:data:`bloggap_plugin.core.arms.PLAN_NAMES`) it was built for."""
+    host_layout: bool = False
+    """Its forward lays out the rows from an attention mask on the CPU without reading the device (arms I and J): a
+    mask given on the CPU stays there."""
 
     def __init__(self, policy: nn.Module, name: str, fp16_guard: bool = True, tf32: bool | str = False) -> None:
         self.name = name
@@ -101,7 +104,8 @@ class ScoringPlan:
         out_device = input_ids.device
         device = self._device()
         input_ids = input_ids.to(device)
-        attention_mask = attention_mask.to(device)
+        if not (self.host_layout and attention_mask.device.type == "cpu"):
+            attention_mask = attention_mask.to(device)
         guard = self._fp16_guard and self._computes_fp16()
         finite: dict[tuple[int, int], list[torch.Tensor]] = {}  # per chunk of rows: one flag per tile
         call_reduce = reduce

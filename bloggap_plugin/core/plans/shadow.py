@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..model_parts import FusedCopy, build_shadow, model_device, param_pairs, tensor_bytes
+from ..scoring import autocast_off
 from ..sharding import reshard
 from .base import ScoringPlan
 
@@ -49,7 +50,7 @@ class ShadowPlan(ScoringPlan):
     def _scoring_context(self) -> contextlib.AbstractContextManager:
         stack = contextlib.ExitStack()
         for device_type in {self._shadow_device.type, "cpu"}:
-            stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+            stack.enter_context(autocast_off(device_type))
         if self.sharded:  # FSDP2: free the units a forward left gathered (core.sharding)
             stack.callback(reshard, self.shadow)
         return stack

@@ -404,6 +404,7 @@ class _VllmFormScoring:
     form: VllmForm
     kernels: Kernels
     model: VllmFormLM | None
+    host_layout = True
 
     def _score_model(self) -> Callable[..., Any]:
         return self.model
