@@ -11,6 +11,7 @@ sets any of them (the command line wins). Bad input raises
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -141,6 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"bloggap: error: {one_line(err)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader of the output left (``| head``): stop as a command that SIGPIPE ends, without a traceback; what
+        # is still buffered goes to /dev/null, so the interpreter's flush at exit does not raise again
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

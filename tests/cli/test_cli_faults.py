@@ -407,3 +407,26 @@ def test_train_without_report_to_reports_to_none(bloggap, tmp_path):
         bloggap("train", ARM_A, *TINY, "--max-steps", "1", "--output-dir", tmp_path)
 
 
+
+
+class _ClosedPipe:
+    """A stdout whose reader has gone (``bloggap doctor ... | head -1`` after head exits): every write raises."""
+
+    encoding = "utf-8"
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_output_into_a_closed_pipe_stops_quietly(monkeypatch, capsys):
+    """A reader that stops early (``| head``) ends the command as SIGPIPE would (exit 141), without a traceback."""
+    result = ROOT / "benchmarks" / "results" / "cpu" / "doctor_gemma3-270m.json"
+    capsys.readouterr()
+    monkeypatch.setattr("sys.stdout", _ClosedPipe())
+    code = cli.main(["doctor", "--from-json", str(result)])
+    monkeypatch.undo()
+    assert code == 141
+    assert capsys.readouterr().err == ""
