@@ -24,10 +24,46 @@ def test_a_vllm_outside_the_range_is_named_with_the_range(version):
 
 
 def test_arms_i_and_j_kernels_need_the_release_they_were_read_from():
-    assert vllm_versions.vllm_problem(needs_form=True, version="0.26.0") is None
-    problem = vllm_versions.vllm_problem(needs_form=True, version="0.31.0")
-    assert problem.startswith("vLLM 0.31.0 is installed, and arms I and J compute the kernels of vLLM 0.26.0")
+    assert vllm_versions.vllm_problem(needs_form=True, version="0.26.0", environ={}) is None
+    problem = vllm_versions.vllm_problem(needs_form=True, version="0.28.1", environ={})
+    assert problem.startswith("vLLM 0.28.1 is installed, and arms I and J compute the kernels of vLLM 0.26.0")
     assert problem.endswith("pip install vllm==0.26.0, or set gap.i_pieces: torch (vLLM's maths in plain torch)")
+
+
+def test_a_release_read_but_not_measured_is_refused_naming_what_is_missing_and_the_trial():
+    """vLLM 0.31's pieces are read from its wheel (a layout exists) but not measured: the one-line refusal says what
+    is missing and how to run it as the measurement; the trial variable lets exactly that release through."""
+    trial = vllm_versions.FORM_TRIAL_ENV
+    problem = vllm_versions.vllm_problem(needs_form=True, version="0.31.0", environ={})
+    assert problem.startswith("vLLM 0.31.0 is installed, and arms I and J's pieces were read from its wheel but are "
+                              "not yet measured there (missing: the bitwise live run on a GPU")
+    assert problem.endswith(f"pip install vllm==0.26.0, set gap.i_pieces: torch (vLLM's maths in plain torch), or "
+                            f"export {trial}=0.31.0 to run it as that measurement")
+    assert "\n" not in problem
+    assert vllm_versions.vllm_problem(needs_form=True, version="0.31.0", environ={trial: "0.31.0"}) is None
+    assert vllm_versions.vllm_problem(needs_form=True, version="0.31.0+cu130", environ={trial: "0.31.0"}) is None
+    # the trial names one release: another installed release stays refused
+    assert vllm_versions.vllm_problem(needs_form=True, version="0.28.1", environ={trial: "0.31.0"}).startswith(
+        "vLLM 0.28.1 is installed, and arms I and J compute the kernels of vLLM 0.26.0")
+    assert vllm_versions.vllm_problem(needs_form=True, version="0.31.0", environ={trial: "0.26.0"}) == problem
+    assert "0.31.0" not in vllm_versions.VLLM_FORM_RELEASES  # unmeasured until the GPU run
+
+
+@pytest.mark.parametrize(("version", "module", "fp32"), [
+    ("0.26.0", "vllm.model_executor.layers.batch_invariant", False),
+    ("0.26.0.dev3+gabc123", "vllm.model_executor.layers.batch_invariant", False),
+    ("0.31.0", "vllm.model_executor.determinism.batch_invariant", True),
+    ("0.31.0+cu130", "vllm.model_executor.determinism.batch_invariant", True),
+])
+def test_each_read_release_has_its_layout(version, module, fp32):
+    layout = vllm_versions.form_layout(version)
+    assert layout.batch_invariant == module and layout.processed_logits_fp32 is fp32
+    assert layout.logprob == "vllm.v1.worker.gpu.sample.logprob"
+
+
+@pytest.mark.parametrize("version", ["0.28.1", "0.25.0", None, "not-a-version"])
+def test_a_release_not_read_has_no_layout(version):
+    assert vllm_versions.form_layout(version) is None
 
 
 def test_no_vllm_is_said_so(monkeypatch):
@@ -41,7 +77,9 @@ def _trainer(with_engine: bool):
 
 
 @pytest.mark.parametrize(("arm", "pieces", "version", "refused"), [
-    ("J", "all", "0.31.0", "arm J: vLLM 0.31.0 is installed, and arms I and J compute the kernels of vLLM 0.26.0"),
+    ("J", "all", "0.31.0", "arm J: vLLM 0.31.0 is installed, and arms I and J's pieces were read from its wheel "
+                           "but are not yet measured there"),
+    ("J", "all", "0.28.1", "arm J: vLLM 0.28.1 is installed, and arms I and J compute the kernels of vLLM 0.26.0"),
     ("I", "torch", "0.31.0", None),  # vLLM's maths in plain torch: any vLLM TRL takes
     ("A", "all", "0.31.0", None),
     ("A", "all", "0.32.0", "arm A: vLLM 0.32.0 is installed and the plugin supports vLLM 0.22.0-0.31.0"),
@@ -49,6 +87,7 @@ def _trainer(with_engine: bool):
 ])
 def test_attach_checks_the_engines_vllm_once(monkeypatch, arm, pieces, version, refused):
     monkeypatch.setattr(vllm_versions, "installed_vllm", lambda: version)
+    monkeypatch.delenv(vllm_versions.FORM_TRIAL_ENV, raising=False)
     gap = GapConfig(arm=arm, i_pieces=pieces) if arm in ("I", "J") else GapConfig(arm=arm)
     if refused is None:
         vllm_colocate.check_engine_vllm(_trainer(True), gap)
