@@ -67,3 +67,32 @@ def use_fake_vllm(trainer, **sampling) -> FakeVLLMGeneration:
     trainer.vllm_generation = fake
     trainer._last_loaded_step = -1
     return fake
+
+
+def install_fake_vllm_modules(monkeypatch, version: str, *modules) -> None:
+    """Put ``modules`` (``types.ModuleType`` stand-ins named by their dotted vLLM paths) into ``sys.modules`` for
+    the test, with every parent package created (each child set as its parent's attribute) and ``vllm.__version__``
+    = ``version`` (vLLM is not installed on CPU, so the plugin reads the release from there)."""
+    import sys
+    import types
+
+    for module in modules:
+        parts = module.__name__.split(".")
+        for depth in range(1, len(parts)):
+            name = ".".join(parts[:depth])
+            if not isinstance(sys.modules.get(name), types.ModuleType) or name not in _installed(monkeypatch):
+                monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+                _installed(monkeypatch).add(name)
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        _installed(monkeypatch).add(module.__name__)
+        for depth in range(1, len(parts)):
+            parent, child = ".".join(parts[:depth]), ".".join(parts[: depth + 1])
+            setattr(sys.modules[parent], parts[depth], sys.modules[child])
+    sys.modules["vllm"].__version__ = version
+
+
+def _installed(monkeypatch) -> set:
+    """The module names this test's stand-ins created (kept on the monkeypatch fixture, which lives one test)."""
+    if not hasattr(monkeypatch, "_bloggap_fake_vllm"):
+        monkeypatch._bloggap_fake_vllm = set()
+    return monkeypatch._bloggap_fake_vllm

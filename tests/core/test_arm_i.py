@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from bloggap_plugin.core.vllm.form import (
     vllm_cos_sin_cache,
 )
 from bloggap_plugin.core.vllm.kernels import VllmFormUnavailable, load_kernels
+from bloggap_plugin.core.vllm.versions import form_layout
 from bloggap_plugin.recipes import GapConfig, RecipeError
 
 K = 8
@@ -301,22 +303,24 @@ def test_trl_arm_i_trains_on_its_plan_and_refuses_kernel_pieces_on_cpu(tmp_path,
         make(tmp_path / "all", GapConfig(arm="I"), dtype="bf16")
 
 
-def _fake_vllm_batch_invariant(monkeypatch, active: bool):
-    """A stand-in for ``vllm.model_executor.layers.batch_invariant`` (vLLM is not installed on CPU)."""
-    import sys
+def _fake_vllm_batch_invariant(monkeypatch, active: bool, version: str = "0.26.0"):
+    """A stand-in for vLLM ``version``'s batch-invariant module, where that release keeps it (0.26:
+    ``vllm.model_executor.layers.batch_invariant``, 0.31: ``vllm.model_executor.determinism.batch_invariant``; vLLM
+    is not installed on CPU). Returns the module."""
     import types
 
-    module = types.ModuleType("vllm.model_executor.layers.batch_invariant")
+    from _support.fake_vllm import install_fake_vllm_modules
+
+    from bloggap_plugin.core.vllm.versions import form_layout
+
+    module = types.ModuleType(form_layout(version).batch_invariant)
     module._batch_invariant_MODE = active
     module._log_softmax_batch_invariant = lambda input, dim, half_to_float: input
     module.softmax_batch_invariant = lambda input, dim, dtype=None: input
     module.mean_batch_invariant = lambda input, dim, keepdim=False, dtype=None: input
     module.bmm_batch_invariant = lambda a, b, *, out=None: a
-    names = ["vllm", "vllm.model_executor", "vllm.model_executor.layers"]
-    for name in names:
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    sys.modules["vllm.model_executor.layers"].batch_invariant = module
+    install_fake_vllm_modules(monkeypatch, version, module)
+    return module
 
 
 BI_OPS = ("aten::_log_softmax", "aten::softmax", "aten::_softmax", "aten::mean.dim", "aten::bmm")
@@ -333,13 +337,14 @@ def _cuda_settings() -> tuple:
             torch.backends.cuda.preferred_blas_library())
 
 
-def test_batch_invariant_scope_registers_vllms_overrides_for_the_block_only(monkeypatch):
+@pytest.mark.parametrize("version", ["0.26.0", "0.31.0"])
+def test_batch_invariant_scope_registers_vllms_overrides_for_the_block_only(monkeypatch, version):
     """Inside the scope vLLM's five aten overrides are the CUDA kernels and cuBLAS runs without reduced-precision
     reductions on cuBLASLt; after it (also after an error) the previous kernels and settings are back. Where vLLM's
     engine already enabled its mode process-wide, the scope registers nothing."""
     from bloggap_plugin.core.vllm.kernels import batch_invariant_scope, vllm_batch_invariant_active
 
-    _fake_vllm_batch_invariant(monkeypatch, active=False)
+    _fake_vllm_batch_invariant(monkeypatch, active=False, version=version)
     blas = {"backend": torch.backends.cuda.preferred_blas_library()}  # a CPU build refuses to select cuBLASLt
 
     def preferred_blas_library(backend=None):
@@ -360,22 +365,24 @@ def test_batch_invariant_scope_registers_vllms_overrides_for_the_block_only(monk
             assert backend == "cublaslt"
             raise RuntimeError("inside")
     assert _cuda_kernels() == before_kernels and _cuda_settings() == before_settings
-    _fake_vllm_batch_invariant(monkeypatch, active=True)
+    _fake_vllm_batch_invariant(monkeypatch, active=True, version=version)
     assert vllm_batch_invariant_active()
     with batch_invariant_scope():
         assert _cuda_kernels() == before_kernels and _cuda_settings() == before_settings
 
 
-def _fake_vllm_kernels(monkeypatch, seen: dict):
-    """vLLM 0.26's kernel entry points as plain-torch fakes with vLLM's signatures and in-place semantics, so the glue
-    in :mod:`bloggap_plugin.core.vllm.kernels` (argument order, keywords, reshapes) runs on CPU."""
+def _fake_vllm_kernels(monkeypatch, seen: dict, version: str = "0.26.0"):
+    """vLLM ``version``'s kernel entry points (0.26.0 or 0.31.0) as plain-torch fakes with that release's signatures
+    (read from its wheel) and in-place semantics, at its module paths, so the glue in
+    :mod:`bloggap_plugin.core.vllm.kernels` (module paths, argument order, keywords, reshapes) runs on CPU."""
     import sys
     import types
 
     import torch.nn.functional as F
+    from _support.fake_vllm import install_fake_vllm_modules
 
-    _fake_vllm_batch_invariant(monkeypatch, active=False)
-    bi = sys.modules["vllm.model_executor.layers.batch_invariant"]
+    bi = _fake_vllm_batch_invariant(monkeypatch, active=False, version=version)
+    v031 = version.startswith("0.31")
     bi.linear_batch_invariant = lambda input, weight, bias=None: F.linear(input, weight, bias)
     bi.rms_norm_batch_invariant = lambda input, weight, eps=1e-6, residual=None: rms_norm_vllm_triton(input, weight, eps)
     ops = types.ModuleType("vllm._custom_ops")
@@ -393,7 +400,13 @@ def _fake_vllm_kernels(monkeypatch, seen: dict):
 
     ops.fused_add_rms_norm, ops.rotary_embedding = fused_add_rms_norm, rotary_embedding
     fa_utils = types.ModuleType("vllm.v1.attention.backends.fa_utils")
-    fa_utils.get_flash_attn_version = lambda requires_alibi=False, head_size=None, head_size_v=None, has_sinks=False: 3
+    if v031:  # 0.31 adds keywords after has_sinks
+        fa_utils.get_flash_attn_version = (lambda requires_alibi=False, head_size=None, head_size_v=None,
+                                           has_sinks=False, requires_softcap=False, kv_cache_block_size=None,
+                                           supports_fa4_hd256=False: 3)
+    else:
+        fa_utils.get_flash_attn_version = (lambda requires_alibi=False, head_size=None, head_size_v=None,
+                                           has_sinks=False: 3)
     flash = types.ModuleType("vllm.vllm_flash_attn")
 
     def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None, seqused_k=None,
@@ -402,7 +415,12 @@ def _fake_vllm_kernels(monkeypatch, seen: dict):
                                block_table=None, return_softmax_lse=False, out=None, scheduler_metadata=None,
                                q_descale=None, k_descale=None, v_descale=None, num_splits=0, output_scale=None,
                                fa_version=2, s_aux=None, cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None,
-                               mask_mod=None, aux_tensors=None, dynamic_causal=None):
+                               mask_mod=None, *rest, **more):
+        # 0.26 ends (..., mask_mod, aux_tensors, dynamic_causal); 0.31 (..., mask_mod, block_sparse_tensors,
+        # aux_tensors, aux_tensor_leading_dims, dynamic_causal): the plugin passes none of these, and keywords only
+        tail = ({"block_sparse_tensors", "aux_tensors", "aux_tensor_leading_dims", "dynamic_causal"} if v031
+                else {"aux_tensors", "dynamic_causal"})
+        assert not rest and set(more) <= tail and all(value is None for value in more.values())
         assert causal and cu_seqlens_q.dtype == torch.int32
         seen.setdefault("flash", []).append({"num_splits": num_splits, "fa_version": fa_version,
                                              "paged": block_table is not None})
@@ -419,20 +437,16 @@ def _fake_vllm_kernels(monkeypatch, seen: dict):
     def compute_token_logprobs(logits, token_ids):
         assert logits.dtype == torch.bfloat16 and token_ids.dim() == 2 and token_ids.shape[1] == 1
         seen.setdefault("token_logprobs", []).append(tuple(logits.shape))
-        # vLLM's Triton kernel reads row i's logits at ``i * logits.stride(0)`` and its token id at ``i * topk`` from
-        # the tensors' storage, whatever their strides: read them the same way
+        # vLLM's Triton kernel reads row i's logits at ``i * logits.stride(0)`` and its token id at ``i * topk``
+        # (0.26) or ``i * token_ids.stride(0)`` (0.31) from the tensors' storage: read them the same way
         dense_logits = torch.as_strided(logits, logits.shape, (logits.stride(0), 1))
-        dense_ids = torch.as_strided(token_ids, token_ids.shape, (token_ids.shape[1], 1))
+        id_stride = token_ids.stride(0) if v031 else token_ids.shape[1]
+        dense_ids = torch.as_strided(token_ids, token_ids.shape, (id_stride, 1))
         return sampler_token_logprobs(dense_logits, dense_ids[:, 0]).unsqueeze(-1)
 
     logprob.compute_token_logprobs = compute_token_logprobs
-    for name in ("vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends", "vllm.v1.worker", "vllm.v1.worker.gpu",
-                 "vllm.v1.worker.gpu.sample"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    for module in (ops, fa_utils, flash, logprob):
-        monkeypatch.setitem(sys.modules, module.__name__, module)
-    sys.modules["vllm"]._custom_ops = ops
-    sys.modules["vllm"].__version__ = "0.26.0-fake"
+    install_fake_vllm_modules(monkeypatch, f"{version}+fake", bi, ops, fa_utils, flash, logprob)
+    assert sys.modules["vllm"]._custom_ops is ops
     library = torch.library.Library("_C", "FRAGMENT")  # vLLM's SiluAndMul calls torch.ops._C.silu_and_mul
     library.define("silu_and_mul(Tensor(a!) out, Tensor input) -> ()")
     def silu_and_mul(out, x):
@@ -445,17 +459,20 @@ def _fake_vllm_kernels(monkeypatch, seen: dict):
     return library
 
 
-def test_vllm_kernel_glue_with_fakes_of_vllms_signatures(monkeypatch, tiny_model):
-    """``load_kernels`` on "cuda" with fakes of vLLM's entry points (signatures copied from 0.26): preset ``all``
-    computes exactly vLLM's maths in torch with batch invariance (the fakes' maths), FA gets num_splits=1, vLLM's
-    FA version and the paged cache, and the kernels record vLLM's version."""
+@pytest.mark.parametrize("version", ["0.26.0", "0.31.0"])
+def test_vllm_kernel_glue_with_fakes_of_vllms_signatures(monkeypatch, tiny_model, version):
+    """``load_kernels`` on "cuda" with fakes of vLLM's entry points (signatures and module paths copied from each
+    release's wheel; 0.31 moved the batch-invariant module): preset ``all`` computes exactly vLLM's maths in torch
+    with batch invariance (the fakes' maths), FA gets num_splits=1, vLLM's FA version and the paged cache, and the
+    kernels record vLLM's version."""
     seen: dict = {}
-    library = _fake_vllm_kernels(monkeypatch, seen)
+    library = _fake_vllm_kernels(monkeypatch, seen, version)
     try:
         model, _ = tiny_model("tiny-random-llama")
         ids, mask = _rows()
         kernels = load_kernels(parse_form("all"), "cuda")
-        assert kernels.source == "vllm 0.26.0-fake"
+        assert kernels.source == f"vllm {version}+fake"
+        assert kernels.linear is sys.modules[form_layout(version).batch_invariant].linear_batch_invariant
         out = VllmFormPlan(model, parse_form("all"), kernels).token_logprobs(ids, mask, K, positions="mask")
         expected = VllmFormPlan(model, parse_form("torch,batch_invariant=true,attention=vllm_fa,attention_launch=steps,"
                                                   "logprobs=v2_sampler"), TORCH_KERNELS)
@@ -476,6 +493,24 @@ def test_vllm_kernel_glue_with_fakes_of_vllms_signatures(monkeypatch, tiny_model
         assert torch.equal(plan.token_logprobs(ids, mask, K, positions="mask"),
                            make_plan(model, "vllm", pieces="torch").token_logprobs(ids, mask, K, positions="mask"))
         assert seen["flash"] == [{"num_splits": 0, "fa_version": 3, "paged": False}] * layers
+    finally:
+        library._destroy()
+
+
+def test_a_vllm_release_whose_pieces_were_not_read_is_refused_and_left_alone(monkeypatch):
+    """A vLLM whose release has no layout (here 0.28.1, with 0.26's modules in place): ``load_kernels`` refuses,
+    naming the release and the ones read, and the plugin does not read its batch-invariant switch."""
+    from bloggap_plugin.core.vllm.kernels import vllm_batch_invariant_active
+
+    library = _fake_vllm_kernels(monkeypatch, {}, "0.26.0")
+    try:
+        sys.modules[form_layout("0.26.0").batch_invariant]._batch_invariant_MODE = True
+        assert vllm_batch_invariant_active()
+        sys.modules["vllm"].__version__ = "0.28.1"
+        with pytest.raises(VllmFormUnavailable, match=r"but vLLM 0\.28\.1 is not a release whose pieces were read "
+                                                      r"\(0\.26\.0, 0\.31\.0\)"):
+            load_kernels(parse_form("all"), "cuda")
+        assert not vllm_batch_invariant_active()
     finally:
         library._destroy()
 

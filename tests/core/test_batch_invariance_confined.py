@@ -8,15 +8,16 @@ tests can tell which ``bmm`` ran.
 
 from __future__ import annotations
 
-import sys
 import types
 
 import pytest
 import torch
+from _support.fake_vllm import install_fake_vllm_modules
 
 from bloggap_plugin.core.errors import UsageError
 from bloggap_plugin.core.vllm import kernels as vllm_kernels
 from bloggap_plugin.core.vllm.kernels import MatmulSettings
+from bloggap_plugin.core.vllm.versions import form_layout
 from bloggap_plugin.trl import vllm_colocate
 
 
@@ -24,10 +25,11 @@ def _zeros_bmm(a, b, *, out=None):
     return torch.zeros(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype)
 
 
-@pytest.fixture
-def fake_vllm(monkeypatch):
-    """``vllm.model_executor.layers.batch_invariant`` with vLLM's mode switch (CPU dispatch key, zeros for bmm)."""
-    module = types.ModuleType("vllm.model_executor.layers.batch_invariant")
+@pytest.fixture(params=["0.26.0", "0.31.0"])
+def fake_vllm(monkeypatch, request):
+    """vLLM's batch-invariant module with its mode switch (CPU dispatch key, zeros for bmm), where each release keeps
+    it (0.26: ``vllm.model_executor.layers.batch_invariant``; 0.31: ``vllm.model_executor.determinism``)."""
+    module = types.ModuleType(form_layout(request.param).batch_invariant)
     module._batch_invariant_MODE = False
     module._batch_invariant_LIB = None
 
@@ -42,13 +44,7 @@ def fake_vllm(monkeypatch):
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
 
     module.enable_batch_invariant_mode = enable_batch_invariant_mode
-    names = ["vllm", "vllm.model_executor", "vllm.model_executor.layers"]
-    for name in names:
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    sys.modules["vllm.model_executor.layers"].batch_invariant = module
-    sys.modules["vllm.model_executor"].layers = sys.modules["vllm.model_executor.layers"]
-    sys.modules["vllm"].model_executor = sys.modules["vllm.model_executor"]
+    install_fake_vllm_modules(monkeypatch, request.param, module)
     plain = MatmulSettings.current()
     original_bmm = torch.bmm
     yield module

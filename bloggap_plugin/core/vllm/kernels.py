@@ -1,7 +1,8 @@
 """vLLM's own kernels for arm I's ``kernel`` pieces (:class:`bloggap_plugin.core.vllm.form.Kernels`).
 
-The functions are the ones vLLM 0.26's ``LlamaForCausalLM`` calls on CUDA (docs/arm_i.md has the file
-references): ``linear_batch_invariant`` (Triton persistent matmul) for every linear layer and the LM head when
+The functions are the ones vLLM's ``LlamaForCausalLM`` calls on CUDA (docs/arm_i.md has 0.26's file references,
+docs/vllm031_form.md what moved in 0.31), imported from the modules the installed release's
+:class:`~bloggap_plugin.core.vllm.versions.VllmFormLayout` names: ``linear_batch_invariant`` (Triton persistent matmul) for every linear layer and the LM head when
 ``VLLM_BATCH_INVARIANT=1``; ``rms_norm_batch_invariant`` / ``_C.rms_norm`` for layer 0's first norm and
 ``_C.fused_add_rms_norm`` for every other; ``_C.rotary_embedding`` on the bf16 ``cos_sin_cache``;
 ``_C.silu_and_mul``; ``vllm_flash_attn.flash_attn_varlen_func`` (FA3 on Hopper) over a paged KV cache with
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +25,7 @@ import torch
 from bloggap_plugin.core.errors import UsageError
 from bloggap_plugin.core.vllm.form import TORCH_KERNELS, Kernels, VllmForm, padded_flash_attention
 
-__all__ = ["VllmFormUnavailable", "load_kernels", "batch_invariant_scope", "vllm_batch_invariant_active",
+__all__ = ["VllmFormUnavailable", "load_kernels", "batch_invariant_scope", "vllm_batch_invariant_active", "vllm_layout",
            "register_hf_attention", "HF_ATTENTION_NAME", "MatmulSettings", "suspend_batch_invariant_mode",
            "engine_batch_invariance"]
 
@@ -44,13 +46,37 @@ def _refuse(form: VllmForm, why: str) -> VllmFormUnavailable:
     )
 
 
-def vllm_batch_invariant_active() -> bool:
-    """Whether vLLM already enabled its batch-invariant mode in this process (``VLLM_BATCH_INVARIANT=1`` engine)."""
+def vllm_layout() -> tuple[str | None, Any]:
+    """``(version, layout)`` of the vLLM this process imports: its version (package metadata, else
+    ``vllm.__version__``) and :func:`~bloggap_plugin.core.vllm.versions.form_layout` of it (``None`` for a release
+    not read); ``(None, None)`` when vLLM does not import."""
+    from bloggap_plugin.core.vllm.versions import form_layout, installed_vllm
+
     try:
-        from vllm.model_executor.layers import batch_invariant
-    except Exception:  # noqa: BLE001 - no vLLM: not active
-        return False
-    return bool(getattr(batch_invariant, "_batch_invariant_MODE", False))
+        import vllm
+    except Exception:  # noqa: BLE001 - no (importable) vLLM
+        return None, None
+    version = installed_vllm() or getattr(vllm, "__version__", None)
+    return version, form_layout(version)
+
+
+def _batch_invariant_module() -> Any:
+    """The installed vLLM's batch-invariant module (where its layout says), or ``None`` (no vLLM, a release not
+    read, or the module does not import)."""
+    _, layout = vllm_layout()
+    if layout is None:
+        return None
+    try:
+        return importlib.import_module(layout.batch_invariant)
+    except Exception:  # noqa: BLE001 - vLLM without its kernels (no CUDA build): mode not available
+        return None
+
+
+def vllm_batch_invariant_active() -> bool:
+    """Whether vLLM already enabled its batch-invariant mode in this process (``VLLM_BATCH_INVARIANT=1`` engine);
+    ``False`` without vLLM or for a release whose layout was not read (the plugin does not touch its internals)."""
+    module = _batch_invariant_module()
+    return bool(getattr(module, "_batch_invariant_MODE", False))
 
 
 @contextlib.contextmanager
@@ -64,8 +90,7 @@ def batch_invariant_scope() -> Iterator[None]:
     if vllm_batch_invariant_active():
         yield
         return
-    from vllm.model_executor.layers import batch_invariant as bi
-
+    bi = _batch_invariant_module()
     saved = MatmulSettings.current()
     library = torch.library.Library("aten", "IMPL")
     try:
@@ -119,8 +144,7 @@ def suspend_batch_invariant_mode(plain: MatmulSettings) -> bool:
     :func:`engine_batch_invariance` for the engine's own steps."""
     if not vllm_batch_invariant_active():
         return False
-    from vllm.model_executor.layers import batch_invariant as bi
-
+    bi = _batch_invariant_module()
     if bi._batch_invariant_LIB is not None:
         bi._batch_invariant_LIB._destroy()
     bi._batch_invariant_LIB = None
@@ -135,8 +159,7 @@ def engine_batch_invariance(plain: MatmulSettings) -> Iterator[None]:
     """vLLM's batch-invariant mode for the block, as its worker turns it on at start-up (``enable_batch_invariant_mode``
     and fp32 matmuls in IEEE precision), then off again (:func:`suspend_batch_invariant_mode` with ``plain``): for the
     colocated engine's own steps (generation) once the mode was suspended for the rest of the process."""
-    from vllm.model_executor.layers import batch_invariant as bi
-
+    bi = _batch_invariant_module()
     bi.enable_batch_invariant_mode()
     matmul = torch.backends.cuda.matmul
     if getattr(matmul, "fp32_precision", None) is not None:
@@ -147,9 +170,10 @@ def engine_batch_invariance(plain: MatmulSettings) -> Iterator[None]:
         suspend_batch_invariant_mode(plain)
 
 
-def _norms(batch_invariant: bool):
+def _norms(batch_invariant: bool, bi: Any):
     from vllm import _custom_ops as ops
-    from vllm.model_executor.layers.batch_invariant import rms_norm_batch_invariant
+
+    rms_norm_batch_invariant = bi.rms_norm_batch_invariant
 
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if batch_invariant:
@@ -182,9 +206,14 @@ def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _flash(batch_invariant: bool):
-    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
+def _flash_functions(layout: Any) -> tuple[Any, Any]:
+    """``(get_flash_attn_version, flash_attn_varlen_func)`` from the modules ``layout`` names."""
+    return (importlib.import_module(layout.fa_utils).get_flash_attn_version,
+            importlib.import_module(layout.flash).flash_attn_varlen_func)
+
+
+def _flash(batch_invariant: bool, layout: Any):
+    get_flash_attn_version, flash_attn_varlen_func = _flash_functions(layout)
 
     def flash(q, k, v, cu_seqlens, max_seqlen, scale, block_table=None):
         kwargs = dict(q=q, k=k, v=v, max_seqlen_q=max_seqlen, cu_seqlens_q=cu_seqlens, max_seqlen_k=max_seqlen,
@@ -200,9 +229,8 @@ def _flash(batch_invariant: bool):
     return flash
 
 
-def _flash_paged(batch_invariant: bool):
-    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
-    from vllm.vllm_flash_attn import flash_attn_varlen_func
+def _flash_paged(batch_invariant: bool, layout: Any):
+    get_flash_attn_version, flash_attn_varlen_func = _flash_functions(layout)
 
     def flash_paged(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale):
         return flash_attn_varlen_func(q=q, k=key_cache, v=value_cache, max_seqlen_q=max_seqlen_q,
@@ -217,37 +245,48 @@ def _flash_paged(batch_invariant: bool):
 def load_kernels(form: VllmForm, device: torch.device | str) -> Kernels:
     """The :class:`Kernels` for ``form`` on ``device``: plain torch when no piece needs vLLM, else vLLM's functions.
 
-    Raises :class:`VllmFormUnavailable` (naming the pieces and the fix) off CUDA or when vLLM does not import."""
+    Each function comes from the module the installed release's layout names
+    (:data:`~bloggap_plugin.core.vllm.versions.VLLM_FORM_LAYOUTS`). Raises :class:`VllmFormUnavailable` (naming the
+    pieces and the fix) off CUDA, for a vLLM the gate refuses or whose layout was not read, or when vLLM does not
+    import."""
     if not form.needs_vllm():
         return TORCH_KERNELS
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise _refuse(form, f"the plan runs on {device}")
-    from bloggap_plugin.core.vllm.versions import installed_vllm, vllm_problem
+    from bloggap_plugin.core.vllm.versions import VLLM_FORM_LAYOUTS, installed_vllm, vllm_problem
 
     problem = vllm_problem(needs_form=True) if installed_vllm() is not None else None
     if problem:
         raise VllmFormUnavailable(f"arm I pieces {', '.join(form.needs_vllm())}: {problem}")
+    version, layout = vllm_layout()
+    if layout is None:
+        raise _refuse(form, "vLLM does not import here (or gives no version)" if version is None else
+                      f"vLLM {version} is not a release whose pieces were read ({', '.join(VLLM_FORM_LAYOUTS)})")
     try:
         import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
-        from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
+
+        bi = importlib.import_module(layout.batch_invariant)
+        linear = bi.linear_batch_invariant
+        flash, flash_paged = _flash(form.batch_invariant, layout), _flash_paged(form.batch_invariant, layout)
     except Exception as err:  # noqa: BLE001 - any import failure is the same refusal
         raise _refuse(form, f"vLLM does not import here ({type(err).__name__}: {err})") from None
-    rms_norm, add_rms_norm = _norms(form.batch_invariant)
-    return Kernels(linear=linear_batch_invariant, rms_norm=rms_norm, add_rms_norm=add_rms_norm, rotary=_rotary,
-                   silu_and_mul=_silu_and_mul, flash=_flash(form.batch_invariant),
-                   flash_paged=_flash_paged(form.batch_invariant), token_logprobs=_token_logprobs(form),
-                   scope=batch_invariant_scope, source=f"vllm {getattr(__import__('vllm'), '__version__', '?')}")
+    rms_norm, add_rms_norm = _norms(form.batch_invariant, bi)
+    return Kernels(linear=linear, rms_norm=rms_norm, add_rms_norm=add_rms_norm, rotary=_rotary,
+                   silu_and_mul=_silu_and_mul, flash=flash, flash_paged=flash_paged,
+                   token_logprobs=_token_logprobs(form, layout), scope=batch_invariant_scope,
+                   source=f"vllm {version}")
 
 
-def _token_logprobs(form: VllmForm):
-    """vLLM's model runner V2 log-prob kernel (``compute_token_logprobs``) as ``(logits [N, V], tokens [N]) -> [N]``;
-    the torch stand-in when the form does not use it. :class:`VllmFormUnavailable` when this vLLM has no V2 runner."""
+def _token_logprobs(form: VllmForm, layout: Any):
+    """vLLM's model runner V2 log-prob kernel (``compute_token_logprobs`` from ``layout.logprob``) as ``(logits
+    [N, V], tokens [N]) -> [N]``; the torch stand-in when the form does not use it. :class:`VllmFormUnavailable`
+    when this vLLM has no V2 runner."""
     if form.logprobs != "v2_sampler":
         return TORCH_KERNELS.token_logprobs
     from bloggap_plugin.core.vllm.versions import form_install_hint
     try:
-        from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+        compute_token_logprobs = importlib.import_module(layout.logprob).compute_token_logprobs
     except Exception as err:  # noqa: BLE001 - any import failure is the same refusal
         raise VllmFormUnavailable(
             f"arm I piece logprobs=v2_sampler calls vLLM's model runner V2 log-prob kernel, which this vLLM lacks "
