@@ -321,6 +321,41 @@ def check_engine_vllm(trainer: Any, gap: Any) -> None:
     problem = vllm_problem(needs_form=needs_form)
     if problem:
         raise RecipeError(f"arm {gap.arm_spec.letter}: {problem}")
+    refusal = sampler_logits_refusal(trainer, gap) if needs_form else None
+    if refusal:
+        raise RecipeError(refusal)
+
+
+def _trl_sampling(trainer: Any) -> dict:
+    """The ``SamplingParams`` keywords TRL 1.16's colocate generation passes (``vllm_generation.generate``): the
+    trainer's temperature, top_p, top_k, min_p, repetition_penalty, updated by ``generation_kwargs``."""
+    args = trainer.args
+    sampling = {name: getattr(args, name, default) for name, default in
+                (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 1.0))}
+    sampling["min_p"] = sampling["min_p"] or 0.0
+    sampling.update(getattr(args, "generation_kwargs", None) or {})
+    return sampling
+
+
+def sampler_logits_refusal(trainer: Any, gap: Any) -> str | None:
+    """The error text when arm I's ``logprobs=v2_sampler`` piece runs on a vLLM whose V2 sampler copies the logits to
+    fp32 before processing them (:attr:`~bloggap_plugin.core.vllm.versions.VllmFormLayout.processed_logits_fp32`,
+    vLLM 0.31) and TRL's sampling parameters ask for processing: the piece computes the log-prob over bf16 logits
+    (0.26's sampler), so it would not be the sampler's. ``None`` otherwise."""
+    from bloggap_plugin.core.vllm.versions import form_layout, installed_vllm, v2_sampler_processing
+
+    version = installed_vllm()
+    layout = form_layout(version)
+    if layout is None or not layout.processed_logits_fp32 or gap.i_form.logprobs != "v2_sampler":
+        return None
+    vocab = getattr(getattr(getattr(trainer, "model", None), "config", None), "vocab_size", None)
+    processed = v2_sampler_processing(_trl_sampling(trainer), vocab)
+    if not processed:
+        return None
+    return (f"arm {gap.arm_spec.letter}: vLLM {version}'s model runner V2 sampler copies the logits to fp32 before "
+            f"applying {', '.join(processed)} and takes the log-prob over those (docs/vllm031_form.md), and arm "
+            f"{gap.arm_spec.letter}'s logprobs=v2_sampler piece computes it over bf16 logits (vLLM 0.26's sampler): "
+            "sample with temperature 1 and no top_p/top_k/min_p, penalties or logit bias, or install vllm==0.26.0")
 
 
 def check_colocate_engine(trainer: Any, gap: Any, environ: dict | None = None) -> None:

@@ -105,3 +105,50 @@ def test_setup_cfgs_vllm_extra_is_the_measured_release():
     config.read(Path(__file__).resolve().parents[2] / "setup.cfg")
     pins = [line.strip() for line in config["options.extras_require"]["vllm"].splitlines() if line.strip()]
     assert pins == [f"vllm=={release}" for release in vllm_versions.VLLM_FORM_RELEASES]
+
+
+@pytest.mark.parametrize(("sampling", "processed"), [
+    ({"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}, []),  # TRL's defaults
+    ({"temperature": 1.0, "top_k": -1}, []),
+    ({"temperature": 1.0, "top_k": 50000}, []),  # at least the vocabulary: no top_k
+    ({"temperature": 0.7}, ["temperature=0.7"]),
+    ({"temperature": 0.0, "top_p": 0.9}, []),  # greedy: the sampling states ask for nothing
+    ({"temperature": 1.0, "top_p": 0.8, "top_k": 50, "min_p": 0.1},
+     ["top_p=0.8", "top_k=50", "min_p=0.1"]),
+    ({"temperature": 1.0, "repetition_penalty": 1.1, "presence_penalty": 0.5},
+     ["repetition_penalty=1.1", "presence_penalty=0.5"]),
+    ({"temperature": 1.0, "logit_bias": {3: 1.0}, "bad_words": ["x"], "min_tokens": 2},
+     ["logit_bias={3: 1.0}", "min_tokens=2", "bad_words=['x']"]),
+])
+def test_which_sampling_parameters_make_the_v2_sampler_process_logits(sampling, processed):
+    """vLLM 0.31's V2 sampler copies a request's logits to fp32 when its sampling states, penalties, logit bias or
+    bad words ask for processing (read from its wheel); the list names exactly those parameters."""
+    assert vllm_versions.v2_sampler_processing(sampling, vocab_size=49152) == processed
+
+
+def _sampling_trainer(**args):
+    defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0,
+                "generation_kwargs": None}
+    trainer = _trainer(True)
+    trainer.args = types.SimpleNamespace(**(defaults | args))
+    return trainer
+
+
+def test_arms_i_and_j_on_a_release_with_fp32_processed_logits_refuse_sampling_that_processes_them(monkeypatch):
+    """On vLLM 0.31 (run as the trial) the sampler's log-prob reads fp32 logits once a sampling parameter asks for
+    processing, which arm I's v2_sampler piece does not compute yet: refused at attach, naming the parameters; TRL's
+    defaults (temperature 1, no truncation) pass, as do arm I's log_softmax piece and vLLM 0.26."""
+    monkeypatch.setenv(vllm_versions.FORM_TRIAL_ENV, "0.31.0")
+    monkeypatch.setattr(vllm_versions, "installed_vllm", lambda: "0.31.0")
+    gap = GapConfig(arm="I", i_pieces="all")
+    vllm_colocate.check_engine_vllm(_sampling_trainer(), gap)
+    with pytest.raises(RecipeError, match=r"arm I: vLLM 0\.31\.0's model runner V2 sampler copies the logits to fp32 "
+                                          r"before applying temperature=0\.7, top_p=0\.9"):
+        vllm_colocate.check_engine_vllm(_sampling_trainer(temperature=0.7, top_p=0.9), gap)
+    with pytest.raises(RecipeError, match=r"frequency_penalty=0\.2"):
+        vllm_colocate.check_engine_vllm(_sampling_trainer(generation_kwargs={"frequency_penalty": 0.2}), gap)
+    vllm_colocate.check_engine_vllm(_sampling_trainer(temperature=0.7),
+                                    GapConfig(arm="I", i_pieces="all,logprobs=log_softmax"))
+    vllm_colocate.check_engine_vllm(_sampling_trainer(temperature=0.7), GapConfig(arm="I", i_pieces="torch"))
+    monkeypatch.setattr(vllm_versions, "installed_vllm", lambda: "0.26.0")
+    vllm_colocate.check_engine_vllm(_sampling_trainer(temperature=0.7, top_p=0.9), gap)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 __all__ = ["TRL_VLLM_RANGE", "VLLM_FORM_RELEASES", "installed_vllm", "vllm_problem", "supported_text",
            "form_install_hint", "vllm_unavailable_reason", "VllmFormLayout", "VLLM_FORM_LAYOUTS", "form_layout",
-           "FORM_TRIAL_ENV"]
+           "FORM_TRIAL_ENV", "v2_sampler_processing"]
 
 TRL_VLLM_RANGE = ("0.22.0", "0.31.0")
 """The vLLM releases TRL 1.16 accepts, both ends included."""
@@ -88,6 +88,29 @@ def _release(version: str) -> tuple[int, ...] | None:
         return Version(version).release[:3]
     except InvalidVersion:
         return None
+
+
+def v2_sampler_processing(sampling: dict, vocab_size: int | None = None) -> list[str]:
+    """The sampling parameters (``name=value``, in ``sampling``: a vLLM ``SamplingParams``' keywords) for which
+    vLLM 0.31's model runner V2 sampler processes a request's logits, copying them to fp32 first
+    (``Sampler.apply_sampling_params``), so its log-prob kernel reads fp32: temperature not 0 or 1, ``top_p`` below
+    1, ``top_k`` above 0 and below ``vocab_size``, ``min_p`` (those four unless greedy:
+    ``SamplingStates.add_request``), repetition/frequency/presence penalties (``use_penalty``), logit bias, allowed
+    token ids or ``min_tokens`` (``LogitBiasState``), bad words. Empty: it reads the bf16 logits."""
+    temperature = float(sampling.get("temperature", 1.0))
+    top_k = int(sampling.get("top_k") or 0)
+    checks = [("temperature", temperature not in (0.0, 1.0)),
+              ("top_p", temperature != 0.0 and float(sampling.get("top_p", 1.0)) != 1.0),
+              ("top_k", temperature != 0.0 and top_k > 0 and (vocab_size is None or top_k < vocab_size)),
+              ("min_p", temperature != 0.0 and float(sampling.get("min_p") or 0.0) != 0.0),
+              ("repetition_penalty", float(sampling.get("repetition_penalty", 1.0)) != 1.0),
+              ("frequency_penalty", float(sampling.get("frequency_penalty", 0.0)) != 0.0),
+              ("presence_penalty", float(sampling.get("presence_penalty", 0.0)) != 0.0),
+              ("logit_bias", bool(sampling.get("logit_bias"))),
+              ("allowed_token_ids", bool(sampling.get("allowed_token_ids"))),
+              ("min_tokens", int(sampling.get("min_tokens") or 0) > 0),
+              ("bad_words", bool(sampling.get("bad_words")))]
+    return [f"{name}={sampling[name]!r}" for name, processes in checks if processes]
 
 
 def supported_text() -> str:
