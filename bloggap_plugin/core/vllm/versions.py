@@ -55,8 +55,8 @@ FORM_TRIAL_ENV = "BLOGGAP_VLLM_FORM_TRIAL"
 measured) that arms I and J may run anyway, to measure it (e.g. ``0.31.0``, on the GPU: docs/vllm031_form.md)."""
 
 _UNMEASURED = {
-    "0.31.0": "the bitwise live run on a GPU (sampler vs arm I's old log-probs; docs/vllm031_form.md), and its "
-              "batch-invariant matmul now picks tuned tiles by row count for some shapes on Hopper",
+    "0.31.0": "the bitwise live run on a GPU, sampler against arm I's old log-probs, laid out in "
+              "docs/vllm031_form.md; e.g. its batch-invariant matmul now picks tiles by row count for some shapes",
 }
 """Release -> what is missing before it joins :data:`VLLM_FORM_RELEASES` (said by the gate's refusal)."""
 
