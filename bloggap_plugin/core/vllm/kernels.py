@@ -2,9 +2,9 @@
 
 The functions are the ones vLLM's ``LlamaForCausalLM`` calls on CUDA (docs/arm_i.md has 0.26's file references,
 docs/vllm031_form.md what moved in 0.31), imported from the modules the installed release's
-:class:`~bloggap_plugin.core.vllm.versions.VllmFormLayout` names: ``linear_batch_invariant`` (Triton persistent matmul) for every linear layer and the LM head when
-``VLLM_BATCH_INVARIANT=1``; ``rms_norm_batch_invariant`` / ``_C.rms_norm`` for layer 0's first norm and
-``_C.fused_add_rms_norm`` for every other; ``_C.rotary_embedding`` on the bf16 ``cos_sin_cache``;
+:class:`~bloggap_plugin.core.vllm.versions.VllmFormLayout` names: ``linear_batch_invariant`` (Triton persistent
+matmul) for every linear layer and the LM head when ``VLLM_BATCH_INVARIANT=1``; ``rms_norm_batch_invariant`` /
+``_C.rms_norm`` for layer 0's first norm and ``_C.fused_add_rms_norm`` for every other; ``_C.rotary_embedding`` on the bf16 ``cos_sin_cache``;
 ``_C.silu_and_mul``; ``vllm_flash_attn.flash_attn_varlen_func`` (FA3 on Hopper) over a paged KV cache with
 ``num_splits=1`` in batch-invariant mode. :func:`batch_invariant_scope` installs vLLM's aten overrides for one
 scoring call only (a ``torch.library`` registration destroyed afterwards, so the previous kernels come back).
@@ -25,9 +25,9 @@ import torch
 from bloggap_plugin.core.errors import UsageError
 from bloggap_plugin.core.vllm.form import TORCH_KERNELS, Kernels, VllmForm, padded_flash_attention
 
-__all__ = ["VllmFormUnavailable", "load_kernels", "batch_invariant_scope", "vllm_batch_invariant_active", "vllm_layout",
-           "register_hf_attention", "HF_ATTENTION_NAME", "MatmulSettings", "suspend_batch_invariant_mode",
-           "engine_batch_invariance"]
+__all__ = ["VllmFormUnavailable", "load_kernels", "batch_invariant_scope", "vllm_batch_invariant_active",
+           "vllm_layout", "register_hf_attention", "HF_ATTENTION_NAME", "MatmulSettings",
+           "suspend_batch_invariant_mode", "engine_batch_invariance"]
 
 HF_ATTENTION_NAME = "bloggap_vllm_fa"
 """The ``attn_implementation`` name :func:`register_hf_attention` registers with transformers."""
