@@ -338,24 +338,27 @@ def _trl_sampling(trainer: Any) -> dict:
 
 
 def sampler_logits_refusal(trainer: Any, gap: Any) -> str | None:
-    """The error text when arm I's ``logprobs=v2_sampler`` piece runs on a vLLM whose V2 sampler copies the logits to
-    fp32 before processing them (:attr:`~bloggap_plugin.core.vllm.versions.VllmFormLayout.processed_logits_fp32`,
-    vLLM 0.31) and TRL's sampling parameters ask for processing: the piece computes the log-prob over bf16 logits
-    (0.26's sampler), so it would not be the sampler's. ``None`` otherwise."""
+    """The error text when arm I's V2 sampler ``logprobs`` piece reads the logits in another dtype than the
+    installed vLLM's sampler does for TRL's sampling parameters, else ``None``. vLLM 0.31
+    (:attr:`~bloggap_plugin.core.vllm.versions.VllmFormLayout.processed_logits_fp32`) copies them to fp32 when a
+    parameter processes them (``logprobs=v2_sampler_fp32``) and reads bf16 otherwise (``v2_sampler``); vLLM 0.26
+    always reads bf16."""
+    from bloggap_plugin.core.vllm.form import SAMPLER_LOGPROBS
     from bloggap_plugin.core.vllm.versions import form_layout, installed_vllm, v2_sampler_processing
 
     version = installed_vllm()
     layout = form_layout(version)
-    if layout is None or not layout.processed_logits_fp32 or gap.i_form.logprobs != "v2_sampler":
+    if layout is None or gap.i_form.logprobs not in SAMPLER_LOGPROBS:
         return None
     vocab = getattr(getattr(getattr(trainer, "model", None), "config", None), "vocab_size", None)
-    processed = v2_sampler_processing(_trl_sampling(trainer), vocab)
-    if not processed:
+    processed = v2_sampler_processing(_trl_sampling(trainer), vocab) if layout.processed_logits_fp32 else []
+    wanted = "v2_sampler_fp32" if processed else "v2_sampler"
+    if gap.i_form.logprobs == wanted:
         return None
-    return (f"arm {gap.arm_spec.letter}: vLLM {version}'s model runner V2 sampler copies the logits to fp32 before "
-            f"applying {', '.join(processed)} and takes the log-prob over those (docs/vllm031_form.md), and arm "
-            f"{gap.arm_spec.letter}'s logprobs=v2_sampler piece computes it over bf16 logits (vLLM 0.26's sampler): "
-            "sample with temperature 1 and no top_p/top_k/min_p, penalties or logit bias, or install vllm==0.26.0")
+    why = (f"copies the logits to fp32 before applying {', '.join(processed)} and takes the log-prob over those"
+           if processed else "takes the log-prob over the bf16 logits with these sampling parameters")
+    return (f"arm {gap.arm_spec.letter}: vLLM {version}'s model runner V2 sampler {why} (docs/vllm031_form.md), and "
+            f"gap.i_pieces has logprobs={gap.i_form.logprobs}: set logprobs={wanted} in gap.i_pieces")
 
 
 def check_colocate_engine(trainer: Any, gap: Any, environ: dict | None = None) -> None:
@@ -432,8 +435,9 @@ def model_runner_refusal(gap: Any, runner: str | None) -> str | None:
     :func:`colocate_model_runner`), else ``None``: the runners compute the sampled token's log-prob differently."""
     if not gap.takes_pieces or runner is None:
         return None
-    wanted = "v2_sampler" if runner == "v2" else "log_softmax"
-    if gap.i_form.logprobs == wanted:
+    from bloggap_plugin.core.vllm.form import SAMPLER_LOGPROBS
+
+    if (gap.i_form.logprobs in SAMPLER_LOGPROBS) == (runner == "v2"):
         return None
     fix = ("gap.i_pieces: all,logprobs=log_softmax" if runner == "v1"
            else "logprobs=v2_sampler in gap.i_pieces (the default of preset all)")

@@ -435,8 +435,9 @@ def _fake_vllm_kernels(monkeypatch, seen: dict, version: str = "0.26.0"):
     logprob = types.ModuleType("vllm.v1.worker.gpu.sample.logprob")
 
     def compute_token_logprobs(logits, token_ids):
-        assert logits.dtype == torch.bfloat16 and token_ids.dim() == 2 and token_ids.shape[1] == 1
+        assert logits.dtype in (torch.bfloat16, torch.float32) and token_ids.dim() == 2 and token_ids.shape[1] == 1
         seen.setdefault("token_logprobs", []).append(tuple(logits.shape))
+        seen.setdefault("logits_dtype", []).append(logits.dtype)
         # vLLM's Triton kernel reads row i's logits at ``i * logits.stride(0)`` and its token id at ``i * topk``
         # (0.26) or ``i * token_ids.stride(0)`` (0.31) from the tensors' storage: read them the same way
         dense_logits = torch.as_strided(logits, logits.shape, (logits.stride(0), 1))
@@ -487,6 +488,20 @@ def test_vllm_kernel_glue_with_fakes_of_vllms_signatures(monkeypatch, tiny_model
         assert seen.pop("token_logprobs") == [(ids.shape[0] * 7, model.config.vocab_size),
                                               (ids.shape[0], model.config.vocab_size)]
         assert torch.equal(tiled, out)
+        assert set(seen.pop("logits_dtype")) == {torch.bfloat16}
+        # logprobs=v2_sampler_fp32 (vLLM 0.31's sampler when sampling processes the logits): the kernel reads the
+        # fp32 temperature-scaled logits unrounded; at temperature 1 those are the bf16 values
+        fp32_form = parse_form("all,logprobs=v2_sampler_fp32")
+        fp32_plan = VllmFormPlan(model, fp32_form, load_kernels(fp32_form, "cuda"))
+        assert torch.equal(fp32_plan.token_logprobs(ids, mask, K, positions="mask"), out)
+        assert set(seen.pop("logits_dtype")) == {torch.float32}
+        reference = VllmFormPlan(model, parse_form("torch,batch_invariant=true,attention=vllm_fa,attention_launch=steps,"
+                                                   "logprobs=v2_sampler_fp32"), TORCH_KERNELS)
+        hot = fp32_plan.token_logprobs(ids, mask, K, positions="mask", temperature=0.7)
+        assert torch.equal(hot, reference.token_logprobs(ids, mask, K, positions="mask", temperature=0.7))
+        rounded = VllmFormPlan(model, parse_form("all"), kernels).token_logprobs(ids, mask, K, positions="mask",
+                                                                                temperature=0.7)
+        assert not torch.equal(hot, rounded)  # 0.26's piece rounds the scaled logits to bf16 first
         seen["flash"].clear()
         packed_form = parse_form("all,batch_invariant=false,page_size=0,attention_launch=packed,logprobs=log_softmax")
         plan = VllmFormPlan(model, packed_form, load_kernels(packed_form, "cuda"))

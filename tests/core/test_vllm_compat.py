@@ -141,21 +141,44 @@ def _sampling_trainer(**args):
     return trainer
 
 
-def test_arms_i_and_j_on_a_release_with_fp32_processed_logits_refuse_sampling_that_processes_them(monkeypatch, gate_026):
+def test_the_sampler_piece_must_read_the_logits_in_the_dtype_the_installed_sampler_does(monkeypatch, gate_026):
     """On vLLM 0.31 (run as the trial) the sampler's log-prob reads fp32 logits once a sampling parameter asks for
-    processing, which arm I's v2_sampler piece does not compute yet: refused at attach, naming the parameters; TRL's
-    defaults (temperature 1, no truncation) pass, as do arm I's log_softmax piece and vLLM 0.26."""
+    processing (piece ``v2_sampler_fp32``) and bf16 otherwise (``v2_sampler``); vLLM 0.26 always bf16. A mismatch
+    is refused at attach, naming the parameters and the piece to set; arm I's log_softmax and torch pieces pass."""
     monkeypatch.setenv(vllm_versions.FORM_TRIAL_ENV, "0.31.0")
     monkeypatch.setattr(vllm_versions, "installed_vllm", lambda: "0.31.0")
     gap = GapConfig(arm="I", i_pieces="all")
     vllm_colocate.check_engine_vllm(_sampling_trainer(), gap)
     with pytest.raises(RecipeError, match=r"arm I: vLLM 0\.31\.0's model runner V2 sampler copies the logits to fp32 "
-                                          r"before applying temperature=0\.7, top_p=0\.9"):
+                                          r"before applying temperature=0\.7, top_p=0\.9 and takes the log-prob over "
+                                          r"those \(docs/vllm031_form\.md\), and gap\.i_pieces has "
+                                          r"logprobs=v2_sampler: set logprobs=v2_sampler_fp32 in gap\.i_pieces"):
         vllm_colocate.check_engine_vllm(_sampling_trainer(temperature=0.7, top_p=0.9), gap)
     with pytest.raises(RecipeError, match=r"frequency_penalty=0\.2"):
         vllm_colocate.check_engine_vllm(_sampling_trainer(generation_kwargs={"frequency_penalty": 0.2}), gap)
     vllm_colocate.check_engine_vllm(_sampling_trainer(temperature=0.7),
                                     GapConfig(arm="I", i_pieces="all,logprobs=log_softmax"))
     vllm_colocate.check_engine_vllm(_sampling_trainer(temperature=0.7), GapConfig(arm="I", i_pieces="torch"))
+    fp32 = GapConfig(arm="I", i_pieces="all,logprobs=v2_sampler_fp32")
+    vllm_colocate.check_engine_vllm(_sampling_trainer(temperature=0.7, top_p=0.9), fp32)
+    with pytest.raises(RecipeError, match=r"takes the log-prob over the bf16 logits with these sampling parameters "
+                                          r"\(docs/vllm031_form\.md\), and gap\.i_pieces has "
+                                          r"logprobs=v2_sampler_fp32: set logprobs=v2_sampler in gap\.i_pieces"):
+        vllm_colocate.check_engine_vllm(_sampling_trainer(), fp32)
     monkeypatch.setattr(vllm_versions, "installed_vllm", lambda: "0.26.0")
     vllm_colocate.check_engine_vllm(_sampling_trainer(temperature=0.7, top_p=0.9), gap)
+    with pytest.raises(RecipeError, match=r"vLLM 0\.26\.0's model runner V2 sampler takes the log-prob over the bf16"):
+        vllm_colocate.check_engine_vllm(_sampling_trainer(temperature=0.7), fp32)
+
+
+def test_both_sampler_pieces_are_the_v2_runners_and_call_vllm():
+    """``logprobs=v2_sampler_fp32`` is a V2 model runner piece (refused on V1, as ``v2_sampler``) that calls vLLM's
+    kernel; an unknown value is named with the three accepted."""
+    from bloggap_plugin.core.vllm.form import parse_form
+
+    fp32 = GapConfig(arm="I", i_pieces="all,logprobs=v2_sampler_fp32")
+    assert vllm_colocate.model_runner_refusal(fp32, "v2") is None
+    assert vllm_colocate.model_runner_refusal(fp32, "v1").endswith("set gap.i_pieces: all,logprobs=log_softmax")
+    assert "logprobs=v2_sampler_fp32" in parse_form("torch,logprobs=v2_sampler_fp32").needs_vllm()
+    with pytest.raises(ValueError, match="use one of log_softmax, v2_sampler, v2_sampler_fp32"):
+        parse_form("all,logprobs=fp32")

@@ -32,6 +32,7 @@ from ..scoring import (
 )
 from ..vllm.autograd import autograd_kernels
 from ..vllm.form import (
+    SAMPLER_LOGPROBS,
     Kernels,
     PackedBatch,
     VllmForm,
@@ -54,7 +55,7 @@ from ..vllm.form import (
 from .base import ScoringPlan
 from .shadow import ShadowPlan
 
-__all__ = ["VllmFormLM", "VllmFormPlan", "VllmFormParamsPlan", "OnPolicyForward", "sampler_reduce",
+__all__ = ["VllmFormLM", "VllmFormPlan", "VllmFormParamsPlan", "OnPolicyForward", "sampler_reduce", "form_reduce",
            "SUPPORTED_MODEL_TYPES", "FAMILY_PIECES_MISSING", "check_vllm_form_supported"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -325,16 +326,25 @@ class VllmFormLM(nn.Module):
             head.cast = None
 
 
-def sampler_reduce(kernels: Kernels) -> LogprobReducer:
+def sampler_reduce(kernels: Kernels, fp32: bool = False) -> LogprobReducer:
     """The ``logprobs=v2_sampler`` reduce: ``[b, t]`` from the fp32 temperature-scaled logits ``[b, t, V]`` rounded to
     bf16 (exact at temperature 1, where they are the head's bf16 values; vLLM's in-place bf16 temperature otherwise),
-    then ``kernels.token_logprobs`` (the sampler's kernel)."""
+    then ``kernels.token_logprobs`` (the sampler's kernel). ``fp32`` (``logprobs=v2_sampler_fp32``): the kernel
+    reads the fp32 logits as they come, unrounded (vLLM 0.31's sampler when it processes the logits)."""
 
     def reduce(logits: torch.Tensor, targets: torch.Tensor, index: TileIndex) -> torch.Tensor:  # noqa: ARG001
-        flat = logits.to(torch.bfloat16).reshape(-1, logits.shape[-1])
+        flat = (logits if fp32 else logits.to(torch.bfloat16)).reshape(-1, logits.shape[-1])
         return kernels.token_logprobs(flat, targets.reshape(-1)).view(targets.shape)
 
     return reduce
+
+
+def form_reduce(form: VllmForm, kernels: Kernels) -> LogprobReducer | None:
+    """The reduce ``form``'s ``logprobs`` piece scores with: :func:`sampler_reduce` for the V2 sampler's pieces,
+    ``None`` for ``log_softmax`` (the scoring function's own log-softmax)."""
+    if form.logprobs not in SAMPLER_LOGPROBS:
+        return None
+    return sampler_reduce(kernels, fp32=form.logprobs == "v2_sampler_fp32")
 
 
 def _form_context(device: torch.device, form: VllmForm, kernels: Kernels) -> contextlib.ExitStack:
@@ -374,7 +384,7 @@ class OnPolicyForward:
         on the CPU (a host copy of the device mask) stays there: the rows' layout is computed from it, and the forward
         and backward issue no host read of a device tensor for it."""
         entropy_parts: list[tuple[TileIndex, torch.Tensor]] = []
-        scored = sampler_reduce(self.model.kernels) if self.form.logprobs == "v2_sampler" else gather_logprobs
+        scored = form_reduce(self.form, self.model.kernels) or gather_logprobs
 
         def reduce(logits: torch.Tensor, targets: torch.Tensor, index: TileIndex) -> torch.Tensor:
             if compute_entropy:
@@ -415,14 +425,13 @@ class _VllmFormScoring:
 
     def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
                        batch_size: int | None = None, **options: Unpack[ScoringOptions]) -> torch.Tensor:
-        """As :meth:`ScoringPlan.token_logprobs`; with ``logprobs=v2_sampler`` and no caller's ``reduce``, each tile's
-        log-probs come from ``kernels.token_logprobs`` on its bf16 logits (:meth:`_sampler_reduce`)."""
-        if self.form.logprobs == "v2_sampler" and options.get("reduce") is None:
-            options["reduce"] = self._sampler_reduce
+        """As :meth:`ScoringPlan.token_logprobs`; with a V2 sampler ``logprobs`` piece and no caller's ``reduce``,
+        each tile's log-probs come from ``kernels.token_logprobs`` on its bf16 (or fp32) logits (:func:`form_reduce`)."""
+        if options.get("reduce") is None:
+            reduce = form_reduce(self.form, self.kernels)
+            if reduce is not None:
+                options["reduce"] = reduce
         return super().token_logprobs(input_ids, attention_mask, logits_to_keep, batch_size, **options)
-
-    def _sampler_reduce(self, logits: torch.Tensor, targets: torch.Tensor, index: TileIndex) -> torch.Tensor:
-        return sampler_reduce(self.kernels)(logits, targets, index)
 
     def _scoring_context(self) -> contextlib.AbstractContextManager:
         stack = super()._scoring_context()

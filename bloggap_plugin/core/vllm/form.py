@@ -25,6 +25,7 @@ from ..scoring import position_ids_from_mask
 
 __all__ = [
     "VllmForm",
+    "SAMPLER_LOGPROBS",
     "parse_form",
     "FORM_PRESETS",
     "Kernels",
@@ -51,6 +52,10 @@ __all__ = [
     "sampler_token_logprobs",
     "prompt_first",
 ]
+
+
+SAMPLER_LOGPROBS = ("v2_sampler", "v2_sampler_fp32")
+"""The ``logprobs`` pieces that call vLLM's model runner V2 log-prob kernel (on bf16 logits, on fp32 logits)."""
 
 
 @dataclass(frozen=True)
@@ -98,14 +103,16 @@ class VllmForm:
     batch-invariant override when ``batch_invariant``); ``v2_sampler``: vLLM's model runner V2 (its default for
     dense decoders): the temperature applied to the bf16 logits in place (fp32 division rounded to bf16), then
     its own kernel over the bf16 logits (``compute_token_logprobs``: max, then the sum of ``exp(x - max)`` in
-    fp32, ``x - max - log(sum)``), whose sum runs in another order than ``log_softmax``'s. Without a caller's
-    kept-set reduce only (truncated scoring keeps its own reduce)."""
+    fp32, ``x - max - log(sum)``), whose sum runs in another order than ``log_softmax``'s; ``v2_sampler_fp32``: the
+    same kernel over the fp32 temperature-scaled logits, not rounded to bf16, as vLLM 0.31's V2 sampler computes
+    it when a sampling parameter processes the logits (docs/vllm031_form.md; not yet measured on a GPU). Without a
+    caller's kept-set reduce only (truncated scoring keeps its own reduce)."""
 
     def __post_init__(self) -> None:
         choices = {"attention": ("sdpa", "vllm_fa"), "norm": ("hf", "torch", "kernel"),
                    "rope": ("hf", "torch", "kernel"), "act": ("torch", "kernel"), "norm_launch": ("packed", "steps"),
                    "attention_launch": ("packed", "steps"),
-                   "logprobs": ("log_softmax", "v2_sampler")}
+                   "logprobs": ("log_softmax",) + SAMPLER_LOGPROBS}
         for name, accepted in choices.items():
             if getattr(self, name) not in accepted:
                 raise ValueError(f"arm I piece {name}={getattr(self, name)!r}: use one of {', '.join(accepted)}")
@@ -117,7 +124,7 @@ class VllmForm:
         out = ["batch_invariant=true"] if self.batch_invariant else []
         out += ["attention=vllm_fa"] if self.attention == "vllm_fa" else []
         out += [f"{name}=kernel" for name in ("norm", "rope", "act") if getattr(self, name) == "kernel"]
-        out += ["logprobs=v2_sampler"] if self.logprobs == "v2_sampler" else []
+        out += [f"logprobs={self.logprobs}"] if self.logprobs in SAMPLER_LOGPROBS else []
         return out
 
     def describe(self) -> str:

@@ -282,14 +282,14 @@ def _token_logprobs(form: VllmForm, layout: Any):
     """vLLM's model runner V2 log-prob kernel (``compute_token_logprobs`` from ``layout.logprob``) as ``(logits
     [N, V], tokens [N]) -> [N]``; the torch stand-in when the form does not use it. :class:`VllmFormUnavailable`
     when this vLLM has no V2 runner."""
-    if form.logprobs != "v2_sampler":
+    if form.logprobs == "log_softmax":
         return TORCH_KERNELS.token_logprobs
     from bloggap_plugin.core.vllm.versions import form_install_hint
     try:
         compute_token_logprobs = importlib.import_module(layout.logprob).compute_token_logprobs
     except Exception as err:  # noqa: BLE001 - any import failure is the same refusal
         raise VllmFormUnavailable(
-            f"arm I piece logprobs=v2_sampler calls vLLM's model runner V2 log-prob kernel, which this vLLM lacks "
+            f"arm I piece logprobs={form.logprobs} calls vLLM's model runner V2 log-prob kernel, which this vLLM lacks "
             f"({type(err).__name__}: {err}): {form_install_hint()}, or, for an engine on the V1 "
             "model runner, set gap.i_pieces: all,logprobs=log_softmax"
         ) from None
