@@ -88,12 +88,13 @@ def worker_environment(config: CompareConfig, environ: dict | None = None, ports
     ``ports_in_use`` (the runs in flight): TRL's colocate engine otherwise takes the first free of 29500, 23456, ...,
     which runs starting together all see free, and all but one then fail with EADDRINUSE. The sweep's extra import
     paths (``config.pythonpath``, for the user's run and held-out functions) go first on ``PYTHONPATH``."""
-    from bloggap_plugin.trl.vllm_colocate import KV_CACHE_ENV
-
     env = dict(os.environ if environ is None else environ)
     if config.pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([*config.pythonpath, *filter(None, [env.get("PYTHONPATH")])])
     if config.use_vllm and int(config.parallel) > 1:
+        # imported here: the TRL integration takes seconds to import, and only vLLM runs use the name
+        from bloggap_plugin.trl.vllm_colocate import KV_CACHE_ENV
+
         env.setdefault(KV_CACHE_ENV, "2")
         env.setdefault("MASTER_ADDR", "localhost")
         env["MASTER_PORT"] = str(_free_port(ports_in_use or set()))

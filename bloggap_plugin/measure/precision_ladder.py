@@ -121,6 +121,7 @@ def run_ladder(
     fp16_guided_k = 8 if 8 in ks else ks[len(ks) // 2]
     rungs = []
     fp16_base = None
+    scored: dict[tuple, dict] = {}  # (arm, layers, base) -> its cell: rungs naming one plan (first-k = window-k) score once
     for spec in _rung_specs(n_layers, ks, guided, window, fp16_guided_k):
         labels = {key: spec.get(key) for key in ("name", "arm", "k", "layers")}
         labels["base_dtype"] = spec.get("base", str(next(model.parameters()).dtype).removeprefix("torch."))
@@ -128,11 +129,17 @@ def run_ladder(
             rungs.append(skipped_cell("fp16 disabled (no fast fp16 kernels on this CPU; run on a GPU)", **labels))
             say(f"{spec['name']:<28} skipped")
             continue
+        plan_key = (spec["arm"], tuple(spec.get("layers") or ()), spec.get("base"))
+        if plan_key in scored:
+            rungs.append({**scored[plan_key], **labels})
+            say(f"{spec['name']:<28} the plan of {scored[plan_key]['name']}")
+            continue
         started = time.perf_counter()
         if spec.get("base") == "fp16" and fp16_base is None:
             fp16_base = make_plan(model, "fp16")
         cell = _score_rung(model, spec, ids, mask, new_tokens, batch_size, positions, band, fp16_base, labels,
                            started)
+        scored[plan_key] = cell
         rungs.append(cell)
         say(f"{spec['name']:<28} {100 * cell['oob']:6.2f}% out of band   fp32 share {100 * cell['fp32_param_share']:5.1f}%")
     if fp16_base is not None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.abc
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -113,26 +115,57 @@ def _subprocess_audit(event: str, args) -> None:
         _require("spawns")
 
 
-def _guard_tiers() -> None:
-    """Stop a training run, a subprocess or a real-model load in a test that did not request its fixture (once per
-    process: a pytest session run inside a test must not wrap them twice)."""
-    import sys
-
-    import transformers
-
-    if getattr(transformers.Trainer.train, "tier_guard", False):
-        return
-
-    import bloggap_plugin.models as models
-
-    train = transformers.Trainer.train
+def _guard_trainer(trainer_module) -> None:
+    """Make ``Trainer.train`` of module ``transformers.trainer`` stop a test that did not request `trains`."""
+    train = trainer_module.Trainer.train
 
     def guarded_train(self, *args, **kwargs):
         _require("trains")
         return train(self, *args, **kwargs)
 
     guarded_train.tier_guard = True
-    transformers.Trainer.train = guarded_train
+    trainer_module.Trainer.train = guarded_train
+
+
+class _GuardOnImport(importlib.abc.MetaPathFinder):
+    """Guards ``transformers.trainer`` as it is first imported: the tiers cost no Trainer import (seconds) in a
+    session whose tests never load one. Stays on ``sys.meta_path`` as the sign that this process is guarded."""
+
+    tier_guard = True
+    module = "transformers.trainer"
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.module:
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else getattr(finder, "find_spec", lambda *a: None)(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader.exec_module = _then_guard(spec.loader.exec_module)
+                return spec
+        return None
+
+
+def _then_guard(exec_module):
+    """``exec_module`` followed by guarding the Trainer of the module it ran."""
+
+    def exec_and_guard(module):
+        exec_module(module)
+        _guard_trainer(module)
+
+    return exec_and_guard
+
+
+def _guard_tiers() -> None:
+    """Stop a training run, a subprocess or a real-model load in a test that did not request its fixture (once per
+    process: a pytest session run inside a test must not wrap them twice)."""
+    if any(getattr(finder, "tier_guard", False) for finder in sys.meta_path):
+        return
+    if _GuardOnImport.module in sys.modules:
+        _guard_trainer(sys.modules[_GuardOnImport.module])
+    sys.meta_path.insert(0, _GuardOnImport())
+
+    import bloggap_plugin.models as models
+
     load_smollm2 = models._load_smollm2
 
     def guarded_load_smollm2(*args, **kwargs):

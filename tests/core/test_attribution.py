@@ -196,6 +196,32 @@ def test_ladder_command_json_on_tiny_model(tmp_path):
     assert len(table["rows"]) == 9 and all(len(r) == len(table["columns"]) for r in table["rows"])
 
 
+def test_ladder_scores_a_plan_once_however_many_rungs_name_it(tiny_model, monkeypatch):
+    """On 2 layers at k=1 the guided layer is the first or the last one: that rung names a plan already scored.
+    Each distinct plan scores the rows once (b1 and b8), and every rung naming it gets its numbers."""
+    from bloggap_plugin.measure import precision_ladder
+
+    scored = []
+    b1_vs_bn = precision_ladder.b1_vs_bn
+
+    def counting(plan, *args, **kwargs):
+        scored.append(plan)
+        return b1_vs_bn(plan, *args, **kwargs)
+
+    monkeypatch.setattr(precision_ladder, "b1_vs_bn", counting)
+    model, tokenizer = tiny_model("tiny-random-qwen2", "bf16")
+    result = precision_ladder.run_ladder(model, tokenizer, rows=8, calibration_rows=8, new_tokens=2, ks=[1],
+                                         fp16=False)
+    rungs = {r["name"]: r for r in result["rungs"] if r.get("oob") is not None}
+    plans = {(r["arm"], tuple(r["layers"] or ()) if r["arm"] == "guided" else None) for r in rungs.values()}
+    assert len(rungs) == 7 and len(plans) == len(scored) < len(rungs)
+    guided = rungs["guided-1 + head"]
+    twin = rungs["first-1 + head" if guided["layers"] == [0] else "last-1 + head"]
+    numbers = ("oob", "oob_count", "abs_dlogp_mean", "abs_dlogp_max", "n", "fp32_param_share", "bytes_added")
+    assert [guided[key] for key in numbers] == [twin[key] for key in numbers]
+    assert guided["name"] != twin["name"] and guided["layers"] == twin["layers"]
+
+
 def test_ladder_benchmark_quick(tmp_path, real_model):
     import json
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import types
 import warnings
 
 import pytest
 import torch
+from _support import ROOT
+from _support.events import HANG_S
 
 from bloggap_plugin.recipes import RecipeError
 from bloggap_plugin.trl.attach import check_vllm_fp16
@@ -146,6 +151,20 @@ def test_compare_runs_get_a_fixed_kv_cache_when_several_share_the_gpu():
     assert KV_CACHE_ENV not in worker_environment(config(parallel=1), {})
     assert KV_CACHE_ENV not in worker_environment(config(use_vllm=False), {})
     assert {f.name for f in __import__("dataclasses").fields(CompareConfig)} >= {"use_vllm", "parallel"}
+
+
+def test_a_sweep_without_vllm_loads_no_trl_for_its_runs_environment(spawns):
+    """The sweep process (``bloggap compare``) builds each run's environment; without --use-vllm that must not
+    import the TRL integration (seconds of imports per sweep, for a name only vLLM runs use)."""
+    code = ("import json, sys, types; from bloggap_plugin.compare.sweep import worker_environment; "
+            "env = worker_environment(types.SimpleNamespace(use_vllm=False, parallel=2, pythonpath=[]), {}); "
+            "print(json.dumps([env, sorted(m for m in sys.modules if m.split('.')[0] == 'trl' "
+            "or m.startswith('bloggap_plugin.trl'))]))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=HANG_S,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr
+    env, loaded = json.loads(run.stdout.strip().splitlines()[-1])
+    assert env == {} and loaded == []
 
 
 def test_parallel_colocate_runs_each_get_their_own_free_master_port():
