@@ -414,4 +414,21 @@ def _print_result(result: dict, timings: bool = False) -> None:
     if timings and result.get("timings"):
         print(format_timings(result["timings"]))
     print()
-    print(f"recommendation: {recommendation['text']}")  # the arm and its reason first, the details below
+    text = f"recommendation: {recommendation['text']}"  # the arm and its reason first, the details below
+    print(_fit_terminal(text) if sys.stdout.isatty() else text)
+
+
+def _fit_terminal(text: str) -> str:
+    """``text`` with each line wider than the terminal wrapped at word boundaries, continuation lines indented under
+    the line's own text (a finding's ``  - `` bullet: 4 spaces; the lead line: 2); for a terminal only (piped output
+    keeps one line per finding, for tools that read it)."""
+    import shutil
+    import textwrap
+
+    width = max(60, shutil.get_terminal_size().columns - 1)
+    lines = []
+    for line in text.splitlines():
+        indent = " " * max(2, len(line) - len(line.lstrip(" -")))
+        lines.append(textwrap.fill(line, width=width, subsequent_indent=indent, break_long_words=False,
+                                   break_on_hyphens=False) if len(line) > width else line)
+    return "\n".join(lines)

@@ -430,3 +430,26 @@ def test_output_into_a_closed_pipe_stops_quietly(monkeypatch, capsys):
     monkeypatch.undo()
     assert code == 141
     assert capsys.readouterr().err == ""
+
+
+def test_the_doctors_findings_fit_a_terminal_and_stay_one_line_each_in_a_pipe(monkeypatch, capsys):
+    """On a terminal the recommendation's long finding lines wrap at its width (under their bullet); piped, each
+    finding stays one line. The words are the same either way."""
+    import os
+    import shutil
+    import sys
+
+    result = str(ROOT / "benchmarks" / "results" / "cpu" / "doctor_gemma3-270m.json")
+    assert cli.main(["doctor", "--from-json", result]) == 0
+    piped = capsys.readouterr().out.split("recommendation: ", 1)[1]
+    assert max(len(line) for line in piped.splitlines()) > 100  # the stored findings are longer than the terminal
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda *a, **k: os.terminal_size((100, 40)))
+    assert cli.main(["doctor", "--from-json", result]) == 0
+    shown = capsys.readouterr().out.split("recommendation: ", 1)[1]
+    assert max(len(line) for line in shown.splitlines()) <= 99
+    assert shown.split() == piped.split()
+    bullets = [line for line in shown.splitlines() if line.startswith("  - ")]
+    assert len(bullets) == len([line for line in piped.splitlines() if line.startswith("  - ")])
+    continued = [line for line in shown.splitlines()[1:] if line and not line.startswith("  - ")]
+    assert continued and all(line.startswith("  ") and not line.startswith("  - ") for line in continued)
