@@ -4,18 +4,17 @@ for each shape (0.31 picks tuned tiles by row count for some bf16 shapes on Hopp
 kernels' output for one row change with the launch's row count (0.26: below 256 rows or not); (3) does the V2
 sampler's ``compute_token_logprobs`` give the same bits on bf16 logits and on their fp32 copy; (4) does torch's
 ``x / T`` equal vLLM's ``apply_temperature`` on fp32 logits. Writes $OUT/vllm031_form_probe.json (or ./ without OUT).
-Usage (after install.sh, on the warm machine): . benchmarks/gpu/vllm031/env.sh && python3 benchmarks/gpu/vllm031/form_probe.py
+Usage (after install.sh, on the warm machine, from the project root): . benchmarks/gpu/vllm031/env.sh && python3 -m
+benchmarks.gpu.vllm031.form_probe
 Not yet run on a GPU."""
 
 import importlib
 import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.getcwd())  # the plugin from the project tree the call carried
-from bloggap_plugin.core.vllm.kernels import vllm_layout  # noqa: E402
+from bloggap_plugin.core.vllm.kernels import vllm_layout
 
 SHAPES = {  # (N, K) of each linear: out x in
     "hopper_tuned": [(2048, 2048), (4096, 2048), (12288, 2048), (2048, 6144), (151936, 2048)],
