@@ -47,16 +47,17 @@ def _refuse(form: VllmForm, why: str) -> VllmFormUnavailable:
 
 
 def vllm_layout() -> tuple[str | None, Any]:
-    """``(version, layout)`` of the vLLM this process imports: its version (package metadata, else
-    ``vllm.__version__``) and :func:`~bloggap_plugin.core.vllm.versions.form_layout` of it (``None`` for a release
-    not read); ``(None, None)`` when vLLM does not import."""
+    """``(version, layout)`` of the vLLM this process imports: its version (``vllm.__version__``, else package
+    metadata) and :func:`~bloggap_plugin.core.vllm.versions.form_layout` of it (``None`` for a release not read);
+    ``(None, None)`` when vLLM does not import. Called around every vLLM-form scoring call: the module attribute
+    first, since a metadata lookup scans the installed distributions."""
     from bloggap_plugin.core.vllm.versions import form_layout, installed_vllm
 
     try:
         import vllm
     except Exception:  # noqa: BLE001 - no (importable) vLLM
         return None, None
-    version = installed_vllm() or getattr(vllm, "__version__", None)
+    version = getattr(vllm, "__version__", None) or installed_vllm()
     return version, form_layout(version)
 
 
@@ -87,10 +88,10 @@ def batch_invariant_scope() -> Iterator[None]:
     Where vLLM's engine has the mode on process-wide, this adds nothing. Not scoped: cuBLAS(Lt) workspace sizes
     (``CUBLAS_WORKSPACE_CONFIG``, ``CUBLASLT_WORKSPACE_SIZE``), which torch reads once per process; vLLM sets them
     before its first matmul (docs/arm_i.md)."""
-    if vllm_batch_invariant_active():
+    bi = _batch_invariant_module()
+    if getattr(bi, "_batch_invariant_MODE", False):  # the engine's mode is on process-wide
         yield
         return
-    bi = _batch_invariant_module()
     saved = MatmulSettings.current()
     library = torch.library.Library("aten", "IMPL")
     try:
@@ -142,9 +143,9 @@ def suspend_batch_invariant_mode(plain: MatmulSettings) -> bool:
 
     :func:`batch_invariant_scope` then installs the overrides for arm I's and J's vLLM-form passes alone, and
     :func:`engine_batch_invariance` for the engine's own steps."""
-    if not vllm_batch_invariant_active():
-        return False
     bi = _batch_invariant_module()
+    if not getattr(bi, "_batch_invariant_MODE", False):
+        return False
     if bi._batch_invariant_LIB is not None:
         bi._batch_invariant_LIB._destroy()
     bi._batch_invariant_LIB = None

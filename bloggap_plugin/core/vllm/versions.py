@@ -9,6 +9,7 @@ measured is refused, naming what is missing, unless :data:`FORM_TRIAL_ENV` names
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -81,6 +82,7 @@ def installed_vllm() -> str | None:
         return None
 
 
+@functools.lru_cache(maxsize=32)
 def _release(version: str) -> tuple[int, ...] | None:
     from packaging.version import InvalidVersion, Version
 
