@@ -184,7 +184,8 @@ class GapSession:
         self.probe_rows(output, ids, attn, logits_to_keep)
         # arms I and J: the mask on the host, read once here: their old pass and arm J's training forwards lay out
         # their rows from it (J's through the batch, shuffled and split with it), so none of them waits on the device
-        host_attn = attn.cpu() if getattr(state.resources.plan, "host_layout", False) else None
+        onpolicy = state.resources.onpolicy is not None
+        host_attn = attn.cpu() if onpolicy or getattr(state.resources.plan, "host_layout", False) else None
         replaced = 0.0
         if not state.arm.scores_after_shuffle:
             # TRL's own old pass ran before the vLLM kept sets existed: renormalising re-scores it
@@ -209,8 +210,8 @@ class GapSession:
                 self.stats.trl_sampling_metrics([output])
             if measure:
                 self.stats.generation_metrics(output, ids, attn, logits_to_keep)
-        if state.resources.onpolicy is not None:
-            output["gap_host_mask"] = attn.cpu() if host_attn is None else host_attn
+        if onpolicy:
+            output["gap_host_mask"] = host_attn
         state.totals.time += time.perf_counter() - start - replaced
         state.totals.replaced_time += replaced
         return output

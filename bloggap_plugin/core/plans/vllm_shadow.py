@@ -229,11 +229,8 @@ class VllmFormLM(nn.Module):
         if self.form.attention_launch == "steps":
             return stepwise_attention(q, k, v, packed, self.form.page_size or 16, self.kernels.flash_paged, self.scale)
         if self.form.page_size:
-            page = self.form.page_size
-            layout = packed.paged.get(page)
-            if layout is None:  # the same for every layer of this forward
-                layout = packed.paged[page] = paged_layout(packed.lengths, page, q.device)
-            k, v, table = paged_kv(k, v, packed.lengths, page, layout)
+            page = self.form.page_size  # its layout: made once per forward by :meth:`layout`
+            k, v, table = paged_kv(k, v, packed.lengths, page, packed.paged[page])
             return self.kernels.flash(q, k, v, packed.cu_seqlens, max_len, self.scale, block_table=table)
         return self.kernels.flash(q, k.contiguous(), v.contiguous(), packed.cu_seqlens, max_len, self.scale)
 
