@@ -220,8 +220,7 @@ def attention_formula_rows(policy: Any, ids: Any, mask: Any, keep: int, device: 
     packed.generated = generated[packed.where]
     ordered = prompt_first(packed)
     calls = stepwise_calls(ordered, 16)
-    slot, block_table, blocks = ordered.paged[16]
-    layout = (slot[ordered.order], block_table, blocks)  # the cache slot of each token in prompt_first's order
+    layout = ordered.paged[("order", 16)]  # the cache slot of each token in prompt_first's order
     total = int(ordered.cu_seqlens[-1])
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     gen = torch.Generator(device=ids.device).manual_seed(0)
