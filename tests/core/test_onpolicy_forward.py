@@ -355,20 +355,26 @@ def test_parameter_gradients_within_bounds_of_torch_autograd(tiny_model, spec):
                            torch.cat([g.flatten() for g in exact.values()]))  # not the fp32 forward itself
 
 
-@pytest.mark.parametrize("spec", ["all", "all,attention_launch=packed"])
-def test_training_forward_and_backward_read_nothing_of_the_device_with_a_host_mask(tiny_model, spec):
-    """With the attention mask on the CPU and everything else on the meta device (which holds no values: any read of
-    a tensor's values there raises, as ``.item()``, ``.tolist()``, ``nonzero`` or a boolean-mask index would wait for
-    a GPU), arm J's training forward and its backward run through: the rows' layout is computed on the host and copied
-    over. The same forward with the mask on the device reads it (and raises there). The attention stand-ins are
-    autograd's formulas (TORCH_KERNELS' references loop over rows on the host, as vLLM's kernels do not); the vLLM
-    forms only (``sdpa`` attention loops over rows on the host by design)."""
+def _on_meta(tiny_model):
+    """``(model, kernels)``: the tiny Llama built on the meta device (no values: reading one raises) and the torch
+    stand-ins with the attention pieces as autograd's formulas (TORCH_KERNELS' references loop over rows on the host,
+    as vLLM's kernels do not)."""
     from bloggap_plugin.core.vllm.autograd import flash_formula, flash_paged_formula
 
     source = _private(tiny_model)
     with torch.device("meta"):
         model = type(source)(source.config)
-    kernels = dataclasses.replace(TORCH_KERNELS, flash=flash_formula, flash_paged=flash_paged_formula)
+    return model, dataclasses.replace(TORCH_KERNELS, flash=flash_formula, flash_paged=flash_paged_formula)
+
+
+@pytest.mark.parametrize("spec", ["all", "all,attention_launch=packed"])
+def test_training_forward_and_backward_read_nothing_of_the_device_with_a_host_mask(tiny_model, spec):
+    """With the attention mask on the CPU and everything else on the meta device (which holds no values: any read of
+    a tensor's values there raises, as ``.item()``, ``.tolist()``, ``nonzero`` or a boolean-mask index would wait for
+    a GPU), arm J's training forward and its backward run through: the rows' layout is computed on the host and copied
+    over. The same forward with the mask on the device reads it (and raises there). The vLLM forms only (``sdpa``
+    attention loops over rows on the host by design)."""
+    model, kernels = _on_meta(tiny_model)
     forward = OnPolicyForward(model, parse_form(spec), kernels)
     ids, mask = _rows()
     logps, _ = forward.token_logprobs(ids.to("meta"), mask, 16, batch_size=4)
@@ -385,12 +391,8 @@ def test_arm_i_and_js_old_pass_reads_nothing_of_the_device_with_a_host_mask(tiny
     (``host_layout``) and score the meta device's rows without reading a value; given the mask on the device, they
     read it (and raise there)."""
     from bloggap_plugin.core.plans import vllm_shadow
-    from bloggap_plugin.core.vllm.autograd import flash_formula, flash_paged_formula
 
-    source = _private(tiny_model)
-    with torch.device("meta"):
-        model = type(source)(source.config)
-    kernels = dataclasses.replace(TORCH_KERNELS, flash=flash_formula, flash_paged=flash_paged_formula)
+    model, kernels = _on_meta(tiny_model)
     plan = getattr(vllm_shadow, plan_class)(model, parse_form("all"), kernels)
     assert plan.host_layout
     ids, mask = _rows()
