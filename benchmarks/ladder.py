@@ -9,8 +9,8 @@
   plan with the guard off: share of non-finite log-probs, largest ``|h|`` at any decoder-layer boundary,
   boundary tensors above 60,000 (fp16 max 65,504), and with the guard on the number of fp32 fallbacks.
 
-    python -m benchmarks.ladder --out benchmarks/results/h200          # GPU, ~1-2 min on an H200
-    python -m benchmarks.ladder --quick --device cpu --out /tmp/ladder  # CPU smoke run, < 60 s
+    python -m benchmarks.ladder --out benchmarks/results/h200          # GPU
+    python -m benchmarks.ladder --quick --device cpu --out /tmp/ladder  # CPU smoke run (bf16 is slow on CPUs without bf16 instructions)
 """
 
 from __future__ import annotations

@@ -227,8 +227,10 @@ def test_ladder_benchmark_quick(tmp_path, real_model):
 
     from benchmarks import ladder
 
-    # the structure of the three tables on the real model: 4 new tokens a rollout (quick's 12 change no field)
-    assert ladder.main(["--quick", "--new-tokens", "4", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    # the structure of the three tables on the real model: 2 rollouts of 4 new tokens each way (quick's 8 x 12 change
+    # no field; the b1-vs-b8 values of the real model are test_smollm2_bf16_left_padding_divergence's)
+    argv = ["--quick", "--rows", "2", "--calibration-rows", "2", "--new-tokens", "4", "--device", "cpu"]
+    assert ladder.main([*argv, "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "ladder.json").read_text())
     assert payload["benchmark"] == "ladder" and payload["schema_version"] == 1
     assert [t["id"] for t in payload["tables"]] == ["T7", "T8", "T9"]
@@ -236,6 +238,6 @@ def test_ladder_benchmark_quick(tmp_path, real_model):
         assert all(len(row) == len(table["columns"]) for row in table["rows"])
     ladder = payload["results"]["ladder"]
     assert ladder["calibration_disjoint"] and ladder["n_layers"] == 30
-    assert (ladder["rows"], ladder["calibration_rows"], ladder["new_tokens"]) == (8, 8, 4)  # quick, but the flag
+    assert (ladder["rows"], ladder["calibration_rows"], ladder["new_tokens"]) == (2, 2, 4)  # quick, but the flags
     assert ladder["rungs"][-1]["name"] == "all fp32" and ladder["rungs"][-1]["fp32_param_share"] == 1.0
     assert payload["tables"][2]["random_init"] is True
