@@ -48,6 +48,8 @@ __all__ = [
 
 ARMS = ARM_LETTERS  # the letters A..J, in order (records: bloggap_plugin.core.arms.ARMS)
 KEPT_MODES = ("renormalize", "measure", "off")
+KEPT_SOURCES = ("auto", "sampling_mask", "retruncate")
+"""``gap.kept_source`` values (``auto`` and ``retruncate`` are verl's words too: ``bloggap.kept_source``)."""
 POSITION_MODES = ("mask", "arange")
 REFERENCES = ("fp32_b1",)
 VLLM_LAUNCHES = ("auto", "eager", "decode_graphs")
@@ -114,6 +116,13 @@ class GapConfig:
         kept set in the old, the training and (``beta > 0``) TRL's reference pass; ``measure`` only logs kept
         mass and ratios (one extra scoring per generation); ``off`` records no kept sets and adds no forward.
         ``renormalize`` needs the sampler recording (``sampler: true``) as kept-set source."""))
+    kept_source: str = field(default="auto", metadata=_help(
+        """Where TRL's vLLM path takes the kept sets from (``gap.kept`` measure or renormalize with truncated
+        sampling): ``sampling_mask`` the ids vLLM sampled from (``return_sampling_mask``: vLLM >= 0.28, colocate,
+        model runner V2, ``top_k > 0``, temperature > 0, tensor_parallel_size 1; refused at attach naming what is
+        missing); ``retruncate`` the trainer re-applies top_k/top_p/min_p to its own logits (approximate at the
+        boundary); ``auto`` the mask where all of that holds, else re-truncation (a warning says why). HF
+        generate's kept sets are always the recorder's own."""))
     sampler: bool = field(default=True, metadata=_help(
         """Record the HF ``generate`` sampler's log-prob of every emitted token (and its kept set), so
         ``gap/sampler/*`` and ``gap/kept/*`` exist without vLLM. Sampling then runs through the plugin's logits
@@ -202,7 +211,8 @@ class GapConfig:
         if self.score_rows and spec.scores_after_shuffle:
             raise RecipeError(f"gap.score_rows does not apply to arm {spec.letter}, which scores each training "
                               "micro-batch whole; drop it")
-        for name, accepted in (("positions", POSITION_MODES), ("kept", KEPT_MODES), ("reference", REFERENCES)):
+        for name, accepted in (("positions", POSITION_MODES), ("kept", KEPT_MODES), ("kept_source", KEPT_SOURCES),
+                               ("reference", REFERENCES)):
             if getattr(self, name) not in accepted:
                 raise RecipeError(f"gap.{name} must be one of {', '.join(accepted)}, got {getattr(self, name)!r}")
         if not (self.tf32 is True or self.tf32 is False or self.tf32 == "auto"):

@@ -72,6 +72,8 @@ class KeptSets:
     """``sampling_mask`` | ``processed_logprobs`` | ``sizes``."""
     stats: dict[str, Any] = field(default_factory=dict)
     """Counts for the metrics (e.g. ``positions``, ``incomplete_positions``)."""
+    token_ids: list[list[int]] | None = None
+    """Per completion: the generated token ids the sets are aligned with (``sampling_mask`` sources)."""
 
     def sizes_tensor(self, width: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
         """``[N, width]`` int32, right-padded with 0 (``width`` defaults to the longest completion)."""
@@ -146,14 +148,17 @@ def kept_sets_from_request_outputs(request_outputs: Iterable[Any]) -> KeptSets:
     """Exact kept sets from ``LLM.generate`` results (``RequestOutput`` list), flattened like TRL's
     ``[output.token_ids for r in request_outputs for output in r.outputs]``. Raises if a mask is missing or
     misaligned (a generated token outside its own kept set)."""
-    ids, sizes = [], []
+    ids, sizes, tokens = [], [], []
     for r_index, request in enumerate(request_outputs):
         for c_index, completion in enumerate(request.outputs):
             where = f"request {r_index} completion {c_index}"
-            rows = _checked(mask_rows(getattr(completion, "sampling_mask", None)), list(completion.token_ids), where)
+            token_ids = [int(t) for t in completion.token_ids]
+            rows = _checked(mask_rows(getattr(completion, "sampling_mask", None)), token_ids, where)
             ids.append(rows)
             sizes.append([len(row) for row in rows])
-    return KeptSets(sizes=sizes, ids=ids, approximate=False, source="sampling_mask", stats={"positions": sum(map(len, sizes))})
+            tokens.append(token_ids)
+    return KeptSets(sizes=sizes, ids=ids, approximate=False, source="sampling_mask",
+                    stats={"positions": sum(map(len, sizes))}, token_ids=tokens)
 
 
 def kept_sets_from_server_response(response: dict | Sequence[dict]) -> KeptSets:

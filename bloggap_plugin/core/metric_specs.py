@@ -151,6 +151,10 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
                _TRL_GEN, _set("truncation")),
     MetricSpec("gap/kept/oob_after", "trl", "fraction", "out-of-band share of the sampler ratio after renormalising",
                _TRL_GEN, _set("truncation")),
+    MetricSpec("gap/kept/source", "trl", "code",
+               "where the kept sets came from: 1 the sampler's own (HF generate's recorder, or vLLM's sampling mask: "
+               "`gap.kept_source`), 2 re-truncated from the trainer's logits (as `gap/verl/kept_source` 2)", _TRL_GEN,
+               _set("truncation")),
     MetricSpec("gap/fp16/fallbacks", "trl", "count",
                "chunks re-scored in fp32 because fp16 gave a non-finite value, since the last generation", _TRL_GEN),
     MetricSpec("gap/time/scoring_s", "trl", "seconds", "plugin time of the optimizer step (per process)", _TRL_STEP),

@@ -16,6 +16,7 @@ import torch
 from bloggap_plugin.core import metrics as gap_metrics
 from bloggap_plugin.core.vllm import kernels as vllm_kernels
 from bloggap_plugin.recipes import GapConfig, RecipeError, config_differences
+from bloggap_plugin.trl.kept_source import resolve_kept_source
 from bloggap_plugin.trl.state import AttachSettings, GapState, Resources
 
 __all__ = ["attach_state", "check_vllm_fp16", "vllm_sampling", "KNOWN_LOSS_TYPES"]
@@ -296,8 +297,13 @@ def _truncation(trainer: Any, gap: GapConfig, settings: dict | None) -> tuple[di
         warnings.warn("gap.kept: renormalize with untruncated sampling (top_p 1, top_k 0, min_p 0) changes nothing",
                       stacklevel=_STACK)
     # gap.kept: off records no kept sets and runs no kept-mass scoring (the recorder still truncates: it samples)
+    kept_on = gap.kept != "off" and truncating
+    kept_source, no_mask = resolve_kept_source(trainer, gap, kept_on)
+    if no_mask is not None and kept_on:
+        warnings.warn(f"gap.kept_source: auto re-truncates the trainer's logits (approximate at the boundary) "
+                      f"instead of using vLLM's sampling mask: {no_mask}", stacklevel=_STACK)
     fields = {"truncating": truncating, "vllm_truncation": vllm_truncation,
-              "renormalize": gap.kept == "renormalize" and truncating, "kept_on": gap.kept != "off" and truncating}
+              "renormalize": gap.kept == "renormalize" and truncating, "kept_on": kept_on, "kept_source": kept_source}
     return fields, recorder
 
 

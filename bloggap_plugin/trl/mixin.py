@@ -78,6 +78,10 @@ class GapMixin:
         """Validate ``gap`` against this trainer and set up its session (``self._gap_session``)."""
         state = attach_state(self, gap, grpo_kwargs, source)
         self._gap_session = GapSession(self, state)
+        if state.settings.kept_source == "sampling_mask":
+            from bloggap_plugin.trl.kept_source import capture_sampling_masks
+
+            capture_sampling_masks(self, state)  # vLLM's own kept sets, kept per generation
         if gap.takes_pieces:
             from bloggap_plugin.trl.vllm_colocate import confine_batch_invariance
 

@@ -44,7 +44,8 @@ class Scorer:
         self.state = state
 
     def vllm_kept_sets(self, output: dict, ids, attn, logits_to_keep) -> None:
-        """Kept sets of vLLM's draws, re-derived from the trainer's logits: ``gap_kept_sizes`` ``[B, K]`` and the trainer's
+        """Kept sets of vLLM's draws re-derived from the trainer's logits (``gap.kept_source: retruncate``, or ``auto``
+        without vLLM's sampling mask: :meth:`mask_kept_sets`): ``gap_kept_sizes`` ``[B, K]`` and the trainer's
         log kept mass ``gap_sampler_log_kept_mass`` ``[B, K]`` (vLLM's own mass is not returned by TRL 1.16).
 
         One grad-free scoring pass in the arm's plan (TRL's forward for arms without one): the kept set follows vLLM's
@@ -78,6 +79,18 @@ class Scorer:
         mask = output["completion_mask"]
         output["gap_kept_sizes"] = join_tiles(sizes_parts).round().to(torch.int32).to(mask.device) * mask.int()
         output["gap_sampler_log_kept_mass"] = join_tiles(mass_parts).to(mask.device) * mask
+
+    def mask_kept_sets(self, output: dict) -> None:
+        """vLLM's own kept sets of this generation (its sampling masks, ``gap.kept_source`` resolved to
+        ``sampling_mask``) into ``output``: ``gap_kept_ids`` ``[B, K, S]`` and ``gap_kept_sizes`` ``[B, K]``, no
+        scoring pass. The log kept mass is the trainer's over these sets, taken where the metrics need it
+        (:meth:`trainer_log_mass`)."""
+        from bloggap_plugin.trl.kept_source import mask_kept_tensors
+
+        generation = self.state.generation
+        captured, generation.sampling_masks = generation.sampling_masks, None
+        output["gap_kept_ids"], output["gap_kept_sizes"] = mask_kept_tensors(
+            captured or [], output["completion_ids"], output["completion_mask"], self.state.config.store_ids_max)
 
     def policy(self):
         return self.trainer.accelerator.unwrap_model(self.trainer.model)

@@ -173,7 +173,9 @@ class GapSession:
         attn = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         logits_to_keep = output["completion_ids"].shape[1]
         # vLLM kept sets: every generation when they renormalise, on measured generations when they only measure
-        if (self.trainer.use_vllm and state.settings.kept_on and output.get("sampling_per_token_logps") is not None
+        if state.settings.kept_source == "sampling_mask":  # vLLM's own kept sets: no scoring pass
+            self.scorer.mask_kept_sets(output)
+        elif (self.trainer.use_vllm and state.settings.kept_on and output.get("sampling_per_token_logps") is not None
                 and (state.settings.renormalize or measure)):
             self.scorer.vllm_kept_sets(output, ids, attn, logits_to_keep)
         if state.arm.prefill_in_one_step and self.trainer.use_vllm:

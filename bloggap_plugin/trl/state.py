@@ -109,6 +109,9 @@ class AttachSettings:
     renormalize: bool = False
     """``gap.kept: renormalize`` with truncated sampling: the trainer's forwards renormalise over kept sets."""
     kept_on: bool = False
+    kept_source: str | None = None
+    """Where the kept sets come from (``gap.kept_source`` resolved at attach): ``recorder`` (HF generate),
+    ``sampling_mask`` (vLLM's own), ``retruncate`` (the trainer's logits), ``None`` without kept sets."""
     positions: str = "arange"
     """The position ids of the plugin's scoring and of the training forward (``arange`` where the arm keeps TRL's)."""
 
@@ -143,6 +146,10 @@ class GenerationPhase:
     pending_record: Any = None
     """The sampler's record of this generation, until it is aligned to TRL's completions."""
     pending_completion: torch.Tensor | None = None
+    sampling_masks: list | None = dataclasses.field(default_factory=list)
+    """Kept sets of the colocate engine's ``llm.generate`` calls of this generation (``gap.kept_source`` resolved to
+    ``sampling_mask``: :func:`~bloggap_plugin.trl.kept_source.capture_sampling_masks`), until they are aligned to TRL's
+    completions; ``None`` once read (later calls, e.g. evaluation's, are not kept)."""
     old_step: int = -1
     """The trainer's ``global_step`` when this generation's old log-probs were computed (-1: not yet)."""
     measure_now: bool = False

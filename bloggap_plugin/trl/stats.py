@@ -19,6 +19,7 @@ import torch
 from bloggap_plugin.core import metrics as gap_metrics
 from bloggap_plugin.core.metric_specs import clip_name, ratio_name, registered
 from bloggap_plugin.core.sharding import all_ranks_true
+from bloggap_plugin.trl.kept_source import KEPT_SOURCE_CODES
 from bloggap_plugin.trl.scorer import Scorer
 from bloggap_plugin.trl.state import (
     FallbackCount,
@@ -150,16 +151,12 @@ class Stats:
         """Kept mass and size, and the ratio to the sampler before (full vocabulary) and after renormalisation."""
         state = self.state
         sums, maxima, band = state.generation.sums, state.generation.maxima, state.config.band
-        log_mass = batch["gap_sampler_log_kept_mass"]
         sizes = batch["gap_kept_sizes"]
         # before: trainer full-vocabulary vs sampler; after: renormalised over the kept set
-        capture: list = []
-        if state.settings.renormalize:
-            after = old
-            before = old + self.scorer.trainer_log_mass(batch, ids, attn, logits_to_keep, capture)
-        else:
-            before = old
-            after = old - self.scorer.trainer_log_mass(batch, ids, attn, logits_to_keep, capture)
+        trainer_mass = self.scorer.trainer_log_mass(batch, ids, attn, logits_to_keep, [])
+        before, after = (old + trainer_mass, old) if state.settings.renormalize else (old, old - trainer_mass)
+        # vLLM's sampling mask carries no mass: the trainer's over the sampler's exact sets
+        log_mass = batch.get("gap_sampler_log_kept_mass", trainer_mass)
         mass = torch.exp(log_mass.double())
         sums.kept_mass_sum += _masked_sum(mass, mask)
         sums.kept_size_sum += _masked_sum(sizes, mask)
@@ -236,7 +233,8 @@ class Stats:
                            "gap/kept/size_mean": sums.kept_size_sum / n, "gap/kept/size_max": maxima.kept_size_max,
                            "gap/kept/ratio_before_mean": sums.kept_ratio_before_sum / n,
                            "gap/kept/ratio_after_mean": sums.kept_ratio_after_sum / n,
-                           "gap/kept/oob_before": sums.kept_oob_before / n, "gap/kept/oob_after": sums.kept_oob_after / n})
+                           "gap/kept/oob_before": sums.kept_oob_before / n, "gap/kept/oob_after": sums.kept_oob_after / n,
+                           "gap/kept/source": KEPT_SOURCE_CODES[state.settings.kept_source]})
         plans = (state.resources.plan, state.resources.ref_plan)
         fallbacks = max([int(getattr(plan, "fp16_fallbacks", 0) or 0) for plan in plans
                          if plan is not None], default=0)

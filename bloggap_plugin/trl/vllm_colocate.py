@@ -27,7 +27,7 @@ import torch
 __all__ = ["vllm_colocate_dtype", "vllm_colocate_engine", "colocate_engine_dtype", "engine_kwargs_from_env", "KV_CACHE_ENV",
            "engine_kwargs_for", "colocate_engine_setting", "check_colocate_engine", "BATCH_INVARIANT_ENV",
            "one_step_prefill_tokens", "prefill_refusal", "ONE_STEP_PREFILL_CAP", "confine_batch_invariance",
-           "own_batch_invariance_env", "BATCH_INVARIANCE_SCOPE_ENV", "check_engine_vllm"]
+           "own_batch_invariance_env", "BATCH_INVARIANCE_SCOPE_ENV", "check_engine_vllm", "trl_sampling_args"]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -67,7 +67,8 @@ def _prefill_in_one_step(args: tuple, kwargs: dict) -> None:
 
 
 @contextlib.contextmanager
-def vllm_colocate_engine(*, prefill_in_one_step: bool = False, **engine_kwargs: Any) -> Iterator[None]:
+def vllm_colocate_engine(*, prefill_in_one_step: bool = False, sampling_mask: str | None = None,
+                         **engine_kwargs: Any) -> Iterator[None]:
     """While active, TRL's colocate ``LLM(...)`` gets ``engine_kwargs`` (each unless the call already sets it).
 
     E.g. ``dtype="float16"`` (arm H) or ``kv_cache_memory_bytes=2 << 30`` (several engines on one GPU: a fixed KV
@@ -76,12 +77,16 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, **engine_kwargs: 
     :func:`one_step_prefill_tokens` of the call's ``max_num_seqs`` and ``max_model_len`` (the model config's
     ``max_position_embeddings`` when the call passes none), so that a generation's prompts are prefilled in one
     step. Restores TRL's ``LLM`` on exit. The engine keeps a record of torch's matmul settings from before its
-    start-up, which :func:`confine_batch_invariance` restores for the trainer.
+    start-up, which :func:`confine_batch_invariance` restores for the trainer. ``sampling_mask`` (``"auto"`` or
+    ``"required"``) asks vLLM for each token's sampling mask (``return_sampling_mask=True``, ``gap.kept_source``):
+    under ``auto`` an engine whose vLLM refuses it is built without, and the refusal is kept on the ``LLM``.
     """
     from trl.generation import vllm_generation
 
     from bloggap_plugin.core.vllm.versions import supported_text
 
+    if sampling_mask not in (None, "auto", "required"):
+        raise ValueError(f"sampling_mask must be 'auto' or 'required', got {sampling_mask!r}")
     original = getattr(vllm_generation, "LLM", None)
     if original is None:
         raise RuntimeError(
@@ -95,9 +100,11 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, **engine_kwargs: 
         if prefill_in_one_step:
             _prefill_in_one_step(args, kwargs)
         plain = _matmul_settings()  # before the engine's start-up changes them (batch-invariant mode)
-        llm = original(*args, **kwargs)
+        llm, refused = _build_with_sampling_mask(original, args, kwargs, sampling_mask)
         with contextlib.suppress(AttributeError, TypeError):  # an object that takes no attributes: no record
             llm._bloggap_plain_matmul = plain
+            if refused is not None:
+                llm._bloggap_sampling_mask_refused = refused
         return llm
 
     llm_with_kwargs.__wrapped__ = original  # type: ignore[attr-defined]
@@ -106,6 +113,31 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, **engine_kwargs: 
         yield
     finally:
         vllm_generation.LLM = original
+
+
+_REPLAY_REFUSAL = "sampling distribution replay"
+"""What vLLM's refusals of ``return_sampling_mask`` say (``_verify_sampling_replay_config``, vllm/config/vllm.py)."""
+
+
+def _build_with_sampling_mask(original: Any, args: tuple, kwargs: dict, mode: str | None) -> tuple[Any, str | None]:
+    """``(llm, refusal)``: ``original(*args, **kwargs)`` with ``return_sampling_mask=True`` and processed log-probs
+    (:func:`~bloggap_plugin.vllm_kept_sets.colocate_engine_kwargs`) where ``mode`` asks for the mask. vLLM checks the
+    setting while it builds its config, before the engine loads: under ``"auto"`` a refusal (e.g. model runner V1)
+    builds the engine without it and returns vLLM's words; under ``"required"`` it is a ``RecipeError``."""
+    from bloggap_plugin.recipes import RecipeError
+    from bloggap_plugin.vllm_kept_sets import colocate_engine_kwargs
+
+    if mode is None:
+        return original(*args, **kwargs), None
+    try:
+        return original(*args, **colocate_engine_kwargs(kwargs)), None
+    except ValueError as err:
+        if _REPLAY_REFUSAL not in str(err):
+            raise
+        if mode == "required":
+            raise RecipeError(f"gap.kept_source: sampling_mask: vLLM refused return_sampling_mask ({err}); remove "
+                              "what it names or set gap.kept_source: retruncate") from None
+        return original(*args, **kwargs), str(err)
 
 
 def vllm_colocate_dtype(dtype: str | torch.dtype) -> contextlib.AbstractContextManager:
@@ -185,14 +217,21 @@ def engine_settings_for(gap: Any) -> dict:
     return settings
 
 
-def engine_kwargs_for(gap: Any, environ: dict | None = None) -> dict:
+def engine_kwargs_for(gap: Any, environ: dict | None = None, args: Any = None) -> dict:
     """The ``LLM(...)`` keyword arguments the plugin gives TRL's colocate engine for ``gap`` (a GapConfig): the
     arm's :attr:`~bloggap_plugin.core.arms.ArmSpec.vllm_engine` settings, ``dtype="float16"`` for an arm that trains in
-    fp16, ``prefill_in_one_step=True`` for an arm that computes a generation's prompts as one prefill, and
-    :data:`KV_CACHE_ENV`'s fixed KV cache. With :class:`~bloggap_plugin.trl.GapCallback` the user builds the trainer
-    inside ``vllm_colocate_engine(**engine_kwargs_for(gap))``."""
+    fp16, ``prefill_in_one_step=True`` for an arm that computes a generation's prompts as one prefill,
+    :data:`KV_CACHE_ENV`'s fixed KV cache, and ``sampling_mask="auto" | "required"`` where ``args`` (the GRPOConfig)
+    lets vLLM return its sampling mask (:func:`~bloggap_plugin.trl.kept_source.planned_sampling_mask`). With
+    :class:`~bloggap_plugin.trl.GapCallback` the user builds the trainer inside
+    ``vllm_colocate_engine(**engine_kwargs_for(gap, args=grpo_config))``."""
+    from bloggap_plugin.trl.kept_source import planned_sampling_mask
+
     spec = gap.arm_spec
     kwargs = engine_kwargs_from_env(environ)
+    mask_mode, _ = planned_sampling_mask(gap, args, environ)
+    if mask_mode is not None:
+        kwargs["sampling_mask"] = mask_mode
     kwargs.update(engine_settings_for(gap))
     if spec.prefill_in_one_step:
         kwargs["prefill_in_one_step"] = True
@@ -327,9 +366,14 @@ def check_engine_vllm(trainer: Any, gap: Any) -> None:
 
 
 def _trl_sampling(trainer: Any) -> dict:
+    """The ``SamplingParams`` keywords TRL 1.16's colocate generation passes for ``trainer`` (:func:`trl_sampling_args`
+    of its ``args``)."""
+    return trl_sampling_args(trainer.args)
+
+
+def trl_sampling_args(args: Any) -> dict:
     """The ``SamplingParams`` keywords TRL 1.16's colocate generation passes (``vllm_generation.generate``): the
-    trainer's temperature, top_p, top_k, min_p, repetition_penalty, updated by ``generation_kwargs``."""
-    args = trainer.args
+    GRPOConfig's temperature, top_p, top_k, min_p, repetition_penalty, updated by ``generation_kwargs``."""
     sampling = {name: getattr(args, name, default) for name, default in
                 (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 1.0))}
     sampling["min_p"] = sampling["min_p"] or 0.0

@@ -272,16 +272,15 @@ def test_arm_i_refuses_a_generation_its_engine_prefilled_in_chunks(tmp_path, tra
 
     def engine(budget):
         scheduler = types.SimpleNamespace(max_num_batched_tokens=budget)
-        return types.SimpleNamespace(llm_engine=types.SimpleNamespace(
-            vllm_config=types.SimpleNamespace(scheduler_config=scheduler)))
+        return types.SimpleNamespace(vllm_config=types.SimpleNamespace(scheduler_config=scheduler))
 
     gap = GapConfig(arm="I", i_pieces="torch", positions="mask", probe_rows=0)
     trainer, fake = vllm_run(tmp_path / "small", gap, {}, train=False, max_steps=1)
-    fake.llm = engine(8)
+    fake.llm.llm_engine = engine(8)
     with pytest.raises(RecipeError, match=r"prompt tokens and the colocate engine computes max_num_batched_tokens=8"):
         trainer.train()
     trainer, fake = vllm_run(tmp_path / "large", gap, {}, train=False, max_steps=1)
-    fake.llm = engine(1 << 20)
+    fake.llm.llm_engine = engine(1 << 20)
     trainer.train()
     assert logs_of(trainer)[0]["gap/sampler/oob_frac"] is not None
 

@@ -15,10 +15,14 @@ from dataclasses import dataclass
 
 __all__ = ["TRL_VLLM_RANGE", "VLLM_FORM_RELEASES", "installed_vllm", "vllm_problem", "supported_text",
            "form_install_hint", "vllm_unavailable_reason", "VllmFormLayout", "VLLM_FORM_LAYOUTS", "form_layout",
-           "FORM_TRIAL_ENV", "v2_sampler_processing"]
+           "FORM_TRIAL_ENV", "v2_sampler_processing", "SAMPLING_MASK_RELEASE", "has_sampling_mask"]
 
 TRL_VLLM_RANGE = ("0.22.0", "0.31.0")
 """The vLLM releases TRL 1.16 accepts, both ends included."""
+
+SAMPLING_MASK_RELEASE = "0.28.0"
+"""The first vLLM release whose ``LLM(return_sampling_mask=True)`` returns each completion's ``sampling_mask``
+(vllm/entrypoints/llm.py, vllm/outputs.py ``SamplingMask``); read from vLLM 0.31's source, not run live."""
 
 VLLM_FORM_RELEASES = ("0.26.0",)
 """The vLLM releases whose kernels arms I and J compute (each read from its wheel and measured on the GPU)."""
@@ -90,6 +94,12 @@ def _release(version: str) -> tuple[int, ...] | None:
         return Version(version).release[:3]
     except InvalidVersion:
         return None
+
+
+def has_sampling_mask(version: str | None) -> bool:
+    """Whether vLLM ``version`` (``None``: not installed) has ``return_sampling_mask`` (>= :data:`SAMPLING_MASK_RELEASE`)."""
+    release = _release(version) if version else None
+    return release is not None and release >= _release(SAMPLING_MASK_RELEASE)
 
 
 def v2_sampler_processing(sampling: dict, vocab_size: int | None = None) -> list[str]:
