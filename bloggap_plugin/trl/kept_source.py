@@ -111,11 +111,7 @@ def resolve_kept_source(trainer: Any, gap: GapConfig, kept_on: bool) -> tuple[st
     ``"retruncate"`` (TRL's vLLM path), ``None`` without kept sets. Raises ``RecipeError`` for
     ``gap.kept_source: sampling_mask`` where the mask cannot be had, and for a non-``auto`` source on the HF path."""
     from bloggap_plugin.core.vllm.versions import installed_vllm
-    from bloggap_plugin.trl.vllm_colocate import (
-        _trl_sampling,
-        colocate_engine_setting,
-        colocate_model_runner,
-    )
+    from bloggap_plugin.trl.vllm_colocate import colocate_engine_setting, colocate_model_runner
 
     if not trainer.use_vllm:
         if gap.kept_source != "auto":
@@ -126,13 +122,17 @@ def resolve_kept_source(trainer: Any, gap: GapConfig, kept_on: bool) -> tuple[st
         return ("retruncate" if kept_on else None), None
     if not kept_on and gap.kept_source == "auto":
         return None, None
+    from bloggap_plugin.trl.attach import vllm_sampling
+
     generation = getattr(trainer, "vllm_generation", None)
     llm = getattr(generation, "llm", None)
-    sampling = _trl_sampling(trainer)
+    # what TRL's VLLMGeneration sends (its settings, generation_kwargs last)
+    temperature = (getattr(generation, "generation_kwargs", None) or {}).get(
+        "temperature", getattr(generation, "temperature", trainer.temperature))
     problem = sampling_mask_problem(
         vllm_mode=getattr(trainer.args, "vllm_mode", None),
         tensor_parallel_size=int(getattr(generation, "tensor_parallel_size", 1) or 1), version=installed_vllm(),
-        temperature=float(sampling.get("temperature", 1.0)), top_k=int(sampling.get("top_k") or 0),
+        temperature=float(temperature), top_k=vllm_sampling(trainer)["top_k"],
         tools=bool(getattr(trainer, "tools", None)), runner=colocate_model_runner(trainer),
         engine_flag=colocate_engine_setting(trainer, "return_sampling_mask"),
         engine_refusal=getattr(llm, "_bloggap_sampling_mask_refused", None))

@@ -307,3 +307,187 @@ def test_arm_i_replaces_trls_old_pass_on_vllm_path(tmp_path, monkeypatch, trains
         for _, key in PAIRS:
             if key in ref:
                 assert got[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-7), key
+
+
+# ---- gap.kept_source: vLLM's own sampling mask (return_sampling_mask, vLLM >= 0.28) ----
+
+MASK_SAMPLING = {"top_k": 20, "top_p": 0.8}
+
+
+@pytest.fixture
+def vllm_031(monkeypatch):
+    """vLLM 0.31 as the installed release and the fake ``LLM`` as TRL's ``vllm_generation.LLM`` (vLLM is absent on
+    CPU, so TRL imported none)."""
+    import trl.generation.vllm_generation as vllm_generation
+    from _support.fake_vllm import FakeLLM
+
+    import bloggap_plugin.core.vllm.versions as versions
+
+    monkeypatch.setattr(versions, "installed_vllm", lambda: "0.31.0")
+    monkeypatch.setattr(vllm_generation, "LLM", FakeLLM, raising=False)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    return FakeLLM
+
+
+def mask_run(tmp_path, gap, sampling, train=True, engine=True, **overrides):
+    """A fake-vLLM run whose engine is built as GapGRPOTrainer builds it for ``gap`` (``engine_kwargs_for(gap,
+    args=...)`` around TRL's ``LLM(...)``; ``engine=False``: the fake's unreadable engine), its generate calls'
+    request outputs kept in ``fake.outputs``."""
+    import types
+
+    from bloggap_plugin.trl.vllm_colocate import engine_kwargs_for, vllm_colocate_engine
+
+    torch.manual_seed(4321)
+    trainer = make(tmp_path, mode="plain", prepare=sharpen, **overrides)
+    args = types.SimpleNamespace(**{**vars(trainer.args), "use_vllm": True, **sampling})
+    with vllm_colocate_engine(**engine_kwargs_for(gap, args=args)):
+        fake = use_fake_vllm(trainer, engine={} if engine else None, **sampling)
+    fake.outputs = []
+    generate = fake.llm.generate
+
+    def keep(*a, **k):
+        fake.outputs.append(generate(*a, **k))
+        return fake.outputs[-1]
+
+    fake.llm.generate = keep
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.add_callback(GapCallback(trainer, gap=gap))
+    fake.warnings = [str(w.message) for w in caught]
+    if train:
+        trainer.train()
+    return trainer, fake
+
+
+def _spy_batches(trainer) -> list:
+    batches: list = []
+    prepare = trainer._prepare_inputs
+
+    def spy(generation_batch):
+        inputs = prepare(generation_batch)
+        batches.append({k: v.clone() for k, v in inputs.items() if torch.is_tensor(v)})
+        return inputs
+
+    trainer._prepare_inputs = spy
+    return batches
+
+
+def test_sampling_mask_renormalizes_over_vllms_own_kept_ids(tmp_path, vllm_031, trains):
+    """With the mask the kept ids in TRL's batch are the mask's rows exactly (each completion's, in TRL's row order),
+    no re-deriving pass runs, and, sampler and trainer being one model, the renormalised old log-probs are vLLM's
+    processed ones: the per-token ratio to the sampler is 1 after renormalising and the kept mass S before (so TRL's
+    sequence IS ratio, S^T alone, is 1), and gap/kept/source says the sampler's own sets (1)."""
+    gap = GapConfig(arm="A", kept="renormalize", kept_source="sampling_mask", probe_rows=0)
+    trainer, fake = mask_run(tmp_path, gap, MASK_SAMPLING, train=False, prompts=EQUAL, max_steps=2)
+    assert trainer._gap_session.state.settings.kept_source == "sampling_mask"
+    assert fake.llm.llm_engine.vllm_config.model_config.return_sampling_mask is True
+    scorer = trainer._gap_session.scorer
+    scorer.vllm_kept_sets = lambda *a, **k: pytest.fail("the re-deriving pass ran with the mask")
+    seen: list = []
+    aligned = scorer.mask_kept_sets
+    scorer.mask_kept_sets = lambda output: (aligned(output), seen.append({k: output[k].clone() for k in (
+        "gap_kept_ids", "gap_kept_sizes", "completion_ids", "completion_mask")}))[0]
+    batches = _spy_batches(trainer)
+    trainer.train()
+    assert len(seen) == len(fake.outputs) >= 1
+    for got, outputs in zip(seen, fake.outputs):
+        completions = [c for r in outputs for c in r.outputs]
+        assert len(completions) == got["completion_ids"].shape[0]
+        for row, completion in enumerate(completions):
+            rows = completion.sampling_mask.token_ids
+            assert len(rows) == len(completion.token_ids) == int(got["completion_mask"][row].sum())
+            for t, ids in enumerate(rows):
+                used = got["gap_kept_ids"][row, t]
+                assert used[used >= 0].tolist() == sorted(ids) and int(got["gap_kept_sizes"][row, t]) == len(ids)
+            assert (got["gap_kept_ids"][row, len(rows):] == -1).all()
+    first = logs_of(trainer)[0]
+    assert first["gap/kept/source"] == 1.0
+    assert first["gap/kept/ratio_before_mean"] == pytest.approx(first["gap/kept/mass_mean"], abs=1e-5)
+    assert first["gap/kept/ratio_before_mean"] < 0.95 and first["gap/kept/ratio_after_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert first["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)
+    batch = batches[0]
+    mask = batch["completion_mask"].bool()
+    assert (batch["old_per_token_logps"] - batch["sampling_per_token_logps"])[mask].abs().max() < 1e-5
+
+
+def test_sampling_mask_measure_leaves_training_alone(tmp_path, vllm_031, trains):
+    """gap.kept: measure with the mask changes nothing in training (losses and gradient norms bitwise those of plain
+    TRL on the same draws) and finds the kept mass the re-truncating run finds on the same draws (same model)."""
+    plain, _ = vllm_run(tmp_path / "plain", None, MASK_SAMPLING, prompts=EQUAL, max_steps=2)
+    masked, _ = mask_run(tmp_path / "mask", GapConfig(arm="A", kept="measure", kept_source="sampling_mask"),
+                         MASK_SAMPLING, prompts=EQUAL, max_steps=2)
+    retrunc, _ = mask_run(tmp_path / "re", GapConfig(arm="A", kept="measure", kept_source="retruncate"),
+                          MASK_SAMPLING, prompts=EQUAL, max_steps=2)
+    assert masked._gap_session.state.settings.kept_source == "sampling_mask"
+    assert retrunc._gap_session.state.settings.kept_source == "retruncate"
+    steps = [(h["loss"], h["grad_norm"]) for h in logs_of(plain)]
+    assert [(h["loss"], h["grad_norm"]) for h in logs_of(masked)] == steps
+    assert [(h["loss"], h["grad_norm"]) for h in logs_of(retrunc)] == steps
+    a, b = logs_of(masked)[0], logs_of(retrunc)[0]
+    assert (a["gap/kept/source"], b["gap/kept/source"]) == (1.0, 2.0)
+    assert a["gap/kept/mass_mean"] == pytest.approx(b["gap/kept/mass_mean"], abs=1e-5) and a["gap/kept/mass_mean"] < 0.95
+    assert a["gap/kept/size_mean"] == pytest.approx(b["gap/kept/size_mean"], rel=0.02)
+
+
+NO_MASK_CASES = {
+    "top_k_0": ({"top_p": 0.8}, {}, None, "top_k is 0: vLLM returns no sampling mask without top_k > 0; set top_k: 1024"),
+    "runner_v1": (MASK_SAMPLING, {"VLLM_USE_V2_MODEL_RUNNER": "0"}, None, "model runner V1"),
+    "old_vllm": (MASK_SAMPLING, {}, "0.26.0", "vLLM 0.26.0 has no return_sampling_mask (vLLM >= 0.28.0)"),
+    "unreadable_engine": (MASK_SAMPLING, {}, None, "built without return_sampling_mask=True (its settings cannot be read)"),
+}
+
+
+def _no_mask_setup(monkeypatch, case):
+    sampling, env, version, expected = NO_MASK_CASES[case]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if version is not None:
+        import bloggap_plugin.core.vllm.versions as versions
+
+        monkeypatch.setattr(versions, "installed_vllm", lambda: version)
+    return sampling, expected
+
+
+@pytest.mark.parametrize("case", sorted(NO_MASK_CASES))
+def test_kept_source_auto_falls_back_to_retruncation_saying_why(tmp_path, monkeypatch, vllm_031, case, trains):
+    sampling, expected = _no_mask_setup(monkeypatch, case)
+    trainer, fake = mask_run(tmp_path, GapConfig(arm="A", kept="measure"), sampling, train=False,
+                             engine=case != "unreadable_engine", max_steps=1)
+    assert trainer._gap_session.state.settings.kept_source == "retruncate"
+    said = [w for w in fake.warnings if "gap.kept_source: auto re-truncates" in w]
+    assert len(said) == 1 and expected in said[0] and "gap.kept_source: retruncate" in said[0]
+    if case != "unreadable_engine":
+        assert fake.llm.llm_engine.vllm_config.model_config.return_sampling_mask is False
+    if case == "top_k_0":  # and the run trains on re-truncated sets
+        trainer.train()
+        assert logs_of(trainer)[0]["gap/kept/source"] == 2.0
+
+
+@pytest.mark.parametrize("case", sorted(NO_MASK_CASES))
+def test_kept_source_sampling_mask_refuses_in_one_line(tmp_path, monkeypatch, vllm_031, case, trains):
+    sampling, expected = _no_mask_setup(monkeypatch, case)
+    with pytest.raises(RecipeError) as err:
+        mask_run(tmp_path, GapConfig(arm="A", kept="measure", kept_source="sampling_mask"), sampling, train=False,
+                 engine=case != "unreadable_engine", max_steps=1)
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("gap.kept_source: sampling_mask: ") and expected in text
+    assert text.endswith("gap.kept_source: retruncate")
+
+
+def test_auto_builds_without_the_mask_where_vllm_refuses_it(tmp_path, monkeypatch, vllm_031, trains):
+    """vLLM picks model runner V1 by itself (unset VLLM_USE_V2_MODEL_RUNNER; e.g. a model V2 does not support): it
+    refuses return_sampling_mask while building its config; auto builds the engine without it and falls back."""
+    monkeypatch.setattr(vllm_031, "default_runner", "v1")
+    trainer, fake = mask_run(tmp_path, GapConfig(arm="A", kept="measure"), MASK_SAMPLING, train=False, max_steps=1)
+    assert fake.llm.return_sampling_mask is False
+    assert fake.llm._bloggap_sampling_mask_refused == "sampling distribution replay requires Model Runner V2"
+    assert trainer._gap_session.state.settings.kept_source == "retruncate"
+    with pytest.raises(RecipeError, match=r"^gap.kept_source: sampling_mask: vLLM refused return_sampling_mask"):
+        mask_run(tmp_path / "required", GapConfig(arm="A", kept="measure", kept_source="sampling_mask"),
+                 MASK_SAMPLING, train=False, max_steps=1)
+
+
+def test_renormalize_with_beta_is_refused_with_the_mask_too(tmp_path, vllm_031, trains):
+    with pytest.raises(RecipeError, match="renormalize.*beta.*vLLM"):
+        mask_run(tmp_path, GapConfig(arm="A", kept="renormalize", kept_source="sampling_mask"), MASK_SAMPLING,
+                 train=False, beta=0.04, model_name=saved_model_dir(tmp_path))
