@@ -172,8 +172,20 @@ def cmd_trl(args) -> None:
             original_init(self, *a, **kw)
 
     callback_module.GapGRPOTrainer.__init__ = init
+    generate_s: list[float] = []
     if not args.no_vllm:  # harness only: a fixed KV cache for TRL's engine (see KV_CACHE_BYTES)
         from trl.generation import vllm_generation
+
+        trl_generate = vllm_generation.VLLMGeneration.generate
+
+        def timed_generate(self, *a, **kw):  # seconds of each generating step's vLLM call (LLM.generate is blocking)
+            start = time.perf_counter()
+            try:
+                return trl_generate(self, *a, **kw)
+            finally:
+                generate_s.append(round(time.perf_counter() - start, 4))
+
+        vllm_generation.VLLMGeneration.generate = timed_generate
 
         trl_llm = vllm_generation.LLM
 
@@ -194,7 +206,8 @@ def cmd_trl(args) -> None:
                            log_jsonl=log, extra_overrides=overrides, gap_overrides=gap_overrides or None)
     rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     payload = {"arm": args.arm, "engine_dtype": engine.get("dtype"), "wall_s": round(time.perf_counter() - t0, 2),
-               "summary": summary, "rows": rows, "overrides": overrides, "gap_overrides": gap_overrides}
+               "summary": summary, "rows": rows, "overrides": overrides, "gap_overrides": gap_overrides,
+               "generate_s": generate_s}
     _write_json(Path(args.out_json), payload)
     print(f"[trl {args.arm}] engine {engine.get('dtype')} steps {summary.get('steps')}", flush=True)
 
@@ -628,6 +641,63 @@ def cmd_trunc_trl(args) -> None:
     print(_wait(procs, time.time() + 300))
 
 
+MASK_TRL = {
+    "sampling_mask": ({"top_k": 50, "top_p": 0.8, "min_p": 0.1}, {"kept": "renormalize", "kept_source": "sampling_mask"}),
+    "retruncate": ({"top_k": 50, "top_p": 0.8, "min_p": 0.1}, {"kept": "renormalize", "kept_source": "retruncate"}),
+    "untruncated": ({"top_k": 0, "top_p": 1.0, "min_p": 0.0}, {"kept": "measure"}),
+}
+"""Issue 49 item 2: arm A in TRL colocate at top_p 0.8, top_k 50, min_p 0.1, renormalised over vLLM's sampling mask
+(vLLM >= 0.28) vs over the trainer's re-truncated sets, and untruncated (the anchor)."""
+
+
+def cmd_mask_trl(args) -> None:
+    """The :data:`MASK_TRL` runs one at a time (``mask_<name>.json`` in ``--work``: every logged row and each
+    generating step's vLLM seconds, ``generate_s``), then their table (``mask_trl.json``)."""
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    for name, (overrides, gap_overrides) in MASK_TRL.items():
+        proc = _spawn(["trl", "--arm", "A", "--model", args.model, "--steps", str(args.steps),
+                       "--out-json", str(work / f"mask_{name}.json"), "--overrides", json.dumps(overrides),
+                       "--gap-overrides", json.dumps(gap_overrides)], work / f"mask_{name}.log")
+        print(name, _wait({name: proc}, time.time() + args.run_s), flush=True)
+    table = mask_trl_table(work)
+    if table is not None:
+        _write_json(work / "mask_trl.json", {"env": _env(), "tables": [table]})
+
+
+def mask_trl_table(work: Path) -> dict | None:
+    """Means over generating steps of each :data:`MASK_TRL` run found in ``work``."""
+    rows = []
+    for name in MASK_TRL:
+        path = work / f"mask_{name}.json"
+        if not path.exists():
+            continue
+        payload = json.loads(path.read_text())
+        logged = [r for r in payload["rows"] if "sampling/importance_sampling_ratio/mean" in r]
+
+        def mean(key, logged=logged):
+            values = [r[key] for r in logged if isinstance(r.get(key), (int, float))]
+            return _r(sum(values) / len(values)) if values else None
+
+        seconds = payload.get("generate_s") or []
+        rows.append([name, len(logged), mean("gap/kept/source"), mean("gap/sampler/is_ratio_mean"),
+                     mean("gap/sampler/oob_frac"), mean("gap/kept/mass_mean"), mean("gap/kept/ratio_after_mean"),
+                     mean("gap/kept/oob_after"), _r(sum(seconds[1:]) / len(seconds[1:])) if len(seconds) > 1 else None])
+    if not rows:
+        return None
+    return {"id": "T13-mask", "title": "vLLM's sampling mask vs re-truncation in TRL GRPO colocate, arm A, top_p 0.8 / "
+            "top_k 50 / min_p 0.1",
+            "columns": ["kept sets", "generations", "gap/kept/source", "sequence IS weight mean", "sampler OOB",
+                        "kept mass", "ratio after", "OOB after", "vLLM generate s (after the first)"],
+            "rows": rows,
+            "notes": "benchmarks/vllm_live.py mask-trl: recipes/arm_A.yaml, gap.kept renormalize over vLLM's "
+                     "return_sampling_mask ids (gap.kept_source sampling_mask) or the trainer's re-truncated sets "
+                     "(retruncate); untruncated = top_k 0, top_p 1, min_p 0 (kept measure). Means over generating "
+                     "steps; vLLM seconds = TRL's VLLMGeneration.generate per generating step, the first (warm-up) "
+                     "left out.",
+            "reference": None, "random_init": False, "plot": False}
+
+
 def trunc_trl_table(work: Path) -> dict | None:
     rows, found = [], False
     for i, name in enumerate(TRUNC_TRL):
@@ -816,6 +886,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--work", default="/tmp/bloggap_trunc_trl")
+    p = sub.add_parser("mask-trl", help="TRL colocate, arm A, top_p 0.8 / top_k 50 / min_p 0.1: renormalised over "
+                                        "vLLM's sampling mask vs re-truncation vs untruncated (vLLM >= 0.28)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--work", default="/tmp/bloggap_mask_trl")
+    p.add_argument("--run-s", type=float, default=180.0, help="limit per run (seconds)")
     p = sub.add_parser("time")
     p.add_argument("--shape", choices=["smollm2", "llama-1b"], required=True)
     p.add_argument("--model", required=True)
@@ -833,6 +909,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     {"all": cmd_all, "gen": cmd_gen, "trl": cmd_trl, "time": cmd_time, "merge": cmd_merge, "trunc-trl": cmd_trunc_trl,
+     "mask-trl": cmd_mask_trl,
      "score": lambda a: _write_json(Path(a.out_json), {"env": _env(), **cmd_score(sorted(Path(a.work).glob("gen_*.pt")), a.model)})}[args.cmd](args)
 
 

@@ -149,3 +149,30 @@ def test_arm_j_is_exactly_on_policy_live_in_trl_colocate(tmp_path, spawns):
         assert min(r["gap/ratio/exact_frac"] for r in first_iterations) == 1.0, label
         assert max(r["gap/ratio/oob_frac"] for r in first_iterations) == 0.0, label
         assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records), label
+
+
+def test_trl_colocate_renormalizes_over_vllms_sampling_mask(tmp_path, spawns):
+    """Issue 49 item 2, live (vLLM >= 0.28: return_sampling_mask): arm A in TRL colocate at top_p 0.8, top_k 50,
+    min_p 0.1 with gap.kept_source: sampling_mask trains on vLLM's own kept ids (gap/kept/source 1 on every measured
+    generation, no refusal at attach), and renormalising over them moves the sampler ratio towards 1 and out-of-band
+    tokens down. The full comparison with re-truncation and untruncated sampling: ``benchmarks.vllm_live mask-trl``."""
+    from bloggap_plugin.core.vllm.versions import has_sampling_mask, installed_vllm
+
+    pytest.importorskip("vllm")
+    if not has_sampling_mask(installed_vllm()):
+        pytest.skip(f"vLLM {installed_vllm()} has no return_sampling_mask (needs >= 0.28)")
+    out = tmp_path / "mask.json"
+    overrides = json.dumps({"top_k": 50, "top_p": 0.8, "min_p": 0.1})
+    gap = json.dumps({"kept": "renormalize", "kept_source": "sampling_mask"})
+    log = tmp_path / "mask.log"
+    with open(log, "w") as handle:
+        code = subprocess.call([sys.executable, "-m", "benchmarks.vllm_live", "trl", "--arm", "A", "--model",
+                                os.environ["BLOGGAP_VLLM_MODEL"], "--steps", "4", "--out-json", str(out),
+                                "--overrides", overrides, "--gap-overrides", gap], cwd=ROOT, stdout=handle,
+                               stderr=subprocess.STDOUT, timeout=HANG_S)
+    assert code == 0, log.read_text()[-3000:]
+    rows = [r for r in json.loads(out.read_text())["rows"] if "gap/kept/mass_mean" in r]
+    assert rows and all(r["gap/kept/source"] == 1.0 for r in rows)
+    for r in rows:
+        assert abs(r["gap/kept/ratio_after_mean"] - 1) < abs(r["gap/kept/ratio_before_mean"] - 1)
+        assert r["gap/kept/oob_after"] <= r["gap/kept/oob_before"]
