@@ -8,7 +8,10 @@ its documentation names) or on plain lists / JSON, so the module can be tested w
 tested against DOCUMENTED structures only (vLLM >= 0.28, ``return_sampling_mask``, PR #49577), not a live engine: ``RequestOutput.outputs[i].sampling_mask`` is ``SamplingMask(token_ids: list[list[int]])``, one row
 of kept ids per generated token, aligned with ``CompletionOutput.token_ids``; the engine-internal CSR form is
 ``SamplingMaskLists(token_ids: ndarray, offsets: ndarray)``; the token-in/token-out endpoint
-``/inference/v1/generate`` returns a per-choice ``sampling_mask`` (list of lists of int).
+``/inference/v1/generate`` returns a per-choice ``sampling_mask`` (list of lists of int). TRL's colocate path uses
+:func:`colocate_engine_kwargs` and :func:`kept_sets_from_request_outputs` (``gap.kept_source``,
+``bloggap_plugin/trl/kept_source.py``); the structures were checked against vLLM 0.31's source (vllm/outputs.py,
+vllm/v1/engine/output_processor.py).
 
 Sources, best first (``KeptSets.approximate`` says which kind a batch came from, for the metrics):
 

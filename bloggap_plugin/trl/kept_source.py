@@ -120,7 +120,7 @@ def resolve_kept_source(trainer: Any, gap: GapConfig, kept_on: bool) -> tuple[st
         return ("recorder" if kept_on else None), None
     if gap.kept_source == "retruncate":
         return ("retruncate" if kept_on else None), None
-    if not kept_on and gap.kept_source == "auto":
+    if not kept_on and (gap.kept == "off" or gap.kept_source == "auto"):
         return None, None
     from bloggap_plugin.trl.attach import vllm_sampling
 

@@ -87,3 +87,11 @@ def test_a_source_other_than_auto_is_refused_on_the_hf_path():
 def test_an_unknown_kept_source_is_refused_naming_the_choices():
     with pytest.raises(RecipeError, match="gap.kept_source must be one of auto, sampling_mask, retruncate, got 'mask'"):
         GapConfig(kept_source="mask")
+
+
+def test_kept_off_needs_no_source_whatever_kept_source_says():
+    """gap.kept: off records no kept sets: an explicit sampling_mask is moot there, not refused (the engine was not
+    asked for the mask, planned_sampling_mask returns None for it)."""
+    trainer = types.SimpleNamespace(use_vllm=True, args=_args(), vllm_generation=None, temperature=1.0)
+    for source in ("auto", "sampling_mask", "retruncate"):
+        assert resolve_kept_source(trainer, GapConfig(kept="off", kept_source=source), kept_on=False) == (None, None)
