@@ -491,3 +491,16 @@ def test_renormalize_with_beta_is_refused_with_the_mask_too(tmp_path, vllm_031, 
     with pytest.raises(RecipeError, match="renormalize.*beta.*vLLM"):
         mask_run(tmp_path, GapConfig(arm="A", kept="renormalize", kept_source="sampling_mask"), MASK_SAMPLING,
                  train=False, beta=0.04, model_name=saved_model_dir(tmp_path))
+
+
+@pytest.mark.parametrize("arm, sampling", [("G", MASK_SAMPLING), ("E", MASK_SAMPLING), ("C", {"top_k": 5}),
+                                           ("C", {"top_k": 30, "min_p": 0.05})])
+def test_sampling_mask_renormalizes_in_other_arms_and_truncations(tmp_path, vllm_031, arm, sampling, trains):
+    """The mask's ids travel with TRL's batch through the shuffle (arm G scores after it) and into the plans' scoring
+    (E), under top_k alone and with min_p: the ratio in the loss is 1 after renormalising."""
+    trainer, _ = mask_run(tmp_path, GapConfig(arm=arm, kept="renormalize", kept_source="sampling_mask"), sampling,
+                          max_steps=1)
+    first = logs_of(trainer)[0]
+    assert first["gap/kept/source"] == 1.0
+    assert first["gap/sampler/is_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert first["gap/kept/ratio_after_mean"] == pytest.approx(1.0, abs=1e-5)
