@@ -263,13 +263,15 @@ def compare(
     **labels,
 ) -> dict:
     """One cell: tokens with ``exp(logp_other - logp_ref)`` outside ``[1-band, 1+band]`` (non-finite counts as
-    out), Wilson 95% interval, ``|dlogp|`` mean/max (nats), whether both are bitwise equal. Fractions, not
-    percent. ``labels`` (e.g. ``dtype``, ``attn``, ``comparison``) are copied into the cell."""
+    out), Wilson 95% interval, ``|dlogp|`` mean/max (nats), ``exact_count``: tokens whose two values are bit for
+    bit equal (``logp_other - logp_ref == 0``, as ``gap/*/exact_frac``), whether both are bitwise equal. Fractions,
+    not percent. ``labels`` (e.g. ``dtype``, ``attn``, ``comparison``) are copied into the cell."""
     out, n = oob_count(logp_other, logp_ref, mask, band)
     stats = abs_dlogp_stats(logp_other, logp_ref, mask)
     low, high = wilson_interval(out, n)
     selected = mask.bool() if mask is not None else torch.ones_like(logp_ref, dtype=torch.bool)
     nonfinite = int((~torch.isfinite(logp_other[selected])).sum().item())
+    exact = int(((logp_other[selected].double() - logp_ref[selected].double()) == 0).sum().item())
     return {
         **labels,
         "oob": out / n,
@@ -280,6 +282,7 @@ def compare(
         "dlogp_sd": stats["sd"],
         "n": n,
         "oob_count": out,
+        "exact_count": exact,
         "nonfinite": nonfinite,
         "bitwise_equal": _same_values(logp_ref[selected], logp_other[selected]),
     }

@@ -102,10 +102,13 @@ def test_compare_cell_hand_computed():
     # out of band: 0.2 (ratio 1.22) and nan -> 2 of 5
     assert (cell["oob_count"], cell["n"], cell["oob"]) == (2, 5, 0.4)
     assert cell["nonfinite"] == 1 and cell["bitwise_equal"] is False
+    # bit for bit equal: the masked 0.0s (row 0 col 0, row 1 col 1); the unmasked one and nan do not count
+    assert cell["exact_count"] == 2
     assert cell["comparison"] == "x" and cell["dtype"] == "bf16"
     assert cell["ci_low"] < 0.4 < cell["ci_high"]
     same = compare(ref, ref.clone())
     assert same["oob"] == 0.0 and same["abs_dlogp_max"] == 0.0 and same["bitwise_equal"] is True
+    assert same["exact_count"] == same["n"] == 6
 
 
 def _cell(dtype, comparison, oob, n=1000, attn="sdpa", **extra):
