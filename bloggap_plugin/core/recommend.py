@@ -109,6 +109,7 @@ def decide(
     fp16_check: dict | None = None,
     device_type: str = "cpu",
     paired: Sequence[dict] = (),
+    vllm_sampler: Mapping | None = None,
 ) -> Recommendation:
     """Pick an arm from measured cells.
 
@@ -120,6 +121,10 @@ def decide(
     is compared with bf16 on the same rows: ``paired`` holds such bf16 cells (same ``comparison``, ``attn``
     and ``rows``). Costs are each dtype's measured seconds per token on its batch-8 pass relative to bf16 on
     this device.
+
+    ``vllm_sampler`` (the doctor's ``vllm_sampler`` record, where it holds ``cells``): vLLM's samples, from an engine
+    built as TRL's colocate engine, scored by each dtype at batch 1; the arm stays the one above (no scoring arm
+    removes a sampler-vs-trainer gap), and a finding reports the gap the arm's trainer dtype trains with.
     """
     cells, paired = _measured(cells), _measured(paired)
     nondeterministic = [
@@ -139,6 +144,9 @@ def decide(
     sampler = _sampler_reason(cells, paired, basis)
     if sampler is not None:
         reasons.append(sampler)
+    with_vllm = _vllm_reason(vllm_sampler, arm, bf16, basis)
+    if with_vllm is not None:
+        reasons.append(with_vllm)
     if basis["fp16_safe"] is False:
         reasons.append(Reason("fp16_unsafe", numbers={
             "nonfinite_logprobs": fp16_check.get("nonfinite_logprobs"),
@@ -215,6 +223,30 @@ def _sampler_reason(cells: list[dict], paired: list[dict], basis: dict) -> Reaso
                    "fp16_safe": basis.get("fp16_safe")})
 
 
+ARM_TRAINER_DTYPE = {"A": "bf16", "B": "fp32", "H": "fp16", None: "bf16"}
+"""The dtype whose scoring gives an arm's old log-probs (``None``: no arm, TRL's bf16 default)."""
+
+
+def _vllm_reason(record: Mapping | None, arm: str | None, bf16: dict, basis: dict) -> Reason | None:
+    """The vLLM sampler finding: each dtype's worst cell of the sampler column (out of band, bit for bit equal
+    tokens), and the one of the arm's trainer dtype, which is the gap a vLLM user trains with (fills ``basis``)."""
+    pool = _measured((record or {}).get("cells", []))
+    if not pool:
+        return None
+    worst: dict[str, dict] = {}
+    for c in sorted(pool, key=lambda c: (c["oob"], -c.get("exact_count", 0))):
+        worst[c["dtype"]] = c
+    exact = {d: c.get("exact_count", 0) / c["n"] for d, c in worst.items()}
+    trainer = ARM_TRAINER_DTYPE.get(arm, "bf16")
+    sampler = record.get("sampler", {})
+    basis["vllm_sampler"] = {"oob": {d: c["oob"] for d, c in worst.items()}, "exact": exact, "trainer_dtype": trainer}
+    train = worst.get(trainer)
+    return Reason("vllm_sampler", {d: Measured.of(c) for d, c in sorted(worst.items())},
+                  {"exact": exact, "arm": arm, "trainer_dtype": trainer, "trained": trainer if train else None,
+                   "bf16_headline": bf16["oob"], "vllm": sampler.get("vllm", "?"),
+                   "engine_dtype": sampler.get("engine_dtype", "the checkpoint's")})
+
+
 def recommend(*args, **kwargs) -> dict:
     """:func:`decide` (same arguments), as the doctor's JSON record ``{"arm", "text", "basis"}``."""
     return decide(*args, **kwargs).to_dict()
@@ -289,6 +321,31 @@ def _sampler_text(reason: Reason) -> str:
     return f"Sampler vs teacher-forced batch 1: {', '.join(parts)}."
 
 
+def _vllm_text(reason: Reason) -> str:
+    numbers = reason.numbers
+    parts = [f"{d} {_pct(c)} out of band, {100 * numbers['exact'][d]:.2f}% bitwise ({c.n} tokens, {c.attn})"
+             for d, c in reason.cells.items()]
+    text = (f"With vLLM (TRL's colocate engine, vLLM {numbers['vllm']}, engine dtype {numbers['engine_dtype']}), "
+            f"its processed log-probs vs each scoring at batch 1: {'; '.join(parts)}.")
+    trained = numbers["trained"]
+    if trained is None:
+        return text + f" The {numbers['trainer_dtype']} scoring the arm trains with was not measured."
+    cell, exact = reason.cells[trained], numbers["exact"][trained]
+    arm = f"arm {numbers['arm']}" if numbers["arm"] else "TRL's default"
+    text += f" {arm} scores old log-probs in {trained}: "
+    if numbers["arm"] == "H":
+        text += (f"arm H builds an fp16 engine, and this column's engine ran in {numbers['engine_dtype']}, so its "
+                 "fp16 row is not arm H's sampler gap: ")
+    if cell.oob == 0 and exact == 1:
+        return text + "bit for bit equal to the sampler, the ratio starts at 1."
+    text += (f"{_pct(cell)} of tokens out of band against the sampler: the gap you train with; no scoring arm "
+             "removes it (TRL's vllm_importance_sampling_correction reweights it; arm I computes vLLM's forward, "
+             "docs/arm_i.md)")
+    if cell.oob > numbers["bf16_headline"]:
+        text += f", and it is larger than bf16's batch-shape gap ({100 * numbers['bf16_headline']:.2f}%)"
+    return text + "."
+
+
 _SENTENCES = {
     "no_bf16": lambda r: "No bf16 cell was measured: nothing to recommend (bf16 is the trainer default).",
     "nondeterministic": lambda r: (
@@ -332,6 +389,7 @@ _SENTENCES = {
         "shapes) keeps the first-epoch ratio at 1."
     ),
     "sampler": _sampler_text,
+    "vllm_sampler": _vllm_text,
     "fp16_unsafe": lambda r: (
         f"fp16 check failed: {r.numbers['nonfinite_logprobs']} non-finite log-probs, largest |hidden| "
         f"{r.numbers['max_abs_hidden']:.0f} vs fp16's 65,504: do not use fp16 for this model."
