@@ -85,6 +85,9 @@ class DoctorConfig:
                 "emulated, the CPU run samples in fp32 unless --dtype is given"})
     timings: bool = field(default=False, metadata={
         "help": "print each phase's wall and CPU seconds and the load average (the JSON records them always)"})
+    no_vllm: bool = field(default=False, metadata={
+        "help": "no vLLM sampler column: by default, where vLLM and a CUDA GPU are present, the doctor also samples with "
+                "vLLM built as TRL's colocate engine and reports each scoring's gap to it (docs/doctor.md)"})
     from_json: str | None = field(default=None, metadata={
         "help": "measure nothing: re-read a doctor JSON (yours or a colleague's), recompute the recommendation "
                 "from its cells with this version's logic, print it (and --json it)", "metavar": "PATH"})
@@ -132,6 +135,30 @@ def format_table(cells: list[dict], dtypes: list[str], attns: list[str]) -> str:
         if parts:
             out.append(f"  {d}/{a}: " + "; ".join(parts))
     return "\n".join(out)
+
+
+def format_vllm_column(record: dict | None) -> str | None:
+    """The vLLM sampler column (``vllm_sampler`` of the result) as lines: per scoring, the share of tokens out of band
+    and bit for bit equal against vLLM's processed log-probs, or the one line saying why it is absent; ``None`` for
+    a run from before the column."""
+    if record is None:
+        return None
+    if "absent" in record:
+        return f"vLLM sampler column: absent ({record['absent']})"
+    sampler = record.get("sampler", {})
+    lines = [f"vLLM sampler column (vLLM {sampler.get('vllm', '?')}, engine built as TRL's colocate engine, dtype "
+             f"{sampler.get('engine_dtype', '?')}): its processed log-probs vs each scoring at batch 1, share of "
+             "tokens out of band / bit for bit equal (count/n):"]
+    for c in record.get("cells", []):
+        if c.get("oob") is None:
+            lines.append(f"  {c['dtype']}/{c['attn']}: - ({c.get('skipped', 'not measured')})")
+        else:
+            lines.append(f"  {c['dtype']}/{c['attn']}: {100 * c['oob']:.2f}% out of band ({c['oob_count']}/{c['n']}), "
+                         f"{100 * c['exact_count'] / c['n']:.2f}% bitwise ({c['exact_count']}/{c['n']})")
+    arm_i = record.get("arm_i", {}).get("absent")
+    if arm_i:
+        lines.append(f"  arm I's form: absent ({arm_i})")
+    return "\n".join(lines)
 
 
 def _check(config: DoctorConfig) -> None:
@@ -304,7 +331,7 @@ def _measure(config: DoctorConfig, device, size: RunSize, timer) -> dict:
     from tqdm.auto import tqdm
 
     from bloggap_plugin.core.recommend import recommend
-    from bloggap_plugin.measure import doctor_matrix
+    from bloggap_plugin.measure import doctor_matrix, doctor_vllm
     from bloggap_plugin.measure import rollouts as sampling
     from bloggap_plugin.models import load_model
 
@@ -319,16 +346,19 @@ def _measure(config: DoctorConfig, device, size: RunSize, timer) -> dict:
             batch_size=config.gen_batch_size, progress=bar.update,
         )
     timer.lap(f"sampling ({size.sample_dtype})")
+    vllm, absent = _vllm_samples(config, device, sampler_model, rollouts, size)
+    timer.lap("vLLM sampling" if vllm is not None else "vLLM column checks")
     plan, notes = doctor_matrix.scoring_plan(config.dtypes, rollouts, rows_for, size.scaled, size.skip,
                                              size.skip_beyond_bf16)
-    total = doctor_matrix.total_passes(plan, size.attn)
+    total = doctor_matrix.total_passes(plan, size.attn, vllm=vllm is not None)
     with tqdm(total=total, desc="scoring", unit="pass", file=sys.stderr, disable=config.no_progress) as bar:
         matrix = doctor_matrix.score_matrix(lambda dtype: load_model(config.model, dtype=dtype, device=device)[0],
                                             plan, size.attn, sampler_model, size.sample_dtype, config.band, bar,
-                                            lap=timer.lap)
+                                            lap=timer.lap, vllm=vllm)
     matrix.notes[:0] = notes
     paired = doctor_matrix.all_paired_cells(matrix, rollouts, rows_for, config.dtypes, config.band)
-    recommendation = recommend(matrix.cells, matrix.fp16_check, device.type, paired)
+    column = doctor_vllm.column_record(matrix.vllm_cells, absent, None if vllm is None else vllm.sampler)
+    recommendation = recommend(matrix.cells, matrix.fp16_check, device.type, paired, column)
     if matrix.notes:
         recommendation["notes"] = matrix.notes
     timer.lap("paired cells, recommendation")
@@ -340,7 +370,22 @@ def _measure(config: DoctorConfig, device, size: RunSize, timer) -> dict:
         params["cpu_bf16"] = size.cpu_bf16
     return doctor_matrix.doctor_result(model=config.model, device=device, params=params, rollouts=rollouts,
                                        matrix=matrix, paired=paired, recommendation=recommendation,
-                                       seconds=timer.elapsed(), timings=timer.record())
+                                       seconds=timer.elapsed(), timings=timer.record(), vllm_sampler=column)
+
+
+def _vllm_samples(config: DoctorConfig, device, sampler_model, rollouts, size: RunSize):
+    """``(vLLM's samples of the doctor's prompts, None)`` for the sampler column, or ``(None, why it is absent)``;
+    a vLLM that fails to build or sample is recorded as the reason, and the rest of the run goes on."""
+    from bloggap_plugin.measure import doctor_vllm
+
+    absent = doctor_vllm.absent_here(not config.no_vllm, device.type, sampler_model, config.model)
+    if absent is not None:
+        return None, absent
+    try:
+        return doctor_vllm.sample_with_vllm(doctor_vllm.model_folder(sampler_model), rollouts, size.new_tokens,
+                                            config.seed), None
+    except Exception as err:  # noqa: BLE001 - the column records why it is absent; the matrix is still measured
+        return None, f"vLLM failed: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
 
 
 def _write_json(result: dict, json_path: str | None) -> None:
@@ -397,6 +442,10 @@ def _print_result(result: dict, timings: bool = False) -> None:
     print()
     print(format_table(cells, dtypes, attns))
     print()
+    column = format_vllm_column(result.get("vllm_sampler"))
+    if column:
+        print(column)
+        print()
     if fp16_check.get("skipped"):
         print(f"fp16 check: skipped ({fp16_check['skipped']})")
     else:

@@ -57,6 +57,9 @@ class Matrix:
     bf16_extras: dict[str, dict] = field(default_factory=dict)
     fp16_check: dict = field(default_factory=lambda: {"skipped": "fp16 not among --dtypes"})
     notes: list[str] = field(default_factory=list)
+    vllm_cells: list[dict] = field(default_factory=list)
+    """The vLLM sampler column: each dtype and attention's batch-1 scoring of vLLM's samples against vLLM's
+    processed log-probs (:mod:`bloggap_plugin.measure.doctor_vllm`)."""
 
 
 class _NoBar:
@@ -114,9 +117,10 @@ def scoring_plan(
     return plan, notes
 
 
-def total_passes(plan: list[DoctorPlan], attns: list[str]) -> int:
-    """Scoring passes of the whole matrix (a progress-bar total)."""
-    return sum(scoring_passes(list(p.names)) for p in plan) * len(attns)
+def total_passes(plan: list[DoctorPlan], attns: list[str], vllm: bool = False) -> int:
+    """Scoring passes of the whole matrix (a progress-bar total); ``vllm``: with the sampler column's batch-1 pass
+    of each dtype and attention."""
+    return sum(scoring_passes(list(p.names)) + (scoring_passes([SAMPLER]) if vllm else 0) for p in plan) * len(attns)
 
 
 def _fp16_check(hidden: dict, attn: str) -> dict:
@@ -126,9 +130,31 @@ def _fp16_check(hidden: dict, attn: str) -> dict:
     return check
 
 
-def _score_dtype(model, part: DoctorPlan, attns: list[str], band: float, matrix: Matrix, bar, lap) -> None:
+def _score_vllm(model, vllm: Rollouts, dtype: str, attn: str, band: float, matrix: Matrix, scored) -> None:
+    """The sampler column's cell of one loaded model and attention: its batch-1 scoring of vLLM's samples ``vllm``
+    against vLLM's log-probs (the probe's sampler comparison); a failure is recorded as a skipped cell."""
+    try:
+        found, _ = probe_model(model, vllm, [SAMPLER], band=band, progress=lambda label: scored(f"vLLM samples {label}"))
+    except Exception as err:  # noqa: BLE001 - recorded, the run continues
+        reason = f"{dtype}/{attn} on vLLM's samples failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+        matrix.vllm_cells.append(skipped_cell(reason, dtype=dtype, attn=attn, comparison=SAMPLER))
+        return
+    for c in found:
+        c.update(dtype=dtype, attn=attn)
+    matrix.vllm_cells += found
+
+
+def _skip_vllm(vllm: Rollouts | None, reason: str, dtype: str, attn: str, matrix: Matrix, bar) -> None:
+    """Where a scoring could not run, its sampler-column cell is skipped with the same reason."""
+    if vllm is not None:
+        matrix.vllm_cells.append(skipped_cell(reason, dtype=dtype, attn=attn, comparison=SAMPLER))
+        bar.update(scoring_passes([SAMPLER]))
+
+
+def _score_dtype(model, part: DoctorPlan, attns: list[str], band: float, matrix: Matrix, bar, lap,
+                 vllm: Rollouts | None = None) -> None:
     """Every attention implementation of one loaded model: cells (and skips) into ``matrix``; ``lap(name)`` after
-    every scoring pass."""
+    every scoring pass. ``vllm``: vLLM's samples (as many rows as ``part``), scored for the sampler column."""
     dtype, names = part.dtype, list(part.names)
     for attn_index, attn in enumerate(attns):
         bar.set_postfix_str(f"{dtype}/{attn}")
@@ -138,6 +164,7 @@ def _score_dtype(model, part: DoctorPlan, attns: list[str], band: float, matrix:
             reason = f"attn_implementation {attn!r} unavailable: {str(err).splitlines()[0][:160]}"
             matrix.cells += [skipped_cell(reason, dtype=dtype, attn=attn, comparison=n) for n in names]
             bar.update(scoring_passes(names))
+            _skip_vllm(vllm, reason, dtype, attn, matrix, bar)
             continue
         hidden = dtype == "fp16" and attn_index == 0
 
@@ -151,6 +178,7 @@ def _score_dtype(model, part: DoctorPlan, attns: list[str], band: float, matrix:
             reason = f"{dtype}/{attn} failed: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
             matrix.cells += [skipped_cell(reason, dtype=dtype, attn=attn, comparison=n) for n in COMPARISONS]
             matrix.notes.append(reason)
+            _skip_vllm(vllm, reason, dtype, attn, matrix, bar)
             continue
         for c in found:
             c.update(dtype=dtype, attn=attn)
@@ -163,16 +191,20 @@ def _score_dtype(model, part: DoctorPlan, attns: list[str], band: float, matrix:
         ]
         if hidden:
             matrix.fp16_check = _fp16_check(extras["hidden_check"], attn)
+        if vllm is not None:
+            _score_vllm(model, vllm, dtype, attn, band, matrix, scored)
 
 
 def score_matrix(
     load, plan: list[DoctorPlan], attns: list[str], sampler_model, sample_dtype: str, band: float, bar=None,
-    lap: Callable[[str], object] | None = None,
+    lap: Callable[[str], object] | None = None, vllm: Rollouts | None = None,
 ) -> Matrix:
     """Score every (dtype, attention implementation) of ``plan``. ``load(dtype)`` loads the model in a dtype
     (the sampling model is reused for ``sample_dtype`` and its attention implementation restored); ``bar``
     (tqdm-like: ``update``, ``set_postfix_str``) advances once per scoring pass; ``lap(phase)`` (a
-    :class:`~bloggap_plugin.phase_timer.PhaseTimer`'s) is called after each model load and each scoring pass."""
+    :class:`~bloggap_plugin.phase_timer.PhaseTimer`'s) is called after each model load and each scoring pass.
+    ``vllm``: vLLM's samples of the same prompts, which every scoring also scores (on the dtype's rows) for the
+    sampler column (``Matrix.vllm_cells``)."""
     bar = bar or _NoBar()
     lap = lap or (lambda name: None)
     matrix = Matrix()
@@ -182,7 +214,8 @@ def score_matrix(
         if part.dtype != sample_dtype:
             model = load(part.dtype)
             lap(f"load {part.dtype}")
-        _score_dtype(model, part, attns, band, matrix, bar, lap)
+        rows = len(part.rollouts.rows)
+        _score_dtype(model, part, attns, band, matrix, bar, lap, None if vllm is None else vllm.subset(rows))
         if model is not sampler_model:
             del model
         if part.dtype == sample_dtype and sampler_attn:
@@ -247,14 +280,17 @@ def doctor_result(
     recommendation: dict,
     seconds: float,
     timings: dict | None = None,
+    vllm_sampler: dict | None = None,
 ) -> dict:
     """The doctor's JSON record, a :class:`~bloggap_plugin.results.ResultDocument` (the six schema keys, then the
     doctor's own: cells, paired_cells, fp16_check, recommendation...) as a dict. ``params`` holds the
     run's settings (``dtypes``, ``attn``, ``max_new_tokens``, ``seed``, ``sample_dtype``, ``band``...); ``timings``
-    the run's phases (:meth:`bloggap_plugin.phase_timer.PhaseTimer.record`)."""
+    the run's phases (:meth:`bloggap_plugin.phase_timer.PhaseTimer.record`); ``vllm_sampler`` the sampler column
+    (:func:`bloggap_plugin.measure.doctor_vllm.column_record`, with its DOCTOR-vllm table)."""
     import transformers
 
     from bloggap_plugin.envinfo import device_tag, environment_record
+    from bloggap_plugin.measure.doctor_vllm import column_table
 
     band = params["band"]
     notes = (
@@ -283,13 +319,17 @@ def doctor_result(
     }
     if timings is not None:
         extra["timings"] = timings
+    tables = [doctor_table(model, matrix.cells, params["dtypes"], params["attn"], notes)]
+    if vllm_sampler is not None:
+        extra["vllm_sampler"] = vllm_sampler
+        tables.append(column_table(vllm_sampler, model))
     # a benchmark result document, so `bloggap report` can render this file from benchmarks/results/<device>/
     return ResultDocument(
         benchmark="doctor",
         env=environment_record(device, model=model, seed=params["seed"], tokens=rollouts.tokens),
         params=params,
         results={"see": "cells, paired_cells, fp16_check, recommendation at the top level"},
-        tables=[doctor_table(model, matrix.cells, params["dtypes"], params["attn"], notes)],
+        tables=tables,
         extra=extra,
     ).to_dict()
 
@@ -382,6 +422,26 @@ def check_stored(result) -> None:
     if not isinstance(result["recommendation"], dict):
         raise ValueError(f"recommendation must be an object, got {type(result['recommendation']).__name__}")
     _check_cell_keys(result, params)
+    _check_vllm_sampler(result.get("vllm_sampler"))
+
+
+def _check_vllm_sampler(record) -> None:
+    """The sampler column of a stored run (absent in runs before it): ``{"absent": reason}`` or cells with
+    ``exact_count`` (bit for bit equal tokens) between 0 and ``n``."""
+    if record is None:
+        return
+    if not isinstance(record, dict) or not (isinstance(record.get("absent"), str) or isinstance(record.get("cells"), list)):
+        raise ValueError(f"vllm_sampler must be an object with 'absent' (a reason) or 'cells' (a list), got {record!r}")
+    for index, cell in enumerate(record.get("cells", [])):
+        where = f"vllm_sampler.cells[{index}]"
+        _check_cell(cell, where)
+        if cell.get("oob") is None:
+            continue
+        if cell["n"] == 0:
+            raise ValueError(f"{where}.n = 0: a measured cell scores at least one token")
+        exact = cell.get("exact_count")
+        if isinstance(exact, bool) or not isinstance(exact, int) or not 0 <= exact <= cell["n"]:
+            raise ValueError(f"{where}.exact_count = {exact!r}: a count of tokens must be a whole number in [0, n]")
 
 
 def _check_cell_keys(result: dict, params: dict) -> None:
@@ -416,7 +476,8 @@ def rerecommend(result: dict) -> dict:
     device_type = "cpu" if result.get("device") == "cpu" else "cuda"
     old = result["recommendation"]
     try:
-        new = recommend(result["cells"], result["fp16_check"], device_type, result.get("paired_cells", []))
+        new = recommend(result["cells"], result["fp16_check"], device_type, result.get("paired_cells", []),
+                        result.get("vllm_sampler"))
     except (KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"a field the recommendation reads is missing or of the wrong type ({type(err).__name__}: "
                          f"{err})") from None

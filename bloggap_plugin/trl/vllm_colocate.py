@@ -27,7 +27,8 @@ import torch
 __all__ = ["vllm_colocate_dtype", "vllm_colocate_engine", "colocate_engine_dtype", "engine_kwargs_from_env", "KV_CACHE_ENV",
            "engine_kwargs_for", "colocate_engine_setting", "check_colocate_engine", "BATCH_INVARIANT_ENV",
            "one_step_prefill_tokens", "prefill_refusal", "ONE_STEP_PREFILL_CAP", "confine_batch_invariance",
-           "own_batch_invariance_env", "BATCH_INVARIANCE_SCOPE_ENV", "check_engine_vllm", "trl_sampling_args"]
+           "own_batch_invariance_env", "BATCH_INVARIANCE_SCOPE_ENV", "check_engine_vllm", "trl_sampling_args",
+           "trl_colocate_llm_kwargs", "trl_colocate_sampling_kwargs", "colocate_process_env"]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -146,6 +147,52 @@ def vllm_colocate_dtype(dtype: str | torch.dtype) -> contextlib.AbstractContextM
     ``dtype``: ``"float16" | "bfloat16" | "float32"`` or the torch dtype. Restores TRL's ``LLM`` on exit.
     """
     return vllm_colocate_engine(dtype=_dtype_name(dtype))
+
+
+def trl_colocate_llm_kwargs(model: str, *, max_num_seqs: int, seed: int = 0, gpu_memory_utilization: float = 0.3,
+                            max_model_len: int | None = None) -> dict:
+    """The ``LLM(...)`` keyword arguments TRL 1.16's colocate engine is built with
+    (``VLLMGeneration._init_vllm``), at GRPOConfig's defaults (one process, tensor parallel 1, no sleep mode,
+    ``vllm_model_impl="vllm"``, no quantization): ``model`` is the policy's ``name_or_path`` (a model folder);
+    ``max_num_seqs`` the prompts of one generation; ``seed`` TRL's process index (0 on one process);
+    ``max_model_len`` ``vllm_max_model_length`` (``None``: the model config's). No ``dtype``: the engine runs in the
+    checkpoint config's dtype, as TRL builds it."""
+    return {"model": model, "tensor_parallel_size": 1, "gpu_memory_utilization": gpu_memory_utilization,
+            "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "enable_sleep_mode": False,
+            "model_impl": "vllm", "distributed_executor_backend": "external_launcher", "seed": seed,
+            "max_num_batched_tokens": 4096, "logprobs_mode": "processed_logprobs", "quantization": None,
+            "trust_remote_code": False}
+
+
+def trl_colocate_sampling_kwargs(*, max_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                                 min_p: float = 0.0, repetition_penalty: float = 1.0, **extra: Any) -> dict:
+    """The ``SamplingParams`` keyword arguments TRL 1.16's colocate generation passes (``VLLMGeneration.generate``:
+    one completion per prompt, the trainer's sampling settings, ``logprobs=0``: the sampled token's processed
+    log-prob alone), updated by ``extra`` (TRL's ``generation_kwargs``)."""
+    return {"n": 1, "repetition_penalty": repetition_penalty, "temperature": temperature, "top_p": top_p,
+            "top_k": top_k, "min_p": min_p, "max_tokens": max_tokens, "logprobs": 0, **extra}
+
+
+@contextlib.contextmanager
+def colocate_process_env() -> Iterator[dict]:
+    """While active, what TRL 1.16's colocate mode sets before it builds the engine on one process
+    (``external_launcher`` reads them): ``RANK`` 0, ``LOCAL_RANK`` 0, ``WORLD_SIZE`` 1, and ``MASTER_ADDR`` /
+    ``MASTER_PORT`` where unset (TRL's ``ensure_master_addr_port``: localhost, a free port). Yields the values set;
+    the environment is restored on exit."""
+    from trl.trainer.utils import ensure_master_addr_port
+
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    before = {name: os.environ.get(name) for name in names}
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})
+    ensure_master_addr_port()
+    try:
+        yield {name: os.environ[name] for name in names}
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 KV_CACHE_ENV = "BLOGGAP_VLLM_KV_CACHE_GIB"

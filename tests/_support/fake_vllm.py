@@ -193,3 +193,59 @@ def _installed(monkeypatch) -> set:
     if not hasattr(monkeypatch, "_bloggap_fake_vllm"):
         monkeypatch._bloggap_fake_vllm = set()
     return monkeypatch._bloggap_fake_vllm
+
+
+class StandInSamplingParams:
+    """vLLM's ``SamplingParams`` as the doctor's sampler column builds it: the keyword arguments, kept."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
+class StandInLLM:
+    """A CPU stand-in for ``vllm.LLM`` built with TRL's colocate keyword arguments (recorded in ``built``): it loads
+    the model folder ``model`` in fp32, samples each prompt at the requested temperature (forced length, untruncated)
+    and returns, per sampled token, its log-prob from a teacher-forced batch-1 pass of that fp32 model
+    (:func:`bloggap_plugin.core.probe.score_layout`, the doctor's own batch-1 scoring). So the doctor's fp32 scoring of
+    these samples is the same computation: bit for bit equal on every token, by construction."""
+
+    built: list[dict] = []
+    sampled: list = []
+
+    def __init__(self, **kwargs):
+        from types import SimpleNamespace
+
+        from bloggap_plugin.models import load_model
+
+        StandInLLM.built.append(kwargs)
+        self.seed = kwargs["seed"]
+        self.model, self.tokenizer = load_model(kwargs["model"], dtype="fp32")
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32))
+
+    def generate(self, prompts, sampling_params, use_tqdm=False):
+        from types import SimpleNamespace
+
+        from bloggap_plugin.core.probe import Row, score_layout
+
+        params = sampling_params.kwargs
+        assert params["logprobs"] == 0 and params["n"] == 1 and params["ignore_eos"] is True
+        pad = self.tokenizer.pad_token_id
+        rows = []
+        generator = torch.Generator().manual_seed(self.seed)
+        with torch.no_grad():
+            for prompt in prompts:
+                ids = list(prompt["prompt_token_ids"])
+                for _ in range(params["max_tokens"]):
+                    logits = self.model(input_ids=torch.tensor([ids])).logits[0, -1].float() / params["temperature"]
+                    ids.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)))
+                width = len(prompt["prompt_token_ids"])
+                rows.append(Row(tuple(ids[:width]), tuple(ids[width:])))
+            scored = score_layout(self.model, rows, "left", 1, "mask", pad)
+        StandInLLM.sampled.append(rows)
+        outputs = []
+        for index, row in enumerate(rows):
+            logprobs = [{token: SimpleNamespace(logprob=float(scored.logprobs[index, position]), rank=1)}
+                        for position, token in enumerate(row.completion)]
+            completion = SimpleNamespace(token_ids=list(row.completion), logprobs=logprobs)
+            outputs.append(SimpleNamespace(prompt_token_ids=list(row.prompt), outputs=[completion]))
+        return outputs

@@ -195,8 +195,11 @@ def test_doctor_cli_end_to_end_json(tmp_path, capsys):
     from bloggap_plugin.report_builder import validate_result
 
     validate_result(result, path)
-    (table,) = result["tables"]
+    table, column = result["tables"]
     assert table["id"] == "DOCTOR" and table["random_init"] is True
+    # no CUDA device here: the vLLM sampler column says so (docs/doctor.md)
+    assert column["id"] == "DOCTOR-vllm" and column["rows"] == []
+    assert result["vllm_sampler"] == {"absent": "no CUDA device: the doctor ran on cpu, and vLLM samples on a CUDA GPU"}
     headline = next(row for row in table["rows"] if row[0] == "b1_vs_b8_left_arange")
     index = table["columns"].index("bf16/sdpa")
     cell = next(c for c in cells if (c["dtype"], c["attn"], c["comparison"]) == ("bf16", "sdpa", "b1_vs_b8_left_arange"))
