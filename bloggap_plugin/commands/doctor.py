@@ -347,7 +347,8 @@ def _measure(config: DoctorConfig, device, size: RunSize, timer) -> dict:
         )
     timer.lap(f"sampling ({size.sample_dtype})")
     vllm, absent = _vllm_samples(config, device, sampler_model, rollouts, size)
-    timer.lap("vLLM sampling" if vllm is not None else "vLLM column checks")
+    if vllm is not None:
+        timer.lap("vLLM sampling (engine start included)")
     plan, notes = doctor_matrix.scoring_plan(config.dtypes, rollouts, rows_for, size.scaled, size.skip,
                                              size.skip_beyond_bf16)
     total = doctor_matrix.total_passes(plan, size.attn, vllm=vllm is not None)

@@ -122,6 +122,10 @@ def test_the_column_with_a_stand_in_engine_is_exact_where_maths_gives_it(tmp_pat
     assert cells["bf16"]["exact_count"] < 16 and cells["bf16"]["abs_dlogp_max"] > 0
     table = next(t for t in result["tables"] if t["id"] == "DOCTOR-vllm")
     assert table["rows"][2] == ["fp32/sdpa", 0.0, 100.0, 16]
+    from bloggap_plugin.report_builder import render_table, validate_result
+
+    validate_result(result, path)  # a result `bloggap report` renders, the column's table with it
+    assert "| fp32/sdpa | 0.0 | 100.0 | 16 |" in render_table(table)
     printed = capsys.readouterr().out
     assert "  fp32/sdpa: 0.00% out of band (0/16), 100.00% bitwise (16/16)" in printed
     assert "With vLLM (TRL's colocate engine, vLLM 0.26.0, engine dtype float32)" in result["recommendation"]["text"]
