@@ -155,9 +155,14 @@ def format_vllm_column(record: dict | None) -> str | None:
         else:
             lines.append(f"  {c['dtype']}/{c['attn']}: {100 * c['oob']:.2f}% out of band ({c['oob_count']}/{c['n']}), "
                          f"{100 * c['exact_count'] / c['n']:.2f}% bitwise ({c['exact_count']}/{c['n']})")
-    arm_i = record.get("arm_i", {}).get("absent")
-    if arm_i:
-        lines.append(f"  arm I's form: absent ({arm_i})")
+    arm_i = record.get("arm_i", {})
+    if "cell" in arm_i:
+        c = arm_i["cell"]
+        lines.append(f"  arm I's form (pieces {arm_i['pieces']}, one batch): {100 * c['oob']:.2f}% out of band "
+                     f"({c['oob_count']}/{c['n']}), {100 * c['exact_count'] / c['n']:.2f}% bitwise "
+                     f"({c['exact_count']}/{c['n']})")
+    elif arm_i.get("absent"):
+        lines.append(f"  arm I's form: absent ({arm_i['absent']})")
     return "\n".join(lines)
 
 
@@ -358,7 +363,12 @@ def _measure(config: DoctorConfig, device, size: RunSize, timer) -> dict:
                                             lap=timer.lap, vllm=vllm)
     matrix.notes[:0] = notes
     paired = doctor_matrix.all_paired_cells(matrix, rollouts, rows_for, config.dtypes, config.band)
-    column = doctor_vllm.column_record(matrix.vllm_cells, absent, None if vllm is None else vllm.sampler)
+    arm_i = None
+    if vllm is not None:
+        pieces = doctor_vllm.arm_i_pieces(device.type, vllm.sampler.get("vllm"))
+        arm_i = doctor_vllm.arm_i_row(sampler_model, vllm, config.band, pieces)
+        timer.lap(f"score vLLM samples with arm I's form ({pieces})")
+    column = doctor_vllm.column_record(matrix.vllm_cells, absent, None if vllm is None else vllm.sampler, arm_i)
     recommendation = recommend(matrix.cells, matrix.fp16_check, device.type, paired, column)
     if matrix.notes:
         recommendation["notes"] = matrix.notes

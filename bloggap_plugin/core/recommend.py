@@ -123,8 +123,8 @@ def decide(
     this device.
 
     ``vllm_sampler`` (the doctor's ``vllm_sampler`` record, where it holds ``cells``): vLLM's samples, from an engine
-    built as TRL's colocate engine, scored by each dtype at batch 1; the arm stays the one above (no scoring arm
-    removes a sampler-vs-trainer gap), and a finding reports the gap the arm's trainer dtype trains with.
+    built as TRL's colocate engine, scored by each dtype at batch 1; the arm stays the one above (the batch-shape
+    arms do not remove a sampler-vs-trainer gap), and a finding reports the gap the arm's trainer dtype trains with.
     """
     cells, paired = _measured(cells), _measured(paired)
     nondeterministic = [
@@ -241,8 +241,14 @@ def _vllm_reason(record: Mapping | None, arm: str | None, bf16: dict, basis: dic
     sampler = record.get("sampler", {})
     basis["vllm_sampler"] = {"oob": {d: c["oob"] for d, c in worst.items()}, "exact": exact, "trainer_dtype": trainer}
     train = worst.get(trainer)
+    arm_i = record.get("arm_i", {})
+    form = arm_i.get("cell") if isinstance(arm_i, Mapping) and arm_i.get("cell", {}).get("oob") is not None else None
+    if form is not None:
+        basis["vllm_sampler"]["arm_i"] = {"oob": form["oob"], "exact": form["exact_count"] / form["n"]}
     return Reason("vllm_sampler", {d: Measured.of(c) for d, c in sorted(worst.items())},
                   {"exact": exact, "arm": arm, "trainer_dtype": trainer, "trained": trainer if train else None,
+                   "arm_i": None if form is None else (Measured.of(form), form["exact_count"] / form["n"],
+                                                       arm_i.get("pieces", "?")),
                    "bf16_headline": bf16["oob"], "vllm": sampler.get("vllm", "?"),
                    "engine_dtype": sampler.get("engine_dtype", "the checkpoint's")})
 
@@ -325,6 +331,10 @@ def _vllm_text(reason: Reason) -> str:
     numbers = reason.numbers
     parts = [f"{d} {_pct(c)} out of band, {100 * numbers['exact'][d]:.2f}% bitwise ({c.n} tokens, {c.attn})"
              for d, c in reason.cells.items()]
+    if numbers.get("arm_i") is not None:
+        form, form_exact, pieces = numbers["arm_i"]
+        parts.append(f"arm I's form (pieces {pieces}, one batch) {_pct(form)} out of band, {100 * form_exact:.2f}% "
+                     "bitwise")
     text = (f"With vLLM (TRL's colocate engine, vLLM {numbers['vllm']}, engine dtype {numbers['engine_dtype']}), "
             f"its processed log-probs vs each scoring at batch 1: {'; '.join(parts)}.")
     trained = numbers["trained"]
@@ -338,9 +348,9 @@ def _vllm_text(reason: Reason) -> str:
                  "fp16 row is not arm H's sampler gap: ")
     if cell.oob == 0 and exact == 1:
         return text + "bit for bit equal to the sampler, the ratio starts at 1."
-    text += (f"{_pct(cell)} of tokens out of band against the sampler: the gap you train with; no scoring arm "
-             "removes it (TRL's vllm_importance_sampling_correction reweights it; arm I computes vLLM's forward, "
-             "docs/arm_i.md)")
+    text += (f"{_pct(cell)} of tokens out of band against the sampler: the gap you train with; the batch-shape "
+             "arms do not remove it (TRL's vllm_importance_sampling_correction reweights it; arm I scores old "
+             "log-probs in vLLM's form, docs/arm_i.md)")
     if cell.oob > numbers["bf16_headline"]:
         text += f", and it is larger than bf16's batch-shape gap ({100 * numbers['bf16_headline']:.2f}%)"
     return text + "."

@@ -426,14 +426,17 @@ def check_stored(result) -> None:
 
 
 def _check_vllm_sampler(record) -> None:
-    """The sampler column of a stored run (absent in runs before it): ``{"absent": reason}`` or cells with
-    ``exact_count`` (bit for bit equal tokens) between 0 and ``n``."""
+    """The sampler column of a stored run (absent in runs before it): ``{"absent": reason}`` or cells (and arm I's
+    form's cell) with ``exact_count`` (bit for bit equal tokens) between 0 and ``n``."""
     if record is None:
         return
     if not isinstance(record, dict) or not (isinstance(record.get("absent"), str) or isinstance(record.get("cells"), list)):
         raise ValueError(f"vllm_sampler must be an object with 'absent' (a reason) or 'cells' (a list), got {record!r}")
-    for index, cell in enumerate(record.get("cells", [])):
-        where = f"vllm_sampler.cells[{index}]"
+    arm_i = record.get("arm_i", {})
+    if not isinstance(arm_i, dict):
+        raise ValueError(f"vllm_sampler.arm_i must be an object, got {type(arm_i).__name__}")
+    cells = [(f"vllm_sampler.cells[{index}]", cell) for index, cell in enumerate(record.get("cells", []))]
+    for where, cell in cells + ([("vllm_sampler.arm_i.cell", arm_i["cell"])] if "cell" in arm_i else []):
         _check_cell(cell, where)
         if cell.get("oob") is None:
             continue

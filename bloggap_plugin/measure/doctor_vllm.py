@@ -18,14 +18,10 @@ import torch
 
 from bloggap_plugin.core.probe import Rollouts, Row
 
-__all__ = ["NO_VLLM_FLAG", "ARM_I_ABSENT", "absent_reason", "absent_here", "model_folder", "engine_classes",
-           "sample_with_vllm", "vllm_rollouts", "column_record", "column_table"]
+__all__ = ["NO_VLLM_FLAG", "absent_reason", "absent_here", "model_folder", "engine_classes", "sample_with_vllm",
+           "vllm_rollouts", "arm_i_pieces", "arm_i_row", "column_record", "column_table"]
 
 NO_VLLM_FLAG = "--no-vllm"
-ARM_I_ABSENT = ("arm I's form scores against an engine built for arm I (vLLM's batch-invariant mode, prompts prefilled "
-                "in one step: docs/arm_i.md), not TRL's default engine; its gap is gap/sampler/exact_frac of a run "
-                "with recipes/arm_I.yaml")
-"""Why the column has no row for arm I's form (said in the record)."""
 
 
 def _not_installed() -> str:
@@ -143,16 +139,58 @@ def sample_with_vllm(folder: str, rollouts: Rollouts, new_tokens: int, seed: int
     return vllm_rollouts(rows, sampled, rollouts.pad_token_id, rollouts.prompts, record)
 
 
-def column_record(cells: list[dict] | None, absent: str | None, sampler: dict | None = None) -> dict:
+def arm_i_pieces(device_type: str, version: str | None) -> str:
+    """The pieces arm I's form scores with here: ``"all"`` (vLLM's own kernels) on CUDA with a vLLM whose kernels arms
+    I and J compute (:func:`~bloggap_plugin.core.vllm.versions.vllm_problem` with ``needs_form``), else ``"torch"``
+    (vLLM's maths in plain torch)."""
+    from bloggap_plugin.core.vllm.versions import vllm_problem
+
+    usable = device_type == "cuda" and version is not None and vllm_problem(needs_form=True, version=version) is None
+    return "all" if usable else "torch"
+
+
+def arm_i_row(model: torch.nn.Module, vllm: Rollouts, band: float, pieces: str) -> dict:
+    """Arm I's form (``make_plan(model, "vllm", pieces=pieces)``: a bf16 shadow of ``model`` computed as vLLM computes
+    it) scoring vLLM's samples, every row in one batch in TRL's layout (prompts left-padded, positions from the mask,
+    as the engine prefills them), against vLLM's log-probs: ``{"pieces", "cell"}``, or ``{"pieces", "absent"}``
+    naming why it could not score."""
+    from bloggap_plugin.core.plans import make_plan
+    from bloggap_plugin.core.plans.vllm_shadow import check_vllm_form_supported
+    from bloggap_plugin.core.probe import compare, left_pad
+
+    try:
+        check_vllm_form_supported(model)
+    except ValueError as err:
+        return {"pieces": pieces, "absent": f"arm I's form: {err}"}
+    ids, mask = left_pad([list(r.prompt) + list(r.completion) for r in vllm.rows], vllm.pad_token_id)
+    width = vllm.sampler_logprobs.shape[1]
+    try:
+        plan = make_plan(model, "vllm", pieces=pieces)
+        try:
+            with torch.no_grad():
+                scores = plan.token_logprobs(ids, mask, width, positions="mask").float().cpu()
+        finally:
+            plan.close()
+    except Exception as err:  # noqa: BLE001 - recorded, the run continues
+        return {"pieces": pieces, "absent": f"arm I's form failed: {type(err).__name__}: "
+                                            f"{str(err).splitlines()[0][:200] if str(err) else ''}"}
+    cell = compare(vllm.sampler_logprobs, scores, vllm.sampler_mask, band, comparison="sampler_vs_b1", dtype="bf16",
+                   attn="vllm_form", rows=len(vllm.rows), batch_size=len(vllm.rows))
+    return {"pieces": pieces, "cell": cell}
+
+
+def column_record(cells: list[dict] | None, absent: str | None, sampler: dict | None = None,
+                  arm_i: dict | None = None) -> dict:
     """The result JSON's ``vllm_sampler``: ``{"absent": reason}``, or the measured cells (one per dtype and attention
     implementation: ``oob`` the out-of-band share, ``exact_count`` of ``n`` tokens bit for bit equal), the sampler's
-    record and why arm I's form has no row."""
+    record and arm I's form (:func:`arm_i_row`)."""
     if absent is not None:
         return {"absent": absent}
     return {"units": "oob: share of completion tokens with exp(trainer - sampler) outside the band; bitwise: "
                      "exact_count / n, tokens whose log-probs are bit for bit equal",
-            "trainer_side": "teacher-forced batch 1 in each dtype and attention implementation",
-            "sampler": sampler or {}, "cells": cells or [], "arm_i": {"absent": ARM_I_ABSENT}}
+            "trainer_side": "teacher-forced batch 1 in each dtype and attention implementation; arm I: its form, "
+                            "every row in one batch",
+            "sampler": sampler or {}, "cells": cells or [], "arm_i": arm_i or {"absent": "not scored"}}
 
 
 def column_table(record: dict, model: str) -> dict:
@@ -163,13 +201,18 @@ def column_table(record: dict, model: str) -> dict:
         measured = c.get("oob") is not None
         rows.append([f"{c['dtype']}/{c['attn']}", round(100 * c["oob"], 2) if measured else None,
                      round(100 * c["exact_count"] / c["n"], 2) if measured else None, c.get("n", 0)])
+    arm_i = record.get("arm_i", {})
+    if "cell" in arm_i:
+        c = arm_i["cell"]
+        rows.append([f"arm I (pieces {arm_i['pieces']})", round(100 * c["oob"], 2),
+                     round(100 * c["exact_count"] / c["n"], 2), c["n"]])
     if "absent" not in record:
         sampler = record.get("sampler", {})
         notes = (f"vLLM {sampler.get('vllm', '?')} engine built as TRL 1.16's colocate engine (dtype "
                  f"{sampler.get('engine_dtype', '?')}), untruncated at temperature {sampler.get('temperature', '?')}; "
                  "its processed log-prob of each sampled token vs each scoring at batch 1: share of tokens with "
-                 "exp(trainer - sampler) outside the band, and share bit for bit equal. No row for arm I's form: "
-                 f"{ARM_I_ABSENT}.")
+                 "exp(trainer - sampler) outside the band, and share bit for bit equal; arm I's form scores every row "
+                 "in one batch" + (f" (absent: {arm_i['absent']})" if "absent" in arm_i else "") + ".")
     return {"id": "DOCTOR-vllm", "title": "bloggap doctor: vLLM sampler vs each scoring, OOB% and bitwise%",
             "columns": ["scoring", "out of band %", "bitwise %", "tokens"], "rows": rows, "notes": notes,
             "reference": None, "random_init": model.startswith("tiny-random-"), "plot": False}

@@ -120,18 +120,41 @@ def test_the_column_with_a_stand_in_engine_is_exact_where_maths_gives_it(tmp_pat
     assert (cells["fp32"]["exact_count"], cells["fp32"]["oob_count"]) == (16, 0)
     # bf16 rounds the weights: its log-probs differ from the fp32 sampler's (bounded, not exact)
     assert cells["bf16"]["exact_count"] < 16 and cells["bf16"]["abs_dlogp_max"] > 0
+    # arm I's form on this CPU: vLLM's maths in plain torch over a bf16 shadow, against the fp32 sampler: bounded
+    arm_i = column["arm_i"]
+    assert arm_i["pieces"] == "torch" and arm_i["cell"]["n"] == 16 and arm_i["cell"]["exact_count"] < 16
+    assert arm_i["cell"]["batch_size"] == 8
     table = next(t for t in result["tables"] if t["id"] == "DOCTOR-vllm")
-    assert table["rows"][2] == ["fp32/sdpa", 0.0, 100.0, 16]
+    assert table["rows"][2] == ["fp32/sdpa", 0.0, 100.0, 16] and table["rows"][3][0] == "arm I (pieces torch)"
     from bloggap_plugin.report_builder import render_table, validate_result
 
     validate_result(result, path)  # a result `bloggap report` renders, the column's table with it
     assert "| fp32/sdpa | 0.0 | 100.0 | 16 |" in render_table(table)
     printed = capsys.readouterr().out
     assert "  fp32/sdpa: 0.00% out of band (0/16), 100.00% bitwise (16/16)" in printed
+    assert "  arm I's form (pieces torch, one batch): " in printed
     assert "With vLLM (TRL's colocate engine, vLLM 0.26.0, engine dtype float32)" in result["recommendation"]["text"]
+    assert "arm I's form (pieces torch, one batch)" in result["recommendation"]["text"]
     # --from-json re-derives the same advice from the stored column
     assert main(["doctor", "--from-json", path]) == 0
     assert result["recommendation"]["text"] in capsys.readouterr().out
+
+
+def test_arm_i_scores_with_vllm_kernels_only_where_they_are_the_measured_release():
+    assert doctor_vllm.arm_i_pieces("cuda", "0.26.0") == "all"
+    assert doctor_vllm.arm_i_pieces("cuda", "0.31.0") == "torch"  # read from its wheel, not yet measured
+    assert doctor_vllm.arm_i_pieces("cpu", "0.26.0") == "torch"
+
+
+def test_arm_i_on_a_family_it_does_not_compute_says_so(tiny_model):
+    from bloggap_plugin.core.probe import Row
+
+    model, _ = tiny_model("tiny-random-gpt_neox")
+    samples = doctor_vllm.vllm_rollouts([Row((5, 6), (7, 8))], [[-1.0, -2.0]], 0, ["p"], {})
+    row = doctor_vllm.arm_i_row(model, samples, 0.1, "torch")
+    assert row["pieces"] == "torch" and row["absent"].startswith(
+        "arm I's form: arms I and J compute Llama-family decoders the way vLLM does; GPTNeoXForCausalLM has model_type "
+        "'gpt_neox' (supported: llama, qwen2)")
 
 
 def _prompt_ids(result: dict, folder: str) -> list[list[int]]:

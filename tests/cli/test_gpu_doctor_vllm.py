@@ -44,4 +44,10 @@ def test_the_real_engine_fills_the_column_for_every_scoring(tmp_path):
         assert c["n"] == ROWS * TOKENS and 0 <= c["oob_count"] <= c["n"] and 0 <= c["exact_count"] <= c["n"]
     # vLLM's bf16 engine against an fp32 scorer: different arithmetic, so not every token bit for bit equal
     assert column["sampler"]["engine_dtype"] == "bfloat16" and cells["fp32"]["exact_count"] < cells["fp32"]["n"]
+    # arm I's form with vLLM's kernels where the installed vLLM is the measured release (0.26.0), else in torch
+    from bloggap_plugin.core.vllm.versions import installed_vllm
+    from bloggap_plugin.measure.doctor_vllm import arm_i_pieces
+
+    assert column["arm_i"]["pieces"] == arm_i_pieces("cuda", installed_vllm())
+    assert column["arm_i"].get("cell", {}).get("n") == ROWS * TOKENS, column["arm_i"]
     assert "vLLM sampler column (vLLM " in run.stdout

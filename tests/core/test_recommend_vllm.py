@@ -36,15 +36,15 @@ def test_arm_a_reports_the_bf16_gap_to_vllm_the_worst_attention_and_that_it_exce
     column = _column(_sampler("bf16", 0.01, 500), _sampler("bf16", 0.03, 250, attn="eager"),
                      _sampler("fp32", 0.004, 0))
     rec = recommend(NO_GAP, None, "cuda", (), column)
-    assert rec["arm"] == "A"  # the column does not change the arm: no scoring arm removes a sampler gap
+    assert rec["arm"] == "A"  # the column does not change the arm: the batch-shape arms do not remove a sampler gap
     line = rec["text"].splitlines()[-1]
     assert line == (
         "  - With vLLM (TRL's colocate engine, vLLM 0.26.0, engine dtype bfloat16), its processed log-probs vs each "
         "scoring at batch 1: bf16 3.00% out of band, 25.00% bitwise (1000 tokens, eager); fp32 0.40% out of band, "
         "0.00% bitwise (1000 tokens, sdpa). arm A scores old log-probs in bf16: 3.00% of tokens out of band against "
-        "the sampler: the gap you train with; no scoring arm removes it (TRL's vllm_importance_sampling_correction "
-        "reweights it; arm I computes vLLM's forward, docs/arm_i.md), and it is larger than bf16's batch-shape gap "
-        "(0.00%).")
+        "the sampler: the gap you train with; the batch-shape arms do not remove it (TRL's "
+        "vllm_importance_sampling_correction reweights it; arm I scores old log-probs in vLLM's form, docs/arm_i.md), "
+        "and it is larger than bf16's batch-shape gap (0.00%).")
     assert rec["basis"]["vllm_sampler"] == {"oob": {"bf16": 0.03, "fp32": 0.004}, "exact": {"bf16": 0.25, "fp32": 0.0},
                                             "trainer_dtype": "bf16"}
 
@@ -59,9 +59,9 @@ def test_arm_b_reads_the_fp32_row_and_a_bitwise_row_says_the_ratio_starts_at_1()
 
 def test_a_gap_below_the_batch_shape_gap_is_reported_without_the_comparison():
     rec = recommend(FP32_REMOVES, None, "cuda", (), _column(_sampler("fp32", 0.01, 0)))
-    assert rec["text"].endswith("1.00% of tokens out of band against the sampler: the gap you train with; no scoring "
-                                "arm removes it (TRL's vllm_importance_sampling_correction reweights it; arm I "
-                                "computes vLLM's forward, docs/arm_i.md).")
+    assert rec["text"].endswith("1.00% of tokens out of band against the sampler: the gap you train with; the "
+                                "batch-shape arms do not remove it (TRL's vllm_importance_sampling_correction "
+                                "reweights it; arm I scores old log-probs in vLLM's form, docs/arm_i.md).")
 
 
 def test_the_arms_dtype_unmeasured_and_arm_h_against_a_bf16_engine_are_said():
@@ -79,3 +79,13 @@ def test_the_arms_dtype_unmeasured_and_arm_h_against_a_bf16_engine_are_said():
                                     _column({**_sampler("bf16", 0.0, 0), "oob": None, "skipped": "failed"})])
 def test_without_measured_cells_the_advice_is_the_one_without_vllm(column):
     assert recommend(FP32_REMOVES, None, "cuda", (), column) == recommend(FP32_REMOVES, None, "cuda")
+
+
+def test_arm_is_form_is_told_beside_the_scorings():
+    column = _column(_sampler("bf16", 0.02, 100))
+    column["arm_i"] = {"pieces": "all", "cell": {**_sampler("bf16", 0.0, 1000), "attn": "vllm_form"}}
+    rec = recommend(NO_GAP, None, "cuda", (), column)
+    assert ("bf16 2.00% out of band, 10.00% bitwise (1000 tokens, sdpa); arm I's form (pieces all, one batch) 0.00% "
+            "out of band, 100.00% bitwise.") in rec["text"]
+    assert rec["basis"]["vllm_sampler"]["arm_i"] == {"oob": 0.0, "exact": 1.0}
+    assert rec["basis"]["vllm_sampler"]["oob"] == {"bf16": 0.02}  # arm I's cell is not a bf16 scoring's
