@@ -88,19 +88,18 @@ def vllm_rollouts(rows: Sequence[Row], logprobs: Sequence[Sequence[float | None]
 
 
 def engine_classes() -> tuple[Any, Any, str]:
-    """``(LLM, SamplingParams, version)`` of the installed vLLM (imported here, only when the column is measured)."""
+    """``(LLM, SamplingParams, version)`` of the installed vLLM (imported here, only when the column is measured; the
+    CPU tests put a stand-in here)."""
     import vllm
     from vllm import LLM, SamplingParams
 
     return LLM, SamplingParams, vllm.__version__
 
 
-def sample_with_vllm(folder: str, rollouts: Rollouts, new_tokens: int, seed: int, engine: tuple | None = None
-                     ) -> Rollouts:
+def sample_with_vllm(folder: str, rollouts: Rollouts, new_tokens: int, seed: int) -> Rollouts:
     """Sample one completion of exactly ``new_tokens`` tokens for each prompt of ``rollouts`` (the doctor's prompt
     token ids) with a vLLM engine built as TRL's colocate engine is (``seed``: the engine's seed), untruncated at
-    temperature 1 (the doctor's sampling), ``logprobs=0``. ``engine``: ``(LLM, SamplingParams, version)`` (default:
-    vLLM's own; a stand-in in tests)."""
+    temperature 1 (the doctor's sampling), ``logprobs=0``; the engine's classes come from :func:`engine_classes`."""
     from trl.generation.vllm_generation import extract_logprobs
 
     from bloggap_plugin.trl.vllm_colocate import (
@@ -109,7 +108,7 @@ def sample_with_vllm(folder: str, rollouts: Rollouts, new_tokens: int, seed: int
         trl_colocate_sampling_kwargs,
     )
 
-    llm_class, params_class, version = engine or engine_classes()
+    llm_class, params_class, version = engine_classes()
     prompt_ids = [list(row.prompt) for row in rollouts.rows]
     llm_kwargs = trl_colocate_llm_kwargs(folder, max_num_seqs=len(prompt_ids), seed=seed)
     # the doctor forces the length (its rollouts ignore eos), so TRL's settings plus ignore_eos
