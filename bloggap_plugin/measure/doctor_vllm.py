@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -112,8 +113,9 @@ def sample_with_vllm(folder: str, rollouts: Rollouts, new_tokens: int, seed: int
     prompt_ids = [list(row.prompt) for row in rollouts.rows]
     llm_kwargs = trl_colocate_llm_kwargs(folder, max_num_seqs=len(prompt_ids), seed=seed)
     # the doctor forces the length (its rollouts ignore eos), so TRL's settings plus ignore_eos
-    sampling = trl_colocate_sampling_kwargs(max_tokens=new_tokens, temperature=rollouts.sampler.get("temperature", 1.0),
-                                            ignore_eos=True)
+    settings = SimpleNamespace(temperature=rollouts.sampler.get("temperature", 1.0),
+                               generation_kwargs={"ignore_eos": True})
+    sampling = trl_colocate_sampling_kwargs(settings, max_tokens=new_tokens)
     with colocate_process_env():
         llm = llm_class(**llm_kwargs)
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],

@@ -164,13 +164,13 @@ def trl_colocate_llm_kwargs(model: str, *, max_num_seqs: int, seed: int = 0, gpu
             "trust_remote_code": False}
 
 
-def trl_colocate_sampling_kwargs(*, max_tokens: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                                 min_p: float = 0.0, repetition_penalty: float = 1.0, **extra: Any) -> dict:
-    """The ``SamplingParams`` keyword arguments TRL 1.16's colocate generation passes (``VLLMGeneration.generate``:
-    one completion per prompt, the trainer's sampling settings, ``logprobs=0``: the sampled token's processed
-    log-prob alone), updated by ``extra`` (TRL's ``generation_kwargs``)."""
-    return {"n": 1, "repetition_penalty": repetition_penalty, "temperature": temperature, "top_p": top_p,
-            "top_k": top_k, "min_p": min_p, "max_tokens": max_tokens, "logprobs": 0, **extra}
+def trl_colocate_sampling_kwargs(args: Any, max_tokens: int) -> dict:
+    """All the ``SamplingParams`` keyword arguments TRL 1.16's colocate generation passes
+    (``VLLMGeneration.generate``): one completion per prompt, ``max_tokens`` (the trainer's
+    ``max_completion_length``), ``logprobs=0`` (the sampled token's processed log-prob alone, TRL's default), and
+    ``args``' sampling settings with its ``generation_kwargs`` on top (:func:`trl_sampling_args`; ``args``: a
+    GRPOConfig or any object with those attributes, missing ones at GRPOConfig's defaults)."""
+    return {"n": 1, "max_tokens": max_tokens, "logprobs": 0, **trl_sampling_args(args)}
 
 
 @contextlib.contextmanager

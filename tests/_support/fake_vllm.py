@@ -11,7 +11,8 @@ kept ids per generated token (vllm/outputs.py, vllm/v1/engine/output_processor.p
 vLLM 0.31 refuses: the setting without model runner V2 or with another ``logprobs_mode`` / custom logits processors
 (``_verify_sampling_replay_config``, vllm/config/vllm.py), and, with it, a request with ``temperature <= 0`` or
 ``top_k <= 0`` (vllm/v1/engine/input_processor.py). The engine's kernels are the trainer's own here, so on CPU the
-only sampler-vs-trainer difference is truncation.
+only sampler-vs-trainer difference is truncation. :class:`TeacherForcedLLM` stands in for the engine the doctor's
+vLLM sampler column builds from a model folder.
 """
 
 from __future__ import annotations
@@ -195,57 +196,46 @@ def _installed(monkeypatch) -> set:
     return monkeypatch._bloggap_fake_vllm
 
 
-class StandInSamplingParams:
-    """vLLM's ``SamplingParams`` as the doctor's sampler column builds it: the keyword arguments, kept."""
-
-    def __init__(self, **kwargs):
-        self.kwargs = kwargs
-
-
-class StandInLLM:
-    """A CPU stand-in for ``vllm.LLM`` built with TRL's colocate keyword arguments (recorded in ``built``): it loads
-    the model folder ``model`` in fp32, samples each prompt at the requested temperature (forced length, untruncated)
-    and returns, per sampled token, its log-prob from a teacher-forced batch-1 pass of that fp32 model
-    (:func:`bloggap_plugin.core.probe.score_layout`, the doctor's own batch-1 scoring). So the doctor's fp32 scoring of
-    these samples is the same computation: bit for bit equal on every token, by construction."""
+class TeacherForcedLLM:
+    """vLLM's ``LLM`` built from a model folder, as the doctor's sampler column builds it (its keyword arguments kept
+    in ``built``): it loads ``model`` in fp32, samples each prompt at the request's temperature (forced length,
+    untruncated) and returns, per sampled token, its log-prob from a teacher-forced batch-1 pass of that fp32 model
+    (:func:`bloggap_plugin.core.probe.score_layout`, the doctor's own batch-1 scoring), so the doctor's fp32 scoring
+    of these samples is the same computation: bit for bit equal on every token, by construction. ``sampled`` keeps
+    each call's rows."""
 
     built: list[dict] = []
     sampled: list = []
 
     def __init__(self, **kwargs):
-        from types import SimpleNamespace
-
         from bloggap_plugin.models import load_model
 
-        StandInLLM.built.append(kwargs)
+        TeacherForcedLLM.built.append(kwargs)
         self.seed = kwargs["seed"]
         self.model, self.tokenizer = load_model(kwargs["model"], dtype="fp32")
-        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32))
+        self.llm_engine = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.float32))
 
-    def generate(self, prompts, sampling_params, use_tqdm=False):
-        from types import SimpleNamespace
-
+    def generate(self, prompts, sampling_params=None, use_tqdm=True):
         from bloggap_plugin.core.probe import Row, score_layout
 
-        params = sampling_params.kwargs
-        assert params["logprobs"] == 0 and params["n"] == 1 and params["ignore_eos"] is True
-        pad = self.tokenizer.pad_token_id
+        params = sampling_params
+        assert params.logprobs == 0 and params.n == 1 and params.ignore_eos is True
         rows = []
         generator = torch.Generator().manual_seed(self.seed)
         with torch.no_grad():
             for prompt in prompts:
                 ids = list(prompt["prompt_token_ids"])
-                for _ in range(params["max_tokens"]):
-                    logits = self.model(input_ids=torch.tensor([ids])).logits[0, -1].float() / params["temperature"]
+                for _ in range(params.max_tokens):
+                    logits = self.model(input_ids=torch.tensor([ids])).logits[0, -1].float() / params.temperature
                     ids.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)))
                 width = len(prompt["prompt_token_ids"])
                 rows.append(Row(tuple(ids[:width]), tuple(ids[width:])))
-            scored = score_layout(self.model, rows, "left", 1, "mask", pad)
-        StandInLLM.sampled.append(rows)
+            scored = score_layout(self.model, rows, "left", 1, "mask", self.tokenizer.pad_token_id)
+        TeacherForcedLLM.sampled.append(rows)
         outputs = []
         for index, row in enumerate(rows):
-            logprobs = [{token: SimpleNamespace(logprob=float(scored.logprobs[index, position]), rank=1)}
+            logprobs = [{token: Logprob(float(scored.logprobs[index, position]), rank=1)}
                         for position, token in enumerate(row.completion)]
-            completion = SimpleNamespace(token_ids=list(row.completion), logprobs=logprobs)
-            outputs.append(SimpleNamespace(prompt_token_ids=list(row.prompt), outputs=[completion]))
+            completion = types.SimpleNamespace(index=0, token_ids=list(row.completion), logprobs=logprobs)
+            outputs.append(types.SimpleNamespace(prompt_token_ids=list(row.prompt), outputs=[completion]))
         return outputs

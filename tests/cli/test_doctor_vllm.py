@@ -7,9 +7,10 @@ from __future__ import annotations
 import ast
 import json
 import sys
+from types import SimpleNamespace
 
 import pytest
-from _support.fake_vllm import StandInLLM, StandInSamplingParams
+from _support.fake_vllm import TeacherForcedLLM
 
 from bloggap_plugin.cli import main
 from bloggap_plugin.measure import doctor_vllm
@@ -72,8 +73,10 @@ def test_engine_and_sampling_kwargs_are_trls_colocate_ones():
     assert set(built) == set(keywords)
     for name in ("distributed_executor_backend", "max_num_batched_tokens", "logprobs_mode"):
         assert built[name] == keywords[name]
-    assert set(trl_colocate_sampling_kwargs(max_tokens=4)) == sampling_keys
-    assert trl_colocate_sampling_kwargs(max_tokens=4)["logprobs"] == 0  # TRL's VLLMGeneration default
+    defaults = trl_colocate_sampling_kwargs(SimpleNamespace(), max_tokens=4)
+    assert set(defaults) == sampling_keys and defaults["logprobs"] == 0  # TRL's VLLMGeneration default
+    # generation_kwargs on top, as TRL updates the dict with them last
+    assert trl_colocate_sampling_kwargs(SimpleNamespace(generation_kwargs={"max_tokens": 9}), 4)["max_tokens"] == 9
 
 
 def _doctor(tmp_path, *argv) -> tuple[dict, str]:
@@ -94,11 +97,11 @@ def test_no_vllm_flag_says_so_in_the_json_the_table_and_the_print(tmp_path, caps
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    """The doctor measures the column on this CPU with :class:`StandInLLM` as vLLM 0.26.0."""
+    """The doctor measures the column on this CPU with :class:`TeacherForcedLLM` as vLLM 0.26.0."""
     monkeypatch.setattr(doctor_vllm, "absent_here", lambda *args: None)
-    monkeypatch.setattr(doctor_vllm, "engine_classes", lambda: (StandInLLM, StandInSamplingParams, "0.26.0"))
-    StandInLLM.built.clear()
-    StandInLLM.sampled.clear()
+    monkeypatch.setattr(doctor_vllm, "engine_classes", lambda: (TeacherForcedLLM, SimpleNamespace, "0.26.0"))
+    TeacherForcedLLM.built.clear()
+    TeacherForcedLLM.sampled.clear()
 
 
 def test_the_column_with_a_stand_in_engine_is_exact_where_maths_gives_it(tmp_path, stand_in, capsys):
@@ -106,11 +109,12 @@ def test_the_column_with_a_stand_in_engine_is_exact_where_maths_gives_it(tmp_pat
 
     folder = saved_model_dir(tmp_path, "tiny-random-qwen2")
     result, path = _doctor(tmp_path, "--model", folder, "--rows", "8", "--new-tokens", "2", "--dtype", "fp32")
-    assert StandInLLM.built == [trl_colocate_llm_kwargs(folder, max_num_seqs=8, seed=1234)]
+    assert TeacherForcedLLM.built == [trl_colocate_llm_kwargs(folder, max_num_seqs=8, seed=1234)]
     column = result["vllm_sampler"]
-    assert column["sampler"]["sampling"] == {**trl_colocate_sampling_kwargs(max_tokens=2), "ignore_eos": True}
+    assert column["sampler"]["sampling"] == {**trl_colocate_sampling_kwargs(SimpleNamespace(), max_tokens=2),
+                                             "ignore_eos": True}
     assert column["sampler"]["engine_dtype"] == "float32" and column["sampler"]["vllm"] == "0.26.0"
-    (sampled,) = StandInLLM.sampled
+    (sampled,) = TeacherForcedLLM.sampled
     assert [row.prompt for row in sampled] == [tuple(c) for c in _prompt_ids(result, folder)]
     cells = {c["dtype"]: c for c in column["cells"]}
     assert set(cells) == {"bf16", "fp16", "fp32"} and {c["attn"] for c in column["cells"]} == {"sdpa"}
@@ -173,7 +177,7 @@ def test_an_engine_that_fails_is_recorded_as_the_reason_and_the_run_goes_on(tmp_
             raise RuntimeError("no memory left for the KV cache\nsecond line")
 
     monkeypatch.setattr(doctor_vllm, "absent_here", lambda *args: None)
-    monkeypatch.setattr(doctor_vllm, "engine_classes", lambda: (Broken, StandInSamplingParams, "0.26.0"))
+    monkeypatch.setattr(doctor_vllm, "engine_classes", lambda: (Broken, SimpleNamespace, "0.26.0"))
     result, _ = _doctor(tmp_path, "--model", "tiny-random-llama", "--rows", "2", "--new-tokens", "2", "--dtypes",
                         "bf16")
     assert result["vllm_sampler"] == {"absent": "vLLM failed: RuntimeError: no memory left for the KV cache"}
