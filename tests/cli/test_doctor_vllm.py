@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import sys
 from types import SimpleNamespace
 
@@ -108,8 +109,11 @@ def test_the_column_with_a_stand_in_engine_is_exact_where_maths_gives_it(tmp_pat
     from _support.trl_runs import saved_model_dir
 
     folder = saved_model_dir(tmp_path, "tiny-random-qwen2")
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    environment = {name: os.environ.get(name) for name in names}
     result, path = _doctor(tmp_path, "--model", folder, "--rows", "8", "--new-tokens", "2", "--dtype", "fp32")
     assert TeacherForcedLLM.built == [trl_colocate_llm_kwargs(folder, max_num_seqs=8, seed=1234)]
+    assert {name: os.environ.get(name) for name in names} == environment  # TRL's process variables set while built
     column = result["vllm_sampler"]
     assert column["sampler"]["sampling"] == {**trl_colocate_sampling_kwargs(SimpleNamespace(), max_tokens=2),
                                              "ignore_eos": True}
