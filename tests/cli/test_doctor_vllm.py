@@ -200,3 +200,25 @@ def test_a_stored_column_with_an_impossible_count_is_refused(tmp_path, capsys):
     assert main(["doctor", "--from-json", str(source)]) == 2
     assert "vllm_sampler.cells[0].exact_count = 11" in capsys.readouterr().err
 
+
+
+def test_vllm_rows_carry_nan_for_a_missing_log_prob_and_refuse_a_count_that_differs():
+    from bloggap_plugin.core.probe import Row
+
+    rows = [Row((1,), (2, 3)), Row((1,), (4,))]
+    samples = doctor_vllm.vllm_rollouts(rows, [[-0.5, None], [-1.5]], 0, ["a", "b"], {"engine": "vllm"})
+    assert samples.sampler_mask.tolist() == [[True, True], [True, False]]
+    assert samples.sampler_logprobs[0, 0].item() == -0.5 and samples.sampler_logprobs[0, 1].isnan()
+    with pytest.raises(ValueError, match="vLLM completion 1: 1 tokens but 2 log-probs"):
+        doctor_vllm.vllm_rollouts(rows, [[-0.5, -1.0], [-1.5, -2.0]], 0, ["a", "b"], {})
+
+
+def test_the_printed_column_names_a_skipped_scoring_and_an_absent_arm_i():
+    from bloggap_plugin.commands.doctor import format_vllm_column
+
+    record = {"sampler": {"vllm": "0.26.0", "engine_dtype": "bfloat16"},
+              "cells": [{"dtype": "fp16", "attn": "eager", "oob": None, "skipped": "fp16/eager failed: X"}],
+              "arm_i": {"pieces": "all", "absent": "arm I's form failed: Y"}}
+    assert format_vllm_column(record).splitlines()[1:] == ["  fp16/eager: - (fp16/eager failed: X)",
+                                                           "  arm I's form: absent (arm I's form failed: Y)"]
+    assert format_vllm_column(None) is None  # a run from before the column prints nothing for it
