@@ -16,6 +16,7 @@ import torch
 from bloggap_plugin.core import metrics as gap_metrics
 from bloggap_plugin.core.vllm import kernels as vllm_kernels
 from bloggap_plugin.recipes import GapConfig, RecipeError, config_differences
+from bloggap_plugin.trl.colocate_reads import vllm_sampling
 from bloggap_plugin.trl.kept_source import resolve_kept_source
 from bloggap_plugin.trl.state import AttachSettings, GapState, Resources
 
@@ -305,22 +306,6 @@ def _truncation(trainer: Any, gap: GapConfig, settings: dict | None) -> tuple[di
     fields = {"truncating": truncating, "vllm_truncation": vllm_truncation,
               "renormalize": gap.kept == "renormalize" and truncating, "kept_on": kept_on, "kept_source": kept_source}
     return fields, recorder
-
-
-def vllm_sampling(trainer: Any) -> dict:
-    """``{top_k, top_p, min_p}`` that TRL's vLLM generation samples with (``generation_kwargs`` override last)."""
-    from bloggap_plugin.core.truncation import validate_sampling
-
-    source = getattr(trainer, "vllm_generation", None) or trainer
-    settings = {"top_k": getattr(source, "top_k", None), "top_p": getattr(source, "top_p", None),
-                "min_p": getattr(source, "min_p", None)}
-    settings.update({k: v for k, v in (getattr(source, "generation_kwargs", None) or {}).items() if k in settings})
-    top_k = int(settings["top_k"] or 0)
-    clean = {"top_k": top_k if top_k > 0 else 0,
-             "top_p": 1.0 if settings["top_p"] is None else float(settings["top_p"]),
-             "min_p": float(settings["min_p"] or 0.0)}
-    validate_sampling(1.0, **clean)
-    return clean
 
 
 def check_vllm_fp16(trainer: Any) -> None:

@@ -90,7 +90,7 @@ def planned_sampling_mask(gap: GapConfig, args: Any, environ: dict | None = None
     (``gap.kept_source: sampling_mask``) or ``"auto"`` to ask the engine for the mask, ``None`` not to; ``reason``
     names what is missing (:func:`sampling_mask_problem`) where the mask was asked for and cannot be had."""
     from bloggap_plugin.core.vllm.versions import installed_vllm
-    from bloggap_plugin.trl.vllm_colocate import trl_sampling_args
+    from bloggap_plugin.trl.colocate_reads import trl_sampling_args
 
     if args is None or not getattr(args, "use_vllm", False) or gap.kept == "off" or gap.kept_source == "retruncate":
         return None, None
@@ -111,7 +111,7 @@ def resolve_kept_source(trainer: Any, gap: GapConfig, kept_on: bool) -> tuple[st
     ``"retruncate"`` (TRL's vLLM path), ``None`` without kept sets. Raises ``RecipeError`` for
     ``gap.kept_source: sampling_mask`` where the mask cannot be had, and for a non-``auto`` source on the HF path."""
     from bloggap_plugin.core.vllm.versions import installed_vllm
-    from bloggap_plugin.trl.vllm_colocate import colocate_engine_setting, colocate_model_runner
+    from bloggap_plugin.trl.colocate_reads import colocate_engine_setting, colocate_model_runner
 
     if not trainer.use_vllm:
         if gap.kept_source != "auto":
@@ -122,7 +122,7 @@ def resolve_kept_source(trainer: Any, gap: GapConfig, kept_on: bool) -> tuple[st
         return ("retruncate" if kept_on else None), None
     if not kept_on and (gap.kept == "off" or gap.kept_source == "auto"):
         return None, None
-    from bloggap_plugin.trl.attach import vllm_sampling
+    from bloggap_plugin.trl.colocate_reads import vllm_sampling
 
     generation = getattr(trainer, "vllm_generation", None)
     llm = getattr(generation, "llm", None)

@@ -24,6 +24,14 @@ from typing import Any
 
 import torch
 
+from bloggap_plugin.trl.colocate_reads import (  # noqa: F401 - re-exported: where callers import them
+    colocate_engine,
+    colocate_engine_setting,
+    colocate_model_runner,
+    engine_model_runner,
+    trl_sampling_args,
+)
+
 __all__ = ["vllm_colocate_dtype", "vllm_colocate_engine", "colocate_engine_dtype", "engine_kwargs_from_env", "KV_CACHE_ENV",
            "engine_kwargs_for", "colocate_engine_setting", "check_colocate_engine", "BATCH_INVARIANT_ENV",
            "one_step_prefill_tokens", "prefill_refusal", "ONE_STEP_PREFILL_CAP", "confine_batch_invariance",
@@ -366,29 +374,10 @@ def prefill_refusal(prompt_tokens: int, budget: int | None, arm: str = "I") -> s
             "steps_per_generation")
 
 
-def _colocate_engine(trainer: Any) -> Any:
-    """A GRPOTrainer's colocate ``LLMEngine`` (``trainer.vllm_generation.llm.llm_engine``), or ``None``."""
-    generation = getattr(trainer, "vllm_generation", None)
-    return getattr(getattr(generation, "llm", None), "llm_engine", None)
-
-
-def colocate_engine_setting(trainer: Any, name: str) -> Any:
-    """The value of ``LLM(...)`` keyword ``name`` in a GRPOTrainer's colocate engine as built (read from vLLM's
-    config objects, on the engine or its ``vllm_config``), or ``None`` when it cannot be read (no engine, server
-    mode, another vLLM layout)."""
-    engine = _colocate_engine(trainer)
-    for holder in (engine, getattr(engine, "vllm_config", None)):
-        for part in ("model_config", "cache_config", "scheduler_config", "parallel_config"):
-            config = getattr(holder, part, None)
-            if config is not None and getattr(config, name, None) is not None:
-                return getattr(config, name)
-    return None
-
-
 def colocate_compilation_mode(trainer: Any) -> int | None:
     """The colocate engine's ``compilation_config.mode`` (0: no torch.compile; 3: vLLM's compile, vLLM's default),
     or ``None`` when it cannot be read."""
-    engine = _colocate_engine(trainer)
+    engine = colocate_engine(trainer)
     config = getattr(getattr(engine, "vllm_config", None), "compilation_config", None)
     mode = getattr(config, "mode", None)
     return None if mode is None else int(mode)
@@ -401,7 +390,7 @@ def check_engine_vllm(trainer: Any, gap: Any) -> None:
     from bloggap_plugin.core.vllm.versions import vllm_problem
     from bloggap_plugin.recipes import RecipeError
 
-    if _colocate_engine(trainer) is None:
+    if colocate_engine(trainer) is None:
         return
     needs_form = bool(gap.takes_pieces and gap.i_form.needs_vllm())
     problem = vllm_problem(needs_form=needs_form)
@@ -416,16 +405,6 @@ def _trl_sampling(trainer: Any) -> dict:
     """The ``SamplingParams`` keywords TRL 1.16's colocate generation passes for ``trainer`` (:func:`trl_sampling_args`
     of its ``args``)."""
     return trl_sampling_args(trainer.args)
-
-
-def trl_sampling_args(args: Any) -> dict:
-    """The ``SamplingParams`` keywords TRL 1.16's colocate generation passes (``vllm_generation.generate``): the
-    GRPOConfig's temperature, top_p, top_k, min_p, repetition_penalty, updated by ``generation_kwargs``."""
-    sampling = {name: getattr(args, name, default) for name, default in
-                (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 1.0))}
-    sampling["min_p"] = sampling["min_p"] or 0.0
-    sampling.update(getattr(args, "generation_kwargs", None) or {})
-    return sampling
 
 
 def sampler_logits_refusal(trainer: Any, gap: Any) -> str | None:
@@ -504,21 +483,6 @@ def _eager_engine_hint(trainer: Any, gap: Any) -> str:
         return ""
     return (f"; the engine is eager, and gap.vllm_launch: auto (the default) gives arm {gap.arm_spec.letter} "
             f"{launch}: to keep an eager engine set gap.vllm_launch: eager")
-
-
-def colocate_model_runner(trainer: Any) -> str | None:
-    """``"v1"`` or ``"v2"``: the model runner of a GRPOTrainer's colocate engine (:func:`engine_model_runner`)."""
-    return engine_model_runner(_colocate_engine(trainer))
-
-
-def engine_model_runner(engine: Any) -> str | None:
-    """``"v1"`` or ``"v2"``: the model runner of a vLLM ``LLMEngine`` (``vllm_config.use_v2_model_runner``), or
-    ``None`` when it cannot be read."""
-    try:
-        uses_v2 = getattr(getattr(engine, "vllm_config", None), "use_v2_model_runner", None)
-    except Exception:  # noqa: BLE001 - a config vLLM cannot evaluate here: not readable
-        return None
-    return None if not isinstance(uses_v2, bool) else ("v2" if uses_v2 else "v1")
 
 
 def model_runner_refusal(gap: Any, runner: str | None) -> str | None:
