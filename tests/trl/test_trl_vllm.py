@@ -243,15 +243,7 @@ def test_sampler_exact_frac_counts_bit_identical_old_logprobs(tmp_path, trains):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.add_callback(GapCallback(trainer, gap=GapConfig(arm="C", kept="off", probe_rows=0)))
-    batches: list = []
-    prepare = trainer._prepare_inputs
-
-    def spy(generation_batch):
-        inputs = prepare(generation_batch)
-        batches.append({k: v.clone() for k, v in inputs.items() if torch.is_tensor(v)})
-        return inputs
-
-    trainer._prepare_inputs = spy
+    batches = _spy_batches(trainer)
     trainer.train()
     first = logs_of(trainer)[0]
     exact = tokens = 0
