@@ -7,11 +7,17 @@ tiny-random-llama (fp32 unless ``--dtype``, CPU) for 2 GRPO steps with ``num_ite
 the plugin made on that process: ``{"kind": "sum" | "max", "site": the calling method, "step": global step,
 "local": this process's values, "reduced": the values every process received}``, so a test can check the
 logged metrics against the per-process sums they were made from.
+
+``python tests/_support/helpers_trl_multiproc.py --scenarios PLAN.json`` runs several such runs in one launch (one
+start-up of Python, torch and the trainer stack, instead of one per run): ``PLAN.json`` is a list of argument
+lists, each exactly what would follow the script's name on its own command line (its own ``OUT`` first), run in
+turn, each writing its own files.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -33,8 +39,10 @@ def _nan_to_none(value):
     return None if isinstance(value, float) and value != value else value
 
 
-def _prefer_own_layer() -> None:
-    """Every divergence profile of process r ranks layer r first (processes that choose different layers)."""
+@contextlib.contextmanager
+def _prefer_own_layer(enabled: bool):
+    """While open (if ``enabled``): every divergence profile of process r ranks layer r first (processes that
+    choose different layers); the measured profile is restored on leaving, for the next run of a plan."""
     from bloggap_plugin.core import divergence
 
     measured = divergence.divergence_profile
@@ -45,7 +53,12 @@ def _prefer_own_layer() -> None:
         result.increments = [1.0 if i == rank % result.n_layers else 0.0 for i in range(result.n_layers)]
         return result
 
-    divergence.divergence_profile = profile
+    if enabled:
+        divergence.divergence_profile = profile
+    try:
+        yield
+    finally:
+        divergence.divergence_profile = measured
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -128,10 +141,25 @@ def _recording_trainer(args: argparse.Namespace) -> type:
     return RecordingTrainer
 
 
-def main() -> None:
-    args = _parser().parse_args()
-    if args.disagree_layers:
-        _prefer_own_layer()
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--scenarios"]:
+        with open(argv[1]) as handle:
+            plan = json.load(handle)
+        for scenario in plan:
+            print(f"scenario: {' '.join(scenario)}", flush=True)  # names the failing one in a launch's output
+            run(_parser().parse_args(scenario))
+    else:
+        run(_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> None:
+    """One run: a trainer per arm of ``--arm``, each writing its records (see the module docstring)."""
+    with _prefer_own_layer(args.disagree_layers):
+        _train_arms(args)
+
+
+def _train_arms(args: argparse.Namespace) -> None:
     if args.cpu_fsdp:
         from benchmarks.fsdp_scale import force_cpu_fsdp
 
@@ -163,8 +191,6 @@ def main() -> None:
         _write_record(trainer, out)
 
 
-
-
 def _write_record(trainer, out: str) -> None:
     """Process 0 writes ``out``, process r ``out.rank<r>`` (see the module docstring)."""
     from bloggap_plugin.core.sharding import is_dtensor
@@ -191,6 +217,7 @@ def _write_record(trainer, out: str) -> None:
     with open(path, "w") as handle:
         json.dump(record, handle, indent=1, allow_nan=True)
     trainer.accelerator.wait_for_everyone()
+
 
 if __name__ == "__main__":
     main()

@@ -43,9 +43,20 @@ def run_helper(prefix: list[str], out: Path, *helper_args: str) -> None:
     """Run the helper as ``PREFIX HELPER OUT ARGS`` (``PREFIX``: ``[sys.executable]`` or :func:`accelerate_launch`)
     offline with one thread per process; fails the test on a non-zero exit, and names a hang (a collective taken by
     one process only leaves the other waiting) when the time limit passes."""
+    _run([*prefix, str(HELPER), str(out), *helper_args])
+
+
+def run_helper_plan(prefix: list[str], plan: Path, scenarios: list[list[str]]) -> None:
+    """Run the helper once for several scenarios: ``PREFIX HELPER --scenarios PLAN`` with ``PLAN`` (written here)
+    holding ``scenarios``, each the ``OUT ARGS`` of one :func:`run_helper` call; one start-up of the processes
+    instead of one per scenario, each scenario writing its own records. Fails and names a hang as run_helper."""
+    Path(plan).write_text(json.dumps([[str(arg) for arg in scenario] for scenario in scenarios], indent=1))
+    _run([*prefix, str(HELPER), "--scenarios", str(plan)])
+
+
+def _run(cmd: list[str]) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CI="true", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [*prefix, str(HELPER), str(out), *helper_args]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
     except subprocess.TimeoutExpired as err:

@@ -10,6 +10,9 @@ accelerate 1.15 shards only on GPU-like devices; ``benchmarks.fsdp_scale.force_c
   of a process is truncated): the kept-set forward must still be taken by both processes;
 - ``equal_one`` / ``equal_two``: the same global batch (8 rows) in 1 process and in 2 FSDP2 processes, ``top_k
   1`` so both sample the same tokens, every row probed, 1 step: the logged gap/* values agree to 1e-6.
+
+Every 2-process scenario runs in one launch (``SCENARIOS``: each process starts Python, torch and the trainer
+stack once, not once per scenario), each writing its own records; each test reads its scenario's.
 """
 
 from __future__ import annotations
@@ -23,20 +26,31 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
-from _support.multiproc_launch import ROOT, accelerate_launch, read_records, require_gloo, run_helper  # noqa: E402
+from _support.multiproc_launch import (  # noqa: E402
+    ROOT,
+    accelerate_launch,
+    read_records,
+    require_gloo,
+    run_helper,
+    run_helper_plan,
+)
 from _support.trl_runs import GENERATION_FIELDS, gen_index  # noqa: E402
 
 FSDP_CONFIG = ROOT / "benchmarks" / "gpu" / "accelerate_fsdp2.yaml"
 ARMS = ("A", "B", "E", "F", "G")
 # bitwise or wall-clock statistics: not determined by the maths (batch shape changes the last bits / timing)
 NOT_EQUAL_BY_MATHS = {"gap/ratio/exact_frac", "gap/time/scoring_s", "gap/time/overhead_frac", "gap/time/old_pass_s"}
-
-
-def _launch(out: Path, *helper_args: str, processes: int = 2) -> None:
-    if processes == 1:
-        run_helper([sys.executable], out, *helper_args)
-    else:
-        run_helper(accelerate_launch(processes, "--config_file", str(FSDP_CONFIG)), out, "--cpu-fsdp", *helper_args)
+ONE_STEP = ("--steps", "1", "--num-iterations", "1")
+EQUAL = ("--arm", "B,E,G", "--top-k", "1", *ONE_STEP, "--grad-accum", "1")  # the equal_one / equal_two runs
+# the 2-process scenarios, {name: helper arguments}; records in NAME.json (NAME_ARM.json with several arms)
+SCENARIOS = {
+    "arms": ("--arm", ",".join(ARMS)),
+    "masked": ("--arm", "C", "--mask-rank", "1", *ONE_STEP),
+    "two": (*EQUAL, "--per-device-batch", "4", "--probe-rows", "4"),
+    "guided": ("--arm", "D", "--k", "1", "--disagree-layers", *ONE_STEP),
+    "synced": ("--arm", "B,E", "--steps", "3"),
+    "norecord": ("--arm", "C", "--drop-record-rank", "1", *ONE_STEP),
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +60,17 @@ def base(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fsdp_runs(base, spawns):
-    out = base / "arms.json"
-    _launch(out, "--arm", ",".join(ARMS))
-    return {arm: read_records(base / f"arms_{arm}.json") for arm in ARMS}
+def launched(base, spawns) -> Path:
+    """Every scenario of ``SCENARIOS`` run in one 2-process FSDP2 launch; the folder of their records."""
+    prefix = accelerate_launch(2, "--config_file", str(FSDP_CONFIG))
+    run_helper_plan(prefix, base / "plan.json",
+                    [[base / f"{name}.json", "--cpu-fsdp", *args] for name, args in SCENARIOS.items()])
+    return base
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(launched):
+    return {arm: read_records(launched / f"arms_{arm}.json") for arm in ARMS}
 
 
 def _first_log(record: dict) -> dict:
@@ -103,12 +124,10 @@ def test_fp32_head_islands_are_full_copies_gathered_from_the_shards(fsdp_runs):
         assert record["plan_bytes"]["plan"] == expected
 
 
-def test_a_process_without_any_completion_token_still_takes_every_forward(base, spawns):
+def test_a_process_without_any_completion_token_still_takes_every_forward(launched):
     """Process 1 has no completion token: the kept-set forward (top_p 0.8) and the reductions stay collective,
     and the logged kept statistics are process 0's alone."""
-    out = base / "masked.json"
-    _launch(out, "--arm", "C", "--mask-rank", "1", "--steps", "1", "--num-iterations", "1")
-    records = read_records(out)
+    records = read_records(launched / "masked.json")
     first = _first_log(records[0])
     gen = [r for r in records[0]["reduces"] if r["site"] == "flush_generation" and len(r["local"]) == len(GENERATION_FIELDS)]
     gen1 = [r for r in records[1]["reduces"] if r["site"] == "flush_generation" and len(r["local"]) == len(GENERATION_FIELDS)]
@@ -119,12 +138,10 @@ def test_a_process_without_any_completion_token_still_takes_every_forward(base, 
 
 
 @pytest.fixture(scope="module")
-def equal_runs(base, spawns):
-    common = ["--arm", "B,E,G", "--top-k", "1", "--steps", "1", "--num-iterations", "1", "--grad-accum", "1"]
-    one, two = base / "one.json", base / "two.json"
-    _launch(one, *common, "--per-device-batch", "8", "--probe-rows", "8", processes=1)
-    _launch(two, *common, "--per-device-batch", "4", "--probe-rows", "4")
-    return {arm: (read_records(base / f"one_{arm}.json", 1)[0], read_records(base / f"two_{arm}.json")[0]) for arm in ("B", "E", "G")}
+def equal_runs(launched):
+    run_helper([sys.executable], launched / "one.json", *EQUAL, "--per-device-batch", "8", "--probe-rows", "8")
+    return {arm: (read_records(launched / f"one_{arm}.json", 1)[0], read_records(launched / f"two_{arm}.json")[0])
+            for arm in ("B", "E", "G")}
 
 
 @pytest.mark.parametrize("arm", ["B", "E", "G"])
@@ -145,36 +162,30 @@ def test_two_fsdp2_processes_log_the_single_process_values_at_step_1(equal_runs,
     assert single["completions/mean_length"] == pooled["completions/mean_length"]  # the same tokens
 
 
-def test_guided_layers_chosen_differently_are_agreed_before_any_fp32_copy(base, spawns):
+def test_guided_layers_chosen_differently_are_agreed_before_any_fp32_copy(launched):
     """Arm D with automatic layers: each process profiles its own rows, so they may choose different layers; the
     fp32 copies are gathered from shards (collectives), so process 0's choice must be agreed before any is made."""
-    out = base / "guided.json"
-    _launch(out, "--arm", "D", "--k", "1", "--disagree-layers", "--steps", "1", "--num-iterations", "1")
-    records = read_records(out)
+    records = read_records(launched / "guided.json")
     assert records[0]["plan_layers"] == records[1]["plan_layers"] == [0]  # process 0 preferred layer 0
     assert math.isfinite(_first_log(records[0])["gap/ratio/oob_frac"])
 
 
-def test_shadows_and_islands_follow_the_sharded_weights_after_an_update(base, spawns):
+def test_shadows_and_islands_follow_the_sharded_weights_after_an_update(launched):
     """Step 3 generates again after two optimizer steps: B's shadow (synced shard into shard) and E's islands
     (gathered) must hold the updated weights, so the training forward before the next update matches the old
     log-probs up to rounding (a stale copy would leave step 2's ~0.1 differences)."""
-    out = base / "synced.json"
-    _launch(out, "--arm", "B,E", "--steps", "3")
     for arm in ("B", "E"):
-        logs = [h for h in read_records(base / f"synced_{arm}.json")[0]["log_history"] if "loss" in h]
+        logs = [h for h in read_records(launched / f"synced_{arm}.json")[0]["log_history"] if "loss" in h]
         assert [h["step"] for h in logs] == [1, 2, 3]
         assert logs[1]["gap/update/abs_dlogp_max"] > 1e-2  # step 2: the weights moved since the old log-probs
         assert logs[2].get("gap/sampler/oob_frac") is not None  # step 3 generated
         assert logs[2]["gap/ratio/abs_dlogp_max"] < 1e-4, arm
 
 
-def test_a_process_whose_sampler_record_was_lost_still_takes_the_kept_set_forward(base, spawns):
+def test_a_process_whose_sampler_record_was_lost_still_takes_the_kept_set_forward(launched):
     """Process 1 has no sampler record (no gap_kept_* keys, as after a SamplerRecordError warning): the kept-set
     pass is still taken by both processes; the logged kept statistics are process 0's alone."""
-    out = base / "norecord.json"
-    _launch(out, "--arm", "C", "--drop-record-rank", "1", "--steps", "1", "--num-iterations", "1")
-    records = read_records(out)
+    records = read_records(launched / "norecord.json")
     gen = [r for r in records[0]["reduces"] if r["site"] == "flush_generation" and len(r["local"]) == len(GENERATION_FIELDS)]
     gen1 = [r for r in records[1]["reduces"] if r["site"] == "flush_generation" and len(r["local"]) == len(GENERATION_FIELDS)]
     kept_n, kept_mass = gen_index("kept_n"), gen_index("kept_mass_sum")
