@@ -14,6 +14,9 @@ agree in kind and range. What maths does give exactly: every reduced value is th
 processes' local values, every logged gap/* metric is the token-weighted combination of those sums (global
 count / global tokens, averaged over the step's micro-batches as TRL logs), and process 0's local sums before
 the first update are bit-identical to the single-process run on the same rows.
+
+``half`` and ``total`` run in one single-process launch (``half`` first, so it starts as a fresh process does;
+each trainer seeds itself), one start-up of Python and the trainer stack for both.
 """
 
 from __future__ import annotations
@@ -26,7 +29,13 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
-from _support.multiproc_launch import accelerate_launch, read_records, require_gloo, run_helper  # noqa: E402
+from _support.multiproc_launch import (  # noqa: E402
+    accelerate_launch,
+    read_records,
+    require_gloo,
+    run_helper,
+    run_helper_plan,
+)
 from _support.trl_runs import GENERATION_FIELDS, gen_index  # noqa: E402
 
 from bloggap_plugin.core.metric_specs import clip_name, names, ratio_name, registered  # noqa: E402
@@ -62,14 +71,13 @@ def runs(tmp_path_factory, spawns):
     base = tmp_path_factory.mktemp("multiproc")
     launch = accelerate_launch(2, "--multi_gpu", "--num_machines", "1", "--mixed_precision", "no",
                                "--dynamo_backend", "no")
-    result = {}
-    for name, prefix, processes, per_device in (("two", launch, 2, 4), ("half", [sys.executable], 1, 4),
-                                                ("total", [sys.executable], 1, 8)):
+    for name in ("two", "half", "total"):
         (base / name).mkdir()
-        out = base / name / "history.json"
-        run_helper(prefix, out, "--per-device-batch", str(per_device))
-        result[name] = read_records(out, processes)
-    return result
+    run_helper(launch, base / "two" / "history.json", "--per-device-batch", "4")
+    run_helper_plan([sys.executable], base / "plan.json", [[base / "half" / "history.json", "--per-device-batch", "4"],
+                                                           [base / "total" / "history.json", "--per-device-batch", "8"]])
+    return {name: read_records(base / name / "history.json", processes)
+            for name, processes in (("two", 2), ("half", 1), ("total", 1))}
 
 
 def _loss_logs(record: dict) -> list[dict]:
