@@ -54,6 +54,15 @@ def run_helper_plan(prefix: list[str], plan: Path, scenarios: list[list[str]]) -
     _run([*prefix, str(HELPER), "--scenarios", str(plan)])
 
 
+def run_helper_here(out: Path, *helper_args: str) -> None:
+    """The helper's ``OUT ARGS`` run in this (the test's) process: one process as ``run_helper([sys.executable],
+    OUT, ARGS)``, without starting Python, torch and the trainer stack again. It trains: the caller requests
+    ``trains``."""
+    from _support import helpers_trl_multiproc
+
+    helpers_trl_multiproc.main([str(out), *map(str, helper_args)])
+
+
 def _run(cmd: list[str]) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CI="true", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))

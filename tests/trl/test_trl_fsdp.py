@@ -12,13 +12,13 @@ accelerate 1.15 shards only on GPU-like devices; ``benchmarks.fsdp_scale.force_c
   1`` so both sample the same tokens, every row probed, 1 step: the logged gap/* values agree to 1e-6.
 
 Every 2-process scenario runs in one launch (``SCENARIOS``: each process starts Python, torch and the trainer
-stack once, not once per scenario), each writing its own records; each test reads its scenario's.
+stack once, not once per scenario), each writing its own records; each test reads its scenario's. ``equal_one``
+trains in the test's own process.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,7 +31,7 @@ from _support.multiproc_launch import (  # noqa: E402
     accelerate_launch,
     read_records,
     require_gloo,
-    run_helper,
+    run_helper_here,
     run_helper_plan,
 )
 from _support.trl_runs import GENERATION_FIELDS, gen_index  # noqa: E402
@@ -138,8 +138,9 @@ def test_a_process_without_any_completion_token_still_takes_every_forward(launch
 
 
 @pytest.fixture(scope="module")
-def equal_runs(launched):
-    run_helper([sys.executable], launched / "one.json", *EQUAL, "--per-device-batch", "8", "--probe-rows", "8")
+def equal_runs(launched, trains):
+    """equal_one trained in this process (one process, no launch), beside the launch's equal_two records."""
+    run_helper_here(launched / "one.json", *EQUAL, "--per-device-batch", "8", "--probe-rows", "8")
     return {arm: (read_records(launched / f"one_{arm}.json", 1)[0], read_records(launched / f"two_{arm}.json")[0])
             for arm in ("B", "E", "G")}
 

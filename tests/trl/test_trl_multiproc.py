@@ -15,14 +15,13 @@ processes' local values, every logged gap/* metric is the token-weighted combina
 count / global tokens, averaged over the step's micro-batches as TRL logs), and process 0's local sums before
 the first update are bit-identical to the single-process run on the same rows.
 
-``half`` and ``total`` run in one single-process launch (``half`` first, so it starts as a fresh process does;
-each trainer seeds itself), one start-up of Python and the trainer stack for both.
+``half`` and ``total`` train in the test's own process (``half`` first; each trainer seeds itself), with no
+start-up of Python and the trainer stack of their own.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 
@@ -34,7 +33,7 @@ from _support.multiproc_launch import (  # noqa: E402
     read_records,
     require_gloo,
     run_helper,
-    run_helper_plan,
+    run_helper_here,
 )
 from _support.trl_runs import GENERATION_FIELDS, gen_index  # noqa: E402
 
@@ -66,7 +65,7 @@ LOSS_SUMS = [(registered(key, "trl"), num, den) for key, num, den in (
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, spawns):
+def runs(tmp_path_factory, spawns, trains):
     require_gloo()
     base = tmp_path_factory.mktemp("multiproc")
     launch = accelerate_launch(2, "--multi_gpu", "--num_machines", "1", "--mixed_precision", "no",
@@ -74,8 +73,8 @@ def runs(tmp_path_factory, spawns):
     for name in ("two", "half", "total"):
         (base / name).mkdir()
     run_helper(launch, base / "two" / "history.json", "--per-device-batch", "4")
-    run_helper_plan([sys.executable], base / "plan.json", [[base / "half" / "history.json", "--per-device-batch", "4"],
-                                                           [base / "total" / "history.json", "--per-device-batch", "8"]])
+    run_helper_here(base / "half" / "history.json", "--per-device-batch", "4")
+    run_helper_here(base / "total" / "history.json", "--per-device-batch", "8")
     return {name: read_records(base / name / "history.json", processes)
             for name, processes in (("two", 2), ("half", 1), ("total", 1))}
 
