@@ -1,6 +1,8 @@
 """Launching ``tests/_support/helpers_trl_multiproc.py`` as one process or under ``accelerate launch`` (gloo, CPU), for the
 multi-process TRL tests (test_trl_multiproc, test_trl_fsdp): the environment, a free port, the run itself with a
-time limit, and the per-rank JSON records it writes (``OUT`` for rank 0, ``OUT.rankN`` for the others)."""
+time limit, and the per-rank JSON records it writes (``OUT`` for rank 0, ``OUT.rankN`` for the others). Several
+runs share one launch (:func:`run_helper_plan`); a one-process run can train in the test's own process
+(:func:`run_helper_here`)."""
 
 from __future__ import annotations
 
