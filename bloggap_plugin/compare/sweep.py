@@ -294,8 +294,10 @@ def _stopped_path(run: RunSpec) -> Path:
 
 
 def _check_budget_progress(config: CompareConfig, pending: list) -> None:
-    """Refuse a budget no longer than a pending run already ran unfinished under one: it would be stopped at the
-    same point and restarted from zero on every call, without end."""
+    """Refuse a budget no longer than a pending run already had unfinished under one: it would be stopped at the
+    same point and restarted from zero on every call, without end. What it had is the time since its call started
+    where it was launched then (``call_seconds``: its launch took part of the budget, more so under load), else the
+    seconds it ran (it waited for a slot)."""
     if config.time_budget_s is None:
         return
     for run, mode, _ in pending:
@@ -303,7 +305,8 @@ def _check_budget_progress(config: CompareConfig, pending: list) -> None:
         if mode != "train" or not path.is_file():
             continue
         try:
-            seconds = float(_record(path)["seconds"])
+            record = _record(path)
+            seconds = max(float(record["seconds"]), float(record.get("call_seconds") or 0.0))
         except (ValueError, KeyError, TypeError):
             continue
         if float(config.time_budget_s) <= seconds:
@@ -313,15 +316,20 @@ def _check_budget_progress(config: CompareConfig, pending: list) -> None:
                 f"give a budget above {seconds:.0f} s (a run's full length is known once one finishes), or none")
 
 
-def _stop_for_budget(config: CompareConfig, running: dict, pending: list, echo) -> dict:
+def _stop_for_budget(config: CompareConfig, running: dict, pending: list, echo, sweep_start: float,
+                     at_start: set[str]) -> dict:
     """The time budget is spent: stop the runs in flight (their part logs are set aside on the next start), record
-    how long each training attempt ran, and say what is left; returns ``{"stopped": run ids, "not_started": run
-    ids}``."""
+    how long each training attempt ran (and, for those launched when the call started, ``at_start``, the time since
+    ``sweep_start``: the whole budget they had), and say what is left; returns ``{"stopped": run ids,
+    "not_started": run ids}``."""
     _stop_all([entry[1] for entry in running.values() if entry[1].poll() is None])
     now = time.perf_counter()
-    for run, _, _, started, _, _, mode, _ in running.values():
+    for run_id, (run, _, _, started, _, _, mode, _) in running.items():
         if mode == "train":
-            atomic_write_text(_stopped_path(run), json.dumps({"seconds": now - started, "budget_s": config.time_budget_s}))
+            record = {"seconds": now - started, "budget_s": config.time_budget_s}
+            if run_id in at_start:
+                record["call_seconds"] = now - sweep_start
+            atomic_write_text(_stopped_path(run), json.dumps(record))
     for entry in running.values():
         entry[2].close()
     echo(f"[compare] time budget of {config.time_budget_s:g} s: stopped {len(running)} run(s) in flight, "
@@ -347,6 +355,7 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int, model
     total, failed, durations = len(pending), {}, []
     prior = _prior_run_s(runs)
     running: dict[str, tuple] = {}  # run_id -> (run, process, console, start, attempt, part log, mode, trained attempt)
+    at_start: set[str] = set()  # runs launched before any run ended: they had the budget from the call's start
     last_report, sweep_start = 0.0, time.perf_counter()
     deadline = None if config.time_budget_s is None else sweep_start + float(config.time_budget_s)
     budget = {"budget_s": config.time_budget_s, "stopped": [], "not_started": []}
@@ -365,6 +374,8 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int, model
                 ports = {int(entry[1].master_port) for entry in running.values() if entry[1].master_port}
                 running[run.run_id] = (run, *_launch(config, run, lock_fd, mode, trained, ports, model_sha), mode,
                                        trained)
+                if total - len(pending) == len(running):  # nothing has ended yet: launched at the call's start
+                    at_start.add(run.run_id)
                 what = "evaluating" if mode == "evaluate" else f"started ({run.recipe}, seed {run.seed})"
                 echo(f"[compare] {run.run_id}: {what}")
             for run_id, (run, process, console, started, attempt, _, mode, trained) in list(running.items()):
@@ -387,7 +398,7 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int, model
             # Stop at the deadline, or when nothing runs because the launcher declined the next run. A run that
             # ended in this pass leaves room the launcher has not seen yet: that is no reason to stop.
             if deadline is not None and (now >= deadline or (declined and pending and not running)):
-                budget.update(_stop_for_budget(config, running, pending, echo))
+                budget.update(_stop_for_budget(config, running, pending, echo, sweep_start, at_start))
                 running, pending = {}, []
                 break
             if running and now - last_report >= max(10.0, config.poll_s):

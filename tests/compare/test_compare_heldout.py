@@ -327,6 +327,24 @@ def test_a_budget_shorter_than_a_stopped_run_is_refused_instead_of_restarting_it
     assert not list((Path(config.output_dir) / "runs").glob("*.stopped.json"))  # finished: the record is gone
 
 
+def test_a_run_stopped_at_the_calls_deadline_counts_the_whole_budget_it_had(tmp_path, fake, spawns):
+    """A run launched when the call started and stopped at its deadline had the whole budget, though it ran a little
+    less (its launch took part of it): the same budget again would stop it at the same point, so it is refused even
+    where the run's own seconds are below the budget (under load the launch takes longer). A run that waited for a
+    slot had less than the budget: only its own seconds bound a budget that can make no progress."""
+    config = _config(tmp_path, fake, seeds=[0], parallel=1, heldout_n=0, time_budget_s=1.0)
+    runs = Path(config.output_dir) / "runs"
+    runs.mkdir(parents=True)
+    stopped = runs / "A_s0.stopped.json"
+    stopped.write_text(json.dumps({"seconds": 0.7, "call_seconds": 1.05, "budget_s": 1.0}))
+    with pytest.raises(CompareError, match=r"--time-budget-s 1: run A_s0 was stopped unfinished after 1 s"):
+        run_compare(config, echo=lambda m: None)
+    assert _calls(fake, "run") == []  # nothing started
+    stopped.write_text(json.dumps({"seconds": 0.7, "budget_s": 1.0}))  # it waited for a slot: 0.7 s of the budget
+    res = run_compare(dataclasses.replace(config, time_budget_s=float(HANG_S)), echo=lambda m: None)
+    assert sorted(res["runs"]) == ["A_s0", "B_s0"]
+
+
 def _gsm8k_compare_config(argv):
     from bloggap_plugin.cli import _apply_config_file, build_parser
     from bloggap_plugin.commands._config import config_from_args
