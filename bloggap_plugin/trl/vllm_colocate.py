@@ -2,7 +2,8 @@
 
 TRL 1.16 builds the colocate engine as ``LLM(model=model.name_or_path, ...)`` inside
 ``trl.generation.vllm_generation.VLLMGeneration._init_vllm`` and passes no ``dtype``: vLLM then runs in the
-checkpoint config's dtype (bf16 for most checkpoints), whatever the trainer's precision. :func:`vllm_colocate_dtype`
+checkpoint config's dtype (bf16 for most checkpoints; an fp32 checkpoint downcast to bf16 on a CUDA GPU), whatever the
+trainer's precision. :func:`vllm_colocate_dtype`
 adds ``dtype=`` to that one ``LLM(...)`` call while the trainer is constructed; :class:`~bloggap_plugin.trl.GapGRPOTrainer`
 uses it for arm H, and with :class:`~bloggap_plugin.trl.GapCallback` the user wraps the trainer's construction::
 
@@ -164,7 +165,7 @@ def trl_colocate_llm_kwargs(model: str, *, max_num_seqs: int, seed: int = 0, gpu
     ``vllm_model_impl="vllm"``, no quantization): ``model`` is the policy's ``name_or_path`` (a model folder);
     ``max_num_seqs`` the prompts of one generation; ``seed`` TRL's process index (0 on one process);
     ``max_model_len`` ``vllm_max_model_length`` (``None``: the model config's). No ``dtype``: the engine runs in the
-    checkpoint config's dtype, as TRL builds it."""
+    checkpoint config's dtype (an fp32 one downcast to vLLM's preferred dtype, bf16 on a CUDA GPU), as TRL builds it."""
     return {"model": model, "tensor_parallel_size": 1, "gpu_memory_utilization": gpu_memory_utilization,
             "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "enable_sleep_mode": False,
             "model_impl": "vllm", "distributed_executor_backend": "external_launcher", "seed": seed,
