@@ -70,14 +70,8 @@ class GapGRPOTrainer(GapMixin, GRPOTrainer):
                 from bloggap_plugin.recipes import RecipeError
 
                 raise RecipeError(vllm_colocate.batch_invariant_refusal(config))  # before the engine loads
-            from bloggap_plugin.trl.kept_source import planned_sampling_mask
-
-            _, no_mask = planned_sampling_mask(config, trl_args)
-            if no_mask is not None and config.kept_source == "sampling_mask":
-                from bloggap_plugin.recipes import RecipeError
-
-                raise RecipeError(f"gap.kept_source: sampling_mask: {no_mask}")  # before the engine loads
-            # the arm's engine settings, fp16 for H, KV cache, vLLM's sampling mask (gap.kept_source)
+            # the arm's engine settings, fp16 for H, KV cache, vLLM's sampling mask (gap.kept_source; refused here,
+            # before the engine loads, where gap.kept_source: sampling_mask cannot have it)
             engine_kwargs = vllm_colocate.engine_kwargs_for(config, args=trl_args)
             if engine_kwargs:
                 engine = vllm_colocate.vllm_colocate_engine(**engine_kwargs)

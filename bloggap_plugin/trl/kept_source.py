@@ -80,27 +80,28 @@ def _v2_runner_env(environ: dict | None = None) -> str | None:
     return "v1" if raw in ("0", "false") else None
 
 
-def _truncating(sampling: dict) -> bool:
-    return (int(sampling.get("top_k") or 0) > 0 or float(sampling.get("top_p", 1.0)) < 1.0
-            or float(sampling.get("min_p") or 0.0) > 0.0)
-
-
 def planned_sampling_mask(gap: GapConfig, args: Any, environ: dict | None = None) -> tuple[str | None, str | None]:
     """``(engine mode, reason)`` before TRL builds its colocate engine from ``args`` (a GRPOConfig): ``"required"``
     (``gap.kept_source: sampling_mask``) or ``"auto"`` to ask the engine for the mask, ``None`` not to; ``reason``
-    names what is missing (:func:`sampling_mask_problem`) where the mask was asked for and cannot be had."""
+    names what is missing (:func:`sampling_mask_problem`) where the mask was asked for and cannot be had. Raises
+    ``RecipeError`` for ``gap.kept_source: sampling_mask`` where it cannot, before the engine loads."""
     from bloggap_plugin.core.vllm.versions import installed_vllm
     from bloggap_plugin.trl.colocate_reads import trl_sampling_args
+    from bloggap_plugin.vllm_kept_sets import needs_kept_set
 
     if args is None or not getattr(args, "use_vllm", False) or gap.kept == "off" or gap.kept_source == "retruncate":
         return None, None
     sampling = trl_sampling_args(args)
-    if not _truncating(sampling) and gap.kept_source == "auto":
+    truncating = needs_kept_set(top_k=int(sampling.get("top_k") or 0), top_p=float(sampling.get("top_p", 1.0)),
+                                min_p=float(sampling.get("min_p") or 0.0))
+    if not truncating and gap.kept_source == "auto":
         return None, None
     problem = sampling_mask_problem(
         vllm_mode=getattr(args, "vllm_mode", None), tensor_parallel_size=int(getattr(args, "vllm_tensor_parallel_size", 1) or 1),
         version=installed_vllm(), temperature=float(sampling.get("temperature", 1.0)),
         top_k=int(sampling.get("top_k") or 0), runner=_v2_runner_env(environ), engine_built=False)
+    if problem is not None and gap.kept_source == "sampling_mask":
+        raise RecipeError(f"gap.kept_source: sampling_mask: {problem}")
     if problem is not None:
         return None, problem
     return ("required" if gap.kept_source == "sampling_mask" else "auto"), None

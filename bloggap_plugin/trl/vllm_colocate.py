@@ -278,7 +278,8 @@ def engine_kwargs_for(gap: Any, environ: dict | None = None, args: Any = None) -
     arm's :attr:`~bloggap_plugin.core.arms.ArmSpec.vllm_engine` settings, ``dtype="float16"`` for an arm that trains in
     fp16, ``prefill_in_one_step=True`` for an arm that computes a generation's prompts as one prefill,
     :data:`KV_CACHE_ENV`'s fixed KV cache, and ``sampling_mask="auto" | "required"`` where ``args`` (the GRPOConfig)
-    lets vLLM return its sampling mask (:func:`~bloggap_plugin.trl.kept_source.planned_sampling_mask`). With
+    lets vLLM return its sampling mask (:func:`~bloggap_plugin.trl.kept_source.planned_sampling_mask`, which refuses
+    ``gap.kept_source: sampling_mask`` where it cannot). With
     :class:`~bloggap_plugin.trl.GapCallback` the user builds the trainer inside
     ``vllm_colocate_engine(**engine_kwargs_for(gap, args=grpo_config))``."""
     from bloggap_plugin.trl.kept_source import planned_sampling_mask
