@@ -282,18 +282,19 @@ def _check_loss(trainer: Any, gap: GapConfig) -> bool:
 def _truncation(trainer: Any, gap: GapConfig, settings: dict | None) -> tuple[dict, Any]:
     """``(AttachSettings fields, sampler recorder or None)``: the sampler recorder (HF path) or vLLM's truncation, and
     the kept-set modes that follow from them."""
+    from bloggap_plugin.vllm_kept_sets import needs_kept_set
+
     recorder, vllm_truncation, truncating = None, None, False
     if settings is not None:
         from bloggap_plugin.sampling import SamplerRecorder
 
-        truncating = settings["top_k"] > 0 or settings["top_p"] < 1.0 or settings["min_p"] > 0.0
+        truncating = needs_kept_set(top_k=settings["top_k"], top_p=settings["top_p"], min_p=settings["min_p"])
         recorder = SamplerRecorder(**settings, truncate=truncating, order="hf",
                                    store_ids_max=gap.store_ids_max if gap.kept != "off" else 0)
     if trainer.use_vllm:
         # what TRL sends to vLLM: VLLMGeneration's settings, generation_kwargs last
         vllm_truncation = vllm_sampling(trainer)
-        truncating = (vllm_truncation["top_k"] > 0 or vllm_truncation["top_p"] < 1.0
-                      or vllm_truncation["min_p"] > 0.0)
+        truncating = needs_kept_set(**vllm_truncation)
     if gap.kept == "renormalize" and not truncating:
         warnings.warn("gap.kept: renormalize with untruncated sampling (top_p 1, top_k 0, min_p 0) changes nothing",
                       stacklevel=_STACK)
