@@ -4,8 +4,10 @@ vLLM is never imported here: every function works on the objects vLLM returns (d
 its documentation names) or on plain lists / JSON, so the module can be tested without vLLM.
 
 ``kept_sets_from_processed_logprobs`` ran against a live vLLM 0.26 (real ``CompletionOutput`` / ``Logprob`` objects,
-``tests/benchmarks/test_gpu_vllm.py``; vLLM's top_k keeps ties at the k-th logit, so ``|S|`` can exceed ``k``). Mask replay is
-tested against DOCUMENTED structures only (vLLM >= 0.28, ``return_sampling_mask``, PR #49577), not a live engine: ``RequestOutput.outputs[i].sampling_mask`` is ``SamplingMask(token_ids: list[list[int]])``, one row
+``tests/benchmarks/test_gpu_vllm.py``; vLLM's top_k keeps ties at the k-th logit, so ``|S|`` can exceed ``k``). Mask replay
+(vLLM >= 0.28, ``return_sampling_mask``, PR #49577) is tested against vLLM 0.31's own objects without an engine
+(``tests/root/test_vllm031_objects.py``), not a live engine: ``RequestOutput.outputs[i].sampling_mask`` is
+``SamplingMask(token_ids: list[list[int]])``, one row
 of kept ids per generated token, aligned with ``CompletionOutput.token_ids``; the engine-internal CSR form is
 ``SamplingMaskLists(token_ids: ndarray, offsets: ndarray)``; the token-in/token-out endpoint
 ``/inference/v1/generate`` returns a per-choice ``sampling_mask`` (list of lists of int). TRL's colocate path uses

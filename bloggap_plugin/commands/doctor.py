@@ -149,18 +149,18 @@ def format_vllm_column(record: dict | None) -> str | None:
     lines = [f"vLLM sampler column (vLLM {sampler.get('vllm', '?')}, engine built as TRL's colocate engine, dtype "
              f"{sampler.get('engine_dtype', '?')}): its processed log-probs vs each scoring at batch 1, share of "
              "tokens out of band / bit for bit equal (count/n):"]
+    def shares(c: dict) -> str:
+        return (f"{100 * c['oob']:.2f}% out of band ({c['oob_count']}/{c['n']}), "
+                f"{100 * c['exact_count'] / c['n']:.2f}% bitwise ({c['exact_count']}/{c['n']})")
+
     for c in record.get("cells", []):
         if c.get("oob") is None:
             lines.append(f"  {c['dtype']}/{c['attn']}: - ({c.get('skipped', 'not measured')})")
         else:
-            lines.append(f"  {c['dtype']}/{c['attn']}: {100 * c['oob']:.2f}% out of band ({c['oob_count']}/{c['n']}), "
-                         f"{100 * c['exact_count'] / c['n']:.2f}% bitwise ({c['exact_count']}/{c['n']})")
+            lines.append(f"  {c['dtype']}/{c['attn']}: {shares(c)}")
     arm_i = record.get("arm_i", {})
     if "cell" in arm_i:
-        c = arm_i["cell"]
-        lines.append(f"  arm I's form (pieces {arm_i['pieces']}, one batch): {100 * c['oob']:.2f}% out of band "
-                     f"({c['oob_count']}/{c['n']}), {100 * c['exact_count'] / c['n']:.2f}% bitwise "
-                     f"({c['exact_count']}/{c['n']})")
+        lines.append(f"  arm I's form (pieces {arm_i['pieces']}, one batch): {shares(arm_i['cell'])}")
     elif arm_i.get("absent"):
         lines.append(f"  arm I's form: absent ({arm_i['absent']})")
     return "\n".join(lines)
