@@ -154,7 +154,9 @@ def size_table(models: dict, table_id: str = TABLE_ID) -> dict:
                      "model's arm A runs, '(min-max)' each run's value over that same arm A mean. ARM_process: vLLM's "
                      "batch-invariant mode left on process-wide (BLOGGAP_VLLM_BATCH_INVARIANCE=process); ARM_vllm_workspaces: "
                      "vLLM's cuBLAS(Lt) workspace sizes exported (CUBLAS_WORKSPACE_CONFIG=:16:8, "
-                     "CUBLASLT_WORKSPACE_SIZE=1), so torch sizes the run's cuBLAS matmuls with them. Random-init "
+                     "CUBLASLT_WORKSPACE_SIZE=1), so torch sizes the run's cuBLAS matmuls with them. MODEL-setN: "
+                     "the runs of the Nth device call, an interleaved set of its own, each arm over that set's arm "
+                     "A. Random-init "
                      "weights except SmolLM2-135M: exactness columns hold, gap rates would not."}
 
 
@@ -297,25 +299,45 @@ def shape_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _join_calls(folders: list[Path], interleaved_sets: bool) -> tuple[dict, list, dict | None, dict, dict]:
+    """The runs, params, env and log files of several ``run`` folders. A later folder resumes an earlier one: its run
+    of a label replaces a failed or identical one; a different finished run of the same label is another interleaved
+    set, refused unless ``interleaved_sets``, which labels each folder's model ``MODEL-setN`` (N from 1, in order)
+    where the model is in more than one folder, so every arm is compared with arm A of its own call. Returns the
+    runs by model key, each call's params, the first env, the log files by model key and each key's model label."""
+    sources = [json.loads((folder / RESULT_NAME).read_text()) for folder in folders]
+    seen = [model for source in sources for model in source["results"]]
+    models: dict = {}
+    origin: dict = {}
+    logs: dict = {}
+    labels: dict = {}
+    for number, (folder, source) in enumerate(zip(folders, sources), start=1):
+        for model, runs in source["results"].items():
+            key = f"{model}-set{number}" if interleaved_sets and seen.count(model) > 1 else model
+            for label, run in runs.items():
+                earlier = models.get(key, {}).get(label)
+                if earlier is not None and "error" not in earlier and earlier != run:
+                    raise SystemExit(f"cost_by_size collect: {model}/{label} differs between {origin[key, label]} "
+                                     f"and {folder}: these are separate interleaved sets, not one resumed; pass "
+                                     "--interleaved-sets to compare each with arm A of its own call")
+                origin[key, label] = folder
+            models.setdefault(key, {}).update(runs)
+            labels[key] = model
+            for path in sorted((folder / model).glob("*")):
+                if path.suffix in (".jsonl", ".log") and path.stem in runs:
+                    logs.setdefault(key, {})[path.name] = path
+    return models, [source["params"] for source in sources], sources[0]["env"] if sources else None, logs, labels
+
+
 def collect_main(args: argparse.Namespace) -> int:
-    """One document from the ``run`` folders of several device calls: their models' runs joined (a later folder's
-    run of a label replaces an earlier one's), the env of the first, ``--revision`` in the params; with
+    """One document from the ``run`` folders of several device calls: their models' runs joined as ``_join_calls``
+    says (resumed, or ``--interleaved-sets``), the env of the first, ``--revision`` in the params; with
     ``--pack-dir`` each model's JSONL and console logs packed as ``runs_LABEL.tar.xz`` (the later folder's file of a
     name kept). ``--model-path LABEL=PATH``: the model's folder on the machine, written ``<LABEL folder>``;
     ``--run-path PATH``: a ``run --out`` folder on the machine, written ``<run folder>`` in the packed logs."""
     from benchmarks._lib.publish import pack_text_files, strip_paths
 
-    models: dict = {}
-    calls, env, logs = [], None, {}
-    for folder in map(Path, args.runs):
-        source = json.loads((folder / RESULT_NAME).read_text())
-        calls.append(source["params"])
-        env = env or source["env"]
-        for model, runs in source["results"].items():
-            models.setdefault(model, {}).update(runs)
-            for path in sorted((folder / model).glob("*")):
-                if path.suffix in (".jsonl", ".log") and path.stem in runs:
-                    logs.setdefault(model, {})[path.name] = path
+    models, calls, env, logs, labels = _join_calls([Path(run) for run in args.runs], args.interleaved_sets)
     paths = dict(spec.split("=", 1) for spec in args.model_path)
     unknown = [label for label in args.real if label not in models]
     if unknown:
@@ -327,7 +349,7 @@ def collect_main(args: argparse.Namespace) -> int:
         name = next((t["id"] for t in sweep.get("tables", []) if t["id"].endswith("-analysis")), Path(args.sweep).stem)
         verdicts = sweep_verdicts(sweep, name.removesuffix("-analysis"))
     params = {"revision": args.revision, "models": sorted(models), "calls": calls, "real": list(args.real),
-              "sweep": args.sweep}
+              "sweep": args.sweep, "interleaved_sets": args.interleaved_sets}
     text = json.dumps(document(models, params, env, table_id=args.table_id, real=tuple(args.real),
                                verdicts=verdicts, live_table_id=args.live_table_id), indent=1) + "\n"
     for label, path in paths.items():
@@ -337,7 +359,7 @@ def collect_main(args: argparse.Namespace) -> int:
         Path(args.pack_dir).mkdir(parents=True, exist_ok=True)
         for model, files in logs.items():
             pack_text_files(files.values(), Path(args.pack_dir) / f"runs_{model}.tar.xz",
-                            paths.get(model, "<no model path>"), f"<{model} folder>",
+                            paths.get(labels[model], "<no model path>"), f"<{labels[model]} folder>",
                             replace={f"{path.rstrip('/')}/": "<run folder>/" for path in args.run_path})
     return 0
 
@@ -374,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     col.add_argument("--sweep", default=None,
                      help="a bloggap compare result document (e.g. benchmarks/results/h200/compare_sweep.json): its "
                           "declared analysis gives the live table's reward verdicts")
+    col.add_argument("--interleaved-sets", action="store_true",
+                     help="each folder is its own interleaved set (not a resumed one): a model in several folders "
+                          "becomes MODEL-setN, each arm compared with arm A of its own call")
     col.add_argument("--live-table-id", default=LIVE_TABLE_ID, help=f"the live table's id (default {LIVE_TABLE_ID})")
     args = parser.parse_args(argv)
     return {"shape": shape_main, "run": run_main, "collect": collect_main}[args.command](args)

@@ -142,3 +142,53 @@ def test_collect_adds_the_live_table_of_the_real_model_only(tmp_path):
     assert tables[1]["rows"][0][0] == "A" and tables[1]["rows"][0][-1] == "baseline of T10"
     with pytest.raises(SystemExit, match="--real qwen: no runs of that model"):
         bench.main(["collect", str(folder), "--out", str(out), "--revision", "abc", "--real", "qwen"])
+
+
+def _call_folder(root, name, runs):
+    import json
+
+    folder = root / name
+    (folder / "m").mkdir(parents=True)
+    (folder / bench.RESULT_NAME).write_text(json.dumps({"params": {}, "env": {"gpu": "x"}, "results": {"m": runs}}))
+    return folder
+
+
+def test_collect_refuses_two_sets_whose_run_labels_collide(tmp_path):
+    """Two calls' separate interleaved sets both hold A-1: joining them would drop one call's A-1 without a word."""
+    first = _call_folder(tmp_path, "c1", {"A-1": _run("A", 1.0, 1.0, 1.0, 1.0), "J-1": _run("J", 2.0, 2.0, 2.0, 2.0)})
+    second = _call_folder(tmp_path, "c2", {"A-1": _run("A", 0.5, 0.5, 0.5, 0.5), "I-1": _run("I", 0.6, 0.6, 0.6, 0.6)})
+    out = tmp_path / "doc.json"
+    with pytest.raises(SystemExit, match=r"m/A-1 differs between .*c1 and .*c2.*--interleaved-sets"):
+        bench.main(["collect", str(first), str(second), "--out", str(out), "--revision", "abc"])
+
+
+def test_collect_keeps_a_resumed_folder_s_runs_and_replaces_its_failed_ones(tmp_path):
+    failed = {"arm": "J", "error": "exit 1", "seconds": 5.0}
+    first = _call_folder(tmp_path, "c1", {"A-1": _run("A", 1.0, 1.0, 1.0, 1.0), "J-1": failed})
+    later = _call_folder(tmp_path, "c1_later", {"A-1": _run("A", 1.0, 1.0, 1.0, 1.0),
+                                                "J-1": _run("J", 2.0, 3.0, 2.0, 2.0)})
+    out = tmp_path / "doc.json"
+    assert bench.main(["collect", str(first), str(later), "--out", str(out), "--revision", "abc"]) == 0
+    import json
+
+    rows = {row[0]: dict(zip(bench.COLUMNS, row)) for row in json.loads(out.read_text())["tables"][0]["rows"]}
+    assert rows["J @ m"]["mean step x arm A"] == 3.0
+
+
+def test_interleaved_sets_compare_each_arm_with_arm_a_of_its_own_call(tmp_path):
+    import json
+
+    first = _call_folder(tmp_path, "c1", {"A-1": _run("A", 1.0, 1.0, 1.0, 1.0), "J-1": _run("J", 2.0, 2.0, 2.0, 2.0)})
+    second = _call_folder(tmp_path, "c2", {"A-1": _run("A", 0.5, 0.5, 0.5, 0.5), "I-1": _run("I", 0.6, 0.6, 0.6, 0.6)})
+    (first / "m" / "A-1.log").write_text("one")
+    (second / "m" / "A-1.log").write_text("two")
+    out = tmp_path / "doc.json"
+    assert bench.main(["collect", str(first), str(second), "--out", str(out), "--revision", "abc",
+                       "--interleaved-sets", "--pack-dir", str(tmp_path / "pack")]) == 0
+    document = json.loads(out.read_text())
+    assert sorted(document["results"]) == ["m-set1", "m-set2"]
+    rows = {row[0]: dict(zip(bench.COLUMNS, row)) for row in document["tables"][0]["rows"]}
+    assert rows["J @ m-set1"]["mean step x arm A"] == 2.0
+    assert rows["I @ m-set2"]["mean step x arm A"] == 1.2
+    assert rows["A @ m-set2"]["runs"] == 1
+    assert sorted(p.name for p in (tmp_path / "pack").iterdir()) == ["runs_m-set1.tar.xz", "runs_m-set2.tar.xz"]
