@@ -223,6 +223,10 @@ def _sampler_reason(cells: list[dict], paired: list[dict], basis: dict) -> Reaso
                    "fp16_safe": basis.get("fp16_safe")})
 
 
+ARM_I_ENGINE_MODE = "vLLM's batch-invariant mode, which arm I's own engine runs (VLLM_BATCH_INVARIANT=1)"
+"""What the vLLM sampler column names where its engine ran without that mode (the record's ``sampler.batch_invariant``
+is ``False``): arm I's form scored against such an engine is not arm I's sampler gap."""
+
 ARM_TRAINER_DTYPE = {"A": "bf16", "B": "fp32", "H": "fp16", None: "bf16"}
 """The dtype whose scoring gives an arm's old log-probs (``None``: no arm, TRL's bf16 default)."""
 
@@ -250,7 +254,8 @@ def _vllm_reason(record: Mapping | None, arm: str | None, bf16: dict, basis: dic
                    "arm_i": None if form is None else (Measured.of(form), form["exact_count"] / form["n"],
                                                        arm_i.get("pieces", "?")),
                    "bf16_headline": bf16["oob"], "vllm": sampler.get("vllm", "?"),
-                   "engine_dtype": sampler.get("engine_dtype", "the checkpoint's")})
+                   "engine_dtype": sampler.get("engine_dtype", "the checkpoint's"),
+                   "batch_invariant": sampler.get("batch_invariant")})
 
 
 def recommend(*args, **kwargs) -> dict:
@@ -334,7 +339,8 @@ def _vllm_text(reason: Reason) -> str:
     if numbers.get("arm_i") is not None:
         form, form_exact, pieces = numbers["arm_i"]
         parts.append(f"arm I's form (pieces {pieces}, one batch) {_pct(form)} out of band, {100 * form_exact:.2f}% "
-                     "bitwise")
+                     "bitwise" + (f", against an engine without {ARM_I_ENGINE_MODE}: not arm I's sampler gap"
+                                  if numbers["batch_invariant"] is False else ""))
     text = (f"With vLLM (TRL's colocate engine, vLLM {numbers['vllm']}, engine dtype {numbers['engine_dtype']}), "
             f"its processed log-probs vs each scoring at batch 1: {'; '.join(parts)}.")
     trained = numbers["trained"]

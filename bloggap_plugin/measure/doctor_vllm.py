@@ -100,9 +100,11 @@ def engine_classes() -> tuple[Any, Any, str]:
 def sample_with_vllm(folder: str, rollouts: Rollouts, new_tokens: int, seed: int) -> Rollouts:
     """Sample one completion of exactly ``new_tokens`` tokens for each prompt of ``rollouts`` (the doctor's prompt
     token ids) with a vLLM engine built as TRL's colocate engine is (``seed``: the engine's seed), untruncated at
-    temperature 1 (the doctor's sampling), ``logprobs=0``; the engine's classes come from :func:`engine_classes`."""
+    temperature 1 (the doctor's sampling), ``logprobs=0``; the engine's classes come from :func:`engine_classes`. The
+    record says whether the engine ran vLLM's batch-invariant mode (``batch_invariant``), which arm I's engine runs."""
     from trl.generation.vllm_generation import extract_logprobs
 
+    from bloggap_plugin.core.vllm.kernels import vllm_batch_invariant_active
     from bloggap_plugin.trl.vllm_colocate import (
         colocate_process_env,
         trl_colocate_llm_kwargs,
@@ -131,7 +133,7 @@ def sample_with_vllm(folder: str, rollouts: Rollouts, new_tokens: int, seed: int
     config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
     engine_dtype = str(getattr(config, "dtype", "unread")).removeprefix("torch.")
     record = {"engine": "vllm", "vllm": version, "engine_dtype": engine_dtype, "llm_kwargs": llm_kwargs,
-              "sampling": sampling,
+              "sampling": sampling, "batch_invariant": vllm_batch_invariant_active(),
               "max_new_tokens": new_tokens, "temperature": sampling["temperature"],
               "sampler_logprobs_from": "vLLM processed_logprobs of the sampled token (logprobs=0)"}
     del llm
@@ -197,6 +199,8 @@ def column_record(cells: list[dict] | None, absent: str | None, sampler: dict | 
 def column_table(record: dict, model: str) -> dict:
     """The DOCTOR-vllm report table of a ``vllm_sampler`` record: per scoring (dtype/attention), out of band % and
     bitwise % of the tokens (``None`` where skipped); no rows, and the reason in the notes, where absent."""
+    from bloggap_plugin.core.recommend import ARM_I_ENGINE_MODE
+
     rows, notes = [], f"absent: {record['absent']}" if "absent" in record else ""
     for c in record.get("cells", []):
         measured = c.get("oob") is not None
@@ -213,7 +217,9 @@ def column_table(record: dict, model: str) -> dict:
                  f"{sampler.get('engine_dtype', '?')}), untruncated at temperature {sampler.get('temperature', '?')}; "
                  "its processed log-prob of each sampled token vs each scoring at batch 1: share of tokens with "
                  "exp(trainer - sampler) outside the band, and share bit for bit equal; arm I's form scores every row "
-                 "in one batch" + (f" (absent: {arm_i['absent']})" if "absent" in arm_i else "") + ".")
+                 "in one batch" + (f" (absent: {arm_i['absent']})" if "absent" in arm_i else "")
+                 + (f"; the engine ran without {ARM_I_ENGINE_MODE}" if sampler.get("batch_invariant") is False
+                    else "") + ".")
     return {"id": "DOCTOR-vllm", "title": "bloggap doctor: vLLM sampler vs each scoring, OOB% and bitwise%",
             "columns": ["scoring", "out of band %", "bitwise %", "tokens"], "rows": rows, "notes": notes,
             "reference": None, "random_init": model.startswith("tiny-random-"), "plot": False}

@@ -118,6 +118,7 @@ def test_the_column_with_a_stand_in_engine_is_exact_where_maths_gives_it(tmp_pat
     assert column["sampler"]["sampling"] == {**trl_colocate_sampling_kwargs(SimpleNamespace(), max_tokens=2),
                                              "ignore_eos": True}
     assert column["sampler"]["engine_dtype"] == "float32" and column["sampler"]["vllm"] == "0.26.0"
+    assert column["sampler"]["batch_invariant"] is False  # no vLLM here: its batch-invariant mode cannot be on
     (sampled,) = TeacherForcedLLM.sampled
     assert [row.prompt for row in sampled] == [tuple(c) for c in _prompt_ids(result, folder)]
     cells = {c["dtype"]: c for c in column["cells"]}
@@ -222,3 +223,18 @@ def test_the_printed_column_names_a_skipped_scoring_and_an_absent_arm_i():
     assert format_vllm_column(record).splitlines()[1:] == ["  fp16/eager: - (fp16/eager failed: X)",
                                                            "  arm I's form: absent (arm I's form failed: Y)"]
     assert format_vllm_column(None) is None  # a run from before the column prints nothing for it
+
+
+def test_the_printed_arm_i_row_says_its_engine_was_not_batch_invariant():
+    from bloggap_plugin.commands.doctor import format_vllm_column
+
+    cell = {"oob": 0.1, "oob_count": 1, "exact_count": 0, "n": 10}
+    record = {"sampler": {"vllm": "0.26.0", "engine_dtype": "bfloat16", "batch_invariant": False}, "cells": [],
+              "arm_i": {"pieces": "all", "cell": cell}}
+    assert format_vllm_column(record).splitlines()[-1] == (
+        "  arm I's form (pieces all, one batch): 10.00% out of band (1/10), 0.00% bitwise (0/10); the engine ran "
+        "without vLLM's batch-invariant mode, which arm I's own engine runs (VLLM_BATCH_INVARIANT=1)")
+    record["sampler"]["batch_invariant"] = True
+    assert format_vllm_column(record).splitlines()[-1].endswith("0.00% bitwise (0/10)")
+    table = doctor_vllm.column_table({**record, "sampler": {**record["sampler"], "batch_invariant": False}}, "m")
+    assert "the engine ran without vLLM's batch-invariant mode" in table["notes"]

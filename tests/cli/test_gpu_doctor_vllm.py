@@ -26,7 +26,7 @@ pytestmark = [
 ROWS, TOKENS = 16, 16
 
 
-def test_the_real_engine_fills_the_column_for_every_scoring(tmp_path):
+def test_the_real_engine_fills_the_column_for_every_scoring(tmp_path, spawns):
     pytest.importorskip("vllm")
     from bloggap_plugin.trl.vllm_colocate import trl_colocate_llm_kwargs
 
@@ -37,6 +37,7 @@ def test_the_real_engine_fills_the_column_for_every_scoring(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     column = json.loads(path.read_text())["vllm_sampler"]
     assert "absent" not in column, column
+    assert column["sampler"]["batch_invariant"] is (os.environ.get("VLLM_BATCH_INVARIANT") == "1")
     assert column["sampler"]["llm_kwargs"] == trl_colocate_llm_kwargs(model, max_num_seqs=ROWS, seed=1234)
     cells = {c["dtype"]: c for c in column["cells"]}
     assert set(cells) == {"bf16", "fp32"}

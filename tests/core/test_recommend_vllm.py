@@ -89,3 +89,18 @@ def test_arm_is_form_is_told_beside_the_scorings():
             "out of band, 100.00% bitwise.") in rec["text"]
     assert rec["basis"]["vllm_sampler"]["arm_i"] == {"oob": 0.0, "exact": 1.0}
     assert rec["basis"]["vllm_sampler"]["oob"] == {"bf16": 0.02}  # arm I's cell is not a bf16 scoring's
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True, None])
+def test_arm_is_form_says_when_the_engine_was_not_arm_is_batch_invariant_one(batch_invariant):
+    """Arm I's engine runs vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1); TRL's default engine does not, and
+    arm I's form scored against that engine is not arm I's sampler gap."""
+    column = _column(_sampler("bf16", 0.02, 100))
+    if batch_invariant is not None:
+        column["sampler"]["batch_invariant"] = batch_invariant
+    column["arm_i"] = {"pieces": "all", "cell": {**_sampler("bf16", 0.1, 2), "attn": "vllm_form"}}
+    text = recommend(NO_GAP, None, "cuda", (), column)["text"]
+    said = ("arm I's form (pieces all, one batch) 10.00% out of band, 0.20% bitwise, against an engine without vLLM's "
+            "batch-invariant mode, which arm I's own engine runs (VLLM_BATCH_INVARIANT=1): not arm I's sampler gap")
+    assert (said in text) is (batch_invariant is False)
+    assert "arm I's form (pieces all, one batch) 10.00% out of band, 0.20% bitwise" in text
