@@ -572,21 +572,27 @@ def load_headline_spec(path: str | os.PathLike) -> list[dict]:
 
 
 _COST_KEYS = ("label", "result", "table", "row", "column")
+_COST_OPTIONAL_KEYS = ("spread", "runs")
+"""A cost cell's optional columns of the same row: its spread over runs (text) and how many runs (a number)."""
+MIN_RUNS = 3
+"""The fewest interleaved runs a quoted step multiple may come from (a cost cell naming its ``runs`` column)."""
 
 
 def _check_cost_cells(cells, where: str) -> None:
-    """A row's optional ``cost``: a list of cited cells, each a mapping with the text keys :data:`_COST_KEYS`."""
+    """A row's optional ``cost``: a list of cited cells, each a mapping with the text keys :data:`_COST_KEYS` and
+    optionally :data:`_COST_OPTIONAL_KEYS`."""
     if cells is None:
         return
     if not isinstance(cells, list) or not cells:
         raise ReportError(f"{where}: expected a non-empty list of cited cells")
     for index, cell in enumerate(cells):
-        if not isinstance(cell, dict) or sorted(cell) != sorted(_COST_KEYS) or not all(
-                isinstance(cell[key], str) and cell[key].strip() for key in _COST_KEYS):
-            raise ReportError(f"{where}[{index}]: expected a mapping with the text keys {', '.join(_COST_KEYS)}")
+        if not isinstance(cell, dict) or not set(_COST_KEYS) <= set(cell) <= {*_COST_KEYS, *_COST_OPTIONAL_KEYS} \
+                or not all(isinstance(value, str) and value.strip() for value in cell.values()):
+            raise ReportError(f"{where}[{index}]: expected a mapping with the text keys {', '.join(_COST_KEYS)} "
+                              f"(and optionally {', '.join(_COST_OPTIONAL_KEYS)})")
 
 
-def _cited_cell(row: dict, results: dict, where: str):
+def _cited_table(row: dict, results: dict, where: str):
     device, _, name = row["result"].partition("/")
     path, document = next(((p, doc) for p, doc in results.get(device, []) if p.name == name), (None, None))
     if document is None:
@@ -599,7 +605,12 @@ def _cited_cell(row: dict, results: dict, where: str):
     matches = [r for r in table["rows"] if format_cell(r[0]) == row["row"]]
     if len(matches) != 1:
         raise ReportError(f"{where}: table {row['table']} has {len(matches)} rows whose first cell is {row['row']!r}")
-    value = matches[0][table["columns"].index(row["column"])]
+    return path, table, matches[0]
+
+
+def _cited_cell(row: dict, results: dict, where: str):
+    path, table, found = _cited_table(row, results, where)
+    value = found[table["columns"].index(row["column"])]
     if not is_number(value):
         raise ReportError(f"{where}: table {row['table']}, row {row['row']!r}, column {row['column']!r} holds "
                           f"{format_cell(value)!r}, not a number")
@@ -627,15 +638,39 @@ def render_headline(spec: list[dict], results: dict, benchmarks_link: str = "BEN
 
 
 def _cost_cell(cells: list | None, results: dict, anchors: dict, benchmarks_link: str, where: str) -> str:
-    """``label value x, ... ([table](link))`` of a row's ``cost`` cells, or ``–`` without."""
+    """``label value x, ... ([table](link))`` of a row's ``cost`` cells, each with ``(runs SPREAD, N runs)`` where it
+    names those columns, or ``–`` without. A multiple from fewer than :data:`MIN_RUNS` runs is refused."""
     if not cells:
         return "–"
     parts, links = [], {}
     for index, cell in enumerate(cells):
         path, value = _cited_cell(cell, results, f"{where}: cost[{index}]")
-        parts.append(f"{markdown_text(cell['label'])} {format_cell(value)}x")
+        parts.append(f"{markdown_text(cell['label'])} {format_cell(value)}x"
+                     + _runs_text(cell, results, f"{where}: cost[{index}]"))
         links.setdefault(cell["table"], f"[{markdown_text(cell['table'])}]({benchmarks_link}#{anchors[path]})")
     return f"{', '.join(parts)} ({', '.join(links.values())})"
+
+
+def _runs_text(cell: dict, results: dict, where: str) -> str:
+    """`` (runs SPREAD, N runs)`` from the cell's ``spread`` and ``runs`` columns of its row (either alone: that part);
+    ``""`` where it names neither."""
+    if "spread" not in cell and "runs" not in cell:
+        return ""
+    _, table, found = _cited_table(cell, results, where)
+    said = []
+    for key in ("spread", "runs"):
+        if key in cell and cell[key] not in table["columns"]:
+            raise ReportError(f"{where}: table {cell['table']} has no column {cell[key]!r} (its {key})")
+    if "spread" in cell:
+        said.append(f"runs {format_cell(found[table['columns'].index(cell['spread'])])}")
+    if "runs" in cell:
+        runs = found[table["columns"].index(cell["runs"])]
+        if not is_number(runs) or runs < MIN_RUNS:
+            raise ReportError(f"{where}: table {cell['table']}, row {cell['row']!r}: {format_cell(runs)} runs; a step "
+                              f"multiple is quoted from at least {MIN_RUNS} interleaved runs (cite a table that has "
+                              "them, or leave the cell out)")
+        said.append(f"{format_cell(runs)} runs")
+    return f" ({', '.join(said)})"
 
 
 def _section_anchors(results: dict) -> dict:
