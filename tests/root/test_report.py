@@ -537,36 +537,33 @@ def test_headline_cost_cells_make_a_column_of_cited_multiples(tmp_path):
     assert lines[4].endswith("| [T1](B.md#h200/tables.json) | – |")
 
 
-def _step_multiples(runs_of_j: int) -> dict:
+def _headline_with_step_multiples(tmp_path, runs_of_j: int) -> tuple[Path, Path, Path]:
+    """A results folder whose T19 quotes arm J's step multiple from ``runs_of_j`` runs, a headline spec citing it with
+    its spread and runs columns, and an empty README block: (results, spec, readme)."""
     table = {"id": "T19", "title": "steps", "columns": ["arm @ model", "runs", "mean step x arm A",
                                                        "mean x A, runs (min-max)"],
              "rows": [["A @ m", 3, 1.0, "0.90-1.10"], ["J @ m", runs_of_j, 1.85, "1.75-2.02"]], "notes": "x",
              "reference": None, "random_init": True, "plot": False}
-    return _result(tables=[_table(), table])
-
-
-_SPREAD = dict(label="1.56B", result="h200/tables.json", table="T19", row="J @ m", column="mean step x arm A",
-               spread="mean x A, runs (min-max)", runs="runs")
+    results = tmp_path / "results"
+    _write(results, "h200", "tables", _result(tables=[_table(), table]))
+    cell = dict(label="1.56B", result="h200/tables.json", table="T19", row="J @ m", column="mean step x arm A",
+                spread="mean x A, runs (min-max)", runs="runs")
+    spec = _write_spec(tmp_path / "headline.yaml", [dict(_SPEC_ROW, cost=[cell])])
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- bloggap:headline:start -->\n<!-- bloggap:headline:end -->\n")
+    return results, spec, readme
 
 
 def test_a_cost_cell_with_its_spread_and_runs_says_both(tmp_path):
     """A step multiple is quoted with its spread over runs and how many runs (issue 46 item 3)."""
-    results = tmp_path / "results"
-    _write(results, "h200", "tables", _step_multiples(3))
-    spec = _write_spec(tmp_path / "h.yaml", [dict(_SPEC_ROW, cost=[_SPREAD])])
-    readme = tmp_path / "README.md"
-    readme.write_text("<!-- bloggap:headline:start -->\n<!-- bloggap:headline:end -->\n")
+    results, spec, readme = _headline_with_step_multiples(tmp_path, 3)
     build_report(results, tmp_path / "B.md", None, readme=readme, headline=spec)
     assert readme.read_text().splitlines()[3].endswith(
         "| 1.56B 1.85x (runs 1.75-2.02, 3 runs) ([T19](B.md#h200/tables.json)) |")
 
 
 def test_a_cost_cell_from_fewer_than_three_runs_is_refused(tmp_path):
-    results = tmp_path / "results"
-    _write(results, "h200", "tables", _step_multiples(2))
-    spec = _write_spec(tmp_path / "headline.yaml", [dict(_SPEC_ROW, cost=[_SPREAD])])
-    readme = tmp_path / "README.md"
-    readme.write_text("<!-- bloggap:headline:start -->\n<!-- bloggap:headline:end -->\n")
+    results, spec, readme = _headline_with_step_multiples(tmp_path, 2)
     with pytest.raises(ReportError, match=r"rows\[0\]: cost\[0\]: table T19, row 'J @ m': 2 runs; a step multiple is "
                                           r"quoted from at least 3 interleaved runs"):
         build_report(results, tmp_path / "B.md", None, readme=readme, headline=spec)
