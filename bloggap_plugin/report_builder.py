@@ -592,7 +592,8 @@ def _check_cost_cells(cells, where: str) -> None:
                               f"(and optionally {', '.join(_COST_OPTIONAL_KEYS)})")
 
 
-def _cited_table(row: dict, results: dict, where: str):
+def _cited_row(row: dict, results: dict, where: str):
+    """``(result path, table, table row)`` that a headline or cost cell ``row`` names (``ReportError`` otherwise)."""
     device, _, name = row["result"].partition("/")
     path, document = next(((p, doc) for p, doc in results.get(device, []) if p.name == name), (None, None))
     if document is None:
@@ -609,7 +610,7 @@ def _cited_table(row: dict, results: dict, where: str):
 
 
 def _cited_cell(row: dict, results: dict, where: str):
-    path, table, found = _cited_table(row, results, where)
+    path, table, found = _cited_row(row, results, where)
     value = found[table["columns"].index(row["column"])]
     if not is_number(value):
         raise ReportError(f"{where}: table {row['table']}, row {row['row']!r}, column {row['column']!r} holds "
@@ -656,7 +657,7 @@ def _runs_text(cell: dict, results: dict, where: str) -> str:
     ``""`` where it names neither."""
     if "spread" not in cell and "runs" not in cell:
         return ""
-    _, table, found = _cited_table(cell, results, where)
+    _, table, found = _cited_row(cell, results, where)
     said = []
     for key in ("spread", "runs"):
         if key in cell and cell[key] not in table["columns"]:
