@@ -160,6 +160,9 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("gap/time/scoring_s", "trl", "seconds", "plugin time of the optimizer step (per process)", _TRL_STEP),
     MetricSpec("gap/time/overhead_frac", "trl", "fraction", "plugin time as a share of the optimizer step's time",
                _TRL_STEP),
+    MetricSpec("gap/time/generate_s", "trl", "seconds",
+               "time of TRL's generation in the optimizer step: the sampler, vLLM or HF `generate` (per process; 0 on "
+               "steps that reuse a generation)", _TRL_STEP),
     MetricSpec("gap/time/old_pass_s", "trl", "seconds",
                "time of the arm's old-logprob pass in place of TRL's (per process; 0 on steps that reuse a generation "
                "or where TRL runs no old pass; not in `overhead_frac`)", _TRL_STEP, _set("replaced_pass")),

@@ -2,7 +2,7 @@
 
 Hooks (TRL 1.16's ``GRPOTrainer`` methods, see ``docs/trl.md``):
 
-- ``_generate_single_turn``: HF ``generate`` runs with :class:`~bloggap_plugin.sampling.SamplerRecorder` as the
+- ``_generate_single_turn``: timed (``gap/time/generate_s``, the sampler's seconds); HF ``generate`` runs with :class:`~bloggap_plugin.sampling.SamplerRecorder` as the
   last logits processor (TRL's temperature/top_p/top_k/min_p handed to it), which records the sampler's
   log-prob and kept set of every emitted token;
 - ``_generate_and_score_completions``: after TRL, adds the sampler record, probe rows, the fp32 batch-1
@@ -96,12 +96,12 @@ class GapMixin:
         self._gap_session.close()
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        session = getattr(self, "_gap_session", None)
-        if session is None or session.state.resources.recorder is None or not self.model.training:
+        if not self._gap_active():
             return self._gap_next(
                 "_generate_single_turn", prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
-        return session.generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        return self._gap_session.generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                      has_tool_images)
 
     def _generate_and_score_completions(self, inputs):
         session = getattr(self, "_gap_session", None)

@@ -47,6 +47,18 @@ class GapSession:
         self.scorer.close()
 
     def generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """TRL's generation, timed into the step's ``gap/time/generate_s``; with HF ``generate`` and a recorder, its
+        sampled tokens' kept sets and log-probs recorded (:meth:`recorded_generation`)."""
+        start = time.perf_counter()
+        try:
+            if self.state.resources.recorder is None:
+                return self.trainer._gap_next("_generate_single_turn", prompt_ids, images, multimodal_fields,
+                                              num_generations, has_tool_images)
+            return self.recorded_generation(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        finally:
+            self.state.totals.step_generate += time.perf_counter() - start
+
+    def recorded_generation(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         recorder = self.state.resources.recorder
         unwrapped = self.trainer.accelerator.unwrap_model(self.trainer.model_wrapped)
         had_own = "generate" in unwrapped.__dict__
@@ -366,15 +378,17 @@ class GapSession:
         totals.step_plugin += totals.time - before
         if self.trainer._step % self.trainer.current_gradient_accumulation_steps == 0:
             times = self.stats.reduce(StepTimes(totals.step_plugin, totals.step_wall, totals.replaced_time,
-                                                totals.step_probe))
+                                                totals.step_probe, totals.step_generate))
             totals.probe_total += times.probe  # the probe budget's totals: reduced, so alike on every process
             totals.wall_total += times.wall
             procs = self.trainer.accelerator.num_processes
             values = {"gap/time/scoring_s": times.plugin / procs,
-                      "gap/time/overhead_frac": times.plugin / times.wall if times.wall > 0 else 0.0}
+                      "gap/time/overhead_frac": times.plugin / times.wall if times.wall > 0 else 0.0,
+                      "gap/time/generate_s": times.generate / procs}
             if state.arm.replaces_trl_old_pass:
                 # the arm's old-logprob pass in place of TRL's (0 on steps that reuse a generation)
                 values["gap/time/old_pass_s"] = times.replaced / procs
             self.stats.log(values)
             totals.step_wall = totals.step_plugin = totals.replaced_time = totals.step_probe = 0.0
+            totals.step_generate = 0.0
         return output

@@ -86,9 +86,9 @@ GenerationSums = _statistics(
 GenerationMaxima = _statistics(
     "GenerationMaxima", "kept_mass_neg_min kept_size_max sampler_absd_max is_max is_neg_min", -math.inf,
     "One generation's maxima (minima stored negated).")
-StepTimes = _statistics("StepTimes", "plugin wall replaced probe", 0.0,
+StepTimes = _statistics("StepTimes", "plugin wall replaced probe generate", 0.0,
                         "Seconds of one optimizer step: the plugin's, the whole step's, arm G's pass in place of TRL's, "
-                        "the probe forwards' (part of the plugin's).")
+                        "the probe forwards' (part of the plugin's), TRL's generation (the sampler's).")
 FallbackCount = _statistics("FallbackCount", "new", 0.0, "fp16 chunks re-scored in fp32 since the last flush.")
 
 
@@ -189,8 +189,9 @@ class RunTotals:
     step_wall: float = 0.0
     step_plugin: float = 0.0
     step_probe: float = 0.0
-    """Seconds of this optimizer step so far (``training_step``'s, the plugin's, the probe forwards'); reset at each
-    optimizer step."""
+    step_generate: float = 0.0
+    """Seconds of this optimizer step so far (``training_step``'s, the plugin's, the probe forwards', TRL's
+    ``_generate_single_turn``: the sampler, vLLM or HF ``generate``); reset at each optimizer step."""
     probe_total: float = 0.0
     """Seconds of probe forwards since attach, summed over processes (at optimizer steps)."""
     wall_total: float = 0.0

@@ -22,7 +22,7 @@ from bloggap_plugin.trl.mixin import is_ratio  # noqa: E402
 ALWAYS = [
     "gap/ratio/oob_frac", "gap/ratio/abs_dlogp_mean", "gap/ratio/abs_dlogp_max", "gap/clip/flip_frac",
     "gap/clip/clipped_frac", "gap/probe/oob_b1_vs_bN", "gap/sampler/oob_frac", "gap/sampler/abs_dlogp_mean",
-    "gap/fp16/fallbacks", "gap/time/scoring_s", "gap/time/overhead_frac",
+    "gap/fp16/fallbacks", "gap/time/scoring_s", "gap/time/overhead_frac", "gap/time/generate_s",
 ]
 KEPT = [
     "gap/kept/mass_mean", "gap/kept/mass_min", "gap/kept/size_mean", "gap/kept/size_max",
@@ -164,6 +164,7 @@ def test_arm_G_replaces_trls_old_pass(tmp_path, plain_G_rows, trains):
     assert logs[0]["gap/ratio/exact_frac"] == 1.0  # G's ratio at the first inner epoch
     assert "gap/old_vs_trl/oob_frac" not in logs[0] and "gap/old_vs_trl/oob_frac" in logs_of(before)[0]
     assert logs[0]["gap/time/old_pass_s"] > 0 and logs[1]["gap/time/old_pass_s"] == 0.0  # step 2 reuses the batch
+    assert logs[0]["gap/time/generate_s"] > 0 and logs[1]["gap/time/generate_s"] == 0.0  # HF generate's seconds
 
 
 def test_arm_G_extra_passes_are_the_gated_probes(tmp_path, plain_G_rows, trains):

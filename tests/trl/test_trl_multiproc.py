@@ -167,10 +167,13 @@ def _expected_logs(record: dict) -> dict[int, dict[str, float]]:
                     values.setdefault(key, []).append(sums[num] / sums[den])
             values.setdefault(ratio_name("abs_dlogp_max", update, "trl"), []).append(reduces[i + 1]["reduced"][0])
         elif red["site"] == "training_step":
-            plugin, wall, _g_old_pass, probe = sums  # arm G's pass in place of TRL's; the probe forwards' seconds
+            # arm G's pass in place of TRL's; the probe forwards' seconds; TRL's generation (the sampler's)
+            plugin, wall, _g_old_pass, probe, generate = sums
             assert 0 <= probe <= plugin  # the probe's time is part of the plugin's (probe_budget's numerator)
+            assert 0 <= generate <= wall  # generation runs inside training_step (TRL's _prepare_inputs)
             values.setdefault("gap/time/scoring_s", []).append(plugin / procs)
             values.setdefault("gap/time/overhead_frac", []).append(plugin / wall)
+            values.setdefault("gap/time/generate_s", []).append(generate / procs)
     return {step: {key: _mean(vals) for key, vals in values.items()} for step, values in per_step.items()}
 
 

@@ -294,6 +294,9 @@ def test_arm_i_replaces_trls_old_pass_on_vllm_path(tmp_path, monkeypatch, trains
         assert torch.equal(batch["importance_sampling_ratio"], ref["importance_sampling_ratio"])
     generating = [h for h in logs_of(after) if "sampling/sampling_logp_difference/mean" in h]
     assert generating and all(h["gap/time/old_pass_s"] > 0 for h in generating)
+    # the engine's generate seconds on generating steps, none on the steps that reuse a generation
+    assert all(h["gap/time/generate_s"] > 0 for h in generating)
+    assert all(h["gap/time/generate_s"] == 0.0 for h in logs_of(after) if h not in generating and "loss" in h)
     assert not any("gap/old_vs_trl/oob_frac" in h for h in logs_of(after))
     for got, ref in zip(logs_of(after), logs_of(before), strict=True):
         for _, key in PAIRS:
