@@ -217,10 +217,15 @@ def _update_values(records: list[dict], statistic: str) -> list[float]:
     return [v for v in values if isinstance(v, (int, float))]
 
 
+def generating_records(records: list[dict]) -> list[dict]:
+    """A run's records of the optimizer steps that generated (they carry ``gap/sampler/*``), in order."""
+    return [r for r in records if r.get("gap/sampler/oob_frac") is not None]
+
+
 def summarize(label: str, records: list[dict]) -> dict:
-    """One row's numbers from a run's JSONL records (see the module docstring); the only reader of the records."""
+    """One row's numbers from a run's JSONL records (see the module docstring)."""
     spec = parse_label(label)
-    generating = [r for r in records if r.get("gap/sampler/oob_frac") is not None]
+    generating = generating_records(records)
     others = [r for r in records[1:] if r.get("gap/sampler/oob_frac") is None]
     ratio_exact_first = _values(generating, "gap/ratio/exact_frac")
     later = generating[1:] if len(generating) > 1 else generating

@@ -43,7 +43,7 @@ COLUMNS = ["arm @ model", "runs", "steps per run", "step 1 s (mean)", "step s (m
            "median x A, runs (min-max)", "step s (mean)", "mean step x arm A", "mean x A, runs (min-max)",
            "generating step x arm A (median)", "training-only step x arm A (median)",
            "sampler bit-identical % (least run)", "ratio exact_frac, first iteration (least)",
-           "training-only step s (median)"]
+           "training-only step s (median)", "generation s (median)", "old pass s (median)"]
 
 
 VLLM_WORKSPACES = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
@@ -97,7 +97,10 @@ def summarize_run(arm_text: str, records: list[dict]) -> dict:
             "other_step_s_median", "sampler_exact_mean", "sampler_abs_dlogp_max", "ratio_exact_first_iteration_min",
             "ratio_exact_first_iteration_mean", "reward_mean", "grad_norm_median", "sampler_oob_mean",
             "ratio_oob_first_iteration_mean")
-    return {"arm": arm_text, **{k: row.get(k) for k in keep}, "step1_s": first}
+    later = arm_i_live.generating_records(records)[1:]  # the generating steps after the first, as for the step time
+    seconds = {f"{name}_s_median": arm_i_live._median(arm_i_live._values(later, f"gap/time/{name}_s"))
+               for name in ("generate", "old_pass")}
+    return {"arm": arm_text, **{k: row.get(k) for k in keep}, **seconds, "step1_s": first}
 
 
 def _ratio_stats(values: list[float], reference: float | None) -> tuple:
@@ -124,7 +127,7 @@ def size_table(models: dict, table_id: str = TABLE_ID) -> dict:
             failed = [label for label, r in runs.items() if r["arm"] == arm and "error" in r]
             if not mine:
                 body.append([f"{arm} @ {model}", 0, None, None, None, None, f"failed: {', '.join(failed)}",
-                             *[None] * 8])
+                             *[None] * (len(COLUMNS) - 7)])
                 continue
             medians = [r["step_s_median"] for r in mine if r.get("step_s_median") is not None]
             means = [r["step_s_mean"] for r in mine if r.get("step_s_mean") is not None]
@@ -141,7 +144,8 @@ def size_table(models: dict, table_id: str = TABLE_ID) -> dict:
                          _round(statistics.fmean(means), 3) if means else None, mean_x, mean_spread,
                          _times(gen, base["generating_step_s_median"]), _times(other, base["other_step_s_median"]),
                          None if not exact else round(100 * min(exact), 2),
-                         None if not ratio_exact else round(min(ratio_exact), 4), _round(other, 3)])
+                         None if not ratio_exact else round(min(ratio_exact), 4), _round(other, 3),
+                         _round(_mean_of(mine, "generate_s_median"), 3), _round(_mean_of(mine, "old_pass_s_median"), 3)])
     return {"id": table_id, "title": "Step time x arm A by model size: bloggap train, TRL 1.16 colocate vLLM, one GPU",
             "columns": COLUMNS, "rows": body, "reference": None, "random_init": True,
             "plot": {"kind": "bar", "x": "arm @ model", "y": ["mean step x arm A", "median step x arm A"],
@@ -150,7 +154,8 @@ def size_table(models: dict, table_id: str = TABLE_ID) -> dict:
                      "2, the arith task's length reward; runs of one model interleaved (A I J A I J ...) on one "
                      "machine. Step statistics after step 1 (step 1 apart: set-up); per run the median and the mean "
                      "of step_time, the median of the generating steps and of the others (training-only: the second "
-                     "iteration); a row is the mean over its runs, 'x arm A' that mean over the mean of the same "
+                     "iteration), and of the generating steps' generation (gap/time/generate_s: the sampler's seconds) and old "
+                     "pass (gap/time/old_pass_s, arms whose pass replaces TRL's); a row is the mean over its runs, 'x arm A' that mean over the mean of the same "
                      "model's arm A runs, '(min-max)' each run's value over that same arm A mean. ARM_process: vLLM's "
                      "batch-invariant mode left on process-wide (BLOGGAP_VLLM_BATCH_INVARIANCE=process); ARM_vllm_workspaces: "
                      "vLLM's cuBLAS(Lt) workspace sizes exported (CUBLAS_WORKSPACE_CONFIG=:16:8, "

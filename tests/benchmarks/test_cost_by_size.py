@@ -58,6 +58,24 @@ def test_size_table_divides_by_the_mean_of_the_same_models_arm_a_runs():
     assert i["runs"] == 0 and i["median x A, runs (min-max)"] == "failed: I-1"
 
 
+def test_a_run_splits_its_generating_steps_into_generation_and_old_pass_seconds():
+    """Per run, the medians over generating steps after the first of ``gap/time/generate_s`` (the sampler's seconds)
+    and ``gap/time/old_pass_s``; the table's row is their mean over the arm's runs."""
+    records = [{"step": 1, "step_time": 9.0, "gap/sampler/oob_frac": 0.0, "gap/time/generate_s": 5.0},
+               {"step": 2, "step_time": 1.0, "gap/sampler/oob_frac": 0.0, "gap/time/generate_s": 0.4,
+                "gap/time/old_pass_s": 0.1},
+               {"step": 3, "step_time": 0.5, "gap/time/generate_s": 0.0},
+               {"step": 4, "step_time": 1.2, "gap/sampler/oob_frac": 0.0, "gap/time/generate_s": 0.6,
+                "gap/time/old_pass_s": 0.3},
+               {"step": 5, "step_time": 0.5, "gap/time/generate_s": 0.0}]
+    run = bench.summarize_run("J", records)
+    assert run["generate_s_median"] == 0.5 and run["old_pass_s_median"] == 0.2
+    other = {**run, "generate_s_median": 0.7, "old_pass_s_median": None}
+    table = bench.size_table({"m": {"J-1": run, "J-2": other}})
+    row = dict(zip(table["columns"], table["rows"][0]))
+    assert row["generation s (median)"] == 0.6 and row["old pass s (median)"] == 0.2
+
+
 def test_a_model_without_arm_a_runs_has_no_multiples():
     table = bench.size_table({"m": {"J-1": _run("J", 2.0, 2.0, 3.0, 1.0)}})
     row = dict(zip(table["columns"], table["rows"][0]))
