@@ -18,7 +18,10 @@ CPU check, tiny model, gloo, about a minute a piece::
 
     python -m benchmarks.fsdp_scale --smoke --out /tmp/fsdp_scale
 
-Pieces (each an ``accelerate launch`` of this file's ``worker`` with ``benchmarks/gpu/accelerate_*.yaml``):
+Pieces (each an ``accelerate launch`` of this file's ``worker`` with ``benchmarks/gpu/accelerate_*.yaml``; under
+``--smoke`` the 2-process runs of one config share one launch, ``worker --scenarios PLAN.json``, and the 1-process
+runs train in the orchestrator's process, so Python and the trainer stack start fewer times; on GPUs every run
+stays a launch of its own, timed in a fresh process):
 
 - ``fsdp2``: 2 processes, FSDP2 full shard (``fsdp_version: 2``), arms A B E F G H x ``--steps`` on SmolLM2,
   per-device batch 8 (global 32 rows per generation): s/step, plugin overhead, gap/* means, per-rank bytes of the
@@ -50,7 +53,9 @@ have to be carried).
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import json
 import os
 import subprocess
@@ -59,6 +64,7 @@ import time
 import traceback
 from pathlib import Path
 
+from benchmarks._lib.launch import run_scenarios, write_scenario_plan
 from benchmarks._lib.paths import ROOT, arm_recipe
 from bloggap_plugin._io import atomic_write_text
 
@@ -278,35 +284,89 @@ def _piece_runs(args) -> dict[str, list[dict]]:
     }
 
 
-def _launch(args, run: dict, limit: int) -> dict:
-    """Run one worker launch under ``limit`` seconds; ``{"rc", "wall_s", "log_tail"}``."""
+def _worker_flags(args, run: dict) -> list[str]:
+    """The command line of one run's worker (``worker --out <out>/runs/<run> ...``)."""
     folder = Path(args.out) / "runs" / run["run"]
-    flags = ["worker", "--out", str(folder), "--arms", run["arms"], "--model", run["model"], "--steps",
-             str(run["steps"]), "--batch", str(run["batch"]), "--generations", str(run["generations"]),
-             "--completion", str(run["completion"])] + (["--equal"] if run["equal"] else []) + \
+    return ["worker", "--out", str(folder), "--arms", run["arms"], "--model", run["model"], "--steps",
+            str(run["steps"]), "--batch", str(run["batch"]), "--generations", str(run["generations"]),
+            "--completion", str(run["completion"])] + (["--equal"] if run["equal"] else []) + \
         (["--smoke"] if args.smoke else []) + (["--shared-gpu"] if args.shared_gpu else [])
+
+
+def _worker_env(args, base: dict) -> dict:
+    """``base`` with what every worker runs under: this checkout first on ``PYTHONPATH``, offline, NVLink multicast
+    off (the GPU machine's rule), one thread per process under ``--smoke``."""
+    env = dict(base, PYTHONPATH=str(ROOT) + os.pathsep + base.get("PYTHONPATH", ""),
+               HF_HUB_OFFLINE="1", CI="true", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        env.setdefault(key, value)
+    if args.smoke:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _launch_groups(args, runs: list[tuple[str, dict]]) -> list[list[tuple[str, dict]]]:
+    """``(piece, run)`` pairs grouped into what starts together, in order. Under ``--smoke`` (CPU) the multi-process
+    runs of one accelerate config share one launch (at the first one's place; each run keeps its own folder) and a
+    1-process run trains in this process (:func:`_train_here`). On GPUs every run is a launch of its own: each is
+    timed in a fresh process and killed at its own limit."""
+    groups: list[list[tuple[str, dict]]] = []
+    shared: dict[tuple, list[tuple[str, dict]]] = {}
+    for piece, run in runs:
+        key = (run["config"], run["processes"]) if args.smoke and run["processes"] > 1 else None
+        if key in shared:
+            shared[key].append((piece, run))
+            continue
+        groups.append([(piece, run)])
+        if key is not None:
+            shared[key] = groups[-1]
+    return groups
+
+
+def _launch(args, runs: list[dict], limit: int) -> dict:
+    """Run the workers of ``runs`` (one config and process count) in one launch under ``limit`` seconds, several
+    as a scenario plan; ``{"rc", "wall_s", "log_tail"}``."""
+    run, label = runs[0], "+".join(r["run"] for r in runs)
+    flags = _worker_flags(args, run)
+    if len(runs) > 1:
+        plan = Path(args.out) / "runs" / f"{label}.json"
+        plan.parent.mkdir(parents=True, exist_ok=True)
+        flags = write_scenario_plan(plan, [_worker_flags(args, r) for r in runs])
     if run["processes"] == 1:
         cmd = [sys.executable, "-m", "benchmarks.fsdp_scale", *flags]
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS[run["config"]]),
                "--num_processes", str(run["processes"]), "--main_process_port", str(29500 + os.getpid() % 1000),
                "--module", "benchmarks.fsdp_scale", *flags]
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               HF_HUB_OFFLINE="1", CI="true", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-        env.setdefault(key, value)  # NVLink multicast stays off (the GPU machine's rule), also in every process
-    if args.smoke:
-        env["OMP_NUM_THREADS"] = "1"
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
+        proc = subprocess.run(cmd, cwd=ROOT, env=_worker_env(args, dict(os.environ)), capture_output=True, text=True,
+                              timeout=limit)
         rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
     except subprocess.TimeoutExpired as err:
         rc, tail = 124, f"timed out after {limit} s: {str(err.stderr)[-3000:]}"
-    print(f"[{NAME}] {run['run']}: rc {rc} in {time.perf_counter() - start:.0f} s", flush=True)
+    print(f"[{NAME}] {label}: rc {rc} in {time.perf_counter() - start:.0f} s", flush=True)
     if rc != 0:
         print(tail, flush=True)
     return {"rc": rc, "wall_s": time.perf_counter() - start, "log_tail": tail if rc != 0 else None}
+
+
+def _train_here(args, run: dict) -> dict:
+    """A 1-process ``--smoke`` run trained in this process (CPU: no second start of Python and torch; the worker's
+    environment set here first, its output kept as a launch's); the record of :func:`_launch`."""
+    os.environ.update(_worker_env(args, dict(os.environ)))
+    output, start = io.StringIO(), time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+            rc = worker(parse_args(_worker_flags(args, run)))
+    except Exception:  # the worker keeps each arm's error in its record; this is what fails outside the arms
+        rc = 1
+        output.write(traceback.format_exc())
+    print(f"[{NAME}] {run['run']}: rc {rc} in {time.perf_counter() - start:.0f} s in this process", flush=True)
+    tail = output.getvalue()[-4000:] if rc != 0 else None
+    if tail:
+        print(tail, flush=True)
+    return {"rc": rc, "wall_s": time.perf_counter() - start, "log_tail": tail}
 
 
 def _read_run(args, run: dict) -> dict[str, dict[int, dict]]:
@@ -484,20 +544,25 @@ def orchestrate(args) -> int:
         load_model("smollm2")  # the dense SmolLM2 copy is cached before two processes load it at once
     runs = _piece_runs(args)
     deadline = time.monotonic() + args.budget
-    for piece in pieces:
-        for run in runs[piece]:
-            left = deadline - time.monotonic()
-            if left < 60:
+    for group in _launch_groups(args, [(piece, run) for piece in pieces for run in runs[piece]]):
+        left = deadline - time.monotonic()
+        if left < 60:
+            for _, run in group:
                 print(f"[{NAME}] {run['run']}: skipped, {left:.0f} s of the budget left", flush=True)
-                continue
-            launch = _launch(args, run, int(min(args.limit, left)))
+            continue
+        group_runs = [run for _, run in group]
+        if args.smoke and group_runs[0]["processes"] == 1:
+            launch = _train_here(args, group_runs[0])
+        else:
+            launch = _launch(args, group_runs, int(min(args.limit * len(group), left)))
+        for piece, run in group:
             found = _read_run(args, run)
             if piece == "equality":
                 results.setdefault("equality", {})[run["run"]] = found
                 results["equality"].setdefault("launches", {})[run["run"]] = launch
             else:
                 results[piece] = {"launch": launch, "arms": found, "run": run}
-            _document(args, results).write(path)
+        _document(args, results).write(path)
     document = _document(args, results)
     document.write(path)
     for table in document.tables:
@@ -547,9 +612,15 @@ def document(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def _main_one(argv: list[str]) -> int:
     args = parse_args(argv)
     return {"worker": worker, "document": document}.get(args.mode, orchestrate)(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One command, or ``--scenarios PLAN.json``: each command of the plan in turn (one launch of several runs'
+    workers); the largest exit code."""
+    return max(run_scenarios(sys.argv[1:] if argv is None else argv, _main_one))
 
 
 if __name__ == "__main__":

@@ -142,15 +142,9 @@ def _recording_trainer(args: argparse.Namespace) -> type:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--scenarios"]:
-        with open(argv[1]) as handle:
-            plan = json.load(handle)
-        for scenario in plan:
-            print(f"scenario: {' '.join(scenario)}", flush=True)  # names the failing one in a launch's output
-            run(_parser().parse_args(scenario))
-    else:
-        run(_parser().parse_args(argv))
+    from benchmarks._lib.launch import run_scenarios
+
+    run_scenarios(sys.argv[1:] if argv is None else argv, lambda scenario: run(_parser().parse_args(scenario)))
 
 
 def run(args: argparse.Namespace) -> None:

@@ -52,8 +52,9 @@ def run_helper_plan(prefix: list[str], plan: Path, scenarios: list[list[str]]) -
     """Run the helper once for several scenarios: ``PREFIX HELPER --scenarios PLAN`` with ``PLAN`` (written here)
     holding ``scenarios``, each the ``OUT ARGS`` of one :func:`run_helper` call; one start-up of the processes
     instead of one per scenario, each scenario writing its own records. Fails and names a hang as run_helper."""
-    Path(plan).write_text(json.dumps([[str(arg) for arg in scenario] for scenario in scenarios], indent=1))
-    _run([*prefix, str(HELPER), "--scenarios", str(plan)])
+    from benchmarks._lib.launch import write_scenario_plan
+
+    _run([*prefix, str(HELPER), *write_scenario_plan(plan, scenarios)])
 
 
 def run_helper_here(out: Path, *helper_args: str) -> None:
