@@ -323,37 +323,49 @@ def _launch_groups(args, runs: list[tuple[str, dict]]) -> list[list[tuple[str, d
     return groups
 
 
-def _launch(args, runs: list[dict], limit: int) -> dict:
-    """Run the workers of ``runs`` (one config and process count) in one launch under ``limit`` seconds, several
-    as a scenario plan; ``{"rc", "wall_s", "log_tail"}``."""
+def _start_launch(args, runs: list[dict], limit: int) -> dict:
+    """Start the workers of ``runs`` (one config and process count) in one launch, several as a scenario plan, its
+    output into ``<out>/runs/<runs>.log``; what :func:`_finish_launch` waits for."""
     run, label = runs[0], "+".join(r["run"] for r in runs)
+    folder = Path(args.out) / "runs"
+    folder.mkdir(parents=True, exist_ok=True)
     flags = _worker_flags(args, run)
     if len(runs) > 1:
-        plan = Path(args.out) / "runs" / f"{label}.json"
-        plan.parent.mkdir(parents=True, exist_ok=True)
-        flags = write_scenario_plan(plan, [_worker_flags(args, r) for r in runs])
+        flags = write_scenario_plan(folder / f"{label}.json", [_worker_flags(args, r) for r in runs])
     if run["processes"] == 1:
         cmd = [sys.executable, "-m", "benchmarks.fsdp_scale", *flags]
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS[run["config"]]),
                "--num_processes", str(run["processes"]), "--main_process_port", str(29500 + os.getpid() % 1000),
                "--module", "benchmarks.fsdp_scale", *flags]
-    start = time.perf_counter()
+    log = folder / f"{label}.log"
+    with open(log, "w") as output:  # the child holds its own copy of the file
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_worker_env(args, dict(os.environ)), stdout=output,
+                                stderr=subprocess.STDOUT, text=True)
+    return {"proc": proc, "label": label, "log": log, "limit": limit, "start": time.perf_counter()}
+
+
+def _finish_launch(started: dict) -> dict:
+    """Wait for a :func:`_start_launch` until its limit (counted from its start; then it is killed):
+    ``{"rc", "wall_s", "log_tail"}``."""
+    proc, limit = started["proc"], started["limit"]
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=_worker_env(args, dict(os.environ)), capture_output=True, text=True,
-                              timeout=limit)
-        rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-4000:]
-    except subprocess.TimeoutExpired as err:
-        rc, tail = 124, f"timed out after {limit} s: {str(err.stderr)[-3000:]}"
-    print(f"[{NAME}] {label}: rc {rc} in {time.perf_counter() - start:.0f} s", flush=True)
+        rc = proc.wait(timeout=max(0.0, limit - (time.perf_counter() - started["start"])))
+        tail = started["log"].read_text()[-4000:]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        rc, tail = 124, f"timed out after {limit} s: {started['log'].read_text()[-3000:]}"
+    wall = time.perf_counter() - started["start"]
+    print(f"[{NAME}] {started['label']}: rc {rc} in {wall:.0f} s", flush=True)
     if rc != 0:
         print(tail, flush=True)
-    return {"rc": rc, "wall_s": time.perf_counter() - start, "log_tail": tail if rc != 0 else None}
+    return {"rc": rc, "wall_s": wall, "log_tail": tail if rc != 0 else None}
 
 
 def _train_here(args, run: dict) -> dict:
     """A 1-process ``--smoke`` run trained in this process (CPU: no second start of Python and torch; the worker's
-    environment set here first, its output kept as a launch's); the record of :func:`_launch`."""
+    environment set here first, its output kept as a launch's); the record of :func:`_finish_launch`."""
     os.environ.update(_worker_env(args, dict(os.environ)))
     output, start = io.StringIO(), time.perf_counter()
     try:
@@ -526,6 +538,17 @@ def _int_ranks(results: dict) -> dict:
     return results
 
 
+def _record_group(args, results: dict, group: list[tuple[str, dict]], launch: dict) -> None:
+    """Put the records of ``group``'s runs and their launch into ``results`` (by piece)."""
+    for piece, run in group:
+        found = _read_run(args, run)
+        if piece == "equality":
+            results.setdefault("equality", {})[run["run"]] = found
+            results["equality"].setdefault("launches", {})[run["run"]] = launch
+        else:
+            results[piece] = {"launch": launch, "arms": found, "run": run}
+
+
 def orchestrate(args) -> int:
     """Run the requested pieces in order; rewrite ``<out>/<result_name>.json`` after each."""
     from bloggap_plugin.results import format_text_table
@@ -543,26 +566,25 @@ def orchestrate(args) -> int:
 
         load_model("smollm2")  # the dense SmolLM2 copy is cached before two processes load it at once
     runs = _piece_runs(args)
-    deadline = time.monotonic() + args.budget
+    deadline, running = time.monotonic() + args.budget, None  # running: (group, started launch)
     for group in _launch_groups(args, [(piece, run) for piece in pieces for run in runs[piece]]):
+        here = args.smoke and group[0][1]["processes"] == 1  # trains here while a started launch runs
+        if running is not None and not here:
+            _record_group(args, results, running[0], _finish_launch(running[1]))
+            _document(args, results).write(path)
+            running = None
         left = deadline - time.monotonic()
         if left < 60:
             for _, run in group:
                 print(f"[{NAME}] {run['run']}: skipped, {left:.0f} s of the budget left", flush=True)
             continue
-        group_runs = [run for _, run in group]
-        if args.smoke and group_runs[0]["processes"] == 1:
-            launch = _train_here(args, group_runs[0])
-        else:
-            launch = _launch(args, group_runs, int(min(args.limit * len(group), left)))
-        for piece, run in group:
-            found = _read_run(args, run)
-            if piece == "equality":
-                results.setdefault("equality", {})[run["run"]] = found
-                results["equality"].setdefault("launches", {})[run["run"]] = launch
-            else:
-                results[piece] = {"launch": launch, "arms": found, "run": run}
+        if not here:
+            running = (group, _start_launch(args, [run for _, run in group], int(min(args.limit * len(group), left))))
+            continue
+        _record_group(args, results, group, _train_here(args, group[0][1]))
         _document(args, results).write(path)
+    if running is not None:
+        _record_group(args, results, running[0], _finish_launch(running[1]))
     document = _document(args, results)
     document.write(path)
     for table in document.tables:
