@@ -37,6 +37,8 @@ def test_the_pattern_finds_what_it_must():
     assert MACHINE_PATH.findall("wrote /root/out/r/x.json and /work/main/recipes/a.yaml") == [
         "/root/out/r/x.json", "/work/main/recipes/a.yaml"]
     assert MACHINE_PATH.findall("<vllm-cache>/torch_compile_cache $OUT/r/x.json recipes/arm_A.yaml 1/tmp") == []
+    # at the start of the text, after a word character or a dot, after another slash
+    assert MACHINE_PATH.findall("/tmp/a x/tmp/b ./tmp/c .//tmp/d") == ["/tmp/a", "/tmp/d"]
 
 
 @pytest.mark.skipif(not RESULTS.is_dir(), reason="no committed results")
