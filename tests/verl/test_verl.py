@@ -707,8 +707,8 @@ def test_recipes_compose_against_verls_hydra_config():
 
 
 def test_the_tests_verl_config_is_what_hydra_composes_from_verls_files():
-    """compose_ppo_trainer (tests/_support/verl_config.py, which parses each of verl's YAML files once per session)
-    gives the config Hydra composes reading every file, twice in a row (the second from the kept parse)."""
+    """compose_ppo_trainer (tests/_support/verl_config.py, which loads each of verl's config files once per
+    session) gives the config Hydra composes reading every file, twice in a row (the second from the kept loads)."""
     import yaml
     from hydra import compose, initialize_config_dir
 
