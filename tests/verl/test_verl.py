@@ -721,6 +721,27 @@ def test_the_tests_verl_config_is_what_hydra_composes_from_verls_files():
         assert OmegaConf.to_container(compose_ppo_trainer(overrides)) == plain
 
 
+def test_the_kept_config_loads_follow_a_changed_file(tmp_path):
+    """A config file whose text changed is loaded again; changing a composed config changes no later compose."""
+    from _support.verl_config import _loads_kept
+    from hydra import compose, initialize_config_dir
+
+    (tmp_path / "group").mkdir()
+    (tmp_path / "main.yaml").write_text("defaults:\n  - group: a\n  - _self_\nx: 1\n")
+    (tmp_path / "group" / "a.yaml").write_text("y: 2\n")
+
+    def composed():
+        with _loads_kept(), initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+            return compose(config_name="main")
+
+    first = composed()
+    assert OmegaConf.to_container(first) == {"x": 1, "group": {"y": 2}}
+    first.group.y = 5
+    assert composed().group.y == 2
+    (tmp_path / "group" / "a.yaml").write_text("y: 3\n")
+    assert OmegaConf.to_container(composed()) == {"x": 1, "group": {"y": 3}}
+
+
 # ------------------------------------------------------------------------------------------------ differential
 # With untruncated sampling the plugin lifts nothing, so its wrapped compute_rollout_correction_and_add_to_batch must
 # give bit-identical tensors and rollout_corr/* metrics to verl's own function, over every preset and option.
