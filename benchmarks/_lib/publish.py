@@ -22,7 +22,7 @@ MACHINE_PATHS = (
 )
 """(path on the GPU machine, what a committed file says instead); the model's path is added per call."""
 MACHINE_PATH = re.compile(
-    r"/(?<![\w.<$]/)(?:tmp|root|work|opt|home|usr/lib/python\d|usr/local/lib/python\d)/[^\s\"'<>)]*")
+    r"/(?<![\w.<$]/)(?:tmp|root|work|opt|home|usr/lib/python\d[\d.]*|usr/local/lib/python\d[\d.]*)/[^\s\"'<>)]*")
 """What no committed result may hold: an absolute path into a machine's temporary, home, checkout or install
 folders (a placeholder such as ``$OUT/`` or ``<vllm-cache>/`` before it does not count). The look-behind sits
 after the leading ``/`` so the pattern starts with a literal, which ``re`` scans for quickly in megabytes of logs."""

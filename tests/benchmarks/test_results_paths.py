@@ -39,6 +39,9 @@ def test_the_pattern_finds_what_it_must():
     assert MACHINE_PATH.findall("<vllm-cache>/torch_compile_cache $OUT/r/x.json recipes/arm_A.yaml 1/tmp") == []
     # at the start of the text, after a word character or a dot, after another slash
     assert MACHINE_PATH.findall("/tmp/a x/tmp/b ./tmp/c .//tmp/d") == ["/tmp/a", "/tmp/d"]
+    # an install path of any Python version (MACHINE_PATHS names /usr/lib/python3.12/ and its site-packages)
+    assert MACHINE_PATH.findall("in /usr/lib/python3.12/site-packages/trl/x.py and /usr/local/lib/python3/y") == [
+        "/usr/lib/python3.12/site-packages/trl/x.py", "/usr/local/lib/python3/y"]
 
 
 @pytest.mark.skipif(not RESULTS.is_dir(), reason="no committed results")
