@@ -338,7 +338,7 @@ def cmd_phase(args) -> None:
 
     from bloggap_plugin.core.vllm.kernels import vllm_batch_invariant_active
     from bloggap_plugin.envinfo import environment_record
-    from bloggap_plugin.trl.vllm_colocate import engine_model_runner
+    from bloggap_plugin.trl.colocate_reads import engine_model_runner
 
     device = torch.device("cuda")
     work = Path(args.work)

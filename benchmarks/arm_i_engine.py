@@ -92,7 +92,7 @@ def cmd_variant(args) -> None:
 
     from bloggap_plugin.core.plans import make_plan
     from bloggap_plugin.envinfo import environment_record
-    from bloggap_plugin.trl.vllm_colocate import engine_model_runner
+    from bloggap_plugin.trl.colocate_reads import engine_model_runner
 
     device = torch.device("cuda")
     entry: dict = {"engine_kwargs": VARIANTS[args.variant]}

@@ -171,7 +171,7 @@ def _dump_generations(trainer, path: str, limit: int) -> None:
     ``path`` (a ``torch.save`` dict), for locating where arm I and the sampler differ."""
     import torch
 
-    from bloggap_plugin.trl.vllm_colocate import colocate_engine_setting
+    from bloggap_plugin.trl.colocate_reads import colocate_engine_setting
 
     saved: dict = {"engine": {name: colocate_engine_setting(trainer, name)
                               for name in ("enforce_eager", "enable_prefix_caching", "dtype", "max_num_seqs",

@@ -234,7 +234,8 @@ class GapSession:
         """Refuse (``RecipeError``) a generation whose prompts the colocate engine prefilled in more than one step
         (:func:`~bloggap_plugin.trl.vllm_colocate.prefill_refusal`); an engine whose budget cannot be read passes."""
         from bloggap_plugin.recipes import RecipeError
-        from bloggap_plugin.trl.vllm_colocate import colocate_engine_setting, prefill_refusal
+        from bloggap_plugin.trl.colocate_reads import colocate_engine_setting
+        from bloggap_plugin.trl.vllm_colocate import prefill_refusal
 
         budget = colocate_engine_setting(self.trainer, "max_num_batched_tokens")
         refusal = prefill_refusal(int(output["prompt_mask"].sum()), budget, self.state.arm.letter)

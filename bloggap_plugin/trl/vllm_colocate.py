@@ -25,18 +25,17 @@ from typing import Any
 
 import torch
 
-from bloggap_plugin.trl.colocate_reads import (  # noqa: F401 - re-exported: where callers import them
+from bloggap_plugin.trl.colocate_reads import (
     colocate_engine,
     colocate_engine_setting,
     colocate_model_runner,
-    engine_model_runner,
     trl_sampling_args,
 )
 
 __all__ = ["vllm_colocate_dtype", "vllm_colocate_engine", "colocate_engine_dtype", "engine_kwargs_from_env", "KV_CACHE_ENV",
-           "engine_kwargs_for", "colocate_engine_setting", "check_colocate_engine", "BATCH_INVARIANT_ENV",
+           "engine_kwargs_for", "check_colocate_engine", "BATCH_INVARIANT_ENV",
            "one_step_prefill_tokens", "prefill_refusal", "ONE_STEP_PREFILL_CAP", "confine_batch_invariance",
-           "own_batch_invariance_env", "BATCH_INVARIANCE_SCOPE_ENV", "check_engine_vllm", "trl_sampling_args",
+           "own_batch_invariance_env", "BATCH_INVARIANCE_SCOPE_ENV", "check_engine_vllm",
            "trl_colocate_llm_kwargs", "trl_colocate_sampling_kwargs", "colocate_process_env"]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -436,7 +436,8 @@ def test_arm_i_logprobs_piece_must_match_the_engines_model_runner(monkeypatch):
     (``logprobs=log_softmax``). Attaching arm I with the piece of the other runner is refused, naming the piece."""
     import bloggap_plugin.core.vllm.kernels as vllm_kernels
     from bloggap_plugin.recipes import GapConfig
-    from bloggap_plugin.trl.vllm_colocate import check_colocate_engine, colocate_model_runner
+    from bloggap_plugin.trl.colocate_reads import colocate_model_runner
+    from bloggap_plugin.trl.vllm_colocate import check_colocate_engine
 
     monkeypatch.setattr(vllm_kernels, "vllm_batch_invariant_active", lambda: True)
     v1 = _engine_trainer(**GRAPHS_ENGINE, v2=False)
