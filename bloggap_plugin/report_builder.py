@@ -610,12 +610,13 @@ def _cited_row(row: dict, results: dict, where: str):
 
 
 def _cited_cell(row: dict, results: dict, where: str):
+    """``(result path, the number, table, table row)`` of the cell ``row`` names (``ReportError`` if not a number)."""
     path, table, found = _cited_row(row, results, where)
     value = found[table["columns"].index(row["column"])]
     if not is_number(value):
         raise ReportError(f"{where}: table {row['table']}, row {row['row']!r}, column {row['column']!r} holds "
                           f"{format_cell(value)!r}, not a number")
-    return path, value
+    return path, value, table, found
 
 
 def render_headline(spec: list[dict], results: dict, benchmarks_link: str = "BENCHMARKS.md") -> list[str]:
@@ -627,7 +628,7 @@ def render_headline(spec: list[dict], results: dict, benchmarks_link: str = "BEN
     lines = ["| situation | arm | headline number | table |" + (" step x arm A |" if with_cost else ""),
              "|---|---|---|---|" + ("---|" if with_cost else "")]
     for index, row in enumerate(spec):
-        path, value = _cited_cell(row, results, f"headline rows[{index}]")
+        path, value, _, _ = _cited_cell(row, results, f"headline rows[{index}]")
         number = f"**{format_cell(value)}{markdown_text(row.get('unit', ''))}**"
         cited = f"[{markdown_text(row['table'])}]({benchmarks_link}#{anchors[path]})"
         cells = [markdown_text(row["situation"]), markdown_text(row["arm"]), f"{markdown_text(row['says'])} {number}",
@@ -645,19 +646,16 @@ def _cost_cell(cells: list | None, results: dict, anchors: dict, benchmarks_link
         return "–"
     parts, links = [], {}
     for index, cell in enumerate(cells):
-        path, value = _cited_cell(cell, results, f"{where}: cost[{index}]")
+        path, value, table, found = _cited_cell(cell, results, f"{where}: cost[{index}]")
         parts.append(f"{markdown_text(cell['label'])} {format_cell(value)}x"
-                     + _runs_text(cell, results, f"{where}: cost[{index}]"))
+                     + _runs_text(cell, table, found, f"{where}: cost[{index}]"))
         links.setdefault(cell["table"], f"[{markdown_text(cell['table'])}]({benchmarks_link}#{anchors[path]})")
     return f"{', '.join(parts)} ({', '.join(links.values())})"
 
 
-def _runs_text(cell: dict, results: dict, where: str) -> str:
-    """`` (runs SPREAD, N runs)`` from the cell's ``spread`` and ``runs`` columns of its row (either alone: that part);
-    ``""`` where it names neither."""
-    if "spread" not in cell and "runs" not in cell:
-        return ""
-    _, table, found = _cited_row(cell, results, where)
+def _runs_text(cell: dict, table: dict, found: list, where: str) -> str:
+    """`` (runs SPREAD, N runs)`` from the cell's ``spread`` and ``runs`` columns of its table row ``found`` (either
+    alone: that part); ``""`` where it names neither."""
     said = []
     for key in ("spread", "runs"):
         if key in cell and cell[key] not in table["columns"]:
@@ -671,7 +669,7 @@ def _runs_text(cell: dict, results: dict, where: str) -> str:
                               f"multiple is quoted from at least {MIN_RUNS} interleaved runs (cite a table that has "
                               "them, or leave the cell out)")
         said.append(f"{format_cell(runs)} runs")
-    return f" ({', '.join(said)})"
+    return f" ({', '.join(said)})" if said else ""
 
 
 def _section_anchors(results: dict) -> dict:
