@@ -145,7 +145,7 @@ def format_vllm_column(record: dict | None) -> str | None:
         return None
     if "absent" in record:
         return f"vLLM sampler column: absent ({record['absent']})"
-    from bloggap_plugin.core.recommend import ARM_I_ENGINE_MODE
+    from bloggap_plugin.core.recommend import arm_i_engine_note
 
     sampler = record.get("sampler", {})
     lines = [f"vLLM sampler column (vLLM {sampler.get('vllm', '?')}, engine built as TRL's colocate engine, dtype "
@@ -163,8 +163,7 @@ def format_vllm_column(record: dict | None) -> str | None:
     arm_i = record.get("arm_i", {})
     if "cell" in arm_i:
         lines.append(f"  arm I's form (pieces {arm_i['pieces']}, one batch): {shares(arm_i['cell'])}"
-                     + (f"; the engine ran without {ARM_I_ENGINE_MODE}" if sampler.get("batch_invariant") is False
-                        else ""))
+                     + arm_i_engine_note(sampler))
     elif arm_i.get("absent"):
         lines.append(f"  arm I's form: absent ({arm_i['absent']})")
     return "\n".join(lines)

@@ -227,6 +227,13 @@ ARM_I_ENGINE_MODE = "vLLM's batch-invariant mode, which arm I's own engine runs 
 """What the vLLM sampler column names where its engine ran without that mode (the record's ``sampler.batch_invariant``
 is ``False``): arm I's form scored against such an engine is not arm I's sampler gap."""
 
+
+def arm_i_engine_note(sampler: Mapping) -> str:
+    """``"; the engine ran without <ARM_I_ENGINE_MODE>"`` where the column's sampler record says its engine ran without
+    vLLM's batch-invariant mode (``batch_invariant`` is ``False``), else ``""``: the clause the printed column and the
+    DOCTOR-vllm table add to arm I's row."""
+    return f"; the engine ran without {ARM_I_ENGINE_MODE}" if sampler.get("batch_invariant") is False else ""
+
 ARM_TRAINER_DTYPE = {"A": "bf16", "B": "fp32", "H": "fp16", None: "bf16"}
 """The dtype whose scoring gives an arm's old log-probs (``None``: no arm, TRL's bf16 default)."""
 

@@ -199,7 +199,7 @@ def column_record(cells: list[dict] | None, absent: str | None, sampler: dict | 
 def column_table(record: dict, model: str) -> dict:
     """The DOCTOR-vllm report table of a ``vllm_sampler`` record: per scoring (dtype/attention), out of band % and
     bitwise % of the tokens (``None`` where skipped); no rows, and the reason in the notes, where absent."""
-    from bloggap_plugin.core.recommend import ARM_I_ENGINE_MODE
+    from bloggap_plugin.core.recommend import arm_i_engine_note
 
     rows, notes = [], f"absent: {record['absent']}" if "absent" in record else ""
     for c in record.get("cells", []):
@@ -218,8 +218,7 @@ def column_table(record: dict, model: str) -> dict:
                  "its processed log-prob of each sampled token vs each scoring at batch 1: share of tokens with "
                  "exp(trainer - sampler) outside the band, and share bit for bit equal; arm I's form scores every row "
                  "in one batch" + (f" (absent: {arm_i['absent']})" if "absent" in arm_i else "")
-                 + (f"; the engine ran without {ARM_I_ENGINE_MODE}" if sampler.get("batch_invariant") is False
-                    else "") + ".")
+                 + arm_i_engine_note(sampler) + ".")
     return {"id": "DOCTOR-vllm", "title": "bloggap doctor: vLLM sampler vs each scoring, OOB% and bitwise%",
             "columns": ["scoring", "out of band %", "bitwise %", "tokens"], "rows": rows, "notes": notes,
             "reference": None, "random_init": model.startswith("tiny-random-"), "plot": False}
