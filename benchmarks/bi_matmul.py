@@ -40,13 +40,18 @@ CONFIGS: dict[str, dict[str, int]] = {
     "m64n128w4s4": VLLM_BF16 | {"BLOCK_SIZE_M": 64, "num_warps": 4, "num_stages": 4},
     "m64n64w4s4": VLLM_BF16 | {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "num_warps": 4, "num_stages": 4},
     "m64n256w8s3": VLLM_BF16 | {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 256},
+    "m64n32w4s4": VLLM_BF16 | {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 32, "num_warps": 4, "num_stages": 4},
+    "m64n16w4s4": VLLM_BF16 | {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 16, "num_warps": 4, "num_stages": 4},
+    "m32n32w4s4": VLLM_BF16 | {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 32, "num_warps": 4, "num_stages": 4},
     "k32": VLLM_BF16 | {"BLOCK_SIZE_K": 32, "num_stages": 4},
 }
 """Configurations of ``matmul_kernel_persistent`` tried, by name. ``k32`` changes the K step, so it is expected to
-differ from vLLM's bits (a control that the comparison can fail)."""
+differ from vLLM's bits (a control that the comparison can fail). Narrow N tiles give a decode batch's few rows more
+programs (vLLM's 128-wide tiles leave most SMs idle at N = 2048); tiles below 64 rows may compile to another MMA
+instruction than vLLM's."""
 
-DEFAULT_ROWS = (1, 8, 32, 64, 256, 1024, 3584, 8192)
-"""Row counts M: decode batches (1-64), a prefill, a training step's tokens (3584 = 112 rows x 32 tokens)."""
+DEFAULT_ROWS = (1, 32, 128, 512, 3584, 8192)
+"""Row counts M: decode batches (1, 32, 128), a prefill, a training step's tokens (3584 = 112 rows x 32 tokens)."""
 
 
 def linear_shapes(shape: str) -> list[tuple[str, int, int, int]]:
