@@ -86,7 +86,9 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, sampling_mask: st
     :func:`one_step_prefill_tokens` of the call's ``max_num_seqs`` and ``max_model_len`` (the model config's
     ``max_position_embeddings`` when the call passes none), so that a generation's prompts are prefilled in one
     step. Restores TRL's ``LLM`` on exit. The engine keeps a record of torch's matmul settings from before its
-    start-up, which :func:`confine_batch_invariance` restores for the trainer. ``sampling_mask`` (``"auto"`` or
+    start-up, which :func:`confine_batch_invariance` restores for the trainer. A tile table named by
+    :data:`~bloggap_plugin.core.vllm.tiles.TILES_ENV` is installed before the engine starts
+    (:func:`install_tiles_from_env`). ``sampling_mask`` (``"auto"`` or
     ``"required"``) asks vLLM for each token's sampling mask (``return_sampling_mask=True``, ``gap.kept_source``):
     under ``auto`` an engine whose vLLM refuses it is built without, and the refusal is kept on the ``LLM``.
     """
@@ -109,9 +111,11 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, sampling_mask: st
         if prefill_in_one_step:
             _prefill_in_one_step(args, kwargs)
         plain = _matmul_settings()  # before the engine's start-up changes them (batch-invariant mode)
+        tiles = install_tiles_from_env()  # before the engine captures its kernels
         llm, refused = _build_with_sampling_mask(original, args, kwargs, sampling_mask)
         with contextlib.suppress(AttributeError, TypeError):  # an object that takes no attributes: no record
             llm._bloggap_plain_matmul = plain
+            llm._bloggap_matmul_tiles = tiles
             if refused is not None:
                 llm._bloggap_sampling_mask_refused = refused
         return llm
@@ -122,6 +126,31 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, sampling_mask: st
         yield
     finally:
         vllm_generation.LLM = original
+
+
+def install_tiles_from_env(environ: dict | None = None) -> str | None:
+    """Install the tile table :data:`~bloggap_plugin.core.vllm.tiles.TILES_ENV` names
+    (:func:`~bloggap_plugin.core.vllm.tiles.install_tiles`) in this process's vLLM batch-invariant module, for the
+    colocated engine and the arm's vLLM-form passes alike; returns the path, or ``None`` where the variable is unset.
+    A table that cannot be used (unreadable, measured on another GPU, no batch-invariant module in this vLLM) is a
+    :class:`~bloggap_plugin.core.vllm.tiles.TilesError` naming the fix."""
+    import torch
+
+    from bloggap_plugin.core.vllm import kernels
+    from bloggap_plugin.core.vllm.tiles import TILES_ENV, TilesError, install_tiles, load_tiles
+    from bloggap_plugin.core.vllm.versions import form_install_hint
+
+    path = (os.environ if environ is None else environ).get(TILES_ENV, "").strip()
+    if not path:
+        return None
+    module = kernels._batch_invariant_module()
+    if module is None or not hasattr(module, "matmul_kernel_persistent"):
+        version = kernels.vllm_layout()[0]
+        raise TilesError(f"{TILES_ENV}={path}: this process's vLLM ({version or 'not importable'}) has no "
+                         f"batch-invariant matmul the plugin has read: {form_install_hint()}, or unset the variable")
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    install_tiles(module, load_tiles(path, gpu=gpu))
+    return path
 
 
 _REPLAY_REFUSAL = "sampling distribution replay"

@@ -537,3 +537,54 @@ def test_arm_is_one_step_prefill_budget_is_capped_and_the_cap_is_what_attach_exp
     config.scheduler_config = types.SimpleNamespace(max_num_batched_tokens=ONE_STEP_PREFILL_CAP, max_num_seqs=32)
     config.model_config.max_model_len = 32768
     check_colocate_engine(trainer, GapConfig(arm="I", positions="mask"))
+
+
+def _fake_batch_invariant_module():
+    def matmul_persistent(a, b, bias=None):
+        return a @ b
+
+    return types.SimpleNamespace(matmul_persistent=matmul_persistent, matmul_kernel_persistent=object())
+
+
+def test_the_tile_table_is_installed_before_the_engine_is_built(fake_llm, monkeypatch, tmp_path):
+    from bloggap_plugin.core.vllm import kernels, tiles
+    from bloggap_plugin.trl.vllm_colocate import vllm_colocate_engine
+
+    module, _, calls = fake_llm
+    bi = _fake_batch_invariant_module()
+    vllm_own = bi.matmul_persistent
+    monkeypatch.setattr(kernels, "_batch_invariant_module", lambda: bi)
+    table = {(48, 40): tiles.ShapeTiles(64, ((1, tiles.TileShape(64, 32, 4, 4)),))}
+    path = tmp_path / "tiles.json"
+    path.write_text(tiles.dump_tiles(table))  # no "gpu": this CPU process has no GPU name to check it against
+    seen = []
+    monkeypatch.setattr(module, "LLM", lambda *a, **k: seen.append(bi.matmul_persistent) or types.SimpleNamespace())
+    monkeypatch.setenv(tiles.TILES_ENV, str(path))
+    try:
+        with vllm_colocate_engine():
+            llm = module.LLM(model="m")
+        assert seen[0] is not vllm_own and seen[0].__wrapped__ is vllm_own  # in place when the engine started
+        assert tiles.installed_tiles(bi) == table and llm._bloggap_matmul_tiles == str(path)
+    finally:
+        bi.matmul_persistent = vllm_own
+        tiles._INSTALLED.pop(id(bi), None)
+    monkeypatch.delenv(tiles.TILES_ENV)
+    with vllm_colocate_engine():
+        llm = module.LLM(model="m")
+    assert bi.matmul_persistent is vllm_own and llm._bloggap_matmul_tiles is None and calls == []
+
+
+def test_an_unusable_tile_table_stops_the_engine_before_it_starts(fake_llm, monkeypatch, tmp_path):
+    from bloggap_plugin.core.vllm import kernels, tiles
+    from bloggap_plugin.trl.vllm_colocate import vllm_colocate_engine
+
+    module, _, calls = fake_llm
+    monkeypatch.setenv(tiles.TILES_ENV, str(tmp_path / "absent.json"))
+    monkeypatch.setattr(kernels, "_batch_invariant_module", lambda: _fake_batch_invariant_module())
+    with pytest.raises(tiles.TilesError, match="absent.json: cannot read it"), vllm_colocate_engine():
+        module.LLM(model="m")
+    monkeypatch.setattr(kernels, "_batch_invariant_module", lambda: None)
+    with pytest.raises(tiles.TilesError, match="has no batch-invariant matmul the plugin has read: pip install vllm=="), \
+            vllm_colocate_engine():
+        module.LLM(model="m")
+    assert calls == []
