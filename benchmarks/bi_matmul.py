@@ -1,27 +1,31 @@
 """Harness (issue 44 item 3): vLLM's batch-invariant persistent matmul under other tile configurations, on one GPU.
 
-    python -m benchmarks.bi_matmul run --shape llama-1.56b-v49k [--shape ...] --out FILE [--revision R]
+    python -m benchmarks.bi_matmul run --shape llama-1.56b-v49k [--shape ...] --out FILE [--tiles-out TILES]
 
-Arms I and J compute every linear layer with vLLM's ``matmul_kernel_persistent`` (Triton) at the one configuration
-``matmul_persistent`` gives bf16 (:data:`VLLM_BF16`). Each output element is an fp32 sum over K in steps of
-``BLOCK_SIZE_K``, so a configuration that keeps ``BLOCK_SIZE_K`` and changes only the tile's M and N widths, the
-warps or the pipeline stages may give the same bits at another speed; only a measurement says whether it does.
-For every linear layer of each shape (merged QKV, O, merged gate/up, down, LM head; ``(N, K)`` from the shape's
-config) and every row count M of ``--rows``, each configuration of :data:`CONFIGS` runs the same kernel on the same
-random bf16 operands (the weight transposed, as ``linear_batch_invariant`` passes it) and is compared bit for bit
-with vLLM's own ``matmul_persistent``; cuBLAS (``F.linear``) is timed and compared beside them. Device time is
-taken from CUDA-graph replays of ``--reps`` calls (no host launch cost in it). Per configuration the table gives the
-share of (layer, M) cases it matches bit for bit and the device time of one model forward's linears at each M
-(the per-layer sum times the layer count, plus the LM head) as a multiple of vLLM's configuration's.
+Arms I and J compute every linear layer with vLLM's ``matmul_kernel_persistent`` (Triton), which vLLM 0.26 launches
+at one configuration for bf16 (:data:`VLLM_BF16`). Each output element is an fp32 sum over K in ``BLOCK_SIZE_K``
+steps, so configurations that share ``BLOCK_SIZE_K`` (a *family*) may give a row the same bits whatever the tile's
+other sizes and the number of rows in the call (vLLM 0.31 relies on this for its tuned shapes); only a measurement
+says whether they do on this GPU. For every linear layer of each shape (merged QKV, O, merged gate/up, down, LM head;
+``(N, K)`` from the shape's config) one random bf16 input of the largest row count is drawn; the family's reference
+(vLLM's own ``matmul_persistent`` for ``BLOCK_SIZE_K`` 64, the family's first configuration otherwise) computes all
+its rows at once, and every configuration computes the first M rows for each M of ``--rows`` and is compared bit for
+bit with the reference's first M rows: equal at every M means the configuration can serve any row count of that
+shape beside the others of its family. cuBLAS (``F.linear``) is timed and compared beside them. Device time is
+taken from CUDA-graph replays of ``--reps`` calls (no host launch cost in it).
 
-A harness result: the product does not use any configuration but vLLM's until one is adopted and measured through
-``bloggap train``.
+Table T25: per configuration the cases (layer, M) bit-identical to its family's reference, and the device time of
+one forward's linears at each M (per-call time x calls per forward, summed; the LM head once) as a multiple of
+vLLM's configuration's. ``--tiles-out`` writes the tile table (:mod:`bloggap_plugin.core.vllm.tiles`) of
+:func:`derive_tiles`, which ``BLOGGAP_VLLM_MATMUL_TILES`` installs for arms I and J. A harness result until a
+``bloggap train`` run with that table measures it.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,27 +35,46 @@ VLLM_BF16 = {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROU
              "num_warps": 8}
 """``matmul_persistent``'s bf16 configuration (vLLM 0.26 ``model_executor/layers/batch_invariant.py``)."""
 
+
+def _config(m: int, n: int, k: int, warps: int, stages: int) -> dict[str, int]:
+    return {"BLOCK_SIZE_M": m, "BLOCK_SIZE_N": n, "BLOCK_SIZE_K": k, "GROUP_SIZE_M": 8, "num_warps": warps,
+            "num_stages": stages}
+
+
 CONFIGS: dict[str, dict[str, int]] = {
     "vllm": VLLM_BF16,
-    "m128n128s4": VLLM_BF16 | {"num_stages": 4},
-    "m128n256s3": VLLM_BF16 | {"BLOCK_SIZE_N": 256},
-    "m128n128w4": VLLM_BF16 | {"num_warps": 4},
-    "m128n64w4s4": VLLM_BF16 | {"BLOCK_SIZE_N": 64, "num_warps": 4, "num_stages": 4},
-    "m64n128w4s4": VLLM_BF16 | {"BLOCK_SIZE_M": 64, "num_warps": 4, "num_stages": 4},
-    "m64n64w4s4": VLLM_BF16 | {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 64, "num_warps": 4, "num_stages": 4},
-    "m64n256w8s3": VLLM_BF16 | {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 256},
-    "m64n32w4s4": VLLM_BF16 | {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 32, "num_warps": 4, "num_stages": 4},
-    "m64n16w4s4": VLLM_BF16 | {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 16, "num_warps": 4, "num_stages": 4},
-    "m32n32w4s4": VLLM_BF16 | {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 32, "num_warps": 4, "num_stages": 4},
-    "k32": VLLM_BF16 | {"BLOCK_SIZE_K": 32, "num_stages": 4},
+    "m128n128s4": _config(128, 128, 64, 8, 4),
+    "m128n256s3": _config(128, 256, 64, 8, 3),
+    "m128n64w4s4": _config(128, 64, 64, 4, 4),
+    "m64n128w4s4": _config(64, 128, 64, 4, 4),
+    "m64n64w4s4": _config(64, 64, 64, 4, 4),
+    "m64n32w4s4": _config(64, 32, 64, 4, 4),
+    "m32n64w4s4": _config(32, 64, 64, 4, 4),
+    "m16n64w4s4": _config(16, 64, 64, 4, 4),
+    "m16n128w4s4": _config(16, 128, 64, 4, 4),
+    "k128m128n128w8s3": _config(128, 128, 128, 8, 3),
+    "k128m128n256w8s2": _config(128, 256, 128, 8, 2),
+    "k128m64n128w4s3": _config(64, 128, 128, 4, 3),
+    "k128m64n64w4s4": _config(64, 64, 128, 4, 4),
+    "k128m32n64w8s5": _config(32, 64, 128, 8, 5),
+    "k128m16n64w4s4": _config(16, 64, 128, 4, 4),
+    "k32": _config(128, 128, 32, 8, 4),
 }
-"""Configurations of ``matmul_kernel_persistent`` tried, by name. ``k32`` changes the K step, so it is expected to
-differ from vLLM's bits (a control that the comparison can fail). Narrow N tiles give a decode batch's few rows more
-programs (vLLM's 128-wide tiles leave most SMs idle at N = 2048); tiles below 64 rows may compile to another MMA
-instruction than vLLM's."""
+"""Configurations of ``matmul_kernel_persistent`` tried, by name; the first of each ``BLOCK_SIZE_K`` is its family's
+reference (``vllm`` for 64). Tiles of 16-32 rows are what vLLM 0.31's tuned Hopper table uses for decode batches;
+they may compile to another MMA instruction than 64-row tiles, which the comparison shows. A reference is compared
+with itself over all rows (its own batch invariance); cuBLAS, with vLLM's (the control expected to differ)."""
 
 DEFAULT_ROWS = (1, 32, 128, 512, 3584, 8192)
 """Row counts M: decode batches (1, 32, 128), a prefill, a training step's tokens (3584 = 112 rows x 32 tokens)."""
+
+
+def family_references(configs: dict[str, dict[str, int]]) -> dict[int, str]:
+    """``BLOCK_SIZE_K`` -> the name of its family's reference (the first configuration with it)."""
+    references: dict[int, str] = {}
+    for name, config in configs.items():
+        references.setdefault(config["BLOCK_SIZE_K"], name)
+    return references
 
 
 def linear_shapes(shape: str) -> list[tuple[str, int, int, int]]:
@@ -83,18 +106,18 @@ def forward_us(cases: list[dict], config: str, rows: int) -> float | None:
 
 
 def summary_table(results: dict, table_id: str) -> dict:
-    """One row per configuration (cuBLAS last): bit-identical cases / all, and per M the forward's linear time as a
-    multiple of vLLM's configuration's, per shape."""
-    columns = ["shape", "configuration", "bit-identical to vLLM's (cases)"]
-    rows_by_shape = {shape: sorted({c["rows"] for c in cases}) for shape, cases in results["cases"].items()}
-    all_rows = sorted({m for ms in rows_by_shape.values() for m in ms})
-    columns += [f"linears x vLLM's, M={m}" for m in all_rows] + [f"vLLM's linears us, M={m}" for m in all_rows]
+    """One row per configuration and shape (cuBLAS last): bit-identical cases / all, and per M the forward's linear
+    time as a multiple of vLLM's configuration's."""
+    all_rows = sorted({c["rows"] for cases in results["cases"].values() for c in cases})
+    columns = (["shape", "configuration", "BLOCK_SIZE_K", "bit-identical to its family's reference (cases)"]
+               + [f"linears x vLLM's, M={m}" for m in all_rows] + [f"vLLM's linears us, M={m}" for m in all_rows])
     table_rows = []
     for shape, cases in results["cases"].items():
+        base = {m: forward_us(cases, "vllm", m) for m in all_rows}
         for config in [*results["configs"], "cublas"]:
-            same = sum(1 for c in cases if c["equal"].get(config))
-            cells = [shape, config, f"{same}/{len(cases)}"]
-            base = {m: forward_us(cases, "vllm", m) for m in all_rows}
+            same = sum(1 for c in cases if c["equal"][config])
+            block_k = results["config_values"][config]["BLOCK_SIZE_K"] if config != "cublas" else None
+            cells = [shape, config, block_k, f"{same}/{len(cases)}"]
             for m in all_rows:
                 mine = forward_us(cases, config, m)
                 cells.append(None if mine is None or not base[m] else round(mine / base[m], 3))
@@ -103,10 +126,45 @@ def summary_table(results: dict, table_id: str) -> dict:
     return {"id": table_id, "title": "vLLM's batch-invariant matmul under other tile configurations: bits and "
             "device time (harness)", "columns": columns, "rows": table_rows,
             "notes": "Harness (benchmarks.bi_matmul): random bf16 operands, every linear layer of the shape as vLLM "
-                     "merges them; a case is one (layer, M); 'bit-identical' compares each configuration's output "
-                     "with vLLM's matmul_persistent bit for bit; device time from CUDA-graph replays; 'linears x "
-                     "vLLM's' sums per-call time x calls per forward over the layers (LM head once) and divides by "
-                     "the same for vLLM's configuration. cublas is F.linear with torch's default settings."}
+                     "merges them; a case is one (layer, M). Each configuration computes the first M rows of one "
+                     "input and is compared bit for bit with its family's reference (same BLOCK_SIZE_K; vLLM's "
+                     "matmul_persistent for 64) computing all rows at once; cublas (F.linear, torch's default "
+                     "settings) is compared with vLLM's. Device time from CUDA-graph replays; 'linears x vLLM's' "
+                     "sums per-call time x calls per forward over the layers (LM head once) and divides by the same "
+                     "for vLLM's configuration."}
+
+
+def derive_tiles(results: dict) -> dict:
+    """The tile table (``(N, K)`` -> :class:`~bloggap_plugin.core.vllm.tiles.ShapeTiles`) a measurement supports:
+    per weight shape, the family (``BLOCK_SIZE_K``) whose configurations bit-identical to its reference at every M
+    give the least summed time relative to vLLM's (sum over M of fastest / vLLM's), each M a bucket with that
+    family's fastest such configuration. A shape where no family beats vLLM's configuration at any M is left out
+    (vLLM's own launch serves it)."""
+    from bloggap_plugin.core.vllm.tiles import ShapeTiles, TileShape
+
+    table = {}
+    for cases in results["cases"].values():
+        for n, k in sorted({(c["n"], c["k"]) for c in cases}):
+            mine = sorted((c for c in cases if (c["n"], c["k"]) == (n, k)), key=lambda c: c["rows"])
+            best = None
+            for family in sorted({results["config_values"][name]["BLOCK_SIZE_K"] for name in results["configs"]}):
+                names = [name for name in results["configs"]
+                         if results["config_values"][name]["BLOCK_SIZE_K"] == family
+                         and all(c["equal"].get(name) for c in mine)]
+                if not names:
+                    continue
+                picks = [min(names, key=lambda name, c=c: c["us"][name]) for c in mine]
+                score = sum(c["us"][pick] / c["us"]["vllm"] for c, pick in zip(mine, picks, strict=True))
+                if best is None or score < best[0]:
+                    best = (score, family, picks)
+            if best is None or all(pick == "vllm" for pick in best[2]):
+                continue
+            _, family, picks = best
+            buckets = tuple((c["rows"], TileShape(*(results["config_values"][pick][key] for key in (
+                "BLOCK_SIZE_M", "BLOCK_SIZE_N", "num_warps", "num_stages")))) for c, pick in zip(mine, picks,
+                                                                                                  strict=True))
+            table[(n, k)] = ShapeTiles(family, buckets)
+    return table
 
 
 def _kernel_module() -> Any:
@@ -118,27 +176,8 @@ def _kernel_module() -> Any:
     return module
 
 
-def run_config(module: Any, a, b, config: dict[str, int]):
-    """``a @ b`` by vLLM's ``matmul_kernel_persistent`` at ``config`` (``a`` (M, K), ``b`` (K, N), bf16)."""
-    import torch
-    import triton
-
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    m, k = a.shape
-    n = b.shape[1]
-    c = torch.empty((m, n), device=a.device, dtype=a.dtype)
-    grid = (min(sms, triton.cdiv(m, config["BLOCK_SIZE_M"]) * triton.cdiv(n, config["BLOCK_SIZE_N"])),)
-    module.matmul_kernel_persistent[grid](
-        a, b, c, None, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        NUM_SMS=sms, A_LARGE=a.numel() > 2**31, B_LARGE=b.numel() > 2**31, C_LARGE=c.numel() > 2**31,
-        HAS_BIAS=False, **config)
-    return c
-
-
 def graph_us(fn, reps: int) -> float:
     """Device microseconds per call of ``fn`` from a CUDA graph of ``reps`` calls, replayed three times (median)."""
-    import statistics
-
     import torch
 
     fn()
@@ -160,31 +199,40 @@ def graph_us(fn, reps: int) -> float:
 
 
 def measure_shape(module: Any, shape: str, rows: list[int], reps: int, log) -> list[dict]:
-    """Every (layer, M) case of ``shape``: per configuration bit-equality with vLLM's ``matmul_persistent`` and
-    device us per call (cuBLAS as ``cublas``)."""
+    """Every (layer, M) case of ``shape``: per configuration bit-equality of its first-M-rows output with its
+    family's reference over all rows, and device us per call (cuBLAS as ``cublas``, compared with vLLM's)."""
     import torch
     import torch.nn.functional as F
 
+    from bloggap_plugin.core.vllm.tiles import launch
+
     cases = []
+    references = family_references(CONFIGS)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for layer, n, k, count in linear_shapes(shape):
         weight = (torch.randn((n, k), device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
         b = weight.t()
+        full = torch.randn((max(rows), k), device="cuda", generator=gen).to(torch.bfloat16)
+        reference = {block_k: (module.matmul_persistent(full, b) if name == "vllm"
+                               else launch(module.matmul_kernel_persistent, full, b, None, CONFIGS[name]))
+                     for block_k, name in references.items()}
         for m in rows:
-            a = torch.randn((m, k), device="cuda", generator=gen).to(torch.bfloat16)
-            reference = module.matmul_persistent(a, b)
+            a = full[:m].contiguous()
             case = {"layer": layer, "n": n, "k": k, "rows": m, "count": count, "equal": {}, "max_abs_diff": {},
                     "us": {}}
-            runs = {name: functools.partial(run_config, module, a, b, config) for name, config in CONFIGS.items()}
+            runs = {name: functools.partial(launch, module.matmul_kernel_persistent, a, b, None, config)
+                    for name, config in CONFIGS.items()}
             runs["cublas"] = functools.partial(F.linear, a, weight)
             for name, fn in runs.items():
                 out = fn()
-                case["equal"][name] = bool(torch.equal(out, reference))
-                case["max_abs_diff"][name] = float((out.float() - reference.float()).abs().max())
+                expected = reference[CONFIGS[name]["BLOCK_SIZE_K"] if name in CONFIGS else 64][:m]
+                case["equal"][name] = bool(torch.equal(out, expected))
+                case["max_abs_diff"][name] = float((out.float() - expected.float()).abs().max())
                 case["us"][name] = graph_us(fn, reps)
             cases.append(case)
             log(f"{shape} {layer} M={m}: " + ", ".join(
-                f"{name} {case['us'][name]:.1f}us{'' if case['equal'][name] else ' DIFF'}" for name in runs))
+                f"{name} {case['us'][name]:.1f}us{'' if case['equal'][name] else ' DIFF'}"
+                for name in runs))
     return cases
 
 
@@ -192,6 +240,9 @@ def run_main(args: argparse.Namespace) -> int:
     import torch
 
     from benchmarks._lib.output import write_and_show
+    from bloggap_plugin._io import atomic_write_text
+    from bloggap_plugin.core.vllm.kernels import vllm_layout
+    from bloggap_plugin.core.vllm.tiles import dump_tiles
     from bloggap_plugin.envinfo import environment_record
     from bloggap_plugin.results import ResultDocument
 
@@ -206,18 +257,17 @@ def run_main(args: argparse.Namespace) -> int:
     rows = [int(r) for r in args.rows.split(",")] if args.rows else list(DEFAULT_ROWS)
     results = {"configs": list(CONFIGS), "config_values": CONFIGS, "cases": {}}
     params = {"shapes": args.shape, "rows": rows, "reps": args.reps, "revision": args.revision}
+    env = environment_record("cuda", vllm=vllm_layout()[0])
     for shape in args.shape:
         results["cases"][shape] = measure_shape(module, shape, rows, args.reps, log)
-        document = ResultDocument("bi_matmul", environment_record("cuda", vllm=_vllm_version()), params, results,
-                                  [summary_table(results, args.table_id)])
+        document = ResultDocument("bi_matmul", env, params, results, [summary_table(results, args.table_id)])
         write_and_show(document, Path(args.out), log, started)
+        if args.tiles_out:
+            text = dump_tiles(derive_tiles(results), gpu=torch.cuda.get_device_name(), vllm=env.get("vllm"),
+                              source=f"benchmarks.bi_matmul {args.out} (revision {args.revision})")
+            atomic_write_text(Path(args.tiles_out), text)
+            log(f"wrote {args.tiles_out}")
     return 0
-
-
-def _vllm_version() -> str | None:
-    from bloggap_plugin.core.vllm.kernels import vllm_layout
-
-    return vllm_layout()[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--rows", default="", help=f"comma-separated row counts M (default: {DEFAULT_ROWS})")
     run.add_argument("--reps", type=int, default=20, help="calls per CUDA graph")
     run.add_argument("--out", required=True)
+    run.add_argument("--tiles-out", default=None, help="write the derived tile table (BLOGGAP_VLLM_MATMUL_TILES)")
     run.add_argument("--revision", default=None)
     run.add_argument("--table-id", default="T25-bi-matmul-configs")
     args = parser.parse_args(argv)

@@ -11,7 +11,8 @@ task's length reward (non-zero advantages on a random-init model, so the backwar
 JSONL and console log go under ``OUT/LABEL/``, and ``OUT/cost_by_size.json`` is rewritten after each run, so a time
 limit keeps what finished. Nothing is exported for arms I and J: ``bloggap train`` sets what they need. An arm
 written ``I:process`` runs arm I with ``BLOGGAP_VLLM_BATCH_INVARIANCE=process`` (vLLM's batch-invariant mode left on
-for the whole process, as before the plugin confined it): the route's before. ``--budget-s``: a run is not started
+for the whole process, as before the plugin confined it): the route's before; ``J:tiles`` runs arm J with the tile
+table of ``--matmul-tiles FILE`` installed (``BLOGGAP_VLLM_MATMUL_TILES``, :mod:`bloggap_plugin.core.vllm.tiles`). ``--budget-s``: a run is not started
 when the time left is under its expected length (the last run of that arm and model, else the longest so far). A
 ``run`` into an ``OUT`` that holds a document keeps its finished runs and starts only the others.
 
@@ -35,6 +36,7 @@ from benchmarks import arm_i_live
 from benchmarks._lib.paths import ROOT
 from benchmarks.arm_i_live import _round, _times
 from bloggap_plugin._io import atomic_write_text
+from bloggap_plugin.core.vllm.tiles import TILES_ENV
 
 TABLE_ID = "T19-cost-by-size"
 RESULT_NAME = "cost_by_size.json"
@@ -54,12 +56,13 @@ harness variant: what arm I's trainer matmuls ran with before the plugin fixed t
 
 def parse_arm(text: str) -> tuple[str, str | None]:
     """``"I"`` -> ``("I", None)``; ``"I:process"`` -> ``("I", "process")`` (the batch-invariance scope to run with);
-    ``"A:vllm_workspaces"`` -> ``("A", "vllm_workspaces")`` (:data:`VLLM_WORKSPACES` exported)."""
+    ``"A:vllm_workspaces"`` -> ``("A", "vllm_workspaces")`` (:data:`VLLM_WORKSPACES` exported); ``"J:tiles"`` ->
+    ``("J", "tiles")`` (the ``--matmul-tiles`` table installed, :data:`TILES_ENV`)."""
     arm, _, scope = text.partition(":")
     if (arm not in ("A", "B", "C", "D", "E", "F", "G", "H", "I", "J")
-            or scope not in ("", "process", "engine", "vllm_workspaces")):
-        raise ValueError(f"arm {text!r}: expected a letter A-J, optionally :process, :engine or :vllm_workspaces "
-                         "(e.g. I:process)")
+            or scope not in ("", "process", "engine", "vllm_workspaces", "tiles")):
+        raise ValueError(f"arm {text!r}: expected a letter A-J, optionally :process, :engine, :vllm_workspaces or "
+                         ":tiles (e.g. I:process)")
     return arm, scope or None
 
 
@@ -75,14 +78,21 @@ def run_argv(arm_text: str, model: str, steps: int, log_jsonl: Path, memory: flo
     return argv + ["--task_kwargs", "{reward: length}"]
 
 
-def run_environment(arm_text: str, environ: dict) -> dict:
-    """``environ`` without vLLM's batch-invariance variables (``bloggap train`` sets them) or cuBLAS workspace
-    variables; for ``ARM:vllm_workspaces`` with :data:`VLLM_WORKSPACES`, for another ``ARM:SCOPE`` with
+def run_environment(arm_text: str, environ: dict, tiles: str | None = None) -> dict:
+    """``environ`` without vLLM's batch-invariance variables (``bloggap train`` sets them), cuBLAS workspace
+    variables or a tile table; for ``ARM:vllm_workspaces`` with :data:`VLLM_WORKSPACES`, for ``ARM:tiles`` with
+    :data:`TILES_ENV` set to ``tiles`` (a tile table's path, required there), for another ``ARM:SCOPE`` with
     :data:`SCOPE_ENV` set to ``SCOPE``."""
     _, scope = parse_arm(arm_text)
-    env = {k: v for k, v in environ.items() if k not in (*arm_i_live.ARM_I_ENV, SCOPE_ENV, *VLLM_WORKSPACES)}
+    drop = (*arm_i_live.ARM_I_ENV, SCOPE_ENV, *VLLM_WORKSPACES, TILES_ENV)
+    env = {k: v for k, v in environ.items() if k not in drop}
     if scope == "vllm_workspaces":
         env.update(VLLM_WORKSPACES)
+    elif scope == "tiles":
+        if not tiles:
+            raise ValueError(f"arm {arm_text!r} runs with a tile table: give its file with --matmul-tiles "
+                             "(python -m benchmarks.bi_matmul run --tiles-out FILE writes one)")
+        env[TILES_ENV] = str(Path(tiles).resolve())
     elif scope is not None:
         env[SCOPE_ENV] = scope
     return env
@@ -159,7 +169,8 @@ def size_table(models: dict, table_id: str = TABLE_ID) -> dict:
                      "model's arm A runs, '(min-max)' each run's value over that same arm A mean. ARM_process: vLLM's "
                      "batch-invariant mode left on process-wide (BLOGGAP_VLLM_BATCH_INVARIANCE=process); ARM_vllm_workspaces: "
                      "vLLM's cuBLAS(Lt) workspace sizes exported (CUBLAS_WORKSPACE_CONFIG=:16:8, "
-                     "CUBLASLT_WORKSPACE_SIZE=1), so torch sizes the run's cuBLAS matmuls with them. MODEL-setN: "
+                     "CUBLASLT_WORKSPACE_SIZE=1), so torch sizes the run's cuBLAS matmuls with them. ARM_tiles: "
+                     "the tile table in params.matmul_tiles installed (BLOGGAP_VLLM_MATMUL_TILES). MODEL-setN: "
                      "the runs of the Nth device call, an interleaved set of its own, each arm over that set's arm "
                      "A. Random-init "
                      "weights except SmolLM2-135M: exactness columns hold, gap rates would not."}
@@ -251,8 +262,12 @@ def run_main(args: argparse.Namespace) -> int:
     if (out / RESULT_NAME).exists():  # a later call on the same machine: keep the runs that finished
         models = {model: {name: row for name, row in runs.items() if "error" not in row}
                   for model, runs in json.loads((out / RESULT_NAME).read_text())["results"].items()}
+    for arm_text in args.arms.split(","):  # refuse a bad arm or a :tiles arm without its table before any run
+        run_environment(arm_text, {}, args.matmul_tiles)
     params = {"steps": args.steps, "arms": args.arms, "repeats": args.repeats, "memory": args.memory,
               "models": args.model, "skipped": []}
+    if args.matmul_tiles:
+        params["matmul_tiles"] = json.loads(Path(args.matmul_tiles).read_text())
     env = arm_i_live._env()
     deadline = time.monotonic() + args.budget_s
     for spec in args.model:
@@ -272,7 +287,8 @@ def run_main(args: argparse.Namespace) -> int:
                 argv = run_argv(arm_text, path, args.steps, log_jsonl, args.memory)
                 started = time.perf_counter()
                 with open(folder / f"{name}.log", "w") as console:
-                    code = subprocess.call(argv, cwd=ROOT, env=run_environment(arm_text, dict(os.environ)),
+                    code = subprocess.call(argv, cwd=ROOT, env=run_environment(arm_text, dict(os.environ),
+                                                                               args.matmul_tiles),
                                            stdout=console, stderr=subprocess.STDOUT)
                 seconds = time.perf_counter() - started
                 if code != 0 or not log_jsonl.exists():
@@ -386,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--memory", type=float, default=0.3)
     run.add_argument("--budget-s", type=float, default=540.0)
     run.add_argument("--out", required=True)
+    run.add_argument("--matmul-tiles", default=None, help="the tile table ARM:tiles runs install "
+                     "(BLOGGAP_VLLM_MATMUL_TILES; python -m benchmarks.bi_matmul run --tiles-out writes one)")
     col = sub.add_parser("collect", help="one document from the run folders of several device calls")
     col.add_argument("runs", nargs="+")
     col.add_argument("--out", required=True)

@@ -1,12 +1,10 @@
-"""benchmarks.bi_matmul's CPU parts: the layers it times and the table it builds from measured cases."""
+"""benchmarks.bi_matmul's CPU parts: the layers it times, the table it builds from measured cases, and the tile
+table it derives from them."""
 
 from __future__ import annotations
 
-import pytest
-
 from benchmarks import bi_matmul
-
-pytestmark = pytest.mark.unit
+from bloggap_plugin.core.vllm.tiles import ShapeTiles, TileShape
 
 
 def test_linear_shapes_are_vllms_merged_layers_of_the_156b_shape():
@@ -16,25 +14,68 @@ def test_linear_shapes_are_vllms_merged_layers_of_the_156b_shape():
                       ("down", 2048, 8192, 24), ("lm_head", 49152, 2048, 1)]
 
 
-def _case(layer, rows, count, us, equal):
-    return {"layer": layer, "rows": rows, "count": count, "us": us, "equal": equal}
+def test_each_block_k_has_one_reference_and_vllms_is_the_64_one():
+    references = bi_matmul.family_references(bi_matmul.CONFIGS)
+    assert references[64] == "vllm" and bi_matmul.CONFIGS["vllm"] == bi_matmul.VLLM_BF16
+    assert references[128] == "k128m128n128w8s3" and references[32] == "k32"
+
+
+def _case(layer, rows, count, us, equal, n=48, k=40):
+    return {"layer": layer, "n": n, "k": k, "rows": rows, "count": count, "us": us, "equal": equal}
+
+
+CONFIG_VALUES = {"vllm": bi_matmul.VLLM_BF16, "fast": bi_matmul._config(64, 32, 64, 4, 4),
+                 "k128": bi_matmul._config(128, 128, 128, 8, 3), "k128small": bi_matmul._config(16, 64, 128, 4, 4)}
 
 
 def test_summary_sums_time_times_calls_and_divides_by_vllms():
-    cases = [_case("qkv", 32, 24, {"vllm": 10.0, "fast": 5.0, "cublas": 4.0}, {"vllm": True, "fast": True,
-                                                                              "cublas": False}),
-             _case("lm_head", 32, 1, {"vllm": 60.0, "fast": 60.0, "cublas": 30.0}, {"vllm": True, "fast": False,
-                                                                                 "cublas": False})]
-    table = bi_matmul.summary_table({"configs": ["vllm", "fast"], "cases": {"s": cases}}, "T-x")
+    cases = [_case("qkv", 32, 24, {"vllm": 10.0, "fast": 5.0, "cublas": 4.0},
+                   {"vllm": True, "fast": True, "cublas": False}),
+             _case("lm_head", 32, 1, {"vllm": 60.0, "fast": 60.0, "cublas": 30.0},
+                   {"vllm": True, "fast": False, "cublas": False})]
+    table = bi_matmul.summary_table({"configs": ["vllm", "fast"], "config_values": CONFIG_VALUES,
+                                     "cases": {"s": cases}}, "T-x")
     rows = {row[1]: row for row in table["rows"]}
     # vLLM's: 24 x 10 + 60 = 300 us; fast: 24 x 5 + 60 = 180 us -> 0.6; cuBLAS 24 x 4 + 30 = 126 -> 0.42
-    assert rows["vllm"][2:] == ["2/2", 1.0, 300.0]
-    assert rows["fast"][2:] == ["1/2", 0.6, 300.0]
-    assert rows["cublas"][2:] == ["0/2", 0.42, 300.0]
-    assert table["columns"][3:] == ["linears x vLLM's, M=32", "vLLM's linears us, M=32"]
+    assert rows["vllm"][2:] == [64, "2/2", 1.0, 300.0]
+    assert rows["fast"][2:] == [64, "1/2", 0.6, 300.0]
+    assert rows["cublas"][2:] == [None, "0/2", 0.42, 300.0]
+    assert table["columns"][4:] == ["linears x vLLM's, M=32", "vLLM's linears us, M=32"]
 
 
 def test_a_configuration_missing_a_case_has_no_forward_time():
     cases = [_case("o", 8, 2, {"vllm": 1.0}, {"vllm": True})]
     assert bi_matmul.forward_us(cases, "other", 8) is None
     assert bi_matmul.forward_us(cases, "vllm", 8) == 2.0
+
+
+def _results(cases):
+    return {"configs": list(CONFIG_VALUES), "config_values": CONFIG_VALUES, "cases": {"s": cases}}
+
+
+def test_the_derived_table_takes_per_shape_the_family_with_the_least_time_and_its_fastest_config_per_m():
+    everything = {name: True for name in CONFIG_VALUES}
+    cases = [  # shape 48x40: the 64 family's fast config wins at M=1, vLLM's at M=512; the 128 family is slower
+        _case("o", 1, 1, {"vllm": 10.0, "fast": 4.0, "k128": 12.0, "k128small": 9.0}, everything),
+        _case("o", 512, 1, {"vllm": 20.0, "fast": 30.0, "k128": 25.0, "k128small": 40.0}, everything),
+        # shape 96x40: the 128 family is faster at both M, but k128small differs from its reference at M=512
+        _case("up", 1, 1, {"vllm": 10.0, "fast": 9.0, "k128": 6.0, "k128small": 3.0}, everything, n=96),
+        _case("up", 512, 1, {"vllm": 20.0, "fast": 19.0, "k128": 10.0, "k128small": 8.0},
+              everything | {"k128small": False}, n=96),
+        # shape 16x40: nothing beats vLLM's
+        _case("down", 1, 1, {"vllm": 1.0, "fast": 2.0, "k128": 3.0, "k128small": 3.0}, everything, n=16),
+    ]
+    table = bi_matmul.derive_tiles(_results(cases))
+    assert table == {
+        (48, 40): ShapeTiles(64, ((1, TileShape(64, 32, 4, 4)), (512, TileShape(128, 128, 8, 3)))),
+        # k128small is out (not bit-identical at every M), so k128 serves both buckets: 6/10 + 10/20 < 9/10 + 19/20
+        (96, 40): ShapeTiles(128, ((1, TileShape(128, 128, 8, 3)), (512, TileShape(128, 128, 8, 3)))),
+    }
+
+
+def test_no_table_entry_without_a_configuration_identical_at_every_m():
+    cases = [_case("o", 1, 1, {"vllm": 10.0, "fast": 1.0, "k128": 1.0, "k128small": 1.0},
+                   {"vllm": True, "fast": False, "k128": False, "k128small": True}),
+             _case("o", 8, 1, {"vllm": 10.0, "fast": 1.0, "k128": 1.0, "k128small": 1.0},
+                   {"vllm": True, "fast": True, "k128": True, "k128small": False})]
+    assert bi_matmul.derive_tiles(_results(cases)) == {}

@@ -27,6 +27,17 @@ def test_runs_export_nothing_for_the_arm_but_the_scope_asked_for():
     assert bench.run_environment("A", {**caller, "CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == {"PATH": "/bin"}
 
 
+def test_only_a_tiles_run_installs_the_tile_table(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    caller = {"PATH": "/bin", "BLOGGAP_VLLM_MATMUL_TILES": "/somewhere/else.json"}
+    assert bench.parse_arm("J:tiles") == ("J", "tiles") and bench.run_label("J:tiles", 1) == "J_tiles-1"
+    assert bench.run_environment("J:tiles", caller, "tiles.json") == {
+        "PATH": "/bin", "BLOGGAP_VLLM_MATMUL_TILES": str(tmp_path / "tiles.json")}  # absolute: runs start in ROOT
+    assert bench.run_environment("J", caller, "tiles.json") == {"PATH": "/bin"}
+    with pytest.raises(ValueError, match="arm 'I:tiles' runs with a tile table: give its file with --matmul-tiles"):
+        bench.run_environment("I:tiles", caller)
+
+
 def test_run_argv_is_bloggap_train_with_the_length_reward(tmp_path):
     argv = bench.run_argv("I:process", "/m", 30, tmp_path / "x.jsonl", 0.3)
     assert argv[2:5] == ["bloggap_plugin.cli", "train", "recipes/arm_I.yaml"]
@@ -210,3 +221,11 @@ def test_interleaved_sets_compare_each_arm_with_arm_a_of_its_own_call(tmp_path):
     assert rows["I @ m-set2"]["mean step x arm A"] == 1.2
     assert rows["A @ m-set2"]["runs"] == 1
     assert sorted(p.name for p in (tmp_path / "pack").iterdir()) == ["runs_m-set1.tar.xz", "runs_m-set2.tar.xz"]
+
+
+def test_a_tiles_arm_without_its_table_is_refused_before_any_run(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(bench.subprocess, "call", lambda *a, **k: started.append(a) or 0)
+    with pytest.raises(ValueError, match="--matmul-tiles"):
+        bench.main(["run", "--model", "m=/nowhere", "--arms", "A,J:tiles", "--out", str(tmp_path / "out")])
+    assert started == []
