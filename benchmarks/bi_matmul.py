@@ -8,11 +8,11 @@ steps, so configurations that share ``BLOCK_SIZE_K`` (a *family*) may give a row
 other sizes and the number of rows in the call (vLLM 0.31 relies on this for its tuned shapes); only a measurement
 says whether they do on this GPU. For every linear layer of each shape (merged QKV, O, merged gate/up, down, LM head;
 ``(N, K)`` from the shape's config) one random bf16 input of the largest row count is drawn; the family's reference
-(vLLM's own ``matmul_persistent`` for ``BLOCK_SIZE_K`` 64, the family's first configuration otherwise) computes all
-its rows at once, and every configuration computes the first M rows for each M of ``--rows`` and is compared bit for
-bit with the reference's first M rows: equal at every M means the configuration can serve any row count of that
-shape beside the others of its family. cuBLAS (``F.linear``) is timed and compared beside them. Device time is
-taken from CUDA-graph replays of ``--reps`` calls (no host launch cost in it).
+(its first configuration: :data:`VLLM_BF16` for ``BLOCK_SIZE_K`` 64, with which vLLM's own ``matmul_persistent`` is
+compared too) computes all its rows at once, and every configuration computes the first M rows for each M of
+``--rows`` and is compared bit for bit with the reference's first M rows: equal at every M means the configuration
+can serve any row count of that shape beside the others of its family. cuBLAS (``F.linear``) is timed and compared
+beside them. Device time is taken from CUDA-graph replays of ``--reps`` calls (no host launch cost in it).
 
 Table T25: per configuration the cases (layer, M) bit-identical to its family's reference, and the device time of
 one forward's linears at each M (per-call time x calls per forward, summed; the LM head once) as a multiple of
@@ -128,7 +128,7 @@ def summary_table(results: dict, table_id: str) -> dict:
             "notes": "Harness (benchmarks.bi_matmul): random bf16 operands, every linear layer of the shape as vLLM "
                      "merges them; a case is one (layer, M). Each configuration computes the first M rows of one "
                      "input and is compared bit for bit with its family's reference (same BLOCK_SIZE_K; vLLM's "
-                     "matmul_persistent for 64) computing all rows at once; cublas (F.linear, torch's default "
+                     "configuration for 64) computing all rows at once; cublas (F.linear, torch's default "
                      "settings) is compared with vLLM's. Device time from CUDA-graph replays; 'linears x vLLM's' "
                      "sums per-call time x calls per forward over the layers (LM head once) and divides by the same "
                      "for vLLM's configuration."}
@@ -139,13 +139,16 @@ def derive_tiles(results: dict) -> dict:
     per weight shape, the family (``BLOCK_SIZE_K``) whose configurations bit-identical to its reference at every M
     give the least summed time relative to vLLM's (sum over M of fastest / vLLM's), each M a bucket with that
     family's fastest such configuration. A shape where no family beats vLLM's configuration at any M is left out
-    (vLLM's own launch serves it)."""
+    (vLLM's own launch serves it), and so is one where vLLM's own function did not give :data:`VLLM_BF16`'s bits
+    (a vLLM that tunes that shape itself)."""
     from bloggap_plugin.core.vllm.tiles import ShapeTiles, TileShape
 
     table = {}
     for cases in results["cases"].values():
         for n, k in sorted({(c["n"], c["k"]) for c in cases}):
             mine = sorted((c for c in cases if (c["n"], c["k"]) == (n, k)), key=lambda c: c["rows"])
+            if not all(c.get("vllm_function_equal", True) for c in mine):
+                continue
             best = None
             for family in sorted({results["config_values"][name]["BLOCK_SIZE_K"] for name in results["configs"]}):
                 names = [name for name in results["configs"]
@@ -213,13 +216,14 @@ def measure_shape(module: Any, shape: str, rows: list[int], reps: int, log) -> l
         weight = (torch.randn((n, k), device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
         b = weight.t()
         full = torch.randn((max(rows), k), device="cuda", generator=gen).to(torch.bfloat16)
-        reference = {block_k: (module.matmul_persistent(full, b) if name == "vllm"
-                               else launch(module.matmul_kernel_persistent, full, b, None, CONFIGS[name]))
+        reference = {block_k: launch(module.matmul_kernel_persistent, full, b, None, CONFIGS[name])
                      for block_k, name in references.items()}
         for m in rows:
             a = full[:m].contiguous()
+            # vLLM's own function launches its configuration for this shape (vLLM 0.31: its tuned one, where it has)
+            vllm_own = bool(torch.equal(module.matmul_persistent(a, b), reference[64][:m]))
             case = {"layer": layer, "n": n, "k": k, "rows": m, "count": count, "equal": {}, "max_abs_diff": {},
-                    "us": {}}
+                    "us": {}, "vllm_function_equal": vllm_own}
             runs = {name: functools.partial(launch, module.matmul_kernel_persistent, a, b, None, config)
                     for name, config in CONFIGS.items()}
             runs["cublas"] = functools.partial(F.linear, a, weight)

@@ -79,3 +79,12 @@ def test_no_table_entry_without_a_configuration_identical_at_every_m():
              _case("o", 8, 1, {"vllm": 10.0, "fast": 1.0, "k128": 1.0, "k128small": 1.0},
                    {"vllm": True, "fast": True, "k128": True, "k128small": False})]
     assert bi_matmul.derive_tiles(_results(cases)) == {}
+
+
+def test_a_shape_vllm_tunes_itself_is_left_to_vllm():
+    everything = {name: True for name in CONFIG_VALUES}
+    cases = [_case("o", 1, 1, {"vllm": 10.0, "fast": 4.0, "k128": 12.0, "k128small": 9.0}, everything),
+             _case("o", 8, 1, {"vllm": 10.0, "fast": 4.0, "k128": 12.0, "k128small": 9.0}, everything)]
+    assert (48, 40) in bi_matmul.derive_tiles(_results(cases))
+    cases[1]["vllm_function_equal"] = False  # vLLM's own matmul_persistent launched another configuration here
+    assert bi_matmul.derive_tiles(_results(cases)) == {}
