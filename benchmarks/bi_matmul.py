@@ -180,11 +180,17 @@ def _kernel_module() -> Any:
 
 
 def graph_us(fn, reps: int) -> float:
-    """Device microseconds per call of ``fn`` from a CUDA graph of ``reps`` calls, replayed three times (median)."""
+    """Device microseconds per call of ``fn`` from a CUDA graph of up to ``reps`` calls (fewer for a slow call: about
+    2 ms of calls, at least 2), replayed three times (median)."""
     import torch
 
     fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
     torch.cuda.synchronize()
+    reps = max(2, min(reps, int(2000.0 / max(start.elapsed_time(end) * 1000.0, 1.0))))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(reps):
@@ -201,21 +207,22 @@ def graph_us(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def measure_shape(module: Any, shape: str, rows: list[int], reps: int, log) -> list[dict]:
-    """Every (layer, M) case of ``shape``: per configuration bit-equality of its first-M-rows output with its
-    family's reference over all rows, and device us per call (cuBLAS as ``cublas``, compared with vLLM's)."""
+def measure_shape(module: Any, shape: str, rows: list[int], reps: int, log, cases: list[dict],
+                  device: str = "cuda") -> list[dict]:
+    """Every (layer, M) case of ``shape``, appended to ``cases`` as it is measured (``log`` after each): per
+    configuration bit-equality of its first-M-rows output with its family's reference over all rows, and device us
+    per call (cuBLAS as ``cublas``, compared with vLLM's); operands on ``device``."""
     import torch
     import torch.nn.functional as F
 
     from bloggap_plugin.core.vllm.tiles import launch
 
-    cases = []
     references = family_references(CONFIGS)
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     for layer, n, k, count in linear_shapes(shape):
-        weight = (torch.randn((n, k), device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+        weight = (torch.randn((n, k), device=device, generator=gen) * 0.02).to(torch.bfloat16)
         b = weight.t()
-        full = torch.randn((max(rows), k), device="cuda", generator=gen).to(torch.bfloat16)
+        full = torch.randn((max(rows), k), device=device, generator=gen).to(torch.bfloat16)
         reference = {block_k: launch(module.matmul_kernel_persistent, full, b, None, CONFIGS[name])
                      for block_k, name in references.items()}
         for m in rows:
@@ -262,8 +269,12 @@ def run_main(args: argparse.Namespace) -> int:
     results = {"configs": list(CONFIGS), "config_values": CONFIGS, "cases": {}}
     params = {"shapes": args.shape, "rows": rows, "reps": args.reps, "revision": args.revision}
     env = environment_record("cuda", vllm=vllm_layout()[0])
+    def write(message: str) -> None:  # after every case: a time limit keeps what finished
+        log(message)
+        ResultDocument("bi_matmul", env, params, results, [summary_table(results, args.table_id)]).write(args.out)
+
     for shape in args.shape:
-        results["cases"][shape] = measure_shape(module, shape, rows, args.reps, log)
+        measure_shape(module, shape, rows, args.reps, write, results["cases"].setdefault(shape, []))
         document = ResultDocument("bi_matmul", env, params, results, [summary_table(results, args.table_id)])
         write_and_show(document, Path(args.out), log, started)
         table = derive_tiles(results)

@@ -88,3 +88,39 @@ def test_a_shape_vllm_tunes_itself_is_left_to_vllm():
     assert (48, 40) in bi_matmul.derive_tiles(_results(cases))
     cases[1]["vllm_function_equal"] = False  # vLLM's own matmul_persistent launched another configuration here
     assert bi_matmul.derive_tiles(_results(cases)) == {}
+
+
+def test_the_harness_compares_each_configuration_on_the_first_rows_of_one_input(monkeypatch):
+    """measure_shape's flow on the CPU: a stand-in kernel whose K-step-64 family gives vLLM's bits and whose other
+    K steps round differently, and a clock that says which configuration is fast."""
+    import torch
+
+    from bloggap_plugin.core.vllm import tiles
+
+    def product(a, b, config):  # row by row, so a row's bits do not depend on the rows beside it (as a BLAS's may)
+        out = torch.stack([(row.float()[:, None] * b.float()).sum(0) for row in a])
+        if config["BLOCK_SIZE_K"] != 64 or config["BLOCK_SIZE_M"] == 16:  # 16-row tiles: another instruction
+            out = out * (1 + 2 ** -7)
+        return out.to(a.dtype)
+
+    module = type("BatchInvariant", (), {"matmul_persistent": staticmethod(lambda a, b, bias=None: product(
+        a, b, bi_matmul.VLLM_BF16)), "matmul_kernel_persistent": object()})
+    monkeypatch.setattr(tiles, "launch", lambda kernel, a, b, bias, config: product(a, b, config))
+    fast = {"m64n32w4s4", "m16n64w4s4"}  # the second is fast and wrong: never chosen
+    monkeypatch.setattr(bi_matmul, "graph_us", lambda fn, reps: 5.0 if any(
+        fn.args[-1] is bi_matmul.CONFIGS[name] for name in fast) else 10.0)  # partial(launch, ..., config)
+    cases, logged = [], []
+    bi_matmul.measure_shape(module, "tiny-llama", [1, 4], 3, logged.append, cases, device="cpu")
+    assert [(c["layer"], c["rows"]) for c in cases] == [(layer, m) for layer in ("qkv", "o", "gate_up", "down",
+                                                                                   "lm_head") for m in (1, 4)]
+    assert len(logged) == 10 and all(c["vllm_function_equal"] for c in cases)
+    # the 64 family and each other family's reference against itself: equal; a K-step-128 member rounds like its
+    # reference here, so equal too; cuBLAS (F.linear in bf16 on the CPU) is compared with vLLM's bits
+    differ = {"m16n64w4s4", "m16n128w4s4"}  # the stand-in rounds their K-step-64 sums unlike vLLM's
+    assert all(c["equal"][name] for c in cases for name in bi_matmul.CONFIGS if name not in differ)
+    assert not any(c["equal"][name] for c in cases for name in differ)
+    table = bi_matmul.derive_tiles({"configs": list(bi_matmul.CONFIGS), "config_values": bi_matmul.CONFIGS,
+                                    "cases": {"tiny-llama": cases}})
+    fast = tiles.TileShape(64, 32, 4, 4)
+    assert table[(2048, 128)] == tiles.ShapeTiles(64, ((1, fast), (4, fast)))  # the LM head of tiny-llama
+    assert len(table) == 5
