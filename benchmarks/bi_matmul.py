@@ -1,6 +1,6 @@
 """Harness (issue 44 item 3): vLLM's batch-invariant persistent matmul under other tile configurations, on one GPU.
 
-    python -m benchmarks.bi_matmul run --shape llama-1.56b-v49k [--shape ...] --out FILE [--tiles-out TILES]
+    python -m benchmarks.bi_matmul run --shape llama-1.56b-v49k|MODEL_FOLDER [--shape ...] --out FILE [--tiles-out TILES]
 
 Arms I and J compute every linear layer with vLLM's ``matmul_kernel_persistent`` (Triton), which vLLM 0.26 launches
 at one configuration for bf16 (:data:`VLLM_BF16`). Each output element is an fp32 sum over K in ``BLOCK_SIZE_K``
@@ -78,13 +78,17 @@ def family_references(configs: dict[str, dict[str, int]]) -> dict[int, str]:
 
 
 def linear_shapes(shape: str) -> list[tuple[str, int, int, int]]:
-    """``(layer, N, K, count)`` of a model shape's linear layers as vLLM merges them: QKV and gate/up one matmul
-    each, ``count`` the number of such matmuls in one forward (the decoder layers; 1 for the LM head)."""
+    """``(layer, N, K, count)`` of a model's linear layers as vLLM merges them: QKV and gate/up one matmul each,
+    ``count`` the number of such matmuls in one forward (the decoder layers; 1 for the LM head). ``shape``: a
+    ``benchmarks/_lib/shapes.py`` name, or a model folder (its ``config.json``)."""
+    import json
+
     from benchmarks._lib.shapes import SHAPES
 
-    _, config = SHAPES[shape]
-    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = hidden // heads
+    config = SHAPES[shape][1] if shape in SHAPES else json.loads((Path(shape) / "config.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or hidden // heads
     layers = config["num_hidden_layers"]
     return [("qkv", (heads + 2 * kv_heads) * head_dim, hidden, layers),
             ("o", hidden, heads * head_dim, layers),
@@ -292,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="measure on this machine's GPU")
-    run.add_argument("--shape", action="append", required=True, help="a benchmarks/_lib/shapes.py name (repeatable)")
+    run.add_argument("--shape", action="append", required=True,
+                     help="a benchmarks/_lib/shapes.py name or a model folder (its config.json; repeatable)")
     run.add_argument("--rows", default="", help=f"comma-separated row counts M (default: {DEFAULT_ROWS})")
     run.add_argument("--reps", type=int, default=20, help="calls per CUDA graph")
     run.add_argument("--out", required=True)

@@ -14,6 +14,15 @@ def test_linear_shapes_are_vllms_merged_layers_of_the_156b_shape():
                       ("down", 2048, 8192, 24), ("lm_head", 49152, 2048, 1)]
 
 
+def test_a_model_folders_config_gives_its_shapes(tmp_path):
+    # SmolLM2-135M's widths: hidden 576, 9 heads of 64, 3 KV heads, intermediate 1536, 30 layers, vocabulary 49152
+    (tmp_path / "config.json").write_text('{"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, '
+                                          '"intermediate_size": 1536, "num_hidden_layers": 30, "vocab_size": 49152}')
+    assert bi_matmul.linear_shapes(str(tmp_path)) == [("qkv", 960, 576, 30), ("o", 576, 576, 30),
+                                                      ("gate_up", 3072, 576, 30), ("down", 576, 1536, 30),
+                                                      ("lm_head", 49152, 576, 1)]
+
+
 def test_each_block_k_has_one_reference_and_vllms_is_the_64_one():
     references = bi_matmul.family_references(bi_matmul.CONFIGS)
     assert references[64] == "vllm" and bi_matmul.CONFIGS["vllm"] == bi_matmul.VLLM_BF16
