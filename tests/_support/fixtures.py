@@ -18,9 +18,6 @@ os.environ.setdefault("CI", "true")  # TRL sends no telemetry under CI
 _GSM8K_ENV_AT_START = os.environ.pop("BLOGGAP_GSM8K_DATA", None)
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
-
-torch.set_num_threads(1)
 
 # --- tiers by speed ---------------------------------------------------------------------------------------------
 # A test that trains, starts Python in a subprocess, or loads a real model requests the fixture of that
@@ -54,7 +51,19 @@ def real_model():
 def pytest_configure(config):
     for name, what in TIERS.items():
         config.addinivalue_line("markers", f"{name}: {what}; set by requesting the `{name}` fixture")
+    if _hands_tests_to_workers(config):  # runs none itself: no torch (seconds) before the workers start
+        return
+    import torch
+
+    torch.set_num_threads(1)
     _guard_tiers()
+
+
+def _hands_tests_to_workers(config) -> bool:
+    """Whether this process is pytest-xdist's controller (``-n N``, not ``--collect-only``), which starts the
+    workers and runs no test itself (xdist's own test for a distributed session, less its workers)."""
+    distributed = config.getoption("dist", "no") != "no" and bool(config.getoption("tx", None))
+    return distributed and not config.getoption("collectonly") and not hasattr(config, "workerinput")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
@@ -260,6 +269,8 @@ def _row_invariant_linear(x, weight, bias=None):
 def row_invariant_linear(monkeypatch):
     """Every ``nn.Linear`` / ``F.linear`` in the test computes row-count invariantly (see above), so tiled and
     untiled scoring can be compared bit for bit on any tile shape."""
+    import torch
+
     monkeypatch.setattr(torch.nn.functional, "linear", _row_invariant_linear)
 
 
@@ -274,6 +285,7 @@ class LargestVocabTensor:
         self._mode = None
 
     def __enter__(self):
+        import torch
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_flatten
 
