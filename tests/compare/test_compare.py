@@ -568,8 +568,9 @@ def test_a_second_sweep_on_the_same_folder_is_refused_in_one_line(tmp_path, fake
     out.mkdir()
     with open(out / ".compare.lock", "w") as held:  # a sweep (or a run it started) holds the folder
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # a short wait still polls the held lock more than once (the default waits 2 s)
         code, _, stderr = compare_cli([*write_recipes(tmp_path), "--seeds", "0", "--output-dir", str(out),
-                                "--run-fn", "fake_train:run_training"], capsys)
+                                "--run-fn", "fake_train:run_training", "--lock-wait-s", "0.3"], capsys)
     assert code == 2 and "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
     assert stderr.startswith(f"bloggap compare: another bloggap compare (or a run it started) is using {out}")
     assert _calls(fake) == []
