@@ -2,19 +2,26 @@
 ``python -m verl.trainer.main_ppo OVERRIDES`` composes it, for tests that check a command or recipe against it.
 
 Each compose loads the same few dozen config files of verl's again (YAML parse, ``OmegaConf.create``, defaults
-list); what Hydra's config repository loads is kept for the session, keyed by the search path, the config's path
-and the file's text (a changed file is loaded again), and each compose gets its own deep copy."""
+list) and merges them in the same order, whatever the value overrides. Kept for the session, each keyed by what it
+is made from (a changed file is read again), each compose getting its own deep copy (a pickle round trip, which
+OmegaConf supports and which costs less than ``copy.deepcopy``): what Hydra's config repository
+loads (keyed by the search path, the config's path and the file's text), and the config Hydra merges from a
+defaults list before it applies the overrides (keyed by the search path and the defaults list with each file's
+text)."""
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
+import pickle
 from collections.abc import Iterator, Sequence
 from unittest import mock
 
 _LOADED: dict[tuple, object] = {}
 """(search path, config path, file text) -> the ``ConfigResult`` Hydra's ``ConfigRepository.load_config`` made."""
+_MERGED: dict[tuple, object] = {}
+"""(search path, ((defaults list entry, file text), ...)) -> the ``DictConfig`` Hydra's
+``ConfigLoaderImpl._compose_config_from_defaults_list`` merged from those files (no override applied yet)."""
 
 
 def _file_text(repository, config_path: str) -> str | None:
@@ -33,19 +40,33 @@ def _config_type():
     return ObjectType.CONFIG
 
 
+def _sources(repository) -> tuple:
+    return tuple((s.provider, s.path) for s in repository.get_sources())
+
+
 @contextlib.contextmanager
 def _loads_kept() -> Iterator[None]:
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.config_repository import ConfigRepository
 
     load = ConfigRepository.load_config
+    merge = ConfigLoaderImpl._compose_config_from_defaults_list
 
     def load_kept(self, config_path: str):
-        key = (tuple((s.provider, s.path) for s in self.sources), config_path, _file_text(self, config_path))
+        key = (_sources(self), config_path, _file_text(self, config_path))
         if key not in _LOADED:
             _LOADED[key] = load(self, config_path)
-        return copy.deepcopy(_LOADED[key])
+        return pickle.loads(pickle.dumps(_LOADED[key]))
 
-    with mock.patch.object(ConfigRepository, "load_config", load_kept):
+    def merge_kept(self, defaults, repo):
+        files = repo.delegate  # the CachingConfigRepository of this compose wraps the ConfigRepository
+        key = (_sources(files), tuple((repr(d), d.config_path and _file_text(files, d.config_path)) for d in defaults))
+        if key not in _MERGED:
+            _MERGED[key] = merge(self, defaults, repo)
+        return pickle.loads(pickle.dumps(_MERGED[key]))
+
+    with mock.patch.object(ConfigRepository, "load_config", load_kept), \
+            mock.patch.object(ConfigLoaderImpl, "_compose_config_from_defaults_list", merge_kept):
         yield
 
 

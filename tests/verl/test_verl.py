@@ -707,18 +707,25 @@ def test_recipes_compose_against_verls_hydra_config():
 
 
 def test_the_tests_verl_config_is_what_hydra_composes_from_verls_files():
-    """compose_ppo_trainer (tests/_support/verl_config.py, which loads each of verl's config files once per
-    session) gives the config Hydra composes reading every file, twice in a row (the second from the kept loads)."""
+    """compose_ppo_trainer (tests/_support/verl_config.py, which keeps verl's config files, and the config Hydra
+    merges from them before the overrides, once per session) gives the config Hydra composes reading every file:
+    twice in a row (the second from the kept loads), and for a second recipe on the merge kept for the first."""
     import yaml
+    from _support.verl_config import _MERGED
     from hydra import compose, initialize_config_dir
 
-    overrides = yaml.safe_load(open(os.path.join(ROOT, "recipes", "verl", "arm_E.yaml")))["overrides"]
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        plain = OmegaConf.to_container(compose(config_name="ppo_trainer", overrides=overrides))
-    assert plain["bloggap"]["fp32_head"] is True
-    for _ in range(2):
-        assert OmegaConf.to_container(compose_ppo_trainer(overrides)) == plain
+    plain = {}
+    for recipe in ("arm_E", "guard"):
+        overrides = yaml.safe_load(open(os.path.join(ROOT, "recipes", "verl", f"{recipe}.yaml")))["overrides"]
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            plain[recipe] = OmegaConf.to_container(compose(config_name="ppo_trainer", overrides=overrides))
+        merges = len(_MERGED)
+        for _ in range(2):
+            assert OmegaConf.to_container(compose_ppo_trainer(overrides)) == plain[recipe]
+        if recipe == "guard":  # its overrides applied to the merge kept for arm_E's (the same defaults list)
+            assert len(_MERGED) == merges
+    assert plain["arm_E"]["bloggap"]["fp32_head"] is True and plain["guard"]["bloggap"]["guard"] == "raise"
 
 
 def test_the_kept_config_loads_follow_a_changed_file(tmp_path):
