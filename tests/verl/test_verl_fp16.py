@@ -38,14 +38,10 @@ def _doctor(tmp_path, name="doctor.json", **check):
 
 
 def test_the_arm_h_recipe_puts_rollout_and_actor_in_fp16():
-    import verl
     import yaml
-    from hydra import compose, initialize_config_dir
+    from _support.verl_config import compose_ppo_trainer
 
-    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
-    overrides = yaml.safe_load(open(os.path.join(ROOT, "recipes", "verl", "arm_H.yaml")))["overrides"]
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        cfg = compose(config_name="ppo_trainer", overrides=overrides)
+    cfg = compose_ppo_trainer(yaml.safe_load(open(os.path.join(ROOT, "recipes", "verl", "arm_H.yaml")))["overrides"])
     assert cfg.actor_rollout_ref.rollout.dtype == "float16"
     assert fp16_parts(cfg) == [f"{PARAM}=fp16", "actor_rollout_ref.rollout.dtype=float16"]
     assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "gap_vanilla"
