@@ -944,15 +944,53 @@ def test_dump_forward_only_batch_saves_flat_rows_once_per_process(tmp_path, monk
     assert engine.dump_forward_only_batch(str(tmp_path / "e"), batch, {}, fp32_head=False) is None  # no log-probs
 
 
-def _apply_monkey_patch_in_a_fresh_process(disable: str) -> subprocess.CompletedProcess:
-    code = ("from bloggap_plugin.models import load_model; model, _ = load_model('tiny-random-llama'); "
-            "from verl.models.transformers.monkey_patch import apply_monkey_patch; "
-            "apply_monkey_patch(model, ulysses_sp_size=1, use_remove_padding=False); print('patched')")
-    env = {**os.environ, "BLOGGAP_VERL_DISABLE": disable, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=HANG_S)
+_MONKEY_PATCH_CASES = '''
+import os, sys, traceback
+from bloggap_plugin.models import load_model
+model, _ = load_model("tiny-random-llama")
+assert not [name for name in sys.modules if name.split(".")[0] == "verl" or name.startswith("bloggap_plugin.verl")]
+folder = sys.argv[1]
+for disable in sys.argv[2:]:
+    pid = os.fork()
+    if pid == 0:  # verl (and with it the plugin's entry point) is imported here for the first time
+        code = 0
+        with open(f"{folder}/{disable}.out", "w") as out, open(f"{folder}/{disable}.err", "w") as err:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            os.environ["BLOGGAP_VERL_DISABLE"] = disable
+            try:
+                from verl.models.transformers.monkey_patch import apply_monkey_patch
+                apply_monkey_patch(model, ulysses_sp_size=1, use_remove_padding=False)
+                print("patched")
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    open(f"{folder}/{disable}.code", "w").write(str(os.waitstatus_to_exitcode(status)))
+'''
+"""Loads the tiny model once, then for each BLOGGAP_VERL_DISABLE value of ``sys.argv[2:]`` forks a process that
+imports verl and runs its ``apply_monkey_patch`` on it, writing ``<value>.out``, ``.err`` and ``.code`` to
+``sys.argv[1]``."""
 
 
-def test_verl_fsdp_monkey_patch_runs_beside_trl_1_16(spawns):
+def _apply_monkey_patch_in_fresh_processes(folder, *disables: str) -> dict[str, types.SimpleNamespace]:
+    """``{disable: (returncode, stdout, stderr)}`` of verl's ``apply_monkey_patch`` on the tiny model in a process
+    per ``BLOGGAP_VERL_DISABLE`` value, each forked (after the model loaded) from one subprocess that has not
+    imported verl."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("BLOGGAP_VERL_DISABLE", None)
+    run = subprocess.run([sys.executable, "-c", _MONKEY_PATCH_CASES, str(folder), *disables], capture_output=True,
+                         text=True, env=env, timeout=HANG_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {disable: types.SimpleNamespace(returncode=int((folder / f"{disable}.code").read_text()),
+                                           stdout=(folder / f"{disable}.out").read_text(),
+                                           stderr=(folder / f"{disable}.err").read_text()) for disable in disables}
+
+
+def test_verl_fsdp_monkey_patch_runs_beside_trl_1_16(tmp_path, spawns):
     """verl 0.9.1's apply_monkey_patch (every FSDP actor's model build) imports AutoModelForCausalLMWithValueHead from
     trl.experimental.ppo or trl whenever TRL is importable; TRL 1.16 has neither, so the actor's init_model fails with
     ImportError (seen on the H200). With the plugin, verl skips that TRL-only patch and says why, once."""
@@ -961,9 +999,10 @@ def test_verl_fsdp_monkey_patch_runs_beside_trl_1_16(spawns):
     trl_dir = os.path.dirname(importlib.util.find_spec("trl").origin)
     if os.path.isdir(os.path.join(trl_dir, "experimental", "ppo")):
         pytest.skip("this TRL still has trl.experimental.ppo")
-    without = _apply_monkey_patch_in_a_fresh_process("1")
+    runs = _apply_monkey_patch_in_fresh_processes(tmp_path, "1", "0")
+    without = runs["1"]
     assert without.returncode != 0 and "AutoModelForCausalLMWithValueHead" in without.stderr
-    with_plugin = _apply_monkey_patch_in_a_fresh_process("0")
+    with_plugin = runs["0"]
     assert with_plugin.returncode == 0 and with_plugin.stdout.strip().endswith("patched"), with_plugin.stderr[-3000:]
     assert with_plugin.stderr.count("bloggap: TRL at ") == 1
     assert "has no AutoModelForCausalLMWithValueHead" in with_plugin.stderr
