@@ -18,6 +18,7 @@ import pytest
 from _support import ROOT
 from _support.cli import RECIPES
 from _support.events import HANG_S, complete_lines, restore_sigint, wait_for
+from _support.forked_cases import run_forked
 
 ARM_A = str(RECIPES / "arm_A.yaml")
 TINY = ("--model", "tiny-random-llama")
@@ -139,29 +140,12 @@ def test_report_to_two_integrations_writes_both_offline(two_steps):
     assert list((two_steps.folder / "o").rglob("events.out.tfevents.*")), "no tensorboard events were written"
 
 
-_HUB_FLAG_PROBES = '''
-import json, os, sys, traceback
-# libraries every case's TRL import loads that read no hub flag: loaded once, before the forks
-import pandas, scipy.optimize, torch, torch._dynamo  # noqa: E401, F401
-from bloggap_plugin import cli
-assert "huggingface_hub" not in sys.modules, "the hub library must first be imported by each case's bloggap train"
-for case, argv in enumerate(json.loads(sys.argv[1])):
-    pid = os.fork()
-    if pid == 0:  # a process of its own per case, in which huggingface_hub is imported for the first time
-        try:
-            rc = cli.main(argv)
-            import huggingface_hub.constants as c
-            print(json.dumps([case, f"offline {c.HF_HUB_OFFLINE} {rc}"]), flush=True)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-    os.waitpid(pid, 0)
-'''
-"""Runs ``bloggap ARGV`` (refused: --max-steps=0) for each ARGV of the JSON list ``sys.argv[1]``, each in a process
-forked before anything imported huggingface_hub, and prints ``[case, "offline <the hub library's flag> <exit>"]``."""
+_HUB_FLAG_SETUP = ("import pandas, scipy.optimize, torch, torch._dynamo\n"
+                   "from bloggap_plugin import cli")
+"""What every case's TRL import loads that reads no hub flag: loaded once, before the cases' processes fork."""
+_HUB_FLAG_PROBE = ("rc = cli.main({argv!r}); import huggingface_hub.constants as c; "
+                   "print('offline', c.HF_HUB_OFFLINE, rc)")
+"""Runs ``bloggap ARGV`` (refused: --max-steps=0) and prints whether huggingface_hub came up offline."""
 
 _ARGV_CASES = [(), ("--model", "someorg/somemodel")]
 """Extra ``bloggap train`` arguments of the command-line cases."""
@@ -173,21 +157,18 @@ _CONFIG_CASES = [("someorg/somemodel", (), "False"), ("tiny-random-llama", (), "
 @pytest.fixture(scope="module")
 def hub_flags(tmp_path_factory, spawns) -> SimpleNamespace:
     """``"offline <flag> <exit>"`` of every case (``argv``: by its extra arguments; ``config``: by its index in
-    :data:`_CONFIG_CASES`), or the probe's stderr tail for a case that printed nothing. One subprocess serves them
-    all: each case runs in a process forked from it before the hub library loads, so each reads the flag as
-    ``bloggap train`` left it."""
+    :data:`_CONFIG_CASES`), or its stderr tail when it printed nothing. Each case runs in a process forked before
+    the hub library loaded (:func:`run_forked`), so each reads the flag as ``bloggap train`` left it."""
     folder = tmp_path_factory.mktemp("hub_flags")
     extras = list(_ARGV_CASES)
     for number, (config_model, flags, _) in enumerate(_CONFIG_CASES):
         config = folder / f"c{number}.yaml"
         config.write_text(f"model: {config_model}\n")
         extras.append(("--config", str(config), *flags))
-    argvs = [["train", ARM_A, *extra, "--max-steps=0"] for extra in extras]
     env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
-    proc = subprocess.run([sys.executable, "-c", _HUB_FLAG_PROBES, json.dumps(argvs)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=HANG_S)
-    printed = dict(json.loads(line) for line in proc.stdout.splitlines() if line.startswith("["))
-    lines = [printed.get(case, proc.stderr[-2000:]) for case in range(len(argvs))]
+    cases = [({}, _HUB_FLAG_PROBE.format(argv=["train", ARM_A, *extra, "--max-steps=0"])) for extra in extras]
+    runs = run_forked(folder, _HUB_FLAG_SETUP, cases, not_loaded=("huggingface_hub",), env=env)
+    lines = [run.stdout.strip().splitlines()[-1] if run.stdout.strip() else run.stderr[-2000:] for run in runs]
     return SimpleNamespace(argv=dict(zip(_ARGV_CASES, lines)), config=lines[len(_ARGV_CASES):])
 
 
