@@ -338,7 +338,6 @@ def cmd_phase(args) -> None:
 
     from bloggap_plugin.core.vllm.kernels import vllm_batch_invariant_active
     from bloggap_plugin.envinfo import environment_record
-    from bloggap_plugin.trl.colocate_reads import engine_model_runner
 
     device = torch.device("cuda")
     work = Path(args.work)
@@ -346,6 +345,9 @@ def cmd_phase(args) -> None:
     results = state["results"].setdefault(args.phase, {})
     if args.phase == "colocated":
         gen = _generate(args)
+        # here, not above: it loads TRL, which a phase that stops before sampling (no vLLM) does not need
+        from bloggap_plugin.trl.colocate_reads import engine_model_runner
+
         torch.save({k: gen[k] for k in ("prompt_ids", "tokens", "sampled", "pad_id")}, work / "gen.pt")
         results.update(engine_start_s=gen["engine_start_s"], generate_s=gen["generate_s"],
                        model_runner=engine_model_runner(getattr(gen["llm"], "llm_engine", None)))

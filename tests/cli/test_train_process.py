@@ -18,6 +18,7 @@ import pytest
 from _support import ROOT
 from _support.cli import RECIPES
 from _support.events import HANG_S, complete_lines, restore_sigint, wait_for
+from _support.forked_cases import run_forked
 
 ARM_A = str(RECIPES / "arm_A.yaml")
 TINY = ("--model", "tiny-random-llama")
@@ -139,32 +140,50 @@ def test_report_to_two_integrations_writes_both_offline(two_steps):
     assert list((two_steps.folder / "o").rglob("events.out.tfevents.*")), "no tensorboard events were written"
 
 
-_OFFLINE_PROBE = ("import sys; from bloggap_plugin import cli; rc = cli.main(sys.argv[1:]); "
-                  "import huggingface_hub.constants as c; print('offline', c.HF_HUB_OFFLINE, rc)")
+_HUB_FLAG_SETUP = ("import pandas, scipy.optimize, torch, torch._dynamo\n"
+                   "from bloggap_plugin import cli")
+"""What every case's TRL import loads that reads no hub flag: loaded once, before the cases' processes fork."""
+_HUB_FLAG_PROBE = ("rc = cli.main({argv!r}); import huggingface_hub.constants as c; "
+                   "print('offline', c.HF_HUB_OFFLINE, rc)")
 """Runs ``bloggap ARGV`` (refused: --max-steps=0) and prints whether huggingface_hub came up offline."""
 
+_ARGV_CASES = [(), ("--model", "someorg/somemodel")]
+"""Extra ``bloggap train`` arguments of the command-line cases."""
+_CONFIG_CASES = [("someorg/somemodel", (), "False"), ("tiny-random-llama", (), "True"),
+                 ("someorg/somemodel", ("--model", "tiny-random-llama"), "True")]
+"""``--config`` file cases: the file's model, extra arguments, the hub library's expected HF_HUB_OFFLINE."""
 
-def _hub_offline_after(*argv: str) -> str:
+
+@pytest.fixture(scope="module")
+def hub_flags(tmp_path_factory, spawns) -> SimpleNamespace:
+    """``"offline <flag> <exit>"`` of every case (``argv``: by its extra arguments; ``config``: by its index in
+    :data:`_CONFIG_CASES`), or its stderr tail when it printed nothing. Each case runs in a process forked before
+    the hub library loaded (:func:`run_forked`), so each reads the flag as ``bloggap train`` left it."""
+    folder = tmp_path_factory.mktemp("hub_flags")
+    extras = list(_ARGV_CASES)
+    for number, (config_model, flags, _) in enumerate(_CONFIG_CASES):
+        config = folder / f"c{number}.yaml"
+        config.write_text(f"model: {config_model}\n")
+        extras.append(("--config", str(config), *flags))
     env = {k: v for k, v in os.environ.items() if not k.endswith("_OFFLINE")}
-    proc = subprocess.run([sys.executable, "-c", _OFFLINE_PROBE, "train", ARM_A, *argv, "--max-steps=0"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=HANG_S)
-    return proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-2000:]
+    cases = [({}, _HUB_FLAG_PROBE.format(argv=["train", ARM_A, *extra, "--max-steps=0"])) for extra in extras]
+    runs = run_forked(folder, _HUB_FLAG_SETUP, cases, not_loaded=("huggingface_hub",), env=env)
+    lines = [run.stdout.strip().splitlines()[-1] if run.stdout.strip() else run.stderr[-2000:] for run in runs]
+    return SimpleNamespace(argv=dict(zip(_ARGV_CASES, lines)), config=lines[len(_ARGV_CASES):])
 
 
-def test_train_is_offline_before_the_hub_library_reads_its_flag(spawns):
+def test_train_is_offline_before_the_hub_library_reads_its_flag(hub_flags):
     """huggingface_hub reads HF_HUB_OFFLINE once, when it is imported, which building train's parser does (TRL's
     flags): the CLI must set it first, unless the user names a hub model."""
-    assert _hub_offline_after() == "offline True 2"
-    assert _hub_offline_after("--model", "someorg/somemodel") == "offline False 2"
+    assert hub_flags.argv[()] == "offline True 2"
+    assert hub_flags.argv[("--model", "someorg/somemodel")] == "offline False 2"
 
 
-@pytest.mark.parametrize("config_model, flags, offline", [("someorg/somemodel", (), "False"),
-                                                          ("tiny-random-llama", (), "True"),
-                                                          ("someorg/somemodel", ("--model", "tiny-random-llama"), "True")])
-def test_a_config_file_naming_a_hub_model_gets_the_hub_as_model_does(tmp_path, config_model, flags, offline, spawns):
+@pytest.mark.parametrize("number", range(len(_CONFIG_CASES)),
+                         ids=[f"{model}-{'-'.join(flags) or 'no flags'}-{offline}" for model, flags, offline in _CONFIG_CASES])
+def test_a_config_file_naming_a_hub_model_gets_the_hub_as_model_does(hub_flags, number):
     """Offline was decided from argv's --model only: a --config file naming a hub model ran offline (and failed to
     find it), one naming a built-in model is offline; the command line's --model wins over the file's, as for
     every field."""
-    config = tmp_path / "c.yaml"
-    config.write_text(f"model: {config_model}\n")
-    assert _hub_offline_after("--config", str(config), *flags) == f"offline {offline} 2"
+    offline = _CONFIG_CASES[number][2]
+    assert hub_flags.config[number] == f"offline {offline} 2"

@@ -335,7 +335,7 @@ def test_a_killed_sweep_leaves_no_worker_and_resumes_counting_each_step_once(tmp
     out = tmp_path / "out"
     command = [sys.executable, "-m", "bloggap_plugin.cli", "compare", *recipes, "--seeds", "0", "--max-steps", "8",
                "--model", "tiny-random-llama", "--output-dir", str(out), "--parallel", "2", "--last-n", "2",
-               "--run-fn", fake["run_fn"]]
+               "--run-fn", fake["run_fn"], "--poll-s", "0.1"]  # a run's end is seen at once, as in the in-process sweeps
     env = dict(os.environ, FAKE_HANG="B_s0", PYTHONPATH=os.pathsep.join([fake["dir"], os.environ.get("PYTHONPATH", "")]))
     # Ctrl-C's default action in the sweep, as in a terminal: pytest started as a background job inherits SIGINT
     # ignored (POSIX shells ignore it for asynchronous commands), and so would the sweep.

@@ -202,11 +202,13 @@ def real_rollouts(smollm2_fp32):
 
 
 def test_real_model_bf16_left_padding_shows_the_gap(smollm2_bf16, real_rollouts):
+    """On the first 4 of the 8 rollouts: bf16 scoring is slow on a CPU without bf16 instructions (each row is scored
+    twice at batch 1), and 4 rows left-padded into one batch already put tokens out of band."""
     model, _ = smollm2_bf16
-    cells, _ = probe_model(model, real_rollouts, ["rerun_b1", "b1_vs_b8_left_arange"])
+    cells, _ = probe_model(model, real_rollouts.subset(4), ["rerun_b1", "b1_vs_b8_left_arange"])
     rerun, left = cells
     assert rerun["oob"] == 0.0 and rerun["bitwise_equal"]
-    assert left["n"] == 128
+    assert left["n"] == 64
     assert left["oob_count"] > 0 and left["abs_dlogp_max"] > 0.0953  # at least one ratio above 1.1 or below 0.9
 
 

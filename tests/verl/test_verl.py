@@ -16,6 +16,7 @@ import pytest
 import torch
 from _support import ROOT
 from _support.events import HANG_S
+from _support.forked_cases import run_forked
 from _support.verl_config import compose_ppo_trainer
 
 verl = pytest.importorskip("verl")
@@ -103,23 +104,16 @@ def test_entry_point_group_is_the_one_verl_loads():
     assert bverl.is_registered()  # importing verl above loaded the entry point
 
 
-def test_entry_point_registers_in_a_fresh_process_and_env_var_disables(spawns):
-    code = (
-        "import torch; torch.set_num_threads(1); import verl, sys;"
-        "from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R;"
-        "print('REG', 'bloggap_plugin.verl' in sys.modules, 'gap_vanilla' in R)"
-    )
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=HANG_S)
+def test_entry_point_registers_in_a_fresh_process_and_env_var_disables(tmp_path, spawns):
+    """Each case in a process of its own, forked after torch loaded and before verl or the plugin did."""
+    registered = ("import verl, sys; from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as R; "
+                  "print('REG', 'bloggap_plugin.verl' in sys.modules, 'gap_vanilla' in R)")
+    disabled = "import bloggap_plugin.verl as b; print('REG', b.is_registered())"
+    run, off = run_forked(tmp_path, "import torch, torch._dynamo; torch.set_num_threads(1)",
+                          [({}, registered), ({"BLOGGAP_VERL_DISABLE": "1"}, disabled)],
+                          not_loaded=("verl", "bloggap_plugin.verl"), env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert "REG True True" in run.stdout, run.stderr[-2000:]
     assert run.stderr.count("bloggap verl plugin registered") == 1
-    off = subprocess.run(
-        [sys.executable, "-c", "import bloggap_plugin.verl as b; print('REG', b.is_registered())"],
-        capture_output=True,
-        text=True,
-        env=dict(env, BLOGGAP_VERL_DISABLE="1"),
-        timeout=HANG_S,
-    )
     assert "REG False" in off.stdout, off.stderr[-2000:]
 
 
@@ -944,15 +938,12 @@ def test_dump_forward_only_batch_saves_flat_rows_once_per_process(tmp_path, monk
     assert engine.dump_forward_only_batch(str(tmp_path / "e"), batch, {}, fp32_head=False) is None  # no log-probs
 
 
-def _apply_monkey_patch_in_a_fresh_process(disable: str) -> subprocess.CompletedProcess:
-    code = ("from bloggap_plugin.models import load_model; model, _ = load_model('tiny-random-llama'); "
-            "from verl.models.transformers.monkey_patch import apply_monkey_patch; "
-            "apply_monkey_patch(model, ulysses_sp_size=1, use_remove_padding=False); print('patched')")
-    env = {**os.environ, "BLOGGAP_VERL_DISABLE": disable, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=HANG_S)
+_APPLY_MONKEY_PATCH = ("from verl.models.transformers.monkey_patch import apply_monkey_patch; "
+                       "apply_monkey_patch(model, ulysses_sp_size=1, use_remove_padding=False); print('patched')")
+"""verl's monkey patch (every FSDP actor's model build) on ``model``."""
 
 
-def test_verl_fsdp_monkey_patch_runs_beside_trl_1_16(spawns):
+def test_verl_fsdp_monkey_patch_runs_beside_trl_1_16(tmp_path, spawns):
     """verl 0.9.1's apply_monkey_patch (every FSDP actor's model build) imports AutoModelForCausalLMWithValueHead from
     trl.experimental.ppo or trl whenever TRL is importable; TRL 1.16 has neither, so the actor's init_model fails with
     ImportError (seen on the H200). With the plugin, verl skips that TRL-only patch and says why, once."""
@@ -961,9 +952,14 @@ def test_verl_fsdp_monkey_patch_runs_beside_trl_1_16(spawns):
     trl_dir = os.path.dirname(importlib.util.find_spec("trl").origin)
     if os.path.isdir(os.path.join(trl_dir, "experimental", "ppo")):
         pytest.skip("this TRL still has trl.experimental.ppo")
-    without = _apply_monkey_patch_in_a_fresh_process("1")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("BLOGGAP_VERL_DISABLE", None)
+    # the tiny model loads once; verl and the plugin load in each case's process, under its BLOGGAP_VERL_DISABLE
+    without, with_plugin = run_forked(
+        tmp_path, "from bloggap_plugin.models import load_model; model, _ = load_model('tiny-random-llama')",
+        [({"BLOGGAP_VERL_DISABLE": disable}, _APPLY_MONKEY_PATCH) for disable in ("1", "0")],
+        not_loaded=("verl", "bloggap_plugin.verl", "trl"), env=env)
     assert without.returncode != 0 and "AutoModelForCausalLMWithValueHead" in without.stderr
-    with_plugin = _apply_monkey_patch_in_a_fresh_process("0")
     assert with_plugin.returncode == 0 and with_plugin.stdout.strip().endswith("patched"), with_plugin.stderr[-3000:]
     assert with_plugin.stderr.count("bloggap: TRL at ") == 1
     assert "has no AutoModelForCausalLMWithValueHead" in with_plugin.stderr
