@@ -17,13 +17,15 @@ echo "setup $(( $(date +%s) - t0 )) s"
 timeout 240 python3 -m benchmarks.bi_matmul run --shape "$SHAPE" --out "$OUT/bi_matmul.json" \
   --tiles-out /tmp/vx/tiles.json --revision "${REVISION:-unknown}" 2>&1 \
   | grep -v "^\s*$" | cut -c1-400 | tail -60
-cp /tmp/vx/tiles.json "$OUT/" 2>/dev/null || { echo "no tile table: the runs below are arms without it"; arms=${arms//:tiles/}; }
+tiles=(--matmul-tiles /tmp/vx/tiles.json)
+cp /tmp/vx/tiles.json "$OUT/" 2>/dev/null || { echo "no tile table: the runs below are arms without it"; tiles=()
+  arms=$(printf '%s\n' ${arms//,/ } | sed 's/:tiles$//' | awk '!seen[$0]++' | paste -sd,); }
 echo "bi_matmul done at $(( $(date +%s) - t0 )) s"
 timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_vllm_tiles_gpu.py 2>&1 | tail -4
 left=$(( budget - ($(date +%s) - t0) ))
 echo "budget for runs ${left} s"
 timeout $((left + 30)) python3 -m benchmarks.cost_by_size run --model "$SHAPE_LABEL=$SHAPE_DIR" --arms "$arms" \
-   --repeats 3 --steps 30 --budget-s "$left" --out /tmp/c1 --matmul-tiles /tmp/vx/tiles.json 2>&1 \
+   --repeats 3 --steps 30 --budget-s "$left" --out /tmp/c1 ${tiles[@]+"${tiles[@]}"} 2>&1 \
    | grep -v "^\s*$" | cut -c1-600
 tar -cJf "$OUT/c1.tar.xz" -C /tmp c1
 cp /tmp/c1/cost_by_size.json "$OUT/" 2>/dev/null
