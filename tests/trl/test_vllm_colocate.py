@@ -560,14 +560,11 @@ def test_the_tile_table_is_installed_before_the_engine_is_built(fake_llm, monkey
     seen = []
     monkeypatch.setattr(module, "LLM", lambda *a, **k: seen.append(bi.matmul_persistent) or types.SimpleNamespace())
     monkeypatch.setenv(tiles.TILES_ENV, str(path))
-    try:
-        with vllm_colocate_engine():
-            llm = module.LLM(model="m")
-        assert seen[0] is not vllm_own and seen[0].__wrapped__ is vllm_own  # in place when the engine started
-        assert tiles.installed_tiles(bi) == table and llm._bloggap_matmul_tiles == str(path)
-    finally:
-        bi.matmul_persistent = vllm_own
-        tiles._INSTALLED.pop(id(bi), None)
+    with vllm_colocate_engine():
+        llm = module.LLM(model="m")
+    assert seen[0] is not vllm_own and seen[0].__wrapped__ is vllm_own  # in place when the engine started
+    assert tiles.installed_tiles(bi) == table and llm._bloggap_matmul_tiles == str(path)
+    bi.matmul_persistent = vllm_own
     monkeypatch.delenv(tiles.TILES_ENV)
     with vllm_colocate_engine():
         llm = module.LLM(model="m")

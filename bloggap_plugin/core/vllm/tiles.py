@@ -136,26 +136,21 @@ def dump_tiles(table: TileTable, **about: Any) -> str:
     return json.dumps({**about, "tiles": tiles}, indent=1) + "\n"
 
 
-_INSTALLED: dict[int, tuple[Any, Callable, TileTable]] = {}
-"""``id(module)`` -> (module, its original ``matmul_persistent``, the table installed)."""
-
-
 def installed_tiles(module: Any) -> TileTable | None:
     """The table installed in ``module`` (vLLM's batch-invariant module), or ``None``."""
-    entry = _INSTALLED.get(id(module))
-    return None if entry is None else entry[2]
+    return getattr(module.matmul_persistent, "tiles", None)
 
 
 def install_tiles(module: Any, table: TileTable) -> Callable[[], None]:
     """Route ``module``'s ``matmul_persistent`` (vLLM's batch-invariant module: ``linear_batch_invariant``,
     ``matmul_batch_invariant`` and the aten ``mm``/``addmm`` overrides all call it) through ``table``: a bf16 call
     whose weight shape the table has launches ``matmul_kernel_persistent`` at the table's configuration for its row
-    count; every other call goes to vLLM's own function. Returns the function that puts vLLM's back. Installing
-    again replaces the table."""
+    count; every other call goes to vLLM's own function. The dispatcher carries its table (``.tiles``) and vLLM's
+    function (``.__wrapped__``). Returns the function that puts vLLM's back. Installing again replaces the table."""
     import torch
 
-    entry = _INSTALLED.get(id(module))
-    original = entry[1] if entry else module.matmul_persistent
+    current = module.matmul_persistent
+    original = current.__wrapped__ if installed_tiles(module) is not None else current
     kernel = module.matmul_kernel_persistent
     table = dict(table)
 
@@ -168,13 +163,12 @@ def install_tiles(module: Any, table: TileTable) -> Callable[[], None]:
         return launch(kernel, a, b, bias, config)
 
     matmul_persistent.__wrapped__ = original  # type: ignore[attr-defined]
+    matmul_persistent.tiles = table  # type: ignore[attr-defined]
     module.matmul_persistent = matmul_persistent
-    _INSTALLED[id(module)] = (module, original, table)
 
     def uninstall() -> None:
-        if _INSTALLED.get(id(module), (None, None, None))[2] is table:
+        if module.matmul_persistent is matmul_persistent:
             module.matmul_persistent = original
-            del _INSTALLED[id(module)]
 
     return uninstall
 
