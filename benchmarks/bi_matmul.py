@@ -175,10 +175,10 @@ def derive_tiles(results: dict) -> dict:
 
 
 def _kernel_module() -> Any:
-    from bloggap_plugin.core.vllm.kernels import _batch_invariant_module
+    from bloggap_plugin.core.vllm.kernels import persistent_matmul_module
 
-    module = _batch_invariant_module()
-    if module is None or not hasattr(module, "matmul_kernel_persistent"):
+    module = persistent_matmul_module()
+    if module is None:
         raise SystemExit("bi_matmul needs vLLM with its batch-invariant Triton kernels on a CUDA GPU")
     return module
 

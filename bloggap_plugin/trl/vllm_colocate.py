@@ -134,8 +134,6 @@ def install_tiles_from_env(environ: dict | None = None) -> str | None:
     colocated engine and the arm's vLLM-form passes alike; returns the path, or ``None`` where the variable is unset.
     A table that cannot be used (unreadable, measured on another GPU, no batch-invariant module in this vLLM) is a
     :class:`~bloggap_plugin.core.vllm.tiles.TilesError` naming the fix."""
-    import torch
-
     from bloggap_plugin.core.vllm import kernels
     from bloggap_plugin.core.vllm.tiles import TILES_ENV, TilesError, install_tiles, load_tiles
     from bloggap_plugin.core.vllm.versions import form_install_hint
@@ -143,8 +141,8 @@ def install_tiles_from_env(environ: dict | None = None) -> str | None:
     path = (os.environ if environ is None else environ).get(TILES_ENV, "").strip()
     if not path:
         return None
-    module = kernels._batch_invariant_module()
-    if module is None or not hasattr(module, "matmul_kernel_persistent"):
+    module = kernels.persistent_matmul_module()
+    if module is None:
         version = kernels.vllm_layout()[0]
         raise TilesError(f"{TILES_ENV}={path}: this process's vLLM ({version or 'not importable'}) has no "
                          f"batch-invariant matmul the plugin has read: {form_install_hint()}, or unset the variable")

@@ -12,10 +12,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.fixture
 def batch_invariant_module():
-    from bloggap_plugin.core.vllm.kernels import _batch_invariant_module
+    from bloggap_plugin.core.vllm.kernels import persistent_matmul_module
 
-    module = _batch_invariant_module()
-    if module is None or not hasattr(module, "matmul_kernel_persistent"):
+    module = persistent_matmul_module()
+    if module is None:
         pytest.skip("needs vLLM with its batch-invariant Triton kernels")
     return module
 

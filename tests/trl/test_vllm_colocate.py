@@ -553,7 +553,7 @@ def test_the_tile_table_is_installed_before_the_engine_is_built(fake_llm, monkey
     module, _, calls = fake_llm
     bi = _fake_batch_invariant_module()
     vllm_own = bi.matmul_persistent
-    monkeypatch.setattr(kernels, "_batch_invariant_module", lambda: bi)
+    monkeypatch.setattr(kernels, "persistent_matmul_module", lambda: bi)
     table = {(48, 40): tiles.ShapeTiles(64, ((1, tiles.TileShape(64, 32, 4, 4)),))}
     path = tmp_path / "tiles.json"
     path.write_text(tiles.dump_tiles(table))  # no "gpu": this CPU process has no GPU name to check it against
@@ -577,10 +577,10 @@ def test_an_unusable_tile_table_stops_the_engine_before_it_starts(fake_llm, monk
 
     module, _, calls = fake_llm
     monkeypatch.setenv(tiles.TILES_ENV, str(tmp_path / "absent.json"))
-    monkeypatch.setattr(kernels, "_batch_invariant_module", lambda: _fake_batch_invariant_module())
+    monkeypatch.setattr(kernels, "persistent_matmul_module", _fake_batch_invariant_module)
     with pytest.raises(tiles.TilesError, match="absent.json: cannot read it"), vllm_colocate_engine():
         module.LLM(model="m")
-    monkeypatch.setattr(kernels, "_batch_invariant_module", lambda: None)
+    monkeypatch.setattr(kernels, "persistent_matmul_module", lambda: None)
     with pytest.raises(tiles.TilesError, match="has no batch-invariant matmul the plugin has read: pip install vllm=="), \
             vllm_colocate_engine():
         module.LLM(model="m")

@@ -27,7 +27,7 @@ from bloggap_plugin.core.vllm.form import TORCH_KERNELS, Kernels, VllmForm, padd
 
 __all__ = ["VllmFormUnavailable", "load_kernels", "batch_invariant_scope", "vllm_batch_invariant_active",
            "vllm_layout", "register_hf_attention", "HF_ATTENTION_NAME", "MatmulSettings",
-           "suspend_batch_invariant_mode", "engine_batch_invariance"]
+           "suspend_batch_invariant_mode", "engine_batch_invariance", "persistent_matmul_module"]
 
 HF_ATTENTION_NAME = "bloggap_vllm_fa"
 """The ``attn_implementation`` name :func:`register_hf_attention` registers with transformers."""
@@ -71,6 +71,13 @@ def _batch_invariant_module() -> Any:
         return importlib.import_module(layout.batch_invariant)
     except Exception:  # noqa: BLE001 - vLLM without its kernels (no CUDA build): mode not available
         return None
+
+
+def persistent_matmul_module() -> Any:
+    """vLLM's batch-invariant module where it holds the persistent matmul (``matmul_persistent`` and its Triton
+    ``matmul_kernel_persistent``, what :mod:`bloggap_plugin.core.vllm.tiles` routes), else ``None``."""
+    module = _batch_invariant_module()
+    return module if hasattr(module, "matmul_kernel_persistent") else None
 
 
 def vllm_batch_invariant_active() -> bool:
