@@ -24,9 +24,6 @@ echo "bi_matmul done at $(( $(date +%s) - t0 )) s"
 timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_vllm_tiles_gpu.py 2>&1 | tail -4
 left=$(( budget - ($(date +%s) - t0) ))
 echo "budget for runs ${left} s"
-timeout $((left + 30)) python3 -m benchmarks.cost_by_size run --model "$SHAPE_LABEL=$SHAPE_DIR" --arms "$arms" \
-   --repeats 3 --steps 30 --budget-s "$left" --out /tmp/c1 ${tiles[@]+"${tiles[@]}"} 2>&1 \
-   | grep -v "^\s*$" | cut -c1-600
-tar -cJf "$OUT/c1.tar.xz" -C /tmp c1
-cp /tmp/c1/cost_by_size.json "$OUT/" 2>/dev/null
+bash benchmarks/gpu/cost_by_size_more.sh c1 "$left" --model "$SHAPE_LABEL=$SHAPE_DIR" --arms "$arms" --repeats 3 \
+  --steps 30 ${tiles[@]+"${tiles[@]}"}
 echo "call total $(( $(date +%s) - t0 )) s"
