@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.abc
 import os
 import sys
@@ -64,6 +65,19 @@ def _hands_tests_to_workers(config) -> bool:
     workers and runs no test itself (xdist's own test for a distributed session, less its workers)."""
     distributed = config.getoption("dist", "no") != "no" and bool(config.getoption("tx", None))
     return distributed and not config.getoption("collectonly") and not hasattr(config, "workerinput")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """An xdist worker ends here once its exit handlers ran: the controller already holds every report (the worker
+    sent them, then ``workerfinished``, before unconfigure), and Python's own finalisation of the modules a worker
+    loaded (torch, transformers, verl) takes seconds and checks nothing."""
+    if not hasattr(config, "workerinput"):
+        return
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
