@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import importlib.abc
 import os
 import sys
@@ -65,6 +66,14 @@ def _hands_tests_to_workers(config) -> bool:
     workers and runs no test itself (xdist's own test for a distributed session, less its workers)."""
     distributed = config.getoption("dist", "no") != "no" and bool(config.getoption("tx", None))
     return distributed and not config.getoption("collectonly") and not hasattr(config, "workerinput")
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, transformers, every test module) is kept out of the cyclic garbage
+    collector from here on (``gc.freeze``): it lives until the process ends, and each full collection would
+    otherwise walk all of it again."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(trylast=True)
