@@ -28,13 +28,26 @@ __all__ = ["TensorPeak", "call_peak_bytes"]
 
 
 def _storages(tree) -> dict[int, torch.UntypedStorage]:
-    """The distinct storages of the dense tensors in a pytree, keyed by their C++ storage address."""
-    out = {}
-    for leaf in tree_leaves(tree):
-        if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and leaf.device.type != "meta":
-            storage = leaf.untyped_storage()
-            out[storage._cdata] = storage
+    """The distinct storages of the dense tensors in an op's arguments or outputs (tensors, nested in tuples,
+    lists and dict values), keyed by their C++ storage address."""
+    out: dict[int, torch.UntypedStorage] = {}
+    _collect_storages(tree, out)
     return out
+
+
+def _collect_storages(node, out: dict[int, torch.UntypedStorage]) -> None:
+    # an aten op's arguments and outputs nest only in tuples, lists and dicts; walked by hand, as pytree's
+    # general flattening cost more than the op itself on small tensors
+    if isinstance(node, torch.Tensor):
+        if node.layout == torch.strided and not node.is_meta:
+            storage = node.untyped_storage()
+            out[storage._cdata] = storage
+    elif isinstance(node, (tuple, list)):
+        for item in node:
+            _collect_storages(item, out)
+    elif isinstance(node, dict):
+        for item in node.values():
+            _collect_storages(item, out)
 
 
 class TensorPeak(TorchDispatchMode):
@@ -57,14 +70,17 @@ class TensorPeak(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        # lift_fresh returns the (fresh) tensor torch.tensor() built outside the dispatcher: a new allocation
-        inputs = {} if func is torch.ops.aten.lift_fresh.default else _storages((args, kwargs))
+        inputs = None  # the inputs' storages, collected only once an output storage is not tracked yet
         for key, storage in _storages(out).items():
             nbytes = storage.nbytes()
             if key in self._tracked:
                 self.live_bytes += nbytes - self._tracked[key]
                 self._tracked[key] = nbytes
-            elif key not in inputs:
+                continue
+            if inputs is None:
+                # lift_fresh returns the (fresh) tensor torch.tensor() built outside the dispatcher: a new allocation
+                inputs = {} if func is torch.ops.aten.lift_fresh.default else _storages((args, kwargs))
+            if key not in inputs:
                 self._tracked[key] = nbytes
                 self.live_bytes += nbytes
                 weakref.finalize(storage, self._release, key)
