@@ -585,7 +585,10 @@ def test_cost_benchmark_quick(tmp_path):
     from benchmarks import cost as module
 
     seq = 16  # tokens a row, the last seq // 2 scored; one timed pass per arm, no warm-up (the structure is checked)
-    argv = ["--quick", "--passes", "1", "--warmup", "0", "--seq", str(seq), "--device", "cpu", "--out", str(tmp_path)]
+    # 7 decoder layers: the fewest for which the guided plan's layers (0-4, 8, 9 and the last) leave one out (layer
+    # 5), so its fp32 share lies strictly between the fp32 head's and all fp32's
+    argv = ["--quick", "--passes", "1", "--warmup", "0", "--seq", str(seq), "--layers", "7", "--device", "cpu",
+            "--out", str(tmp_path)]
     assert module.main(argv) == 0
     payload = json.loads((tmp_path / "cost.json").read_text())
     _check_tables(payload, "cost")
@@ -602,7 +605,8 @@ def test_cost_benchmark_quick(tmp_path):
             assert arms[label]["tf32"] is False and arms[f"{label} (TF32)"]["tf32"] is True
         # the fp32 shadow holds 4 bytes per (unique) parameter plus fp32 buffers
         assert arms["all fp32"]["bytes_added"] >= 4 * shape["n_params"]
-        assert 0 < arms["fp32 head"]["fp32_param_share"] < arms["guided-7 + head"]["fp32_param_share"] < 1
+        assert shape["n_layers"] == 7 and shape["guided_layers"] == [0, 1, 2, 3, 4, 6]
+        assert 0 < arms["fp32 head"]["fp32_param_share"] < arms["guided-6 + head"]["fp32_param_share"] < 1
         assert shape["fp16_plan_over_raw_fp16"] > 0
         # memory columns: TRL's own pass is the baseline; on CPU the peak of live tensor bytes (TensorPeak)
         trl = arms["TRL fused head (baseline)"]
