@@ -61,7 +61,7 @@ def _assert_same(model, snap):
 # ----------------------------------------------------------------------------------------------- names
 
 
-def test_plan_names_and_aliases():
+def test_plan_names_and_aliases(tiny_model):
     assert PLAN_NAMES == ("bf16", "fp32", "fp16", "fp32_head", "guided", "vllm")
     assert tuple(PLANS) == PLAN_NAMES  # the registry builds exactly the plans the arm records name
     assert {plan_name(a) for a in "ABDEFI"} == set(PLAN_NAMES)
@@ -70,13 +70,13 @@ def test_plan_names_and_aliases():
     assert PLAN_ALIASES["B"] == "fp32"
     with pytest.raises(ValueError, match=r"unknown scoring arm 'fp8'.*bf16, fp32, fp16, fp32_head, guided"):
         plan_name("fp8")
-    model, _ = load_model("tiny-random-llama", dtype="bf16")
+    model, _ = tiny_model("tiny-random-llama", "bf16")
     with pytest.raises(ValueError, match="unknown scoring arm 'Z'"):
         make_plan(model, "Z")
 
 
-def test_bad_options_give_clear_errors():
-    model, tok = load_model("tiny-random-llama", dtype="bf16")
+def test_bad_options_give_clear_errors(tiny_model):
+    model, tok = tiny_model("tiny-random-llama", "bf16")
     with pytest.raises(ValueError, match=r"bad layer id 2: the model has 2 decoder layers.*0\.\.1"):
         make_plan(model, "guided", layers=[0, 2])
     with pytest.raises(ValueError, match="bad layer id -1"):
@@ -101,10 +101,10 @@ def test_bad_options_give_clear_errors():
         plan.token_logprobs(*_rows(tok), K)
 
 
-def test_registry_builds_each_plan_class_under_its_name():
+def test_registry_builds_each_plan_class_under_its_name(tiny_model):
     """Each plan name builds its module's class; ``plan.name`` and the ``arm`` key of its stats (the key result
     files carry) are the plan name, whatever letter asked for it."""
-    model, _ = load_model("tiny-random-llama", dtype="bf16")
+    model, _ = tiny_model("tiny-random-llama", "bf16")
     expected = {"A": ("bf16", PolicyPlan), "fp32": ("fp32", ShadowPlan), "F": ("fp16", ShadowPlan),
                 "E": ("fp32_head", UpcastPlan), "guided": ("guided", UpcastPlan)}
     for asked, (name, cls) in expected.items():
@@ -243,8 +243,8 @@ def test_fp32_head_and_guided_run_fp32_inside_bf16_autocast():
 @pytest.mark.parametrize(
     "spec", ["tiny-random-llama", "tiny-random-qwen2", "tiny-random-gpt_neox", "tiny-random-qwen2_moe"]
 )
-def test_guided_with_every_layer_equals_fp32_plan(spec):
-    policy, tok = load_model(spec, dtype="bf16")
+def test_guided_with_every_layer_equals_fp32_plan(tiny_model, spec):
+    policy, tok = tiny_model(spec, "bf16")
     ids, mask = _rows(tok)
     n = len(decoder_layers(policy))
     fp32 = make_plan(policy, "fp32").token_logprobs(ids, mask, K, batch_size=3)
@@ -518,10 +518,10 @@ def _kept_reducer(ids, keep, vocab):
 
 @pytest.mark.parametrize("kept", [False, True])
 @pytest.mark.parametrize("arm", list(PLAN_OPTIONS))
-def test_every_plan_tiled_equals_untiled_bit_for_bit(row_invariant_linear, arm, kept):
+def test_every_plan_tiled_equals_untiled_bit_for_bit(tiny_model, row_invariant_linear, arm, kept):
     """With a row-count-invariant matmul (conftest), tiles change nothing at all, for every plan, with and
     without kept-set renormalisation, for tiles of 1 .. K positions (K = 6; 4 and 5 do not divide it)."""
-    policy, tok = load_model("tiny-random-llama", dtype="bf16")
+    policy, tok = tiny_model("tiny-random-llama", "bf16")
     ids, mask = _rows(tok)
     reduce = _kept_reducer(ids, K, policy.config.vocab_size) if kept else None
     plan = make_plan(policy, arm, **PLAN_OPTIONS[arm])
@@ -535,11 +535,11 @@ def test_every_plan_tiled_equals_untiled_bit_for_bit(row_invariant_linear, arm, 
 
 
 @pytest.mark.parametrize("arm", list(PLAN_OPTIONS))
-def test_every_plan_bounds_its_largest_logits_tensor(largest_vocab_tensor, arm):
+def test_every_plan_bounds_its_largest_logits_tensor(tiny_model, largest_vocab_tensor, arm):
     """Real kernels: the largest vocabulary-wide tensor of a plan's pass is rows x tile x V, and the values
     equal the untiled pass (bit for bit for bf16 logits; fp32 matmuls may differ in the last bit when the
     row count changes, as between any two batch shapes)."""
-    policy, tok = load_model("tiny-random-llama", dtype="bf16")
+    policy, tok = tiny_model("tiny-random-llama", "bf16")
     vocab = policy.config.vocab_size
     ids, mask = _rows(tok)
     plan = make_plan(policy, arm, **PLAN_OPTIONS[arm])
@@ -556,8 +556,8 @@ def test_every_plan_bounds_its_largest_logits_tensor(largest_vocab_tensor, arm):
     plan.close()
 
 
-def test_bf16_plan_is_the_policy_itself():
-    policy, tok = load_model("tiny-random-gpt_neox", dtype="bf16")
+def test_bf16_plan_is_the_policy_itself(tiny_model):
+    policy, tok = tiny_model("tiny-random-gpt_neox", "bf16")
     ids, mask = _rows(tok)
     plan = make_plan(policy, "A")
     assert torch.equal(
@@ -686,10 +686,10 @@ def _set_owner_precision(path, value):
 @pytest.mark.parametrize("caller", list(CALLER_SETTINGS))
 @pytest.mark.parametrize(("arm", "tf32"), [("fp32", True), ("fp32", False), ("fp32_head", True), ("guided", False),
                                            ("fp32", "auto")])
-def test_tf32_set_inside_the_plans_forward_only(caller_tf32, caller, arm, tf32):
+def test_tf32_set_inside_the_plans_forward_only(tiny_model, caller_tf32, caller, arm, tf32):
     """A forward hook sees the plan's TF32 choice (legacy flag and new API agree, as cuBLAS requires); after the
     call, and after a call whose forward raises, every setting is the caller's again."""
-    policy, tok = load_model("tiny-random-llama", dtype="bf16")
+    policy, tok = tiny_model("tiny-random-llama", "bf16")  # shared: the hooks put on it are taken off again
     plan = make_plan(policy, arm, tf32=tf32, **({"layers": [0]} if arm == "guided" else {}))
     expected = False if tf32 == "auto" else tf32  # auto on a CPU: no TF32 units
     assert plan.tf32 is expected and plan.stats()["tf32"] is expected
@@ -702,18 +702,24 @@ def test_tf32_set_inside_the_plans_forward_only(caller_tf32, caller, arm, tf32):
         seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cuda.matmul.fp32_precision))
 
     handle = model.register_forward_hook(look)
-    plan.token_logprobs(*_rows(tok), K)
+    try:
+        plan.token_logprobs(*_rows(tok), K)
+    finally:
+        handle.remove()
     assert seen and all(s == (expected, "tf32" if expected else "ieee") for s in seen), seen
     assert _matmul_settings() == before
-    handle.remove()
 
     def fail(module, args, output):
         raise RuntimeError("forward failed")
 
-    model.register_forward_hook(fail)
-    with pytest.raises(RuntimeError, match="forward failed"):
-        plan.token_logprobs(*_rows(tok), K)
+    handle = model.register_forward_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="forward failed"):
+            plan.token_logprobs(*_rows(tok), K)
+    finally:
+        handle.remove()
     assert _matmul_settings() == before
+    plan.close()
 
 
 def test_tf32_left_alone_by_bf16_and_fp16_plans_and_checked(caller_tf32):
