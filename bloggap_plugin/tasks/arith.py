@@ -21,6 +21,7 @@ Difficulty levels (``LEVELS``):
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ __all__ = [
     "ArithProblem",
     "make_problem",
     "make_problems",
+    "question_count_bound",
     "build_messages",
     "accuracy_reward",
     "length_reward",
@@ -126,9 +128,22 @@ def _level(difficulty: int) -> _Level:
         ) from None
 
 
-def _examples(difficulty: int) -> list[ArithProblem]:
-    # Fixed solved examples at the same level, from their own generator (never the training stream).
-    return make_problems(3, seed=10_000 + int(difficulty), difficulty=difficulty)
+def question_count_bound(difficulty: int = DEFAULT_DIFFICULTY) -> int:
+    """At least the number of distinct questions :func:`make_problem` can draw at ``difficulty`` (exactly it at
+    levels 1-3): names x objects x the operand values, a third operand's values for two-step problems, two forms
+    (gets, gives) for levels that subtract."""
+    level = _level(difficulty)
+    count = len(_NAMES) * len(_OBJECTS)
+    for low, high in (level.first, level.second, *((level.second,) if level.two_step else ())):
+        count *= high - low + 1
+    return count * (2 if level.subtract else 1)
+
+
+@functools.cache
+def _examples(difficulty: int) -> tuple[ArithProblem, ...]:
+    # Fixed solved examples at the same level, from their own generator (never the training stream); built once per
+    # level, as every prompt holds them.
+    return tuple(make_problems(3, seed=10_000 + int(difficulty), difficulty=difficulty))
 
 
 def build_messages(problem: ArithProblem, difficulty: int = DEFAULT_DIFFICULTY) -> list[dict[str, str]]:

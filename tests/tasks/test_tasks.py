@@ -472,6 +472,9 @@ def test_arith_heldout_is_the_same_across_seeds_but_for_skipped_questions_and_fo
         get_heldout("arith", None, heldout_n=0)
     with pytest.raises(Exception, match="too few questions"):
         get_heldout("arith", None, difficulty=1, heldout_n=7_000)
+    # 12 names x 8 objects x the operands' values: level 1 (1-9, 1-9) and level 2 (10-29, 1-9), the counts the
+    # refusal above and the overlap bound rest on
+    assert arith.question_count_bound(1) == 12 * 8 * 9 * 9 and arith.question_count_bound(2) == 12 * 8 * 20 * 9
 
 
 def test_gsm8k_heldout_is_the_test_split_filtered_and_refuses_one_file(gsm8k_dir):
