@@ -131,9 +131,15 @@ def load_json(path: str | os.PathLike):
     from bloggap_plugin._input_files import display_name, load_json_file
 
     path = Path(path)
+    constants: list[_NonFinite] = []
+
+    def non_finite(text: str) -> _NonFinite:
+        constants.append(_NonFinite(text))
+        return constants[-1]
+
     document = load_json_file(path, display_name(path), "remove it from the results folder", ResultError,
-                              "a bloggap result document", parse_float=Decimal, parse_constant=_NonFinite)
-    found = _find_non_finite(document)
+                              "a bloggap result document", parse_float=Decimal, parse_constant=non_finite)
+    found = _find_non_finite(document) if constants else None  # walked only when the parser met one
     if found:
         raise ResultError(f"{path}: {found[0]} is {found[1]}, which JSON does not allow; write null for a value that "
                           "does not exist (rendered '–') or fix the benchmark that produced it")
