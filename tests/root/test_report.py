@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -25,27 +26,46 @@ def _numbers_in_text(text: str) -> set[Decimal]:
     return {Decimal(m.replace(",", "")) for m in _NUMBER.findall(text)}
 
 
+class _JsonNumber(str):
+    """A number of a JSON document as its text (``json.loads`` parse_int/parse_float): distinct texts are few, and
+    are converted to ``Decimal`` once each."""
+
+
 def _numbers_in_json(value) -> set[Decimal]:
-    if isinstance(value, bool) or value is None:
-        return set()
-    if isinstance(value, (int, float, Decimal)):
-        return {Decimal(str(value))}
-    if isinstance(value, str):
-        return _numbers_in_text(value)
-    if isinstance(value, dict):
-        return set().union(*(_numbers_in_json(k) | _numbers_in_json(v) for k, v in value.items())) if value else set()
-    if isinstance(value, list):
-        return set().union(*(_numbers_in_json(v) for v in value)) if value else set()
-    return set()
+    numbers: set = set()
+    texts: set[str] = set()  # each distinct string (keys repeat in every row) is searched once
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, bool) or item is None:
+            continue
+        if isinstance(item, (int, float, Decimal, _JsonNumber)):
+            numbers.add(item)
+        elif isinstance(item, str):
+            texts.add(item)
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return {Decimal(str(n)) for n in numbers}.union(*map(_numbers_in_text, texts))
+
+
+@functools.cache
+def _document_numbers(text: str) -> frozenset[Decimal]:
+    """Magnitudes of the numbers of a JSON document's text; once per distinct text in the session (the committed
+    results are read by several tests)."""
+    document = json.loads(text, parse_int=_JsonNumber, parse_float=_JsonNumber)
+    return frozenset(abs(n).normalize() for n in _numbers_in_json(document))
 
 
 def _json_numbers(paths) -> set[Decimal]:
+    # the Markdown's numbers are read without their sign ("-0.0147" is found as 0.0147): compare magnitudes
     numbers: set[Decimal] = set()
     for path in paths:
-        numbers |= _numbers_in_json(json.loads(Path(path).read_text(), parse_float=Decimal))
-        numbers |= _numbers_in_text(Path(path).as_posix())
-    # the Markdown's numbers are read without their sign ("-0.0147" is found as 0.0147): compare magnitudes
-    return {abs(n).normalize() for n in numbers}
+        numbers |= _document_numbers(Path(path).read_text())
+        numbers |= {abs(n).normalize() for n in _numbers_in_text(Path(path).as_posix())}
+    return numbers
 
 
 def _assert_numbers_sourced(markdown: str, json_paths) -> None:
@@ -358,11 +378,15 @@ def test_cli_report_help_lists_every_field(capsys):
         assert f"--{item.name}" in text and " ".join(item.metadata["help"].split()) in text
 
 
-def test_two_files_of_one_benchmark_get_a_plot_each(tmp_path):
+def test_two_files_of_one_benchmark_get_a_plot_each(tmp_path, monkeypatch):
     """Two result files of the same benchmark and table ids (a re-run under another setting, e.g. arm_i.json and
     arm_i_triton_ieee.json) must not write one plot over the other: each is named after its file, whatever the
-    order the files are read in."""
-    pytest.importorskip("matplotlib")
+    order the files are read in. The drawing is recorded, not done (test_report_from_constructed_results draws these
+    tables): what matters here is the path each plot goes to."""
+    import bloggap_plugin.report_builder as report_builder
+
+    drawn: list[str] = []
+    monkeypatch.setattr(report_builder, "_plot_table", lambda table, spec, path: drawn.append(str(path)))
     results = tmp_path / "results"
     _write(results, "h200", "a_first", _result())  # read before tables.json, whose stem is the benchmark's name
     _write(results, "h200", "tables", _result())
@@ -372,6 +396,7 @@ def test_two_files_of_one_benchmark_get_a_plot_each(tmp_path):
     assert sorted(Path(p).name for p in written["plots"]) == [
         "a_first_T1.png", "a_first_ladder.png", "tables_T1.png", "tables_ladder.png", "tables_rerun_T1.png",
         "tables_rerun_ladder.png"]
+    assert sorted(drawn) == sorted(written["plots"]) and len(set(drawn)) == 6  # each drawn once, none over another
     md = output.read_text()
     assert "](plots/h200/tables_T1.png)" in md and "](plots/h200/tables_rerun_T1.png)" in md
 
