@@ -20,6 +20,7 @@ __all__ = [
     "read_log",
     "run_is_done",
     "run_state",
+    "run_verdict",
     "run_settings",
     "read_marker",
     "count_logged_steps",
@@ -88,24 +89,31 @@ def run_state(config: CompareConfig, run: RunSpec) -> tuple[str, str]:
     """``(state, why)`` of ``run``'s log: ``done`` (complete, same settings), ``missing``, ``unfinished`` (no
     completion marker), ``corrupt`` (a line that is not JSON; ``why`` names file and line) or ``changed`` (trained
     with other settings; ``why`` lists them)."""
+    state, why, _, _ = run_verdict(config, run)
+    return state, why
+
+
+def run_verdict(config: CompareConfig, run: RunSpec) -> tuple[str, str, list[dict], dict | None]:
+    """``(state, why, records, marker)``: :func:`run_state` of ``run`` with the step records and completion marker
+    of the log it read (:func:`read_log`; none where the log is missing or corrupt), from one reading of the log."""
     log = Path(run.log_jsonl)
     if not log.exists():
-        return "missing", ""
+        return "missing", "", [], None
     try:
-        _, marker = read_log(log)
+        records, marker = read_log(log)
     except ValueError as err:
-        return "corrupt", str(err)
+        return "corrupt", str(err), [], None
     if marker is None:
-        return "unfinished", f"{log} has no completion marker"
+        return "unfinished", f"{log} has no completion marker", records, None
     stored = marker.get("settings")
     if not isinstance(stored, dict):
-        return "changed", f"{log} records no settings (written by an older bloggap)"
+        return "changed", f"{log} records no settings (written by an older bloggap)", records, marker
     if isinstance(stored.get("run_fn"), str):  # a renamed training function is the same function
         stored = {**stored, "run_fn": current_run_fn(stored["run_fn"])}
     changes = _settings_changes(stored, run_settings(config, run))
     if changes:
-        return "changed", f"{log} was trained with other settings ({changes})"
-    return "done", ""
+        return "changed", f"{log} was trained with other settings ({changes})", records, marker
+    return "done", "", records, marker
 
 
 def count_logged_steps(path: str | os.PathLike) -> int:
@@ -146,12 +154,15 @@ def read_marker(path: str | os.PathLike) -> dict | None:
         return None
 
 
-def finished_checkpoints(config: CompareConfig, runs: list[RunSpec]) -> dict[int, dict[str, str | None]]:
-    """``{seed: {run id: model sha256}}`` of the finished runs (log complete, same settings), from their markers."""
+def finished_checkpoints(config: CompareConfig, runs: list[RunSpec],
+                         states: list[tuple[str, dict | None]] | None = None) -> dict[int, dict[str, str | None]]:
+    """``{seed: {run id: model sha256}}`` of the finished runs (log complete, same settings), from their markers;
+    ``states``: ``(state, marker)`` of each of ``runs`` in order (:func:`run_verdict`), where the caller has them."""
+    if states is None:
+        states = [(state, marker) for state, _, _, marker in (run_verdict(config, run) for run in runs)]
     found: dict[int, dict[str, str | None]] = {}
-    for run in runs:
-        if run_state(config, run)[0] == "done":
-            marker = read_marker(run.log_jsonl) or {}
+    for run, (state, marker) in zip(runs, states, strict=True):
+        if state == "done":
             found.setdefault(run.seed, {})[run.run_id] = marker.get(MODEL_SHA256_KEY)
     return found
 
@@ -177,8 +188,9 @@ def check_resume_checkpoint(config: CompareConfig, runs: list[RunSpec], model_sh
     """Refuse (:class:`CompareError`) to start runs of a seed whose finished runs started from another checkpoint
     than ``model_sha`` (``--model``'s): the seed's arms would not be comparable. Seeds with every run finished, or
     none, are free."""
-    pending = {run.seed for run in runs if run_state(config, run)[0] != "done"}
-    for seed, hashes in sorted(finished_checkpoints(config, runs).items()):
+    states = [(state, marker) for state, _, _, marker in (run_verdict(config, run) for run in runs)]
+    pending = {run.seed for run, (state, _) in zip(runs, states) if state != "done"}
+    for seed, hashes in sorted(finished_checkpoints(config, runs, states).items()):
         other = sorted(run_id for run_id, sha in hashes.items() if sha != model_sha)
         if seed in pending and other:
             raise CompareError(f"--model {config.model} ({_short(model_sha)}): seed {seed}'s finished run(s) "

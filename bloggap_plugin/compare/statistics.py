@@ -10,8 +10,7 @@ from bloggap_plugin.compare.logs import (
     MODEL_SHA256_KEY,
     checkpoint_mismatches,
     finished_checkpoints,
-    read_log,
-    run_state,
+    run_verdict,
 )
 from bloggap_plugin.compare.outputs import compare_tables
 from bloggap_plugin.compare.sweep_config import CompareConfig, RunSpec
@@ -117,10 +116,15 @@ def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
     arms = list(dict.fromkeys(r.arm for r in runs))
     base = _baseline(config, arms)
     per_run, set_aside = {}, {}
-    checkpoints = finished_checkpoints(config, runs)
+    verdicts, summaries = [], {}
+    for run in runs:  # each log read once: its verdict, its marker and (finished) its summary
+        state, why, records, marker = run_verdict(config, run)
+        verdicts.append((state, why, marker))
+        if state == "done":
+            summaries[run.run_id] = summarize_run(records, marker, config.last_n)
+    checkpoints = finished_checkpoints(config, runs, [(state, marker) for state, _, marker in verdicts])
     mismatched = checkpoint_mismatches(checkpoints)
-    for run in runs:
-        state, why = run_state(config, run)
+    for run, (state, why, marker) in zip(runs, verdicts):
         if state in ("corrupt", "changed"):
             set_aside[run.run_id] = why
             continue
@@ -129,8 +133,7 @@ def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
         if run.seed in mismatched:  # no comparison pairs runs that started from different weights
             set_aside[run.run_id] = mismatched[run.seed]
             continue
-        records, marker = read_log(run.log_jsonl)
-        summary = summarize_run(records, marker, config.last_n)
+        summary = summaries[run.run_id]
         summary[MODEL_SHA256_KEY] = (marker or {}).get(MODEL_SHA256_KEY)
         summary.update(arm=run.arm, seed=run.seed, recipe=run.recipe,
                        heldout=read_heldout(config, run, (marker or {}).get("attempt")))
