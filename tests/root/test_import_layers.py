@@ -5,6 +5,7 @@ import circle, no private name imported across modules, no module file name in t
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -38,11 +39,22 @@ def _modules() -> dict[str, Path]:
     return {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
+def _statements(body: list):
+    """Every statement of ``body`` and of the blocks nested in it (functions, classes, if/try/with/for/while/match
+    bodies): an import is a statement, so these are all the places one can be (expressions are not visited)."""
+    for node in body:
+        yield node
+        for block in ("body", "orelse", "finalbody", "handlers", "cases"):
+            inner = getattr(node, block, None)
+            if isinstance(inner, list):
+                yield from _statements(inner)
+
+
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, str]]:
     """``(imported module, imported name or "")`` for every import of the package in ``path``'s source."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in _statements(ast.parse(path.read_text(), str(path)).body):
         if isinstance(node, ast.Import):
             found += [(alias.name, "") for alias in node.names if alias.name.split(".")[0] == ROOT]
         elif isinstance(node, ast.ImportFrom):
@@ -59,13 +71,20 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str,
     return found
 
 
+@functools.cache
+def package_imports() -> dict[str, list[tuple[str, str]]]:
+    """Module -> its :func:`_imports`; the source is parsed once for the tests of this file (which only read it)."""
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
 def import_graph() -> dict[str, set[str]]:
     """Module -> the package's modules it imports, including the packages a submodule import runs (``a.b.c``
     runs ``a.b``'s ``__init__``), except the importer's own packages and the root package's ``__version__``."""
     modules = _modules()
     graph: dict[str, set[str]] = defaultdict(set)
-    for name, path in modules.items():
-        for target, imported in _imports(name, path, modules):
+    for name, imports in package_imports().items():
+        for target, imported in imports:
             if target == ROOT and imported == "__version__":  # a constant; the root is loaded before any submodule
                 continue
             parts = target.split(".")
@@ -158,17 +177,25 @@ def test_no_import_circle(graph):
     assert cycles(graph) == []
 
 
-def test_the_checks_catch_what_they_look_for():
+def test_the_checks_catch_what_they_look_for(tmp_path):
     planted = {"bloggap_plugin.core.a": {"bloggap_plugin.trl.b"}, "bloggap_plugin.trl.b": {"bloggap_plugin.core.a"}}
     assert cycles(planted) == [["bloggap_plugin.core.a", "bloggap_plugin.trl.b"]]
     assert upward_imports(planted, (("core",), ("trl",))) == ["bloggap_plugin.core.a -> bloggap_plugin.trl.b"]
+    # an import in every kind of block is found (the reader visits statements only)
+    source = tmp_path / "m.py"
+    source.write_text("if TYPE_CHECKING:\n    import bloggap_plugin.a\ntry:\n    import bloggap_plugin.b\n"
+                      "except E:\n    import bloggap_plugin.c\nelse:\n    import bloggap_plugin.d\nfinally:\n"
+                      "    import bloggap_plugin.e\nclass K:\n    def f(self):\n        with x:\n"
+                      "            for i in y:\n                while z:\n                    import bloggap_plugin.f\n"
+                      "                else:\n                    from bloggap_plugin import _g\n"
+                      "match v:\n    case 1:\n        import bloggap_plugin.h\n")
+    found = _imports("bloggap_plugin.m", source, {})
+    assert sorted(found) == sorted([(f"bloggap_plugin.{x}", "") for x in "abcdefh"] + [("bloggap_plugin", "_g")])
 
 
 def test_no_private_name_is_imported_across_modules():
-    modules = _modules()
-    private = [f"{_module_name(path)} imports {source}.{imported}" for path in modules.values()
-               for source, imported in _imports(_module_name(path), path, modules)
-               if imported.startswith("_") and not imported.startswith("__")]
+    private = [f"{name} imports {source}.{imported}" for name, imports in package_imports().items()
+               for source, imported in imports if imported.startswith("_") and not imported.startswith("__")]
     assert private == []
 
 
