@@ -111,30 +111,39 @@ def figures_in(raw: str, doc: str, allowed: list[dict]) -> list[Figure]:
     return found
 
 
-def _numbers_in_json(value, out: list[Decimal]) -> None:
-    if isinstance(value, bool) or value is None:
-        return
-    if isinstance(value, (int, Decimal)):
-        out.append(abs(Decimal(value)))
-    elif isinstance(value, str):
-        out.extend(Decimal(m.replace(",", "")) for m in re.findall(r"\d+(?:,\d{3})*(?:\.\d+)?", value))
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _numbers_in_json(key, out)
-            _numbers_in_json(item, out)
-    elif isinstance(value, list):
-        for item in value:
-            _numbers_in_json(item, out)
+_DIGITS = re.compile(r"\d+(?:,\d{3})*(?:\.\d+)?")
 
 
-def _numbers_in_text(text: str) -> list[Decimal]:
-    return sorted({Decimal(m.replace(",", "")) for m in re.findall(r"\d+(?:,\d{3})*(?:\.\d+)?", text)})
+class _JsonNumber(str):
+    """A number of a result file as its JSON text (``json.loads`` parse_int/parse_float): the distinct texts are
+    few, and each becomes a ``Decimal`` once."""
 
 
 def _numbers_of(document) -> list[Decimal]:
-    out: list[Decimal] = []
-    _numbers_in_json(document, out)
-    return sorted(set(out))
+    """The magnitudes of the numbers (int, ``Decimal``, JSON number text) and of the digit runs of the strings, keys
+    included, in ``document``: sorted, each value once."""
+    numbers, texts, stack = set(), set(), [document]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, (int, Decimal, _JsonNumber)):
+            numbers.add(value)
+        elif isinstance(value, str):
+            texts.add(value)
+        elif isinstance(value, dict):
+            stack.extend(value)
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    found = {abs(Decimal(n)) for n in numbers}
+    for text in texts:
+        found.update(Decimal(m.replace(",", "")) for m in _DIGITS.findall(text))
+    return sorted(found)
+
+
+def _numbers_in_text(text: str) -> list[Decimal]:
+    return sorted({Decimal(m.replace(",", "")) for m in _DIGITS.findall(text)})
 
 
 class Sources:
@@ -144,7 +153,8 @@ class Sources:
     def __init__(self) -> None:
         from bloggap_plugin.report_builder import load_reference
 
-        documents = {p: json.loads(p.read_text(), parse_float=Decimal) for p in sorted(RESULTS.rglob("*.json"))}
+        documents = {p: json.loads(p.read_text(), parse_int=_JsonNumber, parse_float=_JsonNumber)
+                     for p in sorted(RESULTS.rglob("*.json"))}
         self.files = {p: _numbers_of(d) for p, d in documents.items()}
         self.by_table: dict[str, set[Path]] = {}
         for path, document in documents.items():
@@ -157,6 +167,7 @@ class Sources:
         self._table = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, ids)) + r")(?![\w]|-\w)")
         self._file = re.compile(r"([\w.-]+)\.json")
         self._cited: dict[str, list[Decimal] | None] = {}
+        self._union: dict[tuple[frozenset, frozenset], list[Decimal]] = {}
 
     def cited(self, passage: str) -> list[Decimal] | None:
         """The numbers of the results `passage` cites, or None when it cites none (worked out once per passage:
@@ -172,7 +183,11 @@ class Sources:
             paths |= {p for p in self.files if stem in (p.stem, p.parent.name)}
         if not tables and not paths:
             return None
-        return sorted(set().union(*(self.files[p] for p in paths), *(self.reference.get(t, []) for t in tables)))
+        key = (frozenset(paths), frozenset(tables))  # passages citing the same results share their numbers
+        if key not in self._union:
+            self._union[key] = sorted(set().union(*(self.files[p] for p in paths),
+                                                  *(self.reference.get(t, []) for t in tables)))
+        return self._union[key]
 
 
 def _held(target: Decimal, tolerance: Decimal, numbers: list[Decimal]) -> bool:
