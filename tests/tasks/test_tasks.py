@@ -443,7 +443,7 @@ def test_arith_heldout_never_shares_a_question_with_training(level):
     for seed in (0, 1, 2, 3):
         training = {p.question for p in arith.make_problems(1024, seed=seed, difficulty=level)}
         heldout, (reward,) = get_heldout("arith", None, seed=seed, difficulty=level, heldout_n=300)
-        questions = [prompt[-1]["content"] for prompt in heldout["prompt"]]
+        questions = [prompt[-1]["content"] for prompt in gsm8k.column(heldout, "prompt")]  # one read, not per row
         assert len(questions) == len(set(questions)) == 300
         assert not set(questions) & training and not set(questions) & examples
         # every answer is the sum / difference written in its question (an independent check of the answers)
@@ -484,9 +484,9 @@ def test_gsm8k_heldout_is_the_test_split_filtered_and_refuses_one_file(gsm8k_dir
     train_questions = {r["question"] for r in _rows(gsm8k_dir / "train.jsonl")}
     heldout, _ = get_heldout("gsm8k", None, data=str(gsm8k_dir), calc_steps="1", heldout_n=40)
     one_step = [r for r in test if r["answer"].count("<<") == 1]
-    assert [p[-1]["content"] for p in heldout["prompt"]] == [r["question"] for r in one_step[:40]]
+    assert [p[-1]["content"] for p in gsm8k.column(heldout, "prompt")] == [r["question"] for r in one_step[:40]]
     assert heldout["answer"] == [r["answer"].split("####")[-1].strip().replace(",", "") for r in one_step[:40]]
-    assert not {p[-1]["content"] for p in heldout["prompt"]} & train_questions
+    assert not {p[-1]["content"] for p in gsm8k.column(heldout, "prompt")} & train_questions
     assert len(get_heldout("gsm8k", None, data=str(gsm8k_dir), calc_steps="1", heldout_n=1000)[0]) == 65
     with pytest.raises(Exception, match="is one file"):
         get_heldout("gsm8k", None, data=str(gsm8k.SAMPLE_PATH))
