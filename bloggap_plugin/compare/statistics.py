@@ -116,15 +116,10 @@ def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
     arms = list(dict.fromkeys(r.arm for r in runs))
     base = _baseline(config, arms)
     per_run, set_aside = {}, {}
-    verdicts, summaries = [], {}
-    for run in runs:  # each log read once: its verdict, its marker and (finished) its summary
-        state, why, records, marker = run_verdict(config, run)
-        verdicts.append((state, why, marker))
-        if state == "done":
-            summaries[run.run_id] = summarize_run(records, marker, config.last_n)
-    checkpoints = finished_checkpoints(config, runs, [(state, marker) for state, _, marker in verdicts])
+    verdicts = [run_verdict(config, run) for run in runs]  # each log read once: state, why, records, marker
+    checkpoints = finished_checkpoints(config, runs, [(state, marker) for state, _, _, marker in verdicts])
     mismatched = checkpoint_mismatches(checkpoints)
-    for run, (state, why, marker) in zip(runs, verdicts):
+    for run, (state, why, records, marker) in zip(runs, verdicts):
         if state in ("corrupt", "changed"):
             set_aside[run.run_id] = why
             continue
@@ -133,7 +128,7 @@ def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
         if run.seed in mismatched:  # no comparison pairs runs that started from different weights
             set_aside[run.run_id] = mismatched[run.seed]
             continue
-        summary = summaries[run.run_id]
+        summary = summarize_run(records, marker, config.last_n)
         summary[MODEL_SHA256_KEY] = (marker or {}).get(MODEL_SHA256_KEY)
         summary.update(arm=run.arm, seed=run.seed, recipe=run.recipe,
                        heldout=read_heldout(config, run, (marker or {}).get("attempt")))
