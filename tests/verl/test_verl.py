@@ -844,26 +844,37 @@ def test_differential_covers_every_preset_and_rs_option():
     assert set(rollout_corr_helper.SUPPORTED_ROLLOUT_RS_OPTIONS) <= used
 
 
-@pytest.mark.parametrize("context", ["none", "guard_warn", "guard_off"])
-def test_wrapped_correction_is_bit_identical_to_verl_for_every_preset(pristine_helper, monkeypatch, caplog, context):
-    _clear_bloggap_env(monkeypatch)
-    wrapped = rollout_corr_helper.compute_rollout_correction_and_add_to_batch
+@pytest.fixture(scope="module")
+def pristine_preset_runs(pristine_helper):
+    """verl's own result (or error) for every preset, in both config forms, on both batches: ``(name, form, batch
+    name) -> (cfg, data, result)``, computed once for the contexts the wrapped function runs in."""
+    runs = {}
     batches = _differential_batches()
-    steps = {"none": None, "guard_warn": _trainer_config(), "guard_off": _trainer_config(guard="off")}
-    fired = 0
     for name, preset in _presets().items():
         for form, cfg in (("dataclass", preset), ("omegaconf", OmegaConf.structured(preset))):
             for batch_name, data in batches.items():
-                label = (context, name, form, batch_name)
                 want = _run(pristine_helper.compute_rollout_correction_and_add_to_batch, data, cfg)
-                if steps[context] is None:
-                    got = _run(wrapped, data, cfg)
-                else:
-                    with trainer_step(steps[context]):
-                        got = _run(wrapped, data, cfg)
-                _assert_identical(got, want, label)
-                if not isinstance(got, Exception):
-                    fired += got[1].get("gap/verl/all_rejected", 0.0) == 1.0
+                runs[(name, form, batch_name)] = (cfg, data, want)
+    return runs
+
+
+@pytest.mark.parametrize("context", ["none", "guard_warn", "guard_off"])
+def test_wrapped_correction_is_bit_identical_to_verl_for_every_preset(pristine_preset_runs, monkeypatch, caplog,
+                                                                      context):
+    _clear_bloggap_env(monkeypatch)
+    wrapped = rollout_corr_helper.compute_rollout_correction_and_add_to_batch
+    steps = {"none": None, "guard_warn": _trainer_config(), "guard_off": _trainer_config(guard="off")}
+    fired = 0
+    for (name, form, batch_name), (cfg, data, want) in pristine_preset_runs.items():
+        label = (context, name, form, batch_name)
+        if steps[context] is None:
+            got = _run(wrapped, data, cfg)
+        else:
+            with trainer_step(steps[context]):
+                got = _run(wrapped, data, cfg)
+        _assert_identical(got, want, label)
+        if not isinstance(got, Exception):
+            fired += got[1].get("gap/verl/all_rejected", 0.0) == 1.0
     # the guard path (warning, metrics) ran on the far batch and still changed nothing
     assert (fired > 0) == (context != "guard_off")
 
