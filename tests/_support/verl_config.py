@@ -9,7 +9,8 @@ loads (keyed by the search path, the config's path and the file's text), and the
 defaults list before it applies the overrides (keyed by the search path and the defaults list with each file's
 text). Two pure functions Hydra calls for every node of the defaults tree are kept by their arguments too: the
 read-only map of known choices that deferred interpolations in a defaults list resolve against (rebuilt with
-``OmegaConf.create`` per node), and the parse of a version string."""
+``OmegaConf.create`` per node), and the parse of a version string; and each command-line override is parsed once
+(Hydra's ANTLR grammar), each compose getting its own copy of the parsed ``Override``."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ made."""
 _INTERPOLATION_MAPS: dict[tuple, object] = {}
 """(known choices, defaults list entries, self added) -> the read-only ``DictConfig`` Hydra's
 ``defaults_list._create_interpolation_map`` builds from them."""
+_PARSED: dict[tuple[str, str], bytes] = {}
+"""(override text, grammar rule) -> the pickled result of Hydra's ``OverridesParser.parse_rule``."""
 _MERGED: dict[tuple, bytes] = {}
 """(search path, ((defaults list entry, file text), ...)) -> the pickled ``DictConfig`` Hydra's
 ``ConfigLoaderImpl._compose_config_from_defaults_list`` merged from those files (no override applied yet)."""
@@ -72,11 +75,19 @@ def _loads_kept() -> Iterator[None]:
     from hydra._internal import defaults_list
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.config_repository import ConfigRepository
+    from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
     load = ConfigRepository.load_config
     merge = ConfigLoaderImpl._compose_config_from_defaults_list
     interpolation_map = defaults_list._create_interpolation_map
+    parse = OverridesParser.parse_rule
+
+    def parse_kept(self, text: str, rule_name: str):
+        key = (text, rule_name)
+        if key not in _PARSED:  # an override that fails to parse raises here each time, as it would
+            _PARSED[key] = pickle.dumps(parse(self, text, rule_name))
+        return pickle.loads(_PARSED[key])
 
     def interpolation_map_kept(overrides, defaults, self_added):
         key = _interpolation_map_key(overrides, defaults, self_added)
@@ -102,6 +113,7 @@ def _loads_kept() -> Iterator[None]:
     with mock.patch.object(ConfigRepository, "load_config", load_kept), \
             mock.patch.object(ConfigLoaderImpl, "_compose_config_from_defaults_list", merge_kept), \
             mock.patch.object(defaults_list, "_create_interpolation_map", interpolation_map_kept), \
+            mock.patch.object(OverridesParser, "parse_rule", parse_kept), \
             mock.patch.object(version, "_get_version", functools.lru_cache(maxsize=None)(version._get_version)):
         yield
 
