@@ -10,9 +10,14 @@ import math
 import pytest
 from _support import ROOT
 
-scipy_stats = pytest.importorskip("scipy.stats")
+from bloggap_plugin.compare.inference import MIN_SEEDS, compare_with_baseline, holm, sign_flip_p
 
-from bloggap_plugin.compare.inference import MIN_SEEDS, compare_with_baseline, holm, sign_flip_p  # noqa: E402
+
+@pytest.fixture(scope="module")
+def scipy_stats():
+    """scipy.stats, the independent reference (imported by the tests that compare with it, not at collection)."""
+    return pytest.importorskip("scipy.stats")
+
 
 SWEEP = ROOT / "benchmarks" / "results" / "h200" / "compare_sweep.json"
 
@@ -37,7 +42,7 @@ def test_sign_flip_floor_for_five_seeds():
     assert sign_flip_p([0.1, 0.2, 0.3, 0.4, 0.5]) == pytest.approx(2 / 32)
 
 
-def test_compare_with_baseline_against_scipy_on_fixed_data():
+def test_compare_with_baseline_against_scipy_on_fixed_data(scipy_stats):
     differences = {"B": [-0.02, -0.01, -0.03, 0.0, -0.015], "C": [0.01, -0.02, 0.03, 0.0, 0.005, 0.01]}
     out = compare_with_baseline(differences, alpha=0.05)
     assert out["family"] == 2 and out["level_per_arm"] == pytest.approx(0.025)
