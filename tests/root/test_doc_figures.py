@@ -12,7 +12,6 @@ Skipped: inline code, link targets, identifiers (T12, fp16, commit ids), the REA
 from __future__ import annotations
 
 import bisect
-import json
 import re
 import subprocess
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 from _support import ROOT
+from _support.json_values import load_number_texts, numbers_and_strings
 
 RESULTS = ROOT / "benchmarks" / "results"
 ALLOWED = Path(__file__).with_name("doc_figures_allowed.yaml")
@@ -114,28 +114,10 @@ def figures_in(raw: str, doc: str, allowed: list[dict]) -> list[Figure]:
 _DIGITS = re.compile(r"\d+(?:,\d{3})*(?:\.\d+)?")
 
 
-class _JsonNumber(str):
-    """A number of a result file as its JSON text (``json.loads`` parse_int/parse_float): the distinct texts are
-    few, and each becomes a ``Decimal`` once."""
-
-
 def _numbers_of(document) -> list[Decimal]:
     """The magnitudes of the numbers (int, ``Decimal``, JSON number text) and of the digit runs of the strings, keys
     included, in ``document``: sorted, each value once."""
-    numbers, texts, stack = set(), set(), [document]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, bool) or value is None:
-            continue
-        if isinstance(value, (int, Decimal, _JsonNumber)):
-            numbers.add(value)
-        elif isinstance(value, str):
-            texts.add(value)
-        elif isinstance(value, dict):
-            stack.extend(value)
-            stack.extend(value.values())
-        elif isinstance(value, list):
-            stack.extend(value)
+    numbers, texts = numbers_and_strings(document)
     found = {abs(Decimal(n)) for n in numbers}
     for text in texts:
         found.update(Decimal(m.replace(",", "")) for m in _DIGITS.findall(text))
@@ -153,7 +135,7 @@ class Sources:
     def __init__(self) -> None:
         from bloggap_plugin.report_builder import load_reference
 
-        documents = {p: json.loads(p.read_text(), parse_int=_JsonNumber, parse_float=_JsonNumber)
+        documents = {p: load_number_texts(p.read_text())
                      for p in sorted(RESULTS.rglob("*.json"))}
         self.files = {p: _numbers_of(d) for p, d in documents.items()}
         self.by_table: dict[str, set[Path]] = {}

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from _support import ROOT
 from _support.events import HANG_S
+from _support.json_values import load_number_texts, numbers_and_strings
 
 from bloggap_plugin.report_builder import REFERENCE_PATH, ReportError, build_report, load_reference
 
@@ -26,28 +27,8 @@ def _numbers_in_text(text: str) -> set[Decimal]:
     return {Decimal(m.replace(",", "")) for m in _NUMBER.findall(text)}
 
 
-class _JsonNumber(str):
-    """A number of a JSON document as its text (``json.loads`` parse_int/parse_float): distinct texts are few, and
-    are converted to ``Decimal`` once each."""
-
-
 def _numbers_in_json(value) -> set[Decimal]:
-    numbers: set = set()
-    texts: set[str] = set()  # each distinct string (keys repeat in every row) is searched once
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, bool) or item is None:
-            continue
-        if isinstance(item, (int, float, Decimal, _JsonNumber)):
-            numbers.add(item)
-        elif isinstance(item, str):
-            texts.add(item)
-        elif isinstance(item, dict):
-            stack.extend(item)
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
+    numbers, texts = numbers_and_strings(value)  # each distinct string (keys repeat in every row) is searched once
     return {Decimal(str(n)) for n in numbers}.union(*map(_numbers_in_text, texts))
 
 
@@ -55,7 +36,7 @@ def _numbers_in_json(value) -> set[Decimal]:
 def _document_numbers(text: str) -> frozenset[Decimal]:
     """Magnitudes of the numbers of a JSON document's text; once per distinct text in the session (the committed
     results are read by several tests)."""
-    document = json.loads(text, parse_int=_JsonNumber, parse_float=_JsonNumber)
+    document = load_number_texts(text)
     return frozenset(abs(n).normalize() for n in _numbers_in_json(document))
 
 
