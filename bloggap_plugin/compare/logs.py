@@ -154,12 +154,9 @@ def read_marker(path: str | os.PathLike) -> dict | None:
         return None
 
 
-def finished_checkpoints(config: CompareConfig, runs: list[RunSpec],
-                         states: list[tuple[str, dict | None]] | None = None) -> dict[int, dict[str, str | None]]:
+def finished_checkpoints(runs: list[RunSpec], states: list[tuple[str, dict | None]]) -> dict[int, dict[str, str | None]]:
     """``{seed: {run id: model sha256}}`` of the finished runs (log complete, same settings), from their markers;
-    ``states``: ``(state, marker)`` of each of ``runs`` in order (:func:`run_verdict`), where the caller has them."""
-    if states is None:
-        states = [(state, marker) for state, _, _, marker in (run_verdict(config, run) for run in runs)]
+    ``states``: ``(state, marker)`` of each of ``runs`` in order, as :func:`run_verdict` reads them."""
     found: dict[int, dict[str, str | None]] = {}
     for run, (state, marker) in zip(runs, states, strict=True):
         if state == "done":
@@ -190,7 +187,7 @@ def check_resume_checkpoint(config: CompareConfig, runs: list[RunSpec], model_sh
     none, are free."""
     states = [(state, marker) for state, _, _, marker in (run_verdict(config, run) for run in runs)]
     pending = {run.seed for run, (state, _) in zip(runs, states) if state != "done"}
-    for seed, hashes in sorted(finished_checkpoints(config, runs, states).items()):
+    for seed, hashes in sorted(finished_checkpoints(runs, states).items()):
         other = sorted(run_id for run_id, sha in hashes.items() if sha != model_sha)
         if seed in pending and other:
             raise CompareError(f"--model {config.model} ({_short(model_sha)}): seed {seed}'s finished run(s) "

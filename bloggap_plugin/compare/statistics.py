@@ -117,7 +117,7 @@ def build_results(config: CompareConfig, runs: list[RunSpec]) -> dict:
     base = _baseline(config, arms)
     per_run, set_aside = {}, {}
     verdicts = [run_verdict(config, run) for run in runs]  # each log read once: state, why, records, marker
-    checkpoints = finished_checkpoints(config, runs, [(state, marker) for state, _, _, marker in verdicts])
+    checkpoints = finished_checkpoints(runs, [(state, marker) for state, _, _, marker in verdicts])
     mismatched = checkpoint_mismatches(checkpoints)
     for run, (state, why, records, marker) in zip(runs, verdicts):
         if state in ("corrupt", "changed"):
