@@ -186,10 +186,10 @@ def get_heldout(name: str, tokenizer=None, seed: int = 0, heldout_n: int = HELDO
         level = arith.DEFAULT_DIFFICULTY if difficulty is None else difficulty
         seen = {p.question for p in arith.make_problems(ARITH_TRAIN_N if n is None else n, seed=seed, difficulty=level)}
         seen |= {p.question for p in arith._examples(level)}
-        too_few = UsageError(f"arith level {level} has too few questions outside the training set for {heldout_n} "
-                             "held-out prompts; ask for fewer")
+        too_few = (f"arith level {level} has too few questions outside the training set for {heldout_n} held-out "
+                   "prompts; ask for fewer")
         if arith.question_count_bound(level) - len(seen) < heldout_n:  # no number of draws could fill the set
-            raise too_few
+            raise UsageError(too_few)
         rng, problems = random.Random(ARITH_HELDOUT_SEED), []
         for _ in range(20 * heldout_n + 10_000):  # draws: ample for any level with room for the set
             problem = arith.make_problem(rng, level)
@@ -199,7 +199,7 @@ def get_heldout(name: str, tokenizer=None, seed: int = 0, heldout_n: int = HELDO
                 if len(problems) == heldout_n:
                     break
         else:
-            raise too_few
+            raise UsageError(too_few)
         messages = [arith.build_messages(p, level) for p in problems]
         answers = [str(p.answer) for p in problems]
     prompts = [task_prompt(m, tokenizer) for m in messages]
