@@ -3,6 +3,8 @@ table it derives from them."""
 
 from __future__ import annotations
 
+import json
+
 from benchmarks import bi_matmul
 from bloggap_plugin.core.vllm.tiles import ShapeTiles, TileShape
 
@@ -133,3 +135,18 @@ def test_the_harness_compares_each_configuration_on_the_first_rows_of_one_input(
     fast = tiles.TileShape(64, 32, 4, 4)
     assert table[(2048, 128)] == tiles.ShapeTiles(64, ((1, fast), (4, fast)))  # the LM head of tiny-llama
     assert len(table) == 5
+
+
+def test_the_summary_table_is_a_valid_result_table(tmp_path):
+    # run_main writes the document after every case; on the GPU machine its first write failed validation
+    # (the table had no random_init key), so no T25 and no tile table came back
+    from bloggap_plugin.results import ResultDocument
+
+    cases = [_case("qkv", 32, 24, {"vllm": 10.0, "fast": 5.0, "cublas": 4.0},
+                   {"vllm": True, "fast": True, "cublas": False})]
+    results = {"configs": ["vllm", "fast"], "config_values": CONFIG_VALUES, "cases": {"s": cases}}
+    table = bi_matmul.summary_table(results, "T-x")
+    path = tmp_path / "bi_matmul.json"
+    ResultDocument("bi_matmul", {"gpu": "test"}, {"shapes": ["s"]}, results, [table]).write(path)
+    assert json.loads(path.read_text())["tables"][0]["rows"] == table["rows"]
+    assert table["random_init"] is True  # random bf16 operands, no trained weights
