@@ -128,7 +128,7 @@ def summary_table(results: dict, table_id: str) -> dict:
             cells += [None if base[m] is None else round(base[m], 1) for m in all_rows]
             table_rows.append(cells)
     return {"id": table_id, "title": "vLLM's batch-invariant matmul under other tile configurations: bits and "
-            "device time (harness)", "columns": columns, "rows": table_rows,
+            "device time (harness)", "columns": columns, "rows": table_rows, "reference": None, "random_init": True,
             "notes": "Harness (benchmarks.bi_matmul): random bf16 operands, every linear layer of the shape as vLLM "
                      "merges them; a case is one (layer, M). Each configuration computes the first M rows of one "
                      "input and is compared bit for bit with its family's reference (same BLOCK_SIZE_K; vLLM's "
