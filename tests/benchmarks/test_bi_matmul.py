@@ -150,3 +150,42 @@ def test_the_summary_table_is_a_valid_result_table(tmp_path):
     ResultDocument("bi_matmul", {"gpu": "test"}, {"shapes": ["s"]}, results, [table]).write(path)
     assert json.loads(path.read_text())["tables"][0]["rows"] == table["rows"]
     assert table["random_init"] is True  # random bf16 operands, no trained weights
+
+
+def test_run_writes_a_valid_t25_and_a_tile_table_this_gpu_loads(monkeypatch, tmp_path):
+    """run_main end to end on the CPU: the stand-in kernel and clock of the test above, the GPU and vLLM faked by
+    name; what the GPU machine returns (the result document after each case, then the tile table) must load."""
+    import functools
+
+    import torch
+
+    from bloggap_plugin import envinfo
+    from bloggap_plugin.core.vllm import kernels, tiles
+    from bloggap_plugin.results import validate_result
+
+    def product(a, b, config):
+        out = torch.stack([(row.float()[:, None] * b.float()).sum(0) for row in a])
+        return (out * (1 + 2 ** -7) if config["BLOCK_SIZE_K"] != 64 else out).to(a.dtype)
+
+    module = type("BatchInvariant", (), {"matmul_persistent": staticmethod(lambda a, b, bias=None: product(
+        a, b, bi_matmul.VLLM_BF16)), "matmul_kernel_persistent": object()})
+    monkeypatch.setattr(tiles, "launch", lambda kernel, a, b, bias, config: product(a, b, config))
+    monkeypatch.setattr(bi_matmul, "graph_us", lambda fn, reps: 5.0 if getattr(fn, "args", ())[-1:] == (
+        bi_matmul.CONFIGS["m64n32w4s4"],) else 10.0)
+    monkeypatch.setattr(bi_matmul, "_kernel_module", lambda: module)
+    monkeypatch.setattr(bi_matmul, "measure_shape", functools.partial(bi_matmul.measure_shape, device="cpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Stand-in GPU")
+    monkeypatch.setattr(envinfo, "environment_record", lambda device=None, **extra: {"gpu": "Stand-in GPU", **extra})
+    monkeypatch.setattr(kernels, "vllm_layout", lambda: ("0.26.0", None))
+    out, tiles_out = tmp_path / "bi_matmul.json", tmp_path / "tiles.json"
+    assert bi_matmul.main(["run", "--shape", "tiny-llama", "--rows", "1,4", "--reps", "2", "--out", str(out),
+                           "--tiles-out", str(tiles_out), "--revision", "abc1234"]) == 0
+    document = json.loads(out.read_text())
+    validate_result(document, out)
+    (table,) = document["tables"]
+    assert table["id"] == "T25-bi-matmul-configs" and len(document["results"]["cases"]["tiny-llama"]) == 10
+    rows = {row[1]: row for row in table["rows"]}
+    assert rows["vllm"][3] == "10/10" and rows["m64n32w4s4"][4:6] == [0.5, 0.5]  # 5 us against vLLM's 10 us
+    fast = tiles.TileShape(64, 32, 4, 4)
+    assert tiles.load_tiles(tiles_out, gpu="Stand-in GPU")[(2048, 128)] == tiles.ShapeTiles(64, ((1, fast), (4, fast)))
