@@ -101,9 +101,10 @@ def test_a_shape_vllm_tunes_itself_is_left_to_vllm():
     assert bi_matmul.derive_tiles(_results(cases)) == {}
 
 
-def test_the_harness_compares_each_configuration_on_the_first_rows_of_one_input(monkeypatch):
-    """measure_shape's flow on the CPU: a stand-in kernel whose K-step-64 family gives vLLM's bits and whose other
-    K steps round differently, and a clock that says which configuration is fast."""
+def _stand_in_kernel(monkeypatch, fast: set[str]):
+    """A stand-in for vLLM's batch-invariant module on the CPU, installed as ``tiles.launch``: its K-step-64 family
+    gives vLLM's bits and its other K steps (and 16-row tiles) round differently; the clock (``graph_us``) gives the
+    configurations in ``fast`` 5 us and every other 10 us."""
     import torch
 
     from bloggap_plugin.core.vllm import tiles
@@ -114,12 +115,19 @@ def test_the_harness_compares_each_configuration_on_the_first_rows_of_one_input(
             out = out * (1 + 2 ** -7)
         return out.to(a.dtype)
 
-    module = type("BatchInvariant", (), {"matmul_persistent": staticmethod(lambda a, b, bias=None: product(
-        a, b, bi_matmul.VLLM_BF16)), "matmul_kernel_persistent": object()})
     monkeypatch.setattr(tiles, "launch", lambda kernel, a, b, bias, config: product(a, b, config))
-    fast = {"m64n32w4s4", "m16n64w4s4"}  # the second is fast and wrong: never chosen
     monkeypatch.setattr(bi_matmul, "graph_us", lambda fn, reps: 5.0 if any(
         fn.args[-1] is bi_matmul.CONFIGS[name] for name in fast) else 10.0)  # partial(launch, ..., config)
+    return type("BatchInvariant", (), {"matmul_persistent": staticmethod(lambda a, b, bias=None: product(
+        a, b, bi_matmul.VLLM_BF16)), "matmul_kernel_persistent": object()})
+
+
+def test_the_harness_compares_each_configuration_on_the_first_rows_of_one_input(monkeypatch):
+    """measure_shape's flow on the CPU: a stand-in kernel whose K-step-64 family gives vLLM's bits and whose other
+    K steps round differently, and a clock that says which configuration is fast."""
+    from bloggap_plugin.core.vllm import tiles
+
+    module = _stand_in_kernel(monkeypatch, fast={"m64n32w4s4", "m16n64w4s4"})  # the second is fast and wrong
     cases, logged = [], []
     bi_matmul.measure_shape(module, "tiny-llama", [1, 4], 3, logged.append, cases, device="cpu")
     assert [(c["layer"], c["rows"]) for c in cases] == [(layer, m) for layer in ("qkv", "o", "gate_up", "down",
@@ -153,8 +161,9 @@ def test_the_summary_table_is_a_valid_result_table(tmp_path):
 
 
 def test_run_writes_a_valid_t25_and_a_tile_table_this_gpu_loads(monkeypatch, tmp_path):
-    """run_main end to end on the CPU: the stand-in kernel and clock of the test above, the GPU and vLLM faked by
-    name; what the GPU machine returns (the result document after each case, then the tile table) must load."""
+    """run_main end to end on the CPU: the stand-in kernel and clock (:func:`_stand_in_kernel`), the GPU and vLLM
+    faked by name; what the GPU machine returns (the result document after each case, then the tile table) must
+    load."""
     import functools
 
     import torch
@@ -163,15 +172,7 @@ def test_run_writes_a_valid_t25_and_a_tile_table_this_gpu_loads(monkeypatch, tmp
     from bloggap_plugin.core.vllm import kernels, tiles
     from bloggap_plugin.results import validate_result
 
-    def product(a, b, config):
-        out = torch.stack([(row.float()[:, None] * b.float()).sum(0) for row in a])
-        return (out * (1 + 2 ** -7) if config["BLOCK_SIZE_K"] != 64 else out).to(a.dtype)
-
-    module = type("BatchInvariant", (), {"matmul_persistent": staticmethod(lambda a, b, bias=None: product(
-        a, b, bi_matmul.VLLM_BF16)), "matmul_kernel_persistent": object()})
-    monkeypatch.setattr(tiles, "launch", lambda kernel, a, b, bias, config: product(a, b, config))
-    monkeypatch.setattr(bi_matmul, "graph_us", lambda fn, reps: 5.0 if getattr(fn, "args", ())[-1:] == (
-        bi_matmul.CONFIGS["m64n32w4s4"],) else 10.0)
+    module = _stand_in_kernel(monkeypatch, fast={"m64n32w4s4"})
     monkeypatch.setattr(bi_matmul, "_kernel_module", lambda: module)
     monkeypatch.setattr(bi_matmul, "measure_shape", functools.partial(bi_matmul.measure_shape, device="cpu"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
