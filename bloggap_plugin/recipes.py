@@ -182,6 +182,13 @@ class GapConfig:
         ``decode_graphs`` for arms I and J and nothing for any other arm (TRL's engine untouched). An engine built
         eager is accepted for arms I and J only with ``eager`` set (docs/arm_i.md, tables T16-armI-live and
         T16-armJ-live: each launch measured live)."""))
+    matmul_tiles: str | None = field(default=None, metadata=_help(
+        """Arms I and J with vLLM colocate: path of a tile table for vLLM's batch-invariant matmul
+        (bloggap_plugin.core.vllm.tiles; ``python -m benchmarks.bi_matmul run --shape MODEL_FOLDER --tiles-out FILE``
+        measures one on the GPU that will use it, for that model's weight shapes), installed before the colocated
+        engine starts, so generation and the arm's own passes launch the same tiles and keep the same bits. A table
+        measured on another GPU is refused. ``None``: vLLM's one configuration for every shape (docs/arm_i.md,
+        "Matmul tiles by shape and row count"; T27-cost-by-size-tiles measures both)."""))
     strict_version: bool = field(default=True, metadata=_help(
         """Refuse to attach to a TRL outside the supported range (1.16.x); ``False`` downgrades that to a warning
         (missing private methods are always an error)."""))
@@ -220,6 +227,7 @@ class GapConfig:
         if self.layers is not None:
             self._validate_layers(spec)
         self._validate_i_pieces(spec)
+        self._validate_matmul_tiles(spec)
         if self.vllm_launch not in VLLM_LAUNCHES:
             raise RecipeError(f"gap.vllm_launch must be one of {', '.join(VLLM_LAUNCHES)}, got {self.vllm_launch!r}")
         if self.vllm_launch != "auto" and not _runs_vllm_eager_kernels(spec):
@@ -241,6 +249,18 @@ class GapConfig:
             raise RecipeError("arm I scores with vLLM's positions (0.. from each sequence's first token): "
                               "set gap.positions: mask")
         self._parse_i_pieces()
+
+    def _validate_matmul_tiles(self, spec: ArmSpec) -> None:
+        if self.matmul_tiles is None:
+            return
+        if not self.matmul_tiles.strip():
+            raise RecipeError("gap.matmul_tiles is empty: give the path of a tile table (python -m benchmarks.bi_matmul "
+                              "run --tiles-out FILE writes one), or drop it")
+        if not (_plan_takes_pieces(spec) and self.i_form.batch_invariant):
+            which = (f"arm is {self.arm}" if not _plan_takes_pieces(spec)
+                     else f"gap.i_pieces {self.i_pieces!r} turns them off")
+            raise RecipeError(f"gap.matmul_tiles only applies to arms I and J with vLLM's batch-invariant matmuls (the "
+                              f"table chooses their tiles); {which}: drop it")
 
     def _parse_i_pieces(self) -> VllmForm:
         """Parse ``i_pieces`` and keep the result with the text it was parsed from (:attr:`i_form`)."""

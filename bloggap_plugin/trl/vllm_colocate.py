@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -77,7 +78,7 @@ def _prefill_in_one_step(args: tuple, kwargs: dict) -> None:
 
 @contextlib.contextmanager
 def vllm_colocate_engine(*, prefill_in_one_step: bool = False, sampling_mask: str | None = None,
-                         **engine_kwargs: Any) -> Iterator[None]:
+                         matmul_tiles: str | None = None, **engine_kwargs: Any) -> Iterator[None]:
     """While active, TRL's colocate ``LLM(...)`` gets ``engine_kwargs`` (each unless the call already sets it).
 
     E.g. ``dtype="float16"`` (arm H) or ``kv_cache_memory_bytes=2 << 30`` (several engines on one GPU: a fixed KV
@@ -86,9 +87,9 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, sampling_mask: st
     :func:`one_step_prefill_tokens` of the call's ``max_num_seqs`` and ``max_model_len`` (the model config's
     ``max_position_embeddings`` when the call passes none), so that a generation's prompts are prefilled in one
     step. Restores TRL's ``LLM`` on exit. The engine keeps a record of torch's matmul settings from before its
-    start-up, which :func:`confine_batch_invariance` restores for the trainer. A tile table named by
-    :data:`~bloggap_plugin.core.vllm.tiles.TILES_ENV` is installed before the engine starts
-    (:func:`install_tiles_from_env`). ``sampling_mask`` (``"auto"`` or
+    start-up, which :func:`confine_batch_invariance` restores for the trainer. A tile table, ``matmul_tiles``
+    (``gap.matmul_tiles``) or the file :data:`~bloggap_plugin.core.vllm.tiles.TILES_ENV` names, is installed before
+    the engine starts (:func:`install_tiles_from_env`). ``sampling_mask`` (``"auto"`` or
     ``"required"``) asks vLLM for each token's sampling mask (``return_sampling_mask=True``, ``gap.kept_source``):
     under ``auto`` an engine whose vLLM refuses it is built without, and the refusal is kept on the ``LLM``.
     """
@@ -111,7 +112,7 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, sampling_mask: st
         if prefill_in_one_step:
             _prefill_in_one_step(args, kwargs)
         plain = _matmul_settings()  # before the engine's start-up changes them (batch-invariant mode)
-        tiles = install_tiles_from_env()  # before the engine captures its kernels
+        tiles = install_tiles_from_env(path=matmul_tiles)  # before the engine captures its kernels
         llm, refused = _build_with_sampling_mask(original, args, kwargs, sampling_mask)
         with contextlib.suppress(AttributeError, TypeError):  # an object that takes no attributes: no record
             llm._bloggap_plain_matmul = plain
@@ -128,27 +129,34 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, sampling_mask: st
         vllm_generation.LLM = original
 
 
-def install_tiles_from_env(environ: dict | None = None) -> str | None:
-    """Install the tile table :data:`~bloggap_plugin.core.vllm.tiles.TILES_ENV` names
-    (:func:`~bloggap_plugin.core.vllm.tiles.install_tiles`) in this process's vLLM batch-invariant module, for the
-    colocated engine and the arm's vLLM-form passes alike; returns the path, or ``None`` where the variable is unset.
-    A table that cannot be used (unreadable, measured on another GPU, no batch-invariant module in this vLLM) is a
+def install_tiles_from_env(environ: dict | None = None, path: str | None = None) -> str | None:
+    """Install a tile table (:func:`~bloggap_plugin.core.vllm.tiles.install_tiles`) in this process's vLLM
+    batch-invariant module, for the colocated engine and the arm's vLLM-form passes alike: ``path``
+    (``gap.matmul_tiles``) or else the file :data:`~bloggap_plugin.core.vllm.tiles.TILES_ENV` names. Returns the
+    path installed, or ``None`` where neither names one. Both naming different files, or a table that cannot be used
+    (unreadable, measured on another GPU, no batch-invariant module in this vLLM), is a
     :class:`~bloggap_plugin.core.vllm.tiles.TilesError` naming the fix."""
     from bloggap_plugin.core.vllm import kernels
     from bloggap_plugin.core.vllm.tiles import TILES_ENV, TilesError, install_tiles, load_tiles
     from bloggap_plugin.core.vllm.versions import form_install_hint
 
-    path = (os.environ if environ is None else environ).get(TILES_ENV, "").strip()
+    named = (os.environ if environ is None else environ).get(TILES_ENV, "").strip()
+    if path and named and Path(named).resolve() != Path(path).resolve():
+        raise TilesError(f"gap.matmul_tiles {path} and {TILES_ENV}={named} name two tile tables: unset the variable "
+                         "or drop gap.matmul_tiles")
+    where, drop = (f"gap.matmul_tiles {path}", "drop gap.matmul_tiles") if path else (f"{TILES_ENV}={named}",
+                                                                                      "unset the variable")
+    path = path or named
     if not path:
         return None
     module = kernels.persistent_matmul_module()
     if module is None:
         version = kernels.vllm_layout()[0]
-        raise TilesError(f"{TILES_ENV}={path}: this process's vLLM ({version or 'not importable'}) has no "
-                         f"batch-invariant matmul the plugin has read: {form_install_hint()}, or unset the variable")
+        raise TilesError(f"{where}: this process's vLLM ({version or 'not importable'}) has no "
+                         f"batch-invariant matmul the plugin has read: {form_install_hint()}, or {drop}")
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    install_tiles(module, load_tiles(path, gpu=gpu))
-    return path
+    install_tiles(module, load_tiles(path, gpu=gpu, where=where, drop=drop))
+    return str(path)
 
 
 _REPLAY_REFUSAL = "sampling distribution replay"
@@ -305,7 +313,8 @@ def engine_kwargs_for(gap: Any, environ: dict | None = None, args: Any = None) -
     fp16, ``prefill_in_one_step=True`` for an arm that computes a generation's prompts as one prefill,
     :data:`KV_CACHE_ENV`'s fixed KV cache, and ``sampling_mask="auto" | "required"`` where ``args`` (the GRPOConfig)
     lets vLLM return its sampling mask (:func:`~bloggap_plugin.trl.kept_source.planned_sampling_mask`, which refuses
-    ``gap.kept_source: sampling_mask`` where it cannot). With
+    ``gap.kept_source: sampling_mask`` where it cannot), and ``matmul_tiles`` where ``gap.matmul_tiles`` names a tile
+    table. With
     :class:`~bloggap_plugin.trl.GapCallback` the user builds the trainer inside
     ``vllm_colocate_engine(**engine_kwargs_for(gap, args=grpo_config))``."""
     from bloggap_plugin.trl.kept_source import planned_sampling_mask
@@ -320,6 +329,8 @@ def engine_kwargs_for(gap: Any, environ: dict | None = None, args: Any = None) -
         kwargs["prefill_in_one_step"] = True
     if spec.needs_fp16_training:
         kwargs["dtype"] = "float16"  # arm H: vLLM samples in fp16 too
+    if gap.matmul_tiles:
+        kwargs["matmul_tiles"] = gap.matmul_tiles  # installed before the engine starts
     return kwargs
 
 
@@ -496,9 +507,26 @@ def check_colocate_engine(trainer: Any, gap: Any, environ: dict | None = None) -
         )
     if needs_batch_invariant(gap) and not vllm_kernels.vllm_batch_invariant_active():
         raise RecipeError(batch_invariant_refusal(gap))
-    refusal = model_runner_refusal(gap, colocate_model_runner(trainer))
+    refusal = matmul_tiles_refusal(trainer, gap) or model_runner_refusal(gap, colocate_model_runner(trainer))
     if refusal:
         raise RecipeError(refusal)
+
+
+def matmul_tiles_refusal(trainer: Any, gap: Any) -> str | None:
+    """The error text when ``gap.matmul_tiles`` names a tile table and ``trainer``'s colocate engine was built
+    without it (not inside :func:`vllm_colocate_engine` with that table: its kernels then launch vLLM's own tiles,
+    and the arm's passes would launch the table's), else ``None``."""
+    if not gap.matmul_tiles or colocate_engine(trainer) is None:
+        return None
+    llm = trainer.vllm_generation.llm
+    have = getattr(llm, "_bloggap_matmul_tiles", None)
+    if have is not None and Path(have).resolve() == Path(gap.matmul_tiles).resolve():
+        return None
+    built = "without a tile table" if have is None else f"with the tile table {have}"
+    return (f"gap.matmul_tiles {gap.matmul_tiles}: TRL's colocate engine was built {built}, so generation would launch "
+            "other tiles than the arm's passes: use GapGRPOTrainer (or bloggap train), which installs it before the "
+            "engine starts, or build the trainer inside `with bloggap_plugin.trl.vllm_colocate_engine("
+            "**engine_kwargs_for(gap, args=grpo_config)):` before adding GapCallback")
 
 
 def _eager_engine_hint(trainer: Any, gap: Any) -> str:

@@ -67,6 +67,11 @@ def test_unknown_grpo_key_names_it_and_suggests():
         ({"score_chunk_tokens": 512.0}, r"gap\.score_chunk_tokens must be int"),
         ({"tf32": "on"}, r"gap\.tf32 must be true, false or auto, got 'on'"),
         ({"tf32": 1}, r"gap\.tf32 must be bool or str"),
+        ({"arm": "A", "matmul_tiles": "t.json"}, r"gap\.matmul_tiles only applies to arms I and J .*arm is A: drop it"),
+        ({"arm": "J", "i_pieces": "all,batch_invariant=false", "matmul_tiles": "t.json"},
+         r"gap\.matmul_tiles only applies .*gap\.i_pieces 'all,batch_invariant=false' turns them off: drop it"),
+        ({"arm": "J", "matmul_tiles": " "}, r"gap\.matmul_tiles is empty: give the path of a tile table"),
+        ({"arm": "J", "matmul_tiles": 3}, r"gap\.matmul_tiles must be str, got int 3"),
     ],
 )
 def test_bad_values_name_the_field(section, pattern):

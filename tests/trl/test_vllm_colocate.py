@@ -571,6 +571,81 @@ def test_the_tile_table_is_installed_before_the_engine_is_built(fake_llm, monkey
     assert bi.matmul_persistent is vllm_own and llm._bloggap_matmul_tiles is None and calls == []
 
 
+def test_gap_matmul_tiles_reaches_the_engine_and_is_installed_before_it_starts(fake_llm, monkeypatch, tmp_path):
+    """``gap.matmul_tiles`` (no variable exported): engine_kwargs_for hands the path to vllm_colocate_engine, which
+    installs the table before TRL's LLM(...) runs and does not pass the key on to vLLM; without it, nothing."""
+    from bloggap_plugin.core.vllm import kernels, tiles
+    from bloggap_plugin.recipes import GapConfig
+    from bloggap_plugin.trl.vllm_colocate import engine_kwargs_for, vllm_colocate_engine
+
+    module, _, calls = fake_llm
+    monkeypatch.delenv(tiles.TILES_ENV, raising=False)
+    bi = _fake_batch_invariant_module()
+    vllm_own = bi.matmul_persistent
+    monkeypatch.setattr(kernels, "persistent_matmul_module", lambda: bi)
+    table = {(48, 40): tiles.ShapeTiles(64, ((8, tiles.TileShape(16, 32, 4, 4)), (64, tiles.TileShape(64, 32, 4, 4))))}
+    path = tmp_path / "tiles.json"
+    path.write_text(tiles.dump_tiles(table))
+    kwargs = engine_kwargs_for(GapConfig(arm="J", matmul_tiles=str(path)), {})
+    assert kwargs["matmul_tiles"] == str(path)
+    assert "matmul_tiles" not in engine_kwargs_for(GapConfig(arm="J"), {})
+    seen = []
+    monkeypatch.setattr(module, "LLM", lambda *a, **k: seen.append((bi.matmul_persistent, k)) or types.SimpleNamespace())
+    with vllm_colocate_engine(matmul_tiles=str(path)):
+        llm = module.LLM(model="m")
+    installed, passed = seen[0]
+    assert installed is not vllm_own and installed.__wrapped__ is vllm_own and "matmul_tiles" not in passed
+    assert tiles.installed_tiles(bi) == table and llm._bloggap_matmul_tiles == str(path)
+
+
+def test_a_tile_table_named_twice_must_be_one_file(fake_llm, monkeypatch, tmp_path):
+    """The field and the variable naming two files is refused before the engine starts, naming both; the same file
+    by another spelling is one table; a field naming a file that cannot be read names the field and how to drop it."""
+    from bloggap_plugin.core.vllm import kernels, tiles
+    from bloggap_plugin.trl.vllm_colocate import vllm_colocate_engine
+
+    module, _, calls = fake_llm
+    monkeypatch.setattr(kernels, "persistent_matmul_module", _fake_batch_invariant_module)
+    path = tmp_path / "tiles.json"
+    path.write_text(tiles.dump_tiles({(48, 40): tiles.ShapeTiles(64, ((1, tiles.TileShape(64, 32, 4, 4)),))}))
+    monkeypatch.setenv(tiles.TILES_ENV, str(tmp_path / "other.json"))
+    with pytest.raises(tiles.TilesError, match=r"gap.matmul_tiles .*tiles.json and BLOGGAP_VLLM_MATMUL_TILES=.*"
+                       r"other.json name two tile tables: unset the variable or drop gap.matmul_tiles"), \
+            vllm_colocate_engine(matmul_tiles=str(path)):
+        module.LLM(model="m")
+    assert calls == []
+    monkeypatch.setenv(tiles.TILES_ENV, str(tmp_path / "." / "tiles.json"))
+    with vllm_colocate_engine(matmul_tiles=str(path)):
+        assert module.LLM(model="m")._bloggap_matmul_tiles == str(path)
+    monkeypatch.delenv(tiles.TILES_ENV)
+    with pytest.raises(tiles.TilesError, match=r"^gap.matmul_tiles .*absent.json: cannot read it .*, or drop "
+                       r"gap.matmul_tiles$"), vllm_colocate_engine(matmul_tiles=str(tmp_path / "absent.json")):
+        module.LLM(model="m")
+
+
+def test_attaching_with_gap_matmul_tiles_to_an_engine_built_without_that_table_is_refused(monkeypatch, tmp_path):
+    """GapCallback on a trainer whose engine was not built inside vllm_colocate_engine with the table (or with
+    another one): generation would launch other tiles than the arm's passes, so attach refuses, naming the field
+    and the fix; the engine's record of the same table passes."""
+    import bloggap_plugin.core.vllm.kernels as vllm_kernels
+    from bloggap_plugin.recipes import GapConfig, RecipeError
+    from bloggap_plugin.trl.vllm_colocate import check_colocate_engine
+
+    monkeypatch.setattr(vllm_kernels, "vllm_batch_invariant_active", lambda: True)
+    path = str(tmp_path / "tiles.json")
+    gap = GapConfig(arm="J", positions="mask", matmul_tiles=path)
+    trainer = _engine_trainer(**GRAPHS_ENGINE)
+    check_colocate_engine(trainer, GapConfig(arm="J", positions="mask"))  # no table asked for: as before
+    with pytest.raises(RecipeError, match=r"gap.matmul_tiles .*tiles.json: TRL's colocate engine was built without a "
+                       r"tile table, .*vllm_colocate_engine\(\*\*engine_kwargs_for\(gap, args=grpo_config\)\)"):
+        check_colocate_engine(trainer, gap)
+    trainer.vllm_generation.llm._bloggap_matmul_tiles = str(tmp_path / "other.json")
+    with pytest.raises(RecipeError, match=r"built with the tile table .*other.json"):
+        check_colocate_engine(trainer, gap)
+    trainer.vllm_generation.llm._bloggap_matmul_tiles = path
+    check_colocate_engine(trainer, gap)
+
+
 def test_an_unusable_tile_table_stops_the_engine_before_it_starts(fake_llm, monkeypatch, tmp_path):
     from bloggap_plugin.core.vllm import kernels, tiles
     from bloggap_plugin.trl.vllm_colocate import vllm_colocate_engine

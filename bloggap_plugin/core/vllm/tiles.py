@@ -107,17 +107,20 @@ def _shape_tiles(key: str, entry: Any, where: str) -> tuple[tuple[int, int], Sha
     return (n, k), ShapeTiles(block_k, tuple(buckets))
 
 
-def load_tiles(path: str | os.PathLike, gpu: str | None = None) -> dict[tuple[int, int], ShapeTiles]:
+def load_tiles(path: str | os.PathLike, gpu: str | None = None, where: str | None = None,
+               drop: str = "unset the variable") -> dict[tuple[int, int], ShapeTiles]:
     """A tile table from ``path``: ``{"gpu": NAME, "tiles": {"NxK": {"block_k": B, "m_buckets": [[max_rows,
     [block_m, block_n, num_warps, num_stages]], ...]}}}`` (other top-level keys, e.g. the measurement it came from,
     are ignored). With ``gpu`` (the name of the GPU that will use it), a table measured on another GPU is refused:
-    which configurations give vLLM's bits is a property of the GPU and its compiler, measured, not assumed."""
-    where = f"{TILES_ENV}={path}"
+    which configurations give vLLM's bits is a property of the GPU and its compiler, measured, not assumed. Errors
+    start with ``where`` (default ``TILES_ENV=path``: the setting that named the file) and end with ``drop`` (how to
+    run without a table)."""
+    where = where or f"{TILES_ENV}={path}"
     try:
         document = json.loads(Path(path).read_text())
     except OSError as err:
         raise TilesError(f"{where}: cannot read it ({err.strerror}): give the file benchmarks.bi_matmul "
-                         "--tiles-out wrote, or unset the variable") from None
+                         f"--tiles-out wrote, or {drop}") from None
     except ValueError as err:
         raise TilesError(f"{where}: not JSON ({err})") from None
     if not isinstance(document, dict) or not isinstance(document.get("tiles"), dict) or not document["tiles"]:
@@ -125,7 +128,7 @@ def load_tiles(path: str | os.PathLike, gpu: str | None = None) -> dict[tuple[in
     if gpu is not None and document.get("gpu") != gpu:
         raise TilesError(f"{where}: measured on {document.get('gpu') or 'an unnamed GPU'}, and this process runs on "
                          f"{gpu}: measure this GPU's table (python -m benchmarks.bi_matmul run --tiles-out FILE) or "
-                         "unset the variable")
+                         f"{drop}")
     return dict(_shape_tiles(key, entry, where) for key, entry in document["tiles"].items())
 
 
