@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from benchmarks import bi_matmul
+from bloggap_plugin.measure import matmul_tiles
 from bloggap_plugin.core.vllm.tiles import ShapeTiles, TileShape
 
 
@@ -35,8 +36,8 @@ def _case(layer, rows, count, us, equal, n=48, k=40):
     return {"layer": layer, "n": n, "k": k, "rows": rows, "count": count, "us": us, "equal": equal}
 
 
-CONFIG_VALUES = {"vllm": bi_matmul.VLLM_BF16, "fast": bi_matmul._config(64, 32, 64, 4, 4),
-                 "k128": bi_matmul._config(128, 128, 128, 8, 3), "k128small": bi_matmul._config(16, 64, 128, 4, 4)}
+CONFIG_VALUES = {"vllm": bi_matmul.VLLM_BF16, "fast": matmul_tiles._config(64, 32, 64, 4, 4),
+                 "k128": matmul_tiles._config(128, 128, 128, 8, 3), "k128small": matmul_tiles._config(16, 64, 128, 4, 4)}
 
 
 def test_summary_sums_time_times_calls_and_divides_by_vllms():
@@ -102,24 +103,10 @@ def test_a_shape_vllm_tunes_itself_is_left_to_vllm():
 
 
 def _stand_in_kernel(monkeypatch, fast: set[str]):
-    """A stand-in for vLLM's batch-invariant module on the CPU, installed as ``tiles.launch``: its K-step-64 family
-    gives vLLM's bits and its other K steps (and 16-row tiles) round differently; the clock (``graph_us``) gives the
-    configurations in ``fast`` 5 us and every other 10 us."""
-    import torch
+    """The CPU stand-in kernel and clock of :func:`_support.stand_in_matmul.stand_in_kernel`."""
+    from _support.stand_in_matmul import stand_in_kernel
 
-    from bloggap_plugin.core.vllm import tiles
-
-    def product(a, b, config):  # row by row, so a row's bits do not depend on the rows beside it (as a BLAS's may)
-        out = torch.stack([(row.float()[:, None] * b.float()).sum(0) for row in a])
-        if config["BLOCK_SIZE_K"] != 64 or config["BLOCK_SIZE_M"] == 16:  # 16-row tiles: another instruction
-            out = out * (1 + 2 ** -7)
-        return out.to(a.dtype)
-
-    monkeypatch.setattr(tiles, "launch", lambda kernel, a, b, bias, config: product(a, b, config))
-    monkeypatch.setattr(bi_matmul, "graph_us", lambda fn, reps: 5.0 if any(
-        fn.args[-1] is bi_matmul.CONFIGS[name] for name in fast) else 10.0)  # partial(launch, ..., config)
-    return type("BatchInvariant", (), {"matmul_persistent": staticmethod(lambda a, b, bias=None: product(
-        a, b, bi_matmul.VLLM_BF16)), "matmul_kernel_persistent": object()})
+    return stand_in_kernel(monkeypatch, fast)
 
 
 def test_the_harness_compares_each_configuration_on_the_first_rows_of_one_input(monkeypatch):
