@@ -177,3 +177,17 @@ def test_run_writes_a_valid_t25_and_a_tile_table_this_gpu_loads(monkeypatch, tmp
     assert rows["vllm"][3] == "10/10" and rows["m64n32w4s4"][4:6] == [0.5, 0.5]  # 5 us against vLLM's 10 us
     fast = tiles.TileShape(64, 32, 4, 4)
     assert tiles.load_tiles(tiles_out, gpu="Stand-in GPU")[(2048, 128)] == tiles.ShapeTiles(64, ((1, fast), (4, fast)))
+
+
+def test_a_family_that_only_ties_vllms_configuration_is_not_chosen():
+    """Every configuration as fast as vLLM's: nothing beats it at any M, so the shape stays with vLLM's launch. A
+    family with a smaller K step sorts before vLLM's 64 and used to win the tie, giving a table that changes the
+    shape's bits for no time."""
+    values = CONFIG_VALUES | {"k32": matmul_tiles._config(128, 128, 32, 8, 4)}
+    same = {name: 10.0 for name in values}
+    cases = [_case("o", m, 1, dict(same), {name: True for name in values}) for m in (1, 8)]
+    assert matmul_tiles.derive_tiles({"configs": list(values), "config_values": values, "cases": {"s": cases}}) == {}
+    # a strictly faster K-32 configuration is still chosen
+    cases[0]["us"]["k32"] = 5.0
+    table = matmul_tiles.derive_tiles({"configs": list(values), "config_values": values, "cases": {"s": cases}})
+    assert table[(48, 40)].block_k == 32
