@@ -167,8 +167,8 @@ def derive_tiles(results: Mapping[str, Any]) -> dict:
     (``results``: ``configs`` names, ``config_values`` by name, ``cases`` by model as :func:`measure_linears` writes
     them): per weight shape, the family (``BLOCK_SIZE_K``) whose configurations bit-identical to its reference at
     every M give the least summed time relative to vLLM's (sum over M of fastest / vLLM's), each M a bucket with
-    that family's fastest such configuration. A shape where no family beats vLLM's configuration at any M is left out
-    (vLLM's own launch serves it), and so is one where vLLM's own function did not give :data:`VLLM_BF16`'s bits
+    that family's fastest such configuration (vLLM's family and, in it, vLLM's configuration win ties). A shape where
+    no family beats vLLM's configuration at any M is left out (vLLM's own launch serves it), and so is one where vLLM's own function did not give :data:`VLLM_BF16`'s bits
     (a vLLM that tunes that shape itself)."""
     from bloggap_plugin.core.vllm.tiles import ShapeTiles, TileShape
 
@@ -179,7 +179,10 @@ def derive_tiles(results: Mapping[str, Any]) -> dict:
             if not all(c.get("vllm_function_equal", True) for c in mine):
                 continue
             best = None
-            for family in sorted({results["config_values"][name]["BLOCK_SIZE_K"] for name in results["configs"]}):
+            families = {results["config_values"][name]["BLOCK_SIZE_K"] for name in results["configs"]}
+            vllm_family = results["config_values"]["vllm"]["BLOCK_SIZE_K"]
+            # vLLM's family first: another wins only with a strictly smaller score, so a tie keeps vLLM's bits
+            for family in sorted(families, key=lambda block_k: (block_k != vllm_family, block_k)):
                 names = [name for name in results["configs"]
                          if results["config_values"][name]["BLOCK_SIZE_K"] == family
                          and all(c["equal"].get(name) for c in mine)]
