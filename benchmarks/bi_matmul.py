@@ -11,7 +11,7 @@ benchmark shapes by name (``benchmarks/_lib/shapes.py``) and writes the cases as
 
 Table T25: per configuration the cases (layer, M) bit-identical to its family's reference, and the device time of
 one forward's linears at each M (per-call time x calls per forward, summed; the LM head once) as a multiple of
-vLLM's configuration's. ``--tiles-out`` writes the tile table (:mod:`bloggap_plugin.core.vllm.tiles`) of
+vLLM's configuration's. ``--tiles-out`` writes the tile table (:mod:`bloggap_plugin.core.vllm.tile_table`) of
 :func:`derive_tiles`, which ``gap.matmul_tiles`` (or ``BLOGGAP_VLLM_MATMUL_TILES``) installs for arms I and J. A harness
 result; T27-cost-by-size-tiles measures a table through ``bloggap train``.
 """
@@ -109,7 +109,7 @@ def run_main(args: argparse.Namespace) -> int:
     from benchmarks._lib.output import write_and_show
     from bloggap_plugin._io import atomic_write_text
     from bloggap_plugin.core.vllm.kernels import vllm_layout
-    from bloggap_plugin.core.vllm.tiles import dump_tiles
+    from bloggap_plugin.core.vllm.tile_table import dump_tiles
     from bloggap_plugin.envinfo import environment_record
     from bloggap_plugin.results import ResultDocument
 

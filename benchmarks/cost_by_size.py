@@ -12,7 +12,7 @@ JSONL and console log go under ``OUT/LABEL/``, and ``OUT/cost_by_size.json`` is 
 limit keeps what finished. Nothing is exported for arms I and J: ``bloggap train`` sets what they need. An arm
 written ``I:process`` runs arm I with ``BLOGGAP_VLLM_BATCH_INVARIANCE=process`` (vLLM's batch-invariant mode left on
 for the whole process, as before the plugin confined it): the route's before; ``J:tiles`` runs arm J with the tile
-table of ``--matmul-tiles FILE`` installed (``BLOGGAP_VLLM_MATMUL_TILES``, :mod:`bloggap_plugin.core.vllm.tiles`). ``--budget-s``: a run is not started
+table of ``--matmul-tiles FILE`` installed (``BLOGGAP_VLLM_MATMUL_TILES``, :mod:`bloggap_plugin.core.vllm.tile_table`). ``--budget-s``: a run is not started
 when the time left is under its expected length (the last run of that arm and model, else the longest so far). A
 ``run`` into an ``OUT`` that holds a document keeps its finished runs and starts only the others.
 
@@ -36,7 +36,7 @@ from benchmarks import arm_i_live
 from benchmarks._lib.paths import ROOT
 from benchmarks.arm_i_live import _round, _times
 from bloggap_plugin._io import atomic_write_text
-from bloggap_plugin.core.vllm.tiles import TILES_ENV
+from bloggap_plugin.core.vllm.tile_table import TILES_ENV
 
 TABLE_ID = "T19-cost-by-size"
 RESULT_NAME = "cost_by_size.json"

@@ -1,4 +1,4 @@
-"""The ``bloggap`` command line: ``bloggap doctor | attribute | ladder | train | compare | report | patch``.
+"""The ``bloggap`` command line: ``bloggap doctor | attribute | ladder | train | compare | report | patch | tiles``.
 
 Each subcommand lives in ``bloggap_plugin/commands/<name>.py`` with ``HELP``, ``configure(parser)`` and
 ``run(args) -> int``; heavy imports happen inside ``run`` so ``bloggap --help`` stays fast. A command's settings are a
@@ -16,7 +16,7 @@ import importlib
 import os
 import sys
 
-COMMANDS = ("doctor", "attribute", "ladder", "train", "compare", "report", "patch")
+COMMANDS = ("doctor", "attribute", "ladder", "train", "compare", "report", "patch", "tiles")
 
 
 def _named_command(argv: list[str]) -> str | None:

@@ -389,7 +389,8 @@ def _check_model_folder(path: Path) -> None:
                              "the model folder")
 
 
-def _is_hub_id(spec: str) -> bool:
+def is_hub_id(spec: str) -> bool:
+    """Whether ``spec`` reads as a Hugging Face hub id (``owner/name``), not a path."""
     return spec.count("/") == 1 and not spec.startswith((".", "/"))
 
 
@@ -416,7 +417,7 @@ def check_model_spec(spec: str) -> None:
         _check_gguf_file(Path(spec))
     elif Path(spec).exists():
         _check_model_folder(Path(spec))
-    elif _is_hub_id(spec):
+    elif is_hub_id(spec):
         if os.environ.get("HF_HUB_OFFLINE") == "1":
             from huggingface_hub import try_to_load_from_cache
 

@@ -184,8 +184,8 @@ class GapConfig:
         T16-armJ-live: each launch measured live)."""))
     matmul_tiles: str | None = field(default=None, metadata=_help(
         """Arms I and J with vLLM colocate: path of a tile table for vLLM's batch-invariant matmul
-        (bloggap_plugin.core.vllm.tiles; ``python -m benchmarks.bi_matmul run --shape MODEL_FOLDER --tiles-out FILE``
-        measures one on the GPU that will use it, for that model's weight shapes), installed before the colocated
+        (bloggap_plugin.core.vllm.tile_table; ``bloggap tiles --model MODEL --out FILE`` measures one on the GPU that
+        will use it, for that model's weight shapes), installed before the colocated
         engine starts, so generation and the arm's own passes launch the same tiles and keep the same bits. A table
         measured on another GPU is refused. ``None``: vLLM's one configuration for every shape (docs/arm_i.md,
         "Matmul tiles by shape and row count"; T27-cost-by-size-tiles measures both)."""))
@@ -254,8 +254,8 @@ class GapConfig:
         if self.matmul_tiles is None:
             return
         if not self.matmul_tiles.strip():
-            raise RecipeError("gap.matmul_tiles is empty: give the path of a tile table (python -m benchmarks.bi_matmul "
-                              "run --tiles-out FILE writes one), or drop it")
+            raise RecipeError("gap.matmul_tiles is empty: give the path of a tile table (bloggap tiles --model MODEL "
+                              "--out FILE writes one), or drop it")
         if not (_plan_takes_pieces(spec) and self.i_form.batch_invariant):
             which = (f"arm is {self.arm}" if not _plan_takes_pieces(spec)
                      else f"gap.i_pieces {self.i_pieces!r} turns them off")

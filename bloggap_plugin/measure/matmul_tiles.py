@@ -10,7 +10,7 @@ input of the largest row count is drawn; the family's reference (its first confi
 every configuration computes the first M rows for each M and is compared bit for bit with the reference's first M
 rows. cuBLAS (``F.linear``) is timed and compared beside them. Device time is taken from CUDA-graph replays (no host
 launch cost in it). :func:`derive_tiles` turns the cases into the table
-:func:`~bloggap_plugin.core.vllm.tiles.load_tiles` reads and ``gap.matmul_tiles`` installs.
+:func:`~bloggap_plugin.core.vllm.tile_table.load_tiles` reads and ``gap.matmul_tiles`` installs.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def measure_linears(module: Any, name: str, shapes: list[tuple[str, int, int, in
     import torch
     import torch.nn.functional as F
 
-    from bloggap_plugin.core.vllm.tiles import launch
+    from bloggap_plugin.core.vllm.tile_table import launch
 
     references = family_references(CONFIGS)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -163,14 +163,14 @@ def measure_linears(module: Any, name: str, shapes: list[tuple[str, int, int, in
 
 
 def derive_tiles(results: Mapping[str, Any]) -> dict:
-    """The tile table (``(N, K)`` -> :class:`~bloggap_plugin.core.vllm.tiles.ShapeTiles`) a measurement supports
+    """The tile table (``(N, K)`` -> :class:`~bloggap_plugin.core.vllm.tile_table.ShapeTiles`) a measurement supports
     (``results``: ``configs`` names, ``config_values`` by name, ``cases`` by model as :func:`measure_linears` writes
     them): per weight shape, the family (``BLOCK_SIZE_K``) whose configurations bit-identical to its reference at
     every M give the least summed time relative to vLLM's (sum over M of fastest / vLLM's), each M a bucket with
     that family's fastest such configuration (vLLM's family and, in it, vLLM's configuration win ties). A shape where
     no family beats vLLM's configuration at any M is left out (vLLM's own launch serves it), and so is one where vLLM's own function did not give :data:`VLLM_BF16`'s bits
     (a vLLM that tunes that shape itself)."""
-    from bloggap_plugin.core.vllm.tiles import ShapeTiles, TileShape
+    from bloggap_plugin.core.vllm.tile_table import ShapeTiles, TileShape
 
     table = {}
     for cases in results["cases"].values():

@@ -88,7 +88,7 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, sampling_mask: st
     ``max_position_embeddings`` when the call passes none), so that a generation's prompts are prefilled in one
     step. Restores TRL's ``LLM`` on exit. The engine keeps a record of torch's matmul settings from before its
     start-up, which :func:`confine_batch_invariance` restores for the trainer. A tile table, ``matmul_tiles``
-    (``gap.matmul_tiles``) or the file :data:`~bloggap_plugin.core.vllm.tiles.TILES_ENV` names, is installed before
+    (``gap.matmul_tiles``) or the file :data:`~bloggap_plugin.core.vllm.tile_table.TILES_ENV` names, is installed before
     the engine starts (:func:`install_tiles_from_env`). ``sampling_mask`` (``"auto"`` or
     ``"required"``) asks vLLM for each token's sampling mask (``return_sampling_mask=True``, ``gap.kept_source``):
     under ``auto`` an engine whose vLLM refuses it is built without, and the refusal is kept on the ``LLM``.
@@ -130,14 +130,14 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, sampling_mask: st
 
 
 def install_tiles_from_env(environ: dict | None = None, path: str | None = None) -> str | None:
-    """Install a tile table (:func:`~bloggap_plugin.core.vllm.tiles.install_tiles`) in this process's vLLM
+    """Install a tile table (:func:`~bloggap_plugin.core.vllm.tile_table.install_tiles`) in this process's vLLM
     batch-invariant module, for the colocated engine and the arm's vLLM-form passes alike: ``path``
-    (``gap.matmul_tiles``) or else the file :data:`~bloggap_plugin.core.vllm.tiles.TILES_ENV` names. Returns the
+    (``gap.matmul_tiles``) or else the file :data:`~bloggap_plugin.core.vllm.tile_table.TILES_ENV` names. Returns the
     path installed, or ``None`` where neither names one. Both naming different files, or a table that cannot be used
     (unreadable, measured on another GPU, no batch-invariant module in this vLLM), is a
-    :class:`~bloggap_plugin.core.vllm.tiles.TilesError` naming the fix."""
+    :class:`~bloggap_plugin.core.vllm.tile_table.TilesError` naming the fix."""
     from bloggap_plugin.core.vllm import kernels
-    from bloggap_plugin.core.vllm.tiles import TILES_ENV, TilesError, install_tiles, load_tiles
+    from bloggap_plugin.core.vllm.tile_table import TILES_ENV, TilesError, install_tiles, load_tiles
     from bloggap_plugin.core.vllm.versions import form_install_hint
 
     named = (os.environ if environ is None else environ).get(TILES_ENV, "").strip()

@@ -10,7 +10,7 @@ def stand_in_kernel(monkeypatch, fast: set[str]):
     and every other 10 us. Returns the stand-in module (``matmul_persistent``, ``matmul_kernel_persistent``)."""
     import torch
 
-    from bloggap_plugin.core.vllm import tiles
+    from bloggap_plugin.core.vllm import tile_table as tiles
     from bloggap_plugin.measure import matmul_tiles
 
     def product(a, b, config):  # row by row, so a row's bits do not depend on the rows beside it (as a BLAS's may)

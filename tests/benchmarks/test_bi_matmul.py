@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from benchmarks import bi_matmul
+from bloggap_plugin.core.vllm.tile_table import ShapeTiles, TileShape
 from bloggap_plugin.measure import matmul_tiles
-from bloggap_plugin.core.vllm.tiles import ShapeTiles, TileShape
 
 
 def test_linear_shapes_are_vllms_merged_layers_of_the_156b_shape():
@@ -112,7 +112,7 @@ def _stand_in_kernel(monkeypatch, fast: set[str]):
 def test_the_harness_compares_each_configuration_on_the_first_rows_of_one_input(monkeypatch):
     """measure_shape's flow on the CPU: a stand-in kernel whose K-step-64 family gives vLLM's bits and whose other
     K steps round differently, and a clock that says which configuration is fast."""
-    from bloggap_plugin.core.vllm import tiles
+    from bloggap_plugin.core.vllm import tile_table as tiles
 
     module = _stand_in_kernel(monkeypatch, fast={"m64n32w4s4", "m16n64w4s4"})  # the second is fast and wrong
     cases, logged = [], []
@@ -156,7 +156,8 @@ def test_run_writes_a_valid_t25_and_a_tile_table_this_gpu_loads(monkeypatch, tmp
     import torch
 
     from bloggap_plugin import envinfo
-    from bloggap_plugin.core.vllm import kernels, tiles
+    from bloggap_plugin.core.vllm import kernels
+    from bloggap_plugin.core.vllm import tile_table as tiles
     from bloggap_plugin.results import validate_result
 
     module = _stand_in_kernel(monkeypatch, fast={"m64n32w4s4"})

@@ -1,4 +1,4 @@
-"""core.vllm.tiles on CPU: the table's file format and its refusals, the bucket rule, and the dispatcher installed in
+"""core.vllm.tile_table on CPU: the table's file format and its refusals, the bucket rule, and the dispatcher installed in
 a stand-in of vLLM's batch-invariant module (a kernel that records its launch and computes the product in fp32)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from bloggap_plugin.core.vllm import tiles
+from bloggap_plugin.core.vllm import tile_table as tiles
 
 SMALL, LARGE = tiles.TileShape(64, 32, 4, 4), tiles.TileShape(128, 256, 8, 3)
 
@@ -57,7 +57,7 @@ def test_a_bad_table_is_refused_naming_what_is_wrong(tmp_path, text, message):
 
 
 def test_a_missing_file_names_the_command_that_writes_one(tmp_path):
-    with pytest.raises(tiles.TilesError, match="cannot read it .* benchmarks.bi_matmul --tiles-out"):
+    with pytest.raises(tiles.TilesError, match="cannot read it .* bloggap tiles --out wrote"):
         tiles.load_tiles(tmp_path / "absent.json")
 
 

@@ -1,4 +1,4 @@
-"""core.vllm.tiles on a GPU with vLLM: a table installed in vLLM's batch-invariant module keeps every row's bits
+"""core.vllm.tile_table on a GPU with vLLM: a table installed in vLLM's batch-invariant module keeps every row's bits
 independent of the rows beside it, and ``linear_batch_invariant`` (what the engine's layers and the arms' vLLM-form
 passes call) goes through it. GPU machine only: ``pytest -m gpu tests/core/test_vllm_tiles_gpu.py``."""
 
@@ -22,7 +22,7 @@ def batch_invariant_module():
 
 @pytest.mark.parametrize("block_k", [64, 128])
 def test_rows_keep_their_bits_whatever_bucket_serves_the_call(batch_invariant_module, block_k):
-    from bloggap_plugin.core.vllm.tiles import ShapeTiles, TileShape, install_tiles
+    from bloggap_plugin.core.vllm.tile_table import ShapeTiles, TileShape, install_tiles
 
     n, k = 3072, 2048
     # the largest tile's stages fit Hopper's 227 KiB of shared memory per block: bf16 (128 x K + K x 256) x stages

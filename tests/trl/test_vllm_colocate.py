@@ -547,7 +547,8 @@ def _fake_batch_invariant_module():
 
 
 def test_the_tile_table_is_installed_before_the_engine_is_built(fake_llm, monkeypatch, tmp_path):
-    from bloggap_plugin.core.vllm import kernels, tiles
+    from bloggap_plugin.core.vllm import kernels
+    from bloggap_plugin.core.vllm import tile_table as tiles
     from bloggap_plugin.trl.vllm_colocate import vllm_colocate_engine
 
     module, _, calls = fake_llm
@@ -574,7 +575,8 @@ def test_the_tile_table_is_installed_before_the_engine_is_built(fake_llm, monkey
 def test_gap_matmul_tiles_reaches_the_engine_and_is_installed_before_it_starts(fake_llm, monkeypatch, tmp_path):
     """``gap.matmul_tiles`` (no variable exported): engine_kwargs_for hands the path to vllm_colocate_engine, which
     installs the table before TRL's LLM(...) runs and does not pass the key on to vLLM; without it, nothing."""
-    from bloggap_plugin.core.vllm import kernels, tiles
+    from bloggap_plugin.core.vllm import kernels
+    from bloggap_plugin.core.vllm import tile_table as tiles
     from bloggap_plugin.recipes import GapConfig
     from bloggap_plugin.trl.vllm_colocate import engine_kwargs_for, vllm_colocate_engine
 
@@ -601,7 +603,8 @@ def test_gap_matmul_tiles_reaches_the_engine_and_is_installed_before_it_starts(f
 def test_a_tile_table_named_twice_must_be_one_file(fake_llm, monkeypatch, tmp_path):
     """The field and the variable naming two files is refused before the engine starts, naming both; the same file
     by another spelling is one table; a field naming a file that cannot be read names the field and how to drop it."""
-    from bloggap_plugin.core.vllm import kernels, tiles
+    from bloggap_plugin.core.vllm import kernels
+    from bloggap_plugin.core.vllm import tile_table as tiles
     from bloggap_plugin.trl.vllm_colocate import vllm_colocate_engine
 
     module, _, calls = fake_llm
@@ -647,7 +650,8 @@ def test_attaching_with_gap_matmul_tiles_to_an_engine_built_without_that_table_i
 
 
 def test_an_unusable_tile_table_stops_the_engine_before_it_starts(fake_llm, monkeypatch, tmp_path):
-    from bloggap_plugin.core.vllm import kernels, tiles
+    from bloggap_plugin.core.vllm import kernels
+    from bloggap_plugin.core.vllm import tile_table as tiles
     from bloggap_plugin.trl.vllm_colocate import vllm_colocate_engine
 
     module, _, calls = fake_llm

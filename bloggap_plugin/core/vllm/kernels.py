@@ -75,7 +75,7 @@ def _batch_invariant_module() -> Any:
 
 def persistent_matmul_module() -> Any:
     """vLLM's batch-invariant module where it holds the persistent matmul (``matmul_persistent`` and its Triton
-    ``matmul_kernel_persistent``, what :mod:`bloggap_plugin.core.vllm.tiles` routes), else ``None``."""
+    ``matmul_kernel_persistent``, what :mod:`bloggap_plugin.core.vllm.tile_table` routes), else ``None``."""
     module = _batch_invariant_module()
     return module if hasattr(module, "matmul_kernel_persistent") else None
 

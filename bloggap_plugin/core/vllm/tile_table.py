@@ -9,8 +9,9 @@ count: vLLM 0.31 does this for the shapes it tuned (``determinism/batch_invarian
 (:func:`install_tiles`) in a process before its colocated engine starts, the engine's generation and the arm's own
 vLLM-form passes go through the same dispatcher, so the sampler and the trainer compute the same bits.
 
-A table is a JSON file (:func:`load_tiles`) written by ``python -m benchmarks.bi_matmul run --tiles-out FILE`` from
-a measurement on the GPU that will use it; :data:`TILES_ENV` names it for ``bloggap train`` and
+A table is a JSON file (:func:`load_tiles`) written by ``bloggap tiles --model MODEL --out FILE`` (or the harness
+``python -m benchmarks.bi_matmul run --tiles-out FILE``) from a measurement on the GPU that will use it;
+``gap.matmul_tiles`` or :data:`TILES_ENV` names it for ``bloggap train`` and
 :func:`~bloggap_plugin.trl.vllm_colocate.vllm_colocate_engine`.
 """
 
@@ -119,15 +120,15 @@ def load_tiles(path: str | os.PathLike, gpu: str | None = None, where: str | Non
     try:
         document = json.loads(Path(path).read_text())
     except OSError as err:
-        raise TilesError(f"{where}: cannot read it ({err.strerror}): give the file benchmarks.bi_matmul "
-                         f"--tiles-out wrote, or {drop}") from None
+        raise TilesError(f"{where}: cannot read it ({err.strerror}): give the file bloggap tiles --out "
+                         f"wrote, or {drop}") from None
     except ValueError as err:
         raise TilesError(f"{where}: not JSON ({err})") from None
     if not isinstance(document, dict) or not isinstance(document.get("tiles"), dict) or not document["tiles"]:
         raise TilesError(f"{where}: expected an object whose 'tiles' maps 'NxK' shapes to their configurations")
     if gpu is not None and document.get("gpu") != gpu:
         raise TilesError(f"{where}: measured on {document.get('gpu') or 'an unnamed GPU'}, and this process runs on "
-                         f"{gpu}: measure this GPU's table (python -m benchmarks.bi_matmul run --tiles-out FILE) or "
+                         f"{gpu}: measure this GPU's table (bloggap tiles --model MODEL --out FILE) or "
                          f"{drop}")
     return dict(_shape_tiles(key, entry, where) for key, entry in document["tiles"].items())
 
