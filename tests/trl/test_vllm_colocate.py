@@ -664,3 +664,40 @@ def test_an_unusable_tile_table_stops_the_engine_before_it_starts(fake_llm, monk
             vllm_colocate_engine():
         module.LLM(model="m")
     assert calls == []
+
+
+def test_a_tile_table_without_the_colocate_engine_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """gap.matmul_tiles is installed where TRL's colocate engine is built; without that engine (HF generate, or vLLM
+    server mode) the table would do nothing, so bloggap train refuses it naming the settings, and a colocate run
+    whose table cannot be read stops before any model loads (not minutes later when the engine starts)."""
+    from bloggap_plugin.core.vllm.tile_table import TilesError
+    from bloggap_plugin.recipes import RecipeError
+    from bloggap_plugin.trl.run import prepare_run
+
+    common = {"model": "tiny-random-llama", "device": "cpu", "output_dir": str(tmp_path / "o")}
+    missing = str(tmp_path / "absent.json")
+    with pytest.raises(RecipeError, match=r"gap.matmul_tiles .*absent.json is installed in TRL's colocate vLLM "
+                       r"engine, and this run has none \(use_vllm False\): set use_vllm: true and vllm_mode: "
+                       r"colocate, or drop gap.matmul_tiles"):
+        prepare_run(ROOT / "recipes" / "arm_J.yaml", gap_overrides={"matmul_tiles": missing}, **common)
+    server = {"use_vllm": True, "vllm_mode": "server"}
+    with pytest.raises(RecipeError, match=r"this run has none \(use_vllm True, vllm_mode 'server'\)"):
+        prepare_run(ROOT / "recipes" / "arm_J.yaml", gap_overrides={"matmul_tiles": missing},
+                    extra_overrides=server, **common)
+    colocate = {"use_vllm": True, "vllm_mode": "colocate"}
+    with pytest.raises(TilesError, match=r"^gap.matmul_tiles .*absent.json: cannot read it"):
+        prepare_run(ROOT / "recipes" / "arm_J.yaml", gap_overrides={"matmul_tiles": missing},
+                    extra_overrides=colocate, **common)
+
+
+def test_attaching_a_tile_table_to_a_trainer_without_the_colocate_engine_is_refused():
+    """GapCallback / GapGRPOTrainer on an HF-generate trainer with gap.matmul_tiles: refused at attach, naming it."""
+    from bloggap_plugin.recipes import GapConfig, RecipeError
+    from bloggap_plugin.trl import attach
+
+    gap = GapConfig(arm="J", matmul_tiles="t.json")
+    hf = types.SimpleNamespace(use_vllm=False, args=types.SimpleNamespace(vllm_mode="colocate"))
+    with pytest.raises(RecipeError, match=r"gap.matmul_tiles t.json is installed in TRL's colocate vLLM engine, and "
+                       r"this run has none \(use_vllm False\)"):
+        attach._check_vllm(hf, gap)
+    attach._check_vllm(hf, GapConfig(arm="J"))  # no table asked for: nothing to refuse on this trainer
