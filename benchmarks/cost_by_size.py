@@ -12,7 +12,8 @@ JSONL and console log go under ``OUT/LABEL/``, and ``OUT/cost_by_size.json`` is 
 limit keeps what finished. Nothing is exported for arms I and J: ``bloggap train`` sets what they need. An arm
 written ``I:process`` runs arm I with ``BLOGGAP_VLLM_BATCH_INVARIANCE=process`` (vLLM's batch-invariant mode left on
 for the whole process, as before the plugin confined it): the route's before; ``J:tiles`` runs arm J with the tile
-table of ``--matmul-tiles FILE`` installed (``BLOGGAP_VLLM_MATMUL_TILES``, :mod:`bloggap_plugin.core.vllm.tile_table`). ``--budget-s``: a run is not started
+table of ``--matmul-tiles FILE`` (``bloggap tiles`` writes one) named by the recipe field, ``--gap_overrides
+'{matmul_tiles: FILE}'``, as a user names it (:mod:`bloggap_plugin.core.vllm.tile_table`). ``--budget-s``: a run is not started
 when the time left is under its expected length (the last run of that arm and model, else the longest so far). A
 ``run`` into an ``OUT`` that holds a document keeps its finished runs and starts only the others.
 
@@ -71,29 +72,32 @@ def run_label(arm_text: str, repeat: int) -> str:
     return f"{arm_text.replace(':', '_')}-{repeat}"
 
 
-def run_argv(arm_text: str, model: str, steps: int, log_jsonl: Path, memory: float) -> list[str]:
-    """``bloggap train`` for one run (:func:`benchmarks.arm_i_live.train_argv`, plus the length reward)."""
-    arm, _ = parse_arm(arm_text)
+def run_argv(arm_text: str, model: str, steps: int, log_jsonl: Path, memory: float,
+             tiles: str | None = None) -> list[str]:
+    """``bloggap train`` for one run (:func:`benchmarks.arm_i_live.train_argv` of ``train_ARM_ni2``, which passes no
+    ``--gap_overrides``, plus the length reward); an ``ARM:tiles`` run names the tile table ``tiles`` (made absolute:
+    runs start in the checkout) with ``--gap_overrides '{matmul_tiles: FILE}'``, as a user names it."""
+    arm, scope = parse_arm(arm_text)
     argv = arm_i_live.train_argv(f"train_{arm}_ni2", model, steps, log_jsonl, memory)
+    if scope == "tiles":
+        if not tiles:
+            raise ValueError(f"arm {arm_text!r} runs with a tile table: give its file with --matmul-tiles "
+                             "(bloggap tiles --model MODEL --out FILE writes one)")
+        argv += ["--gap_overrides", json.dumps({"matmul_tiles": str(Path(tiles).resolve())})]
     return argv + ["--task_kwargs", "{reward: length}"]
 
 
-def run_environment(arm_text: str, environ: dict, tiles: str | None = None) -> dict:
+def run_environment(arm_text: str, environ: dict) -> dict:
     """``environ`` without vLLM's batch-invariance variables (``bloggap train`` sets them), cuBLAS workspace
-    variables or a tile table; for ``ARM:vllm_workspaces`` with :data:`VLLM_WORKSPACES`, for ``ARM:tiles`` with
-    :data:`TILES_ENV` set to ``tiles`` (a tile table's path, required there), for another ``ARM:SCOPE`` with
+    variables or a tile table's variable (an ``ARM:tiles`` run names its table in :func:`run_argv`); for
+    ``ARM:vllm_workspaces`` with :data:`VLLM_WORKSPACES`, for another ``ARM:SCOPE`` but ``tiles`` with
     :data:`SCOPE_ENV` set to ``SCOPE``."""
     _, scope = parse_arm(arm_text)
     drop = (*arm_i_live.ARM_I_ENV, SCOPE_ENV, *VLLM_WORKSPACES, TILES_ENV)
     env = {k: v for k, v in environ.items() if k not in drop}
     if scope == "vllm_workspaces":
         env.update(VLLM_WORKSPACES)
-    elif scope == "tiles":
-        if not tiles:
-            raise ValueError(f"arm {arm_text!r} runs with a tile table: give its file with --matmul-tiles "
-                             "(python -m benchmarks.bi_matmul run --tiles-out FILE writes one)")
-        env[TILES_ENV] = str(Path(tiles).resolve())
-    elif scope is not None:
+    elif scope not in (None, "tiles"):
         env[SCOPE_ENV] = scope
     return env
 
@@ -170,7 +174,8 @@ def size_table(models: dict, table_id: str = TABLE_ID) -> dict:
                      "batch-invariant mode left on process-wide (BLOGGAP_VLLM_BATCH_INVARIANCE=process); ARM_vllm_workspaces: "
                      "vLLM's cuBLAS(Lt) workspace sizes exported (CUBLAS_WORKSPACE_CONFIG=:16:8, "
                      "CUBLASLT_WORKSPACE_SIZE=1), so torch sizes the run's cuBLAS matmuls with them. ARM_tiles: "
-                     "the tile table in params.matmul_tiles installed (BLOGGAP_VLLM_MATMUL_TILES). MODEL-setN: "
+                     "the tile table in params.matmul_tiles installed (named by gap.matmul_tiles; in T27's runs by "
+                     "BLOGGAP_VLLM_MATMUL_TILES). MODEL-setN: "
                      "the runs of the Nth device call, an interleaved set of its own, each arm over that set's arm "
                      "A. Random-init "
                      "weights except SmolLM2-135M: exactness columns hold, gap rates would not."}
@@ -263,7 +268,8 @@ def run_main(args: argparse.Namespace) -> int:
         models = {model: {name: row for name, row in runs.items() if "error" not in row}
                   for model, runs in json.loads((out / RESULT_NAME).read_text())["results"].items()}
     for arm_text in args.arms.split(","):  # refuse a bad arm or a :tiles arm without its table before any run
-        run_environment(arm_text, {}, args.matmul_tiles)
+        run_environment(arm_text, {})
+        run_argv(arm_text, "m", 1, out / "check.jsonl", args.memory, args.matmul_tiles)
     params = {"steps": args.steps, "arms": args.arms, "repeats": args.repeats, "memory": args.memory,
               "models": args.model, "skipped": []}
     if args.matmul_tiles:
@@ -284,11 +290,10 @@ def run_main(args: argparse.Namespace) -> int:
                     params["skipped"].append(f"{label}/{name}")
                     continue
                 log_jsonl = folder / f"{name}.jsonl"
-                argv = run_argv(arm_text, path, args.steps, log_jsonl, args.memory)
+                argv = run_argv(arm_text, path, args.steps, log_jsonl, args.memory, args.matmul_tiles)
                 started = time.perf_counter()
                 with open(folder / f"{name}.log", "w") as console:
-                    code = subprocess.call(argv, cwd=ROOT, env=run_environment(arm_text, dict(os.environ),
-                                                                               args.matmul_tiles),
+                    code = subprocess.call(argv, cwd=ROOT, env=run_environment(arm_text, dict(os.environ)),
                                            stdout=console, stderr=subprocess.STDOUT)
                 seconds = time.perf_counter() - started
                 if code != 0 or not log_jsonl.exists():
@@ -403,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--budget-s", type=float, default=540.0)
     run.add_argument("--out", required=True)
     run.add_argument("--matmul-tiles", default=None, help="the tile table ARM:tiles runs install "
-                     "(BLOGGAP_VLLM_MATMUL_TILES; python -m benchmarks.bi_matmul run --tiles-out writes one)")
+                     "(gap.matmul_tiles; bloggap tiles --model MODEL --out FILE writes one)")
     col = sub.add_parser("collect", help="one document from the run folders of several device calls")
     col.add_argument("runs", nargs="+")
     col.add_argument("--out", required=True)

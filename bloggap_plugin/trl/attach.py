@@ -126,6 +126,11 @@ def _check_precision(trainer: Any, gap: GapConfig) -> None:
 
 
 def _check_vllm(trainer: Any, gap: GapConfig) -> None:
+    from bloggap_plugin.trl.vllm_colocate import matmul_tiles_without_colocate
+
+    refusal = matmul_tiles_without_colocate(gap, trainer.use_vllm, getattr(trainer.args, "vllm_mode", None))
+    if refusal:
+        raise RecipeError(refusal)
     if not trainer.use_vllm:
         return
     if gap.arm_spec.needs_fp16_training:

@@ -305,6 +305,7 @@ def prepare_run(recipe: str | Path | TrainConfig, **settings: Any) -> RunPlan:
     except RecipeError as err:
         raise RecipeError(f"{config.recipe}: {err}") from None
     _check_report_to(args.report_to)
+    _check_matmul_tiles(gap, args)
     _check_vllm(args)
     train_dataset, reward_funcs = get_task(config.task, None, seed=config.seed,  # name, options, data: before the model
                                            **(config.task_options() or {}))
@@ -344,6 +345,18 @@ def _check_override_names(overrides: dict | None) -> None:
     for key in overrides or {}:
         if valid is not None and key not in valid:
             raise unknown_key_error(key, valid, "--extra-overrides")
+
+
+def _check_matmul_tiles(gap: Any, args: Any) -> None:
+    """``gap.matmul_tiles`` with no colocate engine to install it in, or a table that cannot be read: refused before
+    the model loads (the engine would find the second only after it)."""
+    from bloggap_plugin.recipes import RecipeError
+    from bloggap_plugin.trl.vllm_colocate import check_matmul_tiles_file, matmul_tiles_without_colocate
+
+    refusal = matmul_tiles_without_colocate(gap, getattr(args, "use_vllm", False), getattr(args, "vllm_mode", None))
+    if refusal:
+        raise RecipeError(refusal)
+    check_matmul_tiles_file(gap)
 
 
 def _check_vllm(args: Any) -> None:

@@ -512,6 +512,28 @@ def check_colocate_engine(trainer: Any, gap: Any, environ: dict | None = None) -
         raise RecipeError(refusal)
 
 
+def matmul_tiles_without_colocate(gap: Any, use_vllm: bool, mode: str | None) -> str | None:
+    """The error text when ``gap.matmul_tiles`` names a tile table and the trainer (``use_vllm``, ``vllm_mode``
+    ``mode``) builds no colocate engine to install it in (HF generate, vLLM server mode): the table would change
+    nothing; else ``None``."""
+    use_vllm = bool(use_vllm)
+    if not gap.matmul_tiles or (use_vllm and mode == "colocate"):
+        return None
+    settings = f"use_vllm {use_vllm}" + (f", vllm_mode {mode!r}" if use_vllm else "")
+    return (f"gap.matmul_tiles {gap.matmul_tiles} is installed in TRL's colocate vLLM engine, and this run has none "
+            f"({settings}): set use_vllm: true and vllm_mode: colocate, or drop gap.matmul_tiles")
+
+
+def check_matmul_tiles_file(gap: Any) -> None:
+    """Read ``gap.matmul_tiles`` as a tile table (:func:`~bloggap_plugin.core.vllm.tile_table.load_tiles`), so an
+    unreadable or malformed one is refused before a model loads; which GPU it was measured on is checked when the
+    engine starts, where that GPU is known."""
+    from bloggap_plugin.core.vllm.tile_table import load_tiles
+
+    if gap.matmul_tiles:
+        load_tiles(gap.matmul_tiles, where=f"gap.matmul_tiles {gap.matmul_tiles}", drop="drop gap.matmul_tiles")
+
+
 def matmul_tiles_refusal(trainer: Any, gap: Any) -> str | None:
     """The error text when ``gap.matmul_tiles`` names a tile table and ``trainer``'s colocate engine was built
     without it (not inside :func:`vllm_colocate_engine` with that table: its kernels then launch vLLM's own tiles,

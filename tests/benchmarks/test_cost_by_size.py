@@ -27,15 +27,21 @@ def test_runs_export_nothing_for_the_arm_but_the_scope_asked_for():
     assert bench.run_environment("A", {**caller, "CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == {"PATH": "/bin"}
 
 
-def test_only_a_tiles_run_installs_the_tile_table(tmp_path, monkeypatch):
+def test_only_a_tiles_run_names_the_tile_table_and_it_does_so_with_the_recipe_field(tmp_path, monkeypatch):
+    """An ``ARM:tiles`` run names its table as a user does (``--gap_overrides '{matmul_tiles: FILE}'``, made absolute:
+    runs start in the checkout); no run inherits the caller's variable."""
+    import yaml
+
     monkeypatch.chdir(tmp_path)
     caller = {"PATH": "/bin", "BLOGGAP_VLLM_MATMUL_TILES": "/somewhere/else.json"}
     assert bench.parse_arm("J:tiles") == ("J", "tiles") and bench.run_label("J:tiles", 1) == "J_tiles-1"
-    assert bench.run_environment("J:tiles", caller, "tiles.json") == {
-        "PATH": "/bin", "BLOGGAP_VLLM_MATMUL_TILES": str(tmp_path / "tiles.json")}  # absolute: runs start in ROOT
-    assert bench.run_environment("J", caller, "tiles.json") == {"PATH": "/bin"}
+    assert bench.run_environment("J:tiles", caller) == bench.run_environment("J", caller) == {"PATH": "/bin"}
+    argv = bench.run_argv("J:tiles", "/m", 30, tmp_path / "x.jsonl", 0.3, "tiles.json")
+    assert argv.count("--gap_overrides") == 1
+    assert yaml.safe_load(argv[argv.index("--gap_overrides") + 1]) == {"matmul_tiles": str(tmp_path / "tiles.json")}
+    assert "--gap_overrides" not in bench.run_argv("J", "/m", 30, tmp_path / "x.jsonl", 0.3, "tiles.json")
     with pytest.raises(ValueError, match="arm 'I:tiles' runs with a tile table: give its file with --matmul-tiles"):
-        bench.run_environment("I:tiles", caller)
+        bench.run_argv("I:tiles", "/m", 30, tmp_path / "x.jsonl", 0.3)
 
 
 def test_run_argv_is_bloggap_train_with_the_length_reward(tmp_path):
