@@ -89,7 +89,7 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, sampling_mask: st
     step. Restores TRL's ``LLM`` on exit. The engine keeps a record of torch's matmul settings from before its
     start-up, which :func:`confine_batch_invariance` restores for the trainer. A tile table, ``matmul_tiles``
     (``gap.matmul_tiles``) or the file :data:`~bloggap_plugin.core.vllm.tile_table.TILES_ENV` names, is installed before
-    the engine starts (:func:`install_tiles_from_env`). ``sampling_mask`` (``"auto"`` or
+    the engine starts (:func:`install_named_tiles`). ``sampling_mask`` (``"auto"`` or
     ``"required"``) asks vLLM for each token's sampling mask (``return_sampling_mask=True``, ``gap.kept_source``):
     under ``auto`` an engine whose vLLM refuses it is built without, and the refusal is kept on the ``LLM``.
     """
@@ -112,7 +112,7 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, sampling_mask: st
         if prefill_in_one_step:
             _prefill_in_one_step(args, kwargs)
         plain = _matmul_settings()  # before the engine's start-up changes them (batch-invariant mode)
-        tiles = install_tiles_from_env(path=matmul_tiles)  # before the engine captures its kernels
+        tiles = install_named_tiles(path=matmul_tiles)  # before the engine captures its kernels
         llm, refused = _build_with_sampling_mask(original, args, kwargs, sampling_mask)
         with contextlib.suppress(AttributeError, TypeError):  # an object that takes no attributes: no record
             llm._bloggap_plain_matmul = plain
@@ -129,7 +129,7 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, sampling_mask: st
         vllm_generation.LLM = original
 
 
-def install_tiles_from_env(environ: dict | None = None, path: str | None = None) -> str | None:
+def install_named_tiles(environ: dict | None = None, path: str | None = None) -> str | None:
     """Install a tile table (:func:`~bloggap_plugin.core.vllm.tile_table.install_tiles`) in this process's vLLM
     batch-invariant module, for the colocated engine and the arm's vLLM-form passes alike: ``path``
     (``gap.matmul_tiles``) or else the file :data:`~bloggap_plugin.core.vllm.tile_table.TILES_ENV` names. Returns the
