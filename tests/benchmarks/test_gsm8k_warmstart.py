@@ -448,6 +448,31 @@ def test_the_settings_script_runs_each_setting_packs_it_and_keeps_to_its_budget(
     assert run().returncode == 2
 
 
+def test_a_setting_is_not_started_with_less_time_left_than_a_finished_one_took(tmp_path, spawns):
+    """One at a time, a setting starts only while the budget left holds MIN_S and the longest setting that finished
+    in this call (a setting stopped by the budget mid-evaluation wastes the device time it used); the stand-in call
+    (WARMSTART_CALL) takes at least 2 s and succeeds, so with a 3 s budget the second is not started."""
+    import os
+    import subprocess
+
+    from _support import ROOT
+
+    call = tmp_path / "call.sh"
+    call.write_text('sleep 2; mkdir -p "$OUT"; echo "after SFT | all    | 500  | 1       | 0.2" > '
+                    '"$OUT/gsm8k_warmstart.log"\n')
+    environ = {**os.environ, "OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"),
+               "WARMSTART_CALL": str(call), "BUDGET_S": "3", "MIN_S": "0"}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "gsm8k_warmstart_settings.sh"),
+                           "first=--lr 1e-4", "second=--lr 2e-4"], cwd=ROOT, env=environ, capture_output=True,
+                          text=True, timeout=HANG_S)
+    first, second = done.stdout.strip().splitlines()
+    assert first.startswith("first: exit 0, ") and first.endswith("; after SFT | all    | 500  | 1       | 0.2")
+    taken = int(first.split(", ")[1].split(" ")[0])
+    assert taken >= 2 and done.returncode == 1
+    assert second.startswith("second: not started (") and second.endswith(
+        f" s left, a setting needs 0, and one this call took {taken})"), second
+
+
 def test_a_smoke_run_published_carries_its_numbers_and_no_machine_path(smoke, tmp_path):
     """benchmarks/gsm8k_warmstart_publish.py on a real run folder (the smoke run's, with a console log as the call
     script writes it): the document's numbers unchanged, its tables rebuilt, the run's folders as placeholders, the
