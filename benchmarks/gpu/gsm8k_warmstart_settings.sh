@@ -8,9 +8,11 @@
 # Each argument is NAME=ARGUMENTS: benchmarks/gpu/gsm8k_warmstart_call.sh with those arguments (its MODEL, DATA and
 # SEED), the base model's evaluation taken from $BEFORE (--before-from; the committed H200 run's by default, so only
 # training and the evaluation after it run), its folder under $WORK/NAME and its checkpoint in $WORK/ckpt-NAME. A
-# setting starts only while at least $MIN_S seconds of $BUDGET_S are left, and is given what is left. Each finished
+# setting starts only while at least $MIN_S seconds of $BUDGET_S are left, and (one at a time) as many as the longest
+# setting that finished in this call took; it is given what is left. Each finished
 # or stopped setting is packed into $OUT/NAME.tar.xz (its gsm8k_warmstart.json, log and eval_after/; the device
-# returns at most 8 files); one line per setting on stdout. Exit 0 when every setting finished.
+# returns at most 8 files); one line per setting on stdout (its exit code and its own seconds). Exit 0 when every
+# setting finished. WARMSTART_CALL=SCRIPT runs SCRIPT in place of gsm8k_warmstart_call.sh (the tests' stand-in).
 #
 # PARALLEL=N runs up to N settings at once (each started while MIN_S of the budget is left, given what is left at
 # its start; the lines come in the order the settings were given); GPU_MEM=F gives each setting's vLLM evaluations
@@ -64,37 +66,44 @@ mkdir -p "$OUT" "$WORK"
 start=$SECONDS
 
 run_setting() {  # NAME ARGUMENTS LEFT: one setting, packed; its line into $WORK/NAME.line, its exit code into .code
-  local name=$1 arguments=$2 left=$3 code log summary last
+  local name=$1 arguments=$2 left=$3 code log summary last began=$SECONDS
   rm -rf "${WORK:?}/$name" "${WORK:?}/ckpt-$name"
   mkdir -p "$WORK/$name"
   # shellcheck disable=SC2086 # the setting's arguments are words
   OUT="$WORK/$name" CKPT="$WORK/ckpt-$name" WARMSTART_S=$left \
-    bash benchmarks/gpu/gsm8k_warmstart_call.sh ${BEFORE:+--before-from "$BEFORE"} ${GPU_MEM:+--gpu-mem "$GPU_MEM"} \
+    bash "${WARMSTART_CALL:-benchmarks/gpu/gsm8k_warmstart_call.sh}" ${BEFORE:+--before-from "$BEFORE"} ${GPU_MEM:+--gpu-mem "$GPU_MEM"} \
     $arguments > /dev/null 2>&1
   code=$?
   tar -C "$WORK" -cJf "$OUT/$name.tar.xz" "$name"
   log="$WORK/$name/gsm8k_warmstart.log"
   summary=$(grep -E '^after SFT +\| all ' "$log" | tail -1)
   last=$([ "$code" -eq 0 ] || tail -1 "$log")
-  echo "$name: exit $code, $((SECONDS - start)) s${summary:+; $summary}${last:+; $last}" > "$WORK/$name.line"
+  echo "$name: exit $code, $((SECONDS - began)) s${summary:+; $summary}${last:+; $last}" > "$WORK/$name.line"
   echo "$code" > "$WORK/$name.code"
+  echo "$((SECONDS - began))" > "$WORK/$name.seconds"
 }
 
 status=0
 names=()
+longest=0  # the longest a finished setting (exit 0) took in this call: one at a time, a setting needs that much too
 for setting in "$@"; do
   name=${setting%%=*}
   names+=("$name")
-  rm -f "$WORK/$name.line" "$WORK/$name.code"
+  rm -f "$WORK/$name.line" "$WORK/$name.code" "$WORK/$name.seconds"
   while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n; done
   left=$((BUDGET_S - (SECONDS - start)))
-  if [ "$left" -lt "$MIN_S" ]; then
-    echo "$name: not started ($left s left, a setting needs $MIN_S)" > "$WORK/$name.line"
+  if [ "$left" -lt "$MIN_S" ] || [ "$left" -lt "$longest" ]; then
+    why="a setting needs $MIN_S"
+    if [ "$longest" -gt 0 ]; then why="$why, and one this call took $longest"; fi
+    echo "$name: not started ($left s left, $why)" > "$WORK/$name.line"
     echo 1 > "$WORK/$name.code"
     continue
   fi
   if [ "$PARALLEL" -eq 1 ]; then
     run_setting "$name" "${setting#*=}" "$left"
+    if [ "$(cat "$WORK/$name.code")" = 0 ] && [ "$(cat "$WORK/$name.seconds")" -gt "$longest" ]; then
+      longest=$(cat "$WORK/$name.seconds")
+    fi
   else
     run_setting "$name" "${setting#*=}" "$left" &
   fi
