@@ -604,7 +604,7 @@ def _train(plan: RunPlan) -> dict:
     from bloggap_plugin.tasks import for_tokenizer
     from bloggap_plugin.trl.attach import arm_not_in_effect
     from bloggap_plugin.trl.callback import GapGRPOTrainer
-    from bloggap_plugin.trl.vllm_colocate import own_batch_invariance_env
+    from bloggap_plugin.trl.vllm_colocate import installed_tile_table, own_batch_invariance_env
 
     config, args, gap, device = plan.config, plan.args, plan.gap, plan.device
     model, seed, log_jsonl = config.model, config.seed, config.log_jsonl
@@ -663,4 +663,5 @@ def _train(plan: RunPlan) -> dict:
     if heldout is not None:
         summary["heldout"] = heldout.records
     summary["arm_not_in_effect"] = arm_not_in_effect(trainer, gap)  # e.g. arm H on a CPU: stated with the result
+    summary["matmul_tiles"] = installed_tile_table(trainer)  # the tile table arms I and J ran with, if any
     return summary

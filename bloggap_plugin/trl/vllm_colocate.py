@@ -534,6 +534,16 @@ def check_matmul_tiles_file(gap: Any) -> None:
         load_tiles(gap.matmul_tiles, where=f"gap.matmul_tiles {gap.matmul_tiles}", drop="drop gap.matmul_tiles")
 
 
+def installed_tile_table(trainer: Any) -> dict | None:
+    """``{"path", "sha256"}`` of the tile table ``trainer``'s colocate engine installed before it started (the
+    engine's record, :func:`vllm_colocate_engine`), or ``None`` where it installed none or there is no engine."""
+    from bloggap_plugin.checkpoint import file_sha256
+
+    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
+    path = getattr(llm, "_bloggap_matmul_tiles", None)
+    return None if path is None else {"path": path, "sha256": file_sha256(path)}
+
+
 def matmul_tiles_refusal(trainer: Any, gap: Any) -> str | None:
     """The error text when ``gap.matmul_tiles`` names a tile table and ``trainer``'s colocate engine was built
     without it (not inside :func:`vllm_colocate_engine` with that table: its kernels then launch vLLM's own tiles,

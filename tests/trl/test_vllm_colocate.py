@@ -701,3 +701,22 @@ def test_attaching_a_tile_table_to_a_trainer_without_the_colocate_engine_is_refu
                        r"this run has none \(use_vllm False\)"):
         attach._check_vllm(hf, gap)
     attach._check_vllm(hf, GapConfig(arm="J"))  # no table asked for: nothing to refuse on this trainer
+
+
+def test_the_run_records_the_tile_table_its_engine_installed(tmp_path):
+    """bloggap train's summary names the table the colocate engine installed (gap.matmul_tiles or the variable) with
+    the file's sha256, so two runs' tables can be told apart; None where the engine installed none or there is no
+    colocate engine."""
+    import hashlib
+
+    from bloggap_plugin.trl.vllm_colocate import installed_tile_table
+
+    path = tmp_path / "tiles.json"
+    path.write_text('{"gpu": "G", "tiles": {}}')
+    llm = types.SimpleNamespace(llm_engine=object(), _bloggap_matmul_tiles=str(path))
+    trainer = types.SimpleNamespace(vllm_generation=types.SimpleNamespace(llm=llm))
+    assert installed_tile_table(trainer) == {"path": str(path),
+                                             "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    llm._bloggap_matmul_tiles = None
+    assert installed_tile_table(trainer) is None
+    assert installed_tile_table(types.SimpleNamespace()) is None  # HF generate: no engine
