@@ -389,8 +389,7 @@ def _check_model_folder(path: Path) -> None:
                              "the model folder")
 
 
-def is_hub_id(spec: str) -> bool:
-    """Whether ``spec`` reads as a Hugging Face hub id (``owner/name``), not a path."""
+def _is_hub_id(spec: str) -> bool:
     return spec.count("/") == 1 and not spec.startswith((".", "/"))
 
 
@@ -417,7 +416,7 @@ def check_model_spec(spec: str) -> None:
         _check_gguf_file(Path(spec))
     elif Path(spec).exists():
         _check_model_folder(Path(spec))
-    elif is_hub_id(spec):
+    elif _is_hub_id(spec):
         if os.environ.get("HF_HUB_OFFLINE") == "1":
             from huggingface_hub import try_to_load_from_cache
 
@@ -428,6 +427,24 @@ def check_model_spec(spec: str) -> None:
                 )
     else:
         raise ModelSpecError(f"cannot load {spec!r}: no such file or folder; {_ACCEPTED}")
+
+
+def model_config(spec: str) -> dict:
+    """The ``config.json`` of model ``spec`` as a dict, without loading weights where the spec names a file: a
+    folder's file, a hub id's cached config; a named model's (``smollm2``, a tiny model, a GGUF file) is read from
+    the model :func:`load_model` builds on the CPU. Raises :class:`ModelSpecError` as :func:`check_model_spec`."""
+    import json
+
+    spec = str(spec)
+    check_model_spec(spec)
+    if Path(spec).is_dir():
+        return json.loads((Path(spec) / "config.json").read_text())
+    if _is_hub_id(spec) and not Path(spec).exists():
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(spec).to_dict()
+    model, _ = load_model(spec, dtype="fp32", device="cpu", checked=True)
+    return model.config.to_dict()
 
 
 def _from_pretrained(what: str, source, **kwargs):

@@ -15,7 +15,6 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from bloggap_plugin.commands._measured import configure_with
 from bloggap_plugin.measure.matmul_tiles import DEFAULT_ROWS
@@ -43,28 +42,10 @@ class TilesConfig:
 configure = configure_with(TilesConfig)
 
 
-def model_config(spec: str) -> dict[str, Any]:
-    """The ``config.json`` of model ``spec`` as a dict: a folder's file, a hub id's cached config, or the config of
-    a named model (:func:`~bloggap_plugin.models.load_model`, on the CPU)."""
-    import json
-    from pathlib import Path
-
-    from bloggap_plugin.models import check_model_spec, is_hub_id, load_model
-
-    check_model_spec(spec)
-    if Path(spec).is_dir():
-        return json.loads((Path(spec) / "config.json").read_text())
-    if is_hub_id(spec) and not Path(spec).exists():
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(spec).to_dict()
-    model, _ = load_model(spec, dtype="fp32", device="cpu", checked=True)
-    return model.config.to_dict()
-
-
 def _linear_shapes(spec: str) -> list[tuple[str, int, int, int]]:
     from bloggap_plugin.core.errors import UsageError
     from bloggap_plugin.measure.matmul_tiles import linear_shapes
+    from bloggap_plugin.models import model_config
 
     config = model_config(spec)
     try:
