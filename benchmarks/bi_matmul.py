@@ -24,14 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bloggap_plugin.measure.matmul_tiles import (  # noqa: F401 - the harness's names for the product's measurement
-    CONFIGS,
-    DEFAULT_ROWS,
-    VLLM_BF16,
-    derive_tiles,
-    family_references,
-    measure_linears,
-)
+from bloggap_plugin.measure.matmul_tiles import CONFIGS, DEFAULT_ROWS, derive_tiles, measure_linears
 
 
 def linear_shapes(shape: str) -> list[tuple[str, int, int, int]]:
@@ -88,9 +81,9 @@ def summary_table(results: dict, table_id: str) -> dict:
 
 
 def _kernel_module() -> Any:
-    from bloggap_plugin.measure.matmul_tiles import kernel_module
+    from bloggap_plugin.core.vllm.kernels import persistent_matmul_module
 
-    module = kernel_module()
+    module = persistent_matmul_module()
     if module is None:
         raise SystemExit("bi_matmul needs vLLM with its batch-invariant Triton kernels on a CUDA GPU")
     return module

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from bloggap_plugin._io import atomic_write_text, check_writable_file
     from bloggap_plugin.commands._measured import checked_config
     from bloggap_plugin.core.errors import UsageError
-    from bloggap_plugin.core.vllm.kernels import vllm_layout
+    from bloggap_plugin.core.vllm.kernels import persistent_matmul_module, vllm_layout
     from bloggap_plugin.core.vllm.tile_table import dump_tiles
     from bloggap_plugin.core.vllm.versions import form_install_hint
     from bloggap_plugin.measure import matmul_tiles
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise UsageError("bloggap tiles measures on the CUDA GPU that will train (a table is refused on another "
                          "GPU), and no CUDA GPU is visible here")
-    module = matmul_tiles.kernel_module()
+    module = persistent_matmul_module()
     if module is None:
         raise UsageError(f"bloggap tiles needs vLLM's batch-invariant matmul, which this process's vLLM "
                          f"({vllm_layout()[0] or 'not importable'}) lacks: {form_install_hint()}")

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = ["VLLM_BF16", "CONFIGS", "DEFAULT_ROWS", "family_references", "linear_shapes", "measure_linears",
-           "derive_tiles", "graph_us", "kernel_module"]
+           "derive_tiles", "graph_us"]
 
 VLLM_BF16 = {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_stages": 3,
              "num_warps": 8}
@@ -83,14 +83,6 @@ def linear_shapes(config: Mapping[str, Any]) -> list[tuple[str, int, int, int]]:
             ("gate_up", 2 * config["intermediate_size"], hidden, layers),
             ("down", hidden, config["intermediate_size"], layers),
             ("lm_head", config["vocab_size"], hidden, 1)]
-
-
-def kernel_module() -> Any:
-    """vLLM's batch-invariant module (``matmul_persistent``, ``matmul_kernel_persistent``), or ``None`` where this
-    process has no vLLM layout the plugin has read."""
-    from bloggap_plugin.core.vllm.kernels import persistent_matmul_module
-
-    return persistent_matmul_module()
 
 
 def graph_us(fn: Callable[[], Any], reps: int) -> float:

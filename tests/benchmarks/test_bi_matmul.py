@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+from _support.stand_in_matmul import stand_in_kernel
+
 from benchmarks import bi_matmul
 from bloggap_plugin.core.vllm.tile_table import ShapeTiles, TileShape
 from bloggap_plugin.measure import matmul_tiles
@@ -27,8 +29,8 @@ def test_a_model_folders_config_gives_its_shapes(tmp_path):
 
 
 def test_each_block_k_has_one_reference_and_vllms_is_the_64_one():
-    references = bi_matmul.family_references(bi_matmul.CONFIGS)
-    assert references[64] == "vllm" and bi_matmul.CONFIGS["vllm"] == bi_matmul.VLLM_BF16
+    references = matmul_tiles.family_references(matmul_tiles.CONFIGS)
+    assert references[64] == "vllm" and matmul_tiles.CONFIGS["vllm"] == matmul_tiles.VLLM_BF16
     assert references[128] == "k128m128n128w8s3" and references[32] == "k32"
 
 
@@ -36,7 +38,7 @@ def _case(layer, rows, count, us, equal, n=48, k=40):
     return {"layer": layer, "n": n, "k": k, "rows": rows, "count": count, "us": us, "equal": equal}
 
 
-CONFIG_VALUES = {"vllm": bi_matmul.VLLM_BF16, "fast": matmul_tiles._config(64, 32, 64, 4, 4),
+CONFIG_VALUES = {"vllm": matmul_tiles.VLLM_BF16, "fast": matmul_tiles._config(64, 32, 64, 4, 4),
                  "k128": matmul_tiles._config(128, 128, 128, 8, 3), "k128small": matmul_tiles._config(16, 64, 128, 4, 4)}
 
 
@@ -77,7 +79,7 @@ def test_the_derived_table_takes_per_shape_the_family_with_the_least_time_and_it
         # shape 16x40: nothing beats vLLM's
         _case("down", 1, 1, {"vllm": 1.0, "fast": 2.0, "k128": 3.0, "k128small": 3.0}, everything, n=16),
     ]
-    table = bi_matmul.derive_tiles(_results(cases))
+    table = matmul_tiles.derive_tiles(_results(cases))
     assert table == {
         (48, 40): ShapeTiles(64, ((1, TileShape(64, 32, 4, 4)), (512, TileShape(128, 128, 8, 3)))),
         # k128small is out (not bit-identical at every M), so k128 serves both buckets: 6/10 + 10/20 < 9/10 + 19/20
@@ -90,23 +92,16 @@ def test_no_table_entry_without_a_configuration_identical_at_every_m():
                    {"vllm": True, "fast": False, "k128": False, "k128small": True}),
              _case("o", 8, 1, {"vllm": 10.0, "fast": 1.0, "k128": 1.0, "k128small": 1.0},
                    {"vllm": True, "fast": True, "k128": True, "k128small": False})]
-    assert bi_matmul.derive_tiles(_results(cases)) == {}
+    assert matmul_tiles.derive_tiles(_results(cases)) == {}
 
 
 def test_a_shape_vllm_tunes_itself_is_left_to_vllm():
     everything = {name: True for name in CONFIG_VALUES}
     cases = [_case("o", 1, 1, {"vllm": 10.0, "fast": 4.0, "k128": 12.0, "k128small": 9.0}, everything),
              _case("o", 8, 1, {"vllm": 10.0, "fast": 4.0, "k128": 12.0, "k128small": 9.0}, everything)]
-    assert (48, 40) in bi_matmul.derive_tiles(_results(cases))
+    assert (48, 40) in matmul_tiles.derive_tiles(_results(cases))
     cases[1]["vllm_function_equal"] = False  # vLLM's own matmul_persistent launched another configuration here
-    assert bi_matmul.derive_tiles(_results(cases)) == {}
-
-
-def _stand_in_kernel(monkeypatch, fast: set[str]):
-    """The CPU stand-in kernel and clock of :func:`_support.stand_in_matmul.stand_in_kernel`."""
-    from _support.stand_in_matmul import stand_in_kernel
-
-    return stand_in_kernel(monkeypatch, fast)
+    assert matmul_tiles.derive_tiles(_results(cases)) == {}
 
 
 def test_the_harness_compares_each_configuration_on_the_first_rows_of_one_input(monkeypatch):
@@ -114,7 +109,7 @@ def test_the_harness_compares_each_configuration_on_the_first_rows_of_one_input(
     K steps round differently, and a clock that says which configuration is fast."""
     from bloggap_plugin.core.vllm import tile_table as tiles
 
-    module = _stand_in_kernel(monkeypatch, fast={"m64n32w4s4", "m16n64w4s4"})  # the second is fast and wrong
+    module = stand_in_kernel(monkeypatch, fast={"m64n32w4s4", "m16n64w4s4"})  # the second is fast and wrong
     cases, logged = [], []
     bi_matmul.measure_shape(module, "tiny-llama", [1, 4], 3, logged.append, cases, device="cpu")
     assert [(c["layer"], c["rows"]) for c in cases] == [(layer, m) for layer in ("qkv", "o", "gate_up", "down",
@@ -123,9 +118,9 @@ def test_the_harness_compares_each_configuration_on_the_first_rows_of_one_input(
     # the 64 family and each other family's reference against itself: equal; a K-step-128 member rounds like its
     # reference here, so equal too; cuBLAS (F.linear in bf16 on the CPU) is compared with vLLM's bits
     differ = {"m16n64w4s4", "m16n128w4s4"}  # the stand-in rounds their K-step-64 sums unlike vLLM's
-    assert all(c["equal"][name] for c in cases for name in bi_matmul.CONFIGS if name not in differ)
+    assert all(c["equal"][name] for c in cases for name in matmul_tiles.CONFIGS if name not in differ)
     assert not any(c["equal"][name] for c in cases for name in differ)
-    table = bi_matmul.derive_tiles({"configs": list(bi_matmul.CONFIGS), "config_values": bi_matmul.CONFIGS,
+    table = matmul_tiles.derive_tiles({"configs": list(matmul_tiles.CONFIGS), "config_values": matmul_tiles.CONFIGS,
                                     "cases": {"tiny-llama": cases}})
     fast = tiles.TileShape(64, 32, 4, 4)
     assert table[(2048, 128)] == tiles.ShapeTiles(64, ((1, fast), (4, fast)))  # the LM head of tiny-llama
@@ -148,7 +143,7 @@ def test_the_summary_table_is_a_valid_result_table(tmp_path):
 
 
 def test_run_writes_a_valid_t25_and_a_tile_table_this_gpu_loads(monkeypatch, tmp_path):
-    """run_main end to end on the CPU: the stand-in kernel and clock (:func:`_stand_in_kernel`), the GPU and vLLM
+    """run_main end to end on the CPU: the stand-in kernel and clock (:func:`_support.stand_in_matmul.stand_in_kernel`), the GPU and vLLM
     faked by name; what the GPU machine returns (the result document after each case, then the tile table) must
     load."""
     import functools
@@ -160,7 +155,7 @@ def test_run_writes_a_valid_t25_and_a_tile_table_this_gpu_loads(monkeypatch, tmp
     from bloggap_plugin.core.vllm import tile_table as tiles
     from bloggap_plugin.results import validate_result
 
-    module = _stand_in_kernel(monkeypatch, fast={"m64n32w4s4"})
+    module = stand_in_kernel(monkeypatch, fast={"m64n32w4s4"})
     monkeypatch.setattr(bi_matmul, "_kernel_module", lambda: module)
     monkeypatch.setattr(bi_matmul, "measure_shape", functools.partial(bi_matmul.measure_shape, device="cpu"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

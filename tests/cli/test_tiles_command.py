@@ -31,7 +31,7 @@ def stand_in_gpu(monkeypatch, tmp_path):
 
     def with_kernel(fast: set[str]):
         module = stand_in_kernel(monkeypatch, fast)
-        monkeypatch.setattr(matmul_tiles, "kernel_module", lambda: module)
+        monkeypatch.setattr(kernels, "persistent_matmul_module", lambda: module)
 
     return folder, with_kernel
 
@@ -95,11 +95,11 @@ def test_without_a_gpu_or_vllms_kernels_or_a_llama_style_config_it_says_which(st
     import torch
 
     from bloggap_plugin.cli import main
-    from bloggap_plugin.measure import matmul_tiles
+    from bloggap_plugin.core.vllm import kernels
 
     folder, with_kernel = stand_in_gpu
     out = str(tmp_path / "tiles.json")
-    monkeypatch.setattr(matmul_tiles, "kernel_module", lambda: None)
+    monkeypatch.setattr(kernels, "persistent_matmul_module", lambda: None)
     assert main(["tiles", "--model", str(folder), "--out", out]) == 2
     assert "needs vLLM's batch-invariant matmul, which this process's vLLM (0.26.0) lacks: pip install vllm==" in \
         capsys.readouterr().err
