@@ -77,14 +77,22 @@ def run_argv(arm_text: str, model: str, steps: int, log_jsonl: Path, memory: flo
     """``bloggap train`` for one run (:func:`benchmarks.arm_i_live.train_argv` of ``train_ARM_ni2``, which passes no
     ``--gap_overrides``, plus the length reward); an ``ARM:tiles`` run names the tile table ``tiles`` (made absolute:
     runs start in the checkout) with ``--gap_overrides '{matmul_tiles: FILE}'``, as a user names it."""
-    arm, scope = parse_arm(arm_text)
+    arm, _ = parse_arm(arm_text)
     argv = arm_i_live.train_argv(f"train_{arm}_ni2", model, steps, log_jsonl, memory)
-    if scope == "tiles":
-        if not tiles:
-            raise ValueError(f"arm {arm_text!r} runs with a tile table: give its file with --matmul-tiles "
-                             "(bloggap tiles --model MODEL --out FILE writes one)")
-        argv += ["--gap_overrides", json.dumps({"matmul_tiles": str(Path(tiles).resolve())})]
+    table = run_tiles(arm_text, tiles)
+    if table is not None:
+        argv += ["--gap_overrides", json.dumps({"matmul_tiles": table})]
     return argv + ["--task_kwargs", "{reward: length}"]
+
+
+def run_tiles(arm_text: str, tiles: str | None) -> str | None:
+    """The absolute path of the tile table an ``ARM:tiles`` run names (``tiles``, required there), else ``None``."""
+    if parse_arm(arm_text)[1] != "tiles":
+        return None
+    if not tiles:
+        raise ValueError(f"arm {arm_text!r} runs with a tile table: give its file with --matmul-tiles "
+                         "(bloggap tiles --model MODEL --out FILE writes one)")
+    return str(Path(tiles).resolve())
 
 
 def run_environment(arm_text: str, environ: dict) -> dict:
@@ -269,7 +277,7 @@ def run_main(args: argparse.Namespace) -> int:
                   for model, runs in json.loads((out / RESULT_NAME).read_text())["results"].items()}
     for arm_text in args.arms.split(","):  # refuse a bad arm or a :tiles arm without its table before any run
         run_environment(arm_text, {})
-        run_argv(arm_text, "m", 1, out / "check.jsonl", args.memory, args.matmul_tiles)
+        run_tiles(arm_text, args.matmul_tiles)
     params = {"steps": args.steps, "arms": args.arms, "repeats": args.repeats, "memory": args.memory,
               "models": args.model, "skipped": []}
     if args.matmul_tiles:

@@ -129,6 +129,22 @@ def vllm_colocate_engine(*, prefill_in_one_step: bool = False, sampling_mask: st
         vllm_generation.LLM = original
 
 
+def _named_tiles(path: str | None, environ: dict | None) -> tuple[str | None, str, str]:
+    """``(path, where, drop)`` of the tile table ``path`` (``gap.matmul_tiles``) or else the variable
+    :data:`~bloggap_plugin.core.vllm.tile_table.TILES_ENV` names (``None`` where neither does), with the setting that
+    named it and how to run without it, for :func:`~bloggap_plugin.core.vllm.tile_table.load_tiles`'s errors; both
+    naming different files is a ``TilesError``."""
+    from bloggap_plugin.core.vllm.tile_table import TILES_ENV, TilesError
+
+    named = (os.environ if environ is None else environ).get(TILES_ENV, "").strip()
+    if path and named and Path(named).resolve() != Path(path).resolve():
+        raise TilesError(f"gap.matmul_tiles {path} and {TILES_ENV}={named} name two tile tables: unset the variable "
+                         "or drop gap.matmul_tiles")
+    if path:
+        return str(path), f"gap.matmul_tiles {path}", "drop gap.matmul_tiles"
+    return named or None, f"{TILES_ENV}={named}", "unset the variable"
+
+
 def install_named_tiles(environ: dict | None = None, path: str | None = None) -> str | None:
     """Install a tile table (:func:`~bloggap_plugin.core.vllm.tile_table.install_tiles`) in this process's vLLM
     batch-invariant module, for the colocated engine and the arm's vLLM-form passes alike: ``path``
@@ -137,16 +153,10 @@ def install_named_tiles(environ: dict | None = None, path: str | None = None) ->
     (unreadable, measured on another GPU, no batch-invariant module in this vLLM), is a
     :class:`~bloggap_plugin.core.vllm.tile_table.TilesError` naming the fix."""
     from bloggap_plugin.core.vllm import kernels
-    from bloggap_plugin.core.vllm.tile_table import TILES_ENV, TilesError, install_tiles, load_tiles
+    from bloggap_plugin.core.vllm.tile_table import TilesError, install_tiles, load_tiles
     from bloggap_plugin.core.vllm.versions import form_install_hint
 
-    named = (os.environ if environ is None else environ).get(TILES_ENV, "").strip()
-    if path and named and Path(named).resolve() != Path(path).resolve():
-        raise TilesError(f"gap.matmul_tiles {path} and {TILES_ENV}={named} name two tile tables: unset the variable "
-                         "or drop gap.matmul_tiles")
-    where, drop = (f"gap.matmul_tiles {path}", "drop gap.matmul_tiles") if path else (f"{TILES_ENV}={named}",
-                                                                                      "unset the variable")
-    path = path or named
+    path, where, drop = _named_tiles(path, environ)
     if not path:
         return None
     module = kernels.persistent_matmul_module()
@@ -156,7 +166,7 @@ def install_named_tiles(environ: dict | None = None, path: str | None = None) ->
                          f"batch-invariant matmul the plugin has read: {form_install_hint()}, or {drop}")
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     install_tiles(module, load_tiles(path, gpu=gpu, where=where, drop=drop))
-    return str(path)
+    return path
 
 
 _REPLAY_REFUSAL = "sampling distribution replay"
@@ -531,7 +541,8 @@ def check_matmul_tiles_file(gap: Any) -> None:
     from bloggap_plugin.core.vllm.tile_table import load_tiles
 
     if gap.matmul_tiles:
-        load_tiles(gap.matmul_tiles, where=f"gap.matmul_tiles {gap.matmul_tiles}", drop="drop gap.matmul_tiles")
+        path, where, drop = _named_tiles(gap.matmul_tiles, {})
+        load_tiles(path, where=where, drop=drop)
 
 
 def installed_tile_table(trainer: Any) -> dict | None:
