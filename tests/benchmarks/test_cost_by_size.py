@@ -235,3 +235,24 @@ def test_a_tiles_arm_without_its_table_is_refused_before_any_run(tmp_path, monke
     with pytest.raises(ValueError, match="--matmul-tiles"):
         bench.main(["run", "--model", "m=/nowhere", "--arms", "A,J:tiles", "--out", str(tmp_path / "out")])
     assert started == []
+
+
+def test_a_run_that_would_not_fit_the_budget_ends_the_call_so_the_order_stays_interleaved(tmp_path, monkeypatch):
+    """A run too long for the time left is not skipped for a later, shorter one: that would run the arms out of their
+    interleaved order (A J H A J H ...); the call stops there and the next call resumes at that run."""
+    import json
+
+    out = tmp_path / "out"
+    out.mkdir()
+    done = {"A-1": {**_run("A", 0.3, 0.3, 0.4, 0.2), "seconds": 100.0},
+            "J-1": {**_run("J", 0.3, 0.3, 0.4, 0.2), "seconds": 5.0}}
+    (out / bench.RESULT_NAME).write_text(json.dumps({"results": {"m": done}}))
+    started = []
+    monkeypatch.setattr(bench.subprocess, "call", lambda argv, **k: started.append(argv) or 1)
+    monkeypatch.setattr(bench.arm_i_live, "_env", lambda: {})
+    # H-1 has no finished run, so it is expected to take the longest run so far (100 s): more than the 50 s left
+    assert bench.main(["run", "--model", "m=/nowhere", "--arms", "A,J,H", "--repeats", "2", "--budget-s", "50",
+                       "--out", str(out)]) == 0
+    assert started == []
+    params = json.loads((out / bench.RESULT_NAME).read_text())["params"]
+    assert params["skipped"] == ["m/H-1", "m/A-2", "m/J-2", "m/H-2"]
