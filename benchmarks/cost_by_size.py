@@ -13,9 +13,10 @@ limit keeps what finished. Nothing is exported for arms I and J: ``bloggap train
 written ``I:process`` runs arm I with ``BLOGGAP_VLLM_BATCH_INVARIANCE=process`` (vLLM's batch-invariant mode left on
 for the whole process, as before the plugin confined it): the route's before; ``J:tiles`` runs arm J with the tile
 table of ``--matmul-tiles FILE`` (``bloggap tiles`` writes one) named by the recipe field, ``--gap_overrides
-'{matmul_tiles: FILE}'``, as a user names it (:mod:`bloggap_plugin.core.vllm.tile_table`). ``--budget-s``: a run is not started
-when the time left is under its expected length (the last run of that arm and model, else the longest so far). A
-``run`` into an ``OUT`` that holds a document keeps its finished runs and starts only the others.
+'{matmul_tiles: FILE}'``, as a user names it (:mod:`bloggap_plugin.core.vllm.tile_table`). ``--budget-s``: the
+call stops at the first run whose expected length (the last run of that arm and model, else the longest so far)
+exceeds the time left, so the runs keep their interleaved order; ``params.skipped`` lists the runs left for the next
+call. A ``run`` into an ``OUT`` that holds a document keeps its finished runs and starts only the others.
 
 ``collect OUT ... --out FILE --revision R``: the result document, table ``T19-cost-by-size`` (:func:`size_table`);
 ``--real LABEL`` (a model with real weights, e.g. ``smollm2-135m``) adds the live per-arm table of that model
@@ -284,6 +285,7 @@ def run_main(args: argparse.Namespace) -> int:
         params["matmul_tiles"] = json.loads(Path(args.matmul_tiles).read_text())
     env = arm_i_live._env()
     deadline = time.monotonic() + args.budget_s
+    out_of_time = False  # once a run does not fit, none after it starts: the next call resumes at that run
     for spec in args.model:
         label, _, path = spec.partition("=")
         folder = out / label
@@ -294,7 +296,8 @@ def run_main(args: argparse.Namespace) -> int:
                 name = run_label(arm_text, repeat)
                 if name in models[label]:
                     continue
-                if time.monotonic() + _expected_s(models, label, arm_text) > deadline:
+                out_of_time = out_of_time or time.monotonic() + _expected_s(models, label, arm_text) > deadline
+                if out_of_time:
                     params["skipped"].append(f"{label}/{name}")
                     continue
                 log_jsonl = folder / f"{name}.jsonl"
@@ -313,6 +316,7 @@ def run_main(args: argparse.Namespace) -> int:
                 atomic_write_text(out / RESULT_NAME, json.dumps(document(models, params, env), indent=1))
                 print(label, name, "exit", code, f"{seconds:.0f} s", {k: v for k, v in row.items()
                                                                       if k != "log_tail"}, flush=True)
+    atomic_write_text(out / RESULT_NAME, json.dumps(document(models, params, env), indent=1))  # params' skipped
     return 0
 
 
