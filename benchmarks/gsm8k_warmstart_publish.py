@@ -298,8 +298,9 @@ def select_setting(documents: dict[str, dict], declared: dict[str, list[str]]) -
     """The declared setting with the most validation rows correct after the warm start (ties: the first declared),
     from ``documents`` (name -> run document), one finished run per declared setting. Returns ``{"chosen",
     "arguments", "document", "checkpoint_sha256", "settings": [{setting, document, rows, correct, accuracy, ci95,
-    checkpoint_sha256}]}``. Raises :class:`PublishError` for a run scored on test, an undeclared or repeated setting,
-    an unfinished run, a declared setting without a run, or runs scored on different row counts."""
+    checkpoint_sha256, gpu}]}`` (``gpu``: the card of the run's ``env``, None where it has none). Raises
+    :class:`PublishError` for a run scored on test, an undeclared or repeated setting, an unfinished run, a declared
+    setting without a run, or runs scored on different row counts."""
     found: dict[str, tuple[str, dict]] = {}
     for name, payload in documents.items():
         setting = _document_setting(name, payload, declared)
@@ -318,7 +319,8 @@ def select_setting(documents: dict[str, dict], declared: dict[str, list[str]]) -
         after = payload["results"]["after"]["subsets"]["all"]
         rows.append({"setting": setting, "document": name, "rows": after["rows"], "correct": after["correct"],
                      "accuracy": after["accuracy"], "ci95": after["ci95"],
-                     "checkpoint_sha256": payload["results"]["checkpoint"]["sha256"]})
+                     "checkpoint_sha256": payload["results"]["checkpoint"]["sha256"],
+                     "gpu": payload.get("env", {}).get("gpu")})
     if len({row["rows"] for row in rows}) != 1:
         raise PublishError(f"the runs scored different numbers of validation rows ({sorted({r['rows'] for r in rows})})"
                            ": run every setting on the same rows (no --eval-limit)")

@@ -267,3 +267,15 @@ def test_the_select_command_writes_the_choice_and_refuses_test_in_one_line(tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is scored on the test split" in err[0]
     assert json.loads(out.read_text()) == written  # nothing written on refusal
+
+
+def test_select_names_the_card_each_setting_trained_on():
+    """Settings scored on different cards (an H100 lent when no H200 was) stay comparable by the declared rule, but the
+    selection says which card each ran on, so a reader sees it without opening every run document."""
+    documents = _all_declared()
+    for name, payload in documents.items():
+        payload["env"] = {"gpu": "NVIDIA H100 80GB HBM3" if name.startswith("lr8") else "NVIDIA H200"}
+    documents["lr5e-5.json"].pop("env")  # a run document without an env: the card is unknown, not guessed
+    chosen = publish.select_setting(documents, publish.declared_settings(_root() / DECLARED))
+    assert [row["gpu"] for row in chosen["settings"]] == [None, "NVIDIA H200", "NVIDIA H200", "NVIDIA H200",
+                                                          "NVIDIA H100 80GB HBM3"]
