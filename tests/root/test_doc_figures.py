@@ -145,7 +145,8 @@ class Sources:
         self.reference = {k: _numbers_of(v) for k, v in load_reference().items()}
         self.everything = sorted(set().union(*self.files.values(),
                                              _numbers_in_text((ROOT / "BENCHMARKS.md").read_text())))
-        ids = sorted(set(self.by_table) | set(self.reference), key=len, reverse=True)
+        # an id that is a plain lowercase word (``start``) is cited by its file's name, not by the word in prose
+        ids = sorted((i for i in set(self.by_table) | set(self.reference) if not i.islower()), key=len, reverse=True)
         self._table = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, ids)) + r")(?![\w]|-\w)")
         self._file = re.compile(r"([\w.-]+)\.json")
         self._cited: dict[str, list[Decimal] | None] = {}
