@@ -6,14 +6,19 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["colocate_engine", "colocate_engine_setting", "colocate_model_runner", "engine_model_runner", "trl_sampling_args",
+__all__ = ["colocate_llm", "colocate_engine", "colocate_engine_setting", "colocate_model_runner", "engine_model_runner", "trl_sampling_args",
            "vllm_sampling"]
+
+
+def colocate_llm(trainer: Any) -> Any:
+    """A GRPOTrainer's colocate ``LLM`` (``trainer.vllm_generation.llm``: what the plugin's engine records sit on), or
+    ``None``."""
+    return getattr(getattr(trainer, "vllm_generation", None), "llm", None)
 
 
 def colocate_engine(trainer: Any) -> Any:
     """A GRPOTrainer's colocate ``LLMEngine`` (``trainer.vllm_generation.llm.llm_engine``), or ``None``."""
-    generation = getattr(trainer, "vllm_generation", None)
-    return getattr(getattr(generation, "llm", None), "llm_engine", None)
+    return getattr(colocate_llm(trainer), "llm_engine", None)
 
 
 def colocate_engine_setting(trainer: Any, name: str) -> Any:

@@ -29,6 +29,7 @@ import torch
 from bloggap_plugin.trl.colocate_reads import (
     colocate_engine,
     colocate_engine_setting,
+    colocate_llm,
     colocate_model_runner,
     trl_sampling_args,
 )
@@ -378,7 +379,7 @@ def confine_batch_invariance(trainer: Any, environ: dict | None = None) -> bool:
     settings before it), or :data:`BATCH_INVARIANCE_SCOPE_ENV` is ``process``."""
     from bloggap_plugin.core.vllm import kernels as vllm_kernels
 
-    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
+    llm = colocate_llm(trainer)
     plain = getattr(llm, "_bloggap_plain_matmul", None)
     if (plain is None or batch_invariance_scope_setting(environ) == "process"
             or not vllm_kernels.vllm_batch_invariant_active()):
@@ -550,8 +551,7 @@ def installed_tile_table(trainer: Any) -> dict | None:
     engine's record, :func:`vllm_colocate_engine`), or ``None`` where it installed none or there is no engine."""
     from bloggap_plugin.checkpoint import file_sha256
 
-    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
-    path = getattr(llm, "_bloggap_matmul_tiles", None)
+    path = getattr(colocate_llm(trainer), "_bloggap_matmul_tiles", None)
     return None if path is None else {"path": path, "sha256": file_sha256(path)}
 
 
@@ -561,8 +561,7 @@ def matmul_tiles_refusal(trainer: Any, gap: Any) -> str | None:
     and the arm's passes would launch the table's), else ``None``."""
     if not gap.matmul_tiles or colocate_engine(trainer) is None:
         return None
-    llm = trainer.vllm_generation.llm
-    have = getattr(llm, "_bloggap_matmul_tiles", None)
+    have = getattr(colocate_llm(trainer), "_bloggap_matmul_tiles", None)
     if have is not None and Path(have).resolve() == Path(gap.matmul_tiles).resolve():
         return None
     built = "without a tile table" if have is None else f"with the tile table {have}"
