@@ -160,10 +160,14 @@ def derive_tiles(results: Mapping[str, Any]) -> dict:
     them): per weight shape, the family (``BLOCK_SIZE_K``) whose configurations bit-identical to its reference at
     every M give the least summed time relative to vLLM's (sum over M of fastest / vLLM's), each M a bucket with
     that family's fastest such configuration (vLLM's family and, in it, vLLM's configuration win ties). A shape where
-    no family beats vLLM's configuration at any M is left out (vLLM's own launch serves it), and so is one where vLLM's own function did not give :data:`VLLM_BF16`'s bits
-    (a vLLM that tunes that shape itself)."""
+    no family beats vLLM's configuration at any M is left out (vLLM's own launch serves it), and so is one where
+    vLLM's own function did not give :data:`VLLM_BF16`'s bits (a vLLM that tunes that shape itself)."""
     from bloggap_plugin.core.vllm.tile_table import ShapeTiles, TileShape
 
+    vllm_family = results["config_values"]["vllm"]["BLOCK_SIZE_K"]
+    # vLLM's family first: another wins only with a strictly smaller score, so a tie keeps vLLM's bits
+    families = sorted({results["config_values"][name]["BLOCK_SIZE_K"] for name in results["configs"]},
+                      key=lambda block_k: (block_k != vllm_family, block_k))
     table = {}
     for cases in results["cases"].values():
         for n, k in sorted({(c["n"], c["k"]) for c in cases}):
@@ -171,10 +175,7 @@ def derive_tiles(results: Mapping[str, Any]) -> dict:
             if not all(c.get("vllm_function_equal", True) for c in mine):
                 continue
             best = None
-            families = {results["config_values"][name]["BLOCK_SIZE_K"] for name in results["configs"]}
-            vllm_family = results["config_values"]["vllm"]["BLOCK_SIZE_K"]
-            # vLLM's family first: another wins only with a strictly smaller score, so a tie keeps vLLM's bits
-            for family in sorted(families, key=lambda block_k: (block_k != vllm_family, block_k)):
+            for family in families:
                 names = [name for name in results["configs"]
                          if results["config_values"][name]["BLOCK_SIZE_K"] == family
                          and all(c["equal"].get(name) for c in mine)]
