@@ -285,6 +285,10 @@ def run_main(args: argparse.Namespace) -> int:
         params["matmul_tiles"] = json.loads(Path(args.matmul_tiles).read_text())
     env = arm_i_live._env()
     deadline = time.monotonic() + args.budget_s
+
+    def save() -> None:  # after each run, so a time limit keeps what finished; and at the end, for params' skipped
+        atomic_write_text(out / RESULT_NAME, json.dumps(document(models, params, env), indent=1))
+
     out_of_time = False  # once a run does not fit, none after it starts: the next call resumes at that run
     for spec in args.model:
         label, _, path = spec.partition("=")
@@ -313,10 +317,10 @@ def run_main(args: argparse.Namespace) -> int:
                 else:
                     row = summarize_run(arm_text, arm_i_live._records(log_jsonl))
                 models[label][name] = {**row, "seconds": round(seconds, 1)}
-                atomic_write_text(out / RESULT_NAME, json.dumps(document(models, params, env), indent=1))
+                save()
                 print(label, name, "exit", code, f"{seconds:.0f} s", {k: v for k, v in row.items()
                                                                       if k != "log_tail"}, flush=True)
-    atomic_write_text(out / RESULT_NAME, json.dumps(document(models, params, env), indent=1))  # params' skipped
+    save()
     return 0
 
 
