@@ -60,8 +60,9 @@ def generate_texts(
 def heldout_accuracy(model, tokenizer, dataset, reward_fn: Callable, max_new_tokens: int, batch_size: int = 64) -> dict:
     """Greedy accuracy of ``model`` on ``dataset`` (``prompt`` and ``answer`` columns, as
     :func:`bloggap_plugin.tasks.get_heldout` returns): ``{n, correct, accuracy, ci95: [low, high], max_tokens,
-    seconds}``; correct = ``reward_fn`` gives 1.0 (the training reward); ``ci95`` is the Wilson interval
-    (fractions)."""
+    batch_size, seconds}``; correct = ``reward_fn`` gives 1.0 (the training reward); ``ci95`` is the Wilson interval
+    (fractions); ``batch_size`` is the prompts per ``generate`` call (left padding makes a batch's shape part of the
+    arithmetic)."""
     from bloggap_plugin.core.metrics import wilson_interval
     from bloggap_plugin.tasks import prompt_token_ids
 
@@ -72,4 +73,5 @@ def heldout_accuracy(model, tokenizer, dataset, reward_fn: Callable, max_new_tok
     n, correct = len(rewards), int(sum(1 for r in rewards if r == 1.0))
     low, high = wilson_interval(correct, n) if n else (None, None)
     return {"n": n, "correct": correct, "accuracy": correct / n if n else None, "ci95": [low, high],
-            "max_tokens": int(max_new_tokens), "seconds": round(time.perf_counter() - start, 3)}
+            "max_tokens": int(max_new_tokens), "batch_size": int(batch_size),
+            "seconds": round(time.perf_counter() - start, 3)}

@@ -66,7 +66,8 @@ def heldout_max_tokens(config: CompareConfig, run: RunSpec) -> int:
 
 def heldout_settings(config: CompareConfig, run: RunSpec) -> dict:
     """What decides a run's held-out result beyond its training: the evaluation function, the number of prompts and
-    the new tokens per completion (the batch size does not)."""
+    the new tokens per completion. The batch size is recorded with each result but is no key: a sweep keeps one
+    for all its runs (its plan's ``heldout_batch_size``), and a changed one does not evaluate finished runs again."""
     return {"heldout_fn": config.heldout_fn, "n": heldout_count(config), "max_tokens": heldout_max_tokens(config, run)}
 
 

@@ -656,7 +656,8 @@ def test_two_arms_one_seed_two_steps_on_a_tiny_model(tmp_path, spawns):
     root = ROOT
     recipes = [str(root / "recipes" / "arm_A.yaml"), str(root / "recipes" / "arm_F.yaml")]
     config = CompareConfig(recipes=recipes, seeds=[0], task="arith", max_steps=2, model="tiny-random-llama",
-                           output_dir=str(tmp_path / "out"), parallel=2, last_n=30, n=16, poll_s=0.5, heldout_n=6)
+                           output_dir=str(tmp_path / "out"), parallel=2, last_n=30, n=16, poll_s=0.5, heldout_n=6,
+                           heldout_batch_size=4)
     res = run_compare(config, echo=print)
     assert res["failed"] == {}, res["failed"]
     assert set(res["arms"]) == {"A", "F"}
@@ -665,6 +666,7 @@ def test_two_arms_one_seed_two_steps_on_a_tiny_model(tmp_path, spawns):
         assert all(0.0 <= r <= 1.0 for r in summary["rewards"])
         held = summary["heldout"]  # the real evaluation: 6 held-out prompts, greedy, the recipes' 32 new tokens
         assert (held["n"], held["max_tokens"], held["engine"], held["dtype"]) == (6, 32, "HF generate", "fp32")
+        assert held["batch_size"] == 4  # recorded: the prompts per generate call (two calls for six prompts)
         assert held["correct"] == round(6 * held["accuracy"])
     out = Path(config.output_dir)
     tables = json.loads((out / "compare.json").read_text())["tables"]
