@@ -7,8 +7,10 @@
 #
 # 1. When $CKPT holds no checkpoint (the first call on a fresh machine): the warm start of the setting $SELECTION
 #    chose (benchmarks.gsm8k_warmstart_publish select), built into $CKPT by gsm8k_warmstart_call.sh with that
-#    setting's arguments (trained on train_minus_validation, scored on validation), then the checkpoint's greedy
-#    accuracy on the whole test split, once (gsm8k_baseline into $OUT/test_<first 12 hex of its sha256>/).
+#    setting's arguments (trained on train_minus_validation, scored on validation; the base model's validation
+#    scoring is taken from $BEFORE, the committed one by default, set BEFORE= to score it again), then the
+#    checkpoint's greedy accuracy on the whole test split, once (gsm8k_baseline into $OUT/test_<first 12 hex of its
+#    sha256>/).
 # 2. bloggap compare over arms $ARMS (A B F H J) with benchmarks/gsm8k_compare.yaml and --model $CKPT, given the
 #    call's time left (BUDGET_S in all, default 520): the sweep resumes, refuses to finish a seed whose finished runs
 #    started from another checkpoint, and exits 3 when the budget ends with runs left (make the call again).
@@ -24,6 +26,7 @@ CKPT=${CKPT:-/tmp/vx/smollm2-gsm8k-sft}
 ARMS=${ARMS:-"A B F H J"}
 BUDGET_S=${BUDGET_S:-520}
 SWEEP=${SWEEP:-.dev/compare_gsm8k}
+BEFORE=${BEFORE-benchmarks/results/h200/compare_gsm8k/base_validation/gsm8k_baseline.json}
 start=$SECONDS
 mkdir -p "$OUT"
 if [ ! -f "$CKPT/config.json" ]; then
@@ -37,7 +40,7 @@ if [ ! -f "$CKPT/config.json" ]; then
   mkdir -p "$OUT/warmstart"
   # shellcheck disable=SC2086 # the chosen setting's arguments are words
   MODEL=$MODEL DATA=$DATA OUT="$OUT/warmstart" CKPT=$CKPT WARMSTART_S=$((BUDGET_S - (SECONDS - start))) \
-    bash benchmarks/gpu/gsm8k_warmstart_call.sh $arguments || exit 1
+    bash benchmarks/gpu/gsm8k_warmstart_call.sh $arguments ${BEFORE:+--before-from "$BEFORE"} || exit 1
   sha=$(python3 -m benchmarks.gsm8k_warmstart hash "$CKPT") || exit 1
   timeout $((BUDGET_S - (SECONDS - start))) python3 -m benchmarks.gsm8k_baseline --model "$CKPT" --data "$DATA" \
     --split test --decodings greedy --out "$OUT/test_${sha:0:12}" --completions "$OUT/test_${sha:0:12}/completions.jsonl" \
