@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The last bundle call (vLLM 0.26 bundle of ../shared/device/vllm.sh, chunk 5 carried with .dev/vllm/t): install,
+# The last bundle call (vLLM 0.26 bundle of ../shared/device/vllm.sh; its last chunk, .dev/vllm/p<nparts>, carried
+# with .dev/vllm/t): install,
 # the SmolLM2 folder, a shape (SHAPE, default the 1.56B one: bundle_and_shape.sh), then cost_by_size runs of that
 # shape until the call's budget. Args: ARMS (default A,I,J), BUDGET s for the whole call (default 560).
 set -u
