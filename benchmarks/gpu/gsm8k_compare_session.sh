@@ -15,8 +15,9 @@
 #
 # start: launches $CALL (gsm8k_compare_call.sh: the warm start of $SELECTION's setting when $CKPT holds none, its
 #   test-split scoring, then bloggap compare) with BUDGET_S=$SESSION_S in a new session, writing under $STATE, then
-#   watches it like `watch`. The job's own budget makes the sweep start no run that would not end before the lease
-#   does, and stop what runs at its end, writing the sweep's outputs from the finished runs.
+#   watches it like `watch` (WAIT_S default 480 there: the install before it shares the call). The job's own
+#   budget makes the sweep start no run that would not end before the lease does, and stop what runs at its end,
+#   writing the sweep's outputs from the finished runs.
 # watch: waits until the job ends or WAIT_S seconds pass (default 560), prints the job's last progress lines, and
 #   packs $OUT/session.tgz: the job's log, its outputs (warmstart/, test_*/, compare_gsm8k.tgz once it ends) and the
 #   sweep's runs/ so far (logs, held-out results, no policies). Exit 0: the job ended (its exit status in
@@ -24,7 +25,7 @@
 set -uo pipefail
 STATE=${STATE:-/tmp/vx/gsm8k_session}
 SWEEP=${SWEEP:-.dev/compare_gsm8k}
-WAIT_S=${WAIT_S:-560}
+WAIT_S=${WAIT_S:-}
 OUT=${OUT:-.dev/gsm8k_compare_session}
 mkdir -p "$OUT"
 
@@ -45,9 +46,9 @@ watch() {
       "given back since 'start'; call 'start' again" >&2
     return 2
   fi
-  local pid waited=0
+  local pid waited=0 wait_s=${WAIT_S:-560}
   pid=$(cat "$STATE/pid")
-  while kill -0 "$pid" 2>/dev/null && [ ! -f "$STATE/exit" ] && [ "$waited" -lt "$WAIT_S" ]; do
+  while kill -0 "$pid" 2>/dev/null && [ ! -f "$STATE/exit" ] && [ "$waited" -lt "$wait_s" ]; do
     sleep 5
     waited=$((waited + 5))
   done
@@ -76,6 +77,7 @@ case "${1:-}" in
       exit 2
     fi
     rm -rf "$STATE" && mkdir -p "$STATE/out"
+    WAIT_S=${WAIT_S:-480}
     # The job's exit status goes to $STATE/exit when it ends, so `watch` can tell an end from a kill.
     setsid bash -c 'BUDGET_S="$1" OUT="$2/out" SWEEP="$3" bash "$4"; echo $? > "$2/exit"' job "$SESSION_S" \
       "$STATE" "$SWEEP" "${CALL:-benchmarks/gpu/gsm8k_compare_call.sh}" > "$STATE/job.log" 2>&1 < /dev/null &
