@@ -38,6 +38,9 @@ pack() {
   tar czf "$OUT/session.tgz" --exclude=trainer --exclude=final "${items[@]}" "${sweep_items[@]}"
   [ -f "$STATE/exit" ] && cp "$STATE/exit" "$OUT/job_exit"
   grep -v "^\s*$" "$STATE/job.log" | grep -E "^\[compare\]|gsm8k_compare_call|T15-baseline|^all " | tail -n 12
+  # GPU memory in use now (the held-out batch size's headroom shows here)
+  command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader
+  return 0
 }
 
 watch() {
