@@ -412,3 +412,38 @@ def test_the_gsm8k_compare_call_script_needs_a_selection_and_reaches_the_vllm_ch
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("bloggap compare: --use-vllm: "), done.stderr
     assert "gsm8k_compare_call: compare exit 2" in done.stdout
+
+
+FAKE_PYTHON3 = """#!/usr/bin/env bash
+echo "$*" >> "$CALLS"
+[ "$(wc -l < "$CALLS")" -le "$FAILS" ] && exit 1
+exit 0
+"""
+
+
+@pytest.mark.parametrize(("fails", "retries", "passes", "code"), [(1, None, 2, 0), (5, None, 2, 1), (1, "0", 1, 1)])
+def test_the_gsm8k_compare_call_script_makes_one_more_pass_after_a_failed_run(tmp_path, spawns, fails, retries,
+                                                                              passes, code):
+    """A compare pass that exits 1 (a run failed) is followed by RETRIES more (default 1), then the last exit code
+    is the script's: a failed evaluation is retried while its saved policy is still on the machine."""
+    import os
+    import subprocess
+
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python3").write_text(FAKE_PYTHON3)
+    (bindir / "python3").chmod(0o755)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    calls = tmp_path / "calls"
+    environ = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "CALLS": str(calls), "FAILS": str(fails),
+               "OUT": str(tmp_path / "out"), "SWEEP": str(tmp_path / "sweep"), "CKPT": str(ckpt)}
+    if retries is not None:
+        environ["RETRIES"] = retries
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "gsm8k_compare_call.sh")], cwd=ROOT, env=environ,
+                          capture_output=True, text=True, timeout=HANG_S)
+    lines = calls.read_text().splitlines()
+    assert len(lines) == passes and all(line.startswith("-m bloggap_plugin.cli compare ") for line in lines)
+    assert done.returncode == code and f"gsm8k_compare_call: compare exit {code}," in done.stdout
+    assert done.stderr.count("another pass") == passes - 1
