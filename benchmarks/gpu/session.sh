@@ -7,8 +7,8 @@
 # after the first only waits on it and packs what it has written. Make each call within the machine's idle release
 # (30 s) of the last one, or the machine goes back, and the job with it.
 #
-#   SESSION_S=<device seconds left, less 60> [PACK="PATH ..."] bash benchmarks/gpu/session.sh start COMMAND [ARG...]
-#   bash benchmarks/gpu/session.sh watch                 # again while it exits 3
+#   OUT=$OUT SESSION_S=<device seconds left, less 60> [PACK="PATH ..."] bash benchmarks/gpu/session.sh start COMMAND...
+#   OUT=$OUT bash benchmarks/gpu/session.sh watch        # again while it exits 3
 #
 # start: runs COMMAND with BUDGET_S=$SESSION_S (the seconds it may take: it should end by then, writing what it has)
 #   and OUT=$STATE/out (its outputs) in a new process session, its console in $STATE/job.log, then watches it like
