@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import tarfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from _support.events import HANG_S, wait_for
@@ -42,6 +44,19 @@ def _start(tmp_path: Path, **extra: str) -> subprocess.CompletedProcess:
     return _session(tmp_path, "start", "bash", str(tmp_path / "job.sh"), "one", "two words", **extra)
 
 
+@contextmanager
+def _job(state: Path) -> Iterator[int]:
+    """The started job's pid; its process group is killed on the way out, whatever the test did."""
+    pid = int((state / "pid").read_text())
+    try:
+        yield pid
+    finally:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _members(tmp_path: Path) -> set[str]:
     with tarfile.open(tmp_path / "out" / "session.tgz") as archive:
         return {member.name for member in archive.getmembers() if member.isfile()}
@@ -68,8 +83,7 @@ def test_the_job_runs_in_its_own_session_and_each_watch_packs_what_it_has_writte
     state = tmp_path / "state"
     done = _start(tmp_path, SESSION_S="1234", WAIT_S="0", PACK=str(tmp_path / "sweep" / "runs"),
                   PROGRESS=r"^\[compare\]")
-    pid = int((state / "pid").read_text())
-    try:
+    with _job(state) as pid:
         assert done.returncode == 3, done.stdout + done.stderr
         assert "still running" in done.stdout and f"pid {pid}, budget 1234 s" in done.stdout
         assert os.getsid(pid) == pid  # a session leader: setsid, not a member of the call's session
@@ -87,19 +101,13 @@ def test_the_job_runs_in_its_own_session_and_each_watch_packs_what_it_has_writte
         assert done.returncode == 0 and "the job ended, exit 3" in done.stdout, done.stdout + done.stderr
         assert (tmp_path / "out" / "job_exit").read_text().strip() == "3"
         assert "exit" in _members(tmp_path)
-    finally:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def test_a_relative_pack_path_is_the_repository_roots_and_no_progress_pattern_prints_every_line(tmp_path, spawns):
     state = tmp_path / "state"
     relative = os.path.relpath(tmp_path / "sweep", ROOT)
     done = _start(tmp_path, SESSION_S="60", WAIT_S="0", PACK=relative)
-    pid = int((state / "pid").read_text())
-    try:
+    with _job(state):
         assert Path((state / "pack").read_text().strip()).resolve() == (tmp_path / "sweep").resolve()
         wait_for(lambda: (state / "ready").exists(), what="the stand-in's outputs")
         (state / "release").touch()
@@ -107,11 +115,6 @@ def test_a_relative_pack_path_is_the_repository_roots_and_no_progress_pattern_pr
         assert done.returncode == 0 and "leaves out" in done.stdout
         assert "sweep/runs/A_s0.jsonl" in _members(tmp_path)
         assert not any("trainer" in name for name in _members(tmp_path))
-    finally:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def test_watch_tells_a_killed_job_from_one_that_ended(tmp_path, spawns):
