@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # A later call on the same warm machine: cost_by_size runs into /tmp/NAME (resuming its finished runs) for BUDGET
 # seconds; usage: bash benchmarks/gpu/cost_by_size_more.sh NAME BUDGET RUN_FLAGS... (the bundle's t/ carried).
+# BUDGET "-": $BUDGET_S less 60 s for the packing, as a job of benchmarks/gpu/session.sh gets it (there PACK=/tmp/NAME
+# packs the runs finished so far at every watch).
 set -u
 t0=$(date +%s); name=$1; budget=$2; shift 2
+[ "$budget" = "-" ] && budget=$((BUDGET_S - 60))
 . .dev/vllm/t/env.sh
 timeout $((budget + 40)) python3 -m benchmarks.cost_by_size run --budget-s "$budget" --out /tmp/$name "$@" 2>&1 \
    | grep -v "^\s*$" | cut -c1-600

@@ -128,3 +128,25 @@ def test_watch_tells_a_killed_job_from_one_that_ended(tmp_path, spawns):
              what="the job's end")
     done = _session(tmp_path, "watch", WAIT_S=str(HANG_S))
     assert done.returncode == 1 and "ended without recording its exit status" in done.stderr
+
+
+def test_cost_by_size_more_takes_its_budget_from_the_session_job(tmp_path, spawns):
+    """cost_by_size_more.sh NAME - ...: the run's --budget-s is the session job's BUDGET_S less 60 s for the packing."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python3").write_text('#!/usr/bin/env bash\necho "python3 $*"\n')
+    (bindir / "python3").chmod(0o755)
+    vllm_t = tmp_path / "repo" / ".dev" / "vllm" / "t"
+    vllm_t.mkdir(parents=True)
+    (vllm_t / "env.sh").write_text("")
+    name = f"c_test_{os.getpid()}"
+    environ = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+               "BUDGET_S": "1000"}
+    (tmp_path / "out").mkdir()
+    try:
+        done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "cost_by_size_more.sh"), name, "-", "--arms",
+                               "A,J"], cwd=tmp_path / "repo", env=environ, capture_output=True, text=True,
+                              timeout=HANG_S)
+    finally:
+        subprocess.run(["rm", "-rf", f"/tmp/{name}"], check=False)
+    assert f"python3 -m benchmarks.cost_by_size run --budget-s 940 --out /tmp/{name} --arms A,J" in done.stdout
