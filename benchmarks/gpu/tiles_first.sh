@@ -10,11 +10,13 @@
 #   3. cost_by_size runs of the shape, arms $ARMS (default A,J:tiles,J,I:tiles,I), until the call's budget; the :tiles
 #      runs name the table with gap.matmul_tiles (later calls: cost_by_size_more.sh c1 BUDGET --matmul-tiles
 #      /tmp/vx/tiles.json ...).
-# Args: BUDGET s for the whole call (default 570); REVISION: the commit the tree is, for the harness's result.
+# Args: BUDGET s for the whole call (default 570; "-": $BUDGET_S less 60 s, as a job of benchmarks/gpu/session.sh
+# gets it, with PACK=/tmp/c1 there); REVISION: the commit the tree is, for the harness's result.
 set -u
 rm -f /tmp/vx/tiles.json
 t0=$(date +%s)
 budget=${1:-570}; arms=${ARMS:-A,J:tiles,J,I:tiles,I}
+[ "$budget" = "-" ] && budget=$((BUDGET_S - 60))
 . benchmarks/gpu/bundle_and_shape.sh
 echo "setup $(( $(date +%s) - t0 )) s"
 if [ "${TILES_BY:-command}" = harness ]; then
