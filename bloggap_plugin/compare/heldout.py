@@ -76,7 +76,8 @@ def heldout_spec(config: CompareConfig, run: RunSpec) -> dict | None:
     if heldout_count(config) == 0:
         return None
     return {"settings": heldout_settings(config, run), "fn": config.heldout_fn, "batch_size": config.heldout_batch_size,
-            "every": config.heldout_every, "final_dir": str(final_dir(run)), "path": str(heldout_path(run))}
+            "every": config.heldout_every, "apart": config.heldout_apart, "final_dir": str(final_dir(run)),
+            "path": str(heldout_path(run))}
 
 
 def read_heldout(config: CompareConfig, run: RunSpec, attempt: str | None) -> dict | None:

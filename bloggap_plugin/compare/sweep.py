@@ -31,6 +31,7 @@ from bloggap_plugin.compare.sweep_config import (
     CompareError,
     RunSpec,
     effective_overrides,
+    heldout_count,
     run_task_kwargs,
     validate_config,
 )
@@ -353,6 +354,9 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int, model
     pending = _plan_pending(config, runs, echo)
     _check_budget_progress(config, pending)
     total, failed, durations = len(pending), {}, []
+    ended, finished = 0, 0  # processes that ended; runs whose last step (training, or its evaluation) succeeded
+    apart = bool(config.heldout_apart and heldout_count(config))
+    trained_s: dict[str, float] = {}  # with the evaluation apart: a run's training time until its evaluation ends
     prior = _prior_run_s(runs)
     running: dict[str, tuple] = {}  # run_id -> (run, process, console, start, attempt, part log, mode, trained attempt)
     at_start: set[str] = set()  # runs launched before any run ended: they had the budget from the call's start
@@ -374,7 +378,7 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int, model
                 ports = {int(entry[1].master_port) for entry in running.values() if entry[1].master_port}
                 running[run.run_id] = (run, *_launch(config, run, lock_fd, mode, trained, ports, model_sha), mode,
                                        trained)
-                if total - len(pending) == len(running):  # nothing has ended yet: launched at the call's start
+                if not ended:  # launched at the call's start
                     at_start.add(run.run_id)
                 what = "evaluating" if mode == "evaluate" else f"started ({run.recipe}, seed {run.seed})"
                 echo(f"[compare] {run.run_id}: {what}")
@@ -384,12 +388,19 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int, model
                     continue
                 console.close()
                 del running[run_id]
+                ended += 1
                 elapsed = time.perf_counter() - started
                 if _succeeded(config, run, code, mode, attempt, trained):
                     if mode == "train":
-                        durations.append(elapsed)
                         _stopped_path(run).unlink(missing_ok=True)
-                    finished = total - len(pending) - len(running) - len(failed)
+                    if mode == "train" and apart:  # its evaluation next, in a process of its own
+                        trained_s[run_id] = elapsed
+                        pending.insert(0, (run, "evaluate", attempt))
+                        echo(f"[compare] {run_id}: trained in {elapsed:.0f} s; its evaluation starts apart")
+                        continue
+                    if mode == "train" or run_id in trained_s:  # a whole run: training and its evaluation
+                        durations.append(trained_s.pop(run_id, 0.0) + elapsed)
+                    finished += 1
                     echo(f"[compare] {run_id}: done in {elapsed:.0f} s ({finished}/{total} finished)")
                 else:
                     failed[run_id] = code

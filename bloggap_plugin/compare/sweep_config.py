@@ -105,6 +105,11 @@ class CompareConfig:
     heldout_max_tokens: int | None = field(default=None, metadata={"min": 1, "metavar": "T", "help": (
         "New tokens per held-out completion (default: the run's max_completion_length).")})
     heldout_batch_size: int = field(default=64, metadata={"min": 1, "help": "Held-out prompts per generate call."})
+    heldout_apart: bool = field(default=False, metadata={"help": (
+        "Evaluate each run's saved policy in a process of its own, started once the run's training process has "
+        "ended, instead of in the training process: the training's GPU memory (vLLM's engine among it) is free "
+        "for the evaluation and the runs beside it, for one more process start per run. The result is the same: "
+        "either way the evaluation loads the saved policy.")})
     heldout_fn: str = field(default=DEFAULT_HELDOUT_FN, metadata={"metavar": "MODULE:FUNCTION", "help": (
         "Function that evaluates a run's saved policy (signature of bloggap_plugin.compare.heldout.evaluate_saved).")})
     time_budget_s: float | None = field(default=None, metadata={"above": 0, "metavar": "S", "help": (

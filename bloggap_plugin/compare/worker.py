@@ -47,7 +47,8 @@ def _worker(spec_path: str) -> int:
     """Subprocess entry: run one arm x seed into this attempt's own log, then append the completion marker and
     rename that log to the run's log (so the run's log only ever exists complete); with a held-out evaluation, the
     training saves its policy and the evaluation follows (``mode == "evaluate"``: only the evaluation, of the
-    policy training attempt ``trained_attempt`` saved)."""
+    policy training attempt ``trained_attempt`` saved), in this process unless the spec's held-out says ``apart``:
+    then the sweep starts the evaluation as a process of its own once this one has ended."""
     spec = json.loads(Path(spec_path).read_text())
     _die_with_parent(int(spec["parent_pid"]))
     heldout = spec.get("heldout")
@@ -56,6 +57,8 @@ def _worker(spec_path: str) -> int:
         attempt = spec["trained_attempt"]
     else:
         _train(spec, heldout)
+        if heldout and heldout.get("apart"):
+            return 0
     if heldout:
         from bloggap_plugin.compare.heldout import evaluate_run
 

@@ -36,6 +36,8 @@ def run_training_narrow(recipe_path, *, model, task, max_steps, output_dir, repo
                   log_jsonl=log_jsonl, extra_overrides=extra_overrides, task_kwargs=task_kwargs)
     result = _train(recipe_path, **kwargs)
     arm = yaml.safe_load(open(recipe_path))["gap"]["arm"]
+    with open(os.environ["FAKE_CALLS"], "a") as f:
+        f.write(json.dumps({"train_pid": [f"{arm}_s{seed}", os.getpid()]}) + "\\n")
     if save_final is not None:
         os.makedirs(save_final, exist_ok=True)
         with open(os.path.join(save_final, "policy.json"), "w") as handle:
@@ -46,7 +48,8 @@ def evaluate(model_dir, *, task, task_kwargs, seed, heldout_n, max_tokens, batch
     policy = json.load(open(os.path.join(model_dir, "policy.json")))
     run_id = f"{policy['arm']}_s{policy['seed']}"
     with open(os.environ["FAKE_CALLS"], "a") as f:
-        f.write(json.dumps({"eval": run_id, "n": heldout_n, "max_tokens": max_tokens, "batch": batch_size}) + "\\n")
+        f.write(json.dumps({"eval": run_id, "n": heldout_n, "max_tokens": max_tokens, "batch": batch_size,
+                            "eval_pid": [run_id, os.getpid()]}) + "\\n")
     if os.environ.get("FAKE_EVAL_CRASH") == run_id:
         raise RuntimeError("fake evaluation crash")
     accuracy = {"A": 0.5 + 0.05 * seed, "B": 0.6 + 0.1 * seed}[policy["arm"]]
@@ -71,6 +74,29 @@ def _config(tmp_path, fake, **kw) -> CompareConfig:
                 heldout_fn="fake_saving:evaluate", heldout_n=40, pythonpath=[fake["dir"]], poll_s=0.1)
     base.update(kw)
     return CompareConfig(**base)
+
+
+def test_heldout_apart_evaluates_each_policy_in_a_fresh_process_with_the_same_results(tmp_path, fake, spawns):
+    """``heldout_apart``: a run's evaluation starts in its own process once its training process has ended (whose
+    GPU memory, vLLM's engine among it, is then free), and gives what the evaluation in the training process gives."""
+    together = run_compare(_config(tmp_path, fake, output_dir=str(tmp_path / "together")), echo=lambda m: None)
+    train_pids, eval_pids = dict(_calls(fake, "train_pid")), dict(_calls(fake, "eval_pid"))
+    assert sorted(eval_pids) == ["A_s0", "A_s1", "B_s0", "B_s1"] and eval_pids == train_pids  # the default: in-process
+    fake["calls"].unlink()
+    messages = []
+    apart = run_compare(_config(tmp_path, fake, output_dir=str(tmp_path / "apart"), heldout_apart=True),
+                        echo=messages.append)
+    assert apart["failed"] == {}
+    train_pids, eval_pids = dict(_calls(fake, "train_pid")), dict(_calls(fake, "eval_pid"))
+    assert sorted(eval_pids) == sorted(train_pids) == ["A_s0", "A_s1", "B_s0", "B_s1"]
+    assert all(eval_pids[run] != train_pids[run] for run in eval_pids)
+    assert sum(m.endswith(": evaluating") for m in messages) == 4
+    assert apart["heldout"] == together["heldout"]
+    assert not list((tmp_path / "apart").glob("trainer/*/final"))  # deleted once evaluated
+    for run in ("A_s0", "B_s1"):
+        stored = json.loads((tmp_path / "apart" / "runs" / f"{run}.heldout.json").read_text())
+        marker = json.loads((tmp_path / "apart" / "runs" / f"{run}.jsonl").read_text().splitlines()[-1])
+        assert stored["attempt"] == marker["attempt"]
 
 
 def test_heldout_accuracy_per_arm_with_paired_intervals_and_no_second_evaluation(tmp_path, fake, spawns):
