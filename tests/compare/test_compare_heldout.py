@@ -401,6 +401,7 @@ def test_the_gsm8k_comparison_plan_is_the_declared_one_and_passes_every_check_bu
     assert config.seeds == config.planned_seeds == [0, 1, 2, 3, 4] and config.baseline == "A" and config.alpha == 0.05
     assert config.primary == "heldout" and config.secondary == ["reward_last", "reward_mean"]
     assert config.heldout_n == 1319 and config.heldout_max_tokens == config.extra_overrides["max_completion_length"]
+    assert config.heldout_batch_size == 256 and config.heldout_apart  # set for time and memory before any seed ended
     assert config.task == "gsm8k" and config.train_split == "train_minus_validation" and config.use_vllm
     assert config.calc_steps is None and 0 < config.time_budget_s <= 540 and config.parallel == len(arms)
     assert config.max_steps // config.extra_overrides["num_iterations"] >= config.last_n
