@@ -1,0 +1,156 @@
+"""Whole seeds of a ``bloggap compare`` sweep, gathered from the packs of several machines into one ``runs/`` folder.
+
+A sweep whose seeds run on different machines comes back as one pack per machine (``session.tgz`` from
+``benchmarks/gpu/session.sh``, or the sweep's ``compare_gsm8k.tgz``). In the GSM8K comparison each fresh GPU machine
+rebuilds the warm start under a new hash, so a seed is comparable only when every arm of it ran on one machine from
+that machine's checkpoint. ``collect`` reads each pack's ``runs/`` folder and copies into ``--into`` the seeds that
+are whole there:
+
+- every arm in ``--arms`` has a run log with its completion marker;
+- each has its held-out result of that training attempt (``--no-heldout``: not required);
+- all of them name one checkpoint (the markers' ``model_sha256``).
+
+A seed whole in two packs, or already in ``--into`` with other contents, is refused, naming both. The folder then
+serves ``bloggap compare --table-only`` (the final tables), and, carried to the next machine, the sweep's resume,
+which runs only the seeds still missing.
+
+    python -m benchmarks.compare_seeds collect S1.tgz S2.tgz --into .dev/compare_gsm8k/runs --arms A,B,F,H,J
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bloggap_plugin.compare.logs import MODEL_SHA256_KEY, read_marker
+
+RUN_FILE = re.compile(r"^(?P<arm>[^/_]+)_s(?P<seed>\d+)(?P<kind>\.jsonl|\.heldout\.json|\.out|\.spec\.json)$")
+"""A run's file in ``runs/``: its log, held-out result, console output and spec (partial logs are left out)."""
+
+
+class SeedsError(Exception):
+    """A refusal, said in one line."""
+
+
+@dataclass
+class Seed:
+    """One seed's runs as one pack holds them."""
+
+    pack: str
+    seed: int
+    files: dict[str, dict[str, Path]] = field(default_factory=dict)  # arm -> kind -> extracted file
+    missing: list[str] = field(default_factory=list)  # why it is not whole, one phrase per arm
+    checkpoint: str | None = None
+
+
+def _run_files(folder: Path) -> dict[int, dict[str, dict[str, Path]]]:
+    """``{seed: {arm: {kind: path}}}`` of every ``runs/`` folder under ``folder``."""
+    found: dict[int, dict[str, dict[str, Path]]] = {}
+    for path in sorted(folder.rglob("*")):
+        match = RUN_FILE.match(path.name)
+        if path.is_file() and path.parent.name == "runs" and match:
+            arm_files = found.setdefault(int(match["seed"]), {}).setdefault(match["arm"], {})
+            if match["kind"] in arm_files:
+                raise SeedsError(f"{path.name} appears twice in one pack ({arm_files[match['kind']]} and {path})")
+            arm_files[match["kind"]] = path
+    return found
+
+
+def _judge(pack: str, seed: int, arms: list[str], by_arm: dict[str, dict[str, Path]], heldout: bool) -> Seed:
+    """The seed with what keeps it from being whole (nothing when it is)."""
+    result, checkpoints = Seed(pack, seed, files=by_arm), set()
+    for arm in arms:
+        files = by_arm.get(arm, {})
+        marker = read_marker(files[".jsonl"]) if ".jsonl" in files else None
+        if marker is None:
+            result.missing.append(f"{arm} not trained")
+            continue
+        checkpoints.add(marker.get(MODEL_SHA256_KEY))
+        if heldout:
+            try:
+                record = json.loads(files[".heldout.json"].read_text()) if ".heldout.json" in files else None
+            except (OSError, ValueError):
+                record = None
+            if not record or record.get("attempt") != marker.get("attempt") or not record.get("result"):
+                result.missing.append(f"{arm} not evaluated")
+    if len(checkpoints) > 1:
+        shas = ", ".join(sorted(str(sha)[:12] for sha in checkpoints))
+        result.missing.append(f"its arms started from different checkpoints ({shas})")
+    elif checkpoints:
+        result.checkpoint = next(iter(checkpoints))
+    return result
+
+
+def read_pack(pack: Path, arms: list[str], heldout: bool, scratch: Path) -> list[Seed]:
+    """Every seed a pack's ``runs/`` holds, judged; its files extracted under ``scratch``."""
+    target = scratch / f"{len(list(scratch.iterdir()))}"
+    target.mkdir()
+    try:
+        with tarfile.open(pack) as archive:
+            archive.extractall(target, filter="data")
+    except (OSError, tarfile.TarError) as err:
+        raise SeedsError(f"{pack}: not a readable tar pack ({err})") from None
+    return [_judge(str(pack), seed, arms, by_arm, heldout) for seed, by_arm in sorted(_run_files(target).items())]
+
+
+def collect(packs: list[Path], into: Path, arms: list[str], heldout: bool = True, echo=print) -> list[int]:
+    """Copy the whole seeds of ``packs`` into ``into`` (created when there is one); returns the seeds copied or
+    already there.
+    Raises :class:`SeedsError` (nothing copied) for a seed whole in two packs or held otherwise in ``into``."""
+    with tempfile.TemporaryDirectory() as scratch:
+        whole: dict[int, Seed] = {}
+        for pack in packs:
+            for seed in read_pack(pack, arms, heldout, Path(scratch)):
+                if seed.missing:
+                    echo(f"seed {seed.seed} in {pack}: not whole ({'; '.join(seed.missing)}), left out")
+                elif seed.seed in whole:
+                    raise SeedsError(f"seed {seed.seed} is whole in both {whole[seed.seed].pack} and {pack}: keep "
+                                     "one pack's runs of it (move the other pack aside) and collect again")
+                else:
+                    whole[seed.seed] = seed
+        copies = []
+        for number, seed in sorted(whole.items()):
+            for arm in arms:
+                for kind, source in sorted(seed.files[arm].items()):
+                    destination = into / f"{arm}_s{number}{kind}"
+                    if destination.exists() and destination.read_bytes() != source.read_bytes():
+                        raise SeedsError(f"{destination} holds another run than {seed.pack}'s: seed {number} is in "
+                                         f"--into already from another machine; collect into an empty folder")
+                    copies.append((source, destination))
+        if copies:
+            into.mkdir(parents=True, exist_ok=True)
+        for source, destination in copies:
+            shutil.copyfile(source, destination)
+    for number, seed in sorted(whole.items()):
+        echo(f"seed {number}: whole in {seed.pack} (checkpoint {str(seed.checkpoint)[:12]}), in {into}")
+    return sorted(whole)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.compare_seeds", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    go = sub.add_parser("collect", help="copy the whole seeds of several packs into one runs/ folder")
+    go.add_argument("packs", nargs="+", type=Path, help="tar packs (session.tgz, compare_gsm8k.tgz) holding runs/")
+    go.add_argument("--into", required=True, type=Path, help="the runs/ folder to fill (created)")
+    go.add_argument("--arms", required=True, help="the sweep's arms, comma-separated (e.g. A,B,F,H,J)")
+    go.add_argument("--no-heldout", action="store_true", help="do not require each run's held-out result")
+    args = parser.parse_args(argv)
+    arms = [arm for arm in args.arms.split(",") if arm]
+    try:
+        seeds = collect(args.packs, args.into, arms, heldout=not args.no_heldout)
+    except SeedsError as err:
+        print(f"compare_seeds: {err}", file=sys.stderr)
+        return 2
+    print(f"{len(seeds)} whole seed(s): {', '.join(map(str, seeds)) or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
