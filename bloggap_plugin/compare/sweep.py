@@ -350,13 +350,34 @@ def _model_sha256(config: CompareConfig) -> str | None:
         raise CompareError(str(err)) from None
 
 
+class RunClock:
+    """Seconds of the whole runs that ended in this call, the estimate of the next run's length (``--time-budget-s``):
+    a run's training, plus its evaluation where that ran apart (``heldout_apart``)."""
+
+    def __init__(self) -> None:
+        self.whole: list[float] = []
+        self._trained: dict[str, float] = {}  # trained apart, evaluation not ended yet
+
+    def ended(self, run_id: str, mode: str, seconds: float, apart: bool) -> None:
+        """A process of ``run_id`` ended well after ``seconds``: its training (``mode`` ``"train"``) or evaluation."""
+        if mode == "train" and apart:
+            self._trained[run_id] = seconds
+        elif mode == "train":
+            self.whole.append(seconds)
+        elif run_id in self._trained:  # not for a run trained in an earlier call
+            self.whole.append(self._trained.pop(run_id) + seconds)
+
+    def estimate(self, prior: float | None) -> float | None:
+        """The longest whole run of this call, else ``prior`` (what earlier calls recorded)."""
+        return max(self.whole) if self.whole else prior
+
+
 def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int, model_sha: str | None = None) -> dict:
     pending = _plan_pending(config, runs, echo)
     _check_budget_progress(config, pending)
-    total, failed, durations = len(pending), {}, []
+    total, failed, clock = len(pending), {}, RunClock()
     ended, finished = 0, 0  # processes that ended; runs whose last step (training, or its evaluation) succeeded
     apart = bool(config.heldout_apart and heldout_count(config))
-    trained_s: dict[str, float] = {}  # with the evaluation apart: a run's training time until its evaluation ends
     prior = _prior_run_s(runs)
     running: dict[str, tuple] = {}  # run_id -> (run, process, console, start, attempt, part log, mode, trained attempt)
     at_start: set[str] = set()  # runs launched before any run ended: they had the budget from the call's start
@@ -369,7 +390,7 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int, model
             while pending and len(running) < config.parallel:
                 run, mode, trained = pending[0]
                 if deadline is not None:
-                    estimate = max(durations) if durations else prior
+                    estimate = clock.estimate(prior)
                     left = deadline - time.perf_counter()
                     if left <= 0 or (mode == "train" and estimate is not None and estimate > left):
                         declined = True
@@ -393,13 +414,11 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int, model
                 if _succeeded(config, run, code, mode, attempt, trained):
                     if mode == "train":
                         _stopped_path(run).unlink(missing_ok=True)
+                    clock.ended(run_id, mode, elapsed, apart)
                     if mode == "train" and apart:  # its evaluation next, in a process of its own
-                        trained_s[run_id] = elapsed
                         pending.insert(0, (run, "evaluate", attempt))
                         echo(f"[compare] {run_id}: trained in {elapsed:.0f} s; its evaluation starts apart")
                         continue
-                    if mode == "train" or run_id in trained_s:  # a whole run: training and its evaluation
-                        durations.append(trained_s.pop(run_id, 0.0) + elapsed)
                     finished += 1
                     echo(f"[compare] {run_id}: done in {elapsed:.0f} s ({finished}/{total} finished)")
                 else:

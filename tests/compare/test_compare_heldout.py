@@ -99,6 +99,23 @@ def test_heldout_apart_evaluates_each_policy_in_a_fresh_process_with_the_same_re
         assert stored["attempt"] == marker["attempt"]
 
 
+def test_the_time_budgets_estimate_counts_an_apart_evaluation_with_its_training():
+    """The next run's estimated length is the longest whole run of the call: training alone in-process, training
+    plus evaluation apart (only once the evaluation has ended), never an evaluation of a run trained earlier."""
+    from bloggap_plugin.compare.sweep import RunClock
+
+    clock = RunClock()
+    assert clock.estimate(None) is None and clock.estimate(7.0) == 7.0  # nothing ended: what earlier calls recorded
+    clock.ended("A_s0", "train", 30.0, apart=True)
+    assert clock.estimate(7.0) == 7.0  # its evaluation has not ended
+    clock.ended("B_s0", "evaluate", 50.0, apart=True)  # trained in an earlier call: not a whole run of this one
+    assert clock.estimate(7.0) == 7.0
+    clock.ended("A_s0", "evaluate", 12.0, apart=True)
+    assert clock.estimate(7.0) == 42.0
+    clock.ended("C_s0", "train", 40.0, apart=False)  # evaluated in its training process: all in one
+    assert clock.estimate(None) == 42.0 and clock.whole == [42.0, 40.0]
+
+
 def test_heldout_accuracy_per_arm_with_paired_intervals_and_no_second_evaluation(tmp_path, fake, spawns):
     pytest.importorskip("matplotlib")
     config = _config(tmp_path, fake, seeds=[0, 1, 2])
