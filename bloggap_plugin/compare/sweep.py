@@ -350,7 +350,7 @@ def _model_sha256(config: CompareConfig) -> str | None:
         raise CompareError(str(err)) from None
 
 
-class RunClock:
+class _RunClock:
     """Seconds of the whole runs that ended in this call, the estimate of the next run's length (``--time-budget-s``):
     a run's training, plus its evaluation where that ran apart (``heldout_apart``)."""
 
@@ -359,7 +359,7 @@ class RunClock:
         self._trained: dict[str, float] = {}  # trained apart, evaluation not ended yet
 
     def ended(self, run_id: str, mode: str, seconds: float, apart: bool) -> None:
-        """A process of ``run_id`` ended well after ``seconds``: its training (``mode`` ``"train"``) or evaluation."""
+        """A process of ``run_id`` succeeded after ``seconds``: its training (``mode`` ``"train"``) or its evaluation."""
         if mode == "train" and apart:
             self._trained[run_id] = seconds
         elif mode == "train":
@@ -375,7 +375,7 @@ class RunClock:
 def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int, model_sha: str | None = None) -> dict:
     pending = _plan_pending(config, runs, echo)
     _check_budget_progress(config, pending)
-    total, failed, clock = len(pending), {}, RunClock()
+    total, failed, clock = len(pending), {}, _RunClock()
     ended, finished = 0, 0  # processes that ended; runs whose last step (training, or its evaluation) succeeded
     apart = bool(config.heldout_apart and heldout_count(config))
     prior = _prior_run_s(runs)

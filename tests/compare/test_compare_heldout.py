@@ -102,9 +102,9 @@ def test_heldout_apart_evaluates_each_policy_in_a_fresh_process_with_the_same_re
 def test_the_time_budgets_estimate_counts_an_apart_evaluation_with_its_training():
     """The next run's estimated length is the longest whole run of the call: training alone in-process, training
     plus evaluation apart (only once the evaluation has ended), never an evaluation of a run trained earlier."""
-    from bloggap_plugin.compare.sweep import RunClock
+    from bloggap_plugin.compare.sweep import _RunClock
 
-    clock = RunClock()
+    clock = _RunClock()
     assert clock.estimate(None) is None and clock.estimate(7.0) == 7.0  # nothing ended: what earlier calls recorded
     clock.ended("A_s0", "train", 30.0, apart=True)
     assert clock.estimate(7.0) == 7.0  # its evaluation has not ended
