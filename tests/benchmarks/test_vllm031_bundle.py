@@ -9,7 +9,7 @@ import os
 import subprocess
 
 import pytest
-from _support import ROOT
+from _support import ROOT, tracked_tree_bytes
 
 GPU = ROOT / "benchmarks" / "gpu"
 BUNDLE = GPU / "vllm031_bundle.sh"
@@ -80,17 +80,11 @@ def test_skip_with_and_the_shortcuts_change_exactly_what_they_name(tmp_path, spa
     assert _carried(tmp_path, NO_MODEL="1") == base - {"gguf", "model"}
 
 
-def _tree_bytes() -> int:
-    """Bytes of the tracked files: what every device call carries besides its chunk."""
-    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=60).stdout
-    return sum((ROOT / name).stat().st_size for name in names.decode().split("\0") if name and (ROOT / name).is_file())
-
-
 def test_the_default_chunk_fits_one_call_beside_the_tracked_tree(tmp_path, spawns):
     """A device call carries the tracked tree and its chunk (and the bundle's small t/ and data): a 46 MB chunk beside
     a 20.8 MB tree was refused, a 63.5 MB carry was not. The default chunk is 63 MB less the tree less 5 MB for the
     rest, rounded down to 100 kB; a CHUNK that cannot fit beside the tree is refused, naming its size."""
-    tree = _tree_bytes()
+    tree = tracked_tree_bytes()
     res = _run(tmp_path)
     assert res.returncode == 0, res.stderr
     chunk_line = [line for line in res.stdout.splitlines() if line.startswith("chunk ")]
