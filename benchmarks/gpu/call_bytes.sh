@@ -4,7 +4,8 @@
 # CHUNK_DEFAULT, the largest chunk that fits one call beside the tree with 5 MB left for the call's other carries
 # (a bundle's t/, data), in whole 100 kB.
 CALL_BYTES=63000000
-TREE_BYTES=$(git ls-files -z 2>/dev/null | xargs -0 -r stat -c %s 2>/dev/null | awk '{ total += $1 } END { print total + 0 }')
+TREE_BYTES=$(git ls-files -z 2>/dev/null | xargs -0 -r stat -c %s 2>/dev/null | awk '{ total += $1 } END { print total + 0 }') \
+  || TREE_BYTES=0  # no git checkout: under set -e -o pipefail the failed pipeline must not end the caller
 CHUNK_DEFAULT=$(( (CALL_BYTES - TREE_BYTES - 5000000) / 100000 * 100000 ))
 # check_chunk NAME VALUE: exits 2 with one line where VALUE is no whole number of bytes in 1000000..62000000 or
 # cannot fit one call beside the tree.
