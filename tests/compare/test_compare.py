@@ -648,8 +648,10 @@ def test_a_sweep_given_the_old_default_run_fn_by_hand_is_the_default_sweep(tmp_p
 # --------------------------------------------------------------------------------------------- real training
 
 
-def test_two_arms_one_seed_two_steps_on_a_tiny_model(tmp_path, spawns):
-    """The real run_training (TRL engineer's) end to end: table, JSON and plot."""
+@pytest.mark.parametrize("apart", [False, True], ids=["evaluated-in-training-process", "evaluated-apart"])
+def test_two_arms_one_seed_two_steps_on_a_tiny_model(tmp_path, spawns, apart):
+    """The real run_training (TRL engineer's) end to end: table, JSON and plot; the held-out evaluation in the
+    training process or, with heldout_apart, in a process of its own after it."""
     run = pytest.importorskip("bloggap_plugin.trl.run", reason="run_training (bloggap_plugin.trl.run) has not landed")
     pytest.importorskip("matplotlib")
     assert hasattr(run, "run_training")
@@ -657,9 +659,12 @@ def test_two_arms_one_seed_two_steps_on_a_tiny_model(tmp_path, spawns):
     recipes = [str(root / "recipes" / "arm_A.yaml"), str(root / "recipes" / "arm_F.yaml")]
     config = CompareConfig(recipes=recipes, seeds=[0], task="arith", max_steps=2, model="tiny-random-llama",
                            output_dir=str(tmp_path / "out"), parallel=2, last_n=30, n=16, poll_s=0.5, heldout_n=6,
-                           heldout_batch_size=4)
-    res = run_compare(config, echo=print)
+                           heldout_batch_size=4, heldout_apart=apart)
+    messages = []
+    res = run_compare(config, echo=messages.append)
     assert res["failed"] == {}, res["failed"]
+    assert sum("its evaluation starts apart" in m for m in messages) == (2 if apart else 0)
+    assert sum(m.endswith(": evaluating") for m in messages) == (2 if apart else 0)
     assert set(res["arms"]) == {"A", "F"}
     for summary in res["runs"].values():
         assert summary["steps"] == 2 and summary["reward_steps"] >= 1
