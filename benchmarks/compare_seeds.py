@@ -20,7 +20,6 @@ which runs only the seeds still missing.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shutil
 import sys
@@ -29,6 +28,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bloggap_plugin.compare.heldout import read_record
 from bloggap_plugin.compare.logs import MODEL_SHA256_KEY, read_marker
 
 RUN_FILE = re.compile(r"^(?P<arm>[^/_]+)_s(?P<seed>\d+)(?P<kind>\.jsonl|\.heldout\.json|\.out|\.spec\.json)$")
@@ -74,11 +74,8 @@ def _judge(pack: str, seed: int, arms: list[str], by_arm: dict[str, dict[str, Pa
             continue
         checkpoints.add(marker.get(MODEL_SHA256_KEY))
         if heldout:
-            try:
-                record = json.loads(files[".heldout.json"].read_text()) if ".heldout.json" in files else None
-            except (OSError, ValueError):
-                record = None
-            if not record or record.get("attempt") != marker.get("attempt") or not record.get("result"):
+            record = read_record(files[".heldout.json"], marker.get("attempt")) if ".heldout.json" in files else None
+            if not record or not record.get("result"):
                 result.missing.append(f"{arm} not evaluated")
     if len(checkpoints) > 1:
         shas = ", ".join(sorted(str(sha)[:12] for sha in checkpoints))

@@ -25,6 +25,7 @@ __all__ = [
     "heldout_spec",
     "heldout_state",
     "read_heldout",
+    "read_record",
     "evaluate_saved",
     "evaluate_run",
     "stamp_final",
@@ -80,18 +81,23 @@ def heldout_spec(config: CompareConfig, run: RunSpec) -> dict | None:
             "path": str(heldout_path(run))}
 
 
-def read_heldout(config: CompareConfig, run: RunSpec, attempt: str | None) -> dict | None:
-    """The run's held-out result if it evaluated training ``attempt`` with the current settings, else ``None``."""
+def read_record(path: str | os.PathLike, attempt: str | None) -> dict | None:
+    """The held-out record at ``path`` (``{"attempt", "settings", "result"}``, as :func:`evaluate_run` writes it) if
+    it evaluated training ``attempt``, else ``None`` (also where it is missing, too large, not UTF-8 or not JSON)."""
     from bloggap_plugin._input_files import load_json_file
 
-    path = heldout_path(run)
     try:
         stored = load_json_file(path, str(path), "evaluate again", ValueError, "a held-out record")
-    except ValueError:  # missing, too large, not UTF-8 or not JSON: no result, so the run is evaluated again
+    except ValueError:
         return None
-    if not isinstance(stored, dict) or stored.get("attempt") != attempt:
-        return None
-    if stored.get("settings") != heldout_settings(config, run):
+    return stored if isinstance(stored, dict) and stored.get("attempt") == attempt else None
+
+
+def read_heldout(config: CompareConfig, run: RunSpec, attempt: str | None) -> dict | None:
+    """The run's held-out result if it evaluated training ``attempt`` with the current settings, else ``None`` (no
+    result: the run is evaluated again)."""
+    stored = read_record(heldout_path(run), attempt)
+    if stored is None or stored.get("settings") != heldout_settings(config, run):
         return None
     return stored.get("result")
 
