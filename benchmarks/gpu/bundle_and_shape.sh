@@ -1,11 +1,8 @@
-# Sourced by the last bundle call's scripts (vLLM 0.26 bundle of ../shared/device/vllm.sh; its last chunk,
-# .dev/vllm/p<nparts>, carried with .dev/vllm/t): install the bundle, set its environment, write the SmolLM2 folder
-# (/tmp/vx/smollm2) and a random-init
-# shape of benchmarks/_lib/shapes.py: SHAPE (default llama-1.56b-v49k, written to /tmp/vx/l156; another name to
-# /tmp/vx/NAME), its folder in SHAPE_DIR and its cost_by_size label (the name without -v49k) in SHAPE_LABEL. Exits the
-# calling script with 3 where the install fails.
-mkdir -p /tmp/vx && mv ".dev/vllm/p$(cat .dev/vllm/t/nparts)"/part_* /tmp/vx/ && bash .dev/vllm/t/install.sh 2>&1 | grep -v "^WARNING" || exit 3
-. .dev/vllm/t/env.sh
+# Sourced by the last bundle call's scripts: install the bundle and set its environment (bundle_install.sh), write
+# the SmolLM2 folder (/tmp/vx/smollm2) and a random-init shape of benchmarks/_lib/shapes.py: SHAPE (default
+# llama-1.56b-v49k, written to /tmp/vx/l156; another name to /tmp/vx/NAME), its folder in SHAPE_DIR and its
+# cost_by_size label (the name without -v49k) in SHAPE_LABEL. Exits the calling script with 3 where the install fails.
+. benchmarks/gpu/bundle_install.sh
 python3 .dev/vllm/t/mk_smollm2.py 2>&1 | tail -1
 SHAPE=${SHAPE:-llama-1.56b-v49k}
 if [ "$SHAPE" = llama-1.56b-v49k ]; then SHAPE_DIR=/tmp/vx/l156; else SHAPE_DIR=/tmp/vx/$SHAPE; fi

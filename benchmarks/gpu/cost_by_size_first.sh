@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The last bundle call (vLLM 0.26 bundle of ../shared/device/vllm.sh; its last chunk, .dev/vllm/p<nparts>, carried
-# with .dev/vllm/t): install,
-# the SmolLM2 folder, a shape (SHAPE, default the 1.56B one: bundle_and_shape.sh), then cost_by_size runs of that
-# shape until the call's budget. Args: ARMS (default A,I,J), BUDGET s for the whole call (default 560).
+# with .dev/vllm/t): install, the SmolLM2 folder, a shape (SHAPE, default the 1.56B one: bundle_and_shape.sh), then
+# cost_by_size runs of that shape until the call's budget. Args: ARMS (default A,I,J), BUDGET s for the whole call
+# (default 560).
 set -u
 t0=$(date +%s)
 arms=${1:-A,I,J}; budget=${2:-560}

