@@ -126,11 +126,9 @@ def _check_precision(trainer: Any, gap: GapConfig) -> None:
 
 
 def _check_vllm(trainer: Any, gap: GapConfig) -> None:
-    from bloggap_plugin.trl.vllm_colocate import matmul_tiles_without_colocate
+    from bloggap_plugin.trl.vllm_colocate import refuse_matmul_tiles_without_colocate
 
-    refusal = matmul_tiles_without_colocate(gap, trainer.use_vllm, getattr(trainer.args, "vllm_mode", None))
-    if refusal:
-        raise RecipeError(refusal)
+    refuse_matmul_tiles_without_colocate(gap, trainer.use_vllm, getattr(trainer.args, "vllm_mode", None))
     if not trainer.use_vllm:
         return
     if gap.arm_spec.needs_fp16_training:

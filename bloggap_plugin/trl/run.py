@@ -350,12 +350,9 @@ def _check_override_names(overrides: dict | None) -> None:
 def _check_matmul_tiles(gap: Any, args: Any) -> None:
     """``gap.matmul_tiles`` with no colocate engine to install it in, or a table that cannot be read: refused before
     the model loads (the engine would find the second only after it)."""
-    from bloggap_plugin.recipes import RecipeError
-    from bloggap_plugin.trl.vllm_colocate import check_matmul_tiles_file, matmul_tiles_without_colocate
+    from bloggap_plugin.trl.vllm_colocate import check_matmul_tiles_file, refuse_matmul_tiles_without_colocate
 
-    refusal = matmul_tiles_without_colocate(gap, getattr(args, "use_vllm", False), getattr(args, "vllm_mode", None))
-    if refusal:
-        raise RecipeError(refusal)
+    refuse_matmul_tiles_without_colocate(gap, getattr(args, "use_vllm", False), getattr(args, "vllm_mode", None))
     check_matmul_tiles_file(gap)
 
 

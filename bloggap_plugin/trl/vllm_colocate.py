@@ -523,16 +523,18 @@ def check_colocate_engine(trainer: Any, gap: Any, environ: dict | None = None) -
         raise RecipeError(refusal)
 
 
-def matmul_tiles_without_colocate(gap: Any, use_vllm: bool, mode: str | None) -> str | None:
-    """The error text when ``gap.matmul_tiles`` names a tile table and the trainer (``use_vllm``, ``vllm_mode``
-    ``mode``) builds no colocate engine to install it in (HF generate, vLLM server mode): the table would change
-    nothing; else ``None``."""
+def refuse_matmul_tiles_without_colocate(gap: Any, use_vllm: bool, mode: str | None) -> None:
+    """Raise ``RecipeError`` when ``gap.matmul_tiles`` names a tile table and the trainer (``use_vllm``,
+    ``vllm_mode`` ``mode``) builds no colocate engine to install it in (HF generate, vLLM server mode): the table
+    would change nothing."""
+    from bloggap_plugin.recipes import RecipeError
+
     use_vllm = bool(use_vllm)
     if not gap.matmul_tiles or (use_vllm and mode == "colocate"):
-        return None
+        return
     settings = f"use_vllm {use_vllm}" + (f", vllm_mode {mode!r}" if use_vllm else "")
-    return (f"gap.matmul_tiles {gap.matmul_tiles} is installed in TRL's colocate vLLM engine, and this run has none "
-            f"({settings}): set use_vllm: true and vllm_mode: colocate, or drop gap.matmul_tiles")
+    raise RecipeError(f"gap.matmul_tiles {gap.matmul_tiles} is installed in TRL's colocate vLLM engine, and this run "
+                      f"has none ({settings}): set use_vllm: true and vllm_mode: colocate, or drop gap.matmul_tiles")
 
 
 def check_matmul_tiles_file(gap: Any) -> None:
