@@ -1,6 +1,6 @@
 # Sourced by the scripts that split a bundle into device calls (vllm031_bundle.sh, gemma_parts.sh), from the project
-# root: CALL_BYTES, what one call may carry here (below the device README's 64 MiB: a 63.5 MB carry went through, a
-# 66.8 MB one was refused); TREE_BYTES, the tracked tree every call carries (0 outside a git checkout); and
+# root: CALL_BYTES, what one call may carry here (below the device README's 64 MiB, by what calls carried:
+# benchmarks/results/h100/README.md, "The GSM8K comparison's first attempt"); TREE_BYTES, the tracked tree every call carries (0 outside a git checkout); and
 # CHUNK_DEFAULT, the largest chunk that fits one call beside the tree with 5 MB left for the call's other carries
 # (a bundle's t/, data), in whole 100 kB.
 CALL_BYTES=63000000
