@@ -150,3 +150,71 @@ def test_cost_by_size_more_takes_its_budget_from_the_session_job(tmp_path, spawn
     finally:
         subprocess.run(["rm", "-rf", f"/tmp/{name}"], check=False)
     assert f"python3 -m benchmarks.cost_by_size run --budget-s 940 --out /tmp/{name} --arms A,J" in done.stdout
+
+
+
+def _cost_session(tmp_path: Path, budget_s: int, tiles_written: bool) -> list[str]:
+    """Runs cost_by_size_session.sh in a copy of the repository's layout whose scripts, python3 and nvidia-smi are
+    stand-ins that print what they were given (python3 writes each --out FILE.json where ``tiles_written``); the lines
+    printed."""
+    repo = tmp_path / "repo"
+    gpu = repo / "benchmarks" / "gpu"
+    gpu.mkdir(parents=True)
+    (gpu / "cost_by_size_session.sh").write_text((ROOT / "benchmarks" / "gpu" / "cost_by_size_session.sh").read_text())
+    (gpu / "tiles_first.sh").write_text('echo "tiles_first $* SHAPE=$SHAPE ARMS=$ARMS budget=$((BUDGET_S - 60))"\n')
+    (gpu / "cost_by_size_more.sh").write_text('echo "more $*"\n')
+    (repo / ".dev" / "vllm" / "t").mkdir(parents=True)
+    (repo / ".dev" / "vllm" / "t" / "env.sh").write_text("")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    python3 = ['#!/usr/bin/env bash', 'echo "python3 $*"',
+               '[ "$2" = pytest ] && echo "1 passed model=${BLOGGAP_GPU_TEST_MODEL:-tiny}"']
+    if tiles_written:
+        python3.append('prev=; for a in "$@"; do [ "$prev" = --out ] && [[ "$a" == *.json ]]'
+                       ' && mkdir -p "$(dirname "$a")" && : > "$a"; prev=$a; done')
+    (bindir / "python3").write_text("\n".join(python3) + "\n")
+    (bindir / "nvidia-smi").write_text("#!/usr/bin/env bash\necho card\n")
+    for tool in ("python3", "nvidia-smi"):
+        (bindir / tool).chmod(0o755)
+    (tmp_path / "out").mkdir()
+    environ = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
+               "BUDGET_S": str(budget_s), "VX": str(tmp_path / "vx")}
+    done = subprocess.run(["bash", str(gpu / "cost_by_size_session.sh")], cwd=repo, env=environ, capture_output=True,
+                          text=True, timeout=HANG_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout.splitlines()
+
+
+def _line(lines: list[str], prefix: str) -> str:
+    return next(line for line in lines if line.startswith(prefix))
+
+
+def test_the_cost_session_keeps_each_later_phase_its_reserve(tmp_path, spawns):
+    """Phase 1 (the shape's set) ends by the job's end less the packing minute and the reserves of phases 2 (420 s)
+    and 3 (150 s), phase 2 by the end less phase 3's reserve; the gradient test runs on the tiny Llama and the 1.56B
+    shape; phase 4 (3B) gets the rest, with its own tile table for J:tiles."""
+    lines = _cost_session(tmp_path, 1000, tiles_written=True)
+    first = _line(lines, "tiles_first")
+    assert first.startswith("tiles_first - SHAPE=llama-0.48b-v49k ARMS=A,J:tiles,I:tiles,H budget=")
+    assert 1000 - 60 - 570 - 2 <= int(first.rsplit("=", 1)[1]) <= 1000 - 60 - 570
+    small = _line(lines, "more c2").split()
+    assert 1000 - 60 - 150 - 2 <= int(small[2]) <= 1000 - 60 - 150
+    assert small[3:] == f"--model smollm2-135m={tmp_path}/vx/smollm2 --arms A,J --repeats 3 --steps 30".split()
+    assert [line.split("model=")[1] for line in lines if line.startswith("1 passed")] == ["tiny", f"{tmp_path}/vx/l156"]
+    assert (tmp_path / "out" / "onpolicy_gpu_grad.log").read_text().count("1 passed") == 2
+    big = _line(lines, "more c3").split()
+    assert 1000 - 60 - 2 <= int(big[2]) <= 1000 - 60
+    assert big[3:] == (f"--model llama-3b={tmp_path}/vx/llama-3b-v49k --arms A,J:tiles --repeats 1 --steps 30 "
+                       f"--matmul-tiles {tmp_path}/vx/tiles_3b.json").split()
+    assert (tmp_path / "out" / "tiles_3b.json").exists()
+
+
+def test_the_cost_session_runs_no_3b_without_the_time_and_no_tiles_arm_without_a_table(tmp_path, spawns):
+    """With 240 s or less left after phase 3, phase 4 does not start; a phase with no time left gets 1 s (timeout 0
+    would mean no limit). Without a 3B tile table its J:tiles run is a plain J run."""
+    lines = _cost_session(tmp_path, 300, tiles_written=True)
+    assert int(_line(lines, "tiles_first").rsplit("=", 1)[1]) == 1
+    assert not any(line.startswith("more c3") for line in lines)
+    lines = _cost_session(tmp_path / "again", 1000, tiles_written=False)
+    big = f"--model llama-3b={tmp_path}/again/vx/llama-3b-v49k --arms A,J --repeats 1 --steps 30"
+    assert _line(lines, "more c3").split()[3:] == big.split()
