@@ -218,3 +218,30 @@ def test_the_cost_session_runs_no_3b_without_the_time_and_no_tiles_arm_without_a
     lines = _cost_session(tmp_path / "again", 1000, tiles_written=False)
     big = f"--model llama-3b={tmp_path}/again/vx/llama-3b-v49k --arms A,J --repeats 1 --steps 30"
     assert _line(lines, "more c3").split()[3:] == big.split()
+
+
+def test_cost_by_size_more_passes_each_run_line_on_as_it_comes(tmp_path, spawns):
+    """A session's watch prints the job's console as it is: each finished run's line must reach it while the runs go
+    on, not when the call's whole output ends (a pipe's buffer held them in session 31's first watch)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    release = tmp_path / "release"
+    (bindir / "python3").write_text(f'#!/usr/bin/env bash\necho "smollm2-135m A-1 exit 0 61 s"\n'
+                                    f'while [ ! -f {release} ]; do sleep 0.1; done\n')
+    (bindir / "python3").chmod(0o755)
+    (tmp_path / "repo" / ".dev" / "vllm" / "t").mkdir(parents=True)
+    (tmp_path / "repo" / ".dev" / "vllm" / "t" / "env.sh").write_text("")
+    (tmp_path / "out").mkdir()
+    name = f"c_test_{os.getpid()}"
+    environ = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+    console = tmp_path / "console.log"
+    with open(console, "w") as sink:
+        script = ROOT / "benchmarks" / "gpu" / "cost_by_size_more.sh"
+        job = subprocess.Popen(["bash", str(script), name, str(4 * HANG_S)],  # its own timeout well past the guard
+                               cwd=tmp_path / "repo", env=environ, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "A-1 exit 0" in console.read_text(), what="the run's line in the console")
+    finally:
+        release.touch()
+        job.wait(timeout=HANG_S)
+        subprocess.run(["rm", "-rf", f"/tmp/{name}"], check=False)
