@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import time
@@ -219,13 +220,22 @@ def sweep_verdicts(sweep: dict, name: str) -> dict[str, str]:
     return verdicts
 
 
-def live_arms_table(model: str, runs: dict, verdicts: dict[str, str], table_id: str = LIVE_TABLE_ID) -> dict:
-    """``table_id``: the live per-arm decision table of one real-weights model's interleaved runs: per arm the mean
-    over its runs of the sampler's out-of-band share (generations after the first) and of the first-iteration
-    ratio's, the least run's bit-identical shares, the mean step's multiple of arm A's with each run's spread, and
-    the sweep's verdict (``verdicts``, :func:`sweep_verdicts`; arms it did not compare say so)."""
-    ran = [r for r in runs.values() if "error" not in r and ":" not in r["arm"]]
-    base = _mean_of([r for r in ran if r["arm"] == "A"], "step_s_mean")
+def live_arms_table(model: str, sets: dict[str, dict], verdicts: dict[str, str], table_id: str = LIVE_TABLE_ID) -> dict:
+    """``table_id``: the live per-arm decision table of one real-weights model's interleaved runs, ``sets`` (set name
+    -> runs: one set, or several made on separate calls, each with its own arm A runs): per arm the mean over its
+    runs of the sampler's out-of-band share (generations after the first) and of the first-iteration ratio's, the
+    least run's bit-identical shares, the mean over its runs of each run's mean step over the mean of its own set's
+    arm A runs (with one set, the mean step's multiple of arm A's) with each run's spread, and the sweep's verdict
+    (``verdicts``, :func:`sweep_verdicts`; arms it did not compare say so)."""
+    ran: list[dict] = []
+    multiples: dict[str, list[float]] = {}
+    for runs in sets.values():
+        mine = [r for r in runs.values() if "error" not in r and ":" not in r["arm"]]
+        ran += mine
+        base = _mean_of([r for r in mine if r["arm"] == "A"], "step_s_mean")
+        for r in mine:
+            if base and r.get("step_s_mean") is not None:
+                multiples.setdefault(r["arm"], []).append(r["step_s_mean"] / base)
     body = []
     for arm in sorted(dict.fromkeys(r["arm"] for r in ran)):
         mine = [r for r in ran if r["arm"] == arm]
@@ -233,22 +243,33 @@ def live_arms_table(model: str, runs: dict, verdicts: dict[str, str], table_id: 
         exact = [r["sampler_exact_mean"] for r in mine if r.get("sampler_exact_mean") is not None]
         ratio_exact = [r["ratio_exact_first_iteration_min"] for r in mine
                        if r.get("ratio_exact_first_iteration_min") is not None]
-        mean_x, spread = _ratio_stats([r["step_s_mean"] for r in mine if r.get("step_s_mean") is not None], base)
+        mean_x, spread = _ratio_stats(multiples.get(arm, []), 1.0)
         body.append([arm, len(mine), None if sampler is None else round(100 * sampler, 3),
                      None if not exact else round(100 * min(exact), 2), None if ratio is None else round(100 * ratio, 3),
                      None if not ratio_exact else round(min(ratio_exact), 4), mean_x, spread,
                      verdicts.get(arm, "not in the sweep" if verdicts else "no sweep given")])
+    runs_said = ("One set of interleaved runs (A B ... J A B ... J ...)" if len(sets) == 1 else
+                 f"{len(sets)} interleaved sets of runs (each A B ... A B ..., on its own device machine, with its own "
+                 "arm A runs)")
     return {"id": table_id, "title": f"Every arm live on {model}: the gap it leaves and its price (bloggap train, "
                                      "TRL 1.16 colocate vLLM, one GPU)",
             "columns": LIVE_COLUMNS, "rows": body, "reference": None, "random_init": False,
-            "notes": "One set of interleaved runs (A B ... J A B ... J ...) through bloggap train recipes/arm_X.yaml "
+            "notes": f"{runs_said} through bloggap train recipes/arm_X.yaml "
                      "--use_vllm true --vllm_mode colocate, num_iterations 2, the arith task's length reward. Sampler: "
                      "gap/sampler/oob_frac (exp of the sampler's minus the old log-prob outside the clip band) over "
                      "the generations after the first; ratio: gap/ratio/oob_frac at each generation's first "
                      "iteration (no optimizer step between old and new log-probs: the gap, not the update); "
-                     "bit-identical: gap/sampler/exact_frac and gap/ratio/exact_frac. Mean step x arm A as in the "
-                     "size table. Reward verdict: the compare sweep's declared, Holm-corrected analysis of its "
-                     "primary metric (a difference not established is said to be not distinguishable)."}
+                     "bit-identical: gap/sampler/exact_frac and gap/ratio/exact_frac. Mean step x arm A: the mean "
+                     "over the arm's runs of each run's mean step over the mean of its own set's arm A runs, with "
+                     "each run's multiple as the spread. Reward verdict: the compare sweep's declared, "
+                     "Holm-corrected analysis of its primary metric (a difference not established is said to be "
+                     "not distinguishable)."}
+
+
+def sets_of(models: dict, model: str) -> dict[str, dict]:
+    """The run sets of ``model`` in a joined document's results: its own key, or its ``MODEL-setN`` keys
+    (``--interleaved-sets``)."""
+    return {key: runs for key, runs in models.items() if key == model or re.fullmatch(rf"{re.escape(model)}-set\d+", key)}
 
 
 def document(models: dict, params: dict, env: dict, table_id: str = TABLE_ID, real: tuple[str, ...] = (),
@@ -258,7 +279,7 @@ def document(models: dict, params: dict, env: dict, table_id: str = TABLE_ID, re
     tables = [size_table(models, table_id)]
     for model in real:
         suffix = "" if len(real) == 1 else f"-{model}"
-        tables.append(live_arms_table(model, models[model], verdicts or {}, live_table_id + suffix))
+        tables.append(live_arms_table(model, sets_of(models, model), verdicts or {}, live_table_id + suffix))
     return {"benchmark": "cost_by_size", "schema_version": SCHEMA_VERSION, "env": env, "params": params,
             "results": models, "tables": tables}
 
@@ -381,7 +402,7 @@ def collect_main(args: argparse.Namespace) -> int:
 
     models, calls, env, logs, labels = _join_calls([Path(run) for run in args.runs], args.interleaved_sets)
     paths = dict(spec.split("=", 1) for spec in args.model_path)
-    unknown = [label for label in args.real if label not in models]
+    unknown = [label for label in args.real if not sets_of(models, label)]
     if unknown:
         raise SystemExit(f"cost_by_size collect: --real {', '.join(unknown)}: no runs of that model in "
                          f"{', '.join(args.runs)} (models: {', '.join(sorted(models))})")

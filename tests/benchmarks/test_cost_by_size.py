@@ -147,7 +147,7 @@ def test_live_arms_table_means_the_gap_columns_and_keeps_the_least_exact_run():
             "A-2": run("A", 1.2, 0.02, 0.03, 0.1, 0.7), "B-2": run("B", 1.8, 0.05, 0.04, 0.0, 0.0),
             "J-1": run("J", 2.2, 0.0, 0.0, 1.0, 1.0), "J_process-1": run("J:process", 9.9, 0.0, 0.0, 1.0, 1.0),
             "H-1": {"arm": "H", "error": "exit 1", "seconds": 5.0}}
-    table = bench.live_arms_table("smollm2-135m", runs, {"A": "baseline of T10", "B": "lower than A"})
+    table = bench.live_arms_table("smollm2-135m", {"smollm2-135m": runs}, {"A": "baseline of T10", "B": "lower than A"})
     rows = {row[0]: dict(zip(table["columns"], row)) for row in table["rows"]}
     assert list(rows) == ["A", "B", "J"]  # failed runs and ARM:SCOPE variants are not arms of the table
     a, b, j = rows["A"], rows["B"], rows["J"]
@@ -156,7 +156,7 @@ def test_live_arms_table_means_the_gap_columns_and_keeps_the_least_exact_run():
     assert b["mean step x arm A"] == 1.5 and b["mean x A, runs (min-max)"] == "1.36-1.64"
     assert b["reward vs arm A (sweep)"] == "lower than A" and j["reward vs arm A (sweep)"] == "not in the sweep"
     assert j["sampler bit-identical % (least run)"] == 100.0 and j["mean step x arm A"] == 2.0
-    assert bench.live_arms_table("m", runs, {})["rows"][0][-1] == "no sweep given"
+    assert bench.live_arms_table("m", {"m": runs}, {})["rows"][0][-1] == "no sweep given"
 
 
 def test_collect_adds_the_live_table_of_the_real_model_only(tmp_path):
@@ -227,6 +227,36 @@ def test_interleaved_sets_compare_each_arm_with_arm_a_of_its_own_call(tmp_path):
     assert rows["I @ m-set2"]["mean step x arm A"] == 1.2
     assert rows["A @ m-set2"]["runs"] == 1
     assert sorted(p.name for p in (tmp_path / "pack").iterdir()) == ["runs_m-set1.tar.xz", "runs_m-set2.tar.xz"]
+
+
+def test_the_live_table_of_a_real_model_in_two_interleaved_sets_is_one_table(tmp_path):
+    """Arms A-J at 135M take longer than one session's device time, so they run as sets (each with its own arm A)
+    on two machines; --real names the model once and gets one live table: each run's step multiple is over the arm A
+    of its own set, the gap columns pool every run of the arm."""
+    import json
+
+    def run(arm, mean, sampler):
+        return {**_run(arm, mean, mean, mean, mean), "sampler_oob_mean": sampler, "ratio_oob_first_iteration_mean": 0.0}
+
+    first = _call_folder(tmp_path, "c1", {"A-1": run("A", 1.0, 0.02), "B-1": run("B", 1.5, 0.04)})
+    second = _call_folder(tmp_path, "c2", {"A-1": run("A", 0.5, 0.04), "B-1": run("B", 0.6, 0.02),
+                                           "J-1": run("J", 1.0, 0.0)})
+    out = tmp_path / "doc.json"
+    assert bench.main(["collect", str(first), str(second), "--out", str(out), "--revision", "abc",
+                       "--interleaved-sets", "--real", "m"]) == 0
+    tables = json.loads(out.read_text())["tables"]
+    assert [t["id"] for t in tables] == [bench.TABLE_ID, bench.LIVE_TABLE_ID]
+    rows = {row[0]: dict(zip(bench.LIVE_COLUMNS, row)) for row in tables[1]["rows"]}
+    assert rows["A"]["runs"] == 2 and rows["A"]["mean step x arm A"] == 1.0
+    assert rows["A"]["mean x A, runs (min-max)"] == "1.00-1.00"
+    assert rows["B"]["runs"] == 2 and rows["B"]["mean step x arm A"] == 1.35  # 1.5 / 1.0 and 0.6 / 0.5
+    assert rows["B"]["mean x A, runs (min-max)"] == "1.20-1.50"
+    assert rows["B"]["sampler tokens out of band % (mean)"] == 3.0
+    assert rows["J"]["mean step x arm A"] == 2.0
+    assert "2 interleaved sets" in tables[1]["notes"]
+    with pytest.raises(SystemExit, match="--real q: no runs of that model"):
+        bench.main(["collect", str(first), str(second), "--out", str(out), "--revision", "abc", "--interleaved-sets",
+                    "--real", "q"])
 
 
 def test_a_tiles_arm_without_its_table_is_refused_before_any_run(tmp_path, monkeypatch):
