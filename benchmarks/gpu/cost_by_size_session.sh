@@ -4,41 +4,50 @@
 #   1. tiles_first.sh for SHAPE (default llama-0.48b-v49k) and ARMS (default A,J:tiles,I:tiles,H): install, the
 #      SmolLM2 folder, the shape, its tile table from `bloggap tiles`, the tiles GPU test, then 3 interleaved runs of
 #      each arm into /tmp/c1 (30 steps);
-#   2. SmolLM2-135M (real weights), arms SMALL_ARMS (default A,J) x3 interleaved into /tmp/c2;
+#   2. SmolLM2-135M (real weights), arms SMALL_ARMS (default A,J; SMALL_ARMS= skips it) x3 interleaved into /tmp/c2;
 #   3. arm J's GPU forward and gradient test on the 1.56B shape (tests/core/test_onpolicy_gpu.py with
-#      BLOGGAP_GPU_TEST_MODEL), into $OUT/onpolicy_gpu_grad.log;
+#      BLOGGAP_GPU_TEST_MODEL), into $OUT/onpolicy_gpu_grad.log (GRAD_TEST=0 skips it);
 #   4. with the time left, the 3B-class shape llama-3b-v49k, arms BIG_ARMS (default A,J:tiles with its own tile
-#      table), one run each into /tmp/c3: whether it fits beside vLLM on this card, and at what step time.
-# Every phase ends by the job's end less the later phases' reserves (SMALL_S, default 420 s; TEST_S, default 150 s),
-# so a slow phase costs the later phases nothing but its own leftovers.
+#      table), up to BIG_REPEATS (default 3) interleaved runs each into /tmp/c3: whether it fits beside vLLM on this
+#      card, and at what step time.
+# Every phase ends by the job's end less the later phases' reserves (SMALL_S, default 420 s; TEST_S, default 150 s;
+# BIG_S, default 0: phase 4 gets what is left), so a slow phase costs the later phases nothing but its own leftovers;
+# a skipped phase reserves nothing.
 #   OUT=$OUT SESSION_S=<...> PACK="/tmp/c1 /tmp/c2 /tmp/c3" bash benchmarks/gpu/session.sh start \
 #       bash benchmarks/gpu/cost_by_size_session.sh
 set -u
 VX=${VX:-/tmp/vx}  # bundle_and_shape.sh's folder (another only in tests)
 t0=$(date +%s)
 end=$((t0 + BUDGET_S - 60))  # the last minute packs
-small_s=${SMALL_S:-420}; test_s=${TEST_S:-150}
+SMALL_ARMS=${SMALL_ARMS-A,J}; GRAD_TEST=${GRAD_TEST:-1}
+small_s=${SMALL_S:-420}; test_s=${TEST_S:-150}; big_s=${BIG_S:-0}
+[ -z "$SMALL_ARMS" ] && small_s=0
+[ "$GRAD_TEST" = 0 ] && test_s=0
 left() {  # seconds until the job's end less $1 s of reserve, at least 1 (timeout 0 would mean no limit)
   local seconds=$(( end - $(date +%s) - $1 )); [ "$seconds" -lt 1 ] && seconds=1; echo "$seconds"
 }
 
 echo "== phase 1: ${SHAPE:=llama-0.48b-v49k}, arms ${ARMS:=A,J:tiles,I:tiles,H}"
 export SHAPE ARMS
-BUDGET_S=$(( $(left $((small_s + test_s))) + 60 )) bash benchmarks/gpu/tiles_first.sh -
+BUDGET_S=$(( $(left $((small_s + test_s + big_s))) + 60 )) bash benchmarks/gpu/tiles_first.sh -
 . .dev/vllm/t/env.sh
 
-echo "== phase 2: smollm2-135m, arms ${SMALL_ARMS:=A,J} at $(( $(date +%s) - t0 )) s"
-bash benchmarks/gpu/cost_by_size_more.sh c2 "$(left "$test_s")" --model smollm2-135m="$VX/smollm2" \
-  --arms "$SMALL_ARMS" --repeats 3 --steps 30
+if [ -n "$SMALL_ARMS" ]; then
+  echo "== phase 2: smollm2-135m, arms $SMALL_ARMS at $(( $(date +%s) - t0 )) s"
+  bash benchmarks/gpu/cost_by_size_more.sh c2 "$(left $((test_s + big_s)))" --model smollm2-135m="$VX/smollm2" \
+    --arms "$SMALL_ARMS" --repeats 3 --steps 30
+fi
 
-echo "== phase 3: arm J's gradient test at 1.56B at $(( $(date +%s) - t0 )) s"
-python3 -m benchmarks.cost_by_size shape llama-1.56b-v49k --tokenizer "$VX/smollm2" --out "$VX/l156" 2>&1 | tail -1
-for model in "" "$VX/l156"; do
-  echo "== model ${model:-tiny random Llama}"
-  BLOGGAP_GPU_TEST_MODEL=$model timeout "$(left 0)" python3 -m pytest -q -m gpu -p no:cacheprovider -s \
-    tests/core/test_onpolicy_gpu.py 2>&1 | grep -E "relative L2|passed|failed|FAILED|Error" | cut -c1-300
-done 2>&1 | tee "$OUT/onpolicy_gpu_grad.log"
-rm -rf "$VX/l156"
+if [ "$GRAD_TEST" != 0 ]; then
+  echo "== phase 3: arm J's gradient test at 1.56B at $(( $(date +%s) - t0 )) s"
+  python3 -m benchmarks.cost_by_size shape llama-1.56b-v49k --tokenizer "$VX/smollm2" --out "$VX/l156" 2>&1 | tail -1
+  for model in "" "$VX/l156"; do
+    echo "== model ${model:-tiny random Llama}"
+    BLOGGAP_GPU_TEST_MODEL=$model timeout "$(left "$big_s")" python3 -m pytest -q -m gpu -p no:cacheprovider -s \
+      tests/core/test_onpolicy_gpu.py 2>&1 | grep -E "relative L2|passed|failed|FAILED|Error" | cut -c1-300
+  done 2>&1 | tee "$OUT/onpolicy_gpu_grad.log"
+  rm -rf "$VX/l156"
+fi
 
 left_s=$(left 0)
 echo "== phase 4: llama-3b-v49k, arms ${BIG_ARMS:=A,J:tiles}, ${left_s} s left at $(( $(date +%s) - t0 )) s"
@@ -57,6 +66,6 @@ if [ "$left_s" -gt 240 ]; then
   fi
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   bash benchmarks/gpu/cost_by_size_more.sh c3 "$(left 0)" --model llama-3b="$VX/llama-3b-v49k" --arms "$BIG_ARMS" \
-    --repeats 1 --steps 30 ${tiles[@]+"${tiles[@]}"}
+    --repeats "${BIG_REPEATS:-3}" --steps 30 ${tiles[@]+"${tiles[@]}"}
 fi
 echo "job total $(( $(date +%s) - t0 )) s"

@@ -153,7 +153,7 @@ def test_cost_by_size_more_takes_its_budget_from_the_session_job(tmp_path, spawn
 
 
 
-def _cost_session(tmp_path: Path, budget_s: int, tiles_written: bool) -> list[str]:
+def _cost_session(tmp_path: Path, budget_s: int, tiles_written: bool, **extra: str) -> list[str]:
     """Runs cost_by_size_session.sh in a copy of the repository's layout whose scripts, python3 and nvidia-smi are
     stand-ins that print what they were given (python3 writes each --out FILE.json where ``tiles_written``); the lines
     printed."""
@@ -178,7 +178,7 @@ def _cost_session(tmp_path: Path, budget_s: int, tiles_written: bool) -> list[st
         (bindir / tool).chmod(0o755)
     (tmp_path / "out").mkdir()
     environ = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "OUT": str(tmp_path / "out"),
-               "BUDGET_S": str(budget_s), "VX": str(tmp_path / "vx")}
+               "BUDGET_S": str(budget_s), "VX": str(tmp_path / "vx"), **extra}
     done = subprocess.run(["bash", str(gpu / "cost_by_size_session.sh")], cwd=repo, env=environ, capture_output=True,
                           text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -204,7 +204,7 @@ def test_the_cost_session_keeps_each_later_phase_its_reserve(tmp_path, spawns):
     assert (tmp_path / "out" / "onpolicy_gpu_grad.log").read_text().count("1 passed") == 2
     big = _line(lines, "more c3").split()
     assert 1000 - 60 - 2 <= int(big[2]) <= 1000 - 60
-    assert big[3:] == (f"--model llama-3b={tmp_path}/vx/llama-3b-v49k --arms A,J:tiles --repeats 1 --steps 30 "
+    assert big[3:] == (f"--model llama-3b={tmp_path}/vx/llama-3b-v49k --arms A,J:tiles --repeats 3 --steps 30 "
                        f"--matmul-tiles {tmp_path}/vx/tiles_3b.json").split()
     assert (tmp_path / "out" / "tiles_3b.json").exists()
 
@@ -216,7 +216,7 @@ def test_the_cost_session_runs_no_3b_without_the_time_and_no_tiles_arm_without_a
     assert int(_line(lines, "tiles_first").rsplit("=", 1)[1]) == 1
     assert not any(line.startswith("more c3") for line in lines)
     lines = _cost_session(tmp_path / "again", 1000, tiles_written=False)
-    big = f"--model llama-3b={tmp_path}/again/vx/llama-3b-v49k --arms A,J --repeats 1 --steps 30"
+    big = f"--model llama-3b={tmp_path}/again/vx/llama-3b-v49k --arms A,J --repeats 3 --steps 30"
     assert _line(lines, "more c3").split()[3:] == big.split()
 
 
@@ -245,3 +245,15 @@ def test_cost_by_size_more_passes_each_run_line_on_as_it_comes(tmp_path, spawns)
         release.touch()
         job.wait(timeout=HANG_S)
         subprocess.run(["rm", "-rf", f"/tmp/{name}"], check=False)
+
+
+def test_a_skipped_cost_phase_reserves_nothing_and_phase_4_can_keep_a_reserve(tmp_path, spawns):
+    """SMALL_ARMS= and GRAD_TEST=0 skip phases 2 and 3 (the shape's set and the 3B runs alone, as on an H200 for the
+    Qwen2 shape); BIG_S keeps phase 4 its reserve from phase 1."""
+    lines = _cost_session(tmp_path, 1000, tiles_written=True, SHAPE="qwen2-1.39b-v49k", SMALL_ARMS="", GRAD_TEST="0",
+                          BIG_S="300", BIG_REPEATS="2")
+    first = _line(lines, "tiles_first")
+    assert first.startswith("tiles_first - SHAPE=qwen2-1.39b-v49k ")
+    assert 1000 - 60 - 300 - 2 <= int(first.rsplit("=", 1)[1]) <= 1000 - 60 - 300
+    assert not any(line.startswith(("more c2", "1 passed")) for line in lines)
+    assert "--repeats 2" in _line(lines, "more c3")
