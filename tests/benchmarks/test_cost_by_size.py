@@ -259,6 +259,21 @@ def test_the_live_table_of_a_real_model_in_two_interleaved_sets_is_one_table(tmp
                     "--real", "q"])
 
 
+def test_collect_refuses_folders_from_two_kinds_of_gpu(tmp_path):
+    """A step multiple compares arms on one card: sets made on an H100 and an H200 are not one table (the document
+    keeps the first folder's env, so a mixed pair would be labelled with one card)."""
+    import json
+
+    first = _call_folder(tmp_path, "c1", {"A-1": _run("A", 1.0, 1.0, 1.0, 1.0)})
+    second = _call_folder(tmp_path, "c2", {"A-1": _run("A", 0.5, 0.5, 0.5, 0.5)})
+    document = json.loads((second / bench.RESULT_NAME).read_text())
+    document["env"]["gpu"] = "NVIDIA H200"
+    (second / bench.RESULT_NAME).write_text(json.dumps(document))
+    with pytest.raises(SystemExit, match=r"c1 ran on x and .*c2 on NVIDIA H200: .*one card"):
+        bench.main(["collect", str(first), str(second), "--out", str(tmp_path / "doc.json"), "--revision", "abc",
+                    "--interleaved-sets"])
+
+
 def test_a_tiles_arm_without_its_table_is_refused_before_any_run(tmp_path, monkeypatch):
     started = []
     monkeypatch.setattr(bench.subprocess, "call", lambda *a, **k: started.append(a) or 0)
