@@ -369,6 +369,12 @@ def _join_calls(folders: list[Path], interleaved_sets: bool) -> tuple[dict, list
     where the model is in more than one folder, so every arm is compared with arm A of its own call. Returns the
     runs by model key, each call's params, the first env, the log files by model key and each key's model label."""
     sources = [json.loads((folder / RESULT_NAME).read_text()) for folder in folders]
+    gpus = [(source.get("env") or {}).get("gpu") for source in sources]
+    for folder, gpu in zip(folders[1:], gpus[1:]):
+        if gpu != gpus[0]:
+            raise SystemExit(f"cost_by_size collect: {folders[0]} ran on {gpus[0]} and {folder} on {gpu}: a step "
+                             "multiple compares arms on one card; collect each card's folders into a document of "
+                             "its own")
     seen = [model for source in sources for model in source["results"]]
     models: dict = {}
     origin: dict = {}
