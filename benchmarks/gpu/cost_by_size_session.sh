@@ -9,7 +9,7 @@
 #      BLOGGAP_GPU_TEST_MODEL), into $OUT/onpolicy_gpu_grad.log (GRAD_TEST=0 skips it);
 #   4. with the time left, the 3B-class shape llama-3b-v49k, arms BIG_ARMS (default A,J:tiles with its own tile
 #      table), up to BIG_REPEATS (default 3) interleaved runs each into /tmp/c3: whether it fits beside vLLM on this
-#      card, and at what step time.
+#      card, and at what step time (BIG_ARMS= skips it, e.g. where phase 1's SHAPE is the 3B shape).
 # Every phase ends by the job's end less the later phases' reserves (SMALL_S, default 420 s; TEST_S, default 150 s;
 # BIG_S, default 0: phase 4 gets what is left), so a slow phase costs the later phases nothing but its own leftovers;
 # a skipped phase reserves nothing.
@@ -50,8 +50,9 @@ if [ "$GRAD_TEST" != 0 ]; then
 fi
 
 left_s=$(left 0)
-echo "== phase 4: llama-3b-v49k, arms ${BIG_ARMS:=A,J:tiles}, ${left_s} s left at $(( $(date +%s) - t0 )) s"
-if [ "$left_s" -gt 240 ]; then
+BIG_ARMS=${BIG_ARMS-A,J:tiles}
+echo "== phase 4: llama-3b-v49k, arms ${BIG_ARMS:-none}, ${left_s} s left at $(( $(date +%s) - t0 )) s"
+if [ -n "$BIG_ARMS" ] && [ "$left_s" -gt 240 ]; then
   python3 -m benchmarks.cost_by_size shape llama-3b-v49k --tokenizer "$VX/smollm2" --out "$VX/llama-3b-v49k" 2>&1 \
     | tail -1
   tiles=()

@@ -257,3 +257,14 @@ def test_a_skipped_cost_phase_reserves_nothing_and_phase_4_can_keep_a_reserve(tm
     assert 1000 - 60 - 300 - 2 <= int(first.rsplit("=", 1)[1]) <= 1000 - 60 - 300
     assert not any(line.startswith(("more c2", "1 passed")) for line in lines)
     assert "--repeats 2" in _line(lines, "more c3")
+
+
+def test_the_3b_shape_can_be_phase_1_and_then_no_phase_runs_it_again(tmp_path, spawns):
+    """With SHAPE=llama-3b-v49k (an H200's job) and BIG_ARMS= phase 4 does not run the shape a second time."""
+    lines = _cost_session(tmp_path, 1000, tiles_written=True, SHAPE="llama-3b-v49k", SMALL_ARMS="", GRAD_TEST="0",
+                          BIG_ARMS="")
+    first = _line(lines, "tiles_first")
+    assert first.startswith("tiles_first - SHAPE=llama-3b-v49k ")
+    assert 1000 - 60 - 2 <= int(first.rsplit("=", 1)[1]) <= 1000 - 60
+    assert "phase 4: llama-3b-v49k, arms none" in "\n".join(lines)
+    assert not any(line.startswith("more c3") for line in lines)
