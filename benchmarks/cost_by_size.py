@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import time
@@ -266,20 +265,19 @@ def live_arms_table(model: str, sets: dict[str, dict], verdicts: dict[str, str],
                      "not distinguishable)."}
 
 
-def sets_of(models: dict, model: str) -> dict[str, dict]:
-    """The run sets of ``model`` in a joined document's results: its own key, or its ``MODEL-setN`` keys
-    (``--interleaved-sets``)."""
-    return {key: runs for key, runs in models.items() if key == model or re.fullmatch(rf"{re.escape(model)}-set\d+", key)}
-
-
 def document(models: dict, params: dict, env: dict, table_id: str = TABLE_ID, real: tuple[str, ...] = (),
-             verdicts: dict[str, str] | None = None, live_table_id: str = LIVE_TABLE_ID) -> dict:
+             verdicts: dict[str, str] | None = None, live_table_id: str = LIVE_TABLE_ID,
+             labels: dict[str, str] | None = None) -> dict:
+    """The result document of ``models`` (key -> runs); ``real``: model labels that get a live table over every key
+    ``labels`` (key -> model label, as :func:`_join_calls` returns it; a key is its own label where absent) maps to
+    them, one per interleaved set."""
     from bloggap_plugin.results import SCHEMA_VERSION
 
     tables = [size_table(models, table_id)]
     for model in real:
         suffix = "" if len(real) == 1 else f"-{model}"
-        tables.append(live_arms_table(model, sets_of(models, model), verdicts or {}, live_table_id + suffix))
+        sets = {key: runs for key, runs in models.items() if (labels or {}).get(key, key) == model}
+        tables.append(live_arms_table(model, sets, verdicts or {}, live_table_id + suffix))
     return {"benchmark": "cost_by_size", "schema_version": SCHEMA_VERSION, "env": env, "params": params,
             "results": models, "tables": tables}
 
@@ -408,7 +406,7 @@ def collect_main(args: argparse.Namespace) -> int:
 
     models, calls, env, logs, labels = _join_calls([Path(run) for run in args.runs], args.interleaved_sets)
     paths = dict(spec.split("=", 1) for spec in args.model_path)
-    unknown = [label for label in args.real if not sets_of(models, label)]
+    unknown = [label for label in args.real if label not in labels.values()]
     if unknown:
         raise SystemExit(f"cost_by_size collect: --real {', '.join(unknown)}: no runs of that model in "
                          f"{', '.join(args.runs)} (models: {', '.join(sorted(models))})")
@@ -420,7 +418,7 @@ def collect_main(args: argparse.Namespace) -> int:
     params = {"revision": args.revision, "models": sorted(models), "calls": calls, "real": list(args.real),
               "sweep": args.sweep, "interleaved_sets": args.interleaved_sets}
     text = json.dumps(document(models, params, env, table_id=args.table_id, real=tuple(args.real),
-                               verdicts=verdicts, live_table_id=args.live_table_id), indent=1) + "\n"
+                               verdicts=verdicts, live_table_id=args.live_table_id, labels=labels), indent=1) + "\n"
     for label, path in paths.items():
         text = strip_paths(text, path, f"<{label} folder>")
     atomic_write_text(Path(args.out), text)
