@@ -41,11 +41,7 @@ fi
 if [ "$GRAD_TEST" != 0 ]; then
   echo "== phase 3: arm J's gradient test at 1.56B at $(( $(date +%s) - t0 )) s"
   python3 -m benchmarks.cost_by_size shape llama-1.56b-v49k --tokenizer "$VX/smollm2" --out "$VX/l156" 2>&1 | tail -1
-  for model in "" "$VX/l156"; do
-    echo "== model ${model:-tiny random Llama}"
-    BLOGGAP_GPU_TEST_MODEL=$model timeout "$(left "$big_s")" python3 -m pytest -q -m gpu -p no:cacheprovider -s \
-      tests/core/test_onpolicy_gpu.py 2>&1 | grep -E "relative L2|passed|failed|FAILED|Error" | cut -c1-300
-  done 2>&1 | tee "$OUT/onpolicy_gpu_grad.log"
+  TEST_END=$((end - big_s)) bash benchmarks/gpu/onpolicy_grad_test.sh "$VX/l156"
   rm -rf "$VX/l156"
 fi
 
