@@ -55,11 +55,8 @@ if [ -n "$BIG_ARMS" ] && [ "$left_s" -gt 240 ]; then
   if [[ "$BIG_ARMS" == *:tiles* ]]; then
     timeout 150 python3 -m bloggap_plugin.cli tiles --model "$VX/llama-3b-v49k" --out "$VX/tiles_3b.json" 2>&1 \
       | grep -v "^\[tiles" | tail -5
-    if [ -f "$VX/tiles_3b.json" ]; then
-      cp "$VX/tiles_3b.json" "$OUT/"; tiles=(--matmul-tiles "$VX/tiles_3b.json")
-    else
-      BIG_ARMS=$(printf '%s\n' ${BIG_ARMS//,/ } | sed 's/:tiles$//' | awk '!seen[$0]++' | paste -sd,)
-    fi
+    . benchmarks/gpu/tiles_or_plain.sh
+    tiles_or_plain "$VX/tiles_3b.json" BIG_ARMS
   fi
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   bash benchmarks/gpu/cost_by_size_more.sh c3 "$(left 0)" --model llama-3b="$VX/llama-3b-v49k" --arms "$BIG_ARMS" \

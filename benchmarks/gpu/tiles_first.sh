@@ -26,9 +26,8 @@ else
   timeout 240 python3 -m bloggap_plugin.cli tiles --model "$SHAPE_DIR" --out /tmp/vx/tiles.json \
     --cases "$OUT/tiles_cases.json" 2>&1 | grep -v "^\[tiles" | tail -20
 fi
-tiles=(--matmul-tiles /tmp/vx/tiles.json)
-cp /tmp/vx/tiles.json "$OUT/" 2>/dev/null || { echo "no tile table: the runs below are arms without it"; tiles=()
-  arms=$(printf '%s\n' ${arms//,/ } | sed 's/:tiles$//' | awk '!seen[$0]++' | paste -sd,); }
+. benchmarks/gpu/tiles_or_plain.sh
+tiles_or_plain /tmp/vx/tiles.json arms
 echo "tile table done at $(( $(date +%s) - t0 )) s"
 timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/core/test_vllm_tiles_gpu.py 2>&1 | tail -4
 left=$(( budget - ($(date +%s) - t0) ))

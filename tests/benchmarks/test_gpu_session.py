@@ -154,13 +154,13 @@ def test_cost_by_size_more_takes_its_budget_from_the_session_job(tmp_path, spawn
 
 
 def _cost_session(tmp_path: Path, budget_s: int, tiles_written: bool, **extra: str) -> list[str]:
-    """Runs cost_by_size_session.sh (and onpolicy_grad_test.sh) in a copy of the repository's layout whose other
+    """Runs cost_by_size_session.sh (and its helpers) in a copy of the repository's layout whose other
     scripts, python3 and nvidia-smi are stand-ins that print what they were given (python3 writes each --out
     FILE.json where ``tiles_written``); the lines printed."""
     repo = tmp_path / "repo"
     gpu = repo / "benchmarks" / "gpu"
     gpu.mkdir(parents=True)
-    for script in ("cost_by_size_session.sh", "onpolicy_grad_test.sh"):  # the job and the real scripts it calls
+    for script in ("cost_by_size_session.sh", "onpolicy_grad_test.sh", "tiles_or_plain.sh"):  # the job, real helpers
         (gpu / script).write_text((ROOT / "benchmarks" / "gpu" / script).read_text())
     (gpu / "tiles_first.sh").write_text('echo "tiles_first $* SHAPE=$SHAPE ARMS=$ARMS budget=$((BUDGET_S - 60))"\n')
     (gpu / "cost_by_size_more.sh").write_text('echo "more $*"\n')
