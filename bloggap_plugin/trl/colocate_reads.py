@@ -1,13 +1,14 @@
 """What TRL's colocate engine and generation were built with, read without changing them: the engine's ``LLM(...)``
 settings and model runner, and the sampling keywords TRL passes to vLLM. A lower layer for the modules that decide
-on them (:mod:`~bloggap_plugin.trl.vllm_colocate`, :mod:`~bloggap_plugin.trl.kept_source`, :mod:`~bloggap_plugin.trl.attach`)."""
+on them (:mod:`~bloggap_plugin.trl.vllm_colocate`, :mod:`~bloggap_plugin.trl.kept_source`,
+:mod:`~bloggap_plugin.trl.attach`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["colocate_llm", "colocate_engine", "colocate_engine_setting", "colocate_model_runner", "engine_model_runner", "trl_sampling_args",
-           "vllm_sampling"]
+__all__ = ["colocate_llm", "colocate_engine", "colocate_engine_setting", "colocate_model_runner", "engine_model_runner",
+           "trl_sampling_args", "vllm_sampling"]
 
 
 def colocate_llm(trainer: Any) -> Any:
