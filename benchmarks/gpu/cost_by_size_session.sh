@@ -5,13 +5,16 @@
 #      SmolLM2 folder, the shape, its tile table from `bloggap tiles`, the tiles GPU test, then 3 interleaved runs of
 #      each arm into /tmp/c1 (30 steps);
 #   2. SmolLM2-135M (real weights), arms SMALL_ARMS (default A,J; SMALL_ARMS= skips it) x3 interleaved into /tmp/c2;
+#   2p. with PROFILE_ARMS (e.g. A,J; default none), torch profiles of SmolLM2-135M's optimizer steps 10-11 per arm
+#      (GapCallback entry, benchmarks.arm_i_live's callback_X_ni2 runs, 12 steps) into $OUT/prof_135m/: where arm J's
+#      step goes at the size where it costs most per step (host vs device time, kernel families);
 #   3. arm J's GPU forward and gradient test on the 1.56B shape (tests/core/test_onpolicy_gpu.py with
 #      BLOGGAP_GPU_TEST_MODEL), into $OUT/onpolicy_gpu_grad.log (GRAD_TEST=0 skips it);
 #   4. with the time left, the 3B-class shape llama-3b-v49k, arms BIG_ARMS (default A,J:tiles with its own tile
 #      table), up to BIG_REPEATS (default 3) interleaved runs each into /tmp/c3: whether it fits beside vLLM on this
 #      card, and at what step time (BIG_ARMS= skips it, e.g. where phase 1's SHAPE is the 3B shape).
 # Every phase ends by the job's end less the later phases' reserves (SMALL_S, default 420 s; TEST_S, default 150 s;
-# BIG_S, default 0: phase 4 gets what is left), so a slow phase costs the later phases nothing but its own leftovers;
+# PROFILE_S, default 300; BIG_S, default 0: phase 4 gets what is left), so a slow phase costs the later phases nothing but its own leftovers;
 # a skipped phase reserves nothing.
 #   OUT=$OUT SESSION_S=<...> PACK="/tmp/c1 /tmp/c2 /tmp/c3" bash benchmarks/gpu/session.sh start \
 #       bash benchmarks/gpu/cost_by_size_session.sh
@@ -20,8 +23,10 @@ VX=${VX:-/tmp/vx}  # bundle_and_shape.sh's folder (another only in tests)
 t0=$(date +%s)
 end=$((t0 + BUDGET_S - 60))  # the last minute packs
 SMALL_ARMS=${SMALL_ARMS-A,J}; GRAD_TEST=${GRAD_TEST:-1}
-small_s=${SMALL_S:-420}; test_s=${TEST_S:-150}; big_s=${BIG_S:-0}
+PROFILE_ARMS=${PROFILE_ARMS:-}
+small_s=${SMALL_S:-420}; test_s=${TEST_S:-150}; big_s=${BIG_S:-0}; profile_s=${PROFILE_S:-300}
 [ -z "$SMALL_ARMS" ] && small_s=0
+[ -z "$PROFILE_ARMS" ] && profile_s=0
 [ "$GRAD_TEST" = 0 ] && test_s=0
 left() {  # seconds until the job's end less $1 s of reserve, at least 1 (timeout 0 would mean no limit)
   local seconds=$(( end - $(date +%s) - $1 )); [ "$seconds" -lt 1 ] && seconds=1; echo "$seconds"
@@ -29,13 +34,21 @@ left() {  # seconds until the job's end less $1 s of reserve, at least 1 (timeou
 
 echo "== phase 1: ${SHAPE:=llama-0.48b-v49k}, arms ${ARMS:=A,J:tiles,I:tiles,H}"
 export SHAPE ARMS
-BUDGET_S=$(( $(left $((small_s + test_s + big_s))) + 60 )) bash benchmarks/gpu/tiles_first.sh -
+BUDGET_S=$(( $(left $((small_s + profile_s + test_s + big_s))) + 60 )) bash benchmarks/gpu/tiles_first.sh -
 . .dev/vllm/t/env.sh
 
 if [ -n "$SMALL_ARMS" ]; then
   echo "== phase 2: smollm2-135m, arms $SMALL_ARMS at $(( $(date +%s) - t0 )) s"
-  bash benchmarks/gpu/cost_by_size_more.sh c2 "$(left $((test_s + big_s)))" --model smollm2-135m="$VX/smollm2" \
-    --arms "$SMALL_ARMS" --repeats 3 --steps 30
+  bash benchmarks/gpu/cost_by_size_more.sh c2 "$(left $((profile_s + test_s + big_s)))" \
+    --model smollm2-135m="$VX/smollm2" --arms "$SMALL_ARMS" --repeats 3 --steps 30
+fi
+
+if [ -n "$PROFILE_ARMS" ]; then
+  echo "== phase 2p: profiles of smollm2-135m, arms $PROFILE_ARMS at $(( $(date +%s) - t0 )) s"
+  runs=$(echo "$PROFILE_ARMS" | sed -E 's/([A-J])/callback_\1_ni2/g')
+  timeout "$(left $((test_s + big_s)))" python3 -m benchmarks.arm_i_live run --model "$VX/smollm2" \
+    --out "$OUT/prof_135m" --steps 12 --memory 0.3 --runs "$runs" --profile-steps 10-11 2>&1 \
+    | grep -v "^\s*$" | tail -12 | cut -c1-300
 fi
 
 if [ "$GRAD_TEST" != 0 ]; then

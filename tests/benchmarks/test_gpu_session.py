@@ -269,3 +269,18 @@ def test_the_3b_shape_can_be_phase_1_and_then_no_phase_runs_it_again(tmp_path, s
     assert 1000 - 60 - 2 <= int(first.rsplit("=", 1)[1]) <= 1000 - 60
     assert "phase 4: llama-3b-v49k, arms none" in "\n".join(lines)
     assert not any(line.startswith("more c3") for line in lines)
+
+
+def test_the_cost_session_profiles_135m_between_its_small_runs_and_the_gradient_test(tmp_path, spawns):
+    """PROFILE_ARMS=A,J profiles SmolLM2-135M's steps 10-11 per arm (callback runs of benchmarks.arm_i_live) into the
+    job's out/prof_135m (phase 2p), and phase 1 keeps it its reserve (PROFILE_S, 300 s);
+    without PROFILE_ARMS no profile runs and nothing is reserved."""
+    lines = _cost_session(tmp_path, 1000, tiles_written=True, SMALL_ARMS="", GRAD_TEST="0", BIG_ARMS="",
+                          PROFILE_ARMS="A,J")
+    assert 1000 - 60 - 300 - 2 <= int(_line(lines, "tiles_first").rsplit("=", 1)[1]) <= 1000 - 60 - 300
+    profile = _line(lines, "python3 -m benchmarks.arm_i_live")
+    assert profile == (f"python3 -m benchmarks.arm_i_live run --model {tmp_path}/vx/smollm2 --out {tmp_path}/out/"
+                       "prof_135m --steps 12 --memory 0.3 --runs callback_A_ni2,callback_J_ni2 --profile-steps 10-11")
+    lines = _cost_session(tmp_path / "again", 1000, tiles_written=True, SMALL_ARMS="", GRAD_TEST="0", BIG_ARMS="")
+    assert 1000 - 60 - 2 <= int(_line(lines, "tiles_first").rsplit("=", 1)[1]) <= 1000 - 60
+    assert not any("arm_i_live" in line for line in lines)
