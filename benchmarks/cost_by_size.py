@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import time
@@ -137,6 +138,19 @@ def _mean_of(runs: list[dict], key: str) -> float | None:
     return arm_i_live._mean(arm_i_live._values(runs, key))
 
 
+_EXCEPTION_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception)): (.*)$")
+
+
+def failure_cause(log_tail: str) -> str | None:
+    """The last exception line of a failed run's console tail as ``Type: message``, the message cut after its first
+    sentence (``torch.OutOfMemoryError: CUDA out of memory``); ``None`` where the tail names no exception."""
+    for line in reversed(log_tail.splitlines()):
+        match = _EXCEPTION_LINE.match(line.strip())
+        if match:
+            return f"{match.group(1)}: {match.group(2).split('. ')[0].rstrip('.')}"
+    return None
+
+
 def size_table(models: dict, table_id: str = TABLE_ID) -> dict:
     """``table_id`` (``T19-cost-by-size``): per model and arm, the mean over its runs of each statistic and its multiple of arm A's
     mean over arm A's runs of the same model (interleaved with them), the spread as each run's value over that mean."""
@@ -149,7 +163,10 @@ def size_table(models: dict, table_id: str = TABLE_ID) -> dict:
             mine = [r for r in ran if r["arm"] == arm]
             failed = [label for label, r in runs.items() if r["arm"] == arm and "error" in r]
             if not mine:
-                body.append([f"{arm} @ {model}", 0, None, None, None, None, f"failed: {', '.join(failed)}",
+                causes = dict.fromkeys(cause for cause in (failure_cause(runs[label].get("log_tail", ""))
+                                                           for label in failed) if cause)
+                why = f" ({'; '.join(causes)})" if causes else ""
+                body.append([f"{arm} @ {model}", 0, None, None, None, None, f"failed: {', '.join(failed)}{why}",
                              *[None] * (len(COLUMNS) - 7)])
                 continue
             medians = [r["step_s_median"] for r in mine if r.get("step_s_median") is not None]

@@ -75,6 +75,25 @@ def test_size_table_divides_by_the_mean_of_the_same_models_arm_a_runs():
     assert i["runs"] == 0 and i["median x A, runs (min-max)"] == "failed: I-1"
 
 
+def test_a_failed_arms_row_says_why_from_its_logs_last_exception():
+    """Issue 44: a shape that does not fit says why in the table. A failed run's cause is the last exception line of
+    its console tail (rank prefix and message after its first sentence dropped); runs failing alike name it once,
+    runs failing differently each cause, a tail without an exception only the failure."""
+    oom = ("Traceback (most recent call last):\n[rank0]:   File \"adam.py\", line 178, in _init_group\n"
+           "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 36.00 MiB. GPU 0 has 79.18 GiB\n")
+    models = {"m": {"A-1": {"arm": "A", "error": "exit 1", "log_tail": oom, "seconds": 5.0},
+                    "A-2": {"arm": "A", "error": "exit 1", "log_tail": oom.replace("36.00", "30.00"), "seconds": 5.0},
+                    "J-1": {"arm": "J", "error": "exit 1", "log_tail": oom, "seconds": 5.0},
+                    "J-2": {"arm": "J", "error": "exit 1", "log_tail": "ValueError: no kept set\n", "seconds": 5.0},
+                    "I-1": {"arm": "I", "error": "exit 9", "log_tail": "killed\n", "seconds": 5.0}}}
+    cells = {row[0]: row[6] for row in bench.size_table(models)["rows"]}
+    assert cells == {"A @ m": "failed: A-1, A-2 (torch.OutOfMemoryError: CUDA out of memory)",
+                     "J @ m": "failed: J-1, J-2 (torch.OutOfMemoryError: CUDA out of memory; ValueError: no kept set)",
+                     "I @ m": "failed: I-1"}
+    assert bench.failure_cause("x\nRuntimeError: the flash kernel changed one of its inputs in place; wrap it\n") == (
+        "RuntimeError: the flash kernel changed one of its inputs in place; wrap it")
+
+
 def test_a_run_splits_its_generating_steps_into_generation_and_old_pass_seconds():
     """Per run, the medians over generating steps after the first of ``gap/time/generate_s`` (the sampler's seconds)
     and ``gap/time/old_pass_s``; the table's row is their mean over the arm's runs."""
