@@ -172,20 +172,28 @@ def measure_arm_a(policy: Any, ids: Any, mask: Any, keep: int, repeats: int, dev
 
 ATTENTION_FORMULAS = {"padded entries": "padded_paged_attention",
                       "dense over the cache": "dense_cache_attention",
-                      "closed form, dense over the cache": "paged_attention_gradient"}
+                      "closed form": "paged_attention_gradient"}
 """Label -> attention backward (``core.vllm.autograd``) timed by :func:`attention_formula_rows`, padded entries first
 (the others' outputs are compared with its): the two formulas differentiated by autograd, and the closed-form
-gradient (a wrapped piece whose forward is the dense formula without gradients)."""
+gradient (a wrapped piece whose forward is the dense formula without gradients, given the decode call's rows as arm
+J's forward gives them: by entry for the prefill and for the decode call by rows, ``paged_attention_gradient``)."""
 PLUGIN_MARK = " (the plugin's)"
-"""Appended to a row's label where arm J's backward takes that route for that call: the closed form within
-``DENSE_GRADIENT_ELEMENTS``, else autograd of the formula ``core.vllm.autograd.paged_attention_formula`` picks."""
+"""Appended to a row's label where arm J's backward takes that route for that call: the closed form within its cap
+(``DENSE_GRADIENT_ELEMENTS``), else autograd of the formula ``core.vllm.autograd.paged_attention_formula`` picks."""
 
 
-def plugin_attention_backward(q: Any, key_cache: Any, max_seqlen_q: int) -> str:
-    """The :data:`ATTENTION_FORMULAS` name arm J's backward uses for one paged call (shapes only)."""
+def plugin_attention_backward(q: Any, key_cache: Any, arguments: tuple, rows: tuple | None = None) -> str:
+    """The :data:`ATTENTION_FORMULAS` name arm J's backward uses for one paged call (shapes and ints only):
+    ``arguments`` the call's ``(cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)``, ``rows`` the
+    decode call by rows where the forward passes them."""
     from bloggap_plugin.core.vllm import autograd as vllm_autograd
 
-    if vllm_autograd.dense_gradient_fits(q, key_cache):
+    max_seqlen_q = arguments[3]
+    if rows is not None or max_seqlen_q > 1:
+        fits = vllm_autograd.entry_gradient_fits(q, *(rows if rows is not None else arguments))
+    else:
+        fits = vllm_autograd.dense_gradient_fits(q, key_cache)
+    if fits:
         return "paged_attention_gradient"
     return vllm_autograd.paged_attention_formula(q, key_cache, max_seqlen_q).__name__
 
@@ -229,18 +237,20 @@ def attention_formula_rows(policy: Any, ids: Any, mask: Any, keep: int, device: 
     cache = paged_kv(k, v, ordered.lengths, 16, layout)[0]
     rows: dict = {}
     for call_name, call in zip(("prefill", "decode"), calls):
-        index, arguments = call[0], call[1:]
-        max_seqlen_q = arguments[3]  # (cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
-        plugin_route = plugin_attention_backward(q[index], cache, max_seqlen_q)
+        index, arguments = call[0], call[1:]  # (cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
+        by_rows = ordered.paged[("rows", 16)] if call_name == "decode" else None
+        plugin_route = plugin_attention_backward(q[index], cache, arguments, by_rows)
         reference = None
         for label, name in ATTENTION_FORMULAS.items():
             formula = _closed_form_piece() if name == "paged_attention_gradient" else getattr(vllm_autograd, name)
             leaves = [q[index].clone().requires_grad_(True), k.clone().requires_grad_(True),
                       v.clone().requires_grad_(True)]
 
-            def forward(leaves=leaves, formula=formula, arguments=arguments):
+            hint = {"rows": by_rows} if name == "paged_attention_gradient" and by_rows is not None else {}
+
+            def forward(leaves=leaves, formula=formula, arguments=arguments, hint=hint):
                 key_cache, value_cache, _ = paged_kv(leaves[1], leaves[2], ordered.lengths, 16, layout)
-                return formula(leaves[0], key_cache, value_cache, *arguments, head_dim ** -0.5)
+                return formula(leaves[0], key_cache, value_cache, *arguments, head_dim ** -0.5, **hint)
 
             row = time_forward_backward(forward, device, repeats)
             out = row.pop("logps")

@@ -64,20 +64,20 @@ def test_table_gives_each_form_against_arm_a(script):
 
 def test_the_attention_rows_time_each_backward_and_mark_the_plugins_per_call(tiny_model, script, monkeypatch):
     """The attention backwards on this micro-batch's prefill and decode calls (both formulas by autograd, and the
-    closed form): the rows carry their times and the difference from padded entries (to fp32 rounding: values and
-    gradients are tested equal in tests/core/test_onpolicy_forward.py); "(the plugin's)" marks the closed form for
-    both calls, and past DENSE_GRADIENT_ELEMENTS the formula flash_paged_formula picks (padded entries for the
-    prefill, dense over the cache for the decode call)."""
+    closed form, given the decode call's rows as arm J's forward gives them): the rows carry their times and the
+    difference from padded entries (to fp32 rounding: values and gradients are tested equal in
+    tests/core/test_onpolicy_forward.py); "(the plugin's)" marks the closed form for both calls, and past
+    DENSE_GRADIENT_ELEMENTS the formula flash_paged_formula picks (padded entries for the prefill, dense over the
+    cache for the decode call)."""
     from bloggap_plugin.core.vllm import autograd as vllm_autograd
 
     model, _ = tiny_model()
     ids, mask = _batch()
-    assert list(script.ATTENTION_FORMULAS) == ["padded entries", "dense over the cache",
-                                               "closed form, dense over the cache"]
+    assert list(script.ATTENTION_FORMULAS) == ["padded entries", "dense over the cache", "closed form"]
     rows = script.attention_formula_rows(model, ids, mask, 8, torch.device("cpu"), 1)
     assert list(rows) == ["prefill: padded entries", "prefill: dense over the cache",
-                          "prefill: closed form, dense over the cache (the plugin's)", "decode: padded entries",
-                          "decode: dense over the cache", "decode: closed form, dense over the cache (the plugin's)"]
+                          "prefill: closed form (the plugin's)", "decode: padded entries",
+                          "decode: dense over the cache", "decode: closed form (the plugin's)"]
     assert all(row["max_abs_vs_padded"] <= 1e-5 and row["total_s"] > 0 for row in rows.values())
     assert rows["prefill: padded entries"]["max_abs_vs_padded"] == 0.0
     monkeypatch.setattr(vllm_autograd, "DENSE_GRADIENT_ELEMENTS", 0)

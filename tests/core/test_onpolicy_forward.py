@@ -232,7 +232,8 @@ def test_paged_attention_pieces_have_torchs_fp32_gradient(page):
 def _arm_j_paged_calls(page: int = 4, keep: int = 16, seed: int = 3):
     """arm J's two paged calls on :func:`_rows` (entries of different lengths, GQA 4:2 heads), built as its forward
     builds them (``prompt_first`` order, ``stepwise_calls``, ``paged_kv``): ``{"prefill" | "decode": (q, key_cache,
-    value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)}``, fp32 random q/k/v."""
+    value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)}``, fp32 random q/k/v; ``"rows"``:
+    the decode call by rows (``form.decode_by_rows``) as the forward passes it to a differentiable kernel."""
     from bloggap_plugin.core.vllm.form import paged_kv, stepwise_calls
 
     ids, mask = _rows()
@@ -249,6 +250,7 @@ def _arm_j_paged_calls(page: int = 4, keep: int = 16, seed: int = 3):
     calls = {}
     for name, (index, *arguments) in zip(("prefill", "decode"), stepwise_calls(ordered, page)):
         calls[name] = (q[index], key_cache, value_cache, *arguments)
+    calls["rows"] = ordered.paged[("rows", page)]
     return calls
 
 
@@ -477,7 +479,8 @@ def test_a_norm_in_step_launches_is_one_piece_with_each_launchs_values_and_gradi
 def test_closed_form_gradients_are_torchs_gradients_of_the_formulas():
     """Each piece's gradient in closed form (``PIECE_GRADIENTS``: what the backward computes, without recomputing
     the piece) equals torch's autograd of the same fp32 formula, to fp32 rounding; every formula but the contiguous
-    attention's has one (the paged attention's on arm J's prefill and decode calls: GQA, entries sharing blocks)."""
+    attention's has one (the paged attention's on arm J's prefill and decode calls: GQA, entries sharing blocks; and
+    on the decode call given its rows)."""
     from bloggap_plugin.core.vllm.autograd import (
         PIECE_GRADIENTS,
         flash_paged_formula,
@@ -497,6 +500,7 @@ def test_closed_form_gradients_are_torchs_gradients_of_the_formulas():
         return torch.randn(*shape, generator=gen) * scale
 
     cache = vllm_cos_sin_cache(8, 10000.0, 64, torch.bfloat16, torch.device("cpu"))
+    calls = _arm_j_paged_calls()
     cases = [
         (linear_formula, [randn(3, 5, 16), randn(12, 16, scale=0.3), randn(12, scale=0.1)]),
         (linear_formula, [randn(24, 16), randn(12, 16, scale=0.3), None]),
@@ -505,7 +509,8 @@ def test_closed_form_gradients_are_torchs_gradients_of_the_formulas():
         (rotary_formula, [randn(24, 3, 8), torch.randint(0, 64, (24,), generator=gen), cache]),
         (silu_and_mul_formula, [randn(24, 20, scale=2)]),
         (token_logprobs_formula, [randn(24, 50, scale=3), torch.randint(0, 50, (24,), generator=gen)]),
-        *((flash_paged_formula, [*call, 0.3]) for call in _arm_j_paged_calls().values()),
+        *((flash_paged_formula, [*calls[name], 0.3]) for name in ("prefill", "decode")),
+        (flash_paged_formula, [*calls["decode"], 0.3, calls["rows"]]),  # the decode call given its rows
     ]
     for formula, args in cases:
         leaves = [a.clone().requires_grad_(True) if torch.is_tensor(a) and a.is_floating_point() and a.dtype ==
@@ -695,3 +700,97 @@ def test_the_unread_slots_memo_lets_a_mask_go_with_its_calls_metadata():
     del cu, seqused, table
     gc.collect()
     assert not any(key[:3] == ids for key in vllm_autograd._UNREAD_MEMO)
+
+
+def test_the_decode_call_by_rows_is_the_same_attention_over_each_rows_own_keys():
+    """Arm J's decode call (one entry per generated token) described by rows: an entry per row that generated, its
+    generated tokens (the last of its tokens) the queries, its length the keys, its block table row; checked against
+    the packed rows one by one. The same attention as the decode call (fp32, to rounding). A row whose generated
+    tokens are not the last of its tokens has no such description."""
+    from bloggap_plugin.core.vllm.autograd import padded_paged_attention
+    from bloggap_plugin.core.vllm.form import decode_by_rows
+
+    calls = _arm_j_paged_calls()
+    q, key_cache, value_cache, cu, seqused, table, _, max_k = calls["decode"]
+    cu_rows, keys, table_rows, max_q_rows, max_k_rows = calls["rows"]
+    ids, mask = _rows()
+    lengths = mask.sum(1).tolist()
+    generated = [int(mask[row, -16:].sum()) for row in range(len(lengths))]
+    assert (cu_rows[1:] - cu_rows[:-1]).tolist() == generated and keys.tolist() == lengths  # every row generated
+    assert max_q_rows == max(generated) and max_k_rows == max(lengths) == max_k
+    assert torch.equal(table_rows[:, 0], torch.tensor([int(table[int(start), 0]) for start in cu_rows[:-1]]))
+    by_entries = padded_paged_attention(q, key_cache, value_cache, cu, seqused, table, 1, max_k, 0.3)
+    by_rows = padded_paged_attention(q, key_cache, value_cache, cu_rows, keys, table_rows, max_q_rows, max_k_rows, 0.3)
+    torch.testing.assert_close(by_rows, by_entries, rtol=1e-5, atol=1e-6)
+    row = torch.tensor([0, 0, 0, 1, 1])
+    assert decode_by_rows(row, torch.tensor([3, 4, 5, 2, 3]), [6, 4], table[:2]) is not None
+    assert decode_by_rows(row, torch.tensor([2, 4, 5, 2, 3]), [6, 4], table[:2]) is None  # row 0: 2, 4, 5 of 6
+
+
+@pytest.mark.parametrize("call", ["prefill", "decode"])
+def test_the_attention_gradient_by_entry_scores_each_entry_against_its_own_keys(call, monkeypatch):
+    """The closed form by entry (the prefill; the decode call given its rows) against autograd of the formula and
+    the dense closed form: the same gradients (fp32, to rounding). Its score tensor holds entries x heads x queries
+    x keys of each entry, not every query against every cache slot (arm J's decode call: its rows x heads x the most
+    generated tokens x the longest row, against generated tokens x heads x slots); each cache slot takes the
+    gradient of at most one entry's key (the sum needs no order), padding none."""
+    from bloggap_plugin.core.vllm import autograd as vllm_autograd
+
+    calls = _arm_j_paged_calls()
+    args = [*calls[call], 0.3]
+    q, key_cache = args[0], args[1]
+    rows = calls["rows"] if call == "decode" else None
+    upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(11))
+    scores = []
+    original = vllm_autograd._bmm
+    monkeypatch.setattr(vllm_autograd, "_bmm", lambda a, b, alpha=1.0: scores.append(a.shape[:2] + b.shape[2:])
+                        or original(a, b, alpha))
+    got = vllm_autograd.paged_attention_gradient(upstream, *args, *(() if rows is None else (rows,)))
+    assert len(got) == len(args) + (rows is not None) and all(g is None for g in got[3:])
+    entry_call = rows if rows is not None else args[3:8]
+    entries, max_q, max_k = entry_call[0].numel() - 1, entry_call[3], entry_call[4]
+    kv_heads, slots = key_cache.shape[2], key_cache.shape[0] * key_cache.shape[1]
+    assert scores[0] == (entries * kv_heads, q.shape[1] // kv_heads * max_q, max_k)
+    assert entries * q.shape[1] * max_q * max_k < q.shape[0] * q.shape[1] * slots
+    leaves = [t.clone().requires_grad_(True) for t in args[:3]]
+    want = torch.autograd.grad(vllm_autograd.flash_paged_formula(*leaves, *args[3:]), leaves, upstream)
+    monkeypatch.setattr(vllm_autograd, "_bmm", original)
+    dense = vllm_autograd.paged_attention_gradient(upstream, *args[:6], 1, args[7], 0.3) if call == "decode" else None
+    for index, (g, w) in enumerate(zip(got[:3], want, strict=True)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6 * float(w.abs().max()))
+        if dense is not None:
+            torch.testing.assert_close(g, dense[index], rtol=1e-5, atol=1e-6 * float(w.abs().max()))
+    *_, write, _ = vllm_autograd.entry_layout(*entry_call[:5], q.shape[0], slots, key_cache.shape[1])
+    real = write[write < slots]
+    assert real.unique().numel() == real.numel()
+
+
+def test_the_attention_backward_by_entry_dispatches_a_closed_form():
+    """Host work of the closed form by entry (arm J's prefill call and its decode call by rows): five matmuls, the
+    softmax and its gradient, one scatter per cache gradient, no recompute through autograd; with the call's layout
+    already built (every layer after the first) nothing for it. Only the gradients wanted are computed."""
+    from benchmarks.arm_j_host_ops import OpCounter
+
+    kernels = autograd_kernels(TORCH_KERNELS)
+    calls = _arm_j_paged_calls()
+    q, key_cache, value_cache, *metadata = calls["decode"]
+    q, key_cache, value_cache = (t.to(torch.bfloat16) for t in (q, key_cache, value_cache))
+    upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+
+    def backward_ops(wanted):
+        leaves = [_leaf(t) if i in wanted else t for i, t in enumerate((q, key_cache, value_cache))]
+        out = kernels.flash_paged(*leaves, *metadata, 0.3, rows=calls["rows"])
+        with OpCounter() as counter:
+            grads = torch.autograd.grad(out, [t for t in leaves if t.requires_grad], upstream)
+        assert all(g.dtype == torch.bfloat16 for g in grads)
+        return counter.counts, counter.summary()["launching"]
+
+    backward_ops({0, 1, 2})  # builds the call's layout
+    counts, launching = backward_ops({0, 1, 2})
+    assert counts["baddbmm"] == 5 and counts["index_put_"] == 4 and counts["_softmax"] == 0, dict(counts)
+    assert counts["repeat_interleave"] == 0 and counts["arange"] == 0, dict(counts)  # the layout: memoised
+    assert launching <= 40, (dict(counts), launching)
+    counts, _ = backward_ops({0})
+    assert counts["baddbmm"] == 3 and counts["index_put_"] == 2, dict(counts)  # S, dP, d q; q and grad padded
+    counts, _ = backward_ops({2})
+    assert counts["baddbmm"] == 2 and counts["index_put_"] == 3, dict(counts)  # S, d V; d V summed into the cache

@@ -174,36 +174,42 @@ def paged_unread_slots(cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, bloc
 
 
 _UNREAD_MEMO: collections.OrderedDict = collections.OrderedDict()
-_UNREAD_MEMO_SIZE = 8
+_ENTRY_MEMO: collections.OrderedDict = collections.OrderedDict()
+_MEMO_SIZE = 8
+
+
+def _memo(store: collections.OrderedDict, build: Callable[..., object], metadata: tuple[torch.Tensor, ...],
+          *sizes: int) -> object:
+    """``build(*metadata, *sizes)``, computed once per call's metadata: every layer's call of a forward passes the
+    same metadata tensors (``form.stepwise_calls``), so it is built for the first layer's backward and reused by the
+    others. An entry holds weak references to the tensors and their versions: a tensor replaced or changed in place
+    is a miss (built again), and the entry goes when any of them is freed; at most ``_MEMO_SIZE`` entries."""
+    key = (*(id(t) for t in metadata), *sizes)
+    held = store.get(key)
+    if held is not None:
+        refs, versions, value = held
+        if all(ref() is t for ref, t in zip(refs, metadata)) and versions == tuple(t._version for t in metadata):
+            with contextlib.suppress(KeyError):  # its metadata freed meanwhile
+                store.move_to_end(key)
+            return value
+    value = build(*metadata, *sizes)
+
+    def forget(_ref: weakref.ref, key: tuple = key) -> None:
+        held = store.get(key)
+        if held is not None and any(ref is _ref for ref in held[0]):
+            store.pop(key, None)
+
+    store[key] = (tuple(weakref.ref(t, forget) for t in metadata), tuple(t._version for t in metadata), value)
+    while len(store) > _MEMO_SIZE:
+        store.popitem(last=False)
+    return value
 
 
 def _memo_unread_slots(cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
                        max_seqlen_k: int, queries: int, slots: int, page: int) -> torch.Tensor:
-    """:func:`paged_unread_slots`, computed once per call's metadata: every layer's call of a forward passes the same
-    ``cu_seqlens_q``/``seqused_k``/``block_table`` tensors (``form.stepwise_calls``), so the mask is built for the
-    first layer's backward and reused by the others. An entry holds weak references to the three tensors and their
-    versions: a tensor replaced or changed in place is a miss (the mask is rebuilt), and the entry goes when any of
-    them is freed; at most ``_UNREAD_MEMO_SIZE`` entries."""
-    metadata = (cu_seqlens_q, seqused_k, block_table)
-    key = (*(id(t) for t in metadata), max_seqlen_k, queries, slots, page)
-    held = _UNREAD_MEMO.get(key)
-    if held is not None:
-        refs, versions, mask = held
-        if all(ref() is t for ref, t in zip(refs, metadata)) and versions == tuple(t._version for t in metadata):
-            with contextlib.suppress(KeyError):  # its metadata freed meanwhile
-                _UNREAD_MEMO.move_to_end(key)
-            return mask
-    mask = paged_unread_slots(cu_seqlens_q, seqused_k, block_table, max_seqlen_k, queries, slots, page)
-
-    def forget(_ref: weakref.ref, key: tuple = key) -> None:
-        held = _UNREAD_MEMO.get(key)
-        if held is not None and any(ref is _ref for ref in held[0]):
-            _UNREAD_MEMO.pop(key, None)
-
-    _UNREAD_MEMO[key] = (tuple(weakref.ref(t, forget) for t in metadata), tuple(t._version for t in metadata), mask)
-    while len(_UNREAD_MEMO) > _UNREAD_MEMO_SIZE:
-        _UNREAD_MEMO.popitem(last=False)
-    return mask
+    """:func:`paged_unread_slots`, computed once per call's metadata (:func:`_memo`)."""
+    return _memo(_UNREAD_MEMO, paged_unread_slots, (cu_seqlens_q, seqused_k, block_table), max_seqlen_k, queries,
+                 slots, page)
 
 
 def dense_cache_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -246,11 +252,12 @@ def paged_attention_formula(q: torch.Tensor, key_cache: torch.Tensor,
 
 def flash_paged_formula(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
-                        max_seqlen_q: int, max_seqlen_k: int, scale: float) -> torch.Tensor:
+                        max_seqlen_q: int, max_seqlen_k: int, scale: float, rows: tuple | None = None) -> torch.Tensor:
     """The paged varlen call with query and key lengths apart (the :attr:`Kernels.flash_paged` signature): entry
     ``i``'s queries against the keys its block table reads, each query ``r`` of ``n`` to the keys ``< seqused_k - n +
     r + 1``. Per call, dense over the cache or padded entries (:func:`paged_attention_formula`; both compute the same
-    attention). ``q [Tq, nq, d]`` -> ``[Tq, nq, d]``."""
+    attention). ``rows``: the same call described by rows (:data:`~bloggap_plugin.core.vllm.form.RowsHint`), read only
+    by the gradient (:func:`paged_attention_gradient`). ``q [Tq, nq, d]`` -> ``[Tq, nq, d]``."""
     formula = paged_attention_formula(q, key_cache, max_seqlen_q)
     return formula(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale)
 
@@ -420,18 +427,33 @@ def dense_gradient_fits(q: torch.Tensor, key_cache: torch.Tensor) -> bool:
 
 def paged_attention_gradient(grad: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                              cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
-                             max_seqlen_q: int, max_seqlen_k: int, scale: float, *,
+                             max_seqlen_q: int, max_seqlen_k: int, scale: float, rows: tuple | None = None, *,
                              needs: Sequence[bool] | None = None) -> tuple:
-    """:func:`flash_paged_formula`'s ``(d q, d key_cache, d value_cache, None, ...)`` in closed form, dense over the
-    cache: with ``S = scale q K^T`` masked to the slots each query reads (:func:`paged_unread_slots`, built once per
-    call's metadata), ``P = softmax(S)`` and ``dP = grad V^T``: ``d V = P^T grad``, ``dS = P (dP - rowsum(dP P))``,
-    ``d q = scale dS K``, ``d K = scale dS^T q``, each key/value head shared by its query heads (GQA) without copying
-    the cache per head. In fp32 from the inputs as given, each gradient rounded once to its input's dtype. A call whose
-    ``heads x Tq x slots`` exceeds :data:`DENSE_GRADIENT_ELEMENTS` goes through :func:`formula_gradient`.
+    """:func:`flash_paged_formula`'s ``(d q, d key_cache, d value_cache, None, ...)`` (one entry per argument) in
+    closed form, one of two ways chosen from ints and shapes alone:
+
+    - **by entry** (:func:`padded_entry_gradient`) for a call whose entries hold several queries each (a prefill,
+      ``max_seqlen_q > 1``) or that comes with ``rows``, the same call described by rows (arm J's decode call: one
+      entry per generated token, described as each row's generated tokens against the row's keys): each entry's
+      queries against its own keys only, so the work is the sum over entries of queries x keys;
+    - **dense over the cache** otherwise (one query per entry, entries sharing blocks): with ``S = scale q K^T``
+      masked to the slots each query reads (:func:`paged_unread_slots`, built once per call's metadata), ``P =
+      softmax(S)`` and ``dP = grad V^T``: ``d V = P^T grad``, ``dS = P (dP - rowsum(dP P))``, ``d q = scale dS K``,
+      ``d K = scale dS^T q``, each key/value head shared by its query heads (GQA) without copying the cache per head.
+
+    In fp32 from the inputs as given, each gradient rounded once to its input's dtype. A call past its form's cap
+    (:data:`DENSE_GRADIENT_ELEMENTS` score elements) goes through :func:`formula_gradient`.
     ``q [Tq, nq, d]``, ``key_cache/value_cache [blocks, page, nkv, d]``."""
-    if not dense_gradient_fits(q, key_cache):
+    tail = (None,) * (6 + (rows is not None))
+    by_entry = rows is not None or max_seqlen_q > 1
+    entry_call = rows if rows is not None else (cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
+    fits = entry_gradient_fits(q, *entry_call) if by_entry else dense_gradient_fits(q, key_cache)
+    if not fits:
         return formula_gradient(flash_paged_formula, grad, q, key_cache, value_cache, cu_seqlens_q, seqused_k,
-                                block_table, max_seqlen_q, max_seqlen_k, scale, needs=needs)
+                                block_table, max_seqlen_q, max_seqlen_k, scale,
+                                *(() if rows is None else (rows,)), needs=needs)
+    if by_entry:
+        return (*padded_entry_gradient(grad, q, key_cache, value_cache, *entry_call, scale, needs=needs), *tail)
     queries, heads, dim = q.shape
     blocks, page, kv_heads, _ = key_cache.shape
     slots = blocks * page
@@ -459,7 +481,104 @@ def paged_attention_gradient(grad: torch.Tensor, q: torch.Tensor, key_cache: tor
             dkeys = _bmm(dscores.transpose(1, 2), query, scale)
     dkeys = None if dkeys is None else _rows_major(dkeys, slots, key_cache.dtype).view(key_cache.shape)
     dvalues = None if dvalues is None else _rows_major(dvalues, slots, value_cache.dtype).view(value_cache.shape)
-    return dq, dkeys, dvalues, None, None, None, None, None, None
+    return dq, dkeys, dvalues, *tail
+
+
+def entry_gradient_fits(q: torch.Tensor, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,  # noqa: ARG001
+                        block_table: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int) -> bool:  # noqa: ARG001
+    """Whether :func:`padded_entry_gradient`'s fp32 score tensor (entries x query heads x ``max_seqlen_q`` x
+    ``max_seqlen_k``) is within :data:`DENSE_GRADIENT_ELEMENTS`. Shapes and ints only: no host read."""
+    return (cu_seqlens_q.shape[0] - 1) * q.shape[1] * max_seqlen_q * max_seqlen_k <= DENSE_GRADIENT_ELEMENTS
+
+
+def entry_layout(cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor, max_seqlen_q: int,
+                 max_seqlen_k: int, queries: int, slots: int, page: int) -> tuple:
+    """Where :func:`padded_entry_gradient` puts each query and reads each key: ``(entry [Tq], within [Tq], read [E,
+    max_k], write [E, max_k], hidden [E, max_q, max_k])``: query ``t`` is entry ``entry[t]``'s query ``within[t]``;
+    entry ``e``'s key ``j`` is cache slot ``read[e, j]`` (a real slot also past its keys: masked) and its gradient goes
+    to slot ``write[e, j]`` (``slots``, a slot past the cache, where ``j`` is past the entry's keys); ``hidden``: the
+    keys a query does not see (query ``r`` of ``n`` sees the keys ``< seqused_k - n + r + 1``; a padded query, ``r >=
+    n``, sees key 0 at least: its gradient is zero). No host read."""
+    device = cu_seqlens_q.device
+    entries = cu_seqlens_q.numel() - 1
+    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    entry = torch.repeat_interleave(torch.arange(entries, device=device), counts, output_size=queries)
+    within = torch.arange(queries, device=device) - cu_seqlens_q[:-1].long()[entry]
+    j = torch.arange(max_seqlen_k, device=device)
+    block = (j // page).clamp(max=block_table.shape[1] - 1)
+    slot = block_table.long()[:, block] * page + j % page  # [E, max_k]
+    real = j[None, :] < seqused_k.long()[:, None]
+    read = torch.where(real, slot, torch.zeros_like(slot))
+    write = torch.where(real, slot, torch.full_like(slot, slots))
+    rows = torch.arange(max_seqlen_q, device=device)
+    limit = seqused_k.long()[:, None] - counts[:, None] + rows[None, :] + 1  # [E, max_q]
+    hidden = (j[None, None, :] >= limit[:, :, None]) & (j > 0)[None, None, :]
+    return entry, within, read, write, hidden
+
+
+def _padded_heads(x: torch.Tensor, entry: torch.Tensor, within: torch.Tensor, entries: int, max_q: int,
+                  kv_heads: int) -> torch.Tensor:
+    """``x [Tq, nq, d]`` (any float dtype) as fp32 ``[E * nkv, groups * max_q, d]``: entry ``e``'s queries under
+    key/value head ``h``, query head ``h * groups + g`` at rows ``g * max_q ...`` (zeros at padded queries)."""
+    queries, heads, dim = x.shape
+    groups = heads // kv_heads
+    padded = torch.zeros(entries, kv_heads, groups, max_q, dim, dtype=torch.float32, device=x.device)
+    padded[entry, :, :, within] = x.view(queries, kv_heads, groups, dim).float()
+    return padded.view(entries * kv_heads, groups * max_q, dim)
+
+
+def padded_entry_gradient(grad: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_table: torch.Tensor,
+                          max_seqlen_q: int, max_seqlen_k: int, scale: float, *,
+                          needs: Sequence[bool] | None = None) -> tuple:
+    """``(d q, d key_cache, d value_cache)`` of the paged call with these metadata, entry by entry: each entry's
+    queries (padded to ``max_seqlen_q``) against its own keys (gathered through its block table, padded to
+    ``max_seqlen_k``), the closed form of :func:`paged_attention_gradient` on ``[E * nkv, groups * max_q, max_k]``
+    scores; the keys' and values' gradients summed into the cache's slots (``index_put_`` accumulating: entries may
+    share slots). In fp32, each gradient rounded once to its input's dtype. Layout from :func:`entry_layout`, once per
+    call's metadata. No host read."""
+    queries, heads, dim = q.shape
+    blocks, page, kv_heads, _ = key_cache.shape
+    slots = blocks * page
+    entries = cu_seqlens_q.numel() - 1
+    groups = heads // kv_heads
+    max_q, max_k = max_seqlen_q, max_seqlen_k
+    want_q, want_keys, want_values = (_wants(needs, i) for i in range(3))
+    entry, within, read, write, hidden = _memo(_ENTRY_MEMO, entry_layout, (cu_seqlens_q, seqused_k, block_table),
+                                               max_q, max_k, queries, slots, page)
+    query = _padded_heads(q, entry, within, entries, max_q, kv_heads)  # [E * nkv, groups * max_q, d]
+    upstream = _padded_heads(grad, entry, within, entries, max_q, kv_heads)
+
+    def gathered(cache: torch.Tensor) -> torch.Tensor:  # [E * nkv, max_k, d] fp32
+        rows = cache.view(slots, kv_heads, dim)[read]  # [E, max_k, nkv, d]
+        out = torch.empty(entries, kv_heads, max_k, dim, dtype=torch.float32, device=cache.device)
+        out.copy_(rows.permute(0, 2, 1, 3))
+        return out.view(entries * kv_heads, max_k, dim)
+
+    keys, values = gathered(key_cache), gathered(value_cache)
+    probs = _bmm(query, keys.transpose(1, 2), scale)  # [E * nkv, groups * max_q, max_k]
+    probs.view(entries, kv_heads, groups, max_q, max_k).masked_fill_(hidden[:, None, None], float("-inf"))
+    probs.sub_(probs.amax(-1, keepdim=True)).exp_()
+    probs.div_(probs.sum(-1, keepdim=True))
+
+    def to_cache(per_entry: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # [E * nkv, max_k, d] -> like's
+        rows = per_entry.view(entries, kv_heads, max_k, dim).permute(0, 2, 1, 3).reshape(entries * max_k, kv_heads, dim)
+        summed = torch.zeros(slots + 1, kv_heads, dim, dtype=torch.float32, device=like.device)
+        summed.index_put_((write.reshape(-1),), rows, accumulate=True)
+        return summed[:slots].to(like.dtype).view(like.shape)
+
+    dq = dkeys = dvalues = None
+    if want_values:
+        dvalues = to_cache(_bmm(probs.transpose(1, 2), upstream), value_cache)
+    if want_q or want_keys:
+        dscores = _bmm(upstream, values.transpose(1, 2))
+        dscores.sub_((dscores * probs).sum(-1, keepdim=True)).mul_(probs)
+        if want_q:
+            padded = _bmm(dscores, keys, scale).view(entries, kv_heads, groups, max_q, dim)
+            dq = padded[entry, :, :, within].view(queries, heads, dim).to(q.dtype)
+        if want_keys:
+            dkeys = to_cache(_bmm(dscores.transpose(1, 2), query, scale), key_cache)
+    return dq, dkeys, dvalues
 
 
 PIECE_GRADIENTS: dict[Callable[..., torch.Tensor], Callable[..., tuple]] = {
@@ -599,6 +718,18 @@ def autograd_kernels(kernels: Kernels) -> Kernels:
     kernel's, the backward is torch's fp32 formula of the piece. ``scope`` and ``source`` are kept; grad-free calls
     (or inputs that need no gradient) call the kernel directly. The norms also carry ``in_step_launches(x, weight,
     eps, launches)``: :func:`~bloggap_plugin.core.vllm.form.norm_in_step_launches` of the kernel as one piece."""
-    wrapped = {name: _wrap(name, getattr(kernels, name), formula, ("block_table",) if name == "flash" else ())
-               for name, formula in PIECE_FORMULAS.items()}
+    keywords = {"flash": ("block_table",), "flash_paged": ("rows",)}
+    wrapped = {}
+    for name, formula in PIECE_FORMULAS.items():
+        kernel = getattr(kernels, name)
+        wrapped[name] = _wrap(name, _without_rows(kernel) if name == "flash_paged" else kernel, formula,
+                              keywords.get(name, ()))
+    wrapped["flash_paged"].takes_rows = True
     return dataclasses.replace(kernels, **wrapped)
+
+
+def _without_rows(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The paged kernel called with its nine arguments, a trailing ``rows`` hint (for the gradient) dropped."""
+    def paged(*args):
+        return kernel(*args[:9])
+    return paged

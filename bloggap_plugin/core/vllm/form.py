@@ -478,10 +478,12 @@ def stepwise_calls(packed: PackedBatch, page: int) -> tuple:
         longest = int(prompt_lengths.max())
         prefill = (prompt, cu, prompt_lengths[used].to(torch.int32), table[used], longest, longest)
     decoded = generated.nonzero().squeeze(-1)
+    rows = None
     if decoded.numel():
         seen = (index_in_row[decoded] + 1).to(torch.int32)
         cu = torch.arange(decoded.numel() + 1, dtype=torch.int32, device=device)
         decode = (decoded, cu, seen, table[row[decoded]], 1, int(seen.max()))
+        rows = decode_by_rows(row[decoded], index_in_row[decoded], packed.lengths, table)
     if packed.order is not None:  # prompt_first: the calls' queries are the two contiguous halves, in this order
         split = prompt.numel()
         prefill = None if prefill is None else (slice(0, split), *prefill[1:])
@@ -489,7 +491,29 @@ def stepwise_calls(packed: PackedBatch, page: int) -> tuple:
     if packed.order is not None:  # the cache slot of each token in prompt_first's order
         packed.paged[("order", page)] = (layout[0][packed.order], *layout[1:])
     packed.paged[key] = (prefill, decode)
+    packed.paged[("rows", page)] = rows
     return prefill, decode
+
+
+def decode_by_rows(row: torch.Tensor, index_in_row: torch.Tensor, lengths: list[int],
+                   block_table: torch.Tensor) -> tuple | None:
+    """The decode call of :func:`stepwise_calls` (entry ``t``: generated token ``t``, its row's keys up to itself)
+    described by rows, as a prefill-shaped call over the same queries and caches: ``(cu_seqlens_q, seqused_k,
+    block_table, max_seqlen_q, max_seqlen_k)`` with one entry per row that generated, its generated tokens the
+    entry's queries and its length the entry's keys. The same attention, since each row's generated tokens are the
+    last of its tokens; ``None`` where they are not. ``row``, ``index_in_row [Tg]``: each generated token's row and
+    position, in the call's (row-major) order. The host reads are the layout's own (none of the device where it
+    lives on the CPU)."""
+    device = block_table.device
+    length = torch.tensor(lengths, device=device)
+    per_row = torch.bincount(row, minlength=len(lengths))
+    if not bool((index_in_row >= (length - per_row)[row]).all()):
+        return None
+    used = per_row > 0
+    cu = torch.zeros(int(used.sum()) + 1, dtype=torch.int32, device=device)
+    cu[1:] = per_row[used].cumsum(0)
+    keys = length[used]
+    return cu, keys.to(torch.int32), block_table[used], int(per_row.max()), int(keys.max())
 
 
 def stepwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedBatch, page: int,
@@ -497,20 +521,23 @@ def stepwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed
     """Attention as vLLM's steps computed it (``attention_launch: steps``): one prefill call over each row's prompt
     tokens, then one call in which every generated token is an entry with one query against its row's K/V up to and
     including itself. ``paged(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q,
-    max_seqlen_k, scale)`` is the paged varlen kernel. ``q [T, nq, d]``, ``k/v [T, nkv, d]`` -> ``[T, nq, d]``."""
-    calls = stepwise_calls(packed, page)
+    max_seqlen_k, scale)`` is the paged varlen kernel; a differentiable one that ``takes_rows`` also gets the decode
+    call described by rows (:func:`decode_by_rows`), for its gradient. ``q [T, nq, d]``, ``k/v [T, nkv, d]`` -> ``[T,
+    nq, d]``."""
+    prefill, decode = stepwise_calls(packed, page)
+    rows = packed.paged.get(("rows", page)) if getattr(paged, "takes_rows", False) else None
+    calls = [(call, {"rows": rows} if call is decode and rows is not None else {})
+             for call in (prefill, decode) if call is not None]
     layout = packed.paged[page]
     if packed.order is not None:  # the cache slots in prompt_first's order
         layout = packed.paged[("order", page)]
         key_cache, value_cache, _ = paged_kv(k, v, packed.lengths, page, layout)
-        parts = [paged(q[call[0]], key_cache, value_cache, *call[1:], scale) for call in calls if call is not None]
+        parts = [paged(q[call[0]], key_cache, value_cache, *call[1:], scale, **hint) for call, hint in calls]
         return torch.cat(parts) if len(parts) > 1 else parts[0]
     key_cache, value_cache, _ = paged_kv(k, v, packed.lengths, page, layout)
     out = torch.empty_like(q)
-    for call in calls:
-        if call is not None:
-            index, cu, seqused, table, max_q, max_k = call
-            out[index] = paged(q[index], key_cache, value_cache, cu, seqused, table, max_q, max_k, scale)
+    for (index, *metadata), hint in calls:
+        out[index] = paged(q[index], key_cache, value_cache, *metadata, scale, **hint)
     return out
 
 
