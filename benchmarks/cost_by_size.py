@@ -13,8 +13,10 @@ limit keeps what finished. Nothing is exported for arms I and J: ``bloggap train
 written ``I:process`` runs arm I with ``BLOGGAP_VLLM_BATCH_INVARIANCE=process`` (vLLM's batch-invariant mode left on
 for the whole process, as before the plugin confined it): the route's before; ``J:tiles`` runs arm J with the tile
 table of ``--matmul-tiles FILE`` (``bloggap tiles`` writes one) named by the recipe field, ``--gap_overrides
-'{matmul_tiles: FILE}'``, as a user names it (:mod:`bloggap_plugin.core.vllm.tile_table`). ``--budget-s``: the
-call stops at the first run whose expected length (the last run of that arm and model, else the longest so far)
+'{matmul_tiles: FILE}'``, as a user names it (:mod:`bloggap_plugin.core.vllm.tile_table`); ``J:dense_attention``
+runs arm J with ``BLOGGAP_ATTENTION_GRADIENT=dense`` (the attention gradient's dense closed form for every call: the
+by-entry route's before). ``--budget-s``: the call stops at the first run whose expected length (the last run of
+that arm and model, else the longest so far)
 exceeds the time left, so the runs keep their interleaved order; ``params.skipped`` lists the runs left for the next
 call. A ``run`` into an ``OUT`` that holds a document keeps its finished runs and starts only the others.
 
@@ -39,6 +41,7 @@ from benchmarks import arm_i_live
 from benchmarks._lib.paths import ROOT
 from benchmarks.arm_i_live import _round, _times
 from bloggap_plugin._io import atomic_write_text
+from bloggap_plugin.core.vllm.autograd import ATTENTION_GRADIENT_ENV
 from bloggap_plugin.core.vllm.tile_table import TILES_ENV
 
 TABLE_ID = "T19-cost-by-size"
@@ -63,9 +66,9 @@ def parse_arm(text: str) -> tuple[str, str | None]:
     ``("J", "tiles")`` (the ``--matmul-tiles`` table installed, :data:`TILES_ENV`)."""
     arm, _, scope = text.partition(":")
     if (arm not in ("A", "B", "C", "D", "E", "F", "G", "H", "I", "J")
-            or scope not in ("", "process", "engine", "vllm_workspaces", "tiles")):
-        raise ValueError(f"arm {text!r}: expected a letter A-J, optionally :process, :engine, :vllm_workspaces or "
-                         ":tiles (e.g. I:process)")
+            or scope not in ("", "process", "engine", "vllm_workspaces", "tiles", "dense_attention")):
+        raise ValueError(f"arm {text!r}: expected a letter A-J, optionally :process, :engine, :vllm_workspaces, "
+                         ":tiles or :dense_attention (e.g. I:process)")
     return arm, scope or None
 
 
@@ -99,14 +102,17 @@ def run_tiles(arm_text: str, tiles: str | None) -> str | None:
 
 def run_environment(arm_text: str, environ: dict) -> dict:
     """``environ`` without vLLM's batch-invariance variables (``bloggap train`` sets them), cuBLAS workspace
-    variables or a tile table's variable (an ``ARM:tiles`` run names its table in :func:`run_argv`); for
-    ``ARM:vllm_workspaces`` with :data:`VLLM_WORKSPACES`, for another ``ARM:SCOPE`` but ``tiles`` with
-    :data:`SCOPE_ENV` set to ``SCOPE``."""
+    variables, a tile table's variable (an ``ARM:tiles`` run names its table in :func:`run_argv`) or the attention
+    gradient's; for ``ARM:vllm_workspaces`` with :data:`VLLM_WORKSPACES`, for ``ARM:dense_attention`` with
+    ``ATTENTION_GRADIENT_ENV=dense``, for another ``ARM:SCOPE`` but ``tiles`` with :data:`SCOPE_ENV` set to
+    ``SCOPE``."""
     _, scope = parse_arm(arm_text)
-    drop = (*arm_i_live.ARM_I_ENV, SCOPE_ENV, *VLLM_WORKSPACES, TILES_ENV)
+    drop = (*arm_i_live.ARM_I_ENV, SCOPE_ENV, *VLLM_WORKSPACES, TILES_ENV, ATTENTION_GRADIENT_ENV)
     env = {k: v for k, v in environ.items() if k not in drop}
     if scope == "vllm_workspaces":
         env.update(VLLM_WORKSPACES)
+    elif scope == "dense_attention":
+        env[ATTENTION_GRADIENT_ENV] = "dense"
     elif scope not in (None, "tiles"):
         env[SCOPE_ENV] = scope
     return env
@@ -201,7 +207,8 @@ def size_table(models: dict, table_id: str = TABLE_ID) -> dict:
                      "vLLM's cuBLAS(Lt) workspace sizes exported (CUBLAS_WORKSPACE_CONFIG=:16:8, "
                      "CUBLASLT_WORKSPACE_SIZE=1), so torch sizes the run's cuBLAS matmuls with them. ARM_tiles: "
                      "the tile table in params.matmul_tiles installed (named by gap.matmul_tiles; in T27's runs by "
-                     "BLOGGAP_VLLM_MATMUL_TILES). MODEL-setN: "
+                     "BLOGGAP_VLLM_MATMUL_TILES). ARM_dense_attention: the attention gradient's dense closed form "
+                     "for every call (BLOGGAP_ATTENTION_GRADIENT=dense). MODEL-setN: "
                      "the runs of the Nth device call, an interleaved set of its own, each arm over that set's arm "
                      "A. Random-init "
                      "weights except SmolLM2-135M: exactness columns hold, gap rates would not."}

@@ -27,6 +27,17 @@ def test_runs_export_nothing_for_the_arm_but_the_scope_asked_for():
     assert bench.run_environment("A", {**caller, "CUBLAS_WORKSPACE_CONFIG": ":16:8"}) == {"PATH": "/bin"}
 
 
+def test_a_dense_attention_run_is_arm_js_attention_gradient_route_before():
+    """``J:dense_attention`` runs arm J with ``BLOGGAP_ATTENTION_GRADIENT=dense`` (the dense closed form for every
+    paged call: the by-entry route's before); no other run inherits the caller's variable."""
+    caller = {"PATH": "/bin", "BLOGGAP_ATTENTION_GRADIENT": "dense"}
+    assert bench.parse_arm("J:dense_attention") == ("J", "dense_attention")
+    assert bench.run_label("J:dense_attention", 2) == "J_dense_attention-2"
+    assert bench.run_environment("J:dense_attention", {"PATH": "/bin"}) == {"PATH": "/bin",
+                                                                            "BLOGGAP_ATTENTION_GRADIENT": "dense"}
+    assert bench.run_environment("J", caller) == bench.run_environment("J:tiles", caller) == {"PATH": "/bin"}
+
+
 def test_only_a_tiles_run_names_the_tile_table_and_it_does_so_with_the_recipe_field(tmp_path, monkeypatch):
     """An ``ARM:tiles`` run names its table as a user does (``--gap_overrides '{matmul_tiles: FILE}'``, made absolute:
     runs start in the checkout); no run inherits the caller's variable."""

@@ -794,3 +794,31 @@ def test_the_attention_backward_by_entry_dispatches_a_closed_form():
     assert counts["baddbmm"] == 3 and counts["index_put_"] == 2, dict(counts)  # S, dP, d q; q and grad padded
     counts, _ = backward_ops({2})
     assert counts["baddbmm"] == 2 and counts["index_put_"] == 3, dict(counts)  # S, d V; d V summed into the cache
+
+
+def test_the_dense_attention_gradient_is_the_routes_before_by_an_environment_variable(monkeypatch):
+    """``BLOGGAP_ATTENTION_GRADIENT=dense`` (a benchmark's before: ``J:dense_attention`` in benchmarks.cost_by_size)
+    gives every paged call the dense closed form, the prefill and the decode call given its rows too; the same
+    gradients (fp32, to rounding). Another value is refused, naming the variable and the values it takes."""
+    from bloggap_plugin.core.errors import UsageError
+    from bloggap_plugin.core.vllm import autograd as vllm_autograd
+
+    calls = _arm_j_paged_calls()
+    shapes = []
+    original = vllm_autograd._bmm
+    monkeypatch.setattr(vllm_autograd, "_bmm", lambda a, b, alpha=1.0: shapes.append(a.shape[0]) or original(a, b, alpha))
+    for name, rows in (("prefill", ()), ("decode", (calls["rows"],))):
+        args = [*calls[name], 0.3]
+        upstream = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(13))
+        got = []
+        for value in ("", "dense", "by_entry"):
+            monkeypatch.setenv(vllm_autograd.ATTENTION_GRADIENT_ENV, value)
+            shapes.clear()
+            got.append(vllm_autograd.paged_attention_gradient(upstream, *args, *rows)[:3])
+            kv_heads = args[1].shape[2]
+            assert (shapes[0] == kv_heads) == (value == "dense"), (name, value, shapes)  # dense: one batch per head
+        for by_entry, dense in zip(got[0], got[1], strict=True):
+            torch.testing.assert_close(by_entry, dense, rtol=1e-5, atol=1e-6 * float(dense.abs().max()))
+    monkeypatch.setenv(vllm_autograd.ATTENTION_GRADIENT_ENV, "fast")
+    with pytest.raises(UsageError, match=r"BLOGGAP_ATTENTION_GRADIENT='fast'.*by_entry.*dense"):
+        vllm_autograd.paged_attention_gradient(upstream, *args, *rows)

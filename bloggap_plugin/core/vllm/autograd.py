@@ -20,12 +20,14 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from ..errors import UsageError
 from .form import NORM_LARGE_LAUNCH, Kernels, norm_in_step_launches
 
 __all__ = [
@@ -386,6 +388,20 @@ def formula_gradient(formula: Callable[..., torch.Tensor], grad: torch.Tensor, *
     return tuple(grads)
 
 
+ATTENTION_GRADIENT_ENV = "BLOGGAP_ATTENTION_GRADIENT"
+"""Environment variable: ``dense`` gives every paged call the dense closed form of :func:`paged_attention_gradient`
+(the form before the by-entry one: a benchmark's before, ``J:dense_attention`` in ``benchmarks.cost_by_size``);
+unset, empty or ``by_entry``: by entry where the call allows it."""
+
+
+def _by_entry_allowed() -> bool:
+    value = os.environ.get(ATTENTION_GRADIENT_ENV, "").strip() or "by_entry"
+    if value not in ("by_entry", "dense"):
+        raise UsageError(f"{ATTENTION_GRADIENT_ENV}={value!r}: expected by_entry (the default) or dense; unset it "
+                         "for the default")
+    return value == "by_entry"
+
+
 DENSE_GRADIENT_ELEMENTS = 1 << 26
 """Elements (query heads x query rows x cache slots) of one fp32 score matrix in :func:`paged_attention_gradient`'s
 closed form, which holds about three of them at once; a larger call is differentiated through
@@ -441,11 +457,12 @@ def paged_attention_gradient(grad: torch.Tensor, q: torch.Tensor, key_cache: tor
       softmax(S)`` and ``dP = grad V^T``: ``d V = P^T grad``, ``dS = P (dP - rowsum(dP P))``, ``d q = scale dS K``,
       ``d K = scale dS^T q``, each key/value head shared by its query heads (GQA) without copying the cache per head.
 
-    In fp32 from the inputs as given, each gradient rounded once to its input's dtype. A call past its form's cap
+    :data:`ATTENTION_GRADIENT_ENV` ``=dense`` takes the dense form for every call. In fp32 from the inputs as given,
+    each gradient rounded once to its input's dtype. A call past its form's cap
     (:data:`DENSE_GRADIENT_ELEMENTS` score elements) goes through :func:`formula_gradient`.
     ``q [Tq, nq, d]``, ``key_cache/value_cache [blocks, page, nkv, d]``."""
     tail = (None,) * (6 + (rows is not None))
-    by_entry = rows is not None or max_seqlen_q > 1
+    by_entry = (rows is not None or max_seqlen_q > 1) and _by_entry_allowed()
     entry_call = rows if rows is not None else (cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
     fits = entry_gradient_fits(q, *entry_call) if by_entry else dense_gradient_fits(q, key_cache)
     if not fits:
