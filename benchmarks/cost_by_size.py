@@ -60,21 +60,35 @@ a run written ``ARM:vllm_workspaces`` exports them, so that torch sizes every cu
 harness variant: what arm I's trainer matmuls ran with before the plugin fixed the trainer's sizes first)."""
 
 
+SCOPES = ("process", "engine", "vllm_workspaces", "tiles", "dense_attention")
+"""What an ``ARM:SCOPE`` run changes (:func:`parse_arm`); scopes join with ``+`` (``J:tiles+dense_attention``)."""
+
+
 def parse_arm(text: str) -> tuple[str, str | None]:
     """``"I"`` -> ``("I", None)``; ``"I:process"`` -> ``("I", "process")`` (the batch-invariance scope to run with);
     ``"A:vllm_workspaces"`` -> ``("A", "vllm_workspaces")`` (:data:`VLLM_WORKSPACES` exported); ``"J:tiles"`` ->
-    ``("J", "tiles")`` (the ``--matmul-tiles`` table installed, :data:`TILES_ENV`)."""
+    ``("J", "tiles")`` (the ``--matmul-tiles`` table installed, :data:`TILES_ENV`); ``"J:tiles+dense_attention"`` ->
+    ``("J", "tiles+dense_attention")`` (both; :data:`SCOPES`, each at most once, at most one of process and
+    engine)."""
     arm, _, scope = text.partition(":")
-    if (arm not in ("A", "B", "C", "D", "E", "F", "G", "H", "I", "J")
-            or scope not in ("", "process", "engine", "vllm_workspaces", "tiles", "dense_attention")):
-        raise ValueError(f"arm {text!r}: expected a letter A-J, optionally :process, :engine, :vllm_workspaces, "
-                         ":tiles or :dense_attention (e.g. I:process)")
+    parts = scope.split("+") if scope else []
+    if (arm not in ("A", "B", "C", "D", "E", "F", "G", "H", "I", "J") or any(p not in SCOPES for p in parts)
+            or len(set(parts)) != len(parts) or {"process", "engine"} <= set(parts)):
+        raise ValueError(f"arm {text!r}: expected a letter A-J, optionally :SCOPE with SCOPE one of "
+                         f"{', '.join(SCOPES)} or several joined by + (e.g. I:process, J:tiles+dense_attention)")
     return arm, scope or None
 
 
+def arm_scopes(arm_text: str) -> set[str]:
+    """The scopes of an arm's text (:func:`parse_arm`): ``"J:tiles+dense_attention"`` -> ``{"tiles",
+    "dense_attention"}``."""
+    scope = parse_arm(arm_text)[1]
+    return set(scope.split("+")) if scope else set()
+
+
 def run_label(arm_text: str, repeat: int) -> str:
-    """The file stem of one run: ``J-2``, ``I_process-1``."""
-    return f"{arm_text.replace(':', '_')}-{repeat}"
+    """The file stem of one run: ``J-2``, ``I_process-1``, ``J_tiles_dense_attention-1``."""
+    return f"{arm_text.replace(':', '_').replace('+', '_')}-{repeat}"
 
 
 def run_argv(arm_text: str, model: str, steps: int, log_jsonl: Path, memory: float,
@@ -92,7 +106,7 @@ def run_argv(arm_text: str, model: str, steps: int, log_jsonl: Path, memory: flo
 
 def run_tiles(arm_text: str, tiles: str | None) -> str | None:
     """The absolute path of the tile table an ``ARM:tiles`` run names (``tiles``, required there), else ``None``."""
-    if parse_arm(arm_text)[1] != "tiles":
+    if "tiles" not in arm_scopes(arm_text):
         return None
     if not tiles:
         raise ValueError(f"arm {arm_text!r} runs with a tile table: give its file with --matmul-tiles "
@@ -106,14 +120,14 @@ def run_environment(arm_text: str, environ: dict) -> dict:
     gradient's; for ``ARM:vllm_workspaces`` with :data:`VLLM_WORKSPACES`, for ``ARM:dense_attention`` with
     ``ATTENTION_GRADIENT_ENV=dense``, for another ``ARM:SCOPE`` but ``tiles`` with :data:`SCOPE_ENV` set to
     ``SCOPE``."""
-    _, scope = parse_arm(arm_text)
+    scopes = arm_scopes(arm_text)
     drop = (*arm_i_live.ARM_I_ENV, SCOPE_ENV, *VLLM_WORKSPACES, TILES_ENV, ATTENTION_GRADIENT_ENV)
     env = {k: v for k, v in environ.items() if k not in drop}
-    if scope == "vllm_workspaces":
+    if "vllm_workspaces" in scopes:
         env.update(VLLM_WORKSPACES)
-    elif scope == "dense_attention":
+    if "dense_attention" in scopes:
         env[ATTENTION_GRADIENT_ENV] = "dense"
-    elif scope not in (None, "tiles"):
+    for scope in scopes & {"process", "engine"}:
         env[SCOPE_ENV] = scope
     return env
 

@@ -36,6 +36,14 @@ def test_a_dense_attention_run_is_arm_js_attention_gradient_route_before():
     assert bench.run_environment("J:dense_attention", {"PATH": "/bin"}) == {"PATH": "/bin",
                                                                             "BLOGGAP_ATTENTION_GRADIENT": "dense"}
     assert bench.run_environment("J", caller) == bench.run_environment("J:tiles", caller) == {"PATH": "/bin"}
+    both = "J:tiles+dense_attention"  # the route's before at a shape measured with a tile table
+    assert bench.parse_arm(both) == ("J", "tiles+dense_attention")
+    assert bench.run_label(both, 1) == "J_tiles_dense_attention-1"
+    assert bench.run_environment(both, caller) == {"PATH": "/bin", "BLOGGAP_ATTENTION_GRADIENT": "dense"}
+    assert bench.run_tiles(both, "t.json").endswith("t.json") and bench.run_tiles("J:dense_attention", "t.json") is None
+    for bad in ("J:tiles+tiles", "I:process+engine", "J:tiles+fast", "J:+tiles"):
+        with pytest.raises(ValueError, match=r"optionally :SCOPE with SCOPE one of process, engine, .*joined by \+"):
+            bench.parse_arm(bad)
 
 
 def test_only_a_tiles_run_names_the_tile_table_and_it_does_so_with_the_recipe_field(tmp_path, monkeypatch):

@@ -284,3 +284,13 @@ def test_the_cost_session_profiles_135m_between_its_small_runs_and_the_gradient_
     lines = _cost_session(tmp_path / "again", 1000, tiles_written=True, SMALL_ARMS="", GRAD_TEST="0", BIG_ARMS="")
     assert 1000 - 60 - 2 <= int(_line(lines, "tiles_first").rsplit("=", 1)[1]) <= 1000 - 60
     assert not any("arm_i_live" in line for line in lines)
+
+
+def test_without_a_tile_table_a_tiles_scope_joined_to_another_keeps_the_other(tmp_path, spawns):
+    """tiles_or_plain.sh with no table: ARM:tiles becomes ARM, ARM:tiles+SCOPE and ARM:SCOPE+tiles become ARM:SCOPE
+    (the route's before still runs, without the table), duplicates dropped in order."""
+    script = (f". {ROOT / 'benchmarks' / 'gpu' / 'tiles_or_plain.sh'}; OUT={tmp_path}; "
+              "arms=A,J:tiles,J:tiles+dense_attention,J:dense_attention+tiles,I:tiles,J; "
+              f"tiles_or_plain {tmp_path / 'none.json'} arms; echo \"$arms\"")
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=HANG_S)
+    assert done.stdout.splitlines()[-1] == "A,J,J:dense_attention,I", done.stdout + done.stderr

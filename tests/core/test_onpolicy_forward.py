@@ -806,7 +806,8 @@ def test_the_dense_attention_gradient_is_the_routes_before_by_an_environment_var
     calls = _arm_j_paged_calls()
     shapes = []
     original = vllm_autograd._bmm
-    monkeypatch.setattr(vllm_autograd, "_bmm", lambda a, b, alpha=1.0: shapes.append(a.shape[0]) or original(a, b, alpha))
+    monkeypatch.setattr(vllm_autograd, "_bmm",
+                        lambda a, b, alpha=1.0: shapes.append(a.shape[0]) or original(a, b, alpha))
     for name, rows in (("prefill", ()), ("decode", (calls["rows"],))):
         args = [*calls[name], 0.3]
         upstream = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(13))
