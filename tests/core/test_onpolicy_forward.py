@@ -620,26 +620,36 @@ def test_paged_attention_gradient_past_its_cap_is_autograds(monkeypatch):
         torch.testing.assert_close(dense, autograd, rtol=1e-5, atol=1e-6 * float(autograd.abs().max()))
 
 
-def test_paged_attention_backward_dispatches_a_closed_form():
-    """Host work of the paged attention's backward (about half of arm J's backward on the H200, T16-armJ-backward):
-    in closed form, no recompute through autograd: five matmuls, the softmax and its gradient, one cast per input
-    and per gradient; with the call's mask already built (every layer after the first), nothing for it. Counted
-    with ``benchmarks.arm_j_host_ops.OpCounter``; only the gradients wanted are computed."""
+def _paged_backward_ops(seed: int, rows: bool):
+    """``backward_ops(wanted)`` on arm J's decode call in bf16 (given its rows or not): the aten ops an ``OpCounter``
+    (``benchmarks.arm_j_host_ops``) sees in the backward of the inputs ``wanted`` (indices of q, key_cache,
+    value_cache), and how many of them launch a kernel; every gradient checked to come back in bf16."""
     from benchmarks.arm_j_host_ops import OpCounter
 
     kernels = autograd_kernels(TORCH_KERNELS)
-    q, key_cache, value_cache, *metadata = _arm_j_paged_calls()["decode"]
+    calls = _arm_j_paged_calls()
+    q, key_cache, value_cache, *metadata = calls["decode"]
     q, key_cache, value_cache = (t.to(torch.bfloat16) for t in (q, key_cache, value_cache))
-    upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    hint = {"rows": calls["rows"]} if rows else {}
 
     def backward_ops(wanted):
         leaves = [_leaf(t) if i in wanted else t for i, t in enumerate((q, key_cache, value_cache))]
-        out = kernels.flash_paged(*leaves, *metadata, 0.3)
+        out = kernels.flash_paged(*leaves, *metadata, 0.3, **hint)
         with OpCounter() as counter:
             grads = torch.autograd.grad(out, [t for t in leaves if t.requires_grad], upstream)
         assert all(g.dtype == torch.bfloat16 for g in grads)
         return counter.counts, counter.summary()["launching"]
 
+    return backward_ops
+
+
+def test_paged_attention_backward_dispatches_a_closed_form():
+    """Host work of the paged attention's backward (about half of arm J's backward on the H200, T16-armJ-backward):
+    in closed form, no recompute through autograd: five matmuls, the softmax and its gradient, one cast per input
+    and per gradient; with the call's mask already built (every layer after the first), nothing for it. Counted
+    with ``benchmarks.arm_j_host_ops.OpCounter``; only the gradients wanted are computed."""
+    backward_ops = _paged_backward_ops(seed=9, rows=False)
     backward_ops({0, 1, 2})  # builds the call's mask
     counts, launching = backward_ops({0, 1, 2})
     assert counts["baddbmm"] == 5 and counts["scatter_add_"] == 0 and counts["_softmax"] == 0, dict(counts)
@@ -769,22 +779,7 @@ def test_the_attention_backward_by_entry_dispatches_a_closed_form():
     """Host work of the closed form by entry (arm J's prefill call and its decode call by rows): five matmuls, the
     softmax and its gradient, one scatter per cache gradient, no recompute through autograd; with the call's layout
     already built (every layer after the first) nothing for it. Only the gradients wanted are computed."""
-    from benchmarks.arm_j_host_ops import OpCounter
-
-    kernels = autograd_kernels(TORCH_KERNELS)
-    calls = _arm_j_paged_calls()
-    q, key_cache, value_cache, *metadata = calls["decode"]
-    q, key_cache, value_cache = (t.to(torch.bfloat16) for t in (q, key_cache, value_cache))
-    upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
-
-    def backward_ops(wanted):
-        leaves = [_leaf(t) if i in wanted else t for i, t in enumerate((q, key_cache, value_cache))]
-        out = kernels.flash_paged(*leaves, *metadata, 0.3, rows=calls["rows"])
-        with OpCounter() as counter:
-            grads = torch.autograd.grad(out, [t for t in leaves if t.requires_grad], upstream)
-        assert all(g.dtype == torch.bfloat16 for g in grads)
-        return counter.counts, counter.summary()["launching"]
-
+    backward_ops = _paged_backward_ops(seed=12, rows=True)
     backward_ops({0, 1, 2})  # builds the call's layout
     counts, launching = backward_ops({0, 1, 2})
     assert counts["baddbmm"] == 5 and counts["index_put_"] == 4 and counts["_softmax"] == 0, dict(counts)
