@@ -258,8 +258,8 @@ def flash_paged_formula(q: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """The paged varlen call with query and key lengths apart (the :attr:`Kernels.flash_paged` signature): entry
     ``i``'s queries against the keys its block table reads, each query ``r`` of ``n`` to the keys ``< seqused_k - n +
     r + 1``. Per call, dense over the cache or padded entries (:func:`paged_attention_formula`; both compute the same
-    attention). ``rows``: the same call described by rows (:data:`~bloggap_plugin.core.vllm.form.RowsHint`), read only
-    by the gradient (:func:`paged_attention_gradient`). ``q [Tq, nq, d]`` -> ``[Tq, nq, d]``."""
+    attention). ``rows``: the same call described by rows (:func:`~bloggap_plugin.core.vllm.form.decode_by_rows`),
+    read only by the gradient (:func:`paged_attention_gradient`). ``q [Tq, nq, d]`` -> ``[Tq, nq, d]``."""
     formula = paged_attention_formula(q, key_cache, max_seqlen_q)
     return formula(q, key_cache, value_cache, cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k, scale)
 
