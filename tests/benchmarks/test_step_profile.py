@@ -72,3 +72,20 @@ def test_a_text_that_is_not_a_device_profile_is_refused():
         step_profile.summarize("steps 1-2, by self_cpu_time_total\nSelf CPU time total: 1s\n")
     with pytest.raises(ValueError, match="not a profiler duration"):
         step_profile.duration_ms("12 ms")
+
+
+@pytest.mark.parametrize("real", [False, True])
+def test_collect_marks_the_table_random_init_unless_the_profiled_model_has_real_weights(tmp_path, real):
+    """T31 profiled SmolLM2-135M (real weights): ``--real-weights`` says so; without it the table is random-init
+    (T21's 1.56B shape)."""
+    profile = tmp_path / "J.profile.txt"
+    profile.write_text(PROFILE)
+    env = tmp_path / "env.json"
+    env.write_text('{"env": {"gpu": "a card"}}')
+    out = tmp_path / "doc.json"
+    step_profile.main(["collect", f"J={profile}", "--out", str(out), "--revision", "r", "--table-id", "T-x",
+                       "--env", str(env), *(["--real-weights"] if real else [])])
+    import json
+
+    table = json.loads(out.read_text())["tables"][0]
+    assert table["random_init"] is (not real) and table["rows"][0][0] == "J"
