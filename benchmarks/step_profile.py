@@ -2,8 +2,9 @@
 ``benchmarks._lib.profile.StepProfiler`` writes, e.g. ``benchmarks.arm_i_live run ... --profile-steps 10-11``) summed
 by kernel family.
 
-``collect LABEL=FILE ... --out FILE --revision R --table-id ID --env DOC`` (``DOC``: a result document written on
-the machine that profiled, for its ``env``): one row per profile; the device time of the
+``collect LABEL=FILE ... --out FILE --revision R --table-id ID --env DOC [--real-weights]`` (``DOC``: a result
+document written on the machine that profiled, for its ``env``; ``--real-weights``: the model is a trained one, else
+the table is marked random-init): one row per profile; the device time of the
 profiled steps (every kernel), the host's own time (every op's self CPU time), and per kernel family (first match in
 :data:`KERNEL_FAMILIES` on the kernel's name) the time of the kernels among the table's listed rows; what the listed
 rows leave out is reported as its own column. A kernel row is one with no CPU time of its own (ops have some) that
@@ -110,7 +111,8 @@ def collect_main(args: argparse.Namespace) -> int:
     document = {"benchmark": "step_profile", "schema_version": SCHEMA_VERSION, "env": env,
                 "params": {"revision": args.revision, "profiles": {s.partition("=")[0]: Path(s.partition("=")[2]).name
                                                                   for s in args.profiles}},
-                "results": summaries, "tables": [profile_table(summaries, args.table_id)]}
+                "results": summaries, "tables": [profile_table(summaries, args.table_id,
+                                                               random_init=not args.real_weights)]}
     atomic_write_text(Path(args.out), json.dumps(document, indent=1) + "\n")
     return 0
 
@@ -124,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     col.add_argument("--revision", required=True)
     col.add_argument("--table-id", required=True)
     col.add_argument("--env", required=True, help="a result document written on the machine that ran the profiles")
+    col.add_argument("--real-weights", action="store_true",
+                     help="the profiled model has trained weights (SmolLM2-135M); default: a random-init shape")
     args = parser.parse_args(argv)
     return {"collect": collect_main}[args.command](args)
 
