@@ -579,9 +579,8 @@ def padded_entry_gradient(grad: torch.Tensor, q: torch.Tensor, key_cache: torch.
     probs.div_(probs.sum(-1, keepdim=True))
 
     def to_cache(per_entry: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # [E * nkv, max_k, d] -> like's
-        rows = per_entry.view(entries, kv_heads, max_k, dim).permute(0, 2, 1, 3).reshape(entries * max_k, kv_heads, dim)
         summed = torch.zeros(slots + 1, kv_heads, dim, dtype=torch.float32, device=like.device)
-        summed.index_put_((write.reshape(-1),), rows, accumulate=True)
+        summed.index_put_((write,), per_entry.view(entries, kv_heads, max_k, dim).transpose(1, 2), accumulate=True)
         return summed[:slots].to(like.dtype).view(like.shape)
 
     dq = dkeys = dvalues = None
