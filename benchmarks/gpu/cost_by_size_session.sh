@@ -9,7 +9,8 @@
 #      (GapCallback entry, benchmarks.arm_i_live's callback_X_ni2 runs, 12 steps) into $OUT/prof_135m/: where arm J's
 #      step goes at the size where it costs most per step (host vs device time, kernel families);
 #   3. arm J's GPU forward and gradient test on the 1.56B shape (tests/core/test_onpolicy_gpu.py with
-#      BLOGGAP_GPU_TEST_MODEL), into $OUT/onpolicy_gpu_grad.log (GRAD_TEST=0 skips it);
+#      BLOGGAP_GPU_TEST_MODEL; phase 1's folder where SHAPE is that shape), into $OUT/onpolicy_gpu_grad.log
+#      (GRAD_TEST=0 skips it);
 #   4. with the time left, the 3B-class shape llama-3b-v49k, arms BIG_ARMS (default A,J:tiles with its own tile
 #      table), up to BIG_REPEATS (default 3) interleaved runs each into /tmp/c3: whether it fits beside vLLM on this
 #      card, and at what step time (BIG_ARMS= skips it, e.g. where phase 1's SHAPE is the 3B shape).
@@ -53,9 +54,13 @@ fi
 
 if [ "$GRAD_TEST" != 0 ]; then
   echo "== phase 3: arm J's gradient test at 1.56B at $(( $(date +%s) - t0 )) s"
-  python3 -m benchmarks.cost_by_size shape llama-1.56b-v49k --tokenizer "$VX/smollm2" --out "$VX/l156" 2>&1 | tail -1
+  built=0  # phase 1's shape when SHAPE is the 1.56B one (bundle_and_shape.sh writes it to $VX/l156): kept, not rebuilt
+  if [ ! -f "$VX/l156/config.json" ]; then
+    python3 -m benchmarks.cost_by_size shape llama-1.56b-v49k --tokenizer "$VX/smollm2" --out "$VX/l156" 2>&1 | tail -1
+    built=1
+  fi
   TEST_END=$((end - big_s)) bash benchmarks/gpu/onpolicy_grad_test.sh "$VX/l156"
-  rm -rf "$VX/l156"
+  [ "$built" = 1 ] && rm -rf "$VX/l156"
 fi
 
 left_s=$(left 0)

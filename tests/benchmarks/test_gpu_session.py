@@ -295,3 +295,17 @@ def test_without_a_tile_table_a_tiles_scope_joined_to_another_keeps_the_other(tm
               f"tiles_or_plain {tmp_path / 'none.json'} arms; echo \"$arms\"")
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=HANG_S)
     assert done.stdout.splitlines()[-1] == "A,J,J:dense_attention,I", done.stdout + done.stderr
+
+
+def test_the_gradient_test_takes_phase_1s_shape_when_it_is_the_1_56b_one(tmp_path, spawns):
+    """With SHAPE=llama-1.56b-v49k phase 1 has already written the shape to $VX/l156: phase 3 tests it there without
+    building it again, and leaves it; otherwise it builds the shape for the test and removes it after."""
+    shape = tmp_path / "vx" / "l156"
+    shape.mkdir(parents=True)
+    (shape / "config.json").write_text("{}")
+    lines = _cost_session(tmp_path, 1000, tiles_written=True, SHAPE="llama-1.56b-v49k", SMALL_ARMS="", BIG_ARMS="")
+    assert not any("cost_by_size shape llama-1.56b-v49k" in line for line in lines)
+    assert f"1 passed model={shape}" in lines and (shape / "config.json").exists()
+    lines = _cost_session(tmp_path / "again", 1000, tiles_written=True, SMALL_ARMS="", BIG_ARMS="")
+    assert any("cost_by_size shape llama-1.56b-v49k" in line for line in lines)
+    assert f"1 passed model={tmp_path}/again/vx/l156" in lines
