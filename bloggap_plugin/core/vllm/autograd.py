@@ -84,6 +84,23 @@ ENTRY_BLOCK_ELEMENTS = 1 << 26
 :func:`padded_entry_attention` may hold in fp32; more entries are computed in blocks of this size."""
 
 
+def _query_entries(cu_seqlens_q: torch.Tensor, queries: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(counts [E], entry [Tq], within [Tq])`` of a varlen call's ``cu_seqlens_q [E + 1]``: each entry's query count
+    (int64), and each query's entry and its index among that entry's queries. No host read (``queries`` is Tq)."""
+    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    entry = torch.repeat_interleave(torch.arange(counts.numel(), device=cu_seqlens_q.device), counts,
+                                    output_size=queries)
+    within = torch.arange(queries, device=cu_seqlens_q.device) - cu_seqlens_q[:-1].long()[entry]
+    return counts, entry, within
+
+
+def _entry_slots(block_table: torch.Tensor, j: torch.Tensor, page: int) -> torch.Tensor:
+    """``[E, len(j)]`` int64: the cache slot entry ``e``'s position ``j`` sits in through ``block_table[e]`` (a position
+    past the table's blocks maps into its last block: callers mask it)."""
+    block = (j // page).clamp(max=block_table.shape[1] - 1)
+    return block_table.long()[:, block] * page + j % page
+
+
 def padded_entry_attention(q: torch.Tensor, keys: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                            cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                            scale: float) -> torch.Tensor:
@@ -95,9 +112,7 @@ def padded_entry_attention(q: torch.Tensor, keys: Callable[[torch.Tensor], tuple
     ``q [Tq, nq, d]`` -> ``[Tq, nq, d]``."""
     entries, heads, dim = cu_seqlens_q.numel() - 1, q.shape[1], q.shape[2]
     device = q.device
-    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    entry = torch.repeat_interleave(torch.arange(entries, device=device), counts, output_size=q.shape[0])
-    within = torch.arange(q.shape[0], device=device) - cu_seqlens_q[:-1].long()[entry]
+    counts, entry, within = _query_entries(cu_seqlens_q, q.shape[0])
     padded = q.new_zeros(entries, max_seqlen_q, heads, dim).index_put((entry, within), q)
     j = torch.arange(max_seqlen_k, device=device)
     rows = torch.arange(max_seqlen_q, device=device)
@@ -125,8 +140,7 @@ def _cache_rows(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table:
     keys_flat, values_flat = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
 
     def keys(j: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        block = (j // page).clamp(max=block_table.shape[1] - 1)
-        slot = block_table[:, block].long() * page + j % page  # [E, max_k]
+        slot = _entry_slots(block_table, j, page)  # [E, max_k]
         return keys_flat[slot], values_flat[slot]
 
     return keys
@@ -163,13 +177,10 @@ def paged_unread_slots(cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, bloc
     (the :attr:`Kernels.flash_paged` metadata): query ``r`` of entry ``i``'s ``n`` reads the slots its block table
     maps positions ``< seqused_k[i] - n + r + 1`` to. No host read: the bound is ``max_seqlen_k``."""
     device = cu_seqlens_q.device
-    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    entry = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts, output_size=queries)
-    within = torch.arange(queries, device=device) - cu_seqlens_q[:-1].long()[entry]
+    counts, entry, within = _query_entries(cu_seqlens_q, queries)
     limit = seqused_k.long()[entry] - counts[entry] + within + 1  # [Tq]
     j = torch.arange(max_seqlen_k, device=device)
-    block = (j // page).clamp(max=block_table.shape[1] - 1)
-    slot = block_table.long()[entry][:, block] * page + j % page  # [Tq, max_k]
+    slot = _entry_slots(block_table, j, page)[entry]  # [Tq, max_k]
     reads = torch.zeros(queries, slots, dtype=torch.int32, device=device)
     reads.scatter_add_(1, slot, (j[None, :] < limit[:, None]).to(torch.int32))
     return reads == 0
@@ -517,13 +528,9 @@ def entry_layout(cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_tabl
     keys a query does not see (query ``r`` of ``n`` sees the keys ``< seqused_k - n + r + 1``; a padded query, ``r >=
     n``, sees key 0 at least: its gradient is zero). No host read."""
     device = cu_seqlens_q.device
-    entries = cu_seqlens_q.numel() - 1
-    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    entry = torch.repeat_interleave(torch.arange(entries, device=device), counts, output_size=queries)
-    within = torch.arange(queries, device=device) - cu_seqlens_q[:-1].long()[entry]
+    counts, entry, within = _query_entries(cu_seqlens_q, queries)
     j = torch.arange(max_seqlen_k, device=device)
-    block = (j // page).clamp(max=block_table.shape[1] - 1)
-    slot = block_table.long()[:, block] * page + j % page  # [E, max_k]
+    slot = _entry_slots(block_table, j, page)  # [E, max_k]
     real = j[None, :] < seqused_k.long()[:, None]
     read = torch.where(real, slot, torch.zeros_like(slot))
     write = torch.where(real, slot, torch.full_like(slot, slots))
