@@ -188,14 +188,9 @@ def plugin_attention_backward(q: Any, key_cache: Any, arguments: tuple, rows: tu
     decode call by rows where the forward passes them."""
     from bloggap_plugin.core.vllm import autograd as vllm_autograd
 
-    max_seqlen_q = arguments[3]
-    if rows is not None or max_seqlen_q > 1:
-        fits = vllm_autograd.entry_gradient_fits(q, *(rows if rows is not None else arguments))
-    else:
-        fits = vllm_autograd.dense_gradient_fits(q, key_cache)
-    if fits:
+    if vllm_autograd.paged_gradient_route(q, key_cache, arguments, rows) != "autograd":
         return "paged_attention_gradient"
-    return vllm_autograd.paged_attention_formula(q, key_cache, max_seqlen_q).__name__
+    return vllm_autograd.paged_attention_formula(q, key_cache, arguments[3]).__name__
 
 
 def _closed_form_piece() -> Callable[..., Any]:

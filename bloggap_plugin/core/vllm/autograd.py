@@ -473,14 +473,13 @@ def paged_attention_gradient(grad: torch.Tensor, q: torch.Tensor, key_cache: tor
     (:data:`DENSE_GRADIENT_ELEMENTS` score elements) goes through :func:`formula_gradient`.
     ``q [Tq, nq, d]``, ``key_cache/value_cache [blocks, page, nkv, d]``."""
     tail = (None,) * (6 + (rows is not None))
-    by_entry = (rows is not None or max_seqlen_q > 1) and _by_entry_allowed()
-    entry_call = rows if rows is not None else (cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
-    fits = entry_gradient_fits(q, *entry_call) if by_entry else dense_gradient_fits(q, key_cache)
-    if not fits:
-        return formula_gradient(flash_paged_formula, grad, q, key_cache, value_cache, cu_seqlens_q, seqused_k,
-                                block_table, max_seqlen_q, max_seqlen_k, scale,
+    metadata = (cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)
+    route = paged_gradient_route(q, key_cache, metadata, rows)
+    if route == "autograd":
+        return formula_gradient(flash_paged_formula, grad, q, key_cache, value_cache, *metadata, scale,
                                 *(() if rows is None else (rows,)), needs=needs)
-    if by_entry:
+    if route == "by_entry":
+        entry_call = rows if rows is not None else metadata
         return (*padded_entry_gradient(grad, q, key_cache, value_cache, *entry_call, scale, needs=needs), *tail)
     queries, heads, dim = q.shape
     blocks, page, kv_heads, _ = key_cache.shape
@@ -510,6 +509,16 @@ def paged_attention_gradient(grad: torch.Tensor, q: torch.Tensor, key_cache: tor
     dkeys = None if dkeys is None else _rows_major(dkeys, slots, key_cache.dtype).view(key_cache.shape)
     dvalues = None if dvalues is None else _rows_major(dvalues, slots, value_cache.dtype).view(value_cache.shape)
     return dq, dkeys, dvalues, *tail
+
+
+def paged_gradient_route(q: torch.Tensor, key_cache: torch.Tensor, metadata: tuple, rows: tuple | None = None) -> str:
+    """How :func:`paged_attention_gradient` differentiates one call, from shapes and ints alone: ``"by_entry"``
+    (a call with several queries per entry or with ``rows``, unless :data:`ATTENTION_GRADIENT_ENV` says dense),
+    ``"dense"``, or ``"autograd"`` where the form's score tensor is past :data:`DENSE_GRADIENT_ELEMENTS`.
+    ``metadata``: the call's ``(cu_seqlens_q, seqused_k, block_table, max_seqlen_q, max_seqlen_k)``."""
+    if (rows is not None or metadata[3] > 1) and _by_entry_allowed():
+        return "by_entry" if entry_gradient_fits(q, *(rows if rows is not None else metadata)) else "autograd"
+    return "dense" if dense_gradient_fits(q, key_cache) else "autograd"
 
 
 def entry_gradient_fits(q: torch.Tensor, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,  # noqa: ARG001
