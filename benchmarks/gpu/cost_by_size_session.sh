@@ -14,9 +14,9 @@
 #   4. with the time left, the 3B-class shape llama-3b-v49k, arms BIG_ARMS (default A,J:tiles with its own tile
 #      table), up to BIG_REPEATS (default 3) interleaved runs each into /tmp/c3: whether it fits beside vLLM on this
 #      card, and at what step time (BIG_ARMS= skips it, e.g. where phase 1's SHAPE is the 3B shape).
-# Every phase ends by the job's end less the later phases' reserves (SMALL_S, default 420 s; TEST_S, default 150 s;
-# PROFILE_S, default 300; BIG_S, default 0: phase 4 gets what is left), so a slow phase costs the later phases nothing but its own leftovers;
-# a skipped phase reserves nothing.
+# Every phase ends by the job's end less the later phases' reserves (SMALL_S, default 420 s; PROFILE_S, default
+# 300 s; TEST_S, default 150 s; BIG_S, default 0: phase 4 gets what is left), so a slow phase costs the later phases
+# nothing but its own leftovers; a skipped phase reserves nothing.
 #   OUT=$OUT SESSION_S=<...> PACK="/tmp/c1 /tmp/c2 /tmp/c3" bash benchmarks/gpu/session.sh start \
 #       bash benchmarks/gpu/cost_by_size_session.sh
 set -u
