@@ -13,8 +13,8 @@
 #    sha256>/).
 # 2. bloggap compare over arms $ARMS (A B F H J) with benchmarks/gsm8k_compare.yaml and --model $CKPT, given the
 #    call's time left (BUDGET_S in all, default 520): the sweep resumes, refuses to finish a seed whose finished runs
-#    started from another checkpoint, and exits 3 when the budget ends with runs left (make the call again); a pass
-#    with a failed run is followed by RETRIES more (default 1) while 120 s are left.
+#    started from another checkpoint, and exits 3 when the budget ends with runs left (make the call again); a run
+#    that fails is started RETRIES more times in the same call (default 1, bloggap compare --retries).
 # Outputs in $OUT (else .dev/gsm8k_compare_call): warmstart/ (gsm8k_warmstart.json, its log, eval_*), test_*/
 # (gsm8k_baseline.json, completions.jsonl), compare_gsm8k.tgz (the sweep's runs and outputs, no policies).
 set -uo pipefail
@@ -54,19 +54,11 @@ if [ "$left" -lt 60 ]; then
   echo "gsm8k_compare_call: the warm start took the call ($left s left); make the call again for the sweep" >&2
   exit 3
 fi
-# A pass that exits 1 (a run failed: its console is in runs/<run>.out) is followed by one more while 120 s are left:
-# it trains a failed run again and evaluates a trained run whose evaluation failed, from the policy it saved, which
-# a fresh machine would no longer have.
-passes=0
-while :; do
-  timeout $((left + 70)) python3 -m bloggap_plugin.cli compare "${recipes[@]}" --config benchmarks/gsm8k_compare.yaml \
-    --model "$CKPT" --data "$DATA" --output-dir "$SWEEP" --time-budget-s "$left"
-  code=$?
-  passes=$((passes + 1))
-  left=$((BUDGET_S - (SECONDS - start)))
-  [ "$code" = 1 ] && [ "$passes" -le "${RETRIES:-1}" ] && [ "$left" -ge 120 ] || break
-  echo "gsm8k_compare_call: compare exit 1 (a run failed); another pass with $left s left" >&2
-done
+# A run that fails is started once more in the same call (--retries, RETRIES to change it): a failed evaluation can
+# be redone only from the policy its run saved, which a fresh machine would no longer have.
+timeout $((left + 70)) python3 -m bloggap_plugin.cli compare "${recipes[@]}" --config benchmarks/gsm8k_compare.yaml \
+  --model "$CKPT" --data "$DATA" --output-dir "$SWEEP" --time-budget-s "$left" --retries "${RETRIES:-1}"
+code=$?
 [ -d "$SWEEP" ] && tar czf "$OUT/compare_gsm8k.tgz" --exclude=trainer -C "$(dirname "$SWEEP")" "$(basename "$SWEEP")"
 echo "gsm8k_compare_call: compare exit $code, $((SECONDS - start)) s"
 exit $code

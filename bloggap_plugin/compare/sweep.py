@@ -222,29 +222,58 @@ def run_compare(config: CompareConfig, echo=print) -> dict:
 def _plan_pending(config: CompareConfig, runs: list[RunSpec], echo) -> list[tuple[RunSpec, str, str | None]]:
     """``(run, mode, trained attempt)`` to start: held-out evaluations of runs trained earlier first (short), then
     the runs to train; logs of other settings, corrupt or unfinished are moved aside (named in a message)."""
-    evaluations, trainings = [], []
-    for run in runs:
-        log = Path(run.log_jsonl)
-        state, why = run_state(config, run)
-        if state == "done":
-            attempt = (read_marker(log) or {}).get("attempt")
-            held = heldout_state(config, run, attempt)
-            if held in ("off", "done"):
-                echo(f"[compare] {run.run_id}: finished earlier, skipped")
-            elif held == "pending":
-                echo(f"[compare] {run.run_id}: trained earlier, its held-out evaluation is missing: evaluating it")
-                evaluations.append((run, "evaluate", attempt))
-            else:
-                echo(f"[compare] {run.run_id}: trained earlier without a held-out result, and its saved policy is gone; "
-                     f"its held-out cell stays empty (delete {log} to train and evaluate it again)")
-            continue
-        suffix = {"unfinished": ".partial", "corrupt": ".corrupt", "changed": ".stale"}.get(state)
-        if suffix:  # keep the old log aside under a name no run reads (never over an earlier one), train it again
-            aside = _free_name(log.with_name(log.name + suffix))
-            os.replace(log, aside)
-            echo(f"[compare] {run.run_id}: {why}; kept as {aside.name}, running it again")
-        trainings.append((run, "train", None))
-    return evaluations + trainings
+    planned = [item for item in (_plan_run(config, run, echo) for run in runs) if item is not None]
+    return [item for item in planned if item[1] == "evaluate"] + [item for item in planned if item[1] == "train"]
+
+
+def _plan_run(config: CompareConfig, run: RunSpec, echo) -> tuple[RunSpec, str, str | None] | None:
+    """What ``run`` needs from its log and held-out record: ``(run, "evaluate", trained attempt)``, ``(run, "train",
+    None)`` (a log of other settings, corrupt or unfinished moved aside first, named in a message), or ``None``
+    (finished, or trained with its saved policy gone)."""
+    log = Path(run.log_jsonl)
+    state, why = run_state(config, run)
+    if state == "done":
+        attempt = (read_marker(log) or {}).get("attempt")
+        held = heldout_state(config, run, attempt)
+        if held in ("off", "done"):
+            echo(f"[compare] {run.run_id}: finished earlier, skipped")
+        elif held == "pending":
+            echo(f"[compare] {run.run_id}: trained earlier, its held-out evaluation is missing: evaluating it")
+            return run, "evaluate", attempt
+        else:
+            echo(f"[compare] {run.run_id}: trained earlier without a held-out result, and its saved policy is gone; "
+                 f"its held-out cell stays empty (delete {log} to train and evaluate it again)")
+        return None
+    suffix = {"unfinished": ".partial", "corrupt": ".corrupt", "changed": ".stale"}.get(state)
+    if suffix:  # keep the old log aside under a name no run reads (never over an earlier one), train it again
+        aside = _free_name(log.with_name(log.name + suffix))
+        os.replace(log, aside)
+        echo(f"[compare] {run.run_id}: {why}; kept as {aside.name}, running it again")
+    return run, "train", None
+
+
+def _retry(config: CompareConfig, run: RunSpec, retried: dict[str, list[int]], code: int | None,
+           echo) -> tuple[RunSpec, str, str | None] | None:
+    """The next attempt of ``run``, whose process just failed with exit ``code``, while ``config.retries`` allows one
+    more (recorded in ``retried``): what its log and held-out record now need (:func:`_plan_run`: a training from
+    zero, or the evaluation of the policy its training saved); ``None`` when none is left or it needs nothing. The
+    failed attempt's console is kept as ``runs/<run>.out.failed``."""
+    codes = retried.setdefault(run.run_id, [])
+    if len(codes) >= config.retries:
+        if not codes:
+            del retried[run.run_id]
+        return None
+    codes.append(code)
+    console = Path(run.log_jsonl).with_suffix(".out")
+    kept = _free_name(console.with_name(console.name + ".failed"))
+    if console.exists():
+        os.replace(console, kept)
+    again = _plan_run(config, run, echo)
+    if again is not None:
+        echo(f"[compare] {run.run_id}: retry {len(codes)} of {config.retries} "
+             f"({'its evaluation' if again[1] == 'evaluate' else 'training from zero'}) after the runs waiting; the "
+             f"failed attempt's console is kept as {kept.name}")
+    return again
 
 
 def _free_name(path: Path) -> Path:
@@ -376,6 +405,7 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int, model
     pending = _plan_pending(config, runs, echo)
     _check_budget_progress(config, pending)
     total, failed, clock = len(pending), {}, _RunClock()
+    retried: dict[str, list[int]] = {}  # run_id -> exit codes of its failed attempts started again
     ended, finished = 0, 0  # processes that ended; runs whose last step (training, or its evaluation) succeeded
     apart = bool(config.heldout_apart and heldout_count(config))
     prior = _prior_run_s(runs)
@@ -412,6 +442,7 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int, model
                 ended += 1
                 elapsed = time.perf_counter() - started
                 if _succeeded(config, run, code, mode, attempt, trained):
+                    failed.pop(run_id, None)  # a retry that succeeded
                     if mode == "train":
                         _stopped_path(run).unlink(missing_ok=True)
                     clock.ended(run_id, mode, elapsed, apart)
@@ -424,6 +455,9 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int, model
                 else:
                     failed[run_id] = code
                     echo(f"[compare] {run_id}: FAILED (exit {code}); last output:\n{_tail(Path(run.log_jsonl).with_suffix('.out'))}")
+                    again = _retry(config, run, retried, code, echo)
+                    if again is not None:
+                        pending.append(again)
             now = time.perf_counter()
             # Stop at the deadline, or when nothing runs because the launcher declined the next run. A run that
             # ended in this pass leaves room the launcher has not seen yet: that is no reason to stop.
@@ -454,6 +488,10 @@ def _sweep(config: CompareConfig, runs: list[RunSpec], echo, lock_fd: int, model
     for run_id, why in results["set_aside"].items():
         echo(f"[compare] {run_id}: set aside: {why}")
     results["failed"] = failed
+    results["retried"] = retried
+    for run_id, codes in retried.items():
+        echo(f"[compare] {run_id}: started again after failing (exit {', '.join(map(str, codes))}); "
+             f"{'failed again' if run_id in failed else 'finished'}")
     results["time_budget"] = budget
     if failed:
         echo(f"[compare] {len(failed)} run(s) failed: {', '.join(sorted(failed))}; see runs/<run>.out. "

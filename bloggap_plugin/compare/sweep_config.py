@@ -116,6 +116,11 @@ class CompareConfig:
         "Seconds this call may take: no run starts that would not finish in time (its duration estimated from the "
         "runs finished so far), and at the limit the runs in flight are stopped and the outputs written (exit 3; run "
         "the command again to continue). Default: no limit.")})
+    retries: int = field(default=0, metadata={"min": 0, "metavar": "N", "help": (
+        "Times a run whose process failed is started again in the same call, after the runs waiting and within the "
+        "time budget: a failed training from zero (its partial log kept aside), a failed held-out evaluation from the "
+        "policy its training saved (which a later call on a fresh machine would no longer have). The failed "
+        "attempt's console is kept as runs/<run>.out.failed. Default 0: a failed run waits for the next call.")})
     last_n: int = field(default=30, metadata={"min": 1, "help": "Steps in the 'reward last-k' window."})
     baseline: str | None = field(default=None, metadata={
         "help": "Arm the deltas are taken against (default: arm A if present, else the first recipe)."})

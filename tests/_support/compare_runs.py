@@ -7,7 +7,7 @@ from pathlib import Path
 # A stand-in for run_training with the same signature: rewards are a closed form of (arm, seed, step), so the
 # expected table is known without running the code under test. FAKE_HANG=<run id> makes that run hang after
 # its first line (to be killed); FAKE_SLOW=<run id> makes it sleep 0.5 s after each step; FAKE_CRASH=<run id>
-# makes it raise; FAKE_SHA=<hex> makes it report that model sha256. Every call is recorded in FAKE_CALLS (with its
+# makes it raise (FAKE_CRASH_ONCE=<run id>: its first call, after its first line); FAKE_SHA=<hex> makes it report that model sha256. Every call is recorded in FAKE_CALLS (with its
 # pid). Like the real JsonlLogger it opens the log by path for every line (so a process that outlives its sweep
 # keeps appending to whatever file has that name).
 FAKE_TRAIN = '''
@@ -33,6 +33,9 @@ def run_training(recipe_path, *, model, task, max_steps, output_dir, report_to="
                                   "step_time": 2.0}) + "\\n")
         if os.environ.get("FAKE_HANG") == run_id:
             time.sleep(600)
+        if os.environ.get("FAKE_CRASH_ONCE") == run_id and not os.path.exists(os.environ["FAKE_CALLS"] + ".crashed"):
+            open(os.environ["FAKE_CALLS"] + ".crashed", "w").close()
+            raise RuntimeError("fake crash, once")
         if os.environ.get("FAKE_SLOW") == run_id:
             time.sleep(0.5)
     if os.environ.get("FAKE_SHA"):  # the hash run_training records of a model folder
@@ -58,7 +61,8 @@ def compare_cli(args, capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-FAKE_SWITCHES = ("FAKE_HANG", "FAKE_CRASH", "FAKE_SLOW", "FAKE_SHA", "FAKE_EVAL_CRASH")
+FAKE_SWITCHES = ("FAKE_HANG", "FAKE_CRASH", "FAKE_CRASH_ONCE", "FAKE_SLOW", "FAKE_SHA", "FAKE_EVAL_CRASH",
+                 "FAKE_EVAL_CRASH_ONCE")
 """The environment variables that make the fake training (or its evaluation) misbehave: cleared for each test."""
 
 

@@ -326,6 +326,38 @@ def test_a_crashed_run_does_not_stop_the_sweep(tmp_path, fake, monkeypatch, spaw
     assert _calls(fake) == ["A_s0", "B_s0", "B_s0"] and res["failed"] == {}
 
 
+def test_retries_start_a_failed_run_again_in_the_same_call_after_the_runs_waiting(tmp_path, fake, monkeypatch, spawns):
+    """``retries`` 1: a run whose process failed once is trained again from zero in the same call, after the runs
+    that were waiting, and counts as finished; the failed attempt's console is kept beside the new one."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("FAKE_CRASH_ONCE", "A_s0")
+    config = _config(tmp_path, fake, seeds=[0, 1], parallel=1, retries=1)
+    messages = []
+    res = run_compare(config, echo=messages.append)
+    assert _calls(fake) == ["A_s0", "B_s0", "A_s1", "B_s1", "A_s0"]  # after the runs waiting
+    assert res["failed"] == {} and list(res["retried"]) == ["A_s0"] and res["retried"]["A_s0"][0] != 0
+    assert sorted(res["runs"]) == ["A_s0", "A_s1", "B_s0", "B_s1"]
+    runs = tmp_path / "out" / "runs"
+    assert "fake crash, once" in (runs / "A_s0.out.failed").read_text()
+    assert "fake crash" not in (runs / "A_s0.out").read_text()
+    assert list(runs.glob("A_s0.*.part.jsonl")) == [] and len(list(runs.glob("A_s0.jsonl.partial*"))) == 1
+    assert any(m.startswith("[compare] A_s0: retry 1 of 1 (training from zero)") for m in messages)
+    assert f"[compare] A_s0: started again after failing (exit {res['retried']['A_s0'][0]}); finished" in messages
+
+
+@pytest.mark.parametrize("retries", [0, 2])
+def test_retries_end_with_the_run_failed_when_every_attempt_fails(tmp_path, fake, monkeypatch, spawns, retries):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("FAKE_CRASH", "B_s0")
+    res = run_compare(_config(tmp_path, fake, seeds=[0], parallel=1, retries=retries), echo=lambda m: None)
+    assert _calls(fake) == ["A_s0"] + ["B_s0"] * (retries + 1)
+    assert list(res["failed"]) == ["B_s0"] and list(res["runs"]) == ["A_s0"]
+    assert res["retried"] == ({"B_s0": [res["failed"]["B_s0"]] * retries} if retries else {})
+    consoles = sorted(p.name for p in (tmp_path / "out" / "runs").glob("B_s0.out*"))
+    assert consoles == ["B_s0.out", *(["B_s0.out.failed"] if retries else []),
+                        *(f"B_s0.out.failed.{i}" for i in range(1, retries))]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=["SIGKILL", "SIGTERM", "SIGINT"])
 def test_a_killed_sweep_leaves_no_worker_and_resumes_counting_each_step_once(tmp_path, fake, sig, spawns):
     """Kill only the sweep process (an OOM kill or ``kill PID``); its runs must not outlive it, and the resume must
