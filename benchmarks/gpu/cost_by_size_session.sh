@@ -13,7 +13,9 @@
 #      (GRAD_TEST=0 skips it);
 #   4. with the time left, the 3B-class shape llama-3b-v49k, arms BIG_ARMS (default A,J:tiles with its own tile
 #      table), up to BIG_REPEATS (default 3) interleaved runs each into /tmp/c3: whether it fits beside vLLM on this
-#      card, and at what step time (BIG_ARMS= skips it, e.g. where phase 1's SHAPE is the 3B shape).
+#      card, and at what step time (BIG_ARMS= skips it, e.g. where phase 1's SHAPE is the 3B shape). BIG_MEMORY
+#      (e.g. 0.15; default the runs' 0.3) gives its engines that share of the GPU instead, for a card where 0.3 leaves
+#      the trainer too little (T30: out of memory on an H100); its rows are then labelled llama-3b-vllmBIG_MEMORY.
 # Every phase ends by the job's end less the later phases' reserves (SMALL_S, default 420 s; PROFILE_S, default
 # 300 s; TEST_S, default 150 s; BIG_S, default 0: phase 4 gets what is left), so a slow phase costs the later phases
 # nothing but its own leftovers; a skipped phase reserves nothing.
@@ -77,7 +79,9 @@ if [ -n "$BIG_ARMS" ] && [ "$left_s" -gt 240 ]; then
     tiles_or_plain "$VX/tiles_3b.json" BIG_ARMS
   fi
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-  bash benchmarks/gpu/cost_by_size_more.sh c3 "$(left 0)" --model llama-3b="$VX/llama-3b-v49k" --arms "$BIG_ARMS" \
-    --repeats "${BIG_REPEATS:-3}" --steps 30 ${tiles[@]+"${tiles[@]}"}
+  big_label=llama-3b; memory=()
+  if [ -n "${BIG_MEMORY:-}" ]; then big_label="llama-3b-vllm$BIG_MEMORY"; memory=(--memory "$BIG_MEMORY"); fi
+  bash benchmarks/gpu/cost_by_size_more.sh c3 "$(left 0)" --model "$big_label=$VX/llama-3b-v49k" --arms "$BIG_ARMS" \
+    --repeats "${BIG_REPEATS:-3}" --steps 30 ${tiles[@]+"${tiles[@]}"} ${memory[@]+"${memory[@]}"}
 fi
 echo "job total $(( $(date +%s) - t0 )) s"

@@ -309,3 +309,11 @@ def test_the_gradient_test_takes_phase_1s_shape_when_it_is_the_1_56b_one(tmp_pat
     lines = _cost_session(tmp_path / "again", 1000, tiles_written=True, SMALL_ARMS="", BIG_ARMS="")
     assert any("cost_by_size shape llama-1.56b-v49k" in line for line in lines)
     assert f"1 passed model={tmp_path}/again/vx/l156" in lines
+
+
+def test_big_memory_gives_the_3b_engines_another_share_and_labels_its_rows(tmp_path, spawns):
+    """BIG_MEMORY=0.15 (a card where the runs' 0.3 left the trainer too little, T30's H100): phase 4's runs give
+    their engines that share (--memory) under the label llama-3b-vllm0.15, so the size table says which share ran."""
+    lines = _cost_session(tmp_path, 1000, tiles_written=False, SMALL_ARMS="", GRAD_TEST="0", BIG_MEMORY="0.15")
+    big = f"--model llama-3b-vllm0.15={tmp_path}/vx/llama-3b-v49k --arms A,J --repeats 3 --steps 30 --memory 0.15"
+    assert _line(lines, "more c3").split()[3:] == big.split()
