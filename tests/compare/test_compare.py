@@ -345,6 +345,13 @@ def test_retries_start_a_failed_run_again_in_the_same_call_after_the_runs_waitin
     assert f"[compare] A_s0: started again after failing (exit {res['retried']['A_s0'][0]}); finished" in messages
 
 
+@pytest.mark.parametrize(("retries", "problem"), [(-1, "must be >= 0"), (1.5, "expected int"), (True, "expected int")])
+def test_retries_that_are_not_a_whole_number_from_0_are_refused_through_the_api_too(tmp_path, fake, retries, problem):
+    with pytest.raises(CompareError, match=rf"^--retries {retries}: {problem}$"):
+        run_compare(_config(tmp_path, fake, retries=retries), echo=lambda m: None)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("retries", [0, 2])
 def test_retries_end_with_the_run_failed_when_every_attempt_fails(tmp_path, fake, monkeypatch, spawns, retries):
     pytest.importorskip("matplotlib")
@@ -498,6 +505,7 @@ def test_a_failed_output_write_keeps_the_previous_files(tmp_path, fake, monkeypa
         (["--max-steps", "0"], "--max-steps 0: must be >= 1"),
         (["--max-steps", "-1"], "--max-steps -1: must be >= 1"),
         (["--last-n", "0"], "--last-n 0: must be >= 1"),
+        (["--retries", "-1"], "--retries -1: must be >= 0"),
         (["--seeds", "0", "1", "0"], "--seeds 0 1 0: seed 0 is repeated; give each seed once"),
         (["--baseline", "Z"], "--baseline Z names no arm; the arms are A, B"),
         (["--difficulty", "9"], "--difficulty 9: must be in [1, 5]"),
