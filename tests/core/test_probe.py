@@ -234,6 +234,8 @@ def test_recommend_compares_a_scaled_down_dtype_on_the_same_rows():
     # the same cells on a CPU: arm H cannot take effect there (no fp16 autocast), fp32 decides, fp16 is named
     rec = recommend(full, {"nonfinite_logprobs": 0, "max_abs_hidden": 1.0}, "cpu", paired)
     assert rec["arm"] == "B" and "fp16 would remove it" in rec["text"] and "CUDA" in rec["text"]
+    # one sentence: what holds on this CPU follows the clause that names it
+    assert "choose arm H; on this CPU, fp32 removes 9.00 of 9.00 pp" in rec["text"], rec["text"]
     # bf16 shows nothing on those 8 rows: fp16 is not shown to help, fp32 (all rows) decides
     quiet_pair = [_cell("bf16", "b1_vs_b8_left_arange", 0.0, n=192, rows=8)]
     rec = recommend(full, {"nonfinite_logprobs": 0, "max_abs_hidden": 1.0}, "cpu", quiet_pair)
