@@ -311,8 +311,9 @@ def _arm_b_text(reason: Reason) -> str:
     else:
         text = (f"fp16 leaves {_pct(reason.cells['fp16'])} of bf16's {_pct(reason.cells['fp16_ref'])} on the same "
                 "rows (more than a tenth)")
+    joint = ", " if why == "cpu" else "; "  # "... on this CPU, fp32 removes ..."
     return (
-        f"{text}; {_removal_text(reason)}: arm B (fp32 shadow copy), {_cost_text(reason)}. "
+        f"{text}{joint}{_removal_text(reason)}: arm B (fp32 shadow copy), {_cost_text(reason)}. "
         "It keeps the PPO ratio at 1 only if training also runs in fp32 (bf16: false); with bf16 training "
         f"the ratio carries the bf16-vs-fp32 difference (watch {_GAP_RATIO}, the ratio where no optimizer step lies "
         "between old and new). `bloggap ladder` finds "
