@@ -97,9 +97,10 @@ def parse_label(label: str) -> dict:
 
 
 def train_argv(label: str, model: str, steps: int, log_jsonl: Path, memory: float,
-               profile_steps: str | None = None) -> list[str]:
+               profile_steps: str | None = None, profile_shapes: bool = False) -> list[str]:
     """The command line of one run (``python -m ...``); ``profile_steps`` (``FIRST-LAST``): a callback run also
-    writes a torch profile of those steps beside its log (``LABEL.profile.txt``; train runs take none)."""
+    writes a torch profile of those steps beside its log (``LABEL.profile.txt``; train runs take none), with
+    ``profile_shapes`` its matmuls by input shape too."""
     spec = parse_label(label)
     common = ["--model", model, "--max_steps", str(steps), "--log_jsonl", str(log_jsonl),
               "--num_iterations", str(spec["num_iterations"])]
@@ -113,6 +114,7 @@ def train_argv(label: str, model: str, steps: int, log_jsonl: Path, memory: floa
     launch = ["--vllm_launch", spec["vllm_launch"]] if "vllm_launch" in spec else []
     if profile_steps:
         launch += ["--profile", str(log_jsonl.with_suffix(".profile.txt")), "--profile-steps", profile_steps]
+        launch += ["--profile-shapes"] if profile_shapes else []
     return [sys.executable, "-m", "benchmarks.arm_i_live", "callback", recipe, *common, *launch, "--memory",
             str(memory)]
 
@@ -150,7 +152,7 @@ def callback_main(args: argparse.Namespace) -> int:
         from benchmarks._lib.profile import StepProfiler
 
         first, last = _step_range(args.profile_steps)
-        trainer.add_callback(StepProfiler(args.profile, first, last))
+        trainer.add_callback(StepProfiler(args.profile, first, last, shapes=args.profile_shapes))
     if args.dump:
         _dump_generations(trainer, args.dump, args.dump_generations)
     trainer.train()
@@ -394,7 +396,7 @@ def run_main(args: argparse.Namespace) -> int:
     for label in args.runs.split(","):
         spec = parse_label(label)
         log_jsonl = out / f"{label}.jsonl"
-        argv = train_argv(label, args.model, args.steps, log_jsonl, args.memory, args.profile_steps)
+        argv = train_argv(label, args.model, args.steps, log_jsonl, args.memory, args.profile_steps, args.profile_shapes)
         child_env = run_env(label, os.environ)
         started = time.perf_counter()
         with open(out / f"{label}.log", "w") as console:
@@ -493,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--runs", default="train_I_ni2,train_I_ni1,train_A_ni2")
     run.add_argument("--memory", type=float, default=0.25)
     run.add_argument("--profile-steps", default=None, help="FIRST-LAST: callback runs write LABEL.profile.txt")
+    run.add_argument("--profile-shapes", action="store_true", help="the profiles also list the matmuls by input shape")
     cb = sub.add_parser("callback", help="one GapCallback run (what run starts for callback_* labels)")
     cb.add_argument("recipe")
     cb.add_argument("--model", required=True)
@@ -505,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     cb.add_argument("--vllm_launch", default=None, help="gap.vllm_launch (arms I and J)")
     cb.add_argument("--profile", default=None, help="write a torch profile of --profile-steps here")
     cb.add_argument("--profile-steps", default="10-11", help="FIRST-LAST (optimizer steps, 1-based)")
+    cb.add_argument("--profile-shapes", action="store_true", help="also the matmuls by input shape (record_shapes)")
     cb.add_argument("--dump", default=None, help="save the first generation batches here (torch.save)")
     cb.add_argument("--dump_generations", type=int, default=6)
     doc = sub.add_parser("document", help="rebuild the rows from JSONL logs")

@@ -7,7 +7,8 @@
 #   2. SmolLM2-135M (real weights), arms SMALL_ARMS (default A,J; SMALL_ARMS= skips it) x3 interleaved into /tmp/c2;
 #   2p. with PROFILE_ARMS (e.g. A,J; default none), torch profiles of SmolLM2-135M's optimizer steps 10-11 per arm
 #      (GapCallback entry, benchmarks.arm_i_live's callback_X_ni2 runs, 12 steps) into $OUT/prof_135m/: where arm J's
-#      step goes at the size where it costs most per step (host vs device time, kernel families);
+#      step goes at the size where it costs most per step (host vs device time, kernel families); PROFILE_SHAPES=1
+#      adds each profile's matmuls by input shape (which of them take the host's time);
 #   3. arm J's GPU forward and gradient test on the 1.56B shape (tests/core/test_onpolicy_gpu.py with
 #      BLOGGAP_GPU_TEST_MODEL; phase 1's folder where SHAPE is that shape), into $OUT/onpolicy_gpu_grad.log
 #      (GRAD_TEST=0 skips it);
@@ -49,8 +50,10 @@ fi
 if [ -n "$PROFILE_ARMS" ]; then
   echo "== phase 2p: profiles of smollm2-135m, arms $PROFILE_ARMS at $(( $(date +%s) - t0 )) s"
   runs=$(echo "$PROFILE_ARMS" | sed -E 's/([A-J])/callback_\1_ni2/g')
+  shapes=(); [ "${PROFILE_SHAPES:-0}" != 0 ] && shapes=(--profile-shapes)
   timeout "$(left $((test_s + big_s)))" python3 -m benchmarks.arm_i_live run --model "$VX/smollm2" \
-    --out "$OUT/prof_135m" --steps 12 --memory 0.3 --runs "$runs" --profile-steps 10-11 2>&1 \
+    --out "$OUT/prof_135m" --steps 12 --memory 0.3 --runs "$runs" --profile-steps 10-11 \
+    ${shapes[@]+"${shapes[@]}"} 2>&1 \
     | grep -v "^\s*$" | tail -12 | cut -c1-300
 fi
 

@@ -249,6 +249,9 @@ def test_arm_i_live_labels_and_command_lines():
     assert argv[argv.index("--profile") + 1] == str(Path("o/callback_J_ni2.profile.txt"))
     assert argv[argv.index("--profile-steps") + 1] == "10-11"
     assert "--profile" not in script.train_argv("train_J_ni2", "M", 30, Path("x.jsonl"), 0.25, "10-11")
+    assert "--profile-shapes" not in argv
+    argv = script.train_argv("callback_J_ni2", "M", 30, Path("x.jsonl"), 0.25, "10-11", profile_shapes=True)
+    assert argv[argv.index("--profile-steps") + 2] == "--profile-shapes"
     assert script._step_range("10-11") == (10, 11) and script._step_range("7") == (7, 7)
     for bad in ("train_I_ni2_graph", "train_I_ni2_graphs_b16", "train_I_ni2_b16_b8", "train_I_ni2_eager_graphs",
                 "train_I_ni2_graphs_eager", "train_I_ni2_auto", "train_I_ni2_eager_b16"):

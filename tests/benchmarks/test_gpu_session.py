@@ -285,6 +285,11 @@ def test_the_cost_session_profiles_135m_between_its_small_runs_and_the_gradient_
     lines = _cost_session(tmp_path / "again", 1000, tiles_written=True, SMALL_ARMS="", GRAD_TEST="0", BIG_ARMS="")
     assert 1000 - 60 - 2 <= int(_line(lines, "tiles_first").rsplit("=", 1)[1]) <= 1000 - 60
     assert not any("arm_i_live" in line for line in lines)
+    # PROFILE_SHAPES=1: the profiles also list the matmuls by input shape
+    _cost_session(tmp_path / "shapes", 1000, tiles_written=True, SMALL_ARMS="", GRAD_TEST="0", BIG_ARMS="",
+                  PROFILE_ARMS="A,J", PROFILE_SHAPES="1")
+    profile = _line((tmp_path / "shapes" / "calls.log").read_text().splitlines(), "python3 -m benchmarks.arm_i_live")
+    assert profile.endswith("--profile-steps 10-11 --profile-shapes")
 
 
 def test_without_a_tile_table_a_tiles_scope_joined_to_another_keeps_the_other(tmp_path, spawns):
