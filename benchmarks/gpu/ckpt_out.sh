@@ -15,6 +15,7 @@ CKPT=${CKPT:-/tmp/vx/smollm2-gsm8k-sft}
 STAGE=${STAGE:-/tmp/vx/ckpt_out}
 PART_BYTES=${PART_BYTES:-16000000}
 PER_CALL=7
+OUT=${OUT:?ckpt_out.sh: set OUT, the folder whose files come back (the device tool sets it)}
 first=${1:-0}
 [[ $first =~ ^[0-9]+$ ]] || { echo "ckpt_out.sh: FIRST='$first' is not a part number (0 on the first call)" >&2; exit 2; }
 if [ ! -f "$STAGE/ckpt.manifest" ]; then
