@@ -5,6 +5,9 @@
 #   . .dev/vllm/t/env.sh && python3 .dev/vllm/t/mk_smollm2.py && \
 #     SELECTION=benchmarks/results/h200/compare_gsm8k/warmstart_selection.json bash benchmarks/gpu/gsm8k_compare_call.sh
 #
+# 0. Where a checkpoint was carried to this machine ($CKPT_T, default .dev/ckpt/t, carried with the call after
+#    ckpt_parts.sh's chunk calls): ckpt_join.sh restores it into $CKPT and checks it (exit 3 where chunks are missing
+#    or do not match); then step 1 does not run.
 # 1. When $CKPT holds no checkpoint (the first call on a fresh machine): the warm start of the setting $SELECTION
 #    chose (benchmarks.gsm8k_warmstart_publish select), built into $CKPT by gsm8k_warmstart_call.sh with that
 #    setting's arguments (trained on train_minus_validation, scored on validation; the base model's validation
@@ -28,8 +31,13 @@ ARMS=${ARMS:-"A B F H J"}
 BUDGET_S=${BUDGET_S:-520}
 SWEEP=${SWEEP:-.dev/compare_gsm8k}
 BEFORE=${BEFORE-benchmarks/results/h200/compare_gsm8k/base_validation/gsm8k_baseline.json}
+CKPT_T=${CKPT_T:-.dev/ckpt/t}
 start=$SECONDS
 mkdir -p "$OUT"
+if [ ! -f "$CKPT/config.json" ] && [ -f "$CKPT_T/checkpoint.sha256" ]; then
+  # a checkpoint carried to this machine (ckpt_parts.sh's chunk calls, then $CKPT_T with this call): restored, checked
+  CKPT=$CKPT T=$CKPT_T bash benchmarks/gpu/ckpt_join.sh || exit 3
+fi
 if [ ! -f "$CKPT/config.json" ]; then
   if [ -z "${SELECTION:-}" ] || [ ! -f "$SELECTION" ]; then
     echo "gsm8k_compare_call: no checkpoint in $CKPT and no SELECTION file: set SELECTION to the file" \

@@ -480,6 +480,49 @@ def test_the_gsm8k_compare_call_script_needs_a_selection_and_reaches_the_vllm_ch
     assert "gsm8k_compare_call: compare exit 2" in done.stdout
 
 
+def test_the_gsm8k_compare_call_script_restores_a_carried_checkpoint_instead_of_building_one(tmp_path, gsm8k_dir,
+                                                                                             spawns):
+    """With a checkpoint carried to the machine (ckpt_out.sh's parts, ckpt_parts.sh's chunks, CKPT_T carried), the
+    script restores it with ckpt_join.sh and goes on to the compare command, which needs no SELECTION (no warm start
+    is built); with the chunks missing it stops with ckpt_join.sh's exit 3."""
+    import importlib.util
+    import os
+    import shutil
+    import subprocess
+
+    from _support.trl_runs import saved_model_dir
+
+    from bloggap_plugin.checkpoint import checkpoint_sha256
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: the script would run")
+    bindir = python3_shim(tmp_path / "bin")
+    source = saved_model_dir(tmp_path)
+    environ = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
+
+    def script(name, *args, **extra):
+        return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / name), *args], cwd=ROOT,
+                              env={**environ, **extra}, capture_output=True, text=True, timeout=HANG_S)
+
+    brought = script("ckpt_out.sh", "0", CKPT=str(source), STAGE=str(tmp_path / "stage"), OUT=str(tmp_path / "back"))
+    assert brought.returncode == 0 and "all parts brought" in brought.stdout, brought.stderr
+    parted = script("ckpt_parts.sh", str(tmp_path / "back"), DEST=str(tmp_path / "dest"), CHUNK="1000000")
+    assert parted.returncode == 0, parted.stderr
+    device = tmp_path / "device"
+    call = {"DATA": str(gsm8k_dir), "OUT": str(tmp_path / "out"), "SWEEP": str(tmp_path / "sweep"),
+            "CKPT": str(tmp_path / "restored"), "CKPT_T": str(tmp_path / "dest" / "t"), "CKPT_DIR": str(device)}
+    device.mkdir()
+    missing = script("gsm8k_compare_call.sh", **call)
+    assert missing.returncode == 3 and "ckpt_join.sh: 0 of" in missing.stderr
+    for part in (tmp_path / "dest").glob("p*/part_*"):
+        shutil.copy(part, device)
+    done = script("gsm8k_compare_call.sh", **call)
+    sha = checkpoint_sha256(source)
+    assert f"ckpt_join.sh: checkpoint {sha[:12]} in {tmp_path / 'restored'}" in done.stdout, done.stdout + done.stderr
+    assert checkpoint_sha256(tmp_path / "restored") == sha and not (tmp_path / "out" / "warmstart").exists()
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("bloggap compare: --use-vllm: ")
+
+
 FAKE_PYTHON3 = """#!/usr/bin/env bash
 echo "$*" >> "$CALLS"
 exit "$CODE"
