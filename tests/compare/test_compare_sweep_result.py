@@ -84,6 +84,8 @@ def test_publish_names_the_model_strips_paths_and_packs_every_run(tmp_path):
         "Loading: 100%|#####| 1/1 [00:02<00:00]\r  5%|5 | 1/20 [00:03<01:05]\n{'loss': '0.18', 'reward': '0.25'}\n"
         f"  File \"/opt/torch/.venv/lib/python3.12/site-packages/torch/x.py\", line 3\nloaded {model_path} from /tmp/site/vllm\n")
     (sweep / "runs" / "A_s0.spec.json").write_text("{}")  # the sweep's own bookkeeping: not published
+    # a failed attempt's console (bloggap compare --retries): published beside the run's, trimmed the same way
+    (sweep / "runs" / "A_s0.out.failed").write_text(f"loaded {model_path}\nRuntimeError: CUDA out of memory\n")
     call_log = tmp_path / "call1.log"
     call_log.write_text(f"[compare] A_s0: started\nmodel {model_path}\n")
     out = tmp_path / "out"
@@ -101,7 +103,8 @@ def test_publish_names_the_model_strips_paths_and_packs_every_run(tmp_path):
     with tarfile.open(out / "sweep" / "runs.tar.xz") as archive:
         names = sorted(archive.getnames())
         files = {m.name: archive.extractfile(m).read().decode() for m in archive.getmembers() if m.isfile()}
-    assert names == ["runs", "runs/A_s0.jsonl", "runs/A_s0.out"]
+    assert names == ["runs", "runs/A_s0.jsonl", "runs/A_s0.out", "runs/A_s0.out.failed"]
+    assert files["runs/A_s0.out.failed"] == "loaded SmolLM2-135M-Instruct\nRuntimeError: CUDA out of memory\n"
     assert json.loads(files["runs/A_s0.jsonl"]) == {"step": 1, "reward": 0.25, "model": "SmolLM2-135M-Instruct"}
     assert files["runs/A_s0.out"] == ('  File "<image-site-packages>/torch/x.py", line 3\n'
                                       "loaded SmolLM2-135M-Instruct from <bundle-site>/vllm\n")
