@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import sys
@@ -117,12 +118,16 @@ def publish(sweep_dir: Path, out: Path, name: str, model_name: str, call_logs: l
     return path
 
 
+_FAILED_CONSOLE = re.compile(r"\.out\.failed(\.\d+)?$")
+
+
 def _copy_runs(source_dir: Path, runs_out: Path, model_path: str, model_name: str) -> None:
-    """Each run's JSONL log, held-out result and trimmed console output, machine paths replaced."""
+    """Each run's JSONL log, held-out result and trimmed console output (and a failed attempt's, ``.out.failed``:
+    ``bloggap compare --retries``), machine paths replaced."""
     for source in sorted(source_dir.iterdir()):
         if source.suffix == ".jsonl" or source.name.endswith(".heldout.json"):
             runs_out.joinpath(source.name).write_text(strip_paths(source.read_text(), model_path, model_name))
-        elif source.suffix == ".out":
+        elif source.suffix == ".out" or _FAILED_CONSOLE.search(source.name):
             text = console_lines(source.read_text(errors="replace"))
             runs_out.joinpath(source.name).write_text(strip_paths(text, model_path, model_name))
 
