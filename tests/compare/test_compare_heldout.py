@@ -466,7 +466,8 @@ def test_the_gsm8k_compare_call_script_needs_a_selection_and_reaches_the_vllm_ch
         pytest.skip("vLLM is installed here: the script would run")
     bindir = python3_shim(tmp_path / "bin")
     environ = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "DATA": str(gsm8k_dir),
-               "OUT": str(tmp_path / "out"), "SWEEP": str(tmp_path / "sweep"), "CKPT": str(tmp_path / "none")}
+               "OUT": str(tmp_path / "out"), "SWEEP": str(tmp_path / "sweep"), "CKPT": str(tmp_path / "none"),
+               "CKPT_T": str(tmp_path / "no_carry")}  # not the checkout's .dev/ckpt/t, should a developer have one
 
     def run(**extra):
         return subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "gsm8k_compare_call.sh")], cwd=ROOT,
@@ -545,7 +546,8 @@ def test_the_gsm8k_compare_call_script_retries_a_failed_run_inside_the_sweep(tmp
     (ckpt / "config.json").write_text("{}")
     calls = tmp_path / "calls"
     environ = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "CALLS": str(calls), "CODE": str(code),
-               "OUT": str(tmp_path / "out"), "SWEEP": str(tmp_path / "sweep"), "CKPT": str(ckpt)}
+               "OUT": str(tmp_path / "out"), "SWEEP": str(tmp_path / "sweep"), "CKPT": str(ckpt),
+               "CKPT_T": str(tmp_path / "no_carry")}
     if retries is not None:
         environ["RETRIES"] = retries
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "gsm8k_compare_call.sh")], cwd=ROOT, env=environ,
