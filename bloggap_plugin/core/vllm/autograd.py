@@ -101,6 +101,19 @@ def _entry_slots(block_table: torch.Tensor, j: torch.Tensor, page: int) -> torch
     return block_table.long()[:, block] * page + j % page
 
 
+def _visible_keys(counts: torch.Tensor, seqused_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int) -> torch.Tensor:
+    """``[E, max_q, max_k]`` bool: the keys each padded query of an entry sees. Query ``r`` of entry ``i``'s
+    ``counts[i]`` sees the keys ``< seqused_k[i] - counts[i] + r + 1``; every row sees key 0, so a padded query (``r >=
+    counts[i]``, its output dropped, its gradient zero) has no all-masked softmax. No host read."""
+    device = counts.device
+    j = torch.arange(max_seqlen_k, device=device)
+    rows = torch.arange(max_seqlen_q, device=device)
+    limit = seqused_k.long()[:, None] - counts[:, None] + rows[None, :] + 1  # [E, max_q]
+    visible = j[None, None, :] < limit[:, :, None]
+    visible[:, :, 0] = True
+    return visible
+
+
 def padded_entry_attention(q: torch.Tensor, keys: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                            cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                            scale: float) -> torch.Tensor:
@@ -115,10 +128,7 @@ def padded_entry_attention(q: torch.Tensor, keys: Callable[[torch.Tensor], tuple
     counts, entry, within = _query_entries(cu_seqlens_q, q.shape[0])
     padded = q.new_zeros(entries, max_seqlen_q, heads, dim).index_put((entry, within), q)
     j = torch.arange(max_seqlen_k, device=device)
-    rows = torch.arange(max_seqlen_q, device=device)
-    limit = seqused_k.long()[:, None] - counts[:, None] + rows[None, :] + 1  # [E, max_q]
-    visible = j[None, None, :] < limit[:, :, None]
-    visible[:, :, 0] = True  # padded query rows see one key (their outputs are dropped): no all-masked softmax
+    visible = _visible_keys(counts, seqused_k, max_seqlen_q, max_seqlen_k)
     key, value = keys(j)
     groups = heads // key.shape[2]
     per_entry = max_seqlen_k * heads * max(dim, max_seqlen_q)
@@ -543,9 +553,7 @@ def entry_layout(cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor, block_tabl
     real = j[None, :] < seqused_k.long()[:, None]
     read = torch.where(real, slot, torch.zeros_like(slot))
     write = torch.where(real, slot, torch.full_like(slot, slots))
-    rows = torch.arange(max_seqlen_q, device=device)
-    limit = seqused_k.long()[:, None] - counts[:, None] + rows[None, :] + 1  # [E, max_q]
-    hidden = (j[None, None, :] >= limit[:, :, None]) & (j > 0)[None, None, :]
+    hidden = ~_visible_keys(counts, seqused_k, max_seqlen_q, max_seqlen_k)
     return entry, within, read, write, hidden
 
 
