@@ -37,9 +37,10 @@ from pathlib import Path
 
 from bloggap_plugin.compare.heldout import read_record
 from bloggap_plugin.compare.logs import MODEL_SHA256_KEY, read_marker
+from bloggap_plugin.compare.sweep import FAILED_CONSOLE
 
 RUN_FILE = re.compile(r"^(?P<arm>[^/_]+)_s(?P<seed>\d+)"
-                      r"(?P<kind>\.jsonl|\.heldout\.json|\.out|\.out\.failed(?:\.\d+)?|\.spec\.json)$")
+                      rf"(?P<kind>\.jsonl|\.heldout\.json|\.out|{FAILED_CONSOLE}|\.spec\.json)$")
 """A run's file in ``runs/``: its log, held-out result, console output (and a failed attempt's, ``bloggap compare
 --retries``) and spec (partial logs are left out)."""
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from benchmarks._lib.paths import RESULTS
 from benchmarks._lib.publish import MACHINE_PATHS, console_lines, strip_paths  # noqa: F401 - re-exported
+from bloggap_plugin.compare.sweep import FAILED_CONSOLE
 
 
 def starting_reward_table(results: dict) -> dict:
@@ -118,7 +119,7 @@ def publish(sweep_dir: Path, out: Path, name: str, model_name: str, call_logs: l
     return path
 
 
-_FAILED_CONSOLE = re.compile(r"\.out\.failed(\.\d+)?$")
+_FAILED_CONSOLE = re.compile(FAILED_CONSOLE + "$")
 
 
 def _copy_runs(source_dir: Path, runs_out: Path, model_path: str, model_name: str) -> None:

@@ -37,9 +37,15 @@ from bloggap_plugin.compare.sweep_config import (
 )
 
 __all__ = [
+    "FAILED_CONSOLE",
     "SweepStopped",
     "run_compare",
 ]
+
+
+FAILED_CONSOLE = r"\.out\.failed(?:\.\d+)?"
+"""Regular expression of the name ending of a failed attempt's console that ``--retries`` keeps: ``runs/<run>.out``
+renamed ``<run>.out.failed``, then ``.out.failed.1``, ... (:func:`_retry`)."""
 
 
 class SweepStopped(Exception):
